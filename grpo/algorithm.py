@@ -1,0 +1,174 @@
+"""GRPO math as pure tensor functions.
+
+Shape suffixes: B = completions in the batch, G = completions per prompt, P = prompts, T = completion
+tokens (right-padded), V = vocabulary. Masks are float tensors of 0/1.
+
+Loss aggregation is written so the gradient does not depend on how a batch is cut into
+micro-batches or ranks: every normaliser is a count over the whole optimizer batch, passed in as
+`LossNorm`, and each micro-batch contributes its share of one global sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def combine_rewards(rewards_FB: list[list[float | None]], weights_F: list[float]) -> torch.Tensor:
+    """Weighted sum over F reward functions -> rewards_B; NaN where every function returned None.
+
+    A function that returns None for a completion abstains (it does not apply); the others still
+    count. A completion no function scores is excluded from the advantage statistics.
+    """
+    r_FB = torch.tensor([[float("nan") if v is None else float(v) for v in row] for row in rewards_FB], dtype=torch.float64)
+    w_F1 = torch.tensor(weights_F, dtype=torch.float64)[:, None]
+    scored_B = ~torch.isnan(r_FB).all(dim=0)
+    total_B = torch.nansum(r_FB * w_F1, dim=0)
+    return torch.where(scored_B, total_B, torch.nan).float()
+
+
+def _nanstd(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
+    """Sample std (n - 1) ignoring NaN; 0 where fewer than two values are present."""
+    valid = ~torch.isnan(x)
+    n = valid.sum(dim=dim, keepdim=True).clamp(min=1)
+    mean = torch.nansum(x, dim=dim, keepdim=True) / n
+    sq = torch.where(valid, (x - mean) ** 2, 0.0).sum(dim=dim, keepdim=True)
+    std = torch.sqrt(sq / (n - 1).clamp(min=1))
+    return std if keepdim else std.squeeze() if dim is None else std.squeeze(dim)
+
+
+def group_advantages(rewards_PG: torch.Tensor, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
+    """Advantages_PG = (r - mean of its group) / (std + eps); NaN rewards get advantage 0.
+
+    scale: "group" divides by the group's std (GRPO), "batch" by the std of all rewards in the
+    batch (more robust when a group's std is tiny), "none" only centres (Dr. GRPO).
+    """
+    valid_PG = ~torch.isnan(rewards_PG)
+    n_P1 = valid_PG.sum(dim=1, keepdim=True).clamp(min=1)
+    mean_P1 = torch.nansum(rewards_PG, dim=1, keepdim=True) / n_P1
+    centred_PG = rewards_PG - mean_P1
+    if scale == "group":
+        centred_PG = centred_PG / (_nanstd(rewards_PG, dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        centred_PG = centred_PG / (_nanstd(rewards_PG) + eps)
+    elif scale != "none":
+        raise ValueError(f"unknown advantage scale {scale!r}")
+    return torch.where(valid_PG, centred_PG, 0.0)
+
+
+def zero_std_groups(rewards_PG: torch.Tensor) -> torch.Tensor:
+    """bool_P: groups whose scored rewards are all equal (no learning signal)."""
+    return _nanstd(rewards_PG, dim=1) == 0
+
+
+def token_logprobs(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of each chosen token under softmax(logits / temperature) -> logprobs_BT."""
+    logp_BTV = torch.log_softmax(logits_BTV.float() / max(temperature, 1e-6), dim=-1)
+    return logp_BTV.gather(-1, tokens_BT.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy(logits_BTV: torch.Tensor) -> torch.Tensor:
+    """Entropy of each position's distribution -> entropy_BT."""
+    logp = torch.log_softmax(logits_BTV.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def importance_weights(
+    old_logprobs_BT: torch.Tensor, sampler_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor, level: str, mode: str, cap: float
+) -> torch.Tensor:
+    """Correction for the sampler (e.g. vLLM) and the trainer disagreeing on the same policy.
+
+    w = pi_trainer / pi_sampler, per token or per sequence (product over its tokens).
+    mode "truncate" caps w at `cap` (TIS); "mask" zeroes tokens or sequences whose w leaves
+    [1/cap, cap]. Returns detached weights_BT (1 where level == "none").
+    """
+    if level == "none":
+        return torch.ones_like(old_logprobs_BT)
+    log_w_BT = (old_logprobs_BT - sampler_logprobs_BT).detach() * mask_BT
+    if level == "sequence":
+        log_w_BT = log_w_BT.sum(dim=1, keepdim=True).expand_as(log_w_BT)
+    elif level != "token":
+        raise ValueError(f"unknown importance-sampling level {level!r}")
+    w_BT = log_w_BT.exp()
+    if mode == "truncate":
+        return w_BT.clamp(max=cap)
+    if mode == "mask":
+        return ((w_BT <= cap) & (w_BT >= 1.0 / cap)).float()
+    raise ValueError(f"unknown importance-sampling mode {mode!r}")
+
+
+@dataclass
+class LossNorm:
+    """Counts over the whole optimizer batch (all micro-batches, all ranks)."""
+
+    num_seqs: int  # completions with at least one token in the loss
+    num_tokens: int  # tokens in the loss
+    max_len: int  # rollout.max_new_tokens (Dr. GRPO's constant)
+    gen_tokens_per_step: float  # dapo: tokens in the generated batch / optimizer steps per pass
+
+
+def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, loss_type: str, norm: LossNorm) -> torch.Tensor:
+    """Reduce per-token losses to this micro-batch's share of the optimizer batch's loss.
+
+    grpo:    mean over each sequence's tokens, then mean over sequences   (DeepSeekMath)
+    bnpo:    sum over tokens / tokens in the optimizer batch
+    dr_grpo: sum over tokens / (sequences x max_new_tokens)               (Dr. GRPO, no length bias)
+    dapo:    sum over tokens / (tokens in the generated batch / optimizer steps per pass). Equal to
+             bnpo with one optimizer step per batch; with several minibatches every step is
+             weighted by the whole generated batch's token count, as DAPO's token-level loss is.
+    Summing this over micro-batches gives the full-batch loss exactly, so gradients are invariant
+    to the split.
+    """
+    masked_BT = loss_BT * mask_BT
+    if loss_type == "grpo":
+        lengths_B = mask_BT.sum(dim=1).clamp(min=1)
+        return (masked_BT.sum(dim=1) / lengths_B).sum() / max(norm.num_seqs, 1)
+    if loss_type == "bnpo":
+        return masked_BT.sum() / max(norm.num_tokens, 1)
+    if loss_type == "dr_grpo":
+        return masked_BT.sum() / max(norm.num_seqs * norm.max_len, 1)
+    if loss_type == "dapo":
+        return masked_BT.sum() / max(norm.gen_tokens_per_step, 1.0)
+    raise ValueError(f"unknown loss type {loss_type!r}")
+
+
+def policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    norm: LossNorm,
+    *,
+    loss_type: str = "grpo",
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    beta: float = 0.0,
+    ref_logprobs_BT: torch.Tensor | None = None,
+    is_weights_BT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped-ratio GRPO loss with optional clip-higher, k3 KL and importance weights.
+
+    per token: ratio = exp(logp - logp_old)
+               pg    = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)
+               kl    = exp(ref - logp) - (ref - logp) - 1          (k3, >= 0, unbiased)
+               loss  = w * (pg + beta * kl)                        (w: importance weight)
+    Returns the aggregated loss and sums (not means) of the statistics, for the caller to reduce.
+    """
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    ratio_BT = torch.exp(logprobs_BT - old_logprobs_BT)
+    adv_B1 = advantages_B[:, None]
+    unclipped_BT = ratio_BT * adv_B1
+    clipped_BT = torch.clamp(ratio_BT, 1 - clip_eps, 1 + eps_high) * adv_B1
+    loss_BT = -torch.min(unclipped_BT, clipped_BT)
+    stats = {"clipped_tokens": ((clipped_BT < unclipped_BT).float() * mask_BT).sum().detach()}
+    if beta > 0:
+        if ref_logprobs_BT is None:
+            raise ValueError("beta > 0 needs ref_logprobs_BT")
+        delta_BT = ref_logprobs_BT - logprobs_BT
+        kl_BT = torch.exp(delta_BT) - delta_BT - 1
+        loss_BT = loss_BT + beta * kl_BT
+        stats["kl_sum"] = (kl_BT * mask_BT).sum().detach()
+    if is_weights_BT is not None:
+        loss_BT = loss_BT * is_weights_BT
+    return aggregate(loss_BT, mask_BT, loss_type, norm), stats

@@ -1,0 +1,240 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore, and `validate(cfg)`.
+
+YAML files under conf/ only set values: each starts with `defaults: [base_<group>]`, so a key that
+is not declared here is an error at compose time. `validate` checks the rules that span fields
+before any model is built, and its messages say what to change.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and the fix."""
+
+
+@dataclass
+class TinyModelConfig:
+    """The embedded model: a small Qwen2 built in code, warm-started on the synthetic task."""
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    head_dim: int = 32  # vLLM's CPU attention needs 32 or more
+    intermediate_size: int = 512
+    seed: int = 0
+    # Supervised warm start, part of building the model: stop once greedy accuracy on training
+    # prompts reaches `warm_start_accuracy` (0 disables it), or after `warm_start_max_steps`.
+    warm_start_accuracy: float = 0.15
+    warm_start_max_steps: int = 3000
+    warm_start_lr: float = 3e-3
+    warm_start_batch: int = 64
+
+
+@dataclass
+class ModelConfig:
+    # "tiny" builds the embedded model; anything else is a hub id or a local HF folder.
+    path: str = "tiny"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    cache_dir: str = "${oc.env:GRPO_CACHE,'~/.cache/grpo'}"
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class TaskConfig:
+    name: str = MISSING  # a key of grpo.tasks.TASKS
+    eval_size: int = 256  # held-out prompts used for evaluation
+    seed: int = 1234  # fixes the train/eval split, independent of the run seed
+    digits: int = 2  # addition: operand width
+    path: Optional[str] = None  # jsonl: a local file of {"prompt", "answer"} rows
+
+
+@dataclass
+class RewardFuncConfig:
+    name: str = MISSING  # a key of grpo.rewards.REWARDS, or a dotted path `package.module.function`
+    weight: float = 1.0
+
+
+@dataclass
+class RewardConfig:
+    funcs: list[RewardFuncConfig] = field(default_factory=list)
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = MISSING  # a key of grpo.rollout.BACKENDS
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = MISSING  # a key of grpo.parallel.STRATEGIES
+    sync_bucket_mb: float = 64.0  # size of one weight-sync bucket
+
+
+@dataclass
+class AlgoConfig:
+    prompts_per_step: int = 32  # B
+    group_size: int = 16  # G: completions per prompt
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    lr_schedule: str = "linear"  # linear (decay to 0 at the last step) | constant
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo
+    adv_scale: str = "group"  # group | batch | none
+    clip_eps: float = 0.2
+    clip_eps_high: Optional[float] = None  # clip-higher (DAPO); None = clip_eps
+    beta: float = 0.0  # KL weight; the reference model is loaded only when > 0
+    num_iterations: int = 1  # optimisation passes over one generated batch
+    num_minibatches: int = 1  # optimizer steps per pass
+    micro_batch_tokens: int = 8192  # padded tokens per forward/backward
+    mask_truncated: bool = False  # drop completions that hit max_new_tokens from the loss
+    zero_std_groups: str = "keep"  # keep | drop (groups with equal rewards carry no signal)
+    is_level: str = "none"  # sampler/trainer mismatch correction: none | token | sequence
+    is_mode: str = "truncate"  # truncate (cap the weight) | mask (drop beyond the cap)
+    is_cap: float = 2.0
+
+
+@dataclass
+class LoggerConfig:
+    backend: str = "console"  # console | wandb (console and metrics.jsonl are always written)
+    log_every: int = 10  # console line every N steps
+    sample_every: int = 100  # print a few completions every N steps (0 = never)
+    num_samples: int = 3
+    project: str = "grpo"
+    entity: Optional[str] = None
+    mode: str = "${oc.env:WANDB_MODE,online}"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    task: TaskConfig = MISSING
+    reward: RewardConfig = MISSING
+    rollout: RolloutConfig = MISSING
+    parallel: ParallelConfig = MISSING
+    algo: AlgoConfig = MISSING
+    logger: LoggerConfig = MISSING
+    seed: int = 0
+    steps: int = 300  # GRPO steps (one generated batch each)
+    eval_every: int = 0  # 0 = only before and after training
+    checkpoint_every: int = 100  # 0 = only at the end
+    keep_checkpoints: int = 2
+    resume: bool = True  # continue from the run folder's latest checkpoint if there is one
+    run_dir: str = "${hydra:runtime.output_dir}"
+
+
+GROUPS = {
+    "model": ModelConfig,
+    "task": TaskConfig,
+    "reward": RewardConfig,
+    "rollout": RolloutConfig,
+    "parallel": ParallelConfig,
+    "algo": AlgoConfig,
+    "logger": LoggerConfig,
+}
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, schema in GROUPS.items():
+        cs.store(group=group, name=f"base_{group}", node=schema)
+
+
+def _choices(key: str, value: str, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {sorted(allowed)}; pick one of those.")
+
+
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def validate(cfg: DictConfig | Config) -> None:
+    """Cross-field rules, checked before any heavy work. Raises ConfigError saying what to change."""
+    from grpo.parallel import STRATEGIES
+    from grpo.rewards import resolve_reward
+    from grpo.rollout import BACKENDS
+    from grpo.tasks import TASKS
+
+    a, r = cfg.algo, cfg.rollout
+    _choices("task.name", cfg.task.name, TASKS)
+    _choices("rollout.backend", r.backend, BACKENDS)
+    _choices("parallel.strategy", cfg.parallel.strategy, STRATEGIES)
+    _choices("algo.loss_type", a.loss_type, {"grpo", "bnpo", "dr_grpo", "dapo"})
+    _choices("algo.adv_scale", a.adv_scale, {"group", "batch", "none"})
+    _choices("algo.lr_schedule", a.lr_schedule, {"linear", "constant"})
+    _choices("algo.zero_std_groups", a.zero_std_groups, {"keep", "drop"})
+    _choices("algo.is_level", a.is_level, {"none", "token", "sequence"})
+    _choices("algo.is_mode", a.is_mode, {"truncate", "mask"})
+    _choices("model.dtype", cfg.model.dtype, {"float32", "bfloat16", "float16"})
+    _choices("logger.backend", cfg.logger.backend, {"console", "wandb"})
+
+    batch = a.prompts_per_step * a.group_size
+    if a.group_size < 2:
+        raise ConfigError(f"algo.group_size={a.group_size}: GRPO needs at least 2 completions per prompt to compare.")
+    if a.num_minibatches < 1 or batch % a.num_minibatches:
+        raise ConfigError(
+            f"algo.num_minibatches={a.num_minibatches} must be >= 1 and divide the batch of "
+            f"prompts_per_step x group_size = {batch}; change one of them."
+        )
+    if (batch // a.num_minibatches) % a.group_size:
+        raise ConfigError(
+            f"algo.group_size={a.group_size} does not divide the minibatch of {batch // a.num_minibatches} "
+            f"completions (prompts_per_step x group_size / num_minibatches); a group must not be split "
+            f"across optimizer steps. Make num_minibatches divide prompts_per_step."
+        )
+    for key in ("prompts_per_step", "num_iterations", "micro_batch_tokens"):
+        if getattr(a, key) < 1:
+            raise ConfigError(f"algo.{key}={getattr(a, key)} must be at least 1.")
+    if a.lr <= 0 or a.clip_eps <= 0 or (a.clip_eps_high is not None and a.clip_eps_high < a.clip_eps):
+        raise ConfigError("algo.lr and algo.clip_eps must be > 0, and algo.clip_eps_high (if set) >= algo.clip_eps.")
+    if a.beta < 0:
+        raise ConfigError(f"algo.beta={a.beta} must be >= 0 (0 disables the KL term and the reference model).")
+    if a.is_cap <= 1.0:
+        raise ConfigError(f"algo.is_cap={a.is_cap} must be > 1: it caps the sampler/trainer probability ratio.")
+    if r.max_new_tokens < 1 or r.temperature < 0 or not 0 < r.top_p <= 1:
+        raise ConfigError("rollout.max_new_tokens must be >= 1, rollout.temperature >= 0, 0 < rollout.top_p <= 1.")
+    if cfg.steps < 0 or cfg.task.eval_size < 1:
+        raise ConfigError("steps must be >= 0 and task.eval_size >= 1.")
+    if not cfg.reward.funcs:
+        raise ConfigError("reward.funcs is empty: list at least one reward function (e.g. reward=exact_match).")
+    for f in cfg.reward.funcs:
+        resolve_reward(f.name)  # raises a ConfigError naming the function
+
+    path = cfg.model.path
+    if path != "tiny" and not os.path.isdir(os.path.expanduser(path)):
+        if not _HUB_ID.match(path):
+            raise ConfigError(
+                f"model.path={path!r} is neither 'tiny', an existing local folder, nor a hub id like "
+                f"'Qwen/Qwen2.5-0.5B-Instruct'. Fix the path."
+            )
+        _check_hub_model(path)
+
+
+def _check_hub_model(path: str) -> None:
+    """Load only the model's config: cheap, and fails fast for a wrong id or no network."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - anything here means the id cannot be loaded
+        raise ConfigError(
+            f"model.path={path!r} could not be loaded ({type(e).__name__}: {e}). Check the hub id, "
+            f"your network or HF_HOME cache, or point model.path at a local folder."
+        ) from e
+
+
+def to_container(cfg: Any) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)

@@ -1,0 +1,96 @@
+"""Metrics to the console (a progress line every `log_every` steps), `metrics.jsonl` and wandb."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+
+def format_line(step: int, total: int, m: dict) -> str:
+    parts = [f"step {step:>4}/{total}"]
+    for key, label, fmt in (
+        ("reward/mean", "reward", "{:.3f}"),
+        ("reward/zero_std_frac", "zero_std", "{:.2f}"),
+        ("loss", "loss", "{:+.4f}"),
+        ("clip_frac", "clip", "{:.3f}"),
+        ("kl", "kl", "{:.4f}"),
+        ("entropy", "ent", "{:.3f}"),
+        ("completion_len", "len", "{:.1f}"),
+        ("lr", "lr", "{:.1e}"),
+        ("tokens_per_s", "tok/s", "{:,.0f}"),
+        ("step_s", "s/step", "{:.3f}"),
+        ("eval/accuracy", "eval_acc", "{:.3f}"),
+    ):
+        if key in m and m[key] is not None and not (isinstance(m[key], float) and math.isnan(m[key])):
+            parts.append(f"{label} {fmt.format(m[key])}")
+    return " | ".join(parts)
+
+
+class RunLogger:
+    def __init__(self, cfg, run_dir: str, total_steps: int, run_config: dict, enabled: bool = True, resume_step: int = 0):
+        self.cfg, self.total, self.enabled = cfg, total_steps, enabled
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.wandb = None
+        if not enabled:
+            return
+        _truncate_after(self.path, resume_step)  # steps past the checkpoint are redone on resume
+        self.file = open(self.path, "a", encoding="utf-8")
+        if cfg.backend == "wandb":
+            import wandb
+
+            self.wandb = wandb.init(
+                project=cfg.project,
+                entity=cfg.entity,
+                mode=cfg.mode,
+                dir=run_dir,
+                config=run_config,
+                name=os.path.basename(os.path.normpath(run_dir)),
+                id=_wandb_id(run_dir),
+                resume="allow",
+            )
+
+    def log(self, step: int, metrics: dict, console: bool | None = None) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if console or (console is None and (step % self.cfg.log_every == 0 or step == self.total)):
+            print(format_line(step, self.total, metrics), flush=True)
+
+    def samples(self, step: int, rows: list[tuple[str, str, float]]) -> None:
+        if not self.enabled:
+            return
+        for prompt, completion, reward in rows:
+            print(f"  sample @ {step}: {prompt!r} -> {completion!r}  reward {reward:g}", flush=True)
+
+    def info(self, text: str) -> None:
+        if self.enabled:
+            print(text, file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _truncate_after(path: str, step: int) -> None:
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+def _wandb_id(run_dir: str) -> str:
+    import hashlib
+
+    return hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:16]

@@ -1,0 +1,170 @@
+"""Load a model and tokenizer (hub id or local folder), or build the embedded tiny model.
+
+The tiny model is a 2-layer Qwen2 with a character-level tokenizer, built deterministically from
+`model.tiny` and warm-started with a short supervised run on the task's training split until its
+greedy accuracy on training prompts reaches `warm_start_accuracy`. GRPO learns nothing from a
+policy that never gets a reward, so the warm start is part of building the model, not of the run.
+It is saved as a normal HF folder (config, safetensors, tokenizer) under `model.cache_dir`, keyed
+by a hash of everything that shaped it, so vLLM can load the same folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import string
+import tempfile
+import time
+
+import torch
+
+TINY_FORMAT = 1  # bump when the tiny model's recipe changes, so old cache entries are not reused
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_char_tokenizer():
+    """Character-level tokenizer over printable ASCII; it prepends <bos> itself, as HF ones do."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    chars = sorted(set(string.printable) - set("\t\n\r\x0b\x0c"))
+    vocab = {t: i for i, t in enumerate(special + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def build_tiny_model(cfg, vocab_size: int, pad_id: int, bos_id: int, eos_id: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=pad_id,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, samples, max_new_tokens: int, batch_size: int = 256) -> float:
+    """Exact-match accuracy of greedy completions; used by the warm start."""
+    model.eval()
+    correct = 0
+    for i in range(0, len(samples), batch_size):
+        chunk = samples[i : i + batch_size]
+        enc = tokenizer([s.prompt for s in chunk], return_tensors="pt", padding=True, padding_side="left")
+        out = model.generate(
+            **enc, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id
+        )
+        texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
+        correct += sum(t.strip() == s.answer for t, s in zip(texts, chunk))
+    model.train()
+    return correct / len(samples)
+
+
+def warm_start(model, tokenizer, task, cfg, max_new_tokens: int, log=print) -> dict:
+    """Supervised training on prompt + answer + <eos>, loss on the answer, until greedy accuracy
+    on 256 training prompts reaches cfg.warm_start_accuracy. Returns what it measured."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warm_start_lr)
+    probe = task.train[:256]
+    train = task.train[256:]
+    t0, acc, step = time.perf_counter(), greedy_accuracy(model, tokenizer, probe, max_new_tokens), 0
+    while acc < cfg.warm_start_accuracy and step < cfg.warm_start_max_steps:
+        idx = torch.randint(len(train), (cfg.warm_start_batch,), generator=gen).tolist()
+        batch = [train[i] for i in idx]
+        prompt_lens = [len(tokenizer(s.prompt).input_ids) for s in batch]
+        enc = tokenizer([s.prompt + s.answer for s in batch], return_tensors="pt", padding=True)
+        ids = torch.cat([enc.input_ids, torch.full((len(batch), 1), tokenizer.pad_token_id)], dim=1)
+        mask = torch.cat([enc.attention_mask, torch.zeros(len(batch), 1, dtype=torch.long)], dim=1)
+        lengths = enc.attention_mask.sum(1)
+        ids[torch.arange(len(batch)), lengths] = tokenizer.eos_token_id
+        mask[torch.arange(len(batch)), lengths] = 1
+        labels = ids.clone()
+        labels[mask == 0] = -100
+        for row, p in enumerate(prompt_lens):
+            labels[row, :p] = -100
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if step % 25 == 0:
+            acc = greedy_accuracy(model, tokenizer, probe, max_new_tokens)
+    info = {"warm_start_steps": step, "warm_start_train_accuracy": acc, "warm_start_s": time.perf_counter() - t0}
+    log(f"warm start: {step} supervised steps, greedy train accuracy {acc:.3f}, {info['warm_start_s']:.1f}s")
+    return info
+
+
+def tiny_model_dir(cfg, task_cfg) -> str:
+    """Cache folder of the tiny model: a hash of its recipe, the task it was warm-started on."""
+    from omegaconf import OmegaConf
+
+    recipe = {
+        "format": TINY_FORMAT,
+        "tiny": OmegaConf.to_container(cfg.tiny, resolve=True) if not isinstance(cfg.tiny, dict) else cfg.tiny,
+        "task": {k: task_cfg[k] for k in ("name", "seed", "digits", "eval_size", "path")},
+    }
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    return os.path.join(os.path.expanduser(cfg.cache_dir), f"tiny-{key}")
+
+
+def ensure_tiny_model(cfg, task_cfg, task, max_new_tokens: int, log=print) -> str:
+    """Build, warm-start and save the tiny model unless the cache already holds it. Atomic: the
+    folder is written under a temporary name and renamed, so a killed build leaves no half model."""
+    path = tiny_model_dir(cfg, task_cfg)
+    if os.path.isfile(os.path.join(path, "grpo_tiny.json")):
+        return path
+    log(f"building the tiny model in {path}")
+    torch.manual_seed(cfg.tiny.seed)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(
+        cfg.tiny, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id
+    )
+    info = {"parameters": sum(p.numel() for p in model.parameters())}
+    if cfg.tiny.warm_start_accuracy > 0:
+        info.update(warm_start(model, tokenizer, task, cfg.tiny, max_new_tokens, log))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tmp = tempfile.mkdtemp(prefix=".tiny-", dir=os.path.dirname(path))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, "grpo_tiny.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process built it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def load_model(path: str, dtype: str = "float32"):
+    """A causal LM and its tokenizer from a local folder or hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    return model, tokenizer

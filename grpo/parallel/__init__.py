@@ -1,0 +1,17 @@
+"""Parallel strategies, chosen by `parallel.strategy` from this registry."""
+
+from __future__ import annotations
+
+from grpo.parallel.base import Strategy
+from grpo.parallel.single import SingleStrategy
+
+STRATEGIES = {
+    "single": SingleStrategy,
+}
+
+
+def build_strategy(cfg, model, algo, total_steps: int) -> Strategy:
+    return STRATEGIES[cfg.strategy](cfg, model, algo, total_steps)
+
+
+__all__ = ["STRATEGIES", "Strategy", "build_strategy"]

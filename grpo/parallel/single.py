@@ -1,0 +1,47 @@
+"""One process, no wrapper."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from grpo.parallel.base import Strategy, bucket_tensors, build_optimizer
+
+
+class SingleStrategy(Strategy):
+    def __init__(self, cfg, model: torch.nn.Module, algo, total_steps: int):
+        self.model = model
+        self.max_grad_norm = algo.max_grad_norm
+        self.optimizer, self.scheduler = build_optimizer(model, algo, total_steps)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def weight_buckets(self, bucket_bytes: int):
+        return bucket_tensors(((n, p.detach()) for n, p in self.model.named_parameters()), bucket_bytes)
+
+    def save(self, folder: str) -> None:
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+        torch.save(state, os.path.join(folder, "trainer.pt"))
+
+    def load(self, folder: str) -> None:
+        state = torch.load(os.path.join(folder, "trainer.pt"), map_location="cpu", weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]

@@ -1,0 +1,58 @@
+"""The one interface every rollout backend implements.
+
+The trainer hands the whole batch over at once: P prompts, n completions each, so the engine's
+batching sees all P x n sequences together. What comes back is grouped by prompt: completion k of
+prompt p sits at index p * n + k.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+# One bucket is a list of (parameter name, full tensor) pairs of bounded total size.
+WeightBuckets = Iterable[list[tuple[str, torch.Tensor]]]
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+
+
+@dataclass
+class Rollouts:
+    completion_ids: list[list[int]]  # B lists of generated token ids (eos included when it stopped)
+    logprobs: list[list[float]]  # the sampler's logprob of each generated token
+    finish_reasons: list[str]  # "stop" (eos) or "length" (hit max_new_tokens)
+    weight_version: int  # the version of the weights that produced every completion
+
+
+class RolloutBackend(ABC):
+    """generate / update_weights / sleep / wake / close. Nothing outside grpo/rollout/ asks which
+    backend it has."""
+
+    weight_version: int = 0
+
+    @abstractmethod
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
+        """n completions for each prompt, all handed to the engine in one call."""
+
+    @abstractmethod
+    def update_weights(self, buckets: WeightBuckets, version: int) -> None:
+        """Load new policy weights, streamed bucket by bucket; `buckets` is lazy, so a backend
+        that shares the trainer's module never pays for gathering it."""
+
+    def sleep(self) -> None:
+        """Free the engine's memory during the training phase, where that means something."""
+
+    def wake(self) -> None:
+        """Undo sleep before the next generation."""
+
+    def close(self) -> None:
+        """Release engines, servers and processes."""

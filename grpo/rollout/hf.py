@@ -1,0 +1,56 @@
+"""transformers `generate` on the trainer's own module: the CPU default. Weights need no transfer."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets
+
+
+class HFBackend(RolloutBackend):
+    def __init__(self, cfg, model: torch.nn.Module, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+        self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        self.weight_version = 0
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
+        width = max(len(p) for p in prompt_ids)
+        rows = [p for p in prompt_ids for _ in range(n)]
+        ids_BL = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in rows])
+        mask_BL = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+        greedy = sampling.temperature == 0
+        was_training = self.model.training
+        self.model.eval()
+        out = self.model.generate(
+            input_ids=ids_BL,
+            attention_mask=mask_BL,
+            do_sample=not greedy,
+            temperature=None if greedy else sampling.temperature,
+            top_p=None if greedy else sampling.top_p,
+            top_k=None if greedy or sampling.top_k == 0 else sampling.top_k,
+            max_new_tokens=sampling.max_new_tokens,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_id,
+            output_scores=True,  # the processed logits the sampler drew from
+            return_dict_in_generate=True,
+        )
+        self.model.train(was_training)
+        new_BT = out.sequences[:, width:]
+        scores_BTV = torch.stack(out.scores, dim=1).float()
+        logprobs_BT = torch.log_softmax(scores_BTV, dim=-1).gather(-1, new_BT.unsqueeze(-1)).squeeze(-1)
+        completions, logprobs, reasons = [], [], []
+        for tokens, lps in zip(new_BT.tolist(), logprobs_BT.tolist()):
+            if self.eos_id in tokens:
+                end = tokens.index(self.eos_id) + 1
+                completions.append(tokens[:end])
+                logprobs.append(lps[:end])
+                reasons.append("stop")
+            else:
+                completions.append(tokens)
+                logprobs.append(lps)
+                reasons.append("length")
+        return Rollouts(completions, logprobs, reasons, self.weight_version)
+
+    def update_weights(self, buckets: WeightBuckets, version: int) -> None:
+        self.weight_version = version  # the module is the trainer's own: nothing to copy

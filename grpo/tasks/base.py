@@ -1,0 +1,65 @@
+"""What every task provides: a train split, a held-out eval split, and a resumable sampler."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class Sample:
+    prompt: str  # the text the model continues
+    answer: str  # ground truth for the rewards
+    meta: dict = field(default_factory=dict)  # anything else a reward needs
+
+
+def exact_answer(completion: str, sample: Sample) -> bool:
+    return completion.strip() == sample.answer.strip()
+
+
+@dataclass
+class Task:
+    name: str
+    train: list[Sample]
+    eval: list[Sample]
+    is_correct: Callable[[str, Sample], bool] = exact_answer  # what eval accuracy counts
+
+    def __post_init__(self):
+        if not self.train:
+            raise ValueError(f"task {self.name!r} has no training samples; check its data source.")
+        if not self.eval:
+            raise ValueError(f"task {self.name!r} has no eval samples; lower task.eval_size or add data.")
+
+
+class TrainSampler:
+    """Shuffled passes over the train split. Its state is (epoch, position): a resumed run draws
+    exactly the prompts an uninterrupted run would have."""
+
+    def __init__(self, samples: list[Sample], seed: int):
+        self.samples, self.seed = samples, seed
+        self.epoch, self.pos = 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        order = list(range(len(self.samples)))
+        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def next(self, n: int) -> list[Sample]:
+        out = []
+        while len(out) < n:
+            if self.pos == len(self._order):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._permutation()
+            take = min(n - len(out), len(self._order) - self.pos)
+            out += [self.samples[i] for i in self._order[self.pos : self.pos + take]]
+            self.pos += take
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._permutation()

@@ -1,0 +1,233 @@
+"""`python -m grpo.train`: the GRPO loop, readable top to bottom.
+
+Variant implemented (DeepSeekMath GRPO, with the fixes later papers made optional):
+  - B prompts per step, G completions each, sampled by the rollout backend with the current weights.
+  - Rewards: weighted sum of reward functions; a completion no function scores gets advantage 0.
+  - Advantages: reward minus its group's mean, divided by the group's std (`algo.adv_scale=group`),
+    the batch's std (`batch`, as in "A Closer Look at GRPO") or nothing (`none`, Dr. GRPO).
+  - Loss: PPO's clipped ratio per token with an optional higher upper clip (DAPO's clip-higher),
+    plus beta * KL(policy || reference) by the k3 estimator; aggregated by `algo.loss_type`.
+    Departure from the paper: beta defaults to 0 (no reference model), as DAPO and Dr. GRPO do.
+  - `num_iterations` > 1 reuses a batch against old logprobs (the paper's mu); with 1 the ratio is
+    exactly 1 and the loss reduces to the policy gradient.
+  - Optional importance correction when the sampler's logprobs disagree with the trainer's
+    (vLLM vs. transformers kernels), per token or per sequence, truncated or masked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import time
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from grpo.algorithm import combine_rewards, group_advantages, zero_std_groups
+from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from grpo.config import register_configs, validate
+from grpo.log import RunLogger
+from grpo.models import ensure_tiny_model, load_model
+from grpo.parallel import build_strategy
+from grpo.rewards import build_rewards, score
+from grpo.rollout import build_rollout, sampling_from
+from grpo.tasks import TrainSampler, build_task
+from grpo.update import collate, policy_update
+
+register_configs()
+
+
+def build_policy(cfg, task, log=print):
+    """Policy model and tokenizer; `model.path=tiny` builds (or reuses) the embedded model."""
+    path = cfg.model.path
+    if path == "tiny":
+        path = ensure_tiny_model(cfg.model, cfg.task, task, cfg.rollout.max_new_tokens, log)
+    model, tokenizer = load_model(path, cfg.model.dtype)
+    model.train()
+    return model, tokenizer, path
+
+
+def build_reference(cfg, path: str):
+    """The frozen reference policy for the KL term; only loaded when beta > 0."""
+    if cfg.algo.beta == 0:
+        return None
+    ref, _ = load_model(path, cfg.model.dtype)
+    return ref.eval().requires_grad_(False)
+
+
+def encode_prompts(tokenizer, samples) -> list[list[int]]:
+    return [tokenizer(s.prompt).input_ids for s in samples]
+
+
+def evaluate(rollout, tokenizer, task, cfg) -> dict[str, float]:
+    """Greedy held-out accuracy through the configured rollout backend."""
+    samples = task.eval
+    out = rollout.generate(encode_prompts(tokenizer, samples), 1, sampling_from(cfg.rollout, greedy=True))
+    texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+    return {"eval/accuracy": sum(task.is_correct(t, s) for t, s in zip(texts, samples)) / len(samples)}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def git_revision() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=here, text=True, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_json(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+def train(cfg: DictConfig) -> dict:
+    validate(cfg)
+    t_start = time.perf_counter()
+    run_dir = os.path.abspath(cfg.run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        f.write(OmegaConf.to_yaml(resolved))
+    seed_everything(cfg.seed)
+
+    # ---- setup: task, model, rewards, strategy, rollout backend ----
+    algo, B, G = cfg.algo, cfg.algo.prompts_per_step, cfg.algo.group_size
+    task = build_task(cfg.task)
+    model, tokenizer, model_path = build_policy(cfg, task)
+    reward_fns = build_rewards(cfg.reward)
+    weights_F = [w for _, _, w in reward_fns]
+    strategy = build_strategy(cfg.parallel, model, algo, cfg.steps * algo.num_iterations * algo.num_minibatches)
+    rollout = build_rollout(cfg.rollout, strategy.model, tokenizer)
+    ref_model = build_reference(cfg, model_path)
+    sampler = TrainSampler(task.train, seed=cfg.seed)
+    sampling = sampling_from(cfg.rollout)
+    bucket_bytes = int(cfg.parallel.sync_bucket_mb * 2**20)
+
+    start, eval_before = 0, None
+    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
+    if ckpt:
+        state = load_checkpoint(ckpt, strategy)
+        start, eval_before = state["step"], state["eval_before"]
+        sampler.load_state_dict(state["sampler"])
+        rollout.update_weights(strategy.weight_buckets(bucket_bytes), version=start)
+    logger = RunLogger(cfg.logger, run_dir, cfg.steps, resolved, resume_step=start)
+    if ckpt:
+        logger.info(f"resumed from {ckpt} at step {start}")
+    else:
+        eval_before = evaluate(rollout, tokenizer, task, cfg)["eval/accuracy"]
+        logger.log(0, {"eval/accuracy": eval_before}, console=True)
+
+    gen_tokens_total, gen_time_total = 0, 0.0
+    for step in range(start + 1, cfg.steps + 1):
+        t0 = time.perf_counter()
+
+        # 1. sample: B prompts, G completions each, the whole batch handed over at once
+        samples = sampler.next(B)
+        prompt_ids = encode_prompts(tokenizer, samples)
+        rollouts = rollout.generate(prompt_ids, G, sampling)
+        t_gen = time.perf_counter()
+
+        # 2. score: every reward function on every completion, weighted sum per completion
+        completions = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
+        samples_BG = [s for s in samples for _ in range(G)]
+        rewards_FB, reward_means = score(reward_fns, completions, samples_BG)
+        rewards_PG = combine_rewards(rewards_FB, weights_F).view(B, G)
+        t_score = time.perf_counter()
+
+        # 3. advantages per group; groups with equal rewards carry no signal
+        advantages_PG = group_advantages(rewards_PG, algo.adv_scale)
+        flat_PG = zero_std_groups(rewards_PG)
+        batch = collate(
+            [p for p in prompt_ids for _ in range(G)], rollouts, advantages_PG.flatten(),
+            tokenizer.pad_token_id, algo.mask_truncated,
+        )
+        if algo.zero_std_groups == "drop":
+            batch = batch.select((~flat_PG).repeat_interleave(G))
+
+        # 4-6. logprobs, loss, backward and optimizer step(s)
+        stats = {}
+        if batch.size:
+            stats = policy_update(strategy, batch, algo, cfg.rollout.max_new_tokens, sampling.temperature, ref_model)
+        t_update = time.perf_counter()
+
+        # 7. push the new weights to the rollout engine(s)
+        rollout.update_weights(strategy.weight_buckets(bucket_bytes), version=step)
+        t_end = time.perf_counter()
+
+        # 8. metrics, samples, evaluation, checkpoint
+        n_tokens = sum(len(c) for c in rollouts.completion_ids)
+        gen_tokens_total += n_tokens
+        gen_time_total += t_gen - t0
+        valid = rewards_PG[~torch.isnan(rewards_PG)]
+        metrics = {
+            "reward/mean": float(valid.mean()) if valid.numel() else float("nan"),
+            "reward/std": float(valid.std()) if valid.numel() > 1 else 0.0,
+            "reward/zero_std_frac": float(flat_PG.float().mean()),
+            **reward_means,
+            **stats,
+            "completion_len": n_tokens / len(rollouts.completion_ids),
+            "truncated_frac": sum(r == "length" for r in rollouts.finish_reasons) / len(rollouts.finish_reasons),
+            "weight_version": rollouts.weight_version,
+            "lr": strategy.lr,
+            "tokens_per_s": n_tokens / (t_end - t0),
+            "gen_tokens_per_s": n_tokens / (t_gen - t0),
+            "step_s": t_end - t0,
+            "time/generate_s": t_gen - t0,
+            "time/score_s": t_score - t_gen,
+            "time/update_s": t_update - t_score,
+            "time/sync_s": t_end - t_update,
+        }
+        if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
+            metrics.update(evaluate(rollout, tokenizer, task, cfg))
+        logger.log(step, metrics)
+        if cfg.logger.sample_every and step % cfg.logger.sample_every == 0:
+            rows = [(samples_BG[i].prompt, completions[i], float(rewards_PG.flatten()[i])) for i in range(0, len(completions), G)]
+            logger.samples(step, rows[: cfg.logger.num_samples])
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != cfg.steps:
+            save_checkpoint(run_dir, step, strategy, {"sampler": sampler.state_dict(), "eval_before": eval_before}, cfg.keep_checkpoints)
+
+    # ---- end: final evaluation, checkpoint and summary ----
+    eval_after = evaluate(rollout, tokenizer, task, cfg)["eval/accuracy"]
+    logger.log(cfg.steps, {"eval/accuracy": eval_after}, console=True)
+    if cfg.steps > start:
+        save_checkpoint(run_dir, cfg.steps, strategy, {"sampler": sampler.state_dict(), "eval_before": eval_before}, cfg.keep_checkpoints)
+    summary = {
+        "eval_before": eval_before,
+        "eval_after": eval_after,
+        "eval_gain": eval_after - eval_before,
+        "steps": cfg.steps,
+        "resumed_from": start,
+        "wall_s": time.perf_counter() - t_start,
+        "gen_tokens_per_s": gen_tokens_total / gen_time_total if gen_time_total else None,
+        "model_path": model_path,
+        "git_revision": git_revision(),
+    }
+    write_json(os.path.join(run_dir, "summary.json"), summary)
+    logger.info(
+        f"eval accuracy {eval_before:.3f} -> {eval_after:.3f} ({summary['eval_gain']:+.3f}) in {cfg.steps} steps, "
+        f"{summary['wall_s']:.1f}s wall; run folder {run_dir}"
+    )
+    logger.close()
+    rollout.close()
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""From rollouts to an optimizer step: collate, score tokens in micro-batches, accumulate the loss.
+
+The trainer's forward pass sees prompt (left-padded) + completion (right-padded). Position ids come
+from the attention mask, as `generate` derives them, so the trainer's logprobs match the sampler's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+import torch
+
+from grpo.algorithm import LossNorm, entropy, importance_weights, policy_loss, token_logprobs
+
+
+@dataclass
+class Batch:
+    input_ids_BL: torch.Tensor  # prompt then completion, L = P + T
+    attention_mask_BL: torch.Tensor
+    position_ids_BL: torch.Tensor
+    completion_ids_BT: torch.Tensor
+    mask_BT: torch.Tensor  # 1 for completion tokens that enter the loss
+    sampler_logprobs_BT: torch.Tensor
+    advantages_B: torch.Tensor
+    prompt_width: int
+    old_logprobs_BT: Optional[torch.Tensor] = None  # set when the batch is reused (off-policy)
+    ref_logprobs_BT: Optional[torch.Tensor] = None  # set when beta > 0
+
+    @property
+    def size(self) -> int:
+        return self.input_ids_BL.shape[0]
+
+    def select(self, idx) -> "Batch":
+        picked = {
+            f.name: getattr(self, f.name)[idx] if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name)
+            for f in fields(self)
+        }
+        return Batch(**picked)
+
+
+def collate(
+    prompt_ids: list[list[int]], rollouts, advantages_B: torch.Tensor, pad_id: int, mask_truncated: bool
+) -> Batch:
+    """prompt_ids has one entry per completion (already repeated G times)."""
+    P = max(len(p) for p in prompt_ids)
+    T = max(1, max(len(c) for c in rollouts.completion_ids))
+    B = len(prompt_ids)
+    ids_BL = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attn_BL = torch.zeros((B, P + T), dtype=torch.long)
+    logp_BT = torch.zeros((B, T))
+    mask_BT = torch.zeros((B, T))
+    for i, (p, c, lp) in enumerate(zip(prompt_ids, rollouts.completion_ids, rollouts.logprobs)):
+        ids_BL[i, P - len(p) : P] = torch.tensor(p)
+        attn_BL[i, P - len(p) : P] = 1
+        if c:
+            ids_BL[i, P : P + len(c)] = torch.tensor(c)
+            attn_BL[i, P : P + len(c)] = 1
+            logp_BT[i, : len(c)] = torch.tensor(lp)
+            drop = mask_truncated and rollouts.finish_reasons[i] == "length"
+            mask_BT[i, : len(c)] = 0.0 if drop else 1.0
+    position_ids_BL = (attn_BL.cumsum(dim=1) - 1).clamp(min=0)
+    return Batch(ids_BL, attn_BL, position_ids_BL, ids_BL[:, P:], mask_BT, logp_BT, advantages_B.float(), P)
+
+
+def forward_logprobs(model, batch: Batch, temperature: float, with_entropy: bool = False):
+    """Per-token logprobs of the completion under `model` -> logprobs_BT (and entropy_BT)."""
+    logits_BLV = model(
+        input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, position_ids=batch.position_ids_BL
+    ).logits
+    logits_BTV = logits_BLV[:, batch.prompt_width - 1 : -1]
+    logp_BT = token_logprobs(logits_BTV, batch.completion_ids_BT, temperature)
+    if not with_entropy:
+        return logp_BT, None
+    with torch.no_grad():
+        ent_BT = entropy(logits_BTV.detach() / max(temperature, 1e-6))
+    return logp_BT, ent_BT
+
+
+def micro_batches(batch: Batch, max_tokens: int) -> list[Batch]:
+    """Consecutive slices of at most `max_tokens` padded tokens (at least one row each)."""
+    rows = max(1, max_tokens // batch.input_ids_BL.shape[1])
+    return [batch.select(slice(i, i + rows)) for i in range(0, batch.size, rows)]
+
+
+@torch.no_grad()
+def score_tokens(model, batch: Batch, temperature: float, max_tokens: int) -> torch.Tensor:
+    was_training = model.training
+    model.eval()
+    out = torch.cat([forward_logprobs(model, mb, temperature)[0] for mb in micro_batches(batch, max_tokens)])
+    model.train(was_training)
+    return out
+
+
+def loss_norm(batch: Batch, max_len: int, gen_tokens_per_step: float) -> LossNorm:
+    return LossNorm(
+        num_seqs=int((batch.mask_BT.sum(dim=1) > 0).sum()),
+        num_tokens=int(batch.mask_BT.sum()),
+        max_len=max_len,
+        gen_tokens_per_step=gen_tokens_per_step,
+    )
+
+
+def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperature: float) -> dict[str, float]:
+    """Forward + backward over micro-batches of `batch`; gradients add up to the full batch's."""
+    sums = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0}
+    for mb in micro_batches(batch, algo.micro_batch_tokens):
+        logp_BT, ent_BT = forward_logprobs(strategy.model, mb, temperature, with_entropy=True)
+        old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else logp_BT.detach()
+        w_BT = importance_weights(old_BT, mb.sampler_logprobs_BT, mb.mask_BT, algo.is_level, algo.is_mode, algo.is_cap)
+        loss, stats = policy_loss(
+            logp_BT,
+            old_BT,
+            mb.advantages_B,
+            mb.mask_BT,
+            norm,
+            loss_type=algo.loss_type,
+            clip_eps=algo.clip_eps,
+            clip_eps_high=algo.clip_eps_high,
+            beta=algo.beta,
+            ref_logprobs_BT=mb.ref_logprobs_BT,
+            is_weights_BT=None if algo.is_level == "none" else w_BT,
+        )
+        strategy.backward(loss)
+        sums["loss"] += float(loss.detach())
+        sums["clipped_tokens"] += float(stats["clipped_tokens"])
+        sums["kl_sum"] += float(stats.get("kl_sum", 0.0))
+        sums["entropy_sum"] += float((ent_BT * mb.mask_BT).sum())
+    return sums
+
+
+def policy_update(strategy, batch: Batch, algo, max_len: int, temperature: float, ref_model=None) -> dict[str, float]:
+    """num_iterations passes over the batch, each cut into num_minibatches optimizer steps.
+
+    On-policy (one pass, one step) the old logprobs are the current ones, detached. Otherwise they
+    are computed once before any update, so every step's ratio is against the sampling policy.
+    """
+    if algo.num_iterations > 1 or algo.num_minibatches > 1:
+        batch = replace(batch, old_logprobs_BT=score_tokens(strategy.model, batch, temperature, algo.micro_batch_tokens))
+    if algo.beta > 0:
+        batch = replace(batch, ref_logprobs_BT=score_tokens(ref_model, batch, temperature, algo.micro_batch_tokens))
+    gen_tokens_per_step = float(batch.mask_BT.sum()) / algo.num_minibatches
+    totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0, "tokens": 0.0, "grad_norm": 0.0}
+    steps = 0
+    for _ in range(algo.num_iterations):
+        for idx in torch.arange(batch.size).tensor_split(algo.num_minibatches):
+            mb = batch.select(idx)
+            norm = loss_norm(mb, max_len, gen_tokens_per_step)
+            for k, v in accumulate_gradients(strategy, mb, algo, norm, temperature).items():
+                totals[k] += v
+            totals["tokens"] += norm.num_tokens
+            totals["grad_norm"] += strategy.step()
+            steps += 1
+    tokens = max(totals["tokens"], 1.0)
+    return {
+        "loss": totals["loss"] / steps,
+        "grad_norm": totals["grad_norm"] / steps,
+        "clip_frac": totals["clipped_tokens"] / tokens,
+        "kl": totals["kl_sum"] / tokens,
+        "entropy": totals["entropy_sum"] / tokens,
+        "optimizer_steps": steps,
+    }
