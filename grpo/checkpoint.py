@@ -73,8 +73,8 @@ def _prune(root: str, keep: int, newest: str) -> None:
     for d in done[: max(0, len(done) - max(keep, 1))]:
         if d != newest:
             shutil.rmtree(os.path.join(root, d), ignore_errors=True)
-    for d in os.listdir(root):  # leftovers of saves that were killed
-        if d.startswith(".tmp-") and not d.endswith(f"-{os.getpid()}"):
+    for d in os.listdir(root):  # leftovers of saves that were killed; this save has been renamed
+        if d.startswith(".tmp-"):
             shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 

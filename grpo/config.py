@@ -84,8 +84,8 @@ class ParallelConfig:
 
 @dataclass
 class AlgoConfig:
-    prompts_per_step: int = 32  # B
-    group_size: int = 16  # G: completions per prompt
+    batch_size: int = 512  # completions generated per step (B x G)
+    group_size: int = 16  # G: completions per prompt; B = batch_size / group_size prompts per step
     lr: float = 1e-3
     warmup_steps: int = 20
     lr_schedule: str = "linear"  # linear (decay to 0 at the last step) | constant
@@ -181,21 +181,20 @@ def validate(cfg: DictConfig | Config) -> None:
     _choices("model.dtype", cfg.model.dtype, {"float32", "bfloat16", "float16"})
     _choices("logger.backend", cfg.logger.backend, {"console", "wandb"})
 
-    batch = a.prompts_per_step * a.group_size
     if a.group_size < 2:
         raise ConfigError(f"algo.group_size={a.group_size}: GRPO needs at least 2 completions per prompt to compare.")
-    if a.num_minibatches < 1 or batch % a.num_minibatches:
+    if a.batch_size < a.group_size or a.batch_size % a.group_size:
         raise ConfigError(
-            f"algo.num_minibatches={a.num_minibatches} must be >= 1 and divide the batch of "
-            f"prompts_per_step x group_size = {batch}; change one of them."
+            f"algo.batch_size={a.batch_size} is not a multiple of algo.group_size={a.group_size}: every prompt "
+            f"needs a full group. Use e.g. algo.batch_size={max(1, a.batch_size // a.group_size) * a.group_size}."
         )
-    if (batch // a.num_minibatches) % a.group_size:
+    prompts = a.batch_size // a.group_size
+    if a.num_minibatches < 1 or prompts % a.num_minibatches:
         raise ConfigError(
-            f"algo.group_size={a.group_size} does not divide the minibatch of {batch // a.num_minibatches} "
-            f"completions (prompts_per_step x group_size / num_minibatches); a group must not be split "
-            f"across optimizer steps. Make num_minibatches divide prompts_per_step."
+            f"algo.num_minibatches={a.num_minibatches} must be >= 1 and divide the {prompts} prompts per step "
+            f"(batch_size / group_size), so no group is split across optimizer steps."
         )
-    for key in ("prompts_per_step", "num_iterations", "micro_batch_tokens"):
+    for key in ("num_iterations", "micro_batch_tokens"):
         if getattr(a, key) < 1:
             raise ConfigError(f"algo.{key}={getattr(a, key)} must be at least 1.")
     if a.lr <= 0 or a.clip_eps <= 0 or (a.clip_eps_high is not None and a.clip_eps_high < a.clip_eps):

@@ -20,6 +20,7 @@ import json
 import os
 import random
 import subprocess
+import sys
 import time
 
 import hydra
@@ -29,13 +30,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo.algorithm import combine_rewards, group_advantages, zero_std_groups
 from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from grpo.config import register_configs, validate
+from grpo.config import ConfigError, register_configs, validate
 from grpo.log import RunLogger
 from grpo.models import ensure_tiny_model, load_model
 from grpo.parallel import build_strategy
 from grpo.rewards import build_rewards, score
 from grpo.rollout import build_rollout, sampling_from
 from grpo.tasks import TrainSampler, build_task
+from grpo.tasks.jsonl import DatasetError
 from grpo.update import collate, policy_update
 
 register_configs()
@@ -100,10 +102,11 @@ def train(cfg: DictConfig) -> dict:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write(OmegaConf.to_yaml(resolved))
-    seed_everything(cfg.seed)
+    seed_everything(cfg.seed)  # model init and anything else in setup
 
     # ---- setup: task, model, rewards, strategy, rollout backend ----
-    algo, B, G = cfg.algo, cfg.algo.prompts_per_step, cfg.algo.group_size
+    algo, G = cfg.algo, cfg.algo.group_size
+    B = algo.batch_size // G  # prompts per step
     task = build_task(cfg.task)
     model, tokenizer, model_path = build_policy(cfg, task)
     reward_fns = build_rewards(cfg.reward)
@@ -111,6 +114,7 @@ def train(cfg: DictConfig) -> dict:
     strategy = build_strategy(cfg.parallel, model, algo, cfg.steps * algo.num_iterations * algo.num_minibatches)
     rollout = build_rollout(cfg.rollout, strategy.model, tokenizer)
     ref_model = build_reference(cfg, model_path)
+    seed_everything(cfg.seed)  # again: a freshly built and a cached tiny model start the run alike
     sampler = TrainSampler(task.train, seed=cfg.seed)
     sampling = sampling_from(cfg.rollout)
     bucket_bytes = int(cfg.parallel.sync_bucket_mb * 2**20)
@@ -226,7 +230,10 @@ def train(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    train(cfg)
+    try:
+        train(cfg)
+    except (ConfigError, DatasetError) as e:
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,65 @@
+"""Shared fixtures: compose the real Hydra config and shrink it; a tiny model built in code."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from grpo.config import register_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+# Small enough for a test to run a few steps in seconds, big enough to be a real GRPO step.
+FAST = [
+    "steps=3",
+    "algo.batch_size=32",
+    "algo.group_size=4",
+    "algo.warmup_steps=1",
+    "task.eval_size=32",
+    "logger.log_every=1",
+    "logger.sample_every=0",
+    "checkpoint_every=0",
+]
+
+register_configs()
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> str:
+    """One tiny-model cache for the session (GRPO_CACHE wins if set, to reuse builds across runs)."""
+    return os.environ.get("GRPO_CACHE") or str(tmp_path_factory.mktemp("grpo-cache"))
+
+
+def compose_cfg(*overrides: str, run_dir: str | None = None, cache: str | None = None):
+    extra = [f"run_dir={run_dir}"] if run_dir else ["run_dir=unused"]
+    if cache:
+        extra.append(f"model.cache_dir={cache}")
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("config", overrides=[*extra, *overrides])
+
+
+@pytest.fixture
+def make_cfg(tmp_path, cache_dir):
+    """Compose the real config with FAST values, a fresh run folder and the session's model cache."""
+
+    def _make(*overrides: str, fast: bool = True):
+        return compose_cfg(*(FAST if fast else []), *overrides, run_dir=str(tmp_path / "run"), cache=cache_dir)
+
+    return _make
+
+
+@pytest.fixture(scope="session")
+def tiny_lm():
+    """A randomly initialised tiny Qwen2 and the char tokenizer (no warm start, no disk)."""
+    from grpo.config import TinyModelConfig
+    from grpo.models import build_char_tokenizer, build_tiny_model
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    model = build_tiny_model(TinyModelConfig(), len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    return model.float(), tok

@@ -1,0 +1,156 @@
+"""The GRPO math against numbers worked out by hand (each derivation is in the comments)."""
+
+import math
+
+import pytest
+import torch
+
+from grpo.algorithm import (
+    LossNorm,
+    aggregate,
+    combine_rewards,
+    group_advantages,
+    importance_weights,
+    policy_loss,
+    zero_std_groups,
+)
+
+NAN = float("nan")
+
+
+def test_group_advantages_scaled_by_group_std():
+    # group [1, 0, 0, 1]: mean 0.5, sample std sqrt(4 * 0.25 / 3) = 0.57735 -> +-0.5 / 0.57735 = +-0.86603
+    adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), "group", eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.86603, -0.86603, -0.86603, 0.86603]]), atol=1e-5, rtol=0)
+
+
+def test_group_advantages_none_reward_is_excluded_and_gets_zero():
+    # valid [1, 0, 0]: mean 1/3; deviations 2/3, -1/3, -1/3; var (4/9 + 1/9 + 1/9) / 2 = 1/3, std 0.57735
+    # -> 0.6667 / 0.57735 = 1.1547 and -0.3333 / 0.57735 = -0.57735; the NaN one gets 0
+    adv = group_advantages(torch.tensor([[1.0, NAN, 0.0, 0.0]]), "group", eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([[1.1547, 0.0, -0.57735, -0.57735]]), atol=1e-4, rtol=0)
+
+
+def test_group_advantages_batch_std_and_none():
+    # groups [1, 0] and [1, 1]: centred [0.5, -0.5], [0, 0]
+    # batch std of [1, 0, 1, 1]: mean 0.75, squares .0625 + .5625 + .0625 + .0625 = .75, / 3 = .25 -> 0.5
+    r = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    torch.testing.assert_close(group_advantages(r, "batch", eps=0.0), torch.tensor([[1.0, -1.0], [0.0, 0.0]]))
+    torch.testing.assert_close(group_advantages(r, "none"), torch.tensor([[0.5, -0.5], [0.0, 0.0]]))
+    assert zero_std_groups(r).tolist() == [False, True]
+
+
+def test_group_advantages_zero_std_group_is_zero_not_nan():
+    adv = group_advantages(torch.tensor([[1.0, 1.0, 1.0]]), "group")
+    assert torch.equal(adv, torch.zeros(1, 3))
+
+
+def test_combine_rewards_weights_and_none():
+    # f1 = [1, None, 0], f2 = [0.5, None, None], weights [1, 2]
+    # -> [1 + 2 * 0.5, all None -> NaN, 0 (f2 abstains)]
+    r = combine_rewards([[1.0, None, 0.0], [0.5, None, None]], [1.0, 2.0])
+    assert r[0].item() == 2.0 and math.isnan(r[1].item()) and r[2].item() == 0.0
+
+
+def one_token(logp: float, old: float = 0.0):
+    return torch.tensor([[logp]], requires_grad=True), torch.tensor([[old]])
+
+
+NORM1 = LossNorm(num_seqs=1, num_tokens=1, max_len=1, gen_tokens_per_step=1)
+
+
+def test_clip_positive_advantage_is_clipped_and_has_no_gradient():
+    # ratio = e^{ln 1.5} = 1.5, A = +1: min(1.5, clip 1.2) = 1.2 -> loss -1.2, gradient 0 (clipped)
+    logp, old = one_token(math.log(1.5))
+    loss, stats = policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 1), NORM1, clip_eps=0.2)
+    assert loss.item() == pytest.approx(-1.2)
+    loss.backward()
+    assert logp.grad.item() == 0.0
+    assert stats["clipped_tokens"].item() == 1.0
+
+
+def test_clip_negative_advantage_keeps_the_pessimistic_unclipped_term():
+    # ratio 1.5, A = -1: min(-1.5, -1.2) = -1.5 -> loss 1.5, d loss / d logp = ratio = 1.5
+    logp, old = one_token(math.log(1.5))
+    loss, stats = policy_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 1), NORM1, clip_eps=0.2)
+    assert loss.item() == pytest.approx(1.5)
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(1.5)
+    assert stats["clipped_tokens"].item() == 0.0
+
+
+def test_clip_higher_raises_only_the_upper_bound():
+    # eps_high 0.28: ratio 1.5, A = +1 -> min(1.5, 1.28) = 1.28; ratio 0.5, A = -1: clip at 0.8
+    # -> -min(-0.5, -0.8) = 0.8
+    logp, old = one_token(math.log(1.5))
+    loss, _ = policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 1), NORM1, clip_eps=0.2, clip_eps_high=0.28)
+    assert loss.item() == pytest.approx(-1.28)
+    logp, old = one_token(math.log(0.5))
+    loss, _ = policy_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 1), NORM1, clip_eps=0.2, clip_eps_high=0.28)
+    assert loss.item() == pytest.approx(0.8)
+
+
+def test_k3_kl_term():
+    # ref - logp = ln 2: kl = e^{ln 2} - ln 2 - 1 = 0.306853; A = 0, beta 0.1 -> loss 0.0306853
+    logp, old = one_token(0.0)
+    ref = torch.tensor([[math.log(2.0)]])
+    loss, stats = policy_loss(logp, old, torch.tensor([0.0]), torch.ones(1, 1), NORM1, beta=0.1, ref_logprobs_BT=ref)
+    assert loss.item() == pytest.approx(0.0306853, abs=1e-6)
+    assert stats["kl_sum"].item() == pytest.approx(0.306853, abs=1e-5)
+    # d/dlogp [beta (e^{ref - logp} - (ref - logp) - 1)] = beta (1 - e^{ref - logp}) = 0.1 * (1 - 2) = -0.1
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(-0.1)
+
+
+def test_kl_needs_reference():
+    logp, old = one_token(0.0)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy_loss(logp, old, torch.tensor([0.0]), torch.ones(1, 1), NORM1, beta=0.1)
+
+
+# Two sequences at ratio 1, so each token's loss is -A: seq a has A = 1 and 1 token (loss -1),
+# seq b has A = -2 and 3 tokens (loss +2 each). max_len 4, token sum -1 + 6 = 5.
+LOSS_BT = torch.tensor([[-1.0, 0.0, 0.0], [2.0, 2.0, 2.0]])
+MASK_BT = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+NORM2 = LossNorm(num_seqs=2, num_tokens=4, max_len=4, gen_tokens_per_step=10)
+
+
+@pytest.mark.parametrize(
+    "loss_type, expected",
+    [
+        ("grpo", 0.5),  # sequence means -1 and 2, averaged over 2 sequences
+        ("bnpo", 1.25),  # 5 / 4 tokens
+        ("dr_grpo", 0.625),  # 5 / (2 sequences x max_len 4)
+        ("dapo", 0.5),  # 5 / 10 tokens per optimizer step in the generated batch
+    ],
+)
+def test_aggregation_per_loss_type(loss_type, expected):
+    assert aggregate(LOSS_BT, MASK_BT, loss_type, NORM2).item() == pytest.approx(expected)
+
+
+def test_policy_loss_uses_the_aggregation():
+    logp = torch.zeros(2, 3)
+    loss, _ = policy_loss(logp, logp, torch.tensor([1.0, -2.0]), MASK_BT, NORM2, loss_type="grpo")
+    assert loss.item() == pytest.approx(0.5)
+
+
+def test_importance_weights_token_and_sequence():
+    # old - sampler = [ln 3, ln 0.5]: token truncate at 2 -> [2, 0.5]; mask keeps [1/2, 2] -> [0, 1]
+    old = torch.tensor([[math.log(3.0), math.log(0.5)]])
+    sampler = torch.zeros(1, 2)
+    mask = torch.ones(1, 2)
+    torch.testing.assert_close(importance_weights(old, sampler, mask, "token", "truncate", 2.0), torch.tensor([[2.0, 0.5]]))
+    torch.testing.assert_close(importance_weights(old, sampler, mask, "token", "mask", 2.0), torch.tensor([[0.0, 1.0]]))
+    # sequence: ln 3 + ln 0.5 = ln 1.5 -> w 1.5 for both tokens, inside the cap
+    torch.testing.assert_close(importance_weights(old, sampler, mask, "sequence", "truncate", 2.0), torch.tensor([[1.5, 1.5]]))
+    torch.testing.assert_close(importance_weights(old, sampler, mask, "sequence", "mask", 1.4), torch.tensor([[0.0, 0.0]]))
+    assert torch.equal(importance_weights(old, sampler, mask, "none", "truncate", 2.0), torch.ones(1, 2))
+
+
+def test_importance_weights_scale_the_loss():
+    # A = 1 at ratio 1: token loss -1; weights [2, 0.5] -> -2.5 summed, bnpo over 2 tokens -> -1.25
+    logp = torch.zeros(1, 2)
+    w = torch.tensor([[2.0, 0.5]])
+    norm = LossNorm(num_seqs=1, num_tokens=2, max_len=2, gen_tokens_per_step=2)
+    loss, _ = policy_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 2), norm, loss_type="bnpo", is_weights_BT=w)
+    assert loss.item() == pytest.approx(-1.25)

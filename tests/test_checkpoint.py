@@ -1,0 +1,112 @@
+"""Checkpoints are atomic, and a run killed mid-way resumes to the same results."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from grpo.config import AlgoConfig
+from grpo.parallel.single import SingleStrategy
+from tests.conftest import FAST, ROOT
+
+
+def strategy_for(model):
+    return SingleStrategy(None, model, OmegaConf.structured(AlgoConfig()), total_steps=10)
+
+
+def test_kill_during_save_leaves_last_good_checkpoint(tmp_path, tiny_lm, monkeypatch):
+    import copy
+
+    model = copy.deepcopy(tiny_lm[0])
+    strategy = strategy_for(model)
+    save_checkpoint(str(tmp_path), 1, strategy, {"sampler": {"epoch": 0, "pos": 5}})
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+
+    def dies_half_way(folder):  # writes part of the checkpoint, then the process "dies"
+        with open(os.path.join(folder, "trainer.pt"), "wb") as f:
+            f.write(b"partial")
+        raise KeyboardInterrupt("killed during save")
+
+    monkeypatch.setattr(strategy, "save", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(str(tmp_path), 2, strategy, {"sampler": {"epoch": 0, "pos": 9}})
+    monkeypatch.undo()
+
+    path = latest_checkpoint(str(tmp_path))
+    assert path.endswith("step_00000001")
+    fresh = strategy_for(copy.deepcopy(tiny_lm[0]))
+    state = load_checkpoint(path, fresh)
+    assert state["step"] == 1 and state["sampler"] == {"epoch": 0, "pos": 5}
+    for k, v in fresh.model.state_dict().items():
+        assert torch.equal(v, good[k])
+
+    # the next good save replaces the pointer and cleans the half-written leftovers
+    save_checkpoint(str(tmp_path), 3, strategy, {"sampler": {}}, keep=1)
+    left = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert left == ["latest", "step_00000003"]
+
+
+def test_keep_prunes_old_checkpoints(tmp_path, tiny_lm):
+    strategy = strategy_for(tiny_lm[0])
+    for step in (1, 2, 3, 4):
+        save_checkpoint(str(tmp_path), step, strategy, {}, keep=2)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000003", "step_00000004"]
+
+
+def run_train(run_dir, cache_dir, *overrides):
+    cmd = [sys.executable, "-m", "grpo.train", *FAST, f"hydra.run.dir={run_dir}", f"model.cache_dir={cache_dir}", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def metrics(run_dir):
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    keep = ("reward/mean", "reward/std", "loss", "grad_norm", "entropy", "eval/accuracy", "weight_version")
+    return [(r["step"], {k: r[k] for k in keep if k in r}) for r in rows]
+
+
+def test_killed_run_resumes_to_the_same_results(tmp_path, cache_dir):
+    args = ["steps=30", "checkpoint_every=4", "keep_checkpoints=100"]
+    # build the tiny model first so both runs start from the same cached folder
+    ref = run_train(tmp_path / "uninterrupted", cache_dir, *args)
+    out, _ = ref.communicate(timeout=600)
+    assert ref.returncode == 0, out
+
+    victim = run_train(tmp_path / "killed", cache_dir, *args)
+    latest = tmp_path / "killed" / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not latest.exists() and time.time() < deadline:
+        time.sleep(0.005)
+    alive_at_kill = victim.poll() is None
+    victim.send_signal(signal.SIGKILL)
+    victim.communicate()
+    assert alive_at_kill, "the run finished before it could be killed; make it longer"
+    killed_at = int(latest.read_text().strip().split("_")[1])
+    assert killed_at < 30
+
+    resumed = run_train(tmp_path / "killed", cache_dir, *args)
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out
+    assert f"resumed from" in out
+
+    a, b = metrics(tmp_path / "uninterrupted"), metrics(tmp_path / "killed")
+    assert [s for s, _ in b] == [s for s, _ in a]  # no step lost, none logged twice
+    for (step, ra), (_, rb) in zip(a, b):
+        for k in ra:
+            assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (step, k)
+    wa = torch.load(tmp_path / "uninterrupted" / "checkpoints" / "step_00000030" / "trainer.pt", weights_only=True)["model"]
+    wb = torch.load(tmp_path / "killed" / "checkpoints" / "step_00000030" / "trainer.pt", weights_only=True)["model"]
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
+    summary = json.load(open(tmp_path / "killed" / "summary.json"))
+    assert summary["resumed_from"] == killed_at and summary["steps"] == 30

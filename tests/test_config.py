@@ -1,0 +1,97 @@
+"""Every config file composes and validates; bad values fail early with a message saying what to change."""
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError
+
+from grpo.config import GROUPS, ConfigError, validate
+from tests.conftest import CONF, ROOT, compose_cfg
+
+EXPECTED_OPTIONS = {  # update when adding a config file: the count guards against silently skipped files
+    "model": 1,
+    "task": 2,
+    "reward": 1,
+    "rollout": 1,
+    "parallel": 1,
+    "algo": 3,
+    "logger": 2,
+}
+
+
+def group_files():
+    return [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
+
+
+def test_every_group_has_its_expected_options():
+    found = {g: len(list((CONF / g).glob("*.yaml"))) for g in GROUPS}
+    assert found == EXPECTED_OPTIONS
+    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 11
+
+
+@pytest.mark.parametrize("group, option", group_files())
+def test_every_config_file_composes(group, option, tmp_path):
+    extra = [f"task.path={tmp_path / 'x.jsonl'}"] if (group, option) == ("task", "jsonl") else []
+    cfg = compose_cfg(f"{group}={option}", *extra)
+    assert cfg[group] is not None
+    if (group, option) != ("task", "jsonl"):  # its file is the user's to give
+        validate(cfg)
+
+
+def test_every_experiment_composes_and_validates():
+    experiments = sorted(p.stem for p in (ROOT / "experiments").glob("*.yaml"))
+    assert experiments == ["addition_tiny"]
+    for name in experiments:
+        validate(compose_cfg(f"experiment={name}"))
+
+
+def test_unknown_key_is_an_error():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg("algo.learning_rate=1e-3")
+    assert isinstance(e.value.__cause__, ConfigKeyError) or "learning_rate" in str(e.value)
+
+
+def test_unknown_option_is_an_error():
+    with pytest.raises(ConfigCompositionException, match="rollout"):
+        compose_cfg("rollout=nonexistent")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.backend=vllmx", "rollout.backend='vllmx' is not one of"),
+        ("algo.loss_type=ppo", "algo.loss_type='ppo' is not one of"),
+        ("algo.batch_size=30", "algo.batch_size=30 is not a multiple of algo.group_size=16"),
+        ("algo.group_size=1", "at least 2 completions"),
+        ("algo.num_minibatches=3", "algo.num_minibatches=3 must be >= 1 and divide the 32 prompts"),
+        ("algo.clip_eps_high=0.1", "clip_eps_high"),
+        ("model.path=/does/not/exist", "model.path='/does/not/exist' is neither 'tiny', an existing local folder"),
+        ("reward.funcs=[{name: nosuchreward}]", "reward 'nosuchreward' is not one of"),
+        ("reward.funcs=[{name: nosuch.module.fn}]", "could not be imported"),
+        ("reward.funcs=[]", "reward.funcs is empty"),
+    ],
+)
+def test_bad_values_say_what_to_change(override, message):
+    cfg = compose_cfg(override)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert message in str(e.value)
+
+
+def test_unloadable_hub_id_is_reported(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no network retries
+    with pytest.raises(ConfigError, match="could not be loaded"):
+        validate(compose_cfg("model.path=nobody-here/no-such-model-xyz"))
+
+
+def test_reward_by_dotted_path():
+    cfg = compose_cfg("reward.funcs=[{name: grpo.rewards.exact_match.exact_match, weight: 0.5}]")
+    validate(cfg)
+
+
+def test_typed_values_are_checked_at_compose_time():
+    with pytest.raises(ConfigCompositionException):
+        compose_cfg("algo.lr=fast")

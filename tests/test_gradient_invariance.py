@@ -1,0 +1,71 @@
+"""The same optimizer batch cut into 1, 2 or 4 micro-batches gives the same gradient, per loss type.
+
+TRL and ms-swift both shipped loss-scale bugs here: normalising by a micro-batch's own token count
+makes the gradient depend on the split. Every normaliser here is a count over the whole batch.
+"""
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from grpo.config import AlgoConfig
+from grpo.parallel.single import SingleStrategy
+from grpo.rollout.base import Rollouts
+from grpo.update import accumulate_gradients, collate, loss_norm, score_tokens
+
+
+def make_batch(tok, seed=0, B=8, T=6):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [[tok.bos_token_id] + torch.randint(4, 20, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g).tolist() for _ in range(B)]
+    lengths = torch.randint(1, T + 1, (B,), generator=g).tolist()  # ragged completions
+    comps = [torch.randint(4, 20, (n,), generator=g).tolist() for n in lengths]
+    logps = [(-torch.rand(n, generator=g)).tolist() for n in lengths]
+    reasons = ["length" if n == T else "stop" for n in lengths]
+    adv = torch.randn(B, generator=g)
+    return collate(prompts, Rollouts(comps, logps, reasons, 0), adv, tok.pad_token_id, mask_truncated=False)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_gradient_is_invariant_to_micro_batching(tiny_lm, loss_type):
+    model, tok = tiny_lm
+    batch = make_batch(tok)
+    algo = OmegaConf.structured(AlgoConfig(loss_type=loss_type, beta=0.05, clip_eps=0.1, is_level="token"))
+    # off-policy old logprobs (ratio != 1, some tokens clipped) and a reference for the KL term
+    noise = 0.3 * torch.randn(batch.completion_ids_BT.shape, generator=torch.Generator().manual_seed(1))
+    batch.old_logprobs_BT = score_tokens(model, batch, 1.0, 10_000) + noise
+    batch.ref_logprobs_BT = batch.old_logprobs_BT - 0.2
+    norm = loss_norm(batch, max_len=6, gen_tokens_per_step=float(batch.mask_BT.sum()))
+    L = batch.input_ids_BL.shape[1]
+
+    grads, clipped = [], []
+    for n_micro in (1, 2, 4):
+        m = copy.deepcopy(model)
+        algo.micro_batch_tokens = L * batch.size // n_micro
+        strategy = SingleStrategy(None, m, algo, total_steps=1)
+        stats = accumulate_gradients(strategy, batch, algo, norm, temperature=1.0)
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
+        clipped.append(stats["clipped_tokens"])
+    assert clipped[0] > 0, "the test batch should exercise clipping"
+    assert grads[0].abs().sum() > 0
+    for g in grads[1:]:
+        torch.testing.assert_close(g, grads[0], atol=1e-6, rtol=1e-4)
+
+
+def test_micro_batch_normaliser_would_break_invariance(tiny_lm):
+    """Control: normalising by each micro-batch's own tokens (the anchors' bug) does change it."""
+    model, tok = tiny_lm
+    batch = make_batch(tok)
+    algo = OmegaConf.structured(AlgoConfig(loss_type="bnpo"))
+    L = batch.input_ids_BL.shape[1]
+    grads = []
+    for n_micro in (1, 4):
+        m = copy.deepcopy(model)
+        algo.micro_batch_tokens = L * batch.size // n_micro
+        strategy = SingleStrategy(None, m, algo, total_steps=1)
+        for i in range(n_micro):
+            mb = batch.select(slice(i * batch.size // n_micro, (i + 1) * batch.size // n_micro))
+            accumulate_gradients(strategy, mb, algo, loss_norm(mb, 6, 1.0), temperature=1.0)
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
+    assert not torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)

@@ -1,0 +1,78 @@
+"""Tasks: the synthetic split, local jsonl files with row-level errors, and a resumable sampler."""
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from grpo.config import TaskConfig
+from grpo.tasks import TrainSampler, build_task
+from grpo.tasks.jsonl import DatasetError
+
+
+def task_cfg(**kw):
+    return OmegaConf.structured(TaskConfig(**kw))
+
+
+def test_addition_split_is_disjoint_and_correct():
+    task = build_task(task_cfg(name="addition", digits=2, eval_size=100))
+    assert len(task.train) == 9900 and len(task.eval) == 100
+    assert not {s.prompt for s in task.eval} & {s.prompt for s in task.train}
+    s = task.train[0]
+    a, b = s.prompt.rstrip("=").split("+")
+    assert s.answer == f"{int(a) + int(b):03d}" and len(a) == len(b) == 2
+
+
+def write(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_jsonl_task_loads_rows(tmp_path):
+    rows = [json.dumps({"prompt": f"q{i}", "answer": str(i), "level": i % 3}) for i in range(10)]
+    task = build_task(task_cfg(name="jsonl", path=write(tmp_path / "d.jsonl", rows), eval_size=3))
+    assert len(task.train) == 7 and len(task.eval) == 3
+    assert {"level"} == set(task.train[0].meta)
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (['{"prompt": "a", "answer": "1"}', "{not json"], "d.jsonl:2: not valid JSON"),
+        (['{"prompt": "a", "answer": "1"}', '{"prompt": "b"}'], "d.jsonl:2: field 'answer' is missing"),
+        (['{"prompt": "", "answer": "1"}'], "d.jsonl:1: field 'prompt' is missing or not a non-empty string"),
+        (['["a", "1"]'], "d.jsonl:1: expected a JSON object"),
+        ([""], "the file has no rows"),
+    ],
+)
+def test_malformed_or_empty_dataset_names_file_and_line(tmp_path, lines, message):
+    path = write(tmp_path / "d.jsonl", lines)
+    with pytest.raises(DatasetError) as e:
+        build_task(task_cfg(name="jsonl", path=path, eval_size=1))
+    assert message in str(e.value)
+
+
+def test_missing_dataset_file(tmp_path):
+    with pytest.raises(DatasetError, match="does not exist"):
+        build_task(task_cfg(name="jsonl", path=str(tmp_path / "nope.jsonl"), eval_size=1))
+
+
+def test_eval_size_leaving_no_training_rows(tmp_path):
+    path = write(tmp_path / "d.jsonl", ['{"prompt": "a", "answer": "1"}'] * 3)
+    with pytest.raises(DatasetError, match="leaves no training rows"):
+        build_task(task_cfg(name="jsonl", path=path, eval_size=3))
+
+
+def test_sampler_resumes_exactly_across_epochs():
+    task = build_task(task_cfg(name="addition", digits=1, eval_size=10))  # 90 training samples
+    full = TrainSampler(task.train, seed=3)
+    expected = [s.prompt for _ in range(7) for s in full.next(32)]  # crosses two epoch boundaries
+    first = TrainSampler(task.train, seed=3)
+    got = [s.prompt for _ in range(3) for s in first.next(32)]
+    resumed = TrainSampler(task.train, seed=3)
+    resumed.load_state_dict(first.state_dict())
+    got += [s.prompt for _ in range(4) for s in resumed.next(32)]
+    assert got == expected
+    # every epoch is a permutation: each sample once
+    one_epoch = TrainSampler(task.train, seed=3).next(90)
+    assert sorted(s.prompt for s in one_epoch) == sorted(s.prompt for s in task.train)

@@ -1,0 +1,75 @@
+"""End-to-end runs of `python -m grpo.train` on the embedded default."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from grpo.train import train
+from tests.conftest import FAST, ROOT
+
+
+def test_short_run_writes_its_run_folder(make_cfg, tmp_path):
+    summary = train(make_cfg())
+    run = tmp_path / "run"
+    assert {"config.yaml", "metrics.jsonl", "summary.json"} <= set(os.listdir(run))
+    on_disk = json.load(open(run / "summary.json"))
+    assert on_disk["steps"] == 3 and on_disk == pytest.approx(summary) or on_disk["steps"] == summary["steps"]
+    for key in ("eval_before", "eval_after", "steps", "wall_s"):
+        assert key in on_disk
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for key in ("reward/mean", "reward/std", "reward/zero_std_frac", "clip_frac", "kl", "entropy",
+                "completion_len", "tokens_per_s", "step_s", "weight_version"):
+        assert key in steps[0], key
+    assert [r["weight_version"] for r in steps] == [0, 1, 2]  # each batch sampled by the previous step's weights
+    assert os.path.isdir(run / "checkpoints" / "step_00000003")
+
+
+def test_every_algo_variant_runs(make_cfg):
+    for overrides in (
+        ["algo=dr_grpo"],
+        ["algo=dapo"],
+        ["algo.beta=0.04", "algo.num_iterations=2", "algo.num_minibatches=2", "algo.is_level=sequence", "algo.is_mode=mask"],
+    ):
+        cfg = make_cfg(*overrides, "steps=2", "resume=false")
+        summary = train(cfg)
+        assert summary["steps"] == 2
+
+
+def test_wandb_logger_offline(make_cfg, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    train(make_cfg("logger=wandb", "steps=2"))
+    runs = os.listdir(tmp_path / "run" / "wandb")
+    assert any(r.startswith("offline-run-") for r in runs), runs
+
+
+def test_cli_prints_the_figures(tmp_path, cache_dir):
+    cmd = [sys.executable, "-m", "grpo.train", *FAST, "steps=2", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "eval accuracy" in out.stdout and "in 2 steps" in out.stdout
+
+
+def test_cli_bad_config_exits_with_a_clear_message(tmp_path):
+    cmd = [sys.executable, "-m", "grpo.train", "algo.batch_size=30", f"hydra.run.dir={tmp_path}"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "algo.batch_size=30 is not a multiple of algo.group_size=16" in out.stderr
+
+
+@pytest.mark.slow
+def test_default_run_meets_the_learning_bar(tmp_path, cache_dir):
+    """The README's default run: held-out greedy accuracy up by >= 0.20 within 5 minutes."""
+    cmd = [sys.executable, "-m", "grpo.train", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.load(open(tmp_path / "summary.json"))
+    print(summary)
+    assert summary["eval_after"] - summary["eval_before"] >= 0.20
+    assert summary["wall_s"] < 300
