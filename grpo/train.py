@@ -112,7 +112,7 @@ def train(cfg: DictConfig) -> dict:
     reward_fns = build_rewards(cfg.reward)
     weights_F = [w for _, _, w in reward_fns]
     strategy = build_strategy(cfg.parallel, model, algo, cfg.steps * algo.num_iterations * algo.num_minibatches)
-    rollout = build_rollout(cfg.rollout, strategy.model, tokenizer)
+    rollout = build_rollout(cfg.rollout, strategy.model, tokenizer, model_path, cfg.model.dtype, cfg.seed)
     ref_model = build_reference(cfg, model_path)
     seed_everything(cfg.seed)  # again: a freshly built and a cached tiny model start the run alike
     sampler = TrainSampler(task.train, seed=cfg.seed)
@@ -160,7 +160,8 @@ def train(cfg: DictConfig) -> dict:
         if algo.zero_std_groups == "drop":
             batch = batch.select((~flat_PG).repeat_interleave(G))
 
-        # 4-6. logprobs, loss, backward and optimizer step(s)
+        # 4-6. logprobs, loss, backward and optimizer step(s); a colocated engine may sleep meanwhile
+        rollout.sleep()
         stats = {}
         if batch.size:
             stats = policy_update(strategy, batch, algo, cfg.rollout.max_new_tokens, sampling.temperature, ref_model)

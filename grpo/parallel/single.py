@@ -26,7 +26,10 @@ class SingleStrategy(Strategy):
         return float(norm)
 
     def weight_buckets(self, bucket_bytes: int):
-        return bucket_tensors(((n, p.detach()) for n, p in self.model.named_parameters()), bucket_bytes)
+        # remove_duplicate=False: tied weights (lm_head = embed_tokens) travel under both names,
+        # as engines that keep them separate need both
+        named = self.model.named_parameters(remove_duplicate=False)
+        return bucket_tensors(((n, p.detach()) for n, p in named), bucket_bytes)
 
     def save(self, folder: str) -> None:
         state = {

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
+from grpo.rollout.colocated import ColocatedBackend
 from grpo.rollout.hf import HFBackend
 
 BACKENDS = {
     "hf": HFBackend,
+    "colocated": ColocatedBackend,
 }
 
 
-def build_rollout(cfg, model, tokenizer) -> RolloutBackend:
-    return BACKENDS[cfg.backend](cfg, model, tokenizer)
+def build_rollout(cfg, model, tokenizer, model_path: str, dtype: str = "float32", seed: int = 0) -> RolloutBackend:
+    """`model` is the trainer's module (hf shares it); `model_path` the HF folder engines load."""
+    return BACKENDS[cfg.backend](cfg, model, tokenizer, model_path, dtype=dtype, seed=seed)
 
 
 def sampling_from(cfg, greedy: bool = False) -> Sampling:

@@ -8,7 +8,7 @@ from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets
 
 
 class HFBackend(RolloutBackend):
-    def __init__(self, cfg, model: torch.nn.Module, tokenizer):
+    def __init__(self, cfg, model: torch.nn.Module, tokenizer, model_path: str | None = None, **_):
         self.model, self.tokenizer = model, tokenizer
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         self.weight_version = 0

