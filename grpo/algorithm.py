@@ -57,9 +57,12 @@ def group_advantages(rewards_PG: torch.Tensor, scale: str = "group", eps: float 
     return torch.where(valid_PG, centred_PG, 0.0)
 
 
-def zero_std_groups(rewards_PG: torch.Tensor) -> torch.Tensor:
-    """bool_P: groups whose scored rewards are all equal (no learning signal)."""
-    return _nanstd(rewards_PG, dim=1) == 0
+def zero_std_groups(rewards_PG: torch.Tensor, tol: float = 1e-6) -> torch.Tensor:
+    """bool_P: groups whose scored rewards are all equal, within float noise (no learning signal)."""
+    valid_PG = ~torch.isnan(rewards_PG)
+    hi_P = torch.where(valid_PG, rewards_PG, -torch.inf).amax(dim=1)
+    lo_P = torch.where(valid_PG, rewards_PG, torch.inf).amin(dim=1)
+    return (hi_P - lo_P <= tol) | (valid_PG.sum(dim=1) < 2)
 
 
 def token_logprobs(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import time
 
 import numpy as np
 import torch
@@ -18,13 +19,18 @@ DONE = "COMPLETE"
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _fsync_dir(path: str) -> None:
@@ -36,10 +42,11 @@ def _fsync_dir(path: str) -> None:
 
 
 def _fsync_tree(path: str) -> None:
-    for name in os.listdir(path):
-        with open(os.path.join(path, name), "rb") as f:
-            os.fsync(f.fileno())
-    _fsync_dir(path)
+    for folder, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(folder)
 
 
 def save_checkpoint(run_dir: str, step: int, strategy, state: dict, keep: int = 2) -> str:
@@ -53,8 +60,10 @@ def save_checkpoint(run_dir: str, step: int, strategy, state: dict, keep: int = 
     torch.save({**state, "step": step, "rng": rng_state()}, os.path.join(tmp, "state.pt"))
     open(os.path.join(tmp, DONE), "w").close()
     _fsync_tree(tmp)
-    if os.path.exists(final):  # the same step saved again after a resume
-        shutil.rmtree(final)
+    old = None
+    if os.path.exists(final):  # the same step saved again: move the old one aside, never delete first
+        old = os.path.join(root, f".old-{name}-{os.getpid()}")
+        os.rename(final, old)
     os.rename(tmp, final)
     _fsync_dir(root)
     pointer = os.path.join(root, f".latest-{os.getpid()}")
@@ -64,6 +73,8 @@ def save_checkpoint(run_dir: str, step: int, strategy, state: dict, keep: int = 
         os.fsync(f.fileno())
     os.replace(pointer, os.path.join(root, "latest"))
     _fsync_dir(root)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
     _prune(root, keep, name)
     return final
 
@@ -74,19 +85,34 @@ def _prune(root: str, keep: int, newest: str) -> None:
         if d != newest:
             shutil.rmtree(os.path.join(root, d), ignore_errors=True)
     for d in os.listdir(root):  # leftovers of saves that were killed; this save has been renamed
-        if d.startswith(".tmp-"):
+        if d.startswith((".tmp-", ".old-")):
             shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
 def latest_checkpoint(run_dir: str) -> str | None:
-    pointer = os.path.join(run_dir, "checkpoints", "latest")
-    if not os.path.isfile(pointer):
+    """The checkpoint `latest` names; if a kill left it naming a missing folder, the newest
+    complete `step_*` folder instead."""
+    root = os.path.join(run_dir, "checkpoints")
+    pointer = os.path.join(root, "latest")
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            path = os.path.join(root, f.read().strip())
+        if os.path.isfile(os.path.join(path, DONE)):
+            return path
+    complete = sorted(d for d in os.listdir(root) if d.startswith("step_") and os.path.isfile(os.path.join(root, d, DONE))) if os.path.isdir(root) else []
+    return os.path.join(root, complete[-1]) if complete else None
+
+
+def set_aside_checkpoints(run_dir: str) -> str | None:
+    """`resume=false` in a folder that has checkpoints: keep them, but where a resume won't look."""
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
         return None
-    with open(pointer) as f:
-        path = os.path.join(run_dir, "checkpoints", f.read().strip())
-    if not os.path.isfile(os.path.join(path, DONE)):
-        raise RuntimeError(f"{pointer} names {path}, which is not a complete checkpoint; remove the pointer to start over.")
-    return path
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
+    while os.path.exists(aside := f"{root}.replaced-{stamp}-{n}"):
+        n += 1
+    os.rename(root, aside)
+    return aside
 
 
 def load_checkpoint(path: str, strategy) -> dict:

@@ -215,10 +215,25 @@ def validate(cfg: DictConfig | Config) -> None:
         raise ConfigError(f"algo.beta={a.beta} must be >= 0 (0 disables the KL term and the reference model).")
     if a.is_cap <= 1.0:
         raise ConfigError(f"algo.is_cap={a.is_cap} must be > 1: it caps the sampler/trainer probability ratio.")
-    if r.max_new_tokens < 1 or r.temperature < 0 or not 0 < r.top_p <= 1:
-        raise ConfigError("rollout.max_new_tokens must be >= 1, rollout.temperature >= 0, 0 < rollout.top_p <= 1.")
+    if r.max_new_tokens < 1 or r.temperature <= 0 or not 0 < r.top_p <= 1 or r.top_k < 0:
+        raise ConfigError(
+            "rollout.max_new_tokens must be >= 1, rollout.temperature > 0 (greedy rollouts make every group "
+            "flat; evaluation is greedy anyway), 0 < rollout.top_p <= 1 and rollout.top_k >= 0."
+        )
+    if a.is_level != "none" and (r.top_p < 1 or r.top_k > 0):
+        raise ConfigError(
+            "algo.is_level needs rollout.top_p=1 and rollout.top_k=0: with truncated sampling the sampler's "
+            "logprobs come from a renormalised distribution the trainer does not compute."
+        )
     if r.backend != "hf" and not 0 < r.vllm.memory_fraction < 1:
         raise ConfigError(f"rollout.vllm.memory_fraction={r.vllm.memory_fraction} must be between 0 and 1.")
+    if r.backend != "hf" and r.vllm.sleep:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "rollout.vllm.sleep=true needs a GPU: vLLM's CPU build has no sleep mode. Set rollout.vllm.sleep=false."
+            )
     if cfg.steps < 0 or cfg.task.eval_size < 1:
         raise ConfigError("steps must be >= 0 and task.eval_size >= 1.")
     if not cfg.reward.funcs:

@@ -29,7 +29,7 @@ def format_line(step: int, total: int, m: dict) -> str:
 
 
 class RunLogger:
-    def __init__(self, cfg, run_dir: str, total_steps: int, run_config: dict, enabled: bool = True, resume_step: int = 0):
+    def __init__(self, cfg, run_dir: str, total_steps: int, run_config: dict, enabled: bool = True, resume_step: int | None = None):
         self.cfg, self.total, self.enabled = cfg, total_steps, enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.wandb = None
@@ -79,11 +79,19 @@ class RunLogger:
             self.wandb.finish()
 
 
-def _truncate_after(path: str, step: int) -> None:
+def _step_of(line: str) -> int | None:
+    try:
+        return json.loads(line).get("step")
+    except json.JSONDecodeError:  # a line torn by a kill
+        return None
+
+
+def _truncate_after(path: str, step: int | None) -> None:
+    """Keep rows up to `step` (the checkpoint resumed from); None keeps nothing (a fresh start)."""
     if not os.path.exists(path):
         return
     with open(path, encoding="utf-8") as f:
-        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = [] if step is None else [line for line in f if (s := _step_of(line)) is not None and s <= step]
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(kept)

@@ -84,8 +84,10 @@ def warm_start(model, tokenizer, task, cfg, max_new_tokens: int, log=print) -> d
     on 256 training prompts reaches cfg.warm_start_accuracy. Returns what it measured."""
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warm_start_lr)
-    probe = task.train[:256]
-    train = task.train[256:]
+    n_probe = min(256, len(task.train) // 2)
+    probe, train = task.train[:n_probe], task.train[n_probe:]
+    if not probe or not train:
+        raise ValueError(f"the warm start needs at least 2 training samples; the task has {len(task.train)}.")
     t0, acc, step = time.perf_counter(), greedy_accuracy(model, tokenizer, probe, max_new_tokens), 0
     while acc < cfg.warm_start_accuracy and step < cfg.warm_start_max_steps:
         idx = torch.randint(len(train), (cfg.warm_start_batch,), generator=gen).tolist()
@@ -113,7 +115,7 @@ def warm_start(model, tokenizer, task, cfg, max_new_tokens: int, log=print) -> d
     return info
 
 
-def tiny_model_dir(cfg, task_cfg) -> str:
+def tiny_model_dir(cfg, task_cfg, max_new_tokens: int) -> str:
     """Cache folder of the tiny model: a hash of its recipe, the task it was warm-started on."""
     from omegaconf import OmegaConf
 
@@ -121,6 +123,7 @@ def tiny_model_dir(cfg, task_cfg) -> str:
         "format": TINY_FORMAT,
         "tiny": OmegaConf.to_container(cfg.tiny, resolve=True) if not isinstance(cfg.tiny, dict) else cfg.tiny,
         "task": {k: task_cfg[k] for k in ("name", "seed", "digits", "eval_size", "path")},
+        "max_new_tokens": max_new_tokens,  # the warm start's greedy checks decode this far
     }
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     return os.path.join(os.path.expanduser(cfg.cache_dir), f"tiny-{key}")
@@ -129,7 +132,7 @@ def tiny_model_dir(cfg, task_cfg) -> str:
 def ensure_tiny_model(cfg, task_cfg, task, max_new_tokens: int, log=print) -> str:
     """Build, warm-start and save the tiny model unless the cache already holds it. Atomic: the
     folder is written under a temporary name and renamed, so a killed build leaves no half model."""
-    path = tiny_model_dir(cfg, task_cfg)
+    path = tiny_model_dir(cfg, task_cfg, max_new_tokens)
     if os.path.isfile(os.path.join(path, "grpo_tiny.json")):
         return path
     log(f"building the tiny model in {path}")

@@ -22,6 +22,7 @@ import random
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import hydra
 import numpy as np
@@ -29,7 +30,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from grpo.algorithm import combine_rewards, group_advantages, zero_std_groups
-from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_aside_checkpoints
 from grpo.config import ConfigError, register_configs, validate
 from grpo.log import RunLogger
 from grpo.models import ensure_tiny_model, load_model
@@ -45,7 +46,7 @@ register_configs()
 
 def build_policy(cfg, task, log=print):
     """Policy model and tokenizer; `model.path=tiny` builds (or reuses) the embedded model."""
-    path = cfg.model.path
+    path = os.path.expanduser(cfg.model.path)
     if path == "tiny":
         path = ensure_tiny_model(cfg.model, cfg.task, task, cfg.rollout.max_new_tokens, log)
     model, tokenizer = load_model(path, cfg.model.dtype)
@@ -121,12 +122,19 @@ def train(cfg: DictConfig) -> dict:
 
     start, eval_before = 0, None
     ckpt = latest_checkpoint(run_dir) if cfg.resume else None
+    if not cfg.resume and (aside := set_aside_checkpoints(run_dir)):
+        print(f"resume=false: the folder's earlier checkpoints were moved to {aside}")
     if ckpt:
         state = load_checkpoint(ckpt, strategy)
         start, eval_before = state["step"], state["eval_before"]
         sampler.load_state_dict(state["sampler"])
         rollout.update_weights(strategy.weight_buckets(bucket_bytes), version=start)
-    logger = RunLogger(cfg.logger, run_dir, cfg.steps, resolved, resume_step=start)
+    if start >= cfg.steps and os.path.exists(os.path.join(run_dir, "summary.json")):
+        print(f"{run_dir} already finished {start} steps; raise `steps` to train further.")
+        rollout.close()
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            return json.load(f)
+    logger = RunLogger(cfg.logger, run_dir, cfg.steps, resolved, resume_step=start if ckpt else None)
     if ckpt:
         logger.info(f"resumed from {ckpt} at step {start}")
     else:
@@ -140,7 +148,7 @@ def train(cfg: DictConfig) -> dict:
         # 1. sample: B prompts, G completions each, the whole batch handed over at once
         samples = sampler.next(B)
         prompt_ids = encode_prompts(tokenizer, samples)
-        rollouts = rollout.generate(prompt_ids, G, sampling)
+        rollouts = rollout.generate(prompt_ids, G, replace(sampling, seed=(cfg.seed * 1_000_003 + step) * 65_536))
         t_gen = time.perf_counter()
 
         # 2. score: every reward function on every completion, weighted sum per completion
@@ -162,9 +170,7 @@ def train(cfg: DictConfig) -> dict:
 
         # 4-6. logprobs, loss, backward and optimizer step(s); a colocated engine may sleep meanwhile
         rollout.sleep()
-        stats = {}
-        if batch.size:
-            stats = policy_update(strategy, batch, algo, cfg.rollout.max_new_tokens, sampling.temperature, ref_model)
+        stats = policy_update(strategy, batch, algo, cfg.rollout.max_new_tokens, sampling.temperature, ref_model)
         t_update = time.perf_counter()
 
         # 7. push the new weights to the rollout engine(s)

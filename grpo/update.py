@@ -129,26 +129,36 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
     return sums
 
 
-def policy_update(strategy, batch: Batch, algo, max_len: int, temperature: float, ref_model=None) -> dict[str, float]:
+def policy_update(
+    strategy, batch: Batch, algo, max_len: int, temperature: float, ref_model=None
+) -> dict[str, float]:
     """num_iterations passes over the batch, each cut into num_minibatches optimizer steps.
 
-    On-policy (one pass, one step) the old logprobs are the current ones, detached. Otherwise they
-    are computed once before any update, so every step's ratio is against the sampling policy.
+    The batch holds whole groups of G consecutive rows (zero-std groups may have been dropped);
+    minibatches are cut between groups. On-policy (one pass, one step) the old logprobs are the
+    current ones, detached; otherwise they are computed once before any update, so every step's
+    ratio is against the sampling policy. Every optimizer step is taken even when its minibatch is
+    empty (all its groups dropped), so the LR schedule and, across ranks, the collectives stay in
+    step.
     """
-    if algo.num_iterations > 1 or algo.num_minibatches > 1:
+    G = algo.group_size
+    if batch.size and (algo.num_iterations > 1 or algo.num_minibatches > 1):
         batch = replace(batch, old_logprobs_BT=score_tokens(strategy.model, batch, temperature, algo.micro_batch_tokens))
-    if algo.beta > 0:
+    if batch.size and algo.beta > 0:
         batch = replace(batch, ref_logprobs_BT=score_tokens(ref_model, batch, temperature, algo.micro_batch_tokens))
     gen_tokens_per_step = float(batch.mask_BT.sum()) / algo.num_minibatches
+    group_chunks = torch.arange(batch.size // G).tensor_split(algo.num_minibatches)
     totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0, "tokens": 0.0, "grad_norm": 0.0}
     steps = 0
     for _ in range(algo.num_iterations):
-        for idx in torch.arange(batch.size).tensor_split(algo.num_minibatches):
-            mb = batch.select(idx)
-            norm = loss_norm(mb, max_len, gen_tokens_per_step)
-            for k, v in accumulate_gradients(strategy, mb, algo, norm, temperature).items():
-                totals[k] += v
-            totals["tokens"] += norm.num_tokens
+        for groups in group_chunks:
+            rows = (groups[:, None] * G + torch.arange(G)).flatten()
+            if rows.numel():
+                mb = batch.select(rows)
+                norm = loss_norm(mb, max_len, gen_tokens_per_step)
+                for k, v in accumulate_gradients(strategy, mb, algo, norm, temperature).items():
+                    totals[k] += v
+                totals["tokens"] += norm.num_tokens
             totals["grad_norm"] += strategy.step()
             steps += 1
     tokens = max(totals["tokens"], 1.0)
@@ -158,5 +168,5 @@ def policy_update(strategy, batch: Batch, algo, max_len: int, temperature: float
         "clip_frac": totals["clipped_tokens"] / tokens,
         "kl": totals["kl_sum"] / tokens,
         "entropy": totals["entropy_sum"] / tokens,
-        "optimizer_steps": steps,
+        "trained_completions": batch.size,
     }

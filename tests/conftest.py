@@ -20,7 +20,6 @@ FAST = [
     "algo.batch_size=32",
     "algo.group_size=4",
     "algo.warmup_steps=1",
-    "task.eval_size=32",
     "logger.log_every=1",
     "logger.sample_every=0",
     "checkpoint_every=0",

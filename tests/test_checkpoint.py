@@ -57,6 +57,26 @@ def test_kill_during_save_leaves_last_good_checkpoint(tmp_path, tiny_lm, monkeyp
     assert left == ["latest", "step_00000003"]
 
 
+def test_kill_while_replacing_the_same_step_falls_back_to_a_complete_one(tmp_path, tiny_lm, monkeypatch):
+    strategy = strategy_for(tiny_lm[0])
+    save_checkpoint(str(tmp_path), 1, strategy, {}, keep=5)
+    save_checkpoint(str(tmp_path), 2, strategy, {}, keep=5)
+    real_rename = os.rename
+
+    def dies_after_moving_aside(src, dst):  # step 2 is being saved again; die mid-replacement
+        real_rename(src, dst)
+        if os.path.basename(dst).startswith(".old-"):
+            raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(os, "rename", dies_after_moving_aside)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(str(tmp_path), 2, strategy, {}, keep=5)
+    monkeypatch.undo()
+    # `latest` names step 2, which is not in place: the newest complete checkpoint is used instead
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000002"
+    assert latest_checkpoint(str(tmp_path)).endswith("step_00000001")
+
+
 def test_keep_prunes_old_checkpoints(tmp_path, tiny_lm):
     strategy = strategy_for(tiny_lm[0])
     for step in (1, 2, 3, 4):
@@ -84,8 +104,16 @@ def test_killed_run_resumes_to_the_same_results(tmp_path, cache_dir):
 
     victim = run_train(tmp_path / "killed", cache_dir, *args)
     latest = tmp_path / "killed" / "checkpoints" / "latest"
+    log = tmp_path / "killed" / "metrics.jsonl"
+
+    def logged_past_checkpoint() -> bool:  # rows the resume must discard and redo
+        if not latest.exists() or not log.exists():
+            return False
+        saved = int(latest.read_text().strip().split("_")[1])
+        return any(json.loads(line)["step"] >= saved + 2 for line in log.read_text().splitlines() if line.endswith("}"))
+
     deadline = time.time() + 300
-    while not latest.exists() and time.time() < deadline:
+    while not logged_past_checkpoint() and time.time() < deadline:
         time.sleep(0.005)
     alive_at_kill = victim.poll() is None
     victim.send_signal(signal.SIGKILL)

@@ -23,6 +23,7 @@ class Sampling:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    seed: int | None = None  # engines with their own sampler RNG seed it from this (resumable runs)
 
 
 @dataclass

@@ -55,17 +55,23 @@ def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1):
     )
 
 
-def sampling_params(n: int, s: Sampling):
+def sampling_params(n: int, s: Sampling, num_prompts: int):
+    """One SamplingParams per prompt; with a seed, prompt i draws from seed + i, so a resumed run
+    samples what an uninterrupted one would have."""
     from vllm import SamplingParams
 
-    return SamplingParams(
-        n=n,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        max_tokens=s.max_new_tokens,
-        logprobs=0,  # the sampled token's own logprob
-    )
+    return [
+        SamplingParams(
+            n=n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_tokens=s.max_new_tokens,
+            logprobs=0,  # the sampled token's own logprob
+            seed=None if s.seed is None else s.seed + i,
+        )
+        for i in range(num_prompts)
+    ]
 
 
 def to_rollouts(outputs, version: int) -> Rollouts:
@@ -92,7 +98,7 @@ class ColocatedBackend(RolloutBackend):
 
         self.wake()
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
-        outputs = self.llm.generate(prompts, sampling_params(n, sampling), use_tqdm=False)
+        outputs = self.llm.generate(prompts, sampling_params(n, sampling, len(prompts)), use_tqdm=False)
         return to_rollouts(outputs, self.weight_version)
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:

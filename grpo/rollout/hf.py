@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from transformers import GenerationConfig
 
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets
 
@@ -22,19 +23,20 @@ class HFBackend(RolloutBackend):
         greedy = sampling.temperature == 0
         was_training = self.model.training
         self.model.eval()
-        out = self.model.generate(
-            input_ids=ids_BL,
-            attention_mask=mask_BL,
+        # An explicit GenerationConfig: a hub model's own defaults (repetition penalty, ...) would
+        # make the sampler's distribution differ from the one the trainer scores.
+        gen_cfg = GenerationConfig(
             do_sample=not greedy,
             temperature=None if greedy else sampling.temperature,
             top_p=None if greedy else sampling.top_p,
-            top_k=None if greedy or sampling.top_k == 0 else sampling.top_k,
+            top_k=None if greedy else sampling.top_k,  # 0 = off (GenerationConfig's default is 50)
             max_new_tokens=sampling.max_new_tokens,
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_id,
             output_scores=True,  # the processed logits the sampler drew from
             return_dict_in_generate=True,
         )
+        out = self.model.generate(input_ids=ids_BL, attention_mask=mask_BL, generation_config=gen_cfg)
         self.model.train(was_training)
         new_BT = out.sequences[:, width:]
         scores_BTV = torch.stack(out.scores, dim=1).float()
