@@ -15,6 +15,8 @@ import time
 import numpy as np
 import torch
 
+from grpo import dist
+
 DONE = "COMPLETE"
 
 
@@ -50,14 +52,25 @@ def _fsync_tree(path: str) -> None:
 
 
 def save_checkpoint(run_dir: str, step: int, strategy, state: dict, keep: int = 2) -> str:
+    """Every rank calls this. Rank 0 owns the folder; each rank adds its own RNG state."""
     root = os.path.join(run_dir, "checkpoints")
-    os.makedirs(root, exist_ok=True)
     name = f"step_{step:08d}"
-    final, tmp = os.path.join(root, name), os.path.join(root, f".tmp-{name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    final, tmp = os.path.join(root, name), os.path.join(root, f".tmp-{name}")
+    if dist.rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
     strategy.save(tmp)
-    torch.save({**state, "step": step, "rng": rng_state()}, os.path.join(tmp, "state.pt"))
+    torch.save({**state, "step": step, "rng": rng_state()}, os.path.join(tmp, f"state_rank{dist.rank()}.pt"))
+    dist.barrier()
+    if dist.rank() == 0:
+        _publish(root, name, tmp, final, keep)
+    dist.barrier()
+    return final
+
+
+def _publish(root: str, name: str, tmp: str, final: str, keep: int) -> None:
     open(os.path.join(tmp, DONE), "w").close()
     _fsync_tree(tmp)
     old = None
@@ -76,7 +89,6 @@ def save_checkpoint(run_dir: str, step: int, strategy, state: dict, keep: int = 
     if old:
         shutil.rmtree(old, ignore_errors=True)
     _prune(root, keep, name)
-    return final
 
 
 def _prune(root: str, keep: int, newest: str) -> None:
@@ -116,8 +128,10 @@ def set_aside_checkpoints(run_dir: str) -> str | None:
 
 
 def load_checkpoint(path: str, strategy) -> dict:
-    """Restore the strategy's state and the RNG; returns the trainer state (step, data position...)."""
+    """Restore the strategy's state and this rank's RNG; returns the trainer state (step, data
+    position...). A rank the checkpoint has no state for (the run grew) takes rank 0's."""
     strategy.load(path)
-    state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
+    own = os.path.join(path, f"state_rank{dist.rank()}.pt")
+    state = torch.load(own if os.path.exists(own) else os.path.join(path, "state_rank0.pt"), map_location="cpu", weights_only=False)
     set_rng_state(state.pop("rng"))
     return state

@@ -201,6 +201,16 @@ def validate(cfg: DictConfig | Config) -> None:
             f"needs a full group. Use e.g. algo.batch_size={max(1, a.batch_size // a.group_size) * a.group_size}."
         )
     prompts = a.batch_size // a.group_size
+    from grpo.dist import dist_info
+
+    world = dist_info().world_size
+    if prompts % world:
+        raise ConfigError(
+            f"algo.batch_size / algo.group_size = {prompts} prompts per step cannot be shared evenly by {world} "
+            f"processes; make it a multiple of {world}."
+        )
+    if world > 1 and cfg.parallel.strategy == "single":
+        raise ConfigError(f"{world} processes were launched but parallel=single; use parallel=ddp.")
     if a.num_minibatches < 1 or prompts % a.num_minibatches:
         raise ConfigError(
             f"algo.num_minibatches={a.num_minibatches} must be >= 1 and divide the {prompts} prompts per step "

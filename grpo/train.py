@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from grpo.algorithm import combine_rewards, group_advantages, zero_std_groups
 from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_aside_checkpoints
 from grpo.config import ConfigError, register_configs, validate
+from grpo.dist import DistInfo, all_reduce_sum, barrier, broadcast_object, dist_info, init_distributed
 from grpo.log import RunLogger
 from grpo.models import ensure_tiny_model, load_model
 from grpo.parallel import build_strategy
@@ -44,13 +45,18 @@ from grpo.update import collate, policy_update
 register_configs()
 
 
-def build_policy(cfg, task, log=print):
-    """Policy model and tokenizer; `model.path=tiny` builds (or reuses) the embedded model."""
+def build_policy(cfg, task, info: DistInfo, log=print):
+    """Policy model and tokenizer on this rank's device; `model.path=tiny` builds (or reuses) the
+    embedded model, on each node's local rank 0 first."""
     path = os.path.expanduser(cfg.model.path)
     if path == "tiny":
+        if info.local_rank == 0:
+            ensure_tiny_model(cfg.model, cfg.task, task, cfg.rollout.max_new_tokens, log)
+        barrier()
         path = ensure_tiny_model(cfg.model, cfg.task, task, cfg.rollout.max_new_tokens, log)
     model, tokenizer = load_model(path, cfg.model.dtype)
-    model.train()
+    device = torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    model.to(device).train()
     return model, tokenizer, path
 
 
@@ -66,12 +72,23 @@ def encode_prompts(tokenizer, samples) -> list[list[int]]:
     return [tokenizer(s.prompt).input_ids for s in samples]
 
 
-def evaluate(rollout, tokenizer, task, cfg) -> dict[str, float]:
-    """Greedy held-out accuracy through the configured rollout backend."""
-    samples = task.eval
+def evaluate(rollout, tokenizer, task, cfg, info: DistInfo) -> dict[str, float]:
+    """Greedy held-out accuracy through the configured rollout backend; each rank takes a share."""
+    samples = task.eval[info.rank :: info.world_size]
     out = rollout.generate(encode_prompts(tokenizer, samples), 1, sampling_from(cfg.rollout, greedy=True))
     texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-    return {"eval/accuracy": sum(task.is_correct(t, s) for t, s in zip(texts, samples)) / len(samples)}
+    correct, total = all_reduce_sum([sum(task.is_correct(t, s) for t, s in zip(texts, samples)), len(samples)])
+    return {"eval/accuracy": correct / total}
+
+
+def reduce_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float]:
+    """Mean over ranks (every rank holds the same number of prompts); throughputs are summed."""
+    if info.world_size == 1:
+        return metrics
+    keys = sorted(metrics)
+    sums = all_reduce_sum([float(metrics[k]) for k in keys])
+    summed = {"tokens_per_s", "gen_tokens_per_s", "trained_completions"}
+    return {k: v if k in summed else v / info.world_size for k, v in zip(keys, sums)}
 
 
 def seed_everything(seed: int) -> None:
@@ -97,48 +114,54 @@ def write_json(path: str, data: dict) -> None:
 
 def train(cfg: DictConfig) -> dict:
     validate(cfg)
+    info = dist_info()
+    init_distributed(info)
     t_start = time.perf_counter()
-    run_dir = os.path.abspath(cfg.run_dir)
+    run_dir = broadcast_object(os.path.abspath(cfg.run_dir))  # every rank uses rank 0's folder
     os.makedirs(run_dir, exist_ok=True)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        f.write(OmegaConf.to_yaml(resolved))
+    resolved["run_dir"] = run_dir
+    if info.is_main:
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            f.write(OmegaConf.to_yaml(resolved))
     seed_everything(cfg.seed)  # model init and anything else in setup
 
     # ---- setup: task, model, rewards, strategy, rollout backend ----
     algo, G = cfg.algo, cfg.algo.group_size
-    B = algo.batch_size // G  # prompts per step
+    B = algo.batch_size // G // info.world_size  # prompts per step on this rank
     task = build_task(cfg.task)
-    model, tokenizer, model_path = build_policy(cfg, task)
+    model, tokenizer, model_path = build_policy(cfg, task, info)
     reward_fns = build_rewards(cfg.reward)
     weights_F = [w for _, _, w in reward_fns]
     strategy = build_strategy(cfg.parallel, model, algo, cfg.steps * algo.num_iterations * algo.num_minibatches)
     rollout = build_rollout(cfg.rollout, strategy.model, tokenizer, model_path, cfg.model.dtype, cfg.seed)
     ref_model = build_reference(cfg, model_path)
-    seed_everything(cfg.seed)  # again: a freshly built and a cached tiny model start the run alike
+    seed_everything(cfg.seed + info.rank)  # again: a fresh and a cached tiny model start alike
     sampler = TrainSampler(task.train, seed=cfg.seed)
     sampling = sampling_from(cfg.rollout)
     bucket_bytes = int(cfg.parallel.sync_bucket_mb * 2**20)
 
     start, eval_before = 0, None
-    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
-    if not cfg.resume and (aside := set_aside_checkpoints(run_dir)):
+    ckpt = broadcast_object(latest_checkpoint(run_dir) if cfg.resume else None)
+    if not cfg.resume and info.is_main and (aside := set_aside_checkpoints(run_dir)):
         print(f"resume=false: the folder's earlier checkpoints were moved to {aside}")
+    barrier()
     if ckpt:
         state = load_checkpoint(ckpt, strategy)
         start, eval_before = state["step"], state["eval_before"]
         sampler.load_state_dict(state["sampler"])
         rollout.update_weights(strategy.weight_buckets(bucket_bytes), version=start)
     if start >= cfg.steps and os.path.exists(os.path.join(run_dir, "summary.json")):
-        print(f"{run_dir} already finished {start} steps; raise `steps` to train further.")
+        if info.is_main:
+            print(f"{run_dir} already finished {start} steps; raise `steps` to train further.")
         rollout.close()
         with open(os.path.join(run_dir, "summary.json")) as f:
             return json.load(f)
-    logger = RunLogger(cfg.logger, run_dir, cfg.steps, resolved, resume_step=start if ckpt else None)
+    logger = RunLogger(cfg.logger, run_dir, cfg.steps, resolved, enabled=info.is_main, resume_step=start if ckpt else None)
     if ckpt:
         logger.info(f"resumed from {ckpt} at step {start}")
     else:
-        eval_before = evaluate(rollout, tokenizer, task, cfg)["eval/accuracy"]
+        eval_before = evaluate(rollout, tokenizer, task, cfg, info)["eval/accuracy"]
         logger.log(0, {"eval/accuracy": eval_before}, console=True)
 
     gen_tokens_total, gen_time_total = 0, 0.0
@@ -146,9 +169,9 @@ def train(cfg: DictConfig) -> dict:
         t0 = time.perf_counter()
 
         # 1. sample: B prompts, G completions each, the whole batch handed over at once
-        samples = sampler.next(B)
+        samples = sampler.next(B * info.world_size)[info.rank * B : (info.rank + 1) * B]  # this rank's share
         prompt_ids = encode_prompts(tokenizer, samples)
-        rollouts = rollout.generate(prompt_ids, G, replace(sampling, seed=(cfg.seed * 1_000_003 + step) * 65_536))
+        rollouts = rollout.generate(prompt_ids, G, replace(sampling, seed=((cfg.seed * 1_000_003 + step) * 256 + info.rank) * 65_536))
         t_gen = time.perf_counter()
 
         # 2. score: every reward function on every completion, weighted sum per completion
@@ -201,8 +224,8 @@ def train(cfg: DictConfig) -> dict:
             "time/sync_s": t_end - t_update,
         }
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
-            metrics.update(evaluate(rollout, tokenizer, task, cfg))
-        logger.log(step, metrics)
+            metrics.update(evaluate(rollout, tokenizer, task, cfg, info))
+        logger.log(step, reduce_metrics(metrics, info))
         if cfg.logger.sample_every and step % cfg.logger.sample_every == 0:
             rows = [(samples_BG[i].prompt, completions[i], float(rewards_PG.flatten()[i])) for i in range(0, len(completions), G)]
             logger.samples(step, rows[: cfg.logger.num_samples])
@@ -210,7 +233,7 @@ def train(cfg: DictConfig) -> dict:
             save_checkpoint(run_dir, step, strategy, {"sampler": sampler.state_dict(), "eval_before": eval_before}, cfg.keep_checkpoints)
 
     # ---- end: final evaluation, checkpoint and summary ----
-    eval_after = evaluate(rollout, tokenizer, task, cfg)["eval/accuracy"]
+    eval_after = evaluate(rollout, tokenizer, task, cfg, info)["eval/accuracy"]
     logger.log(cfg.steps, {"eval/accuracy": eval_after}, console=True)
     if cfg.steps > start:
         save_checkpoint(run_dir, cfg.steps, strategy, {"sampler": sampler.state_dict(), "eval_before": eval_before}, cfg.keep_checkpoints)
@@ -225,7 +248,8 @@ def train(cfg: DictConfig) -> dict:
         "model_path": model_path,
         "git_revision": git_revision(),
     }
-    write_json(os.path.join(run_dir, "summary.json"), summary)
+    if info.is_main:
+        write_json(os.path.join(run_dir, "summary.json"), summary)
     logger.info(
         f"eval accuracy {eval_before:.3f} -> {eval_after:.3f} ({summary['eval_gain']:+.3f}) in {cfg.steps} steps, "
         f"{summary['wall_s']:.1f}s wall; run folder {run_dir}"

@@ -31,6 +31,10 @@ class Batch:
     def size(self) -> int:
         return self.input_ids_BL.shape[0]
 
+    def to(self, device) -> "Batch":
+        return Batch(**{f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
+                        else getattr(self, f.name) for f in fields(self)})
+
     def select(self, idx) -> "Batch":
         picked = {
             f.name: getattr(self, f.name)[idx] if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name)
@@ -64,7 +68,8 @@ def collate(
 
 
 def forward_logprobs(model, batch: Batch, temperature: float, with_entropy: bool = False):
-    """Per-token logprobs of the completion under `model` -> logprobs_BT (and entropy_BT)."""
+    """Per-token logprobs of the completion under `model` -> logprobs_BT (and entropy_BT).
+    `batch` must already be on the model's device."""
     logits_BLV = model(
         input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, position_ids=batch.position_ids_BL
     ).logits
@@ -87,7 +92,8 @@ def micro_batches(batch: Batch, max_tokens: int) -> list[Batch]:
 def score_tokens(model, batch: Batch, temperature: float, max_tokens: int) -> torch.Tensor:
     was_training = model.training
     model.eval()
-    out = torch.cat([forward_logprobs(model, mb, temperature)[0] for mb in micro_batches(batch, max_tokens)])
+    device = next(model.parameters()).device
+    out = torch.cat([forward_logprobs(model, mb.to(device), temperature)[0].cpu() for mb in micro_batches(batch, max_tokens)])
     model.train(was_training)
     return out
 
@@ -104,7 +110,9 @@ def loss_norm(batch: Batch, max_len: int, gen_tokens_per_step: float) -> LossNor
 def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperature: float) -> dict[str, float]:
     """Forward + backward over micro-batches of `batch`; gradients add up to the full batch's."""
     sums = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0}
+    device = next(strategy.model.parameters()).device
     for mb in micro_batches(batch, algo.micro_batch_tokens):
+        mb = mb.to(device)
         logp_BT, ent_BT = forward_logprobs(strategy.model, mb, temperature, with_entropy=True)
         old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else logp_BT.detach()
         w_BT = importance_weights(old_BT, mb.sampler_logprobs_BT, mb.mask_BT, algo.is_level, algo.is_mode, algo.is_cap)
@@ -146,19 +154,23 @@ def policy_update(
         batch = replace(batch, old_logprobs_BT=score_tokens(strategy.model, batch, temperature, algo.micro_batch_tokens))
     if batch.size and algo.beta > 0:
         batch = replace(batch, ref_logprobs_BT=score_tokens(ref_model, batch, temperature, algo.micro_batch_tokens))
-    gen_tokens_per_step = float(batch.mask_BT.sum()) / algo.num_minibatches
+    # normalisers count the whole optimizer batch on every rank; each rank joins every reduction,
+    # also with an empty minibatch
+    gen_tokens_per_step = strategy.reduce_counts([float(batch.mask_BT.sum())])[0] / algo.num_minibatches
     group_chunks = torch.arange(batch.size // G).tensor_split(algo.num_minibatches)
     totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0, "tokens": 0.0, "grad_norm": 0.0}
     steps = 0
     for _ in range(algo.num_iterations):
         for groups in group_chunks:
             rows = (groups[:, None] * G + torch.arange(G)).flatten()
+            mb = batch.select(rows)
+            local = loss_norm(mb, max_len, gen_tokens_per_step)
+            num_seqs, num_tokens = strategy.reduce_counts([local.num_seqs, local.num_tokens])
+            norm = replace(local, num_seqs=int(num_seqs), num_tokens=int(num_tokens))
             if rows.numel():
-                mb = batch.select(rows)
-                norm = loss_norm(mb, max_len, gen_tokens_per_step)
                 for k, v in accumulate_gradients(strategy, mb, algo, norm, temperature).items():
                     totals[k] += v
-                totals["tokens"] += norm.num_tokens
+                totals["tokens"] += local.num_tokens
             totals["grad_norm"] += strategy.step()
             steps += 1
     tokens = max(totals["tokens"], 1.0)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from grpo.parallel.base import Strategy
+from grpo.parallel.ddp import DDPStrategy
 from grpo.parallel.single import SingleStrategy
 
 STRATEGIES = {
     "single": SingleStrategy,
+    "ddp": DDPStrategy,
 }
 
 

@@ -47,6 +47,10 @@ class Strategy(ABC):
     @abstractmethod
     def backward(self, loss: torch.Tensor) -> None: ...
 
+    def reduce_counts(self, values: list[float]) -> list[float]:
+        """Sum over ranks of per-rank counts (tokens, sequences): loss normalisers are global."""
+        return list(values)
+
     @abstractmethod
     def step(self) -> float:
         """Clip, optimizer step, scheduler step, zero grads; returns the gradient norm."""

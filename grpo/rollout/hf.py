@@ -36,10 +36,11 @@ class HFBackend(RolloutBackend):
             output_scores=True,  # the processed logits the sampler drew from
             return_dict_in_generate=True,
         )
-        out = self.model.generate(input_ids=ids_BL, attention_mask=mask_BL, generation_config=gen_cfg)
+        device = next(self.model.parameters()).device
+        out = self.model.generate(input_ids=ids_BL.to(device), attention_mask=mask_BL.to(device), generation_config=gen_cfg)
         self.model.train(was_training)
-        new_BT = out.sequences[:, width:]
-        scores_BTV = torch.stack(out.scores, dim=1).float()
+        new_BT = out.sequences[:, width:].cpu()
+        scores_BTV = torch.stack(out.scores, dim=1).float().cpu()
         logprobs_BT = torch.log_softmax(scores_BTV, dim=-1).gather(-1, new_BT.unsqueeze(-1)).squeeze(-1)
         completions, logprobs, reasons = [], [], []
         for tokens, lps in zip(new_BT.tolist(), logprobs_BT.tolist()):
