@@ -79,6 +79,16 @@ class VLLMConfig:
 
 
 @dataclass
+class RemoteConfig:
+    urls: list[str] = field(default_factory=list)  # e.g. [http://node7:8000, http://node8:8000]
+    token: Optional[str] = "${oc.env:GRPO_SERVE_TOKEN,null}"  # shared secret of the servers' weight routes
+    health_timeout_s: float = 300.0  # wait this long for every server's /health before failing
+    request_timeout_s: float = 600.0
+    transfer_host: Optional[str] = None  # this trainer's address as the servers see it (auto)
+    tensor_parallel_size: int = 1  # of each server: its workers all join the weight transfer
+
+
+@dataclass
 class RolloutConfig:
     backend: str = MISSING  # a key of grpo.rollout.BACKENDS
     max_new_tokens: int = 8
@@ -86,6 +96,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
 
 
 @dataclass
@@ -237,6 +248,8 @@ def validate(cfg: DictConfig | Config) -> None:
         )
     if r.backend != "hf" and not 0 < r.vllm.memory_fraction < 1:
         raise ConfigError(f"rollout.vllm.memory_fraction={r.vllm.memory_fraction} must be between 0 and 1.")
+    if r.backend == "remote" and not r.remote.urls:
+        raise ConfigError("rollout=remote needs rollout.remote.urls=[http://host:port,...]: start them with `python -m grpo.serve`.")
     if r.backend != "hf" and r.vllm.sleep:
         import torch
 

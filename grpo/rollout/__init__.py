@@ -5,10 +5,12 @@ from __future__ import annotations
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.rollout.colocated import ColocatedBackend
 from grpo.rollout.hf import HFBackend
+from grpo.rollout.remote import RemoteBackend
 
 BACKENDS = {
     "hf": HFBackend,
     "colocated": ColocatedBackend,
+    "remote": RemoteBackend,
 }
 
 
