@@ -89,6 +89,13 @@ class RemoteConfig:
 
 
 @dataclass
+class DedicatedConfig:
+    devices: Any = "auto"  # auto (the node's GPUs training does not use; CPU without GPUs) or [cuda:4, ...]
+    num_engines: int = 1  # engines per node; the reserved devices are split evenly between them
+    start_timeout_s: float = 600.0  # engines must answer /health within this
+
+
+@dataclass
 class RolloutConfig:
     backend: str = MISSING  # a key of grpo.rollout.BACKENDS
     max_new_tokens: int = 8
@@ -97,6 +104,7 @@ class RolloutConfig:
     top_k: int = 0  # 0 = off
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
+    dedicated: DedicatedConfig = field(default_factory=DedicatedConfig)
 
 
 @dataclass
@@ -248,6 +256,15 @@ def validate(cfg: DictConfig | Config) -> None:
         )
     if r.backend != "hf" and not 0 < r.vllm.memory_fraction < 1:
         raise ConfigError(f"rollout.vllm.memory_fraction={r.vllm.memory_fraction} must be between 0 and 1.")
+    if r.backend == "dedicated":
+        from grpo.rollout.dedicated import DeviceError, pick_devices
+
+        if r.dedicated.num_engines < 1:
+            raise ConfigError(f"rollout.dedicated.num_engines={r.dedicated.num_engines} must be at least 1.")
+        try:
+            pick_devices(r.dedicated.devices, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        except DeviceError as e:
+            raise ConfigError(str(e)) from e
     if r.backend == "remote" and not r.remote.urls:
         raise ConfigError("rollout=remote needs rollout.remote.urls=[http://host:port,...]: start them with `python -m grpo.serve`.")
     if r.backend != "hf" and r.vllm.sleep:

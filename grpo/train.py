@@ -134,7 +134,7 @@ def train(cfg: DictConfig) -> dict:
     reward_fns = build_rewards(cfg.reward)
     weights_F = [w for _, _, w in reward_fns]
     strategy = build_strategy(cfg.parallel, model, algo, cfg.steps * algo.num_iterations * algo.num_minibatches)
-    rollout = build_rollout(cfg.rollout, strategy.model, tokenizer, model_path, cfg.model.dtype, cfg.seed)
+    rollout = build_rollout(cfg.rollout, strategy.model, tokenizer, model_path, cfg.model.dtype, cfg.seed, run_dir)
     ref_model = build_reference(cfg, model_path)
     seed_everything(cfg.seed + info.rank)  # again: a fresh and a cached tiny model start alike
     sampler = TrainSampler(task.train, seed=cfg.seed)

@@ -87,7 +87,7 @@ def to_rollouts(outputs, version: int) -> Rollouts:
 
 
 class ColocatedBackend(RolloutBackend):
-    def __init__(self, cfg, model, tokenizer, model_path: str, dtype: str = "float32", seed: int = 0, world_size: int = 1):
+    def __init__(self, cfg, model, tokenizer, model_path: str, dtype: str = "float32", seed: int = 0, world_size: int = 1, **_):
         self.llm = build_llm(model_path, cfg, dtype, seed, world_size)
         self.sleeping = False
         self.sleep_enabled = cfg.vllm.sleep

@@ -83,21 +83,21 @@ class Server:
         raise ServerError(f"rollout server {self.url} did not become healthy in time: {last}")
 
 
-class RemoteBackend(RolloutBackend):
-    def __init__(self, cfg, model, tokenizer, model_path: str | None = None, **_):
-        rc = cfg.remote
-        if not rc.urls:
-            raise ServerError("rollout=remote needs rollout.remote.urls=[http://host:port,...] (see `python -m grpo.serve`).")
-        self.servers = [Server(u, rc.token, rc.request_timeout_s) for u in rc.urls]
-        deadline = time.time() + rc.health_timeout_s
+class ServerPool:
+    """vLLM servers driven together: health checks, weight-transfer setup, load-split generation,
+    weight pushes. Shared by the remote and dedicated backends."""
+
+    def __init__(self, urls: list[str], token: str | None, health_timeout_s: float, request_timeout_s: float,
+                 tensor_parallel_size: int = 1, transfer_host: str | None = None, can_push: bool = True):
+        self.servers = [Server(u, token, request_timeout_s) for u in urls]
+        deadline = time.time() + health_timeout_s
         with ThreadPoolExecutor(len(self.servers)) as pool:
             list(pool.map(lambda s: s.wait_healthy(deadline), self.servers))
-        self.weight_version = 0
         self.senders: list[GlooSender] = []
-        if dist.rank() == 0:
-            host = rc.transfer_host or self._reachable_host()
+        if can_push:
+            host = transfer_host or self._reachable_host()
             for server in self.servers:
-                sender = GlooSender(host, free_port(), world_size=1 + rc.tensor_parallel_size, timeout_s=rc.request_timeout_s)
+                sender = GlooSender(host, free_port(), world_size=1 + tensor_parallel_size, timeout_s=request_timeout_s)
                 self._alongside(server, "/init_weight_transfer_engine", {"init_info": sender.init_info()}, sender.connect)
                 self.senders.append(sender)
 
@@ -126,7 +126,7 @@ class RemoteBackend(RolloutBackend):
         if error:
             raise error[0]
 
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling, version: int) -> Rollouts:
         ranges = split_by_load(len(prompt_ids), [s.speed for s in self.servers])
 
         def call(i: int):
@@ -156,21 +156,19 @@ class RemoteBackend(RolloutBackend):
             reasons.append("length" if choice["finish_reason"] == "length" else "stop")
         if len(ids) != len(prompt_ids) * n:
             raise ServerError(f"asked for {len(prompt_ids) * n} completions, the servers returned {len(ids)}")
-        return Rollouts(ids, logprobs, reasons, self.weight_version)
+        return Rollouts(ids, logprobs, reasons, version)
 
-    def update_weights(self, buckets: WeightBuckets, version: int) -> None:
-        if dist.rank() == 0:
-            for server in self.servers:
-                server.request("/start_weight_update", {})
-            for bucket in buckets:
-                flat, info = pack(bucket)
-                for server, sender in zip(self.servers, self.senders):
-                    self._alongside(server, "/update_weights", {"update_info": info}, lambda: sender.send(flat))
-            for server in self.servers:
-                server.request("/finish_weight_update", {"weight_version": str(version)})
-                server.request("/reset_prefix_cache", {})  # cached KV belongs to the old weights
-        dist.barrier()
-        self.weight_version = version
+    def push(self, buckets: WeightBuckets, version: int) -> None:
+        """Every bucket to every server: one /update_weights call and one gloo broadcast each."""
+        for server in self.servers:
+            server.request("/start_weight_update", {})
+        for bucket in buckets:
+            flat, info = pack(bucket)
+            for server, sender in zip(self.servers, self.senders):
+                self._alongside(server, "/update_weights", {"update_info": info}, lambda: sender.send(flat))
+        for server in self.servers:
+            server.request("/finish_weight_update", {"weight_version": str(version)})
+            server.request("/reset_prefix_cache", {})  # cached KV belongs to the old weights
 
     def close(self) -> None:
         for server, sender in zip(self.servers, self.senders):
@@ -180,3 +178,25 @@ class RemoteBackend(RolloutBackend):
                 pass  # the server may already be gone; nothing to release then
             sender.close()
         self.senders = []
+
+
+class RemoteBackend(RolloutBackend):
+    def __init__(self, cfg, model, tokenizer, model_path: str | None = None, **_):
+        rc = cfg.remote
+        if not rc.urls:
+            raise ServerError("rollout=remote needs rollout.remote.urls=[http://host:port,...] (see `python -m grpo.serve`).")
+        self.pool = ServerPool(list(rc.urls), rc.token, rc.health_timeout_s, rc.request_timeout_s,
+                               rc.tensor_parallel_size, rc.transfer_host, can_push=dist.rank() == 0)
+        self.weight_version = 0
+
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
+        return self.pool.generate(prompt_ids, n, sampling, self.weight_version)
+
+    def update_weights(self, buckets: WeightBuckets, version: int) -> None:
+        if dist.rank() == 0:  # replicas are identical: one rank pushes, the others wait for it
+            self.pool.push(buckets, version)
+        dist.barrier()
+        self.weight_version = version
+
+    def close(self) -> None:
+        self.pool.close()

@@ -1,0 +1,175 @@
+"""vLLM on devices of the same node reserved for it, owned by the node's local main process.
+
+Placement: training process i of a node uses cuda:i, so `rollout.dedicated.devices=auto` takes the
+node's remaining GPUs; an explicit list is checked against what is visible. The local main process
+starts `num_engines` engine servers (`python -m grpo.serve`, bound to 127.0.0.1 with a fresh
+random token), the devices split evenly between them (tensor parallel inside each). On a machine
+without GPUs the engines are CPU processes.
+
+Each step, the node's ranks hand their prompts to the local main process, which sends the node's
+whole batch at once, split across its engines by load, and hands every rank its own completions
+back. Weights go from the local main's replica to its engines over the grpo_gloo transport.
+
+The engine processes die with the trainer: they are stopped on close and at exit, and the kernel
+sends them SIGTERM if the trainer is killed (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import secrets
+import signal
+import subprocess
+import sys
+
+import torch
+import torch.distributed as tdist
+
+from grpo import dist
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets
+from grpo.rollout.remote import ServerPool, free_port
+
+
+class DeviceError(ValueError):
+    pass
+
+
+def pick_devices(spec, training_per_node: int) -> list[str]:
+    """Devices for the engines: `auto` = the node's GPUs that training does not use ("cpu" without
+    GPUs), or an explicit list like [cuda:4, cuda:5], checked against the visible ones."""
+    visible = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    used = set(visible[:training_per_node])
+    if spec in (None, "auto"):
+        if not visible:
+            return ["cpu"]
+        free = [d for d in visible if d not in used]
+        if not free:
+            raise DeviceError(
+                f"rollout=dedicated found no GPU left for vLLM: all {len(visible)} visible GPUs "
+                f"({', '.join(visible)}) train. Start fewer training processes per node "
+                f"(torchrun --nproc_per_node {max(1, len(visible) - 1)}) or use rollout=colocated."
+            )
+        return free
+    devices = [spec] if isinstance(spec, str) else list(spec)
+    devices = [f"cuda:{d}" if isinstance(d, int) or str(d).isdigit() else str(d) for d in devices]
+    for d in devices:
+        if d == "cpu" and not visible:
+            continue
+        if d not in visible:
+            shown = ", ".join(visible) if visible else "none (torch.cuda.device_count() == 0)"
+            raise DeviceError(
+                f"requested device for vllm ({d}) is not available; visible devices: {shown}. "
+                f"Set rollout.dedicated.devices=auto or list visible ones (CUDA_VISIBLE_DEVICES renumbers them)."
+            )
+        if d in used:
+            raise DeviceError(
+                f"requested device for vllm ({d}) is used by training process {visible.index(d)} of this node; "
+                f"pick one of {', '.join(x for x in visible if x not in used) or 'none'}."
+            )
+    return devices
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the trainer that started it dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def launch_engine(model_path: str, devices: list[str], port: int, token: str, vllm_cfg, dtype: str, log_path: str):
+    """One `grpo.serve` process on `devices`, bound to 127.0.0.1, logging to `log_path`."""
+    env = {**os.environ, "GRPO_SERVE_TOKEN": token}
+    argv = [sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", str(port),
+            "--max-model-len", str(vllm_cfg.max_model_len), "--dtype", dtype]
+    if devices == ["cpu"]:
+        argv += ["--memory-fraction", str(vllm_cfg.memory_fraction)]
+    else:  # the engine owns these GPUs
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(d.split(":")[1] for d in devices)
+        argv += ["--tensor-parallel-size", str(len(devices)), "--memory-fraction", "0.9"]
+    if not vllm_cfg.enforce_eager:
+        argv.append("--no-enforce-eager")
+    log = open(log_path, "w")
+    return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+
+
+def node_groups():
+    """(this node's process group or None, the global rank of its local main, local rank)."""
+    if not tdist.is_initialized():
+        return None, 0, 0
+    world, rank = tdist.get_world_size(), tdist.get_rank()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", world)))
+    if world % per_node:
+        raise RuntimeError(f"{world} processes do not fill nodes of {per_node} evenly.")
+    mine = None
+    for start in range(0, world, per_node):  # every rank creates every group, in the same order
+        group = tdist.new_group(list(range(start, start + per_node)))
+        if start <= rank < start + per_node:
+            mine, main = group, start
+    return mine, main, rank - main
+
+
+class DedicatedBackend(RolloutBackend):
+    def __init__(self, cfg, model, tokenizer, model_path: str, dtype: str = "float32", run_dir: str = ".", **_):
+        self.group, self.main, self.local_rank = node_groups()
+        self.is_owner = dist.rank() == self.main
+        self.procs: list[subprocess.Popen] = []
+        self.pool = None
+        self.weight_version = 0
+        if self.is_owner:
+            per_node = tdist.get_world_size(self.group) if self.group is not None else 1
+            devices = pick_devices(cfg.dedicated.devices, per_node)
+            k = cfg.dedicated.num_engines
+            if devices != ["cpu"] and len(devices) % k:
+                raise DeviceError(f"rollout.dedicated.num_engines={k} does not divide the {len(devices)} reserved devices {devices}.")
+            shares = [devices] * k if devices == ["cpu"] else [devices[i::k] for i in range(k)]
+            token, ports = secrets.token_hex(16), [free_port("127.0.0.1") for _ in range(k)]
+            atexit.register(self.close)
+            self.procs = [
+                launch_engine(model_path, share, port, token, cfg.vllm, dtype, os.path.join(run_dir, f"vllm-engine-{port}.log"))
+                for share, port in zip(shares, ports)
+            ]
+            self.pool = ServerPool([f"http://127.0.0.1:{p}" for p in ports], token, cfg.dedicated.start_timeout_s,
+                                   cfg.remote.request_timeout_s, len(shares[0]) if devices != ["cpu"] else 1, "127.0.0.1")
+        dist.barrier()
+
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
+        if self.group is None:
+            return self.pool.generate(prompt_ids, n, sampling, self.weight_version)
+        gathered = [None] * tdist.get_world_size(self.group) if self.is_owner else None
+        tdist.gather_object(prompt_ids, gathered, dst=self.main, group=self.group)
+        parts = None
+        if self.is_owner:  # the node's whole batch at once
+            out = self.pool.generate([p for part in gathered for p in part], n, sampling, self.weight_version)
+            parts, start = [], 0
+            for part in gathered:
+                end = start + len(part) * n
+                parts.append(Rollouts(out.completion_ids[start:end], out.logprobs[start:end], out.finish_reasons[start:end], out.weight_version))
+                start = end
+        mine = [None]
+        tdist.scatter_object_list(mine, parts, src=self.main, group=self.group)
+        return mine[0]
+
+    def update_weights(self, buckets: WeightBuckets, version: int) -> None:
+        if self.is_owner:
+            self.pool.push(buckets, version)
+        dist.barrier()
+        self.weight_version = version
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs = []

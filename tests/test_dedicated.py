@@ -1,0 +1,95 @@
+"""rollout=dedicated: device placement errors, and real engine processes owned by the node's local
+main process, with 1 and 2 training processes, that never outlive the trainer."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from grpo.rollout.dedicated import DeviceError, pick_devices
+from tests.conftest import FAST, ROOT
+from tests.test_parallel import TORCHRUN, free_port
+
+
+def test_auto_without_gpus_means_cpu_engines(monkeypatch):
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    assert pick_devices("auto", training_per_node=2) == ["cpu"]
+
+
+def test_a_device_that_is_not_there_names_the_visible_ones(monkeypatch):
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
+    with pytest.raises(DeviceError, match=r"requested device for vllm \(cuda:4\) is not available; visible devices: cuda:0, cuda:1, cuda:2, cuda:3"):
+        pick_devices(["cuda:4"], training_per_node=2)
+    with pytest.raises(DeviceError, match=r"\(cuda:1\) is used by training process 1 of this node; pick one of cuda:2, cuda:3"):
+        pick_devices([1], training_per_node=2)
+    assert pick_devices("auto", training_per_node=2) == ["cuda:2", "cuda:3"]
+    assert pick_devices([3], training_per_node=2) == ["cuda:3"]
+    with pytest.raises(DeviceError, match="all 4 visible GPUs"):
+        pick_devices("auto", training_per_node=4)
+
+
+def test_no_gpu_machine_rejects_cuda_devices(monkeypatch):
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    with pytest.raises(DeviceError, match=r"\(cuda:0\) is not available; visible devices: none"):
+        pick_devices(["cuda:0"], training_per_node=1)
+
+
+def engine_pids(run_dir) -> list[int]:
+    ports = [os.path.basename(p)[len("vllm-engine-"):-len(".log")] for p in glob.glob(os.path.join(run_dir, "vllm-engine-*.log"))]
+    pids = []
+    for proc in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            cmd = open(proc, "rb").read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if any(f"--port {port}" in cmd for port in ports):
+            pids.append(int(proc.split("/")[2]))
+    return pids
+
+
+def wait_gone(run_dir, seconds=90) -> list[int]:
+    deadline = time.time() + seconds
+    while (left := engine_pids(run_dir)) and time.time() < deadline:
+        time.sleep(1)
+    return left
+
+
+def run_ok(cmd):
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def check_run(run_dir, steps):
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    trained = [r for r in rows if "loss" in r]
+    assert [r["weight_version"] for r in trained] == list(range(steps))  # synced every step
+    assert len(glob.glob(os.path.join(run_dir, "vllm-engine-*.log"))) == 1  # one engine for the node
+    assert wait_gone(run_dir) == [], "engine processes outlived the run"
+
+
+def test_two_process_run_with_one_engine_per_node(tmp_path, cache_dir):
+    run_ok([*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "grpo.train", *FAST,
+            "parallel=ddp", "rollout=dedicated", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
+    check_run(tmp_path, steps=3)
+
+
+def test_engines_die_when_the_trainer_is_killed(tmp_path, cache_dir):
+    cmd = [sys.executable, "-m", "grpo.train", *FAST, "steps=500", "rollout=dedicated",
+           f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"]
+    trainer = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (log.exists() and log.read_text().count("\n") >= 2) and time.time() < deadline:
+        assert trainer.poll() is None
+        time.sleep(0.5)
+    assert engine_pids(tmp_path), "the engine should be running mid-training"
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    assert wait_gone(tmp_path) == [], "engines were orphaned by a killed trainer"
