@@ -13,7 +13,7 @@ import pytest
 
 from grpo.rollout.dedicated import DeviceError, pick_devices
 from tests.conftest import FAST, ROOT
-from tests.test_parallel import TORCHRUN, free_port
+from tests.test_parallel import TORCHRUN
 
 
 def test_auto_without_gpus_means_cpu_engines(monkeypatch):
@@ -37,6 +37,28 @@ def test_no_gpu_machine_rejects_cuda_devices(monkeypatch):
     monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
     with pytest.raises(DeviceError, match=r"\(cuda:0\) is not available; visible devices: none"):
         pick_devices(["cuda:0"], training_per_node=1)
+
+
+def test_parity_and_generations_change_after_sync(tiny_lm, tmp_path):
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from grpo.config import RolloutConfig
+    from grpo.rollout.dedicated import DedicatedBackend
+    from tests.parity import assert_round_trip, sync_round_trip
+
+    model, tok = copy.deepcopy(tiny_lm[0]), tiny_lm[1]
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    cfg = OmegaConf.structured(RolloutConfig(backend="dedicated"))
+    cfg.vllm.memory_fraction, cfg.vllm.max_model_len = 0.1, 128
+    backend = DedicatedBackend(cfg, model, tok, str(tmp_path / "model"), run_dir=str(tmp_path))
+    try:
+        assert_round_trip(sync_round_trip(backend, model, tok), "dedicated")
+    finally:
+        backend.close()
+    assert wait_gone(tmp_path) == []
 
 
 def engine_pids(run_dir) -> list[int]:
@@ -75,7 +97,7 @@ def check_run(run_dir, steps):
 
 
 def test_two_process_run_with_one_engine_per_node(tmp_path, cache_dir):
-    run_ok([*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "grpo.train", *FAST,
+    run_ok([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST,
             "parallel=ddp", "rollout=dedicated", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
     check_run(tmp_path, steps=3)
 

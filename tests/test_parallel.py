@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -12,12 +11,6 @@ import torch
 from tests.conftest import FAST, ROOT
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd, **kw):
@@ -36,7 +29,7 @@ def test_one_process_four_micro_equals_two_processes_two_micro(tmp_path):
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     single.mkdir(), ddp.mkdir()
     run([sys.executable, "tests/ddp_step.py", str(single), "4"])
-    run([*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "tests/ddp_step.py", str(ddp), "2"])
+    run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "tests/ddp_step.py", str(ddp), "2"])
     tok = build_char_tokenizer()
     torch.manual_seed(0)
     init = build_tiny_model(TinyModelConfig(), len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id).state_dict()
@@ -51,7 +44,7 @@ def test_one_process_four_micro_equals_two_processes_two_micro(tmp_path):
 
 
 def test_two_process_training_run(tmp_path, cache_dir):
-    cmd = [*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "grpo.train", *FAST,
+    cmd = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST,
            "parallel=ddp", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}", "checkpoint_every=2"]
     out = run(cmd)
     summary = json.load(open(tmp_path / "summary.json"))

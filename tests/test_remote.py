@@ -4,7 +4,6 @@ guarded by a token and weights sent over the grpo_gloo transport.
 Parity tolerance as for colocated: 1e-4 (fp32; measured 4.8e-7 before a sync and 6.0e-6 after).
 """
 
-import copy
 import json
 import os
 import signal
@@ -15,15 +14,12 @@ import urllib.error
 import urllib.request
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from grpo.config import RolloutConfig
-from grpo.parallel.base import bucket_tensors
-from grpo.rollout import Sampling
 from grpo.rollout.remote import RemoteBackend, ServerError, free_port, split_by_load
-from grpo.update import collate, score_tokens
 from tests.conftest import ROOT
+from tests.parity import assert_round_trip, sync_round_trip
 
 TOKEN = "test-secret-token"
 
@@ -108,36 +104,12 @@ def test_weight_routes_need_the_token(server):
 
 
 def test_parity_and_generations_change_after_sync(server, tiny_lm):
-    _, tok = tiny_lm
     from grpo.models import load_model
 
-    model, _ = load_model(server["path"])  # the served weights, as the trainer holds them
+    model, tok = load_model(server["path"])  # the served weights, as the trainer holds them
     backend = RemoteBackend(backend_cfg(server["url"]), model, tok)
     try:
-        prompts = [tok("12+34=").input_ids, tok("7+1=").input_ids, tok("99+99=").input_ids]
-
-        def max_diff():
-            out = backend.generate(prompts, 4, Sampling(max_new_tokens=6, temperature=1.0, seed=1))
-            batch = collate([p for p in prompts for _ in range(4)], out, torch.zeros(12), tok.pad_token_id, False)
-            trainer_BT = score_tokens(model, batch, temperature=1.0, max_tokens=100_000)
-            return ((trainer_BT - batch.sampler_logprobs_BT).abs() * batch.mask_BT).max().item(), out
-
-        before, out = max_diff()
-        assert len(out.completion_ids) == 12 and out.weight_version == 0
-        greedy = Sampling(max_new_tokens=6, temperature=0.0)
-        old = backend.generate(prompts, 1, greedy).completion_ids
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(0)
-            for p in model.parameters():
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
-        named = ((n, p.detach()) for n, p in model.named_parameters(remove_duplicate=False))
-        backend.update_weights(bucket_tensors(named, bucket_bytes=256 * 1024), version=1)
-        new = backend.generate(prompts, 1, greedy).completion_ids
-        after, out = max_diff()
-        print(f"remote parity: max |sampler - trainer| logprob = {before:.2e} before, {after:.2e} after sync")
-        assert before < 1e-4 and after < 1e-4
-        assert new != old, "generations did not change: the weights did not arrive"
-        assert out.weight_version == 1
+        assert_round_trip(sync_round_trip(backend, model, tok), "remote")
     finally:
         backend.close()
 
