@@ -3,7 +3,8 @@ train against.
 
 It is vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`) started with:
   - the RL routes mounted (`VLLM_SERVER_DEV_MODE=1`): /init_weight_transfer_engine, /update_weights...;
-  - the `grpo_gloo` weight-transfer backend (`--weight-transfer-config`), or `nccl` with --transfer nccl;
+  - the `grpo_gloo` weight-transfer backend (`--weight-transfer-config`; works on CPU and GPU
+    servers, staging each bucket through host memory);
   - logprobs after temperature and top-k/top-p (`--logprobs-mode processed_logprobs`), as the sampler drew;
   - `guard_weight_routes` as middleware: the routes that change the server's weights or state need
     `Authorization: Bearer <token>`. A token is required whenever the server binds to anything but
@@ -64,7 +65,7 @@ def is_loopback(host: str) -> bool:
 
 
 def vllm_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
-    transfer = {"backend": "grpo_gloo" if args.transfer == "gloo" else "nccl"}
+    transfer = {"backend": "grpo_gloo"}
     argv = [
         "--model", args.model, "--host", args.host, "--port", str(args.port),
         "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
@@ -90,7 +91,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--memory-fraction", type=float, default=0.2, help="vLLM's --gpu-memory-utilization")
-    p.add_argument("--transfer", choices=["gloo", "nccl"], default="gloo")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     args, extra = p.parse_known_args(argv)
     if not is_loopback(args.host) and not args.token:

@@ -183,13 +183,13 @@ def train(cfg: DictConfig) -> dict:
 
         # 3. advantages per group; groups with equal rewards carry no signal
         advantages_PG = group_advantages(rewards_PG, algo.adv_scale)
-        flat_PG = zero_std_groups(rewards_PG)
+        flat_P = zero_std_groups(rewards_PG)
         batch = collate(
             [p for p in prompt_ids for _ in range(G)], rollouts, advantages_PG.flatten(),
             tokenizer.pad_token_id, algo.mask_truncated,
         )
         if algo.zero_std_groups == "drop":
-            batch = batch.select((~flat_PG).repeat_interleave(G))
+            batch = batch.select((~flat_P).repeat_interleave(G))
 
         # 4-6. logprobs, loss, backward and optimizer step(s); a colocated engine may sleep meanwhile
         rollout.sleep()
@@ -208,7 +208,7 @@ def train(cfg: DictConfig) -> dict:
         metrics = {
             "reward/mean": float(valid.mean()) if valid.numel() else float("nan"),
             "reward/std": float(valid.std()) if valid.numel() > 1 else 0.0,
-            "reward/zero_std_frac": float(flat_PG.float().mean()),
+            "reward/zero_std_frac": float(flat_P.float().mean()),
             **reward_means,
             **stats,
             "completion_len": n_tokens / len(rollouts.completion_ids),

@@ -45,7 +45,6 @@ def test_every_algo_variant_runs(make_cfg):
 
 
 def test_wandb_logger_offline(make_cfg, tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     train(make_cfg("logger=wandb", "steps=2"))
