@@ -48,7 +48,7 @@ def test_every_config_file_composes(group, option, tmp_path):
 
 def test_every_experiment_composes_and_validates():
     experiments = sorted(p.stem for p in (ROOT / "experiments").glob("*.yaml"))
-    assert experiments == ["addition_tiny"]
+    assert experiments == ["addition_tiny", "addition_tiny_colocated"]
     for name in experiments:
         validate(compose_cfg(f"experiment={name}"))
 
