@@ -1,4 +1,5 @@
-"""One process, no wrapper."""
+"""One process, no wrapper: a full replica, its AdamW and schedule. Also the base of `ddp`, whose
+ranks each hold such a replica."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 
 import torch
 
+from grpo import dist
 from grpo.parallel.base import Strategy, bucket_tensors, build_optimizer
 
 
@@ -18,7 +20,11 @@ class SingleStrategy(Strategy):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
+    def reduce_gradients(self) -> None:
+        """Nothing to combine with one replica."""
+
     def step(self) -> float:
+        self.reduce_gradients()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
@@ -32,12 +38,13 @@ class SingleStrategy(Strategy):
         return bucket_tensors(((n, p.detach()) for n, p in named), bucket_bytes)
 
     def save(self, folder: str) -> None:
-        state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-        }
-        torch.save(state, os.path.join(folder, "trainer.pt"))
+        if dist.rank() == 0:  # replicas are identical: one copy
+            state = {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+            }
+            torch.save(state, os.path.join(folder, "trainer.pt"))
 
     def load(self, folder: str) -> None:
         state = torch.load(os.path.join(folder, "trainer.pt"), map_location="cpu", weights_only=True)
