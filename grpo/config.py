@@ -65,6 +65,7 @@ class RewardFuncConfig:
 @dataclass
 class RewardConfig:
     funcs: list[RewardFuncConfig] = field(default_factory=list)
+    timeout_s: float = 30.0  # a function that raises or hangs past this is retried per completion
 
 
 @dataclass

@@ -177,7 +177,10 @@ def train(cfg: DictConfig) -> dict:
         # 2. score: every reward function on every completion, weighted sum per completion
         completions = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
         samples_BG = [s for s in samples for _ in range(G)]
-        rewards_FB, reward_means = score(reward_fns, completions, samples_BG)
+        rewards_FB, reward_means = score(
+            reward_fns, completions, samples_BG, cfg.reward.timeout_s,
+            completion_ids=rollouts.completion_ids, max_new_tokens=cfg.rollout.max_new_tokens,
+        )
         rewards_PG = combine_rewards(rewards_FB, weights_F).view(B, G)
         t_score = time.perf_counter()
 

@@ -1,20 +1,35 @@
-"""Reward functions: `fn(completions: list[str], samples: list[Sample]) -> list[float | None]`.
+"""Reward functions: `fn(completions: list[str], samples: list[Sample], **info) -> list[float | None]`.
 
-None means the function does not apply to that completion. `reward.funcs` names functions from
-`REWARDS` or by dotted path (`mypkg.rewards.my_reward`), each with a weight.
+None means the function does not apply to that completion. `info` holds `completion_ids` (token
+ids per completion) and `max_new_tokens`; a function takes what it needs and ignores the rest.
+`reward.funcs` names functions from `REWARDS` or by dotted path (`mypkg.rewards.my_reward`), each
+with a weight.
+
+A function that raises or runs past `reward.timeout_s` on a batch is retried one completion at a
+time (each with the same timeout; after 3 timeouts the batch's remaining completions are skipped);
+each completion it still fails on gets None (excluded from the statistics, advantage 0), with a
+warning naming the function, the completion and the error. The run goes on. A hung call's thread
+cannot be killed in Python; it is abandoned (a daemon thread) and the run moves past it.
 """
 
 from __future__ import annotations
 
 import importlib
+import threading
+import warnings
 from typing import Callable
 
+from grpo.rewards.countdown import countdown
 from grpo.rewards.exact_match import exact_match
+from grpo.rewards.format import answer_format, overlong_penalty
 
 RewardFn = Callable[..., list]
 
 REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
+    "format": answer_format,
+    "countdown": countdown,
+    "overlong": overlong_penalty,
 }
 
 
@@ -39,13 +54,56 @@ def build_rewards(cfg) -> list[tuple[str, RewardFn, float]]:
     return [(f.name, resolve_reward(f.name), float(f.weight)) for f in cfg.funcs]
 
 
-def score(reward_fns, completions: list[str], samples: list) -> tuple[list[list[float | None]], dict[str, float]]:
+MAX_HANGS = 3  # per function and batch, in the one-at-a-time retry
+
+
+def call_with_timeout(fn, args: tuple, kwargs: dict, timeout_s: float):
+    """(result, None) or (None, "what went wrong"); a call past `timeout_s` is abandoned."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = list(fn(*args, **kwargs))
+        except Exception as e:  # noqa: BLE001 - reported to the caller, who excludes the sample
+            box["error"] = f"{type(e).__name__}: {e}"
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        return None, f"no answer within reward.timeout_s={timeout_s:g}s"
+    return box.get("value"), box.get("error")
+
+
+def run_reward(name: str, fn, completions: list[str], samples: list, info: dict, timeout_s: float) -> list:
+    values, error = call_with_timeout(fn, (completions, samples), info, timeout_s)
+    if error is None and len(values) != len(completions):
+        error = f"returned {len(values)} values for {len(completions)} completions"
+    if error is None:
+        return values
+    warnings.warn(f"reward {name!r} failed on the batch ({error}); scoring its completions one at a time", stacklevel=2)
+    out, hangs = [], 0
+    for i, (c, s) in enumerate(zip(completions, samples)):
+        one = {k: [v[i]] if k == "completion_ids" else v for k, v in info.items()}
+        if hangs < MAX_HANGS:
+            value, err = call_with_timeout(fn, ([c], [s]), one, timeout_s)
+            hangs += err is not None and err.startswith("no answer")
+        else:  # bounded: a function that keeps hanging does not stall the step for B x timeout
+            value, err = None, f"skipped after {MAX_HANGS} timeouts in this batch"
+        if err is None and len(value) != 1:
+            err = f"returned {len(value)} values for 1 completion"
+        if err is not None:
+            warnings.warn(f"reward {name!r} failed on completion {i} {c[:60]!r} ({err}); it is excluded", stacklevel=2)
+        out.append(None if err is not None else value[0])
+    return out
+
+
+def score(reward_fns, completions: list[str], samples: list, timeout_s: float = 30.0,
+          **info) -> tuple[list[list[float | None]], dict[str, float]]:
     """Run every reward function -> (rewards_FB, per-function mean for logging)."""
     rewards_FB, means = [], {}
     for name, fn, _ in reward_fns:
-        values = list(fn(completions, samples))
-        if len(values) != len(completions):
-            raise RuntimeError(f"reward {name!r} returned {len(values)} values for {len(completions)} completions.")
+        values = run_reward(name, fn, completions, samples, info, timeout_s)
         rewards_FB.append(values)
         scored = [v for v in values if v is not None]
         means[f"reward/{name}"] = sum(scored) / len(scored) if scored else float("nan")

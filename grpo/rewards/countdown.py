@@ -1,0 +1,56 @@
+"""Countdown (TinyZero style): reach `target` using each of `numbers` exactly once with + - * /.
+
+The equation is parsed with `ast` and evaluated by walking the tree: only numbers, the four
+operators, unary minus and parentheses are accepted, so nothing in a completion can execute.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+from collections import Counter
+
+from grpo.rewards.format import extract_answer
+
+OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+class NotAnEquation(ValueError):
+    pass
+
+
+def evaluate(expr: str) -> tuple[float, list[float]]:
+    """Value of an arithmetic expression and the numbers it uses; NotAnEquation for anything else."""
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except SyntaxError as e:
+        raise NotAnEquation(f"not an expression: {expr!r}") from e
+    used: list[float] = []
+
+    def walk(node) -> float:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            used.append(node.value)
+            return float(node.value)
+        if isinstance(node, ast.BinOp) and type(node.op) in OPS:
+            return OPS[type(node.op)](walk(node.left), walk(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -walk(node.operand)
+        raise NotAnEquation(f"{type(node).__name__} is not allowed in an equation")
+
+    return walk(tree.body), used
+
+
+def countdown(completions: list[str], samples: list, **_) -> list[float]:
+    """1.0 when the answer (inside <answer> tags, else the whole completion) uses exactly the
+    sample's `numbers` and equals its `target`; 0.0 otherwise (division by zero included)."""
+    out = []
+    for completion, sample in zip(completions, samples):
+        expr = extract_answer(completion)
+        expr = completion if expr is None else expr
+        try:
+            value, used = evaluate(expr.split("=")[0])
+            ok = Counter(used) == Counter(sample.meta["numbers"]) and abs(value - sample.meta["target"]) < 1e-6
+        except (NotAnEquation, ZeroDivisionError, OverflowError):
+            ok = False
+        out.append(float(ok))
+    return out

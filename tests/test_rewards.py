@@ -1,0 +1,79 @@
+"""Reward functions against hand-checked cases, and a reward that raises or hangs not stopping the run."""
+
+import time
+
+import pytest
+
+from grpo.rewards import REWARDS, score
+from grpo.rewards.countdown import NotAnEquation, countdown, evaluate
+from grpo.rewards.format import answer_format, extract_answer, overlong_penalty
+from grpo.tasks import Sample
+
+
+def cd(numbers, target):
+    return Sample(prompt="", answer="", meta={"numbers": numbers, "target": target})
+
+
+def test_countdown_checks_numbers_and_target():
+    s = cd([3, 5, 7], 22)
+    completions = [
+        "<think>..</think><answer>3 * 5 + 7</answer>",  # 15 + 7 = 22, each number once -> 1
+        "(7 - 3) * 5 + 2",  # uses 2, not in the numbers -> 0
+        "3 * 5 + 7 + 0",  # extra 0 -> 0
+        "<answer>5 * 3 + 7 = 22</answer>",  # the `= 22` tail is ignored -> 1
+        "<answer>7 * 5 - 3</answer>",  # 32 -> 0
+        "<answer>7 / (5 - 5) + 3</answer>",  # division by zero -> 0, no crash
+        "<answer>__import__('os').system('true')</answer>",  # never evaluated -> 0
+    ]
+    assert countdown(completions, [s] * len(completions)) == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_safe_evaluation_refuses_everything_but_arithmetic():
+    assert evaluate("(1 + 2) * -3 / 4") == (-2.25, [1, 2, 3, 4])
+    for bad in ("2 ** 10", "abs(-3)", "x + 1", "[1][0]", "1 if 1 else 2", "'a' * 3"):
+        with pytest.raises(NotAnEquation):
+            evaluate(bad)
+
+
+def test_format_reward_and_answer_extraction():
+    good = "<think>add the tens</think>\n<answer>52</answer>"
+    assert answer_format([good, "<answer>52</answer>", good + " trailing", "<think>x</think><answer></answer>"], []) == [1.0, 0.0, 0.0, 1.0]
+    assert extract_answer("<answer>1</answer> then <answer> 2 </answer>") == "2"
+    assert extract_answer("no tags") is None
+
+
+def test_overlong_penalty_by_token_length():
+    # Lmax 8, buffer 2: lengths up to 6 free; 7 -> (6 - 7) / 2 = -0.5; 8 -> -1
+    ids = [[0] * n for n in (3, 6, 7, 8)]
+    assert overlong_penalty([""] * 4, [], completion_ids=ids, max_new_tokens=8, buffer=2) == [0.0, 0.0, -0.5, -1.0]
+
+
+def test_a_reward_that_raises_on_one_completion_excludes_only_it():
+    def picky(completions, samples, **_):
+        if any("boom" in c for c in completions):
+            raise RuntimeError("cannot parse")
+        return [1.0] * len(completions)
+
+    with pytest.warns(UserWarning, match="'picky' failed on completion 1 'boom' .*RuntimeError: cannot parse"):
+        rewards, means = score([("picky", picky, 1.0)], ["ok", "boom", "ok"], [None] * 3, timeout_s=5)
+    assert rewards == [[1.0, None, 1.0]] and means["reward/picky"] == 1.0
+
+
+def test_a_reward_that_hangs_is_cut_off():
+    def hangs_on_slow(completions, samples, **_):
+        if "slow" in completions:
+            time.sleep(30)
+        return [0.5] * len(completions)
+
+    t0 = time.monotonic()
+    with pytest.warns(UserWarning, match="no answer within reward.timeout_s=0.5s"):
+        rewards, _ = score([("hangs", hangs_on_slow, 1.0)], ["a", "slow", "b"], [None] * 3, timeout_s=0.5)
+    assert time.monotonic() - t0 < 5
+    assert rewards == [[0.5, None, 0.5]]
+
+
+def test_every_registered_reward_accepts_the_trainer_call():
+    s = cd([1, 2], 3)
+    for name, fn in REWARDS.items():
+        values = fn(["<answer>1 + 2</answer>"], [s], completion_ids=[[1, 2]], max_new_tokens=8)
+        assert len(values) == 1, name
