@@ -161,6 +161,7 @@ class Config:
     seed: int = 0
     steps: int = 300  # GRPO steps (one generated batch each)
     eval_every: int = 0  # 0 = only before and after training
+    eval_samples: int = 1  # > 1: also sample this many per held-out prompt and report pass@1,2,4..
     checkpoint_every: int = 100  # 0 = only at the end
     keep_checkpoints: int = 2
     resume: bool = True  # continue from the run folder's latest checkpoint if there is one
@@ -280,8 +281,8 @@ def validate(cfg: DictConfig | Config) -> None:
             raise ConfigError(
                 "rollout.vllm.sleep=true needs a GPU: vLLM's CPU build has no sleep mode. Set rollout.vllm.sleep=false."
             )
-    if cfg.steps < 0 or cfg.task.eval_size < 1:
-        raise ConfigError("steps must be >= 0 and task.eval_size >= 1.")
+    if cfg.steps < 0 or cfg.task.eval_size < 1 or cfg.eval_samples < 1:
+        raise ConfigError("steps must be >= 0, task.eval_size >= 1 and eval_samples >= 1.")
     if not cfg.reward.funcs:
         raise ConfigError("reward.funcs is empty: list at least one reward function (e.g. reward=exact_match).")
     for f in cfg.reward.funcs:

@@ -33,6 +33,7 @@ from grpo.algorithm import combine_rewards, group_advantages, zero_std_groups
 from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_aside_checkpoints
 from grpo.config import ConfigError, register_configs, validate
 from grpo.dist import DistInfo, all_reduce_sum, barrier, broadcast_object, dist_info, init_distributed
+from grpo.eval import evaluate
 from grpo.log import RunLogger
 from grpo.models import ensure_tiny_model, load_model
 from grpo.parallel import build_strategy
@@ -70,15 +71,6 @@ def build_reference(cfg, path: str):
 
 def encode_prompts(tokenizer, samples) -> list[list[int]]:
     return [tokenizer(s.prompt).input_ids for s in samples]
-
-
-def evaluate(rollout, tokenizer, task, cfg, info: DistInfo) -> dict[str, float]:
-    """Greedy held-out accuracy through the configured rollout backend; each rank takes a share."""
-    samples = task.eval[info.rank :: info.world_size]
-    out = rollout.generate(encode_prompts(tokenizer, samples), 1, sampling_from(cfg.rollout, greedy=True))
-    texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-    correct, total = all_reduce_sum([sum(task.is_correct(t, s) for t, s in zip(texts, samples)), len(samples)])
-    return {"eval/accuracy": correct / total}
 
 
 def reduce_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float]:
@@ -161,8 +153,9 @@ def train(cfg: DictConfig) -> dict:
     if ckpt:
         logger.info(f"resumed from {ckpt} at step {start}")
     else:
-        eval_before = evaluate(rollout, tokenizer, task, cfg, info)["eval/accuracy"]
-        logger.log(0, {"eval/accuracy": eval_before}, console=True)
+        before = evaluate(rollout, tokenizer, task, cfg, info)
+        eval_before = before["eval/accuracy"]
+        logger.log(0, before, console=True)
 
     gen_tokens_total, gen_time_total = 0, 0.0
     for step in range(start + 1, cfg.steps + 1):
@@ -236,14 +229,16 @@ def train(cfg: DictConfig) -> dict:
             save_checkpoint(run_dir, step, strategy, {"sampler": sampler.state_dict(), "eval_before": eval_before}, cfg.keep_checkpoints)
 
     # ---- end: final evaluation, checkpoint and summary ----
-    eval_after = evaluate(rollout, tokenizer, task, cfg, info)["eval/accuracy"]
-    logger.log(cfg.steps, {"eval/accuracy": eval_after}, console=True)
+    after = evaluate(rollout, tokenizer, task, cfg, info)
+    eval_after = after["eval/accuracy"]
+    logger.log(cfg.steps, after, console=True)
     if cfg.steps > start:
         save_checkpoint(run_dir, cfg.steps, strategy, {"sampler": sampler.state_dict(), "eval_before": eval_before}, cfg.keep_checkpoints)
     summary = {
         "eval_before": eval_before,
         "eval_after": eval_after,
         "eval_gain": eval_after - eval_before,
+        "eval_after_all": after,  # pass@k too when eval_samples > 1
         "steps": cfg.steps,
         "resumed_from": start,
         "wall_s": time.perf_counter() - t_start,

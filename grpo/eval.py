@@ -1,0 +1,90 @@
+"""Held-out evaluation through the configured rollout backend: greedy accuracy and pass@k.
+
+`python -m grpo.eval [overrides]` evaluates `model.path` (the tiny model by default) on the task's
+held-out split with the same config groups as training, prints the figures, and writes them to
+`eval.json` and a line of `metrics.jsonl` in the run folder. `grpo.train` calls `evaluate` before
+and after training and every `eval_every` steps.
+
+pass@k uses the unbiased estimator of Chen et al. (2021): with n samples of which c are correct,
+pass@k = 1 - C(n - c, k) / C(n, k), averaged over prompts. n is `eval_samples`, drawn at the
+rollout temperature; k runs over 1, 2, 4, ... up to n.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from math import comb
+
+import hydra
+from omegaconf import DictConfig
+
+from grpo.config import register_configs
+from grpo.dist import DistInfo, all_reduce_sum
+from grpo.rollout import sampling_from
+
+register_configs()
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn from n (c of them correct) is correct."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def evaluate(rollout, tokenizer, task, cfg, info: DistInfo) -> dict[str, float]:
+    """Greedy accuracy (and pass@k when `eval_samples` > 1) on the held-out split; each rank takes a share."""
+    samples = task.eval[info.rank :: info.world_size]
+    prompt_ids = [tokenizer(s.prompt).input_ids for s in samples]
+    out = rollout.generate(prompt_ids, 1, sampling_from(cfg.rollout, greedy=True))
+    texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+    sums = [sum(task.is_correct(t, s) for t, s in zip(texts, samples)), len(samples)]
+    n = cfg.eval_samples
+    ks = [k for k in (2**i for i in range(10)) if k <= n] if n > 1 else []
+    if ks:
+        out = rollout.generate(prompt_ids, n, sampling_from(cfg.rollout))
+        texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        correct = [sum(task.is_correct(texts[p * n + j], s) for j in range(n)) for p, s in enumerate(samples)]
+        sums += [sum(pass_at_k(n, c, k) for c in correct) for k in ks]
+    total = all_reduce_sum(sums)
+    metrics = {"eval/accuracy": total[0] / total[1]}
+    metrics.update({f"eval/pass@{k}": v / total[1] for k, v in zip(ks, total[2:])})
+    return metrics
+
+
+def run_eval(cfg: DictConfig) -> dict[str, float]:
+    from grpo.config import validate
+    from grpo.dist import dist_info, init_distributed
+    from grpo.rollout import build_rollout
+    from grpo.tasks import build_task
+    from grpo.train import build_policy
+
+    validate(cfg)
+    info = dist_info()
+    init_distributed(info)
+    run_dir = os.path.abspath(cfg.run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    task = build_task(cfg.task)
+    model, tokenizer, path = build_policy(cfg, task, info)
+    rollout = build_rollout(cfg.rollout, model, tokenizer, path, cfg.model.dtype, cfg.seed, run_dir)
+    try:
+        metrics = evaluate(rollout, tokenizer, task, cfg, info)
+    finally:
+        rollout.close()
+    if info.is_main:
+        with open(os.path.join(run_dir, "eval.json"), "w") as f:
+            json.dump({"model_path": path, "eval_size": len(task.eval), **metrics}, f, indent=2)
+        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": 0, **metrics}) + "\n")
+        print(" | ".join(f"{k} {v:.3f}" for k, v in metrics.items()) + f"  ({path}, {len(task.eval)} prompts)")
+    return metrics
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    run_eval(cfg)
+
+
+if __name__ == "__main__":
+    main()
