@@ -55,7 +55,7 @@ def evaluate(rollout, tokenizer, task, cfg, info: DistInfo) -> dict[str, float]:
 
 def run_eval(cfg: DictConfig) -> dict[str, float]:
     from grpo.config import validate
-    from grpo.dist import dist_info, init_distributed
+    from grpo.dist import dist_info, init_distributed, shutdown
     from grpo.rollout import build_rollout
     from grpo.tasks import build_task
     from grpo.train import build_policy
@@ -72,6 +72,7 @@ def run_eval(cfg: DictConfig) -> dict[str, float]:
         metrics = evaluate(rollout, tokenizer, task, cfg, info)
     finally:
         rollout.close()
+        shutdown()
     if info.is_main:
         with open(os.path.join(run_dir, "eval.json"), "w") as f:
             json.dump({"model_path": path, "eval_size": len(task.eval), **metrics}, f, indent=2)

@@ -32,7 +32,9 @@ from omegaconf import DictConfig, OmegaConf
 from grpo.algorithm import combine_rewards, group_advantages, zero_std_groups
 from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_aside_checkpoints
 from grpo.config import ConfigError, register_configs, validate
-from grpo.dist import DistInfo, all_reduce_sum, barrier, broadcast_object, dist_info, init_distributed
+from grpo.dist import (
+    DistInfo, all_reduce_sum, barrier, broadcast_object, dist_info, init_distributed, shutdown,
+)
 from grpo.eval import evaluate
 from grpo.log import RunLogger
 from grpo.models import ensure_tiny_model, load_model
@@ -147,6 +149,7 @@ def train(cfg: DictConfig) -> dict:
         if info.is_main:
             print(f"{run_dir} already finished {start} steps; raise `steps` to train further.")
         rollout.close()
+        shutdown()
         with open(os.path.join(run_dir, "summary.json")) as f:
             return json.load(f)
     logger = RunLogger(cfg.logger, run_dir, cfg.steps, resolved, enabled=info.is_main, resume_step=start if ckpt else None)
@@ -254,6 +257,7 @@ def train(cfg: DictConfig) -> dict:
     )
     logger.close()
     rollout.close()
+    shutdown()
     return summary
 
 

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo.config import AlgoConfig, TinyModelConfig  # noqa: E402
-from grpo.dist import dist_info, init_distributed  # noqa: E402
+from grpo.dist import dist_info, exit_process, init_distributed, shutdown  # noqa: E402
 from grpo.models import build_char_tokenizer, build_tiny_model  # noqa: E402
 from grpo.parallel import STRATEGIES  # noqa: E402
 from grpo.update import policy_update  # noqa: E402
@@ -46,7 +46,9 @@ def main(out: str, n_micro: int) -> None:
         policy_update(strategy, local, algo, max_len=6, temperature=1.0, ref_model=ref)
         if info.rank == 0:
             torch.save(model.state_dict(), os.path.join(out, f"{loss_type}.pt"))
+    shutdown()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]))
+    exit_process(0)

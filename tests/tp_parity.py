@@ -35,6 +35,8 @@ def main(out: str) -> None:
     result = sync_round_trip(backend, model, tok)
     with open(os.path.join(out, f"rank{dist.rank()}.json"), "w") as f:
         json.dump(result, f)
+    backend.close()
+    dist.shutdown()
 
 
 if __name__ == "__main__":
