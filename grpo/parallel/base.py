@@ -42,7 +42,6 @@ def bucket_tensors(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int)
 
 class Strategy(ABC):
     model: torch.nn.Module  # the unwrapped module: forward passes and rollout backends use it
-    world_size: int = 1
 
     @abstractmethod
     def backward(self, loss: torch.Tensor) -> None: ...

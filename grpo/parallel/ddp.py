@@ -27,7 +27,6 @@ class DDPStrategy(SingleStrategy):
                 "parallel=ddp` (or srun), or use parallel=single."
             )
         super().__init__(cfg, model, algo, total_steps)
-        self.world_size = tdist.get_world_size()
         with torch.no_grad():  # every rank starts from rank 0's weights
             for p in model.parameters():
                 tdist.broadcast(p.data, src=0)

@@ -19,12 +19,6 @@ from grpo import dist
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets
 
 
-def vllm_version() -> str:
-    import vllm
-
-    return vllm.__version__
-
-
 def engine_model(llm):
     """The engine's nn.Module in this process (an internal attribute chain of vLLM 0.32, wrapped
     here so an upgrade that moves it fails in one place; tests/test_rollout_vllm.py checks it)."""
