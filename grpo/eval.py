@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from grpo.config import register_configs
 from grpo.dist import DistInfo, all_reduce_sum
+from grpo.models import encode_prompts
 from grpo.rollout import sampling_from
 
 register_configs()
@@ -36,7 +37,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate(rollout, tokenizer, task, cfg, info: DistInfo) -> dict[str, float]:
     """Greedy accuracy (and pass@k when `eval_samples` > 1) on the held-out split; each rank takes a share."""
     samples = task.eval[info.rank :: info.world_size]
-    prompt_ids = [tokenizer(s.prompt).input_ids for s in samples]
+    prompt_ids = encode_prompts(tokenizer, samples)
     out = rollout.generate(prompt_ids, 1, sampling_from(cfg.rollout, greedy=True))
     texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
     sums = [sum(task.is_correct(t, s) for t, s in zip(texts, samples)), len(samples)]

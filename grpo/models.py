@@ -160,6 +160,11 @@ def ensure_tiny_model(cfg, task_cfg, task, max_new_tokens: int, log=print) -> st
     return path
 
 
+def encode_prompts(tokenizer, samples) -> list[list[int]]:
+    """Token ids of each sample's prompt, as trainer and engines both see them (BOS included)."""
+    return [tokenizer(s.prompt).input_ids for s in samples]
+
+
 def load_model(path: str, dtype: str = "float32"):
     """A causal LM and its tokenizer from a local folder or hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -37,7 +37,7 @@ from grpo.dist import (
 )
 from grpo.eval import evaluate
 from grpo.log import RunLogger
-from grpo.models import ensure_tiny_model, load_model
+from grpo.models import encode_prompts, ensure_tiny_model, load_model
 from grpo.parallel import build_strategy
 from grpo.rewards import build_rewards, score
 from grpo.rollout import build_rollout, sampling_from
@@ -69,10 +69,6 @@ def build_reference(cfg, path: str):
         return None
     ref, _ = load_model(path, cfg.model.dtype)
     return ref.eval().requires_grad_(False)
-
-
-def encode_prompts(tokenizer, samples) -> list[list[int]]:
-    return [tokenizer(s.prompt).input_ids for s in samples]
 
 
 def reduce_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float]:

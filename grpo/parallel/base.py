@@ -8,6 +8,7 @@ from typing import Iterator
 
 import torch
 
+from grpo.dist import all_reduce_sum
 from grpo.rollout.base import WeightBuckets
 
 
@@ -48,7 +49,7 @@ class Strategy(ABC):
 
     def reduce_counts(self, values: list[float]) -> list[float]:
         """Sum over ranks of per-rank counts (tokens, sequences): loss normalisers are global."""
-        return list(values)
+        return all_reduce_sum(values)
 
     @abstractmethod
     def step(self) -> float:

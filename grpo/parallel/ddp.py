@@ -7,7 +7,7 @@ dropped, and micro-batch counts differ between ranks. Reducing once in `step()` 
 in lockstep with exactly one collective per optimizer step, whatever each rank computed.
 
 Gradients are summed, not averaged: the loss on each rank is already divided by counts over the
-whole optimizer batch on all ranks (see `reduce_counts`), so the sum is the full batch's gradient.
+whole optimizer batch on all ranks (`Strategy.reduce_counts`), so their sum is the batch gradient.
 """
 
 from __future__ import annotations
@@ -30,11 +30,6 @@ class DDPStrategy(SingleStrategy):
         with torch.no_grad():  # every rank starts from rank 0's weights
             for p in model.parameters():
                 tdist.broadcast(p.data, src=0)
-
-    def reduce_counts(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        tdist.all_reduce(t)
-        return t.tolist()
 
     def reduce_gradients(self) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
