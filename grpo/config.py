@@ -111,7 +111,10 @@ class RolloutConfig:
 @dataclass
 class ParallelConfig:
     strategy: str = MISSING  # a key of grpo.parallel.STRATEGIES
-    sync_bucket_mb: float = 64.0  # size of one weight-sync bucket
+    sync_bucket_mb: float = 64.0  # size of one weight-sync bucket (full parameters, also under ZeRO-3)
+    offload_optimizer: bool = False  # zero2/zero3: optimizer state in CPU memory
+    deepspeed_config: Optional[str] = None  # zero2/zero3: a DeepSpeed JSON merged in; conflicts are errors
+    cpu_shm_allreduce: bool = False  # zero2/zero3 on CPU: DeepSpeed's shared-memory all-reduce (JIT-built once)
 
 
 @dataclass
@@ -232,6 +235,12 @@ def validate(cfg: DictConfig | Config) -> None:
         )
     if world > 1 and cfg.parallel.strategy == "single":
         raise ConfigError(f"{world} processes were launched but parallel=single; use parallel=ddp.")
+    zero = cfg.parallel.strategy.startswith("zero")
+    for key in ("offload_optimizer", "deepspeed_config"):
+        if cfg.parallel[key] and not zero:
+            raise ConfigError(f"parallel.{key} is a DeepSpeed setting; use it with parallel=zero2|zero3|zero3_offload.")
+    if zero and cfg.parallel.deepspeed_config and not os.path.isfile(os.path.expanduser(cfg.parallel.deepspeed_config)):
+        raise ConfigError(f"parallel.deepspeed_config={cfg.parallel.deepspeed_config!r} is not a file.")
     if a.num_minibatches < 1 or prompts % a.num_minibatches:
         raise ConfigError(
             f"algo.num_minibatches={a.num_minibatches} must be >= 1 and divide the {prompts} prompts per step "

@@ -35,9 +35,10 @@ def dist_info() -> DistInfo:
     return DistInfo()
 
 
-def init_distributed(info: DistInfo, timeout_s: float = 600) -> None:
-    """gloo on CPU, NCCL on GPU. A peer that never arrives fails after `timeout_s` with its rank."""
-    if info.world_size == 1 or dist.is_initialized():
+def init_distributed(info: DistInfo, timeout_s: float = 600, force: bool = False) -> None:
+    """gloo on CPU, NCCL on GPU. A peer that never arrives fails after `timeout_s` with its rank.
+    One process gets no group unless `force` (DeepSpeed needs one even then)."""
+    if (info.world_size == 1 and not force) or dist.is_initialized():
         return
     for key in ("MASTER_ADDR", "MASTER_PORT"):
         if key not in os.environ:
@@ -77,6 +78,14 @@ def all_reduce_sum(values: list[float]) -> list[float]:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_reduce_max(values: list[float]) -> list[float]:
+    if not dist.is_initialized():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 

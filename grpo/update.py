@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from grpo import dist
 from grpo.algorithm import LossNorm, entropy, importance_weights, policy_loss, token_logprobs
 
 
@@ -88,14 +89,35 @@ def micro_batches(batch: Batch, max_tokens: int) -> list[Batch]:
     return [batch.select(slice(i, i + rows)) for i in range(0, batch.size, rows)]
 
 
+def padding_batch() -> Batch:
+    """One row that enters no loss (mask 0, advantage 0): a rank with fewer micro-batches runs it so
+    that every rank makes the same forward/backward calls, which ZeRO's collectives need."""
+    ids = torch.zeros((1, 2), dtype=torch.long)
+    zeros = torch.zeros((1, 1))
+    return Batch(ids, torch.ones_like(ids), torch.tensor([[0, 1]]), ids[:, 1:], zeros, zeros, torch.zeros(1),
+                 prompt_width=1, ref_logprobs_BT=zeros)
+
+
+def lockstep_micro_batches(strategy, batch: Batch, max_tokens: int) -> tuple[list[Batch], int]:
+    """This rank's micro-batches and how many padding ones to add: for a `lockstep` strategy the
+    count is raised to the largest on any rank, otherwise 0."""
+    mbs = micro_batches(batch, max_tokens)
+    if not getattr(strategy, "lockstep", False):
+        return mbs, 0
+    return mbs, int(dist.all_reduce_max([len(mbs)])[0]) - len(mbs)
+
+
 @torch.no_grad()
-def score_tokens(model, batch: Batch, temperature: float, max_tokens: int) -> torch.Tensor:
+def score_tokens(model, batch: Batch, temperature: float, max_tokens: int, strategy=None) -> torch.Tensor:
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    out = torch.cat([forward_logprobs(model, mb.to(device), temperature)[0].cpu() for mb in micro_batches(batch, max_tokens)])
+    mbs, padding = lockstep_micro_batches(strategy, batch, max_tokens)
+    out = [forward_logprobs(model, mb.to(device), temperature)[0].cpu() for mb in mbs]
+    for _ in range(padding):
+        forward_logprobs(model, padding_batch().to(device), temperature)
     model.train(was_training)
-    return out
+    return torch.cat(out) if out else torch.zeros_like(batch.sampler_logprobs_BT)
 
 
 def loss_norm(batch: Batch, max_len: int, gen_tokens_per_step: float) -> LossNorm:
@@ -111,9 +133,10 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
     """Forward + backward over micro-batches of `batch`; gradients add up to the full batch's."""
     sums = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0}
     device = next(strategy.model.parameters()).device
-    for mb in micro_batches(batch, algo.micro_batch_tokens):
+    mbs, padding = lockstep_micro_batches(strategy, batch, algo.micro_batch_tokens)
+    for mb in mbs + [padding_batch()] * padding:
         mb = mb.to(device)
-        logp_BT, ent_BT = forward_logprobs(strategy.model, mb, temperature, with_entropy=True)
+        logp_BT, ent_BT = forward_logprobs(strategy.forward_model, mb, temperature, with_entropy=True)
         old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else logp_BT.detach()
         w_BT = importance_weights(old_BT, mb.sampler_logprobs_BT, mb.mask_BT, algo.is_level, algo.is_mode, algo.is_cap)
         loss, stats = policy_loss(
@@ -150,8 +173,10 @@ def policy_update(
     step.
     """
     G = algo.group_size
-    if batch.size and (algo.num_iterations > 1 or algo.num_minibatches > 1):
-        batch = replace(batch, old_logprobs_BT=score_tokens(strategy.model, batch, temperature, algo.micro_batch_tokens))
+    lockstep = getattr(strategy, "lockstep", False)  # every rank joins every forward, even with no rows
+    if (batch.size or lockstep) and (algo.num_iterations > 1 or algo.num_minibatches > 1):
+        old_BT = score_tokens(strategy.forward_model, batch, temperature, algo.micro_batch_tokens, strategy)
+        batch = replace(batch, old_logprobs_BT=old_BT)
     if batch.size and algo.beta > 0:
         batch = replace(batch, ref_logprobs_BT=score_tokens(ref_model, batch, temperature, algo.micro_batch_tokens))
     # normalisers count the whole optimizer batch on every rank; each rank joins every reduction,
@@ -167,7 +192,7 @@ def policy_update(
             local = loss_norm(mb, max_len, gen_tokens_per_step)
             num_seqs, num_tokens = strategy.reduce_counts([local.num_seqs, local.num_tokens])
             norm = replace(local, num_seqs=int(num_seqs), num_tokens=int(num_tokens))
-            if rows.numel():
+            if rows.numel() or lockstep:
                 for k, v in accumulate_gradients(strategy, mb, algo, norm, temperature).items():
                     totals[k] += v
                 totals["tokens"] += local.num_tokens

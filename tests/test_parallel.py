@@ -20,27 +20,50 @@ def run(cmd, **kw):
     return out
 
 
-def test_one_process_four_micro_equals_two_processes_two_micro(tmp_path):
-    """Same global batch, same two optimizer steps (num_iterations=2, KL on): 1 process x 4
-    micro-batches vs. 2 processes x 2 micro-batches give the same weights for every loss type."""
+def updated_weights(out, n_procs: int, n_micro: int, strategy: str, *extra: str) -> dict[str, dict]:
+    out.mkdir()
+    launch = [sys.executable] if n_procs == 1 else [*TORCHRUN, "--standalone", "--nproc_per_node", str(n_procs)]
+    run([*launch, "tests/ddp_step.py", str(out), str(n_micro), strategy, *extra])
+    return {lt: torch.load(out / f"{lt}.pt", weights_only=True) for lt in LOSS_TYPES}
+
+
+def initial_weights() -> dict:
     from grpo.config import TinyModelConfig
     from grpo.models import build_char_tokenizer, build_tiny_model
 
-    single, ddp = tmp_path / "single", tmp_path / "ddp"
-    single.mkdir(), ddp.mkdir()
-    run([sys.executable, "tests/ddp_step.py", str(single), "4"])
-    run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "tests/ddp_step.py", str(ddp), "2"])
     tok = build_char_tokenizer()
     torch.manual_seed(0)
-    init = build_tiny_model(TinyModelConfig(), len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id).state_dict()
-    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
-        a = torch.load(single / f"{loss_type}.pt", weights_only=True)
-        b = torch.load(ddp / f"{loss_type}.pt", weights_only=True)
-        update = max((a[k] - init[k]).abs().max().item() for k in a)
-        diff = max((a[k] - b[k]).abs().max().item() for k in a)
-        print(f"{loss_type}: largest update {update:.3g}, max |1x4 - 2x2| {diff:.2e}")
+    return build_tiny_model(TinyModelConfig(), len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id).state_dict()
+
+
+def assert_same_update(a: dict, b: dict, init: dict, label: str) -> None:
+    for loss_type in LOSS_TYPES:
+        update = max((a[loss_type][k] - init[k]).abs().max().item() for k in init)
+        diff = max((a[loss_type][k] - b[loss_type][k]).abs().max().item() for k in init)
+        print(f"{label} {loss_type}: largest update {update:.3g}, max difference {diff:.2e}")
         assert update > 1e-3, loss_type  # the steps did move the weights
-        assert diff < 1e-5 * max(update, 1.0), (loss_type, diff, update)
+        assert diff < 1e-5 * max(update, 1.0), (label, loss_type, diff, update)
+
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_one_process_four_micro_equals_two_processes_two_micro(tmp_path, strategy):
+    """Same global batch, same two optimizer steps (num_iterations=2, KL on): 1 process x 4
+    micro-batches vs. 2 processes x 2 micro-batches give the same weights for every loss type.
+    DeepSpeed's strategies run as one process too; DDP's one-process reference is parallel=single."""
+    one = updated_weights(tmp_path / "one", 1, 4, "single" if strategy == "ddp" else strategy)
+    two = updated_weights(tmp_path / "two", 2, 2, strategy)
+    assert_same_update(one, two, initial_weights(), f"{strategy} 1x4 vs 2x2")
+
+
+def test_zero3_ranks_with_different_micro_batch_counts(tmp_path):
+    """Rank 0 holds 3 groups, rank 1 one: rank 1 pads with zero-weight micro-batches so ZeRO-3's
+    gathers and reductions line up, and the update still equals one process's over all rows."""
+    one = updated_weights(tmp_path / "one", 1, 4, "single")
+    two = updated_weights(tmp_path / "two", 2, 2, "zero3", "uneven")
+    assert_same_update(one, two, initial_weights(), "zero3 uneven 2x vs single")
 
 
 def test_two_process_training_run(tmp_path, cache_dir):

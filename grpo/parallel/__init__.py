@@ -5,10 +5,13 @@ from __future__ import annotations
 from grpo.parallel.base import Strategy
 from grpo.parallel.ddp import DDPStrategy
 from grpo.parallel.single import SingleStrategy
+from grpo.parallel.zero import Zero2Strategy, Zero3Strategy
 
 STRATEGIES = {
     "single": SingleStrategy,
     "ddp": DDPStrategy,
+    "zero2": Zero2Strategy,
+    "zero3": Zero3Strategy,
 }
 
 

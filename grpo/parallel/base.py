@@ -43,6 +43,12 @@ def bucket_tensors(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int)
 
 class Strategy(ABC):
     model: torch.nn.Module  # the unwrapped module: forward passes and rollout backends use it
+    lockstep = False  # True: every rank must make the same forward/backward calls (sharded parameters)
+
+    @property
+    def forward_model(self) -> torch.nn.Module:
+        """What training forward passes call: the module, or a wrapper that must see each forward."""
+        return self.model
 
     @abstractmethod
     def backward(self, loss: torch.Tensor) -> None: ...

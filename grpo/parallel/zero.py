@@ -1,0 +1,189 @@
+"""DeepSpeed ZeRO stage 2 (optimizer state and gradients sharded) and stage 3 (parameters too),
+optionally with the optimizer state offloaded to CPU. gloo on CPU, NCCL on GPU.
+
+The DeepSpeed config is built from the `parallel` and `algo` groups. A user's own DeepSpeed JSON
+(`parallel.deepspeed_config`) is merged in for everything the groups do not decide (bucket sizes,
+prefetch, ...); a key both set to different values is an error that names both, never a silent
+override. The optimizer and LR schedule are always the loop's own (`build_optimizer`), so the same
+AdamW runs under every strategy and no DeepSpeed optimizer is JIT-compiled.
+
+Gradient accumulation is the loop's, not DeepSpeed's (`managed_gradient_accumulation: false`):
+any number of `backward()` calls, then one `step()` that is the boundary. Two consequences:
+  - ZeRO reduces gradients during every backward and ZeRO-3 gathers parameters during every
+    forward, so every rank must make the same number of forward/backward calls. `lockstep = True`
+    tells the update to pad a rank with fewer micro-batches with zero-weight ones.
+  - DeepSpeed averages gradients over ranks; the loop's losses are normalised by counts over all
+    ranks already, so `backward` multiplies by the world size to get the sum DDP computes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+
+import torch
+import torch.distributed as tdist
+
+from grpo import dist
+from grpo.config import ConfigError
+from grpo.parallel.base import Strategy, build_optimizer
+
+DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def deepspeed_config(cfg, algo, stage: int, dtype: torch.dtype) -> dict:
+    """The group's DeepSpeed config, merged with the user's JSON; conflicts raise ConfigError."""
+    ours = {
+        "train_micro_batch_size_per_gpu": 1,  # the loop cuts its own micro-batches
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": algo.max_grad_norm,
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": False},
+        "zero_allow_untested_optimizer": True,  # torch AdamW, the loop's own
+        "zero_force_ds_cpu_optimizer": False,  # offload keeps torch AdamW: no CPU-Adam build
+        "steps_per_print": 2**31 - 1,
+    }
+    if cfg.offload_optimizer:
+        ours["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if not cfg.deepspeed_config:
+        return ours
+    path = os.path.expanduser(cfg.deepspeed_config)
+    try:
+        with open(path) as f:
+            user = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"parallel.deepspeed_config={path!r} could not be read as JSON: {e}") from e
+    for key in ("optimizer", "scheduler"):
+        if key in user:
+            raise ConfigError(
+                f"{path} sets '{key}', but the optimizer and LR schedule come from algo.* (lr, warmup_steps, "
+                f"lr_schedule, weight_decay) under every strategy; remove '{key}' from the JSON."
+            )
+    conflicts = []
+    merged = _merge(user, ours, "", conflicts)
+    if conflicts:
+        lines = "\n  ".join(conflicts)
+        raise ConfigError(
+            f"{path} disagrees with the parallel/algo config groups:\n  {lines}\n"
+            "Remove these keys from the JSON (or set them to \"auto\"), or change the group's value on the command line."
+        )
+    return merged
+
+
+def _merge(user: dict, ours: dict, prefix: str, conflicts: list[str]) -> dict:
+    out = dict(user)
+    for key, value in ours.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            sub = user.get(key, {})
+            if not isinstance(sub, dict):
+                conflicts.append(f"{name}: JSON has {sub!r}, the config needs a section")
+                continue
+            out[key] = _merge(sub, value, name + ".", conflicts)
+        elif key not in user or user[key] == "auto" or user[key] == value:
+            out[key] = value
+        else:
+            conflicts.append(f"{name}: JSON has {user[key]!r}, the config groups give {value!r}")
+    return out
+
+
+def init_deepspeed_comm(cpu_shm_allreduce: bool) -> None:
+    """A process group for DeepSpeed: the trainer's own, or a one-rank gloo/NCCL group when a single
+    process runs without a launcher. DeepSpeed's shared-memory all-reduce for CPU ranks is compiled
+    on first use (about 45 s, cached); it is skipped unless asked for, with identical results."""
+    import deepspeed
+
+    if not cpu_shm_allreduce:
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    info = dist.dist_info()  # from torchrun or SLURM; DeepSpeed reads these variables itself
+    for key, value in (("RANK", info.rank), ("WORLD_SIZE", info.world_size), ("LOCAL_RANK", info.local_rank)):
+        os.environ.setdefault(key, str(value))
+    if not tdist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        dist.init_distributed(dist.DistInfo(), force=True)
+    deepspeed.init_distributed(dist_backend=tdist.get_backend(), auto_mpi_discovery=False)
+
+
+class ZeroStrategy(Strategy):
+    lockstep = True
+    stage = 3
+
+    def __init__(self, cfg, model: torch.nn.Module, algo, total_steps: int):
+        import deepspeed
+
+        init_deepspeed_comm(cfg.cpu_shm_allreduce)
+        dtype = next(model.parameters()).dtype
+        config = deepspeed_config(cfg, algo, self.stage, dtype)
+        optimizer, scheduler = build_optimizer(model, algo, total_steps)
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+        )
+        self.model = self.engine.module
+        self.config = config
+        self.world = tdist.get_world_size()
+
+    @property
+    def forward_model(self) -> torch.nn.Module:
+        return self.engine  # its forward advances ZeRO-3's micro-step count: accumulate, not overwrite
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss * self.world, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def weight_buckets(self, bucket_bytes: int):
+        """Full weights, bucket by bucket. Under ZeRO-3 each bucket is gathered from every rank's
+        shards when it is requested and released before the next, so at most one bucket of full
+        parameters exists at a time; buckets are sized by a parameter's full element count
+        (`ds_numel`), not its empty local placeholder. Every rank must consume the same buckets
+        (the gathers are collectives); a bucket's tensors are valid until the next is requested."""
+        import deepspeed
+
+        named = list(self.model.named_parameters(remove_duplicate=False))  # tied weights under both names
+        bucket, size = [], 0
+        for name, p in named:
+            nbytes = getattr(p, "ds_numel", p.numel()) * p.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield from self._gathered(bucket, deepspeed)
+                bucket, size = [], 0
+            bucket.append((name, p))
+            size += nbytes
+        if bucket:
+            yield from self._gathered(bucket, deepspeed)
+
+    def _gathered(self, bucket, deepspeed):
+        params = list({id(p): p for _, p in bucket}.values())
+        with deepspeed.zero.GatheredParameters(params, enabled=self.stage == 3):
+            yield [(name, p.data.detach()) for name, p in bucket]
+
+    def save(self, folder: str) -> None:
+        self.engine.save_checkpoint(folder, tag="deepspeed", save_latest=False)
+
+    def load(self, folder: str) -> None:
+        path, _ = self.engine.load_checkpoint(folder, tag="deepspeed", load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {folder}/deepspeed")
+
+    @property
+    def lr(self) -> float:
+        return self.engine.lr_scheduler.get_last_lr()[0]
+
+
+class Zero2Strategy(ZeroStrategy):
+    stage = 2
+
+
+class Zero3Strategy(ZeroStrategy):
+    stage = 3
