@@ -168,6 +168,7 @@ class Config:
     checkpoint_every: int = 100  # 0 = only at the end
     keep_checkpoints: int = 2
     resume: bool = True  # continue from the run folder's latest checkpoint if there is one
+    export_model: bool = True  # at the end, a consolidated HF folder of the policy in RUN_DIR/model
     run_dir: str = "${hydra:runtime.output_dir}"
 
 

@@ -36,6 +36,7 @@ from grpo.dist import (
     DistInfo, all_reduce_sum, barrier, broadcast_object, dist_info, init_distributed, shutdown,
 )
 from grpo.eval import evaluate
+from grpo.export import export_hf
 from grpo.log import RunLogger
 from grpo.models import encode_prompts, ensure_tiny_model, load_model
 from grpo.parallel import build_strategy
@@ -233,6 +234,8 @@ def train(cfg: DictConfig) -> dict:
     logger.log(cfg.steps, after, console=True)
     if cfg.steps > start:
         save_checkpoint(run_dir, cfg.steps, strategy, {"sampler": sampler.state_dict(), "eval_before": eval_before}, cfg.keep_checkpoints)
+    if cfg.export_model:
+        export_hf(strategy, tokenizer, os.path.join(run_dir, "model"), bucket_bytes)
     summary = {
         "eval_before": eval_before,
         "eval_after": eval_after,

@@ -100,11 +100,12 @@ def padding_batch() -> Batch:
 
 def lockstep_micro_batches(strategy, batch: Batch, max_tokens: int) -> tuple[list[Batch], int]:
     """This rank's micro-batches and how many padding ones to add: for a `lockstep` strategy the
-    count is raised to the largest on any rank, otherwise 0."""
+    count is raised to the largest on any rank, and to at least 1 (DeepSpeed's step needs a
+    backward before it, even when every rank's groups were dropped); otherwise 0."""
     mbs = micro_batches(batch, max_tokens)
     if not getattr(strategy, "lockstep", False):
         return mbs, 0
-    return mbs, int(dist.all_reduce_max([len(mbs)])[0]) - len(mbs)
+    return mbs, max(1, int(dist.all_reduce_max([len(mbs)])[0])) - len(mbs)
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as tdist
 
 from grpo import dist
-from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets, drain
 from grpo.rollout.remote import ServerPool, free_port
 
 
@@ -156,6 +156,8 @@ class DedicatedBackend(RolloutBackend):
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
         if self.is_owner:
             self.pool.push(buckets, version)
+        else:
+            drain(buckets)
         dist.barrier()
         self.weight_version = version
 

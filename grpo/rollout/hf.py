@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig
 
+from grpo import dist
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets
 
 
@@ -37,7 +38,11 @@ class HFBackend(RolloutBackend):
             return_dict_in_generate=True,
         )
         device = next(self.model.parameters()).device
-        out = self.model.generate(input_ids=ids_BL.to(device), attention_mask=mask_BL.to(device), generation_config=gen_cfg)
+        # ZeRO-3 parameters are gathered during each forward, a collective: every rank keeps
+        # stepping until all ranks are done (transformers' synced_gpus)
+        synced = dist.world_size() > 1 and hasattr(next(self.model.parameters()), "ds_id")
+        out = self.model.generate(input_ids=ids_BL.to(device), attention_mask=mask_BL.to(device),
+                                  generation_config=gen_cfg, synced_gpus=synced)
         self.model.train(was_training)
         new_BT = out.sequences[:, width:].cpu()
         scores_BTV = torch.stack(out.scores, dim=1).float().cpu()

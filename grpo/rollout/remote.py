@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 from grpo import dist
-from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets, drain
 from grpo.rollout.gloo_transfer import GlooSender, pack
 
 
@@ -195,6 +195,8 @@ class RemoteBackend(RolloutBackend):
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
         if dist.rank() == 0:  # replicas are identical: one rank pushes, the others wait for it
             self.pool.push(buckets, version)
+        else:
+            drain(buckets)
         dist.barrier()
         self.weight_version = version
 

@@ -1,0 +1,46 @@
+"""A consolidated Hugging Face folder of the policy, whatever the strategy: transformers and vLLM
+load it as they load any checkpoint.
+
+Every rank walks the strategy's weight buckets (under ZeRO-3 each one is gathered from all ranks'
+shards); rank 0 keeps a CPU copy, builds a fresh model from the policy's config, and writes it with
+the tokenizer into a temporary folder that is renamed into place, so a kill never leaves half a
+model under the final name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from grpo import dist
+
+
+def export_hf(strategy, tokenizer, folder: str, bucket_bytes: int = 256 * 2**20) -> str | None:
+    """Write the policy to `folder` (rank 0); returns the folder on rank 0, None elsewhere."""
+    from transformers import AutoModelForCausalLM
+
+    keep = dist.rank() == 0
+    state: dict[str, torch.Tensor] = {}
+    for bucket in strategy.weight_buckets(bucket_bytes):  # a collective under ZeRO-3: every rank
+        if keep:
+            state.update((name, t.detach().to("cpu", copy=True)) for name, t in bucket)
+    if not keep:
+        dist.barrier()
+        return None
+    config = strategy.model.config
+    model = AutoModelForCausalLM.from_config(config, dtype=next(iter(state.values())).dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"export: weights do not match the model: missing {missing}, unexpected {unexpected}")
+    tmp = f"{folder}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if os.path.exists(folder):
+        shutil.rmtree(folder)
+    os.rename(tmp, folder)
+    dist.barrier()
+    return folder
