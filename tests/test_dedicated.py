@@ -96,9 +96,10 @@ def check_run(run_dir, steps):
     assert wait_gone(run_dir) == [], "engine processes outlived the run"
 
 
-def test_two_process_run_with_one_engine_per_node(tmp_path, cache_dir):
-    run_ok([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST,
-            "parallel=ddp", "rollout=dedicated", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
+@pytest.mark.parametrize("parallel", ["ddp", "zero3"])
+def test_two_process_run_with_one_engine_per_node(tmp_path, cache_dir, parallel):
+    run_ok([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, f"parallel={parallel}",
+            "rollout=dedicated", "parallel.sync_bucket_mb=1", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
     check_run(tmp_path, steps=3)
 
 

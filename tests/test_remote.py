@@ -124,3 +124,19 @@ def test_short_training_run_through_remote(server, make_cfg):
     trained = [r for r in rows if "loss" in r]
     assert [r["weight_version"] for r in trained] == [0, 1, 2]
     assert all(r["completion_len"] > 0 for r in trained)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "zero3"])
+def test_two_process_training_run_through_remote(server, tmp_path, cache_dir, parallel):
+    """2 trainer ranks, one server: the whole batch goes to it, rank 0 pushes the weights (under
+    ZeRO-3 gathered bucket by bucket with rank 1 joining each gather)."""
+    from tests.conftest import FAST
+    from tests.test_parallel import TORCHRUN, run
+
+    run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, f"parallel={parallel}",
+         "rollout=remote", f"rollout.remote.urls=[{server['url']}]", f"rollout.remote.token={TOKEN}",
+         "parallel.sync_bucket_mb=1", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    trained = [r for r in rows if "loss" in r]
+    assert [r["weight_version"] for r in trained] == [0, 1, 2]
+    assert all(r["completion_len"] > 0 for r in trained)
