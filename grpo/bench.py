@@ -1,9 +1,13 @@
-"""`python -m grpo.bench`: rollout throughput per backend, weight-sync cost, step-time breakdown.
+"""`python -m grpo.bench`: rollout throughput per backend, weight-sync cost, step-time breakdown,
+step time per parallel strategy, and ZeRO-3's gather cost against bucket size.
 
 Runs short trainings of the embedded default through each backend (for `remote` it starts a
 `grpo.serve` server on this machine first), then times weight syncs of the same weights in buckets
 of several sizes and one tensor per bucket (how TRL and OpenRLHF send them: one call each).
-Prints a table and writes JSON (`--out`).
+Then trains with each strategy (`single` as one process, the others as 2 torchrun processes), and
+gathers a SmolLM2-135M-shaped model from ZeRO-3 shards on 2 processes bucket by bucket, recording
+seconds and the peak memory above the resting state for each bucket size.
+Prints tables and writes JSON (`--out`).
 """
 
 from __future__ import annotations
@@ -131,6 +135,114 @@ def bench_sync(backend_name: str, bucket_mb: list[float], repeats: int, url: str
     return results
 
 
+def metrics_rows(run_dir: str) -> list[dict]:
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return [r for r in rows if "step_s" in r][1:]  # the first step carries warm-ups
+
+
+def bench_parallel(strategy: str, steps: int, extra: list[str], procs: int = 2) -> dict:
+    """A short `rollout=hf` training under `strategy`: one process for single, else `procs` ranks."""
+    run_dir = tempfile.mkdtemp(prefix=f"bench-{strategy}-")
+    n = 1 if strategy == "single" else procs
+    launch = [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                              "--nproc_per_node", str(n)]
+    cmd = [*launch, "-m", "grpo.train", f"parallel={strategy}", "rollout=hf", f"steps={steps}", "checkpoint_every=0",
+           "export_model=false", "logger.log_every=1000", "logger.sample_every=0", f"hydra.run.dir={run_dir}", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"parallel={strategy} failed:\n{out.stderr[-3000:]}")
+    rows = metrics_rows(run_dir)
+    mean = lambda k: statistics.mean(r[k] for r in rows)  # noqa: E731
+    return {"strategy": strategy, "procs": n, "steps_timed": len(rows), "step_s": mean("step_s"),
+            "generate_s": mean("time/generate_s"), "update_s": mean("time/update_s"), "sync_s": mean("time/sync_s")}
+
+
+class PeakRSS:
+    """Resident memory sampled every millisecond on a thread: the peak of a block, in MB."""
+
+    def __enter__(self):
+        import threading
+
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.base = self.peak = self.rss()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _sample(self):
+        while not self.done.wait(0.001):
+            self.peak = max(self.peak, self.rss())
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+        self.peak = max(self.peak, self.rss())
+        self.peak_above_mb = (self.peak - self.base) / 2**20
+
+
+def zero3_sync_worker(bucket_mbs: list[float], out: str) -> None:
+    """Under torchrun: ZeRO-3 shards of a SmolLM2-135M-shaped model (random weights) on each rank;
+    for each bucket size, gather the full weights bucket by bucket and pack each bucket into one
+    contiguous buffer, as the grpo_gloo transport does before sending it."""
+    import gc
+
+    from omegaconf import OmegaConf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grpo import dist
+    from grpo.config import AlgoConfig, ParallelConfig
+    from grpo.parallel.zero import Zero3Strategy
+
+    dist.init_distributed(dist.dist_info())
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    largest_mb = max(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    strategy = Zero3Strategy(OmegaConf.structured(ParallelConfig(strategy="zero3")), model,
+                             OmegaConf.structured(AlgoConfig()), total_steps=1)
+    del model
+
+    def gather_all(bucket_bytes: int) -> None:
+        for bucket in strategy.weight_buckets(bucket_bytes):
+            flat = torch.cat([t.reshape(-1) for _, t in bucket])
+            del flat
+
+    gather_all(int(min(bucket_mbs) * 2**20))  # warm-up: first-touch pages and DeepSpeed's buffers
+    results = []
+    for mb in sorted(bucket_mbs):
+        gc.collect()
+        dist.barrier()
+        with PeakRSS() as mem:
+            t0 = time.perf_counter()
+            gather_all(int(mb * 2**20))
+            seconds = time.perf_counter() - t0
+        results.append({"bucket_mb": mb, "gather_s": seconds, "mb_per_s": model_mb / seconds,
+                        "peak_above_rest_mb": mem.peak_above_mb, "model_mb": model_mb, "largest_tensor_mb": largest_mb})
+    if dist.rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.shutdown()
+
+
+def bench_zero3_sync(bucket_mbs: list[float]) -> list[dict]:
+    out = os.path.join(tempfile.mkdtemp(prefix="bench-zero3-sync-"), "sync.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "grpo.bench",
+           "--zero3-sync-worker", out, "--zero3-buckets", ",".join(map(str, bucket_mbs))]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if res.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"ZeRO-3 sync bench failed:\n{res.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
 def bench_trl(steps: int, ours: dict) -> dict:
     """TRL's GRPOTrainer on the same tiny model, task, batch (32 prompts x 16), completion length,
     learning rate and loss, generating with transformers on this CPU, as `rollout=hf` does."""
@@ -197,28 +309,45 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--sync-repeats", type=int, default=5)
     p.add_argument("--out", default="bench_results/bench.json")
+    p.add_argument("--parallel", default="single,ddp,zero2,zero3", help="strategies to time ('' for none)")
+    p.add_argument("--zero3-buckets", default="16,64,256,1024", help="ZeRO-3 gather bucket sizes in MB ('' for none)")
+    p.add_argument("--zero3-sync-worker", metavar="OUT", help=argparse.SUPPRESS)
     p.add_argument("--vs", choices=["trl"], help="also run TRL's GRPOTrainer on the same setup (needs trl)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every training run")
     args = p.parse_args()
     torch.manual_seed(0)
+    zero3_buckets = [float(b) for b in args.zero3_buckets.split(",") if b]
+    if args.zero3_sync_worker:
+        return zero3_sync_worker(zero3_buckets, args.zero3_sync_worker)
 
-    backends = args.backends.split(",")
+    backends = [b for b in args.backends.split(",") if b]
     steps, sync = [], []
     for b in backends:
         with served(tiny_model_path()) if b == "remote" else contextlib.nullcontext() as url:
             steps.append(bench_backend(b, args.steps, args.overrides, url))
             if b != "hf":  # hf shares the trainer's module: nothing is sent
                 sync += bench_sync(b, [0, 0.25, 64], args.sync_repeats, url)
-    report = {"steps": steps, "sync": sync, "peak_rss_mb": peak_rss_mb(), "threads": torch.get_num_threads()}
+    parallel = [bench_parallel(s, args.steps, args.overrides) for s in args.parallel.split(",") if s]
+    zero3 = bench_zero3_sync(zero3_buckets) if zero3_buckets else []
+    report = {"steps": steps, "sync": sync, "parallel": parallel, "zero3_sync": zero3, "peak_rss_mb": peak_rss_mb(),
+              "threads": torch.get_num_threads()}
     if args.vs == "trl":
         hf = next((r for r in steps if r["backend"] == "hf"), None) or bench_backend("hf", args.steps, args.overrides)
         report["vs_trl"] = bench_trl(args.steps, hf)
 
-    print("\nrollout and step time (tiny model, 512 completions per step)")
-    print(table(steps, ["backend", "gen_tokens_per_s", "step_s", "generate_s", "score_s", "update_s", "sync_s"]))
+    if steps:
+        print("\nrollout and step time (tiny model, 512 completions per step)")
+        print(table(steps, ["backend", "gen_tokens_per_s", "step_s", "generate_s", "score_s", "update_s", "sync_s"]))
     if sync:
         print("\nweight sync (median of repeats)")
         print(table(sync, ["backend", "bucket_mb", "tensors", "model_mb", "sync_s", "mb_per_s"]))
+    if parallel:
+        print("\nstep time per strategy (rollout=hf; single is 1 process, the others 2)")
+        print(table(parallel, ["strategy", "procs", "step_s", "generate_s", "update_s", "sync_s"]))
+    if zero3:
+        print(f"\nZeRO-3 gather of a {zero3[0]['model_mb']:.0f} MB model on 2 ranks, per bucket size (rank 0; "
+              f"largest tensor {zero3[0]['largest_tensor_mb']:.0f} MB)")
+        print(table(zero3, ["bucket_mb", "gather_s", "mb_per_s", "peak_above_rest_mb"]))
     if "vs_trl" in report:
         v = report["vs_trl"]
         print(f"\nTRL {v['trl_version']} GRPOTrainer: {v['trl_step_s']:.3f} s/step vs grpo (rollout=hf) "
