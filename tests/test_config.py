@@ -13,7 +13,7 @@ EXPECTED_OPTIONS = {  # update when adding a config file: the count guards again
     "task": 2,
     "reward": 1,
     "rollout": 4,
-    "parallel": 2,
+    "parallel": 5,
     "algo": 3,
     "logger": 2,
 }
@@ -26,7 +26,7 @@ def group_files():
 def test_every_group_has_its_expected_options():
     found = {g: len(list((CONF / g).glob("*.yaml"))) for g in GROUPS}
     assert found == EXPECTED_OPTIONS
-    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 15
+    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 18
 
 
 @pytest.mark.parametrize("group, option", group_files())
