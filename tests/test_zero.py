@@ -132,3 +132,14 @@ def test_zero3_two_process_resume_matches_an_uninterrupted_run(tmp_path, cache_d
 
     wa, wb = load_file(straight / "model" / "model.safetensors"), load_file(resumed / "model" / "model.safetensors")
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6
+
+
+@pytest.mark.parametrize("parallel", ["zero2", "zero3_offload"])
+def test_two_process_runs_of_the_other_zero_strategies(tmp_path, cache_dir, parallel):
+    run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, f"parallel={parallel}",
+         f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    files = os.listdir(tmp_path / "checkpoints" / "step_00000003" / "deepspeed")
+    assert sum("optim_states" in f for f in files) == 2, files  # each rank saved its optimizer shard
+    assert (tmp_path / "model" / "model.safetensors").exists()
