@@ -310,8 +310,7 @@ def validate(cfg: DictConfig | Config) -> None:
         if not _HUB_ID.match(path):
             raise ConfigError(
                 f"model.path={path!r} is neither 'tiny', a packaged model {sorted(PACKAGED)}, an existing local "
-                f"folder, nor a hub id like "
-                f"'Qwen/Qwen2.5-0.5B-Instruct'. Fix the path."
+                f"folder, nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'. Fix the path."
             )
         _check_hub_model(path)
 

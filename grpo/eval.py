@@ -85,7 +85,15 @@ def run_eval(cfg: DictConfig) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_eval(cfg)
+    import sys
+
+    from grpo.config import ConfigError
+    from grpo.tasks.rows import DatasetError
+
+    try:
+        run_eval(cfg)
+    except (ConfigError, DatasetError) as e:
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

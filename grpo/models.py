@@ -226,6 +226,14 @@ def ensure_packaged_model(name: str, cache_dir: str, log=print) -> str:
     return path
 
 
+def ensure_model_folder(cfg, task_cfg, task, max_new_tokens: int, log=print) -> str:
+    """The local folder of `model.path=tiny` (built and warm-started) or of a packaged model
+    (converted), made once and cached."""
+    if cfg.path == "tiny":
+        return ensure_tiny_model(cfg, task_cfg, task, max_new_tokens, log)
+    return ensure_packaged_model(cfg.path, cfg.cache_dir, log)
+
+
 def format_prompt(tokenizer, prompt: str, chat_template: str = "auto", system_prompt: str | None = None) -> tuple[str, bool]:
     """(the text the model continues, whether a chat template wrote it).
 

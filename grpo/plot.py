@@ -18,7 +18,7 @@ import os
 PANELS = [
     ("reward/mean", "reward (mean)"),
     ("eval/accuracy", "held-out accuracy (greedy)"),
-    ("kl", "KL to reference (k3)"),
+    ("kl", "KL to reference (k3; 0 when algo.beta=0)"),
     ("completion_len", "completion length (tokens)"),
     ("clip_frac", "clipped token fraction"),
     ("tokens_per_s", "tokens/s (whole step)"),

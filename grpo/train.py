@@ -37,7 +37,7 @@ from grpo.dist import (
 )
 from grpo.eval import evaluate
 from grpo.log import RunLogger
-from grpo.models import PACKAGED, encode_prompts, ensure_packaged_model, ensure_tiny_model, load_model
+from grpo.models import PACKAGED, encode_prompts, ensure_model_folder, load_model
 from grpo.parallel import build_strategy
 from grpo.rewards import build_rewards, score
 from grpo.rollout import build_rollout, sampling_from
@@ -53,15 +53,10 @@ def build_policy(cfg, task, info: DistInfo, log=print):
     embedded model and a packaged model is converted (or reused), on each node's local rank 0 first."""
     path = os.path.expanduser(cfg.model.path)
     if path == "tiny" or path in PACKAGED:
-        def ensure():
-            if path == "tiny":
-                return ensure_tiny_model(cfg.model, cfg.task, task, cfg.rollout.max_new_tokens, log)
-            return ensure_packaged_model(path, cfg.model.cache_dir, log)
-
         if info.local_rank == 0:
-            ensure()
+            ensure_model_folder(cfg.model, cfg.task, task, cfg.rollout.max_new_tokens, log)
         barrier()
-        path = ensure()
+        path = ensure_model_folder(cfg.model, cfg.task, task, cfg.rollout.max_new_tokens, log)
     model, tokenizer = load_model(path, cfg.model.dtype)
     device = torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     model.to(device).train()
