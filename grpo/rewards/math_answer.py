@@ -2,13 +2,17 @@
 `\\boxed{}`, a LaTeX expression, or the last number) is parsed to sympy and compared with the
 ground truth by value, so `\\frac{1}{2}`, `1/2` and `0.5` all match `0.5`.
 
-math-verify's own timeouts use SIGALRM, which works only in the main thread; rewards run in a
-worker thread (grpo.rewards cuts them off with `reward.timeout_s`), so its timeouts are off here.
+math-verify's own timeouts use SIGALRM, which works only in the main thread. Rewards run in a
+worker thread (grpo.rewards cuts them off with `reward.timeout_s`), so there its timeouts are off;
+evaluation (`Task.is_correct`) runs in the main thread and keeps them (5 s per parse or compare).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+
+TIMEOUT_S = 5  # math-verify's own limit, main thread only
 
 
 class _NoTimeoutNotice(logging.Filter):
@@ -22,10 +26,14 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_NoTimeoutNotice())
 
 
+def _timeout() -> int | None:
+    return TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
 def _parse(text: str):
     from math_verify import parse
 
-    return parse(text, parsing_timeout=None)
+    return parse(text, parsing_timeout=_timeout())
 
 
 def is_equivalent(completion: str, answer: str) -> bool:
@@ -36,7 +44,7 @@ def is_equivalent(completion: str, answer: str) -> bool:
     if not gold:
         raise ValueError(f"math-verify could not parse the ground truth {answer!r}")
     pred = _parse(completion)
-    return bool(pred) and verify(gold, pred, timeout_seconds=None)
+    return bool(pred) and verify(gold, pred, timeout_seconds=_timeout())
 
 
 def math_verify(completions: list[str], samples: list, **_) -> list[float]:
