@@ -181,3 +181,18 @@ def test_prompts_through_the_tokenizers_chat_template():
     ids = encode_prompts(tok, [type("S", (), {"prompt": "q"})()])[0]
     assert tok.decode(ids) == "<user>q</user><assistant>"  # the template's text only: no extra BOS
     assert ids[0] != tok.bos_token_id
+
+
+@pytest.mark.parametrize("task, reward", [("gsm8k", "math_verify"), ("countdown", "countdown")])
+def test_a_short_run_on_a_local_data_set(make_cfg, tmp_path, task, reward):
+    """The whole loop on a data-set task read from local files (tiny model, no warm start: the
+    plumbing, not learning)."""
+    from grpo.train import train
+
+    rows = GSM8K if task == "gsm8k" else [{"nums": [i, i + 1, 2], "target": 2 * i + 3} for i in range(6)]
+    path = write_parquet(tmp_path / "train.parquet", rows)
+    summary = train(make_cfg(f"task={task}", f"task.path={path}", "task.eval_size=2", f"reward={reward}",
+                             "model.tiny.warm_start_accuracy=0", "steps=1", "algo.batch_size=8", "algo.group_size=4"))
+    assert summary["steps"] == 1 and 0.0 <= summary["eval_after"] <= 1.0
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert f"reward/{reward}" in next(r for r in rows if r["step"] == 1 and "reward/mean" in r)
