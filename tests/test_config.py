@@ -9,9 +9,9 @@ from grpo.config import GROUPS, ConfigError, validate
 from tests.conftest import CONF, ROOT, compose_cfg
 
 EXPECTED_OPTIONS = {  # update when adding a config file: the count guards against silently skipped files
-    "model": 1,
-    "task": 2,
-    "reward": 1,
+    "model": 2,
+    "task": 6,
+    "reward": 3,
     "rollout": 4,
     "parallel": 5,
     "algo": 3,
@@ -26,7 +26,7 @@ def group_files():
 def test_every_group_has_its_expected_options():
     found = {g: len(list((CONF / g).glob("*.yaml"))) for g in GROUPS}
     assert found == EXPECTED_OPTIONS
-    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 18
+    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 25
 
 
 @pytest.mark.parametrize("group, option", group_files())
@@ -46,11 +46,42 @@ def test_every_config_file_composes(group, option, tmp_path):
         validate(cfg)
 
 
-def test_every_experiment_composes_and_validates():
-    experiments = sorted(p.stem for p in (ROOT / "experiments").glob("*.yaml"))
-    assert experiments == ["addition_tiny", "addition_tiny_colocated"]
-    for name in experiments:
-        validate(compose_cfg(f"experiment={name}"))
+EXPERIMENTS = [  # update when adding an experiment: the count guards against silently skipped files
+    "addition_tiny",
+    "addition_tiny_colocated",
+    "countdown_tinyzero",
+    "deepseekmath7b_math_remote",
+    "qwen05b_gsm8k_colocated",
+    "qwen15b_gsm8k_zero3_dedicated",
+    "smollm2_arithmetic_cpu",
+]
+
+
+def test_experiments_are_all_counted():
+    assert sorted(p.stem for p in (ROOT / "experiments").glob("*.yaml")) == EXPERIMENTS
+    assert len(EXPERIMENTS) == 7
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_composes_and_validates(name, monkeypatch):
+    """Composes and validates each file; only the hub lookup of the model id is left out (no network
+    here), and the ids are checked for their shape instead."""
+    from omegaconf import OmegaConf
+
+    import grpo.config
+
+    raw = OmegaConf.load(ROOT / "experiments" / f"{name}.yaml")
+    missing = [f"conf/{k.split('/')[-1]}/{v}.yaml" for d in raw.defaults for k, v in d.items()
+               if not (CONF / k.split("/")[-1] / f"{v}.yaml").exists()]
+    if missing:  # e.g. parallel=zero3 lands with the DeepSpeed strategy (issue 4)
+        pytest.skip(f"experiment {name} needs {missing}, not on this branch yet")
+    looked_up = []
+    monkeypatch.setattr(grpo.config, "_check_hub_model", looked_up.append)
+    cfg = compose_cfg(f"experiment={name}")
+    validate(cfg)
+    assert looked_up == ([] if cfg.model.path in ("tiny", "smollm2-135m") else [cfg.model.path])
+    header = (ROOT / "experiments" / f"{name}.yaml").read_text()
+    assert "# Reproduces:" in header and "Resources:" in header, "every experiment names its target and resources"
 
 
 def test_unknown_key_is_an_error():
@@ -74,7 +105,7 @@ def test_unknown_option_is_an_error():
         ("algo.group_size=1", "at least 2 completions"),
         ("algo.num_minibatches=3", "algo.num_minibatches=3 must be >= 1 and divide the 32 prompts"),
         ("algo.clip_eps_high=0.1", "clip_eps_high"),
-        ("model.path=/does/not/exist", "model.path='/does/not/exist' is neither 'tiny', an existing local folder"),
+        ("model.path=/does/not/exist", "model.path='/does/not/exist' is neither 'tiny', a packaged model ['smollm2-135m'], an existing local folder"),
         ("reward.funcs=[{name: nosuchreward}]", "reward 'nosuchreward' is not one of"),
         ("reward.funcs=[{name: nosuch.module.fn}]", "could not be imported"),
         ("reward.funcs=[]", "reward.funcs is empty"),

@@ -7,11 +7,12 @@ import pytest
 from grpo.rewards import REWARDS, score
 from grpo.rewards.countdown import NotAnEquation, countdown, evaluate
 from grpo.rewards.format import answer_format, extract_answer, overlong_penalty
+from grpo.rewards.math_answer import math_verify
 from grpo.tasks import Sample
 
 
 def cd(numbers, target):
-    return Sample(prompt="", answer="", meta={"numbers": numbers, "target": target})
+    return Sample(prompt="", answer=str(target), meta={"numbers": numbers, "target": target})
 
 
 def test_countdown_checks_numbers_and_target():
@@ -77,3 +78,25 @@ def test_every_registered_reward_accepts_the_trainer_call():
     for name, fn in REWARDS.items():
         values = fn(["<answer>1 + 2</answer>"], [s], completion_ids=[[1, 2]], max_new_tokens=8)
         assert len(values) == 1, name
+
+
+@pytest.mark.parametrize(
+    "completion, answer, value",
+    [
+        ("The answer is 85.", "85", 1.0),  # the last number
+        ("37 + 48 = 86", "85", 0.0),
+        ("so \\boxed{\\frac{1}{2}}", "0.5", 1.0),  # equal by value: 1/2 = 0.5
+        ("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}", 1.0),
+        ("step 1: 3 + 4 = 7. #### 72", "72", 1.0),  # gsm8k's style
+        ("\\boxed{x^2}", "x^{2}", 1.0),
+        ("no answer here", "3", 0.0),
+    ],
+)
+def test_math_verify(completion, answer, value):
+    assert math_verify([completion], [Sample(prompt="", answer=answer)]) == [value]
+
+
+def test_math_verify_runs_in_the_reward_thread():
+    """math-verify's own timeouts use SIGALRM (main thread only); score() calls it in a worker thread."""
+    rewards_FB, means = score([("math_verify", math_verify, 1.0)], ["\\boxed{3}", "4"], [Sample("", "3")] * 2, timeout_s=30)
+    assert rewards_FB == [[1.0, 0.0]] and means == {"reward/math_verify": 0.5}

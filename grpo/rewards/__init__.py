@@ -22,6 +22,7 @@ from typing import Callable
 from grpo.rewards.countdown import countdown
 from grpo.rewards.exact_match import exact_match
 from grpo.rewards.format import answer_format, overlong_penalty
+from grpo.rewards.math_answer import math_verify
 
 RewardFn = Callable[..., list]
 
@@ -30,6 +31,7 @@ REWARDS: dict[str, RewardFn] = {
     "format": answer_format,
     "countdown": countdown,
     "overlong": overlong_penalty,
+    "math_verify": math_verify,
 }
 
 

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from grpo.tasks.addition import build_addition
+from grpo.tasks.arithmetic import build_arithmetic
 from grpo.tasks.base import Sample, Task, TrainSampler
+from grpo.tasks.countdown import build_countdown
+from grpo.tasks.gsm8k import build_gsm8k
 from grpo.tasks.jsonl import build_jsonl
+from grpo.tasks.math_problems import build_math
 
 TASKS = {
     "addition": build_addition,
+    "arithmetic": build_arithmetic,
     "jsonl": build_jsonl,
+    "gsm8k": build_gsm8k,
+    "math": build_math,
+    "countdown": build_countdown,
 }
 
 

@@ -21,4 +21,5 @@ def build_addition(cfg) -> Task:
     random.Random(cfg.seed).shuffle(samples)
     if cfg.eval_size >= len(samples):
         raise ConfigError(f"task.eval_size={cfg.eval_size} leaves no training data out of {len(samples)} samples; lower it.")
-    return Task("addition", train=samples[cfg.eval_size :], eval=samples[: cfg.eval_size])
+    return Task("addition", train=samples[cfg.eval_size :], eval=samples[: cfg.eval_size],
+                chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)

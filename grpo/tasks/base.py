@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 
 @dataclass
@@ -24,6 +24,10 @@ class Task:
     train: list[Sample]
     eval: list[Sample]
     is_correct: Callable[[str, Sample], bool] = exact_answer  # what eval accuracy counts
+    # How prompts reach the model (grpo.models.encode_prompts): through the tokenizer's chat
+    # template (auto: when it has one | always | never), after an optional system prompt.
+    chat_template: str = "auto"
+    system_prompt: Optional[str] = None
 
     def __post_init__(self):
         if not self.train:

@@ -3,15 +3,13 @@ a seeded shuffle are held out. Every row is checked: a bad one is an error namin
 
 from __future__ import annotations
 
-import json
 import os
 import random
 
 from grpo.tasks.base import Sample, Task
+from grpo.tasks.rows import DatasetError, read_jsonl_rows
 
-
-class DatasetError(ValueError):
-    pass
+__all__ = ["DatasetError", "build_jsonl", "read_jsonl"]
 
 
 def read_jsonl(path: str) -> list[Sample]:
@@ -19,21 +17,12 @@ def read_jsonl(path: str) -> list[Sample]:
     if not os.path.isfile(path):
         raise DatasetError(f"task.path={path!r} does not exist; point it at a .jsonl file.")
     samples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove that line.") from e
-            if not isinstance(row, dict):
-                raise DatasetError(f"{path}:{lineno}: expected a JSON object with 'prompt' and 'answer'.")
-            for key in ("prompt", "answer"):
-                if not isinstance(row.get(key), str) or not row[key]:
-                    raise DatasetError(f"{path}:{lineno}: field {key!r} is missing or not a non-empty string.")
-            meta = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
-            samples.append(Sample(prompt=row["prompt"], answer=row["answer"], meta=meta))
+    for where, row in read_jsonl_rows(path):
+        for key in ("prompt", "answer"):
+            if not isinstance(row.get(key), str) or not row[key]:
+                raise DatasetError(f"{where}: field {key!r} is missing or not a non-empty string.")
+        meta = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
+        samples.append(Sample(prompt=row["prompt"], answer=row["answer"], meta=meta))
     if not samples:
         raise DatasetError(f"{path}: the file has no rows; a task needs at least one prompt.")
     return samples
@@ -48,4 +37,5 @@ def build_jsonl(cfg) -> Task:
             f"{cfg.path}: task.eval_size={cfg.eval_size} leaves no training rows out of {len(samples)}; lower it."
         )
     random.Random(cfg.seed).shuffle(samples)
-    return Task("jsonl", train=samples[cfg.eval_size :], eval=samples[: cfg.eval_size])
+    return Task("jsonl", train=samples[cfg.eval_size :], eval=samples[: cfg.eval_size],
+                chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)

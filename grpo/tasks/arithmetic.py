@@ -1,0 +1,34 @@
+"""Arithmetic word questions generated in code, for instruction-tuned models on CPU:
+"What is 37 + 48? Answer with just the number." -> `85`. Unlike `addition` (a bare `07+45=` for a
+model trained from scratch), the prompt is a question for a chat template and the answer is
+checked by value (math-verify finds the final number), so "The answer is 85." counts."""
+
+from __future__ import annotations
+
+import random
+
+from grpo.rewards.math_answer import is_equivalent
+from grpo.tasks.base import Sample, Task
+
+ANSWER_FORMAT = "Answer with just the number."
+
+
+def build_arithmetic(cfg) -> Task:
+    from grpo.config import ConfigError
+
+    d = cfg.digits
+    if not 1 <= d <= 4:
+        raise ConfigError(f"task.digits={d} must be between 1 and 4.")
+    instruction = ANSWER_FORMAT if cfg.answer_format is None else cfg.answer_format
+    low = 0 if d == 1 else 10 ** (d - 1)  # d-digit operands, no leading zeros
+    samples = [
+        Sample(prompt=f"What is {a} + {b}? {instruction}".strip(), answer=str(a + b))
+        for a in range(low, 10**d)
+        for b in range(low, 10**d)
+    ]
+    random.Random(cfg.seed).shuffle(samples)
+    if cfg.eval_size >= len(samples):
+        raise ConfigError(f"task.eval_size={cfg.eval_size} leaves no training data out of {len(samples)} samples; lower it.")
+    return Task("arithmetic", train=samples[cfg.eval_size :], eval=samples[: cfg.eval_size],
+                is_correct=lambda completion, s: is_equivalent(completion, s.answer),
+                chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)

@@ -1,0 +1,74 @@
+"""Rows of a data set, from the hub through `datasets` or from a local .jsonl or .parquet file,
+each paired with where it came from (`file:line`, `file: row N`, `hub_id[split] row N`) so that a
+task can reject a malformed row with an error naming it. Nothing is skipped: a bad row stops the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+class DatasetError(ValueError):
+    """A data set that cannot be used; the message names the file (or hub id) and the line (or row)."""
+
+
+Row = tuple[str, dict]  # (where it came from, the row)
+
+
+def read_jsonl_rows(path: str) -> list[Row]:
+    """One JSON object per line; blank lines are allowed, anything else that is not an object is an error."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove that line.") from e
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}.")
+            rows.append((f"{path}:{lineno}", row))
+    return rows
+
+
+def read_parquet_rows(path: str) -> list[Row]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
+        raise DatasetError(f"{path}: not a readable parquet file ({type(e).__name__}: {e}).") from e
+    return [(f"{path}: row {i}", row) for i, row in enumerate(table.to_pylist(), start=1)]
+
+
+def read_local_rows(path: str) -> list[Row]:
+    path = os.path.expanduser(path)
+    if not os.path.isfile(path):
+        raise DatasetError(f"{path!r} does not exist; point task.path (or task.eval_path) at a .jsonl or .parquet file.")
+    if path.endswith(".parquet"):
+        rows = read_parquet_rows(path)
+    elif path.endswith((".jsonl", ".json")):
+        rows = read_jsonl_rows(path)
+    else:
+        raise DatasetError(f"{path}: unknown file type; use a .jsonl (one JSON object per line) or .parquet file.")
+    if not rows:
+        raise DatasetError(f"{path}: the file has no rows; a task needs at least one prompt.")
+    return rows
+
+
+def load_hub_rows(hub_id: str, config: str | None, split: str, columns: list[str]) -> list[Row]:
+    """A split of a hub data set through `datasets.load_dataset` (cached under HF_HOME)."""
+    try:
+        import datasets
+
+        data = datasets.load_dataset(hub_id, config, split=split)
+    except Exception as e:  # noqa: BLE001 - no network, a wrong id or split: all end the same way
+        raise DatasetError(
+            f"could not load {hub_id!r} (config {config!r}, split {split!r}) through datasets "
+            f"({type(e).__name__}: {str(e)[:300]}). Check task.hub_id, task.hub_config and the split names; "
+            f"without hub access, set task.path (and task.eval_path) to local .jsonl or .parquet files with "
+            f"the columns {columns}."
+        ) from e
+    return [(f"{hub_id}[{split}] row {i}", row) for i, row in enumerate(data, start=1)]

@@ -1,0 +1,198 @@
+"""Data-set tasks (gsm8k, math, countdown) from small local files the tests write, their ground-truth
+extraction, row-level errors naming file and line, the hub path's failure message, and prompts
+through a chat template."""
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from grpo.config import TaskConfig
+from grpo.models import build_char_tokenizer, encode_prompts, format_prompt
+from grpo.tasks import build_task
+from grpo.tasks.math_problems import last_boxed
+from grpo.tasks.rows import DatasetError
+
+
+def task_cfg(**kw):
+    return OmegaConf.structured(TaskConfig(**kw))
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def write_parquet(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+GSM8K = [{"question": f"Tom has {i} apples and buys 1,000 more. How many?", "answer": f"{i} + 1000 = {i + 1000}\n#### {i + 1000:,}"}
+         for i in range(6)]
+
+
+def test_gsm8k_from_local_files_extracts_the_number_after_hashes(tmp_path):
+    train = write_parquet(tmp_path / "train.parquet", GSM8K[:4])
+    test = write_jsonl(tmp_path / "test.jsonl", GSM8K[4:])
+    task = build_task(task_cfg(name="gsm8k", path=train, eval_path=test, eval_size=10))
+    assert len(task.train) == 4 and len(task.eval) == 2  # eval_size caps the eval split; 2 is all there is
+    answers = sorted(s.answer for s in task.eval)
+    assert answers == ["1004", "1005"]  # "#### 1,004": the comma goes
+    s = task.eval[0]
+    assert s.prompt.startswith("Tom has") and s.prompt.endswith('output the final answer after "####".')
+    assert task.is_correct(f"So {s.answer[0]},{s.answer[1:]} apples. #### {s.answer}", s)
+    assert not task.is_correct("#### 7", s)
+
+
+def test_answer_format_and_system_prompt_are_configurable(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", GSM8K)
+    task = build_task(task_cfg(name="gsm8k", path=path, eval_size=2, answer_format="Answer in one line.",
+                               system_prompt="Be brief.", chat_template="never"))
+    assert len(task.train) == 4 and len(task.eval) == 2  # no eval file: 2 of the 6 rows held out
+    assert all(s.prompt.endswith("How many? Answer in one line.") for s in task.train)
+    assert (task.system_prompt, task.chat_template) == ("Be brief.", "never")
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([GSM8K[0], {"question": "q", "answer": "no final answer"}], "d.jsonl:2: column 'answer' has no '#### <number>'"),
+        ([{"question": "q"}], "d.jsonl:1: missing column(s) ['answer']; the row has ['question']"),
+        ([GSM8K[0], '{"question": "q",'], "d.jsonl:2: not valid JSON"),
+        ([{"question": " ", "answer": "#### 3"}], "d.jsonl:1: column 'question' is empty"),
+    ],
+)
+def test_malformed_gsm8k_row_names_file_and_line(tmp_path, rows, message):
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DatasetError) as e:
+        build_task(task_cfg(name="gsm8k", path=path, eval_size=1))
+    assert message in str(e.value)
+
+
+def test_malformed_parquet_row_names_file_and_row(tmp_path):
+    path = write_parquet(tmp_path / "d.parquet", [GSM8K[0], GSM8K[1], {"question": "q", "answer": "7"}])
+    with pytest.raises(DatasetError, match=r"d\.parquet: row 3: column 'answer' has no '####"):
+        build_task(task_cfg(name="gsm8k", path=path, eval_size=1))
+
+
+def test_unknown_file_type_and_missing_file(tmp_path):
+    (tmp_path / "d.csv").write_text("question,answer\n")
+    with pytest.raises(DatasetError, match="unknown file type"):
+        build_task(task_cfg(name="gsm8k", path=str(tmp_path / "d.csv"), eval_size=1))
+    with pytest.raises(DatasetError, match="does not exist"):
+        build_task(task_cfg(name="gsm8k", path=str(tmp_path / "nope.parquet"), eval_size=1))
+
+
+def test_hub_failure_says_how_to_use_local_files(monkeypatch):
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no network retries
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DatasetError) as e:
+        build_task(task_cfg(name="gsm8k", hub_id="openai/gsm8k", hub_config="main", eval_size=1))
+    msg = str(e.value)
+    assert "could not load 'openai/gsm8k' (config 'main', split 'train') through datasets" in msg
+    assert "set task.path (and task.eval_path) to local .jsonl or .parquet files with the columns ['question', 'answer']" in msg
+
+
+@pytest.mark.parametrize(
+    "text, boxed",
+    [
+        ("so $x = \\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}"),
+        ("\\boxed{1} first, then \\boxed{ 2 }", "2"),  # the last one, stripped
+        ("\\fbox{7}", "7"),
+        ("\\boxed{\\frac{1}{2}", None),  # unbalanced: no answer rather than a wrong one
+        ("no box", None),
+    ],
+)
+def test_last_boxed(text, boxed):
+    assert last_boxed(text) == boxed
+
+
+def test_math_task_answer_from_boxed_or_answer_column(tmp_path):
+    rows = [{"problem": "Half of 1?", "solution": "It is $\\boxed{\\frac{1}{2}}$.", "level": "Level 1", "type": "Algebra"},
+            {"problem": "2+2?", "solution": "four", "answer": "4"}]  # MATH-500 has an answer column
+    task = build_task(task_cfg(name="math", path=write_jsonl(tmp_path / "m.jsonl", rows), eval_size=1))
+    by_problem = {s.prompt.split(" Let's")[0]: s for s in task.train + task.eval}
+    assert by_problem["Half of 1?"].answer == "\\frac{1}{2}" and by_problem["Half of 1?"].meta == {"level": "Level 1", "type": "Algebra"}
+    assert by_problem["2+2?"].answer == "4"
+    assert task.is_correct("... so the answer is \\boxed{0.5}", by_problem["Half of 1?"])  # equal by value
+    assert not task.is_correct("\\boxed{2}", by_problem["Half of 1?"])
+
+
+def test_math_row_without_ground_truth_is_an_error(tmp_path):
+    path = write_jsonl(tmp_path / "m.jsonl", [{"problem": "p", "solution": "\\boxed{1}"}, {"problem": "p", "solution": "none"}])
+    with pytest.raises(DatasetError, match=r"m\.jsonl:2: no ground truth"):
+        build_task(task_cfg(name="math", path=path, eval_size=1))
+
+
+def test_countdown_task_holds_out_rows_and_checks_equations(tmp_path):
+    rows = [{"nums": [3, 5, 2], "target": 13}, {"nums": [4, 6], "target": 24}, {"nums": [10, 2, 1], "target": 4}]
+    task = build_task(task_cfg(name="countdown", path=write_jsonl(tmp_path / "c.jsonl", rows), eval_size=1))
+    assert len(task.train) == 2 and len(task.eval) == 1
+    s = next(x for x in task.train + task.eval if x.meta["target"] == 13)
+    assert s.prompt.startswith("Using the numbers [3, 5, 2], create an equation that equals 13.")
+    assert task.is_correct("<think>3*5=15</think> <answer>3 * 5 - 2</answer>", s)  # 15 - 2 = 13
+    assert not task.is_correct("<answer>3 * 5 + 2</answer>", s)  # 17
+    assert not task.is_correct("<answer>13</answer>", s)  # does not use the numbers
+
+
+def test_countdown_bad_row(tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [{"nums": [1, 2], "target": 3}, {"nums": "1 2", "target": 3}])
+    with pytest.raises(DatasetError, match=r"c\.jsonl:2: column 'nums' must be a non-empty list of integers"):
+        build_task(task_cfg(name="countdown", path=path, eval_size=1))
+
+
+def test_arithmetic_task():
+    task = build_task(task_cfg(name="arithmetic", digits=1, eval_size=40))
+    assert len(task.train) == 60 and len(task.eval) == 40  # 10 x 10 questions
+    s = next(x for x in task.train + task.eval if x.prompt.startswith("What is 7 + 5?"))
+    assert s.prompt == "What is 7 + 5? Answer with just the number." and s.answer == "12"
+    assert task.is_correct("The answer is 12.", s) and not task.is_correct("7 + 5 = 13", s)
+    two = build_task(task_cfg(name="arithmetic", digits=2, eval_size=100))
+    assert len(two.train) + len(two.eval) == 90 * 90  # operands 10..99, no leading zeros
+
+
+CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_prompts_without_a_chat_template_are_plain_text():
+    tok = build_char_tokenizer()  # the tiny model's: no chat template
+    assert format_prompt(tok, "07+45=") == ("07+45=", False)
+    assert format_prompt(tok, "q", system_prompt="sys") == ("sys\n\nq", False)
+    # BOS (id 1) then one id per character, as before chat templates existed
+    assert encode_prompts(tok, [type("S", (), {"prompt": "1+2="})()]) == [[1] + tok("1+2=", add_special_tokens=False).input_ids]
+    with pytest.raises(ValueError, match="task.chat_template=always but the tokenizer has no chat template"):
+        format_prompt(tok, "q", chat_template="always")
+
+
+def test_prompts_through_the_tokenizers_chat_template():
+    tok = build_char_tokenizer()
+    tok.chat_template = CHAT
+    assert format_prompt(tok, "q", system_prompt="sys") == ("<system>sys</system><user>q</user><assistant>", True)
+    assert format_prompt(tok, "q") == ("<user>q</user><assistant>", True)
+    assert format_prompt(tok, "q", chat_template="never") == ("q", False)
+    ids = encode_prompts(tok, [type("S", (), {"prompt": "q"})()])[0]
+    assert tok.decode(ids) == "<user>q</user><assistant>"  # the template's text only: no extra BOS
+    assert ids[0] != tok.bos_token_id
+
+
+@pytest.mark.parametrize("task, reward", [("gsm8k", "math_verify"), ("countdown", "countdown")])
+def test_a_short_run_on_a_local_data_set(make_cfg, tmp_path, task, reward):
+    """The whole loop on a data-set task read from local files (tiny model, no warm start: the
+    plumbing, not learning)."""
+    from grpo.train import train
+
+    rows = GSM8K if task == "gsm8k" else [{"nums": [i, i + 1, 2], "target": 2 * i + 3} for i in range(6)]
+    path = write_parquet(tmp_path / "train.parquet", rows)
+    summary = train(make_cfg(f"task={task}", f"task.path={path}", "task.eval_size=2", f"reward={reward}",
+                             "model.tiny.warm_start_accuracy=0", "steps=1", "algo.batch_size=8", "algo.group_size=4"))
+    assert summary["steps"] == 1 and 0.0 <= summary["eval_after"] <= 1.0
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert f"reward/{reward}" in next(r for r in rows if r["step"] == 1 and "reward/mean" in r)
