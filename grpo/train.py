@@ -39,6 +39,7 @@ from grpo.eval import evaluate
 from grpo.log import RunLogger
 from grpo.models import encode_prompts, ensure_tiny_model, load_model
 from grpo.parallel import build_strategy
+from grpo.preempt import StopSignal, stop
 from grpo.rewards import build_rewards, score
 from grpo.rollout import build_rollout, sampling_from
 from grpo.tasks import TrainSampler, build_task
@@ -157,6 +158,7 @@ def train(cfg: DictConfig) -> dict:
         logger.log(0, before, console=True)
 
     gen_tokens_total, gen_time_total = 0, 0.0
+    stop_signal = StopSignal()  # SLURM's preemption / time-limit warning: checkpoint, requeue (grpo/preempt.py)
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
 
@@ -226,6 +228,11 @@ def train(cfg: DictConfig) -> dict:
             logger.samples(step, rows[: cfg.logger.num_samples])
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != cfg.steps:
             save_checkpoint(run_dir, step, strategy, {"sampler": sampler.state_dict(), "eval_before": eval_before}, cfg.keep_checkpoints)
+        if step < cfg.steps and stop_signal.requested():
+            save_checkpoint(run_dir, step, strategy, {"sampler": sampler.state_dict(), "eval_before": eval_before}, cfg.keep_checkpoints)
+            logger.close()
+            rollout.close()
+            stop(step, logger.info)
 
     # ---- end: final evaluation, checkpoint and summary ----
     after = evaluate(rollout, tokenizer, task, cfg, info)
