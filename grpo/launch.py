@@ -31,7 +31,6 @@ import glob
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -121,33 +120,31 @@ def wait_for_servers(run_dir: str, count: int, timeout_s: float) -> list[str]:
 
 @dataclass
 class ServeJob:
-    """One rollout server per task of the companion job: a free port, its URL written, then `grpo.serve`."""
+    """One rollout server per task of the companion job: `grpo.serve` on a free port, its URL written."""
 
     overrides: list[str]
     run_dir: str
     extra_args: list[str] = field(default_factory=list)
 
     def __call__(self) -> None:
-        from grpo.models import ensure_tiny_model
-        from grpo.rollout.remote import free_port
         from grpo.serve import main as serve
-        from grpo.tasks import build_task
 
         cfg = compose_train([*self.overrides, f"run_dir={self.run_dir}"])
-        model = os.path.expanduser(cfg.model.path)
-        if model == "tiny":
-            model = ensure_tiny_model(cfg.model, cfg.task, build_task(cfg.task), cfg.rollout.max_new_tokens)
-        port, host = free_port(), socket.gethostname()
-        folder = servers_dir(self.run_dir)
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".{host}-{port}")
-        with open(tmp, "w") as f:
-            f.write(f"http://{host}:{port}\n")
-        os.replace(tmp, os.path.join(folder, f"{host}-{port}.url"))
+        model = model_folder(cfg)
         v = cfg.rollout.vllm
-        serve(["--model", model, "--host", "0.0.0.0", "--port", str(port), "--dtype", cfg.model.dtype,
+        serve(["--model", model, "--host", "0.0.0.0", "--port", "0", "--url-dir", servers_dir(self.run_dir), "--dtype", cfg.model.dtype,
                "--max-model-len", str(v.max_model_len), "--memory-fraction", str(v.memory_fraction),
                "--tensor-parallel-size", str(cfg.rollout.remote.tensor_parallel_size), *self.extra_args])
+
+
+def model_folder(cfg) -> str:
+    """The folder a server loads: model.path, or the tiny model this config builds (built if missing)."""
+    from grpo.models import ensure_tiny_model
+    from grpo.tasks import build_task
+
+    if cfg.model.path != "tiny":
+        return os.path.expanduser(cfg.model.path)
+    return ensure_tiny_model(cfg.model, cfg.task, build_task(cfg.task), cfg.rollout.max_new_tokens)
 
 
 def executor_for(folder: str, launcher, name: str, **changes):

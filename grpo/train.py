@@ -247,6 +247,7 @@ def train(cfg: DictConfig) -> dict:
         "eval_after_all": after,  # pass@k too when eval_samples > 1
         "steps": cfg.steps,
         "resumed_from": start,
+        "world_size": info.world_size,
         "wall_s": time.perf_counter() - t_start,
         "gen_tokens_per_s": gen_tokens_total / gen_time_total if gen_time_total else None,
         "model_path": model_path,
