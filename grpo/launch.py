@@ -133,7 +133,7 @@ class ServeJob:
         model = model_folder(cfg)
         v = cfg.rollout.vllm
         serve(["--model", model, "--host", "0.0.0.0", "--port", "0", "--url-dir", servers_dir(self.run_dir), "--dtype", cfg.model.dtype,
-               "--max-model-len", str(v.max_model_len), "--memory-fraction", str(v.memory_fraction),
+               "--memory-fraction", str(v.memory_fraction),
                "--tensor-parallel-size", str(cfg.rollout.remote.tensor_parallel_size), *self.extra_args])
 
 

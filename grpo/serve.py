@@ -69,13 +69,15 @@ def vllm_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
     transfer = {"backend": "grpo_gloo"}
     argv = [
         "--model", args.model, "--host", args.host, "--port", str(args.port),
-        "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+        "--dtype", args.dtype,
         "--gpu-memory-utilization", str(args.memory_fraction),
         "--weight-transfer-config", json.dumps(transfer),
         "--logprobs-mode", "processed_logprobs",
         "--middleware", "grpo.serve.guard_weight_routes",
         "--enable-prefix-caching",
     ]
+    if args.max_model_len:
+        argv += ["--max-model-len", str(args.max_model_len)]
     if args.enforce_eager:
         argv.append("--enforce-eager")
     if args.token:
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                    "for trainers that discover their servers (slurm/train_remote.sbatch, grpo.launch servers=N)")
     p.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"shared secret (or ${TOKEN_ENV})")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's own maximum")
     p.add_argument("--memory-fraction", type=float, default=0.2, help="vLLM's --gpu-memory-utilization")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     args, extra = p.parse_known_args(argv)
