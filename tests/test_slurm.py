@@ -138,3 +138,32 @@ def test_impossible_requests_fail_before_anything_is_submitted(tmp_path, slurm_e
     out = run([sys.executable, "-m", "grpo.launch", *args, f"run_dir={tmp_path / 'run'}"], slurm_env, timeout=120)
     assert out.returncode == 1 and message in out.stderr, out.stderr
     assert jobs() == before and not (tmp_path / "run").exists()
+
+
+def sbatch(script, run_dir, env, *overrides, sbatch_args=(), extra_env=None):
+    """Submit a template from slurm/ and wait for it; returns its log."""
+    log = run_dir.parent / f"{run_dir.name}.out"
+    env = {**env, "RUN_DIR": str(run_dir), "PYTHON": sys.executable, **(extra_env or {})}
+    out = run(["sbatch", "--parsable", f"--output={log}", *sbatch_args, f"slurm/{script}", *FAST, *overrides], env)
+    assert out.returncode == 0, out.stderr
+    wait_gone(out.stdout.strip().split(";")[0], env, timeout=480)
+    return log.read_text()
+
+
+def test_train_sbatch_two_tasks_in_an_explicit_run_folder(tmp_path, slurm_env, model_cache):
+    run_dir = tmp_path / "run"
+    log = sbatch("train.sbatch", run_dir, slurm_env, "parallel=ddp", f"model.cache_dir={model_cache}", sbatch_args=["--ntasks-per-node=2"])
+    assert (run_dir / "summary.json").exists(), log[-4000:]  # outputs decide (see the 2-task test above)
+    summary = json.load(open(run_dir / "summary.json"))
+    assert summary["world_size"] == 2 and steps_logged(run_dir) == [0, 1, 2, 3, 3]
+
+
+def test_train_remote_sbatch_starts_a_server_and_trains_against_it(tmp_path, slurm_env, model_cache):
+    run_dir = tmp_path / "run"
+    log = sbatch("train_remote.sbatch", run_dir, slurm_env, extra_env={"GRPO_CACHE": model_cache})
+    assert (run_dir / "summary.json").exists(), log[-4000:]
+    urls = [p.read_text().strip() for p in (run_dir / "servers").glob("*.url")]
+    assert len(urls) == 1 and urls[0].startswith("http://")
+    config = (run_dir / "config.yaml").read_text()
+    assert "backend: remote" in config and urls[0] in config  # the trainer used the URL the server wrote
+    assert "POST /update_weights" in log and steps_logged(run_dir) == [0, 1, 2, 3, 3]
