@@ -167,3 +167,15 @@ def test_train_remote_sbatch_starts_a_server_and_trains_against_it(tmp_path, slu
     config = (run_dir / "config.yaml").read_text()
     assert "backend: remote" in config and urls[0] in config  # the trainer used the URL the server wrote
     assert "POST /update_weights" in log and steps_logged(run_dir) == [0, 1, 2, 3, 3]
+
+
+def test_launch_with_servers_runs_a_companion_server_job(tmp_path, slurm_env, model_cache):
+    run_dir = tmp_path / "run"
+    out = run([sys.executable, "-m", "grpo.launch", "nodes=1", "servers=1", "wait=true", "rollout=remote", *FAST,
+               f"model.cache_dir={model_cache}", f"run_dir={run_dir}"], slurm_env)
+    assert (run_dir / "summary.json").exists(), out.stdout[-3000:] + out.stderr[-3000:]
+    server_job = out.stdout.split("submitted rollout servers: job ")[1].split(" ")[0]
+    urls = [p.read_text().strip() for p in (run_dir / "servers").glob("*.url")]
+    assert len(urls) == 1 and urls[0] in (run_dir / "config.yaml").read_text()  # found, not configured
+    assert steps_logged(run_dir) == [0, 1, 2, 3, 3]
+    wait_gone(server_job, slurm_env, timeout=60)  # the trainer cancelled its servers at the end
