@@ -2,7 +2,8 @@
 
 torchrun sets RANK / WORLD_SIZE / LOCAL_RANK (and MASTER_ADDR / MASTER_PORT); under `srun` without
 torchrun, SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID say the same, and MASTER_ADDR / MASTER_PORT
-must be exported by the job script (slurm/*.sbatch and `grpo.launch` do: the first node, a free port). A single process without a launcher is rank 0 of 1.
+must be exported by the job script (slurm/*.sbatch and `grpo.launch` do: the first node, a port
+found free there). A single process without a launcher is rank 0 of 1.
 """
 
 from __future__ import annotations

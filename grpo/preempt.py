@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 
 from grpo import dist
@@ -34,8 +35,15 @@ class StopSignal:
 
     def __init__(self):
         self.signum: int | None = None
-        for s in SIGNALS:
-            signal.signal(s, self._handle)
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+
+    def close(self) -> None:
+        """Give the signals back (to a caller that runs `train` in-process, such as a test)."""
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        self.previous = {}
 
     def _handle(self, signum, frame) -> None:
         self.signum = signum

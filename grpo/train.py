@@ -262,6 +262,7 @@ def train(cfg: DictConfig) -> dict:
     logger.close()
     rollout.close()
     shutdown()
+    stop_signal.close()
     return summary
 
 
