@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test test-all bench clean
+.PHONY: setup train test test-all test-slurm bench clean
 
 setup: $(STAMP)
 
@@ -38,7 +38,11 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m "slow or not slow" $(ARGS)
+	$(PY) -m pytest -q -m "not slurm" $(ARGS)
+
+# Against a real SLURM: start the local one first (slurm/dev-cluster.sh install && slurm/dev-cluster.sh up).
+test-slurm: $(STAMP)
+	$(PY) -m pytest -q -m slurm $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m grpo.bench $(ARGS)

@@ -212,8 +212,10 @@ def _choices(key: str, value: str, allowed) -> None:
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
-def validate(cfg: DictConfig | Config) -> None:
-    """Cross-field rules, checked before any heavy work. Raises ConfigError saying what to change."""
+def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
+    """Cross-field rules, checked before any heavy work. Raises ConfigError saying what to change.
+    `world_size`: the processes the run will have (grpo.launch checks a job before submitting it);
+    by default the ones this process was launched with."""
     from grpo.parallel import STRATEGIES
     from grpo.rewards import resolve_reward
     from grpo.rollout import BACKENDS
@@ -243,7 +245,7 @@ def validate(cfg: DictConfig | Config) -> None:
     prompts = a.batch_size // a.group_size
     from grpo.dist import dist_info
 
-    world = dist_info().world_size
+    world = world_size or dist_info().world_size
     if prompts % world:
         raise ConfigError(
             f"algo.batch_size / algo.group_size = {prompts} prompts per step cannot be shared evenly by {world} "

@@ -2,7 +2,8 @@
 
 torchrun sets RANK / WORLD_SIZE / LOCAL_RANK (and MASTER_ADDR / MASTER_PORT); under `srun` without
 torchrun, SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID say the same, and MASTER_ADDR / MASTER_PORT
-must be exported by the job script. A single process without a launcher is rank 0 of 1.
+must be exported by the job script (slurm/*.sbatch and `grpo.launch` do: the first node, a port
+found free there). A single process without a launcher is rank 0 of 1.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def init_distributed(info: DistInfo, timeout_s: float = 600, force: bool = False
         return
     for key in ("MASTER_ADDR", "MASTER_PORT"):
         if key not in os.environ:
-            raise RuntimeError(f"rank {info.rank}: {key} is not set; launch with torchrun or export it in the job script.")
+            raise RuntimeError(f"rank {info.rank}: {key} is not set; launch with torchrun, or export it in the job script "
+                               "(under SLURM: slurm/train.sbatch or python -m grpo.launch do).")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank)

@@ -23,6 +23,7 @@ import hmac
 import ipaddress
 import json
 import os
+import socket
 import sys
 
 TOKEN_ENV = "GRPO_SERVE_TOKEN"
@@ -68,13 +69,15 @@ def vllm_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
     transfer = {"backend": "grpo_gloo"}
     argv = [
         "--model", args.model, "--host", args.host, "--port", str(args.port),
-        "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+        "--dtype", args.dtype,
         "--gpu-memory-utilization", str(args.memory_fraction),
         "--weight-transfer-config", json.dumps(transfer),
         "--logprobs-mode", "processed_logprobs",
         "--middleware", "grpo.serve.guard_weight_routes",
         "--enable-prefix-caching",
     ]
+    if args.max_model_len:
+        argv += ["--max-model-len", str(args.max_model_len)]
     if args.enforce_eager:
         argv.append("--enforce-eager")
     if args.token:
@@ -82,20 +85,48 @@ def vllm_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
     return argv + extra
 
 
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def write_url(folder: str, host: str, port: int) -> str:
+    """Atomically, so a trainer polling the folder never reads half a URL."""
+    name = socket.gethostname() if host in ("0.0.0.0", "::") else host
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{name}-{port}.url")
+    with open(path + ".tmp", "w") as f:
+        f.write(f"http://{name}:{port}\n")
+    os.replace(path + ".tmp", path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="HF folder or hub id (the trainer's model.path)")
+    p.add_argument("--model", required=True, help="HF folder or hub id (the trainer's model.path); `tiny`: the "
+                   "embedded model of the default config, built if missing")
     p.add_argument("--host", default="127.0.0.1", help="bind address; anything but loopback needs --token")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="0: a port found free on this machine")
+    p.add_argument("--url-dir", help="write this server's URL (http://host:port) into DIR/<host>-<port>.url, "
+                   "for trainers that discover their servers (slurm/train_remote.sbatch, grpo.launch servers=N)")
     p.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"shared secret (or ${TOKEN_ENV})")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's own maximum")
     p.add_argument("--memory-fraction", type=float, default=0.2, help="vLLM's --gpu-memory-utilization")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     args, extra = p.parse_known_args(argv)
     if not is_loopback(args.host) and not args.token:
         p.error(f"--host {args.host} is reachable from other machines: give --token (or set {TOKEN_ENV}) so no one "
                 "else can push weights into this server.")
+    if args.model == "tiny":
+        from grpo.launch import compose_train, model_folder
+
+        args.model = model_folder(compose_train(["run_dir=unused"]))
+    if args.port == 0:
+        args.port = free_port(args.host)
+    if args.url_dir:
+        write_url(args.url_dir, args.host, args.port)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     if args.token:
         os.environ[TOKEN_ENV] = args.token

@@ -40,6 +40,7 @@ from grpo.export import export_hf
 from grpo.log import RunLogger
 from grpo.models import PACKAGED, encode_prompts, ensure_model_folder, load_model
 from grpo.parallel import build_strategy
+from grpo.preempt import StopSignal, stop
 from grpo.rewards import build_rewards, score
 from grpo.rollout import build_rollout, sampling_from
 from grpo.tasks import TrainSampler, build_task
@@ -158,6 +159,7 @@ def train(cfg: DictConfig) -> dict:
         logger.log(0, before, console=True)
 
     gen_tokens_total, gen_time_total = 0, 0.0
+    stop_signal = StopSignal()  # SLURM's preemption / time-limit warning: checkpoint, requeue (grpo/preempt.py)
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
 
@@ -227,6 +229,11 @@ def train(cfg: DictConfig) -> dict:
             logger.samples(step, rows[: cfg.logger.num_samples])
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != cfg.steps:
             save_checkpoint(run_dir, step, strategy, {"sampler": sampler.state_dict(), "eval_before": eval_before}, cfg.keep_checkpoints)
+        if step < cfg.steps and stop_signal.requested():
+            save_checkpoint(run_dir, step, strategy, {"sampler": sampler.state_dict(), "eval_before": eval_before}, cfg.keep_checkpoints)
+            logger.close()
+            rollout.close()
+            stop(step, logger.info)
 
     # ---- end: final evaluation, checkpoint and summary ----
     after = evaluate(rollout, tokenizer, task, cfg, info)
@@ -243,6 +250,7 @@ def train(cfg: DictConfig) -> dict:
         "eval_after_all": after,  # pass@k too when eval_samples > 1
         "steps": cfg.steps,
         "resumed_from": start,
+        "world_size": info.world_size,
         "wall_s": time.perf_counter() - t_start,
         "gen_tokens_per_s": gen_tokens_total / gen_time_total if gen_time_total else None,
         "model_path": model_path,
@@ -257,6 +265,7 @@ def train(cfg: DictConfig) -> dict:
     logger.close()
     rollout.close()
     shutdown()
+    stop_signal.close()
     return summary
 
 

@@ -148,3 +148,15 @@ def test_reward_by_dotted_path():
 def test_typed_values_are_checked_at_compose_time():
     with pytest.raises(ConfigCompositionException):
         compose_cfg("algo.lr=fast")
+
+
+def test_every_launcher_config_composes():
+    from hydra import compose, initialize_config_dir
+
+    found = sorted(p.stem for p in (CONF / "hydra" / "launcher").glob("*.yaml"))
+    assert found == ["local", "slurm"]  # update when adding a launcher file
+    for name in found:
+        with initialize_config_dir(str(CONF), version_base="1.3"):
+            cfg = compose("config", overrides=[f"hydra/launcher={name}", "run_dir=unused"], return_hydra_config=True)
+        assert cfg.hydra.launcher.timeout_min == 60 and cfg.hydra.launcher._target_.endswith(name.capitalize() + "Launcher")
+    assert cfg.hydra.launcher.additional_parameters == {"requeue": True} and len(cfg.hydra.launcher.setup) == 2

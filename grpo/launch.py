@@ -1,0 +1,230 @@
+"""`python -m grpo.launch nodes=N [launch keys] [grpo.train overrides]`: one N-node training job on
+SLURM, submitted through submitit.
+
+Launch keys, defaulting to conf/hydra/launcher/slurm.yaml (the file sweeps use):
+  nodes, tasks_per_node, gpus_per_node, cpus_per_task, mem_gb, partition, time (minutes), account,
+  qos, constraint; for rollout=remote also servers (server nodes) and server_gpus; wait=true blocks
+  until the job ends and prints its summary.
+Every other argument is a `grpo.train` override.
+
+Before submitting, the train config is composed and validated for nodes x tasks_per_node processes,
+and the cluster is asked whether the partition exists and the job fits (grpo/slurm.py).
+
+Each of the job's nodes x tasks_per_node tasks runs `grpo.train` in its own process (`TrainJob`),
+rank and world size from SLURM, meeting rank 0 at the first node on a port found free there. The run
+folder is fixed here, on the submitting machine, so every rank and every requeue agrees on it.
+SIGTERM or the time-limit signal checkpoints and requeues (grpo/preempt.py).
+
+Topologies:
+  - colocated / hf: every task generates with its own engine (or model); nothing more to start.
+  - dedicated: ask for more GPUs per node than tasks (gpus_per_node=8 tasks_per_node=6); each
+    node's local rank 0 starts its engines on the GPUs training does not use.
+  - remote: servers=S submits a companion job first: S nodes, each running `grpo.serve` (`ServeJob`)
+    on a port it found free and writing its URL into <run_dir>/servers/. The trainer job waits
+    for the S URLs, then for every server's health check (rollout.remote.health_timeout_s), with a
+    fresh random token guarding the weight routes, and cancels the servers when training ends.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from grpo.config import ConfigError, register_configs, validate
+from grpo.slurm import check_request, request_from
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+LAUNCH_KEYS = {  # key on the command line -> field of conf/hydra/launcher/slurm.yaml
+    "nodes": "nodes", "tasks_per_node": "tasks_per_node", "gpus_per_node": "gpus_per_node",
+    "cpus_per_task": "cpus_per_task", "mem_gb": "mem_gb", "partition": "partition", "time": "timeout_min",
+    "account": "account", "qos": "qos", "constraint": "constraint",
+}
+OWN_KEYS = {"servers": 0, "server_gpus": 0, "wait": False}
+
+
+def parse_args(argv: list[str]) -> tuple[list[str], dict, list[str]]:
+    """Split the command line into launcher overrides, this script's own keys and train overrides."""
+    launcher, own, train = [], dict(OWN_KEYS), []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if eq and key in LAUNCH_KEYS:
+            launcher.append(f"hydra.launcher.{LAUNCH_KEYS[key]}={value}")
+        elif eq and key in OWN_KEYS:
+            own[key] = value.lower() in ("1", "true", "yes") if key == "wait" else int(value)
+        else:
+            train.append(arg)
+    return launcher, own, train
+
+
+def compose_train(overrides: list[str], hydra_config: bool = False):
+    register_configs()
+    with initialize_config_dir(CONF, version_base="1.3"):
+        return compose("config", overrides=overrides, return_hydra_config=hydra_config)
+
+
+@dataclass
+class TrainJob:
+    """What every task of the training job runs (pickled by submitit; a requeue runs it again)."""
+
+    overrides: list[str]
+    run_dir: str
+    num_servers: int = 0
+    server_job: str | None = None
+    server_wait_s: float = 1800.0
+
+    def __call__(self) -> dict:
+        from grpo.train import train
+
+        overrides = [*self.overrides, f"run_dir={self.run_dir}"]
+        if self.num_servers:
+            overrides.append(f"rollout.remote.urls=[{','.join(wait_for_servers(self.run_dir, self.num_servers, self.server_wait_s))}]")
+        try:
+            summary = train(compose_train(overrides))
+        except Exception:
+            self.cancel_servers()
+            raise
+        self.cancel_servers()
+        return summary
+
+    def cancel_servers(self) -> None:
+        if self.server_job and os.environ.get("SLURM_PROCID", "0") == "0":
+            subprocess.run(["scancel", self.server_job], check=False)
+
+
+def servers_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "servers")
+
+
+def wait_for_servers(run_dir: str, count: int, timeout_s: float) -> list[str]:
+    """The URLs the companion job's servers wrote, once all `count` of them have."""
+    deadline = time.time() + timeout_s
+    while True:
+        urls = sorted(Path(p).read_text().strip() for p in glob.glob(os.path.join(servers_dir(run_dir), "*.url")))
+        if len(urls) >= count:
+            return urls[:count]
+        if time.time() > deadline:
+            raise RuntimeError(f"only {len(urls)} of {count} rollout servers wrote their URL into {servers_dir(run_dir)} "
+                               f"within {timeout_s:.0f} s; is the server job running (squeue)? Its log is under {run_dir}/slurm/.")
+        time.sleep(2)
+
+
+@dataclass
+class ServeJob:
+    """One rollout server per task of the companion job: `grpo.serve` on a free port, its URL written."""
+
+    overrides: list[str]
+    run_dir: str
+    extra_args: list[str] = field(default_factory=list)
+
+    def __call__(self) -> None:
+        from grpo.serve import main as serve
+
+        cfg = compose_train([*self.overrides, f"run_dir={self.run_dir}"])
+        model = model_folder(cfg)
+        v = cfg.rollout.vllm
+        serve(["--model", model, "--host", "0.0.0.0", "--port", "0", "--url-dir", servers_dir(self.run_dir), "--dtype", cfg.model.dtype,
+               "--memory-fraction", str(v.memory_fraction),
+               "--tensor-parallel-size", str(cfg.rollout.remote.tensor_parallel_size), *self.extra_args])
+
+
+def model_folder(cfg) -> str:
+    """The folder a server loads: model.path, or the tiny model this config builds (built if missing)."""
+    from grpo.models import ensure_tiny_model
+    from grpo.tasks import build_task
+
+    if cfg.model.path != "tiny":
+        return os.path.expanduser(cfg.model.path)
+    return ensure_tiny_model(cfg.model, cfg.task, build_task(cfg.task), cfg.rollout.max_new_tokens)
+
+
+def executor_for(folder: str, launcher, name: str, **changes):
+    """A submitit SLURM executor with conf/hydra/launcher/slurm.yaml's values (and `changes`)."""
+    import submitit
+
+    keys = ("nodes", "tasks_per_node", "timeout_min", "gpus_per_node", "cpus_per_task", "mem_gb", "partition",
+            "account", "qos", "constraint", "signal_delay_s", "additional_parameters", "setup")
+    p = {k: launcher[k] for k in keys} | changes
+    p = {k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in p.items()}
+    executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
+    generic = {"name": name, "nodes": p["nodes"], "tasks_per_node": p["tasks_per_node"], "timeout_min": p["timeout_min"],
+               "gpus_per_node": p["gpus_per_node"], "cpus_per_task": p["cpus_per_task"], "mem_gb": p["mem_gb"]}
+    slurm = {"slurm_partition": p["partition"], "slurm_account": p["account"], "slurm_qos": p["qos"],
+             "slurm_constraint": p["constraint"], "slurm_signal_delay_s": p["signal_delay_s"],
+             "slurm_additional_parameters": p["additional_parameters"] or None, "slurm_setup": p["setup"]}
+    executor.update_parameters(**{k: v for k, v in {**generic, **slurm}.items() if v is not None})
+    return executor
+
+
+def wait_for_job(job_id: str, poll_s: float = 5) -> None:
+    """Until SLURM no longer lists the job (through requeues; `sacct` may be off, so squeue)."""
+    while True:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+        if out.returncode or not out.stdout.strip():
+            return
+        time.sleep(poll_s)
+
+
+def launch(argv: list[str]) -> str:
+    """Check and submit; returns the training job's id."""
+    launcher_overrides, own, train_overrides = parse_args(argv)
+    cfg = compose_train([*train_overrides, "hydra/launcher=slurm", *launcher_overrides], hydra_config=True)
+    launcher = cfg.hydra.launcher
+    explicit = next((o.split("=", 1)[1] for o in train_overrides if o.startswith("run_dir=")), None)
+    run_dir = os.path.abspath(explicit or str(cfg.hydra.run.dir))
+    train_overrides = [o for o in train_overrides if not o.startswith("run_dir=")]
+
+    world = int(launcher.nodes) * int(launcher.tasks_per_node)
+    if own["servers"]:
+        if cfg.rollout.backend != "remote":
+            raise ConfigError(f"servers={own['servers']} starts rollout servers for rollout=remote; add rollout=remote.")
+        cfg.rollout.remote.urls = ["http://found-when-the-job-starts:0"]
+    validate(cfg, world_size=world)
+    check_request(request_from(launcher))
+    if own["servers"]:
+        server_launcher = OmegaConf.merge(launcher, {"nodes": own["servers"], "tasks_per_node": 1, "gpus_per_node": own["server_gpus"] or None})
+        check_request(request_from(server_launcher))
+
+    os.makedirs(run_dir, exist_ok=True)
+    folder = os.path.join(run_dir, "slurm", "%j")
+    server_job = None
+    if own["servers"]:
+        for old in glob.glob(os.path.join(servers_dir(run_dir), "*.url")):  # from an earlier launch into this folder
+            os.remove(old)
+        token = os.environ.get("GRPO_SERVE_TOKEN") or secrets.token_hex(16)
+        os.environ["GRPO_SERVE_TOKEN"] = token  # sbatch passes the environment on to both jobs
+        train_overrides.append(f"rollout.remote.token={token}")
+        ex = executor_for(folder, launcher, "grpo-serve", nodes=own["servers"], tasks_per_node=1,
+                          gpus_per_node=own["server_gpus"] or None)
+        server_job = ex.submit(ServeJob(train_overrides, run_dir)).job_id
+        print(f"submitted rollout servers: job {server_job} ({own['servers']} node(s))")
+    job = executor_for(folder, launcher, "grpo").submit(TrainJob(train_overrides, run_dir, own["servers"], server_job))
+    print(f"submitted training: job {job.job_id}, {launcher.nodes} node(s) x {launcher.tasks_per_node} task(s)\n"
+          f"  run folder {run_dir}\n  logs {run_dir}/slurm/{job.job_id}/\n  squeue -j {job.job_id}; scancel {job.job_id}")
+    if own["wait"]:
+        wait_for_job(job.job_id)
+        summary = os.path.join(run_dir, "summary.json")
+        if not os.path.exists(summary):
+            raise SystemExit(f"error: job {job.job_id} ended without {summary}; see {run_dir}/slurm/{job.job_id}/")
+        print(json.dumps(json.load(open(summary)), indent=2))
+    return job.job_id
+
+
+def main() -> None:
+    try:
+        launch(sys.argv[1:])
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

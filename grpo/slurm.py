@@ -1,0 +1,137 @@
+"""What a SLURM cluster offers, checked before anything is submitted, and how a job's ranks meet.
+
+A request that cannot run should fail on the login node with a message saying what to change, not sit
+in the queue forever or die on a compute node: `check_request` asks `sinfo` about the partition's
+nodes and raises `ClusterError` when SLURM is absent, the partition does not exist, or no set of
+nodes in it can hold the job.
+
+Rendezvous: every task of a job reads its rank from SLURM (grpo/dist.py); the job script exports
+MASTER_ADDR (the job's first node, where rank 0 runs) and MASTER_PORT, a port the batch script
+found free on that node rather than a fixed one. `RENDEZVOUS_SETUP` holds those lines; the sbatch
+templates in slurm/ and conf/hydra/launcher/slurm.yaml carry the same two lines.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from hydra.experimental.callback import Callback
+
+from grpo.config import ConfigError
+
+RENDEZVOUS_SETUP = [
+    'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+    "export MASTER_PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')",
+]
+
+
+class ClusterError(ConfigError):
+    """The cluster cannot run this request; the message says what it has and what to change."""
+
+
+@dataclass(frozen=True)
+class Request:
+    nodes: int = 1
+    tasks_per_node: int = 1
+    cpus_per_task: int = 1
+    gpus_per_node: int = 0
+    mem_gb: float | None = None
+    partition: str | None = None  # None: the cluster's default partition
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    partition: str
+    cpus: int
+    mem_mb: int
+    gpus: int
+    default: bool  # its partition is the default one
+
+
+def gpu_count(gres: str) -> int:
+    """`gpu:8`, `gpu:a100:4(S:0-1)`, `gpu:a100:4,gpu:v100:2` -> 8, 4, 6; `(null)` -> 0."""
+    total = 0
+    for item in gres.split(","):
+        item = re.sub(r"\(.*?\)", "", item).strip()
+        if item.startswith("gpu"):
+            last = item.split(":")[-1]
+            total += int(last) if last.isdigit() else 0
+    return total
+
+
+def slurm_nodes() -> list[Node]:
+    """Every (node, partition) pair `sinfo` reports; raises ClusterError when SLURM cannot be reached."""
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        raise ClusterError(
+            "SLURM is not installed here: no `sbatch`/`sinfo` on PATH. Submit from a cluster's login node, or "
+            "start the local one-node cluster: slurm/dev-cluster.sh install && slurm/dev-cluster.sh up, "
+            "then export SLURM_CONF as it says."
+        )
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N|%P|%c|%m|%G"], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as e:
+        raise ClusterError("SLURM's controller did not answer `sinfo` within 60 s.") from e
+    if out.returncode:
+        hint = "" if os.environ.get("SLURM_CONF") else " SLURM_CONF is not set; the dev cluster needs export SLURM_CONF=/tmp/grpo-slurm/slurm.conf."
+        raise ClusterError(f"SLURM does not answer: `sinfo` failed ({out.stderr.strip() or out.returncode}).{hint}")
+    nodes = []
+    for line in out.stdout.splitlines():
+        name, part, cpus, mem, gres = line.strip().split("|")
+        nodes.append(Node(name, part.rstrip("*"), int(cpus), int(re.sub(r"\D", "", mem) or 0), gpu_count(gres), part.endswith("*")))
+    return nodes
+
+
+def check_request(req: Request, nodes: list[Node] | None = None) -> str:
+    """Raise ClusterError unless `req` fits the cluster; returns the partition it will run in."""
+    nodes = slurm_nodes() if nodes is None else nodes
+    partitions = sorted({n.partition for n in nodes})
+    partition = req.partition or next((n.partition for n in nodes if n.default), None)
+    if partition is None:
+        raise ClusterError(f"this cluster has no default partition; name one (partition=... for grpo.launch, hydra.launcher.partition=... for a sweep): one of {partitions}.")
+    if partition not in partitions:
+        raise ClusterError(f"partition {partition!r} does not exist on this cluster; pick one of {partitions} (partition=... for grpo.launch, hydra.launcher.partition=... for a sweep).")
+    members = [n for n in nodes if n.partition == partition]
+    cpus = req.tasks_per_node * req.cpus_per_task
+    fits = [
+        n for n in members
+        if n.cpus >= cpus and n.gpus >= req.gpus_per_node and (req.mem_gb is None or n.mem_mb >= req.mem_gb * 1024)
+    ]
+    if len(fits) < req.nodes:
+        largest = max(members, key=lambda n: (n.gpus, n.cpus, n.mem_mb))
+        want = f"{req.nodes} node(s) with {req.tasks_per_node} task(s) x {req.cpus_per_task} CPU(s)"
+        want += f", {req.gpus_per_node} GPU(s)" if req.gpus_per_node else ""
+        want += f", {req.mem_gb:g} GB" if req.mem_gb else ""
+        raise ClusterError(
+            f"the job asks for {want} each, but partition {partition!r} has {len(members)} node(s), "
+            f"{len(fits)} of them big enough (the largest: {largest.cpus} CPUs, {largest.gpus} GPUs, "
+            f"{largest.mem_mb // 1024} GB). Ask for fewer nodes, tasks, CPUs or GPUs, or another partition."
+        )
+    return partition
+
+
+def request_from(launcher) -> Request:
+    """The `Request` of a `hydra.launcher` node (conf/hydra/launcher/slurm.yaml's keys)."""
+    return Request(
+        nodes=int(launcher.nodes), tasks_per_node=int(launcher.tasks_per_node),
+        cpus_per_task=int(launcher.cpus_per_task or 1), gpus_per_node=int(launcher.gpus_per_node or 0),
+        mem_gb=launcher.mem_gb, partition=launcher.partition,
+    )
+
+
+class SlurmCheck(Callback):
+    """Hydra callback (conf/config.yaml): before a multirun goes to SLURM, check that it can run there.
+    Other launchers pass untouched."""
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        launcher = config.hydra.launcher
+        if not str(launcher.get("_target_", "")).endswith("SlurmLauncher"):
+            return
+        try:
+            check_request(request_from(launcher))
+        except ClusterError as e:
+            raise SystemExit(f"error: {e}") from None

@@ -1,0 +1,60 @@
+"""grpo.launch and grpo.slurm without a cluster: argument split, what `sinfo` says, clear errors
+before anything is submitted. The same errors against the real cluster are in tests/test_slurm.py."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from grpo.launch import parse_args
+from grpo.slurm import ClusterError, Node, Request, check_request, gpu_count
+from tests.conftest import ROOT
+
+NODES = [Node(f"gpu{i}", "gpu", 64, 512_000, 8, False) for i in range(4)] + [Node("cpu0", "cpu", 32, 128_000, 0, True)]
+
+
+def test_launch_keys_are_split_from_train_overrides():
+    launcher, own, train = parse_args(["nodes=4", "time=30", "servers=2", "wait=true", "algo.lr=1e-3", "-m"])
+    assert launcher == ["hydra.launcher.nodes=4", "hydra.launcher.timeout_min=30"]
+    assert own == {"servers": 2, "server_gpus": 0, "wait": True}
+    assert train == ["algo.lr=1e-3", "-m"]
+
+
+@pytest.mark.parametrize("gres, n", [("(null)", 0), ("gpu:8", 8), ("gpu:a100:4(S:0-1)", 4), ("gpu:a100:4,gpu:v100:2", 6)])
+def test_gpu_count_from_sinfo_gres(gres, n):
+    assert gpu_count(gres) == n
+
+
+def test_requests_that_fit():
+    assert check_request(Request(nodes=1), NODES) == "cpu"  # the default partition
+    assert check_request(Request(nodes=4, tasks_per_node=8, cpus_per_task=8, gpus_per_node=8, partition="gpu"), NODES) == "gpu"
+
+
+@pytest.mark.parametrize("request_, message", [
+    (Request(partition="a100"), "partition 'a100' does not exist on this cluster; pick one of ['cpu', 'gpu']"),
+    (Request(nodes=5, gpus_per_node=8, partition="gpu"), "asks for 5 node(s) with 1 task(s) x 1 CPU(s), 8 GPU(s) each, but partition 'gpu' has 4 node(s)"),
+    (Request(gpus_per_node=1), "partition 'cpu' has 1 node(s), 0 of them big enough"),
+    (Request(tasks_per_node=8, cpus_per_task=16, partition="gpu"), "0 of them big enough (the largest: 64 CPUs, 8 GPUs"),
+])
+def test_requests_bigger_than_the_cluster_are_clear_errors(request_, message):
+    with pytest.raises(ClusterError) as e:
+        check_request(request_, NODES)
+    assert message in str(e.value)
+
+
+def test_no_slurm_is_a_clear_error_before_anything_is_submitted(tmp_path):
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable)}  # python, but no sbatch/sinfo
+    out = subprocess.run([sys.executable, "-m", "grpo.launch", "nodes=2", "parallel=ddp", f"run_dir={tmp_path / 'run'}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "error: SLURM is not installed here: no `sbatch`/`sinfo` on PATH" in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_config_is_validated_for_the_whole_job():
+    from grpo.launch import launch
+    from grpo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="2 processes were launched but parallel=single"):
+        launch(["nodes=1", "tasks_per_node=2", "run_dir=/nonexistent/never-made"])
