@@ -86,9 +86,11 @@ def test_sweep_of_two_runs_on_slurm(tmp_path, slurm_env, model_cache):
     assert len(list((sweep / ".submitit").iterdir())) >= 2  # the jobs really went through submitit/sbatch
 
 
-def test_two_task_job_trains_with_two_ranks(tmp_path, slurm_env, model_cache):
+@pytest.mark.parametrize("parallel", ["ddp", "zero3"])
+def test_two_task_job_trains_with_two_ranks(tmp_path, slurm_env, model_cache, parallel):
+    """Rank and world size from SLURM's variables, under DDP and under DeepSpeed ZeRO-3."""
     run_dir = tmp_path / "run"
-    out = run([sys.executable, "-m", "grpo.launch", "nodes=1", "tasks_per_node=2", "wait=true", "parallel=ddp", *FAST,
+    out = run([sys.executable, "-m", "grpo.launch", "nodes=1", "tasks_per_node=2", "wait=true", f"parallel={parallel}", *FAST,
                f"model.cache_dir={model_cache}", f"run_dir={run_dir}"], slurm_env)
     # The trainer's outputs decide, not only the exit code: with gloo on torch 2.13 a rank sometimes
     # aborts at interpreter exit after its work is done (see grpo.dist.exit_process).
