@@ -96,8 +96,14 @@ class TrainJob:
         self.cancel_servers()
         return summary
 
-    def cancel_servers(self) -> None:
+    def cancel_servers(self, grace_s: float = 60) -> None:
+        """SIGINT first, as Ctrl-C would (vLLM then shuts its engine down and frees its shared
+        memory); a plain scancel only for a server still there after `grace_s`."""
         if self.server_job and os.environ.get("SLURM_PROCID", "0") == "0":
+            subprocess.run(["scancel", "--signal=INT", self.server_job], check=False)
+            deadline = time.time() + grace_s
+            while time.time() < deadline and job_listed(self.server_job):
+                time.sleep(1)
             subprocess.run(["scancel", self.server_job], check=False)
 
 
@@ -165,12 +171,15 @@ def executor_for(folder: str, launcher, name: str, **changes):
     return executor
 
 
+def job_listed(job_id: str) -> bool:
+    """Whether SLURM still lists the job (`sacct` may be off, so squeue)."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+    return out.returncode == 0 and bool(out.stdout.strip())
+
+
 def wait_for_job(job_id: str, poll_s: float = 5) -> None:
-    """Until SLURM no longer lists the job (through requeues; `sacct` may be off, so squeue)."""
-    while True:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
-        if out.returncode or not out.stdout.strip():
-            return
+    """Until SLURM no longer lists the job (through requeues)."""
+    while job_listed(job_id):
         time.sleep(poll_s)
 
 

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -160,8 +161,14 @@ def test_train_sbatch_two_tasks_in_an_explicit_run_folder(tmp_path, slurm_env, m
     assert summary["world_size"] == 2 and steps_logged(run_dir) == [0, 1, 2, 3, 3]
 
 
+def shm_files() -> set[str]:
+    """vLLM's shared-memory queues: a server killed instead of shut down leaves them in /dev/shm."""
+    return {p.name for p in Path("/dev/shm").glob("psm_*")}
+
+
 def test_train_remote_sbatch_starts_a_server_and_trains_against_it(tmp_path, slurm_env, model_cache):
     run_dir = tmp_path / "run"
+    shm_before = shm_files()
     log = sbatch("train_remote.sbatch", run_dir, slurm_env, extra_env={"GRPO_CACHE": model_cache})
     assert (run_dir / "summary.json").exists(), log[-4000:]
     urls = [p.read_text().strip() for p in (run_dir / "servers").glob("*.url")]
@@ -169,10 +176,12 @@ def test_train_remote_sbatch_starts_a_server_and_trains_against_it(tmp_path, slu
     config = (run_dir / "config.yaml").read_text()
     assert "backend: remote" in config and urls[0] in config  # the trainer used the URL the server wrote
     assert "POST /update_weights" in log and steps_logged(run_dir) == [0, 1, 2, 3, 3]
+    assert shm_files() - shm_before == set(), "the server was killed, not shut down: its shared memory leaked"
 
 
 def test_launch_with_servers_runs_a_companion_server_job(tmp_path, slurm_env, model_cache):
     run_dir = tmp_path / "run"
+    shm_before = shm_files()
     out = run([sys.executable, "-m", "grpo.launch", "nodes=1", "servers=1", "wait=true", "rollout=remote", *FAST,
                f"model.cache_dir={model_cache}", f"run_dir={run_dir}"], slurm_env)
     assert (run_dir / "summary.json").exists(), out.stdout[-3000:] + out.stderr[-3000:]
@@ -181,3 +190,4 @@ def test_launch_with_servers_runs_a_companion_server_job(tmp_path, slurm_env, mo
     assert len(urls) == 1 and urls[0] in (run_dir / "config.yaml").read_text()  # found, not configured
     assert steps_logged(run_dir) == [0, 1, 2, 3, 3]
     wait_gone(server_job, slurm_env, timeout=60)  # the trainer cancelled its servers at the end
+    assert shm_files() - shm_before == set(), "the server was killed, not shut down: its shared memory leaked"
