@@ -125,7 +125,7 @@ def test_killed_run_resumes_to_the_same_results(tmp_path, cache_dir):
     resumed = run_train(tmp_path / "killed", cache_dir, *args)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out
-    assert f"resumed from" in out
+    assert "resumed from" in out
 
     a, b = metrics(tmp_path / "uninterrupted"), metrics(tmp_path / "killed")
     assert [s for s, _ in b] == [s for s, _ in a]  # no step lost, none logged twice

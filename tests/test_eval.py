@@ -9,7 +9,7 @@ import pytest
 
 from grpo.eval import pass_at_k
 from grpo.train import train
-from tests.conftest import FAST, ROOT
+from tests.conftest import ROOT
 
 
 def test_pass_at_k_by_hand():
