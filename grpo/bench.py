@@ -82,6 +82,11 @@ def backend_overrides(backend: str, url: str | None) -> list[str]:
     return [f"rollout={backend}"] + ([f"rollout.remote.urls=[{url}]"] if url else [])
 
 
+def metrics_rows(run_dir: str) -> list[dict]:
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return [r for r in rows if "step_s" in r][1:]  # the first step carries warm-ups
+
+
 def bench_backend(backend: str, steps: int, extra: list[str], url: str | None = None) -> dict:
     from grpo.train import train
 
@@ -89,8 +94,7 @@ def bench_backend(backend: str, steps: int, extra: list[str], url: str | None = 
     cfg = compose([*backend_overrides(backend, url), f"steps={steps}", "checkpoint_every=0", "logger.log_every=1000",
                    "logger.sample_every=0", f"run_dir={run_dir}", *extra])
     train(cfg)
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    rows = [r for r in rows if "step_s" in r][1:]  # the first step carries the engine's warm-up
+    rows = metrics_rows(run_dir)
     mean = lambda k: statistics.mean(r[k] for r in rows)  # noqa: E731
     return {
         "backend": backend,
@@ -133,11 +137,6 @@ def bench_sync(backend_name: str, bucket_mb: list[float], repeats: int, url: str
     finally:
         rollout.close()
     return results
-
-
-def metrics_rows(run_dir: str) -> list[dict]:
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return [r for r in rows if "step_s" in r][1:]  # the first step carries warm-ups
 
 
 def bench_parallel(strategy: str, steps: int, extra: list[str], procs: int = 2) -> dict:

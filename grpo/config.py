@@ -20,6 +20,19 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the key and the fix."""
 
 
+def exit_on_user_error(fn, *args):
+    """`fn(*args)` for a command line: a config or dataset error ends the process with its one-line
+    message (`error: ...`, naming what to change) instead of a traceback."""
+    import sys
+
+    from grpo.tasks.rows import DatasetError
+
+    try:
+        return fn(*args)
+    except (ConfigError, DatasetError) as e:
+        sys.exit(f"error: {e}")
+
+
 @dataclass
 class TinyModelConfig:
     """The embedded model: a small Qwen2 built in code, warm-started on the synthetic task."""

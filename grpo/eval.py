@@ -85,15 +85,9 @@ def run_eval(cfg: DictConfig) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    import sys
+    from grpo.config import exit_on_user_error
 
-    from grpo.config import ConfigError
-    from grpo.tasks.rows import DatasetError
-
-    try:
-        run_eval(cfg)
-    except (ConfigError, DatasetError) as e:
-        sys.exit(f"error: {e}")
+    exit_on_user_error(run_eval, cfg)
 
 
 if __name__ == "__main__":

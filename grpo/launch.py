@@ -40,7 +40,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from grpo.config import ConfigError, register_configs, validate
+from grpo.config import ConfigError, exit_on_user_error, register_configs, validate
 from grpo.slurm import check_request, request_from
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -229,10 +229,7 @@ def launch(argv: list[str]) -> str:
 
 
 def main() -> None:
-    try:
-        launch(sys.argv[1:])
-    except ConfigError as e:
-        sys.exit(f"error: {e}")
+    exit_on_user_error(launch, sys.argv[1:])
 
 
 if __name__ == "__main__":

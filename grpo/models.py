@@ -150,18 +150,26 @@ def ensure_tiny_model(cfg, task_cfg, task, max_new_tokens: int, log=print) -> st
     info = {"parameters": sum(p.numel() for p in model.parameters())}
     if cfg.tiny.warm_start_accuracy > 0:
         info.update(warm_start(model, tokenizer, task, cfg.tiny, max_new_tokens, log))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    tmp = tempfile.mkdtemp(prefix=".tiny-", dir=os.path.dirname(path))
+    return publish_model_folder(model, tokenizer, path, "grpo_tiny.json", info)
+
+
+def publish_model_folder(model, tokenizer, path: str, marker: str, info: dict) -> str:
+    """Save model, tokenizer and `marker` (JSON of `info`, the sign of a complete folder) under a
+    temporary name in the cache and rename it to `path`; if another process got there first, keep
+    theirs. A killed build never leaves a half folder under `path`."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}-", dir=os.path.dirname(path))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any model folder
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    with open(os.path.join(tmp, "grpo_tiny.json"), "w") as f:
+    with open(os.path.join(tmp, marker), "w") as f:
         json.dump(info, f, indent=1)
     try:
         os.rename(tmp, path)
-    except OSError:  # another process built it first
+    except OSError:  # another process wrote it first
         shutil.rmtree(tmp, ignore_errors=True)
     return path
 
@@ -212,19 +220,9 @@ def ensure_packaged_model(name: str, cache_dir: str, log=print) -> str:
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
         raise RuntimeError(f"converting {gguf}: weights did not match (missing {missing}, unexpected {unexpected})")
     plain.tie_weights()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=os.path.dirname(path))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any model folder
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
     info = {"source": f"{requirement}:{filename}", "parameters": sum(p.numel() for p in plain.parameters()),
             "convert_s": time.perf_counter() - t0}
-    with open(os.path.join(tmp, "grpo_packaged.json"), "w") as f:
-        json.dump(info, f, indent=1)
-    try:
-        os.rename(tmp, path)
-    except OSError:  # another process converted it first
-        shutil.rmtree(tmp, ignore_errors=True)
+    publish_model_folder(plain, tokenizer, path, "grpo_packaged.json", info)
     log(f"converted in {info['convert_s']:.1f}s: {info['parameters'] / 1e6:.1f}M parameters")
     return path
 

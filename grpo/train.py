@@ -20,7 +20,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 import time
 from dataclasses import replace
 
@@ -31,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo.algorithm import combine_rewards, group_advantages, zero_std_groups
 from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_aside_checkpoints
-from grpo.config import ConfigError, register_configs, validate
+from grpo.config import exit_on_user_error, register_configs, validate
 from grpo.dist import (
     DistInfo, all_reduce_sum, barrier, broadcast_object, dist_info, init_distributed, shutdown,
 )
@@ -44,7 +43,6 @@ from grpo.preempt import StopSignal, stop
 from grpo.rewards import build_rewards, score
 from grpo.rollout import build_rollout, sampling_from
 from grpo.tasks import TrainSampler, build_task
-from grpo.tasks.rows import DatasetError
 from grpo.update import collate, policy_update
 
 register_configs()
@@ -271,10 +269,7 @@ def train(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    try:
-        train(cfg)
-    except (ConfigError, DatasetError) as e:
-        sys.exit(f"error: {e}")
+    exit_on_user_error(train, cfg)
 
 
 if __name__ == "__main__":

@@ -174,7 +174,7 @@ def policy_update(
     step.
     """
     G = algo.group_size
-    lockstep = getattr(strategy, "lockstep", False)  # every rank joins every forward, even with no rows
+    lockstep = strategy.lockstep  # every rank joins every forward, even with no rows
     if (batch.size or lockstep) and (algo.num_iterations > 1 or algo.num_minibatches > 1):
         old_BT = score_tokens(strategy.forward_model, batch, temperature, algo.micro_batch_tokens, strategy)
         batch = replace(batch, old_logprobs_BT=old_BT)

@@ -34,13 +34,6 @@ class Rollouts:
     weight_version: int  # the version of the weights that produced every completion
 
 
-def drain(buckets: WeightBuckets) -> None:
-    """A rank that pushes nothing still walks the buckets: under ZeRO-3 each one is gathered by a
-    collective that every rank joins."""
-    for _ in buckets:
-        pass
-
-
 class RolloutBackend(ABC):
     """generate / update_weights / sleep / wake / close. Nothing outside grpo/rollout/ asks which
     backend it has."""

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as tdist
 
 from grpo import dist
-from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets, drain
-from grpo.rollout.remote import ServerPool, free_port
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets
+from grpo.rollout.remote import ServerPool, free_port, push_from_one_rank
 
 
 class DeviceError(ValueError):
@@ -154,11 +154,7 @@ class DedicatedBackend(RolloutBackend):
         return mine[0]
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
-        if self.is_owner:
-            self.pool.push(buckets, version)
-        else:
-            drain(buckets)
-        dist.barrier()
+        push_from_one_rank(self.pool if self.is_owner else None, buckets, version)
         self.weight_version = version
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 from grpo import dist
-from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets, drain
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets
 from grpo.rollout.gloo_transfer import GlooSender, pack
 
 
@@ -180,6 +180,17 @@ class ServerPool:
         self.senders = []
 
 
+def push_from_one_rank(pool: ServerPool | None, buckets: WeightBuckets, version: int) -> None:
+    """Replicas are identical: the rank holding `pool` pushes; the others walk the buckets (under
+    ZeRO-3 each is gathered by a collective every rank joins) and all wait until the push is done."""
+    if pool is not None:
+        pool.push(buckets, version)
+    else:
+        for _ in buckets:
+            pass
+    dist.barrier()
+
+
 class RemoteBackend(RolloutBackend):
     def __init__(self, cfg, model, tokenizer, model_path: str | None = None, **_):
         rc = cfg.remote
@@ -193,11 +204,7 @@ class RemoteBackend(RolloutBackend):
         return self.pool.generate(prompt_ids, n, sampling, self.weight_version)
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
-        if dist.rank() == 0:  # replicas are identical: one rank pushes, the others wait for it
-            self.pool.push(buckets, version)
-        else:
-            drain(buckets)
-        dist.barrier()
+        push_from_one_rank(self.pool if dist.rank() == 0 else None, buckets, version)
         self.weight_version = version
 
     def close(self) -> None:
