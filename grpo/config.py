@@ -197,6 +197,9 @@ class Config:
     resume: bool = True  # continue from the run folder's latest checkpoint if there is one
     export_model: bool = True  # at the end, a consolidated HF folder of the policy in RUN_DIR/model
     run_dir: str = "${hydra:runtime.output_dir}"
+    # torch threads per process: auto (this process's share of the CPUs it may use, no more than
+    # are idle at start; grpo/cpus.py) or a number
+    threads: Any = "auto"
 
 
 GROUPS = {
@@ -321,6 +324,8 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
             raise ConfigError(
                 "rollout.vllm.sleep=true needs a GPU: vLLM's CPU build has no sleep mode. Set rollout.vllm.sleep=false."
             )
+    if cfg.threads != "auto" and not (str(cfg.threads).isdigit() and int(cfg.threads) >= 1):
+        raise ConfigError(f"threads={cfg.threads!r}: use auto or a positive number of threads per process.")
     if cfg.steps < 0 or cfg.task.eval_size < 1 or cfg.eval_samples < 1:
         raise ConfigError("steps must be >= 0, task.eval_size >= 1 and eval_samples >= 1.")
     if not cfg.reward.funcs:

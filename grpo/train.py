@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from grpo.algorithm import combine_rewards, group_advantages, zero_std_groups
 from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_aside_checkpoints
 from grpo.config import exit_on_user_error, register_configs, validate
+from grpo.cpus import configure_threads
 from grpo.dist import (
     DistInfo, all_reduce_sum, barrier, broadcast_object, dist_info, init_distributed, shutdown,
 )
@@ -105,6 +106,7 @@ def write_json(path: str, data: dict) -> None:
 def train(cfg: DictConfig) -> dict:
     validate(cfg)
     info = dist_info()
+    threads = configure_threads(cfg.threads)
     init_distributed(info)
     t_start = time.perf_counter()
     run_dir = broadcast_object(os.path.abspath(cfg.run_dir))  # every rank uses rank 0's folder
