@@ -38,23 +38,46 @@ def _nanstd(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
     return std if keepdim else std.squeeze() if dim is None else std.squeeze(dim)
 
 
-def group_advantages(rewards_PG: torch.Tensor, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
+def group_advantages(
+    rewards_PG: torch.Tensor, scale: str = "group", eps: float = 1e-4, batch_std: float | None = None
+) -> torch.Tensor:
     """Advantages_PG = (r - mean of its group) / (std + eps); NaN rewards get advantage 0.
 
     scale: "group" divides by the group's std (GRPO), "batch" by the std of all rewards in the
-    batch (more robust when a group's std is tiny), "none" only centres (Dr. GRPO).
+    batch (more robust when a group's std is tiny; pass `batch_std` from every rank's rewards,
+    `std_from_moments`, so it is the global batch's, not this rank's), "none" only centres (Dr. GRPO).
+    Computed in float64, and a group whose rewards are all equal gets exactly 0: in float32 a
+    group of equal non-dyadic rewards (0.1, 0.1, ...) left a rounding residue in r - mean that the
+    division by (0 + eps) blew up to same-sign advantages of up to 6e-4.
     """
-    valid_PG = ~torch.isnan(rewards_PG)
+    r_PG = rewards_PG.double()
+    valid_PG = ~torch.isnan(r_PG)
     n_P1 = valid_PG.sum(dim=1, keepdim=True).clamp(min=1)
-    mean_P1 = torch.nansum(rewards_PG, dim=1, keepdim=True) / n_P1
-    centred_PG = rewards_PG - mean_P1
+    mean_P1 = torch.nansum(r_PG, dim=1, keepdim=True) / n_P1
+    centred_PG = r_PG - mean_P1
     if scale == "group":
-        centred_PG = centred_PG / (_nanstd(rewards_PG, dim=1, keepdim=True) + eps)
+        centred_PG = centred_PG / (_nanstd(r_PG, dim=1, keepdim=True) + eps)
     elif scale == "batch":
-        centred_PG = centred_PG / (_nanstd(rewards_PG) + eps)
+        centred_PG = centred_PG / ((_nanstd(r_PG) if batch_std is None else batch_std) + eps)
     elif scale != "none":
         raise ValueError(f"unknown advantage scale {scale!r}")
-    return torch.where(valid_PG, centred_PG, 0.0)
+    flat_P1 = zero_std_groups(rewards_PG)[:, None]
+    return torch.where(valid_PG & ~flat_P1, centred_PG, 0.0).float()
+
+
+def reward_moments(rewards_PG: torch.Tensor) -> list[float]:
+    """[count, sum, sum of squares] of the scored rewards: summed over ranks, they give the global
+    batch's std (`std_from_moments`) without gathering every reward."""
+    r = rewards_PG.double()[~torch.isnan(rewards_PG)]
+    return [float(r.numel()), float(r.sum()), float((r * r).sum())]
+
+
+def std_from_moments(count: float, total: float, squares: float) -> float:
+    """Sample std (n - 1) from summed moments; 0 for fewer than two rewards."""
+    if count < 2:
+        return 0.0
+    var = (squares - total * total / count) / (count - 1)
+    return max(var, 0.0) ** 0.5
 
 
 def zero_std_groups(rewards_PG: torch.Tensor, tol: float = 1e-6) -> torch.Tensor:
@@ -83,8 +106,10 @@ def importance_weights(
     """Correction for the sampler (e.g. vLLM) and the trainer disagreeing on the same policy.
 
     w = pi_trainer / pi_sampler, per token or per sequence (product over its tokens).
-    mode "truncate" caps w at `cap` (TIS); "mask" zeroes tokens or sequences whose w leaves
-    [1/cap, cap]. Returns detached weights_BT (1 where level == "none").
+      truncate: min(w, cap)                        (TIS)
+      mask:     w * 1[1/cap <= w <= cap]           (MIS / IcePop: corrects inside the band, drops outside)
+      reject:   1[1/cap <= w <= cap]               (drops outside the band, no correction inside)
+    Returns detached weights_BT (1 where level == "none").
     """
     if level == "none":
         return torch.ones_like(old_logprobs_BT)
@@ -94,10 +119,13 @@ def importance_weights(
     elif level != "token":
         raise ValueError(f"unknown importance-sampling level {level!r}")
     w_BT = log_w_BT.exp()
+    in_band_BT = ((w_BT <= cap) & (w_BT >= 1.0 / cap)).float()
     if mode == "truncate":
         return w_BT.clamp(max=cap)
     if mode == "mask":
-        return ((w_BT <= cap) & (w_BT >= 1.0 / cap)).float()
+        return w_BT * in_band_BT
+    if mode == "reject":
+        return in_band_BT
     raise ValueError(f"unknown importance-sampling mode {mode!r}")
 
 

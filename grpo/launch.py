@@ -210,8 +210,7 @@ def launch(argv: list[str]) -> str:
         for old in glob.glob(os.path.join(servers_dir(run_dir), "*.url")):  # from an earlier launch into this folder
             os.remove(old)
         token = os.environ.get("GRPO_SERVE_TOKEN") or secrets.token_hex(16)
-        os.environ["GRPO_SERVE_TOKEN"] = token  # sbatch passes the environment on to both jobs
-        train_overrides.append(f"rollout.remote.token={token}")
+        os.environ["GRPO_SERVE_TOKEN"] = token  # sbatch passes the environment on to both jobs; never an override
         ex = executor_for(folder, launcher, "grpo-serve", nodes=own["servers"], tasks_per_node=1,
                           gpus_per_node=own["server_gpus"] or None)
         server_job = ex.submit(ServeJob(train_overrides, run_dir)).job_id

@@ -1,55 +1,49 @@
-"""`python -m grpo.serve --model DIR [--port P] [--token T]`: a vLLM server that `rollout=remote` can
-train against.
+"""`python -m grpo.serve --model DIR [--port P] [--token-file F]`: a vLLM server that `rollout=remote`
+can train against.
 
 It is vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`) started with:
   - the RL routes mounted (`VLLM_SERVER_DEV_MODE=1`): /init_weight_transfer_engine, /update_weights...;
   - the `grpo_gloo` weight-transfer backend (`--weight-transfer-config`; works on CPU and GPU
     servers, staging each bucket through host memory);
   - logprobs after temperature and top-k/top-p (`--logprobs-mode processed_logprobs`), as the sampler drew;
-  - `guard_weight_routes` as middleware: the routes that change the server's weights or state need
-    `Authorization: Bearer <token>`. A token is required whenever the server binds to anything but
-    the loopback interface, and it doubles as vLLM's `--api-key` for the /v1 routes.
+  - on CPU, an explicit KV-cache size (`--kv-cache-gb`, grpo/rollout/engine_memory.py);
+  - `require_token` as middleware: every route but the read-only probes in OPEN_ROUTES (health,
+    version, metrics) needs `Authorization: Bearer <token>`, the /v1 routes included. It is an
+    allow-list: a route a later vLLM adds, or a flag mounts (LoRA loading, profiling), is guarded
+    without anyone listing it. A token is required whenever the server binds to anything but the
+    loopback interface.
+
+The token comes from $GRPO_SERVE_TOKEN or `--token-file` (a file only its owner can read), never
+from the command line, where every user of the machine can read it (grpo/rollout/auth.py).
 
 Any further arguments go to vLLM unchanged. The plain equivalent, for `vllm serve` users:
   VLLM_SERVER_DEV_MODE=1 GRPO_SERVE_TOKEN=T python -m vllm.entrypoints.openai.api_server --model DIR \
     --weight-transfer-config '{"backend": "grpo_gloo"}' --logprobs-mode processed_logprobs \
-    --middleware grpo.serve.guard_weight_routes --api-key T
+    --middleware grpo.serve.require_token
 """
 
 from __future__ import annotations
 
 import argparse
-import hmac
 import ipaddress
 import json
 import os
 import socket
 import sys
 
-TOKEN_ENV = "GRPO_SERVE_TOKEN"
-# Routes that change weights or engine state; everything under them is guarded.
-GUARDED = (
-    "/init_weight_transfer_engine", "/shutdown_weight_transfer_engine", "/start_weight_update",
-    "/start_draft_weight_update", "/update_weights", "/finish_weight_update", "/update_weight_version",
-    "/pause", "/resume", "/abort_requests", "/sleep", "/wake_up", "/collective_rpc", "/reset_prefix_cache",
-    "/reset_mm_cache", "/scale_elastic_ep", "/weight_checker",
-)
+from grpo.rollout.auth import TOKEN_ENV, TokenError, load_token, token_ok
+
+# Read-only probes anyone who can reach the port may call; everything else needs the token.
+OPEN_ROUTES = ("/health", "/version", "/metrics")
 
 
-def is_guarded(path: str) -> bool:
-    return any(path == p or path.startswith(p + "/") for p in GUARDED)
+def is_open(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in OPEN_ROUTES)
 
 
-def token_ok(header: str | None, token: str | None) -> bool:
-    """With no token configured (loopback only) every local caller may; otherwise an exact Bearer."""
-    if not token:
-        return True
-    return bool(header) and header.startswith("Bearer ") and hmac.compare_digest(header[7:], token)
-
-
-async def guard_weight_routes(request, call_next):
-    """ASGI middleware (vLLM `--middleware`): 401 for a guarded route without the shared token."""
-    if is_guarded(request.url.path) and not token_ok(request.headers.get("authorization"), os.environ.get(TOKEN_ENV)):
+async def require_token(request, call_next):
+    """ASGI middleware (vLLM `--middleware`): 401 for any route outside OPEN_ROUTES without the token."""
+    if not is_open(request.url.path) and not token_ok(request.headers.get("authorization"), os.environ.get(TOKEN_ENV)):
         from fastapi.responses import JSONResponse
 
         return JSONResponse({"error": f"{request.url.path} needs 'Authorization: Bearer <{TOKEN_ENV}>'"}, status_code=401)
@@ -65,7 +59,8 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def vllm_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
+def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None = None) -> list[str]:
+    """vLLM's command line; it never holds the token (vLLM's middleware reads it from the environment)."""
     transfer = {"backend": "grpo_gloo"}
     argv = [
         "--model", args.model, "--host", args.host, "--port", str(args.port),
@@ -73,16 +68,30 @@ def vllm_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
         "--gpu-memory-utilization", str(args.memory_fraction),
         "--weight-transfer-config", json.dumps(transfer),
         "--logprobs-mode", "processed_logprobs",
-        "--middleware", "grpo.serve.guard_weight_routes",
+        "--middleware", "grpo.serve.require_token",
         "--enable-prefix-caching",
     ]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
     if args.enforce_eager:
         argv.append("--enforce-eager")
-    if args.token:
-        argv += ["--api-key", args.token]
+    if kv_bytes is not None:
+        argv += ["--kv-cache-memory-bytes", str(kv_bytes)]
     return argv + extra
+
+
+def server_kv_bytes(args: argparse.Namespace) -> int | None:
+    """The explicit KV-cache size for this server (None: vLLM sizes it from --memory-fraction)."""
+    from grpo.rollout.engine_memory import check_setting, kv_cache_bytes, read_model_config
+
+    try:
+        check_setting(args.kv_cache_gb)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    import torch
+
+    return kv_cache_bytes(args.kv_cache_gb, read_model_config(args.model), args.dtype, args.max_model_len,
+                          torch.cuda.is_available())
 
 
 def free_port(host: str) -> int:
@@ -106,19 +115,29 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF folder or hub id (the trainer's model.path); `tiny`: the "
                    "embedded model of the default config, built if missing")
-    p.add_argument("--host", default="127.0.0.1", help="bind address; anything but loopback needs --token")
+    p.add_argument("--host", default="127.0.0.1", help=f"bind address; anything but loopback needs a token (${TOKEN_ENV} or --token-file)")
     p.add_argument("--port", type=int, default=8000, help="0: a port found free on this machine")
     p.add_argument("--url-dir", help="write this server's URL (http://host:port) into DIR/<host>-<port>.url, "
                    "for trainers that discover their servers (slurm/train_remote.sbatch, grpo.launch servers=N)")
-    p.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"shared secret (or ${TOKEN_ENV})")
+    p.add_argument("--token-file", help=f"a file holding the shared secret, readable only by its owner (chmod 600); "
+                   f"default: ${TOKEN_ENV}. Never on the command line: `ps` shows it to every user")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's own maximum")
     p.add_argument("--memory-fraction", type=float, default=0.2, help="vLLM's --gpu-memory-utilization")
+    p.add_argument("--kv-cache-gb", default="auto", help="auto (on CPU: derived from the model and --max-model-len; "
+                   "on GPU: from --memory-fraction), fraction, or a size in GiB")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     args, extra = p.parse_known_args(argv)
+    if any(a == "--token" or a.startswith("--token=") or a == "--api-key" or a.startswith("--api-key=") for a in extra):
+        p.error(f"a token on the command line is visible to every user of this machine (ps); set {TOKEN_ENV} "
+                "or give --token-file FILE (chmod 600).")
+    try:
+        args.token = load_token(args.token_file)
+    except TokenError as e:
+        p.error(str(e))
     if not is_loopback(args.host) and not args.token:
-        p.error(f"--host {args.host} is reachable from other machines: give --token (or set {TOKEN_ENV}) so no one "
-                "else can push weights into this server.")
+        p.error(f"--host {args.host} is reachable from other machines: set {TOKEN_ENV} or give --token-file so no "
+                "one else can push weights into this server.")
     if args.model == "tiny":
         from grpo.launch import compose_train, model_folder
 
@@ -129,8 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         write_url(args.url_dir, args.host, args.port)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     if args.token:
-        os.environ[TOKEN_ENV] = args.token
-    argv_out = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_argv(args, extra)]
+        os.environ[TOKEN_ENV] = args.token  # the middleware reads it there, in the exec'd server
+    argv_out = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_argv(args, extra, server_kv_bytes(args))]
     sys.stdout.flush()
     os.execv(sys.executable, argv_out)  # become the server: signals and exit codes are vLLM's own
 

@@ -4,18 +4,21 @@ Variant implemented (DeepSeekMath GRPO, with the fixes later papers made optiona
   - B prompts per step, G completions each, sampled by the rollout backend with the current weights.
   - Rewards: weighted sum of reward functions; a completion no function scores gets advantage 0.
   - Advantages: reward minus its group's mean, divided by the group's std (`algo.adv_scale=group`),
-    the batch's std (`batch`, as in "A Closer Look at GRPO") or nothing (`none`, Dr. GRPO).
+    the batch's std (`batch`, as in "A Closer Look at GRPO"; over all ranks) or nothing (`none`,
+    Dr. GRPO); computed in float64, and a group of equal rewards gets exactly 0.
   - Loss: PPO's clipped ratio per token with an optional higher upper clip (DAPO's clip-higher),
     plus beta * KL(policy || reference) by the k3 estimator; aggregated by `algo.loss_type`.
     Departure from the paper: beta defaults to 0 (no reference model), as DAPO and Dr. GRPO do.
   - `num_iterations` > 1 reuses a batch against old logprobs (the paper's mu); with 1 the ratio is
     exactly 1 and the loss reduces to the policy gradient.
   - Optional importance correction when the sampler's logprobs disagree with the trainer's
-    (vLLM vs. transformers kernels), per token or per sequence, truncated or masked.
+    (vLLM vs. transformers kernels), per token or per sequence: truncated (TIS), masked with the
+    weight kept inside the band (MIS/IcePop), or rejected outside it without re-weighting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -28,13 +31,11 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from grpo.algorithm import combine_rewards, group_advantages, zero_std_groups
+from grpo.algorithm import combine_rewards, zero_std_groups
 from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_aside_checkpoints
 from grpo.config import exit_on_user_error, register_configs, validate
 from grpo.cpus import configure_threads
-from grpo.dist import (
-    DistInfo, all_reduce_sum, barrier, broadcast_object, dist_info, init_distributed, shutdown,
-)
+from grpo.dist import DistInfo, all_reduce_sum, barrier, broadcast_object, dist_info, process_group
 from grpo.eval import evaluate
 from grpo.export import export_hf
 from grpo.log import RunLogger
@@ -44,7 +45,7 @@ from grpo.preempt import StopSignal, stop
 from grpo.rewards import build_rewards, score
 from grpo.rollout import build_rollout, sampling_from
 from grpo.tasks import TrainSampler, build_task
-from grpo.update import collate, policy_update
+from grpo.update import batch_advantages, collate, policy_update
 
 register_configs()
 
@@ -104,10 +105,17 @@ def write_json(path: str, data: dict) -> None:
 
 
 def train(cfg: DictConfig) -> dict:
+    """One run. Every way out (the end, an error, a stop signal, a lost peer) leaves through one
+    ExitStack, which closes the engines or servers, the logger and the process group."""
     validate(cfg)
     info = dist_info()
     threads = configure_threads(cfg.threads)
-    init_distributed(info)
+    with contextlib.ExitStack() as cleanup:
+        cleanup.enter_context(process_group(info, peer_timeout_s=cfg.parallel.peer_timeout_s))
+        return run(cfg, info, threads, cleanup)
+
+
+def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitStack) -> dict:
     t_start = time.perf_counter()
     run_dir = broadcast_object(os.path.abspath(cfg.run_dir))  # every rank uses rank 0's folder
     os.makedirs(run_dir, exist_ok=True)
@@ -126,7 +134,8 @@ def train(cfg: DictConfig) -> dict:
     reward_fns = build_rewards(cfg.reward)
     weights_F = [w for _, _, w in reward_fns]
     strategy = build_strategy(cfg.parallel, model, algo, cfg.steps * algo.num_iterations * algo.num_minibatches)
-    rollout = build_rollout(cfg.rollout, strategy.model, tokenizer, model_path, cfg.model.dtype, cfg.seed, run_dir)
+    rollout = cleanup.enter_context(contextlib.closing(
+        build_rollout(cfg.rollout, strategy.model, tokenizer, model_path, cfg.model.dtype, cfg.seed, run_dir)))
     ref_model = build_reference(cfg, model_path)
     seed_everything(cfg.seed + info.rank)  # again: a fresh and a cached tiny model start alike
     sampler = TrainSampler(task.train, seed=cfg.seed)
@@ -146,11 +155,14 @@ def train(cfg: DictConfig) -> dict:
     if start >= cfg.steps and os.path.exists(os.path.join(run_dir, "summary.json")):
         if info.is_main:
             print(f"{run_dir} already finished {start} steps; raise `steps` to train further.")
-        rollout.close()
-        shutdown()
         with open(os.path.join(run_dir, "summary.json")) as f:
             return json.load(f)
     logger = RunLogger(cfg.logger, run_dir, cfg.steps, resolved, enabled=info.is_main, resume_step=start if ckpt else None)
+    cleanup.callback(logger.close)
+
+    def checkpoint(step: int) -> None:
+        save_checkpoint(run_dir, step, strategy, {"sampler": sampler.state_dict(), "eval_before": eval_before}, cfg.keep_checkpoints)
+
     if ckpt:
         logger.info(f"resumed from {ckpt} at step {start}")
     else:
@@ -160,6 +172,7 @@ def train(cfg: DictConfig) -> dict:
 
     gen_tokens_total, gen_time_total = 0, 0.0
     stop_signal = StopSignal()  # SLURM's preemption / time-limit warning: checkpoint, requeue (grpo/preempt.py)
+    cleanup.callback(stop_signal.close)
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
 
@@ -180,7 +193,7 @@ def train(cfg: DictConfig) -> dict:
         t_score = time.perf_counter()
 
         # 3. advantages per group; groups with equal rewards carry no signal
-        advantages_PG = group_advantages(rewards_PG, algo.adv_scale)
+        advantages_PG = batch_advantages(rewards_PG, algo.adv_scale)
         flat_P = zero_std_groups(rewards_PG)
         batch = collate(
             [p for p in prompt_ids for _ in range(G)], rollouts, advantages_PG.flatten(),
@@ -228,19 +241,17 @@ def train(cfg: DictConfig) -> dict:
             rows = [(samples_BG[i].prompt, completions[i], float(rewards_PG.flatten()[i])) for i in range(0, len(completions), G)]
             logger.samples(step, rows[: cfg.logger.num_samples])
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != cfg.steps:
-            save_checkpoint(run_dir, step, strategy, {"sampler": sampler.state_dict(), "eval_before": eval_before}, cfg.keep_checkpoints)
+            checkpoint(step)
         if step < cfg.steps and stop_signal.requested():
-            save_checkpoint(run_dir, step, strategy, {"sampler": sampler.state_dict(), "eval_before": eval_before}, cfg.keep_checkpoints)
-            logger.close()
-            rollout.close()
-            stop(step, logger.info)
+            checkpoint(step)
+            stop(step, logger.info)  # raises SystemExit: the ExitStack closes everything
 
     # ---- end: final evaluation, checkpoint and summary ----
     after = evaluate(rollout, tokenizer, task, cfg, info)
     eval_after = after["eval/accuracy"]
     logger.log(cfg.steps, after, console=True)
     if cfg.steps > start:
-        save_checkpoint(run_dir, cfg.steps, strategy, {"sampler": sampler.state_dict(), "eval_before": eval_before}, cfg.keep_checkpoints)
+        checkpoint(cfg.steps)
     if cfg.export_model:
         export_hf(strategy, tokenizer, os.path.join(run_dir, "model"), bucket_bytes)
     summary = {
@@ -251,6 +262,7 @@ def train(cfg: DictConfig) -> dict:
         "steps": cfg.steps,
         "resumed_from": start,
         "world_size": info.world_size,
+        "threads_per_process": threads,
         "wall_s": time.perf_counter() - t_start,
         "gen_tokens_per_s": gen_tokens_total / gen_time_total if gen_time_total else None,
         "model_path": model_path,
@@ -262,10 +274,6 @@ def train(cfg: DictConfig) -> dict:
         f"eval accuracy {eval_before:.3f} -> {eval_after:.3f} ({summary['eval_gain']:+.3f}) in {cfg.steps} steps, "
         f"{summary['wall_s']:.1f}s wall; run folder {run_dir}"
     )
-    logger.close()
-    rollout.close()
-    shutdown()
-    stop_signal.close()
     return summary
 
 

@@ -12,7 +12,9 @@ from typing import Optional
 import torch
 
 from grpo import dist
-from grpo.algorithm import LossNorm, entropy, importance_weights, policy_loss, token_logprobs
+from grpo.algorithm import (
+    LossNorm, entropy, group_advantages, importance_weights, policy_loss, reward_moments, std_from_moments, token_logprobs,
+)
 
 
 @dataclass
@@ -42,6 +44,13 @@ class Batch:
             for f in fields(self)
         }
         return Batch(**picked)
+
+
+def batch_advantages(rewards_PG: torch.Tensor, scale: str) -> torch.Tensor:
+    """Advantages of this rank's groups; with scale=batch the std is the whole batch's, over every
+    rank (summed moments), so 1 process x 4 groups and 2 processes x 2 groups agree."""
+    batch_std = std_from_moments(*dist.all_reduce_sum(reward_moments(rewards_PG))) if scale == "batch" else None
+    return group_advantages(rewards_PG, scale, batch_std=batch_std)
 
 
 def collate(

@@ -10,6 +10,8 @@ from grpo.algorithm import (
     aggregate,
     combine_rewards,
     group_advantages,
+    reward_moments,
+    std_from_moments,
     importance_weights,
     policy_loss,
     zero_std_groups,
@@ -43,6 +45,27 @@ def test_group_advantages_batch_std_and_none():
 def test_group_advantages_zero_std_group_is_zero_not_nan():
     adv = group_advantages(torch.tensor([[1.0, 1.0, 1.0]]), "group")
     assert torch.equal(adv, torch.zeros(1, 3))
+
+
+def test_equal_non_dyadic_rewards_give_exactly_zero_advantages():
+    # 0.1 + 0.7 + 0.7 (weighted rewards) is not exact in float32: (r - mean) left a residue of ~1e-8
+    # that / (0 + 1e-4) became same-sign advantages of up to 6e-4. A flat group now gets exactly 0.
+    r = torch.tensor([[0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1], [0.3, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3]])
+    r = r + torch.tensor(0.7) - torch.tensor(0.7)  # float32 arithmetic, as combine_rewards' output
+    for scale in ("group", "batch", "none"):
+        assert torch.equal(group_advantages(r, scale), torch.zeros(2, 7)), scale
+
+
+def test_batch_std_from_moments_matches_the_direct_std():
+    # rewards [1, 0, 1, 1]: n 4, sum 3, squares 3 -> var (3 - 9/4) / 3 = 0.25, std 0.5
+    r = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    assert reward_moments(r) == [4.0, 3.0, 3.0]
+    assert std_from_moments(4.0, 3.0, 3.0) == pytest.approx(0.5)
+    assert std_from_moments(1.0, 1.0, 1.0) == 0.0
+    halves = [reward_moments(r[:1]), reward_moments(r[1:])]  # two ranks' shares, summed
+    assert std_from_moments(*[a + b for a, b in zip(*halves)]) == pytest.approx(0.5)
+    # with batch_std given, a rank's groups are scaled by the global std, not their own
+    torch.testing.assert_close(group_advantages(r[:1], "batch", eps=0.0, batch_std=0.5), torch.tensor([[1.0, -1.0]]))
 
 
 def test_combine_rewards_weights_and_none():
@@ -135,15 +158,20 @@ def test_policy_loss_uses_the_aggregation():
 
 
 def test_importance_weights_token_and_sequence():
-    # old - sampler = [ln 3, ln 0.5]: token truncate at 2 -> [2, 0.5]; mask keeps [1/2, 2] -> [0, 1]
+    # old - sampler = [ln 3, ln 0.5] -> w = [3, 0.5]; the band at cap 2 is [1/2, 2]
+    # truncate: [min(3, 2), 0.5] = [2, 0.5]; mask: w x 1[band] = [0, 0.5]; reject: 1[band] = [0, 1]
     old = torch.tensor([[math.log(3.0), math.log(0.5)]])
     sampler = torch.zeros(1, 2)
     mask = torch.ones(1, 2)
     torch.testing.assert_close(importance_weights(old, sampler, mask, "token", "truncate", 2.0), torch.tensor([[2.0, 0.5]]))
-    torch.testing.assert_close(importance_weights(old, sampler, mask, "token", "mask", 2.0), torch.tensor([[0.0, 1.0]]))
+    torch.testing.assert_close(importance_weights(old, sampler, mask, "token", "mask", 2.0), torch.tensor([[0.0, 0.5]]))
+    torch.testing.assert_close(importance_weights(old, sampler, mask, "token", "reject", 2.0), torch.tensor([[0.0, 1.0]]))
     # sequence: ln 3 + ln 0.5 = ln 1.5 -> w 1.5 for both tokens, inside the cap
     torch.testing.assert_close(importance_weights(old, sampler, mask, "sequence", "truncate", 2.0), torch.tensor([[1.5, 1.5]]))
     torch.testing.assert_close(importance_weights(old, sampler, mask, "sequence", "mask", 1.4), torch.tensor([[0.0, 0.0]]))
+    # at cap 2, 1.5 is inside the band: mask keeps the weight itself, reject only the 1
+    torch.testing.assert_close(importance_weights(old, sampler, mask, "sequence", "mask", 2.0), torch.tensor([[1.5, 1.5]]))
+    torch.testing.assert_close(importance_weights(old, sampler, mask, "sequence", "reject", 2.0), torch.tensor([[1.0, 1.0]]))
     assert torch.equal(importance_weights(old, sampler, mask, "none", "truncate", 2.0), torch.ones(1, 2))
 
 
@@ -154,3 +182,31 @@ def test_importance_weights_scale_the_loss():
     norm = LossNorm(num_seqs=1, num_tokens=2, max_len=2, gen_tokens_per_step=2)
     loss, _ = policy_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 2), norm, loss_type="bnpo", is_weights_BT=w)
     assert loss.item() == pytest.approx(-1.25)
+
+
+def _advantages_on_rank(rank: int, world: int, init_file: str, rewards_PG, out_dir: str) -> None:
+    import torch.distributed as tdist
+
+    from grpo.update import batch_advantages
+
+    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    share = len(rewards_PG) // world
+    adv = batch_advantages(rewards_PG[rank * share : (rank + 1) * share], "batch")
+    torch.save(adv, f"{out_dir}/adv{rank}.pt")
+    tdist.destroy_process_group()
+
+
+def test_batch_scaled_advantages_are_the_same_on_one_and_two_processes(tmp_path):
+    """adv_scale=batch divides by the std of the whole batch, every rank's rewards included:
+    1 process x 4 groups and 2 real gloo processes x 2 groups give the same advantages."""
+    import torch.multiprocessing as mp
+
+    from grpo.update import batch_advantages
+
+    rewards_PG = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
+    one = batch_advantages(rewards_PG, "batch")
+    mp.spawn(_advantages_on_rank, args=(2, str(tmp_path / "init"), rewards_PG, str(tmp_path)), nprocs=2)
+    two = torch.cat([torch.load(tmp_path / "adv0.pt"), torch.load(tmp_path / "adv1.pt")])
+    torch.testing.assert_close(two, one, rtol=0, atol=1e-6)
+    # and not the per-rank std: the second rank's rewards alone have another std
+    assert not torch.allclose(group_advantages(rewards_PG[2:], "batch"), one[2:])

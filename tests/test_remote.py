@@ -13,11 +13,15 @@ import time
 import urllib.error
 import urllib.request
 
+from pathlib import Path
+
 import pytest
 from omegaconf import OmegaConf
 
 from grpo.config import RolloutConfig
+from grpo.rollout.auth import TOKEN_ENV
 from grpo.rollout.remote import RemoteBackend, ServerError, free_port, split_by_load
+from grpo.serve import is_open
 from tests.conftest import ROOT
 from tests.parity import assert_round_trip, sync_round_trip
 
@@ -40,10 +44,10 @@ def server(tiny_lm, tmp_path_factory):
     tok.save_pretrained(path)
     port = free_port()
     log = open(path / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "grpo.serve", "--model", str(path), "--port", str(port), "--token", TOKEN,
+    proc = subprocess.Popen(  # the token only in the environment: never on a command line
+        [sys.executable, "-m", "grpo.serve", "--model", str(path), "--port", str(port),
          "--max-model-len", "128", "--memory-fraction", "0.1"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, TOKEN_ENV: TOKEN},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 240
@@ -63,16 +67,23 @@ def server(tiny_lm, tmp_path_factory):
     assert not process_group_alive(proc.pid), "orphan processes left after Ctrl-C"
 
 
-def backend_cfg(url, token=TOKEN, **kw):
+@pytest.fixture
+def token_env(monkeypatch):
+    """The trainer side reads the token from the environment, as the servers do."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+
+
+def backend_cfg(url, **kw):
     cfg = OmegaConf.structured(RolloutConfig(backend="remote"))
-    cfg.remote.urls, cfg.remote.token = [url], token
+    cfg.remote.urls = [url]
     for k, v in kw.items():
         cfg.remote[k] = v
     return cfg
 
 
-def post(url, token=None):
-    req = urllib.request.Request(url, data=b"{}", method="POST", headers={"Content-Type": "application/json"})
+def post(url, token=None, method="POST"):
+    data = b"{}" if method == "POST" else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
@@ -103,7 +114,27 @@ def test_weight_routes_need_the_token(server):
         assert post(url + route, token="wrong") == 401, route
 
 
-def test_parity_and_generations_change_after_sync(server, tiny_lm):
+def test_every_mounted_route_but_the_probes_needs_the_token(server):
+    """Walk every route the server really mounts (vLLM's own build_app on grpo.serve's arguments):
+    without the token only health, version and metrics may answer; everything else is a 401,
+    state-changing or not (release_kv_cache_memory, invocations, server_info, any later addition)."""
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "mounted_routes.py"), server["path"]], cwd=ROOT,
+                         env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    routes = [(path.replace("{response_id}", "x"), method) for path, method in json.loads(out.stdout.splitlines()[-1])]
+    assert len(routes) > 40 and ("/release_kv_cache_memory", "POST") in routes  # the walk sees the dev routes
+    answered = []
+    for path, method in routes:
+        code = post(server["url"] + path, method=method)
+        if is_open(path):
+            assert code != 401, path
+        elif code != 401:
+            answered.append(f"{method} {path} -> {code}")
+    assert not answered, f"answered without the token: {answered}"
+    assert post(server["url"] + "/v1/models", token=TOKEN, method="GET") == 200  # and the token opens them
+
+
+def test_parity_and_generations_change_after_sync(server, tiny_lm, token_env):
     from grpo.models import load_model
 
     model, tok = load_model(server["path"])  # the served weights, as the trainer holds them
@@ -114,12 +145,13 @@ def test_parity_and_generations_change_after_sync(server, tiny_lm):
         backend.close()
 
 
-def test_short_training_run_through_remote(server, make_cfg):
+def test_short_training_run_through_remote(server, make_cfg, token_env):
     from grpo.train import train
 
-    cfg = make_cfg("rollout=remote", f"rollout.remote.urls=[{server['url']}]", f"rollout.remote.token={TOKEN}",
-                   "steps=3")
+    cfg = make_cfg("rollout=remote", f"rollout.remote.urls=[{server['url']}]", "steps=3")
     train(cfg)
+    for path in Path(cfg.run_dir).rglob("*"):  # the secret never lands in the run folder
+        assert not path.is_file() or TOKEN.encode() not in path.read_bytes(), path
     rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
     trained = [r for r in rows if "loss" in r]
     assert [r["weight_version"] for r in trained] == [0, 1, 2]
@@ -127,14 +159,14 @@ def test_short_training_run_through_remote(server, make_cfg):
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "zero3"])
-def test_two_process_training_run_through_remote(server, tmp_path, cache_dir, parallel):
+def test_two_process_training_run_through_remote(server, tmp_path, cache_dir, parallel, token_env):
     """2 trainer ranks, one server: the whole batch goes to it, rank 0 pushes the weights (under
     ZeRO-3 gathered bucket by bucket with rank 1 joining each gather)."""
     from tests.conftest import FAST
     from tests.test_parallel import TORCHRUN, run
 
     run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, f"parallel={parallel}",
-         "rollout=remote", f"rollout.remote.urls=[{server['url']}]", f"rollout.remote.token={TOKEN}",
+         "rollout=remote", f"rollout.remote.urls=[{server['url']}]",
          "parallel.sync_bucket_mb=1", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     trained = [r for r in rows if "loss" in r]

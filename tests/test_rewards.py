@@ -60,6 +60,15 @@ def test_a_reward_that_raises_on_one_completion_excludes_only_it():
     assert rewards == [[1.0, None, 1.0]] and means["reward/picky"] == 1.0
 
 
+def test_a_reward_that_returns_a_non_number_excludes_only_that_completion():
+    def sloppy(completions, samples, **_):
+        return ["1.0" if c == "text" else 0.5 for c in completions]  # a string where a number belongs
+
+    with pytest.warns(UserWarning, match="'sloppy' failed on completion 1 'text' .*returned '1.0', not a number or None"):
+        rewards, means = score([("sloppy", sloppy, 1.0)], ["a", "text", "b"], [None] * 3, timeout_s=5)
+    assert rewards == [[0.5, None, 0.5]] and means["reward/sloppy"] == 0.5
+
+
 def test_a_reward_that_hangs_is_cut_off():
     def hangs_on_slow(completions, samples, **_):
         if "slow" in completions:

@@ -77,10 +77,17 @@ def call_with_timeout(fn, args: tuple, kwargs: dict, timeout_s: float):
     return box.get("value"), box.get("error")
 
 
+def is_score(value) -> bool:
+    """A reward is a real number, or None (the function abstains)."""
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, complex))
+
+
 def run_reward(name: str, fn, completions: list[str], samples: list, info: dict, timeout_s: float) -> list:
     values, error = call_with_timeout(fn, (completions, samples), info, timeout_s)
     if error is None and len(values) != len(completions):
         error = f"returned {len(values)} values for {len(completions)} completions"
+    if error is None and (bad := next((v for v in values if not is_score(v)), "ok")) != "ok":
+        error = f"returned {bad!r}, not a number or None"
     if error is None:
         return values
     warnings.warn(f"reward {name!r} failed on the batch ({error}); scoring its completions one at a time", stacklevel=2)
@@ -94,6 +101,8 @@ def run_reward(name: str, fn, completions: list[str], samples: list, info: dict,
             value, err = None, f"skipped after {MAX_HANGS} timeouts in this batch"
         if err is None and len(value) != 1:
             err = f"returned {len(value)} values for 1 completion"
+        if err is None and not is_score(value[0]):
+            err = f"returned {value[0]!r}, not a number or None"
         if err is not None:
             warnings.warn(f"reward {name!r} failed on completion {i} {c[:60]!r} ({err}); it is excluded", stacklevel=2)
         out.append(None if err is not None else value[0])

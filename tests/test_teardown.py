@@ -1,0 +1,87 @@
+"""Nothing left behind on any way out: a run that fails mid-step closes its engines (in-process or
+child processes) and their shared memory, and when one rank of a multi-process run is killed the
+others stop within a bounded time, naming it, instead of waiting forever."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from grpo.rollout.remote import free_port
+from tests import faults
+from tests.conftest import FAST, ROOT
+
+FAULT = ["reward.funcs=[{name: tests.faults.interrupt_on_second_call, weight: 1.0}]"]
+
+
+def shm_files() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("*")}
+
+
+def children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.mark.parametrize("backend", ["hf", "colocated", "dedicated"])
+def test_a_run_that_fails_mid_step_leaves_no_engine_behind(make_cfg, backend):
+    from grpo.train import train
+
+    faults.CALLS["n"] = 0
+    shm_before, children_before = shm_files(), children()
+    cfg = make_cfg(f"rollout={backend}", "steps=5", *FAULT)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    assert faults.CALLS["n"] == 2  # it failed in step 2, with the engine up and one sync done
+    deadline = time.time() + 30
+    while children() - children_before and time.time() < deadline:
+        time.sleep(0.5)
+    assert children() - children_before == set(), "engine processes outlived the failed run"
+    assert shm_files() - shm_before == set(), "shared memory left behind"
+    import torch.distributed
+
+    assert not torch.distributed.is_initialized()  # no process group left for the next run either
+    if backend == "colocated":  # and the next engine in this process starts and generates
+        summary = train(make_cfg("rollout=colocated", "steps=1"))
+        assert summary["steps"] == 1
+
+
+def test_a_killed_rank_is_named_and_the_other_stops(tmp_path, cache_dir):
+    """Two ranks launched as srun would (rank variables, no torchrun agent to clean up after them);
+    rank 1 is SIGKILLed mid-run. Rank 0 must exit on its own, naming rank 1, not hang."""
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        log = open(tmp_path / f"rank{rank}.log", "w")
+        logs.append(tmp_path / f"rank{rank}.log")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "grpo.train", *FAST, "steps=500", "parallel=ddp", "parallel.peer_timeout_s=10",
+             f"hydra.run.dir={tmp_path / 'run'}", f"model.cache_dir={cache_dir}"],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.time() + 300
+        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert procs[0].poll() is None and procs[1].poll() is None, logs[0].read_text()[-3000:]
+            time.sleep(0.5)
+        killed_at = time.time()
+        procs[1].send_signal(signal.SIGKILL)
+        code = procs[0].wait(timeout=120)
+        took = time.time() - killed_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    out = logs[0].read_text()
+    print(f"rank 0 exited {took:.1f} s after rank 1 was killed")
+    assert code != 0, out[-3000:]
+    assert "rank 1" in out and ("silent" in out or "stopped answering" in out), out[-3000:]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == sorted(set(steps))  # nothing logged twice on the way out
