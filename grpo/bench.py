@@ -33,21 +33,15 @@ def peak_rss_mb() -> float:
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from grpo.config import compose_config
 
-    from grpo.config import register_configs
-
-    register_configs()
-    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-    with initialize_config_dir(conf, version_base="1.3"):
-        return hydra_compose("config", overrides=overrides)
+    return compose_config(overrides)
 
 
 @contextlib.contextmanager
 def served(model_path: str, timeout_s: float = 300):
     """A local `grpo.serve` on `model_path` for the remote backend; yields its URL."""
-    from grpo.rollout.remote import free_port
+    from grpo.rollout.servers import free_port
 
     port = free_port("127.0.0.1")
     proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", str(port),
@@ -71,11 +65,9 @@ def served(model_path: str, timeout_s: float = 300):
 
 
 def tiny_model_path() -> str:
-    from grpo.models import ensure_tiny_model
-    from grpo.tasks import build_task
+    from grpo.models import resolve_model_folder
 
-    cfg = compose(["run_dir=unused"])
-    return ensure_tiny_model(cfg.model, cfg.task, build_task(cfg.task), cfg.rollout.max_new_tokens)
+    return resolve_model_folder(compose(["run_dir=unused"]))
 
 
 def backend_overrides(backend: str, url: str | None) -> list[str]:
@@ -113,7 +105,7 @@ def bench_sync(backend_name: str, bucket_mb: list[float], repeats: int, url: str
     """Seconds and MB/s to push the policy's weights into an engine, per bucket size; bucket 0
     means one tensor per bucket (how TRL and OpenRLHF send them: one call and transfer each)."""
     from grpo.models import load_model
-    from grpo.parallel.base import bucket_tensors
+    from grpo.weights import group_by_size
     from grpo.rollout import build_rollout
 
     cfg = compose([*backend_overrides(backend_name, url), "run_dir=unused"])
@@ -129,7 +121,7 @@ def bench_sync(backend_name: str, bucket_mb: list[float], repeats: int, url: str
             for r in range(repeats):
                 t0 = time.perf_counter()
                 size = 1 if mb == 0 else int(mb * 2**20)  # 1 byte: every tensor alone in its bucket
-                rollout.update_weights(bucket_tensors(((n, p.detach()) for n, p in named), size), version=r)
+                rollout.update_weights(group_by_size(((n, p.detach()) for n, p in named), size), version=r)
                 times.append(time.perf_counter() - t0)
             s = statistics.median(times)
             results.append({"backend": backend_name, "bucket_mb": mb or "per-tensor", "tensors": len(named),

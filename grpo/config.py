@@ -9,28 +9,14 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key and the fix."""
-
-
-def exit_on_user_error(fn, *args):
-    """`fn(*args)` for a command line: a config or dataset error ends the process with its one-line
-    message (`error: ...`, naming what to change) instead of a traceback."""
-    import sys
-
-    from grpo.tasks.rows import DatasetError
-
-    try:
-        return fn(*args)
-    except (ConfigError, DatasetError) as e:
-        sys.exit(f"error: {e}")
+from grpo.errors import ConfigError
 
 
 @dataclass
@@ -126,6 +112,7 @@ class DedicatedConfig:
     devices: Any = "auto"  # auto (the node's GPUs training does not use; CPU without GPUs) or [cuda:4, ...]
     num_engines: int = 1  # engines per node; the reserved devices are split evenly between them
     start_timeout_s: float = 600.0  # engines must answer /health within this
+    request_timeout_s: float = 600.0  # one generation or weight-sync request
 
 
 @dataclass
@@ -226,6 +213,19 @@ def register_configs() -> None:
         cs.store(group=group, name=f"base_{group}", node=schema)
 
 
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def compose_config(overrides: list[str], hydra_config: bool = False) -> DictConfig:
+    """The run config that `python -m grpo.train <overrides>` would get, composed outside a Hydra app
+    (grpo.launch, grpo.serve, the bench, the tests)."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=overrides, return_hydra_config=hydra_config)
+
+
 def _choices(key: str, value: str, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not one of {sorted(allowed)}; pick one of those.")
@@ -238,9 +238,9 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
     """Cross-field rules, checked before any heavy work. Raises ConfigError saying what to change.
     `world_size`: the processes the run will have (grpo.launch checks a job before submitting it);
     by default the ones this process was launched with."""
-    from grpo.parallel import STRATEGIES
+    from grpo.parallel import STRATEGIES, strategy_class
     from grpo.rewards import resolve_reward
-    from grpo.rollout import BACKENDS
+    from grpo.rollout import BACKENDS, backend_class
     from grpo.tasks import TASKS
 
     a, r = cfg.algo, cfg.rollout
@@ -273,14 +273,6 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
             f"algo.batch_size / algo.group_size = {prompts} prompts per step cannot be shared evenly by {world} "
             f"processes; make it a multiple of {world}."
         )
-    if world > 1 and cfg.parallel.strategy == "single":
-        raise ConfigError(f"{world} processes were launched but parallel=single; use parallel=ddp.")
-    zero = cfg.parallel.strategy.startswith("zero")
-    for key in ("offload_optimizer", "deepspeed_config"):
-        if cfg.parallel[key] and not zero:
-            raise ConfigError(f"parallel.{key} is a DeepSpeed setting; use it with parallel=zero2|zero3|zero3_offload.")
-    if zero and cfg.parallel.deepspeed_config and not os.path.isfile(os.path.expanduser(cfg.parallel.deepspeed_config)):
-        raise ConfigError(f"parallel.deepspeed_config={cfg.parallel.deepspeed_config!r} is not a file.")
     if a.num_minibatches < 1 or prompts % a.num_minibatches:
         raise ConfigError(
             f"algo.num_minibatches={a.num_minibatches} must be >= 1 and divide the {prompts} prompts per step "
@@ -305,44 +297,8 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
             "algo.is_level needs rollout.top_p=1 and rollout.top_k=0: with truncated sampling the sampler's "
             "logprobs come from a renormalised distribution the trainer does not compute."
         )
-    if r.backend != "hf" and not 0 < r.vllm.memory_fraction < 1:
-        raise ConfigError(f"rollout.vllm.memory_fraction={r.vllm.memory_fraction} must be between 0 and 1.")
-    from grpo.rollout.engine_memory import check_setting
-
-    try:
-        check_setting(r.vllm.kv_cache_gb)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    if r.backend == "colocated" and world % r.vllm.tensor_parallel_size:
-        raise ConfigError(
-            f"rollout.vllm.tensor_parallel_size={r.vllm.tensor_parallel_size} must divide the {world} training "
-            f"processes: each group of that many consecutive ranks shares one engine."
-        )
-    if r.backend == "dedicated":
-        from grpo.rollout.dedicated import DeviceError, pick_devices
-
-        if r.dedicated.num_engines < 1:
-            raise ConfigError(f"rollout.dedicated.num_engines={r.dedicated.num_engines} must be at least 1.")
-        try:
-            pick_devices(r.dedicated.devices, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        except DeviceError as e:
-            raise ConfigError(str(e)) from e
-    if r.backend == "remote" and not r.remote.urls:
-        raise ConfigError("rollout=remote needs rollout.remote.urls=[http://host:port,...]: start them with `python -m grpo.serve`.")
-    if r.backend == "remote" and r.remote.token_file:
-        from grpo.rollout.auth import TokenError, read_token_file
-
-        try:
-            read_token_file(r.remote.token_file)
-        except TokenError as e:
-            raise ConfigError(f"rollout.remote.token_file: {e}") from e
-    if r.backend != "hf" and r.vllm.sleep:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                "rollout.vllm.sleep=true needs a GPU: vLLM's CPU build has no sleep mode. Set rollout.vllm.sleep=false."
-            )
+    backend_class(r.backend).check(r, world)  # each backend its own settings (grpo/rollout/)
+    strategy_class(cfg.parallel.strategy).check(cfg.parallel, world)  # each strategy its own (grpo/parallel/)
     if cfg.parallel.peer_timeout_s <= 0:
         raise ConfigError(f"parallel.peer_timeout_s={cfg.parallel.peer_timeout_s} must be > 0 seconds.")
     if cfg.threads != "auto" and not (str(cfg.threads).isdigit() and int(cfg.threads) >= 1):
@@ -377,7 +333,3 @@ def _check_hub_model(path: str) -> None:
             f"model.path={path!r} could not be loaded ({type(e).__name__}: {e}). Check the hub id, "
             f"your network or HF_HOME cache, or point model.path at a local folder."
         ) from e
-
-
-def to_container(cfg: Any) -> dict:
-    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)

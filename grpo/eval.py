@@ -59,7 +59,7 @@ def run_eval(cfg: DictConfig) -> dict[str, float]:
     from grpo.dist import dist_info, init_distributed, shutdown
     from grpo.rollout import build_rollout
     from grpo.tasks import build_task
-    from grpo.train import build_policy
+    from grpo.models import build_policy
 
     validate(cfg)
     info = dist_info()
@@ -67,7 +67,7 @@ def run_eval(cfg: DictConfig) -> dict[str, float]:
     run_dir = os.path.abspath(cfg.run_dir)
     os.makedirs(run_dir, exist_ok=True)
     task = build_task(cfg.task)
-    model, tokenizer, path = build_policy(cfg, task, info)
+    model, tokenizer, path = build_policy(cfg, info)
     rollout = build_rollout(cfg.rollout, model, tokenizer, path, cfg.model.dtype, cfg.seed, run_dir)
     try:
         metrics = evaluate(rollout, tokenizer, task, cfg, info)
@@ -85,7 +85,7 @@ def run_eval(cfg: DictConfig) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from grpo.config import exit_on_user_error
+    from grpo.cli import exit_on_user_error
 
     exit_on_user_error(run_eval, cfg)
 

@@ -37,13 +37,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from grpo.config import ConfigError, exit_on_user_error, register_configs, validate
+from grpo.cli import exit_on_user_error
+from grpo.config import compose_config, validate
+from grpo.errors import ConfigError
 from grpo.slurm import check_request, request_from
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
 LAUNCH_KEYS = {  # key on the command line -> field of conf/hydra/launcher/slurm.yaml
     "nodes": "nodes", "tasks_per_node": "tasks_per_node", "gpus_per_node": "gpus_per_node",
     "cpus_per_task": "cpus_per_task", "mem_gb": "mem_gb", "partition": "partition", "time": "timeout_min",
@@ -66,12 +66,6 @@ def parse_args(argv: list[str]) -> tuple[list[str], dict, list[str]]:
     return launcher, own, train
 
 
-def compose_train(overrides: list[str], hydra_config: bool = False):
-    register_configs()
-    with initialize_config_dir(CONF, version_base="1.3"):
-        return compose("config", overrides=overrides, return_hydra_config=hydra_config)
-
-
 @dataclass
 class TrainJob:
     """What every task of the training job runs (pickled by submitit; a requeue runs it again)."""
@@ -89,7 +83,7 @@ class TrainJob:
         if self.num_servers:
             overrides.append(f"rollout.remote.urls=[{','.join(wait_for_servers(self.run_dir, self.num_servers, self.server_wait_s))}]")
         try:
-            summary = train(compose_train(overrides))
+            summary = train(compose_config(overrides))
         except Exception:
             self.cancel_servers()
             raise
@@ -133,24 +127,15 @@ class ServeJob:
     extra_args: list[str] = field(default_factory=list)
 
     def __call__(self) -> None:
+        from grpo.models import resolve_model_folder
         from grpo.serve import main as serve
 
-        cfg = compose_train([*self.overrides, f"run_dir={self.run_dir}"])
-        model = model_folder(cfg)
+        cfg = compose_config([*self.overrides, f"run_dir={self.run_dir}"])
+        model = resolve_model_folder(cfg)
         v = cfg.rollout.vllm
         serve(["--model", model, "--host", "0.0.0.0", "--port", "0", "--url-dir", servers_dir(self.run_dir), "--dtype", cfg.model.dtype,
                "--memory-fraction", str(v.memory_fraction),
                "--tensor-parallel-size", str(cfg.rollout.remote.tensor_parallel_size), *self.extra_args])
-
-
-def model_folder(cfg) -> str:
-    """The folder a server loads: model.path, or the tiny model this config builds (built if missing)."""
-    from grpo.models import ensure_tiny_model
-    from grpo.tasks import build_task
-
-    if cfg.model.path != "tiny":
-        return os.path.expanduser(cfg.model.path)
-    return ensure_tiny_model(cfg.model, cfg.task, build_task(cfg.task), cfg.rollout.max_new_tokens)
 
 
 def executor_for(folder: str, launcher, name: str, **changes):
@@ -186,7 +171,7 @@ def wait_for_job(job_id: str, poll_s: float = 5) -> None:
 def launch(argv: list[str]) -> str:
     """Check and submit; returns the training job's id."""
     launcher_overrides, own, train_overrides = parse_args(argv)
-    cfg = compose_train([*train_overrides, "hydra/launcher=slurm", *launcher_overrides], hydra_config=True)
+    cfg = compose_config([*train_overrides, "hydra/launcher=slurm", *launcher_overrides], hydra_config=True)
     launcher = cfg.hydra.launcher
     explicit = next((o.split("=", 1)[1] for o in train_overrides if o.startswith("run_dir=")), None)
     run_dir = os.path.abspath(explicit or str(cfg.hydra.run.dir))

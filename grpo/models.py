@@ -273,3 +273,43 @@ def load_model(path: str, dtype: str = "float32"):
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     return model, tokenizer
+
+
+def resolve_model_folder(cfg, log=print) -> str:
+    """The local folder that `model.path` names, for the trainer, `grpo.serve`, `grpo.launch` and the
+    bench alike: `tiny` built (and warm-started), a packaged model (smollm2-135m) converted, both
+    once into the cache; anything else (a folder, a hub id) as given. `cfg` is a whole run config."""
+    path = os.path.expanduser(cfg.model.path)
+    if path != "tiny" and path not in PACKAGED:
+        return path
+    from grpo.tasks import build_task
+
+    task = build_task(cfg.task) if path == "tiny" else None  # the tiny model's warm start trains on the task
+    return ensure_model_folder(cfg.model, cfg.task, task, cfg.rollout.max_new_tokens, log)
+
+
+def policy_device(local_rank: int) -> torch.device:
+    """Where this rank's policy, reference model and batches live: its GPU, else the CPU."""
+    return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def build_policy(cfg, info, log=print):
+    """(policy on this rank's device, tokenizer, its folder). The folder is made (tiny, packaged) on
+    each node's local rank 0 first, while the node's other ranks wait, then found by all."""
+    from grpo.dist import barrier
+
+    if info.local_rank == 0:
+        resolve_model_folder(cfg, log)
+    barrier()
+    path = resolve_model_folder(cfg, log)
+    model, tokenizer = load_model(path, cfg.model.dtype)
+    model.to(policy_device(info.local_rank)).train()
+    return model, tokenizer, path
+
+
+def build_reference(cfg, path: str, info):
+    """The frozen reference policy for the KL term, on the policy's device; only loaded when beta > 0."""
+    if cfg.algo.beta == 0:
+        return None
+    ref, _ = load_model(path, cfg.model.dtype)
+    return ref.to(policy_device(info.local_rank)).eval().requires_grad_(False)

@@ -80,6 +80,17 @@ def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None =
     return argv + extra
 
 
+def resolve_model(name: str) -> str:
+    """The folder to serve: `tiny` and packaged models (smollm2-135m) resolve as the trainer resolves
+    them (the same cache folder, built or converted once); a folder or hub id goes to vLLM as given."""
+    from grpo.config import compose_config
+    from grpo.models import PACKAGED, resolve_model_folder
+
+    if name != "tiny" and name not in PACKAGED:
+        return name
+    return resolve_model_folder(compose_config([f"model.path={name}", "run_dir=unused"]))
+
+
 def server_kv_bytes(args: argparse.Namespace) -> int | None:
     """The explicit KV-cache size for this server (None: vLLM sizes it from --memory-fraction)."""
     from grpo.rollout.engine_memory import check_setting, kv_cache_bytes, read_model_config
@@ -113,8 +124,8 @@ def write_url(folder: str, host: str, port: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="HF folder or hub id (the trainer's model.path); `tiny`: the "
-                   "embedded model of the default config, built if missing")
+    p.add_argument("--model", required=True, help="HF folder or hub id (the trainer's model.path); `tiny` or a "
+                   "packaged model (smollm2-135m): the trainer's own cache folder, built or converted if missing")
     p.add_argument("--host", default="127.0.0.1", help=f"bind address; anything but loopback needs a token (${TOKEN_ENV} or --token-file)")
     p.add_argument("--port", type=int, default=8000, help="0: a port found free on this machine")
     p.add_argument("--url-dir", help="write this server's URL (http://host:port) into DIR/<host>-<port>.url, "
@@ -138,10 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     if not is_loopback(args.host) and not args.token:
         p.error(f"--host {args.host} is reachable from other machines: set {TOKEN_ENV} or give --token-file so no "
                 "one else can push weights into this server.")
-    if args.model == "tiny":
-        from grpo.launch import compose_train, model_folder
-
-        args.model = model_folder(compose_train(["run_dir=unused"]))
+    args.model = resolve_model(args.model)
     if args.port == 0:
         args.port = free_port(args.host)
     if args.url_dir:

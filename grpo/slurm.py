@@ -21,16 +21,12 @@ from dataclasses import dataclass
 
 from hydra.experimental.callback import Callback
 
-from grpo.config import ConfigError
+from grpo.errors import ClusterError
 
 RENDEZVOUS_SETUP = [
     'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
     "export MASTER_PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')",
 ]
-
-
-class ClusterError(ConfigError):
-    """The cluster cannot run this request; the message says what it has and what to change."""
 
 
 @dataclass(frozen=True)

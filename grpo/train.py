@@ -33,13 +33,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo.algorithm import combine_rewards, zero_std_groups
 from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_aside_checkpoints
-from grpo.config import exit_on_user_error, register_configs, validate
+from grpo.cli import exit_on_user_error
+from grpo.config import register_configs, validate
 from grpo.cpus import configure_threads
 from grpo.dist import DistInfo, all_reduce_sum, barrier, broadcast_object, dist_info, process_group
 from grpo.eval import evaluate
 from grpo.export import export_hf
 from grpo.log import RunLogger
-from grpo.models import PACKAGED, encode_prompts, ensure_model_folder, load_model
+from grpo.models import build_policy, build_reference, encode_prompts
 from grpo.parallel import build_strategy
 from grpo.preempt import StopSignal, stop
 from grpo.rewards import build_rewards, score
@@ -48,29 +49,6 @@ from grpo.tasks import TrainSampler, build_task
 from grpo.update import batch_advantages, collate, policy_update
 
 register_configs()
-
-
-def build_policy(cfg, task, info: DistInfo, log=print):
-    """Policy model and tokenizer on this rank's device; `model.path=tiny` builds (or reuses) the
-    embedded model and a packaged model is converted (or reused), on each node's local rank 0 first."""
-    path = os.path.expanduser(cfg.model.path)
-    if path == "tiny" or path in PACKAGED:
-        if info.local_rank == 0:
-            ensure_model_folder(cfg.model, cfg.task, task, cfg.rollout.max_new_tokens, log)
-        barrier()
-        path = ensure_model_folder(cfg.model, cfg.task, task, cfg.rollout.max_new_tokens, log)
-    model, tokenizer = load_model(path, cfg.model.dtype)
-    device = torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    model.to(device).train()
-    return model, tokenizer, path
-
-
-def build_reference(cfg, path: str):
-    """The frozen reference policy for the KL term; only loaded when beta > 0."""
-    if cfg.algo.beta == 0:
-        return None
-    ref, _ = load_model(path, cfg.model.dtype)
-    return ref.eval().requires_grad_(False)
 
 
 def reduce_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float]:
@@ -130,13 +108,13 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     algo, G = cfg.algo, cfg.algo.group_size
     B = algo.batch_size // G // info.world_size  # prompts per step on this rank
     task = build_task(cfg.task)
-    model, tokenizer, model_path = build_policy(cfg, task, info)
+    model, tokenizer, model_path = build_policy(cfg, info)
     reward_fns = build_rewards(cfg.reward)
     weights_F = [w for _, _, w in reward_fns]
     strategy = build_strategy(cfg.parallel, model, algo, cfg.steps * algo.num_iterations * algo.num_minibatches)
     rollout = cleanup.enter_context(contextlib.closing(
-        build_rollout(cfg.rollout, strategy.model, tokenizer, model_path, cfg.model.dtype, cfg.seed, run_dir)))
-    ref_model = build_reference(cfg, model_path)
+        build_rollout(cfg.rollout, strategy.model, tokenizer, model_path, cfg.model.dtype, cfg.seed, run_dir, strategy.lockstep)))
+    ref_model = build_reference(cfg, model_path, info)
     seed_everything(cfg.seed + info.rank)  # again: a fresh and a cached tiny model start alike
     sampler = TrainSampler(task.train, seed=cfg.seed)
     sampling = sampling_from(cfg.rollout)

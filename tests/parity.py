@@ -3,7 +3,7 @@ greedy generations that change once the new weights arrive."""
 
 import torch
 
-from grpo.parallel.base import bucket_tensors
+from grpo.weights import group_by_size
 from grpo.rollout import Sampling
 from grpo.update import collate, score_tokens
 
@@ -32,7 +32,7 @@ def sync_round_trip(backend, model, tok, noise: float = 0.2, bucket_bytes: int =
         for p in model.parameters():
             p.add_(noise * torch.randn(p.shape, generator=g))
     named = ((n, p.detach()) for n, p in model.named_parameters(remove_duplicate=False))
-    backend.update_weights(bucket_tensors(named, bucket_bytes), version=1)
+    backend.update_weights(group_by_size(named, bucket_bytes), version=1)
     new = backend.generate(prompts, 1, greedy).completion_ids
     after, out = max_logprob_diff(backend, model, tok, prompts)
     return {"before": before, "after": after, "changed": new != old, "version": out.weight_version}

@@ -121,14 +121,17 @@ def test_unloadable_hub_id_is_reported(monkeypatch):
 
 
 def test_sleep_mode_needs_a_gpu():
+    """A hardware check, made where the hardware is: when the engine is built, not in validate()
+    (which grpo.launch also runs on a login node without the job's GPUs)."""
     import torch
 
+    from grpo.rollout.colocated import ColocatedBackend
+
     cfg = compose_cfg("rollout=colocated", "rollout.vllm.sleep=true")
-    if torch.cuda.is_available():
-        validate(cfg)
-    else:
+    validate(cfg)
+    if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="vLLM's CPU build has no sleep mode"):
-            validate(cfg)
+            ColocatedBackend(cfg.rollout, None, None, "unused")
 
 
 def test_reward_by_dotted_path():

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from grpo.rollout.dedicated import DeviceError, pick_devices
+from grpo.errors import DeviceError
+from grpo.rollout.dedicated import pick_devices
 from tests.conftest import FAST, ROOT
 from tests.test_parallel import TORCHRUN
 

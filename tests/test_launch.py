@@ -58,3 +58,18 @@ def test_train_config_is_validated_for_the_whole_job():
 
     with pytest.raises(ConfigError, match="2 processes were launched but parallel=single"):
         launch(["nodes=1", "tasks_per_node=2", "run_dir=/nonexistent/never-made"])
+
+
+def test_serve_and_launch_resolve_model_names_as_the_trainer_does(cache_dir, monkeypatch):
+    """`grpo.serve --model tiny|smollm2-135m` and `grpo.launch servers=N` load the folder the trainer
+    loads (before, only `tiny` was resolved and `smollm2-135m` went to vLLM as a hub id; the
+    packaged name is checked in the slow tier, tests/test_smollm2.py, where the conversion runs)."""
+    from grpo.config import compose_config
+    from grpo.models import PACKAGED, resolve_model_folder
+    from grpo.serve import resolve_model
+
+    monkeypatch.setenv("GRPO_CACHE", cache_dir)
+    trainer = resolve_model_folder(compose_config(["run_dir=unused"]))
+    assert resolve_model("tiny") == trainer and os.path.isfile(os.path.join(trainer, "config.json"))
+    assert resolve_model("/some/folder") == "/some/folder" and resolve_model("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+    assert "smollm2-135m" in PACKAGED  # resolved by the same function, not passed on as a name

@@ -20,7 +20,9 @@ from omegaconf import OmegaConf
 
 from grpo.config import RolloutConfig
 from grpo.rollout.auth import TOKEN_ENV
-from grpo.rollout.remote import RemoteBackend, ServerError, free_port, split_by_load
+from grpo.errors import ServerError
+from grpo.rollout.remote import RemoteBackend
+from grpo.rollout.servers import free_port, split_by_load
 from grpo.serve import is_open
 from tests.conftest import ROOT
 from tests.parity import assert_round_trip, sync_round_trip

@@ -94,7 +94,7 @@ def test_two_task_job_trains_with_two_ranks(tmp_path, slurm_env, model_cache, pa
     out = run([sys.executable, "-m", "grpo.launch", "nodes=1", "tasks_per_node=2", "wait=true", f"parallel={parallel}", *FAST,
                f"model.cache_dir={model_cache}", f"run_dir={run_dir}"], slurm_env)
     # The trainer's outputs decide, not only the exit code: with gloo on torch 2.13 a rank sometimes
-    # aborts at interpreter exit after its work is done (see grpo.dist.exit_process).
+    # aborts at interpreter exit after its work is done (see tests/ddp_step.py: exit_process).
     assert (run_dir / "summary.json").exists(), out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.load(open(run_dir / "summary.json"))
     assert summary["world_size"] == 2 and summary["steps"] == 3

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from grpo import models
+from grpo import models, serve
 
 
 def test_missing_package_says_how_to_install(monkeypatch, tmp_path):
@@ -29,6 +29,11 @@ def test_smollm2_converts_once_loads_and_trains_one_step(make_cfg, cache_dir, tm
     model, tokenizer = models.load_model(path)
     assert type(model).__name__ == "LlamaForCausalLM" and tokenizer.chat_template
     assert not [n for n in os.listdir(os.path.dirname(path)) if n.startswith(".smollm2")]  # no temporary left
+    os.environ["GRPO_CACHE"] = cache_dir  # grpo.serve composes the default config, whose cache is $GRPO_CACHE
+    try:  # the server loads the trainer's folder; it once passed the name to vLLM as a hub id
+        assert serve.resolve_model("smollm2-135m") == path
+    finally:
+        del os.environ["GRPO_CACHE"]
 
     summary = train(make_cfg(
         "model=smollm2-135m", "task=arithmetic", "reward=math_verify", "task.digits=1", "task.eval_size=8",

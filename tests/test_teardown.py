@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from grpo.rollout.remote import free_port
+from grpo.rollout.servers import free_port
 from tests import faults
 from tests.conftest import FAST, ROOT
 

@@ -4,12 +4,12 @@ sync, save, load. The loop never asks which strategy it has."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterator
 
 import torch
 
 from grpo.dist import all_reduce_sum
-from grpo.rollout.base import WeightBuckets
+from grpo.errors import ConfigError
+from grpo.weights import WeightBuckets
 
 
 def build_optimizer(model: torch.nn.Module, algo, total_steps: int):
@@ -27,23 +27,17 @@ def build_optimizer(model: torch.nn.Module, algo, total_steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def bucket_tensors(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> WeightBuckets:
-    """Group (name, tensor) pairs into buckets of at most `bucket_bytes` (a larger tensor goes alone)."""
-    bucket, size = [], 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
 class Strategy(ABC):
     model: torch.nn.Module  # the unwrapped module: forward passes and rollout backends use it
     lockstep = False  # True: every rank must make the same forward/backward calls (sharded parameters)
+
+    @classmethod
+    def check(cls, cfg, world: int) -> None:
+        """Raise ConfigError for parallel.* settings this strategy cannot honour with `world` processes
+        (called by grpo.config.validate). The DeepSpeed keys belong to the ZeRO strategies alone."""
+        for key in ("offload_optimizer", "deepspeed_config"):
+            if cfg[key]:
+                raise ConfigError(f"parallel.{key} is a DeepSpeed setting; use it with parallel=zero2|zero3|zero3_offload.")
 
     @property
     def forward_model(self) -> torch.nn.Module:

@@ -8,10 +8,18 @@ import os
 import torch
 
 from grpo import dist
-from grpo.parallel.base import Strategy, bucket_tensors, build_optimizer
+from grpo.errors import ConfigError
+from grpo.parallel.base import Strategy, build_optimizer
+from grpo.weights import group_by_size
 
 
 class SingleStrategy(Strategy):
+    @classmethod
+    def check(cls, cfg, world: int) -> None:
+        super().check(cfg, world)
+        if world > 1 and cls is SingleStrategy:
+            raise ConfigError(f"{world} processes were launched but parallel=single; use parallel=ddp.")
+
     def __init__(self, cfg, model: torch.nn.Module, algo, total_steps: int):
         self.model = model
         self.max_grad_norm = algo.max_grad_norm
@@ -35,7 +43,7 @@ class SingleStrategy(Strategy):
         # remove_duplicate=False: tied weights (lm_head = embed_tokens) travel under both names,
         # as engines that keep them separate need both
         named = self.model.named_parameters(remove_duplicate=False)
-        return bucket_tensors(((n, p.detach()) for n, p in named), bucket_bytes)
+        return group_by_size(((n, p.detach()) for n, p in named), bucket_bytes)
 
     def save(self, folder: str) -> None:
         if dist.rank() == 0:  # replicas are identical: one copy

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as tdist
 
 from grpo import dist
-from grpo.config import ConfigError
+from grpo.errors import ConfigError
+from grpo.weights import group_by_size
 from grpo.parallel.base import Strategy, build_optimizer
 
-DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def deepspeed_config(cfg, algo, stage: int, dtype: torch.dtype) -> dict:
@@ -113,6 +113,11 @@ def init_deepspeed_comm(cpu_shm_allreduce: bool) -> None:
 
 
 class ZeroStrategy(Strategy):
+    @classmethod
+    def check(cls, cfg, world: int) -> None:
+        if cfg.deepspeed_config and not os.path.isfile(os.path.expanduser(cfg.deepspeed_config)):
+            raise ConfigError(f"parallel.deepspeed_config={cfg.deepspeed_config!r} is not a file.")
+
     lockstep = True
     stage = 3
 
@@ -150,16 +155,8 @@ class ZeroStrategy(Strategy):
         (the gathers are collectives); a bucket's tensors are valid until the next is requested."""
         import deepspeed
 
-        named = list(self.model.named_parameters(remove_duplicate=False))  # tied weights under both names
-        bucket, size = [], 0
-        for name, p in named:
-            nbytes = getattr(p, "ds_numel", p.numel()) * p.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield from self._gathered(bucket, deepspeed)
-                bucket, size = [], 0
-            bucket.append((name, p))
-            size += nbytes
-        if bucket:
+        named = self.model.named_parameters(remove_duplicate=False)  # tied weights under both names
+        for bucket in group_by_size(named, bucket_bytes):  # sized by full_nbytes (ds_numel)
             yield from self._gathered(bucket, deepspeed)
 
     def _gathered(self, bucket, deepspeed):

@@ -36,7 +36,7 @@ REWARDS: dict[str, RewardFn] = {
 
 
 def resolve_reward(name: str) -> RewardFn:
-    from grpo.config import ConfigError
+    from grpo.errors import ConfigError
 
     if name in REWARDS:
         return REWARDS[name]

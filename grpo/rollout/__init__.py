@@ -1,24 +1,31 @@
-"""Rollout backends, chosen by `rollout.backend` from this registry."""
+"""Rollout backends, chosen by `rollout.backend` from this registry. Entries are imported when used,
+so importing the package (or a strategy, or the config) does not load every backend."""
 
 from __future__ import annotations
 
+import importlib
+
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
-from grpo.rollout.colocated import ColocatedBackend
-from grpo.rollout.dedicated import DedicatedBackend
-from grpo.rollout.hf import HFBackend
-from grpo.rollout.remote import RemoteBackend
 
 BACKENDS = {
-    "hf": HFBackend,
-    "colocated": ColocatedBackend,
-    "dedicated": DedicatedBackend,
-    "remote": RemoteBackend,
+    "hf": "grpo.rollout.hf:HFBackend",
+    "colocated": "grpo.rollout.colocated:ColocatedBackend",
+    "dedicated": "grpo.rollout.dedicated:DedicatedBackend",
+    "remote": "grpo.rollout.remote:RemoteBackend",
 }
 
 
-def build_rollout(cfg, model, tokenizer, model_path: str, dtype: str = "float32", seed: int = 0, run_dir: str = ".") -> RolloutBackend:
-    """`model` is the trainer's module (hf shares it); `model_path` the HF folder engines load."""
-    return BACKENDS[cfg.backend](cfg, model, tokenizer, model_path, dtype=dtype, seed=seed, run_dir=run_dir)
+def backend_class(name: str) -> type[RolloutBackend]:
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_rollout(cfg, model, tokenizer, model_path: str, dtype: str = "float32", seed: int = 0, run_dir: str = ".",
+                  lockstep: bool = False) -> RolloutBackend:
+    """`model` is the trainer's module (hf shares it); `model_path` the HF folder engines load;
+    `lockstep`: the strategy's forward passes are collectives every rank must join (ZeRO-3)."""
+    return backend_class(cfg.backend)(cfg, model, tokenizer, model_path, dtype=dtype, seed=seed, run_dir=run_dir,
+                                      lockstep=lockstep)
 
 
 def sampling_from(cfg, greedy: bool = False) -> Sampling:
@@ -30,4 +37,4 @@ def sampling_from(cfg, greedy: bool = False) -> Sampling:
     )
 
 
-__all__ = ["BACKENDS", "RolloutBackend", "Rollouts", "Sampling", "build_rollout", "sampling_from"]
+__all__ = ["BACKENDS", "RolloutBackend", "Rollouts", "Sampling", "backend_class", "build_rollout", "sampling_from"]

@@ -13,11 +13,9 @@ import hmac
 import os
 import stat
 
+from grpo.errors import TokenError
+
 TOKEN_ENV = "GRPO_SERVE_TOKEN"
-
-
-class TokenError(ValueError):
-    """A token file that cannot be used; the message says what to change."""
 
 
 def read_token_file(path: str) -> str:

@@ -9,12 +9,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterable
 
-import torch
-
-# One bucket is a list of (parameter name, full tensor) pairs of bounded total size.
-WeightBuckets = Iterable[list[tuple[str, torch.Tensor]]]
+from grpo.weights import WeightBuckets
 
 
 @dataclass
@@ -39,6 +35,11 @@ class RolloutBackend(ABC):
     backend it has."""
 
     weight_version: int = 0
+
+    @classmethod
+    def check(cls, cfg, world: int) -> None:
+        """Raise ConfigError for settings of this backend that cannot work with `world` processes
+        (called by grpo.config.validate before anything is built; no hardware is asked here)."""
 
     @abstractmethod
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:

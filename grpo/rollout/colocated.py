@@ -16,8 +16,10 @@ import os
 from dataclasses import replace
 
 from grpo import dist
-from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets
-from grpo.rollout.engine_memory import EngineStartError, kv_cache_bytes, read_model_config, start_failure_message
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
+from grpo.weights import WeightBuckets
+from grpo.errors import ConfigError, EngineStartError
+from grpo.rollout.engine_memory import check_vllm, kv_cache_bytes, read_model_config, start_failure_message
 
 
 def engine_model(llm):
@@ -126,13 +128,24 @@ def tensor_parallel_group(tp: int):
 
 
 class ColocatedBackend(RolloutBackend):
+    @classmethod
+    def check(cls, cfg, world: int) -> None:
+        check_vllm(cfg)
+        if world % cfg.vllm.tensor_parallel_size:
+            raise ConfigError(
+                f"rollout.vllm.tensor_parallel_size={cfg.vllm.tensor_parallel_size} must divide the {world} training "
+                f"processes: each group of that many consecutive ranks shares one engine."
+            )
+
     def __init__(self, cfg, model, tokenizer, model_path: str, dtype: str = "float32", seed: int = 0, **_):
+        import torch
+
+        if cfg.vllm.sleep and not torch.cuda.is_available():  # a hardware check: here, where the hardware is
+            raise ConfigError("rollout.vllm.sleep=true needs a GPU: vLLM's CPU build has no sleep mode. Set rollout.vllm.sleep=false.")
         world, self.tp = dist.world_size(), cfg.vllm.tensor_parallel_size
         if world % self.tp:
             raise ValueError(f"rollout.vllm.tensor_parallel_size={self.tp} does not divide the {world} processes.")
         self.tp_group = tensor_parallel_group(self.tp) if self.tp > 1 else None
-        import torch
-
         self.owns_process_group = not torch.distributed.is_initialized()  # vLLM makes a 1-process group itself
         self.llm = build_llm(model_path, cfg, dtype, seed + dist.rank() // self.tp, world)
         self.sleeping = False

@@ -27,13 +27,13 @@ import sys
 import torch
 import torch.distributed as tdist
 
+from grpo.errors import ConfigError, DeviceError
+from grpo.rollout.engine_memory import check_vllm
+
 from grpo import dist
-from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets
-from grpo.rollout.remote import ServerPool, free_port, push_from_one_rank
-
-
-class DeviceError(ValueError):
-    pass
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
+from grpo.weights import WeightBuckets
+from grpo.rollout.servers import ServerPool, free_port, push_from_one_rank
 
 
 def pick_devices(spec, training_per_node: int) -> list[str]:
@@ -113,6 +113,12 @@ def node_groups():
 
 
 class DedicatedBackend(RolloutBackend):
+    @classmethod
+    def check(cls, cfg, world: int) -> None:
+        check_vllm(cfg)  # devices are picked on the node, where they are (pick_devices)
+        if cfg.dedicated.num_engines < 1:
+            raise ConfigError(f"rollout.dedicated.num_engines={cfg.dedicated.num_engines} must be at least 1.")
+
     def __init__(self, cfg, model, tokenizer, model_path: str, dtype: str = "float32", run_dir: str = ".", **_):
         self.group, self.main, self.local_rank = node_groups()
         self.is_owner = dist.rank() == self.main
@@ -133,7 +139,7 @@ class DedicatedBackend(RolloutBackend):
                     log = os.path.join(run_dir, f"vllm-engine-{port}.log")
                     self.procs.append(launch_engine(model_path, share, port, token, cfg.vllm, dtype, log))
                 self.pool = ServerPool([f"http://127.0.0.1:{p}" for p in ports], token, cfg.dedicated.start_timeout_s,
-                                       cfg.remote.request_timeout_s, len(shares[0]) if devices != ["cpu"] else 1, "127.0.0.1")
+                                       cfg.dedicated.request_timeout_s, len(shares[0]) if devices != ["cpu"] else 1, "127.0.0.1")
             except BaseException:  # an engine that never got healthy: stop the ones already started
                 self.close()
                 raise

@@ -26,10 +26,6 @@ CPU_CAP_BYTES = 1 << 30  # 1 GiB: the tiny model's default needs 128 MiB, SmolLM
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-class EngineStartError(RuntimeError):
-    """A vLLM engine could not start; the message says what to change."""
-
-
 def kv_bytes_per_token(model_config: dict, dtype: str) -> int:
     """K and V of one token in every layer, from an HF config.json's fields."""
     c = model_config.get("text_config", model_config)
@@ -62,6 +58,18 @@ def kv_cache_bytes(setting, model_config: dict, dtype: str, max_model_len: int |
     per_token = kv_bytes_per_token(model_config, dtype)
     length = max_model_len or model_config.get("max_position_embeddings") or 2048
     return max(2 * length * per_token, min(MAX_NUM_SEQS * length * per_token, CPU_CAP_BYTES))
+
+
+def check_vllm(cfg) -> None:
+    """The engine settings every vLLM backend shares (rollout.vllm.*)."""
+    from grpo.errors import ConfigError
+
+    if not 0 < cfg.vllm.memory_fraction < 1:
+        raise ConfigError(f"rollout.vllm.memory_fraction={cfg.vllm.memory_fraction} must be between 0 and 1.")
+    try:
+        check_setting(cfg.vllm.kv_cache_gb)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def check_setting(setting) -> None:

@@ -6,12 +6,14 @@ import torch
 from transformers import GenerationConfig
 
 from grpo import dist
-from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, WeightBuckets
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
+from grpo.weights import WeightBuckets
 
 
 class HFBackend(RolloutBackend):
-    def __init__(self, cfg, model: torch.nn.Module, tokenizer, model_path: str | None = None, **_):
+    def __init__(self, cfg, model: torch.nn.Module, tokenizer, model_path: str | None = None, lockstep: bool = False, **_):
         self.model, self.tokenizer = model, tokenizer
+        self.lockstep = lockstep
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         self.weight_version = 0
 
@@ -40,7 +42,7 @@ class HFBackend(RolloutBackend):
         device = next(self.model.parameters()).device
         # ZeRO-3 parameters are gathered during each forward, a collective: every rank keeps
         # stepping until all ranks are done (transformers' synced_gpus)
-        synced = dist.world_size() > 1 and hasattr(next(self.model.parameters()), "ds_id")
+        synced = self.lockstep and dist.world_size() > 1
         out = self.model.generate(input_ids=ids_BL.to(device), attention_mask=mask_BL.to(device),
                                   generation_config=gen_cfg, synced_gpus=synced)
         self.model.train(was_training)

@@ -8,7 +8,7 @@ from grpo.tasks.base import Sample, Task
 
 
 def build_addition(cfg) -> Task:
-    from grpo.config import ConfigError
+    from grpo.errors import ConfigError
 
     d = cfg.digits
     if not 1 <= d <= 4:

@@ -14,7 +14,7 @@ ANSWER_FORMAT = "Answer with just the number."
 
 
 def build_arithmetic(cfg) -> Task:
-    from grpo.config import ConfigError
+    from grpo.errors import ConfigError
 
     d = cfg.digits
     if not 1 <= d <= 4:

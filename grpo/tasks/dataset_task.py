@@ -16,7 +16,8 @@ import random
 from typing import Callable
 
 from grpo.tasks.base import Sample, Task
-from grpo.tasks.rows import DatasetError, Row, load_hub_rows, read_local_rows
+from grpo.errors import DatasetError
+from grpo.tasks.rows import Row, load_hub_rows, read_local_rows
 
 
 class RowError(ValueError):

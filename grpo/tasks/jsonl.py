@@ -7,7 +7,8 @@ import os
 import random
 
 from grpo.tasks.base import Sample, Task
-from grpo.tasks.rows import DatasetError, read_jsonl_rows
+from grpo.errors import DatasetError
+from grpo.tasks.rows import read_jsonl_rows
 
 __all__ = ["DatasetError", "build_jsonl", "read_jsonl"]
 

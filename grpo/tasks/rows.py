@@ -8,10 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-
-class DatasetError(ValueError):
-    """A data set that cannot be used; the message names the file (or hub id) and the line (or row)."""
-
+from grpo.errors import DatasetError
 
 Row = tuple[str, dict]  # (where it came from, the row)
 

@@ -1,0 +1,38 @@
+"""Every error a user can fix, in one leaf module: each message names what to change.
+
+Raised anywhere (configs, data, devices, servers, clusters), caught in one place: `grpo.cli`
+turns them into one `error: ...` line instead of a traceback.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and the fix."""
+
+
+class DatasetError(ValueError):
+    """A malformed data row or file; the message names the file and the line or row."""
+
+
+class DeviceError(ConfigError):
+    """A device that is not there, or is taken by training."""
+
+
+class TokenError(ConfigError):
+    """A token file that cannot be used."""
+
+
+class ClusterError(ConfigError):
+    """The SLURM cluster cannot run this request; the message says what it has and what to change."""
+
+
+class ServerError(RuntimeError):
+    """A rollout server that cannot be reached or answers with an error."""
+
+
+class EngineStartError(RuntimeError):
+    """A vLLM engine that could not start, most often for memory."""
+
+
+USER_ERRORS = (ConfigError, DatasetError, ServerError, EngineStartError)

@@ -1,0 +1,34 @@
+"""Weights on their way from a strategy to a rollout engine: a leaf both sides import.
+
+One bucket is a list of (parameter name, full tensor) pairs of bounded total size; a strategy
+yields them lazily (under ZeRO-3 each is gathered when asked for), a backend consumes them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, TypeVar
+
+import torch
+
+WeightBuckets = Iterable[list[tuple[str, torch.Tensor]]]
+T = TypeVar("T")
+
+
+def full_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the full tensor: a ZeRO-3 parameter's local placeholder is empty, `ds_numel` is not."""
+    return getattr(t, "ds_numel", t.numel()) * t.element_size()
+
+
+def group_by_size(items: Iterable[tuple[str, T]], bucket_bytes: int,
+                  nbytes: Callable[[T], int] = full_nbytes) -> Iterator[list[tuple[str, T]]]:
+    """Consecutive (name, tensor) pairs in groups of at most `bucket_bytes` (a larger one goes alone)."""
+    bucket, size = [], 0
+    for name, t in items:
+        n = nbytes(t)
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket

@@ -1,0 +1,103 @@
+"""The import graph of grpo/, read from the source: no cycles, and the arrows that must not exist.
+
+Function-local imports count too: a cycle through a function body is still a knot a reader must
+untie, and it is how config.py had grown into a hub."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FORBIDDEN = [  # (importer prefix, imported prefix): layers that must not know each other
+    ("grpo.algorithm", "grpo.rollout"), ("grpo.algorithm", "grpo.parallel"),
+    ("grpo.rollout", "grpo.train"), ("grpo.rollout", "grpo.algorithm"), ("grpo.rollout", "grpo.parallel"),
+    ("grpo.parallel", "grpo.rollout"),
+    ("grpo.rewards", "grpo.rollout"),
+]
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in (ROOT / "grpo").rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {m: set() for m in mods}
+    for mod, path in mods.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            for name in names:
+                target = resolve(name) if name.startswith("grpo") else None
+                # a package's own __init__ re-exporting its modules is not an arrow between layers
+                if target and target != mod and target != "grpo" and not mod.startswith(target + "."):
+                    graph[mod].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every elementary cycle's nodes, found once (Tarjan's strongly connected components)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_is_read_from_every_module():
+    graph = import_graph()
+    assert len(graph) >= 40, sorted(graph)  # every module of grpo/, not a handful
+    assert "grpo.algorithm" in graph["grpo.train"]
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_forbidden_arrows():
+    bad = [f"{a} -> {b}" for a, targets in import_graph().items() for b in targets
+           for src, dst in FORBIDDEN if a.startswith(src) and b.startswith(dst)]
+    assert bad == []
