@@ -139,8 +139,8 @@ class ParallelConfig:
 
 @dataclass
 class AlgoConfig:
-    batch_size: int = 512  # completions generated per step (B x G)
-    group_size: int = 16  # G: completions per prompt; B = batch_size / group_size prompts per step
+    batch_size: int = 512  # B: completions generated per step (P x G)
+    group_size: int = 16  # G: completions per prompt; P = batch_size / group_size prompts per step
     lr: float = 1e-3
     warmup_steps: int = 20
     lr_schedule: str = "linear"  # linear (decay to 0 at the last step) | constant

@@ -31,7 +31,9 @@ import os
 import socket
 import sys
 
-from grpo.rollout.auth import TOKEN_ENV, TokenError, load_token, token_ok
+from grpo.errors import TokenError
+from grpo.rollout.auth import TOKEN_ENV, load_token, token_ok
+from grpo.rollout.servers import free_port
 
 # Read-only probes anyone who can reach the port may call; everything else needs the token.
 OPEN_ROUTES = ("/health", "/version", "/metrics")
@@ -103,12 +105,6 @@ def server_kv_bytes(args: argparse.Namespace) -> int | None:
 
     return kv_cache_bytes(args.kv_cache_gb, read_model_config(args.model), args.dtype, args.max_model_len,
                           torch.cuda.is_available())
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def write_url(folder: str, host: str, port: int) -> str:

@@ -1,7 +1,9 @@
 """`python -m grpo.train`: the GRPO loop, readable top to bottom.
 
 Variant implemented (DeepSeekMath GRPO, with the fixes later papers made optional):
-  - B prompts per step, G completions each, sampled by the rollout backend with the current weights.
+  - P prompts per step, G completions each, sampled by the rollout backend with the current weights.
+    Shape letters, as in grpo/algorithm.py: P prompts, G completions per prompt, B = P x G completions,
+    T completion tokens, F reward functions.
   - Rewards: weighted sum of reward functions; a completion no function scores gets advantage 0.
   - Advantages: reward minus its group's mean, divided by the group's std (`algo.adv_scale=group`),
     the batch's std (`batch`, as in "A Closer Look at GRPO"; over all ranks) or nothing (`none`,
@@ -61,6 +63,12 @@ def reduce_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float
     return {k: v if k in summed else v / info.world_size for k, v in zip(keys, sums)}
 
 
+def sampling_seed(seed: int, step: int, rank: int) -> int:
+    """The engines' sampling seed for one step of one rank: distinct per (run seed, step, rank), and
+    the same again when a resumed run redoes the step. Engines add the prompt's index (< 65,536)."""
+    return ((seed * 1_000_003 + step) * 256 + rank) * 65_536
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -106,7 +114,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
 
     # ---- setup: task, model, rewards, strategy, rollout backend ----
     algo, G = cfg.algo, cfg.algo.group_size
-    B = algo.batch_size // G // info.world_size  # prompts per step on this rank
+    P = algo.batch_size // G // info.world_size  # prompts per step on this rank
     task = build_task(cfg.task)
     model, tokenizer, model_path = build_policy(cfg, info)
     reward_fns = build_rewards(cfg.reward)
@@ -154,10 +162,10 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
 
-        # 1. sample: B prompts, G completions each, the whole batch handed over at once
-        samples = sampler.next(B * info.world_size)[info.rank * B : (info.rank + 1) * B]  # this rank's share
+        # 1. sample: P prompts, G completions each, the whole batch handed over at once
+        samples = sampler.next(P * info.world_size)[info.rank * P : (info.rank + 1) * P]  # this rank's share
         prompt_ids = encode_prompts(tokenizer, samples, task.chat_template, task.system_prompt)
-        rollouts = rollout.generate(prompt_ids, G, replace(sampling, seed=((cfg.seed * 1_000_003 + step) * 256 + info.rank) * 65_536))
+        rollouts = rollout.generate(prompt_ids, G, replace(sampling, seed=sampling_seed(cfg.seed, step, info.rank)))
         t_gen = time.perf_counter()
 
         # 2. score: every reward function on every completion, weighted sum per completion
@@ -167,7 +175,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
             reward_fns, completions, samples_BG, cfg.reward.timeout_s,
             completion_ids=rollouts.completion_ids, max_new_tokens=cfg.rollout.max_new_tokens,
         )
-        rewards_PG = combine_rewards(rewards_FB, weights_F).view(B, G)
+        rewards_PG = combine_rewards(rewards_FB, weights_F).view(P, G)
         t_score = time.perf_counter()
 
         # 3. advantages per group; groups with equal rewards carry no signal

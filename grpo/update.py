@@ -141,7 +141,7 @@ def loss_norm(batch: Batch, max_len: int, gen_tokens_per_step: float) -> LossNor
 
 def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperature: float) -> dict[str, float]:
     """Forward + backward over micro-batches of `batch`; gradients add up to the full batch's."""
-    sums = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0}
+    sums = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0, "sampler_diff_max": 0.0}
     device = next(strategy.model.parameters()).device
     mbs, padding = lockstep_micro_batches(strategy, batch, algo.micro_batch_tokens)
     for mb in mbs + [padding_batch()] * padding:
@@ -163,6 +163,9 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
             is_weights_BT=None if algo.is_level == "none" else w_BT,
         )
         strategy.backward(loss)
+        if mb.size:  # |trainer - sampler| logprob on the sampled tokens (see policy_update)
+            diff_BT = (logp_BT.detach() - mb.sampler_logprobs_BT).abs() * mb.mask_BT
+            sums["sampler_diff_max"] = max(sums["sampler_diff_max"], float(diff_BT.max()))
         sums["loss"] += float(loss.detach())
         sums["clipped_tokens"] += float(stats["clipped_tokens"])
         sums["kl_sum"] += float(stats.get("kl_sum", 0.0))
@@ -194,7 +197,7 @@ def policy_update(
     gen_tokens_per_step = strategy.reduce_counts([float(batch.mask_BT.sum())])[0] / algo.num_minibatches
     group_chunks = torch.arange(batch.size // G).tensor_split(algo.num_minibatches)
     totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0, "tokens": 0.0, "grad_norm": 0.0}
-    steps = 0
+    steps, sampler_diff = 0, 0.0
     for _ in range(algo.num_iterations):
         for groups in group_chunks:
             rows = (groups[:, None] * G + torch.arange(G)).flatten()
@@ -203,8 +206,12 @@ def policy_update(
             num_seqs, num_tokens = strategy.reduce_counts([local.num_seqs, local.num_tokens])
             norm = replace(local, num_seqs=int(num_seqs), num_tokens=int(num_tokens))
             if rows.numel() or lockstep:
-                for k, v in accumulate_gradients(strategy, mb, algo, norm, temperature).items():
-                    totals[k] += v
+                sums = accumulate_gradients(strategy, mb, algo, norm, temperature)
+                if steps == 0:  # before any optimizer step the trainer holds the weights that sampled
+                    sampler_diff = sums["sampler_diff_max"]
+                for k, v in sums.items():
+                    if k in totals:
+                        totals[k] += v
                 totals["tokens"] += local.num_tokens
             totals["grad_norm"] += strategy.step()
             steps += 1
@@ -216,4 +223,7 @@ def policy_update(
         "kl": totals["kl_sum"] / tokens,
         "entropy": totals["entropy_sum"] / tokens,
         "trained_completions": batch.size,
+        # max |trainer - sampler| logprob of a sampled token, with the weights that sampled: ~1e-5
+        # when the engine got the last sync (fp32), far larger when it still runs older weights
+        "sampler_diff": sampler_diff,
     }

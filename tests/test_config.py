@@ -7,7 +7,7 @@ from grpo.config import GROUPS, ConfigError, validate
 from tests.conftest import CONF, ROOT, compose_cfg
 
 EXPECTED_OPTIONS = {  # update when adding a config file: the count guards against silently skipped files
-    "model": 2,
+    "model": 3,
     "task": 6,
     "reward": 3,
     "rollout": 4,
@@ -24,7 +24,7 @@ def group_files():
 def test_every_group_has_its_expected_options():
     found = {g: len(list((CONF / g).glob("*.yaml"))) for g in GROUPS}
     assert found == EXPECTED_OPTIONS
-    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 25
+    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 26
 
 
 @pytest.mark.parametrize("group, option", group_files())
@@ -32,6 +32,7 @@ def test_every_config_file_composes(group, option, tmp_path):
     from omegaconf import OmegaConf
 
     extra = {("task", "jsonl"): [f"task.path={tmp_path / 'x.jsonl'}"],
+             ("model", "hub"): [f"model.path={tmp_path}"],  # a local folder: no hub lookup here
              ("rollout", "remote"): ["rollout.remote.urls=[http://127.0.0.1:9]"]}.get((group, option), [])
     cfg = compose_cfg(f"{group}={option}", *extra)
     values = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml"))

@@ -92,7 +92,8 @@ def run_ok(cmd):
 def check_run(run_dir, steps):
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     trained = [r for r in rows if "loss" in r]
-    assert [r["weight_version"] for r in trained] == list(range(steps))  # synced every step
+    assert [r["weight_version"] for r in trained] == list(range(steps))
+    assert all(r["sampler_diff"] < 1e-3 for r in trained)  # synced every step 
     assert len(glob.glob(os.path.join(run_dir, "vllm-engine-*.log"))) == 1  # one engine for the node
     assert wait_gone(run_dir) == [], "engine processes outlived the run"
 

@@ -89,6 +89,7 @@ def test_two_processes_share_one_tensor_parallel_colocated_engine(tmp_path, cach
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     trained = [r for r in rows if "loss" in r]
     assert [r["weight_version"] for r in trained] == [0, 1, 2]
+    assert all(r["sampler_diff"] < 1e-3 for r in trained)
     assert all(r["completion_len"] > 0 for r in trained)
 
 

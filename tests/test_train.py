@@ -26,7 +26,8 @@ def test_short_run_writes_its_run_folder(make_cfg, tmp_path):
     for key in ("reward/mean", "reward/std", "reward/zero_std_frac", "clip_frac", "kl", "entropy",
                 "completion_len", "tokens_per_s", "step_s", "weight_version"):
         assert key in steps[0], key
-    assert [r["weight_version"] for r in steps] == [0, 1, 2]  # each batch sampled by the previous step's weights
+    assert [r["weight_version"] for r in steps] == [0, 1, 2]
+    assert all(r["sampler_diff"] < 1e-3 for r in steps)  # each batch sampled by the previous step's weights 
     assert os.path.isdir(run / "checkpoints" / "step_00000003")
 
 

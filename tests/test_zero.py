@@ -74,6 +74,7 @@ def test_design_card_command_as_one_process_and_export_loads(tmp_path, cache_dir
     assert "eval accuracy" in out.stdout
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["weight_version"] for r in rows if "loss" in r] == [0, 1, 2]
+    assert all(r["sampler_diff"] < 1e-3 for r in rows if "loss" in r)
     ckpt = tmp_path / "checkpoints" / "step_00000003"
     assert (ckpt / "COMPLETE").exists() and (ckpt / "deepspeed").is_dir()
 
@@ -104,6 +105,7 @@ def test_design_card_command_as_two_torchrun_processes(tmp_path, cache_dir):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     trained = [r for r in rows if "loss" in r]
     assert [r["weight_version"] for r in trained] == [0, 1, 2]
+    assert all(r["sampler_diff"] < 1e-3 for r in trained)
     assert all(r["completion_len"] > 0 for r in trained)
     files = os.listdir(tmp_path / "checkpoints" / "step_00000003" / "deepspeed")
     assert sum("zero_pp_rank_" in f for f in files) >= 2, files  # one shard per rank
