@@ -145,8 +145,35 @@ def bench_parallel(strategy: str, steps: int, extra: list[str], procs: int = 2) 
         raise RuntimeError(f"parallel={strategy} failed:\n{out.stderr[-3000:]}")
     rows = metrics_rows(run_dir)
     mean = lambda k: statistics.mean(r[k] for r in rows)  # noqa: E731
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
     return {"strategy": strategy, "procs": n, "steps_timed": len(rows), "step_s": mean("step_s"),
+            "threads": summary.get("threads_per_process"),
             "generate_s": mean("time/generate_s"), "update_s": mean("time/update_s"), "sync_s": mean("time/sync_s")}
+
+
+def bench_shared_cores(steps: int, extra: list[str]) -> list[dict]:
+    """Step time of the default run (one process) alone and beside one busy single-threaded process,
+    with a thread per core (torch's default, what runs did before `threads=auto`) and with
+    `threads=auto` (grpo/cpus.py). The ratio to the same setting alone is the slowdown a shared
+    login node or CI runner causes."""
+    cores = len(os.sched_getaffinity(0))
+    rows, alone = [], {}
+    for busy in (False, True):
+        for setting in (str(cores), "auto"):
+            hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+            try:
+                time.sleep(1.0 if busy else 0)
+                r = bench_parallel("single", steps, [f"threads={setting}", *extra])
+            finally:
+                if hog is not None:
+                    hog.kill()
+                    hog.wait()
+            label = "auto" if setting == "auto" else f"{setting} (one per core)"
+            if not busy:
+                alone[setting] = r["step_s"]
+            rows.append({"threads": label, "beside": "one busy process" if busy else "nothing", "step_s": r["step_s"],
+                         "threads_used": r["threads"], "vs_alone": r["step_s"] / alone[setting]})
+    return rows
 
 
 class PeakRSS:
@@ -303,6 +330,8 @@ def main() -> None:
     p.add_argument("--parallel", default="single,ddp,zero2,zero3", help="strategies to time ('' for none)")
     p.add_argument("--zero3-buckets", default="16,64,256,1024", help="ZeRO-3 gather bucket sizes in MB ('' for none)")
     p.add_argument("--zero3-sync-worker", metavar="OUT", help=argparse.SUPPRESS)
+    p.add_argument("--shared-cores", action="store_true", help="only the step time alone and beside a busy process, "
+                   "one thread per core against threads=auto")
     p.add_argument("--vs", choices=["trl"], help="also run TRL's GRPOTrainer on the same setup (needs trl)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every training run")
     args = p.parse_args()
@@ -310,6 +339,15 @@ def main() -> None:
     zero3_buckets = [float(b) for b in args.zero3_buckets.split(",") if b]
     if args.zero3_sync_worker:
         return zero3_sync_worker(zero3_buckets, args.zero3_sync_worker)
+
+    if args.shared_cores:
+        rows = bench_shared_cores(args.steps, args.overrides)
+        print("\nstep time of the default run alone and beside one busy process (rollout=hf, parallel=single)")
+        print(table(rows, ["threads", "beside", "threads_used", "step_s", "vs_alone"]))
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"shared_cores": rows}, f, indent=2)
+        return
 
     backends = [b for b in args.backends.split(",") if b]
     steps, sync = [], []
