@@ -26,19 +26,40 @@ class DistInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    local_world_size: int = 1  # processes of this run on this node
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
-def dist_info() -> DistInfo:
-    env = os.environ
+def dist_info(env: dict | None = None) -> DistInfo:
+    """From torchrun's variables, else SLURM's (srun sets no LOCAL_WORLD_SIZE: its tasks on this node
+    come from SLURM_STEP_TASKS_PER_NODE or SLURM_NTASKS_PER_NODE), else one process."""
+    env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
-        return DistInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
+        world = int(env["WORLD_SIZE"])
+        return DistInfo(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world)))
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        return DistInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
+        world = int(env["SLURM_NTASKS"])
+        per_node = (env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or str(world)).split("(")[0].split(",")[0]
+        return DistInfo(int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)), int(per_node))
     return DistInfo()
+
+
+def rank_env(info: DistInfo) -> dict[str, str]:
+    """torchrun's variables for this rank. Exported for every strategy under any launcher: vLLM's
+    external_launcher (colocated with several ranks) reads RANK and LOCAL_RANK, DeepSpeed reads
+    them too, and the dedicated backend and the thread count read LOCAL_WORLD_SIZE; srun sets none."""
+    return {"RANK": str(info.rank), "WORLD_SIZE": str(info.world_size), "LOCAL_RANK": str(info.local_rank),
+            "LOCAL_WORLD_SIZE": str(info.local_world_size)}
+
+
+def process_group_backend(cuda: bool) -> str:
+    """gloo on CPU; on GPU a group with both devices, so the CPU float64 tensors of the small
+    collectives below (counts, metrics, stop flags) go through gloo and CUDA tensors through NCCL,
+    whose backend has no CPU device."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
 def init_distributed(info: DistInfo, timeout_s: float = 600, force: bool = False) -> None:
@@ -50,8 +71,9 @@ def init_distributed(info: DistInfo, timeout_s: float = 600, force: bool = False
         if key not in os.environ:
             raise RuntimeError(f"rank {info.rank}: {key} is not set; launch with torchrun, or export it in the job script "
                                "(under SLURM: slurm/train.sbatch or python -m grpo.launch do).")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    os.environ.update(rank_env(info))
+    backend = process_group_backend(torch.cuda.is_available())
+    if torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank)
     dist.init_process_group(
         backend, rank=info.rank, world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout_s)
@@ -73,7 +95,7 @@ def barrier() -> None:
 
 def broadcast_object(obj, src: int = 0):
     """Rank `src`'s value on every rank (e.g. the run folder each rank resolved from `${now:}`)."""
-    if not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)
@@ -81,7 +103,7 @@ def broadcast_object(obj, src: int = 0):
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:
-    if not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_world_size() == 1:  # one rank: also vLLM's own one-rank NCCL group
         return list(values)
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)
@@ -89,7 +111,7 @@ def all_reduce_sum(values: list[float]) -> list[float]:
 
 
 def all_reduce_max(values: list[float]) -> list[float]:
-    if not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -54,3 +54,39 @@ def test_configure_threads_sets_torch_even_after_a_library_replaced_set_num_thre
         assert configure_threads(1) == 1 and torch.get_num_threads() == 1
     finally:
         configure_threads(before)
+
+
+def test_rank_variables_from_srun_and_torchrun():
+    from grpo.dist import DistInfo, dist_info, process_group_backend, rank_env
+
+    srun = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}
+    info = dist_info(srun)
+    assert info == DistInfo(rank=5, world_size=8, local_rank=1, local_world_size=4)
+    # exported for every strategy: vLLM's external_launcher reads RANK and LOCAL_RANK (srun sets neither)
+    assert rank_env(info) == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    assert dist_info({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}).local_world_size == 2
+    assert dist_info({}) == DistInfo()
+    # small collectives carry CPU float64 tensors: on GPU the group needs a CPU device too
+    assert process_group_backend(cuda=True) == "cpu:gloo,cuda:nccl" and process_group_backend(cuda=False) == "gloo"
+
+
+def test_a_one_rank_group_made_by_a_library_is_not_used_for_collectives(tmp_path, monkeypatch):
+    """vLLM's in-process engine makes a one-rank default group (NCCL on GPU, where a CPU tensor
+    raises); the small collectives must not go through it. Here every collective raises as NCCL
+    would on a CPU tensor."""
+    import torch.distributed as tdist
+
+    from grpo.dist import all_reduce_max, all_reduce_sum, broadcast_object
+
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+
+    def nccl_on_cpu(*_, **__):
+        raise RuntimeError("No backend type associated with device type cpu")
+
+    for name in ("all_reduce", "broadcast_object_list"):
+        monkeypatch.setattr(tdist, name, nccl_on_cpu)
+    try:
+        assert all_reduce_sum([1.0, 2.0]) == [1.0, 2.0] and all_reduce_max([3.0]) == [3.0]
+        assert broadcast_object("x") == "x"
+    finally:
+        tdist.destroy_process_group()

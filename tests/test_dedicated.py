@@ -34,6 +34,16 @@ def test_a_device_that_is_not_there_names_the_visible_ones(monkeypatch):
         pick_devices("auto", training_per_node=4)
 
 
+def test_engine_devices_map_through_the_parents_visible_list():
+    from grpo.rollout.dedicated import child_visible_devices
+
+    assert child_visible_devices(["cuda:6", "cuda:7"], None) == "6,7"  # no list: logical = physical
+    assert child_visible_devices(["cuda:2", "cuda:3"], "4,5,6,7") == "6,7"  # a shared node's share
+    assert child_visible_devices(["cuda:1"], "GPU-aaa,GPU-bbb") == "GPU-bbb"  # UUIDs
+    with pytest.raises(DeviceError, match="cuda:2 is not among this process's CUDA_VISIBLE_DEVICES=0,1"):
+        child_visible_devices(["cuda:2"], "0,1")
+
+
 def test_no_gpu_machine_rejects_cuda_devices(monkeypatch):
     monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
     with pytest.raises(DeviceError, match=r"\(cuda:0\) is not available; visible devices: none"):

@@ -99,3 +99,50 @@ def test_tensor_parallel_colocated_parity(tmp_path):
     run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "tests/tp_parity.py", str(tmp_path)])
     for rank in (0, 1):
         assert_round_trip(json.load(open(tmp_path / f"rank{rank}.json")), f"colocated tp=2 rank {rank}")
+
+
+def test_bf16_training_keeps_fp32_master_weights(tiny_lm):
+    """model.dtype=bfloat16 under single/ddp: forward in bf16, AdamW on fp32 master weights. AdamW on
+    the bf16 weights themselves loses updates below bf16's spacing (~8e-5 near 0.02): 100 steps at
+    lr 1e-6 (about 1e-6 each) leave them unchanged; kept in fp32 they add up to ~1e-4 and show."""
+    import copy
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from grpo.config import AlgoConfig, ParallelConfig
+    from grpo.parallel.single import SingleStrategy
+
+    model, _ = tiny_lm
+    algo = OmegaConf.structured(AlgoConfig(lr=1e-6, warmup_steps=0, lr_schedule="constant", max_grad_norm=1e9))
+    ids = torch.tensor([[1, 5, 6, 7, 8, 2]])
+
+    def train_100(forward, params, step) -> float:
+        """The fraction of weights of size >= 0.02 whose bf16 value changed in 100 steps."""
+        start = {n: p.detach().to(torch.bfloat16).clone() for n, p in params()}
+        for _ in range(100):
+            logits = forward(input_ids=ids).logits
+            assert logits.dtype == torch.bfloat16  # the compute runs in bf16 either way
+            logits.float().logsumexp(-1).mean().backward()
+            step()
+        changed = total = 0
+        for n, p in params():
+            big = start[n].float().abs() >= 0.02
+            changed += int((p.detach().to(torch.bfloat16) != start[n])[big].sum())
+            total += int(big.sum())
+        return changed / total
+
+    s = SingleStrategy(OmegaConf.structured(ParallelConfig(strategy="single")), copy.deepcopy(model).to(torch.bfloat16), algo, 100)
+    assert next(s.model.parameters()).dtype == torch.float32  # the master copy
+    moved = train_100(s.forward_model, s.model.named_parameters, s.step)
+
+    naive = copy.deepcopy(model).to(torch.bfloat16)
+    opt = torch.optim.AdamW(naive.parameters(), lr=1e-6, weight_decay=0.0)
+
+    def naive_step():
+        opt.step()
+        opt.zero_grad()
+
+    moved_naive = train_100(naive, naive.named_parameters, naive_step)
+    print(f"bf16 weights changed after 100 steps: {moved:.2f} with fp32 master weights, {moved_naive:.2f} without")
+    assert moved > 0.5 and moved_naive < 0.1

@@ -100,8 +100,8 @@ def init_deepspeed_comm(cpu_shm_allreduce: bool) -> None:
     if not cpu_shm_allreduce:
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     info = dist.dist_info()  # from torchrun or SLURM; DeepSpeed reads these variables itself
-    for key, value in (("RANK", info.rank), ("WORLD_SIZE", info.world_size), ("LOCAL_RANK", info.local_rank)):
-        os.environ.setdefault(key, str(value))
+    for key, value in dist.rank_env(info).items():
+        os.environ.setdefault(key, value)
     if not tdist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:

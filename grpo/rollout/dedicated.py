@@ -79,6 +79,20 @@ def _die_with_parent() -> None:
         pass
 
 
+def child_visible_devices(devices: list[str], parent_visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for an engine on `devices` (this process's logical cuda:i). The parent's
+    own list renumbers: with CUDA_VISIBLE_DEVICES=4,5,6,7 here, cuda:2 is physical GPU 6, and with
+    UUIDs (MIG, some SLURM setups) it is the third UUID. Without a list, logical = physical."""
+    logical = [int(d.split(":")[1]) for d in devices]
+    if not parent_visible:
+        return ",".join(str(i) for i in logical)
+    parent = [x.strip() for x in parent_visible.split(",") if x.strip()]
+    missing = [i for i in logical if i >= len(parent)]
+    if missing:
+        raise DeviceError(f"cuda:{missing[0]} is not among this process's CUDA_VISIBLE_DEVICES={parent_visible}.")
+    return ",".join(parent[i] for i in logical)
+
+
 def launch_engine(model_path: str, devices: list[str], port: int, token: str, vllm_cfg, dtype: str, log_path: str):
     """One `grpo.serve` process on `devices`, bound to 127.0.0.1, logging to `log_path`."""
     env = {**os.environ, "GRPO_SERVE_TOKEN": token}
@@ -87,7 +101,7 @@ def launch_engine(model_path: str, devices: list[str], port: int, token: str, vl
     if devices == ["cpu"]:
         argv += ["--memory-fraction", str(vllm_cfg.memory_fraction)]
     else:  # the engine owns these GPUs
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(d.split(":")[1] for d in devices)
+        env["CUDA_VISIBLE_DEVICES"] = child_visible_devices(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
         argv += ["--tensor-parallel-size", str(len(devices)), "--memory-fraction", "0.9"]
     if not vllm_cfg.enforce_eager:
         argv.append("--no-enforce-eager")
@@ -101,7 +115,7 @@ def node_groups():
     if not tdist.is_initialized():
         return None, 0, 0
     world, rank = tdist.get_world_size(), tdist.get_rank()
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", world)))
+    per_node = dist.dist_info().local_world_size  # torchrun's LOCAL_WORLD_SIZE or SLURM's tasks per node
     if world % per_node:
         raise RuntimeError(f"{world} processes do not fill nodes of {per_node} evenly.")
     mine = None
