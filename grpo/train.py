@@ -137,7 +137,10 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         state = load_checkpoint(ckpt, strategy)
         start, eval_before = state["step"], state["eval_before"]
         sampler.load_state_dict(state["sampler"])
-        rollout.update_weights(strategy.weight_buckets(bucket_bytes), version=start)
+    # The engines serve exactly the trainer's weights from the first batch (and the first evaluation)
+    # on: a server started on another folder, or left with an earlier run's weights, sampled step 1
+    # from the wrong policy before (seen: |trainer - sampler| logprob 0.54 at step 1, 1e-6 after).
+    rollout.update_weights(strategy.weight_buckets(bucket_bytes), version=start)
     if start >= cfg.steps and os.path.exists(os.path.join(run_dir, "summary.json")):
         if info.is_main:
             print(f"{run_dir} already finished {start} steps; raise `steps` to train further.")

@@ -65,7 +65,7 @@ def test_a_failed_engine_start_says_what_to_change_and_the_next_one_starts(tiny_
     from grpo.dist import shutdown
     from grpo.rollout.base import Sampling
     from grpo.rollout.colocated import ColocatedBackend
-    from grpo.rollout.engine_memory import EngineStartError
+    from grpo.errors import EngineStartError
 
     model, tok = tiny_lm
     with pytest.raises(EngineStartError, match=r"rollout.vllm.kv_cache_gb=auto .*memory_fraction"):
