@@ -159,7 +159,7 @@ def train(cfg: DictConfig) -> dict:
         logger.log(0, before, console=True)
 
     gen_tokens_total, gen_time_total = 0, 0.0
-    stop_signal = StopSignal()  # SLURM's preemption / time-limit warning: checkpoint, requeue (grpo/preempt.py)
+    stop_signal = StopSignal()  # scancel, preemption: checkpoint, exit; time-limit warning: checkpoint, requeue (grpo/preempt.py)
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
 
@@ -233,7 +233,7 @@ def train(cfg: DictConfig) -> dict:
             save_checkpoint(run_dir, step, strategy, {"sampler": sampler.state_dict(), "eval_before": eval_before}, cfg.keep_checkpoints)
             logger.close()
             rollout.close()
-            stop(step, logger.info)
+            stop(step, logger.info, requeue=stop_signal.requeue)
 
     # ---- end: final evaluation, checkpoint and summary ----
     after = evaluate(rollout, tokenizer, task, cfg, info)
