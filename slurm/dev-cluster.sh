@@ -21,7 +21,7 @@
 #     not limited.
 #   - Preemption: partition `debug` (default, PriorityTier=1) and `urgent` (PriorityTier=2) share
 #     the node; a job in `urgent` preempts `debug` jobs (PreemptType=preempt/partition_prio,
-#     PreemptMode=REQUEUE): they get SIGTERM, GraceTime to finish, and SLURM requeues them.
+#     PreemptMode=REQUEUE): SLURM requeues them and sends SIGTERM; they have KillWait (30 s) to checkpoint.
 set -euo pipefail
 
 DIR=${GRPO_SLURM_DIR:-/tmp/grpo-slurm}
@@ -151,14 +151,16 @@ JobCompType=jobcomp/none
 $1
 JobAcctGatherType=jobacct_gather/linux
 SchedulerParameters=nohold_on_prolog_fail
-# a job in a higher PriorityTier partition preempts lower ones: SIGTERM, GraceTime, then requeue
+# a job in a higher PriorityTier partition preempts lower ones: requeued at once, its processes get
+# SIGTERM and KillWait to checkpoint. No GraceTime: with one, SLURM requeues only when it ends, and
+# a job whose batch script exits earlier on the SIGTERM is recorded as FAILED and not requeued.
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 # fast turnaround for tests: 30 s between SIGTERM and SIGKILL (SLURM's default), short job records
 KillWait=30
 MinJobAge=300
 NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
-PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=30
+PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP PriorityTier=1
 PartitionName=urgent Nodes=$HOST MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 EOF
 }
