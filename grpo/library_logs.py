@@ -1,13 +1,15 @@
 """Library output a person can read: a warning a library repeats every step appears once per run,
 and ranks other than 0 print only warnings of their own (grpo's) and errors.
 
-Known repeaters are filtered by category, message and the module Python attributes them to, each
-with its reason; every other warning is shown as Python shows it by default (no blanket silence).
-Why Python's default is not enough: it shows a warning once per code location, but any change to
-the warning filters (every `warnings.catch_warnings()` block, which the libraries enter on every
-step) clears those records, so the same warning came back on every call: 2,408 lines of
-`torch.distributed.all_gather_into_tensor is deprecated` in a 600-step 2-process ZeRO-3 run. The
-"once" action is keyed on the message text in a registry that filter changes do not clear.
+Known repeaters are matched by category, message and the library file Python attributes them to,
+each with its reason; every other warning is shown as Python shows it by default (no blanket
+silence). Why Python's own filters are not enough: they show a warning once per code location, but
+any change to the warning filters (every `warnings.catch_warnings()` block, which the libraries
+enter on every step) clears those records, so the same warning came back on every call: 2,408
+lines of `torch.distributed.all_gather_into_tensor is deprecated` in a 600-step 2-process ZeRO-3
+run. The "once" action does not help: CPython's C implementation keeps it in the same per-module
+record. So the known repeaters go through `warnings.showwarning` (the hook Python documents for
+replacing how warnings are shown), which remembers what it has shown for the whole run.
 
 On ranks other than 0 the libraries' warnings and info lines are rank 0's again, N times over: they
 are dropped there (Python warnings from any module but grpo's, and the libraries' loggers below
@@ -17,6 +19,7 @@ ERROR). Errors and grpo's own warnings still print on every rank.
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -25,14 +28,17 @@ from dataclasses import dataclass
 class Repeater:
     category: type[Warning]
     message: str  # regex matched at the start of the message
-    module: str  # regex matched at the start of the module the warning is attributed to
+    module: str  # the library the warning is attributed to, as a path fragment of its file
     why: str
+
+    def matches(self, category, message: str, filename: str) -> bool:
+        return issubclass(category, self.category) and re.match(self.message, message) is not None and self.module in filename
 
 
 REPEATERS = (
     Repeater(
         FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|_all_gather_base|reduce_scatter_tensor|_reduce_scatter_base)` is",
-        r"torch\.distributed\.", "DeepSpeed's ZeRO-3 gathers and reduces through these on every parameter fetch",
+        "torch/distributed/", "DeepSpeed's ZeRO-3 gathers and reduces through these on every parameter fetch",
     ),
 )
 
@@ -48,5 +54,20 @@ def quiet_library_logs(rank: int) -> None:
         for name in LIBRARY_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)
         return
-    for r in REPEATERS:
-        warnings.filterwarnings("once", message=r.message, category=r.category, module=r.module)
+    if not isinstance(warnings.showwarning, ShowRepeatersOnce):  # once per process, however often train() runs
+        warnings.showwarning = ShowRepeatersOnce(warnings.showwarning)
+
+
+class ShowRepeatersOnce:
+    """`warnings.showwarning` that shows each known repeater's message once per process."""
+
+    def __init__(self, show):
+        self.show, self.shown = show, set()
+
+    def __call__(self, message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if any(r.matches(category, text, filename) for r in REPEATERS):
+            if (category, text) in self.shown:
+                return
+            self.shown.add((category, text))
+        self.show(message, category, filename, lineno, file, line)

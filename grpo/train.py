@@ -37,6 +37,7 @@ from grpo.dist import (
 )
 from grpo.eval import evaluate
 from grpo.export import export_hf
+from grpo.library_logs import quiet_library_logs
 from grpo.log import RunLogger
 from grpo.models import PACKAGED, encode_prompts, ensure_model_folder, load_model
 from grpo.parallel import build_strategy
@@ -106,6 +107,7 @@ def write_json(path: str, data: dict) -> None:
 def train(cfg: DictConfig) -> dict:
     validate(cfg)
     info = dist_info()
+    quiet_library_logs(info.rank)  # a library's repeating warning once per run; other ranks: grpo's warnings, errors
     threads = configure_threads(cfg.threads)
     init_distributed(info)
     t_start = time.perf_counter()

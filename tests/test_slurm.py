@@ -179,7 +179,7 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(tmp_path, slurm_en
     """The signal SLURM sends before the time limit: SIGUSR1 (train.sbatch's --signal=USR1@120) or
     SIGUSR2 (submitit's, under grpo.launch), sent here by hand. The run checkpoints after its step,
     requeues itself, resumes from the checkpoint and finishes, every step logged once."""
-    run_dir, steps = tmp_path / "run", 60
+    run_dir, steps = tmp_path / "run", 150
     if how == "train.sbatch":
         signal_name, world = "USR1", 1
         log = tmp_path / "job.out"
@@ -209,7 +209,7 @@ def test_preempted_job_is_requeued_by_slurm_and_resumes(tmp_path, slurm_env, mod
     """A job in the higher-priority partition `urgent` preempts the training job (2 ranks, both
     CPUs): SIGTERM, checkpoint on every rank, exit; SLURM requeues it (PreemptMode=REQUEUE) and it
     resumes after the urgent job, finishing with every step logged once."""
-    run_dir, steps = tmp_path / "run", 60
+    run_dir, steps = tmp_path / "run", 150
     job = launch_and_wait_for_step(run_dir, slurm_env, 5, f"steps={steps}", model_cache=model_cache)
     signalled_at = max(steps_logged(run_dir))
     urgent = run(["sbatch", "--parsable", "--partition=urgent", "--cpus-per-task=1", f"--output={tmp_path / 'urgent.out'}",
@@ -223,6 +223,67 @@ def test_preempted_job_is_requeued_by_slurm_and_resumes(tmp_path, slurm_env, mod
     assert "requeued: it resumes" not in logs  # SLURM requeued it, not the run
     assert_resumed_and_finished(run_dir, steps, 2, signalled_at)
     assert sacct_states(job, slurm_env) == ["PREEMPTED", "COMPLETED"]
+    assert sacct_states(urgent, slurm_env) == ["COMPLETED"]
+
+
+def start_sweep(sweep, env, model_cache, steps):
+    """`-m hydra/launcher=slurm` of two runs (one CPU each: together they fill the node), running;
+    returns the multirun process and the array's task ids once both runs have logged step 5."""
+    proc = subprocess.Popen([sys.executable, "-m", "grpo.train", "-m", "hydra/launcher=slurm", "algo.lr=1e-3,2e-3", *FAST,
+                             f"steps={steps}", f"model.cache_dir={model_cache}", f"hydra.sweep.dir={sweep}"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while min(max(steps_logged(sweep / n), default=0) for n in "01") < 5:
+        if time.time() > deadline or proc.poll() is not None:
+            proc.kill()
+            pytest.fail(f"the sweep's runs did not both reach step 5: {proc.communicate()[0][-3000:]}")
+        time.sleep(0.2)
+    tasks = sorted(d.name for d in (sweep / ".submitit").iterdir() if "_" in d.name)
+    assert len(tasks) == 2 and tasks[0].split("_")[0] == tasks[1].split("_")[0], tasks  # one array, two tasks
+    return proc, tasks
+
+
+def finish_sweep(proc, sweep, steps, tasks):
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    logs = {n: "".join(p.read_text() for p in sorted((sweep / ".submitit" / t).glob("*_log.*"))) for n, t in zip("01", tasks)}
+    for n in "01":
+        assert (sweep / n / "summary.json").exists(), logs[n][-3000:]
+        assert steps_logged(sweep / n) == [0, *range(1, steps + 1), steps]  # every step once
+    return {n: json.load(open(sweep / n / "summary.json")) for n in "01"}, logs
+
+
+def test_sweep_tasks_requeue_themselves_by_their_own_ids(tmp_path, slurm_env, model_cache):
+    """The time-limit warning (submitit's SIGUSR2) reaches both tasks of a sweep's array at once:
+    each requeues its own `<array>_<task>` id, not the array (whose id is also task 0's job id, and
+    requeueing it raced with the sibling: `scontrol requeue 1 failed: 1_0: Job is pending execution`)."""
+    sweep, steps = tmp_path / "sweep", 150
+    proc, tasks = start_sweep(sweep, slurm_env, model_cache, steps)
+    signalled_at = {n: max(steps_logged(sweep / n)) for n in "01"}
+    subprocess.run(["scancel", "--signal=USR2", tasks[0].split("_")[0]], env=slurm_env, check=True)  # the whole array
+
+    summaries, logs = finish_sweep(proc, sweep, steps, tasks)
+    for n, task in zip("01", tasks):
+        assert f"checkpoint written, job {task} requeued" in logs[n], logs[n][-3000:]
+        assert signalled_at[n] <= summaries[n]["resumed_from"] < steps
+        assert sacct_states(task, slurm_env) == ["REQUEUED", "COMPLETED"]
+
+
+def test_sweep_task_is_preempted_requeued_and_resumes(tmp_path, slurm_env, model_cache):
+    """A job in `urgent` takes one CPU: SLURM preempts one task of the sweep's array; it checkpoints,
+    is requeued by SLURM, resumes after the urgent job and finishes; the sweep then ends normally."""
+    sweep, steps = tmp_path / "sweep", 150
+    proc, tasks = start_sweep(sweep, slurm_env, model_cache, steps)
+    urgent = run(["sbatch", "--parsable", "--partition=urgent", "--cpus-per-task=1", f"--output={tmp_path / 'urgent.out'}",
+                  "--wrap", "sleep 5"], slurm_env).stdout.strip()
+
+    summaries, logs = finish_sweep(proc, sweep, steps, tasks)
+    states = {n: sacct_states(task, slurm_env) for n, task in zip("01", tasks)}
+    preempted = [n for n in "01" if states[n] == ["PREEMPTED", "COMPLETED"]]
+    assert len(preempted) == 1 and states[{"0": "1", "1": "0"}[preempted[0]]] == ["COMPLETED"], states
+    n = preempted[0]
+    assert "on SIGTERM (scancel or preemption); checkpoint written" in logs[n]
+    assert 5 <= summaries[n]["resumed_from"] < steps
     assert sacct_states(urgent, slurm_env) == ["COMPLETED"]
 
 
