@@ -238,8 +238,11 @@ def start_sweep(sweep, env, model_cache, steps):
             proc.kill()
             pytest.fail(f"the sweep's runs did not both reach step 5: {proc.communicate()[0][-3000:]}")
         time.sleep(0.2)
-    tasks = sorted(d.name for d in (sweep / ".submitit").iterdir() if "_" in d.name)
-    assert len(tasks) == 2 and tasks[0].split("_")[0] == tasks[1].split("_")[0], tasks  # one array, two tasks
+    tasks = sorted(d.name for d in (sweep / ".submitit").iterdir() if d.is_dir() and "_" in d.name)
+    if not (len(tasks) == 2 and tasks[0].split("_")[0] == tasks[1].split("_")[0]):  # one array, two tasks
+        subprocess.run(["scancel", *tasks], env=env)
+        proc.kill()
+        pytest.fail(f"expected the two tasks of one array in {sweep / '.submitit'}, found {tasks}")
     return proc, tasks
 
 
