@@ -129,12 +129,18 @@ def wait_for_step(run_dir, step, job, env, timeout=300) -> int:
     return reached
 
 
-def sacct_states(job: str, env) -> list[str]:
-    """The job's state in every record accounting holds (--duplicates: one per start), oldest first."""
-    out = subprocess.run(["sacct", "-n", "-X", "-P", "--duplicates", "-j", job, "-o", "State"], env=env,
-                         capture_output=True, text=True)
-    assert out.returncode == 0, f"sacct does not answer (is slurmdbd up?): {out.stderr}"
-    return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]  # "CANCELLED by 0" -> CANCELLED
+def sacct_states(job: str, env, timeout: float = 60) -> list[str]:
+    """The job's state in every record accounting holds (--duplicates: one per start), oldest first,
+    once the newest is final (the accounting record may trail the job's end by a few seconds)."""
+    deadline = time.time() + timeout
+    while True:
+        out = subprocess.run(["sacct", "-n", "-X", "-P", "--duplicates", "-j", job, "-o", "State"], env=env,
+                             capture_output=True, text=True)
+        assert out.returncode == 0, f"sacct does not answer (is slurmdbd up?): {out.stderr}"
+        states = [line.split()[0] for line in out.stdout.splitlines() if line.strip()]  # "CANCELLED by 0" -> CANCELLED
+        if (states and states[-1] in ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT")) or time.time() > deadline:
+            return states
+        time.sleep(1)
 
 
 def job_logs(run_dir, job) -> str:
