@@ -297,7 +297,7 @@ def test_sweep_task_is_preempted_requeued_and_resumes(tmp_path, slurm_env, model
 
 
 @pytest.mark.parametrize("args, message", [
-    (["partition=nope"], "error: partition 'nope' does not exist on this cluster; pick one of ['debug']"),
+    (["partition=nope"], "error: partition 'nope' does not exist on this cluster; pick one of ['debug', 'urgent']"),
     (["nodes=2", "parallel=ddp"], "error: the job asks for 2 node(s) with 1 task(s) x 1 CPU(s) each, but partition 'debug' has 1 node(s)"),
     ([f"cpus_per_task={os.cpu_count() + 1}"], "0 of them big enough"),
 ])
