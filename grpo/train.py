@@ -161,7 +161,7 @@ def train(cfg: DictConfig) -> dict:
         logger.log(0, before, console=True)
 
     gen_tokens_total, gen_time_total = 0, 0.0
-    stop_signal = StopSignal()  # scancel, preemption: checkpoint, exit; time-limit warning: checkpoint, requeue (grpo/preempt.py)
+    stop_signal = StopSignal()  # SLURM's preemption / time-limit warning: checkpoint, requeue (grpo/preempt.py)
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
 
