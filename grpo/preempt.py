@@ -58,9 +58,11 @@ class StopSignal:
             self.previous = {s: signal.signal(s, self._handle) for s in (EXIT, *REQUEUE)}
 
     def close(self) -> None:
-        """Give the signals back (to a caller that runs `train` in-process, such as a test)."""
+        """Give the signals back (to a caller that runs `train` in-process, such as a test). A
+        time-limit warning after the run has ended finds nothing left to save: where its default
+        action would end the process (and turn a finished job into FAILED), it is ignored instead."""
         for s, handler in self.previous.items():
-            signal.signal(s, handler)
+            signal.signal(s, signal.SIG_IGN if s in REQUEUE and handler == signal.SIG_DFL else handler)
         self.previous = {}
 
     def _handle(self, signum, frame) -> None:

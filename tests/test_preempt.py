@@ -44,6 +44,7 @@ def test_sigterm_exits_and_the_time_limit_warning_requeues():
 
     from grpo.preempt import StopSignal
 
+    before = signal.getsignal(signal.SIGUSR1)
     stop_signal = StopSignal()
     try:
         assert not stop_signal.requested()
@@ -55,6 +56,9 @@ def test_sigterm_exits_and_the_time_limit_warning_requeues():
         assert stop_signal.requested() and not stop_signal.requeue
     finally:
         stop_signal.close()
+    # after the run: a late warning must not end a finished job (SIGUSR1's default action would)
+    assert signal.getsignal(signal.SIGUSR1) == (signal.SIG_IGN if before == signal.SIG_DFL else before)
+    os.kill(os.getpid(), signal.SIGUSR1)  # with SIG_DFL this would end pytest
 
 
 def test_an_array_task_requeues_its_own_id_not_the_array():
