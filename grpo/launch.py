@@ -13,7 +13,8 @@ and the cluster is asked whether the partition exists and the job fits (grpo/slu
 Each of the job's nodes x tasks_per_node tasks runs `grpo.train` in its own process (`TrainJob`),
 rank and world size from SLURM, meeting rank 0 at the first node on a port found free there. The run
 folder is fixed here, on the submitting machine, so every rank and every requeue agrees on it.
-SIGTERM or the time-limit signal checkpoints and requeues (grpo/preempt.py).
+Signals (grpo/preempt.py): scancel or preemption (SIGTERM) checkpoints and exits, and SLURM requeues
+a preempted job; submitit's time-limit warning (SIGUSR2) checkpoints and requeues.
 
 Topologies:
   - colocated / hf: every task generates with its own engine (or model); nothing more to start.

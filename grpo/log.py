@@ -72,7 +72,8 @@ class RunLogger:
             print(text, file=sys.stdout, flush=True)
 
     def close(self) -> None:
-        if not self.enabled:
+        """Idempotent: the run's exit path closes it again after an early close."""
+        if not self.enabled or self.file.closed:
             return
         self.file.close()
         if self.wandb is not None:

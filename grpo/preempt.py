@@ -1,20 +1,35 @@
-"""Preemption and time limits: finish the step, checkpoint on every rank, requeue, resume.
+"""Stop signals as SLURM and its users mean them: finish the step, checkpoint on every rank, then
+exit (SIGTERM) or requeue (the time-limit warning).
 
-SLURM warns a job before it ends it: SIGTERM on preemption or `scancel --signal=TERM`, and the signal
-the job asked for before its time limit (`#SBATCH --signal=TERM@120` in slurm/*.sbatch; SIGUSR2,
-submitit's `--signal=USR2@<signal_delay_s>`, under `grpo.launch` and the submitit launcher).
+What each event sends, and what the run does:
 
-The handler only sets a flag; the training loop asks `requested()` once per step. All ranks agree
-through one tiny all-reduce, so ranks signalled at slightly different moments stop after the same
-step. The loop then saves a checkpoint on every rank and calls `stop()`: rank 0 asks SLURM to requeue
-the job (`scontrol requeue`), which runs the same command again with the same run folder, where
-`resume=true` (the default) picks up the checkpoint. Nothing trained is lost.
+  - `scancel <job>` (a user): SIGTERM to every task. The run finishes its step, writes a checkpoint
+    on every rank and exits with 143. It does NOT requeue: a cancelled job stays cancelled (sacct:
+    CANCELLED). To continue it, submit again with the same run folder; it resumes from the checkpoint.
+  - Preemption (a job of a higher-priority partition needs the nodes; PreemptMode=REQUEUE): also
+    SIGTERM, then GraceTime (the partition's) and KillWait before SIGKILL. The same as above: the run
+    checkpoints and exits; SLURM itself requeues the job (sacct: PREEMPTED, then PENDING), which
+    resumes from the checkpoint when it runs again. Requeueing here too would race SLURM's own.
+  - The time-limit warning: SIGUSR1 (`#SBATCH --signal=USR1@120` in slurm/train.sbatch, as
+    Lightning's SLURM environment uses it; slurm/train_remote.sbatch forwards its batch shell's
+    `B:USR1` to the trainer step only) or SIGUSR2 (submitit's `--signal=USR2@<signal_delay_s>`, under
+    `grpo.launch` and the Hydra SLURM launcher). The run finishes its step, checkpoints on every rank,
+    and rank 0 requeues the job with `scontrol requeue` (the job's own id; an array task's own
+    `<array job>_<task>` id, never the whole array). SLURM then ends this allocation, and the
+    requeued job runs the same command in the same run folder, where `resume=true` (the default)
+    picks up the checkpoint. Nothing trained is lost and no step is logged twice.
+
+The handlers only record the signal; the training loop asks `requested()` once per step. All ranks
+agree through one tiny all-reduce, so ranks signalled at slightly different moments stop after the
+same step, and a SIGTERM on any rank wins over a time-limit warning (a cancel is final).
 
 We do not use submitit's own `Checkpointable`: submitit calls `checkpoint()` from its signal handler
 on rank 0 alone, in the middle of a step, then exits; the other ranks would be left mid-collective.
-Under submitit the requeued job simply runs the same pickled `grpo.launch.TrainJob` again.
+While `train` runs, `StopSignal` owns SIGTERM, SIGUSR1 and SIGUSR2; under submitit the requeued job
+simply runs the same pickled `grpo.launch.TrainJob` (or Hydra job) again.
 
-Outside SLURM the run stops after the checkpoint; running it again with the same folder resumes.
+Outside SLURM every signal stops the run after the checkpoint; running it again with the same folder
+resumes.
 """
 
 from __future__ import annotations
@@ -27,37 +42,62 @@ import time
 
 from grpo import dist
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+EXIT = signal.SIGTERM  # scancel, preemption: checkpoint and exit
+REQUEUE = (signal.SIGUSR1, signal.SIGUSR2)  # time-limit warning (sbatch templates, submitit): checkpoint and requeue
 
 
 class StopSignal:
-    """Catches SLURM's warning signals; `requested()` is True on every rank once any rank got one."""
+    """Catches SLURM's stop signals. `requested()` is True on every rank once any rank got one;
+    `requeue` then says whether the run should requeue itself (a time-limit warning and no SIGTERM)."""
 
     def __init__(self):
-        self.signum: int | None = None
+        self.received: set[int] = set()
+        self.requeue = False
         self.previous = {}
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-            self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+            self.previous = {s: signal.signal(s, self._handle) for s in (EXIT, *REQUEUE)}
 
     def close(self) -> None:
-        """Give the signals back (to a caller that runs `train` in-process, such as a test)."""
+        """Give the signals back (to a caller that runs `train` in-process, such as a test). A
+        time-limit warning after the run has ended finds nothing left to save: where its default
+        action would end the process (and turn a finished job into FAILED), it is ignored instead."""
         for s, handler in self.previous.items():
-            signal.signal(s, handler)
+            signal.signal(s, signal.SIG_IGN if s in REQUEUE and handler == signal.SIG_DFL else handler)
         self.previous = {}
 
     def _handle(self, signum, frame) -> None:
-        self.signum = signum
+        self.received.add(signum)
 
     def requested(self) -> bool:
-        return dist.all_reduce_sum([1.0 if self.signum else 0.0])[0] > 0
+        exits, requeues = dist.all_reduce_sum([
+            1.0 if EXIT in self.received else 0.0,
+            1.0 if self.received & set(REQUEUE) else 0.0,
+        ])
+        self.requeue = exits == 0 and requeues > 0
+        return exits + requeues > 0
 
 
-def stop(step: int, log=print) -> None:
-    """After the checkpoint of `step` is written on every rank: requeue the SLURM job and wait for
-    SLURM to end this allocation, or, outside SLURM, exit. Never returns."""
-    job = os.environ.get("SLURM_JOB_ID")
+def own_job_id(env=None) -> str | None:
+    """This job's id for `scontrol`: `<array job>_<task>` for an array task (its SLURM_JOB_ID may
+    equal the array's id, and `scontrol requeue <array id>` requeues every task of the array, failing
+    on a sibling that is pending), else SLURM_JOB_ID; None outside SLURM."""
+    env = os.environ if env is None else env
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env.get("SLURM_JOB_ID")
+
+
+def stop(step: int, log=print, requeue: bool = False) -> None:
+    """After the checkpoint of `step` is written on every rank: exit, or with `requeue` (the
+    time-limit warning) requeue the SLURM job and wait for SLURM to end this allocation. Never returns."""
+    job = own_job_id()
     if not job:
         log(f"stopped after step {step} on a signal; checkpoint written. Run again with the same run folder to resume.")
+        raise SystemExit(143)
+    if not requeue:
+        log(f"stopped after step {step} on SIGTERM (scancel or preemption); checkpoint written. Not requeued here: "
+            f"a preempted job {job} is requeued by SLURM and resumes from step {step}; a cancelled one stays "
+            "cancelled (submit again with the same run folder to resume).")
         raise SystemExit(143)
     if dist.rank() == 0:
         out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
@@ -68,7 +108,7 @@ def stop(step: int, log=print) -> None:
                 "(and give it `--requeue` if the cluster sets JobRequeue=0)."
             )
             raise SystemExit(1)
-        log(f"stopped after step {step}; checkpoint written, job {job} requeued: it resumes from step {step}.")
+        log(f"stopped after step {step} before the time limit; checkpoint written, job {job} requeued: it resumes from step {step}.")
     dist.barrier()
     # SLURM now ends this allocation (SIGTERM, then SIGKILL after KillWait). Let its SIGTERM end us
     # here rather than returning, so no launcher mistakes this run for a finished or failed one.

@@ -41,6 +41,7 @@ from grpo.cpus import configure_threads
 from grpo.dist import DistInfo, all_reduce_sum, barrier, broadcast_object, dist_info, process_group
 from grpo.eval import evaluate
 from grpo.export import export_hf
+from grpo.library_logs import quiet_library_logs
 from grpo.log import RunLogger
 from grpo.models import build_policy, build_reference, encode_prompts
 from grpo.parallel import build_strategy
@@ -95,6 +96,7 @@ def train(cfg: DictConfig) -> dict:
     ExitStack, which closes the engines or servers, the logger and the process group."""
     validate(cfg)
     info = dist_info()
+    quiet_library_logs(info.rank)  # a library's repeating warning once per run; other ranks: grpo's warnings, errors
     threads = configure_threads(cfg.threads)
     with contextlib.ExitStack() as cleanup:
         cleanup.enter_context(process_group(info, peer_timeout_s=cfg.parallel.peer_timeout_s))
@@ -103,6 +105,10 @@ def train(cfg: DictConfig) -> dict:
 
 def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitStack) -> dict:
     t_start = time.perf_counter()
+    # SIGTERM (scancel, preemption) or the time-limit warning, from here on: the loop checkpoints after
+    # its step and stops (or requeues), grpo/preempt.py; one that comes during setup waits for step 1
+    stop_signal = StopSignal()
+    cleanup.callback(stop_signal.close)
     run_dir = broadcast_object(os.path.abspath(cfg.run_dir))  # every rank uses rank 0's folder
     os.makedirs(run_dir, exist_ok=True)
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -160,8 +166,6 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         logger.log(0, before, console=True)
 
     gen_tokens_total, gen_time_total = 0, 0.0
-    stop_signal = StopSignal()  # SLURM's preemption / time-limit warning: checkpoint, requeue (grpo/preempt.py)
-    cleanup.callback(stop_signal.close)
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
 
@@ -233,7 +237,9 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
             checkpoint(step)
         if step < cfg.steps and stop_signal.requested():
             checkpoint(step)
-            stop(step, logger.info)  # raises SystemExit: the ExitStack closes everything
+            logger.close()
+            rollout.close()  # before stop(), which may wait for SLURM to end the allocation
+            stop(step, logger.info, requeue=stop_signal.requeue)  # raises SystemExit; the ExitStack does the rest
 
     # ---- end: final evaluation, checkpoint and summary ----
     after = evaluate(rollout, tokenizer, task, cfg, info)

@@ -1,5 +1,5 @@
-"""SIGTERM outside SLURM: the run finishes its step, checkpoints, stops; started again, it resumes
-with every step logged once. (Under SLURM it also requeues itself: tests/test_slurm.py.)"""
+"""Stop signals outside SLURM: the run finishes its step, checkpoints, stops; started again, it resumes
+with every step logged once; which signal exits and which requeues. (Under SLURM: tests/test_slurm.py.)"""
 
 import json
 import signal
@@ -34,3 +34,38 @@ def test_sigterm_checkpoints_after_the_step_and_resumes(tmp_path, cache_dir):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"] == stopped
     assert steps_logged(run_dir) == [0, *range(1, summary["steps"] + 1), summary["steps"]]
+
+
+def test_sigterm_exits_and_the_time_limit_warning_requeues():
+    """What each signal asks for, decided on (here: one) rank: SIGTERM (scancel, preemption) exits,
+    SIGUSR1/SIGUSR2 (the time-limit warning of the sbatch templates / submitit) requeue, and a
+    SIGTERM wins over a warning that came with it (a cancel is final)."""
+    import os
+
+    from grpo.preempt import StopSignal
+
+    before = signal.getsignal(signal.SIGUSR1)
+    stop_signal = StopSignal()
+    try:
+        assert not stop_signal.requested()
+        os.kill(os.getpid(), signal.SIGUSR1)  # a real signal, through the real handler
+        assert stop_signal.requested() and stop_signal.requeue
+        stop_signal.received = {signal.SIGUSR2}
+        assert stop_signal.requested() and stop_signal.requeue
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop_signal.requested() and not stop_signal.requeue
+    finally:
+        stop_signal.close()
+    # after the run: a late warning must not end a finished job (SIGUSR1's default action would)
+    assert signal.getsignal(signal.SIGUSR1) == (signal.SIG_IGN if before == signal.SIG_DFL else before)
+    os.kill(os.getpid(), signal.SIGUSR1)  # with SIG_DFL this would end pytest
+
+
+def test_an_array_task_requeues_its_own_id_not_the_array():
+    from grpo.preempt import own_job_id
+
+    # task 0 of array 12 has SLURM_JOB_ID 12, the array's own id: `scontrol requeue 12` would requeue both tasks
+    assert own_job_id({"SLURM_JOB_ID": "12", "SLURM_ARRAY_JOB_ID": "12", "SLURM_ARRAY_TASK_ID": "0"}) == "12_0"
+    assert own_job_id({"SLURM_JOB_ID": "13", "SLURM_ARRAY_JOB_ID": "12", "SLURM_ARRAY_TASK_ID": "1"}) == "12_1"
+    assert own_job_id({"SLURM_JOB_ID": "7"}) == "7"
+    assert own_job_id({}) is None

@@ -104,34 +104,200 @@ def test_two_task_job_trains_with_two_ranks(tmp_path, slurm_env, model_cache, pa
     assert "global_rank=0(2)" in logs and "global_rank=1(2)" in logs  # two SLURM tasks, one rank each
 
 
-def test_sigterm_checkpoints_requeues_and_finishes(tmp_path, slurm_env, model_cache):
-    """`scancel --signal=TERM` mid-run, 2 ranks: checkpoint after the step, requeue, resume, finish."""
-    run_dir, steps = tmp_path / "run", 60
-    out = run([sys.executable, "-m", "grpo.launch", "nodes=1", "tasks_per_node=2", "parallel=ddp", *FAST,
-               f"steps={steps}", f"model.cache_dir={model_cache}", f"run_dir={run_dir}"], slurm_env)
-    assert out.returncode == 0, out.stdout + out.stderr
-    job = out.stdout.split("submitted training: job ")[1].split(",")[0]
+def submitted_job(out) -> str:
+    return out.stdout.split("submitted training: job ")[1].split(",")[0]
 
-    deadline = time.time() + 300
-    while max(steps_logged(run_dir), default=0) < 5 and time.time() < deadline:
-        time.sleep(0.5)
-    signalled_at = max(steps_logged(run_dir), default=0)
-    assert 5 <= signalled_at < steps, f"the run logged up to step {signalled_at} before the signal"
-    subprocess.run(["scancel", "--signal=TERM", job], env=slurm_env, check=True)
+
+def launch_and_wait_for_step(run_dir, env, first_step, *args, model_cache):
+    """`grpo.launch` a 2-rank DDP run; returns its job id once it has logged `first_step`."""
+    out = run([sys.executable, "-m", "grpo.launch", "nodes=1", "tasks_per_node=2", "parallel=ddp", *FAST, *args,
+               f"model.cache_dir={model_cache}", f"run_dir={run_dir}"], env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = submitted_job(out)
+    wait_for_step(run_dir, first_step, job, env)
+    return job
+
+
+def wait_for_step(run_dir, step, job, env, timeout=300) -> int:
+    deadline = time.time() + timeout
+    while max(steps_logged(run_dir), default=0) < step and time.time() < deadline:
+        time.sleep(0.2)
+    reached = max(steps_logged(run_dir), default=0)
+    if reached < step:
+        subprocess.run(["scancel", job], env=env)
+        pytest.fail(f"job {job} logged up to step {reached}, not {step}, within {timeout} s")
+    return reached
+
+
+def sacct_states(job: str, env, timeout: float = 60) -> list[str]:
+    """The job's state in every record accounting holds (--duplicates: one per start), oldest first,
+    once the newest is final (the accounting record may trail the job's end by a few seconds)."""
+    deadline = time.time() + timeout
+    while True:
+        out = subprocess.run(["sacct", "-n", "-X", "-P", "--duplicates", "-j", job, "-o", "State"], env=env,
+                             capture_output=True, text=True)
+        assert out.returncode == 0, f"sacct does not answer (is slurmdbd up?): {out.stderr}"
+        states = [line.split()[0] for line in out.stdout.splitlines() if line.strip()]  # "CANCELLED by 0" -> CANCELLED
+        if (states and states[-1] in ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT")) or time.time() > deadline:
+            return states
+        time.sleep(1)
+
+
+def job_logs(run_dir, job) -> str:
+    return "".join(p.read_text() for p in sorted((run_dir / "slurm" / job).glob("*_log.*")))
+
+
+def checkpointed_step(run_dir) -> int:
+    return int((run_dir / "checkpoints" / "latest").read_text().split("_")[1])
+
+
+def assert_resumed_and_finished(run_dir, steps, world_size, stopped_at_least):
+    summary = json.load(open(run_dir / "summary.json"))
+    assert stopped_at_least <= summary["resumed_from"] < steps  # the step it stopped at, nothing before it lost
+    assert summary["steps"] == steps and summary["world_size"] == world_size
+    assert steps_logged(run_dir) == [0, *range(1, steps + 1), steps]  # every step once: none lost, none twice
+    return summary
+
+
+def test_scancel_checkpoints_on_every_rank_and_stays_cancelled(tmp_path, slurm_env, model_cache):
+    """A user's `scancel`: SIGTERM; the run finishes its step, checkpoints on both ranks and exits.
+    No copy comes back: accounting holds one record, CANCELLED (SLURM never requeues a cancelled
+    job), and nothing is queued."""
+    run_dir = tmp_path / "run"
+    job = launch_and_wait_for_step(run_dir, slurm_env, 3, "steps=400", model_cache=model_cache)
+    subprocess.run(["scancel", job], env=slurm_env, check=True)
+    wait_gone(job, slurm_env, timeout=120)
+
+    logs = job_logs(run_dir, job)
+    stopped = checkpointed_step(run_dir)
+    assert f"stopped after step {stopped} on SIGTERM (scancel or preemption); checkpoint written" in logs, logs[-4000:]
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert {p.name for p in latest.glob("state_rank*.pt")} == {"state_rank0.pt", "state_rank1.pt"}
+    assert steps_logged(run_dir)[-1] == stopped  # the step in progress was finished, not cut
+    assert "before the time limit" not in logs and not (run_dir / "summary.json").exists()  # no self-requeue
+    time.sleep(12)  # past cred_expire (10 s), when a requeued job could start again
+    assert sacct_states(job, slurm_env) == ["CANCELLED"]
+    assert subprocess.run(["squeue", "-h", "-j", job], env=slurm_env, capture_output=True, text=True).stdout.strip() == ""
+
+
+@pytest.mark.parametrize("how", ["train.sbatch", "grpo.launch"])
+def test_time_limit_warning_checkpoints_requeues_and_finishes(tmp_path, slurm_env, model_cache, how):
+    """The signal SLURM sends before the time limit: SIGUSR1 (train.sbatch's --signal=USR1@120) or
+    SIGUSR2 (submitit's, under grpo.launch), sent here by hand. The run checkpoints after its step,
+    requeues itself, resumes from the checkpoint and finishes, every step logged once."""
+    run_dir, steps = tmp_path / "run", 150
+    if how == "train.sbatch":
+        signal_name, world = "USR1", 1
+        log = tmp_path / "job.out"
+        env = {**slurm_env, "RUN_DIR": str(run_dir), "PYTHON": sys.executable}
+        out = run(["sbatch", "--parsable", f"--output={log}", "slurm/train.sbatch", *FAST, f"steps={steps}",
+                   f"model.cache_dir={model_cache}"], env)
+        assert out.returncode == 0, out.stderr
+        job = out.stdout.strip().split(";")[0]
+        wait_for_step(run_dir, 5, job, slurm_env)
+    else:
+        signal_name, world = "USR2", 2
+        job = launch_and_wait_for_step(run_dir, slurm_env, 5, f"steps={steps}", model_cache=model_cache)
+        log = None
+    signalled_at = max(steps_logged(run_dir))
+    assert signalled_at < steps, "the run finished before the signal; give it more steps"
+    subprocess.run(["scancel", f"--signal={signal_name}", job], env=slurm_env, check=True)
 
     wait_gone(job, slurm_env, timeout=480)
-    summary_path = run_dir / "summary.json"
-    logs = "".join(p.read_text() for p in (run_dir / "slurm" / job).glob("*_log.*"))
-    assert summary_path.exists(), logs[-4000:]
-    summary = json.load(open(summary_path))
-    assert f"job {job} requeued" in logs
-    assert signalled_at <= summary["resumed_from"] < steps  # the step it stopped at, nothing before it lost
-    assert summary["steps"] == steps and summary["world_size"] == 2
-    assert steps_logged(run_dir) == [0, *range(1, steps + 1), steps]  # every step once: none lost, none twice
+    logs = log.read_text() if log else job_logs(run_dir, job)
+    assert (run_dir / "summary.json").exists(), logs[-4000:]
+    assert f"before the time limit; checkpoint written, job {job} requeued" in logs
+    assert_resumed_and_finished(run_dir, steps, world, signalled_at)
+    assert sacct_states(job, slurm_env) == ["REQUEUED", "COMPLETED"]
+
+
+def test_preempted_job_is_requeued_by_slurm_and_resumes(tmp_path, slurm_env, model_cache):
+    """A job in the higher-priority partition `urgent` preempts the training job (2 ranks, both
+    CPUs): SIGTERM, checkpoint on every rank, exit; SLURM requeues it (PreemptMode=REQUEUE) and it
+    resumes after the urgent job, finishing with every step logged once."""
+    run_dir, steps = tmp_path / "run", 150
+    job = launch_and_wait_for_step(run_dir, slurm_env, 5, f"steps={steps}", model_cache=model_cache)
+    signalled_at = max(steps_logged(run_dir))
+    urgent = run(["sbatch", "--parsable", "--partition=urgent", "--cpus-per-task=1", f"--output={tmp_path / 'urgent.out'}",
+                  "--wrap", "sleep 5"], slurm_env).stdout.strip()
+
+    wait_gone(urgent, slurm_env, timeout=120)
+    wait_gone(job, slurm_env, timeout=480)
+    logs = job_logs(run_dir, job)
+    assert (run_dir / "summary.json").exists(), logs[-4000:]
+    assert "on SIGTERM (scancel or preemption); checkpoint written" in logs
+    assert "requeued: it resumes" not in logs  # SLURM requeued it, not the run
+    assert_resumed_and_finished(run_dir, steps, 2, signalled_at)
+    assert sacct_states(job, slurm_env) == ["PREEMPTED", "COMPLETED"]
+    assert sacct_states(urgent, slurm_env) == ["COMPLETED"]
+
+
+def start_sweep(sweep, env, model_cache, steps):
+    """`-m hydra/launcher=slurm` of two runs (one CPU each: together they fill the node), running;
+    returns the multirun process and the array's task ids once both runs have logged step 5."""
+    proc = subprocess.Popen([sys.executable, "-m", "grpo.train", "-m", "hydra/launcher=slurm", "algo.lr=1e-3,2e-3", *FAST,
+                             f"steps={steps}", f"model.cache_dir={model_cache}", f"hydra.sweep.dir={sweep}"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while min(max(steps_logged(sweep / n), default=0) for n in "01") < 5:
+        if time.time() > deadline or proc.poll() is not None:
+            proc.kill()
+            pytest.fail(f"the sweep's runs did not both reach step 5: {proc.communicate()[0][-3000:]}")
+        time.sleep(0.2)
+    tasks = sorted(d.name for d in (sweep / ".submitit").iterdir() if d.is_dir() and "_" in d.name)
+    if not (len(tasks) == 2 and tasks[0].split("_")[0] == tasks[1].split("_")[0]):  # one array, two tasks
+        subprocess.run(["scancel", *tasks], env=env)
+        proc.kill()
+        pytest.fail(f"expected the two tasks of one array in {sweep / '.submitit'}, found {tasks}")
+    return proc, tasks
+
+
+def finish_sweep(proc, sweep, steps, tasks):
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    logs = {n: "".join(p.read_text() for p in sorted((sweep / ".submitit" / t).glob("*_log.*"))) for n, t in zip("01", tasks)}
+    for n in "01":
+        assert (sweep / n / "summary.json").exists(), logs[n][-3000:]
+        assert steps_logged(sweep / n) == [0, *range(1, steps + 1), steps]  # every step once
+    return {n: json.load(open(sweep / n / "summary.json")) for n in "01"}, logs
+
+
+def test_sweep_tasks_requeue_themselves_by_their_own_ids(tmp_path, slurm_env, model_cache):
+    """The time-limit warning (submitit's SIGUSR2) reaches both tasks of a sweep's array at once:
+    each requeues its own `<array>_<task>` id, not the array (whose id is also task 0's job id, and
+    requeueing it raced with the sibling: `scontrol requeue 1 failed: 1_0: Job is pending execution`)."""
+    sweep, steps = tmp_path / "sweep", 150
+    proc, tasks = start_sweep(sweep, slurm_env, model_cache, steps)
+    signalled_at = {n: max(steps_logged(sweep / n)) for n in "01"}
+    subprocess.run(["scancel", "--signal=USR2", tasks[0].split("_")[0]], env=slurm_env, check=True)  # the whole array
+
+    summaries, logs = finish_sweep(proc, sweep, steps, tasks)
+    for n, task in zip("01", tasks):
+        assert f"checkpoint written, job {task} requeued" in logs[n], logs[n][-3000:]
+        assert signalled_at[n] <= summaries[n]["resumed_from"] < steps
+        assert sacct_states(task, slurm_env) == ["REQUEUED", "COMPLETED"]
+
+
+def test_sweep_task_is_preempted_requeued_and_resumes(tmp_path, slurm_env, model_cache):
+    """A job in `urgent` takes one CPU: SLURM preempts one task of the sweep's array; it checkpoints,
+    is requeued by SLURM, resumes after the urgent job and finishes; the sweep then ends normally."""
+    sweep, steps = tmp_path / "sweep", 150
+    proc, tasks = start_sweep(sweep, slurm_env, model_cache, steps)
+    urgent = run(["sbatch", "--parsable", "--partition=urgent", "--cpus-per-task=1", f"--output={tmp_path / 'urgent.out'}",
+                  "--wrap", "sleep 5"], slurm_env).stdout.strip()
+
+    summaries, logs = finish_sweep(proc, sweep, steps, tasks)
+    states = {n: sacct_states(task, slurm_env) for n, task in zip("01", tasks)}
+    preempted = [n for n in "01" if states[n] == ["PREEMPTED", "COMPLETED"]]
+    assert len(preempted) == 1 and states[{"0": "1", "1": "0"}[preempted[0]]] == ["COMPLETED"], states
+    n = preempted[0]
+    assert "on SIGTERM (scancel or preemption); checkpoint written" in logs[n]
+    assert 5 <= summaries[n]["resumed_from"] < steps
+    assert sacct_states(urgent, slurm_env) == ["COMPLETED"]
 
 
 @pytest.mark.parametrize("args, message", [
-    (["partition=nope"], "error: partition 'nope' does not exist on this cluster; pick one of ['debug']"),
+    (["partition=nope"], "error: partition 'nope' does not exist on this cluster; pick one of ['debug', 'urgent']"),
     (["nodes=2", "parallel=ddp"], "error: the job asks for 2 node(s) with 1 task(s) x 1 CPU(s) each, but partition 'debug' has 1 node(s)"),
     ([f"cpus_per_task={os.cpu_count() + 1}"], "0 of them big enough"),
 ])
