@@ -204,6 +204,52 @@ class PeakRSS:
         self.peak_above_mb = (self.peak - self.base) / 2**20
 
 
+def update_memory_worker(mode: str, out: str, rows: int = 32, prompt: int = 128, completion: int = 128) -> None:
+    """One forward + backward of the policy loss on `model=smollm2-135m` (49k vocabulary), in its own
+    process so each measurement starts from the same resting memory. mode `full`: every position's
+    logits, then log_softmax (what update.py did before); `kept`: grpo.update.forward_logprobs
+    (only the completion's positions through the LM head, logit - logsumexp)."""
+    from grpo.models import load_model, resolve_model_folder
+    from grpo.rollout.base import Rollouts
+    from grpo.update import collate, forward_logprobs
+
+    model, tok = load_model(resolve_model_folder(compose(["model=smollm2-135m", "run_dir=unused"])))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 40000, (prompt,), generator=g).tolist() for _ in range(rows)]
+    done = [torch.randint(100, 40000, (completion,), generator=g).tolist() for _ in range(rows)]
+    batch = collate(prompts, Rollouts(done, [[0.0] * completion] * rows, ["length"] * rows, 0), torch.ones(rows),
+                    tok.pad_token_id, False)
+    model.train()
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        if mode == "full":
+            logits = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
+                           position_ids=batch.position_ids_BL).logits[:, batch.prompt_width - 1 : -1]
+            logp = torch.log_softmax(logits.float(), -1).gather(-1, batch.completion_ids_BT.unsqueeze(-1)).squeeze(-1)
+            with torch.no_grad():
+                lsm = torch.log_softmax(logits.detach().float(), -1)
+                ent = -(lsm.exp() * lsm).sum(-1)
+        else:
+            logp, ent = forward_logprobs(model, batch, 1.0, with_entropy=True)
+        (-logp.mean()).backward()
+        seconds = time.perf_counter() - t0
+    with open(out, "w") as f:
+        json.dump({"mode": mode, "peak_above_rest_mb": mem.peak_above_mb, "seconds": seconds,
+                   "tokens": rows * (prompt + completion), "logp_sum": float(logp.detach().double().sum()),
+                   "vocab": model.config.vocab_size}, f)
+
+
+def bench_update_memory() -> list[dict]:
+    rows = []
+    for mode in ("full", "kept"):
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            subprocess.run([sys.executable, "-m", "grpo.bench", "--update-memory-worker", mode, f.name], check=True)
+            rows.append(json.load(open(f.name)))
+    rows[1]["vs_full"] = rows[1]["peak_above_rest_mb"] / rows[0]["peak_above_rest_mb"]
+    rows[1]["logp_diff"] = abs(rows[1]["logp_sum"] - rows[0]["logp_sum"])
+    return rows
+
+
 def zero3_sync_worker(bucket_mbs: list[float], out: str) -> None:
     """Under torchrun: ZeRO-3 shards of a SmolLM2-135M-shaped model (random weights) on each rank;
     for each bucket size, gather the full weights bucket by bucket and pack each bucket into one
@@ -330,6 +376,9 @@ def main() -> None:
     p.add_argument("--parallel", default="single,ddp,zero2,zero3", help="strategies to time ('' for none)")
     p.add_argument("--zero3-buckets", default="16,64,256,1024", help="ZeRO-3 gather bucket sizes in MB ('' for none)")
     p.add_argument("--zero3-sync-worker", metavar="OUT", help=argparse.SUPPRESS)
+    p.add_argument("--update-memory", action="store_true", help="only the update phase's peak memory on "
+                   "smollm2-135m, every position's logits against the completion's only")
+    p.add_argument("--update-memory-worker", nargs=2, metavar=("MODE", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--shared-cores", action="store_true", help="only the step time alone and beside a busy process, "
                    "one thread per core against threads=auto")
     p.add_argument("--vs", choices=["trl"], help="also run TRL's GRPOTrainer on the same setup (needs trl)")
@@ -340,6 +389,16 @@ def main() -> None:
     if args.zero3_sync_worker:
         return zero3_sync_worker(zero3_buckets, args.zero3_sync_worker)
 
+    if args.update_memory_worker:
+        return update_memory_worker(*args.update_memory_worker)
+    if args.update_memory:
+        rows = bench_update_memory()
+        print("\nforward + backward of the policy loss, smollm2-135m, one micro-batch of 8192 tokens: 32 x (128 prompt + 128 completion)")
+        print(table(rows, ["mode", "vocab", "tokens", "peak_above_rest_mb", "seconds", "vs_full", "logp_diff"]))
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"update_memory": rows}, f, indent=2)
+        return
     if args.shared_cores:
         rows = bench_shared_cores(args.steps, args.overrides)
         print("\nstep time of the default run alone and beside one busy process (rollout=hf, parallel=single)")

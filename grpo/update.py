@@ -80,15 +80,17 @@ def collate(
 def forward_logprobs(model, batch: Batch, temperature: float, with_entropy: bool = False):
     """Per-token logprobs of the completion under `model` -> logprobs_BT (and entropy_BT).
     `batch` must already be on the model's device."""
-    logits_BLV = model(
-        input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, position_ids=batch.position_ids_BL
+    T = batch.completion_ids_BT.shape[1]
+    logits_BKV = model(  # only the last T + 1 positions go through the LM head (logits_to_keep)
+        input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, position_ids=batch.position_ids_BL,
+        logits_to_keep=T + 1,
     ).logits
-    logits_BTV = logits_BLV[:, batch.prompt_width - 1 : -1]
+    logits_BTV = logits_BKV[:, -(T + 1) : -1]  # position p predicts token p + 1: the completion's T tokens
     logp_BT = token_logprobs(logits_BTV, batch.completion_ids_BT, temperature)
     if not with_entropy:
         return logp_BT, None
     with torch.no_grad():
-        ent_BT = entropy(logits_BTV.detach() / max(temperature, 1e-6))
+        ent_BT = entropy(logits_BTV.detach() / max(temperature, 1e-6))  # chunked
     return logp_BT, ent_BT
 
 

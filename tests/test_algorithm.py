@@ -210,3 +210,23 @@ def test_batch_scaled_advantages_are_the_same_on_one_and_two_processes(tmp_path)
     torch.testing.assert_close(two, one, rtol=0, atol=1e-6)
     # and not the per-rank std: the second rank's rewards alone have another std
     assert not torch.allclose(group_advantages(rewards_PG[2:], "batch"), one[2:])
+
+
+def test_completion_logits_only_give_the_same_logprobs(tiny_lm):
+    """forward_logprobs sends only the completion's positions through the LM head and takes
+    logit - logsumexp instead of a full log_softmax: the same numbers as every position's logits
+    through log_softmax (to 1e-6), and the same entropy."""
+    from grpo.rollout.base import Rollouts
+    from grpo.update import collate, forward_logprobs
+
+    model, tok = tiny_lm
+    prompts = [[tok.bos_token_id, 5, 6, 7, 8, 9], [tok.bos_token_id, 5]]
+    rollouts = Rollouts([[10, 11, 12], [13]], [[0.0] * 3, [0.0]], ["length", "stop"], 0)
+    batch = collate(prompts, rollouts, torch.zeros(2), tok.pad_token_id, False)
+    logp, ent = forward_logprobs(model, batch, temperature=0.7, with_entropy=True)
+    full = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
+                 position_ids=batch.position_ids_BL).logits[:, batch.prompt_width - 1 : -1].float() / 0.7
+    ref_logp = torch.log_softmax(full, -1).gather(-1, batch.completion_ids_BT.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(torch.softmax(full, -1) * torch.log_softmax(full, -1)).sum(-1)
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-5)

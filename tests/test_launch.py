@@ -73,3 +73,10 @@ def test_serve_and_launch_resolve_model_names_as_the_trainer_does(cache_dir, mon
     assert resolve_model("tiny") == trainer and os.path.isfile(os.path.join(trainer, "config.json"))
     assert resolve_model("/some/folder") == "/some/folder" and resolve_model("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
     assert "smollm2-135m" in PACKAGED  # resolved by the same function, not passed on as a name
+
+
+def test_server_defaults_follow_the_device():
+    from grpo.serve import device_defaults
+
+    assert device_defaults(on_gpu=True) == {"dtype": "auto", "memory_fraction": 0.9, "enforce_eager": False}
+    assert device_defaults(on_gpu=False) == {"dtype": "float32", "memory_fraction": 0.2, "enforce_eager": True}

@@ -55,6 +55,8 @@ def kv_cache_bytes(setting, model_config: dict, dtype: str, max_model_len: int |
         return int(gib * (1 << 30))
     if not model_config:  # a hub id on CPU: its config is not on disk here; vLLM's own sizing
         return None
+    if dtype == "auto":  # the model's own, as vLLM reads it
+        dtype = model_config.get("torch_dtype") or model_config.get("dtype") or "float32"
     per_token = kv_bytes_per_token(model_config, dtype)
     length = max_model_len or model_config.get("max_position_embeddings") or 2048
     return max(2 * length * per_token, min(MAX_NUM_SEQS * length * per_token, CPU_CAP_BYTES))

@@ -165,13 +165,18 @@ class ServerPool:
         return Rollouts(ids, logprobs, reasons, version)
 
     def push(self, buckets: WeightBuckets, version: int) -> None:
-        """Every bucket to every server: one /update_weights call and one gloo broadcast each."""
+        """Every bucket to every server: one /update_weights call and one gloo broadcast each, to all
+        servers concurrently (one after another, a sync took n_servers times as long)."""
         for server in self.servers:
             server.request("/start_weight_update", {})
-        for bucket in buckets:
-            flat, info = pack(bucket)
-            for server, sender in zip(self.servers, self.senders):
-                self._alongside(server, "/update_weights", {"update_info": info}, lambda: sender.send(flat))
+        def send(pair, flat, info):
+            server, sender = pair
+            self._alongside(server, "/update_weights", {"update_info": info}, lambda: sender.send(flat))
+
+        with ThreadPoolExecutor(len(self.servers)) as pool:  # all servers at once, bucket by bucket
+            for bucket in buckets:
+                flat, info = pack(bucket)
+                list(pool.map(lambda pair: send(pair, flat, info), zip(self.servers, self.senders)))
         for server in self.servers:
             server.request("/finish_weight_update", {"weight_version": str(version)})
             server.request("/reset_prefix_cache", {})  # cached KV belongs to the old weights
