@@ -7,8 +7,8 @@ nodes in it can hold the job.
 
 Rendezvous: every task of a job reads its rank from SLURM (grpo/dist.py); the job script exports
 MASTER_ADDR (the job's first node, where rank 0 runs) and MASTER_PORT, a port the batch script
-found free on that node rather than a fixed one. `RENDEZVOUS_SETUP` holds those lines; the sbatch
-templates in slurm/ and conf/hydra/launcher/slurm.yaml carry the same two lines.
+found free on that node rather than a fixed one. The sbatch templates in
+slurm/ and conf/hydra/launcher/slurm.yaml carry those two lines.
 """
 
 from __future__ import annotations
@@ -22,12 +22,6 @@ from dataclasses import dataclass
 from hydra.experimental.callback import Callback
 
 from grpo.errors import ClusterError
-
-RENDEZVOUS_SETUP = [
-    'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-    "export MASTER_PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')",
-]
-
 
 @dataclass(frozen=True)
 class Request:
