@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import random
-
-from grpo.tasks.base import Sample, Task
+from grpo.tasks.base import Sample, Task, hold_out
 
 
 def build_addition(cfg) -> Task:
@@ -18,8 +16,6 @@ def build_addition(cfg) -> Task:
         for a in range(10**d)
         for b in range(10**d)
     ]
-    random.Random(cfg.seed).shuffle(samples)
-    if cfg.eval_size >= len(samples):
-        raise ConfigError(f"task.eval_size={cfg.eval_size} leaves no training data out of {len(samples)} samples; lower it.")
-    return Task("addition", train=samples[cfg.eval_size :], eval=samples[: cfg.eval_size],
+    train, held_out = hold_out(samples, cfg.eval_size, cfg.seed, ConfigError)
+    return Task("addition", train=train, eval=held_out,
                 chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)

@@ -5,10 +5,8 @@ checked by value (math-verify finds the final number), so "The answer is 85." co
 
 from __future__ import annotations
 
-import random
-
 from grpo.rewards.math_answer import is_equivalent
-from grpo.tasks.base import Sample, Task
+from grpo.tasks.base import Sample, Task, hold_out
 
 ANSWER_FORMAT = "Answer with just the number."
 
@@ -26,9 +24,7 @@ def build_arithmetic(cfg) -> Task:
         for a in range(low, 10**d)
         for b in range(low, 10**d)
     ]
-    random.Random(cfg.seed).shuffle(samples)
-    if cfg.eval_size >= len(samples):
-        raise ConfigError(f"task.eval_size={cfg.eval_size} leaves no training data out of {len(samples)} samples; lower it.")
-    return Task("arithmetic", train=samples[cfg.eval_size :], eval=samples[: cfg.eval_size],
+    train, held_out = hold_out(samples, cfg.eval_size, cfg.seed, ConfigError)
+    return Task("arithmetic", train=train, eval=held_out,
                 is_correct=lambda completion, s: is_equivalent(completion, s.answer),
                 chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)

@@ -14,6 +14,16 @@ class Sample:
     meta: dict = field(default_factory=dict)  # anything else a reward needs
 
 
+def hold_out(samples: list, eval_size: int, seed: int, error: type[Exception], where: str = "") -> tuple[list, list]:
+    """(train, eval): a seeded shuffle, then the first `eval_size` held out; `error` (naming
+    `where`) when nothing would be left to train on. The one split of every task."""
+    if eval_size >= len(samples):
+        raise error(f"{where}task.eval_size={eval_size} leaves no training rows out of {len(samples)}; lower it.")
+    samples = list(samples)
+    random.Random(seed).shuffle(samples)
+    return samples[eval_size:], samples[:eval_size]
+
+
 def exact_answer(completion: str, sample: Sample) -> bool:
     return completion.strip() == sample.answer.strip()
 

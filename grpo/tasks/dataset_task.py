@@ -15,8 +15,8 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from grpo.tasks.base import Sample, Task
 from grpo.errors import DatasetError
+from grpo.tasks.base import Sample, Task, hold_out
 from grpo.tasks.rows import Row, load_hub_rows, read_local_rows
 
 
@@ -52,17 +52,11 @@ def read_splits(cfg, columns: list[str]) -> tuple[list[Row], list[Row] | None]:
 def build_dataset_task(cfg, columns: list[str], to_sample: Callable[[dict], Sample], is_correct) -> Task:
     train_rows, eval_rows = read_splits(cfg, columns)
     train = convert_rows(train_rows, columns, to_sample)
-    rng = random.Random(cfg.seed)
-    if eval_rows is None:
-        if cfg.eval_size >= len(train):
-            raise DatasetError(
-                f"task.eval_size={cfg.eval_size} leaves no training rows out of {len(train)}; lower it or set an eval split."
-            )
-        rng.shuffle(train)
-        train, held_out = train[cfg.eval_size :], train[: cfg.eval_size]
-    else:
+    if eval_rows is None:  # hold out rows of the train split
+        train, held_out = hold_out(train, cfg.eval_size, cfg.seed, DatasetError, "no eval split: ")
+    else:  # a seeded eval_size of the eval split
         held_out = convert_rows(eval_rows, columns, to_sample)
-        rng.shuffle(held_out)
+        random.Random(cfg.seed).shuffle(held_out)
         held_out = held_out[: cfg.eval_size]
     return Task(cfg.name, train=train, eval=held_out, is_correct=is_correct,
                 chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)

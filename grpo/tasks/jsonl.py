@@ -4,10 +4,9 @@ a seeded shuffle are held out. Every row is checked: a bad one is an error namin
 from __future__ import annotations
 
 import os
-import random
 
-from grpo.tasks.base import Sample, Task
 from grpo.errors import DatasetError
+from grpo.tasks.base import Sample, Task, hold_out
 from grpo.tasks.rows import read_jsonl_rows
 
 __all__ = ["DatasetError", "build_jsonl", "read_jsonl"]
@@ -33,10 +32,6 @@ def build_jsonl(cfg) -> Task:
     if not cfg.path:
         raise DatasetError("task=jsonl needs task.path=/path/to/file.jsonl.")
     samples = read_jsonl(cfg.path)
-    if cfg.eval_size >= len(samples):
-        raise DatasetError(
-            f"{cfg.path}: task.eval_size={cfg.eval_size} leaves no training rows out of {len(samples)}; lower it."
-        )
-    random.Random(cfg.seed).shuffle(samples)
-    return Task("jsonl", train=samples[cfg.eval_size :], eval=samples[: cfg.eval_size],
+    train, held_out = hold_out(samples, cfg.eval_size, cfg.seed, DatasetError, f"{cfg.path}: ")
+    return Task("jsonl", train=train, eval=held_out,
                 chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)
