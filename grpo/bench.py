@@ -208,8 +208,9 @@ def update_memory_worker(mode: str, out: str, rows: int = 32, prompt: int = 128,
     """One forward + backward of the policy loss on `model=smollm2-135m` (49k vocabulary), in its own
     process so each measurement starts from the same resting memory. mode `full`: every position's
     logits, then log_softmax (what update.py did before); `kept`: grpo.update.forward_logprobs
-    (only the completion's positions through the LM head, logit - logsumexp)."""
-    from grpo.models import load_model, resolve_model_folder
+    (only the completion's positions through the LM head, logit - logsumexp); `kept+checkpointing`:
+    the same with model.gradient_checkpointing=true."""
+    from grpo.models import enable_gradient_checkpointing, load_model, resolve_model_folder
     from grpo.rollout.base import Rollouts
     from grpo.update import collate, forward_logprobs
 
@@ -219,6 +220,8 @@ def update_memory_worker(mode: str, out: str, rows: int = 32, prompt: int = 128,
     done = [torch.randint(100, 40000, (completion,), generator=g).tolist() for _ in range(rows)]
     batch = collate(prompts, Rollouts(done, [[0.0] * completion] * rows, ["length"] * rows, 0), torch.ones(rows),
                     tok.pad_token_id, False)
+    if mode == "kept+checkpointing":
+        enable_gradient_checkpointing(model)
     model.train()
     with PeakRSS() as mem:
         t0 = time.perf_counter()
@@ -241,12 +244,13 @@ def update_memory_worker(mode: str, out: str, rows: int = 32, prompt: int = 128,
 
 def bench_update_memory() -> list[dict]:
     rows = []
-    for mode in ("full", "kept"):
+    for mode in ("full", "kept", "kept+checkpointing"):
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             subprocess.run([sys.executable, "-m", "grpo.bench", "--update-memory-worker", mode, f.name], check=True)
             rows.append(json.load(open(f.name)))
-    rows[1]["vs_full"] = rows[1]["peak_above_rest_mb"] / rows[0]["peak_above_rest_mb"]
-    rows[1]["logp_diff"] = abs(rows[1]["logp_sum"] - rows[0]["logp_sum"])
+    for row in rows[1:]:
+        row["vs_full"] = row["peak_above_rest_mb"] / rows[0]["peak_above_rest_mb"]
+        row["logp_diff"] = abs(row["logp_sum"] - rows[0]["logp_sum"])
     return rows
 
 

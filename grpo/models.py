@@ -303,8 +303,17 @@ def build_policy(cfg, info, log=print):
     barrier()
     path = resolve_model_folder(cfg, log)
     model, tokenizer = load_model(path, cfg.model.dtype)
+    if cfg.model.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     model.to(policy_device(info.local_rank)).train()
     return model, tokenizer, path
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Activations recomputed layer by layer in the backward pass (training mode only; generation
+    and scoring under no_grad are unaffected). Non-reentrant, which ZeRO-3 and autocast need."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
 
 
 def build_reference(cfg, path: str, info):

@@ -230,3 +230,27 @@ def test_completion_logits_only_give_the_same_logprobs(tiny_lm):
     ref_ent = -(torch.softmax(full, -1) * torch.log_softmax(full, -1)).sum(-1)
     torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-6)
     torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-5)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_lm):
+    """model.gradient_checkpointing=true recomputes activations in the backward pass: same gradients."""
+    import copy
+
+    from grpo.models import enable_gradient_checkpointing
+    from grpo.rollout.base import Rollouts
+    from grpo.update import collate, forward_logprobs
+
+    base, tok = tiny_lm
+    batch = collate([[tok.bos_token_id, 5, 6, 7]] * 2, Rollouts([[10, 11], [12]], [[0.0, 0.0], [0.0]], ["length"] * 2, 0),
+                    torch.zeros(2), tok.pad_token_id, False)
+    grads = []
+    for checkpointing in (False, True):
+        model = copy.deepcopy(base).train()
+        if checkpointing:
+            enable_gradient_checkpointing(model)
+        logp, _ = forward_logprobs(model, batch, 1.0)
+        (logp * batch.mask_BT).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=1e-6, msg=n)
