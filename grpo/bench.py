@@ -320,15 +320,17 @@ def bench_trl(steps: int, ours: dict) -> dict:
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as e:
         raise SystemExit(f"--vs trl needs TRL: `.venv/bin/pip install trl==1.16.0` ({e})") from e
+    from grpo.rewards.exact_match import exact_match as grpo_exact_match
     from grpo.tasks import build_task
+    from grpo.tasks.base import Sample
 
     cfg = compose(["run_dir=unused"])
     path = tiny_model_path()
     task = build_task(cfg.task)
     data = Dataset.from_list([{"prompt": s.prompt, "answer": s.answer} for s in task.train])
 
-    def exact_match(completions, answer, **_):
-        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+    def exact_match(completions, answer, **_):  # TRL's reward signature around this codebase's reward
+        return grpo_exact_match(completions, [Sample(prompt="", answer=a) for a in answer])
 
     class StepTimes(TrainerCallback):
         def __init__(self):
