@@ -138,6 +138,7 @@ class ParallelConfig:
     deepspeed_config: Optional[str] = None  # zero2/zero3: a DeepSpeed JSON merged in; conflicts are errors
     cpu_shm_allreduce: bool = False  # zero2/zero3 on CPU: DeepSpeed's shared-memory all-reduce (JIT-built once)
     peer_timeout_s: float = 60.0  # a rank whose heartbeat stops this long is named and the others stop (grpo/dist.py)
+    allreduce_bucket_mb: float = 25.0  # ddp: gradients all-reduced in buckets of this size (torch DDP's default)
 
 
 @dataclass

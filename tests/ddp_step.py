@@ -3,7 +3,7 @@
     python tests/ddp_step.py OUT N_MICRO STRATEGY                       # one process
     torchrun --nproc_per_node 2 tests/ddp_step.py OUT N_MICRO STRATEGY  # each rank half the rows
 
-STRATEGY is single, ddp, zero2 or zero3. With a 4th argument `uneven`, rank 0 takes 3 of the 4
+STRATEGY is single, ddp, zero2 or zero3; ddp reduces in 10 KB buckets, so in many. With a 4th argument `uneven`, rank 0 takes 3 of the 4
 groups and rank 1 one, so the ranks run different numbers of micro-batches. Writes OUT/<loss_type>.pt with the full updated weights
 (rank 0), for every loss type.
 """
@@ -51,7 +51,7 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False) -> None:
                                                max_grad_norm=1e9, num_iterations=2, beta=0.05))
         algo.micro_batch_tokens = local.input_ids_BL.shape[1] * rows // n_micro
         model = copy.deepcopy(base)
-        strategy = strategy_class(name)(OmegaConf.structured(ParallelConfig(strategy=name)), model, algo, total_steps=10)
+        strategy = strategy_class(name)(OmegaConf.structured(ParallelConfig(strategy=name, allreduce_bucket_mb=0.01)), model, algo, total_steps=10)
         ref = copy.deepcopy(base).eval()
         policy_update(strategy, local, algo, max_len=6, temperature=1.0, ref_model=ref)
         full = {n: t.clone() for bucket in strategy.weight_buckets(2**20) for n, t in bucket}  # gathered under ZeRO-3

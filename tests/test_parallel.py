@@ -146,3 +146,14 @@ def test_bf16_training_keeps_fp32_master_weights(tiny_lm):
     moved_naive = train_100(naive, naive.named_parameters, naive_step)
     print(f"bf16 weights changed after 100 steps: {moved:.2f} with fp32 master weights, {moved_naive:.2f} without")
     assert moved > 0.5 and moved_naive < 0.1
+
+
+def test_ddp_gradient_buckets_cover_every_parameter_once_by_dtype():
+    from grpo.parallel.ddp import gradient_buckets
+
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=d)) for n, d in
+              [(100, torch.float32), (50, torch.float32), (300, torch.float32), (10, torch.bfloat16), (20, torch.float32)]]
+    buckets = gradient_buckets(params, bucket_bytes=600)  # 150 fp32 numbers
+    # fp32: [100, 50] = 600 bytes, [300] alone (larger than a bucket), [20]; bf16: [10]
+    assert [[p.numel() for p in b] for b in buckets] == [[100, 50], [300], [20], [10]]
+    assert all(len({p.dtype for p in b}) == 1 for b in buckets)

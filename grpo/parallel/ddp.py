@@ -1,10 +1,14 @@
-"""Data parallel: a full replica on every rank; gradients summed across ranks in one flattened
-all-reduce per optimizer step.
+"""Data parallel: a full replica on every rank; gradients summed across ranks once per optimizer step,
+in buckets of `parallel.allreduce_bucket_mb`.
 
 torch's DistributedDataParallel overlaps the reduce with backward, but needs every rank to run the
 same forward/backward calls; here a rank's minibatch can be empty after zero-variance groups are
 dropped, and micro-batch counts differ between ranks. Reducing once in `step()` keeps every rank
 in lockstep with exactly one collective per optimizer step, whatever each rank computed.
+
+Each bucket of gradients is flattened, all-reduced and copied back into the gradients it came
+from, so the reduction holds one bucket's extra copy at a time (one flat copy of every gradient, and
+a second from unflattening, held two full extra copies: 2 x 28 GB of fp32 gradients for a 7B model).
 
 Gradients are summed, not averaged: the loss on each rank is already divided by counts over the
 whole optimizer batch on all ranks (`Strategy.reduce_counts`), so their sum is the batch gradient.
@@ -14,9 +18,19 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as tdist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from grpo.parallel.single import SingleStrategy
+from grpo.weights import group_by_size
+
+
+def gradient_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.nn.Parameter]]:
+    """Trainable parameters in groups of at most `bucket_bytes` of gradient, by dtype (one flat
+    buffer holds one dtype); a larger parameter goes alone."""
+    out = []
+    for dtype in dict.fromkeys(p.dtype for p in params):
+        same = [(str(i), p) for i, p in enumerate(params) if p.dtype == dtype]
+        out += [[p for _, p in bucket] for bucket in group_by_size(same, bucket_bytes, lambda p: p.numel() * p.element_size())]
+    return out
 
 
 class DDPStrategy(SingleStrategy):
@@ -27,14 +41,19 @@ class DDPStrategy(SingleStrategy):
                 "parallel=ddp` (or srun), or use parallel=single."
             )
         super().__init__(cfg, model, algo, total_steps)
+        self.buckets = gradient_buckets([p for p in model.parameters() if p.requires_grad], int(cfg.allreduce_bucket_mb * 2**20))
         with torch.no_grad():  # every rank starts from rank 0's weights
             for p in model.parameters():
                 tdist.broadcast(p.data, src=0)
 
     def reduce_gradients(self) -> None:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = _flatten_dense_tensors(grads)
-        tdist.all_reduce(flat)
-        for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
-            p.grad = g
+        for bucket in self.buckets:
+            for p in bucket:
+                if p.grad is None:  # this rank's micro-batches did not reach it; the others' may have
+                    p.grad = torch.zeros_like(p)
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            tdist.all_reduce(flat)
+            offset = 0
+            for p in bucket:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
