@@ -96,6 +96,9 @@ class VLLMConfig:
     max_model_len: int = 512
     tensor_parallel_size: int = 1  # colocated: consecutive ranks sharing one engine
     sleep: bool = False  # colocated: free the engine's memory while training
+    # dedicated/remote: how weights reach the servers: auto (vLLM's nccl between GPUs, else
+    # grpo_gloo), grpo_gloo or nccl; a remote server's `grpo.serve --weight-transfer` must agree
+    weight_transfer: str = "auto"
 
 
 @dataclass

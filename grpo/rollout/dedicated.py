@@ -33,7 +33,7 @@ from grpo.rollout.engine_memory import check_vllm
 from grpo import dist
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.weights import WeightBuckets
-from grpo.rollout.servers import ServerPool, free_port, push_from_one_rank
+from grpo.rollout.servers import TRANSFERS, ServerPool, free_port, push_from_one_rank, transfer_backend
 
 
 def pick_devices(spec, training_per_node: int) -> list[str]:
@@ -93,11 +93,13 @@ def child_visible_devices(devices: list[str], parent_visible: str | None) -> str
     return ",".join(parent[i] for i in logical)
 
 
-def launch_engine(model_path: str, devices: list[str], port: int, token: str, vllm_cfg, dtype: str, log_path: str):
+def launch_engine(model_path: str, devices: list[str], port: int, token: str, vllm_cfg, dtype: str, log_path: str,
+                  transfer: str = "grpo_gloo"):
     """One `grpo.serve` process on `devices`, bound to 127.0.0.1, logging to `log_path`."""
     env = {**os.environ, "GRPO_SERVE_TOKEN": token}
     argv = [sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", str(port),
-            "--max-model-len", str(vllm_cfg.max_model_len), "--dtype", dtype, "--kv-cache-gb", str(vllm_cfg.kv_cache_gb)]
+            "--max-model-len", str(vllm_cfg.max_model_len), "--dtype", dtype, "--kv-cache-gb", str(vllm_cfg.kv_cache_gb),
+            "--weight-transfer", transfer]
     if devices == ["cpu"]:
         argv += ["--memory-fraction", str(vllm_cfg.memory_fraction)]
     else:  # the engine owns these GPUs
@@ -132,6 +134,8 @@ class DedicatedBackend(RolloutBackend):
         check_vllm(cfg)  # devices are picked on the node, where they are (pick_devices)
         if cfg.dedicated.num_engines < 1:
             raise ConfigError(f"rollout.dedicated.num_engines={cfg.dedicated.num_engines} must be at least 1.")
+        if cfg.vllm.weight_transfer not in TRANSFERS:
+            raise ConfigError(f"rollout.vllm.weight_transfer={cfg.vllm.weight_transfer!r}: choose one of {', '.join(TRANSFERS)}.")
 
     def __init__(self, cfg, model, tokenizer, model_path: str, dtype: str = "float32", run_dir: str = ".", **_):
         self.group, self.main, self.local_rank = node_groups()
@@ -147,13 +151,15 @@ class DedicatedBackend(RolloutBackend):
                 raise DeviceError(f"rollout.dedicated.num_engines={k} does not divide the {len(devices)} reserved devices {devices}.")
             shares = [devices] * k if devices == ["cpu"] else [devices[i::k] for i in range(k)]
             token, ports = secrets.token_hex(16), [free_port("127.0.0.1") for _ in range(k)]
+            transfer = transfer_backend(cfg.vllm.weight_transfer, devices != ["cpu"] and torch.cuda.is_available())
             atexit.register(self.close)
             try:
                 for share, port in zip(shares, ports):
                     log = os.path.join(run_dir, f"vllm-engine-{port}.log")
-                    self.procs.append(launch_engine(model_path, share, port, token, cfg.vllm, dtype, log))
+                    self.procs.append(launch_engine(model_path, share, port, token, cfg.vllm, dtype, log, transfer))
                 self.pool = ServerPool([f"http://127.0.0.1:{p}" for p in ports], token, cfg.dedicated.start_timeout_s,
-                                       cfg.dedicated.request_timeout_s, len(shares[0]) if devices != ["cpu"] else 1, "127.0.0.1")
+                                       cfg.dedicated.request_timeout_s, len(shares[0]) if devices != ["cpu"] else 1, "127.0.0.1",
+                                       transfer=transfer)
             except BaseException:  # an engine that never got healthy: stop the ones already started
                 self.close()
                 raise

@@ -36,16 +36,21 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], opts).wait()
 
 
+def update_info(bucket: list[tuple[str, torch.Tensor]]) -> dict:
+    """What a server's /update_weights is told about one bucket: names, dtypes and shapes in order,
+    the fields of both `grpo_gloo`'s and vLLM's `nccl` update info."""
+    return {
+        "names": [n for n, _ in bucket],
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+        "shapes": [list(t.shape) for _, t in bucket],
+    }
+
+
 def pack(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, dict]:
     """One bucket -> (a flat uint8 tensor, the update_info the worker needs to unpack it)."""
     tensors = [t.detach().contiguous().cpu() for _, t in bucket]
     flat = torch.cat([t.view(-1).view(torch.uint8) for t in tensors]) if tensors else torch.empty(0, dtype=torch.uint8)
-    info = {
-        "names": [n for n, _ in bucket],
-        "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors],
-        "shapes": [list(t.shape) for t in tensors],
-    }
-    return flat, info
+    return flat, update_info(bucket)
 
 
 def unpack(flat: torch.Tensor, names, dtype_names, shapes) -> list[tuple[str, torch.Tensor]]:
@@ -74,6 +79,11 @@ class GlooSender:
     def connect(self) -> None:
         """Blocks until every worker joined; call while the server's init request is in flight."""
         self.store, self.group = _group(self.host, self.port, 0, self.world_size, self.timeout_s)
+
+    @staticmethod
+    def prepare(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+        """The bucket's bytes, packed once and sent to every server."""
+        return pack(bucket)[0]
 
     def send(self, flat: torch.Tensor) -> None:
         _broadcast(self.group, flat)

@@ -7,8 +7,11 @@ pushes over the grpo_gloo transport.
 - The whole batch is split across the servers by load: each server gets a contiguous share of the
   prompts proportional to the throughput it showed on earlier batches (equal at first), and all
   G completions of a prompt go to the same server. The shares are requested in parallel.
-- Weights go to every server through vLLM's RL routes with the `grpo_gloo` transport (see
-  gloo_transfer.py): one /update_weights call and one gloo broadcast per bucket.
+- Weights go to every server through vLLM's RL routes: one /update_weights call per bucket, its
+  bytes carried by the weight-transfer engine both sides chose (`transfer_backend`): `grpo_gloo`
+  (gloo_transfer.py: one gloo broadcast of the packed bucket, CPU or GPU) or, between GPUs, vLLM's
+  own `nccl` (nccl_transfer.py: one NCCL broadcast per tensor from GPU memory). The two senders
+  share this client: handshake, per-bucket calls, versions, concurrency.
 """
 
 from __future__ import annotations
@@ -23,10 +26,41 @@ from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 from grpo import dist
-from grpo.errors import ServerError
+from grpo.errors import ConfigError, ServerError
 from grpo.rollout.base import Rollouts, Sampling
-from grpo.rollout.gloo_transfer import GlooSender, pack
+from grpo.rollout.gloo_transfer import BACKEND as GLOO, GlooSender, update_info
 from grpo.weights import WeightBuckets
+
+TRANSFERS = ("auto", GLOO, "nccl")
+
+
+def transfer_backend(setting: str, cuda: bool) -> str:
+    """The weight-transfer engine a server runs and its trainer drives (`rollout.vllm.weight_transfer`,
+    `grpo.serve --weight-transfer`): auto = vLLM's `nccl` where CUDA is, else `grpo_gloo`."""
+    if setting not in TRANSFERS:
+        raise ConfigError(f"weight_transfer={setting!r}: choose one of {', '.join(TRANSFERS)}.")
+    if setting == "nccl" and not cuda:
+        raise ConfigError("weight_transfer=nccl needs a CUDA device here; use auto or grpo_gloo on CPU.")
+    if setting == "auto":
+        return "nccl" if cuda else GLOO
+    return setting
+
+
+def make_sender(transfer: str, host: str, port: int, world_size: int, timeout_s: float):
+    if transfer == "nccl":
+        from grpo.rollout.nccl_transfer import NcclSender
+
+        return NcclSender(host, port, world_size, timeout_s)
+    return GlooSender(host, port, world_size, timeout_s)
+
+
+def route_address(host: str, port: int) -> str:
+    """This machine's address on its route to host:port, the one the server can reach it at
+    (connecting a UDP socket sends nothing). gethostbyname(gethostname()) is often 127.0.1.1."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
 
 
 def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it"):
@@ -94,25 +128,20 @@ class ServerPool:
     weight pushes. Shared by the remote and dedicated backends."""
 
     def __init__(self, urls: list[str], token: str | None, health_timeout_s: float, request_timeout_s: float,
-                 tensor_parallel_size: int = 1, transfer_host: str | None = None, can_push: bool = True):
+                 tensor_parallel_size: int = 1, transfer_host: str | None = None, can_push: bool = True,
+                 transfer: str = GLOO):
         self.servers = [Server(u, token, request_timeout_s) for u in urls]
         deadline = time.time() + health_timeout_s
         with ThreadPoolExecutor(len(self.servers)) as pool:
             list(pool.map(lambda s: s.wait_healthy(deadline), self.servers))
-        self.senders: list[GlooSender] = []
+        self.senders = []
         if can_push:
-            host = transfer_host or self._reachable_host()
             for server in self.servers:
-                sender = GlooSender(host, free_port(), world_size=1 + tensor_parallel_size, timeout_s=request_timeout_s)
+                url = urlparse(server.url)
+                host = transfer_host or route_address(url.hostname, url.port or 80)
+                sender = make_sender(transfer, host, free_port(), 1 + tensor_parallel_size, request_timeout_s)
                 self._alongside(server, "/init_weight_transfer_engine", {"init_info": sender.init_info()}, sender.connect)
                 self.senders.append(sender)
-
-    def _reachable_host(self) -> str:
-        """127.0.0.1 when every server is local, else this machine's address as others see it."""
-        hosts = {urlparse(s.url).hostname for s in self.servers}
-        if hosts <= {"127.0.0.1", "localhost", "::1"}:
-            return "127.0.0.1"
-        return socket.gethostbyname(socket.gethostname())
 
     @staticmethod
     def _alongside(server: Server, path: str, body: dict, fn) -> None:
@@ -175,8 +204,8 @@ class ServerPool:
 
         with ThreadPoolExecutor(len(self.servers)) as pool:  # all servers at once, bucket by bucket
             for bucket in buckets:
-                flat, info = pack(bucket)
-                list(pool.map(lambda pair: send(pair, flat, info), zip(self.servers, self.senders)))
+                payload, info = self.senders[0].prepare(bucket), update_info(bucket)
+                list(pool.map(lambda pair: send(pair, payload, info), zip(self.servers, self.senders)))
         for server in self.servers:
             server.request("/finish_weight_update", {"weight_version": str(version)})
             server.request("/reset_prefix_cache", {})  # cached KV belongs to the old weights
