@@ -6,8 +6,13 @@ The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`). With several ra
 they pool their prompts, generate the pooled batch together (same seed) and each keeps its own
 completions. New weights are handed over in memory: one `reload_weights` call whose iterator walks
 the strategy's buckets lazily, so only one bucket is materialised at a time; under tensor
-parallelism each rank's shard takes its slice of the full weights. With `rollout.vllm.sleep=true`
-the engine frees its KV cache and weights during the training phase (GPU only).
+parallelism each rank's shard takes its slice of the full weights.
+
+With `rollout.vllm.sleep=true` (GPU only) the engine frees its memory while the trainer trains:
+level 2 sleep discards weights and KV cache outright (level 1 copied every weight to the host each
+step, only for the reload to overwrite it). The reload then wakes the weights alone, loads the new
+ones, and wakes the KV cache last, so the two never need the device at once with the trainer's
+cached blocks; the CUDA cache is emptied before each wake and before the engine is built.
 """
 
 from __future__ import annotations
@@ -20,6 +25,14 @@ from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.weights import WeightBuckets
 from grpo.errors import ConfigError, EngineStartError
 from grpo.rollout.engine_memory import check_vllm, kv_cache_bytes, read_model_config, start_failure_message
+
+
+def empty_device_cache() -> None:
+    """Give the CUDA caching allocator's free blocks back to the device (vLLM allocates outside it)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def engine_model(llm):
@@ -147,8 +160,10 @@ class ColocatedBackend(RolloutBackend):
             raise ValueError(f"rollout.vllm.tensor_parallel_size={self.tp} does not divide the {world} processes.")
         self.tp_group = tensor_parallel_group(self.tp) if self.tp > 1 else None
         self.owns_process_group = not torch.distributed.is_initialized()  # vLLM makes a 1-process group itself
+        empty_device_cache()  # the trainer's cached blocks, so vLLM's memory profile sees them free
         self.llm = build_llm(model_path, cfg, dtype, seed + dist.rank() // self.tp, world)
-        self.sleeping = False
+        self.asleep: set[str] = set()  # what level-2 sleep released and is not yet woken
+        self.weights_discarded = False
         self.sleep_enabled = cfg.vllm.sleep
         self.weight_version = 0
 
@@ -175,21 +190,28 @@ class ColocatedBackend(RolloutBackend):
         return to_rollouts(outputs, self.weight_version)
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
-        self.wake()
+        self.wake(["weights"])
         stream = (pair for bucket in buckets for pair in bucket)  # lazy: one bucket alive at a time
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        self.weights_discarded = False
+        self.wake(["kv_cache"])
         self.llm.reset_prefix_cache()  # cached KV belongs to the old weights
         self.weight_version = version
 
     def sleep(self) -> None:
-        if self.sleep_enabled and not self.sleeping:
-            self.llm.sleep(level=1)
-            self.sleeping = True
+        if self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep, self.weights_discarded = {"weights", "kv_cache"}, True
 
-    def wake(self) -> None:
-        if self.sleeping:
-            self.llm.wake_up()
-            self.sleeping = False
+    def wake(self, tags: list[str] | None = None) -> None:
+        """Wake `tags` (all by default); generating before the reload refills discarded weights is an error."""
+        tags = [t for t in (tags or ["weights", "kv_cache"]) if t in self.asleep]
+        if "kv_cache" in tags and self.weights_discarded:
+            raise RuntimeError("the engine slept at level 2, which discarded its weights: call update_weights before generating.")
+        if tags:
+            empty_device_cache()
+            self.llm.wake_up(tags=tags)
+            self.asleep -= set(tags)
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
