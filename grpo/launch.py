@@ -20,7 +20,9 @@ Topologies:
   - colocated / hf: every task generates with its own engine (or model); nothing more to start.
   - dedicated: ask for more GPUs per node than tasks (gpus_per_node=8 tasks_per_node=6); each
     node's local rank 0 starts its engines on the GPUs training does not use.
-  - remote: servers=S submits a companion job first: S nodes, each running `grpo.serve` (`ServeJob`)
+  - remote: servers=S submits a companion job first: S nodes, each running one `grpo.serve`
+    (`ServeJob`) per tensor-parallel group of its server_gpus (8 GPUs at
+    rollout.remote.tensor_parallel_size=2: 4 servers, 2 GPUs each; one on a node without GPUs), each
     on a port it found free and writing its URL into <run_dir>/servers/. The trainer job waits
     for the S URLs, then for every server's health check (rollout.remote.health_timeout_s), with a
     fresh random token guarding the weight routes, and cancels the servers when training ends.
@@ -43,6 +45,7 @@ from omegaconf import OmegaConf
 from grpo.cli import exit_on_user_error
 from grpo.config import compose_config, validate
 from grpo.errors import ConfigError
+from grpo.rollout.dedicated import child_visible_devices
 from grpo.slurm import check_request, request_from
 
 LAUNCH_KEYS = {  # key on the command line -> field of conf/hydra/launcher/slurm.yaml
@@ -119,9 +122,27 @@ def wait_for_servers(run_dir: str, count: int, timeout_s: float) -> list[str]:
         time.sleep(2)
 
 
+def servers_per_node(server_gpus: int, tensor_parallel_size: int) -> int:
+    """One server per tensor-parallel group of a server node's GPUs; one on a node without GPUs."""
+    if not server_gpus:
+        return 1
+    if server_gpus % tensor_parallel_size:
+        raise ConfigError(f"server_gpus={server_gpus} is not a multiple of rollout.remote.tensor_parallel_size="
+                          f"{tensor_parallel_size}: each server takes that many GPUs.")
+    return server_gpus // tensor_parallel_size
+
+
+def server_visible_devices(local_id: int, tensor_parallel_size: int, parent_visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for the node's `local_id`-th server: its own consecutive group of GPUs,
+    mapped through the job step's own list (SLURM may give 4,5,6,7 or UUIDs)."""
+    first = local_id * tensor_parallel_size
+    return child_visible_devices([f"cuda:{i}" for i in range(first, first + tensor_parallel_size)], parent_visible)
+
+
 @dataclass
 class ServeJob:
-    """One rollout server per task of the companion job: `grpo.serve` on a free port, its URL written."""
+    """One rollout server per task of the companion job (one task per tensor-parallel group of a
+    node's GPUs): `grpo.serve` on a free port, on its own GPUs, its URL written."""
 
     overrides: list[str]
     run_dir: str
@@ -133,10 +154,14 @@ class ServeJob:
 
         cfg = compose_config([*self.overrides, f"run_dir={self.run_dir}"])
         model = resolve_model_folder(cfg)
-        v = cfg.rollout.vllm
+        tp = cfg.rollout.remote.tensor_parallel_size
+        if os.environ.get("CUDA_VISIBLE_DEVICES") and int(os.environ.get("SLURM_NTASKS_PER_NODE", "1")) > 1:
+            os.environ["CUDA_VISIBLE_DEVICES"] = server_visible_devices(int(os.environ.get("SLURM_LOCALID", "0")), tp,
+                                                                        os.environ["CUDA_VISIBLE_DEVICES"])
+        # the server owns its devices: memory fraction and CUDA graphs are grpo.serve's per-device
+        # defaults (0.9 on GPU), not the colocated engine's share; the dtype is the trainer's
         serve(["--model", model, "--host", "0.0.0.0", "--port", "0", "--url-dir", servers_dir(self.run_dir), "--dtype", cfg.model.dtype,
-               "--memory-fraction", str(v.memory_fraction),
-               "--tensor-parallel-size", str(cfg.rollout.remote.tensor_parallel_size), *self.extra_args])
+               "--tensor-parallel-size", str(tp), "--weight-transfer", cfg.rollout.vllm.weight_transfer, *self.extra_args])
 
 
 def executor_for(folder: str, launcher, name: str, **changes):
@@ -185,8 +210,10 @@ def launch(argv: list[str]) -> str:
         cfg.rollout.remote.urls = ["http://found-when-the-job-starts:0"]
     validate(cfg, world_size=world)
     check_request(request_from(launcher))
+    per_node = servers_per_node(own["server_gpus"], cfg.rollout.remote.tensor_parallel_size)
     if own["servers"]:
-        server_launcher = OmegaConf.merge(launcher, {"nodes": own["servers"], "tasks_per_node": 1, "gpus_per_node": own["server_gpus"] or None})
+        server_launcher = OmegaConf.merge(launcher, {"nodes": own["servers"], "tasks_per_node": per_node,
+                                                     "gpus_per_node": own["server_gpus"] or None})
         check_request(request_from(server_launcher))
 
     os.makedirs(run_dir, exist_ok=True)
@@ -197,11 +224,11 @@ def launch(argv: list[str]) -> str:
             os.remove(old)
         token = os.environ.get("GRPO_SERVE_TOKEN") or secrets.token_hex(16)
         os.environ["GRPO_SERVE_TOKEN"] = token  # sbatch passes the environment on to both jobs; never an override
-        ex = executor_for(folder, launcher, "grpo-serve", nodes=own["servers"], tasks_per_node=1,
+        ex = executor_for(folder, launcher, "grpo-serve", nodes=own["servers"], tasks_per_node=per_node,
                           gpus_per_node=own["server_gpus"] or None)
         server_job = ex.submit(ServeJob(train_overrides, run_dir)).job_id
-        print(f"submitted rollout servers: job {server_job} ({own['servers']} node(s))")
-    job = executor_for(folder, launcher, "grpo").submit(TrainJob(train_overrides, run_dir, own["servers"], server_job))
+        print(f"submitted rollout servers: job {server_job} ({own['servers']} node(s) x {per_node} server(s))")
+    job = executor_for(folder, launcher, "grpo").submit(TrainJob(train_overrides, run_dir, own["servers"] * per_node, server_job))
     print(f"submitted training: job {job.job_id}, {launcher.nodes} node(s) x {launcher.tasks_per_node} task(s)\n"
           f"  run folder {run_dir}\n  logs {run_dir}/slurm/{job.job_id}/\n  squeue -j {job.job_id}; scancel {job.job_id}")
     if own["wait"]:

@@ -80,3 +80,27 @@ def test_server_defaults_follow_the_device():
 
     assert device_defaults(on_gpu=True) == {"dtype": "auto", "memory_fraction": 0.9, "enforce_eager": False}
     assert device_defaults(on_gpu=False) == {"dtype": "float32", "memory_fraction": 0.2, "enforce_eager": True}
+
+
+def test_server_runs_the_weight_transfer_engine_it_was_given():
+    import argparse
+    import json
+
+    from grpo.serve import vllm_argv
+
+    ns = argparse.Namespace(model="m", host="127.0.0.1", port=1, dtype="auto", memory_fraction=0.9, max_model_len=None,
+                            enforce_eager=False, weight_transfer="nccl")
+    argv = vllm_argv(ns, [])
+    assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
+
+
+def test_one_server_per_tensor_parallel_group_on_its_own_gpus():
+    from grpo.errors import ConfigError
+    from grpo.launch import server_visible_devices, servers_per_node
+
+    assert servers_per_node(8, 2) == 4 and servers_per_node(8, 8) == 1 and servers_per_node(0, 4) == 1
+    with pytest.raises(ConfigError, match="not a multiple of rollout.remote.tensor_parallel_size=3"):
+        servers_per_node(8, 3)
+    assert [server_visible_devices(i, 2, "0,1,2,3,4,5,6,7") for i in range(4)] == ["0,1", "2,3", "4,5", "6,7"]
+    assert server_visible_devices(1, 2, "4,5,6,7") == "6,7"  # the step's own list, renumbered
+    assert server_visible_devices(0, 1, "GPU-aa,GPU-bb") == "GPU-aa"
