@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 from grpo import dist
 from grpo.errors import ConfigError, ServerError, TokenError
 from grpo.rollout.auth import load_token, read_token_file
@@ -23,6 +25,8 @@ from grpo.weights import WeightBuckets
 
 
 class RemoteBackend(RolloutBackend):
+    overlaps_training = True  # the servers generate while the trainer updates (algo.max_staleness)
+
     @classmethod
     def check(cls, cfg, world: int) -> None:
         if not cfg.remote.urls:
@@ -42,10 +46,13 @@ class RemoteBackend(RolloutBackend):
         self.weight_version = 0
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
-        return self.pool.generate(prompt_ids, n, sampling, self.weight_version)
+        return self.submit(prompt_ids, n, sampling).result()
+
+    def submit(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Future:
+        return self.pool.submit(prompt_ids, n, sampling, self.weight_version)
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
-        push_from_one_rank(self.pool if dist.rank() == 0 else None, buckets, version)
+        push_from_one_rank(self.pool if dist.rank() == 0 else None, buckets, version, own=self.pool)
         self.weight_version = version
 
     def close(self) -> None:
