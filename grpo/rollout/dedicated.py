@@ -9,6 +9,8 @@ without GPUs the engines are CPU processes.
 Each step, the node's ranks hand their prompts to the local main process, which sends the node's
 whole batch at once, split across its engines by load, and hands every rank its own completions
 back. Weights go from the local main's replica to its engines over the grpo_gloo transport.
+`submit` gathers the prompts at once and generates on the local main's background thread, so with
+algo.max_staleness >= 1 the engines work while the trainer updates; `result()` scatters.
 
 The engine processes die with the trainer: they are stopped on close and at exit, and the kernel
 sends them SIGTERM if the trainer is killed (PR_SET_PDEATHSIG).
