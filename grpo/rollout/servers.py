@@ -151,9 +151,10 @@ class ServerPool:
         self.generator.submit(lambda: None).result()
 
     def served_version(self, server: Server, fallback: int) -> int:
-        """The weight version `server` holds (set by our pushes); `fallback` before the first push."""
-        v = server.request("/weight_info").get("weight_version")
-        return fallback if v in (None, "") else int(v)
+        """The weight version `server` holds (set by our pushes); `fallback` before the first push
+        (vLLM reports None or "default" then)."""
+        v = str(server.request("/weight_info").get("weight_version"))
+        return int(v) if v.isdigit() else fallback
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling, version: int) -> Rollouts:
         """The batch, split across the servers; `version`: what the trainer last pushed."""
