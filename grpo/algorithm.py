@@ -213,3 +213,67 @@ def policy_loss(
     if is_weights_BT is not None:
         loss_BT = loss_BT * is_weights_BT
     return aggregate(loss_BT, mask_BT, loss_type, norm), stats
+
+
+def decoupled_loss(
+    logprobs_BT: torch.Tensor,
+    proximal_logprobs_BT: torch.Tensor,
+    sampler_logprobs_BT: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    norm: LossNorm,
+    algo,
+    ref_logprobs_BT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The decoupled PPO objective (Hilton et al. 2022, "Batch size-invariance for policy
+    optimization"; AReaL, Fu et al. 2025, for asynchronous RL), which separates the two policies a
+    stale batch involves:
+
+      behaviour policy  mu        the sampler's weights, `algo.max_staleness` versions old at most
+      proximal policy   pi_prox   the trainer's weights before this update (`proximal_logprobs_BT`)
+      current policy    pi_theta  what the gradient moves (`logprobs_BT`)
+
+      loss = w * -min(r * A, clip(r, 1 - eps, 1 + eps_high) * A),
+             r = pi_theta / pi_prox                 (the trust region, around the proximal policy)
+             w = pi_prox / mu, detached             (the off-policy correction, `importance_weights`
+                                                     with algo.is_level / is_mode / is_cap)
+
+    With a fresh batch mu = pi_prox up to kernel noise, and this is the synchronous loss with its
+    sampler-mismatch correction; with is_level=none w is 1 (no correction)."""
+    w_BT = importance_weights(proximal_logprobs_BT, sampler_logprobs_BT, mask_BT, algo.is_level, algo.is_mode, algo.is_cap)
+    return policy_loss(
+        logprobs_BT,
+        proximal_logprobs_BT,
+        advantages_B,
+        mask_BT,
+        norm,
+        loss_type=algo.loss_type,
+        clip_eps=algo.clip_eps,
+        clip_eps_high=algo.clip_eps_high,
+        beta=algo.beta,
+        ref_logprobs_BT=ref_logprobs_BT,
+        is_weights_BT=None if algo.is_level == "none" else w_BT,
+    )
+
+
+def sampled_kl(sampler_logprobs_BT: torch.Tensor, trainer_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor) -> tuple[float, float]:
+    """KL(sampler || trainer) on the tokens the sampler drew -> (sum over tokens, tokens).
+
+    k3 estimator per token, r = pi_trainer / pi_sampler: r - 1 - log r (>= 0; unbiased, since the
+    tokens were drawn from the sampler). Summed, not averaged, so ranks and micro-batches add up."""
+    log_r_BT = (trainer_logprobs_BT - sampler_logprobs_BT).detach()
+    k3_BT = (log_r_BT.exp() - 1 - log_r_BT) * mask_BT
+    return float(k3_BT.sum()), float(mask_BT.sum())
+
+
+def staleness(trainer_version: int, sampler_version: int) -> int:
+    """Versions the batch's sampler is behind the trainer that updates on it (0: on-policy)."""
+    return trainer_version - sampler_version
+
+
+def batches_to_submit(step: int, submitted: int, max_staleness: int, last_step: int) -> range:
+    """The batches to hand to the engines at the start of `step`, when batches up to `submitted`
+    already were: every one up to step + max_staleness (never past `last_step`). Submitted now, with
+    the engines at version step - 1 and trained at step s' <= step + max_staleness with the trainer
+    at version s' - 1, a batch is at most max_staleness versions behind."""
+    return range(submitted + 1, min(step + max_staleness, last_step) + 1)

@@ -1,5 +1,6 @@
 """`python -m grpo.bench`: rollout throughput per backend, weight-sync cost, step-time breakdown,
-step time per parallel strategy, and ZeRO-3's gather cost against bucket size.
+step time per parallel strategy, and ZeRO-3's gather cost against bucket size; `--async`: step time
+with asynchronous rollouts (algo.max_staleness 0, 1, 2) and their learning side by side.
 
 Runs short trainings of the embedded default through each backend (for `remote` it starts a
 `grpo.serve` server on this machine first), then times weight syncs of the same weights in buckets
@@ -99,6 +100,36 @@ def bench_backend(backend: str, steps: int, extra: list[str], url: str | None = 
         "sync_s": mean("time/sync_s"),
         "model_path": cfg.model.path if cfg.model.path != "tiny" else None,
     }
+
+
+def bench_async(steps: int, learn_steps: int, extra: list[str]) -> tuple[list[dict], list[dict]]:
+    """algo.max_staleness k = 0, 1, 2 with rollout=dedicated: the same model, task and batch, one
+    after another in this process (each starts its own engine), timed over the steps after the
+    first; then the default task learned with k = 0 and k = 1 for the same steps (0: no learning run)."""
+    from grpo.train import train
+
+    common = ["rollout=dedicated", "algo.is_level=token", "checkpoint_every=0", "logger.log_every=1000",
+              "logger.sample_every=0", "export_model=false", *extra]
+    timing, learning = [], []
+    for k in (0, 1, 2):
+        run_dir = tempfile.mkdtemp(prefix=f"bench-async{k}-")
+        t0 = time.perf_counter()
+        train(compose([*common, f"algo.max_staleness={k}", f"steps={steps}", f"run_dir={run_dir}"]))
+        rows = metrics_rows(run_dir)
+        mean = lambda key: statistics.mean(r[key] for r in rows)  # noqa: E731
+        timing.append({"max_staleness": k, "steps_timed": len(rows), "step_s": mean("step_s"),
+                       "wait_for_data_s": mean("time/wait_for_data_s"), "score_s": mean("time/score_s"),
+                       "update_s": mean("time/update_s"), "sync_s": mean("time/sync_s"),
+                       "engine_wait_s": mean("time/engine_wait_s"), "staleness": mean("async/staleness_mean"),
+                       "sampler_kl": mean("sampler_kl"), "wall_s": time.perf_counter() - t0})
+    for row in timing:
+        row["speedup"] = timing[0]["step_s"] / row["step_s"]
+    for k in (0, 1) if learn_steps else ():
+        run_dir = tempfile.mkdtemp(prefix=f"bench-async-learn{k}-")
+        summary = train(compose([*common, f"algo.max_staleness={k}", f"steps={learn_steps}", f"run_dir={run_dir}"]))
+        learning.append({"max_staleness": k, "steps": learn_steps, "eval_before": summary["eval_before"],
+                         "eval_after": summary["eval_after"], "eval_gain": summary["eval_gain"], "wall_s": summary["wall_s"]})
+    return timing, learning
 
 
 def bench_sync(backend_name: str, bucket_mb: list[float], repeats: int, url: str | None = None) -> list[dict]:
@@ -387,6 +418,9 @@ def main() -> None:
     p.add_argument("--update-memory-worker", nargs=2, metavar=("MODE", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--shared-cores", action="store_true", help="only the step time alone and beside a busy process, "
                    "one thread per core against threads=auto")
+    p.add_argument("--async", dest="async_", action="store_true", help="only asynchronous rollouts: step time "
+                   "with algo.max_staleness=0, 1, 2 (rollout=dedicated), then k=0 against k=1 learning the default task")
+    p.add_argument("--learn-steps", type=int, default=300, help="--async: steps of each learning run (0: none)")
     p.add_argument("--vs", choices=["trl"], help="also run TRL's GRPOTrainer on the same setup (needs trl)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every training run")
     args = p.parse_args()
@@ -412,6 +446,19 @@ def main() -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"shared_cores": rows}, f, indent=2)
+        return
+
+    if args.async_:
+        timing, learning = bench_async(args.steps, args.learn_steps, args.overrides)
+        print("\nasynchronous rollouts, rollout=dedicated (means over the steps after the first)")
+        print(table(timing, ["max_staleness", "step_s", "speedup", "wait_for_data_s", "score_s", "update_s", "sync_s",
+                             "engine_wait_s", "staleness", "sampler_kl", "wall_s"]))
+        if learning:
+            print("\nlearning the default task, the same steps")
+            print(table(learning, ["max_staleness", "steps", "eval_before", "eval_after", "eval_gain", "wall_s"]))
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"async": timing, "async_learning": learning}, f, indent=2)
         return
 
     backends = [b for b in args.backends.split(",") if b]

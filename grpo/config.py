@@ -166,6 +166,10 @@ class AlgoConfig:
     is_level: str = "none"  # sampler/trainer mismatch correction: none | token | sequence
     is_mode: str = "truncate"  # truncate (cap the weight) | mask (w inside [1/cap, cap], 0 outside) | reject (1 inside, 0 outside)
     is_cap: float = 2.0
+    # asynchronous rollouts: batches generate up to this many weight versions ahead of the update
+    # that trains on them (0 = synchronous: generate, then update). >= 1 needs engines in other
+    # processes (rollout=dedicated/remote) and an importance correction (is_level) for the stale batch
+    max_staleness: int = 0
 
 
 @dataclass
@@ -305,6 +309,15 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
             "logprobs come from a renormalised distribution the trainer does not compute."
         )
     backend_class(r.backend).check(r, world)  # each backend its own settings (grpo/rollout/)
+    if a.max_staleness < 0:
+        raise ConfigError(f"algo.max_staleness={a.max_staleness} must be >= 0 (0: synchronous; k: batches up to k versions old).")
+    backend_class(r.backend).check_staleness(r, a.max_staleness)  # can its engines generate while we train?
+    if a.max_staleness > 0 and a.is_level == "none":
+        raise ConfigError(
+            f"algo.max_staleness={a.max_staleness} trains on batches sampled by weights up to {a.max_staleness} "
+            f"version(s) old: set algo.is_level=token (or sequence) so the decoupled loss weights them by "
+            f"trainer/sampler (capped at algo.is_cap), or algo.max_staleness=0."
+        )
     strategy_class(cfg.parallel.strategy).check(cfg.parallel, world)  # each strategy its own (grpo/parallel/)
     if cfg.parallel.peer_timeout_s <= 0:
         raise ConfigError(f"parallel.peer_timeout_s={cfg.parallel.peer_timeout_s} must be > 0 seconds.")

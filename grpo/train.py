@@ -16,6 +16,17 @@ Variant implemented (DeepSeekMath GRPO, with the fixes later papers made optiona
   - Optional importance correction when the sampler's logprobs disagree with the trainer's
     (vLLM vs. transformers kernels), per token or per sequence: truncated (TIS), masked with the
     weight kept inside the band (MIS/IcePop), or rejected outside it without re-weighting.
+  - Asynchronous rollouts (`algo.max_staleness` = k >= 1, engines in other processes): at the start
+    of step s the engines get every batch up to s + k, so they generate while the trainer updates,
+    and a batch is trained on weights at most k versions newer than the ones that sampled it. Its
+    loss is decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy optimization";
+    used for asynchronous RL by AReaL, Fu et al. 2025): the clipped ratio is taken against the
+    proximal policy, the trainer's weights before this update, and each token is weighted by
+    proximal / behaviour (the sampler's logprobs), capped or masked by `algo.is_*`
+    (`algorithm.decoupled_loss`). Weights reach the engines only between requests. A checkpoint
+    records the sampler as of the batches trained, so batches in flight at a stop are drawn again
+    (same prompts, same sampling seeds) after resume, from the resumed weights: a resumed run
+    trains the same prompts but not bit-for-bit the same completions as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -26,14 +37,16 @@ import os
 import random
 import subprocess
 import time
-from dataclasses import replace
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 
 import hydra
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from grpo.algorithm import combine_rewards, zero_std_groups
+from grpo.algorithm import batches_to_submit, combine_rewards, staleness, zero_std_groups
 from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_aside_checkpoints
 from grpo.cli import exit_on_user_error
 from grpo.config import register_configs, validate
@@ -68,6 +81,17 @@ def sampling_seed(seed: int, step: int, rank: int) -> int:
     """The engines' sampling seed for one step of one rank: distinct per (run seed, step, rank), and
     the same again when a resumed run redoes the step. Engines add the prompt's index (< 65,536)."""
     return ((seed * 1_000_003 + step) * 256 + rank) * 65_536
+
+
+@dataclass
+class InFlight:
+    """A batch handed to the rollout engines, waiting to be trained on."""
+
+    step: int  # the step that trains on it
+    samples: list  # this rank's P prompts (with what the reward needs)
+    prompt_ids: list[list[int]]
+    sampler_state: dict  # the sampler before this batch was drawn: what a checkpoint before `step` saves
+    rollouts: Future  # .result(): the Rollouts
 
 
 def seed_everything(seed: int) -> None:
@@ -165,8 +189,21 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     logger = RunLogger(cfg.logger, run_dir, cfg.steps, resolved, enabled=info.is_main, resume_step=start if ckpt else None)
     cleanup.callback(logger.close)
 
+    in_flight: deque[InFlight] = deque()  # batches the engines work on, oldest first
+    submitted = start  # the last step whose batch was handed over
+
+    def submit(step: int) -> InFlight:
+        """Draw the step's prompts (the same on every rank, each taking its share) and hand them over."""
+        before = sampler.state_dict()
+        samples = sampler.next(P * info.world_size)[info.rank * P : (info.rank + 1) * P]
+        prompt_ids = encode_prompts(tokenizer, samples, task.chat_template, task.system_prompt)
+        seeded = replace(sampling, seed=sampling_seed(cfg.seed, step, info.rank))
+        return InFlight(step, samples, prompt_ids, before, rollout.submit(prompt_ids, G, seeded))
+
     def checkpoint(step: int) -> None:
-        save_checkpoint(run_dir, step, strategy, {"sampler": sampler.state_dict(), "eval_before": eval_before}, cfg.keep_checkpoints)
+        # the sampler as of the batches trained: batches still in flight are drawn again on resume
+        drawn = in_flight[0].sampler_state if in_flight else sampler.state_dict()
+        save_checkpoint(run_dir, step, strategy, {"sampler": drawn, "eval_before": eval_before}, cfg.keep_checkpoints)
 
     if ckpt:
         logger.info(f"resumed from {ckpt} at step {start}")
@@ -179,10 +216,16 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
 
-        # 1. sample: P prompts, G completions each, the whole batch handed over at once
-        samples = sampler.next(P * info.world_size)[info.rank * P : (info.rank + 1) * P]  # this rank's share
-        prompt_ids = encode_prompts(tokenizer, samples, task.chat_template, task.system_prompt)
-        rollouts = rollout.generate(prompt_ids, G, replace(sampling, seed=sampling_seed(cfg.seed, step, info.rank)))
+        # 1. sample: P prompts, G completions each, the whole batch handed over at once; with
+        #    algo.max_staleness = k the engines get the batches up to step + k now, and generate
+        #    them while this step trains (k = 0: this step's batch only, generated right here)
+        for ahead in batches_to_submit(step, submitted, algo.max_staleness, cfg.steps):
+            in_flight.append(submit(ahead))
+            submitted = ahead
+        current = in_flight.popleft()
+        samples, prompt_ids = current.samples, current.prompt_ids
+        t_wait = time.perf_counter()
+        rollouts = current.rollouts.result()
         t_gen = time.perf_counter()
 
         # 2. score: every reward function on every completion, weighted sum per completion
@@ -228,6 +271,12 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
             "completion_len": n_tokens / len(rollouts.completion_ids),
             "truncated_frac": sum(r == "length" for r in rollouts.finish_reasons) / len(rollouts.finish_reasons),
             "weight_version": rollouts.weight_version,
+            # versions the sampler was behind the trainer (one version per batch: mean = max per
+            # rank; every rank's batch comes from the same push)
+            "async/staleness_mean": staleness(step - 1, rollouts.weight_version),
+            "async/staleness_max": staleness(step - 1, rollouts.weight_version),
+            "time/wait_for_data_s": t_gen - t_wait,  # the trainer, waiting for this batch
+            "time/engine_wait_s": rollouts.engine_wait_s,  # the engines, idle before it (waiting for weights)
             "lr": strategy.lr,
             "tokens_per_s": n_tokens / (t_end - t0),
             "gen_tokens_per_s": n_tokens / (t_gen - t0),

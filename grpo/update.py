@@ -13,7 +13,7 @@ import torch
 
 from grpo import dist
 from grpo.algorithm import (
-    LossNorm, entropy, group_advantages, importance_weights, policy_loss, reward_moments, std_from_moments, token_logprobs,
+    LossNorm, decoupled_loss, entropy, group_advantages, reward_moments, sampled_kl, std_from_moments, token_logprobs,
 )
 
 
@@ -143,31 +143,24 @@ def loss_norm(batch: Batch, max_len: int, gen_tokens_per_step: float) -> LossNor
 
 def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperature: float) -> dict[str, float]:
     """Forward + backward over micro-batches of `batch`; gradients add up to the full batch's."""
-    sums = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0, "sampler_diff_max": 0.0}
+    sums = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0, "sampler_diff_max": 0.0,
+            "sampler_kl_sum": 0.0, "sampler_kl_tokens": 0.0}
     device = next(strategy.model.parameters()).device
     mbs, padding = lockstep_micro_batches(strategy, batch, algo.micro_batch_tokens)
     for mb in mbs + [padding_batch()] * padding:
         mb = mb.to(device)
         logp_BT, ent_BT = forward_logprobs(strategy.forward_model, mb, temperature, with_entropy=True)
+        # proximal policy: the trainer before this update (decoupled loss, grpo/algorithm.py)
         old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else logp_BT.detach()
-        w_BT = importance_weights(old_BT, mb.sampler_logprobs_BT, mb.mask_BT, algo.is_level, algo.is_mode, algo.is_cap)
-        loss, stats = policy_loss(
-            logp_BT,
-            old_BT,
-            mb.advantages_B,
-            mb.mask_BT,
-            norm,
-            loss_type=algo.loss_type,
-            clip_eps=algo.clip_eps,
-            clip_eps_high=algo.clip_eps_high,
-            beta=algo.beta,
-            ref_logprobs_BT=mb.ref_logprobs_BT,
-            is_weights_BT=None if algo.is_level == "none" else w_BT,
-        )
+        loss, stats = decoupled_loss(logp_BT, old_BT, mb.sampler_logprobs_BT, mb.advantages_B, mb.mask_BT, norm, algo,
+                                     ref_logprobs_BT=mb.ref_logprobs_BT)
         strategy.backward(loss)
         if mb.size:  # |trainer - sampler| logprob on the sampled tokens (see policy_update)
             diff_BT = (logp_BT.detach() - mb.sampler_logprobs_BT).abs() * mb.mask_BT
             sums["sampler_diff_max"] = max(sums["sampler_diff_max"], float(diff_BT.max()))
+            kl_sum, kl_tokens = sampled_kl(mb.sampler_logprobs_BT, logp_BT, mb.mask_BT)
+            sums["sampler_kl_sum"] += kl_sum
+            sums["sampler_kl_tokens"] += kl_tokens
         sums["loss"] += float(loss.detach())
         sums["clipped_tokens"] += float(stats["clipped_tokens"])
         sums["kl_sum"] += float(stats.get("kl_sum", 0.0))
@@ -199,7 +192,7 @@ def policy_update(
     gen_tokens_per_step = strategy.reduce_counts([float(batch.mask_BT.sum())])[0] / algo.num_minibatches
     group_chunks = torch.arange(batch.size // G).tensor_split(algo.num_minibatches)
     totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0, "tokens": 0.0, "grad_norm": 0.0}
-    steps, sampler_diff = 0, 0.0
+    steps, sampler_diff, sampler_kl = 0, 0.0, [0.0, 0.0]
     for _ in range(algo.num_iterations):
         for groups in group_chunks:
             rows = (groups[:, None] * G + torch.arange(G)).flatten()
@@ -211,6 +204,9 @@ def policy_update(
                 sums = accumulate_gradients(strategy, mb, algo, norm, temperature)
                 if steps == 0:  # before any optimizer step the trainer holds the weights that sampled
                     sampler_diff = sums["sampler_diff_max"]
+                if steps < algo.num_minibatches:  # the first pass: each token once
+                    sampler_kl[0] += sums["sampler_kl_sum"]
+                    sampler_kl[1] += sums["sampler_kl_tokens"]
                 for k, v in sums.items():
                     if k in totals:
                         totals[k] += v
@@ -228,4 +224,8 @@ def policy_update(
         # max |trainer - sampler| logprob of a sampled token, with the weights that sampled: ~1e-5
         # when the engine got the last sync (fp32), far larger when it still runs older weights
         "sampler_diff": sampler_diff,
+        # KL(sampler || trainer) on the sampled tokens, k3, over the first pass; the trainer's side is
+        # the weights before each minibatch's step: with a stale batch (algo.max_staleness), how far
+        # the policy moved since the batch was sampled
+        "sampler_kl": sampler_kl[0] / max(sampler_kl[1], 1.0),
     }

@@ -8,12 +8,16 @@ import torch
 from grpo.algorithm import (
     LossNorm,
     aggregate,
+    batches_to_submit,
     combine_rewards,
+    decoupled_loss,
     group_advantages,
     reward_moments,
     std_from_moments,
     importance_weights,
     policy_loss,
+    sampled_kl,
+    staleness,
     zero_std_groups,
 )
 
@@ -194,6 +198,66 @@ def _advantages_on_rank(rank: int, world: int, init_file: str, rewards_PG, out_d
     adv = batch_advantages(rewards_PG[rank * share : (rank + 1) * share], "batch")
     torch.save(adv, f"{out_dir}/adv{rank}.pt")
     tdist.destroy_process_group()
+
+
+def algo_for(is_level="token", is_mode="truncate", is_cap=2.0):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(is_level=is_level, is_mode=is_mode, is_cap=is_cap, loss_type="bnpo", clip_eps=0.2,
+                           clip_eps_high=None, beta=0.0)
+
+
+def test_decoupled_loss_clips_against_the_proximal_policy_and_weights_by_proximal_over_behaviour():
+    # behaviour (sampler) logprobs 0; proximal (trainer before the update) [ln 3, ln 0.5]; current =
+    # proximal + [ln 1.5, ln 1.1]; A = 1, eps 0.2, bnpo over 2 tokens.
+    #   ratio r = current / proximal = [1.5, 1.1] -> min(r, clip(r, 0.8, 1.2)) = [1.2, 1.1]
+    #   w = proximal / behaviour = [3, 0.5], truncated at cap 2 -> [2, 0.5]
+    #   loss = -(2 x 1.2 + 0.5 x 1.1) / 2 = -(2.4 + 0.55) / 2 = -1.475
+    # Against the behaviour policy instead (r = [4.5, 0.55], no w) it would be -(1.2 + 0.55) / 2 = -0.875.
+    behaviour = torch.zeros(1, 2)
+    proximal = torch.tensor([[math.log(3.0), math.log(0.5)]])
+    current = (proximal + torch.tensor([[math.log(1.5), math.log(1.1)]])).requires_grad_()
+    mask, adv = torch.ones(1, 2), torch.ones(1)
+    norm = LossNorm(num_seqs=1, num_tokens=2, max_len=2, gen_tokens_per_step=2)
+    loss, _ = decoupled_loss(current, proximal, behaviour, adv, mask, norm, algo_for())
+    assert loss.item() == pytest.approx(-1.475, abs=1e-6)
+    # gradient: token 1 is clipped (none); token 2: d/dlogp of -w r A / 2 = -0.5 x 1.1 / 2 = -0.275
+    loss.backward()
+    torch.testing.assert_close(current.grad, torch.tensor([[0.0, -0.275]]))
+    # is_mode=mask at cap 2: w = 3 is outside [1/2, 2] -> 0; 0.5 kept -> -(0.5 x 1.1) / 2 = -0.275
+    masked, _ = decoupled_loss(current, proximal, behaviour, adv, mask, norm, algo_for(is_mode="mask"))
+    assert masked.item() == pytest.approx(-0.275, abs=1e-6)
+    # is_level=none: no correction, w = 1 -> -(1.2 + 1.1) / 2 = -1.15
+    plain, _ = decoupled_loss(current, proximal, behaviour, adv, mask, norm, algo_for(is_level="none"))
+    assert plain.item() == pytest.approx(-1.15, abs=1e-6)
+
+
+def test_sampled_kl_is_k3_over_the_sampled_tokens():
+    # trainer - sampler = [ln 2, 0, ln 5 (masked out)]: r - 1 - ln r = 2 - 1 - 0.693147 = 0.306853, then 0
+    sampler = torch.tensor([[-1.0, -2.0, -3.0]])
+    trainer = sampler + torch.tensor([[math.log(2.0), 0.0, math.log(5.0)]])
+    total, tokens = sampled_kl(sampler, trainer, torch.tensor([[1.0, 1.0, 0.0]]))
+    assert total == pytest.approx(0.306853, abs=1e-6) and tokens == 2.0
+    # symmetric case r = 1/2: 0.5 - 1 + 0.693147 = 0.193147 (k3 is not symmetric in r)
+    assert sampled_kl(trainer[:, :1], sampler[:, :1], torch.ones(1, 1))[0] == pytest.approx(0.193147, abs=1e-6)
+
+
+def test_batches_in_flight_never_exceed_the_staleness_bound():
+    assert list(batches_to_submit(1, 0, 0, 10)) == [1]  # synchronous: this step's batch only
+    assert list(batches_to_submit(1, 0, 1, 10)) == [1, 2]  # k = 1: the next one too, sampled by version 0
+    assert list(batches_to_submit(2, 2, 1, 10)) == [3]
+    assert list(batches_to_submit(1, 0, 2, 10)) == [1, 2, 3]
+    assert list(batches_to_submit(9, 10, 2, 10)) == []  # never past the last step
+    assert list(batches_to_submit(4, 3, 0, 3)) == []
+    # walk a run: each batch is submitted at step s with the engines at version s - 1 and trained at
+    # its own step j with the trainer at version j - 1: behind by at most k
+    for k in range(4):
+        submitted, behind = 0, []
+        for step in range(1, 21):
+            for j in batches_to_submit(step, submitted, k, 20):
+                behind.append(staleness(j - 1, step - 1))
+                submitted = j
+        assert submitted == 20 and max(behind) == k and behind[: k + 1] == list(range(k + 1))
 
 
 def test_batch_scaled_advantages_are_the_same_on_one_and_two_processes(tmp_path):

@@ -104,6 +104,12 @@ def test_unknown_option_is_an_error():
         ("rollout=colocated|rollout.vllm.memory_fraction=1.5", "rollout.vllm.memory_fraction=1.5 must be between 0 and 1"),
         ("rollout.temperature=0", "rollout.temperature > 0"),
         ("algo.is_level=token|rollout.top_p=0.9", "algo.is_level needs rollout.top_p=1"),
+        ("algo.max_staleness=-1", "algo.max_staleness=-1 must be >= 0"),
+        ("algo.max_staleness=1|algo.is_level=token", "rollout=hf generates in the trainer's own process and device"),
+        ("algo.max_staleness=1|algo.is_level=token|rollout=colocated",
+         "rollout=colocated generates in the trainer's own process and device, so the two would only take turns. "
+         "Set algo.max_staleness=0, or use engines in other processes: rollout=dedicated or rollout=remote."),
+        ("algo.max_staleness=2|rollout=dedicated", "set algo.is_level=token (or sequence) so the decoupled loss"),
     ],
 )
 def test_bad_values_say_what_to_change(override, message):
@@ -111,6 +117,11 @@ def test_bad_values_say_what_to_change(override, message):
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     assert message in str(e.value)
+
+
+def test_asynchronous_rollouts_validate_with_engines_in_other_processes():
+    validate(compose_cfg("algo.max_staleness=2", "algo.is_level=token", "rollout=dedicated"))
+    validate(compose_cfg("algo.max_staleness=1", "algo.is_level=sequence", "rollout=remote", "rollout.remote.urls=[http://h:1]"))
 
 
 def test_unloadable_hub_id_is_reported(monkeypatch):

@@ -8,8 +8,10 @@ prompt p sits at index p * n + k.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from dataclasses import dataclass
 
+from grpo.errors import ConfigError
 from grpo.weights import WeightBuckets
 
 
@@ -28,6 +30,9 @@ class Rollouts:
     logprobs: list[list[float]]  # the sampler's logprob of each generated token
     finish_reasons: list[str]  # "stop" (eos) or "length" (hit max_new_tokens)
     weight_version: int  # the version of the weights that produced every completion
+    # seconds the engines sat without a request between the previous batch and this one (waiting for
+    # the trainer's weights, or for the staleness bound to let the next batch in); 0 in-process
+    engine_wait_s: float = 0.0
 
 
 class RolloutBackend(ABC):
@@ -35,15 +40,37 @@ class RolloutBackend(ABC):
     backend it has."""
 
     weight_version: int = 0
+    # the engines run in other processes, so a batch can generate while the trainer updates
+    # (algo.max_staleness >= 1); in-process backends would only take turns with the trainer
+    overlaps_training: bool = False
 
     @classmethod
     def check(cls, cfg, world: int) -> None:
         """Raise ConfigError for settings of this backend that cannot work with `world` processes
         (called by grpo.config.validate before anything is built; no hardware is asked here)."""
 
+    @classmethod
+    def check_staleness(cls, cfg, max_staleness: int) -> None:
+        """Raise ConfigError when `algo.max_staleness` asks for an overlap this backend cannot give."""
+        if max_staleness > 0 and not cls.overlaps_training:
+            raise ConfigError(
+                f"algo.max_staleness={max_staleness} overlaps generation with the update, but rollout={cfg.backend} "
+                f"generates in the trainer's own process and device, so the two would only take turns. Set "
+                f"algo.max_staleness=0, or use engines in other processes: rollout=dedicated or rollout=remote."
+            )
+
     @abstractmethod
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
         """n completions for each prompt, all handed to the engine in one call."""
+
+    def submit(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Future:
+        """Start `generate` and return at once; `.result()` gives the Rollouts. Every rank calls it
+        in the same order (it may gather prompts across ranks), and `.result()` likewise. In-process
+        backends generate here, before returning; backends with engines elsewhere keep generating
+        while the trainer updates, and `update_weights` waits for every batch submitted before it."""
+        done: Future = Future()
+        done.set_result(self.generate(prompt_ids, n, sampling))
+        return done
 
     @abstractmethod
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:

@@ -9,6 +9,8 @@ without GPUs the engines are CPU processes.
 Each step, the node's ranks hand their prompts to the local main process, which sends the node's
 whole batch at once, split across its engines by load, and hands every rank its own completions
 back. Weights go from the local main's replica to its engines over the grpo_gloo transport.
+`submit` gathers the prompts at once and generates on the local main's background thread, so with
+algo.max_staleness >= 1 the engines work while the trainer updates; `result()` scatters.
 
 The engine processes die with the trainer: they are stopped on close and at exit, and the kernel
 sends them SIGTERM if the trainer is killed (PR_SET_PDEATHSIG).
@@ -23,6 +25,7 @@ import secrets
 import signal
 import subprocess
 import sys
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as tdist
@@ -128,7 +131,30 @@ def node_groups():
     return mine, main, rank - main
 
 
+class NodeShare:
+    """A node's batch in flight: `result()` waits for the local main's engines and scatters every
+    rank its own completions (each rank calls it, in the order the batches were submitted)."""
+
+    def __init__(self, backend: "DedicatedBackend", future: Future | None, counts: list[int] | None, n: int):
+        self.backend, self.future, self.counts, self.n = backend, future, counts, n
+
+    def result(self) -> Rollouts:
+        parts = None
+        if self.future is not None:
+            out, parts, start = self.future.result(), [], 0
+            for count in self.counts:
+                end = start + count * self.n
+                parts.append(Rollouts(out.completion_ids[start:end], out.logprobs[start:end], out.finish_reasons[start:end],
+                                      out.weight_version, out.engine_wait_s))
+                start = end
+        mine = [None]
+        tdist.scatter_object_list(mine, parts, src=self.backend.main, group=self.backend.group)
+        return mine[0]
+
+
 class DedicatedBackend(RolloutBackend):
+    overlaps_training = True  # the engines are other processes: they generate while the trainer updates
+
     @classmethod
     def check(cls, cfg, world: int) -> None:
         check_vllm(cfg)  # devices are picked on the node, where they are (pick_devices)
@@ -166,24 +192,23 @@ class DedicatedBackend(RolloutBackend):
         dist.barrier()
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
+        return self.submit(prompt_ids, n, sampling).result()
+
+    def submit(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> "Future | NodeShare":
+        """The node's prompts go to the local main now (a collective, in the caller's thread); its
+        engines generate in the background; `.result()` hands every rank its share (a collective)."""
         if self.group is None:
-            return self.pool.generate(prompt_ids, n, sampling, self.weight_version)
+            return self.pool.submit(prompt_ids, n, sampling, self.weight_version)
         gathered = [None] * tdist.get_world_size(self.group) if self.is_owner else None
         tdist.gather_object(prompt_ids, gathered, dst=self.main, group=self.group)
-        parts = None
+        future = None
         if self.is_owner:  # the node's whole batch at once
-            out = self.pool.generate([p for part in gathered for p in part], n, sampling, self.weight_version)
-            parts, start = [], 0
-            for part in gathered:
-                end = start + len(part) * n
-                parts.append(Rollouts(out.completion_ids[start:end], out.logprobs[start:end], out.finish_reasons[start:end], out.weight_version))
-                start = end
-        mine = [None]
-        tdist.scatter_object_list(mine, parts, src=self.main, group=self.group)
-        return mine[0]
+            future = self.pool.submit([p for part in gathered for p in part], n, sampling, self.weight_version)
+        return NodeShare(self, future, [len(part) for part in gathered] if self.is_owner else None, n)
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
-        push_from_one_rank(self.pool if self.is_owner else None, buckets, version)
+        pool = self.pool if self.is_owner else None
+        push_from_one_rank(pool, buckets, version, own=pool)
         self.weight_version = version
 
     def close(self) -> None:

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch
 
 from grpo import dist
@@ -26,6 +28,8 @@ from grpo.weights import WeightBuckets
 
 
 class RemoteBackend(RolloutBackend):
+    overlaps_training = True  # the servers generate while the trainer updates (algo.max_staleness)
+
     @classmethod
     def check(cls, cfg, world: int) -> None:
         if cfg.vllm.weight_transfer not in TRANSFERS:
@@ -48,10 +52,13 @@ class RemoteBackend(RolloutBackend):
         self.weight_version = 0
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
-        return self.pool.generate(prompt_ids, n, sampling, self.weight_version)
+        return self.submit(prompt_ids, n, sampling).result()
+
+    def submit(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Future:
+        return self.pool.submit(prompt_ids, n, sampling, self.weight_version)
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
-        push_from_one_rank(self.pool if dist.rank() == 0 else None, buckets, version)
+        push_from_one_rank(self.pool if dist.rank() == 0 else None, buckets, version, own=self.pool)
         self.weight_version = version
 
     def close(self) -> None:

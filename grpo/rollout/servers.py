@@ -12,6 +12,14 @@ pushes over the grpo_gloo transport.
   (gloo_transfer.py: one gloo broadcast of the packed bucket, CPU or GPU) or, between GPUs, vLLM's
   own `nccl` (nccl_transfer.py: one NCCL broadcast per tensor from GPU memory). The two senders
   share this client: handshake, per-bucket calls, versions, concurrency.
+- Batches are generated one after another by one background thread (`submit`), so a batch can be
+  generating while the trainer updates (algo.max_staleness >= 1). Weights change only between
+  requests: a push first waits for every batch submitted before it (`drain`), so no request is
+  in flight while weights load and a completion never mixes two versions. (The alternative, vLLM's
+  /pause, sync, /resume mid-request, gives completions whose tokens come from two policies, which
+  the decoupled loss has no single behaviour logprob for; on one engine, waiting out the request
+  costs no more than finishing it later.) Each batch records the version the servers report
+  (/weight_info) before and after it; if they differ it is an error, not a silent mix.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import urlparse
 
 from grpo import dist
@@ -134,6 +142,8 @@ class ServerPool:
         deadline = time.time() + health_timeout_s
         with ThreadPoolExecutor(len(self.servers)) as pool:
             list(pool.map(lambda s: s.wait_healthy(deadline), self.servers))
+        self.generator = ThreadPoolExecutor(1, thread_name_prefix="grpo-generate")  # one batch at a time, in order
+        self.idle_since: float | None = None  # when the last batch finished (engine wait time)
         self.senders = []
         if can_push:
             for server in self.servers:
@@ -161,13 +171,31 @@ class ServerPool:
         if error:
             raise error[0]
 
+    def submit(self, prompt_ids: list[list[int]], n: int, sampling: Sampling, version: int) -> Future:
+        """Queue a batch on the generator thread; it starts when the batches before it are done."""
+        return self.generator.submit(self.generate, prompt_ids, n, sampling, version)
+
+    def drain(self) -> None:
+        """Wait until every batch submitted so far has finished (before weights change)."""
+        self.generator.submit(lambda: None).result()
+
+    def served_version(self, server: Server, fallback: int) -> int:
+        """The weight version `server` holds (set by our pushes); `fallback` before the first push
+        (vLLM reports None or "default" then)."""
+        v = str(server.request("/weight_info").get("weight_version"))
+        return int(v) if v.isdigit() else fallback
+
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling, version: int) -> Rollouts:
+        """The batch, split across the servers; `version`: what the trainer last pushed."""
         ranges = split_by_load(len(prompt_ids), [s.speed for s in self.servers])
+        t_start = time.perf_counter()
+        waited = 0.0 if self.idle_since is None else t_start - self.idle_since
 
         def call(i: int):
             server, (a, b) = self.servers[i], ranges[i]
             if a == b:
-                return []
+                return [], None
+            before = self.served_version(server, version)
             body = {
                 "model": server.model, "prompt": prompt_ids[a:b], "n": n, "max_tokens": sampling.max_new_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
@@ -180,22 +208,34 @@ class ServerPool:
             rate = sum(len(c["token_ids"]) for c in choices) / max(time.perf_counter() - t0, 1e-6)
             server.speed = rate if server.batches == 0 else 0.7 * server.speed + 0.3 * rate
             server.batches += 1
-            return choices
+            after = self.served_version(server, version)
+            if after != before:
+                raise ServerError(f"{server.url} changed weights from version {before} to {after} during a generation "
+                                  "request; weights must only change between requests (ServerPool.drain)")
+            return choices, before
 
-        with ThreadPoolExecutor(len(self.servers)) as pool:
-            parts = list(pool.map(call, range(len(self.servers))))
+        try:
+            with ThreadPoolExecutor(len(self.servers)) as pool:
+                parts = list(pool.map(call, range(len(self.servers))))
+        finally:
+            self.idle_since = time.perf_counter()
+        versions = {v for _, v in parts if v is not None}
+        if len(versions) > 1:
+            raise ServerError(f"the servers hold different weight versions {sorted(versions)}; a push reached only some")
         ids, logprobs, reasons = [], [], []
-        for choice in (c for part in parts for c in part):
+        for choice in (c for part, _ in parts for c in part):
             ids.append(list(choice["token_ids"]))
             logprobs.append([float(x) for x in choice["logprobs"]["token_logprobs"]])
             reasons.append("length" if choice["finish_reason"] == "length" else "stop")
         if len(ids) != len(prompt_ids) * n:
             raise ServerError(f"asked for {len(prompt_ids) * n} completions, the servers returned {len(ids)}")
-        return Rollouts(ids, logprobs, reasons, version)
+        return Rollouts(ids, logprobs, reasons, versions.pop() if versions else version, engine_wait_s=waited)
 
     def push(self, buckets: WeightBuckets, version: int) -> None:
         """Every bucket to every server: one /update_weights call and one gloo broadcast each, to all
-        servers concurrently (one after another, a sync took n_servers times as long)."""
+        servers concurrently (one after another, a sync took n_servers times as long). Only between
+        requests: the batches submitted before it finish first."""
+        self.drain()
         for server in self.servers:
             server.request("/start_weight_update", {})
         def send(pair, flat, info):
@@ -211,6 +251,7 @@ class ServerPool:
             server.request("/reset_prefix_cache", {})  # cached KV belongs to the old weights
 
     def close(self) -> None:
+        self.generator.shutdown(wait=False, cancel_futures=True)  # a request in flight ends with its server
         for server, sender in zip(self.servers, self.senders):
             try:
                 server.request("/shutdown_weight_transfer_engine", {}, timeout=10)
@@ -220,9 +261,14 @@ class ServerPool:
         self.senders = []
 
 
-def push_from_one_rank(pool: ServerPool | None, buckets: WeightBuckets, version: int) -> None:
+def push_from_one_rank(pool: ServerPool | None, buckets: WeightBuckets, version: int, own: ServerPool | None = None) -> None:
     """Replicas are identical: the rank holding `pool` pushes; the others walk the buckets (under
-    ZeRO-3 each is gathered by a collective every rank joins) and all wait until the push is done."""
+    ZeRO-3 each is gathered by a collective every rank joins) and all wait until the push is done.
+    First every rank lets its own batches in flight finish (`own`: the pool it generates through)
+    and all meet, so no server is generating for any rank while its weights change."""
+    if own is not None:
+        own.drain()
+    dist.barrier()
     if pool is not None:
         pool.push(buckets, version)
     else:
