@@ -39,7 +39,7 @@ import subprocess
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import hydra
 import numpy as np
@@ -137,102 +137,145 @@ def train(cfg: DictConfig) -> dict:
         return run(cfg, info, threads, cleanup)
 
 
+@dataclass
+class Run:
+    """One run's state, built once by `setup()` and read by every phase of the loop."""
+
+    cfg: DictConfig
+    info: DistInfo
+    run_dir: str
+    task: object
+    tokenizer: object
+    model_path: str
+    reward_fns: list  # (name, fn, weight) per reward function: F of them
+    strategy: object  # grpo.parallel: the model, its optimizer and how ranks share them
+    rollout: object  # grpo.rollout: the engines that sample
+    ref_model: object  # None unless algo.beta > 0
+    sampler: TrainSampler
+    sampling: object  # the engines' sampling settings, reseeded per step (`sampling_seed`)
+    P: int  # prompts per step on this rank
+    G: int  # completions per prompt
+    start: int = 0  # the last step trained before this process began (> 0 on resume)
+    eval_before: float | None = None
+    checkpoint_path: str | None = None  # the checkpoint resumed from
+    logger: RunLogger | None = None
+    in_flight: deque = field(default_factory=deque)  # batches the engines work on, oldest first
+    submitted: int = 0  # the last step whose batch was handed over
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.cfg.parallel.sync_bucket_mb * 2**20)
+
+    def push_weights(self, version: int) -> None:
+        self.rollout.update_weights(self.strategy.weight_buckets(self.bucket_bytes), version=version)
+
+    def submit(self, step: int) -> InFlight:
+        """Draw the step's prompts (the same on every rank, each taking its share) and hand them over."""
+        before = self.sampler.state_dict()
+        rank, P = self.info.rank, self.P
+        samples = self.sampler.next(P * self.info.world_size)[rank * P : (rank + 1) * P]
+        prompt_ids = encode_prompts(self.tokenizer, samples, self.task.chat_template, self.task.system_prompt)
+        seeded = replace(self.sampling, seed=sampling_seed(self.cfg.seed, step, rank))
+        return InFlight(step, samples, prompt_ids, before, self.rollout.submit(prompt_ids, self.G, seeded))
+
+    def checkpoint(self, step: int) -> None:
+        # the sampler as of the batches trained: batches still in flight are drawn again on resume
+        drawn = self.in_flight[0].sampler_state if self.in_flight else self.sampler.state_dict()
+        save_checkpoint(self.run_dir, step, self.strategy, {"sampler": drawn, "eval_before": self.eval_before},
+                        self.cfg.keep_checkpoints)
+
+
+def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run:
+    """Run folder, task, model, rewards, strategy, rollout backend; the checkpoint to resume from;
+    and the engines given the trainer's weights. Everything that must be closed joins `cleanup`."""
+    run_dir = broadcast_object(os.path.abspath(cfg.run_dir))  # every rank uses rank 0's folder
+    os.makedirs(run_dir, exist_ok=True)
+    if info.is_main:
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            f.write(OmegaConf.to_yaml(resolved_config(cfg, run_dir)))
+    seed_everything(cfg.seed)  # model init and anything else in setup
+
+    algo, G = cfg.algo, cfg.algo.group_size
+    task = build_task(cfg.task)
+    model, tokenizer, model_path = build_policy(cfg, info)
+    reward_fns = build_rewards(cfg.reward)
+    strategy = build_strategy(cfg.parallel, model, algo, cfg.steps * algo.num_iterations * algo.num_minibatches)
+    rollout = cleanup.enter_context(contextlib.closing(
+        build_rollout(cfg.rollout, strategy.model, tokenizer, model_path, cfg.model.dtype, cfg.seed, run_dir, strategy.lockstep)))
+    ref_model = build_reference(cfg, model_path, info)
+    seed_everything(cfg.seed + info.rank)  # again: a fresh and a cached tiny model start alike
+    r = Run(cfg, info, run_dir, task, tokenizer, model_path, reward_fns, strategy, rollout, ref_model,
+            TrainSampler(task.train, seed=cfg.seed), sampling_from(cfg.rollout), P=algo.batch_size // G // info.world_size, G=G)
+
+    r.checkpoint_path = broadcast_object(latest_checkpoint(run_dir) if cfg.resume else None)
+    if not cfg.resume and info.is_main and (aside := set_aside_checkpoints(run_dir)):
+        print(f"resume=false: the folder's earlier checkpoints were moved to {aside}")
+    barrier()
+    if r.checkpoint_path:
+        state = load_checkpoint(r.checkpoint_path, strategy)
+        r.start, r.eval_before = state["step"], state["eval_before"]
+        r.sampler.load_state_dict(state["sampler"])
+    r.submitted = r.start
+    # The engines serve exactly the trainer's weights from the first batch (and the first evaluation)
+    # on: a server started on another folder, or left with an earlier run's weights, sampled step 1
+    # from the wrong policy before (seen: |trainer - sampler| logprob 0.54 at step 1, 1e-6 after).
+    r.push_weights(version=r.start)
+    return r
+
+
+def resolved_config(cfg: DictConfig, run_dir: str) -> dict:
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved["run_dir"] = run_dir
+    return resolved
+
+
 def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitStack) -> dict:
     t_start = time.perf_counter()
     # SIGTERM (scancel, preemption) or the time-limit warning, from here on: the loop checkpoints after
     # its step and stops (or requeues), grpo/preempt.py; one that comes during setup waits for step 1
     stop_signal = StopSignal()
     cleanup.callback(stop_signal.close)
-    run_dir = broadcast_object(os.path.abspath(cfg.run_dir))  # every rank uses rank 0's folder
-    os.makedirs(run_dir, exist_ok=True)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    resolved["run_dir"] = run_dir
-    if info.is_main:
-        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-            f.write(OmegaConf.to_yaml(resolved))
-    seed_everything(cfg.seed)  # model init and anything else in setup
 
-    # ---- setup: task, model, rewards, strategy, rollout backend ----
-    algo, G = cfg.algo, cfg.algo.group_size
-    P = algo.batch_size // G // info.world_size  # prompts per step on this rank
-    task = build_task(cfg.task)
-    model, tokenizer, model_path = build_policy(cfg, info)
-    reward_fns = build_rewards(cfg.reward)
-    weights_F = [w for _, _, w in reward_fns]
-    strategy = build_strategy(cfg.parallel, model, algo, cfg.steps * algo.num_iterations * algo.num_minibatches)
-    rollout = cleanup.enter_context(contextlib.closing(
-        build_rollout(cfg.rollout, strategy.model, tokenizer, model_path, cfg.model.dtype, cfg.seed, run_dir, strategy.lockstep)))
-    ref_model = build_reference(cfg, model_path, info)
-    seed_everything(cfg.seed + info.rank)  # again: a fresh and a cached tiny model start alike
-    sampler = TrainSampler(task.train, seed=cfg.seed)
-    sampling = sampling_from(cfg.rollout)
-    bucket_bytes = int(cfg.parallel.sync_bucket_mb * 2**20)
-
-    start, eval_before = 0, None
-    ckpt = broadcast_object(latest_checkpoint(run_dir) if cfg.resume else None)
-    if not cfg.resume and info.is_main and (aside := set_aside_checkpoints(run_dir)):
-        print(f"resume=false: the folder's earlier checkpoints were moved to {aside}")
-    barrier()
-    if ckpt:
-        state = load_checkpoint(ckpt, strategy)
-        start, eval_before = state["step"], state["eval_before"]
-        sampler.load_state_dict(state["sampler"])
-    # The engines serve exactly the trainer's weights from the first batch (and the first evaluation)
-    # on: a server started on another folder, or left with an earlier run's weights, sampled step 1
-    # from the wrong policy before (seen: |trainer - sampler| logprob 0.54 at step 1, 1e-6 after).
-    rollout.update_weights(strategy.weight_buckets(bucket_bytes), version=start)
-    if start >= cfg.steps and os.path.exists(os.path.join(run_dir, "summary.json")):
+    # ---- setup: task, model, rewards, strategy, rollout backend, resume ----
+    r = setup(cfg, info, cleanup)
+    algo, G, P = cfg.algo, r.G, r.P
+    if r.start >= cfg.steps and os.path.exists(os.path.join(r.run_dir, "summary.json")):
         if info.is_main:
-            print(f"{run_dir} already finished {start} steps; raise `steps` to train further.")
-        with open(os.path.join(run_dir, "summary.json")) as f:
+            print(f"{r.run_dir} already finished {r.start} steps; raise `steps` to train further.")
+        with open(os.path.join(r.run_dir, "summary.json")) as f:
             return json.load(f)
-    logger = RunLogger(cfg.logger, run_dir, cfg.steps, resolved, enabled=info.is_main, resume_step=start if ckpt else None)
+    r.logger = logger = RunLogger(cfg.logger, r.run_dir, cfg.steps, resolved_config(cfg, r.run_dir), enabled=info.is_main,
+                                  resume_step=r.start if r.checkpoint_path else None)
     cleanup.callback(logger.close)
-
-    in_flight: deque[InFlight] = deque()  # batches the engines work on, oldest first
-    submitted = start  # the last step whose batch was handed over
-
-    def submit(step: int) -> InFlight:
-        """Draw the step's prompts (the same on every rank, each taking its share) and hand them over."""
-        before = sampler.state_dict()
-        samples = sampler.next(P * info.world_size)[info.rank * P : (info.rank + 1) * P]
-        prompt_ids = encode_prompts(tokenizer, samples, task.chat_template, task.system_prompt)
-        seeded = replace(sampling, seed=sampling_seed(cfg.seed, step, info.rank))
-        return InFlight(step, samples, prompt_ids, before, rollout.submit(prompt_ids, G, seeded))
-
-    def checkpoint(step: int) -> None:
-        # the sampler as of the batches trained: batches still in flight are drawn again on resume
-        drawn = in_flight[0].sampler_state if in_flight else sampler.state_dict()
-        save_checkpoint(run_dir, step, strategy, {"sampler": drawn, "eval_before": eval_before}, cfg.keep_checkpoints)
-
-    if ckpt:
-        logger.info(f"resumed from {ckpt} at step {start}")
+    if r.checkpoint_path:
+        logger.info(f"resumed from {r.checkpoint_path} at step {r.start}")
     else:
-        before = evaluate(rollout, tokenizer, task, cfg, info)
-        eval_before = before["eval/accuracy"]
+        before = evaluate(r.rollout, r.tokenizer, r.task, cfg, info)
+        r.eval_before = before["eval/accuracy"]
         logger.log(0, before, console=True)
 
+    weights_F = [w for _, _, w in r.reward_fns]
     gen_tokens_total, gen_time_total = 0, 0.0
-    for step in range(start + 1, cfg.steps + 1):
+    for step in range(r.start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
 
         # 1. sample: P prompts, G completions each, the whole batch handed over at once; with
         #    algo.max_staleness = k the engines get the batches up to step + k now, and generate
         #    them while this step trains (k = 0: this step's batch only, generated right here)
-        for ahead in batches_to_submit(step, submitted, algo.max_staleness, cfg.steps):
-            in_flight.append(submit(ahead))
-            submitted = ahead
-        current = in_flight.popleft()
+        for ahead in batches_to_submit(step, r.submitted, algo.max_staleness, cfg.steps):
+            r.in_flight.append(r.submit(ahead))
+            r.submitted = ahead
+        current = r.in_flight.popleft()
         samples, prompt_ids = current.samples, current.prompt_ids
         t_wait = time.perf_counter()
         rollouts = current.rollouts.result()
         t_gen = time.perf_counter()
 
         # 2. score: every reward function on every completion, weighted sum per completion
-        completions = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
+        completions = r.tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
         samples_BG = [s for s in samples for _ in range(G)]
         rewards_FB, reward_means = score(
-            reward_fns, completions, samples_BG, cfg.reward.timeout_s,
+            r.reward_fns, completions, samples_BG, cfg.reward.timeout_s,
             completion_ids=rollouts.completion_ids, max_new_tokens=cfg.rollout.max_new_tokens,
         )
         rewards_PG = combine_rewards(rewards_FB, weights_F).view(P, G)
@@ -243,18 +286,18 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         flat_P = zero_std_groups(rewards_PG)
         batch = collate(
             [p for p in prompt_ids for _ in range(G)], rollouts, advantages_PG.flatten(),
-            tokenizer.pad_token_id, algo.mask_truncated,
+            r.tokenizer.pad_token_id, algo.mask_truncated,
         )
         if algo.zero_std_groups == "drop":
             batch = batch.select((~flat_P).repeat_interleave(G))
 
         # 4-6. logprobs, loss, backward and optimizer step(s); a colocated engine may sleep meanwhile
-        rollout.sleep()
-        stats = policy_update(strategy, batch, algo, cfg.rollout.max_new_tokens, sampling.temperature, ref_model)
+        r.rollout.sleep()
+        stats = policy_update(r.strategy, batch, algo, cfg.rollout.max_new_tokens, r.sampling.temperature, r.ref_model)
         t_update = time.perf_counter()
 
         # 7. push the new weights to the rollout engine(s)
-        rollout.update_weights(strategy.weight_buckets(bucket_bytes), version=step)
+        r.push_weights(version=step)
         t_end = time.perf_counter()
 
         # 8. metrics, samples, evaluation, checkpoint
@@ -269,7 +312,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
             **reward_means,
             **stats,
             "completion_len": n_tokens / len(rollouts.completion_ids),
-            "truncated_frac": sum(r == "length" for r in rollouts.finish_reasons) / len(rollouts.finish_reasons),
+            "truncated_frac": sum(reason == "length" for reason in rollouts.finish_reasons) / len(rollouts.finish_reasons),
             "weight_version": rollouts.weight_version,
             # versions the sampler was behind the trainer (one version per batch: mean = max per
             # rank; every rank's batch comes from the same push)
@@ -277,7 +320,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
             "async/staleness_max": staleness(step - 1, rollouts.weight_version),
             "time/wait_for_data_s": t_gen - t_wait,  # the trainer, waiting for this batch
             "time/engine_wait_s": rollouts.engine_wait_s,  # the engines, idle before it (waiting for weights)
-            "lr": strategy.lr,
+            "lr": r.strategy.lr,
             "tokens_per_s": n_tokens / (t_end - t0),
             "gen_tokens_per_s": n_tokens / (t_gen - t0),
             "step_s": t_end - t0,
@@ -287,47 +330,47 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
             "time/sync_s": t_end - t_update,
         }
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
-            metrics.update(evaluate(rollout, tokenizer, task, cfg, info))
+            metrics.update(evaluate(r.rollout, r.tokenizer, r.task, cfg, info))
         logger.log(step, reduce_metrics(metrics, info))
         if cfg.logger.sample_every and step % cfg.logger.sample_every == 0:
             rows = [(samples_BG[i].prompt, completions[i], float(rewards_PG.flatten()[i])) for i in range(0, len(completions), G)]
             logger.samples(step, rows[: cfg.logger.num_samples])
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != cfg.steps:
-            checkpoint(step)
+            r.checkpoint(step)
         if step < cfg.steps and stop_signal.requested():
-            checkpoint(step)
+            r.checkpoint(step)
             logger.close()
-            rollout.close()  # before stop(), which may wait for SLURM to end the allocation
+            r.rollout.close()  # before stop(), which may wait for SLURM to end the allocation
             stop(step, logger.info, requeue=stop_signal.requeue)  # raises SystemExit; the ExitStack does the rest
 
     # ---- end: final evaluation, checkpoint and summary ----
-    after = evaluate(rollout, tokenizer, task, cfg, info)
+    after = evaluate(r.rollout, r.tokenizer, r.task, cfg, info)
     eval_after = after["eval/accuracy"]
     logger.log(cfg.steps, after, console=True)
-    if cfg.steps > start:
-        checkpoint(cfg.steps)
+    if cfg.steps > r.start:
+        r.checkpoint(cfg.steps)
     if cfg.export_model:
-        export_hf(strategy, tokenizer, os.path.join(run_dir, "model"), bucket_bytes)
+        export_hf(r.strategy, r.tokenizer, os.path.join(r.run_dir, "model"), r.bucket_bytes)
     summary = {
-        "eval_before": eval_before,
+        "eval_before": r.eval_before,
         "eval_after": eval_after,
-        "eval_gain": eval_after - eval_before,
+        "eval_gain": eval_after - r.eval_before,
         "eval_after_all": after,  # pass@k too when eval_samples > 1
         "steps": cfg.steps,
-        "resumed_from": start,
+        "resumed_from": r.start,
         "world_size": info.world_size,
         "threads_per_process": threads,
         "wall_s": time.perf_counter() - t_start,
         "gen_tokens_per_s": gen_tokens_total / gen_time_total if gen_time_total else None,
         "peak_memory_gb": peak_memory_gb(),
-        "model_path": model_path,
+        "model_path": r.model_path,
         "git_revision": git_revision(),
     }
     if info.is_main:
-        write_json(os.path.join(run_dir, "summary.json"), summary)
+        write_json(os.path.join(r.run_dir, "summary.json"), summary)
     logger.info(
-        f"eval accuracy {eval_before:.3f} -> {eval_after:.3f} ({summary['eval_gain']:+.3f}) in {cfg.steps} steps, "
-        f"{summary['wall_s']:.1f}s wall; run folder {run_dir}"
+        f"eval accuracy {r.eval_before:.3f} -> {eval_after:.3f} ({summary['eval_gain']:+.3f}) in {cfg.steps} steps, "
+        f"{summary['wall_s']:.1f}s wall; run folder {r.run_dir}"
     )
     return summary
 
