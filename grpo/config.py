@@ -117,6 +117,9 @@ class RemoteConfig:
 class DedicatedConfig:
     devices: Any = "auto"  # auto (the node's GPUs training does not use; CPU without GPUs) or [cuda:4, ...]
     num_engines: int = 1  # engines per node; the reserved devices are split evenly between them
+    # CPU nodes: cores reserved for the engines (the last ones of the node's affinity mask), the rest
+    # for training, as GPUs are reserved on GPU nodes; 0 = engines and trainers share every core
+    cpu_cores: int = 0
     start_timeout_s: float = 600.0  # engines must answer /health within this
     request_timeout_s: float = 600.0  # one generation or weight-sync request
 

@@ -116,6 +116,11 @@ def choose_threads(setting, usable: int, local: int, idle: float | None) -> int:
     return share
 
 
+def set_num_threads(n: int) -> None:
+    """torch's intra-op threads, through torch's own function (see `_set_num_threads`)."""
+    _set_num_threads(n)
+
+
 def configure_threads(setting="auto") -> int:
     """Set torch's intra-op threads for this process by `choose_threads`; returns the count."""
     if setting == "auto":

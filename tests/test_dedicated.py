@@ -128,3 +128,13 @@ def test_engines_die_when_the_trainer_is_killed(tmp_path, cache_dir):
     trainer.send_signal(signal.SIGKILL)
     trainer.wait()
     assert wait_gone(tmp_path) == [], "engines were orphaned by a killed trainer"
+
+
+def test_cpu_cores_reserve_the_last_cpus_for_the_engines():
+    from grpo.rollout.dedicated import split_cpus
+
+    assert split_cpus([0, 1], 1) == ([0], [1])
+    assert split_cpus([2, 3, 6, 7], 2) == ([2, 3], [6, 7])  # the affinity mask's own ids (SLURM, taskset)
+    for bad in (0, 2, 5):
+        with pytest.raises(DeviceError, match="cpu_cores"):
+            split_cpus([0, 1], bad)

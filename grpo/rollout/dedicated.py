@@ -30,6 +30,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as tdist
 
+from grpo.cpus import set_num_threads
 from grpo.errors import ConfigError, DeviceError
 from grpo.rollout.engine_memory import check_vllm
 
@@ -74,6 +75,16 @@ def pick_devices(spec, training_per_node: int) -> list[str]:
     return devices
 
 
+def split_cpus(cpus: list[int], engine_cores: int) -> tuple[list[int], list[int]]:
+    """(training CPUs, engine CPUs): the last `engine_cores` of the node's CPUs for the engines, the
+    rest for training, so on a CPU node neither phase slows the other when they overlap
+    (algo.max_staleness >= 1), as reserved GPUs do on a GPU node."""
+    if not 0 < engine_cores < len(cpus):
+        raise DeviceError(f"rollout.dedicated.cpu_cores={engine_cores} must leave training at least one of this "
+                          f"process's {len(cpus)} CPUs ({cpus}) and give the engines at least one; or set it to 0 to share them.")
+    return cpus[:-engine_cores], cpus[-engine_cores:]
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the trainer that started it dies (Linux)."""
     try:
@@ -97,9 +108,13 @@ def child_visible_devices(devices: list[str], parent_visible: str | None) -> str
 
 
 def launch_engine(model_path: str, devices: list[str], port: int, token: str, vllm_cfg, dtype: str, log_path: str,
-                  transfer: str = "grpo_gloo"):
-    """One `grpo.serve` process on `devices`, bound to 127.0.0.1, logging to `log_path`."""
+                  transfer: str = "grpo_gloo", cpus: list[int] | None = None):
+    """One `grpo.serve` process on `devices`, bound to 127.0.0.1, logging to `log_path`; on CPU,
+    pinned to `cpus` when given (its vLLM threads bound to them)."""
     env = {**os.environ, "GRPO_SERVE_TOKEN": token}
+    if cpus:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+        env["OMP_NUM_THREADS"] = str(len(cpus))
     argv = [sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", str(port),
             "--max-model-len", str(vllm_cfg.max_model_len), "--dtype", dtype, "--kv-cache-gb", str(vllm_cfg.kv_cache_gb),
             "--weight-transfer", transfer]
@@ -111,8 +126,13 @@ def launch_engine(model_path: str, devices: list[str], port: int, token: str, vl
     if not vllm_cfg.enforce_eager:
         argv.append("--no-enforce-eager")
     log = open(log_path, "w")
+    def before_exec() -> None:
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
     return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=before_exec)
 
 
 def node_groups():
@@ -169,9 +189,15 @@ class DedicatedBackend(RolloutBackend):
         self.procs: list[subprocess.Popen] = []
         self.pool = None
         self.weight_version = 0
+        per_node = tdist.get_world_size(self.group) if self.group is not None else 1
+        devices = pick_devices(cfg.dedicated.devices, per_node)
+        engine_cpus, self.restore_cpus = None, None
+        if devices == ["cpu"] and cfg.dedicated.cpu_cores:  # every rank of the node keeps to the training CPUs
+            training_cpus, engine_cpus = split_cpus(sorted(os.sched_getaffinity(0)), cfg.dedicated.cpu_cores)
+            self.restore_cpus = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())  # given back at close
+            os.sched_setaffinity(0, training_cpus)
+            set_num_threads(max(1, len(training_cpus) // per_node))
         if self.is_owner:
-            per_node = tdist.get_world_size(self.group) if self.group is not None else 1
-            devices = pick_devices(cfg.dedicated.devices, per_node)
             k = cfg.dedicated.num_engines
             if devices != ["cpu"] and len(devices) % k:
                 raise DeviceError(f"rollout.dedicated.num_engines={k} does not divide the {len(devices)} reserved devices {devices}.")
@@ -182,7 +208,7 @@ class DedicatedBackend(RolloutBackend):
             try:
                 for share, port in zip(shares, ports):
                     log = os.path.join(run_dir, f"vllm-engine-{port}.log")
-                    self.procs.append(launch_engine(model_path, share, port, token, cfg.vllm, dtype, log, transfer))
+                    self.procs.append(launch_engine(model_path, share, port, token, cfg.vllm, dtype, log, transfer, engine_cpus))
                 self.pool = ServerPool([f"http://127.0.0.1:{p}" for p in ports], token, cfg.dedicated.start_timeout_s,
                                        cfg.dedicated.request_timeout_s, len(shares[0]) if devices != ["cpu"] else 1, "127.0.0.1",
                                        transfer=transfer)
@@ -225,3 +251,8 @@ class DedicatedBackend(RolloutBackend):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self.procs = []
+        if getattr(self, "restore_cpus", None):  # the CPUs and threads this process had before
+            cpus, threads = self.restore_cpus
+            os.sched_setaffinity(0, cpus)
+            set_num_threads(threads)
+            self.restore_cpus = None
