@@ -150,7 +150,12 @@ class AlgoConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo
-    adv_scale: str = "group"  # group | batch | none
+    adv_scale: str = "group"  # group | batch | none (adv_estimator=grpo only)
+    # grpo: r - group mean, scaled by adv_scale | rloo: r - mean of the others (RLOO) |
+    # reinforce_pp: (r - group mean) / batch std of that (REINFORCE++-baseline); grpo/algorithm.py
+    adv_estimator: str = "grpo"
+    ratio_level: str = "token"  # token (PPO/GRPO) | sequence (GSPO: geometric-mean ratio, clipped per sequence)
+    pg_loss: str = "ppo"  # ppo (clipped surrogate) | cispo (clipped, detached weight x A x logp; clip_eps/clip_eps_high bound it)
     clip_eps: float = 0.2
     clip_eps_high: Optional[float] = None  # clip-higher (DAPO); None = clip_eps
     beta: float = 0.0  # KL weight; the reference model is loaded only when > 0
@@ -252,6 +257,9 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
     _choices("parallel.strategy", cfg.parallel.strategy, STRATEGIES)
     _choices("algo.loss_type", a.loss_type, {"grpo", "bnpo", "dr_grpo", "dapo"})
     _choices("algo.adv_scale", a.adv_scale, {"group", "batch", "none"})
+    _choices("algo.adv_estimator", a.adv_estimator, {"grpo", "rloo", "reinforce_pp"})
+    _choices("algo.ratio_level", a.ratio_level, {"token", "sequence"})
+    _choices("algo.pg_loss", a.pg_loss, {"ppo", "cispo"})
     _choices("algo.lr_schedule", a.lr_schedule, {"linear", "constant"})
     _choices("algo.zero_std_groups", a.zero_std_groups, {"keep", "drop"})
     _choices("algo.is_level", a.is_level, {"none", "token", "sequence"})
@@ -284,8 +292,18 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
     for key in ("num_iterations", "micro_batch_tokens"):
         if getattr(a, key) < 1:
             raise ConfigError(f"algo.{key}={getattr(a, key)} must be at least 1.")
-    if a.lr <= 0 or a.clip_eps <= 0 or (a.clip_eps_high is not None and a.clip_eps_high < a.clip_eps):
+    # CISPO's two bounds are independent (its lower one is usually off: clip_eps=1); PPO's clip-higher raises the upper
+    if a.lr <= 0 or a.clip_eps <= 0 or (a.pg_loss == "ppo" and a.clip_eps_high is not None and a.clip_eps_high < a.clip_eps):
         raise ConfigError("algo.lr and algo.clip_eps must be > 0, and algo.clip_eps_high (if set) >= algo.clip_eps.")
+    if a.adv_estimator != "grpo" and a.adv_scale != "none":
+        raise ConfigError(
+            f"algo.adv_estimator={a.adv_estimator} sets its own scale (rloo: none; reinforce_pp: the batch std of "
+            f"the centred rewards), so algo.adv_scale={a.adv_scale} would be ignored: set algo.adv_scale=none, or use "
+            f"the preset algo={a.adv_estimator}."
+        )
+    if a.pg_loss == "cispo" and a.ratio_level != "token":
+        raise ConfigError("algo.pg_loss=cispo weights each token's gradient: it needs algo.ratio_level=token "
+                          "(sequence is GSPO's, for pg_loss=ppo).")
     if a.beta < 0:
         raise ConfigError(f"algo.beta={a.beta} must be >= 0 (0 disables the KL term and the reference model).")
     if a.is_cap <= 1.0:

@@ -186,7 +186,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         t_score = time.perf_counter()
 
         # 3. advantages per group; groups with equal rewards carry no signal
-        advantages_PG = batch_advantages(rewards_PG, algo.adv_scale)
+        advantages_PG = batch_advantages(rewards_PG, algo.adv_scale, algo.adv_estimator)
         flat_P = zero_std_groups(rewards_PG)
         batch = collate(
             [p for p in prompt_ids for _ in range(G)], rollouts, advantages_PG.flatten(),

@@ -12,7 +12,7 @@ EXPECTED_OPTIONS = {  # update when adding a config file: the count guards again
     "reward": 3,
     "rollout": 4,
     "parallel": 5,
-    "algo": 3,
+    "algo": 7,
     "logger": 2,
 }
 
@@ -24,7 +24,7 @@ def group_files():
 def test_every_group_has_its_expected_options():
     found = {g: len(list((CONF / g).glob("*.yaml"))) for g in GROUPS}
     assert found == EXPECTED_OPTIONS
-    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 26
+    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 30
 
 
 @pytest.mark.parametrize("group, option", group_files())
@@ -104,6 +104,9 @@ def test_unknown_option_is_an_error():
         ("rollout=colocated|rollout.vllm.memory_fraction=1.5", "rollout.vllm.memory_fraction=1.5 must be between 0 and 1"),
         ("rollout.temperature=0", "rollout.temperature > 0"),
         ("algo.is_level=token|rollout.top_p=0.9", "algo.is_level needs rollout.top_p=1"),
+        ("algo.adv_estimator=rloo", "algo.adv_estimator=rloo sets its own scale"),
+        ("algo.adv_estimator=gae", "algo.adv_estimator='gae' is not one of"),
+        ("algo=cispo|algo.ratio_level=sequence", "algo.pg_loss=cispo weights each token's gradient"),
     ],
 )
 def test_bad_values_say_what_to_change(override, message):
