@@ -30,10 +30,10 @@ import torch.distributed as tdist
 from grpo.errors import ConfigError, DeviceError
 from grpo.rollout.engine_memory import check_vllm
 
-from grpo import dist
+from grpo import dist, lora
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.weights import WeightBuckets
-from grpo.rollout.servers import ServerPool, free_port, push_from_one_rank
+from grpo.rollout.servers import ServerPool, free_port, push_adapter_from_one_rank, push_from_one_rank
 
 
 def pick_devices(spec, training_per_node: int) -> list[str]:
@@ -93,8 +93,10 @@ def child_visible_devices(devices: list[str], parent_visible: str | None) -> str
     return ",".join(parent[i] for i in logical)
 
 
-def launch_engine(model_path: str, devices: list[str], port: int, token: str, vllm_cfg, dtype: str, log_path: str):
-    """One `grpo.serve` process on `devices`, bound to 127.0.0.1, logging to `log_path`."""
+def launch_engine(model_path: str, devices: list[str], port: int, token: str, vllm_cfg, dtype: str, log_path: str,
+                  lora_rank: int = 0):
+    """One `grpo.serve` process on `devices`, bound to 127.0.0.1, logging to `log_path`; with
+    `lora_rank`, serving LoRA adapters up to that rank."""
     env = {**os.environ, "GRPO_SERVE_TOKEN": token}
     argv = [sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", str(port),
             "--max-model-len", str(vllm_cfg.max_model_len), "--dtype", dtype, "--kv-cache-gb", str(vllm_cfg.kv_cache_gb)]
@@ -105,6 +107,8 @@ def launch_engine(model_path: str, devices: list[str], port: int, token: str, vl
         argv += ["--tensor-parallel-size", str(len(devices)), "--memory-fraction", "0.9"]
     if not vllm_cfg.enforce_eager:
         argv.append("--no-enforce-eager")
+    if lora_rank:
+        argv += ["--lora-rank", str(lora_rank)]
     log = open(log_path, "w")
     return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=_die_with_parent)
@@ -139,6 +143,10 @@ class DedicatedBackend(RolloutBackend):
         self.procs: list[subprocess.Popen] = []
         self.pool = None
         self.weight_version = 0
+        # LoRA: the engines keep their base weights; each sync loads the adapter from a folder on this node
+        self.lora_model = model if lora.is_lora(model) else None
+        self.adapter_dir = os.path.join(os.path.abspath(run_dir), "adapters", f"node{self.main}")
+        lora_rank = lora.adapter_rank(model) if self.lora_model is not None else 0
         if self.is_owner:
             per_node = tdist.get_world_size(self.group) if self.group is not None else 1
             devices = pick_devices(cfg.dedicated.devices, per_node)
@@ -151,7 +159,7 @@ class DedicatedBackend(RolloutBackend):
             try:
                 for share, port in zip(shares, ports):
                     log = os.path.join(run_dir, f"vllm-engine-{port}.log")
-                    self.procs.append(launch_engine(model_path, share, port, token, cfg.vllm, dtype, log))
+                    self.procs.append(launch_engine(model_path, share, port, token, cfg.vllm, dtype, log, lora_rank))
                 self.pool = ServerPool([f"http://127.0.0.1:{p}" for p in ports], token, cfg.dedicated.start_timeout_s,
                                        cfg.dedicated.request_timeout_s, len(shares[0]) if devices != ["cpu"] else 1, "127.0.0.1")
             except BaseException:  # an engine that never got healthy: stop the ones already started
@@ -177,7 +185,11 @@ class DedicatedBackend(RolloutBackend):
         return mine[0]
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
-        push_from_one_rank(self.pool if self.is_owner else None, buckets, version)
+        if self.lora_model is not None:
+            push_adapter_from_one_rank(self.pool if self.is_owner else None, self.lora_model, buckets, version,
+                                       self.adapter_dir)
+        else:
+            push_from_one_rank(self.pool if self.is_owner else None, buckets, version)
         self.weight_version = version
 
     def close(self) -> None:

@@ -8,17 +8,23 @@
 - Weights go to every server through vLLM's RL routes with the `grpo_gloo` transport (see
   gloo_transfer.py): one /update_weights call and one gloo broadcast per bucket. With several
   trainer ranks only rank 0 pushes (replicas are identical); the others wait at a barrier.
+- LoRA (`model.lora.rank` > 0): servers started with `grpo.serve --lora-rank R`; rank 0 writes each
+  adapter version into `RUN_DIR/adapters/remote/v<version>` and every server loads it from there
+  through vLLM's /v1/load_lora_adapter, so the servers must see the run folder at the same path (a
+  shared file system, as multi-node runs need for checkpoints anyway).
 - Every request carries `Authorization: Bearer <token>` when a token is set ($GRPO_SERVE_TOKEN or
   rollout.remote.token_file; grpo/rollout/auth.py).
 """
 
 from __future__ import annotations
 
-from grpo import dist
+import os
+
+from grpo import dist, lora
 from grpo.errors import ConfigError, ServerError, TokenError
 from grpo.rollout.auth import load_token, read_token_file
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
-from grpo.rollout.servers import ServerPool, push_from_one_rank
+from grpo.rollout.servers import ServerPool, push_adapter_from_one_rank, push_from_one_rank
 from grpo.weights import WeightBuckets
 
 
@@ -33,19 +39,25 @@ class RemoteBackend(RolloutBackend):
             except TokenError as e:
                 raise ConfigError(f"rollout.remote.token_file: {e}") from e
 
-    def __init__(self, cfg, model, tokenizer, model_path: str | None = None, **_):
+    def __init__(self, cfg, model, tokenizer, model_path: str | None = None, run_dir: str = ".", **_):
         rc = cfg.remote
         if not rc.urls:
             raise ServerError("rollout=remote needs rollout.remote.urls=[http://host:port,...] (see `python -m grpo.serve`).")
         self.pool = ServerPool(list(rc.urls), load_token(rc.token_file), rc.health_timeout_s, rc.request_timeout_s,
                                rc.tensor_parallel_size, rc.transfer_host, can_push=dist.rank() == 0)
         self.weight_version = 0
+        self.lora_model = model if lora.is_lora(model) else None
+        self.adapter_dir = os.path.join(os.path.abspath(run_dir), "adapters", "remote")
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
         return self.pool.generate(prompt_ids, n, sampling, self.weight_version)
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
-        push_from_one_rank(self.pool if dist.rank() == 0 else None, buckets, version)
+        if self.lora_model is not None:
+            push_adapter_from_one_rank(self.pool if dist.rank() == 0 else None, self.lora_model, buckets, version,
+                                       self.adapter_dir)
+        else:
+            push_from_one_rank(self.pool if dist.rank() == 0 else None, buckets, version)
         self.weight_version = version
 
     def close(self) -> None:
