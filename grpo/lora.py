@@ -12,6 +12,7 @@ A leaf beside `weights`: strategies (grpo/parallel/) and backends (grpo/rollout/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -74,24 +75,34 @@ def write_adapter(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Ten
     return folder
 
 
-def merged_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_tensors(model: torch.nn.Module, gathered=None, copy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The base model's weights with every adapter merged in (W + alpha / r x B A), under the plain
     model's names (`model.layers.0.self_attn.q_proj.weight`), one module at a time; the model itself
-    is left as it is (peft's merge_and_unload would change it in place)."""
+    is left as it is (peft's merge_and_unload would change it in place).
+
+    `gathered(params)`: a context manager making a module's parameters whole (ZeRO-3's
+    GatheredParameters), one module at a time; with `copy`, pass-through weights are copied so they
+    outlive it (merged ones are new tensors anyway)."""
     from peft.tuners.lora import LoraLayer
 
-    base = model.get_base_model()
-    merged = {}
-    for name, module in base.named_modules():
-        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
-            merged[f"{name}.base_layer.weight"] = module.get_delta_weight(ADAPTER)
-    for name, p in base.named_parameters(remove_duplicate=False):
-        if "lora_" in name:
+    gathered = gathered or (lambda params: contextlib.nullcontext())
+    inside: list[str] = []  # LoRA layers already handled: their children are not visited again
+    for name, module in model.get_base_model().named_modules(remove_duplicate=False):
+        if any(name.startswith(prefix + ".") for prefix in inside):
             continue
-        w = p.detach()
-        if name in merged:
-            w = w + merged[name].to(w.dtype)
-        yield name.replace(".base_layer.", "."), w
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            inside.append(name)
+            with gathered(list(module.parameters())):
+                base = module.base_layer
+                yield f"{name}.weight", base.weight.detach() + module.get_delta_weight(ADAPTER).to(base.weight.dtype)
+                if base.bias is not None:
+                    yield f"{name}.bias", base.bias.detach().clone() if copy else base.bias.detach()
+            continue
+        direct = list(module.named_parameters(recurse=False))
+        if direct:
+            with gathered([p for _, p in direct]):
+                for n, p in direct:
+                    yield f"{name}.{n}", p.detach().clone() if copy else p.detach()
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

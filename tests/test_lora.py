@@ -223,3 +223,38 @@ def test_short_lora_runs_through_vllm_backends(make_cfg, backend):
     assert [r["weight_version"] for r in rows] == [0, 1]
     assert all(r["sampler_diff"] < 1e-3 for r in rows), rows
     assert summary["eval_after"] is not None and os.path.isdir(os.path.join(cfg.run_dir, "adapter"))
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "zero2", "zero3"])
+def test_two_process_lora_runs(tmp_path, cache_dir, parallel):
+    """2 torchrun processes (gloo): the adapter trains under each strategy, its checkpoint holds no
+    base weights, and the export's merged model equals the adapter on the base."""
+    import subprocess
+    import sys
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import FAST, ROOT
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "grpo.train",
+           *FAST, "steps=2", f"parallel={parallel}", "model.lora.rank=8", f"hydra.run.dir={tmp_path}",
+           f"model.cache_dir={cache_dir}"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "loss" in line]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["sampler_diff"] < 1e-3 for r in rows)
+    ckpt = tmp_path / "checkpoints" / "step_00000002"
+    if parallel == "ddp":
+        assert all("lora_" in k for k in torch.load(ckpt / "trainer.pt", weights_only=True)["model"])
+    else:  # DeepSpeed's module file holds the adapter (exclude_frozen_parameters), and the tied lm_head it
+        # keeps as a shared parameter
+        module = torch.load(next((ckpt / "deepspeed").glob("*model_states.pt")), weights_only=False)["module"]
+        assert [k for k in module if "lora_" not in k] == ["base_model.model.lm_head.weight"], list(module)
+        assert len(module) == 29
+    summary = json.load(open(tmp_path / "summary.json"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(summary["model_path"]), tmp_path / "adapter")
+    ids = torch.tensor([[1, 20, 21, 15, 22, 23, 33]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, with_adapter(input_ids=ids).logits, rtol=0, atol=1e-5)
