@@ -53,6 +53,7 @@ EXPERIMENTS = [  # update when adding an experiment: the count guards against si
     "qwen05b_gsm8k_colocated",
     "qwen15b_gsm8k_zero3_dedicated",
     "smollm2_arithmetic_cpu",
+    "smollm2_arithmetic_lora_cpu",
 ]
 
 
