@@ -258,3 +258,27 @@ def test_two_process_lora_runs(tmp_path, cache_dir, parallel):
     ids = torch.tensor([[1, 20, 21, 15, 22, 23, 33]])
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, with_adapter(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
+def test_bf16_lora_keeps_the_base_in_bf16_and_the_adapter_in_fp32(tiny_lm):
+    """model.dtype=bfloat16 with LoRA: fp32 master weights for the adapter only (the frozen base
+    needs none), the forward under bf16 autocast, and a step moves the adapter."""
+    from grpo.config import AlgoConfig, ParallelConfig
+    from grpo.parallel.single import SingleStrategy
+
+    model, _ = tiny_lm
+    peft_model = lora.wrap(copy.deepcopy(model).to(torch.bfloat16), OmegaConf.structured(LoraConfig(rank=8)))
+    strategy = SingleStrategy(OmegaConf.structured(ParallelConfig(strategy="single")), peft_model,
+                              OmegaConf.structured(AlgoConfig(lr=1e-2, warmup_steps=0)), 10)
+    dtypes = {p.requires_grad: p.dtype for p in strategy.model.parameters()}
+    assert dtypes == {True: torch.float32, False: torch.bfloat16}
+    with torch.no_grad():
+        for n, p in lora.adapter_parameters(strategy.model):
+            p.normal_(0, 0.1) if "lora_A" in n else None
+    logits = strategy.forward_model(input_ids=torch.tensor([[1, 5, 6, 7, 8, 2]])).logits
+    assert logits.dtype == torch.bfloat16
+    before = {n: p.detach().clone() for n, p in lora.adapter_parameters(strategy.model)}
+    strategy.backward(logits.float().logsumexp(-1).mean())
+    strategy.step()
+    assert any(not torch.equal(p, before[n]) for n, p in lora.adapter_parameters(strategy.model))
+    assert all(t.dtype == torch.bfloat16 for b in strategy.weight_buckets(2**20) for _, t in b)  # the engine's dtype

@@ -38,7 +38,13 @@ class SingleStrategy(Strategy):
         # passes run under autocast in the loaded dtype. AdamW on bf16 weights directly loses every
         # update smaller than bf16's spacing: 100 steps at lr 1e-6 on weights of 0.02 changed none.
         self.compute_dtype = next(model.parameters()).dtype
-        self.model = model.float()
+        if lora.is_lora(model):  # only the adapter gets fp32 masters; the frozen base stays as loaded (7B: 14 GB, not 28)
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()
+            self.model = model
+        else:
+            self.model = model.float()
         self.max_grad_norm = algo.max_grad_norm
         self.optimizer, self.scheduler = build_optimizer(self.model, algo, total_steps)
 
