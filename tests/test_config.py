@@ -59,7 +59,7 @@ EXPERIMENTS = [  # update when adding an experiment: the count guards against si
 
 def test_experiments_are_all_counted():
     assert sorted(p.stem for p in (ROOT / "experiments").glob("*.yaml")) == EXPERIMENTS
-    assert len(EXPERIMENTS) == 7
+    assert len(EXPERIMENTS) == 8
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

@@ -208,6 +208,19 @@ def test_remote_adapter_sync_parity_training_and_token(make_cfg, tmp_path, monke
         train(run)
         rows = [json.loads(line) for line in open(os.path.join(run.run_dir, "metrics.jsonl")) if "loss" in line]
         assert [r["weight_version"] for r in rows] == [0, 1] and all(r["sampler_diff"] < 1e-3 for r in rows)
+        # 2 ranks: rank 0 loads each adapter, rank 1 generates its share through its own pool with it too
+        from tests.conftest import FAST
+
+        two = tmp_path / "two"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "grpo.train",
+               *FAST, "steps=3", "algo.lr=1e-2", "parallel=ddp", "model.lora.rank=8", "rollout=remote",
+               f"rollout.remote.urls=[{url}]",
+               f"hydra.run.dir={two}", f"model.cache_dir={run.model.cache_dir}"]
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        rows = [json.loads(line) for line in open(two / "metrics.jsonl") if "loss" in line]
+        assert all(r["sampler_diff"] < 1e-3 for r in rows), rows  # the mean over both ranks
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)

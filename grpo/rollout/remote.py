@@ -56,6 +56,7 @@ class RemoteBackend(RolloutBackend):
         if self.lora_model is not None:
             push_adapter_from_one_rank(self.pool if dist.rank() == 0 else None, self.lora_model, buckets, version,
                                        self.adapter_dir)
+            self.pool.use_adapter(version)  # every rank generates through its own pool: all ask for the new adapter
         else:
             push_from_one_rank(self.pool if dist.rank() == 0 else None, buckets, version)
         self.weight_version = version

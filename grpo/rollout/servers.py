@@ -59,6 +59,11 @@ def split_by_load(num_prompts: int, speeds: list[float]) -> list[tuple[int, int]
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+def adapter_name(version: int) -> str:
+    """The name a LoRA adapter version is loaded and asked for under."""
+    return f"policy-v{version}"
+
+
 class Server:
     def __init__(self, url: str, token: str | None, timeout_s: float):
         self.url, self.token, self.timeout_s = url.rstrip("/"), token, timeout_s
@@ -190,7 +195,7 @@ class ServerPool:
         """LoRA: every server loads the adapter in `folder` (a path it can read: the same machine, or a
         file system both see) under a new name through vLLM's /v1/load_lora_adapter, generates with it
         from then on, and unloads the previous version."""
-        name = f"policy-v{version}"
+        name = adapter_name(version)
 
         def load(server: Server) -> None:
             old = server.adapter  # in place: a name an earlier run left loaded is replaced, not refused
@@ -202,6 +207,11 @@ class ServerPool:
 
         with ThreadPoolExecutor(len(self.servers)) as pool:
             list(pool.map(load, self.servers))
+
+    def use_adapter(self, version: int) -> None:
+        """Generate with the adapter another rank's pool loaded (remote: every rank asks the servers itself)."""
+        for server in self.servers:
+            server.adapter = adapter_name(version)
 
     def close(self) -> None:
         for server, sender in zip(self.servers, self.senders):
