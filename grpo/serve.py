@@ -80,7 +80,7 @@ def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None =
         argv.append("--enforce-eager")
     if kv_bytes is not None:
         argv += ["--kv-cache-memory-bytes", str(kv_bytes)]
-    if args.lora_rank:  # one adapter at a time, replaced by each sync through /v1/load_lora_adapter
+    if getattr(args, "lora_rank", 0):  # one adapter at a time, replaced by each sync through /v1/load_lora_adapter
         from grpo.lora import vllm_max_rank
 
         argv += ["--enable-lora", "--max-lora-rank", str(vllm_max_rank(args.lora_rank)), "--max-loras", "1"]
