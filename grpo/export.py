@@ -14,16 +14,24 @@ import shutil
 
 import torch
 
-from grpo import dist
+from grpo import dist, lora
 
 
-def export_hf(strategy, tokenizer, folder: str, bucket_bytes: int = 256 * 2**20) -> str | None:
+def export_hf(strategy, tokenizer, folder: str, bucket_bytes: int = 256 * 2**20,
+              adapter_folder: str | None = None) -> str | None:
     """Write the policy to `folder` (rank 0); returns the folder on rank 0, None elsewhere."""
     from transformers import AutoModelForCausalLM
 
     keep = dist.rank() == 0
+    if lora.is_lora(strategy.model):  # the adapter alone, as the engines get it
+        adapter: dict[str, torch.Tensor] = {}
+        for bucket in strategy.weight_buckets(bucket_bytes):  # a collective under ZeRO-3: every rank
+            adapter.update((name, t.detach().to("cpu", copy=True)) for name, t in bucket)
+        if keep:
+            lora.write_adapter(strategy.model, adapter.items(),
+                               adapter_folder or os.path.join(os.path.dirname(os.path.abspath(folder)), "adapter"))
     state: dict[str, torch.Tensor] = {}
-    for bucket in strategy.weight_buckets(bucket_bytes):  # a collective under ZeRO-3: every rank
+    for bucket in strategy.export_buckets(bucket_bytes):  # a collective under ZeRO-3: every rank
         if keep:
             state.update((name, t.detach().to("cpu", copy=True)) for name, t in bucket)
     if not keep:

@@ -305,6 +305,12 @@ def build_policy(cfg, info, log=print):
     model, tokenizer = load_model(path, cfg.model.dtype)
     if cfg.model.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if cfg.model.lora.rank > 0:  # only the adapter trains; the base weights stay the folder's
+        from grpo import lora
+
+        model = lora.wrap(model, cfg.model.lora)
+        if info.is_main:
+            log(lora.describe(model))
     model.to(policy_device(info.local_rank)).train()
     return model, tokenizer, path
 

@@ -7,6 +7,7 @@ It is vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`) started wi
     servers, staging each bucket through host memory);
   - logprobs after temperature and top-k/top-p (`--logprobs-mode processed_logprobs`), as the sampler drew;
   - on CPU, an explicit KV-cache size (`--kv-cache-gb`, grpo/rollout/engine_memory.py);
+  - with `--lora-rank R`, vLLM's LoRA support and its adapter routes (/v1/load_lora_adapter, ...);
   - `require_token` as middleware: every route but the read-only probes in OPEN_ROUTES (health,
     version, metrics) needs `Authorization: Bearer <token>`, the /v1 routes included. It is an
     allow-list: a route a later vLLM adds, or a flag mounts (LoRA loading, profiling), is guarded
@@ -79,6 +80,10 @@ def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None =
         argv.append("--enforce-eager")
     if kv_bytes is not None:
         argv += ["--kv-cache-memory-bytes", str(kv_bytes)]
+    if getattr(args, "lora_rank", 0):  # one adapter at a time, replaced by each sync through /v1/load_lora_adapter
+        from grpo.lora import vllm_max_rank
+
+        argv += ["--enable-lora", "--max-lora-rank", str(vllm_max_rank(args.lora_rank)), "--max-loras", "1"]
     return argv + extra
 
 
@@ -146,6 +151,9 @@ def main(argv: list[str] | None = None) -> None:
                    "(vLLM's nccl on GPU, grpo_gloo on CPU); the trainer's rollout.vllm.weight_transfer must agree")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, help="default: CUDA graphs on GPU "
                    "(--no-enforce-eager), eager on CPU")
+    p.add_argument("--lora-rank", type=int, default=0, help="> 0: serve LoRA adapters up to this rank (the trainer's "
+                   "model.lora.rank); each sync loads the new adapter from a folder through /v1/load_lora_adapter, "
+                   "which the token guards like every route")
     args, extra = p.parse_known_args(argv)
     import torch
 
@@ -172,6 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.url_dir:
         write_url(args.url_dir, args.host, args.port)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    if args.lora_rank:
+        os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # mounts /v1/load_lora_adapter (behind the token)
     if args.token:
         os.environ[TOKEN_ENV] = args.token  # the middleware reads it there, in the exec'd server
     argv_out = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_argv(args, extra, server_kv_bytes(args))]

@@ -13,6 +13,10 @@ Variant implemented (DeepSeekMath GRPO, with the fixes later papers made optiona
     Departure from the paper: beta defaults to 0 (no reference model), as DAPO and Dr. GRPO do.
   - `num_iterations` > 1 reuses a batch against old logprobs (the paper's mu); with 1 the ratio is
     exactly 1 and the loss reduces to the policy gradient.
+  - Variants (grpo/algorithm.py, one config key each): RLOO's leave-one-out or REINFORCE++'s
+    batch-normalised baseline (`algo.adv_estimator`), GSPO's sequence-level ratio and clip
+    (`algo.ratio_level=sequence`), CISPO's clipped, detached importance weight (`algo.pg_loss=cispo`).
+  - With `model.lora.rank` > 0 only a LoRA adapter trains (peft), and only it is synced.
   - Optional importance correction when the sampler's logprobs disagree with the trainer's
     (vLLM vs. transformers kernels), per token or per sequence: truncated (TIS), masked with the
     weight kept inside the band (MIS/IcePop), or rejected outside it without re-weighting.
@@ -282,7 +286,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         t_score = time.perf_counter()
 
         # 3. advantages per group; groups with equal rewards carry no signal
-        advantages_PG = batch_advantages(rewards_PG, algo.adv_scale)
+        advantages_PG = batch_advantages(rewards_PG, algo.adv_scale, algo.adv_estimator)
         flat_P = zero_std_groups(rewards_PG)
         batch = collate(
             [p for p in prompt_ids for _ in range(G)], rollouts, advantages_PG.flatten(),

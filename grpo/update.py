@@ -13,7 +13,8 @@ import torch
 
 from grpo import dist
 from grpo.algorithm import (
-    LossNorm, decoupled_loss, entropy, group_advantages, reward_moments, sampled_kl, std_from_moments, token_logprobs,
+    LossNorm, centred_moments, decoupled_loss, entropy, group_advantages, reinforce_pp_advantages,
+    reward_moments, rloo_advantages, sampled_kl, std_from_moments, token_logprobs,
 )
 
 
@@ -46,9 +47,17 @@ class Batch:
         return Batch(**picked)
 
 
-def batch_advantages(rewards_PG: torch.Tensor, scale: str) -> torch.Tensor:
-    """Advantages of this rank's groups; with scale=batch the std is the whole batch's, over every
-    rank (summed moments), so 1 process x 4 groups and 2 processes x 2 groups agree."""
+def batch_advantages(rewards_PG: torch.Tensor, scale: str, estimator: str = "grpo") -> torch.Tensor:
+    """Advantages of this rank's groups (`algo.adv_estimator`): grpo centres on the group mean and
+    scales by `scale`; rloo takes the leave-one-out baseline; reinforce_pp centres on the group mean
+    and divides by the std of the centred rewards. A batch std (scale=batch, reinforce_pp) is the
+    whole batch's, over every rank (summed moments), so 1 process x 4 groups and 2 x 2 agree."""
+    if estimator == "rloo":
+        return rloo_advantages(rewards_PG)
+    if estimator == "reinforce_pp":
+        return reinforce_pp_advantages(rewards_PG, std_from_moments(*dist.all_reduce_sum(centred_moments(rewards_PG))))
+    if estimator != "grpo":
+        raise ValueError(f"unknown advantage estimator {estimator!r}")
     batch_std = std_from_moments(*dist.all_reduce_sum(reward_moments(rewards_PG))) if scale == "batch" else None
     return group_advantages(rewards_PG, scale, batch_std=batch_std)
 

@@ -38,6 +38,26 @@ def sync_round_trip(backend, model, tok, noise: float = 0.2, bucket_bytes: int =
     return {"before": before, "after": after, "changed": new != old, "version": out.weight_version}
 
 
+def lora_round_trip(backend, model, tok, noise: float = 0.2, bucket_bytes: int = 256 * 1024) -> dict:
+    """As sync_round_trip for a LoRA policy (a peft model): only the adapter is perturbed and only
+    the adapter is synced, in peft's saved names; the engine keeps its base weights."""
+    from grpo import lora
+
+    prompts = [tok("12+34=").input_ids, tok("7+1=").input_ids, tok("99+99=").input_ids]
+    before, out = max_logprob_diff(backend, model, tok, prompts)
+    greedy = Sampling(max_new_tokens=6, temperature=0.0)
+    old = backend.generate(prompts, 1, greedy).completion_ids
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for _, p in lora.adapter_parameters(model):
+            p.add_(noise * torch.randn(p.shape, generator=g))
+    adapter = ((n, p.detach()) for n, p in lora.adapter_parameters(model))
+    backend.update_weights(group_by_size(adapter, bucket_bytes), version=1)
+    new = backend.generate(prompts, 1, greedy).completion_ids
+    after, out = max_logprob_diff(backend, model, tok, prompts)
+    return {"before": before, "after": after, "changed": new != old, "version": out.weight_version}
+
+
 def assert_round_trip(result: dict, name: str) -> None:
     print(f"{name} parity: max |sampler - trainer| logprob = {result['before']:.2e} before, {result['after']:.2e} after sync")
     assert result["before"] < PARITY_TOL and result["after"] < PARITY_TOL, result

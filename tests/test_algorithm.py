@@ -18,6 +18,9 @@ from grpo.algorithm import (
     policy_loss,
     sampled_kl,
     staleness,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    sequence_ratio,
     zero_std_groups,
 )
 
@@ -188,14 +191,15 @@ def test_importance_weights_scale_the_loss():
     assert loss.item() == pytest.approx(-1.25)
 
 
-def _advantages_on_rank(rank: int, world: int, init_file: str, rewards_PG, out_dir: str) -> None:
+def _advantages_on_rank(rank: int, world: int, init_file: str, rewards_PG, out_dir: str, scale: str = "batch",
+                        estimator: str = "grpo") -> None:
     import torch.distributed as tdist
 
     from grpo.update import batch_advantages
 
     tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     share = len(rewards_PG) // world
-    adv = batch_advantages(rewards_PG[rank * share : (rank + 1) * share], "batch")
+    adv = batch_advantages(rewards_PG[rank * share : (rank + 1) * share], scale, estimator)
     torch.save(adv, f"{out_dir}/adv{rank}.pt")
     tdist.destroy_process_group()
 
@@ -318,3 +322,104 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_lm):
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=1e-6, msg=n)
+
+
+# ---- variants: RLOO, REINFORCE++, GSPO, CISPO ----
+
+
+def test_rloo_leave_one_out_baseline():
+    # [1, 0, 0, 1]: A_0 = 1 - (0 + 0 + 1) / 3 = 2/3, A_1 = 0 - (1 + 0 + 1) / 3 = -2/3 (= 4/3 x (r - 0.5))
+    # [1, NaN, 0, 0]: 3 scored, sum 1: A_0 = 1 - 0 / 2 = 1, A_2 = A_3 = 0 - 1 / 2 = -0.5; NaN gets 0
+    # [1, NaN, NaN, NaN]: one scored reward, no baseline -> 0; [0.1] x 4 (float32 noise): flat -> exactly 0
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, NAN, 0.0, 0.0], [1.0, NAN, NAN, NAN], [0.1] * 4])
+    r[3] = r[3] + torch.tensor(0.7) - torch.tensor(0.7)
+    adv = rloo_advantages(r)
+    torch.testing.assert_close(adv[:2], torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3], [1.0, 0.0, -0.5, -0.5]]))
+    assert torch.equal(adv[2:], torch.zeros(2, 4))
+
+
+def test_reinforce_pp_divides_centred_rewards_by_their_batch_std():
+    # groups [1, 0, 0, 1] and [1, 1, 1, 0]: means 0.5 and 0.75 -> centred [.5, -.5, -.5, .5], [.25, .25, .25, -.75]
+    # their sum is 0, squares 4 x .25 + 3 x .0625 + .5625 = 1.75 -> sample var 1.75 / 7 = 0.25, std 0.5
+    # -> [1, -1, -1, 1], [.5, .5, .5, -1.5]. (adv_scale=batch would use the raw rewards' std:
+    # 5 ones of 8 -> var (5 - 25/8) / 7 = 0.268, std 0.5175, and give 0.966 instead of 1.)
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
+    adv = reinforce_pp_advantages(r, eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([[1.0, -1.0, -1.0, 1.0], [0.5, 0.5, 0.5, -1.5]]))
+    assert group_advantages(r, "batch", eps=0.0)[0, 0].item() == pytest.approx(0.5 / 0.5175, abs=1e-3)
+    # NaN and flat groups: exactly 0; the std is given (the whole batch's over every rank)
+    flat = torch.tensor([[0.1, 0.1, 0.1], [1.0, NAN, 0.0]]) + torch.tensor(0.7) - torch.tensor(0.7)
+    adv = reinforce_pp_advantages(flat, batch_std=0.25, eps=0.0)  # [1, NaN, 0]: centred +-0.5 -> +-2
+    torch.testing.assert_close(adv, torch.tensor([[0.0, 0.0, 0.0], [2.0, 0.0, -2.0]]))
+
+
+def test_reinforce_pp_std_is_the_same_on_one_and_two_processes(tmp_path):
+    """The batch std of the centred rewards is summed over ranks: 1 x 4 groups == 2 x 2 groups."""
+    import torch.multiprocessing as mp
+
+    from grpo.update import batch_advantages
+
+    rewards_PG = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
+    one = batch_advantages(rewards_PG, "none", "reinforce_pp")
+    mp.spawn(_advantages_on_rank, args=(2, str(tmp_path / "init"), rewards_PG, str(tmp_path), "none", "reinforce_pp"),
+             nprocs=2)
+    two = torch.cat([torch.load(tmp_path / "adv0.pt"), torch.load(tmp_path / "adv1.pt")])
+    torch.testing.assert_close(two, one, rtol=0, atol=1e-6)
+    assert not torch.allclose(reinforce_pp_advantages(rewards_PG[2:]), one[2:])  # not one rank's own std
+
+
+def test_gspo_sequence_ratio_is_the_geometric_mean_and_clips_per_sequence():
+    # token log ratios [ln 4, 0] and a masked third token (ln 100, ignored): mean ln 2 -> ratio 2 = sqrt(4 x 1)
+    logp = torch.tensor([[math.log(4.0), 0.0, math.log(100.0)]], requires_grad=True)
+    old, mask = torch.zeros(1, 3), torch.tensor([[1.0, 1.0, 0.0]])
+    assert sequence_ratio(logp, old, mask).item() == pytest.approx(2.0)
+    # A = +1: -min(2, clip 1.2) = -1.2 on each token; loss_type=grpo: the sequence's mean -> -1.2;
+    # clipped, so no gradient; both loss tokens count as clipped. (Per token it would be
+    # -(min(4, 1.2) + min(1, 1.2)) / 2 = -1.1.)
+    loss, stats = policy_loss(logp, old, torch.tensor([1.0]), mask, NORM1, clip_eps=0.2, ratio_level="sequence")
+    assert loss.item() == pytest.approx(-1.2)
+    loss.backward()
+    assert torch.equal(logp.grad, torch.zeros(1, 3)) and stats["clipped_tokens"].item() == 2.0
+    token_loss, _ = policy_loss(logp, old, torch.tensor([1.0]), mask, NORM1, clip_eps=0.2)
+    assert token_loss.item() == pytest.approx(-1.1)
+    # A = -1: -min(-2, -1.2) = 2, unclipped; d/dlogp_t of ratio = ratio x (1 / 2 tokens) = 1 on each
+    # loss token, 0 on the masked one
+    logp.grad = None
+    loss, stats = policy_loss(logp, old, torch.tensor([-1.0]), mask, NORM1, clip_eps=0.2, ratio_level="sequence")
+    assert loss.item() == pytest.approx(2.0)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[1.0, 1.0, 0.0]]))
+    assert stats["clipped_tokens"].item() == 0.0
+
+
+def test_gspo_paper_clip_range():
+    # mean log ratio 1e-3 -> ratio e^0.001 = 1.0010005 > 1 + 4e-4: A = +1 clipped to -1.0004
+    logp = torch.tensor([[1e-3, 1e-3]])
+    loss, _ = policy_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), NORM1, clip_eps=3e-4,
+                          clip_eps_high=4e-4, ratio_level="sequence")
+    assert loss.item() == pytest.approx(-1.0004, abs=1e-7)
+
+
+def test_cispo_clips_the_detached_weight_but_keeps_every_gradient():
+    # ratio 1.5, A = +1, bounds [1 - 1.0, 1 + 0.2] = [0, 1.2]: weight 1.2 (detached)
+    # loss = -1.2 x 1 x ln 1.5 = -1.2 x 0.405465 = -0.486558; d loss / d logp = -1.2 (PPO: 0, clipped)
+    logp, old = one_token(math.log(1.5))
+    loss, stats = policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 1), NORM1, clip_eps=1.0,
+                              clip_eps_high=0.2, pg_loss="cispo")
+    assert loss.item() == pytest.approx(-0.486558, abs=1e-6)
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(-1.2)
+    assert stats["clipped_tokens"].item() == 1.0
+    # ratio 0.5, A = -1, bounds [0.8, 1.2]: weight 0.8; loss = -0.8 x -1 x ln 0.5 = -0.554518, gradient +0.8
+    # (PPO: -min(-0.5, -0.8) = 0.8 through the clipped term, gradient 0)
+    logp, old = one_token(math.log(0.5))
+    loss, _ = policy_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 1), NORM1, clip_eps=0.2, pg_loss="cispo")
+    assert loss.item() == pytest.approx(-0.554518, abs=1e-6)
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(0.8)
+    # on-policy (ratio 1) its gradient is the policy gradient, -A, as PPO's
+    logp, old = one_token(0.0)
+    policy_loss(logp, old.clone(), torch.tensor([2.0]), torch.ones(1, 1), NORM1, pg_loss="cispo")[0].backward()
+    assert logp.grad.item() == pytest.approx(-2.0)
+    with pytest.raises(ValueError, match="ratio_level=token"):
+        policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 1), NORM1, pg_loss="cispo", ratio_level="sequence")

@@ -12,7 +12,7 @@ EXPECTED_OPTIONS = {  # update when adding a config file: the count guards again
     "reward": 3,
     "rollout": 4,
     "parallel": 5,
-    "algo": 3,
+    "algo": 7,
     "logger": 2,
 }
 
@@ -24,7 +24,7 @@ def group_files():
 def test_every_group_has_its_expected_options():
     found = {g: len(list((CONF / g).glob("*.yaml"))) for g in GROUPS}
     assert found == EXPECTED_OPTIONS
-    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 26
+    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 30
 
 
 @pytest.mark.parametrize("group, option", group_files())
@@ -53,12 +53,13 @@ EXPERIMENTS = [  # update when adding an experiment: the count guards against si
     "qwen05b_gsm8k_colocated",
     "qwen15b_gsm8k_zero3_dedicated",
     "smollm2_arithmetic_cpu",
+    "smollm2_arithmetic_lora_cpu",
 ]
 
 
 def test_experiments_are_all_counted():
     assert sorted(p.stem for p in (ROOT / "experiments").glob("*.yaml")) == EXPERIMENTS
-    assert len(EXPERIMENTS) == 7
+    assert len(EXPERIMENTS) == 8
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
@@ -110,6 +111,9 @@ def test_unknown_option_is_an_error():
          "rollout=colocated generates in the trainer's own process and device, so the two would only take turns. "
          "Set algo.max_staleness=0, or use engines in other processes: rollout=dedicated or rollout=remote."),
         ("algo.max_staleness=2|rollout=dedicated", "set algo.is_level=token (or sequence) so the decoupled loss"),
+        ("algo.adv_estimator=rloo", "algo.adv_estimator=rloo sets its own scale"),
+        ("algo.adv_estimator=gae", "algo.adv_estimator='gae' is not one of"),
+        ("algo=cispo|algo.ratio_level=sequence", "algo.pg_loss=cispo weights each token's gradient"),
     ],
 )
 def test_bad_values_say_what_to_change(override, message):

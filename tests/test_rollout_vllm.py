@@ -108,6 +108,7 @@ def test_level_2_sleep_wakes_weights_then_reloads_then_wakes_the_kv_cache():
 
     backend = object.__new__(ColocatedBackend)
     backend.llm, backend.asleep, backend.weights_discarded, backend.sleep_enabled = CallLog(), set(), False, True
+    backend.lora_model = None
     backend.sleep()
     backend.sleep()  # already asleep: nothing more
     with pytest.raises(RuntimeError, match="discarded its weights"):

@@ -45,6 +45,20 @@ def test_every_algo_variant_runs(make_cfg):
         assert all(r["grad_norm"] > 0 or r["trained_completions"] == 0 for r in trained), overrides
 
 
+@pytest.mark.parametrize("variant", ["gspo", "rloo", "reinforce_pp", "cispo"])
+def test_variant_presets_train(make_cfg, variant):
+    """Each variant's preset trains 2 steps; reused batches (2 passes x 2 minibatches) make the
+    ratios move, so GSPO's tight sequence clip (4e-4) and CISPO's weight clip have something to do."""
+    cfg = make_cfg(f"algo={variant}", "steps=2", "algo.num_iterations=2", "algo.num_minibatches=2")
+    train(cfg)
+    rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    trained = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in trained] == [1, 2]
+    assert all(r["grad_norm"] > 0 for r in trained if r["trained_completions"]), trained
+    if variant in ("gspo", "cispo"):
+        assert max(r["clip_frac"] for r in trained) > 0, trained
+
+
 def test_wandb_logger_offline(make_cfg, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

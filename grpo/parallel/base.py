@@ -15,7 +15,8 @@ from grpo.weights import WeightBuckets
 def build_optimizer(model: torch.nn.Module, algo, total_steps: int):
     """AdamW with linear warmup, then linear decay to 0 at the last optimizer step (or constant).
     A high learning rate without warmup collapses a small policy on its first update."""
-    opt = torch.optim.AdamW(model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay)
+    # only what trains: with LoRA (model.lora.rank > 0) the adapter's parameters, not the frozen base
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=algo.lr, weight_decay=algo.weight_decay)
 
     def factor(step: int) -> float:
         if step < algo.warmup_steps:
@@ -39,6 +40,11 @@ class Strategy(ABC):
             if cfg[key]:
                 raise ConfigError(f"parallel.{key} is a DeepSpeed setting; use it with parallel=zero2|zero3|zero3_offload.")
 
+    @classmethod
+    def check_lora(cls, cfg, lora, world: int) -> None:
+        """Raise ConfigError if this strategy cannot train a LoRA adapter (`model.lora`, rank > 0);
+        called by grpo.config.validate only when LoRA is on."""
+
     @property
     def forward_model(self) -> torch.nn.Module:
         """What training forward passes call: the module, or a wrapper that must see each forward."""
@@ -58,6 +64,11 @@ class Strategy(ABC):
     @abstractmethod
     def weight_buckets(self, bucket_bytes: int) -> WeightBuckets:
         """Full (unsharded) weights in buckets, gathered lazily bucket by bucket."""
+
+    def export_buckets(self, bucket_bytes: int) -> WeightBuckets:
+        """Full weights for the exported model: the sync's buckets, except that with LoRA those hold
+        the adapter alone and the export wants it merged into the base."""
+        return self.weight_buckets(bucket_bytes)
 
     @abstractmethod
     def save(self, folder: str) -> None: ...

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from grpo import dist
+from grpo import dist, lora
 from grpo.errors import ConfigError
 from grpo.parallel.base import Strategy, build_optimizer
 from grpo.weights import group_by_size
@@ -38,7 +38,13 @@ class SingleStrategy(Strategy):
         # passes run under autocast in the loaded dtype. AdamW on bf16 weights directly loses every
         # update smaller than bf16's spacing: 100 steps at lr 1e-6 on weights of 0.02 changed none.
         self.compute_dtype = next(model.parameters()).dtype
-        self.model = model.float()
+        if lora.is_lora(model):  # only the adapter gets fp32 masters; the frozen base stays as loaded (7B: 14 GB, not 28)
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()
+            self.model = model
+        else:
+            self.model = model.float()
         self.max_grad_norm = algo.max_grad_norm
         self.optimizer, self.scheduler = build_optimizer(self.model, algo, total_steps)
 
@@ -63,15 +69,24 @@ class SingleStrategy(Strategy):
         return float(norm)
 
     def weight_buckets(self, bucket_bytes: int):
+        if lora.is_lora(self.model):  # the adapter alone: the engines keep the base weights they loaded
+            adapter = ((n, p.detach().to(self.compute_dtype)) for n, p in lora.adapter_parameters(self.model))
+            return group_by_size(adapter, bucket_bytes)
         # remove_duplicate=False: tied weights (lm_head = embed_tokens) travel under both names,
         # as engines that keep them separate need both
         named = self.model.named_parameters(remove_duplicate=False)  # engines hold the compute dtype
         return group_by_size(((n, p.detach().to(self.compute_dtype)) for n, p in named), bucket_bytes)
 
+    def export_buckets(self, bucket_bytes: int):
+        if not lora.is_lora(self.model):
+            return self.weight_buckets(bucket_bytes)
+        merged = ((n, t.to(self.compute_dtype)) for n, t in lora.merged_tensors(self.model))
+        return group_by_size(merged, bucket_bytes)
+
     def save(self, folder: str) -> None:
         if dist.rank() == 0:  # replicas are identical: one copy
-            state = {
-                "model": self.model.state_dict(),
+            state = {  # with LoRA the adapter only: the frozen base is the model folder's
+                "model": lora.trainable_state(self.model) if lora.is_lora(self.model) else self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
             }
@@ -79,7 +94,10 @@ class SingleStrategy(Strategy):
 
     def load(self, folder: str) -> None:
         state = torch.load(os.path.join(folder, "trainer.pt"), map_location="cpu", weights_only=True)
-        self.model.load_state_dict(state["model"])
+        if lora.is_lora(self.model):
+            lora.load_trainable_state(self.model, state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 

@@ -26,7 +26,7 @@ import socket
 import torch
 import torch.distributed as tdist
 
-from grpo import dist
+from grpo import dist, lora
 from grpo.errors import ConfigError
 from grpo.weights import group_by_size
 from grpo.parallel.base import Strategy, build_optimizer
@@ -156,6 +156,8 @@ class ZeroStrategy(Strategy):
         import deepspeed
 
         named = self.model.named_parameters(remove_duplicate=False)  # tied weights under both names
+        if lora.is_lora(self.model):  # the adapter alone, in peft's saved names
+            named = lora.adapter_parameters(self.model)
         for bucket in group_by_size(named, bucket_bytes):  # sized by full_nbytes (ds_numel)
             yield from self._gathered(bucket, deepspeed)
 
@@ -164,12 +166,26 @@ class ZeroStrategy(Strategy):
         with deepspeed.zero.GatheredParameters(params, enabled=self.stage == 3):
             yield [(name, p.data.detach()) for name, p in bucket]
 
+    def export_buckets(self, bucket_bytes: int):
+        """With LoRA, the merged weights, each module's parameters gathered (ZeRO-3) while merged."""
+        if not lora.is_lora(self.model):
+            return self.weight_buckets(bucket_bytes)
+        import deepspeed
+
+        def gathered(params):
+            return deepspeed.zero.GatheredParameters(params, enabled=self.stage == 3)
+
+        return group_by_size(lora.merged_tensors(self.model, gathered, copy=True), bucket_bytes)
+
     def save(self, folder: str) -> None:
-        self.engine.save_checkpoint(folder, tag="deepspeed", save_latest=False)
+        # with LoRA the adapter and its optimizer state; the frozen base is the model folder's
+        self.engine.save_checkpoint(folder, tag="deepspeed", save_latest=False,
+                                    exclude_frozen_parameters=lora.is_lora(self.model))
 
     def load(self, folder: str) -> None:
         path, _ = self.engine.load_checkpoint(folder, tag="deepspeed", load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+                                              load_lr_scheduler_states=True,
+                                              load_module_strict=not lora.is_lora(self.model))
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {folder}/deepspeed")
 

