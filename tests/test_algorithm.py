@@ -207,7 +207,7 @@ def _advantages_on_rank(rank: int, world: int, init_file: str, rewards_PG, out_d
 def algo_for(is_level="token", is_mode="truncate", is_cap=2.0):
     from types import SimpleNamespace
 
-    return SimpleNamespace(is_level=is_level, is_mode=is_mode, is_cap=is_cap, loss_type="bnpo", clip_eps=0.2,
+    return SimpleNamespace(is_level=is_level, is_mode=is_mode, is_cap=is_cap, loss_type="bnpo", clip_eps=0.2, ratio_level="token", pg_loss="ppo",
                            clip_eps_high=None, beta=0.0)
 
 
