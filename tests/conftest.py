@@ -62,3 +62,13 @@ def tiny_lm():
     torch.manual_seed(0)
     model = build_tiny_model(TinyModelConfig(), len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
     return model.float(), tok
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_lm, tmp_path_factory):
+    """`tiny_lm` saved as an HF folder (config, safetensors, tokenizer), for engines that load from disk."""
+    model, tok = tiny_lm
+    path = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)

@@ -16,15 +16,6 @@ from tests.conftest import compose_cfg
 from tests.parity import assert_round_trip, lora_round_trip
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_lm, tmp_path_factory):
-    model, tok = tiny_lm
-    path = tmp_path_factory.mktemp("tiny-model")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture
 def peft_lm(tiny_lm):
     model, tok = tiny_lm

@@ -14,15 +14,6 @@ from grpo.config import RolloutConfig
 from tests.parity import assert_round_trip, sync_round_trip
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_lm, tmp_path_factory):
-    model, tok = tiny_lm
-    path = tmp_path_factory.mktemp("tiny-model")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
-
-
 def colocated_cfg(**vllm):
     cfg = OmegaConf.structured(RolloutConfig(backend="colocated"))
     cfg.vllm.max_model_len = 128

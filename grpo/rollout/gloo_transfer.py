@@ -46,11 +46,15 @@ def update_info(bucket: list[tuple[str, torch.Tensor]]) -> dict:
     }
 
 
+def flatten(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """One bucket's bytes as one flat uint8 tensor, in order (`unpack` with its update_info reverses it)."""
+    tensors = [t.detach().contiguous().cpu() for _, t in bucket]
+    return torch.cat([t.view(-1).view(torch.uint8) for t in tensors]) if tensors else torch.empty(0, dtype=torch.uint8)
+
+
 def pack(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, dict]:
     """One bucket -> (a flat uint8 tensor, the update_info the worker needs to unpack it)."""
-    tensors = [t.detach().contiguous().cpu() for _, t in bucket]
-    flat = torch.cat([t.view(-1).view(torch.uint8) for t in tensors]) if tensors else torch.empty(0, dtype=torch.uint8)
-    return flat, update_info(bucket)
+    return flatten(bucket), update_info(bucket)
 
 
 def unpack(flat: torch.Tensor, names, dtype_names, shapes) -> list[tuple[str, torch.Tensor]]:
@@ -83,7 +87,7 @@ class GlooSender:
     @staticmethod
     def prepare(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
         """The bucket's bytes, packed once and sent to every server."""
-        return pack(bucket)[0]
+        return flatten(bucket)
 
     def send(self, flat: torch.Tensor) -> None:
         _broadcast(self.group, flat)
