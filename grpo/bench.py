@@ -1,6 +1,6 @@
 """`python -m grpo.bench`: rollout throughput per backend, weight-sync cost, step-time breakdown,
 step time per parallel strategy, and ZeRO-3's gather cost against bucket size; `--async`: step time
-with asynchronous rollouts (algo.max_staleness 0, 1, 2) and their learning side by side.
+with asynchronous rollouts (algo.max_staleness 0, 1, 2; dedicated and remote) and their learning side by side.
 
 Runs short trainings of the embedded default through each backend (for `remote` it starts a
 `grpo.serve` server on this machine first), then times weight syncs of the same weights in buckets
@@ -40,14 +40,19 @@ def compose(overrides: list[str]):
 
 
 @contextlib.contextmanager
-def served(model_path: str, timeout_s: float = 300):
-    """A local `grpo.serve` on `model_path` for the remote backend; yields its URL."""
+def served(model_path: str, timeout_s: float = 300, cpus: list[int] | None = None):
+    """A local `grpo.serve` on `model_path` for the remote backend; yields its URL. With `cpus`, the
+    server is pinned to them (its vLLM threads bound there), as `rollout.dedicated.cpu_cores` pins engines."""
     from grpo.rollout.servers import free_port
 
     port = free_port("127.0.0.1")
+    env = dict(os.environ)
+    if cpus:
+        env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus)), OMP_NUM_THREADS=str(len(cpus)))
     proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", str(port),
                              "--max-model-len", "256", "--memory-fraction", "0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + timeout_s
@@ -63,6 +68,24 @@ def served(model_path: str, timeout_s: float = 300):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+@contextlib.contextmanager
+def pinned(cpus: list[int] | None):
+    """This process on `cpus` (one torch thread each) for the block, then as before; None: unchanged."""
+    from grpo.cpus import set_num_threads
+
+    if not cpus:
+        yield
+        return
+    before, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    os.sched_setaffinity(0, cpus)
+    set_num_threads(len(cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+        set_num_threads(threads)
 
 
 def tiny_model_path() -> str:
@@ -102,31 +125,41 @@ def bench_backend(backend: str, steps: int, extra: list[str], url: str | None = 
     }
 
 
-def bench_async(steps: int, learn_steps: int, extra: list[str]) -> tuple[list[dict], list[dict]]:
-    """algo.max_staleness k = 0, 1, 2 with rollout=dedicated: the same model, task and batch, one
-    after another in this process (each starts its own engine), timed over the steps after the
-    first; then the default task learned with k = 0 and k = 1 for the same steps (0: no learning run)."""
+def bench_async(steps: int, learn_steps: int, engine_cores: int, extra: list[str]) -> tuple[list[dict], list[dict]]:
+    """algo.max_staleness k = 0, 1, 2 with rollout=dedicated, then with rollout=remote (a local
+    `grpo.serve`): the same model, task and batch, one after another in this process (each starts its
+    own engine), timed over the steps after the first. With `engine_cores` > 0 the engine gets the last
+    that many CPUs and the trainer the rest (`rollout.dedicated.cpu_cores`; for remote the server and
+    this process are pinned the same way), as reserved GPUs would be. Then the default task learned
+    with k = 0 and k = 1 through rollout=dedicated for the same steps (0: no learning run)."""
+    from grpo.rollout.dedicated import split_cpus
     from grpo.train import train
 
-    common = ["rollout=dedicated", "algo.is_level=token", "checkpoint_every=0", "logger.log_every=1000",
-              "logger.sample_every=0", "export_model=false", *extra]
+    common = ["algo.is_level=token", "checkpoint_every=0", "logger.log_every=1000", "logger.sample_every=0",
+              "export_model=false", *extra]
+    dedicated = ["rollout=dedicated", f"rollout.dedicated.cpu_cores={engine_cores}"]
+    training_cpus, engine_cpus = split_cpus(sorted(os.sched_getaffinity(0)), engine_cores) if engine_cores else (None, None)
     timing, learning = [], []
-    for k in (0, 1, 2):
-        run_dir = tempfile.mkdtemp(prefix=f"bench-async{k}-")
-        t0 = time.perf_counter()
-        train(compose([*common, f"algo.max_staleness={k}", f"steps={steps}", f"run_dir={run_dir}"]))
-        rows = metrics_rows(run_dir)
-        mean = lambda key: statistics.mean(r[key] for r in rows)  # noqa: E731
-        timing.append({"max_staleness": k, "steps_timed": len(rows), "step_s": mean("step_s"),
-                       "wait_for_data_s": mean("time/wait_for_data_s"), "score_s": mean("time/score_s"),
-                       "update_s": mean("time/update_s"), "sync_s": mean("time/sync_s"),
-                       "engine_wait_s": mean("time/engine_wait_s"), "staleness": mean("async/staleness_mean"),
-                       "sampler_kl": mean("sampler_kl"), "wall_s": time.perf_counter() - t0})
+    for backend in ("dedicated", "remote"):
+        with served(tiny_model_path(), cpus=engine_cpus) if backend == "remote" else contextlib.nullcontext() as url:
+            for k in (0, 1, 2):
+                run_dir = tempfile.mkdtemp(prefix=f"bench-async-{backend}{k}-")
+                overrides = dedicated if backend == "dedicated" else backend_overrides("remote", url)
+                t0 = time.perf_counter()
+                with pinned(training_cpus if backend == "remote" else None):
+                    train(compose([*common, *overrides, f"algo.max_staleness={k}", f"steps={steps}", f"run_dir={run_dir}"]))
+                rows = metrics_rows(run_dir)
+                mean = lambda key: statistics.mean(r[key] for r in rows)  # noqa: E731
+                timing.append({"backend": backend, "max_staleness": k, "steps_timed": len(rows), "step_s": mean("step_s"),
+                               "wait_for_data_s": mean("time/wait_for_data_s"), "score_s": mean("time/score_s"),
+                               "update_s": mean("time/update_s"), "sync_s": mean("time/sync_s"),
+                               "engine_wait_s": mean("time/engine_wait_s"), "staleness": mean("async/staleness_mean"),
+                               "sampler_kl": mean("sampler_kl"), "wall_s": time.perf_counter() - t0})
     for row in timing:
-        row["speedup"] = timing[0]["step_s"] / row["step_s"]
+        row["speedup"] = next(r["step_s"] for r in timing if r["backend"] == row["backend"]) / row["step_s"]
     for k in (0, 1) if learn_steps else ():
         run_dir = tempfile.mkdtemp(prefix=f"bench-async-learn{k}-")
-        summary = train(compose([*common, f"algo.max_staleness={k}", f"steps={learn_steps}", f"run_dir={run_dir}"]))
+        summary = train(compose([*common, *dedicated, f"algo.max_staleness={k}", f"steps={learn_steps}", f"run_dir={run_dir}"]))
         learning.append({"max_staleness": k, "steps": learn_steps, "eval_before": summary["eval_before"],
                          "eval_after": summary["eval_after"], "eval_gain": summary["eval_gain"], "wall_s": summary["wall_s"]})
     return timing, learning
@@ -482,8 +515,10 @@ def main() -> None:
     p.add_argument("--shared-cores", action="store_true", help="only the step time alone and beside a busy process, "
                    "one thread per core against threads=auto")
     p.add_argument("--async", dest="async_", action="store_true", help="only asynchronous rollouts: step time "
-                   "with algo.max_staleness=0, 1, 2 (rollout=dedicated), then k=0 against k=1 learning the default task")
+                   "with algo.max_staleness=0, 1, 2 (rollout=dedicated, then remote), then k=0 against k=1 learning the default task")
     p.add_argument("--learn-steps", type=int, default=300, help="--async: steps of each learning run (0: none)")
+    p.add_argument("--engine-cores", type=int, default=max(1, len(os.sched_getaffinity(0)) // 2),
+                   help="--async: CPUs reserved for the engine, the rest for the trainer (0: all shared); default half")
     p.add_argument("--vs", choices=["trl"], help="also run TRL's GRPOTrainer on the same setup (needs trl)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every training run")
     args = p.parse_args()
@@ -524,9 +559,9 @@ def main() -> None:
         return
 
     if args.async_:
-        timing, learning = bench_async(args.steps, args.learn_steps, args.overrides)
-        print("\nasynchronous rollouts, rollout=dedicated (means over the steps after the first)")
-        print(table(timing, ["max_staleness", "step_s", "speedup", "wait_for_data_s", "score_s", "update_s", "sync_s",
+        timing, learning = bench_async(args.steps, args.learn_steps, args.engine_cores, args.overrides)
+        print(f"\nasynchronous rollouts, engine on {args.engine_cores or 'all shared'} CPU(s) (means over the steps after the first)")
+        print(table(timing, ["backend", "max_staleness", "step_s", "speedup", "wait_for_data_s", "score_s", "update_s", "sync_s",
                              "engine_wait_s", "staleness", "sampler_kl", "wall_s"]))
         if learning:
             print("\nlearning the default task, the same steps")

@@ -188,8 +188,9 @@ class AlgoConfig:
     is_mode: str = "truncate"  # truncate (cap the weight) | mask (w inside [1/cap, cap], 0 outside) | reject (1 inside, 0 outside)
     is_cap: float = 2.0
     # asynchronous rollouts: batches generate up to this many weight versions ahead of the update
-    # that trains on them (0 = synchronous: generate, then update). >= 1 needs engines in other
-    # processes (rollout=dedicated/remote) and an importance correction (is_level) for the stale batch
+    # that trains on them (0 = synchronous: generate, then update). >= 1 needs an importance
+    # correction (is_level) for the stale batch; engines in other processes (rollout=dedicated/remote)
+    # overlap the two phases, in-process ones (hf/colocated) give the staleness without the overlap
     max_staleness: int = 0
 
 
@@ -345,7 +346,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
     backend_class(r.backend).check(r, world)  # each backend its own settings (grpo/rollout/)
     if a.max_staleness < 0:
         raise ConfigError(f"algo.max_staleness={a.max_staleness} must be >= 0 (0: synchronous; k: batches up to k versions old).")
-    backend_class(r.backend).check_staleness(r, a.max_staleness)  # can its engines generate while we train?
+    backend_class(r.backend).check_staleness(r, a.max_staleness)  # engines elsewhere overlap; in-process ones warn
     if a.max_staleness > 0 and a.is_level == "none":
         raise ConfigError(
             f"algo.max_staleness={a.max_staleness} trains on batches sampled by weights up to {a.max_staleness} "

@@ -20,8 +20,9 @@ Variant implemented (DeepSeekMath GRPO, with the fixes later papers made optiona
   - Optional importance correction when the sampler's logprobs disagree with the trainer's
     (vLLM vs. transformers kernels), per token or per sequence: truncated (TIS), masked with the
     weight kept inside the band (MIS/IcePop), or rejected outside it without re-weighting.
-  - Asynchronous rollouts (`algo.max_staleness` = k >= 1, engines in other processes): at the start
-    of step s the engines get every batch up to s + k, so they generate while the trainer updates,
+  - Asynchronous rollouts (`algo.max_staleness` = k >= 1): at the start of step s the engines get
+    every batch up to s + k, so engines in other processes generate while the trainer updates (hf
+    and colocated generate each batch as it is handed over: as stale, not overlapped),
     and a batch is trained on weights at most k versions newer than the ones that sampled it. Its
     loss is decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy optimization";
     used for asynchronous RL by AReaL, Fu et al. 2025): the clipped ratio is taken against the

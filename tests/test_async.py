@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import FAST, ROOT, compose_cfg
 from tests.test_dedicated import run_ok, wait_gone
 from tests.test_parallel import TORCHRUN
@@ -21,23 +23,46 @@ def trained_rows(run_dir) -> list[dict]:
     return [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "loss" in r]
 
 
-def test_two_processes_train_on_batches_at_most_k_versions_old(tmp_path, cache_dir):
-    k, steps = 2, 5
-    run_ok([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, f"steps={steps}", "parallel=ddp",
+@pytest.mark.parametrize("parallel, k, versions, behind", [
+    ("ddp", 2, [0, 0, 0, 1, 2], [0, 1, 2, 2, 2]),
+    # ZeRO-3: each push gathers the shards (collectives every rank joins) while the owner's batch is in flight
+    ("zero3", 1, [0, 0, 1, 2], [0, 1, 1, 1]),
+])
+def test_two_processes_train_on_batches_at_most_k_versions_old(tmp_path, cache_dir, parallel, k, versions, behind):
+    steps = len(versions)
+    run_ok([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, f"steps={steps}", f"parallel={parallel}",
             *ASYNC, f"algo.max_staleness={k}", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
     rows = trained_rows(tmp_path)
     # batch s is handed over at step max(1, s - k), when the engines hold version max(0, s - 1 - k), and
     # trained at step s by the trainer at version s - 1. weight_version is what the engine reported
     # (/weight_info) before and after serving it, averaged over both ranks: a rank that saw another
     # version would leave a fraction here.
-    assert [r["weight_version"] for r in rows] == [0, 0, 0, 1, 2]
-    assert [r["async/staleness_max"] for r in rows] == [0, 1, 2, 2, 2]
+    assert [r["weight_version"] for r in rows] == versions
+    assert [r["async/staleness_max"] for r in rows] == behind
     assert all(r["async/staleness_max"] <= k for r in rows)
     # the stale batches really came from older weights: the trainer disagrees with the sampler
     assert rows[0]["sampler_diff"] < 1e-3 and rows[0]["sampler_kl"] < 1e-6
     assert all(r["sampler_diff"] > 1e-3 and r["sampler_kl"] > 0 for r in rows[1:])
     assert all(r["time/wait_for_data_s"] >= 0 and r["time/engine_wait_s"] >= 0 for r in rows)
     assert wait_gone(tmp_path) == [], "engine processes outlived the run"
+
+
+def test_in_process_backend_trains_on_batches_k_versions_old_without_the_overlap(make_cfg):
+    """rollout=hf with k = 1: each batch is generated when it is handed over (before that step's
+    update), so it is as stale as from engines elsewhere, only not overlapped: the same off-policy
+    learning, in one process, for studying staleness cheaply."""
+    from grpo.train import train
+
+    cfg = make_cfg("steps=4", "algo.max_staleness=1", "algo.is_level=token")
+    with pytest.warns(UserWarning, match="generation takes turns with the update"):
+        train(cfg)
+    rows = trained_rows(cfg.run_dir)
+    assert [r["weight_version"] for r in rows] == [0, 0, 1, 2]
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1, 1]
+    # fresh: the trainer holds the sampling weights; stale: they moved since (a lazy generate at
+    # .result() would sample with the trainer's own weights and leave ~0 here)
+    assert rows[0]["sampler_diff"] < 1e-4 and rows[0]["sampler_kl"] < 1e-8
+    assert all(r["sampler_diff"] > 1e-3 and r["sampler_kl"] > 0 for r in rows[1:])
 
 
 def expected_prompts(steps: int, per_step: int) -> list[str]:

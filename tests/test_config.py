@@ -106,10 +106,6 @@ def test_unknown_option_is_an_error():
         ("rollout.temperature=0", "rollout.temperature > 0"),
         ("algo.is_level=token|rollout.top_p=0.9", "algo.is_level needs rollout.top_p=1"),
         ("algo.max_staleness=-1", "algo.max_staleness=-1 must be >= 0"),
-        ("algo.max_staleness=1|algo.is_level=token", "rollout=hf generates in the trainer's own process and device"),
-        ("algo.max_staleness=1|algo.is_level=token|rollout=colocated",
-         "rollout=colocated generates in the trainer's own process and device, so the two would only take turns. "
-         "Set algo.max_staleness=0, or use engines in other processes: rollout=dedicated or rollout=remote."),
         ("algo.max_staleness=2|rollout=dedicated", "set algo.is_level=token (or sequence) so the decoupled loss"),
         ("algo.adv_estimator=rloo", "algo.adv_estimator=rloo sets its own scale"),
         ("algo.adv_estimator=gae", "algo.adv_estimator='gae' is not one of"),
@@ -123,9 +119,19 @@ def test_bad_values_say_what_to_change(override, message):
     assert message in str(e.value)
 
 
-def test_asynchronous_rollouts_validate_with_engines_in_other_processes():
+def test_asynchronous_rollouts_validate_with_engines_in_other_processes(recwarn):
     validate(compose_cfg("algo.max_staleness=2", "algo.is_level=token", "rollout=dedicated"))
     validate(compose_cfg("algo.max_staleness=1", "algo.is_level=sequence", "rollout=remote", "rollout.remote.urls=[http://h:1]"))
+    assert not [w for w in recwarn if "max_staleness" in str(w.message)]
+
+
+@pytest.mark.parametrize("backend", ["hf", "colocated"])
+def test_in_process_backends_take_staleness_without_the_overlap_and_say_so(backend):
+    with pytest.warns(UserWarning) as caught:
+        validate(compose_cfg("algo.max_staleness=1", "algo.is_level=token", f"rollout={backend}"))
+    message = " ".join(str(w.message) for w in caught)
+    assert f"rollout={backend} generates in the trainer's own process and device, so generation takes turns with the " \
+           "update (no speed-up). For the overlap use rollout=dedicated or rollout=remote" in message
 
 
 def test_unloadable_hub_id_is_reported(monkeypatch):

@@ -7,6 +7,7 @@ prompt p sits at index p * n + k.
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -51,12 +52,18 @@ class RolloutBackend(ABC):
 
     @classmethod
     def check_staleness(cls, cfg, max_staleness: int) -> None:
-        """Raise ConfigError when `algo.max_staleness` asks for an overlap this backend cannot give."""
+        """Say what `algo.max_staleness` >= 1 does here. Engines in other processes overlap the two
+        phases. In-process backends cannot: they still hand out batches k versions stale (each is
+        generated when it is submitted, before the update, with the weights engines elsewhere would
+        have used), so the off-policy learning is the same, but generation takes turns with the update:
+        no speed-up. A warning says so; use it to study staleness cheaply, not to go faster."""
         if max_staleness > 0 and not cls.overlaps_training:
-            raise ConfigError(
-                f"algo.max_staleness={max_staleness} overlaps generation with the update, but rollout={cfg.backend} "
-                f"generates in the trainer's own process and device, so the two would only take turns. Set "
-                f"algo.max_staleness=0, or use engines in other processes: rollout=dedicated or rollout=remote."
+            warnings.warn(
+                f"algo.max_staleness={max_staleness} with rollout={cfg.backend}: batches are up to {max_staleness} "
+                f"version(s) stale, as with engines in other processes, but rollout={cfg.backend} generates in the "
+                f"trainer's own process and device, so generation takes turns with the update (no speed-up). For "
+                f"the overlap use rollout=dedicated or rollout=remote; for the synchronous loop, algo.max_staleness=0.",
+                stacklevel=2,
             )
 
     @classmethod
