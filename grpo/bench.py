@@ -135,8 +135,9 @@ def bench_async(steps: int, learn_steps: int, engine_cores: int, extra: list[str
     from grpo.rollout.dedicated import split_cpus
     from grpo.train import train
 
-    common = ["algo.is_level=token", "checkpoint_every=0", "logger.log_every=1000", "logger.sample_every=0",
-              "export_model=false", *extra]
+    # k = 0 is the synchronous loop exactly; k >= 1 its stale batches clipped around the sampler
+    # (algo.trust_region=auto); the overrides may change both
+    common = ["checkpoint_every=0", "logger.log_every=1000", "logger.sample_every=0", "export_model=false", *extra]
     dedicated = ["rollout=dedicated", f"rollout.dedicated.cpu_cores={engine_cores}"]
     training_cpus, engine_cpus = split_cpus(sorted(os.sched_getaffinity(0)), engine_cores) if engine_cores else (None, None)
     timing, learning = [], []

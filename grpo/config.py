@@ -188,10 +188,15 @@ class AlgoConfig:
     is_mode: str = "truncate"  # truncate (cap the weight) | mask (w inside [1/cap, cap], 0 outside) | reject (1 inside, 0 outside)
     is_cap: float = 2.0
     # asynchronous rollouts: batches generate up to this many weight versions ahead of the update
-    # that trains on them (0 = synchronous: generate, then update). >= 1 needs an importance
-    # correction (is_level) for the stale batch; engines in other processes (rollout=dedicated/remote)
-    # overlap the two phases, in-process ones (hf/colocated) give the staleness without the overlap
+    # that trains on them (0 = synchronous: generate, then update). Engines in other processes
+    # (rollout=dedicated/remote) overlap the two phases, in-process ones (hf/colocated) give the
+    # staleness without the overlap
     max_staleness: int = 0
+    # what the clipped ratio is taken against (algorithm.decoupled_loss): proximal (the trainer before
+    # this update; with a stale batch times w = proximal / sampler from is_*: decoupled PPO) |
+    # behaviour (the sampler: PPO with the sampler as the old policy; is_level must be none) |
+    # auto: behaviour for max_staleness >= 1 with is_level=none, else proximal (k = 0: unchanged)
+    trust_region: str = "auto"
 
 
 @dataclass
@@ -289,6 +294,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
     _choices("algo.zero_std_groups", a.zero_std_groups, {"keep", "drop"})
     _choices("algo.is_level", a.is_level, {"none", "token", "sequence"})
     _choices("algo.is_mode", a.is_mode, {"truncate", "mask", "reject"})
+    _choices("algo.trust_region", a.trust_region, {"auto", "proximal", "behaviour"})
     _choices("task.chat_template", cfg.task.chat_template, {"auto", "always", "never"})
     _choices("model.dtype", cfg.model.dtype, {"float32", "bfloat16", "float16"})
     _choices("logger.backend", cfg.logger.backend, {"console", "wandb"})
@@ -347,11 +353,18 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
     if a.max_staleness < 0:
         raise ConfigError(f"algo.max_staleness={a.max_staleness} must be >= 0 (0: synchronous; k: batches up to k versions old).")
     backend_class(r.backend).check_staleness(r, a.max_staleness)  # engines elsewhere overlap; in-process ones warn
-    if a.max_staleness > 0 and a.is_level == "none":
+    if a.trust_region == "behaviour" and a.is_level != "none":
         raise ConfigError(
-            f"algo.max_staleness={a.max_staleness} trains on batches sampled by weights up to {a.max_staleness} "
-            f"version(s) old: set algo.is_level=token (or sequence) so the decoupled loss weights them by "
-            f"trainer/sampler (capped at algo.is_cap), or algo.max_staleness=0."
+            f"algo.trust_region=behaviour takes the ratio against the sampler, which is the importance correction "
+            f"itself, so algo.is_level={a.is_level} would weight twice: set algo.is_level=none, or "
+            f"algo.trust_region=proximal to clip around the trainer and weight by is_* (decoupled PPO)."
+        )
+    if a.max_staleness > 0 and a.trust_region == "proximal" and a.is_level == "none":
+        raise ConfigError(
+            f"algo.max_staleness={a.max_staleness} with algo.trust_region=proximal trains on batches sampled by "
+            f"weights up to {a.max_staleness} version(s) old with nothing correcting for it: set algo.is_level=token "
+            f"(or sequence) so the decoupled loss weights them by trainer/sampler, or algo.trust_region=behaviour "
+            f"(or auto) to clip around the sampler."
         )
     strategy_class(cfg.parallel.strategy).check(cfg.parallel, world)  # each strategy its own (grpo/parallel/)
     _check_lora(cfg, world)

@@ -11,6 +11,7 @@ from grpo.algorithm import (
     batches_to_submit,
     combine_rewards,
     decoupled_loss,
+    trust_region,
     group_advantages,
     reward_moments,
     std_from_moments,
@@ -204,10 +205,11 @@ def _advantages_on_rank(rank: int, world: int, init_file: str, rewards_PG, out_d
     tdist.destroy_process_group()
 
 
-def algo_for(is_level="token", is_mode="truncate", is_cap=2.0):
+def algo_for(is_level="token", is_mode="truncate", is_cap=2.0, trust_region="proximal", max_staleness=1):
     from types import SimpleNamespace
 
-    return SimpleNamespace(is_level=is_level, is_mode=is_mode, is_cap=is_cap, loss_type="bnpo", clip_eps=0.2, ratio_level="token", pg_loss="ppo",
+    return SimpleNamespace(is_level=is_level, is_mode=is_mode, is_cap=is_cap, trust_region=trust_region,
+                           max_staleness=max_staleness, loss_type="bnpo", clip_eps=0.2, ratio_level="token", pg_loss="ppo",
                            clip_eps_high=None, beta=0.0)
 
 
@@ -234,6 +236,31 @@ def test_decoupled_loss_clips_against_the_proximal_policy_and_weights_by_proxima
     # is_level=none: no correction, w = 1 -> -(1.2 + 1.1) / 2 = -1.15
     plain, _ = decoupled_loss(current, proximal, behaviour, adv, mask, norm, algo_for(is_level="none"))
     assert plain.item() == pytest.approx(-1.15, abs=1e-6)
+
+
+def test_behaviour_trust_region_clips_the_ratio_to_the_sampler():
+    # the numbers above, clipped around the behaviour policy (PPO with the sampler as the old policy):
+    #   r = current / behaviour = [3 x 1.5, 0.5 x 1.1] = [4.5, 0.55]; no w
+    #   A = 1: min(r, clip(r, 0.8, 1.2)) = [1.2, 0.55] -> loss = -(1.2 + 0.55) / 2 = -0.875
+    # gradient: token 1 already rose past 1.2 since it was sampled: clipped, none (the proximal form
+    # above still pushed it, through w = 2); token 2: -0.55 / 2 = -0.275
+    behaviour = torch.zeros(1, 2)
+    proximal = torch.tensor([[math.log(3.0), math.log(0.5)]])
+    current = (proximal + torch.tensor([[math.log(1.5), math.log(1.1)]])).requires_grad_()
+    mask, adv = torch.ones(1, 2), torch.ones(1)
+    norm = LossNorm(num_seqs=1, num_tokens=2, max_len=2, gen_tokens_per_step=2)
+    loss, stats = decoupled_loss(current, proximal, behaviour, adv, mask, norm, algo_for(is_level="none", trust_region="behaviour"))
+    assert loss.item() == pytest.approx(-0.875, abs=1e-6)
+    assert stats["clipped_tokens"].item() == 1.0
+    loss.backward()
+    torch.testing.assert_close(current.grad, torch.tensor([[0.0, -0.275]]))
+    # auto picks it for a stale batch without an is_level, and the proximal form otherwise
+    auto, _ = decoupled_loss(current, proximal, behaviour, adv, mask, norm, algo_for(is_level="none", trust_region="auto"))
+    assert auto.item() == pytest.approx(-0.875, abs=1e-6)
+    assert trust_region("auto", 1, "none") == "behaviour"
+    assert trust_region("auto", 0, "none") == "proximal"  # the synchronous loop: unchanged
+    assert trust_region("auto", 2, "token") == "proximal"  # an explicit correction: decoupled PPO
+    assert trust_region("behaviour", 0, "none") == "behaviour"
 
 
 def test_sampled_kl_is_k3_over_the_sampled_tokens():

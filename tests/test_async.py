@@ -16,22 +16,22 @@ from tests.conftest import FAST, ROOT, compose_cfg
 from tests.test_dedicated import run_ok, wait_gone
 from tests.test_parallel import TORCHRUN
 
-ASYNC = ["rollout=dedicated", "algo.is_level=token"]
+ASYNC = ["rollout=dedicated"]  # algo.trust_region=auto: clipped around the sampler
 
 
 def trained_rows(run_dir) -> list[dict]:
     return [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "loss" in r]
 
 
-@pytest.mark.parametrize("parallel, k, versions, behind", [
-    ("ddp", 2, [0, 0, 0, 1, 2], [0, 1, 2, 2, 2]),
+@pytest.mark.parametrize("parallel, k, versions, behind, loss", [
+    ("ddp", 2, [0, 0, 0, 1, 2], [0, 1, 2, 2, 2], "algo.is_level=token"),  # decoupled PPO, weighted by is_*
     # ZeRO-3: each push gathers the shards (collectives every rank joins) while the owner's batch is in flight
-    ("zero3", 1, [0, 0, 1, 2], [0, 1, 1, 1]),
+    ("zero3", 1, [0, 0, 1, 2], [0, 1, 1, 1], "algo.trust_region=auto"),  # clipped around the sampler
 ])
-def test_two_processes_train_on_batches_at_most_k_versions_old(tmp_path, cache_dir, parallel, k, versions, behind):
+def test_two_processes_train_on_batches_at_most_k_versions_old(tmp_path, cache_dir, parallel, k, versions, behind, loss):
     steps = len(versions)
     run_ok([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, f"steps={steps}", f"parallel={parallel}",
-            *ASYNC, f"algo.max_staleness={k}", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
+            *ASYNC, loss, f"algo.max_staleness={k}", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
     rows = trained_rows(tmp_path)
     # batch s is handed over at step max(1, s - k), when the engines hold version max(0, s - 1 - k), and
     # trained at step s by the trainer at version s - 1. weight_version is what the engine reported
@@ -53,7 +53,7 @@ def test_in_process_backend_trains_on_batches_k_versions_old_without_the_overlap
     learning, in one process, for studying staleness cheaply."""
     from grpo.train import train
 
-    cfg = make_cfg("steps=4", "algo.max_staleness=1", "algo.is_level=token")
+    cfg = make_cfg("steps=4", "algo.max_staleness=1")
     with pytest.warns(UserWarning, match="generation takes turns with the update"):
         train(cfg)
     rows = trained_rows(cfg.run_dir)

@@ -106,7 +106,11 @@ def test_unknown_option_is_an_error():
         ("rollout.temperature=0", "rollout.temperature > 0"),
         ("algo.is_level=token|rollout.top_p=0.9", "algo.is_level needs rollout.top_p=1"),
         ("algo.max_staleness=-1", "algo.max_staleness=-1 must be >= 0"),
-        ("algo.max_staleness=2|rollout=dedicated", "set algo.is_level=token (or sequence) so the decoupled loss"),
+        ("algo.max_staleness=2|rollout=dedicated|algo.trust_region=proximal",
+         "with algo.trust_region=proximal trains on batches sampled by weights up to 2 version(s) old with nothing "
+         "correcting for it: set algo.is_level=token"),
+        ("algo.trust_region=behaviour|algo.is_level=token", "so algo.is_level=token would weight twice: set algo.is_level=none"),
+        ("algo.trust_region=sampler", "algo.trust_region='sampler' is not one of"),
         ("algo.adv_estimator=rloo", "algo.adv_estimator=rloo sets its own scale"),
         ("algo.adv_estimator=gae", "algo.adv_estimator='gae' is not one of"),
         ("algo=cispo|algo.ratio_level=sequence", "algo.pg_loss=cispo weights each token's gradient"),
@@ -122,6 +126,7 @@ def test_bad_values_say_what_to_change(override, message):
 def test_asynchronous_rollouts_validate_with_engines_in_other_processes(recwarn):
     validate(compose_cfg("algo.max_staleness=2", "algo.is_level=token", "rollout=dedicated"))
     validate(compose_cfg("algo.max_staleness=1", "algo.is_level=sequence", "rollout=remote", "rollout.remote.urls=[http://h:1]"))
+    validate(compose_cfg("algo.max_staleness=1", "rollout=dedicated"))  # auto: clipped around the sampler
     assert not [w for w in recwarn if "max_staleness" in str(w.message)]
 
 
