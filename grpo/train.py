@@ -24,11 +24,13 @@ Variant implemented (DeepSeekMath GRPO, with the fixes later papers made optiona
     every batch up to s + k, so engines in other processes generate while the trainer updates (hf
     and colocated generate each batch as it is handed over: as stale, not overlapped),
     and a batch is trained on weights at most k versions newer than the ones that sampled it. Its
-    loss is decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy optimization";
-    used for asynchronous RL by AReaL, Fu et al. 2025): the clipped ratio is taken against the
-    proximal policy, the trainer's weights before this update, and each token is weighted by
-    proximal / behaviour (the sampler's logprobs), capped or masked by `algo.is_*`
-    (`algorithm.decoupled_loss`). Weights reach the engines only between requests. A checkpoint
+    loss (`algorithm.decoupled_loss`, `algo.trust_region`): with an `algo.is_level`, decoupled PPO
+    (Hilton et al. 2022, "Batch size-invariance for policy optimization"; used for asynchronous RL
+    by AReaL, Fu et al. 2025): the clipped ratio is taken against the proximal policy, the trainer's
+    weights before this update, and each token is weighted by proximal / behaviour (the sampler's
+    logprobs), capped or masked by `algo.is_*`. By default, PPO clipped around the behaviour policy
+    (ratio = trainer / sampler): with one optimizer step per batch the decoupled ratio is 1 and
+    keeps no trust region, and 1 version stale it diverged on the default task. Weights reach the engines only between requests. A checkpoint
     records the sampler as of the batches trained, so batches in flight at a stop are drawn again
     (same prompts, same sampling seeds) after resume, from the resumed weights: a resumed run
     trains the same prompts but not bit-for-bit the same completions as an uninterrupted one.
