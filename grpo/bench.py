@@ -518,7 +518,7 @@ def main() -> None:
     p.add_argument("--async", dest="async_", action="store_true", help="only asynchronous rollouts: step time "
                    "with algo.max_staleness=0, 1, 2 (rollout=dedicated, then remote), then k=0 against k=1 learning the default task")
     p.add_argument("--learn-steps", type=int, default=300, help="--async: steps of each learning run (0: none)")
-    p.add_argument("--engine-cores", type=int, default=max(1, len(os.sched_getaffinity(0)) // 2),
+    p.add_argument("--engine-cores", type=int, default=len(os.sched_getaffinity(0)) // 2,
                    help="--async: CPUs reserved for the engine, the rest for the trainer (0: all shared); default half")
     p.add_argument("--vs", choices=["trl"], help="also run TRL's GRPOTrainer on the same setup (needs trl)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every training run")
