@@ -43,12 +43,11 @@ def compose(overrides: list[str]):
 def served(model_path: str, timeout_s: float = 300, cpus: list[int] | None = None):
     """A local `grpo.serve` on `model_path` for the remote backend; yields its URL. With `cpus`, the
     server is pinned to them (its vLLM threads bound there), as `rollout.dedicated.cpu_cores` pins engines."""
+    from grpo.rollout.dedicated import pinned_engine_env
     from grpo.rollout.servers import free_port
 
     port = free_port("127.0.0.1")
-    env = dict(os.environ)
-    if cpus:
-        env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus)), OMP_NUM_THREADS=str(len(cpus)))
+    env = {**os.environ, **pinned_engine_env(cpus)}
     proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", str(port),
                              "--max-model-len", "256", "--memory-fraction", "0.1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env,

@@ -213,6 +213,16 @@ def algo_for(is_level="token", is_mode="truncate", is_cap=2.0, trust_region="pro
                            clip_eps_high=None, beta=0.0)
 
 
+def three_policies():
+    """Behaviour (sampler) logprobs 0; proximal (trainer before the update) [ln 3, ln 0.5]; current =
+    proximal + [ln 1.5, ln 1.1] (requires grad); A = 1; bnpo over 2 tokens."""
+    behaviour = torch.zeros(1, 2)
+    proximal = torch.tensor([[math.log(3.0), math.log(0.5)]])
+    current = (proximal + torch.tensor([[math.log(1.5), math.log(1.1)]])).requires_grad_()
+    norm = LossNorm(num_seqs=1, num_tokens=2, max_len=2, gen_tokens_per_step=2)
+    return current, proximal, behaviour, torch.ones(1), torch.ones(1, 2), norm
+
+
 def test_decoupled_loss_clips_against_the_proximal_policy_and_weights_by_proximal_over_behaviour():
     # behaviour (sampler) logprobs 0; proximal (trainer before the update) [ln 3, ln 0.5]; current =
     # proximal + [ln 1.5, ln 1.1]; A = 1, eps 0.2, bnpo over 2 tokens.
@@ -220,11 +230,7 @@ def test_decoupled_loss_clips_against_the_proximal_policy_and_weights_by_proxima
     #   w = proximal / behaviour = [3, 0.5], truncated at cap 2 -> [2, 0.5]
     #   loss = -(2 x 1.2 + 0.5 x 1.1) / 2 = -(2.4 + 0.55) / 2 = -1.475
     # Against the behaviour policy instead (r = [4.5, 0.55], no w) it would be -(1.2 + 0.55) / 2 = -0.875.
-    behaviour = torch.zeros(1, 2)
-    proximal = torch.tensor([[math.log(3.0), math.log(0.5)]])
-    current = (proximal + torch.tensor([[math.log(1.5), math.log(1.1)]])).requires_grad_()
-    mask, adv = torch.ones(1, 2), torch.ones(1)
-    norm = LossNorm(num_seqs=1, num_tokens=2, max_len=2, gen_tokens_per_step=2)
+    current, proximal, behaviour, adv, mask, norm = three_policies()
     loss, _ = decoupled_loss(current, proximal, behaviour, adv, mask, norm, algo_for())
     assert loss.item() == pytest.approx(-1.475, abs=1e-6)
     # gradient: token 1 is clipped (none); token 2: d/dlogp of -w r A / 2 = -0.5 x 1.1 / 2 = -0.275
@@ -244,11 +250,7 @@ def test_behaviour_trust_region_clips_the_ratio_to_the_sampler():
     #   A = 1: min(r, clip(r, 0.8, 1.2)) = [1.2, 0.55] -> loss = -(1.2 + 0.55) / 2 = -0.875
     # gradient: token 1 already rose past 1.2 since it was sampled: clipped, none (the proximal form
     # above still pushed it, through w = 2); token 2: -0.55 / 2 = -0.275
-    behaviour = torch.zeros(1, 2)
-    proximal = torch.tensor([[math.log(3.0), math.log(0.5)]])
-    current = (proximal + torch.tensor([[math.log(1.5), math.log(1.1)]])).requires_grad_()
-    mask, adv = torch.ones(1, 2), torch.ones(1)
-    norm = LossNorm(num_seqs=1, num_tokens=2, max_len=2, gen_tokens_per_step=2)
+    current, proximal, behaviour, adv, mask, norm = three_policies()
     loss, stats = decoupled_loss(current, proximal, behaviour, adv, mask, norm, algo_for(is_level="none", trust_region="behaviour"))
     assert loss.item() == pytest.approx(-0.875, abs=1e-6)
     assert stats["clipped_tokens"].item() == 1.0

@@ -39,15 +39,12 @@ def process_group_alive(pgid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_lm, tmp_path_factory):
-    model, tok = tiny_lm
-    path = tmp_path_factory.mktemp("served-model")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+def server(model_dir, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
     port = free_port()
-    log = open(path / "server.log", "w")
+    log = open(log_path, "w")
     proc = subprocess.Popen(  # the token only in the environment: never on a command line
-        [sys.executable, "-m", "grpo.serve", "--model", str(path), "--port", str(port),
+        [sys.executable, "-m", "grpo.serve", "--model", model_dir, "--port", str(port),
          "--max-model-len", "128", "--memory-fraction", "0.1"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, TOKEN_ENV: TOKEN},
     )
@@ -58,9 +55,9 @@ def server(tiny_lm, tmp_path_factory):
             urllib.request.urlopen(url + "/health", timeout=2)
             break
         except OSError:
-            assert proc.poll() is None, (path / "server.log").read_text()[-3000:]
+            assert proc.poll() is None, log_path.read_text()[-3000:]
             time.sleep(1)
-    yield {"url": url, "path": str(path), "proc": proc}
+    yield {"url": url, "path": model_dir, "proc": proc}
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the server and its engine processes must all exit
     proc.wait(timeout=60)
     deadline = time.time() + 30

@@ -107,15 +107,20 @@ def child_visible_devices(devices: list[str], parent_visible: str | None) -> str
     return ",".join(parent[i] for i in logical)
 
 
+def pinned_engine_env(cpus: list[int] | None) -> dict[str, str]:
+    """The environment that binds a CPU vLLM engine's threads to `cpus` (nothing without them); the
+    process itself is pinned by sched_setaffinity before exec."""
+    if not cpus:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "OMP_NUM_THREADS": str(len(cpus))}
+
+
 def launch_engine(model_path: str, devices: list[str], port: int, token: str, vllm_cfg, dtype: str, log_path: str,
                   transfer: str = "grpo_gloo", cpus: list[int] | None = None, lora_rank: int = 0):
     """One `grpo.serve` process on `devices`, bound to 127.0.0.1, logging to `log_path`; on CPU,
     pinned to `cpus` when given (its vLLM threads bound to them); with `lora_rank`, serving LoRA
     adapters up to that rank."""
-    env = {**os.environ, "GRPO_SERVE_TOKEN": token}
-    if cpus:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
-        env["OMP_NUM_THREADS"] = str(len(cpus))
+    env = {**os.environ, "GRPO_SERVE_TOKEN": token, **pinned_engine_env(cpus)}
     argv = [sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", str(port),
             "--max-model-len", str(vllm_cfg.max_model_len), "--dtype", dtype, "--kv-cache-gb", str(vllm_cfg.kv_cache_gb),
             "--weight-transfer", transfer]
