@@ -343,7 +343,10 @@ def decoupled_loss(
 
     trust_region=behaviour: PPO with the sampler as the old policy, r = pi_theta / mu and no w: the
     ratio is the importance correction, and its clip drops the gradient of a token whose probability
-    already moved past the band since it was sampled, in its advantage's direction.
+    already moved past the band since it was sampled, in its advantage's direction. The band is
+    [1 - b, 1 + b] with b = `algo.behaviour_clip_eps` (default 0.1; None: clip_eps / clip_eps_high):
+    the ratio to the sampler already holds the updates made since the batch was sampled, and at the
+    synchronous loop's 0.2 the k = 1 run still trailed it by 0.11 held-out accuracy over 5 seeds.
 
     Why both: with one optimizer step per batch (num_iterations = num_minibatches = 1) the proximal
     policy is the current one, r = 1, and the decoupled loss has no trust region at all, only the
@@ -352,8 +355,11 @@ def decoupled_loss(
     diverged (held-out accuracy 0.129 -> 0.098 in 600 steps, against 0.637 synchronous), where the
     behaviour-centred clip stops the second push and learned (0.566; README: "Asynchronous rollouts").
     With a fresh batch mu = pi_prox up to kernel noise and both are the synchronous loss."""
+    clip_eps, clip_eps_high = algo.clip_eps, algo.clip_eps_high
     if trust_region(algo.trust_region, algo.max_staleness, algo.is_level) == "behaviour":
         proximal_logprobs_BT, w_BT = sampler_logprobs_BT, None
+        if algo.behaviour_clip_eps is not None:
+            clip_eps = clip_eps_high = algo.behaviour_clip_eps
     elif algo.is_level == "none":
         w_BT = None  # no correction: w = 1
     else:
@@ -365,8 +371,8 @@ def decoupled_loss(
         mask_BT,
         norm,
         loss_type=algo.loss_type,
-        clip_eps=algo.clip_eps,
-        clip_eps_high=algo.clip_eps_high,
+        clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high,
         beta=algo.beta,
         ref_logprobs_BT=ref_logprobs_BT,
         is_weights_BT=w_BT,

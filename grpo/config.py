@@ -197,6 +197,11 @@ class AlgoConfig:
     # behaviour (the sampler: PPO with the sampler as the old policy; is_level must be none) |
     # auto: behaviour for max_staleness >= 1 with is_level=none, else proximal (k = 0: unchanged)
     trust_region: str = "auto"
+    # the clip band of trust_region=behaviour, both sides: [1 - b, 1 + b] around the sampler (None:
+    # clip_eps / clip_eps_high). Tighter than clip_eps because a stale batch's ratio already carries
+    # the updates since it was sampled: at k = 1 on the default task, 0.1 learned as the synchronous
+    # loop did over 4 seeds where 0.2 trailed it by 0.11 (README: "Asynchronous rollouts")
+    behaviour_clip_eps: Optional[float] = 0.1
 
 
 @dataclass
@@ -276,6 +281,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
     """Cross-field rules, checked before any heavy work. Raises ConfigError saying what to change.
     `world_size`: the processes the run will have (grpo.launch checks a job before submitting it);
     by default the ones this process was launched with."""
+    from grpo.algorithm import trust_region
     from grpo.parallel import STRATEGIES, strategy_class
     from grpo.rewards import resolve_reward
     from grpo.rollout import BACKENDS, backend_class
@@ -359,6 +365,14 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
             f"itself, so algo.is_level={a.is_level} would weight twice: set algo.is_level=none, or "
             f"algo.trust_region=proximal to clip around the trainer and weight by is_* (decoupled PPO)."
         )
+    if a.behaviour_clip_eps is not None and not 0 < a.behaviour_clip_eps < 1:
+        raise ConfigError(f"algo.behaviour_clip_eps={a.behaviour_clip_eps} must be in (0, 1), or null to use "
+                          f"algo.clip_eps / clip_eps_high around the sampler too.")
+    if (a.pg_loss == "cispo" and a.behaviour_clip_eps is not None
+            and trust_region(a.trust_region, a.max_staleness, a.is_level) == "behaviour"):
+        raise ConfigError(f"algo.pg_loss=cispo with algo.behaviour_clip_eps={a.behaviour_clip_eps}: CISPO's weight is "
+                          f"bounded by algo.clip_eps / clip_eps_high (its lower bound is usually off), not by a "
+                          f"symmetric band; set algo.behaviour_clip_eps=null (algo=cispo does).")
     if a.max_staleness > 0 and a.trust_region == "proximal" and a.is_level == "none":
         raise ConfigError(
             f"algo.max_staleness={a.max_staleness} with algo.trust_region=proximal trains on batches sampled by "

@@ -29,8 +29,9 @@ Variant implemented (DeepSeekMath GRPO, with the fixes later papers made optiona
     by AReaL, Fu et al. 2025): the clipped ratio is taken against the proximal policy, the trainer's
     weights before this update, and each token is weighted by proximal / behaviour (the sampler's
     logprobs), capped or masked by `algo.is_*`. By default, PPO clipped around the behaviour policy
-    (ratio = trainer / sampler): with one optimizer step per batch the decoupled ratio is 1 and
-    keeps no trust region, and 1 version stale it diverged on the default task. Weights reach the engines only between requests. A checkpoint
+    (ratio = trainer / sampler, band `algo.behaviour_clip_eps` = 0.1): with one optimizer step per
+    batch the decoupled ratio is 1 and keeps no trust region, and 1 version stale it diverged on the
+    default task. Weights reach the engines only between requests. A checkpoint
     records the sampler as of the batches trained, so batches in flight at a stop are drawn again
     (same prompts, same sampling seeds) after resume, from the resumed weights: a resumed run
     trains the same prompts but not bit-for-bit the same completions as an uninterrupted one.

@@ -205,12 +205,13 @@ def _advantages_on_rank(rank: int, world: int, init_file: str, rewards_PG, out_d
     tdist.destroy_process_group()
 
 
-def algo_for(is_level="token", is_mode="truncate", is_cap=2.0, trust_region="proximal", max_staleness=1):
+def algo_for(is_level="token", is_mode="truncate", is_cap=2.0, trust_region="proximal", max_staleness=1,
+             behaviour_clip_eps=None):
     from types import SimpleNamespace
 
     return SimpleNamespace(is_level=is_level, is_mode=is_mode, is_cap=is_cap, trust_region=trust_region,
                            max_staleness=max_staleness, loss_type="bnpo", clip_eps=0.2, ratio_level="token", pg_loss="ppo",
-                           clip_eps_high=None, beta=0.0)
+                           clip_eps_high=None, beta=0.0, behaviour_clip_eps=behaviour_clip_eps)
 
 
 def three_policies():
@@ -263,6 +264,33 @@ def test_behaviour_trust_region_clips_the_ratio_to_the_sampler():
     assert trust_region("auto", 0, "none") == "proximal"  # the synchronous loop: unchanged
     assert trust_region("auto", 2, "token") == "proximal"  # an explicit correction: decoupled PPO
     assert trust_region("behaviour", 0, "none") == "behaviour"
+
+
+def test_behaviour_clip_eps_sets_the_band_around_the_sampler_only():
+    # sampler logprobs 0, current = [ln 1.15, ln 1.05], A = 1, bnpo over 2 tokens: r = [1.15, 1.05]
+    #   band 0.2 (clip_eps; behaviour_clip_eps=None): both inside -> -(1.15 + 1.05) / 2 = -1.1,
+    #     gradient -r / 2 = [-0.575, -0.525]
+    #   band 0.1: 1.15 is past 1.1 -> clipped, no gradient -> -(1.1 + 1.05) / 2 = -1.075, [0, -0.525]
+    sampler = torch.zeros(1, 2)
+    norm = LossNorm(num_seqs=1, num_tokens=2, max_len=2, gen_tokens_per_step=2)
+
+    def loss_and_grad(**algo):
+        current = torch.tensor([[math.log(1.15), math.log(1.05)]], requires_grad=True)
+        loss, _ = decoupled_loss(current, current.detach(), sampler, torch.ones(1), torch.ones(1, 2), norm,
+                                 algo_for(is_level="none", **algo))
+        loss.backward()
+        return loss.item(), current.grad
+
+    loss, grad = loss_and_grad(trust_region="behaviour")
+    assert loss == pytest.approx(-1.1, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[-0.575, -0.525]]))
+    loss, grad = loss_and_grad(trust_region="behaviour", behaviour_clip_eps=0.1)
+    assert loss == pytest.approx(-1.075, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -0.525]]))
+    # the proximal form (the synchronous loop) keeps clip_eps: here r = current / proximal = 1 anyway,
+    # so the band is moot; what it must not do is read behaviour_clip_eps at k = 0
+    loss, _ = loss_and_grad(trust_region="auto", max_staleness=0, behaviour_clip_eps=0.1)
+    assert loss == pytest.approx(-1.0, abs=1e-6)
 
 
 def test_sampled_kl_is_k3_over_the_sampled_tokens():

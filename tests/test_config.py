@@ -111,6 +111,9 @@ def test_unknown_option_is_an_error():
          "correcting for it: set algo.is_level=token"),
         ("algo.trust_region=behaviour|algo.is_level=token", "so algo.is_level=token would weight twice: set algo.is_level=none"),
         ("algo.trust_region=sampler", "algo.trust_region='sampler' is not one of"),
+        ("algo.behaviour_clip_eps=1.5", "algo.behaviour_clip_eps=1.5 must be in (0, 1), or null"),
+        ("algo=cispo|algo.max_staleness=1|rollout=dedicated|algo.behaviour_clip_eps=0.1",
+         "CISPO's weight is bounded by algo.clip_eps / clip_eps_high"),
         ("algo.adv_estimator=rloo", "algo.adv_estimator=rloo sets its own scale"),
         ("algo.adv_estimator=gae", "algo.adv_estimator='gae' is not one of"),
         ("algo=cispo|algo.ratio_level=sequence", "algo.pg_loss=cispo weights each token's gradient"),
@@ -127,6 +130,7 @@ def test_asynchronous_rollouts_validate_with_engines_in_other_processes(recwarn)
     validate(compose_cfg("algo.max_staleness=2", "algo.is_level=token", "rollout=dedicated"))
     validate(compose_cfg("algo.max_staleness=1", "algo.is_level=sequence", "rollout=remote", "rollout.remote.urls=[http://h:1]"))
     validate(compose_cfg("algo.max_staleness=1", "rollout=dedicated"))  # auto: clipped around the sampler
+    validate(compose_cfg("algo=cispo", "algo.max_staleness=1", "rollout=dedicated"))  # with CISPO's own bounds
     assert not [w for w in recwarn if "max_staleness" in str(w.message)]
 
 
