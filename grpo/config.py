@@ -198,9 +198,7 @@ class AlgoConfig:
     # auto: behaviour for max_staleness >= 1 with is_level=none, else proximal (k = 0: unchanged)
     trust_region: str = "auto"
     # the clip band of trust_region=behaviour, both sides: [1 - b, 1 + b] around the sampler (None:
-    # clip_eps / clip_eps_high). Tighter than clip_eps because a stale batch's ratio already carries
-    # the updates since it was sampled: at k = 1 on the default task, over 5 seeds, 0.1 trailed the
-    # synchronous loop by 0.03 +- 0.04 held-out accuracy, 0.2 by 0.11 (README: "Asynchronous rollouts")
+    # clip_eps / clip_eps_high); tighter than clip_eps, why and measured: algorithm.decoupled_loss
     behaviour_clip_eps: Optional[float] = 0.1
 
 

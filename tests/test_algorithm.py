@@ -88,6 +88,7 @@ def one_token(logp: float, old: float = 0.0):
 
 
 NORM1 = LossNorm(num_seqs=1, num_tokens=1, max_len=1, gen_tokens_per_step=1)
+NORM_1x2 = LossNorm(num_seqs=1, num_tokens=2, max_len=2, gen_tokens_per_step=2)  # one sequence of 2 tokens
 
 
 def test_clip_positive_advantage_is_clipped_and_has_no_gradient():
@@ -187,8 +188,7 @@ def test_importance_weights_scale_the_loss():
     # A = 1 at ratio 1: token loss -1; weights [2, 0.5] -> -2.5 summed, bnpo over 2 tokens -> -1.25
     logp = torch.zeros(1, 2)
     w = torch.tensor([[2.0, 0.5]])
-    norm = LossNorm(num_seqs=1, num_tokens=2, max_len=2, gen_tokens_per_step=2)
-    loss, _ = policy_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 2), norm, loss_type="bnpo", is_weights_BT=w)
+    loss, _ = policy_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 2), NORM_1x2, loss_type="bnpo", is_weights_BT=w)
     assert loss.item() == pytest.approx(-1.25)
 
 
@@ -220,8 +220,7 @@ def three_policies():
     behaviour = torch.zeros(1, 2)
     proximal = torch.tensor([[math.log(3.0), math.log(0.5)]])
     current = (proximal + torch.tensor([[math.log(1.5), math.log(1.1)]])).requires_grad_()
-    norm = LossNorm(num_seqs=1, num_tokens=2, max_len=2, gen_tokens_per_step=2)
-    return current, proximal, behaviour, torch.ones(1), torch.ones(1, 2), norm
+    return current, proximal, behaviour, torch.ones(1), torch.ones(1, 2), NORM_1x2
 
 
 def test_decoupled_loss_clips_against_the_proximal_policy_and_weights_by_proximal_over_behaviour():
@@ -272,11 +271,10 @@ def test_behaviour_clip_eps_sets_the_band_around_the_sampler_only():
     #     gradient -r / 2 = [-0.575, -0.525]
     #   band 0.1: 1.15 is past 1.1 -> clipped, no gradient -> -(1.1 + 1.05) / 2 = -1.075, [0, -0.525]
     sampler = torch.zeros(1, 2)
-    norm = LossNorm(num_seqs=1, num_tokens=2, max_len=2, gen_tokens_per_step=2)
 
     def loss_and_grad(**algo):
         current = torch.tensor([[math.log(1.15), math.log(1.05)]], requires_grad=True)
-        loss, _ = decoupled_loss(current, current.detach(), sampler, torch.ones(1), torch.ones(1, 2), norm,
+        loss, _ = decoupled_loss(current, current.detach(), sampler, torch.ones(1), torch.ones(1, 2), NORM_1x2,
                                  algo_for(is_level="none", **algo))
         loss.backward()
         return loss.item(), current.grad
