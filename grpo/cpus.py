@@ -129,3 +129,22 @@ def configure_threads(setting="auto") -> int:
         n = choose_threads(setting, 0, 1, None)
     _set_num_threads(n)
     return n
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ('unknown' where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def machine_info() -> dict:
+    """What ran where, for summary.json, the doctor and the bench: float rounding, and so a small
+    model's training, differs between CPUs and between torch's kernel sets (ATEN_CPU_CAPABILITY)."""
+    return {"cpu_model": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch_threads": torch.get_num_threads(), "cpus": len(affinity_cpus())}

@@ -84,7 +84,11 @@ def check_device() -> Result:
         if shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0:
             return Result("device", False, f"nvidia-smi sees GPUs, torch {torch.__version__} (CUDA {torch.version.cuda}) does not",
                           "update the NVIDIA driver to one this torch's CUDA supports, or reinstall with `make setup GPU=1`")
-        return Result("device", True, f"CPU only: {os.cpu_count()} cores, no CUDA device")
+        from grpo.cpus import machine_info
+
+        m = machine_info()
+        return Result("device", True, f"CPU only: {m['cpu_model']}, {m['cpus']} usable cores, torch kernels "
+                                      f"{m['cpu_capability']}, {m['torch_threads']} threads; no CUDA device")
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     if not tdist.is_nccl_available():
         return Result("device", False, f"{len(names)} GPU(s) but torch has no NCCL", "install a CUDA build of torch (make setup)")

@@ -35,4 +35,8 @@ class EngineStartError(RuntimeError):
     """A vLLM engine that could not start, most often for memory."""
 
 
-USER_ERRORS = (ConfigError, DatasetError, ServerError, EngineStartError)
+class WarmStartError(RuntimeError):
+    """The tiny model's supervised warm start ended below its accuracy target; nothing was cached."""
+
+
+USER_ERRORS = (ConfigError, DatasetError, ServerError, EngineStartError, WarmStartError)

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-TINY_FORMAT = 1  # bump when the tiny model's recipe changes, so old cache entries are not reused
+TINY_FORMAT = 2  # bump when the tiny model's recipe changes, so old cache entries are not reused
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -87,9 +87,16 @@ def greedy_accuracy(model, tokenizer, samples, max_new_tokens: int, batch_size: 
 
 def warm_start(model, tokenizer, task, cfg, max_new_tokens: int, log=print) -> dict:
     """Supervised training on prompt + answer + <eos>, loss on the answer, until greedy accuracy
-    on 256 training prompts reaches cfg.warm_start_accuracy. Returns what it measured."""
+    on 256 training prompts reaches cfg.warm_start_accuracy (checked every 25 steps). AdamW, lr
+    warmed up linearly over `warm_start_warmup_steps`, gradient norm clipped at `warm_start_clip`.
+    Returns what it measured; raises WarmStartError if the step cap comes first, since GRPO learns
+    nothing from a policy that never earns a reward."""
+    from grpo.errors import WarmStartError
+
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warm_start_lr)
+    warmup = max(0, cfg.warm_start_warmup_steps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warmup + 1)))
     n_probe = min(256, len(task.train) // 2)
     probe, train = task.train[:n_probe], task.train[n_probe:]
     if not probe or not train:
@@ -97,28 +104,44 @@ def warm_start(model, tokenizer, task, cfg, max_new_tokens: int, log=print) -> d
     t0, acc, step = time.perf_counter(), greedy_accuracy(model, tokenizer, probe, max_new_tokens), 0
     while acc < cfg.warm_start_accuracy and step < cfg.warm_start_max_steps:
         idx = torch.randint(len(train), (cfg.warm_start_batch,), generator=gen).tolist()
-        batch = [train[i] for i in idx]
-        prompt_lens = [len(tokenizer(s.prompt).input_ids) for s in batch]
-        enc = tokenizer([s.prompt + s.answer for s in batch], return_tensors="pt", padding=True)
-        ids = torch.cat([enc.input_ids, torch.full((len(batch), 1), tokenizer.pad_token_id)], dim=1)
-        mask = torch.cat([enc.attention_mask, torch.zeros(len(batch), 1, dtype=torch.long)], dim=1)
-        lengths = enc.attention_mask.sum(1)
-        ids[torch.arange(len(batch)), lengths] = tokenizer.eos_token_id
-        mask[torch.arange(len(batch)), lengths] = 1
-        labels = ids.clone()
-        labels[mask == 0] = -100
-        for row, p in enumerate(prompt_lens):
-            labels[row, :p] = -100
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss = model(**supervised_batch(tokenizer, [train[i] for i in idx])).loss
         loss.backward()
+        if cfg.warm_start_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.warm_start_clip)
         opt.step()
+        schedule.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        if step % 25 == 0:
+        if step % 25 == 0 or step == cfg.warm_start_max_steps:
             acc = greedy_accuracy(model, tokenizer, probe, max_new_tokens)
     info = {"warm_start_steps": step, "warm_start_train_accuracy": acc, "warm_start_s": time.perf_counter() - t0}
     log(f"warm start: {step} supervised steps, greedy train accuracy {acc:.3f}, {info['warm_start_s']:.1f}s")
+    if acc < cfg.warm_start_accuracy:
+        raise WarmStartError(
+            f"the tiny model's warm start reached greedy train accuracy {acc:.3f} after {step} steps "
+            f"(model.tiny.warm_start_max_steps={cfg.warm_start_max_steps}), below its target "
+            f"model.tiny.warm_start_accuracy={cfg.warm_start_accuracy}; nothing was cached. A policy that never "
+            f"earns a reward cannot learn by GRPO. Raise model.tiny.warm_start_max_steps, try another model.tiny.seed, "
+            f"or lower model.tiny.warm_start_lr (now {cfg.warm_start_lr}).")
     return info
+
+
+def supervised_batch(tokenizer, samples) -> dict:
+    """input_ids, attention_mask and labels for prompt + answer + <eos>; the loss falls on the answer
+    and <eos> only (right padding)."""
+    prompt_lens = [len(tokenizer(s.prompt).input_ids) for s in samples]
+    enc = tokenizer([s.prompt + s.answer for s in samples], return_tensors="pt", padding=True)
+    rows = torch.arange(len(samples))
+    ids = torch.cat([enc.input_ids, torch.full((len(samples), 1), tokenizer.pad_token_id)], dim=1)
+    mask = torch.cat([enc.attention_mask, torch.zeros(len(samples), 1, dtype=torch.long)], dim=1)
+    lengths = enc.attention_mask.sum(1)
+    ids[rows, lengths] = tokenizer.eos_token_id
+    mask[rows, lengths] = 1
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    for row, p in enumerate(prompt_lens):
+        labels[row, :p] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def tiny_model_dir(cfg, task_cfg, max_new_tokens: int) -> str:

@@ -58,7 +58,7 @@ from grpo.algorithm import batches_to_submit, combine_rewards, staleness, zero_s
 from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_aside_checkpoints
 from grpo.cli import exit_on_user_error
 from grpo.config import register_configs, validate
-from grpo.cpus import configure_threads
+from grpo.cpus import configure_threads, machine_info
 from grpo.dist import DistInfo, all_reduce_sum, barrier, broadcast_object, dist_info, process_group
 from grpo.eval import evaluate
 from grpo.export import export_hf
@@ -368,6 +368,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         "resumed_from": r.start,
         "world_size": info.world_size,
         "threads_per_process": threads,
+        "machine": machine_info(),  # CPU model, torch's kernel set (cpu_capability), threads
         "wall_s": time.perf_counter() - t_start,
         "gen_tokens_per_s": gen_tokens_total / gen_time_total if gen_time_total else None,
         "peak_memory_gb": peak_memory_gb(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -72,3 +73,28 @@ def model_dir(tiny_lm, tmp_path_factory):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def learning_policy(cache_dir) -> str:
+    """The default tiny model, built once in the session's cache: the precondition of every test that
+    asserts clipping, moved weights, a growing sampler/trainer difference or learning. A policy that
+    never earns a reward changes nothing, whatever the code under test does, so this asserts its warm
+    start reached the target before such a test reads anything else."""
+    from grpo.models import resolve_model_folder
+
+    cfg = compose_cfg(cache=cache_dir)
+    path = resolve_model_folder(cfg, log=lambda *_: None)  # raises WarmStartError below the target
+    info = json.load(open(os.path.join(path, "grpo_tiny.json")))
+    target = cfg.model.tiny.warm_start_accuracy
+    assert info["warm_start_train_accuracy"] >= target, (
+        f"precondition (a learning policy): the tiny model in {path} reached greedy train accuracy "
+        f"{info['warm_start_train_accuracy']:.3f}, below its target {target}")
+    return path
+
+
+def assert_rewards_vary(rows: list[dict]) -> None:
+    """Precondition of a test that needs a gradient: some group of some step had rewards that differ."""
+    assert any(r["reward/zero_std_frac"] < 1 for r in rows), (
+        "precondition (a learning signal): every group of every step had equal rewards, so nothing could "
+        f"train; zero_std_frac per step: {[r['reward/zero_std_frac'] for r in rows]}")

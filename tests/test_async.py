@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import FAST, ROOT, compose_cfg
+from tests.conftest import FAST, ROOT, assert_rewards_vary, compose_cfg
 from tests.test_dedicated import run_ok, wait_gone
 from tests.test_parallel import TORCHRUN
 
@@ -28,11 +28,12 @@ def trained_rows(run_dir) -> list[dict]:
     # ZeRO-3: each push gathers the shards (collectives every rank joins) while the owner's batch is in flight
     ("zero3", 1, [0, 0, 1, 2], [0, 1, 1, 1], "algo.trust_region=auto"),  # clipped around the sampler
 ])
-def test_two_processes_train_on_batches_at_most_k_versions_old(tmp_path, cache_dir, parallel, k, versions, behind, loss):
+def test_two_processes_train_on_batches_at_most_k_versions_old(tmp_path, cache_dir, learning_policy, parallel, k, versions, behind, loss):
     steps = len(versions)
     run_ok([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, f"steps={steps}", f"parallel={parallel}",
             *ASYNC, loss, f"algo.max_staleness={k}", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
     rows = trained_rows(tmp_path)
+    assert_rewards_vary(rows[:-1])  # the weights move only if an earlier batch carried a signal
     # batch s is handed over at step max(1, s - k), when the engines hold version max(0, s - 1 - k), and
     # trained at step s by the trainer at version s - 1. weight_version is what the engine reported
     # (/weight_info) before and after serving it, averaged over both ranks: a rank that saw another
@@ -47,7 +48,7 @@ def test_two_processes_train_on_batches_at_most_k_versions_old(tmp_path, cache_d
     assert wait_gone(tmp_path) == [], "engine processes outlived the run"
 
 
-def test_in_process_backend_trains_on_batches_k_versions_old_without_the_overlap(make_cfg):
+def test_in_process_backend_trains_on_batches_k_versions_old_without_the_overlap(make_cfg, learning_policy):
     """rollout=hf with k = 1: each batch is generated when it is handed over (before that step's
     update), so it is as stale as from engines elsewhere, only not overlapped: the same off-policy
     learning, in one process, for studying staleness cheaply."""
@@ -57,6 +58,7 @@ def test_in_process_backend_trains_on_batches_k_versions_old_without_the_overlap
     with pytest.warns(UserWarning, match="generation takes turns with the update"):
         train(cfg)
     rows = trained_rows(cfg.run_dir)
+    assert_rewards_vary(rows[:-1])
     assert [r["weight_version"] for r in rows] == [0, 0, 1, 2]
     assert [r["async/staleness_max"] for r in rows] == [0, 1, 1, 1]
     # fresh: the trainer holds the sampling weights; stale: they moved since (a lazy generate at

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from grpo.train import train
-from tests.conftest import FAST, ROOT
+from tests.conftest import FAST, ROOT, assert_rewards_vary
 
 
 def test_short_run_writes_its_run_folder(make_cfg, tmp_path):
@@ -46,7 +46,7 @@ def test_every_algo_variant_runs(make_cfg):
 
 
 @pytest.mark.parametrize("variant", ["gspo", "rloo", "reinforce_pp", "cispo"])
-def test_variant_presets_train(make_cfg, variant):
+def test_variant_presets_train(make_cfg, learning_policy, variant):
     """Each variant's preset trains 2 steps; reused batches (2 passes x 2 minibatches) make the
     ratios move, so GSPO's tight sequence clip (4e-4) and CISPO's weight clip have something to do."""
     cfg = make_cfg(f"algo={variant}", "steps=2", "algo.num_iterations=2", "algo.num_minibatches=2")
@@ -54,6 +54,7 @@ def test_variant_presets_train(make_cfg, variant):
     rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
     trained = [r for r in rows if "loss" in r]
     assert [r["step"] for r in trained] == [1, 2]
+    assert_rewards_vary(trained)
     assert all(r["grad_norm"] > 0 for r in trained if r["trained_completions"]), trained
     if variant in ("gspo", "cispo"):
         assert max(r["clip_frac"] for r in trained) > 0, trained
@@ -82,7 +83,7 @@ def test_cli_bad_config_exits_with_a_clear_message(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_run_meets_the_learning_bar(tmp_path, cache_dir):
+def test_default_run_meets_the_learning_bar(tmp_path, cache_dir, learning_policy):
     """The README's default run: held-out greedy accuracy up by >= 0.20 within 5 minutes."""
     cmd = [sys.executable, "-m", "grpo.train", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)

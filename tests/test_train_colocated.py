@@ -28,7 +28,7 @@ def test_short_training_run_through_colocated(make_cfg):
 
 
 @pytest.mark.slow
-def test_colocated_run_meets_the_learning_bar(tmp_path, cache_dir):
+def test_colocated_run_meets_the_learning_bar(tmp_path, cache_dir, learning_policy):
     """`python -m grpo.train rollout=colocated`: held-out accuracy up by >= 0.20 (seen: +0.57)."""
     cmd = [sys.executable, "-m", "grpo.train", "rollout=colocated", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)

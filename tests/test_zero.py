@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from grpo.config import AlgoConfig, ConfigError, ParallelConfig, validate
 from grpo.parallel.zero import deepspeed_config
-from tests.conftest import FAST, compose_cfg
+from tests.conftest import FAST, assert_rewards_vary, compose_cfg
 from tests.test_parallel import TORCHRUN, run
 
 
@@ -66,7 +66,7 @@ def test_deepspeed_options_need_a_zero_strategy(tmp_path):
     assert cfg.parallel.strategy == "zero3" and cfg.parallel.offload_optimizer
 
 
-def test_design_card_command_as_one_process_and_export_loads(tmp_path, cache_dir):
+def test_design_card_command_as_one_process_and_export_loads(tmp_path, cache_dir, learning_policy):
     """`python -m grpo.train parallel=zero3 rollout=colocated`, one process without a launcher;
     the exported folder loads in transformers with the trained weights, and in vLLM."""
     out = run([sys.executable, "-m", "grpo.train", *FAST, "parallel=zero3", "rollout=colocated",
@@ -75,6 +75,7 @@ def test_design_card_command_as_one_process_and_export_loads(tmp_path, cache_dir
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["weight_version"] for r in rows if "loss" in r] == [0, 1, 2]
     assert all(r["sampler_diff"] < 1e-3 for r in rows if "loss" in r)
+    assert_rewards_vary([r for r in rows if "loss" in r])  # else the export would rightly equal the start
     ckpt = tmp_path / "checkpoints" / "step_00000003"
     assert (ckpt / "COMPLETE").exists() and (ckpt / "deepspeed").is_dir()
 
