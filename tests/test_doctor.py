@@ -9,6 +9,10 @@ def test_versions_and_device_pass_here(capsys):
     out = capsys.readouterr().out
     assert "versions" in out and "torch" in out and "PASS" in out and "FAIL" not in out
     assert "2 passed, 0 failed" in out
+    import torch
+
+    # what ran where: the CPU model, torch's kernel set and the threads (float rounding differs by CPU)
+    assert f"torch kernels {torch.backends.cpu.get_cpu_capability()}" in out and "threads" in out
 
 
 def test_a_failing_run_is_a_fail_row_with_its_fix(tmp_path):

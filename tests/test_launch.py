@@ -75,11 +75,20 @@ def test_serve_and_launch_resolve_model_names_as_the_trainer_does(cache_dir, mon
     assert "smollm2-135m" in PACKAGED  # resolved by the same function, not passed on as a name
 
 
-def test_server_defaults_follow_the_device():
-    from grpo.serve import device_defaults
+def test_server_defaults_follow_the_device_and_the_checkpoint_dtype():
+    from grpo.serve import checkpoint_dtype, device_defaults
 
-    assert device_defaults(on_gpu=True) == {"dtype": "auto", "memory_fraction": 0.9, "enforce_eager": False}
-    assert device_defaults(on_gpu=False) == {"dtype": "float32", "memory_fraction": 0.2, "enforce_eager": True}
+    # on a GPU the checkpoint's own dtype, never vLLM's `auto` (which serves fp32 weights in fp16/bf16
+    # while the trainer scores them in fp32); on CPU fp32
+    fp32 = {"dtype": "float32"}
+    assert device_defaults(on_gpu=True, model_config=fp32) == {"dtype": "float32", "memory_fraction": 0.9,
+                                                               "enforce_eager": False}
+    assert device_defaults(on_gpu=False, model_config={"dtype": "bfloat16"}) == {
+        "dtype": "float32", "memory_fraction": 0.2, "enforce_eager": True}
+    assert checkpoint_dtype({"torch_dtype": "bfloat16"}) == "bfloat16"  # transformers 4's key
+    assert checkpoint_dtype({"dtype": "torch.float16"}) == "float16"
+    assert checkpoint_dtype({}) == "auto"  # a hub id: vLLM reads the config itself
+    assert device_defaults(on_gpu=True)["dtype"] == "auto"
 
 
 def test_server_runs_the_weight_transfer_engine_it_was_given():
@@ -92,6 +101,8 @@ def test_server_runs_the_weight_transfer_engine_it_was_given():
                             enforce_eager=False, weight_transfer="nccl")
     argv = vllm_argv(ns, [])
     assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
+    # a request's unset sampling fields are vLLM's neutral ones, never the folder's generation_config.json
+    assert argv[argv.index("--generation-config") + 1] == "vllm"
 
 
 def test_one_server_per_tensor_parallel_group_on_its_own_gpus():

@@ -15,15 +15,17 @@ from grpo.train import train
 from tests.conftest import ROOT
 
 
-def test_short_training_run_through_colocated(make_cfg):
-    cfg = make_cfg("rollout=colocated", "rollout.vllm.memory_fraction=0.1", "steps=3")
+def test_short_training_run_through_colocated(make_cfg, hub_like_policy):
+    """On a folder with a hub model's generation_config.json (see conftest): the engine's sampling is
+    pinned to the run's temperature/top-p/top-k."""
+    cfg = make_cfg("rollout=colocated", "rollout.vllm.memory_fraction=0.1", "steps=3", f"model.path={hub_like_policy}")
     train(cfg)
     rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
     trained = [r for r in rows if "loss" in r]
     assert [r["weight_version"] for r in trained] == [0, 1, 2]
     # the engine sampled with the weights synced after the previous step: its logprobs of the sampled
     # tokens match the trainer's before the update (~1e-6; an engine left on older weights: 0.9 to 2.5)
-    assert all(r["sampler_diff"] < 1e-3 for r in trained)
+    assert all(r["sampler_diff"] < 1e-3 for r in trained), [r["sampler_diff"] for r in trained]
     assert all(r["gen_tokens_per_s"] > 0 and r["completion_len"] > 0 for r in trained)
 
 

@@ -25,6 +25,15 @@ class Sampling:
     seed: int | None = None  # engines with their own sampler RNG seed it from this (resumable runs)
 
 
+def sampling_fields(s: Sampling) -> dict:
+    """vLLM's sampling fields (SamplingParams and the /v1/completions body alike), every one that
+    reshapes the distribution set: temperature, top-p and top-k as the trainer's logprobs assume, the
+    penalties and min-p neutral. A field left unset would be filled from the model folder's
+    generation_config.json by a server started without `--generation-config vllm`."""
+    return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": 0.0,
+            "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
 @dataclass
 class Rollouts:
     completion_ids: list[list[int]]  # B lists of generated token ids (eos included when it stopped)

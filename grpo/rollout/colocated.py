@@ -29,7 +29,7 @@ import shutil
 from dataclasses import replace
 
 from grpo import dist, lora
-from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, sampling_fields
 from grpo.weights import WeightBuckets
 from grpo.errors import ConfigError, EngineStartError
 from grpo.rollout.engine_memory import check_vllm, kv_cache_bytes, read_model_config, start_failure_message
@@ -84,6 +84,7 @@ def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1, lora_r
             tensor_parallel_size=v.tensor_parallel_size,
             enable_sleep_mode=v.sleep,
             logprobs_mode="processed_logprobs",  # after temperature/top-k/top-p: what it sampled from
+            generation_config="vllm",  # neutral defaults, never the folder's generation_config.json
             enable_prefix_caching=True,  # the G completions of a prompt share its prefix
             **kwargs,
         )
@@ -113,19 +114,18 @@ def remove_adapter(llm, adapter_id: int) -> None:
 
 
 def sampling_params(n: int, s: Sampling, num_prompts: int):
-    """One SamplingParams per prompt; with a seed, prompt i draws from seed + i, so a resumed run
+    """One SamplingParams per prompt; with a seed, prompt i is seeded `seed + i * n` (vLLM seeds its
+    completion j with that + j: every completion of the batch its own stream), so a resumed run
     samples what an uninterrupted one would have."""
     from vllm import SamplingParams
 
     return [
         SamplingParams(
             n=n,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
+            **sampling_fields(s),
             max_tokens=s.max_new_tokens,
             logprobs=0,  # the sampled token's own logprob
-            seed=None if s.seed is None else s.seed + i,
+            seed=None if s.seed is None else s.seed + i * n,
         )
         for i in range(num_prompts)
     ]

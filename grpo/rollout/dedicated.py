@@ -13,13 +13,13 @@ back. Weights go from the local main's replica to its engines over the grpo_gloo
 algo.max_staleness >= 1 the engines work while the trainer updates; `result()` scatters.
 
 The engine processes die with the trainer: they are stopped on close and at exit, and the kernel
-sends them SIGTERM if the trainer is killed (PR_SET_PDEATHSIG).
+sends them SIGTERM if the trainer is killed (PR_SET_PDEATHSIG); a reaper process beside each engine
+(grpo/rollout/reaper.py) then kills what is left of its process group after REAP_GRACE_S.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import secrets
 import signal
@@ -36,6 +36,7 @@ from grpo.rollout.engine_memory import check_vllm
 
 from grpo import dist, lora
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
+from grpo.rollout.reaper import die_with_parent
 from grpo.weights import WeightBuckets
 from grpo.rollout.servers import TRANSFERS, ServerPool, free_port, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
 
@@ -85,12 +86,7 @@ def split_cpus(cpus: list[int], engine_cores: int) -> tuple[list[int], list[int]
     return cpus[:-engine_cores], cpus[-engine_cores:]
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the trainer that started it dies (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+REAP_GRACE_S = 10  # after the trainer died: SIGTERM to the engine's group, SIGKILL this much later
 
 
 def child_visible_devices(devices: list[str], parent_visible: str | None) -> str:
@@ -135,12 +131,16 @@ def launch_engine(model_path: str, devices: list[str], port: int, token: str, vl
         argv += ["--lora-rank", str(lora_rank)]
     log = open(log_path, "w")
     def before_exec() -> None:
-        _die_with_parent()
+        die_with_parent()
         if cpus:
             os.sched_setaffinity(0, cpus)
 
-    return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=before_exec)
+    # ends the engine's group if the trainer dies and the server's own SIGTERM does not (grpo/rollout/reaper.py)
+    subprocess.Popen([sys.executable, "-m", "grpo.rollout.reaper", str(proc.pid), str(REAP_GRACE_S), str(os.getpid())],
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    return proc
 
 
 def node_groups():

@@ -35,7 +35,7 @@ from urllib.parse import urlparse
 
 from grpo import dist, lora
 from grpo.errors import ConfigError, ServerError
-from grpo.rollout.base import Rollouts, Sampling
+from grpo.rollout.base import Rollouts, Sampling, sampling_fields
 from grpo.rollout.gloo_transfer import BACKEND as GLOO, GlooSender, update_info
 from grpo.weights import WeightBuckets
 
@@ -99,6 +99,20 @@ def split_by_load(num_prompts: int, speeds: list[float]) -> list[tuple[int, int]
         bounds.append(round(num_prompts * acc / total))
     bounds.append(num_prompts)
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+MAX_REQUESTS_IN_FLIGHT = 64  # per server: concurrent /v1/completions requests of one batch
+
+
+def prompt_requests(start: int, end: int, seed: int | None, n: int) -> list[tuple[int, int, int | None]]:
+    """How prompts [start, end) of a batch go to one server: (first, last + 1, request seed) each.
+    Unseeded, one request for all. Seeded, one request per prompt, prompt k seeded `seed + k * n`:
+    vLLM gives a request's every prompt the request's seed and completion j of each `seed + j`, so
+    one request for all would draw every prompt's noise from one stream, and prompt seeds one apart
+    would share streams between neighbouring prompts' completions."""
+    if seed is None:
+        return [(start, end, None)]
+    return [(k, k + 1, seed + k * n) for k in range(start, end)]
 
 
 def adapter_name(version: int) -> str:
@@ -206,15 +220,11 @@ class ServerPool:
             if a == b:
                 return [], None
             before = self.served_version(server, version)
-            body = {
-                "model": server.adapter or server.model, "prompt": prompt_ids[a:b], "n": n, "max_tokens": sampling.max_new_tokens,
-                "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-                "logprobs": 0, "return_token_ids": True,
-            }
-            if sampling.seed is not None:
-                body["seed"] = sampling.seed + i
             t0 = time.perf_counter()
-            choices = sorted(server.request("/v1/completions", body)["choices"], key=lambda c: c["index"])
+            shards = prompt_requests(a, b, sampling.seed, n)
+            with ThreadPoolExecutor(min(len(shards), MAX_REQUESTS_IN_FLIGHT)) as requests:  # the engine batches them
+                answers = requests.map(lambda r: self.complete(server, prompt_ids[r[0]:r[1]], n, sampling, r[2]), shards)
+                choices = [c for answer in answers for c in answer]
             rate = sum(len(c["token_ids"]) for c in choices) / max(time.perf_counter() - t0, 1e-6)
             server.speed = rate if server.batches == 0 else 0.7 * server.speed + 0.3 * rate
             server.batches += 1
@@ -240,6 +250,14 @@ class ServerPool:
         if len(ids) != len(prompt_ids) * n:
             raise ServerError(f"asked for {len(prompt_ids) * n} completions, the servers returned {len(ids)}")
         return Rollouts(ids, logprobs, reasons, versions.pop() if versions else version, engine_wait_s=waited)
+
+    def complete(self, server: Server, prompts: list[list[int]], n: int, sampling: Sampling, seed: int | None) -> list[dict]:
+        """One /v1/completions request; its choices in order (prompt by prompt, n each)."""
+        body = {"model": server.adapter or server.model, "prompt": prompts, "n": n, "max_tokens": sampling.max_new_tokens,
+                **sampling_fields(sampling), "logprobs": 0, "return_token_ids": True}
+        if seed is not None:
+            body["seed"] = seed
+        return sorted(server.request("/v1/completions", body)["choices"], key=lambda c: c["index"])
 
     def push(self, buckets: WeightBuckets, version: int) -> None:
         """Every bucket to every server: one /update_weights call and one gloo broadcast each, to all

@@ -1,0 +1,67 @@
+"""`python -m grpo.rollout.reaper PGID GRACE_S`: ends an engine's process group when the trainer
+that started it dies.
+
+The engine server gets SIGTERM from the kernel when its trainer dies (PR_SET_PDEATHSIG), but
+vLLM's server then waits for the requests in flight to finish, and with its trainer gone and its
+engine core stopped it can wait without end (seen with several requests in flight at a SIGKILL).
+This small process (no torch, no vLLM) is started beside each engine with the same death signal:
+it sends SIGTERM to the engine's process group, then SIGKILL after GRACE_S. It exits by itself
+once the group is gone (the trainer's own close() ends it on a normal exit).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """`sig` to this process when the one that started it dies (Linux; a no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def end_group(pgid: int, grace_s: float) -> None:
+    """SIGTERM to the group, then SIGKILL to what is left after `grace_s`."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def reap(pgid: int, grace_s: float, parent: int) -> None:
+    """Wait until the engine's group is gone, or `parent` (the trainer) dies: then end the group."""
+    parent_died = []
+    signal.signal(signal.SIGTERM, lambda *_: parent_died.append(True))
+    die_with_parent()
+    while group_alive(pgid):
+        if parent_died or os.getppid() != parent:  # the second: it died before the signal was set up
+            end_group(pgid, grace_s)
+            return
+        time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    reap(int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]))
