@@ -353,7 +353,7 @@ def decoupled_loss(
     weight w. A stale batch's advantages still credit what the last update already rewarded, and
     nothing stops the trainer pushing those tokens again: on the default task, 1 version stale, that
     diverged (held-out accuracy 0.129 -> 0.098 in 600 steps, against 0.637 synchronous), where the
-    behaviour-centred clip stops the second push and learned (0.566; README: "Asynchronous rollouts").
+    behaviour-centred clip stops the second push and learned (0.566; docs/async.md).
     With a fresh batch mu = pi_prox up to kernel noise and both are the synchronous loss."""
     clip_eps, clip_eps_high = algo.clip_eps, algo.clip_eps_high
     if trust_region(algo.trust_region, algo.max_staleness, algo.is_level) == "behaviour":

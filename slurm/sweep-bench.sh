@@ -6,7 +6,7 @@
 #   slurm/sweep-bench.sh [STEPS] [grpo.train overrides...]      # default: 60 steps of the default run
 #
 # Prints both wall times (start of the first process to the end of the last, start-up included) and
-# the ratio of the sweep's throughput to the sequential one's; the README's numbers come from here.
+# the ratio of the sweep's throughput to the sequential one's; docs/slurm.md's numbers come from here.
 # Nothing here is timed in a test: the machine's cores are shared and timings are noisy.
 set -euo pipefail
 cd "$(dirname "$0")/.."

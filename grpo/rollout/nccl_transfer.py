@@ -6,7 +6,7 @@ of a NCCL group with one server's workers (ranks 1..tp), made by vLLM's own `tra
 TCP-store rendezvous, in vLLM's unpacked mode: for each `/update_weights` call, which names the
 bucket's tensors, one broadcast per tensor in that order, straight from GPU memory. It plugs into
 the same client (grpo/rollout/servers.py) as `grpo_gloo`, so everything but the bytes' path is what
-the CPU tests run. Written against vLLM 0.33.0's source; not yet run on a GPU (README).
+the CPU tests run. Written against vLLM 0.33.0's source; not yet run on a GPU (docs/gpu.md).
 """
 
 from __future__ import annotations
