@@ -138,9 +138,9 @@ def launch_engine(model_path: str, devices: list[str], port: int, token: str, vl
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=before_exec)
     # ends the engine's group if the trainer dies and the server's own SIGTERM does not (grpo/rollout/reaper.py)
-    subprocess.Popen([sys.executable, "-m", "grpo.rollout.reaper", str(proc.pid), str(REAP_GRACE_S), str(os.getpid())],
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    return proc
+    reaper = subprocess.Popen([sys.executable, "-m", "grpo.rollout.reaper", str(proc.pid), str(REAP_GRACE_S), str(os.getpid())],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    return proc, reaper
 
 
 def node_groups():
@@ -195,6 +195,7 @@ class DedicatedBackend(RolloutBackend):
         self.group, self.main, self.local_rank = node_groups()
         self.is_owner = dist.rank() == self.main
         self.procs: list[subprocess.Popen] = []
+        self.reapers: list[subprocess.Popen] = []  # one per engine (grpo/rollout/reaper.py)
         self.pool = None
         self.weight_version = 0
         per_node = tdist.get_world_size(self.group) if self.group is not None else 1
@@ -220,8 +221,10 @@ class DedicatedBackend(RolloutBackend):
             try:
                 for share, port in zip(shares, ports):
                     log = os.path.join(run_dir, f"vllm-engine-{port}.log")
-                    self.procs.append(launch_engine(model_path, share, port, token, cfg.vllm, dtype, log, transfer, engine_cpus,
-                                                    lora_rank))
+                    engine, reaper = launch_engine(model_path, share, port, token, cfg.vllm, dtype, log, transfer,
+                                                   engine_cpus, lora_rank)
+                    self.procs.append(engine)
+                    self.reapers.append(reaper)
                 self.pool = ServerPool([f"http://127.0.0.1:{p}" for p in ports], token, cfg.dedicated.start_timeout_s,
                                        cfg.dedicated.request_timeout_s, len(shares[0]) if devices != ["cpu"] else 1, "127.0.0.1",
                                        transfer=transfer)
@@ -267,6 +270,13 @@ class DedicatedBackend(RolloutBackend):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self.procs = []
+        for reaper in self.reapers:  # each exits once its engine's group is gone; waited for, so none is left a zombie
+            try:
+                reaper.wait(timeout=REAP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                reaper.kill()
+                reaper.wait()
+        self.reapers = []
         if getattr(self, "restore_cpus", None):  # the CPUs and threads this process had before
             cpus, threads = self.restore_cpus
             os.sched_setaffinity(0, cpus)
