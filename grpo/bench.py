@@ -28,6 +28,8 @@ import urllib.request
 
 import torch
 
+from grpo.bench_report import table, write_report
+
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -485,68 +487,6 @@ def bench_trl(steps: int, ours: dict) -> dict:
             "trl_over_grpo": trl_step / ours["step_s"], "steps_timed": len(timer.times) - 1}
 
 
-def write_report(path: str, report: dict) -> None:
-    """The bench's JSON, with the machine it ran on (CPU model, torch's kernel set, threads)."""
-    from grpo.cpus import machine_info
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({**report, "machine": machine_info()}, f, indent=2)
-
-
-WARM_START_SETTINGS = {"default": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2"}, "1-thread": {"OMP_NUM_THREADS": "1"}}
-
-
-def warm_start_worker(seeds: list[int], out: str) -> None:
-    """The tiny model's warm start for each seed, from scratch (no cache), in this process's numerics."""
-    from grpo.cpus import machine_info
-    from grpo.models import build_char_tokenizer, build_tiny_model, warm_start
-    from grpo.tasks import build_task
-
-    cfg = compose(["run_dir=unused"])
-    task, rows = build_task(cfg.task), []
-    for seed in seeds:
-        tiny = cfg.model.tiny.copy()
-        tiny.seed = seed
-        torch.manual_seed(seed)
-        tok = build_char_tokenizer()
-        model = build_tiny_model(tiny, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
-        try:
-            info = warm_start(model, tok, task, tiny, cfg.rollout.max_new_tokens, log=lambda *_: None)
-        except RuntimeError as e:  # the WarmStartError: a miss is a row, not the end of the bench
-            info = {"warm_start_steps": tiny.warm_start_max_steps, "error": str(e)}
-        rows.append({"seed": seed, **info, **machine_info()})
-    with open(out, "w") as f:
-        json.dump(rows, f)
-
-
-def bench_warm_start(seeds: list[int], settings: list[str]) -> list[dict]:
-    """Steps to the warm start's target per seed, under numerically different settings of this
-    machine (torch's AVX2 kernels against its default, one thread against the default), each in a
-    fresh process since ATEN_CPU_CAPABILITY is read once at start."""
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in settings:
-            out = os.path.join(tmp, f"{name}.json")
-            env = {**os.environ, **WARM_START_SETTINGS[name]}
-            subprocess.run([sys.executable, "-m", "grpo.bench", "--warm-start-worker", out, "--seeds",
-                            ",".join(map(str, seeds))], check=True, env=env)
-            rows += [{"setting": name, **r} for r in json.load(open(out))]
-    return rows
-
-
-def table(rows: list[dict], cols: list[str]) -> str:
-    def fmt(v) -> str:
-        if isinstance(v, float):
-            return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
-        return str(v)
-
-    widths = [max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in cols]
-    lines = [" | ".join(c.ljust(w) for c, w in zip(cols, widths)), "-+-".join("-" * w for w in widths)]
-    lines += [" | ".join(fmt(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)) for r in rows]
-    return "\n".join(lines)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--backends", default="hf,colocated,dedicated,remote")
@@ -570,11 +510,10 @@ def main() -> None:
     p.add_argument("--engine-cores", type=int, default=len(os.sched_getaffinity(0)) // 2,
                    help="--async: CPUs reserved for the engine, the rest for the trainer (0: all shared); default half")
     p.add_argument("--warm-start", action="store_true", help="only the tiny model's warm start: steps to its "
-                   "target for each of --seeds under each of --settings")
+                   "target for each of --seeds under each of --settings (grpo/bench_warm_start.py)")
     p.add_argument("--seeds", default="0,1,2,3,4,5,6,7", help="--warm-start: model.tiny.seed values")
-    p.add_argument("--settings", default=None, help="--warm-start: of " + ",".join(WARM_START_SETTINGS) +
-                   "; default: default,avx2 where torch runs AVX512 kernels, else default,1-thread")
-    p.add_argument("--warm-start-worker", metavar="OUT", help=argparse.SUPPRESS)
+    p.add_argument("--settings", default=None, help="--warm-start: of default, avx2, 1-thread; "
+                   "default: default,avx2 where torch runs AVX512 kernels, else default,1-thread")
     p.add_argument("--vs", choices=["trl"], help="also run TRL's GRPOTrainer on the same setup (needs trl)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every training run")
     args = p.parse_args()
@@ -583,21 +522,10 @@ def main() -> None:
     if args.zero3_sync_worker:
         return zero3_sync_worker(zero3_buckets, args.zero3_sync_worker)
 
-    if args.warm_start_worker:
-        return warm_start_worker([int(x) for x in args.seeds.split(",")], args.warm_start_worker)
     if args.warm_start:
-        settings = args.settings or ("default,avx2" if torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-                                     else "default,1-thread")
-        rows = bench_warm_start([int(x) for x in args.seeds.split(",")], settings.split(","))
-        print("\nthe tiny model's warm start: supervised steps until greedy train accuracy reaches the target")
-        print(table(rows, ["setting", "cpu_capability", "torch_threads", "seed", "warm_start_steps",
-                           "warm_start_train_accuracy", "warm_start_s"]))
-        for name in settings.split(","):
-            got = sorted(r["warm_start_steps"] for r in rows if r["setting"] == name)
-            print(f"{name}: steps min {got[0]}, median {statistics.median(got):g}, max {got[-1]}; "
-                  f"misses {sum('error' in r for r in rows if r['setting'] == name)}")
-        write_report(args.out, {"warm_start": rows})
-        return
+        from grpo.bench_warm_start import report_warm_start
+
+        return report_warm_start([int(x) for x in args.seeds.split(",")], args.settings, args.out)
     if args.lora_worker:
         return lora_worker(*args.lora_worker)
     if args.lora:

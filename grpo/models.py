@@ -158,6 +158,17 @@ def tiny_model_dir(cfg, task_cfg, max_new_tokens: int) -> str:
     return os.path.join(os.path.expanduser(cfg.cache_dir), f"tiny-{key}")
 
 
+def build_warm_tiny(tiny, task, max_new_tokens: int, log=print):
+    """(model, tokenizer, info): the tiny model built from `tiny` (model.tiny) and warm-started on
+    `task` unless `tiny.warm_start_accuracy` is 0; raises WarmStartError on a miss."""
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tiny, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
+    info = {"parameters": sum(p.numel() for p in model.parameters())}
+    if tiny.warm_start_accuracy > 0:
+        info.update(warm_start(model, tokenizer, task, tiny, max_new_tokens, log))
+    return model, tokenizer, info
+
+
 def ensure_tiny_model(cfg, task_cfg, task, max_new_tokens: int, log=print) -> str:
     """Build, warm-start and save the tiny model unless the cache already holds it. Atomic: the
     folder is written under a temporary name and renamed, so a killed build leaves no half model."""
@@ -165,14 +176,7 @@ def ensure_tiny_model(cfg, task_cfg, task, max_new_tokens: int, log=print) -> st
     if os.path.isfile(os.path.join(path, "grpo_tiny.json")):
         return path
     log(f"building the tiny model in {path}")
-    torch.manual_seed(cfg.tiny.seed)
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(
-        cfg.tiny, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id
-    )
-    info = {"parameters": sum(p.numel() for p in model.parameters())}
-    if cfg.tiny.warm_start_accuracy > 0:
-        info.update(warm_start(model, tokenizer, task, cfg.tiny, max_new_tokens, log))
+    model, tokenizer, info = build_warm_tiny(cfg.tiny, task, max_new_tokens, log)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

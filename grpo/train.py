@@ -85,7 +85,6 @@ def reduce_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float
     return {k: v if k in summed else v / info.world_size for k, v in zip(keys, sums)}
 
 
-SEED_BITS = 31  # the run's `seed`: 0 .. 2**31 - 1 (validate checks it)
 STREAM_BITS = 32  # sequences a run can sample before streams repeat: 2**32 (seeds stay below 2**63)
 
 
@@ -97,7 +96,7 @@ def sampling_seed(seed: int, step: int, rank: int, world_size: int, prompts: int
         seed * 2**32 + ((step * world_size + rank) * prompts + i) * n + j
 
     Pairwise distinct while steps x ranks x prompts x n <= 2**32 (1,000 steps of 64 ranks x 1,024
-    prompts x 16 is 1.05e9), below 2**63 (what vLLM's server accepts) for any seed < 2**31, and
+    prompts x 16 is 1.05e9), below 2**63 (what vLLM's server accepts) for any seed < 2**31 (validate checks it), and
     the same again when a resumed run redoes the step."""
     return (seed << STREAM_BITS) + ((step * world_size + rank) * prompts * n) % (1 << STREAM_BITS)
 

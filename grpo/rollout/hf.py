@@ -61,7 +61,7 @@ class HFBackend(RolloutBackend):
     def __init__(self, cfg, model: torch.nn.Module, tokenizer, model_path: str | None = None, lockstep: bool = False, **_):
         self.model, self.tokenizer = model, tokenizer
         self.lockstep = lockstep
-        self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id
         self.stop_ids = stop_token_ids(tokenizer.eos_token_id, base_model(model).generation_config)
         self.weight_version = 0
 

@@ -1,5 +1,5 @@
-"""`python -m grpo.rollout.reaper PGID GRACE_S`: ends an engine's process group when the trainer
-that started it dies.
+"""`python -m grpo.rollout.reaper PGID GRACE_S TRAINER_PID`: ends an engine's process group when
+the trainer that started it dies.
 
 The engine server gets SIGTERM from the kernel when its trainer dies (PR_SET_PDEATHSIG), but
 vLLM's server then waits for the requests in flight to finish, and with its trainer gone and its

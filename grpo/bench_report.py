@@ -1,0 +1,27 @@
+"""The benches' output: a plain-text table, and the JSON report stamped with the machine it ran on."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def write_report(path: str, report: dict) -> None:
+    """The bench's JSON, with the machine it ran on (CPU model, torch's kernel set, threads)."""
+    from grpo.cpus import machine_info
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({**report, "machine": machine_info()}, f, indent=2)
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    def fmt(v) -> str:
+        if isinstance(v, float):
+            return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+        return str(v)
+
+    widths = [max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in cols]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(cols, widths)), "-+-".join("-" * w for w in widths)]
+    lines += [" | ".join(fmt(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)) for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""`python -m grpo.bench --warm-start`: steps until the tiny model's warm start reaches its target,
+per seed, under numerically different settings of this machine (torch's AVX2 kernels against its
+default, one thread against the default). Each setting runs in a fresh process of this module
+(`python -m grpo.bench_warm_start OUT SEEDS`), since ATEN_CPU_CAPABILITY is read once at start."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+SETTINGS = {"default": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2"}, "1-thread": {"OMP_NUM_THREADS": "1"}}
+
+
+def default_settings() -> str:
+    """Two numerically different settings of this machine."""
+    return "default,avx2" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "default,1-thread"
+
+
+def worker(seeds: list[int], out: str) -> None:
+    """The tiny model built and warm-started for each seed, from scratch (no cache), in this process's numerics."""
+    from grpo.config import compose_config
+    from grpo.cpus import machine_info
+    from grpo.errors import WarmStartError
+    from grpo.models import build_warm_tiny
+    from grpo.tasks import build_task
+
+    cfg = compose_config(["run_dir=unused"])
+    task, rows = build_task(cfg.task), []
+    for seed in seeds:
+        tiny = cfg.model.tiny.copy()
+        tiny.seed = seed
+        try:
+            info = build_warm_tiny(tiny, task, cfg.rollout.max_new_tokens, log=lambda *_: None)[2]
+        except WarmStartError as e:  # a miss is a row, not the end of the bench
+            info = {"warm_start_steps": tiny.warm_start_max_steps, "error": str(e)}
+        rows.append({"seed": seed, **info, **machine_info()})
+    with open(out, "w") as f:
+        json.dump(rows, f)
+
+
+def bench_warm_start(seeds: list[int], settings: list[str]) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in settings:
+            out = os.path.join(tmp, f"{name}.json")
+            subprocess.run([sys.executable, "-m", "grpo.bench_warm_start", out, ",".join(map(str, seeds))],
+                           check=True, env={**os.environ, **SETTINGS[name]})
+            rows += [{"setting": name, **r} for r in json.load(open(out))]
+    return rows
+
+
+def report_warm_start(seeds: list[int], settings: str | None, out: str) -> None:
+    """Run, print the table and each setting's min / median / max steps, write `out`."""
+    from grpo.bench_report import table, write_report
+
+    names = (settings or default_settings()).split(",")
+    rows = bench_warm_start(seeds, names)
+    print("\nthe tiny model's warm start: supervised steps until greedy train accuracy reaches the target")
+    print(table(rows, ["setting", "cpu_capability", "torch_threads", "seed", "warm_start_steps",
+                       "warm_start_train_accuracy", "warm_start_s"]))
+    for name in names:
+        got = sorted(r["warm_start_steps"] for r in rows if r["setting"] == name)
+        print(f"{name}: steps min {got[0]}, median {statistics.median(got):g}, max {got[-1]}; "
+              f"misses {sum('error' in r for r in rows if r['setting'] == name)}")
+    write_report(out, {"warm_start": rows})
+
+
+if __name__ == "__main__":
+    worker([int(x) for x in sys.argv[2].split(",")], sys.argv[1])
