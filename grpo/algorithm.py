@@ -381,14 +381,15 @@ def decoupled_loss(
     )
 
 
-def sampled_kl(sampler_logprobs_BT: torch.Tensor, trainer_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor) -> tuple[float, float]:
+def sampled_kl(sampler_logprobs_BT: torch.Tensor, trainer_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """KL(sampler || trainer) on the tokens the sampler drew -> (sum over tokens, tokens).
 
     k3 estimator per token, r = pi_trainer / pi_sampler: r - 1 - log r (>= 0; unbiased, since the
-    tokens were drawn from the sampler). Summed, not averaged, so ranks and micro-batches add up."""
+    tokens were drawn from the sampler). Summed, not averaged, so ranks and micro-batches add up;
+    0-dim tensors, read from the device once per step."""
     log_r_BT = (trainer_logprobs_BT - sampler_logprobs_BT).detach()
     k3_BT = (log_r_BT.exp() - 1 - log_r_BT) * mask_BT
-    return float(k3_BT.sum()), float(mask_BT.sum())
+    return k3_BT.sum(), mask_BT.sum()
 
 
 def staleness(trainer_version: int, sampler_version: int) -> int:

@@ -28,6 +28,7 @@ import urllib.request
 
 import torch
 
+from grpo.bench_memory import PeakRSS
 from grpo.bench_report import table, write_report
 
 
@@ -242,84 +243,6 @@ def bench_shared_cores(steps: int, extra: list[str]) -> list[dict]:
     return rows
 
 
-class PeakRSS:
-    """Resident memory sampled every millisecond on a thread: the peak of a block, in MB."""
-
-    def __enter__(self):
-        import threading
-
-        self.page = os.sysconf("SC_PAGE_SIZE")
-        self.base = self.peak = self.rss()
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self.page
-
-    def _sample(self):
-        while not self.done.wait(0.001):
-            self.peak = max(self.peak, self.rss())
-
-    def __exit__(self, *exc):
-        self.done.set()
-        self.thread.join()
-        self.peak = max(self.peak, self.rss())
-        self.peak_above_mb = (self.peak - self.base) / 2**20
-
-
-def update_memory_worker(mode: str, out: str, rows: int = 32, prompt: int = 128, completion: int = 128) -> None:
-    """One forward + backward of the policy loss on `model=smollm2-135m` (49k vocabulary), in its own
-    process so each measurement starts from the same resting memory. mode `full`: every position's
-    logits, then log_softmax (what update.py did before); `kept`: grpo.update.forward_logprobs
-    (only the completion's positions through the LM head, logit - logsumexp); `kept+checkpointing`:
-    the same with model.gradient_checkpointing=true."""
-    from grpo.models import enable_gradient_checkpointing, load_model, resolve_model_folder
-    from grpo.rollout.base import Rollouts
-    from grpo.update import collate, forward_logprobs
-
-    model, tok = load_model(resolve_model_folder(compose(["model=smollm2-135m", "run_dir=unused"])))
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 40000, (prompt,), generator=g).tolist() for _ in range(rows)]
-    done = [torch.randint(100, 40000, (completion,), generator=g).tolist() for _ in range(rows)]
-    batch = collate(prompts, Rollouts(done, [[0.0] * completion] * rows, ["length"] * rows, 0), torch.ones(rows),
-                    tok.pad_token_id, False)
-    if mode == "kept+checkpointing":
-        enable_gradient_checkpointing(model)
-    model.train()
-    with PeakRSS() as mem:
-        t0 = time.perf_counter()
-        if mode == "full":
-            logits = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
-                           position_ids=batch.position_ids_BL).logits[:, batch.prompt_width - 1 : -1]
-            logp = torch.log_softmax(logits.float(), -1).gather(-1, batch.completion_ids_BT.unsqueeze(-1)).squeeze(-1)
-            with torch.no_grad():
-                lsm = torch.log_softmax(logits.detach().float(), -1)
-                ent = -(lsm.exp() * lsm).sum(-1)
-        else:
-            logp, ent = forward_logprobs(model, batch, 1.0, with_entropy=True)
-        (-logp.mean()).backward()
-        seconds = time.perf_counter() - t0
-    with open(out, "w") as f:
-        json.dump({"mode": mode, "peak_above_rest_mb": mem.peak_above_mb, "seconds": seconds,
-                   "tokens": rows * (prompt + completion), "logp_sum": float(logp.detach().double().sum()),
-                   "vocab": model.config.vocab_size}, f)
-
-
-def bench_update_memory() -> list[dict]:
-    rows = []
-    for mode in ("full", "kept", "kept+checkpointing"):
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            subprocess.run([sys.executable, "-m", "grpo.bench", "--update-memory-worker", mode, f.name], check=True)
-            rows.append(json.load(open(f.name)))
-    for row in rows[1:]:
-        row["vs_full"] = row["peak_above_rest_mb"] / rows[0]["peak_above_rest_mb"]
-        row["logp_diff"] = abs(row["logp_sum"] - rows[0]["logp_sum"])
-    return rows
-
-
 def lora_worker(mode: str, out: str, rows: int = 8, prompt: int = 64, completion: int = 64, steps: int = 3) -> None:
     """`model=smollm2-135m`, full fine-tuning (mode `full`) or a rank-16 LoRA adapter (`lora`), in its
     own process: the median time and the peak memory (above the resting state after loading) of a
@@ -496,12 +419,14 @@ def main() -> None:
     p.add_argument("--parallel", default="single,ddp,zero2,zero3", help="strategies to time ('' for none)")
     p.add_argument("--zero3-buckets", default="16,64,256,1024", help="ZeRO-3 gather bucket sizes in MB ('' for none)")
     p.add_argument("--zero3-sync-worker", metavar="OUT", help=argparse.SUPPRESS)
-    p.add_argument("--update-memory", action="store_true", help="only the update phase's peak memory on "
-                   "smollm2-135m, every position's logits against the completion's only")
+    p.add_argument("--update-memory", action="store_true", help="only the update's peak memory at a 152k "
+                   "vocabulary: the completion's logits whole against the head in pieces (grpo/bench_memory.py)")
+    p.add_argument("--hf-scores", action="store_true", help="only the hf backend's generate memory at a 152k "
+                   "vocabulary: every step's scores kept against the sampled tokens' logprobs recorded")
+    p.add_argument("--layers", type=int, default=2, help="--update-memory, --hf-scores: layers of SmolLM2's body")
     p.add_argument("--lora", action="store_true", help="only LoRA against full fine-tuning on smollm2-135m: "
                    "step time, step memory, sync bytes and seconds into a colocated engine")
     p.add_argument("--lora-worker", nargs=2, metavar=("MODE", "OUT"), help=argparse.SUPPRESS)
-    p.add_argument("--update-memory-worker", nargs=2, metavar=("MODE", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--shared-cores", action="store_true", help="only the step time alone and beside a busy process, "
                    "one thread per core against threads=auto")
     p.add_argument("--async", dest="async_", action="store_true", help="only asynchronous rollouts: step time "
@@ -536,13 +461,23 @@ def main() -> None:
                            "first_generate_after_sync_s"]))
         write_report(args.out, {"lora": rows})
         return
-    if args.update_memory_worker:
-        return update_memory_worker(*args.update_memory_worker)
     if args.update_memory:
-        rows = bench_update_memory()
-        print("\nforward + backward of the policy loss, smollm2-135m, one micro-batch of 8192 tokens: 32 x (128 prompt + 128 completion)")
-        print(table(rows, ["mode", "vocab", "tokens", "peak_above_rest_mb", "seconds", "vs_full", "logp_diff"]))
+        from grpo.bench_memory import bench_update_memory
+
+        rows = bench_update_memory(args.layers)
+        print(f"\nforward + backward of the policy loss, SmolLM2-135M's body ({args.layers} layers) with a 152k vocabulary, "
+              "one micro-batch of 8192 completion tokens: 16 x (64 prompt + 512 completion)")
+        print(table(rows, ["mode", "peak_above_rest_mb", "logit_side_mb", "vs_logits", "seconds", "logp_diff",
+                           "head_grad_rel_diff"]))
         write_report(args.out, {"update_memory": rows})
+        return
+    if args.hf_scores:
+        from grpo.bench_memory import bench_hf_scores
+
+        rows = bench_hf_scores(args.layers)
+        print(f"\nhf generate, SmolLM2-135M's body ({args.layers} layers) with a 152k vocabulary, 32 rows x 128 new tokens")
+        print(table(rows, ["mode", "peak_above_rest_mb", "vs_output_scores", "seconds", "logp_sum"]))
+        write_report(args.out, {"hf_scores": rows})
         return
     if args.shared_cores:
         rows = bench_shared_cores(args.steps, args.overrides)

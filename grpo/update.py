@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from grpo import dist
+from grpo.logprobs import head_logprobs, pieces_for, plain_head, unwrapped
 from grpo.algorithm import (
     LossNorm, centred_moments, decoupled_loss, entropy, group_advantages, reinforce_pp_advantages,
     reward_moments, rloo_advantages, sampled_kl, std_from_moments, token_logprobs,
@@ -86,21 +87,28 @@ def collate(
     return Batch(ids_BL, attn_BL, position_ids_BL, ids_BL[:, P:], mask_BT, logp_BT, advantages_B.float(), P)
 
 
-def forward_logprobs(model, batch: Batch, temperature: float, with_entropy: bool = False):
-    """Per-token logprobs of the completion under `model` -> logprobs_BT (and entropy_BT).
-    `batch` must already be on the model's device."""
+def forward_logprobs(model, batch: Batch, temperature: float, with_entropy: bool = False, max_tokens: int = 0):
+    """Per-token logprobs of the completion under `model` -> logprobs_BT (and entropy_BT), the LM
+    head run a piece at a time (`grpo/logprobs.py`): `max_tokens` is the micro-batch cap, which sets
+    the number of pieces alike on every rank (0: this batch's own size). `batch` must already be on
+    the model's device."""
     T = batch.completion_ids_BT.shape[1]
-    logits_BKV = model(  # only the last T + 1 positions go through the LM head (logits_to_keep)
-        input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, position_ids=batch.position_ids_BL,
-        logits_to_keep=T + 1,
-    ).logits
-    logits_BTV = logits_BKV[:, -(T + 1) : -1]  # position p predicts token p + 1: the completion's T tokens
-    logp_BT = token_logprobs(logits_BTV, batch.completion_ids_BT, temperature)
-    if not with_entropy:
-        return logp_BT, None
-    with torch.no_grad():
-        ent_BT = entropy(logits_BTV.detach() / max(temperature, 1e-6))  # chunked
-    return logp_BT, ent_BT
+    inputs = dict(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, position_ids=batch.position_ids_BL)
+    probe = padding_batch().to(batch.input_ids_BL.device)  # the same on every rank
+    if not plain_head(model, dict(input_ids=probe.input_ids_BL, attention_mask=probe.attention_mask_BL,
+                                  position_ids=probe.position_ids_BL)):
+        # a head of its own (soft-capping, scaling): the model's logits, only the last T + 1 positions
+        logits_BTV = model(**inputs, logits_to_keep=T + 1).logits[:, -(T + 1) : -1]
+        logp_BT = token_logprobs(logits_BTV, batch.completion_ids_BT, temperature)
+        with torch.no_grad():
+            ent_BT = entropy(logits_BTV.detach() / max(temperature, 1e-6)) if with_entropy else None
+        return logp_BT, ent_BT
+    hidden_BLH = model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
+    hidden_BTH = hidden_BLH[:, -(T + 1) : -1]  # position p predicts token p + 1: the completion's T tokens
+    vocab = unwrapped(model).get_output_embeddings().weight
+    vocab_size = getattr(vocab, "ds_shape", vocab.shape)[0]  # ZeRO-3: the full shape, not the local shard
+    pieces = pieces_for(max_tokens or batch.size * T, vocab_size)
+    return head_logprobs(model, hidden_BTH, batch.completion_ids_BT, temperature, pieces, with_entropy)
 
 
 def micro_batches(batch: Batch, max_tokens: int) -> list[Batch]:
@@ -134,9 +142,9 @@ def score_tokens(model, batch: Batch, temperature: float, max_tokens: int, strat
     model.eval()
     device = next(model.parameters()).device
     mbs, padding = lockstep_micro_batches(strategy, batch, max_tokens)
-    out = [forward_logprobs(model, mb.to(device), temperature)[0].cpu() for mb in mbs]
+    out = [forward_logprobs(model, mb.to(device), temperature, max_tokens=max_tokens)[0].cpu() for mb in mbs]
     for _ in range(padding):
-        forward_logprobs(model, padding_batch().to(device), temperature)
+        forward_logprobs(model, padding_batch().to(device), temperature, max_tokens=max_tokens)
     model.train(was_training)
     return torch.cat(out) if out else torch.zeros_like(batch.sampler_logprobs_BT)
 
@@ -150,15 +158,19 @@ def loss_norm(batch: Batch, max_len: int, gen_tokens_per_step: float) -> LossNor
     )
 
 
-def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperature: float) -> dict[str, float]:
-    """Forward + backward over micro-batches of `batch`; gradients add up to the full batch's."""
-    sums = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0, "sampler_diff_max": 0.0,
-            "sampler_kl_sum": 0.0, "sampler_kl_tokens": 0.0}
+SUMS = ("loss", "clipped_tokens", "kl_sum", "entropy_sum", "sampler_diff_max", "sampler_kl_sum", "sampler_kl_tokens")
+
+
+def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperature: float) -> dict[str, torch.Tensor]:
+    """Forward + backward over micro-batches of `batch`; gradients add up to the full batch's. The
+    statistics stay on the device (0-dim tensors): the step reads them once, not per micro-batch."""
     device = next(strategy.model.parameters()).device
+    sums = {k: torch.zeros((), device=device) for k in SUMS}
     mbs, padding = lockstep_micro_batches(strategy, batch, algo.micro_batch_tokens)
     for mb in mbs + [padding_batch()] * padding:
         mb = mb.to(device)
-        logp_BT, ent_BT = forward_logprobs(strategy.forward_model, mb, temperature, with_entropy=True)
+        logp_BT, ent_BT = forward_logprobs(strategy.forward_model, mb, temperature, with_entropy=True,
+                                           max_tokens=algo.micro_batch_tokens)
         # proximal policy: the trainer before this update (decoupled loss, grpo/algorithm.py)
         old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else logp_BT.detach()
         loss, stats = decoupled_loss(logp_BT, old_BT, mb.sampler_logprobs_BT, mb.advantages_B, mb.mask_BT, norm, algo,
@@ -166,14 +178,14 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
         strategy.backward(loss)
         if mb.size:  # |trainer - sampler| logprob on the sampled tokens (see policy_update)
             diff_BT = (logp_BT.detach() - mb.sampler_logprobs_BT).abs() * mb.mask_BT
-            sums["sampler_diff_max"] = max(sums["sampler_diff_max"], float(diff_BT.max()))
+            sums["sampler_diff_max"] = torch.maximum(sums["sampler_diff_max"], diff_BT.max())
             kl_sum, kl_tokens = sampled_kl(mb.sampler_logprobs_BT, logp_BT, mb.mask_BT)
             sums["sampler_kl_sum"] += kl_sum
             sums["sampler_kl_tokens"] += kl_tokens
-        sums["loss"] += float(loss.detach())
-        sums["clipped_tokens"] += float(stats["clipped_tokens"])
-        sums["kl_sum"] += float(stats.get("kl_sum", 0.0))
-        sums["entropy_sum"] += float((ent_BT * mb.mask_BT).sum())
+        sums["loss"] += loss.detach()
+        sums["clipped_tokens"] += stats["clipped_tokens"]
+        sums["kl_sum"] += stats.get("kl_sum", 0.0)
+        sums["entropy_sum"] += (ent_BT * mb.mask_BT).sum()
     return sums
 
 
@@ -200,8 +212,8 @@ def policy_update(
     # also with an empty minibatch
     gen_tokens_per_step = strategy.reduce_counts([float(batch.mask_BT.sum())])[0] / algo.num_minibatches
     group_chunks = torch.arange(batch.size // G).tensor_split(algo.num_minibatches)
-    totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0, "tokens": 0.0, "grad_norm": 0.0}
-    steps, sampler_diff, sampler_kl = 0, 0.0, [0.0, 0.0]
+    totals = {k: 0.0 for k in SUMS}  # 0-dim tensors on the device once a micro-batch ran
+    tokens, grad_norm, steps = 0.0, 0.0, 0
     for _ in range(algo.num_iterations):
         for groups in group_chunks:
             rows = (groups[:, None] * G + torch.arange(G)).flatten()
@@ -211,30 +223,31 @@ def policy_update(
             norm = replace(local, num_seqs=int(num_seqs), num_tokens=int(num_tokens))
             if rows.numel() or lockstep:
                 sums = accumulate_gradients(strategy, mb, algo, norm, temperature)
+                for k in ("loss", "clipped_tokens", "kl_sum", "entropy_sum"):
+                    totals[k] = totals[k] + sums[k]
                 if steps == 0:  # before any optimizer step the trainer holds the weights that sampled
-                    sampler_diff = sums["sampler_diff_max"]
+                    totals["sampler_diff_max"] = sums["sampler_diff_max"]
                 if steps < algo.num_minibatches:  # the first pass: each token once
-                    sampler_kl[0] += sums["sampler_kl_sum"]
-                    sampler_kl[1] += sums["sampler_kl_tokens"]
-                for k, v in sums.items():
-                    if k in totals:
-                        totals[k] += v
-                totals["tokens"] += local.num_tokens
-            totals["grad_norm"] += strategy.step()
+                    totals["sampler_kl_sum"] = totals["sampler_kl_sum"] + sums["sampler_kl_sum"]
+                    totals["sampler_kl_tokens"] = totals["sampler_kl_tokens"] + sums["sampler_kl_tokens"]
+                tokens += local.num_tokens
+            grad_norm += strategy.step()
             steps += 1
-    tokens = max(totals["tokens"], 1.0)
+    # the one read of the statistics from the device
+    totals = dict(zip(SUMS, torch.stack([torch.as_tensor(totals[k], dtype=torch.float32).cpu() for k in SUMS]).tolist()))
+    tokens = max(tokens, 1.0)
     return {
         "loss": totals["loss"] / steps,
-        "grad_norm": totals["grad_norm"] / steps,
+        "grad_norm": grad_norm / steps,
         "clip_frac": totals["clipped_tokens"] / tokens,
         "kl": totals["kl_sum"] / tokens,
         "entropy": totals["entropy_sum"] / tokens,
         "trained_completions": batch.size,
         # max |trainer - sampler| logprob of a sampled token, with the weights that sampled: ~1e-5
         # when the engine got the last sync (fp32), far larger when it still runs older weights
-        "sampler_diff": sampler_diff,
+        "sampler_diff": totals["sampler_diff_max"],
         # KL(sampler || trainer) on the sampled tokens, k3, over the first pass; the trainer's side is
         # the weights before each minibatch's step: with a stale batch (algo.max_staleness), how far
         # the policy moved since the batch was sampled
-        "sampler_kl": sampler_kl[0] / max(sampler_kl[1], 1.0),
+        "sampler_kl": totals["sampler_kl_sum"] / max(totals["sampler_kl_tokens"], 1.0),
     }

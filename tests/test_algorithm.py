@@ -296,9 +296,9 @@ def test_sampled_kl_is_k3_over_the_sampled_tokens():
     sampler = torch.tensor([[-1.0, -2.0, -3.0]])
     trainer = sampler + torch.tensor([[math.log(2.0), 0.0, math.log(5.0)]])
     total, tokens = sampled_kl(sampler, trainer, torch.tensor([[1.0, 1.0, 0.0]]))
-    assert total == pytest.approx(0.306853, abs=1e-6) and tokens == 2.0
+    assert float(total) == pytest.approx(0.306853, abs=1e-6) and float(tokens) == 2.0
     # symmetric case r = 1/2: 0.5 - 1 + 0.693147 = 0.193147 (k3 is not symmetric in r)
-    assert sampled_kl(trainer[:, :1], sampler[:, :1], torch.ones(1, 1))[0] == pytest.approx(0.193147, abs=1e-6)
+    assert float(sampled_kl(trainer[:, :1], sampler[:, :1], torch.ones(1, 1))[0]) == pytest.approx(0.193147, abs=1e-6)
 
 
 def test_batches_in_flight_never_exceed_the_staleness_bound():
@@ -353,6 +353,70 @@ def test_completion_logits_only_give_the_same_logprobs(tiny_lm):
     ref_ent = -(torch.softmax(full, -1) * torch.log_softmax(full, -1)).sum(-1)
     torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-6)
     torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-5)
+
+
+def test_head_in_pieces_gives_the_same_logprobs_and_gradients(tiny_lm, monkeypatch):
+    """The LM head run on pieces of 2 tokens, each recomputed in backward, against the whole
+    completion's logits at once: the same logprobs, entropies and gradients."""
+    import copy
+
+    from grpo import logprobs
+    from grpo.rollout.base import Rollouts
+    from grpo.update import collate, forward_logprobs
+
+    base, tok = tiny_lm
+    batch = collate([[tok.bos_token_id, 5, 6, 7]] * 3, Rollouts([[10, 11, 12], [12], [13, 14]], [[0.0] * 3, [0.0], [0.0] * 2],
+                                                             ["length"] * 3, 0), torch.zeros(3), tok.pad_token_id, False)
+    results = []
+    for piece_bytes in (2**30, 2 * 4 * len(tok)):  # one piece; pieces of 2 tokens (5 pieces for 9)
+        monkeypatch.setattr(logprobs, "LOGIT_CHUNK_BYTES", piece_bytes)
+        assert logprobs.pieces_for(9, len(tok)) == (1 if piece_bytes == 2**30 else 5)
+        model = copy.deepcopy(base).train()
+        logp, ent = forward_logprobs(model, batch, 0.7, with_entropy=True)
+        (logp * batch.mask_BT * torch.arange(1.0, 4.0)).sum().backward()
+        results.append((logp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (logp1, ent1, g1), (logp5, ent5, g5) = results
+    torch.testing.assert_close(logp5, logp1, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent5, ent1, rtol=0, atol=1e-5)
+    assert g1.keys() == g5.keys() and len(g1) > 10
+    for n in g1:
+        torch.testing.assert_close(g5[n], g1[n], rtol=0, atol=1e-5, msg=lambda m: f"{n}: {m}")  # summation order
+
+
+class ScaledHead(torch.nn.Module):
+    """A model whose logits are not its head's output (as Gemma's soft-capping or Cohere's scale)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def forward(self, **kw):
+        out = self.inner(**kw)
+        out.logits = out.logits * 3.0
+        return out
+
+
+def test_a_head_of_its_own_takes_the_models_logits(tiny_lm):
+    """plain_head finds that a model's logits are not lm_head(hidden) and forward_logprobs takes the
+    model's own logits; a plain model is found plain."""
+    from grpo.logprobs import plain_head
+    from grpo.rollout.base import Rollouts
+    from grpo.update import collate, forward_logprobs
+
+    model, tok = tiny_lm
+    scaled = ScaledHead(model)
+    batch = collate([[tok.bos_token_id, 5, 6]] * 2, Rollouts([[10, 11], [12]], [[0.0] * 2, [0.0]], ["length"] * 2, 0),
+                    torch.zeros(2), tok.pad_token_id, False)
+    probe = dict(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL)
+    assert plain_head(model, probe) and not plain_head(scaled, probe)
+    logp, _ = forward_logprobs(scaled, batch, 1.0)
+    logits = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
+                   position_ids=batch.position_ids_BL).logits[:, batch.prompt_width - 1 : -1] * 3.0
+    ref = torch.log_softmax(logits, -1).gather(-1, batch.completion_ids_BT.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(logp, ref, rtol=0, atol=1e-5)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_lm):

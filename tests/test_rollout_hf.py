@@ -40,6 +40,39 @@ def test_greedy_is_deterministic_and_temperature_is_respected(tiny_lm):
     assert ((trainer_BT - batch.sampler_logprobs_BT).abs() * batch.mask_BT).max() < 1e-4
 
 
+def test_sampled_logprobs_are_recorded_one_step_behind():
+    """The recorder sees step t's scores, then the token drawn from them in step t + 1's input ids:
+    by hand, scores [0, ln 3] give logprobs [ln 1/4, ln 3/4]."""
+    import math
+
+    from grpo.rollout.hf import SampledLogprobs
+
+    rec = SampledLogprobs()
+    scores = torch.tensor([[0.0, math.log(3.0)], [0.0, math.log(3.0)]])
+    rec(torch.tensor([[0], [0]]), scores)  # step 0: nothing drawn yet
+    rec(torch.tensor([[0, 1], [0, 0]]), scores.flip(-1))  # row 0 drew 1, row 1 drew 0
+    lp = rec.logprobs(torch.tensor([[1, 1], [0, 1]]))  # step 1: row 0 drew 1, row 1 drew 1
+    expected = torch.tensor([[math.log(0.75), math.log(0.25)], [math.log(0.25), math.log(0.25)]])
+    torch.testing.assert_close(lp, expected)
+    assert rec.last_BV.shape == (2, 2)  # one step's row, never the whole B x T x V
+
+
+def test_bf16_generates_under_the_trainers_autocast(tiny_lm):
+    """model.dtype=bfloat16 trains fp32 masters under bf16 autocast: the hf sampler does the same,
+    so its logprobs are the autocast trainer's (the fp32 module alone gives others)."""
+    from grpo.parallel.single import Autocast
+
+    model, tok = tiny_lm
+    prompts = [tok("12+34=").input_ids, tok("7+8=").input_ids]
+    out = HFBackend(None, model, tok, dtype="bfloat16").generate(prompts, 4, Sampling(max_new_tokens=5, temperature=1.0))
+    batch = collate([p for p in prompts for _ in range(4)], out, torch.zeros(8), tok.pad_token_id, False)
+    bf16_BT = score_tokens(Autocast(model, torch.bfloat16), batch, temperature=1.0, max_tokens=10_000)
+    fp32_BT = score_tokens(model, batch, temperature=1.0, max_tokens=10_000)
+    mask = batch.mask_BT.bool()
+    assert (bf16_BT - batch.sampler_logprobs_BT)[mask].abs().max() < 1e-4
+    assert (fp32_BT - batch.sampler_logprobs_BT)[mask].abs().max() > 1e-3  # the check can tell them apart
+
+
 def test_update_weights_sets_version_without_touching_buckets(tiny_lm):
     model, tok = tiny_lm
     backend = HFBackend(None, model, tok)

@@ -20,9 +20,12 @@ class Autocast(torch.nn.Module):
         super().__init__()
         self.module, self.dtype = module, dtype
 
+    def precision(self):
+        """The autocast context; also taken by the LM head run outside `forward` (grpo/logprobs.py)."""
+        return torch.autocast(device_type=next(self.module.parameters()).device.type, dtype=self.dtype)
+
     def forward(self, *args, **kwargs):
-        device = next(self.module.parameters()).device.type
-        with torch.autocast(device_type=device, dtype=self.dtype):
+        with self.precision():
             return self.module(*args, **kwargs)
 
 

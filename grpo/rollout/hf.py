@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from grpo import dist
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
@@ -26,20 +27,68 @@ def stop_token_ids(eos_id: int, folder_config) -> list[int]:
 
 
 def generation_config(sampling: Sampling, pad_id: int, stop_ids: list[int]) -> GenerationConfig:
-    """Exactly the processing the trainer's logprobs assume: temperature, top-p and top-k (0 = off),
-    or greedy; every other logits processor stays off (see `folder_defaults_off`)."""
-    greedy = sampling.temperature == 0
+    """Sampling or greedy with no processing of its own: temperature, top-k and top-p come from
+    `logits_processors`, last in the chain the recorder of the sampled tokens' logprobs; every
+    other logits processor stays off (see `folder_defaults_off`)."""
     return GenerationConfig(
-        do_sample=not greedy,
-        temperature=None if greedy else sampling.temperature,
-        top_p=None if greedy else sampling.top_p,
-        top_k=None if greedy else sampling.top_k,  # 0 = off (GenerationConfig's default is 50)
+        do_sample=sampling.temperature != 0,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,  # 0 = off (GenerationConfig's default is 50)
         max_new_tokens=sampling.max_new_tokens,
         pad_token_id=pad_id,
         eos_token_id=stop_ids,
-        output_scores=True,  # the processed logits the sampler drew from
         return_dict_in_generate=True,
     )
+
+
+class SampledLogprobs(LogitsProcessor):
+    """Last in the chain: the logprob of each sampled token under the distribution it was drawn
+    from. The token drawn at step t is in `input_ids` at step t + 1, so one B x V row of logprobs
+    is held at a time; `output_scores=True` kept every step's, B x T x V (at 512 x 512 tokens and a
+    152k vocabulary, 160 GB)."""
+
+    def __init__(self):
+        self.columns: list[torch.Tensor] = []
+        self.last_BV: torch.Tensor | None = None
+
+    def __call__(self, input_ids_BL: torch.Tensor, scores_BV: torch.Tensor) -> torch.Tensor:
+        if self.last_BV is not None:
+            self.columns.append(self.last_BV.gather(-1, input_ids_BL[:, -1:]).squeeze(-1).cpu())
+        self.last_BV = torch.log_softmax(scores_BV.float(), dim=-1)
+        return scores_BV
+
+    def logprobs(self, new_BT: torch.Tensor) -> torch.Tensor:
+        """logprobs_BT of the generated tokens `new_BT` (the last step's taken here)."""
+        columns = list(self.columns)
+        if self.last_BV is not None:
+            columns.append(self.last_BV.gather(-1, new_BT[:, -1:].to(self.last_BV.device)).squeeze(-1).cpu())
+        return torch.stack(columns, dim=1) if columns else torch.zeros(new_BT.shape)
+
+
+def logits_processors(sampling: Sampling, recorder: SampledLogprobs) -> LogitsProcessorList:
+    """transformers' own warpers, in its own order (temperature, top-k, top-p), then the recorder:
+    the sampled distribution is exactly softmax(filtered logits / temperature)."""
+    chain = []
+    if sampling.temperature != 0:
+        if sampling.temperature != 1.0:
+            chain.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_k:
+            chain.append(TopKLogitsWarper(top_k=sampling.top_k))
+        if sampling.top_p < 1.0:
+            chain.append(TopPLogitsWarper(top_p=sampling.top_p))
+    return LogitsProcessorList(chain + [recorder])
+
+
+def compute_precision(model: torch.nn.Module, dtype: str):
+    """Generation under the trainer's autocast: a bf16/fp16 run keeps fp32 master weights and
+    scores under autocast (grpo/parallel/single.py), so the sampler does the same; an fp32 run, or
+    weights already in the low precision (ZeRO), need none."""
+    low = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+    param = next(model.parameters())
+    if low is None or param.dtype == low:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=param.device.type, dtype=low)
 
 
 @contextlib.contextmanager
@@ -58,8 +107,9 @@ def folder_defaults_off(model):
 
 
 class HFBackend(RolloutBackend):
-    def __init__(self, cfg, model: torch.nn.Module, tokenizer, model_path: str | None = None, lockstep: bool = False, **_):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, cfg, model: torch.nn.Module, tokenizer, model_path: str | None = None, lockstep: bool = False,
+                 dtype: str = "float32", **_):
+        self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
         self.lockstep = lockstep
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = stop_token_ids(tokenizer.eos_token_id, base_model(model).generation_config)
@@ -78,13 +128,14 @@ class HFBackend(RolloutBackend):
         # ZeRO-3 parameters are gathered during each forward, a collective: every rank keeps
         # stepping until all ranks are done (transformers' synced_gpus)
         synced = self.lockstep and dist.world_size() > 1
-        with folder_defaults_off(self.model):
+        recorder = SampledLogprobs()
+        with folder_defaults_off(self.model), compute_precision(self.model, self.dtype):
             out = self.model.generate(input_ids=ids_BL.to(device), attention_mask=mask_BL.to(device),
-                                      generation_config=gen_cfg, synced_gpus=synced)
+                                      generation_config=gen_cfg, logits_processor=logits_processors(sampling, recorder),
+                                      synced_gpus=synced)
         self.model.train(was_training)
         new_BT = out.sequences[:, width:].cpu()
-        scores_BTV = torch.stack(out.scores, dim=1).float().cpu()
-        logprobs_BT = torch.log_softmax(scores_BTV, dim=-1).gather(-1, new_BT.unsqueeze(-1)).squeeze(-1)
+        logprobs_BT = recorder.logprobs(new_BT)
         completions, logprobs, reasons = [], [], []
         for tokens, lps in zip(new_BT.tolist(), logprobs_BT.tolist()):
             end = next((t + 1 for t, token in enumerate(tokens) if token in self.stop_ids), None)

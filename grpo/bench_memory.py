@@ -1,0 +1,181 @@
+"""`python -m grpo.bench --update-memory` and `--hf-scores`: the memory that a real vocabulary
+costs, before and after, each measurement in a fresh process of this module
+(`python -m grpo.bench_memory WORKER MODE OUT`) so each starts from the same resting memory.
+
+Both run on a synthetic model with SmolLM2-135M's body (hidden 576, 9 heads, 3 KV heads, MLP 1536)
+and Qwen2.5's 151,936-token vocabulary, built in code (no download), with `--layers` of the body's 30
+layers: the logit side does not depend on depth, and the `body` row measures the rest.
+
+- update: one forward + backward of the policy loss on one micro-batch of 8,192 completion tokens
+  (16 x (64 prompt + 512 completion)). `logits`: the completion's logits whole, logit - logsumexp
+  (grpo.update before the head ran in pieces); `pieces`: grpo.update.forward_logprobs now; `body`:
+  the body alone (its last hidden states summed), to subtract: the logit side is the peak above it.
+- hf: `generate` of 32 x 128 new tokens through the hf backend's processors. `output_scores`: every
+  step's scores kept, stacked and log-softmaxed (the hf backend before); `recorder`: the backend now.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+VOCAB = 151_936
+# glibc raises its mmap threshold to the largest block freed (up to 32 MB), after which every
+# step's 19 MB logits row comes from the heap and freed rows stay resident: 1.8 GB of the hf row
+# at 128 tokens was that, 125 MB with the threshold fixed. Fixed, the peaks measure tensors.
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+class PeakRSS:
+    """Resident memory sampled every millisecond on a thread: the peak of a block, in MB."""
+
+    def __enter__(self):
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.base = self.peak = self.rss()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _sample(self):
+        while not self.done.wait(0.001):
+            self.peak = max(self.peak, self.rss())
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+        self.peak = max(self.peak, self.rss())
+        self.peak_above_mb = (self.peak - self.base) / 2**20
+
+
+def smollm2_body(layers: int, vocab: int = VOCAB):
+    """SmolLM2-135M's shape with `layers` layers and a `vocab`-token head, fp32, seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return LlamaForCausalLM(config).float()
+
+
+def random_batch(rows: int, prompt: int, completion: int, vocab: int):
+    from grpo.rollout.base import Rollouts
+    from grpo.update import collate
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (prompt,), generator=g).tolist() for _ in range(rows)]
+    done = [torch.randint(3, vocab, (completion,), generator=g).tolist() for _ in range(rows)]
+    return collate(prompts, Rollouts(done, [[0.0] * completion] * rows, ["length"] * rows, 0), torch.ones(rows), 0, False)
+
+
+def whole_logits_logprobs(model, batch):
+    """grpo.update.forward_logprobs before the pieces: the completion's logits whole (logits_to_keep),
+    then logit - logsumexp, which keeps the fp32 tokens x vocabulary tensor for backward."""
+    from grpo.algorithm import token_logprobs
+
+    T = batch.completion_ids_BT.shape[1]
+    logits = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
+                   position_ids=batch.position_ids_BL, logits_to_keep=T + 1).logits[:, -(T + 1) : -1]
+    return token_logprobs(logits, batch.completion_ids_BT)
+
+
+def update_worker(mode: str, out: str, layers: int, rows: int = 16, prompt: int = 64, completion: int = 512) -> None:
+    from grpo.update import forward_logprobs
+
+    model = smollm2_body(layers).train()
+    batch = random_batch(rows, prompt, completion, VOCAB)
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        if mode == "body":
+            hidden = model.model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
+                                 position_ids=batch.position_ids_BL).last_hidden_state
+            hidden.sum().backward()
+            logp = torch.zeros(())
+        elif mode == "logits":
+            logp = whole_logits_logprobs(model, batch)
+            (-logp.mean()).backward()
+        else:
+            logp, _ = forward_logprobs(model, batch, 1.0, max_tokens=rows * (prompt + completion))
+            (-logp.mean()).backward()
+        seconds = time.perf_counter() - t0
+    grad = model.get_output_embeddings().weight.grad
+    with open(out, "w") as f:
+        json.dump({"mode": mode, "peak_above_rest_mb": mem.peak_above_mb, "seconds": seconds, "vocab": VOCAB,
+                   "completion_tokens": rows * completion, "logp_sum": float(logp.detach().double().sum()),
+                   "head_grad_sum": float(grad.double().abs().sum()) if grad is not None else 0.0}, f)
+
+
+def hf_worker(mode: str, out: str, layers: int, rows: int = 32, prompt: int = 16, new_tokens: int = 128) -> None:
+    from transformers import GenerationConfig
+
+    from grpo.rollout import Sampling
+    from grpo.rollout.hf import SampledLogprobs, folder_defaults_off, generation_config, logits_processors
+
+    model = smollm2_body(layers).eval()
+    ids = torch.randint(3, VOCAB, (rows, prompt), generator=torch.Generator().manual_seed(0))
+    sampling = Sampling(max_new_tokens=new_tokens, temperature=1.0)
+    # no stop token: every row runs the whole budget
+    cfg = generation_config(sampling, pad_id=0, stop_ids=[VOCAB + 1])
+    if mode == "output_scores":
+        cfg = GenerationConfig(**{**cfg.to_dict(), "output_scores": True})
+    recorder = SampledLogprobs()
+    torch.manual_seed(0)
+    with PeakRSS() as mem, torch.no_grad(), folder_defaults_off(model):
+        t0 = time.perf_counter()
+        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg,
+                             logits_processor=logits_processors(sampling, recorder))
+        new = gen.sequences[:, prompt:]
+        if mode == "output_scores":
+            scores = torch.stack(gen.scores, dim=1).float()
+            logp = torch.log_softmax(scores, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        else:
+            logp = recorder.logprobs(new)
+        seconds = time.perf_counter() - t0
+    with open(out, "w") as f:
+        json.dump({"mode": mode, "peak_above_rest_mb": mem.peak_above_mb, "seconds": seconds, "vocab": VOCAB,
+                   "rows": rows, "new_tokens": new.shape[1], "logp_sum": float(logp.double().sum())}, f)
+
+
+def run_workers(worker: str, modes: list[str], layers: int) -> list[dict]:
+    rows = []
+    for mode in modes:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            subprocess.run([sys.executable, "-m", "grpo.bench_memory", worker, mode, f.name, str(layers)], check=True,
+                           env={**os.environ, **ALLOCATOR})
+            rows.append(json.load(open(f.name)))
+    return rows
+
+
+def bench_update_memory(layers: int) -> list[dict]:
+    rows = run_workers("update", ["body", "logits", "pieces"], layers)
+    body, before = rows[0], rows[1]
+    for row in rows[1:]:
+        row["logit_side_mb"] = row["peak_above_rest_mb"] - body["peak_above_rest_mb"]
+        row["vs_logits"] = row["logit_side_mb"] / before["logit_side_mb"]
+        row["logp_diff"] = abs(row["logp_sum"] - before["logp_sum"])
+        row["head_grad_rel_diff"] = abs(row["head_grad_sum"] - before["head_grad_sum"]) / before["head_grad_sum"]
+    return rows
+
+
+def bench_hf_scores(layers: int) -> list[dict]:
+    rows = run_workers("hf", ["output_scores", "recorder"], layers)
+    for row in rows:
+        row["vs_output_scores"] = row["peak_above_rest_mb"] / rows[0]["peak_above_rest_mb"]
+    return rows
+
+
+if __name__ == "__main__":
+    worker, mode, out, layers = sys.argv[1:5]
+    {"update": update_worker, "hf": hf_worker}[worker](mode, out, int(layers))
