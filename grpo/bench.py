@@ -434,6 +434,8 @@ def main() -> None:
     p.add_argument("--learn-steps", type=int, default=300, help="--async: steps of each learning run (0: none)")
     p.add_argument("--engine-cores", type=int, default=len(os.sched_getaffinity(0)) // 2,
                    help="--async: CPUs reserved for the engine, the rest for the trainer (0: all shared); default half")
+    p.add_argument("--zero3-memory", action="store_true", help="only ZeRO-3's per-rank memory at load and in an "
+                   "update, whole-then-partitioned against zero.Init, with and without a reference (grpo/bench_zero3.py)")
     p.add_argument("--warm-start", action="store_true", help="only the tiny model's warm start: steps to its "
                    "target for each of --seeds under each of --settings (grpo/bench_warm_start.py)")
     p.add_argument("--seeds", default="0,1,2,3,4,5,6,7", help="--warm-start: model.tiny.seed values")
@@ -447,6 +449,10 @@ def main() -> None:
     if args.zero3_sync_worker:
         return zero3_sync_worker(zero3_buckets, args.zero3_sync_worker)
 
+    if args.zero3_memory:
+        from grpo.bench_zero3 import report_zero3_memory
+
+        return report_zero3_memory(args.out)
     if args.warm_start:
         from grpo.bench_warm_start import report_warm_start
 

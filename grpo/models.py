@@ -16,6 +16,7 @@ vLLM load like any other.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -320,24 +321,27 @@ def policy_device(local_rank: int) -> torch.device:
     return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def build_policy(cfg, info, log=print):
+def build_policy(cfg, info, log=print, loading=contextlib.nullcontext()):
     """(policy on this rank's device, tokenizer, its folder). The folder is made (tiny, packaged) on
-    each node's local rank 0 first, while the node's other ranks wait, then found by all."""
+    each node's local rank 0 first, while the node's other ranks wait, then found by all. The model
+    is loaded inside `loading`, the strategy's (`Strategy.loading`): ZeRO-3 builds it partitioned,
+    each shard already on this rank's device, and `.to` finds only empty placeholders to move."""
     from grpo.dist import barrier
 
     if info.local_rank == 0:
         resolve_model_folder(cfg, log)
     barrier()
     path = resolve_model_folder(cfg, log)
-    model, tokenizer = load_model(path, cfg.model.dtype)
-    if cfg.model.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    if cfg.model.lora.rank > 0:  # only the adapter trains; the base weights stay the folder's
-        from grpo import lora
+    with loading:
+        model, tokenizer = load_model(path, cfg.model.dtype)
+        if cfg.model.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        if cfg.model.lora.rank > 0:  # only the adapter trains; the base weights stay the folder's
+            from grpo import lora
 
-        model = lora.wrap(model, cfg.model.lora)
-        if info.is_main:
-            log(lora.describe(model))
+            model = lora.wrap(model, cfg.model.lora)
+            if info.is_main:
+                log(lora.describe(model))
     model.to(policy_device(info.local_rank)).train()
     return model, tokenizer, path
 
@@ -349,9 +353,12 @@ def enable_gradient_checkpointing(model) -> None:
     model.config.use_cache = False
 
 
-def build_reference(cfg, path: str, info):
-    """The frozen reference policy for the KL term, on the policy's device; only loaded when beta > 0."""
+def build_reference(cfg, path: str, strategy):
+    """The frozen reference policy for the KL term, loaded as the policy was (in the strategy's
+    `loading`: partitioned under ZeRO-3) and prepared to run as the policy runs
+    (`strategy.prepare_reference`); only loaded when beta > 0."""
     if cfg.algo.beta == 0:
         return None
-    ref, _ = load_model(path, cfg.model.dtype)
-    return ref.to(policy_device(info.local_rank)).eval().requires_grad_(False)
+    with strategy.loading(cfg.parallel, cfg.algo, DTYPES[cfg.model.dtype]):
+        ref, _ = load_model(path, cfg.model.dtype)
+    return strategy.prepare_reference(ref.eval().requires_grad_(False))

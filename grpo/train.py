@@ -64,8 +64,8 @@ from grpo.eval import evaluate
 from grpo.export import export_hf
 from grpo.library_logs import quiet_library_logs
 from grpo.log import RunLogger
-from grpo.models import build_policy, build_reference, encode_prompts
-from grpo.parallel import build_strategy
+from grpo.models import DTYPES, build_policy, build_reference, encode_prompts
+from grpo.parallel import build_strategy, strategy_class
 from grpo.preempt import StopSignal, stop
 from grpo.rewards import build_rewards, score
 from grpo.rollout import build_rollout, sampling_from
@@ -215,12 +215,13 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
 
     algo, G = cfg.algo, cfg.algo.group_size
     task = build_task(cfg.task)
-    model, tokenizer, model_path = build_policy(cfg, info)
+    loading = strategy_class(cfg.parallel.strategy).loading(cfg.parallel, algo, DTYPES[cfg.model.dtype])
+    model, tokenizer, model_path = build_policy(cfg, info, loading=loading)  # partitioned from the start under ZeRO-3
     reward_fns = build_rewards(cfg.reward)
     strategy = build_strategy(cfg.parallel, model, algo, cfg.steps * algo.num_iterations * algo.num_minibatches)
     rollout = cleanup.enter_context(contextlib.closing(
         build_rollout(cfg.rollout, strategy.model, tokenizer, model_path, cfg.model.dtype, cfg.seed, run_dir, strategy.lockstep)))
-    ref_model = build_reference(cfg, model_path, info)
+    ref_model = build_reference(cfg, model_path, strategy)  # runs as the policy does: KL 0 before the first step
     seed_everything(cfg.seed + info.rank)  # again: a fresh and a cached tiny model start alike
     r = Run(cfg, info, run_dir, task, tokenizer, model_path, reward_fns, strategy, rollout, ref_model,
             TrainSampler(task.train, seed=cfg.seed), sampling_from(cfg.rollout), P=algo.batch_size // G // info.world_size, G=G)

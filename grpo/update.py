@@ -206,8 +206,8 @@ def policy_update(
     if (batch.size or lockstep) and (algo.num_iterations > 1 or algo.num_minibatches > 1):
         old_BT = score_tokens(strategy.forward_model, batch, temperature, algo.micro_batch_tokens, strategy)
         batch = replace(batch, old_logprobs_BT=old_BT)
-    if batch.size and algo.beta > 0:
-        batch = replace(batch, ref_logprobs_BT=score_tokens(ref_model, batch, temperature, algo.micro_batch_tokens))
+    if (batch.size or lockstep) and algo.beta > 0:  # a sharded reference (ZeRO-3) needs every rank too
+        batch = replace(batch, ref_logprobs_BT=score_tokens(ref_model, batch, temperature, algo.micro_batch_tokens, strategy))
     # normalisers count the whole optimizer batch on every rank; each rank joins every reduction,
     # also with an empty minibatch
     gen_tokens_per_step = strategy.reduce_counts([float(batch.mask_BT.sum())])[0] / algo.num_minibatches

@@ -100,3 +100,14 @@ def test_default_run_meets_the_learning_bar(tmp_path, cache_dir, learning_policy
     print(summary)
     assert summary["eval_after"] - summary["eval_before"] >= 0.20
     assert summary["wall_s"] < 300
+
+
+def test_bf16_reference_runs_as_the_policy_so_the_first_kl_is_zero(make_cfg, learning_policy):
+    """model.dtype=bfloat16, parallel=single: the policy runs fp32 masters under bf16 autocast, and so
+    must the reference (Strategy.prepare_reference). One step, before which the two are the same
+    weights: KL exactly 0 (with the reference in pure bf16 it was 8.9e-5)."""
+    cfg = make_cfg("model.dtype=bfloat16", "algo.beta=0.04", "steps=1")
+    train(cfg)
+    rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl")) if '"loss"' in line]
+    assert rows[0]["trained_completions"] > 0  # precondition: some tokens entered the KL
+    assert rows[0]["kl"] < 1e-6, rows[0]["kl"]

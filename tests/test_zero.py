@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from grpo.config import AlgoConfig, ConfigError, ParallelConfig, validate
-from grpo.parallel.zero import deepspeed_config
+from grpo.parallel.zero import deepspeed_config, reference_config, zero_init_config
 from tests.conftest import FAST, assert_rewards_vary, compose_cfg
 from tests.test_parallel import TORCHRUN, run
 
@@ -26,8 +26,23 @@ def test_config_from_the_groups():
     assert cfg["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False}}
     assert cfg["gradient_clipping"] == 0.7
     assert cfg["managed_gradient_accumulation"] is False
-    assert cfg["bf16"] == {"enabled": False}
-    assert deepspeed_config(ds_cfg(), algo, 2, torch.bfloat16)["bf16"] == {"enabled": True}
+    assert cfg["bf16"] == {"enabled": False} and "data_types" not in cfg
+    bf16 = deepspeed_config(ds_cfg(), algo, 2, torch.bfloat16)
+    assert bf16["bf16"] == {"enabled": True}
+    assert bf16["data_types"] == {"grad_accum_dtype": "fp32"}  # bf16 parameters, fp32 gradient sums
+
+
+def test_zero_init_and_reference_configs():
+    """Only stage 3 loads under zero.Init, with the strategy's own config; the reference's engine has
+    no optimizer: stage 3 stays partitioned, stage 2 becomes a stage-0 replica."""
+    algo = OmegaConf.structured(AlgoConfig())
+    assert zero_init_config(ds_cfg("zero2"), algo, 2, torch.bfloat16) is None
+    assert zero_init_config(ds_cfg(), algo, 3, torch.bfloat16) == deepspeed_config(ds_cfg(), algo, 3, torch.bfloat16)
+    policy = deepspeed_config(ds_cfg(offload_optimizer=True), algo, 3, torch.bfloat16)
+    ref = reference_config(policy)
+    assert ref["zero_optimization"] == {"stage": 3} and "data_types" not in ref and ref["bf16"] == {"enabled": True}
+    assert policy["zero_optimization"]["offload_optimizer"]  # the policy's config is left as it was
+    assert reference_config(deepspeed_config(ds_cfg("zero2"), algo, 2, torch.float32))["zero_optimization"] == {"stage": 0}
 
 
 def test_user_json_is_merged_and_conflicts_are_reported(tmp_path):
@@ -135,6 +150,21 @@ def test_zero3_two_process_resume_matches_an_uninterrupted_run(tmp_path, cache_d
 
     wa, wb = load_file(straight / "model" / "model.safetensors"), load_file(resumed / "model" / "model.safetensors")
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6
+
+
+def test_zero3_loads_partitioned_and_scores_a_sharded_reference(tmp_path, learning_policy):
+    """2 ranks, bf16, beta > 0 (tests/zero3_load.py): the policy is built under zero.Init (each rank
+    holds half the elements, nothing whole) with the folder's weights; the engine sums gradients in
+    fp32; the reference is partitioned too, ranks with 6 and 2 micro-batches score it in lockstep,
+    and before any step the KL to it is 0."""
+    out = tmp_path / "result.json"
+    run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "tests/zero3_load.py", learning_policy, str(out)])
+    r = json.load(open(out))
+    assert r["placeholders"] and r["reference_placeholders"]
+    assert r["local_elements"] <= r["full_elements"] / 2 + 1000, r  # a shard (padded), not the model
+    assert r["max_diff_to_folder"] == 0.0
+    assert r["data_types"] == ["torch.bfloat16", "torch.float32"]
+    assert r["kl"] < 1e-6 and r["loss"] != 0.0, r
 
 
 @pytest.mark.parametrize("parallel", ["zero2", "zero3_offload"])

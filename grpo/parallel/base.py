@@ -3,6 +3,7 @@ sync, save, load. The loop never asks which strategy it has."""
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 
 import torch
@@ -44,6 +45,18 @@ class Strategy(ABC):
     def check_lora(cls, cfg, lora, world: int) -> None:
         """Raise ConfigError if this strategy cannot train a LoRA adapter (`model.lora`, rank > 0);
         called by grpo.config.validate only when LoRA is on."""
+
+    @classmethod
+    def loading(cls, cfg, algo, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+        """The context the policy and the reference are loaded in (`from_pretrained`): nothing by
+        default; ZeRO-3 builds them partitioned, so no rank ever holds a whole model."""
+        return contextlib.nullcontext()
+
+    def prepare_reference(self, ref: torch.nn.Module) -> torch.nn.Module:
+        """The frozen reference model (algo.beta > 0), as loaded, made to run its forward passes
+        exactly as the policy's do (device, weight dtype, autocast, sharding): at the first update,
+        before any step, the reference and the policy then give the same logprobs and the KL is 0."""
+        return ref
 
     @property
     def forward_model(self) -> torch.nn.Module:

@@ -53,9 +53,23 @@ class SingleStrategy(Strategy):
 
     @property
     def forward_model(self) -> torch.nn.Module:
+        return self._as_policy_runs(self.model)
+
+    def _as_policy_runs(self, module: torch.nn.Module) -> torch.nn.Module:
         if self.compute_dtype == torch.float32:
-            return self.model
-        return Autocast(self.model, self.compute_dtype)
+            return module
+        return Autocast(module, self.compute_dtype)
+
+    def prepare_reference(self, ref: torch.nn.Module) -> torch.nn.Module:
+        """The reference in the policy's weight dtype, under the policy's autocast. Without LoRA the
+        policy runs fp32 masters under bf16 autocast, where the residual stream, norms and softmax stay
+        fp32; pure bf16 weights would run those in bf16 and the KL would not be 0 at the first
+        step. So the reference is fp32 too (twice its loaded size; a quarter of the policy's weights,
+        gradients and AdamW state). With LoRA the policy's frozen base stays as loaded, and so does
+        the reference (the adapter adds exactly 0 before the first step: B = 0)."""
+        device = next(self.model.parameters()).device
+        ref = ref.to(device) if lora.is_lora(self.model) else ref.to(device, torch.float32)
+        return self._as_policy_runs(ref)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

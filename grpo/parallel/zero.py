@@ -14,10 +14,18 @@ any number of `backward()` calls, then one `step()` that is the boundary. Two co
     tells the update to pad a rank with fewer micro-batches with zero-weight ones.
   - DeepSpeed averages gradients over ranks; the loop's losses are normalised by counts over all
     ranks already, so `backward` multiplies by the world size to get the sum DDP computes.
+
+Under ZeRO-3 no rank ever holds a whole model: the policy and the reference are built inside
+`deepspeed.zero.Init` (`partitioned_loading`, transformers' HfDeepSpeedConfig hook), so each rank
+allocates its own shard and `from_pretrained` copies the checkpoint in module by module. The
+reference (algo.beta > 0) is a DeepSpeed engine without optimizer: partitioned like the policy
+under stage 3, a plain replica under stage 2 (stage 0: it has no gradients or optimizer state).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib
 import json
 import os
@@ -43,6 +51,10 @@ def deepspeed_config(cfg, algo, stage: int, dtype: torch.dtype) -> dict:
         "zero_optimization": {"stage": stage},
         "bf16": {"enabled": dtype == torch.bfloat16},
         "fp16": {"enabled": False},
+        # bf16 parameters, fp32 gradients: the loop's many micro-batches (lockstep padding included)
+        # are summed and reduce-scattered in fp32, as under single/ddp; without this DeepSpeed
+        # accumulates in the model's dtype
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if dtype == torch.bfloat16 else {}),
         "zero_allow_untested_optimizer": True,  # torch AdamW, the loop's own
         "zero_force_ds_cpu_optimizer": False,  # offload keeps torch AdamW: no CPU-Adam build
         "steps_per_print": 2**31 - 1,
@@ -72,6 +84,46 @@ def deepspeed_config(cfg, algo, stage: int, dtype: torch.dtype) -> dict:
             "Remove these keys from the JSON (or set them to \"auto\"), or change the group's value on the command line."
         )
     return merged
+
+
+def zero_init_config(cfg, algo, stage: int, dtype: torch.dtype) -> dict | None:
+    """The DeepSpeed config models are built under (`deepspeed.zero.Init`: each rank allocates only
+    its shard), or None where every rank holds full parameters anyway (stage 2)."""
+    return deepspeed_config(cfg, algo, stage, dtype) if stage == 3 else None
+
+
+def reference_config(config: dict) -> dict:
+    """The frozen reference's engine config from the policy's, as TRL's `prepare_deepspeed`: no
+    optimizer, so nothing about optimizer state or gradients; stage 3 stays stage 3 (parameters
+    partitioned), a lower stage becomes 0 (a replica: it has nothing else to shard)."""
+    ref = copy.deepcopy(config)
+    ref.pop("data_types", None)
+    zero = ref["zero_optimization"]
+    zero.pop("offload_optimizer", None)
+    if zero["stage"] != 3:
+        zero["stage"] = 0
+    return ref
+
+
+@contextlib.contextmanager
+def partitioned_loading(config: dict | None, cpu_shm_allreduce: bool):
+    """While open, transformers' `from_pretrained` builds a model under `deepspeed.zero.Init(config)`
+    and loads the checkpoint into it module by module (each module's full parameters gathered, filled
+    on rank 0, re-partitioned), so no rank holds the whole model. The hook is a live
+    `HfDeepSpeedConfig` (transformers keeps a weak reference to it); it is removed on exit so later
+    loads in this process are plain ones. With config None nothing happens."""
+    if config is None:
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    init_deepspeed_comm(cpu_shm_allreduce)  # zero.Init partitions over DeepSpeed's process group
+    hook = HfDeepSpeedConfig(config)  # noqa: F841 (kept alive: transformers holds a weakref)
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
 
 
 def _merge(user: dict, ours: dict, prefix: str, conflicts: list[str]) -> dict:
@@ -121,6 +173,10 @@ class ZeroStrategy(Strategy):
     lockstep = True
     stage = 3
 
+    @classmethod
+    def loading(cls, cfg, algo, dtype: torch.dtype):
+        return partitioned_loading(zero_init_config(cfg, algo, cls.stage, dtype), cfg.cpu_shm_allreduce)
+
     def __init__(self, cfg, model: torch.nn.Module, algo, total_steps: int):
         import deepspeed
 
@@ -134,6 +190,16 @@ class ZeroStrategy(Strategy):
         self.model = self.engine.module
         self.config = config
         self.world = tdist.get_world_size()
+
+    def prepare_reference(self, ref: torch.nn.Module) -> torch.nn.Module:
+        """An engine without optimizer, in the policy's dtype (the policy's forward runs its bf16 or
+        fp32 parameters directly, and so does this). Under stage 3 its forwards gather parameters:
+        every rank must score the reference in lockstep, as it does the policy."""
+        import deepspeed
+
+        engine, _, _, _ = deepspeed.initialize(model=ref, config=reference_config(self.config))
+        engine.eval()  # DeepSpeed's eval() returns None, not the module
+        return engine
 
     @property
     def forward_model(self) -> torch.nn.Module:

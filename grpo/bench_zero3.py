@@ -1,0 +1,168 @@
+"""`python -m grpo.bench --zero3-memory`: what one rank holds under ZeRO-3, loading the policy whole
+and then partitioning it (`before`, as the trainer did) against building it under
+`deepspeed.zero.Init` (`after`, `Zero3Strategy.loading`), without and with a reference model
+(algo.beta > 0: `before` a full replica on every rank, `after` a partitioned engine).
+
+Each case is a fresh `torchrun --nproc_per_node 2` of this module (gloo on CPU) on a model shaped like
+SmolLM2-135M (hidden 576, 30 layers, vocabulary 49152; random weights, built here and saved with
+save_pretrained so `from_pretrained` loads it as any folder). Each rank reports its peak resident
+memory above its rest (after imports and the process group, before any model) over (a) the load:
+policy built, `deepspeed.initialize`, and the reference built; and (b) one update step
+(`policy_update`: reference scoring, forward, backward, AdamW). `anon` leaves out file-backed pages
+(the checkpoint's safetensors are memory-mapped: their pages are the page cache's, shared and
+reclaimable, but count in the plain resident size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+
+import torch
+
+SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+             num_key_value_heads=3, tie_word_embeddings=True, max_position_embeddings=512)
+CASES = [("before", 0.0), ("after", 0.0), ("before", 0.04), ("after", 0.04)]
+
+
+class PeakMemory:
+    """This process's resident memory sampled every millisecond on a thread, all of it and its
+    anonymous part (resident - shared: without memory-mapped files); peaks above entry, in MB."""
+
+    def __enter__(self):
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.base = self.peak = self.sample()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def sample(self) -> tuple[int, int]:
+        with open("/proc/self/statm") as f:
+            resident, shared = (int(x) * self.page for x in f.read().split()[1:3])
+        return resident, resident - shared
+
+    def _run(self):
+        while not self.done.wait(0.001):
+            self.peak = tuple(map(max, self.peak, self.sample()))
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+        self.peak = tuple(map(max, self.peak, self.sample()))
+        self.rss_mb, self.anon_mb = ((p - b) / 2**20 for p, b in zip(self.peak, self.base))
+
+
+def save_model(folder: str) -> float:
+    """The SmolLM2-135M-shaped model (random weights, fp32) and a tokenizer in `folder`; its size in MB."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grpo.models import build_char_tokenizer
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE))
+    model.save_pretrained(folder)
+    build_char_tokenizer().save_pretrained(folder)
+    return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+
+
+def synthetic_batch(rows: int, prompt: int, completion: int, seed: int):
+    """`rows` completions in groups of 4 with random tokens and rewards, collated as the loop does."""
+    from grpo.rollout.base import Rollouts
+    from grpo.update import collate
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(100, 40000, (prompt,), generator=g).tolist() for _ in range(rows)]
+    done = [torch.randint(100, 40000, (completion,), generator=g).tolist() for _ in range(rows)]
+    logprobs = [[-1.0] * completion] * rows
+    advantages_B = torch.randn(rows, generator=g)
+    return collate(prompts, Rollouts(done, logprobs, ["length"] * rows, 0), advantages_B, 0, False)
+
+
+def worker(folder: str, mode: str, beta: float, out: str, rows: int, tokens: int) -> None:
+    """One case on this rank (under torchrun): load, then one update step; rank 0 writes both ranks' rows."""
+    import contextlib
+
+    from grpo import dist
+    from grpo.config import compose_config
+    from grpo.models import build_policy, build_reference, load_model
+    from grpo.parallel.zero import Zero3Strategy, init_deepspeed_comm
+    from grpo.update import policy_update
+
+    info = dist.dist_info()
+    cfg = compose_config(["parallel=zero3", f"model.path={folder}", "run_dir=unused", f"algo.beta={beta}",
+                          f"algo.batch_size={rows * info.world_size}", "algo.group_size=4", "algo.warmup_steps=0",
+                          f"algo.micro_batch_tokens={rows * 2 * tokens}"])
+    dist.init_distributed(info)  # torchrun's world; DeepSpeed's comm joins it
+    init_deepspeed_comm(cfg.parallel.cpu_shm_allreduce)
+    batch = synthetic_batch(rows, tokens, tokens, seed=info.rank)
+    dist.barrier()
+    with PeakMemory() as load:
+        loading = Zero3Strategy.loading(cfg.parallel, cfg.algo, torch.float32) if mode == "after" else contextlib.nullcontext()
+        model, _, path = build_policy(cfg, info, log=lambda *_: None, loading=loading)
+        strategy = Zero3Strategy(cfg.parallel, model, cfg.algo, total_steps=1)
+        del model
+        if beta > 0 and mode == "after":
+            ref = build_reference(cfg, path, strategy)
+        elif beta > 0:  # as the trainer did: a full replica on every rank
+            ref = load_model(path)[0].eval().requires_grad_(False)
+        else:
+            ref = None
+    held_anon_mb = (load.sample()[1] - load.base[1]) / 2**20  # what stays after the load's transients
+    dist.barrier()
+    with PeakMemory() as step:
+        stats = policy_update(strategy, batch, cfg.algo, tokens, 1.0, ref)
+    row = {"mode": mode, "beta": beta, "rank": info.rank, "load_rss_mb": load.rss_mb, "load_anon_mb": load.anon_mb,
+           "held_anon_mb": held_anon_mb, "step_rss_mb": step.rss_mb, "step_anon_mb": step.anon_mb, "kl": stats["kl"], "loss": stats["loss"]}
+    gathered = [None] * info.world_size
+    torch.distributed.all_gather_object(gathered, row)
+    if info.rank == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+    dist.shutdown()
+
+
+def bench_zero3_memory(rows: int = 4, tokens: int = 32) -> tuple[list[dict], float]:
+    """Every case in a fresh 2-rank torchrun; (one row per case and rank, the model's size in MB)."""
+    folder = tempfile.mkdtemp(prefix="bench-zero3-model-")
+    model_mb = save_model(folder)
+    results = []
+    for mode, beta in CASES:
+        out = os.path.join(folder, f"{mode}-{beta}.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+               "grpo.bench_zero3", "--worker", folder, mode, str(beta), out, "--rows", str(rows), "--tokens", str(tokens)]
+        res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if res.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"ZeRO-3 memory bench ({mode}, beta={beta}) failed:\n{res.stderr[-3000:]}")
+        with open(out) as f:
+            results += json.load(f)
+    return results, model_mb
+
+
+def report_zero3_memory(out: str, rows: int = 4, tokens: int = 32) -> None:
+    from grpo.bench_report import table, write_report
+
+    results, model_mb = bench_zero3_memory(rows, tokens)
+    print(f"\nZeRO-3 on 2 CPU ranks (gloo), a SmolLM2-135M-shaped model ({model_mb:.0f} MB in fp32), one update "
+          f"step on {rows} x ({tokens} prompt + {tokens} completion) tokens per rank; peak MB above each rank's rest")
+    print(table(results, ["mode", "beta", "rank", "load_rss_mb", "load_anon_mb", "held_anon_mb", "step_rss_mb", "step_anon_mb", "kl"]))
+    write_report(out, {"zero3_memory": results, "model_mb": model_mb, "rows": rows, "tokens": tokens})
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker", nargs=4, metavar=("FOLDER", "MODE", "BETA", "OUT"))
+    p.add_argument("--rows", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--out", default="bench_results/zero3_memory.json")
+    args = p.parse_args()
+    if args.worker:
+        folder, mode, beta, out = args.worker
+        worker(folder, mode, float(beta), out, args.rows, args.tokens)
+    else:
+        report_zero3_memory(args.out, args.rows, args.tokens)
