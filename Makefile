@@ -47,7 +47,7 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "not slurm" $(ARGS)
 
-# Against a real SLURM: start the local one first (slurm/dev-cluster.sh install && slurm/dev-cluster.sh up).
+# Against a real SLURM: start the local two-node one first (slurm/dev-cluster.sh install && slurm/dev-cluster.sh up --nodes 2).
 test-slurm: $(STAMP)
 	$(PY) -m pytest -q -m slurm $(ARGS)
 

@@ -80,6 +80,21 @@ def init_distributed(info: DistInfo, timeout_s: float = 600, force: bool = False
     )
 
 
+def node_name() -> str:
+    """This process's node: SLURM's name for it inside a job (the one the cluster resolves, and
+    distinct for each node of the dev cluster, whose nodes share one machine), else the hostname."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def node_names() -> list[str]:
+    """Every rank's node, in rank order (a collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [node_name()]
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, node_name())
+    return names
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
@@ -150,7 +165,7 @@ class PeerWatchdog:
         self.seen: dict[int, tuple[str, float]] = {}  # peer -> (last counter, when it last changed)
         self.stopped = threading.Event()
         self.reported = False  # it found a silent peer and interrupted this rank
-        self.store.set(self._key("where", info.rank), f"{socket.gethostname()} pid {os.getpid()}")
+        self.store.set(self._key("where", info.rank), f"node {node_name()} pid {os.getpid()}")
         self.store.set(self._key("heartbeat", info.rank), "0")
         self.thread = threading.Thread(target=self._run, name="grpo-peer-watchdog", daemon=True)
         self.thread.start()

@@ -25,7 +25,8 @@ Topologies:
     rollout.remote.tensor_parallel_size=2: 4 servers, 2 GPUs each; one on a node without GPUs), each
     on a port it found free and writing its URL into <run_dir>/servers/. The trainer job waits
     for the S URLs, then for every server's health check (rollout.remote.health_timeout_s), with a
-    fresh random token guarding the weight routes, and cancels the servers when training ends.
+    fresh random token guarding the weight routes (in <run_dir>/servers/token, mode 600, read by
+    both jobs), and cancels the servers when training ends.
 """
 
 from __future__ import annotations
@@ -107,6 +108,19 @@ class TrainJob:
 
 def servers_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "servers")
+
+
+def write_token_file(run_dir: str, token: str) -> str:
+    """The servers' token in <run_dir>/servers/token, readable by its owner only (chmod 600): the run
+    folder is on a file system every node sees, and the token never enters a command line, a config
+    or the job's environment."""
+    os.makedirs(servers_dir(run_dir), exist_ok=True)
+    path = os.path.join(servers_dir(run_dir), "token")
+    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.replace(path + ".tmp", path)
+    return path
 
 
 def wait_for_servers(run_dir: str, count: int, timeout_s: float) -> list[str]:
@@ -222,11 +236,11 @@ def launch(argv: list[str]) -> str:
     if own["servers"]:
         for old in glob.glob(os.path.join(servers_dir(run_dir), "*.url")):  # from an earlier launch into this folder
             os.remove(old)
-        token = os.environ.get("GRPO_SERVE_TOKEN") or secrets.token_hex(16)
-        os.environ["GRPO_SERVE_TOKEN"] = token  # sbatch passes the environment on to both jobs; never an override
+        token_file = write_token_file(run_dir, os.environ.get("GRPO_SERVE_TOKEN") or secrets.token_hex(16))
         ex = executor_for(folder, launcher, "grpo-serve", nodes=own["servers"], tasks_per_node=per_node,
                           gpus_per_node=own["server_gpus"] or None)
-        server_job = ex.submit(ServeJob(train_overrides, run_dir)).job_id
+        server_job = ex.submit(ServeJob(train_overrides, run_dir, ["--token-file", token_file])).job_id
+        train_overrides = [*train_overrides, f"rollout.remote.token_file={token_file}"]
         print(f"submitted rollout servers: job {server_job} ({own['servers']} node(s) x {per_node} server(s))")
     job = executor_for(folder, launcher, "grpo").submit(TrainJob(train_overrides, run_dir, own["servers"] * per_node, server_job))
     print(f"submitted training: job {job.job_id}, {launcher.nodes} node(s) x {launcher.tasks_per_node} task(s)\n"

@@ -31,9 +31,9 @@ import argparse
 import ipaddress
 import json
 import os
-import socket
 import sys
 
+from grpo.dist import node_name
 from grpo.errors import TokenError
 from grpo.rollout.auth import TOKEN_ENV, load_token, token_ok
 from grpo.rollout.servers import TRANSFERS, free_port, transfer_backend
@@ -135,7 +135,7 @@ def server_kv_bytes(args: argparse.Namespace) -> int | None:
 
 def write_url(folder: str, host: str, port: int) -> str:
     """Atomically, so a trainer polling the folder never reads half a URL."""
-    name = socket.gethostname() if host in ("0.0.0.0", "::") else host
+    name = node_name() if host in ("0.0.0.0", "::") else host
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{name}-{port}.url")
     with open(path + ".tmp", "w") as f:

@@ -41,6 +41,12 @@ class Node:
     mem_mb: int
     gpus: int
     default: bool  # its partition is the default one
+    state: str = "idle"  # sinfo's %T: "idle", "mixed", "down*" (* = its slurmd does not answer), "drained", ...
+
+    @property
+    def usable(self) -> bool:
+        """Can take a job now or later: its slurmd answers and it is not down, drained or failing."""
+        return not self.state.endswith("*") and not self.state.startswith(("down", "drain", "fail", "inval", "future"))
 
 
 def gpu_count(gres: str) -> int:
@@ -63,7 +69,7 @@ def slurm_nodes() -> list[Node]:
             "then export SLURM_CONF as it says."
         )
     try:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N|%P|%c|%m|%G"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N|%P|%c|%m|%G|%T"], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired as e:
         raise ClusterError("SLURM's controller did not answer `sinfo` within 60 s.") from e
     if out.returncode:
@@ -71,8 +77,9 @@ def slurm_nodes() -> list[Node]:
         raise ClusterError(f"SLURM does not answer: `sinfo` failed ({out.stderr.strip() or out.returncode}).{hint}")
     nodes = []
     for line in out.stdout.splitlines():
-        name, part, cpus, mem, gres = line.strip().split("|")
-        nodes.append(Node(name, part.rstrip("*"), int(cpus), int(re.sub(r"\D", "", mem) or 0), gpu_count(gres), part.endswith("*")))
+        name, part, cpus, mem, gres, state = line.strip().split("|")
+        nodes.append(Node(name, part.rstrip("*"), int(cpus), int(re.sub(r"\D", "", mem) or 0), gpu_count(gres),
+                          part.endswith("*"), state))
     return nodes
 
 
@@ -87,10 +94,19 @@ def check_request(req: Request, nodes: list[Node] | None = None) -> str:
         raise ClusterError(f"partition {partition!r} does not exist on this cluster; pick one of {partitions} (partition=... for grpo.launch, hydra.launcher.partition=... for a sweep).")
     members = [n for n in nodes if n.partition == partition]
     cpus = req.tasks_per_node * req.cpus_per_task
-    fits = [
+    big = [
         n for n in members
         if n.cpus >= cpus and n.gpus >= req.gpus_per_node and (req.mem_gb is None or n.mem_mb >= req.mem_gb * 1024)
     ]
+    fits = [n for n in big if n.usable]
+    if len(big) >= req.nodes > len(fits):  # big enough, but some are down: the job would wait for them
+        down = ", ".join(f"{n.name} ({n.state})" for n in big if not n.usable)
+        raise ClusterError(
+            f"the job needs {req.nodes} node(s) of partition {partition!r}, but only {len(fits)} can take it now: "
+            f"{down} {'is' if len(big) - len(fits) == 1 else 'are'} not usable ('*': its slurmd does not answer). "
+            "Ask for fewer nodes, or bring the node back (start its slurmd; then scontrol update nodename=<node> "
+            "state=resume), and check with sinfo -N."
+        )
     if len(fits) < req.nodes:
         largest = max(members, key=lambda n: (n.gpus, n.cpus, n.mem_mb))
         want = f"{req.nodes} node(s) with {req.tasks_per_node} task(s) x {req.cpus_per_task} CPU(s)"

@@ -59,7 +59,7 @@ from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint,
 from grpo.cli import exit_on_user_error
 from grpo.config import register_configs, validate
 from grpo.cpus import configure_threads, machine_info
-from grpo.dist import DistInfo, all_reduce_sum, barrier, broadcast_object, dist_info, process_group
+from grpo.dist import DistInfo, all_reduce_sum, barrier, broadcast_object, dist_info, node_names, process_group
 from grpo.eval import evaluate
 from grpo.export import export_hf
 from grpo.library_logs import quiet_library_logs
@@ -378,6 +378,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         "steps": cfg.steps,
         "resumed_from": r.start,
         "world_size": info.world_size,
+        "nodes": node_names(),  # each rank's node, in rank order
         "threads_per_process": threads,
         "machine": machine_info(),  # CPU model, torch's kernel set (cpu_capability), threads
         "wall_s": time.perf_counter() - t_start,

@@ -4,6 +4,7 @@
 #
 #   slurm/dev-cluster.sh install   # apt-get the Debian packages (slurmctld slurmd slurm-client munge slurmdbd mariadb-server)
 #   slurm/dev-cluster.sh up        # start MariaDB, slurmdbd, munged, slurmctld and slurmd; wait until the node is idle
+#   slurm/dev-cluster.sh up --nodes 2   # two compute nodes on this machine (see "Several nodes" below)
 #   export SLURM_CONF=/tmp/grpo-slurm/slurm.conf    # (`up` prints this line) then sbatch, srun, sacct...
 #   slurm/dev-cluster.sh down      # stop the daemons this script started
 #
@@ -22,6 +23,15 @@
 #   - Preemption: partition `debug` (default, PriorityTier=1) and `urgent` (PriorityTier=2) share
 #     the node; a job in `urgent` preempts `debug` jobs (PreemptType=preempt/partition_prio,
 #     PreemptMode=REQUEUE): SLURM requeues them and sends SIGTERM; they have KillWait (30 s) to checkpoint.
+#
+# Several nodes (`up --nodes N`, N >= 2): N compute nodes grpo-n1..grpo-nN, each its own host as SLURM
+# sees it: its own slurmd (`slurmd -N grpo-nI`), address 127.0.0.(I+1) and port 6830+I (slurmdbd holds 6819), its names in
+# /etc/hosts (so MASTER_ADDR=grpo-n1 resolves; the lines are marked and `down` removes them), its
+# share of this machine's CPUs (slurmd and every task it starts pinned to them by `taskset`, which
+# the tasks inherit: TaskPlugin=task/none). Each node offers at least 2 task slots
+# (SlurmdParameters=config_overrides), so a 2-task node fits on a 2-core machine, its tasks then
+# sharing its one core. Every address is in 127.0.0.0/8. `up` with another N restarts slurmctld and
+# the slurmds on the new layout.
 set -euo pipefail
 
 DIR=${GRPO_SLURM_DIR:-/tmp/grpo-slurm}
@@ -32,6 +42,20 @@ DB_SOCK=$DB_DIR/mariadb.sock
 DB_PORT=${GRPO_SLURM_DB_PORT:-3307}
 CLUSTER=grpo-dev
 HOST=$(hostname -s)
+HOSTS_MARK="# grpo dev-cluster"
+NODES=1  # `up --nodes N`
+
+node_names() {  # the compute nodes' names, one per line
+    if (( NODES == 1 )); then echo "$HOST"; else seq -f "grpo-n%g" 1 "$NODES"; fi
+}
+
+node_cpus() {  # $1: node index from 1: this node's CPUs as a taskset list (its share of this machine's)
+    local all per first
+    mapfile -t all < <(taskset -pc $$ | sed 's/.*: //' | tr ',' '\n' | while IFS=- read -r a b; do seq "$a" "${b:-$a}"; done)
+    per=$(( ${#all[@]} / NODES )); (( per >= 1 )) || per=1
+    first=$(( ($1 - 1) * per % ${#all[@]} ))
+    echo "${all[@]:first:per}" | tr ' ' ','
+}
 
 install() {
     export DEBIAN_FRONTEND=noninteractive
@@ -120,6 +144,43 @@ register() {  # cluster, account and user in the accounting database (sacctmgr -
 
 # ---- slurm.conf ----
 
+node_lines() {  # $1 CPUs, $2 MB of this machine: the NodeName and PartitionName lines
+    local i cpus mem list
+    if (( NODES == 1 )); then
+        echo "NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$1 RealMemory=$2 State=UNKNOWN"
+        list=$HOST
+    else
+        mem=$(( $2 / NODES ))
+        for i in $(seq "$NODES"); do
+            cpus=$(node_cpus "$i" | tr ',' '\n' | wc -l); (( cpus >= 2 )) || cpus=2
+            echo "NodeName=grpo-n$i NodeAddr=127.0.0.$((i + 1)) Port=$((6830 + i)) CPUs=$cpus RealMemory=$mem State=UNKNOWN"
+        done
+        list="grpo-n[1-$NODES]"
+    fi
+    echo "PartitionName=debug Nodes=$list Default=YES MaxTime=INFINITE State=UP PriorityTier=1"
+    echo "PartitionName=urgent Nodes=$list MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF"
+}
+
+multi_node_lines() {  # what several slurmds on one machine need: their own spool, pid and log; no binding plugin
+    if (( NODES > 1 )); then
+        echo "SlurmdParameters=config_overrides"
+        echo "TaskPlugin=task/none"
+    else
+        echo "TaskPlugin=task/affinity"
+    fi
+}
+
+write_hosts() {  # the nodes' names -> their loopback addresses, marked, replacing earlier marked lines
+    local tmp i
+    tmp=$(mktemp)
+    grep -v "$HOSTS_MARK" /etc/hosts > "$tmp" || true
+    if (( NODES > 1 )); then
+        for i in $(seq "$NODES"); do echo "127.0.0.$((i + 1)) grpo-n$i $HOSTS_MARK" >> "$tmp"; done
+    fi
+    cat "$tmp" > /etc/hosts  # in place: /etc/hosts may be a bind mount
+    rm -f "$tmp"
+}
+
 write_conf() {  # $1: the AccountingStorageType line
     local cpus mem
     cpus=$(nproc)
@@ -133,8 +194,9 @@ AuthType=auth/munge
 # a requeued job may start again after cred_expire seconds (default 120); short, for tests
 AuthInfo=cred_expire=10
 ProctrackType=proctrack/linuxproc
-# each task is pinned to the CPUs it was given (no cgroups: see the top of dev-cluster.sh)
-TaskPlugin=task/affinity
+# one node: each task is pinned to the CPUs it was given (no cgroups: see the top of dev-cluster.sh);
+# several: each slurmd and its tasks keep to the node's share of the CPUs (taskset)
+$(multi_node_lines)
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
@@ -142,11 +204,11 @@ JobRequeue=1
 ReturnToService=2
 MpiDefault=none
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
+SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/slurmctld.pid
-SlurmdPidFile=$DIR/slurmd.pid
+SlurmdPidFile=$DIR/slurmd-%n.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmdLogFile=$DIR/log/slurmd.log
+SlurmdLogFile=$DIR/log/slurmd-%n.log
 JobCompType=jobcomp/none
 $1
 JobAcctGatherType=jobacct_gather/linux
@@ -158,10 +220,10 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 # fast turnaround for tests: 30 s between SIGTERM and SIGKILL (SLURM's default), short job records
 KillWait=30
+# a node whose slurmd stopped is marked down* (not responding) within about this long; SLURM's default is 300 s
+SlurmdTimeout=30
 MinJobAge=300
-NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
-PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP PriorityTier=1
-PartitionName=urgent Nodes=$HOST MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
+$(node_lines "$cpus" "$mem")
 EOF
 }
 
@@ -193,21 +255,51 @@ AccountingStorageHost=localhost"
     fi
     write_conf "$accounting"
 
+    if [[ -f $DIR/nodes && $(cat "$DIR/nodes") != "$NODES" ]]; then  # another layout: restart on this one
+        stop_slurm
+    fi
+    write_hosts
+    echo "$NODES" > "$DIR/nodes"
     running "$DIR/slurmctld.pid" || slurmctld -i   # -i: ignore (and drop) state from an earlier run
-    running "$DIR/slurmd.pid" || slurmd
+    local i name names=()
+    mapfile -t names < <(node_names)
+    for i in "${!names[@]}"; do
+        name=${names[i]}
+        mkdir -p "$DIR/spool/$name"
+        running "$DIR/slurmd-$name.pid" && continue
+        if (( NODES == 1 )); then
+            slurmd -N "$name"
+        else
+            taskset -c "$(node_cpus $((i + 1)))" slurmd -N "$name"
+        fi
+    done
+    local want=${#names[@]} ready state
     for _ in $(seq 60); do
-        state=$(sinfo -h -n "$HOST" -p debug -o %T 2>/dev/null || true)
-        if [[ $state == idle* || $state == mixed* || $state == allocated* ]]; then
-            echo "SLURM is up: node $HOST ($(nproc) CPUs), partitions debug (default) and urgent (preempts debug)," \
+        state=$(sinfo -h -N -p debug -o "%N %T" 2>/dev/null || true)
+        ready=$(grep -cE " (idle|mixed|allocated)" <<< "$state" || true)
+        if (( ready == want )); then
+            echo "SLURM is up: $(describe_nodes), partitions debug (default) and urgent (preempts debug)," \
                  "$([[ $accounting == *slurmdbd* ]] && echo "accounting in slurmdbd" || echo "no accounting")."
             echo "export SLURM_CONF=$CONF"
             return 0
         fi
-        [[ $state == down* || $state == drain* ]] && scontrol update nodename="$HOST" state=resume 2>/dev/null || true
+        for name in "${names[@]}"; do
+            [[ $(grep "^$name " <<< "$state") =~ (down|drain) ]] && scontrol update nodename="$name" state=resume 2>/dev/null || true
+        done
         sleep 1
     done
-    echo "error: the node did not become idle in 60 s (state: ${state:-none}); see $DIR/log/" >&2
+    echo "error: $ready of $want node(s) became idle in 60 s (states: ${state:-none}); see $DIR/log/" >&2
     exit 1
+}
+
+describe_nodes() {
+    if (( NODES == 1 )); then
+        echo "node $HOST ($(nproc) CPUs)"
+    else
+        local i out=""
+        for i in $(seq "$NODES"); do out+="grpo-n$i (127.0.0.$((i + 1)), CPUs $(node_cpus "$i")) "; done
+        echo "$NODES nodes: ${out% }"
+    fi
 }
 
 stop_pid() {  # stop the process in pid file $1, waiting up to 10 s
@@ -219,21 +311,35 @@ stop_pid() {  # stop the process in pid file $1, waiting up to 10 s
     fi
 }
 
+stop_slurm() {  # slurmctld and every slurmd this script started, on any layout
+    local pidfile
+    for pidfile in "$DIR"/slurmd-*.pid "$DIR/slurmd.pid" "$DIR/slurmctld.pid"; do
+        [[ -e $pidfile ]] && stop_pid "$pidfile"
+    done
+    return 0
+}
+
 down() {
     export SLURM_CONF=$CONF
-    for pidfile in "$DIR/slurmd.pid" "$DIR/slurmctld.pid" "$DIR/slurmdbd.pid" "$DB_DIR/mariadb.pid"; do
+    stop_slurm
+    for pidfile in "$DIR/slurmdbd.pid" "$DB_DIR/mariadb.pid"; do
         stop_pid "$pidfile"
     done
     # munged may serve other SLURM users on this machine; stop it only if we started it alone
     if running /run/munge/munged.pid && [[ ${GRPO_SLURM_STOP_MUNGE:-1} == 1 ]]; then
         kill "$(cat /run/munge/munged.pid)"
     fi
+    NODES=1 write_hosts  # the nodes' /etc/hosts lines, if any
+    rm -f "$DIR/nodes"
     echo "SLURM is down."
 }
 
 case ${1:-} in
     install) install ;;
-    up) up ;;
+    up)
+        if [[ ${2:-} == --nodes ]]; then NODES=${3:?--nodes takes a count}; fi
+        [[ $NODES =~ ^[1-9][0-9]?$ ]] && (( NODES <= 253 )) || { echo "error: --nodes takes 1 to 253, not '$NODES'" >&2; exit 2; }
+        up ;;
     down) down ;;
-    *) echo "usage: $0 install|up|down" >&2; exit 2 ;;
+    *) echo "usage: $0 install | up [--nodes N] | down" >&2; exit 2 ;;
 esac

@@ -172,3 +172,17 @@ def test_the_reaper_ends_an_engine_that_ignores_sigterm_once_its_trainer_is_kill
     while running(engine) and time.time() < deadline:
         time.sleep(0.2)
     assert not running(engine), "the engine outlived its killed trainer"
+
+
+def test_each_nodes_ranks_must_be_consecutive():
+    """The node groups are blocks of consecutive ranks: block placement passes, SLURM's cyclic
+    placement (ranks alternating between nodes) and two blocks on one node name are errors."""
+    from grpo.errors import DeviceError
+    from grpo.rollout.dedicated import check_node_layout
+
+    check_node_layout(["n1", "n1", "n2", "n2"], 2)
+    check_node_layout(["vm", "vm"], 2)
+    with pytest.raises(DeviceError, match="rank 0: n1, rank 1: n2, rank 2: n1, rank 3: n2"):
+        check_node_layout(["n1", "n2", "n1", "n2"], 2)
+    with pytest.raises(DeviceError):
+        check_node_layout(["n1", "n1", "n1", "n1"], 2)

@@ -43,6 +43,17 @@ def test_requests_bigger_than_the_cluster_are_clear_errors(request_, message):
     assert message in str(e.value)
 
 
+def test_a_node_that_does_not_answer_is_named_before_anything_is_submitted():
+    """sinfo marks a node whose slurmd stopped answering with '*' (down*, idle*): a job that needs it
+    would wait in the queue, so it is an error naming the node; a job the other nodes can hold goes."""
+    nodes = [Node("n1", "debug", 2, 1000, 0, True, "idle"), Node("n2", "debug", 2, 1000, 0, True, "down*")]
+    assert check_request(Request(nodes=1), nodes) == "debug"
+    with pytest.raises(ClusterError) as e:
+        check_request(Request(nodes=2), nodes)
+    assert "only 1 can take it now: n2 (down*) is not usable ('*': its slurmd does not answer)" in str(e.value)
+    assert not Node("n3", "debug", 2, 1000, 0, True, "drained").usable and Node("n4", "debug", 2, 1000, 0, True, "mixed").usable
+
+
 def test_no_slurm_is_a_clear_error_before_anything_is_submitted(tmp_path):
     env = {**os.environ, "PATH": os.path.dirname(sys.executable)}  # python, but no sbatch/sinfo
     out = subprocess.run([sys.executable, "-m", "grpo.launch", "nodes=2", "parallel=ddp", f"run_dir={tmp_path / 'run'}"],

@@ -1,5 +1,8 @@
-"""The `slurm` tier: sweeps, multi-task jobs and requeue on a real SLURM (`slurm/dev-cluster.sh up`),
-through real sbatch, srun, squeue and scancel. Run with `make test-slurm` (pytest -m slurm).
+"""The `slurm` tier: sweeps, multi-node jobs and requeue on a real two-node SLURM
+(`slurm/dev-cluster.sh up --nodes 2`: nodes grpo-n1 and grpo-n2, each its own slurmd, address and
+share of the CPUs), through real sbatch, srun, squeue and scancel. Run with `make test-slurm`
+(pytest -m slurm). Every job that matters spans both nodes; where a test needs a node or the whole
+cluster filled (preemption), it asks for every slot the cluster reports.
 
 A cluster that does not answer is a failure here, not a skip: CI brings it up before this tier.
 The cluster's errors (absent, unknown partition, too big) are checked in the default tier too where
@@ -33,6 +36,16 @@ def slurm_env():
     if out.returncode or "up" not in out.stdout:
         pytest.fail(f"no SLURM cluster answers (sinfo: {out.stdout}{out.stderr}); start one: slurm/dev-cluster.sh up")
     return env
+
+
+@pytest.fixture(scope="module")
+def cluster(slurm_env):
+    """(node names, task slots per node) of partition debug; the tier needs two nodes."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N %c"], env=slurm_env, capture_output=True, text=True)
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()]
+    if len(rows) < 2:
+        pytest.fail(f"the slurm tier runs on two nodes, this cluster has {len(rows)}: slurm/dev-cluster.sh up --nodes 2")
+    return [name for name, _ in rows], min(int(cpus) for _, cpus in rows)
 
 
 @pytest.fixture(scope="module")
@@ -72,36 +85,59 @@ def wait_gone(job: str, env, timeout: float) -> None:
     pytest.fail(f"job {job} still queued or running after {timeout:.0f} s")
 
 
-def test_sweep_of_two_runs_on_slurm(tmp_path, slurm_env, model_cache):
+def test_sweep_of_two_runs_each_on_two_nodes(tmp_path, slurm_env, model_cache, cluster):
+    """`-m hydra/launcher=slurm` with hydra.launcher.nodes=2: each run is one job of 2 ranks, one per node."""
     sweep = tmp_path / "sweep"
-    out = run([sys.executable, "-m", "grpo.train", "-m", "hydra/launcher=slurm", "algo.lr=1e-3,2e-3", *FAST,
-               f"model.cache_dir={model_cache}", f"hydra.sweep.dir={sweep}"], slurm_env)
+    out = run([sys.executable, "-m", "grpo.train", "-m", "hydra/launcher=slurm", "hydra.launcher.nodes=2", "parallel=ddp",
+               "algo.lr=1e-3,2e-3", *FAST, f"model.cache_dir={model_cache}", f"hydra.sweep.dir={sweep}"], slurm_env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lrs = set()
     for num in ("0", "1"):
         summary = json.load(open(sweep / num / "summary.json"))
-        assert summary["steps"] == 3 and summary["world_size"] == 1
+        assert summary["steps"] == 3 and summary["world_size"] == 2
+        assert summary["nodes"] == cluster[0][:2]  # rank 0 on the first node, rank 1 on the second
         assert steps_logged(sweep / num) == [0, 1, 2, 3, 3]  # before, 3 steps, after
         lrs.add(open(sweep / num / "config.yaml").read().split("\n  lr: ")[1].split("\n")[0])
     assert lrs == {"0.001", "0.002"}
     assert len(list((sweep / ".submitit").iterdir())) >= 2  # the jobs really went through submitit/sbatch
 
 
+def launch_cmd(run_dir, model_cache, *args):
+    return [sys.executable, "-m", "grpo.launch", "wait=true", *FAST, f"model.cache_dir={model_cache}", f"run_dir={run_dir}", *args]
+
+
+def metric_rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "zero3"])
-def test_two_task_job_trains_with_two_ranks(tmp_path, slurm_env, model_cache, parallel):
-    """Rank and world size from SLURM's variables, under DDP and under DeepSpeed ZeRO-3."""
-    run_dir = tmp_path / "run"
-    out = run([sys.executable, "-m", "grpo.launch", "nodes=1", "tasks_per_node=2", "wait=true", f"parallel={parallel}", *FAST,
-               f"model.cache_dir={model_cache}", f"run_dir={run_dir}"], slurm_env)
-    # The trainer's outputs decide, not only the exit code: with gloo on torch 2.13 a rank sometimes
-    # aborts at interpreter exit after its work is done (see tests/ddp_step.py: exit_process).
-    assert (run_dir / "summary.json").exists(), out.stdout[-3000:] + out.stderr[-3000:]
-    summary = json.load(open(run_dir / "summary.json"))
-    assert summary["world_size"] == 2 and summary["steps"] == 3
-    assert steps_logged(run_dir) == [0, 1, 2, 3, 3]
-    job = out.stdout.split("submitted training: job ")[1].split(",")[0]
-    logs = "".join(p.read_text() for p in (run_dir / "slurm" / job).glob("*_log.out"))
-    assert "global_rank=0(2)" in logs and "global_rank=1(2)" in logs  # two SLURM tasks, one rank each
+def test_two_node_job_learns_as_its_one_node_twin(tmp_path, slurm_env, model_cache, cluster, parallel):
+    """2 ranks on 2 nodes (one run folder, one summary.json, MASTER_ADDR the first node's name) and
+    2 ranks on 1 node, the same seed, side by side: the same losses, rewards and accuracy."""
+    t0 = time.time()
+    jobs = {shape: subprocess.Popen(launch_cmd(tmp_path / shape, model_cache, f"parallel={parallel}", *layout), cwd=ROOT,
+                                    env=slurm_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for shape, layout in {"two_nodes": ["nodes=2", "tasks_per_node=1"], "one_node": ["nodes=1", "tasks_per_node=2"]}.items()}
+    outs = {shape: proc.communicate(timeout=600)[0] for shape, proc in jobs.items()}
+    print(f"both jobs: {time.time() - t0:.1f} s")
+    summaries = {}
+    for shape, out in outs.items():
+        # The trainer's outputs decide, not only the exit code: with gloo on torch 2.13 a rank sometimes
+        # aborts at interpreter exit after its work is done (see tests/ddp_step.py: exit_process).
+        assert (tmp_path / shape / "summary.json").exists(), out[-4000:]
+        summaries[shape] = json.load(open(tmp_path / shape / "summary.json"))
+        assert summaries[shape]["world_size"] == 2 and steps_logged(tmp_path / shape) == [0, 1, 2, 3, 3]
+        print(f"{shape}: {summaries[shape]['wall_s']:.1f} s in the run, eval {summaries[shape]['eval_before']:.3f} -> "
+              f"{summaries[shape]['eval_after']:.3f}, nodes {summaries[shape]['nodes']}")
+    two, one = summaries["two_nodes"]["nodes"], summaries["one_node"]["nodes"]
+    assert two[0] != two[1] and set(two) <= set(cluster[0]) and one[0] == one[1]
+    for key in ("eval_before", "eval_after"):
+        assert summaries["two_nodes"][key] == summaries["one_node"][key]
+    rows = {shape: metric_rows(tmp_path / shape) for shape in outs}
+    for a, b in zip(rows["two_nodes"], rows["one_node"]):
+        for key in ("reward/mean", "loss", "grad_norm", "entropy"):
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a, b)
 
 
 def submitted_job(out) -> str:
@@ -109,8 +145,8 @@ def submitted_job(out) -> str:
 
 
 def launch_and_wait_for_step(run_dir, env, first_step, *args, model_cache):
-    """`grpo.launch` a 2-rank DDP run; returns its job id once it has logged `first_step`."""
-    out = run([sys.executable, "-m", "grpo.launch", "nodes=1", "tasks_per_node=2", "parallel=ddp", *FAST, *args,
+    """`grpo.launch` a 2-node DDP run (one rank per node); returns its job id once it has logged `first_step`."""
+    out = run([sys.executable, "-m", "grpo.launch", "nodes=2", "tasks_per_node=1", "parallel=ddp", *FAST, *args,
                f"model.cache_dir={model_cache}", f"run_dir={run_dir}"], env)
     assert out.returncode == 0, out.stdout + out.stderr
     job = submitted_job(out)
@@ -160,7 +196,8 @@ def assert_resumed_and_finished(run_dir, steps, world_size, stopped_at_least):
 
 
 def test_scancel_checkpoints_on_every_rank_and_stays_cancelled(tmp_path, slurm_env, model_cache):
-    """A user's `scancel`: SIGTERM; the run finishes its step, checkpoints on both ranks and exits.
+    """A user's `scancel` of a 2-node job: SIGTERM on both nodes; the run finishes its step,
+    checkpoints on both ranks and exits.
     No copy comes back: accounting holds one record, CANCELLED (SLURM never requeues a cancelled
     job), and nothing is queued."""
     run_dir = tmp_path / "run"
@@ -211,15 +248,17 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(tmp_path, slurm_en
     assert sacct_states(job, slurm_env) == ["REQUEUED", "COMPLETED"]
 
 
-def test_preempted_job_is_requeued_by_slurm_and_resumes(tmp_path, slurm_env, model_cache):
-    """A job in the higher-priority partition `urgent` preempts the training job (2 ranks, both
-    CPUs): SIGTERM, checkpoint on every rank, exit; SLURM requeues it (PreemptMode=REQUEUE) and it
-    resumes after the urgent job, finishing with every step logged once."""
+def test_preempted_job_is_requeued_by_slurm_and_resumes(tmp_path, slurm_env, model_cache, cluster):
+    """A job in the higher-priority partition `urgent` that asks for every slot of both nodes
+    preempts the 2-node training job: SIGTERM on both nodes, checkpoint on every rank, exit; SLURM
+    requeues it (PreemptMode=REQUEUE) and it resumes across both nodes after the urgent job,
+    finishing with every step logged once."""
     run_dir, steps = tmp_path / "run", 150
     job = launch_and_wait_for_step(run_dir, slurm_env, 5, f"steps={steps}", model_cache=model_cache)
     signalled_at = max(steps_logged(run_dir))
-    urgent = run(["sbatch", "--parsable", "--partition=urgent", "--cpus-per-task=1", f"--output={tmp_path / 'urgent.out'}",
-                  "--wrap", "sleep 5"], slurm_env).stdout.strip()
+    names, slots = cluster
+    urgent = run(["sbatch", "--parsable", "--partition=urgent", f"--nodes={len(names)}", f"--ntasks-per-node={slots}",
+                  f"--output={tmp_path / 'urgent.out'}", "--wrap", "sleep 5"], slurm_env).stdout.strip()
 
     wait_gone(urgent, slurm_env, timeout=120)
     wait_gone(job, slurm_env, timeout=480)
@@ -227,15 +266,17 @@ def test_preempted_job_is_requeued_by_slurm_and_resumes(tmp_path, slurm_env, mod
     assert (run_dir / "summary.json").exists(), logs[-4000:]
     assert "on SIGTERM (scancel or preemption); checkpoint written" in logs
     assert "requeued: it resumes" not in logs  # SLURM requeued it, not the run
-    assert_resumed_and_finished(run_dir, steps, 2, signalled_at)
+    summary = assert_resumed_and_finished(run_dir, steps, 2, signalled_at)
+    assert summary["nodes"][0] != summary["nodes"][1]  # resumed across both nodes
     assert sacct_states(job, slurm_env) == ["PREEMPTED", "COMPLETED"]
     assert sacct_states(urgent, slurm_env) == ["COMPLETED"]
 
 
-def start_sweep(sweep, env, model_cache, steps):
-    """`-m hydra/launcher=slurm` of two runs (one CPU each: together they fill the node), running;
-    returns the multirun process and the array's task ids once both runs have logged step 5."""
+def start_sweep(sweep, env, model_cache, steps, slots):
+    """`-m hydra/launcher=slurm` of two runs (each asking for a whole node's slots: one per node),
+    running; returns the multirun process and the array's task ids once both runs have logged step 5."""
     proc = subprocess.Popen([sys.executable, "-m", "grpo.train", "-m", "hydra/launcher=slurm", "algo.lr=1e-3,2e-3", *FAST,
+                             f"hydra.launcher.cpus_per_task={slots}",
                              f"steps={steps}", f"model.cache_dir={model_cache}", f"hydra.sweep.dir={sweep}"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
@@ -262,12 +303,12 @@ def finish_sweep(proc, sweep, steps, tasks):
     return {n: json.load(open(sweep / n / "summary.json")) for n in "01"}, logs
 
 
-def test_sweep_tasks_requeue_themselves_by_their_own_ids(tmp_path, slurm_env, model_cache):
+def test_sweep_tasks_requeue_themselves_by_their_own_ids(tmp_path, slurm_env, model_cache, cluster):
     """The time-limit warning (submitit's SIGUSR2) reaches both tasks of a sweep's array at once:
     each requeues its own `<array>_<task>` id, not the array (whose id is also task 0's job id, and
     requeueing it raced with the sibling: `scontrol requeue 1 failed: 1_0: Job is pending execution`)."""
     sweep, steps = tmp_path / "sweep", 150
-    proc, tasks = start_sweep(sweep, slurm_env, model_cache, steps)
+    proc, tasks = start_sweep(sweep, slurm_env, model_cache, steps, cluster[1])
     signalled_at = {n: max(steps_logged(sweep / n)) for n in "01"}
     subprocess.run(["scancel", "--signal=USR2", tasks[0].split("_")[0]], env=slurm_env, check=True)  # the whole array
 
@@ -278,12 +319,12 @@ def test_sweep_tasks_requeue_themselves_by_their_own_ids(tmp_path, slurm_env, mo
         assert sacct_states(task, slurm_env) == ["REQUEUED", "COMPLETED"]
 
 
-def test_sweep_task_is_preempted_requeued_and_resumes(tmp_path, slurm_env, model_cache):
-    """A job in `urgent` takes one CPU: SLURM preempts one task of the sweep's array; it checkpoints,
+def test_sweep_task_is_preempted_requeued_and_resumes(tmp_path, slurm_env, model_cache, cluster):
+    """A job in `urgent` takes one whole node: SLURM preempts the sweep's task on it; it checkpoints,
     is requeued by SLURM, resumes after the urgent job and finishes; the sweep then ends normally."""
     sweep, steps = tmp_path / "sweep", 150
-    proc, tasks = start_sweep(sweep, slurm_env, model_cache, steps)
-    urgent = run(["sbatch", "--parsable", "--partition=urgent", "--cpus-per-task=1", f"--output={tmp_path / 'urgent.out'}",
+    proc, tasks = start_sweep(sweep, slurm_env, model_cache, steps, cluster[1])
+    urgent = run(["sbatch", "--parsable", "--partition=urgent", f"--cpus-per-task={cluster[1]}", f"--output={tmp_path / 'urgent.out'}",
                   "--wrap", "sleep 5"], slurm_env).stdout.strip()
 
     summaries, logs = finish_sweep(proc, sweep, steps, tasks)
@@ -298,10 +339,10 @@ def test_sweep_task_is_preempted_requeued_and_resumes(tmp_path, slurm_env, model
 
 @pytest.mark.parametrize("args, message", [
     (["partition=nope"], "error: partition 'nope' does not exist on this cluster; pick one of ['debug', 'urgent']"),
-    (["nodes=2", "parallel=ddp"], "error: the job asks for 2 node(s) with 1 task(s) x 1 CPU(s) each, but partition 'debug' has 1 node(s)"),
-    ([f"cpus_per_task={os.cpu_count() + 1}"], "0 of them big enough"),
+    (["nodes=4", "parallel=ddp"], "error: the job asks for 4 node(s) with 1 task(s) x 1 CPU(s) each, but partition 'debug' has 2 node(s)"),
+    ([f"cpus_per_task={os.cpu_count() + 3}"], "0 of them big enough"),
 ])
-def test_impossible_requests_fail_before_anything_is_submitted(tmp_path, slurm_env, args, message):
+def test_impossible_requests_fail_before_anything_is_submitted(tmp_path, slurm_env, cluster, args, message):
     jobs = lambda: subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_env, capture_output=True, text=True).stdout
     before = jobs()
     out = run([sys.executable, "-m", "grpo.launch", *args, f"run_dir={tmp_path / 'run'}"], slurm_env, timeout=120)
@@ -319,12 +360,14 @@ def sbatch(script, run_dir, env, *overrides, sbatch_args=(), extra_env=None):
     return log.read_text()
 
 
-def test_train_sbatch_two_tasks_in_an_explicit_run_folder(tmp_path, slurm_env, model_cache):
+def test_train_sbatch_two_nodes_in_an_explicit_run_folder(tmp_path, slurm_env, model_cache):
     run_dir = tmp_path / "run"
-    log = sbatch("train.sbatch", run_dir, slurm_env, "parallel=ddp", f"model.cache_dir={model_cache}", sbatch_args=["--ntasks-per-node=2"])
-    assert (run_dir / "summary.json").exists(), log[-4000:]  # outputs decide (see the 2-task test above)
+    log = sbatch("train.sbatch", run_dir, slurm_env, "parallel=ddp", f"model.cache_dir={model_cache}",
+                 sbatch_args=["--nodes=2", "--ntasks-per-node=1"])
+    assert (run_dir / "summary.json").exists(), log[-4000:]  # outputs decide (see the twin test above)
     summary = json.load(open(run_dir / "summary.json"))
     assert summary["world_size"] == 2 and steps_logged(run_dir) == [0, 1, 2, 3, 3]
+    assert summary["nodes"][0] != summary["nodes"][1]
 
 
 def shm_files() -> set[str]:
@@ -345,15 +388,104 @@ def test_train_remote_sbatch_starts_a_server_and_trains_against_it(tmp_path, slu
     assert shm_files() - shm_before == set(), "the server was killed, not shut down: its shared memory leaked"
 
 
-def test_launch_with_servers_runs_a_companion_server_job(tmp_path, slurm_env, model_cache):
+def test_launch_with_servers_runs_a_companion_server_job(tmp_path, slurm_env, model_cache, cluster):
+    """servers=1: the server job takes one whole node, the trainer the other; the trainer finds the
+    server's URL (its node's name) in the run folder and its token in a file only the owner reads."""
     run_dir = tmp_path / "run"
     shm_before = shm_files()
-    out = run([sys.executable, "-m", "grpo.launch", "nodes=1", "servers=1", "wait=true", "rollout=remote", *FAST,
-               f"model.cache_dir={model_cache}", f"run_dir={run_dir}"], slurm_env)
+    out = run([sys.executable, "-m", "grpo.launch", "nodes=1", "servers=1", f"cpus_per_task={cluster[1]}", "wait=true",
+               "rollout=remote", *FAST, f"model.cache_dir={model_cache}", f"run_dir={run_dir}"], slurm_env)
     assert (run_dir / "summary.json").exists(), out.stdout[-3000:] + out.stderr[-3000:]
     server_job = out.stdout.split("submitted rollout servers: job ")[1].split(" ")[0]
     urls = [p.read_text().strip() for p in (run_dir / "servers").glob("*.url")]
-    assert len(urls) == 1 and urls[0] in (run_dir / "config.yaml").read_text()  # found, not configured
+    config = (run_dir / "config.yaml").read_text()
+    assert len(urls) == 1 and urls[0] in config  # found, not configured
+    trainer_node = json.load(open(run_dir / "summary.json"))["nodes"][0]
+    server_node = urls[0].split("//")[1].split(":")[0]
+    assert {server_node, trainer_node} == set(cluster[0][:2]), (server_node, trainer_node)  # one node each
+    token_file = run_dir / "servers" / "token"
+    assert oct(token_file.stat().st_mode & 0o777) == "0o600" and f"token_file: {token_file}" in config
+    assert token_file.read_text().strip() not in config + out.stdout + out.stderr  # the token itself is nowhere else
     assert steps_logged(run_dir) == [0, 1, 2, 3, 3]
     wait_gone(server_job, slurm_env, timeout=60)  # the trainer cancelled its servers at the end
     assert shm_files() - shm_before == set(), "the server was killed, not shut down: its shared memory leaked"
+
+
+def test_dedicated_engines_one_per_node_each_serving_its_own_node(tmp_path, slurm_env, model_cache, cluster):
+    """nodes=2 tasks_per_node=2 rollout=dedicated: each node's local rank 0 starts one engine on the
+    node's CPUs and sends it the prompts of its node's two ranks only; weights go to both engines."""
+    run_dir = tmp_path / "run"
+    out = run(launch_cmd(run_dir, model_cache, "nodes=2", "tasks_per_node=2", "parallel=ddp", "rollout=dedicated"), slurm_env)
+    assert (run_dir / "summary.json").exists(), out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.load(open(run_dir / "summary.json"))
+    names = cluster[0][:2]
+    assert summary["world_size"] == 4 and summary["nodes"] == [names[0], names[0], names[1], names[1]]
+    logs = job_logs(run_dir, submitted_job(out))
+    for node, ranks in zip(names, ("0-1", "2-3")):
+        assert f"dedicated: node {node} (ranks {ranks}) owns 1 engine(s)" in logs, logs[-4000:]
+    engines = {node: [p.read_text() for p in run_dir.glob(f"vllm-engine-{node}-*.log")] for node in names}
+    assert all(len(found) == 1 for found in engines.values()), engines.keys()
+    # one request per prompt (seeded); each node's engine serves its own two ranks' prompts: the same
+    # count on both nodes, and together every prompt of the run (batch 32 / group 4 = 8 per step)
+    served = {node: found[0].count("POST /v1/completions") for node, found in engines.items()}
+    assert served[names[0]] == served[names[1]] > 0, served
+    trained = 3 * 8 // 2  # prompts per node over the 3 steps
+    assert served[names[0]] >= trained, served
+    assert all(found[0].count("POST /update_weights") >= 3 for found in engines.values())  # every sync reached both
+
+
+def rank_pid(node: str, rank: int) -> int | None:
+    """The pid of the training process of `rank` running on `node` (its SLURM environment)."""
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            env = dict(kv.split("=", 1) for kv in environ.read_bytes().decode(errors="replace").split("\0") if "=" in kv)
+            cmd = (environ.parent / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if (env.get("SLURMD_NODENAME") == node and env.get("SLURM_PROCID") == str(rank) and "submitit" in cmd
+                and "python" in cmd):
+            return int(environ.parent.name)
+    return None
+
+
+def test_a_killed_rank_on_the_second_node_ends_the_first_within_the_peer_timeout(tmp_path, slurm_env, model_cache, cluster):
+    """SIGKILL to rank 1 on node 2: rank 0 on node 1 names rank 1 and its node and stops within
+    parallel.peer_timeout_s (20 s here), not the collectives' 600 s."""
+    run_dir = tmp_path / "run"
+    job = launch_and_wait_for_step(run_dir, slurm_env, 3, "steps=400", "parallel.peer_timeout_s=20", model_cache=model_cache)
+    node = cluster[0][1]
+    pid = rank_pid(node, 1)
+    assert pid, f"no process of rank 1 on {node}"
+    killed_at = time.time()
+    os.kill(pid, 9)
+    wait_gone(job, slurm_env, timeout=180)
+    ended_s = time.time() - killed_at
+    logs = job_logs(run_dir, job)
+    print(f"rank 1 killed; the job ended {ended_s:.0f} s later")
+    assert f"rank 1 (node {node} pid {pid})" in logs, logs[-4000:]
+    assert ended_s < 20 + 30 + 60, ended_s  # peer timeout + the watchdog's grace + SLURM's teardown
+    assert not (run_dir / "summary.json").exists()
+
+
+def test_a_node_whose_slurmd_stopped_is_an_error_at_submission(tmp_path, slurm_env, cluster):
+    """grpo-n2's slurmd stopped: once SLURM marks it not responding (SlurmdTimeout=30 s), a 2-node
+    launch fails before submitting, naming the node; `up --nodes 2` brings it back."""
+    node = cluster[0][1]
+    pidfile = Path(os.environ.get("GRPO_SLURM_DIR", "/tmp/grpo-slurm")) / f"slurmd-{node}.pid"
+    os.kill(int(pidfile.read_text()), 15)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            state = subprocess.run(["sinfo", "-h", "-n", node, "-o", "%T"], env=slurm_env, capture_output=True, text=True).stdout
+            if "*" in state or "down" in state:
+                break
+            time.sleep(2)
+        else:
+            pytest.fail(f"SLURM did not mark {node} not responding within 120 s: {state}")
+        out = run([sys.executable, "-m", "grpo.launch", "nodes=2", "parallel=ddp", f"run_dir={tmp_path / 'run'}"], slurm_env, timeout=120)
+        assert out.returncode == 1 and f"{node} (" in out.stderr and "is not usable" in out.stderr, out.stderr
+        assert not (tmp_path / "run").exists()
+    finally:
+        up = subprocess.run(["slurm/dev-cluster.sh", "up", "--nodes", str(len(cluster[0]))], cwd=ROOT, env=slurm_env,
+                            capture_output=True, text=True, timeout=180)
+        assert up.returncode == 0, up.stdout + up.stderr

@@ -144,19 +144,32 @@ def launch_engine(model_path: str, devices: list[str], port: int, token: str, vl
 
 
 def node_groups():
-    """(this node's process group or None, the global rank of its local main, local rank)."""
+    """(this node's process group or None, the global rank of its local main, local rank). A node's
+    ranks are consecutive (SLURM's block distribution, torchrun's layout); a rank placed on another
+    node than its group's (srun --distribution=cyclic) is an error, since the group's engines would
+    then serve another node's prompts."""
     if not tdist.is_initialized():
         return None, 0, 0
     world, rank = tdist.get_world_size(), tdist.get_rank()
     per_node = dist.dist_info().local_world_size  # torchrun's LOCAL_WORLD_SIZE or SLURM's tasks per node
     if world % per_node:
         raise RuntimeError(f"{world} processes do not fill nodes of {per_node} evenly.")
+    check_node_layout(dist.node_names(), per_node)
     mine = None
     for start in range(0, world, per_node):  # every rank creates every group, in the same order
         group = tdist.new_group(list(range(start, start + per_node)))
         if start <= rank < start + per_node:
             mine, main = group, start
     return mine, main, rank - main
+
+
+def check_node_layout(nodes: list[str], per_node: int) -> None:
+    """Ranks start..start + per_node - 1 must share a node, each block its own."""
+    blocks = [nodes[i : i + per_node] for i in range(0, len(nodes), per_node)]
+    if any(len(set(b)) > 1 for b in blocks) or len({b[0] for b in blocks}) < len(blocks):
+        layout = ", ".join(f"rank {r}: {n}" for r, n in enumerate(nodes))
+        raise DeviceError(f"rollout=dedicated needs each node's {per_node} ranks to be consecutive ({layout}); "
+                          "launch with SLURM's block distribution (srun --distribution=block, the default) or torchrun.")
 
 
 class NodeShare:
@@ -220,7 +233,7 @@ class DedicatedBackend(RolloutBackend):
             atexit.register(self.close)
             try:
                 for share, port in zip(shares, ports):
-                    log = os.path.join(run_dir, f"vllm-engine-{port}.log")
+                    log = os.path.join(run_dir, f"vllm-engine-{dist.node_name()}-{port}.log")
                     engine, reaper = launch_engine(model_path, share, port, token, cfg.vllm, dtype, log, transfer,
                                                    engine_cpus, lora_rank)
                     self.procs.append(engine)
@@ -231,6 +244,8 @@ class DedicatedBackend(RolloutBackend):
             except BaseException:  # an engine that never got healthy: stop the ones already started
                 self.close()
                 raise
+            print(f"dedicated: node {dist.node_name()} (ranks {self.main}-{self.main + per_node - 1}) owns "
+                  f"{len(ports)} engine(s) on {devices}: {', '.join(f'127.0.0.1:{p}' for p in ports)}", flush=True)
         dist.barrier()
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
