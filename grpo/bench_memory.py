@@ -177,5 +177,14 @@ def bench_hf_scores(layers: int) -> list[dict]:
 
 
 if __name__ == "__main__":
-    worker, mode, out, layers = sys.argv[1:5]
-    {"update": update_worker, "hf": hf_worker}[worker](mode, out, int(layers))
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m grpo.bench_memory",
+                                     description="One measurement in a fresh process; `python -m grpo.bench "
+                                                 "--update-memory` and `--hf-scores` run one per mode.")
+    parser.add_argument("worker", choices=["update", "hf"])
+    parser.add_argument("mode", help="update: logits, pieces or body; hf: output_scores or recorder")
+    parser.add_argument("out", help="the JSON file the row is written to")
+    parser.add_argument("layers", type=int, help="decoder layers of SmolLM2-135M's body (of 30)")
+    args = parser.parse_args()
+    {"update": update_worker, "hf": hf_worker}[args.worker](args.mode, args.out, args.layers)

@@ -72,4 +72,12 @@ def report_warm_start(seeds: list[int], settings: str | None, out: str) -> None:
 
 
 if __name__ == "__main__":
-    worker([int(x) for x in sys.argv[2].split(",")], sys.argv[1])
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m grpo.bench_warm_start",
+                                     description="One setting's warm starts, in this process's numerics; "
+                                                 "`python -m grpo.bench --warm-start` runs one per setting.")
+    parser.add_argument("out", help="the JSON file the rows are written to")
+    parser.add_argument("seeds", help="comma-separated model seeds, e.g. 0,1,2")
+    args = parser.parse_args()
+    worker([int(x) for x in args.seeds.split(",")], args.out)

@@ -1,7 +1,8 @@
 """Typed schemas for every config group, registered in Hydra's ConfigStore, and `validate(cfg)`.
 
-YAML files under conf/ only set values: each starts with `defaults: [base_<group>]`, so a key that
-is not declared here is an error at compose time. `validate` checks the rules that span fields
+YAML files under conf/ only set values: each starts with `defaults: [/base_<group>]`, so a key that
+is not declared here is an error at compose time. The defaults here suit a real model (lr 1e-6, 512
+new tokens); the tiny model's own values are in conf/model/tiny.yaml. `validate` checks the rules that span fields
 before any model is built, and its messages say what to change.
 """
 
@@ -111,7 +112,7 @@ class VLLMConfig:
     # memory_fraction), fraction (from memory_fraction everywhere), or a size in GiB (grpo/rollout/engine_memory.py)
     kv_cache_gb: Any = "auto"
     enforce_eager: bool = True  # skip graph capture/compile: faster start, slower decode
-    max_model_len: int = 512
+    max_model_len: int = 512  # prompt + completion tokens; rollout=colocated and dedicated set 1024
     tensor_parallel_size: int = 1  # colocated: consecutive ranks sharing one engine
     sleep: bool = False  # colocated: free the engine's memory while training
     # dedicated/remote: how weights reach the servers: auto (vLLM's nccl between GPUs, else
@@ -145,7 +146,7 @@ class DedicatedConfig:
 @dataclass
 class RolloutConfig:
     backend: str = MISSING  # a key of grpo.rollout.BACKENDS
-    max_new_tokens: int = 8
+    max_new_tokens: int = 512  # a reasoning answer's length (verl's GSM8K recipe: 512); the tiny task sets 4
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -169,7 +170,7 @@ class ParallelConfig:
 class AlgoConfig:
     batch_size: int = 512  # B: completions generated per step (P x G)
     group_size: int = 16  # G: completions per prompt; P = batch_size / group_size prompts per step
-    lr: float = 1e-3
+    lr: float = 1e-6  # DeepSeekMath's and verl's policy rate for full fine-tuning; the tiny model sets 1e-3
     warmup_steps: int = 20
     lr_schedule: str = "linear"  # linear (decay to 0 at the last step) | constant
     weight_decay: float = 0.0
@@ -253,10 +254,12 @@ GROUPS = {
 
 
 def register_configs() -> None:
+    """Each schema is stored at the top of the ConfigStore, not in its group: a schema in `algo/` would
+    be an option (`algo=base_algo`, listed by --help) that composes with no preset's values."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, schema in GROUPS.items():
-        cs.store(group=group, name=f"base_{group}", node=schema)
+        cs.store(name=f"base_{group}", node=schema)
 
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")

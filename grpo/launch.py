@@ -255,7 +255,15 @@ def launch(argv: list[str]) -> str:
 
 
 def main() -> None:
-    exit_on_user_error(launch, sys.argv[1:])
+    import argparse
+
+    keys = ", ".join([*LAUNCH_KEYS, *OWN_KEYS])
+    parser = argparse.ArgumentParser(prog="python -m grpo.launch", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage="%(prog)s nodes=N [launch keys] [grpo.train overrides]",
+                                     description=__doc__)
+    parser.add_argument("args", nargs="*", metavar="KEY=VALUE",
+                        help=f"launch keys ({keys}); every other argument is a grpo.train override")
+    exit_on_user_error(launch, parser.parse_args().args)
 
 
 if __name__ == "__main__":

@@ -27,22 +27,83 @@ def test_every_group_has_its_expected_options():
     assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 30
 
 
+def is_subset(values, composed) -> bool:
+    """Every value of a YAML file (nested dicts included) is in the composed config."""
+    if isinstance(values, dict):
+        return isinstance(composed, dict) and all(k in composed and is_subset(v, composed[k]) for k, v in values.items())
+    return values == composed
+
+
 @pytest.mark.parametrize("group, option", group_files())
 def test_every_config_file_composes(group, option, tmp_path):
+    """Each file's values reach the composed config. Files of the other groups are composed with a real
+    model (model=hub), since the tiny model sets some of their keys for itself (conf/model/tiny.yaml)."""
     from omegaconf import OmegaConf
 
     extra = {("task", "jsonl"): [f"task.path={tmp_path / 'x.jsonl'}"],
              ("model", "hub"): [f"model.path={tmp_path}"],  # a local folder: no hub lookup here
              ("rollout", "remote"): ["rollout.remote.urls=[http://127.0.0.1:9]"]}.get((group, option), [])
-    cfg = compose_cfg(f"{group}={option}", *extra)
-    values = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml"))
+    real_model = [] if group == "model" else ["model=hub", f"model.path={tmp_path}"]
+    cfg = compose_cfg(*real_model, f"{group}={option}", *extra)
+    path = CONF / group / f"{option}.yaml"
+    values = OmegaConf.to_container(OmegaConf.load(path))
     values.pop("defaults")
-    composed = OmegaConf.to_container(cfg[group])
+    composed = OmegaConf.to_container(cfg)
+    if not path.read_text().startswith("# @package _global_"):
+        values = {group: values}
+    for o in extra:  # the test's own override
+        key, _ = o.split("=", 1)
+        outer, inner = key.split(".", 1)
+        values[outer].pop(inner.split(".")[0], None)
     for key, value in values.items():  # every value in the file reached the composed config
-        if not any(o.startswith(f"{group}.{key}") for o in extra):  # the test's own override
-            assert composed[key] == value or (isinstance(value, dict) and value.items() <= composed[key].items()), key
+        assert is_subset(value, composed[key]), key
     if (group, option) != ("task", "jsonl"):  # its file is the user's to give
         validate(cfg)
+
+
+MODEL_ROLLOUT = ["tiny_colocated", "tiny_dedicated"]  # update when adding one: conf/model/rollout/<model>_<rollout>.yaml
+
+
+def test_every_model_rollout_file_composes_with_its_model_and_backend():
+    from omegaconf import OmegaConf
+
+    found = sorted(p.stem for p in (CONF / "model" / "rollout").glob("*.yaml"))
+    assert found == MODEL_ROLLOUT and len(found) == 2
+    for name in found:
+        model, rollout = name.split("_", 1)
+        assert (CONF / "model" / f"{model}.yaml").exists() and (CONF / "rollout" / f"{rollout}.yaml").exists(), name
+        cfg = compose_cfg(f"model={model}", f"rollout={rollout}")
+        values = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "rollout" / f"{name}.yaml"))
+        assert is_subset(values, OmegaConf.to_container(cfg)), name
+        validate(cfg)
+
+
+def test_group_defaults_suit_a_real_model_and_the_default_keeps_the_tiny_values(tmp_path):
+    """The group files and schemas hold a real model's values: `model=hub model.path=...` with nothing
+    else trains at lr 1e-6 on 512-token completions, not the tiny task's 1e-3 and 4 tokens (which
+    trained a 0.5B model on 4-token answers). `python -m grpo.train` keeps the tiny values, and a
+    value on the command line still wins over the model file."""
+    for rollout in ("hf", "colocated", "dedicated", "remote"):
+        cfg = compose_cfg("model=hub", f"model.path={tmp_path}", f"rollout={rollout}")
+        assert cfg.algo.lr <= 1e-5 and cfg.rollout.max_new_tokens >= 256, rollout
+        if rollout in ("colocated", "dedicated"):  # the engine's context holds a prompt and the completion
+            assert cfg.rollout.vllm.max_model_len >= cfg.rollout.max_new_tokens + 256, rollout
+    for algo in (p.stem for p in (CONF / "algo").glob("*.yaml")):
+        assert compose_cfg("model=hub", f"model.path={tmp_path}", f"algo={algo}").algo.lr <= 1e-5, algo
+
+    default = compose_cfg()
+    assert (default.model.path, default.algo.lr, default.rollout.max_new_tokens) == ("tiny", 1e-3, 4)
+    assert compose_cfg("rollout=colocated").rollout.vllm.max_model_len == 256  # the tiny model's 256 positions
+    overridden = compose_cfg("algo.lr=5e-4", "rollout.max_new_tokens=6")
+    assert (overridden.algo.lr, overridden.rollout.max_new_tokens) == (5e-4, 6)
+
+
+def test_schemas_are_not_options_of_their_groups():
+    """`algo=base_algo` once composed the bare schema (no preset's values) and --help listed it."""
+    for group in GROUPS:
+        assert not list((CONF / group).glob("base_*")), group
+        with pytest.raises(ConfigCompositionException, match=f"base_{group}"):
+            compose_cfg(f"{group}=base_{group}")
 
 
 EXPERIMENTS = [  # update when adding an experiment: the count guards against silently skipped files

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import sys
 import time
 
 
@@ -64,4 +63,12 @@ def reap(pgid: int, grace_s: float, parent: int) -> None:
 
 
 if __name__ == "__main__":
-    reap(int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]))
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m grpo.rollout.reaper", description=__doc__.split("\n\n")[0],
+                                     epilog="Started by rollout=dedicated beside each engine; not run by hand.")
+    parser.add_argument("pgid", type=int, help="the engine's process group")
+    parser.add_argument("grace_s", type=float, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("trainer_pid", type=int, help="the trainer that started the engine")
+    args = parser.parse_args()
+    reap(args.pgid, args.grace_s, args.trainer_pid)
