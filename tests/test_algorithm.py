@@ -272,9 +272,10 @@ def test_behaviour_clip_eps_sets_the_band_around_the_sampler_only():
     #   band 0.1: 1.15 is past 1.1 -> clipped, no gradient -> -(1.1 + 1.05) / 2 = -1.075, [0, -0.525]
     sampler = torch.zeros(1, 2)
 
-    def loss_and_grad(**algo):
+    def loss_and_grad(proximal=None, **algo):
         current = torch.tensor([[math.log(1.15), math.log(1.05)]], requires_grad=True)
-        loss, _ = decoupled_loss(current, current.detach(), sampler, torch.ones(1), torch.ones(1, 2), NORM_1x2,
+        proximal = current.detach() if proximal is None else proximal
+        loss, _ = decoupled_loss(current, proximal, sampler, torch.ones(1), torch.ones(1, 2), NORM_1x2,
                                  algo_for(is_level="none", **algo))
         loss.backward()
         return loss.item(), current.grad
@@ -285,10 +286,12 @@ def test_behaviour_clip_eps_sets_the_band_around_the_sampler_only():
     loss, grad = loss_and_grad(trust_region="behaviour", behaviour_clip_eps=0.1)
     assert loss == pytest.approx(-1.075, abs=1e-6)
     torch.testing.assert_close(grad, torch.tensor([[0.0, -0.525]]))
-    # the proximal form (the synchronous loop) keeps clip_eps: here r = current / proximal = 1 anyway,
-    # so the band is moot; what it must not do is read behaviour_clip_eps at k = 0
-    loss, _ = loss_and_grad(trust_region="auto", max_staleness=0, behaviour_clip_eps=0.1)
-    assert loss == pytest.approx(-1.0, abs=1e-6)
+    # the proximal form (the synchronous loop) keeps clip_eps and never reads behaviour_clip_eps at
+    # k = 0: with the proximal policy at the sampler's logprobs, r = current / proximal = [1.15, 1.05]
+    # is inside clip_eps' 0.2 (-1.1, both gradients); the 0.1 band would clip 1.15 (-1.075, [0, ...])
+    loss, grad = loss_and_grad(sampler, trust_region="auto", max_staleness=0, behaviour_clip_eps=0.1)
+    assert loss == pytest.approx(-1.1, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[-0.575, -0.525]]))
 
 
 def test_sampled_kl_is_k3_over_the_sampled_tokens():

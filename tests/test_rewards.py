@@ -82,11 +82,26 @@ def test_a_reward_that_hangs_is_cut_off():
     assert rewards == [[0.5, None, 0.5]]
 
 
-def test_every_registered_reward_accepts_the_trainer_call():
+# per registered reward: (a completion it should score higher, its token count; one it should score lower, its count)
+PAIRS = {
+    "exact_match": ("3", 1, "4", 1),
+    "format": ("<think>add</think> <answer>1 + 2</answer>", 4, "<answer>1 + 2</answer>", 2),
+    "countdown": ("<answer>1 + 2</answer>", 2, "<answer>1 - 2</answer>", 2),
+    "overlong": ("<answer>3</answer>", 2, "3 3 3 3 3 3 3 3", 8),  # 8 of max_new_tokens=8: past the soft buffer
+    "math_verify": ("The answer is $\\boxed{3}$.", 4, "The answer is $\\boxed{4}$.", 4),
+}
+
+
+def test_every_registered_reward_takes_the_trainer_call_and_tells_right_from_wrong():
+    """Each reward, called as the trainer calls it (a batch, samples, completion ids, the token
+    budget), gives one number per completion and scores the right completion above the wrong one."""
+    assert set(PAIRS) == set(REWARDS), "add the new reward to PAIRS"
     s = cd([1, 2], 3)
     for name, fn in REWARDS.items():
-        values = fn(["<answer>1 + 2</answer>"], [s], completion_ids=[[1, 2]], max_new_tokens=8)
-        assert len(values) == 1, name
+        good, good_len, bad, bad_len = PAIRS[name]
+        values = fn([good, bad], [s, s], completion_ids=[[5] * good_len, [5] * bad_len], max_new_tokens=8)
+        assert len(values) == 2 and all(isinstance(v, float) for v in values), (name, values)
+        assert values[0] > values[1], (name, values)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,38 @@
+"""Every experiment that runs on a CPU, run for one step with its own config (model, task, reward,
+backend, strategy, LoRA), as lightning-hydra-template smoke-runs its experiments: a file that
+composes but breaks at run time fails here. Only the step count, the held-out set and the
+checkpoints are cut down. The GPU experiments are composed and validated in tests/test_config.py."""
+
+import json
+import os
+
+import pytest
+
+from grpo.train import train
+from tests.test_config import EXPERIMENTS
+
+CPU_EXPERIMENTS = {  # name -> pytest marks: the SmolLM2 ones convert a 135M model (slow tier)
+    "addition_tiny": [],
+    "addition_tiny_colocated": [],
+    "smollm2_arithmetic_cpu": [pytest.mark.slow],
+    "smollm2_arithmetic_lora_cpu": [pytest.mark.slow],
+}
+
+
+def test_cpu_experiments_are_those_without_a_gpu():
+    """Every experiment is either smoke-run here or needs a GPU by its own header."""
+    from tests.conftest import ROOT
+
+    for name in EXPERIMENTS:
+        resources = next(line for line in (ROOT / "experiments" / f"{name}.yaml").read_text().splitlines() if "Resources:" in line)
+        assert (name in CPU_EXPERIMENTS) == ("GPU" not in resources), (name, resources)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=m) for n, m in CPU_EXPERIMENTS.items()])
+def test_cpu_experiment_runs_one_step(make_cfg, learning_policy, name):
+    cfg = make_cfg(f"experiment={name}", "steps=1", "task.eval_size=8", "checkpoint_every=0", "eval_every=0", fast=False)
+    summary = train(cfg)
+    assert summary["steps"] == 1 and 0 <= summary["eval_after"] <= 1
+    rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    step = next(r for r in rows if "reward/mean" in r)
+    assert step["step"] == 1 and step["completion_len"] > 0
