@@ -1,4 +1,4 @@
-"""`python -m grpo.bench --update-memory` and `--hf-scores`: the memory that a real vocabulary
+"""`python -m grpo.bench update-memory` and `hf-scores`: the memory that a real vocabulary
 costs, before and after, each measurement in a fresh process of this module
 (`python -m grpo.bench_memory WORKER MODE OUT`) so each starts from the same resting memory.
 
@@ -151,6 +151,7 @@ def hf_worker(mode: str, out: str, layers: int, rows: int = 32, prompt: int = 16
 def run_workers(worker: str, modes: list[str], layers: int) -> list[dict]:
     rows = []
     for mode in modes:
+        print(f"bench: {worker} {mode}", flush=True)
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             subprocess.run([sys.executable, "-m", "grpo.bench_memory", worker, mode, f.name, str(layers)], check=True,
                            env={**os.environ, **ALLOCATOR})
@@ -176,12 +177,27 @@ def bench_hf_scores(layers: int) -> list[dict]:
     return rows
 
 
+def report_update_memory(layers: int) -> tuple[dict, list]:
+    rows = bench_update_memory(layers)
+    return {"update_memory": rows}, [
+        (f"forward + backward of the policy loss, SmolLM2-135M's body ({layers} layers) with a 152k vocabulary, "
+         "one micro-batch of 8192 completion tokens: 16 x (64 prompt + 512 completion)", rows,
+         ["mode", "peak_above_rest_mb", "logit_side_mb", "vs_logits", "seconds", "logp_diff", "head_grad_rel_diff"])]
+
+
+def report_hf_scores(layers: int) -> tuple[dict, list]:
+    rows = bench_hf_scores(layers)
+    return {"hf_scores": rows}, [
+        (f"hf generate, SmolLM2-135M's body ({layers} layers) with a 152k vocabulary, 32 rows x 128 new tokens", rows,
+         ["mode", "peak_above_rest_mb", "vs_output_scores", "seconds", "logp_sum"])]
+
+
 if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m grpo.bench_memory",
                                      description="One measurement in a fresh process; `python -m grpo.bench "
-                                                 "--update-memory` and `--hf-scores` run one per mode.")
+                                                 "update-memory` and `hf-scores` run one per mode.")
     parser.add_argument("worker", choices=["update", "hf"])
     parser.add_argument("mode", help="update: logits, pieces or body; hf: output_scores or recorder")
     parser.add_argument("out", help="the JSON file the row is written to")

@@ -25,3 +25,16 @@ def table(rows: list[dict], cols: list[str]) -> str:
     lines = [" | ".join(c.ljust(w) for c, w in zip(cols, widths)), "-+-".join("-" * w for w in widths)]
     lines += [" | ".join(fmt(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)) for r in rows]
     return "\n".join(lines)
+
+
+def publish(out: str, report: dict, sections: list) -> None:
+    """Every bench subcommand's output: each section printed (a line of text, or `(title, rows,
+    columns)` as a table under its title), then the JSON report written to `out`."""
+    for section in sections:
+        if isinstance(section, str):
+            print(section)
+        else:
+            title, rows, cols = section
+            print(f"\n{title}\n{table(rows, cols)}")
+    write_report(out, report)
+    print(f"wrote {out}")

@@ -1,4 +1,4 @@
-"""`python -m grpo.bench --warm-start`: steps until the tiny model's warm start reaches its target,
+"""`python -m grpo.bench warm-start`: steps until the tiny model's warm start reaches its target,
 per seed, under numerically different settings of this machine (torch's AVX2 kernels against its
 default, one thread against the default). Each setting runs in a fresh process of this module
 (`python -m grpo.bench_warm_start OUT SEEDS`), since ATEN_CPU_CAPABILITY is read once at start."""
@@ -48,6 +48,7 @@ def bench_warm_start(seeds: list[int], settings: list[str]) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in settings:
+            print(f"bench: warm starts of seeds {seeds}, setting {name}", flush=True)
             out = os.path.join(tmp, f"{name}.json")
             subprocess.run([sys.executable, "-m", "grpo.bench_warm_start", out, ",".join(map(str, seeds))],
                            check=True, env={**os.environ, **SETTINGS[name]})
@@ -55,20 +56,18 @@ def bench_warm_start(seeds: list[int], settings: list[str]) -> list[dict]:
     return rows
 
 
-def report_warm_start(seeds: list[int], settings: str | None, out: str) -> None:
-    """Run, print the table and each setting's min / median / max steps, write `out`."""
-    from grpo.bench_report import table, write_report
-
+def report_warm_start(seeds: list[int], settings: str | None) -> tuple[dict, list]:
+    """(the JSON report, the sections to print): the table and each setting's min / median / max steps."""
     names = (settings or default_settings()).split(",")
     rows = bench_warm_start(seeds, names)
-    print("\nthe tiny model's warm start: supervised steps until greedy train accuracy reaches the target")
-    print(table(rows, ["setting", "cpu_capability", "torch_threads", "seed", "warm_start_steps",
-                       "warm_start_train_accuracy", "warm_start_s"]))
+    sections = [("the tiny model's warm start: supervised steps until greedy train accuracy reaches the target", rows,
+                 ["setting", "cpu_capability", "torch_threads", "seed", "warm_start_steps", "warm_start_train_accuracy",
+                  "warm_start_s"])]
     for name in names:
         got = sorted(r["warm_start_steps"] for r in rows if r["setting"] == name)
-        print(f"{name}: steps min {got[0]}, median {statistics.median(got):g}, max {got[-1]}; "
-              f"misses {sum('error' in r for r in rows if r['setting'] == name)}")
-    write_report(out, {"warm_start": rows})
+        sections.append(f"{name}: steps min {got[0]}, median {statistics.median(got):g}, max {got[-1]}; "
+                        f"misses {sum('error' in r for r in rows if r['setting'] == name)}")
+    return {"warm_start": rows}, sections
 
 
 if __name__ == "__main__":
@@ -76,7 +75,7 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(prog="python -m grpo.bench_warm_start",
                                      description="One setting's warm starts, in this process's numerics; "
-                                                 "`python -m grpo.bench --warm-start` runs one per setting.")
+                                                 "`python -m grpo.bench warm-start` runs one per setting.")
     parser.add_argument("out", help="the JSON file the rows are written to")
     parser.add_argument("seeds", help="comma-separated model seeds, e.g. 0,1,2")
     args = parser.parse_args()

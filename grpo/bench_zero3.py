@@ -1,4 +1,4 @@
-"""`python -m grpo.bench --zero3-memory`: what one rank holds under ZeRO-3, loading the policy whole
+"""`python -m grpo.bench zero3-memory`: what one rank holds under ZeRO-3, loading the policy whole
 and then partitioning it (`before`, as the trainer did) against building it under
 `deepspeed.zero.Init` (`after`, `Zero3Strategy.loading`), without and with a reference model
 (algo.beta > 0: `before` a full replica on every rank, `after` a partitioned engine).
@@ -134,6 +134,7 @@ def bench_zero3_memory(rows: int = 4, tokens: int = 32) -> tuple[list[dict], flo
     results = []
     for mode, beta in CASES:
         out = os.path.join(folder, f"{mode}-{beta}.json")
+        print(f"bench: ZeRO-3 memory, {mode}, beta {beta}, on 2 processes", flush=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
                "grpo.bench_zero3", "--worker", folder, mode, str(beta), out, "--rows", str(rows), "--tokens", str(tokens)]
         res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -144,19 +145,18 @@ def bench_zero3_memory(rows: int = 4, tokens: int = 32) -> tuple[list[dict], flo
     return results, model_mb
 
 
-def report_zero3_memory(out: str, rows: int = 4, tokens: int = 32) -> None:
-    from grpo.bench_report import table, write_report
-
+def report_zero3_memory(rows: int = 4, tokens: int = 32) -> tuple[dict, list]:
     results, model_mb = bench_zero3_memory(rows, tokens)
-    print(f"\nZeRO-3 on 2 CPU ranks (gloo), a SmolLM2-135M-shaped model ({model_mb:.0f} MB in fp32), one update "
-          f"step on {rows} x ({tokens} prompt + {tokens} completion) tokens per rank; peak MB above each rank's rest")
-    print(table(results, ["mode", "beta", "rank", "load_rss_mb", "load_anon_mb", "held_anon_mb", "step_rss_mb", "step_anon_mb", "kl"]))
-    write_report(out, {"zero3_memory": results, "model_mb": model_mb, "rows": rows, "tokens": tokens})
+    return {"zero3_memory": results, "model_mb": model_mb, "rows": rows, "tokens": tokens}, [
+        (f"ZeRO-3 on 2 CPU ranks (gloo), a SmolLM2-135M-shaped model ({model_mb:.0f} MB in fp32), one update "
+         f"step on {rows} x ({tokens} prompt + {tokens} completion) tokens per rank; peak MB above each rank's rest", results,
+         ["mode", "beta", "rank", "load_rss_mb", "load_anon_mb", "held_anon_mb", "step_rss_mb", "step_anon_mb", "kl"])]
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--worker", nargs=4, metavar=("FOLDER", "MODE", "BETA", "OUT"))
+    p = argparse.ArgumentParser(prog="python -m grpo.bench_zero3", description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker", nargs=4, metavar=("FOLDER", "MODE", "BETA", "OUT"),
+                   help="one case on this rank, under torchrun (without it: every case, as `grpo.bench zero3-memory`)")
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--out", default="bench_results/zero3_memory.json")
@@ -165,4 +165,6 @@ if __name__ == "__main__":
         folder, mode, beta, out = args.worker
         worker(folder, mode, float(beta), out, args.rows, args.tokens)
     else:
-        report_zero3_memory(args.out, args.rows, args.tokens)
+        from grpo.bench_report import publish
+
+        publish(args.out, *report_zero3_memory(args.rows, args.tokens))

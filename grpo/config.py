@@ -62,7 +62,7 @@ class ModelConfig:
     path: str = "tiny"
     dtype: str = "float32"  # float32 | bfloat16 | float16
     # recompute each layer's activations in the backward pass instead of keeping them: for
-    # SmolLM2-135M, one 8192-token micro-batch's peak falls from 15.4 GB to about a fifth (grpo.bench --update-memory)
+    # SmolLM2-135M, one 8192-token micro-batch's peak falls from 15.4 GB to about a fifth (grpo.bench update-memory)
     gradient_checkpointing: bool = False
     cache_dir: str = "${oc.env:GRPO_CACHE,'~/.cache/grpo'}"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)

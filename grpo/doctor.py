@@ -27,6 +27,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from grpo.progress import WaitProgress
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKENDS = ("hf", "colocated", "dedicated", "remote")
 CHECKS = ("versions", "device", "all-reduce", *BACKENDS, "weight-sync")
@@ -144,7 +146,9 @@ def start_server(model: str, token: str, log_path: str, memory_fraction: float =
                              "--memory-fraction", str(memory_fraction)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True, env={**os.environ, "GRPO_SERVE_TOKEN": token})
     url, deadline = f"http://127.0.0.1:{port}", time.time() + 600
+    progress = WaitProgress(f"grpo.serve at {url} to answer /health", 600, note=f"log: {log_path}")
     while time.time() < deadline:
+        progress()
         if proc.poll() is not None:
             raise RuntimeError(f"grpo.serve exited ({proc.returncode}): {last_error(open(log_path).read())}")
         try:
@@ -218,12 +222,17 @@ def run_checks(only: list[str], work: str) -> list[Result]:
     import secrets
 
     results: list[Result] = []
+    start = time.perf_counter()
 
-    def guarded(name: str, fn) -> None:
+    def guarded(name: str, fn) -> None:  # each check says when it starts and how it ended, as it goes
+        print(f"doctor: {name} ...", flush=True)
+        t0 = time.perf_counter()
         try:
             results.append(fn())
         except Exception as e:  # noqa: BLE001 - a check that crashes is a failed check, with its error
             results.append(Result(name, False, f"{type(e).__name__}: {e}"[:300], "see the error; rerun with --only " + name))
+        print(f"doctor: {name} {'PASS' if results[-1].ok else 'FAIL'} in {time.perf_counter() - t0:.0f} s "
+              f"({time.perf_counter() - start:.0f} s so far)", flush=True)
 
     simple = {"versions": check_versions, "device": check_device, "all-reduce": check_allreduce}
     for name in (c for c in CHECKS if c in only and c in simple):

@@ -46,6 +46,7 @@ from omegaconf import OmegaConf
 from grpo.cli import exit_on_user_error
 from grpo.config import compose_config, validate
 from grpo.errors import ConfigError
+from grpo.progress import WaitProgress
 from grpo.rollout.dedicated import child_visible_devices
 from grpo.slurm import check_request, request_from
 
@@ -126,10 +127,13 @@ def write_token_file(run_dir: str, token: str) -> str:
 def wait_for_servers(run_dir: str, count: int, timeout_s: float) -> list[str]:
     """The URLs the companion job's servers wrote, once all `count` of them have."""
     deadline = time.time() + timeout_s
+    progress = WaitProgress(f"{count} rollout server(s) to write their URL into {servers_dir(run_dir)}", timeout_s,
+                            note=f"server job log under {run_dir}/slurm/")
     while True:
         urls = sorted(Path(p).read_text().strip() for p in glob.glob(os.path.join(servers_dir(run_dir), "*.url")))
         if len(urls) >= count:
             return urls[:count]
+        progress()
         if time.time() > deadline:
             raise RuntimeError(f"only {len(urls)} of {count} rollout servers wrote their URL into {servers_dir(run_dir)} "
                                f"within {timeout_s:.0f} s; is the server job running (squeue)? Its log is under {run_dir}/slurm/.")

@@ -6,7 +6,7 @@ so its own head runs on one position), and the head runs here on pieces of at mo
 (non-reentrant `torch.utils.checkpoint`), so no tokens x vocabulary tensor is kept for backward:
 at 8,192 tokens and a 152k vocabulary the whole batch's fp32 logits are 5 GB, and the logit - logsumexp
 that replaced log_softmax kept them (and their gradient) all the same. The price is the head's
-forward run twice in training (measured in `python -m grpo.bench --update-memory`).
+forward run twice in training (measured in `python -m grpo.bench update-memory`).
 
 Under ZeRO-3 every call of the head gathers its weight, a collective: the number of pieces comes
 from the micro-batch cap (`algo.micro_batch_tokens`), the same on every rank, never from this

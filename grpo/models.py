@@ -290,16 +290,26 @@ def encode_prompts(tokenizer, samples, chat_template: str = "auto", system_promp
     return out
 
 
-def load_model(path: str, dtype: str = "float32"):
-    """A causal LM and its tokenizer from a local folder or hub id."""
+def load_model(path: str, dtype: str = "float32", log=None):
+    """A causal LM and its tokenizer from a local folder or hub id. With `log` (the main rank's) and a
+    hub id, the download says so and shows the hub's progress bars (a 15 GB download is minutes);
+    otherwise the bars stay off: a local folder loads in seconds, and every rank would draw them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    from_hub = log is not None and not os.path.isdir(os.path.expanduser(path))
+    if from_hub:
+        hf_logging.enable_progress_bar()
+        log(f"loading {path} from the hub (downloaded once into the Hugging Face cache, HF_HOME)")
+    else:
+        hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    finally:
+        hf_logging.disable_progress_bar()
     return model, tokenizer
 
 
@@ -333,7 +343,7 @@ def build_policy(cfg, info, log=print, loading=contextlib.nullcontext()):
     barrier()
     path = resolve_model_folder(cfg, log)
     with loading:
-        model, tokenizer = load_model(path, cfg.model.dtype)
+        model, tokenizer = load_model(path, cfg.model.dtype, log=log if info.is_main else None)
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         if cfg.model.lora.rank > 0:  # only the adapter trains; the base weights stay the folder's

@@ -5,11 +5,14 @@ import sys
 
 import pytest
 
+from grpo import bench
 from tests.conftest import ROOT
 
 ENTRY_POINTS = [  # update when adding a module with `if __name__ == "__main__"`: the count catches a missed one
     "grpo.bench",
+    "grpo.bench_lora",
     "grpo.bench_memory",
+    "grpo.bench_sync",
     "grpo.bench_warm_start",
     "grpo.bench_zero3",
     "grpo.doctor",
@@ -25,7 +28,7 @@ ENTRY_POINTS = [  # update when adding a module with `if __name__ == "__main__"`
 def test_entry_points_are_all_counted():
     found = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (ROOT / "grpo").rglob("*.py")
                    if 'if __name__ == "__main__"' in p.read_text())
-    assert found == ENTRY_POINTS and len(found) == 11
+    assert found == ENTRY_POINTS and len(found) == 13
 
 
 @pytest.mark.parametrize("module", ENTRY_POINTS)
@@ -36,3 +39,27 @@ def test_help_shows_a_usage_and_exits_0(module):
     if module == "grpo.train":  # the groups' options, not the schemas behind them (`algo=base_algo` composed bare)
         assert "algo: cispo, dapo, dr_grpo, grpo, gspo, reinforce_pp, rloo" in out.stdout
         assert "base_" not in out.stdout and "docs/troubleshooting.md" in out.stdout
+
+
+def test_every_bench_command_has_its_own_help(capsys):
+    """`python -m grpo.bench COMMAND --help`, in this process (the dispatcher imports no benchmark):
+    each command's usage names it, and the top-level help lists them all."""
+    assert set(bench.build_parser()._subparsers._group_actions[0].choices) == set(bench.COMMANDS)
+    for argv in ([], *([name] for name in bench.COMMANDS)):
+        with pytest.raises(SystemExit) as e:
+            bench.main([*argv, "--help"])
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: python -m grpo.bench {argv[0] if argv else ''}".rstrip()), out[:300]
+        if argv:  # the command's own options, its report in a file of its own
+            assert "--out OUT" in out, out
+            assert bench.build_parser().parse_args(argv).out == f"bench_results/{'bench' if argv[0] == 'run' else argv[0]}.json"
+        if not argv:
+            assert all(f"    {name}" in out for name in bench.COMMANDS), out
+
+
+def test_the_old_bench_flags_name_their_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--warm-start", "--seeds", "0"])
+    assert e.value.code == 2
+    assert "python -m grpo.bench warm-start" in capsys.readouterr().err

@@ -35,7 +35,7 @@ def test_the_warm_start_reaches_its_target_under_other_float_rounding(tmp_path):
     the `learning_policy` fixture, is the default setting): each reaches the target well inside the
     cap. The old recipe reached it in 225 steps on one CPU and not in 3,000 on another."""
     out = tmp_path / "ws.json"
-    subprocess.run([sys.executable, "-m", "grpo.bench", "--warm-start", "--seeds", "0", "--settings", "avx2,1-thread",
+    subprocess.run([sys.executable, "-m", "grpo.bench", "warm-start", "--seeds", "0", "--settings", "avx2,1-thread",
                     "--out", str(out)], cwd=ROOT, check=True, capture_output=True, timeout=600)
     rows = json.load(open(out))["warm_start"]
     cfg = compose_cfg()

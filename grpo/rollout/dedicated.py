@@ -231,16 +231,16 @@ class DedicatedBackend(RolloutBackend):
             token, ports = secrets.token_hex(16), [free_port("127.0.0.1") for _ in range(k)]
             transfer = transfer_backend(cfg.vllm.weight_transfer, devices != ["cpu"] and torch.cuda.is_available())
             atexit.register(self.close)
+            logs = [os.path.join(run_dir, f"vllm-engine-{dist.node_name()}-{port}.log") for port in ports]
             try:
-                for share, port in zip(shares, ports):
-                    log = os.path.join(run_dir, f"vllm-engine-{dist.node_name()}-{port}.log")
+                for share, port, log in zip(shares, ports, logs):
                     engine, reaper = launch_engine(model_path, share, port, token, cfg.vllm, dtype, log, transfer,
                                                    engine_cpus, lora_rank)
                     self.procs.append(engine)
                     self.reapers.append(reaper)
                 self.pool = ServerPool([f"http://127.0.0.1:{p}" for p in ports], token, cfg.dedicated.start_timeout_s,
                                        cfg.dedicated.request_timeout_s, len(shares[0]) if devices != ["cpu"] else 1, "127.0.0.1",
-                                       transfer=transfer)
+                                       transfer=transfer, logs=logs)
             except BaseException:  # an engine that never got healthy: stop the ones already started
                 self.close()
                 raise

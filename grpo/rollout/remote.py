@@ -26,6 +26,7 @@ import torch
 
 from grpo import dist, lora
 from grpo.errors import ConfigError, ServerError, TokenError
+from grpo.progress import say
 from grpo.rollout.auth import load_token, read_token_file
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.rollout.servers import TRANSFERS, ServerPool, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
@@ -53,7 +54,8 @@ class RemoteBackend(RolloutBackend):
             raise ServerError("rollout=remote needs rollout.remote.urls=[http://host:port,...] (see `python -m grpo.serve`).")
         self.pool = ServerPool(list(rc.urls), load_token(rc.token_file), rc.health_timeout_s, rc.request_timeout_s,
                                rc.tensor_parallel_size, rc.transfer_host, can_push=dist.rank() == 0,
-                               transfer=transfer_backend(cfg.vllm.weight_transfer, torch.cuda.is_available()))
+                               transfer=transfer_backend(cfg.vllm.weight_transfer, torch.cuda.is_available()),
+                               log=say if dist.rank() == 0 else None)  # every rank waits; rank 0 says so
         self.weight_version = 0
         self.lora_model = model if lora.is_lora(model) else None
         self.adapter_dir = os.path.join(os.path.abspath(run_dir), "adapters", "remote")

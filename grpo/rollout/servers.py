@@ -35,6 +35,7 @@ from urllib.parse import urlparse
 
 from grpo import dist, lora
 from grpo.errors import ConfigError, ServerError
+from grpo.progress import WaitProgress, say
 from grpo.rollout.base import Rollouts, Sampling, sampling_fields
 from grpo.rollout.gloo_transfer import BACKEND as GLOO, GlooSender, update_info
 from grpo.weights import WeightBuckets
@@ -71,9 +72,11 @@ def route_address(host: str, port: int) -> str:
         return s.getsockname()[0]
 
 
-def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it"):
-    """Call `check()` until it returns without raising, or raise the last error after `timeout_s`."""
+def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it", log=say, note: str = ""):
+    """Call `check()` until it returns without raising, or raise the last error after `timeout_s`;
+    every 15 s, `log` says what it is waiting for and for how long (grpo/progress.py; None: silent)."""
     deadline, last = time.time() + timeout_s, None
+    progress = WaitProgress(f"{what} to answer /health", timeout_s, log, note=note)
     while True:
         try:
             return check()
@@ -81,6 +84,7 @@ def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it"):
             last = e
         if time.time() >= deadline:
             raise ServerError(f"{what} did not become healthy in time: {last}")
+        progress()
         time.sleep(poll_s)
 
 
@@ -147,12 +151,12 @@ class Server:
             return raw.decode(errors="replace")
         return json.loads(raw) if raw else {}
 
-    def wait_healthy(self, deadline: float) -> None:
+    def wait_healthy(self, deadline: float, log=say, note: str = "") -> None:
         def ready():
             self.request("/health", timeout=5)
             self.model = self.request("/v1/models")["data"][0]["id"]
 
-        wait_until(ready, deadline - time.time(), what=f"rollout server {self.url}")
+        wait_until(ready, deadline - time.time(), what=f"rollout server {self.url}", log=log, note=note)
 
 
 class ServerPool:
@@ -161,11 +165,14 @@ class ServerPool:
 
     def __init__(self, urls: list[str], token: str | None, health_timeout_s: float, request_timeout_s: float,
                  tensor_parallel_size: int = 1, transfer_host: str | None = None, can_push: bool = True,
-                 transfer: str = GLOO):
+                 transfer: str = GLOO, log=say, logs: list[str] | None = None):
+        """`log`: where the health waits report progress (None: silent); `logs`: each server's log file,
+        named in those lines (the dedicated engines')."""
         self.servers = [Server(u, token, request_timeout_s) for u in urls]
         deadline = time.time() + health_timeout_s
+        notes = [f"log: {p}" for p in logs] if logs else [""] * len(urls)
         with ThreadPoolExecutor(len(self.servers)) as pool:
-            list(pool.map(lambda s: s.wait_healthy(deadline), self.servers))
+            list(pool.map(lambda s, n: s.wait_healthy(deadline, log, n), self.servers, notes))
         self.generator = ThreadPoolExecutor(1, thread_name_prefix="grpo-generate")  # one batch at a time, in order
         self.idle_since: float | None = None  # when the last batch finished (engine wait time)
         self.senders = []
