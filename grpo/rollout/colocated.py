@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from grpo import dist, lora
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, sampling_fields
@@ -143,6 +143,61 @@ def to_rollouts(outputs, version: int) -> Rollouts:
     return Rollouts(ids, logprobs, reasons, version)
 
 
+# Sleep mode as a plan: every decision (which level, what to wake in which order, when to reload, when
+# generating is an error) is a plain function of the engine's sleep state, returning the engine
+# operations to run in order; the backend applies them in one loop (`ColocatedBackend._apply`).
+# tests/test_rollout_vllm.py checks the plans by value, and runs them on a real engine under `gpu`.
+ALL_TAGS = ("weights", "kv_cache")  # what vLLM's sleep releases and wake_up(tags=...) restores
+
+
+@dataclass(frozen=True)
+class SleepState:
+    asleep: frozenset = frozenset()  # the tags slept and not yet woken
+    weights_discarded: bool = False  # level 2: the weights are gone until a reload refills them
+
+
+def sleep_plan(state: SleepState, enabled: bool, lora: bool) -> list[tuple]:
+    """Level 2 discards weights and KV cache outright; with LoRA the base weights are never sent
+    again, so level 1 keeps them (on the host). Nothing when sleep is off or already asleep."""
+    if not enabled or state.asleep:
+        return []
+    return [("sleep", 1 if lora else 2)]
+
+
+def wake_plan(state: SleepState, tags=ALL_TAGS) -> list[tuple]:
+    """Wake those of `tags` that are asleep, the CUDA cache emptied first. Waking the KV cache (which
+    generating needs) while the weights are discarded is an error: the engine would sample from
+    freed memory."""
+    tags = tuple(t for t in tags if t in state.asleep)
+    if "kv_cache" in tags and state.weights_discarded:
+        raise RuntimeError("the engine slept at level 2, which discarded its weights: call update_weights before generating.")
+    return [("empty_device_cache", None), ("wake_up", tags)] if tags else []
+
+
+def update_plan(state: SleepState, lora: bool) -> list[tuple]:
+    """New weights: the weights alone woken, reloaded, the KV cache woken last (so the two never
+    need the device at once with the trainer's cached blocks), then the stale prefix cache reset.
+    LoRA: everything woken (level 1 kept the base), the adapter loaded."""
+    if lora:
+        ops = [*wake_plan(state), ("load_adapter", None)]
+    else:
+        ops = [*wake_plan(state, ("weights",)), ("reload_weights", None)]
+        ops += wake_plan(state_after(state, ops), ("kv_cache",))
+    return ops + [("reset_prefix_cache", None)]
+
+
+def state_after(state: SleepState, ops: list[tuple]) -> SleepState:
+    """The sleep state once `ops` ran."""
+    for op, arg in ops:
+        if op == "sleep":
+            state = SleepState(frozenset(ALL_TAGS), weights_discarded=arg == 2)
+        elif op == "wake_up":
+            state = replace(state, asleep=state.asleep - set(arg))
+        elif op == "reload_weights":
+            state = replace(state, weights_discarded=False)
+    return state
+
+
 def tensor_parallel_group(tp: int):
     """The process group of this rank's k consecutive ranks (every rank creates every group)."""
     import torch.distributed as tdist
@@ -190,8 +245,7 @@ class ColocatedBackend(RolloutBackend):
         rank = lora.adapter_rank(model) if self.lora_model is not None else 0
         empty_device_cache()  # the trainer's cached blocks, so vLLM's memory profile sees them free
         self.llm = build_llm(model_path, cfg, dtype, seed + dist.rank() // self.tp, world, lora_rank=rank)
-        self.asleep: set[str] = set()  # what level-2 sleep released and is not yet woken
-        self.weights_discarded = False
+        self.sleep_state = SleepState()
         self.sleep_enabled = cfg.vllm.sleep
         self.weight_version = 0
 
@@ -219,16 +273,24 @@ class ColocatedBackend(RolloutBackend):
         return to_rollouts(outputs, self.weight_version)
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
-        if self.lora_model is not None:
-            self.wake()
-            return self._load_adapter(buckets, version)
-        self.wake(["weights"])
-        stream = (pair for bucket in buckets for pair in bucket)  # lazy: one bucket alive at a time
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
-        self.weights_discarded = False
-        self.wake(["kv_cache"])
-        self.llm.reset_prefix_cache()  # cached KV belongs to the old weights
+        self._apply(update_plan(self.sleep_state, lora=self.lora_model is not None), buckets, version)
         self.weight_version = version
+
+    def _apply(self, ops: list[tuple], buckets: WeightBuckets = (), version: int = 0) -> None:
+        """Run a plan's engine operations in order, tracking the sleep state they leave."""
+        run = {
+            "sleep": lambda level: self.llm.sleep(level=level),
+            "empty_device_cache": lambda _: empty_device_cache(),
+            "wake_up": lambda tags: self.llm.wake_up(tags=list(tags)),
+            # lazy: one bucket alive at a time
+            "reload_weights": lambda _: self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": (pair for bucket in buckets for pair in bucket)}),
+            "load_adapter": lambda _: self._load_adapter(buckets, version),
+            "reset_prefix_cache": lambda _: self.llm.reset_prefix_cache(),  # cached KV belongs to the old weights
+        }
+        for op, arg in ops:
+            run[op](arg)
+            self.sleep_state = state_after(self.sleep_state, [(op, arg)])
 
     def _load_adapter(self, buckets: WeightBuckets, version: int) -> None:
         """The adapter (the strategy's buckets hold nothing else) into a new folder, asked for under a
@@ -244,24 +306,13 @@ class ColocatedBackend(RolloutBackend):
             remove_adapter(self.llm, old.lora_int_id)
             if old.lora_path != folder:
                 shutil.rmtree(old.lora_path, ignore_errors=True)
-        self.llm.reset_prefix_cache()
-        self.weight_version = version
 
     def sleep(self) -> None:
-        if self.sleep_enabled and not self.asleep:
-            level = 1 if self.lora_model is not None else 2  # LoRA never resends the base: keep it
-            self.llm.sleep(level=level)
-            self.asleep, self.weights_discarded = {"weights", "kv_cache"}, level == 2
+        self._apply(sleep_plan(self.sleep_state, self.sleep_enabled, lora=self.lora_model is not None))
 
-    def wake(self, tags: list[str] | None = None) -> None:
-        """Wake `tags` (all by default); generating before the reload refills discarded weights is an error."""
-        tags = [t for t in (tags or ["weights", "kv_cache"]) if t in self.asleep]
-        if "kv_cache" in tags and self.weights_discarded:
-            raise RuntimeError("the engine slept at level 2, which discarded its weights: call update_weights before generating.")
-        if tags:
-            empty_device_cache()
-            self.llm.wake_up(tags=tags)
-            self.asleep -= set(tags)
+    def wake(self) -> None:
+        """Wake everything asleep; before the reload refills discarded weights this is an error."""
+        self._apply(wake_plan(self.sleep_state))
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
