@@ -71,13 +71,6 @@ def test_a_failed_engine_start_says_what_to_change_and_the_next_one_starts(tiny_
         backend.close()
 
 
-def test_engine_model_accessor_still_works(engine):
-    from grpo.rollout.colocated import engine_model
-
-    backend, _, _ = engine
-    assert isinstance(engine_model(backend.llm), torch.nn.Module)
-
-
 def test_contract_and_parity_before_and_after_sync(engine):
     backend, model, tok = engine
     assert_round_trip(sync_round_trip(backend, model, tok), "colocated")

@@ -44,4 +44,3 @@ def test_smollm2_converts_once_loads_and_trains_one_step(make_cfg, cache_dir, tm
     assert [r["step"] for r in rows if "reward/mean" in r] == [1]
     step = next(r for r in rows if "reward/mean" in r)
     assert step["sampler_diff"] < 1e-3  # generate and the trainer agree on SmolLM2 through its chat template
-    assert summary["eval_before"] * 8 == round(summary["eval_before"] * 8)  # accuracy over the 8 held-out questions

@@ -43,12 +43,6 @@ def empty_device_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def engine_model(llm):
-    """The engine's nn.Module in this process (an internal attribute chain of vLLM 0.32, wrapped
-    here so an upgrade that moves it fails in one place; tests/test_rollout_vllm.py checks it)."""
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
-
-
 def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1, lora_rank: int = 0):
     """`world_size` > 1: the engine is one of several in the trainer's process group. A start that
     fails (most often for memory) tears down what vLLM set up, so the next engine in this process
