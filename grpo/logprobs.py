@@ -10,7 +10,9 @@ forward run twice in training (measured in `python -m grpo.bench update-memory`)
 
 Under ZeRO-3 every call of the head gathers its weight, a collective: the number of pieces comes
 from the micro-batch cap (`algo.micro_batch_tokens`), the same on every rank, never from this
-rank's own token count.
+rank's own token count. A piece is not recomputed there: DeepSpeed does not gather the weight again
+for checkpointing's recompute (it came back as its empty placeholder, shape [0], and torch refused
+it), so under ZeRO-3 each piece's logits are kept for backward, as the whole batch's were before.
 
 Heads that are not `lm_head(hidden)` (Gemma's logit soft-capping, Cohere's logit scale, ...) are
 found by comparing both ways once per model on a two-token input; those models take their own
@@ -65,10 +67,11 @@ def head_logprobs(model, hidden_BTH: torch.Tensor, tokens_BT: torch.Tensor, temp
     head = unwrapped(model).get_output_embeddings()
     B, T, H = hidden_BTH.shape
     grad = torch.is_grad_enabled() and hidden_BTH.requires_grad
+    recompute = grad and not hasattr(head.weight, "ds_id")  # not a ZeRO-3 parameter (see the top)
     logps, ents = [], []
     with precision(model):
         for h_NH, t_N in zip(hidden_BTH.reshape(B * T, H).tensor_split(pieces), tokens_BT.reshape(-1).tensor_split(pieces)):
-            if grad:
+            if recompute:
                 logp_N, ent_N = checkpoint(_piece, head, h_NH, t_N, temperature, with_entropy, use_reentrant=False)
             else:
                 logp_N, ent_N = _piece(head, h_NH, t_N, temperature, with_entropy)

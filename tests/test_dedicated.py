@@ -73,7 +73,8 @@ def test_parity_and_generations_change_after_sync(tiny_lm, tmp_path):
 
 
 def engine_pids(run_dir) -> list[int]:
-    ports = [os.path.basename(p)[len("vllm-engine-"):-len(".log")] for p in glob.glob(os.path.join(run_dir, "vllm-engine-*.log"))]
+    # vllm-engine-<node>-<port>.log
+    ports = [os.path.basename(p)[: -len(".log")].rsplit("-", 1)[1] for p in glob.glob(os.path.join(run_dir, "vllm-engine-*.log"))]
     pids = []
     for proc in glob.glob("/proc/[0-9]*/cmdline"):
         try:
