@@ -28,7 +28,11 @@ class ClusterError(ConfigError):
 
 
 class ServerError(RuntimeError):
-    """A rollout server that cannot be reached or answers with an error."""
+    """A rollout server that cannot be reached or answers with an error (`status`: its HTTP code)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class EngineStartError(RuntimeError):

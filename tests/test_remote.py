@@ -105,6 +105,18 @@ def test_unreachable_server_is_a_clear_error():
         RemoteBackend(cfg, None, None)
 
 
+def test_a_wrong_token_fails_in_seconds_naming_the_401(server, monkeypatch):
+    """A healthy server started with one token, a trainer given another: the health wait ends at
+    the first refusal with the server's 401 and what to change, not after health_timeout_s (300 s)."""
+    monkeypatch.setenv(TOKEN_ENV, "not-the-servers-token")
+    t0 = time.time()
+    with pytest.raises(ServerError) as e:
+        RemoteBackend(backend_cfg(server["url"], health_timeout_s=300), None, None)
+    assert time.time() - t0 < 30
+    assert "answered 401" in str(e.value) and "the token is not the server's" in str(e.value), str(e.value)
+    assert e.value.status == 401
+
+
 def test_weight_routes_need_the_token(server):
     url = server["url"]
     assert urllib.request.urlopen(url + "/health", timeout=5).status == 200

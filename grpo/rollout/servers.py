@@ -72,15 +72,25 @@ def route_address(host: str, port: int) -> str:
         return s.getsockname()[0]
 
 
+REFUSED = {401: "the token is not the server's: give the trainer the token the server was started with "
+                "(GRPO_SERVE_TOKEN, or rollout.remote.token_file)",
+           403: "the server refuses this client"}
+
+
 def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it", log=say, note: str = ""):
     """Call `check()` until it returns without raising, or raise the last error after `timeout_s`;
-    every 15 s, `log` says what it is waiting for and for how long (grpo/progress.py; None: silent)."""
+    every 15 s, `log` says what it is waiting for and for how long (grpo/progress.py; None: silent).
+    A server that answers but refuses us (401, 403) fails at once: waiting cannot change that."""
     deadline, last = time.time() + timeout_s, None
     progress = WaitProgress(f"{what} to answer /health", timeout_s, log, note=note)
     while True:
         try:
             return check()
-        except (ServerError, OSError) as e:
+        except ServerError as e:
+            if e.status in REFUSED:
+                raise ServerError(f"{what} is up but refused the request: {e} ({REFUSED[e.status]}).", e.status) from e
+            last = e
+        except OSError as e:
             last = e
         if time.time() >= deadline:
             raise ServerError(f"{what} did not become healthy in time: {last}")
@@ -144,7 +154,7 @@ class Server:
             with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as r:
                 raw = r.read()
         except urllib.error.HTTPError as e:
-            raise ServerError(f"{self.url}{path} answered {e.code}: {e.read()[:500].decode(errors='replace')}") from e
+            raise ServerError(f"{self.url}{path} answered {e.code}: {e.read()[:500].decode(errors='replace')}", e.code) from e
         except (urllib.error.URLError, OSError) as e:
             raise ServerError(f"{self.url}{path} is unreachable ({e}); is `python -m grpo.serve` running there?") from e
         if text:
