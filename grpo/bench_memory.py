@@ -34,29 +34,33 @@ ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 class PeakRSS:
-    """Resident memory sampled every millisecond on a thread: the peak of a block, in MB."""
+    """This process's resident memory sampled every millisecond on a thread, all of it and its
+    anonymous part (resident - shared: without memory-mapped files); peaks above entry, in MB
+    (`peak_above_mb` = `rss_mb`, and `anon_mb`)."""
 
     def __enter__(self):
         self.page = os.sysconf("SC_PAGE_SIZE")
-        self.base = self.peak = self.rss()
+        self.base = self.peak = self.sample()
         self.done = threading.Event()
-        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
         return self
 
-    def rss(self) -> int:
+    def sample(self) -> tuple[int, int]:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self.page
+            resident, shared = (int(x) * self.page for x in f.read().split()[1:3])
+        return resident, resident - shared
 
-    def _sample(self):
+    def _run(self):
         while not self.done.wait(0.001):
-            self.peak = max(self.peak, self.rss())
+            self.peak = tuple(map(max, self.peak, self.sample()))
 
     def __exit__(self, *exc):
         self.done.set()
         self.thread.join()
-        self.peak = max(self.peak, self.rss())
-        self.peak_above_mb = (self.peak - self.base) / 2**20
+        self.peak = tuple(map(max, self.peak, self.sample()))
+        self.rss_mb, self.anon_mb = ((p - b) / 2**20 for p, b in zip(self.peak, self.base))
+        self.peak_above_mb = self.rss_mb
 
 
 def smollm2_body(layers: int, vocab: int = VOCAB):

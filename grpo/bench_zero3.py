@@ -21,41 +21,14 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 
 import torch
+
+from grpo.bench_memory import PeakRSS
 
 SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
              num_key_value_heads=3, tie_word_embeddings=True, max_position_embeddings=512)
 CASES = [("before", 0.0), ("after", 0.0), ("before", 0.04), ("after", 0.04)]
-
-
-class PeakMemory:
-    """This process's resident memory sampled every millisecond on a thread, all of it and its
-    anonymous part (resident - shared: without memory-mapped files); peaks above entry, in MB."""
-
-    def __enter__(self):
-        self.page = os.sysconf("SC_PAGE_SIZE")
-        self.base = self.peak = self.sample()
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        return self
-
-    def sample(self) -> tuple[int, int]:
-        with open("/proc/self/statm") as f:
-            resident, shared = (int(x) * self.page for x in f.read().split()[1:3])
-        return resident, resident - shared
-
-    def _run(self):
-        while not self.done.wait(0.001):
-            self.peak = tuple(map(max, self.peak, self.sample()))
-
-    def __exit__(self, *exc):
-        self.done.set()
-        self.thread.join()
-        self.peak = tuple(map(max, self.peak, self.sample()))
-        self.rss_mb, self.anon_mb = ((p - b) / 2**20 for p, b in zip(self.peak, self.base))
 
 
 def save_model(folder: str) -> float:
@@ -102,7 +75,7 @@ def worker(folder: str, mode: str, beta: float, out: str, rows: int, tokens: int
     init_deepspeed_comm(cfg.parallel.cpu_shm_allreduce)
     batch = synthetic_batch(rows, tokens, tokens, seed=info.rank)
     dist.barrier()
-    with PeakMemory() as load:
+    with PeakRSS() as load:
         loading = Zero3Strategy.loading(cfg.parallel, cfg.algo, torch.float32) if mode == "after" else contextlib.nullcontext()
         model, _, path = build_policy(cfg, info, log=lambda *_: None, loading=loading)
         strategy = Zero3Strategy(cfg.parallel, model, cfg.algo, total_steps=1)
@@ -115,7 +88,7 @@ def worker(folder: str, mode: str, beta: float, out: str, rows: int, tokens: int
             ref = None
     held_anon_mb = (load.sample()[1] - load.base[1]) / 2**20  # what stays after the load's transients
     dist.barrier()
-    with PeakMemory() as step:
+    with PeakRSS() as step:
         stats = policy_update(strategy, batch, cfg.algo, tokens, 1.0, ref)
     row = {"mode": mode, "beta": beta, "rank": info.rank, "load_rss_mb": load.rss_mb, "load_anon_mb": load.anon_mb,
            "held_anon_mb": held_anon_mb, "step_rss_mb": step.rss_mb, "step_anon_mb": step.anon_mb, "kl": stats["kl"], "loss": stats["loss"]}
