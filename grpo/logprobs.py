@@ -84,13 +84,13 @@ def head_logprobs(model, hidden_BTH: torch.Tensor, tokens_BT: torch.Tensor, temp
 _PLAIN_HEAD: dict[int, bool] = {}
 
 
-def plain_head(model, inputs: dict) -> bool:
+def plain_head(model, inputs) -> bool:
     """Whether the model's logits are `get_output_embeddings()(last hidden state)`, checked once
-    per model on `inputs` (a tiny batch; every rank checks on its first micro-batch, together)."""
+    per model on `inputs()` (a tiny batch; every rank checks on its first micro-batch, together)."""
     key = id(unwrapped(model))
     if key not in _PLAIN_HEAD:
         with torch.no_grad():
-            out = model(**inputs, output_hidden_states=True, logits_to_keep=0)
+            out = model(**inputs(), output_hidden_states=True, logits_to_keep=0)
             hidden = getattr(out, "hidden_states", None)
             ok = hidden is not None
             if ok:

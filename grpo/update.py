@@ -94,9 +94,11 @@ def forward_logprobs(model, batch: Batch, temperature: float, with_entropy: bool
     the model's device."""
     T = batch.completion_ids_BT.shape[1]
     inputs = dict(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, position_ids=batch.position_ids_BL)
-    probe = padding_batch().to(batch.input_ids_BL.device)  # the same on every rank
-    if not plain_head(model, dict(input_ids=probe.input_ids_BL, attention_mask=probe.attention_mask_BL,
-                                  position_ids=probe.position_ids_BL)):
+    def probe():  # the same two tokens on every rank; built only on the model's first call
+        b = padding_batch().to(batch.input_ids_BL.device)
+        return dict(input_ids=b.input_ids_BL, attention_mask=b.attention_mask_BL, position_ids=b.position_ids_BL)
+
+    if not plain_head(model, probe):
         # a head of its own (soft-capping, scaling): the model's logits, only the last T + 1 positions
         logits_BTV = model(**inputs, logits_to_keep=T + 1).logits[:, -(T + 1) : -1]
         logp_BT = token_logprobs(logits_BTV, batch.completion_ids_BT, temperature)

@@ -413,7 +413,7 @@ def test_a_head_of_its_own_takes_the_models_logits(tiny_lm):
     scaled = ScaledHead(model)
     batch = collate([[tok.bos_token_id, 5, 6]] * 2, Rollouts([[10, 11], [12]], [[0.0] * 2, [0.0]], ["length"] * 2, 0),
                     torch.zeros(2), tok.pad_token_id, False)
-    probe = dict(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL)
+    probe = lambda: dict(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL)  # noqa: E731
     assert plain_head(model, probe) and not plain_head(scaled, probe)
     logp, _ = forward_logprobs(scaled, batch, 1.0)
     logits = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
