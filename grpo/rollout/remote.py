@@ -59,6 +59,13 @@ class RemoteBackend(RolloutBackend):
         self.weight_version = 0
         self.lora_model = model if lora.is_lora(model) else None
         self.adapter_dir = os.path.join(os.path.abspath(run_dir), "adapters", "remote")
+        self.max_context = self.pool.max_context
+
+    def submit_episodes(self, prompt_ids, samples, n, sampling, runner) -> Future:
+        """The episodes run on the pool's generator thread, turn by turn, as one batch."""
+        version = self.weight_version
+        return self.pool.generator.submit(runner.run, lambda p, k, s: self.pool.generate(p, k, s, version),
+                                          prompt_ids, samples, n, sampling)
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
         return self.submit(prompt_ids, n, sampling).result()

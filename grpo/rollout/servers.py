@@ -141,6 +141,8 @@ class Server:
         self.speed = 1.0  # completion tokens per second, an EMA over batches (equal until measured)
         self.batches = 0
         self.model = None
+        self.max_model_len = None  # as the server reports it (/v1/models)
+        self.prompt_checks = 0  # prompts whose echoed token ids were compared with the ids sent
 
     def request(self, path: str, body: dict | None = None, timeout: float | None = None, text: bool = False):
         """POST `body` (GET without one) and return the JSON answer, or the plain text with text=True
@@ -164,9 +166,25 @@ class Server:
     def wait_healthy(self, deadline: float, log=say, note: str = "") -> None:
         def ready():
             self.request("/health", timeout=5)
-            self.model = self.request("/v1/models")["data"][0]["id"]
+            card = self.request("/v1/models")["data"][0]
+            self.model, self.max_model_len = card["id"], card.get("max_model_len")
 
         wait_until(ready, deadline - time.time(), what=f"rollout server {self.url}", log=log, note=note)
+
+
+def check_echo(server: Server, prompts: list[list[int]], n: int, choices: list[dict]) -> None:
+    """The prompt ids each choice says it continued (vLLM's `return_token_ids` echo) against the ids
+    sent: a server that re-tokenized or cut a prompt is an error, never a silent mismatch."""
+    for c in choices:
+        echoed = c.get("prompt_token_ids")
+        if echoed is None:
+            continue  # an older server that does not echo
+        sent = prompts[c["index"] // n]
+        if list(echoed) != list(sent):
+            raise ServerError(f"{server.url} continued prompt ids {list(echoed)[:8]}... ({len(echoed)} ids), not the "
+                              f"{len(sent)} ids sent {list(sent)[:8]}...: the sampler and the trainer would see "
+                              "different sequences")
+        server.prompt_checks += 1
 
 
 class ServerPool:
@@ -183,6 +201,8 @@ class ServerPool:
         notes = [f"log: {p}" for p in logs] if logs else [""] * len(urls)
         with ThreadPoolExecutor(len(self.servers)) as pool:
             list(pool.map(lambda s, n: s.wait_healthy(deadline, log, n), self.servers, notes))
+        lens = [s.max_model_len for s in self.servers if s.max_model_len]
+        self.max_context = min(lens) if lens else None  # prompt + completion, as the servers allow
         self.generator = ThreadPoolExecutor(1, thread_name_prefix="grpo-generate")  # one batch at a time, in order
         self.idle_since: float | None = None  # when the last batch finished (engine wait time)
         self.senders = []
@@ -274,7 +294,9 @@ class ServerPool:
                 **sampling_fields(sampling), "logprobs": 0, "return_token_ids": True}
         if seed is not None:
             body["seed"] = seed
-        return sorted(server.request("/v1/completions", body)["choices"], key=lambda c: c["index"])
+        choices = sorted(server.request("/v1/completions", body)["choices"], key=lambda c: c["index"])
+        check_echo(server, prompts, n, choices)
+        return choices
 
     def push(self, buckets: WeightBuckets, version: int) -> None:
         """Every bucket to every server: one /update_weights call and one gloo broadcast each, to all
