@@ -156,6 +156,36 @@ def test_parity_and_generations_change_after_sync(server, tiny_lm, token_env):
         backend.close()
 
 
+def test_episodes_ending_at_turn_one_are_exactly_generate_and_prompts_are_echoed(server, tiny_lm, token_env):
+    from grpo.models import load_model
+    from tests.parity import assert_turn_one_is_generate
+
+    model, tok = load_model(server["path"])
+    backend = RemoteBackend(backend_cfg(server["url"]), model, tok)
+    try:
+        assert backend.max_context == 128  # as the server reports it (--max-model-len 128)
+        before = backend.pool.servers[0].prompt_checks
+        assert_turn_one_is_generate(backend, tok)
+        assert backend.pool.servers[0].prompt_checks - before == 12  # 6 choices x 2 calls (generate, episodes)
+    finally:
+        backend.close()
+
+
+def test_guess_episodes_through_remote(server, make_cfg, token_env):
+    """3 steps of experiment=guess_tiny on the server: every turn's prompt ids echoed back as sent (a
+    mismatch is an error), the trainer scoring the sampler's tokens across turns."""
+    from grpo.train import train
+
+    cfg = make_cfg("experiment=guess_tiny", "rollout=remote", f"rollout.remote.urls=[{server['url']}]", "steps=3",
+                   "eval_every=0", "checkpoint_every=0")
+    train(cfg)
+    rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    trained = [r for r in rows if "loss" in r]
+    assert [r["weight_version"] for r in trained] == [0, 1, 2]
+    assert all(r["sampler_diff"] <= 1e-3 for r in trained), [r["sampler_diff"] for r in trained]
+    assert max(r["episode/turns_max"] for r in trained) > 1
+
+
 def test_short_training_run_through_remote(server, make_cfg, token_env):
     from grpo.train import train
 

@@ -142,7 +142,7 @@ class Server:
         self.batches = 0
         self.model = None
         self.max_model_len = None  # as the server reports it (/v1/models)
-        self.prompt_checks = 0  # prompts whose echoed token ids were compared with the ids sent
+        self.prompt_checks = 0  # choices whose echoed prompt ids were compared with the ids sent
 
     def request(self, path: str, body: dict | None = None, timeout: float | None = None, text: bool = False):
         """POST `body` (GET without one) and return the JSON answer, or the plain text with text=True
