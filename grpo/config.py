@@ -225,13 +225,6 @@ class EnvConfig:
     role: str = "user"  # chat: the observations' role (user | tool, as the template knows it)
 
 
-def episode_span(env, max_new_tokens: int) -> int:
-    """The most tokens after the prompt: the whole completion without an environment."""
-    if env.name == "none":
-        return max_new_tokens
-    return env.max_total_tokens or env.max_turns * (max_new_tokens + env.max_observation_tokens)
-
-
 @dataclass
 class LoggerConfig:
     backend: str = "console"  # console | wandb (console and metrics.jsonl are always written)

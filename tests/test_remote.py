@@ -22,6 +22,7 @@ from grpo.config import RolloutConfig
 from grpo.rollout.auth import TOKEN_ENV
 from grpo.errors import ServerError
 from grpo.rollout.remote import RemoteBackend
+from grpo.rollout import Sampling
 from grpo.rollout.servers import free_port, split_by_load
 from grpo.serve import is_open
 from tests.conftest import ROOT
@@ -169,6 +170,25 @@ def test_episodes_ending_at_turn_one_are_exactly_generate_and_prompts_are_echoed
         assert backend.pool.servers[0].prompt_checks - before == 12  # 6 choices x 2 calls (generate, episodes)
     finally:
         backend.close()
+
+
+def test_a_trajectory_stays_on_its_first_server(server, tiny_lm, token_env):
+    """Two pool entries for the one real server, told apart by their own counters: turn 1 splits the
+    prompts between them by speed; a later turn sends each trajectory where its first turn went."""
+    from grpo.rollout.auth import load_token
+    from grpo.rollout.servers import ServerPool, StickyRoutes
+
+    _, tok = tiny_lm
+    pool = ServerPool([server["url"], server["url"]], load_token(None), 60, 60, can_push=False, log=None)
+    try:
+        sticky = StickyRoutes(pool, version=0)
+        prompts = [tok(t).input_ids for t in ("1+1=", "2+2=", "3+3=", "4+4=")]
+        sticky(prompts, 2, Sampling(max_new_tokens=2, seed=1))  # prompts 0-1 -> entry 0, 2-3 -> entry 1
+        assert [s.prompt_checks for s in pool.servers] == [4, 4]
+        out = sticky([prompts[0], prompts[3], prompts[3]], 1, Sampling(max_new_tokens=2, seed=2), keys=[1, 6, 7])
+        assert [s.prompt_checks for s in pool.servers] == [5, 6] and len(out.completion_ids) == 3
+    finally:
+        pool.close()
 
 
 def test_guess_episodes_through_remote(server, make_cfg, token_env):

@@ -38,7 +38,7 @@ from grpo import dist, lora
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.rollout.reaper import die_with_parent
 from grpo.weights import WeightBuckets
-from grpo.rollout.servers import TRANSFERS, ServerPool, free_port, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
+from grpo.rollout.servers import TRANSFERS, ServerPool, StickyRoutes, free_port, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
 
 
 def pick_devices(spec, training_per_node: int) -> list[str]:
@@ -269,8 +269,7 @@ class DedicatedBackend(RolloutBackend):
         version = self.weight_version
 
         def start(prompts, rows):
-            generate = lambda p, k, s: self.pool.generate(p, k, s, version)  # noqa: E731
-            return self.pool.generator.submit(runner.run, generate, prompts, rows, n, sampling)
+            return self.pool.generator.submit(runner.run, StickyRoutes(self.pool, version), prompts, rows, n, sampling)
 
         if self.group is None:
             return start(prompt_ids, samples)

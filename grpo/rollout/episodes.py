@@ -163,8 +163,9 @@ class EpisodeRunner:
                 seeded = replace(sampling, seed=turn_seed(sampling.seed, turn))
                 if turn == 1 and shared and len(active) == len(trajectories):
                     out = generate(prompt_ids, n, seeded)
-                elif active:
-                    out = generate([t.prompt_ids + t.span for t in active], 1, seeded)
+                elif active:  # a pool's StickyRoutes keeps each trajectory on its first server
+                    keys = {"keys": [t.index for t in active]} if getattr(generate, "takes_keys", False) else {}
+                    out = generate([t.prompt_ids + t.span for t in active], 1, seeded, **keys)
                 else:  # a collective this rank must join with nothing to do: one throwaway request
                     generate([prompt_ids[0]], 1, replace(seeded, max_new_tokens=1))
                     continue
@@ -253,11 +254,15 @@ class EpisodeRunner:
         )
 
 
+def episode_span(env, max_new_tokens: int) -> int:
+    """The most tokens after the prompt: `env.max_total_tokens`, or by default every turn and observation."""
+    return env.max_total_tokens or env.max_turns * (max_new_tokens + env.max_observation_tokens)
+
+
 def build_episodes(cfg, task, tokenizer, rollout) -> Optional[EpisodeRunner]:
     """The episode runner of a run with an environment (`env.name`), None for env=none."""
     if cfg.env.name == "none":
         return None
-    from grpo.config import episode_span
     from grpo.envs import env_factory
     from grpo.rollout.render import ChatRender, RawRender
 
