@@ -404,3 +404,43 @@ def test_an_env_that_raises_in_training_ends_only_its_episodes(make_cfg):
     rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
     trained = [r for r in rows if "loss" in r]
     assert len(trained) == 2 and sum(r["episode/errors"] for r in trained) > 0
+
+
+class RankTurns(GuessEnv):
+    """Rank 0's episodes end at turn 1; every other rank's go on to the turn cap."""
+
+    def step(self, action):
+        from grpo import dist
+
+        return Step(None, 0.0, True) if dist.rank() == 0 else Step("<", 0.0, False)
+
+
+def test_zero3_ranks_whose_episodes_end_at_turns_1_and_4_stay_in_lockstep(tmp_path, cache_dir):
+    """Under ZeRO-3 every `generate` is a collective (synced_gpus): rank 0 finishes every episode at
+    turn 1 and must still join rank 1's turns 2-4, or both hang."""
+    from tests.conftest import FAST
+    from tests.test_parallel import TORCHRUN, run
+
+    run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, "experiment=guess_tiny",
+         "parallel=zero3", "rollout=hf", "env.name=tests.test_episodes.RankTurns", "eval_every=0", "checkpoint_every=0",
+         "rollout.max_new_tokens=2", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    trained = [r for r in rows if "loss" in r]
+    assert len(trained) == 3
+    # the mean over ranks of each rank's longest episode: rank 0's 1, rank 1's up to 4
+    assert all(r["episode/turns_max"] > 1 for r in trained), [r["episode/turns_max"] for r in trained]
+
+
+def test_weights_that_change_between_turns_are_an_error(tiny_lm):
+    """An episode batch is one unit of engine work: every turn from the weight version of turn 1."""
+    _, tok = tiny_lm
+    gen = Scripted(tok, lambda p: "8")
+    versions = iter([3, 3, 4, 4])
+
+    def drifting(prompt_ids, n, sampling):
+        out = gen(prompt_ids, n, sampling)
+        out.weight_version = next(versions)
+        return out
+
+    with pytest.raises(RuntimeError, match="turn 3 came from weight version 4, turn 1 from 3"):
+        runner(tok).run(drifting, prompts_of(tok, GUESS[:1]), GUESS[:1], 1, Sampling(3))
