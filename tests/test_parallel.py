@@ -81,16 +81,19 @@ def test_two_process_training_run(tmp_path, cache_dir):
 
 def test_two_processes_share_one_tensor_parallel_colocated_engine(tmp_path, cache_dir):
     """parallel=ddp rollout=colocated with tensor_parallel_size=2: vLLM's external_launcher across
-    both ranks (gloo), prompts pooled, each rank training on its own completions."""
+    both ranks (gloo), prompts pooled every turn, each rank training on its own completions. Multi-turn
+    episodes that end at turn 1 on rank 0 and go on to turn 4 on rank 1 (tests/test_episodes.py
+    RankTurns): rank 0 joins rank 1's later turns, since the pooled generate is a collective."""
     cmd = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, "parallel=ddp",
            "rollout=colocated", "rollout.vllm.tensor_parallel_size=2", "rollout.vllm.memory_fraction=0.1",
-           f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"]
+           "experiment=guess_tiny", "env.name=tests.test_episodes.RankTurns", "eval_every=0", "checkpoint_every=0",
+           "rollout.max_new_tokens=2", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"]
     run(cmd)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     trained = [r for r in rows if "loss" in r]
     assert [r["weight_version"] for r in trained] == [0, 1, 2]
     assert all(r["sampler_diff"] < 1e-3 for r in trained)
-    assert all(r["completion_len"] > 0 for r in trained)
+    assert all(r["completion_len"] > 0 and r["episode/turns_max"] > 1 for r in trained)
 
 
 def test_tensor_parallel_colocated_parity(tmp_path):
