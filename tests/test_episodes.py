@@ -206,7 +206,8 @@ def test_lockstep_keeps_calling_generate_while_another_rank_is_active(tiny_lm):
 
     out = runner(tok, make_env=lambda: OneTurn()).run(gen, prompts_of(tok, GUESS[:2]), GUESS[:2], 1, Sampling(3), lockstep)
     assert len(gen.requests) == 4 and turns == [2, 0, 0, 0, 0]
-    assert [r[2] for r in gen.requests[1:]] == [1, 1, 1]  # throwaway requests: one token
+    assert [len(r[0]) for r in gen.requests[1:]] == [1, 1, 1]  # throwaway requests: one prompt each,
+    assert [r[2] for r in gen.requests] == [3, 3, 3, 3]  # with the others' sampling (one engine schedule under TP)
     assert [e.turns for e in out.episodes] == [1, 1]
 
 

@@ -22,7 +22,7 @@ error (the environment raised or hung past `env.step_timeout_s`: reward None, a 
 Turns are synchronous over the batch, so the episode batch is one unit of engine work with one
 weight version. Where generation is a collective (`lockstep`: ZeRO-3's synced generate, tensor-
 parallel colocated engines), every rank calls it as often as the rank with the longest episodes,
-an idle rank with one throwaway request.
+an idle rank with one throwaway request of the same sampling settings.
 """
 
 from __future__ import annotations
@@ -166,8 +166,9 @@ class EpisodeRunner:
                 elif active:  # a pool's StickyRoutes keeps each trajectory on its first server
                     keys = {"keys": [t.index for t in active]} if getattr(generate, "takes_keys", False) else {}
                     out = generate([t.prompt_ids + t.span for t in active], 1, seeded, **keys)
-                else:  # a collective this rank must join with nothing to do: one throwaway request
-                    generate([prompt_ids[0]], 1, replace(seeded, max_new_tokens=1))
+                else:  # a collective this rank must join with nothing to do: one throwaway request, with the
+                    # same sampling as the others' (tensor-parallel ranks run one engine schedule together)
+                    generate([prompt_ids[0]], 1, seeded)
                     continue
                 version = out.weight_version if version is None else version
                 if out.weight_version != version:
