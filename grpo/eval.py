@@ -41,23 +41,28 @@ def evaluate(rollout, tokenizer, task, cfg, info: DistInfo, episodes=None) -> di
     samples = task.eval[info.rank :: info.world_size]
     prompt_ids = encode_prompts(tokenizer, samples, task.chat_template, task.system_prompt)
 
-    def texts_of(n: int, sampling) -> list[str]:
+    def play(n: int, sampling) -> tuple[list[str], list[int]]:
+        """Each completion's text (an episode's final turn) and its turns (1 without an environment)."""
         if episodes is None:
-            return tokenizer.batch_decode(rollout.generate(prompt_ids, n, sampling).completion_ids, skip_special_tokens=True)
+            out = rollout.generate(prompt_ids, n, sampling)
+            return tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True), [1] * len(out.completion_ids)
         out = rollout.submit_episodes(prompt_ids, samples, n, sampling, episodes).result()
-        return [e.final_text if e.finish != "error" else "" for e in out.episodes]
+        return [e.final_text if e.finish != "error" else "" for e in out.episodes], [e.turns for e in out.episodes]
 
-    texts = texts_of(1, sampling_from(cfg.rollout, greedy=True))
-    sums = [sum(task.is_correct(t, s) for t, s in zip(texts, samples)), len(samples)]
+    texts, turns = play(1, sampling_from(cfg.rollout, greedy=True))
+    solved = [task.is_correct(t, s) for t, s in zip(texts, samples)]
+    sums = [sum(solved), len(samples), sum(k for k, ok in zip(turns, solved) if ok)]
     n = cfg.eval_samples
     ks = [k for k in (2**i for i in range(10)) if k <= n] if n > 1 else []
     if ks:
-        texts = texts_of(n, sampling_from(cfg.rollout))
+        texts, _ = play(n, sampling_from(cfg.rollout))
         correct = [sum(task.is_correct(texts[p * n + j], s) for j in range(n)) for p, s in enumerate(samples)]
         sums += [sum(pass_at_k(n, c, k) for c in correct) for k in ks]
     total = all_reduce_sum(sums)
     metrics = {"eval/accuracy": total[0] / total[1]}
-    metrics.update({f"eval/pass@{k}": v / total[1] for k, v in zip(ks, total[2:])})
+    if episodes is not None:  # turns per solved episode (guess: binary search takes 3.27)
+        metrics["eval/turns_per_solve"] = total[2] / total[0] if total[0] else float("nan")
+    metrics.update({f"eval/pass@{k}": v / total[1] for k, v in zip(ks, total[3:])})
     return metrics
 
 

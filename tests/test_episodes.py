@@ -187,8 +187,9 @@ def test_an_env_that_hangs_or_raises_ends_its_episode_as_error_within_its_timeou
         warnings.simplefilter("always")
         out = runner(tok, make_env=Hangs, timeout=0.5).run(Scripted(tok, binary_search_policy(tok)), prompts_of(tok, GUESS[:4]),
                                                            GUESS[:4], 1, Sampling(3))
-    assert time.perf_counter() - t0 < 0.5 + 1.0
     assert [e.finish for e in out.episodes] == ["stop", "error", "error", "stop"]
+    assert out.episodes[1].env_s < 0.5 + 1.0  # the hung step was waited for its timeout, not its 30 s
+    assert time.perf_counter() - t0 < 15  # the whole batch too, on a loaded machine
     assert out.episodes[1].env_reward is None and "0.5s" in out.episodes[1].error
     assert "tool crashed" in out.episodes[2].error
     messages = [str(w.message) for w in caught]
