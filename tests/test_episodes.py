@@ -446,3 +446,29 @@ def test_weights_that_change_between_turns_are_an_error(tiny_lm):
 
     with pytest.raises(RuntimeError, match="turn 3 came from weight version 4, turn 1 from 3"):
         runner(tok).run(drifting, prompts_of(tok, GUESS[:1]), GUESS[:1], 1, Sampling(3))
+
+
+def test_a_tool_episode_calls_the_calculator_then_answers(tiny_lm):
+    """A policy that asks `calc: a+b`, reads ` = sum` from its prompt and answers it: two turns, the
+    tool's result in the sequence (masked), one call and no failure in the metrics; one that asks
+    `calc: 1/0` gets the error as its observation and counts as a failed call."""
+    from grpo.rollout.episodes import episode_metrics
+
+    _, tok = tiny_lm
+
+    def policy(prompt_ids):
+        text = tok.decode(prompt_ids, skip_special_tokens=True)
+        question = text.split("=")[0]
+        return text.rsplit("= ", 1)[1] if " = " in text else ("calc: 1/0" if "error" not in text and question == "1+0" else
+                                                               "0" if "error" in text else f"calc: {question}")
+
+    samples = [Sample("123+456=", "579"), Sample("1+0=", "1")]
+    out = runner(tok, make_env=CalcEnv, max_turns=3, max_new=16, total=80, obs=16).run(
+        Scripted(tok, policy), prompts_of(tok, samples), samples, 1, Sampling(16))
+    first, second = out.episodes
+    assert (first.final_text, first.turns, first.finish, first.tool_calls, first.tool_errors) == ("579", 2, "stop", 1, 0)
+    assert first.transcript == "calc: 123+456 = 579579"
+    assert (second.tool_calls, second.tool_errors, second.final_text) == (1, 1, "0")
+    metrics = episode_metrics(out)
+    assert metrics["episode/tool_calls"] == 1.0 and metrics["episode/tool_failure_rate"] == 0.5
+    assert metrics["episode/finish_stop"] == 1.0 and metrics["episode/turns_mean"] == 2.0
