@@ -151,7 +151,7 @@ def test_budgets_end_episodes_as_length_and_a_cut_turn_never_reaches_the_env(tin
     out = runner(tok, make_env=Recording, total=7, context=None).run(always_8, prompts_of(tok, GUESS[:3]), GUESS[:3], 1,
                                                                      Sampling(3))
     assert [e.finish for e in out.episodes] == ["length", "length", "length"]
-    assert all(len(ids) <= 7 for ids in out.completion_ids)
+    assert all(e.out_of_budget for e in out.episodes) and all(len(ids) <= 7 for ids in out.completion_ids)
     # the engine's context: prompt (12) + span + a whole turn (3) within 20 -> 2 turns at most
     out = runner(tok, context=20).run(Scripted(tok, lambda p: "8", max_context=20), prompts_of(tok, GUESS[:2]), GUESS[:2], 1,
                                       Sampling(3))
@@ -161,6 +161,7 @@ def test_budgets_end_episodes_as_length_and_a_cut_turn_never_reaches_the_env(tin
     out = runner(tok, make_env=Recording).run(Scripted(tok, lambda p: "123"), prompts_of(tok, GUESS[:2]), GUESS[:2], 1,
                                               Sampling(3))
     assert [e.finish for e in out.episodes] == ["length", "length"] and Recording.seen == []
+    assert not any(e.out_of_budget for e in out.episodes)  # cut mid-turn, not out of budget
     # the turn cap
     out = runner(tok, max_turns=2).run(always_8, prompts_of(tok, GUESS[:1]), GUESS[:1], 1, Sampling(3))
     assert out.episodes[0].finish == "turns" and out.episodes[0].turns == 2

@@ -63,6 +63,7 @@ class Episode:
     tool_errors: int = 0
     error: Optional[str] = None
     last_turn_ids: list = field(default_factory=list)
+    out_of_budget: bool = False  # ended ("length") because a whole next turn no longer fit the span or context
 
 
 def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
@@ -192,6 +193,7 @@ class EpisodeRunner:
         b = self.budget
         if len(t.span) + b.max_new_tokens > b.max_total_tokens or (
                 b.max_context is not None and len(t.prompt_ids) + len(t.span) + b.max_new_tokens > b.max_context):
+            t.episode.out_of_budget = True
             t.end("length")
             return False
         return True
@@ -296,6 +298,7 @@ def episode_metrics(rollouts: Rollouts) -> dict[str, float]:
         "episode/observation_tokens": sum(e.observation_tokens for e in eps) / n,
         "episode/env_s": sum(e.env_s for e in eps),
         "episode/errors": sum(e.finish == "error" for e in eps),
+        "episode/out_of_budget": sum(e.out_of_budget for e in eps) / n,  # of finish_length: no room for a turn
         "episode/tool_calls": calls / n,
         "episode/tool_failure_rate": sum(e.tool_errors for e in eps) / calls if calls else 0.0,
     }
