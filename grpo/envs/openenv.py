@@ -119,11 +119,32 @@ def sample_field(sample, name: str) -> Any:
                       f"(prompt, answer, or a key of their meta: {sorted(sample.meta or {})}).")
 
 
+# The two uses of the client's internals (`_ws`, `_send`; openenv-core 0.3.0), both checked by
+# tests/test_openenv.py: a refused session is a ConfigError, and closing logs nothing on the server.
+
+async def request(client, coroutine):
+    """One client call. A server that refuses a session (CAPACITY_REACHED) sends its error and closes
+    the socket at once, often before the call's message goes out: the send then fails, and the
+    error, still buffered, is raised as openenv-core raises an error reply."""
+    from websockets.exceptions import ConnectionClosed
+
+    try:
+        return await coroutine
+    except ConnectionClosed as e:
+        try:
+            reply = json.loads(await asyncio.wait_for(client._ws.recv(), 1.0))
+        except Exception:  # noqa: BLE001 - nothing buffered: the connection's own error stands
+            raise e from None
+        if reply.get("type") != "error":
+            raise
+        error = reply.get("data", {})
+        raise RuntimeError(f"Server error: {error.get('message')} (code: {error.get('code')})") from e
+
+
 async def end_session(client, timeout_s: float) -> None:
     """Ends a session the way the server expects: the "close" message, then the server closes the
     socket. openenv-core 0.3.0's own `close()` closes the socket at once, and its server, finding it
-    closed, logs a traceback per session (here one per trajectory, every step). The one use of the
-    client's internals (`_send`, `_ws`); tests/test_openenv.py checks that closing logs nothing."""
+    closed, logs a traceback per session (here one per trajectory, every step)."""
     if client._ws is not None:
         try:
             await client._send({"type": "close"})
@@ -172,7 +193,7 @@ class OpenEnvAdapter:
     def call(self, coroutine):
         """Runs one client call on the shared loop. openenv-core's client reports a server's refusal as
         RuntimeError("Server error: ... (code: CAPACITY_REACHED)"): that one is a setup mistake."""
-        future = asyncio.run_coroutine_threadsafe(coroutine, event_loop())
+        future = asyncio.run_coroutine_threadsafe(request(self.client, coroutine), event_loop())
         try:
             return future.result(self.timeout_s)
         except RuntimeError as e:
