@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from grpo.envs import CalcEnv, GuessEnv, RetryEnv, Step, calculator
+from grpo.errors import ConfigError
 from grpo.envs.guess import binary_search_turns
 from grpo.rollout.base import Rollouts, Sampling
 from grpo.rollout.episodes import Budget, EpisodeRunner, cut_middle, turn_seed
@@ -407,6 +408,29 @@ def test_an_env_that_raises_in_training_ends_only_its_episodes(make_cfg):
     rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
     trained = [r for r in rows if "loss" in r]
     assert len(trained) == 2 and sum(r["episode/errors"] for r in trained) > 0
+
+
+class Misconfigured(GuessEnv):
+    closed = 0
+
+    def reset(self, sample, seed):
+        if seed == 3:
+            raise ConfigError("env.kwargs.url is wrong; set it to the server's")
+        return super().reset(sample, seed)
+
+    def close(self):
+        Misconfigured.closed += 1
+
+
+def test_a_config_error_from_an_env_stops_the_run_and_every_env_is_closed(tiny_lm):
+    """A setup mistake (grpo/envs/openenv.py: a server admitting too few sessions) is no episode's
+    fault: it stops the run, where ending the episodes as "error" would train on nothing."""
+    _, tok = tiny_lm
+    Misconfigured.closed = 0
+    with pytest.raises(ConfigError, match="env.kwargs.url"):
+        runner(tok, make_env=Misconfigured).run(Scripted(tok, lambda p: "8"), prompts_of(tok, GUESS[:2]), GUESS[:2], 2,
+                                                Sampling(3))
+    assert Misconfigured.closed == 4  # trajectories 0-3, built before trajectory 3's reset raised
 
 
 class RankTurns(GuessEnv):

@@ -14,10 +14,20 @@ from grpo.envs.guess import GuessEnv
 from grpo.envs.retry import RetryEnv
 from grpo.envs.tools import CalcEnv, ToolEnv, calculator
 
+
+def openenv_adapter(**kwargs) -> Env:
+    """env=openenv: an OpenEnv server's environment (grpo/envs/openenv.py), imported here on first use so
+    that importing grpo.envs never imports openenv-core (the optional extra `grpo[openenv]`)."""
+    from grpo.envs.openenv import OpenEnvAdapter
+
+    return OpenEnvAdapter(**kwargs)
+
+
 ENVS: dict[str, Callable] = {
     "guess": GuessEnv,
     "calc": CalcEnv,
     "retry": lambda task, **kw: RetryEnv(task.is_correct, **kw),
+    "openenv": openenv_adapter,
 }
 
 

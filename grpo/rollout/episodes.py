@@ -18,6 +18,7 @@ are cut in the middle.
 
 Finish reasons: stop (the environment said done), length (a budget), turns (the turn cap),
 error (the environment raised or hung past `env.step_timeout_s`: reward None, a warning names it).
+An environment that raises ConfigError (a setup mistake, not the episode's fault) stops the run.
 
 Turns are synchronous over the batch, so the episode batch is one unit of engine work with one
 weight version. Where generation is a collective (`lockstep`: ZeRO-3's synced generate, tensor-
@@ -33,6 +34,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
+from grpo.errors import ConfigError
 from grpo.rollout.base import Rollouts, Sampling
 
 FINISH = ("stop", "length", "turns", "error")
@@ -86,12 +88,16 @@ def cut_middle(ids: list[int], limit: int, marker: list[int]) -> list[int]:
 
 
 def call_with_timeout(fn: Callable, timeout_s: float):
-    """(value, None) or (None, error text); a call past `timeout_s` is abandoned (a daemon thread)."""
+    """(value, None) or (None, error text); a call past `timeout_s` is abandoned (a daemon thread). A
+    ConfigError is raised again here: a setup mistake (an OpenEnv server that admits too few sessions)
+    stops the run, where ending every episode as "error" would train on nothing."""
     box: dict = {}
 
     def target():
         try:
             box["value"] = fn()
+        except ConfigError as e:
+            box["fatal"] = e
         except Exception as e:  # noqa: BLE001 - the caller ends the episode as "error" with this text
             box["error"] = f"{type(e).__name__}: {e}"
 
@@ -100,6 +106,8 @@ def call_with_timeout(fn: Callable, timeout_s: float):
     t.join(timeout_s)
     if t.is_alive():
         return None, f"no answer within env.step_timeout_s={timeout_s:g}s"
+    if "fatal" in box:
+        raise box["fatal"]
     return box.get("value"), box.get("error")
 
 
