@@ -78,6 +78,12 @@ def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
     return high | ((low + turn * 0x9E3779B9) & 0xFFFFFFFF)
 
 
+def reset_seed(seed: Optional[int], index: int) -> int:
+    """The seed an environment's `reset` gets: the step's sampling seed (a new one every step and rank,
+    the same again when a resumed run redoes the step) plus the trajectory's index."""
+    return (seed or 0) + index
+
+
 def cut_middle(ids: list[int], limit: int, marker: list[int]) -> list[int]:
     """At most `limit` ids: the head and the tail kept, `marker` between them."""
     if len(ids) <= limit:
@@ -153,7 +159,7 @@ class EpisodeRunner:
             first = []
             for t in trajectories:
                 t.env = self.make_env()
-                text, error = call_with_timeout(lambda t=t: t.env.reset(t.sample, t.index), self.step_timeout_s)
+                text, error = call_with_timeout(lambda t=t: t.env.reset(t.sample, reset_seed(sampling.seed, t.index)), self.step_timeout_s)
                 if error:
                     self.fail(t, error, "reset")
                 elif text:
