@@ -187,7 +187,10 @@ class AlgoConfig:
     beta: float = 0.0  # KL weight; the reference model is loaded only when > 0
     num_iterations: int = 1  # optimisation passes over one generated batch
     num_minibatches: int = 1  # optimizer steps per pass
-    micro_batch_tokens: int = 8192  # padded tokens per forward/backward
+    micro_batch_tokens: int = 8192  # tokens per forward/backward, padding included
+    # micro-batches of whole sequences packed end to end in rows (no padding between them; attention
+    # kept inside each sequence by restarting position ids): grpo/packing.py. false: padded rows
+    packing: bool = True
     mask_truncated: bool = False  # drop completions that hit max_new_tokens from the loss
     zero_std_groups: str = "keep"  # keep | drop (groups with equal rewards carry no signal)
     is_level: str = "none"  # sampler/trainer mismatch correction: none | token | sequence
