@@ -314,13 +314,14 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
 
         # 2. score: every reward function on every completion, weighted sum per completion
         scored = r.score(current)
-        t_gen = t_wait + scored.generate_s
+        wait_s = scored.generate_s  # the trainer, waiting for this batch
         draw_metrics = {}
         if algo.dynamic_sampling:  # DAPO: more batches of P prompts until P groups carry signal
             scored, draw_metrics = refill(scored, lambda k: r.draw_more(step, k), algo.max_draws,
                                           lambda short: int(all_reduce_max([short])[0]))
         samples, prompt_ids, rollouts, rewards_PG = scored.samples, scored.prompt_ids, scored.rollouts, scored.rewards_PG
         completions, samples_BG = scored.completions, [s for s in samples for _ in range(G)]
+        generate_s = (t_wait - t0) + scored.generate_s  # submitting (hf: generating) and waiting, every draw
         t_score = time.perf_counter()
 
         # 3. advantages per group; groups with equal rewards carry no signal
@@ -345,7 +346,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         # 8. metrics, samples, evaluation, checkpoint
         n_tokens = scored.generated_tokens  # every draw's
         gen_tokens_total += n_tokens
-        gen_time_total += (t_wait - t0) + scored.generate_s
+        gen_time_total += generate_s
         valid = rewards_PG[~torch.isnan(rewards_PG)]
         metrics = {
             "reward/mean": float(valid.mean()) if valid.numel() else float("nan"),
@@ -361,13 +362,13 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
             # rank; every rank's batch comes from the same push)
             "async/staleness_mean": staleness(step - 1, rollouts.weight_version),
             "async/staleness_max": staleness(step - 1, rollouts.weight_version),
-            "time/wait_for_data_s": t_gen - t_wait,  # the trainer, waiting for this batch
+            "time/wait_for_data_s": wait_s,  # the trainer, waiting for this batch
             "time/engine_wait_s": rollouts.engine_wait_s,  # the engines, idle before it (waiting for weights)
             "lr": r.strategy.lr,
             "tokens_per_s": n_tokens / (t_end - t0),
-            "gen_tokens_per_s": n_tokens / ((t_wait - t0) + scored.generate_s),
+            "gen_tokens_per_s": n_tokens / generate_s,
             "step_s": t_end - t0,
-            "time/generate_s": (t_wait - t0) + scored.generate_s,  # submitting (hf: generating) and waiting
+            "time/generate_s": generate_s,
             "time/score_s": scored.score_s,
             "time/update_s": t_update - t_score,
             "time/sync_s": t_end - t_update,
