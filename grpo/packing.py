@@ -61,6 +61,8 @@ def pack(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, prompt_wid
     right-padded) whose sequences, in order, fill `rows[0]` sequences of row 0, `rows[1]` of row 1, ...
     Every completion token is carried, whatever its mask (a truncated or an observation token is
     still context for the tokens after it)."""
+    device = input_ids_BL.device
+    input_ids_BL, attention_mask_BL = input_ids_BL.cpu(), attention_mask_BL.cpu()  # the layout is worked out here
     B, L = input_ids_BL.shape
     real_BL = attention_mask_BL.bool()
     lengths_B = real_BL.sum(dim=1)
@@ -76,7 +78,9 @@ def pack(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, prompt_wid
     b, col = real_BL.nonzero(as_tuple=True)
     r, w = row_B[b], start_B[b] + in_seq_BL[b, col]
     ids_RW = torch.full((len(rows), width), pad_id, dtype=input_ids_BL.dtype)
-    pos_RW = torch.arange(width).repeat(len(rows), 1)  # padding: a run of its own after the last sequence
+    # a row's padding keeps its column as position: transformers may count it into the last sequence's
+    # run, but it comes after every real token, so causality keeps it out of their attention
+    pos_RW = torch.arange(width).repeat(len(rows), 1)
     ids_RW[r, w] = input_ids_BL[b, col]
     pos_RW[r, w] = in_seq_BL[b, col]
 
@@ -85,7 +89,6 @@ def pack(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, prompt_wid
     tb, tt = (torch.arange(T)[None, :] < completion_B[:, None]).nonzero(as_tuple=True)
     # the hidden state at the position before a token predicts it: prompt_len + t - 1 into the sequence
     hidden_at = (row_B[tb], start_B[tb] + prompt_B[tb] + tt - 1)
-    device = input_ids_BL.device
     return PackedRows(ids_RW.to(device), pos_RW.to(device), tuple(x.to(device) for x in hidden_at),
                       (tb.to(device), tt.to(device)))
 
