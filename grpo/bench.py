@@ -5,7 +5,7 @@ bench_results/COMMAND.json; the default `run`'s is bench_results/bench.json). Wi
 
 Each command's code is its own module: grpo/bench_steps.py (run), bench_async.py, bench_lora.py,
 bench_shared_cores.py, bench_warm_start.py, bench_memory.py (update-memory, hf-scores), bench_zero3.py
-(zero3-memory), bench_trl.py (vs-trl); bench_runs.py holds what their trainings share and
+(zero3-memory), bench_packing.py (update-packing), bench_trl.py (vs-trl); bench_runs.py holds what their trainings share and
 bench_report.py their tables and JSON.
 """
 
@@ -15,7 +15,8 @@ import argparse
 import os
 import sys
 
-COMMANDS = ("run", "async", "lora", "shared-cores", "warm-start", "update-memory", "hf-scores", "zero3-memory", "vs-trl")
+COMMANDS = ("run", "async", "lora", "shared-cores", "warm-start", "update-memory", "hf-scores", "zero3-memory", "update-packing",
+            "vs-trl")
 # the flags that chose a benchmark before the commands, and the command each is now
 OLD_FLAGS = {"--async": "async", "--lora": "lora", "--shared-cores": "shared-cores", "--warm-start": "warm-start",
              "--update-memory": "update-memory", "--hf-scores": "hf-scores", "--zero3-memory": "zero3-memory",
@@ -75,6 +76,12 @@ def run_zero3_memory(args):
     return report_zero3_memory(args.rows, args.tokens)
 
 
+def run_update_packing(args):
+    from grpo.bench_packing import report_update_packing
+
+    return report_update_packing(args.layers, args.prompts, args.group, args.repeats)
+
+
 def run_vs_trl(args):
     from grpo.bench_trl import report_trl
 
@@ -132,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
                 "whole-then-partitioned against zero.Init, with and without a reference")
     c.add_argument("--rows", type=int, default=4, help="rows of the update's batch per rank")
     c.add_argument("--tokens", type=int, default=32, help="prompt and completion tokens per row")
+
+    c = command("update-packing", run_update_packing, "the update phase padded against packed (algo.packing) on "
+                "SmolLM2-135M with completions of 4-400 tokens: seconds, tokens per second, peak memory")
+    c.add_argument("--layers", type=int, default=30, help="layers of SmolLM2-135M kept (of 30; default: %(default)s)")
+    c.add_argument("--prompts", type=int, default=2, help="prompts in the batch (default: %(default)s)")
+    c.add_argument("--group", type=int, default=8, help="completions per prompt (default: %(default)s)")
+    c.add_argument("--repeats", type=int, default=1, help="times each mode runs, alternating (default: %(default)s)")
 
     command("vs-trl", run_vs_trl, "TRL's GRPOTrainer against rollout=hf on the same tiny model, task, batch and "
             "loss (needs trl)", steps=12, overrides=True)

@@ -188,7 +188,14 @@ class AlgoConfig:
     beta: float = 0.0  # KL weight; the reference model is loaded only when > 0
     num_iterations: int = 1  # optimisation passes over one generated batch
     num_minibatches: int = 1  # optimizer steps per pass
-    micro_batch_tokens: int = 8192  # padded tokens per forward/backward
+    micro_batch_tokens: int = 8192  # tokens per forward/backward, padding included
+    # micro-batches of whole sequences packed end to end in rows (no padding between them; attention
+    # kept inside each sequence by restarting position ids): grpo/packing.py. false: padded rows
+    packing: bool = True
+    # DAPO's dynamic sampling: keep drawing batches of P prompts until P groups have unequal rewards,
+    # at most max_draws batches per step (grpo/dynamic_sampling.py)
+    dynamic_sampling: bool = False
+    max_draws: int = 4
     mask_truncated: bool = False  # drop completions that hit max_new_tokens from the loss
     zero_std_groups: str = "keep"  # keep | drop (groups with equal rewards carry no signal)
     is_level: str = "none"  # sampler/trainer mismatch correction: none | token | sequence
@@ -354,7 +361,11 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
             f"algo.num_minibatches={a.num_minibatches} must be >= 1 and divide the {prompts} prompts per step "
             f"(batch_size / group_size), so no group is split across optimizer steps."
         )
-    for key in ("num_iterations", "micro_batch_tokens"):
+    if a.dynamic_sampling and a.max_staleness > 0:
+        raise ConfigError(f"algo.dynamic_sampling draws more prompts after scoring the step's batch, but with "
+                          f"algo.max_staleness={a.max_staleness} the next batches are already drawn and generating: "
+                          f"set algo.max_staleness=0, or algo.dynamic_sampling=false.")
+    for key in ("num_iterations", "micro_batch_tokens", "max_draws"):
         if getattr(a, key) < 1:
             raise ConfigError(f"algo.{key}={getattr(a, key)} must be at least 1.")
     # CISPO's two bounds are independent (its lower one is usually off: clip_eps=1); PPO's clip-higher raises the upper

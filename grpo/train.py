@@ -59,7 +59,8 @@ from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint,
 from grpo.cli import exit_on_user_error
 from grpo.config import register_configs, validate
 from grpo.cpus import configure_threads, machine_info
-from grpo.dist import DistInfo, all_reduce_sum, barrier, broadcast_object, dist_info, node_names, process_group
+from grpo.dist import DistInfo, all_reduce_max, all_reduce_sum, barrier, broadcast_object, dist_info, node_names, process_group
+from grpo.dynamic_sampling import Scored, refill
 from grpo.eval import evaluate
 from grpo.export import export_hf
 from grpo.library_logs import quiet_library_logs
@@ -194,17 +195,51 @@ class Run:
     def push_weights(self, version: int) -> None:
         self.rollout.update_weights(self.strategy.weight_buckets(self.bucket_bytes), version=version)
 
-    def submit(self, step: int) -> InFlight:
-        """Draw the step's prompts (the same on every rank, each taking its share) and hand them over."""
+    def submit(self, step: int, draw: int = 0) -> InFlight:
+        """Draw the step's prompts (the same on every rank, each taking its share) and hand them over.
+        `draw` k >= 1: the step's k-th extra batch (algo.dynamic_sampling), seeded as batch
+        step x max_draws + k of the run, so no two batches share sampling seeds."""
         before = self.sampler.state_dict()
         rank, P = self.info.rank, self.P
         samples = self.sampler.next(P * self.info.world_size)[rank * P : (rank + 1) * P]
         prompt_ids = encode_prompts(self.tokenizer, samples, self.task.chat_template, self.task.system_prompt)
-        seeded = replace(self.sampling, seed=sampling_seed(self.cfg.seed, step, rank, self.info.world_size, P, self.G))
+        batch = step * self.cfg.algo.max_draws + draw if self.cfg.algo.dynamic_sampling else step
+        seeded = replace(self.sampling, seed=sampling_seed(self.cfg.seed, batch, rank, self.info.world_size, P, self.G))
         if self.episodes is not None:  # several turns per completion, each through the backend's generate
             return InFlight(step, samples, prompt_ids, before,
                             self.rollout.submit_episodes(prompt_ids, samples, self.G, seeded, self.episodes))
         return InFlight(step, samples, prompt_ids, before, self.rollout.submit(prompt_ids, self.G, seeded))
+
+    def score(self, batch: InFlight) -> Scored:
+        """Wait for a batch's rollouts, then every reward function on every completion, weighted sum per
+        completion."""
+        t0 = time.perf_counter()
+        rollouts = batch.rollouts.result()
+        t_gen = time.perf_counter()
+        if rollouts.episodes is None:
+            completions = self.tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
+            info_B = {"completion_ids": rollouts.completion_ids}
+        else:  # an episode's final turn, with the transcript, turns and the environment's reward
+            completions, info_B = final_texts(rollouts), reward_info(rollouts)
+        rewards_FB, reward_means = score(
+            self.reward_fns, completions, [s for s in batch.samples for _ in range(self.G)], self.cfg.reward.timeout_s,
+            max_new_tokens=self.cfg.rollout.max_new_tokens, **info_B,
+        )
+        for i, reason in enumerate(rollouts.finish_reasons):  # an environment that failed: no reward, advantage 0
+            if reason == "error":
+                for values in rewards_FB:
+                    values[i] = None
+        rewards_PG = combine_rewards(rewards_FB, [w for _, _, w in self.reward_fns]).view(self.P, self.G)
+        sampled = (sum(sum(m) for m in rollouts.loss_masks) if rollouts.loss_masks is not None
+                   else sum(len(c) for c in rollouts.completion_ids))  # observation tokens aside
+        return Scored(batch.samples, batch.prompt_ids, rollouts, completions, rewards_PG, reward_means,
+                      generate_s=t_gen - t0, score_s=time.perf_counter() - t_gen, generated_tokens=sampled)
+
+    def draw_more(self, step: int, k: int) -> Scored:
+        """The step's k-th extra batch (algo.dynamic_sampling), drawn, generated and scored now."""
+        t0 = time.perf_counter()
+        scored = self.score(self.submit(step, draw=k))
+        return replace(scored, generate_s=time.perf_counter() - t0 - scored.score_s)  # hf generates in submit
 
     def checkpoint(self, step: int) -> None:
         # the sampler as of the batches trained: batches still in flight are drawn again on resume
@@ -284,7 +319,6 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         r.eval_before = before["eval/accuracy"]
         logger.log(0, before, console=True)
 
-    weights_F = [w for _, _, w in r.reward_fns]
     gen_tokens_total, gen_time_total = 0, 0.0
     for step in range(r.start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
@@ -296,26 +330,19 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
             r.in_flight.append(r.submit(ahead))
             r.submitted = ahead
         current = r.in_flight.popleft()
-        samples, prompt_ids = current.samples, current.prompt_ids
         t_wait = time.perf_counter()
-        rollouts = current.rollouts.result()
-        t_gen = time.perf_counter()
 
         # 2. score: every reward function on every completion, weighted sum per completion (an
         #    episode's: its final turn, with the transcript, turns and the environment's reward)
-        samples_BG = [s for s in samples for _ in range(G)]
-        if rollouts.episodes is None:
-            completions = r.tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
-            info_B = {"completion_ids": rollouts.completion_ids}
-        else:
-            completions, info_B = final_texts(rollouts), reward_info(rollouts)
-        rewards_FB, reward_means = score(
-            r.reward_fns, completions, samples_BG, cfg.reward.timeout_s, max_new_tokens=cfg.rollout.max_new_tokens, **info_B)
-        for i, reason in enumerate(rollouts.finish_reasons):  # an environment that failed: no reward, advantage 0
-            if reason == "error":
-                for values in rewards_FB:
-                    values[i] = None
-        rewards_PG = combine_rewards(rewards_FB, weights_F).view(P, G)
+        scored = r.score(current)
+        wait_s = scored.generate_s  # the trainer, waiting for this batch
+        draw_metrics = {}
+        if algo.dynamic_sampling:  # DAPO: more batches of P prompts until P groups carry signal
+            scored, draw_metrics = refill(scored, lambda k: r.draw_more(step, k), algo.max_draws,
+                                          lambda short: int(all_reduce_max([short])[0]))
+        samples, prompt_ids, rollouts, rewards_PG = scored.samples, scored.prompt_ids, scored.rollouts, scored.rewards_PG
+        completions, samples_BG = scored.completions, [s for s in samples for _ in range(G)]
+        generate_s = (t_wait - t0) + scored.generate_s  # submitting (hf: generating) and waiting, every draw
         t_score = time.perf_counter()
 
         # 3. advantages per group; groups with equal rewards carry no signal
@@ -338,17 +365,19 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         t_end = time.perf_counter()
 
         # 8. metrics, samples, evaluation, checkpoint
-        n_tokens = sum(sum(m) for m in rollouts.loss_masks) if rollouts.loss_masks else sum(len(c) for c in rollouts.completion_ids)
+        n_tokens = scored.generated_tokens  # every draw's sampled tokens (an episode's observations aside)
         gen_tokens_total += n_tokens
-        gen_time_total += t_gen - t0
+        gen_time_total += generate_s
         valid = rewards_PG[~torch.isnan(rewards_PG)]
         metrics = {
             "reward/mean": float(valid.mean()) if valid.numel() else float("nan"),
             "reward/std": float(valid.std()) if valid.numel() > 1 else 0.0,
             "reward/zero_std_frac": float(flat_P.float().mean()),
-            **reward_means,
+            **scored.reward_means,
             **stats,
-            "completion_len": n_tokens / len(rollouts.completion_ids),  # sampled tokens (observations aside)
+            **draw_metrics,
+            "completion_len": sum(sum(m) for m in rollouts.loss_masks) / len(rollouts.completion_ids)
+            if rollouts.loss_masks is not None else sum(len(c) for c in rollouts.completion_ids) / len(rollouts.completion_ids),
             **(episode_metrics(rollouts) if rollouts.episodes is not None else {}),
             "truncated_frac": sum(reason == "length" for reason in rollouts.finish_reasons) / len(rollouts.finish_reasons),
             "weight_version": rollouts.weight_version,
@@ -356,14 +385,14 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
             # rank; every rank's batch comes from the same push)
             "async/staleness_mean": staleness(step - 1, rollouts.weight_version),
             "async/staleness_max": staleness(step - 1, rollouts.weight_version),
-            "time/wait_for_data_s": t_gen - t_wait,  # the trainer, waiting for this batch
+            "time/wait_for_data_s": wait_s,  # the trainer, waiting for this batch
             "time/engine_wait_s": rollouts.engine_wait_s,  # the engines, idle before it (waiting for weights)
             "lr": r.strategy.lr,
             "tokens_per_s": n_tokens / (t_end - t0),
-            "gen_tokens_per_s": n_tokens / (t_gen - t0),
+            "gen_tokens_per_s": n_tokens / generate_s,
             "step_s": t_end - t0,
-            "time/generate_s": t_gen - t0,
-            "time/score_s": t_score - t_gen,
+            "time/generate_s": generate_s,
+            "time/score_s": scored.score_s,
             "time/update_s": t_update - t_score,
             "time/sync_s": t_end - t_update,
         }

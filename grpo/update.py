@@ -1,7 +1,9 @@
 """From rollouts to an optimizer step: collate, score tokens in micro-batches, accumulate the loss.
 
-The trainer's forward pass sees prompt (left-padded) + completion (right-padded). Position ids come
+The batch is laid out padded: prompt (left-padded) + completion (right-padded). Position ids come
 from the attention mask, as `generate` derives them, so the trainer's logprobs match the sampler's.
+With `algo.packing` the model's forward sees the micro-batch's sequences packed end to end instead
+(grpo/packing.py); everything else, the loss and its masks included, stays in the padded B x T layout.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from typing import Optional
 import torch
 
 from grpo import dist
+from grpo.errors import ConfigError
 from grpo.logprobs import head_logprobs, pieces_for, plain_head, unwrapped
+from grpo.packing import first_fit_rows, pack, packs_exactly
 from grpo.algorithm import (
     LossNorm, centred_moments, decoupled_loss, entropy, group_advantages, reinforce_pp_advantages,
     reward_moments, rloo_advantages, sampled_kl, std_from_moments, token_logprobs,
@@ -31,6 +35,8 @@ class Batch:
     prompt_width: int
     old_logprobs_BT: Optional[torch.Tensor] = None  # set when the batch is reused (off-policy)
     ref_logprobs_BT: Optional[torch.Tensor] = None  # set when beta > 0
+    # a packed micro-batch (algo.packing): how many of its sequences, in order, each row holds
+    rows: Optional[list[int]] = None
 
     @property
     def size(self) -> int:
@@ -45,7 +51,7 @@ class Batch:
             f.name: getattr(self, f.name)[idx] if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name)
             for f in fields(self)
         }
-        return Batch(**picked)
+        return Batch(**{**picked, "rows": None})  # a packing is laid out for the rows it was made for
 
 
 def batch_advantages(rewards_PG: torch.Tensor, scale: str, estimator: str = "grpo") -> torch.Tensor:
@@ -100,7 +106,10 @@ def forward_logprobs(model, batch: Batch, temperature: float, with_entropy: bool
         b = padding_batch().to(batch.input_ids_BL.device)
         return dict(input_ids=b.input_ids_BL, attention_mask=b.attention_mask_BL, position_ids=b.position_ids_BL)
 
-    if not plain_head(model, probe):
+    plain = plain_head(model, probe)
+    if batch.rows is not None:
+        return packed_logprobs(model, batch, temperature, with_entropy, max_tokens, plain)
+    if not plain:
         # a head of its own (soft-capping, scaling): the model's logits, only the last T + 1 positions
         logits_BTV = model(**inputs, logits_to_keep=T + 1).logits[:, -(T + 1) : -1]
         logp_BT = token_logprobs(logits_BTV, batch.completion_ids_BT, temperature)
@@ -115,42 +124,97 @@ def forward_logprobs(model, batch: Batch, temperature: float, with_entropy: bool
     return head_logprobs(model, hidden_BTH, batch.completion_ids_BT, temperature, pieces, with_entropy)
 
 
-def micro_batches(batch: Batch, max_tokens: int) -> list[Batch]:
-    """Consecutive slices of at most `max_tokens` padded tokens (at least one row each)."""
-    rows = max(1, max_tokens // batch.input_ids_BL.shape[1])
-    return [batch.select(slice(i, i + rows)) for i in range(0, batch.size, rows)]
+def packed_logprobs(model, batch: Batch, temperature: float, with_entropy: bool, max_tokens: int, plain: bool):
+    """forward_logprobs of a packed micro-batch (`batch.rows`): the model runs on the packed rows, the
+    head on the completion tokens only, and logprobs_BT (entropy_BT) come back in the batch's B x T
+    layout, 0 past each completion's end."""
+    if not packs_exactly(model, id(unwrapped(model))):
+        raise ConfigError(
+            f"algo.packing=true, but {type(unwrapped(model)).__name__} attends across the sequences of a packed row "
+            f"(it does not restart attention where the position ids restart): set algo.packing=false.")
+    packed = pack(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.rows)
+    inputs = dict(input_ids=packed.input_ids_RW, position_ids=packed.position_ids_RW, use_cache=False)
+    tokens_1N = batch.completion_ids_BT[packed.token_at][None]
+    if not plain:  # a head of its own: the model's logits at every position, those before a completion token kept
+        logits_1NV = model(**inputs, logits_to_keep=0).logits[packed.hidden_at][None]
+        logp_1N = token_logprobs(logits_1NV, tokens_1N, temperature)
+        with torch.no_grad():
+            ent_1N = entropy(logits_1NV.detach() / max(temperature, 1e-6)) if with_entropy else None
+    else:
+        hidden_RWH = model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
+        vocab = unwrapped(model).get_output_embeddings().weight
+        pieces = pieces_for(max_tokens or tokens_1N.shape[1], getattr(vocab, "ds_shape", vocab.shape)[0])
+        logp_1N, ent_1N = head_logprobs(model, hidden_RWH[packed.hidden_at][None], tokens_1N, temperature, pieces,
+                                        with_entropy)
+    zeros_BT = torch.zeros(batch.completion_ids_BT.shape, device=logp_1N.device)
+    return (zeros_BT.index_put(packed.token_at, logp_1N[0]),
+            zeros_BT.index_put(packed.token_at, ent_1N[0]) if with_entropy else None)
 
 
-def padding_batch() -> Batch:
+def micro_batch_plan(batch: Batch, max_tokens: int, packing: bool = False) -> list[tuple[torch.Tensor | slice, list[int] | None]]:
+    """Which rows of `batch` each micro-batch takes, and (packed) how many sequences each of its rows
+    holds. Padded: consecutive slices of at most `max_tokens` padded tokens (at least one row each).
+    Packed: the sequences first-fit into rows as wide as the batch's longest sequence, and
+    `max_tokens // width` rows (at least one) per micro-batch."""
+    if not packing:
+        rows = max(1, max_tokens // batch.input_ids_BL.shape[1])
+        return [(slice(i, i + rows), None) for i in range(0, batch.size, rows)]
+    lengths = batch.attention_mask_BL.sum(dim=1).tolist()
+    if not lengths:
+        return []
+    width = max(lengths)
+    rows = first_fit_rows(lengths, width)
+    per = max(1, max_tokens // width)
+    return [(torch.tensor([i for row in rows[k : k + per] for i in row]), [len(row) for row in rows[k : k + per]])
+            for k in range(0, len(rows), per)]
+
+
+def micro_batches(batch: Batch, max_tokens: int, packing: bool = False) -> list[Batch]:
+    """The micro-batches of `micro_batch_plan`."""
+    return [replace(batch.select(idx), rows=rows) for idx, rows in micro_batch_plan(batch, max_tokens, packing)]
+
+
+def padding_batch(packing: bool = False) -> Batch:
     """One row that enters no loss (mask 0, advantage 0): a rank with fewer micro-batches runs it so
-    that every rank makes the same forward/backward calls, which ZeRO's collectives need."""
+    that every rank makes the same forward/backward calls, which ZeRO's collectives need (packed as
+    the rank's other micro-batches are, so every rank checks `packs_exactly` on the same call)."""
     ids = torch.zeros((1, 2), dtype=torch.long)
     zeros = torch.zeros((1, 1))
     return Batch(ids, torch.ones_like(ids), torch.tensor([[0, 1]]), ids[:, 1:], zeros, zeros, torch.zeros(1),
-                 prompt_width=1, ref_logprobs_BT=zeros)
+                 prompt_width=1, ref_logprobs_BT=zeros, rows=[1] if packing else None)
 
 
-def lockstep_micro_batches(strategy, batch: Batch, max_tokens: int) -> tuple[list[Batch], int]:
-    """This rank's micro-batches and how many padding ones to add: for a `lockstep` strategy the
-    count is raised to the largest on any rank, and to at least 1 (DeepSpeed's step needs a
-    backward before it, even when every rank's groups were dropped); otherwise 0."""
-    mbs = micro_batches(batch, max_tokens)
+def lockstep_padding(strategy, micro_batches: int) -> int:
+    """How many padding micro-batches this rank adds to its `micro_batches`: for a `lockstep`
+    strategy the count is raised to the largest on any rank, and to at least 1 (DeepSpeed's step
+    needs a backward before it, even when every rank's groups were dropped); otherwise 0."""
     if not getattr(strategy, "lockstep", False):
-        return mbs, 0
-    return mbs, max(1, int(dist.all_reduce_max([len(mbs)])[0])) - len(mbs)
+        return 0
+    return max(1, int(dist.all_reduce_max([micro_batches])[0])) - micro_batches
+
+
+def lockstep_micro_batches(strategy, batch: Batch, max_tokens: int, packing: bool = False) -> tuple[list[Batch], int]:
+    """This rank's micro-batches and how many padding ones to add (`lockstep_padding`)."""
+    mbs = micro_batches(batch, max_tokens, packing)
+    return mbs, lockstep_padding(strategy, len(mbs))
 
 
 @torch.no_grad()
-def score_tokens(model, batch: Batch, temperature: float, max_tokens: int, strategy=None) -> torch.Tensor:
+def score_tokens(model, batch: Batch, temperature: float, max_tokens: int, strategy=None,
+                 packing: bool = False) -> torch.Tensor:
+    """logprobs_BT of the whole batch (no gradient), in micro-batches."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    mbs, padding = lockstep_micro_batches(strategy, batch, max_tokens)
-    out = [forward_logprobs(model, mb.to(device), temperature, max_tokens=max_tokens)[0].cpu() for mb in mbs]
-    for _ in range(padding):
-        forward_logprobs(model, padding_batch().to(device), temperature, max_tokens=max_tokens)
+    plan = micro_batch_plan(batch, max_tokens, packing)
+    out_BT = torch.zeros_like(batch.sampler_logprobs_BT)
+    for idx, rows in plan:
+        mb = replace(batch.select(idx), rows=rows).to(device)
+        out_BT[idx] = forward_logprobs(model, mb, temperature, max_tokens=max_tokens)[0].cpu()
+    for _ in range(lockstep_padding(strategy, len(plan))):
+        forward_logprobs(model, padding_batch(packing).to(device), temperature, max_tokens=max_tokens)
     model.train(was_training)
-    return torch.cat(out) if out else torch.zeros_like(batch.sampler_logprobs_BT)
+    return out_BT
 
 
 def loss_norm(batch: Batch, max_len: int, gen_tokens_per_step: float) -> LossNorm:
@@ -170,8 +234,8 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
     statistics stay on the device (0-dim tensors): the step reads them once, not per micro-batch."""
     device = next(strategy.model.parameters()).device
     sums = {k: torch.zeros((), device=device) for k in SUMS}
-    mbs, padding = lockstep_micro_batches(strategy, batch, algo.micro_batch_tokens)
-    for mb in mbs + [padding_batch()] * padding:
+    mbs, padding = lockstep_micro_batches(strategy, batch, algo.micro_batch_tokens, algo.packing)
+    for mb in mbs + [padding_batch(algo.packing)] * padding:
         mb = mb.to(device)
         logp_BT, ent_BT = forward_logprobs(strategy.forward_model, mb, temperature, with_entropy=True,
                                            max_tokens=algo.micro_batch_tokens)
@@ -208,10 +272,11 @@ def policy_update(
     G = algo.group_size
     lockstep = strategy.lockstep  # every rank joins every forward, even with no rows
     if (batch.size or lockstep) and (algo.num_iterations > 1 or algo.num_minibatches > 1):
-        old_BT = score_tokens(strategy.forward_model, batch, temperature, algo.micro_batch_tokens, strategy)
+        old_BT = score_tokens(strategy.forward_model, batch, temperature, algo.micro_batch_tokens, strategy, algo.packing)
         batch = replace(batch, old_logprobs_BT=old_BT)
     if (batch.size or lockstep) and algo.beta > 0:  # a sharded reference (ZeRO-3) needs every rank too
-        batch = replace(batch, ref_logprobs_BT=score_tokens(ref_model, batch, temperature, algo.micro_batch_tokens, strategy))
+        ref_BT = score_tokens(ref_model, batch, temperature, algo.micro_batch_tokens, strategy, algo.packing)
+        batch = replace(batch, ref_logprobs_BT=ref_BT)
     # normalisers count the whole optimizer batch on every rank; each rank joins every reduction,
     # also with an empty minibatch
     gen_tokens_per_step = strategy.reduce_counts([float(batch.mask_BT.sum())])[0] / algo.num_minibatches

@@ -3,12 +3,14 @@
     python tests/ddp_step.py OUT N_MICRO STRATEGY                       # one process
     torchrun --nproc_per_node 2 tests/ddp_step.py OUT N_MICRO STRATEGY  # each rank half the rows
 
-STRATEGY is single, ddp, zero2 or zero3; ddp reduces in 10 KB buckets, so in many. With a 4th argument `uneven`, rank 0 takes 3 of the 4
-groups and rank 1 one, so the ranks run different numbers of micro-batches. Writes OUT/<loss_type>.pt with the full updated weights
-(rank 0), for every loss type.
+STRATEGY is single, ddp, zero2 or zero3; ddp reduces in 10 KB buckets, so in many. With an argument `uneven`, rank 0 takes 3 of the 4
+groups and rank 1 one, so the ranks run different numbers of micro-batches; with `padded`, algo.packing=false (default: packed
+micro-batches). Writes OUT/<loss_type>.pt with the full updated weights (rank 0), for every loss type, and OUT/micro_batches.json
+with each rank's count of micro-batches.
 """
 
 import copy
+import json
 import os
 import sys
 
@@ -20,10 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo.parallel.single  # noqa: E402
 import grpo.parallel.zero  # noqa: E402
 from grpo.config import AlgoConfig, ParallelConfig, TinyModelConfig  # noqa: E402
-from grpo.dist import dist_info, init_distributed, shutdown  # noqa: E402
+from grpo.dist import all_reduce_sum, dist_info, init_distributed, shutdown  # noqa: E402
 from grpo.models import build_char_tokenizer, build_tiny_model  # noqa: E402
 from grpo.parallel import strategy_class  # noqa: E402
-from grpo.update import policy_update  # noqa: E402
+from grpo.update import micro_batches, policy_update  # noqa: E402
 from tests.test_gradient_invariance import make_batch  # noqa: E402
 
 
@@ -34,7 +36,7 @@ def sgd(model, algo, total_steps):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 
 
-def main(out: str, n_micro: int, name: str, uneven: bool = False) -> None:
+def main(out: str, n_micro: int, name: str, uneven: bool = False, packing: bool = True) -> None:
     grpo.parallel.single.build_optimizer = grpo.parallel.zero.build_optimizer = sgd
     info = dist_info()
     init_distributed(info)
@@ -48,15 +50,18 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False) -> None:
         local = batch.select(slice(0, 6) if info.rank == 0 else slice(6, 8))
     for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
         algo = OmegaConf.structured(AlgoConfig(loss_type=loss_type, group_size=2, batch_size=8, lr=1e-2, warmup_steps=0,
-                                               max_grad_norm=1e9, num_iterations=2, beta=0.05))
+                                               max_grad_norm=1e9, num_iterations=2, beta=0.05, packing=packing))
         algo.micro_batch_tokens = local.input_ids_BL.shape[1] * rows // n_micro
         model = copy.deepcopy(base)
         strategy = strategy_class(name)(OmegaConf.structured(ParallelConfig(strategy=name, allreduce_bucket_mb=0.01)), model, algo, total_steps=10)
         ref = copy.deepcopy(base).eval()
         policy_update(strategy, local, algo, max_len=6, temperature=1.0, ref_model=ref)
+        counts = all_reduce_sum([len(micro_batches(local, algo.micro_batch_tokens, packing)) * (r == info.rank)
+                                 for r in range(info.world_size)])
         full = {n: t.clone() for bucket in strategy.weight_buckets(2**20) for n, t in bucket}  # gathered under ZeRO-3
         if info.rank == 0:
             torch.save(full, os.path.join(out, f"{loss_type}.pt"))
+            json.dump(counts, open(os.path.join(out, "micro_batches.json"), "w"))
     shutdown()
 
 
@@ -76,5 +81,5 @@ def exit_process(code: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:] == ["uneven"])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], "uneven" in sys.argv[4:], "padded" not in sys.argv[4:])
     exit_process(0)

@@ -1,0 +1,112 @@
+"""Dynamic sampling (algo.dynamic_sampling, grpo/dynamic_sampling.py): which groups a step trains,
+worked out by hand, the ranks' common stop, the config rules, and a resumed run drawing the same
+prompts as an uninterrupted one."""
+
+import json
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from grpo.config import ConfigError, validate
+from grpo.dynamic_sampling import Scored, refill
+from grpo.rollout.base import Rollouts
+from grpo.train import train
+from tests.conftest import FAST, compose_cfg
+
+
+@dataclass
+class MaskedRollouts(Rollouts):
+    """Rollouts with one more per-completion field (as multi-turn's loss masks will be): it is taken
+    along with the others."""
+
+    loss_masks: list | None = None
+
+
+def scored(tag: str, rewards_PG: list[list[float]], wait: float = 1.0) -> Scored:
+    """A batch of P prompts `tag0`, `tag1`, ... whose completion j of prompt p is `tag{p}.{j}`."""
+    P, G = len(rewards_PG), len(rewards_PG[0])
+    names = [f"{tag}{p}.{j}" for p in range(P) for j in range(G)]
+    rollouts = MaskedRollouts([[i] for i in range(P * G)], [[-0.5]] * (P * G), ["stop"] * (P * G), 3,
+                              engine_wait_s=wait, loss_masks=[[1, 0, 1] if i % 2 else [1] for i in range(P * G)])
+    rewards = torch.tensor(rewards_PG, dtype=torch.float32)
+    return Scored([f"{tag}{p}" for p in range(P)], [[p] for p in range(P)], rollouts, names, rewards,
+                  {"reward/f": float(rewards.mean())}, generate_s=1.0, score_s=0.5, generated_tokens=P * G)
+
+
+def never(_):
+    raise AssertionError("no further draw expected")
+
+
+def test_refill_takes_the_first_p_informative_groups_in_draw_order():
+    # P = 3, G = 2. Batch 0: only group 1 (0 vs 1) is informative. Batch 1: groups 0 and 2 are.
+    # 3 informative groups after 2 draws: stop; train a1, b0, b2 (in that order).
+    first = scored("a", [[1, 1], [0, 1], [0, 0]])
+    second = scored("b", [[0, 1], [1, 1], [1, 0]])
+    asked = []
+    out, m = refill(first, lambda k: {1: second}[k], max_draws=4, still_short=lambda n: asked.append(n) or n)
+    assert asked == [2, 0]  # 3 - 1 short after the first batch, 0 after the second
+    assert out.samples == ["a1", "b0", "b2"]
+    assert out.completions == ["a1.0", "a1.1", "b0.0", "b0.1", "b2.0", "b2.1"]
+    assert out.rewards_PG.tolist() == [[0, 1], [0, 1], [1, 0]]
+    assert out.rollouts.completion_ids == [[2], [3], [0], [1], [4], [5]]  # rows 2, 3 of a; 0, 1 and 4, 5 of b
+    assert out.rollouts.loss_masks == [[1], [1, 0, 1], [1], [1, 0, 1], [1], [1, 0, 1]]
+    assert out.rollouts.weight_version == 3 and out.rollouts.engine_wait_s == 2.0
+    assert (out.generate_s, out.score_s, out.generated_tokens) == (2.0, 1.0, 12)
+    # 3 informative of the 6 groups drawn; the reward over all 12 completions drawn: 3 + 4 ones / 12
+    assert m == {"dynamic/draws": 2.0, "dynamic/informative_frac": 0.5, "dynamic/trained_informative": 3.0,
+                 "dynamic/reward_mean_drawn": pytest.approx(7 / 12)}
+    assert out.reward_means == {"reward/f": pytest.approx((3 / 6 + 4 / 6) / 2)}
+
+
+def test_refill_stops_at_max_draws_and_fills_with_the_first_batchs_flat_groups():
+    # only a1 is informative in 2 draws (the bound): train a1, then a0 and a2 (flat, advantage 0)
+    first = scored("a", [[1, 1], [0, 1], [0, 0]])
+    out, m = refill(first, lambda k: scored("b", [[1, 1], [0, 0], [1, 1]]), max_draws=2, still_short=lambda n: n)
+    assert out.samples == ["a1", "a0", "a2"] and out.rewards_PG.tolist() == [[0, 1], [1, 1], [0, 0]]
+    assert m["dynamic/draws"] == 2.0 and m["dynamic/informative_frac"] == pytest.approx(1 / 6)
+    assert m["dynamic/trained_informative"] == 1.0
+
+
+def test_a_rank_with_enough_groups_draws_as_long_as_another_is_short():
+    # this rank has its 2 informative groups at once; another rank lacks 1 until draw 3 (the max over
+    # ranks, all_reduce_max): this rank draws along, and trains its first two
+    short_elsewhere = iter([1, 1, 0])
+    first = scored("a", [[0, 1], [1, 0]])
+    out, m = refill(first, lambda k: scored("bcd"[k - 1], [[0, 1], [0, 1]]), max_draws=5,
+                    still_short=lambda n: max(n, next(short_elsewhere)))
+    assert m["dynamic/draws"] == 3.0 and out.samples == ["a0", "a1"]
+
+
+def test_max_draws_one_draws_nothing_more_and_calls_no_collective():
+    first = scored("a", [[1, 1], [0, 1]])
+    out, m = refill(first, never, max_draws=1, still_short=never)
+    assert out.samples == ["a1", "a0"] and m["dynamic/draws"] == 1.0
+
+
+def test_dynamic_sampling_settings_are_checked():
+    with pytest.raises(ConfigError, match="algo.max_staleness=0"):
+        validate(compose_cfg("algo.dynamic_sampling=true", "algo.max_staleness=1", "rollout=dedicated"))
+    with pytest.raises(ConfigError, match="max_draws"):
+        validate(compose_cfg("algo.dynamic_sampling=true", "algo.max_draws=0"))
+
+
+def logged(run_dir) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "loss" in r}
+
+
+def test_dynamic_sampling_run_resumes_drawing_the_same_prompts(tmp_path, cache_dir, learning_policy):
+    """3 steps straight against 2 steps, then a resume to 3: step 3 draws as many batches, of the same
+    prompts (the sampler's state is in the checkpoint), and trains the same groups."""
+    args = [*FAST, "algo.dynamic_sampling=true", "algo.max_draws=3", "algo.zero_std_groups=drop"]
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    train(compose_cfg(*args, run_dir=straight, cache=cache_dir))
+    train(compose_cfg(*args, "steps=2", run_dir=resumed, cache=cache_dir))
+    train(compose_cfg(*args, run_dir=resumed, cache=cache_dir))
+    a, b = logged(straight), logged(resumed)
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    assert any(r["dynamic/draws"] > 1 for r in a.values()), a  # the tiny policy leaves flat groups
+    for k in ("dynamic/draws", "dynamic/informative_frac", "dynamic/reward_mean_drawn", "reward/mean", "loss",
+              "trained_completions"):
+        assert b[3][k] == pytest.approx(a[3][k], rel=1e-5, abs=1e-6), k

@@ -1,0 +1,189 @@
+"""Packed micro-batches (algo.packing, grpo/packing.py): the same logprobs, gradients and metrics as
+the padded update, to 1e-5 in fp32, on one process and with LoRA (ZeRO-3's lockstep: test_parallel.py)."""
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from grpo.config import AlgoConfig, ConfigError, LoraConfig
+from grpo.packing import first_fit_rows, pack
+from grpo.parallel.single import SingleStrategy
+from grpo.rollout.base import Rollouts
+from grpo.update import (
+    accumulate_gradients, collate, forward_logprobs, loss_norm, micro_batches, policy_update, score_tokens,
+)
+
+
+def spread_batch(tok, B=8, seed=0):
+    """Ragged prompts (2-9 tokens) and completions (0-14 tokens, one empty), advantages of both signs,
+    and a loss mask with holes inside completions (what multi-turn observation tokens will be)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [[tok.bos_token_id] + torch.randint(4, 20, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(B)]
+    lengths = [0] + torch.randint(1, 15, (B - 1,), generator=g).tolist()
+    comps = [torch.randint(4, 20, (n,), generator=g).tolist() for n in lengths]
+    logps = [(-torch.rand(n, generator=g)).tolist() for n in lengths]
+    batch = collate(prompts, Rollouts(comps, logps, ["stop"] * B, 0), torch.randn(B, generator=g), tok.pad_token_id, False)
+    batch.mask_BT[1:, 2] = 0.0  # observation tokens: context, not loss
+    return batch
+
+
+def completion_tokens(batch):
+    return torch.arange(batch.completion_ids_BT.shape[1])[None, :] < batch.attention_mask_BL[:, batch.prompt_width:].sum(1)[:, None]
+
+
+def test_first_fit_rows_by_value():
+    # lengths 5, 3, 4, 2, 1 into rows of 5, longest first: 5 | 4 (+1) | 3 (+2)
+    assert first_fit_rows([5, 3, 4, 2, 1], 5) == [[0], [2, 4], [1, 3]]
+    assert first_fit_rows([2, 2, 2], 10) == [[0, 1, 2]]
+    assert first_fit_rows([], 4) == []
+
+
+def test_pack_lays_sequences_end_to_end_by_value(tiny_lm):
+    _, tok = tiny_lm
+    b = tok.bos_token_id
+    batch = collate([[b, 5, 6], [b, 7]], Rollouts([[10, 11], [12, 13, 14]], [[0.0] * 2, [0.0] * 3], ["stop"] * 2, 0),
+                    torch.zeros(2), tok.pad_token_id, False)
+    one_row = pack(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, [2])
+    assert one_row.input_ids_RW.tolist() == [[b, 5, 6, 10, 11, b, 7, 12, 13, 14]]
+    assert one_row.position_ids_RW.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4]]
+    # token t of a completion is predicted at prompt_len + t - 1 into its sequence: 2, 3 | 5 + 1, 2, 3
+    assert one_row.hidden_at[1].tolist() == [2, 3, 6, 7, 8] and one_row.hidden_at[0].tolist() == [0] * 5
+    assert [list(x) for x in zip(*(t.tolist() for t in one_row.token_at))] == [[0, 0], [0, 1], [1, 0], [1, 1], [1, 2]]
+    two_rows = pack(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, [1, 1])
+    assert two_rows.input_ids_RW.tolist() == [[b, 5, 6, 10, 11], [b, 7, 12, 13, 14]]
+    assert two_rows.hidden_at[0].tolist() == [0, 0, 1, 1, 1] and two_rows.hidden_at[1].tolist() == [2, 3, 1, 2, 3]
+
+
+@pytest.mark.parametrize("max_tokens", [10_000, 40])  # one micro-batch; several, of several rows
+def test_packed_logprobs_equal_the_padded_ones(tiny_lm, max_tokens):
+    model, tok = tiny_lm
+    batch = spread_batch(tok)
+    mbs = micro_batches(batch, max_tokens, packing=True)
+    assert (len(mbs) > 1) == (max_tokens == 40) and any(len(mb.rows) > 1 for mb in mbs)
+    assert any(n > 1 for mb in mbs for n in mb.rows)  # rows holding several sequences
+    real = completion_tokens(batch)
+    padded = score_tokens(model, batch, 0.7, max_tokens)
+    packed = score_tokens(model, batch, 0.7, max_tokens, packing=True)
+    torch.testing.assert_close(packed[real], padded[real], rtol=0, atol=1e-5)
+    assert (packed[~real] == 0).all()
+    logp, ent = forward_logprobs(model, mbs[0], 0.7, with_entropy=True)
+    ref_logp, ref_ent = forward_logprobs(model, replace_rows(mbs[0]), 0.7, with_entropy=True)
+    real0 = completion_tokens(mbs[0])
+    torch.testing.assert_close(logp[real0], ref_logp[real0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent[real0], ref_ent[real0], rtol=0, atol=1e-5)
+
+
+def replace_rows(mb):
+    from dataclasses import replace
+
+    return replace(mb, rows=None)
+
+
+def test_packed_logprobs_through_a_head_of_its_own(tiny_lm):
+    """A model whose logits are not lm_head(hidden) takes its own logits, packed as well."""
+    from tests.test_algorithm import ScaledHead
+
+    model, tok = tiny_lm
+    batch = spread_batch(tok)
+    real = completion_tokens(batch)
+    scaled = ScaledHead(model)
+    torch.testing.assert_close(score_tokens(scaled, batch, 1.0, 10_000, packing=True)[real],
+                               score_tokens(scaled, batch, 1.0, 10_000)[real], rtol=0, atol=1e-5)
+
+
+def algo_for(loss_type, packing, max_tokens):
+    return OmegaConf.structured(AlgoConfig(loss_type=loss_type, beta=0.05, clip_eps=0.1, is_level="token",
+                                           packing=packing, micro_batch_tokens=max_tokens))
+
+
+def gradients(model, batch, algo, norm):
+    stats = accumulate_gradients(SingleStrategy(None, model, algo, total_steps=1), batch, algo, norm, temperature=1.0)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, stats
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_packed_gradients_and_statistics_equal_the_padded_ones(tiny_lm, loss_type):
+    """Off-policy old logprobs (some tokens clipped), a reference, importance weights: every
+    gradient and every summed statistic of accumulate_gradients, packed against padded."""
+    base, tok = tiny_lm
+    batch = spread_batch(tok)
+    noise = 0.3 * torch.randn(batch.completion_ids_BT.shape, generator=torch.Generator().manual_seed(1))
+    batch.old_logprobs_BT = score_tokens(base, batch, 1.0, 10_000) + noise
+    batch.ref_logprobs_BT = batch.old_logprobs_BT - 0.2
+    norm = loss_norm(batch, max_len=14, gen_tokens_per_step=float(batch.mask_BT.sum()))
+    padded, padded_stats = gradients(copy.deepcopy(base), batch, algo_for(loss_type, False, 60), norm)
+    packed, packed_stats = gradients(copy.deepcopy(base), batch, algo_for(loss_type, True, 60), norm)
+    assert padded_stats["clipped_tokens"] > 0 and len(padded) > 10
+    for k in padded_stats:
+        torch.testing.assert_close(packed_stats[k], padded_stats[k], rtol=1e-5, atol=1e-6, msg=k)
+    for n in padded:
+        torch.testing.assert_close(packed[n], padded[n], rtol=0, atol=1e-5, msg=n)
+
+
+def test_packed_policy_update_gives_the_same_metrics_and_weights(tiny_lm, monkeypatch):
+    """Two passes of two optimizer steps (old logprobs scored packed), a reference: every metric, and
+    the weights after SGD (AdamW's first steps would turn float noise in near-zero gradients into
+    visible changes: tests/ddp_step.py)."""
+    import grpo.parallel.single
+    from tests.ddp_step import sgd
+
+    monkeypatch.setattr(grpo.parallel.single, "build_optimizer", sgd)
+    base, tok = tiny_lm
+    batch = spread_batch(tok)
+    runs = []
+    for packing in (False, True):
+        model = copy.deepcopy(base)
+        algo = OmegaConf.structured(AlgoConfig(group_size=2, batch_size=8, num_iterations=2, num_minibatches=2, beta=0.05,
+                                               lr=1e-2, warmup_steps=0, packing=packing, micro_batch_tokens=60))
+        stats = policy_update(SingleStrategy(None, model, algo, total_steps=4), batch, algo, 14, 1.0,
+                              ref_model=copy.deepcopy(base).eval())
+        runs.append((stats, model.state_dict()))
+    (padded, w_padded), (packed, w_packed) = runs
+    assert padded.keys() == packed.keys() and padded["kl"] > 0
+    for k in padded:
+        assert packed[k] == pytest.approx(padded[k], rel=1e-4, abs=1e-6), k
+    moved = max((w_padded[k] - base.state_dict()[k]).abs().max().item() for k in w_padded)
+    assert moved > 1e-3 and max((w_packed[k] - w_padded[k]).abs().max().item() for k in w_padded) < 1e-5
+
+
+def test_lora_packed_gradients_equal_the_padded_ones(tiny_lm):
+    from grpo import lora
+
+    model, tok = tiny_lm
+    base = lora.wrap(copy.deepcopy(model), OmegaConf.structured(LoraConfig(rank=8)))
+    with torch.no_grad():
+        for _, p in lora.adapter_parameters(base):
+            p.normal_(0, 0.1)  # B starts at 0: nothing would reach A
+    batch = spread_batch(tok)
+    batch.ref_logprobs_BT = score_tokens(base, batch, 1.0, 10_000) - 0.2
+    norm = loss_norm(batch, max_len=14, gen_tokens_per_step=1.0)
+    padded, _ = gradients(copy.deepcopy(base), batch, algo_for("bnpo", False, 60), norm)
+    packed, _ = gradients(copy.deepcopy(base), batch, algo_for("bnpo", True, 60), norm)
+    assert len(padded) == 2 * 7 * 2 and all(g.abs().sum() > 0 for g in padded.values())  # the adapter only
+    for n in padded:
+        torch.testing.assert_close(packed[n], padded[n], rtol=0, atol=1e-5, msg=n)
+
+
+class NoPositions(torch.nn.Module):
+    """A model that ignores the position ids it is given (as a class without packed-sequence support)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def forward(self, position_ids=None, **kw):
+        return self.inner(**kw)
+
+
+def test_a_model_that_attends_across_sequences_is_refused(tiny_lm):
+    model, tok = tiny_lm
+    batch = spread_batch(tok)
+    with pytest.raises(ConfigError, match="algo.packing=false"):
+        score_tokens(NoPositions(model), batch, 1.0, 10_000, packing=True)
+    score_tokens(NoPositions(model), batch, 1.0, 10_000)  # padded: its own positions from the mask are fine
