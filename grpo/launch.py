@@ -226,7 +226,7 @@ def launch(argv: list[str]) -> str:
         if cfg.rollout.backend != "remote":
             raise ConfigError(f"servers={own['servers']} starts rollout servers for rollout=remote; add rollout=remote.")
         cfg.rollout.remote.urls = ["http://found-when-the-job-starts:0"]
-    validate(cfg, world_size=world)
+    validate(cfg, world_size=world, cuda=bool(launcher.gpus_per_node or own["server_gpus"]) or None)  # the job's GPUs, not this machine's
     check_request(request_from(launcher))
     per_node = servers_per_node(own["server_gpus"], cfg.rollout.remote.tensor_parallel_size)
     if own["servers"]:

@@ -144,6 +144,20 @@ def write_url(folder: str, host: str, port: int) -> str:
     return path
 
 
+def tie_to_parent(parent_pid: int | None, cpus: str | None) -> None:
+    """What a trainer that starts this server asks of it, done in this single-threaded process (both
+    survive the exec into vLLM): SIGTERM when `parent_pid` dies (and exit now if it already has), and
+    the CPUs to run on."""
+    if parent_pid:
+        from grpo.rollout.reaper import die_with_parent
+
+        die_with_parent()
+        if os.getppid() != parent_pid:  # it died before the signal was armed
+            raise SystemExit(f"grpo.serve: the process that started it ({parent_pid}) is gone; not starting.")
+    if cpus:
+        os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF folder or hub id (the trainer's model.path); `tiny` or a "
@@ -164,10 +178,14 @@ def main(argv: list[str] | None = None) -> None:
                    "(vLLM's nccl on GPU, grpo_gloo on CPU); the trainer's rollout.vllm.weight_transfer must agree")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, help="default: CUDA graphs on GPU "
                    "(--no-enforce-eager), eager on CPU")
+    p.add_argument("--parent-pid", type=int, help="end this server (SIGTERM) when process PID, the trainer that "
+                   "started it, dies (PR_SET_PDEATHSIG, set here rather than in a preexec_fn of a threaded trainer)")
+    p.add_argument("--cpus", help="pin the server to these CPUs (e.g. 6,7): sched_setaffinity here, before vLLM starts")
     p.add_argument("--lora-rank", type=int, default=0, help="> 0: serve LoRA adapters up to this rank (the trainer's "
                    "model.lora.rank); each sync loads the new adapter from a folder through /v1/load_lora_adapter, "
                    "which the token guards like every route")
     args, extra = p.parse_known_args(argv)
+    tie_to_parent(args.parent_pid, args.cpus)
     import torch
 
     try:

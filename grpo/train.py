@@ -151,7 +151,7 @@ def train(cfg: DictConfig) -> dict:
     quiet_library_logs(info.rank)  # a library's repeating warning once per run; other ranks: grpo's warnings, errors
     threads = configure_threads(cfg.threads)
     with contextlib.ExitStack() as cleanup:
-        cleanup.enter_context(process_group(info, peer_timeout_s=cfg.parallel.peer_timeout_s))
+        cleanup.enter_context(process_group(info, cfg.parallel.collective_timeout_s, cfg.parallel.peer_timeout_s))
         return run(cfg, info, threads, cleanup)
 
 

@@ -24,7 +24,9 @@ pushes over the grpo_gloo transport.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import queue
 import socket
 import threading
 import time
@@ -55,12 +57,15 @@ def transfer_backend(setting: str, cuda: bool) -> str:
     return setting
 
 
-def make_sender(transfer: str, host: str, port: int, world_size: int, timeout_s: float):
+def make_sender(transfer: str, host: str, world_size: int, timeout_s: float):
+    """The trainer's end of one server's transfer group. grpo_gloo binds its rendezvous port here
+    (TCPStore on port 0, read back), so no other process can take it between picking and binding;
+    vLLM's nccl trainer_init binds the port it is given, so for nccl it is picked just before."""
     if transfer == "nccl":
         from grpo.rollout.nccl_transfer import NcclSender
 
-        return NcclSender(host, port, world_size, timeout_s)
-    return GlooSender(host, port, world_size, timeout_s)
+        return NcclSender(host, free_port(), world_size, timeout_s)
+    return GlooSender(host, world_size, timeout_s)
 
 
 def route_address(host: str, port: int) -> str:
@@ -77,13 +82,16 @@ REFUSED = {401: "the token is not the server's: give the trainer the token the s
            403: "the server refuses this client"}
 
 
-def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it", log=say, note: str = ""):
+def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it", log=say, note: str = "", exited=None):
     """Call `check()` until it returns without raising, or raise the last error after `timeout_s`;
     every 15 s, `log` says what it is waiting for and for how long (grpo/progress.py; None: silent).
-    A server that answers but refuses us (401, 403) fails at once: waiting cannot change that."""
+    A server that answers but refuses us (401, 403) fails at once: waiting cannot change that; so
+    does one whose process is gone (`exited()`: None while it runs, else what it left in its log)."""
     deadline, last = time.time() + timeout_s, None
     progress = WaitProgress(f"{what} to answer /health", timeout_s, log, note=note)
     while True:
+        if exited is not None and (gone := exited()):
+            raise ServerError(f"{what} exited before it became healthy: {gone}")
         try:
             return check()
         except ServerError as e:
@@ -161,12 +169,17 @@ class Server:
             return raw.decode(errors="replace")
         return json.loads(raw) if raw else {}
 
-    def wait_healthy(self, deadline: float, log=say, note: str = "") -> None:
+    def wait_healthy(self, deadline: float, log=say, note: str = "", exited=None) -> None:
         def ready():
             self.request("/health", timeout=5)
             self.model = self.request("/v1/models")["data"][0]["id"]
 
-        wait_until(ready, deadline - time.time(), what=f"rollout server {self.url}", log=log, note=note)
+        wait_until(ready, deadline - time.time(), what=f"rollout server {self.url}", log=log, note=note, exited=exited)
+
+    def world_size(self) -> int:
+        """The server's own engine world (tensor x pipeline x data parallel): the ranks its transfer
+        group needs beside the trainer's (vLLM's RL route /get_world_size, mounted with the others)."""
+        return int(self.request("/get_world_size")["world_size"])
 
 
 class ServerPool:
@@ -174,15 +187,18 @@ class ServerPool:
     weight pushes. Shared by the remote and dedicated backends."""
 
     def __init__(self, urls: list[str], token: str | None, health_timeout_s: float, request_timeout_s: float,
-                 tensor_parallel_size: int = 1, transfer_host: str | None = None, can_push: bool = True,
-                 transfer: str = GLOO, log=say, logs: list[str] | None = None):
+                 transfer_host: str | None = None, can_push: bool = True,
+                 transfer: str = GLOO, log=say, logs: list[str] | None = None, exited: list | None = None):
         """`log`: where the health waits report progress (None: silent); `logs`: each server's log file,
-        named in those lines (the dedicated engines')."""
+        named in those lines (the dedicated engines'); `exited`: per server, a function saying whether
+        its process is gone (engines this trainer started), so a dead one fails the wait at once.
+        Each server's transfer group is sized by the server's own world (`Server.world_size`)."""
         self.servers = [Server(u, token, request_timeout_s) for u in urls]
         deadline = time.time() + health_timeout_s
         notes = [f"log: {p}" for p in logs] if logs else [""] * len(urls)
+        exited = exited or [None] * len(urls)
         with ThreadPoolExecutor(len(self.servers)) as pool:
-            list(pool.map(lambda s, n: s.wait_healthy(deadline, log, n), self.servers, notes))
+            list(pool.map(lambda s, n, x: s.wait_healthy(deadline, log, n, x), self.servers, notes, exited))
         self.generator = ThreadPoolExecutor(1, thread_name_prefix="grpo-generate")  # one batch at a time, in order
         self.idle_since: float | None = None  # when the last batch finished (engine wait time)
         self.senders = []
@@ -190,27 +206,52 @@ class ServerPool:
             for server in self.servers:
                 url = urlparse(server.url)
                 host = transfer_host or route_address(url.hostname, url.port or 80)
-                sender = make_sender(transfer, host, free_port(), 1 + tensor_parallel_size, request_timeout_s)
-                self._alongside(server, "/init_weight_transfer_engine", {"init_info": sender.init_info()}, sender.connect)
+                sender = make_sender(transfer, host, 1 + server.world_size(), request_timeout_s)
+                try:
+                    self._alongside(server, "/init_weight_transfer_engine", {"init_info": sender.init_info()},
+                                    sender.connect, sender.abort)
+                except BaseException:
+                    sender.close()
+                    raise
                 self.senders.append(sender)
 
     @staticmethod
-    def _alongside(server: Server, path: str, body: dict, fn) -> None:
-        """POST `path` (which blocks server-side until the gloo peer acts) while `fn` runs here."""
-        error: list[BaseException] = []
+    def _alongside(server: Server, path: str, body: dict, fn, abort=None, grace_s: float = 2.0) -> None:
+        """POST `path` (which blocks server-side until the transfer's peer acts) while `fn` (this side of
+        the transfer: the rendezvous, or one bucket's broadcast) runs in a thread. Whichever fails first
+        ends the call: a POST the server refuses (400 for a bad update, no weight update started, a
+        transfer backend other than ours, 401, 500) raises at once with its status and the server's own
+        words, and `abort()` releases this side, whose peer will never come; before, the transfer waited
+        out its timeout (10 min; an NCCL broadcast, for ever) and the server's answer was lost. A
+        failing transfer waits `grace_s` for the server's answer, which usually says why."""
+        done: queue.Queue = queue.Queue()
 
-        def post():
+        def run(name, call):
             try:
-                server.request(path, body)
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                error.append(e)
+                call()
+                done.put((name, None))
+            except BaseException as e:  # noqa: BLE001 - raised in the caller
+                done.put((name, e))
 
-        t = threading.Thread(target=post, daemon=True)
-        t.start()
-        fn()
-        t.join()
-        if error:
-            raise error[0]
+        threading.Thread(target=run, args=("post", lambda: server.request(path, body)), daemon=True,
+                         name="grpo-transfer-post").start()
+        threading.Thread(target=run, args=("transfer", fn), daemon=True, name="grpo-transfer").start()
+        results = {}
+        while len(results) < 2:
+            name, error = done.get()
+            results[name] = error
+            if error is None:
+                continue
+            if name == "transfer" and "post" not in results:
+                with contextlib.suppress(queue.Empty):
+                    other, http_error = done.get(timeout=grace_s)
+                    results[other] = http_error
+                    if http_error is not None:
+                        error = http_error
+            if abort is not None and ("transfer" not in results or results["transfer"] is not None):
+                with contextlib.suppress(Exception):
+                    abort()
+            raise error
 
     def submit(self, prompt_ids: list[list[int]], n: int, sampling: Sampling, version: int) -> Future:
         """Queue a batch on the generator thread; it starts when the batches before it are done."""
@@ -285,7 +326,7 @@ class ServerPool:
             server.request("/start_weight_update", {})
         def send(pair, flat, info):
             server, sender = pair
-            self._alongside(server, "/update_weights", {"update_info": info}, lambda: sender.send(flat))
+            self._alongside(server, "/update_weights", {"update_info": info}, lambda: sender.send(flat), sender.abort)
 
         with ThreadPoolExecutor(len(self.servers)) as pool:  # all servers at once, bucket by bucket
             for bucket in buckets:

@@ -1,0 +1,77 @@
+"""GPU placement and failure decisions, made by plain functions a CPU runs: which GPU ordinal a rank
+takes, the tensor-parallel sizes vLLM 0.33 accepts and how dedicated engines split the free GPUs,
+where the doctor puts its server, and how fast a dead engine or a refused transfer ends a wait.
+The numbers are checked against vLLM 0.33.0's own rules (cited per test)."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from grpo.dist import cuda_device_index
+from grpo.errors import DeviceError, ServerError
+from grpo.rollout.dedicated import engine_exit, plan_engines, vllm_tensor_parallel_sizes
+from grpo.rollout.servers import ServerPool, free_port
+
+
+def test_a_rank_never_asks_for_an_ordinal_it_cannot_see():
+    """torchrun / a SLURM task with the node's GPUs: cuda:{local rank}. A task bound to one GPU
+    (--gpus-per-task=1) sees it as cuda:0 whatever its local rank (the doctor's 2-rank check on a 1-GPU
+    machine too); cuda:3 there is 'invalid device ordinal', and vLLM asserts LOCAL_RANK < device_count
+    (vllm/v1/worker/gpu_worker.py). Two GPUs for four local ranks is a layout error, named."""
+    assert [cuda_device_index(r, 8) for r in range(8)] == list(range(8))
+    assert [cuda_device_index(r, 1) for r in range(4)] == [0, 0, 0, 0]
+    with pytest.raises(DeviceError, match="local rank 3 sees 2 GPU"):
+        cuda_device_index(3, 2)
+
+
+def test_tensor_parallel_sizes_are_the_ones_vllm_accepts():
+    """vllm/config/model.py: heads % tp == 0; QKVParallelLinear: tp divides the KV heads, or the KV
+    heads divide tp (replicated). Qwen2.5-1.5B: 12 heads, 2 KV heads; the tiny model: 4 and 4."""
+    assert vllm_tensor_parallel_sizes(4, 4, 8) == [1, 2, 4]
+    assert vllm_tensor_parallel_sizes(12, 2, 8) == [1, 2, 4, 6]  # 3: 2 KV heads cannot split into 3
+    assert vllm_tensor_parallel_sizes(32, 8, 8) == [1, 2, 4, 8]
+    assert vllm_tensor_parallel_sizes(None, None, 3) == [1, 2, 3]  # unknown model: vLLM decides
+
+
+def test_dedicated_engines_fill_the_free_gpus_with_sizes_vllm_accepts():
+    """One trainer on an 8-GPU node leaves 7: one engine of TP 7 exits at start for a 4-head model
+    ('Total number of attention heads (4) must be divisible by tensor parallel size (7)'); auto makes 7
+    engines of one GPU. 6 free GPUs for a 12-head / 2-KV-head model: 1 engine of TP 6."""
+    seven = [f"cuda:{i}" for i in range(1, 8)]
+    assert plan_engines(seven, 0, 4, 4) == [[d] for d in seven]
+    six = [f"cuda:{i}" for i in range(2, 8)]
+    assert plan_engines(six, 0, 12, 2) == [six]
+    assert plan_engines(six, 3, 12, 2) == [six[0:2], six[2:4], six[4:6]]  # contiguous groups
+    with pytest.raises(DeviceError, match=r"gives each engine 6 GPUs.*use num_engines in \[3, 6\]"):
+        plan_engines(six, 1, 4, 4)
+    with pytest.raises(DeviceError, match="num_engines=4 does not divide the 6 reserved devices"):
+        plan_engines(six, 4, 12, 2)
+    assert plan_engines(["cpu"], 0, 4, 4) == [["cpu"]] and plan_engines(["cpu"], 2, 4, 4) == [["cpu"], ["cpu"]]
+
+
+def test_an_engine_that_exits_at_start_ends_the_health_wait_at_once_with_its_log(tmp_path):
+    """A real process that dies at start (as vLLM does on a bad --dtype, OOM, or a TP size it refuses),
+    its port never answering: the wait ends within seconds quoting the exit code and the log's end,
+    not after the start timeout (600 s by default)."""
+    log = tmp_path / "engine.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", "import sys; print('ValueError: Total number of attention "
+                                 "heads (4) must be divisible by tensor parallel size (7)'); sys.exit(3)"],
+                                stdout=out, stderr=subprocess.STDOUT)
+    t0 = time.time()
+    with pytest.raises(ServerError) as e:
+        ServerPool([f"http://127.0.0.1:{free_port('127.0.0.1')}"], "token", 300, 10, log=None,
+                   exited=[lambda: engine_exit(proc, str(log))])
+    assert time.time() - t0 < 15
+    assert "exited before it became healthy: exit code 3" in str(e.value)
+    assert "must be divisible by tensor parallel size (7)" in str(e.value)
+
+
+def test_a_server_process_given_a_dead_parent_does_not_start():
+    """grpo.serve --parent-pid (the trainer's pid) arms the parent-death signal itself; a parent that
+    is already gone means the trainer died while it started: it exits at once, before vLLM."""
+    out = subprocess.run([sys.executable, "-m", "grpo.serve", "--model", "unused", "--parent-pid", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "the process that started it (1) is gone" in out.stderr
