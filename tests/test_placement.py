@@ -75,3 +75,19 @@ def test_a_server_process_given_a_dead_parent_does_not_start():
     out = subprocess.run([sys.executable, "-m", "grpo.serve", "--model", "unused", "--parent-pid", "1"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "the process that started it (1) is gone" in out.stderr
+
+
+def test_an_nccl_broadcast_wait_is_bounded_and_ends_on_abort():
+    """PyNccl broadcasts have no timeout: the sender polls the broadcast's CUDA event
+    (`nccl_transfer.wait_until_done`) instead of `stream.synchronize()`, so a server that never posts
+    its receive costs request_timeout_s at most, and a refused /update_weights (abort) ends it at once."""
+    from grpo.rollout.nccl_transfer import wait_until_done
+
+    calls = iter([False, False, True])
+    wait_until_done(lambda: next(calls), 5)  # completes on the third poll
+    t0 = time.time()
+    with pytest.raises(TimeoutError, match="did not complete within 0.2 s"):
+        wait_until_done(lambda: False, 0.2)
+    with pytest.raises(RuntimeError, match="aborted: the server refused its half"):
+        wait_until_done(lambda: False, 60, aborted=lambda: True)
+    assert time.time() - t0 < 5
