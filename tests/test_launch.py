@@ -26,6 +26,14 @@ def test_gpu_count_from_sinfo_gres(gres, n):
     assert gpu_count(gres) == n
 
 
+def test_a_gpu_job_with_one_cpu_per_task_is_refused_with_what_to_ask():
+    with pytest.raises(ClusterError) as e:
+        check_request(Request(nodes=1, tasks_per_node=8, gpus_per_node=8, partition="gpu"), NODES)
+    assert "cpus_per_task=1 with gpus_per_node=8" in str(e.value) and "Ask for cpus_per_task=8 or more" in str(e.value)
+    check_request(Request(nodes=1, tasks_per_node=8, cpus_per_task=8, gpus_per_node=8, partition="gpu"), NODES)
+    check_request(Request(nodes=1), NODES)  # a CPU job: one CPU per task is the user's choice
+
+
 def test_requests_that_fit():
     assert check_request(Request(nodes=1), NODES) == "cpu"  # the default partition
     assert check_request(Request(nodes=4, tasks_per_node=8, cpus_per_task=8, gpus_per_node=8, partition="gpu"), NODES) == "gpu"
@@ -193,3 +201,19 @@ def test_the_server_job_is_cancelled_on_every_way_out(tmp_path, monkeypatch, way
     with pytest.raises(type(way_out)):
         job()
     assert "scancel --signal=INT 4242" in calls.read_text()
+
+
+def test_train_remote_sbatch_places_its_server_where_nccl_and_vllm_accept_it():
+    """slurm/train_remote.sbatch evaluates `python -m grpo.slurm server-layout GPUS TRAIN_TASKS SHARED`:
+    a server node's GPUs go to one engine with a matching tensor-parallel size (REVIEW M2); in the
+    one-node mode the server never shares a GPU with a trainer rank over NCCL (H1)."""
+    from grpo.slurm import remote_server_layout
+
+    assert remote_server_layout(8, 8, shared=False) == {"SERVER_DEVICES": "", "SERVER_TP": "8", "SERVER_MEMORY": "", "TRANSFER": "auto"}
+    assert remote_server_layout(8, 1, shared=True)["SERVER_DEVICES"] == "1,2,3,4"  # 7 free: TP 4, not 7
+    assert remote_server_layout(1, 1, shared=True) == {"SERVER_DEVICES": "", "SERVER_TP": "1", "SERVER_MEMORY": "0.4",
+                                                       "TRANSFER": "grpo_gloo"}
+    assert remote_server_layout(0, 1, shared=True)["TRANSFER"] == "grpo_gloo"
+    out = subprocess.run([sys.executable, "-m", "grpo.slurm", "server-layout", "2", "1", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["SERVER_DEVICES=1", "SERVER_TP=1", "SERVER_MEMORY=", "TRANSFER=auto"], out.stderr
