@@ -83,6 +83,13 @@ def init_distributed(info: DistInfo, timeout_s: float = 600, force: bool = False
     One process gets no group unless `force` (DeepSpeed needs one even then)."""
     if (info.world_size == 1 and not force) or dist.is_initialized():
         return
+    store = None
+    if info.world_size == 1 and "MASTER_PORT" not in os.environ:  # one process (DeepSpeed's group): its own
+        # store on a port bound here (0: the kernel's choice), not one picked free and bound later
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, 1, is_master=True,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        os.environ["MASTER_PORT"] = str(store.port)
     for key in ("MASTER_ADDR", "MASTER_PORT"):
         if key not in os.environ:
             raise RuntimeError(f"rank {info.rank}: {key} is not set; launch with torchrun, or export it in the job script "
@@ -95,7 +102,7 @@ def init_distributed(info: DistInfo, timeout_s: float = 600, force: bool = False
         # vLLM's external launcher and DeepSpeed take LOCAL_RANK as the device ordinal
         os.environ["LOCAL_RANK"] = str(device)
     dist.init_process_group(
-        backend, rank=info.rank, world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        backend, rank=info.rank, world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout_s), store=store
     )
 
 

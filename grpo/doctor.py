@@ -152,9 +152,10 @@ def start_server(model: str, token: str, log_path: str, memory_fraction: float =
     """`grpo.serve` on a free local port; returns (process, url) once /health answers."""
     import urllib.request
 
-    from grpo.rollout.servers import free_port
+    from grpo.rollout.servers import reserve_port
 
-    port = free_port("127.0.0.1")
+    held = reserve_port("127.0.0.1")  # held until the server answers, so nothing else takes the port meanwhile
+    port = held.getsockname()[1]
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", model, "--port", str(port), "--max-model-len", "128",
                                  "--memory-fraction", str(memory_fraction), "--weight-transfer", transfer],
@@ -162,15 +163,18 @@ def start_server(model: str, token: str, log_path: str, memory_fraction: float =
                                 env={**os.environ, "GRPO_SERVE_TOKEN": token, **(env or {})})
     url, deadline = f"http://127.0.0.1:{port}", time.time() + 600
     progress = WaitProgress(f"grpo.serve at {url} to answer /health", 600, note=f"log: {log_path}")
-    while time.time() < deadline:
-        progress()
-        if proc.poll() is not None:
-            raise RuntimeError(f"grpo.serve exited ({proc.returncode}): {last_error(open(log_path).read())}")
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            return proc, url
-        except OSError:
-            time.sleep(1)
+    try:
+        while time.time() < deadline:
+            progress()
+            if proc.poll() is not None:
+                raise RuntimeError(f"grpo.serve exited ({proc.returncode}): {last_error(open(log_path).read())}")
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                return proc, url
+            except OSError:
+                time.sleep(1)
+    finally:
+        held.close()
     stop_server(proc)
     raise RuntimeError(f"grpo.serve did not answer /health in 600 s; see {log_path}")
 

@@ -36,7 +36,7 @@ import sys
 from grpo.dist import node_name
 from grpo.errors import TokenError
 from grpo.rollout.auth import TOKEN_ENV, load_token, token_ok
-from grpo.rollout.servers import TRANSFERS, free_port, transfer_backend
+from grpo.rollout.servers import TRANSFERS, reserve_port, transfer_backend
 
 # Read-only probes anyone who can reach the port may call; everything else needs the token.
 OPEN_ROUTES = ("/health", "/version", "/metrics")
@@ -208,8 +208,10 @@ def main(argv: list[str] | None = None) -> None:
     for key, value in device_defaults(torch.cuda.is_available(), read_model_config(args.model)).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.port == 0:
-        args.port = free_port(args.host)
+    if args.port == 0:  # bound here and held across the exec until vLLM binds it too (reserve_port), so the
+        held = reserve_port(args.host)  # URL written below names a port no other process can take meanwhile
+        os.set_inheritable(held.fileno(), True)
+        args.port = held.getsockname()[1]
     if args.url_dir:
         write_url(args.url_dir, args.host, args.port)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"

@@ -91,3 +91,48 @@ def test_an_nccl_broadcast_wait_is_bounded_and_ends_on_abort():
     with pytest.raises(RuntimeError, match="aborted: the server refused its half"):
         wait_until_done(lambda: False, 60, aborted=lambda: True)
     assert time.time() - t0 < 5
+
+
+def test_a_reserved_port_is_nobody_elses_until_the_server_binds_it():
+    """`reserve_port`: bound, not picked. While held, no bind(0) anywhere on the machine is given the
+    port and a plain bind is refused, yet a server binding it as vLLM does (SO_REUSEADDR, then
+    listen) gets it; after that even such a binder is refused."""
+    import socket
+
+    from grpo.rollout.servers import reserve_port
+
+    held = reserve_port("127.0.0.1")
+    port = held.getsockname()[1]
+    picked = set()
+    for _ in range(500):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            picked.add(s.getsockname()[1])
+    assert port not in picked
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))
+    server = socket.socket()  # vllm/entrypoints/launchers/launcher.py create_server_socket
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", port))
+    server.listen()
+    late = socket.socket()
+    late.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    with pytest.raises(OSError):
+        late.bind(("127.0.0.1", port))
+    for s in (late, server, held):
+        s.close()
+
+
+def test_a_single_process_group_binds_its_own_store_port():
+    """One process (DeepSpeed's group of one): the store listens on a port the kernel chose at bind
+    time, exported as MASTER_PORT, instead of a port found free and bound later."""
+    script = ("import os, torch.distributed as d\n"
+              "from grpo.dist import DistInfo, init_distributed\n"
+              "init_distributed(DistInfo(), force=True)\n"
+              "print(d.is_initialized(), d.get_world_size(), os.environ['MASTER_PORT'])\n"
+              "d.destroy_process_group()\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    initialized, world, port = out.stdout.split()
+    assert initialized == "True" and world == "1" and int(port) > 0

@@ -37,7 +37,7 @@ from grpo.rollout.engine_memory import check_vllm
 from grpo import dist, lora
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.weights import WeightBuckets
-from grpo.rollout.servers import TRANSFERS, ServerPool, free_port, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
+from grpo.rollout.servers import TRANSFERS, ServerPool, push_adapter_from_one_rank, reserve_port, push_from_one_rank, transfer_backend
 
 
 def pick_devices(spec, training_per_node: int) -> list[str]:
@@ -286,7 +286,9 @@ class DedicatedBackend(RolloutBackend):
         if self.is_owner:
             shares = plan_engines(devices, cfg.dedicated.num_engines, *model_heads(model_path))
             k = len(shares)
-            token, ports = secrets.token_hex(16), [free_port("127.0.0.1") for _ in range(k)]
+            # ports held from here until the engines listen on them (reserve_port), not picked and bound later
+            held = [reserve_port("127.0.0.1") for _ in range(k)]
+            token, ports = secrets.token_hex(16), [h.getsockname()[1] for h in held]
             transfer = transfer_backend(cfg.vllm.weight_transfer, devices != ["cpu"] and torch.cuda.is_available())
             atexit.register(self.close)
             logs = [os.path.join(run_dir, f"vllm-engine-{dist.node_name()}-{port}.log") for port in ports]
@@ -303,6 +305,9 @@ class DedicatedBackend(RolloutBackend):
             except BaseException:  # an engine that never got healthy: stop the ones already started
                 self.close()
                 raise
+            finally:
+                for h in held:
+                    h.close()
             print(f"dedicated: node {dist.node_name()} (ranks {self.main}-{self.main + per_node - 1}) owns "
                   f"{len(ports)} engine(s) on {devices}: {', '.join(f'127.0.0.1:{p}' for p in ports)}", flush=True)
         dist.barrier()

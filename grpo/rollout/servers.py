@@ -107,9 +107,21 @@ def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it", l
 
 
 def free_port(host: str = "") -> int:
+    """A port free now; another process may take it before it is bound again (prefer reserve_port)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def reserve_port(host: str = "") -> socket.socket:
+    """A port bound now and held: a socket bound to (host, 0) with SO_REUSEADDR and never listening.
+    While it is open the kernel gives the port to no other bind(0) and refuses a plain bind, but a
+    server that binds it with SO_REUSEADDR (vLLM's create_server_socket, uvicorn) still can, since
+    none of them listens yet. Keep it open until the server listens; `.getsockname()[1]` is the port."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, 0))
+    return s
 
 
 def split_by_load(num_prompts: int, speeds: list[float]) -> list[tuple[int, int]]:
