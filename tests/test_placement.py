@@ -136,3 +136,31 @@ def test_a_single_process_group_binds_its_own_store_port():
     assert out.returncode == 0, out.stderr
     initialized, world, port = out.stdout.split()
     assert initialized == "True" and world == "1" and int(port) > 0
+
+
+def test_grpo_serve_port_0_writes_a_url_whose_port_it_already_holds(model_dir, tmp_path):
+    """`grpo.serve --port 0 --url-dir D`: the port in the URL it writes is bound by the server process
+    from that moment (held across the exec into vLLM), so another process cannot take it between
+    the URL and vLLM's own bind (before: picked free, released, written, bound seconds later)."""
+    import os
+    import signal
+    import socket
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", model_dir, "--port", "0", "--url-dir",
+                             str(tmp_path), "--max-model-len", "128", "--memory-fraction", "0.1"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "GRPO_SERVE_TOKEN": "t"})
+    try:
+        deadline = time.time() + 120
+        while not list(tmp_path.glob("*.url")) and time.time() < deadline:
+            assert proc.poll() is None
+            time.sleep(0.2)
+        url = next(tmp_path.glob("*.url")).read_text().strip()
+        port = int(url.rsplit(":", 1)[1])
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))  # held: while vLLM starts, and once it listens
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
