@@ -164,7 +164,9 @@ def _engine_classes():
             self.model.load_weights([(n, t.to(self.device)) for n, t in weights])
 
         def update_weights(self, update_info) -> None:
-            self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing to synchronise
+            self.receive_weights(self.parse_update_info(update_info))
+            if torch.cuda.is_available():  # as vLLM's base class: the copies onto the GPU are done before the
+                torch.cuda.synchronize(self.device)  # answer says "applied" (on CPU there is nothing to wait for)
 
         def shutdown(self) -> None:
             self.group = self.store = None
