@@ -184,3 +184,45 @@ def test_a_tied_weight_is_synced_once(tiny_lm):
                                         OmegaConf.structured(AlgoConfig()), total_steps=1)
     names = [n for bucket in strategy.weight_buckets(2**20) for n, _ in bucket]
     assert len(names) == len(set(names)) and "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+
+
+def test_a_stopped_run_exits_without_waiting_for_a_remote_request_in_flight(tmp_path):
+    """A process whose pool is generating against a server that does not answer (a long generation),
+    then closed (Ctrl-C, a stop signal): it exits at once, not after request_timeout_s. The server is a
+    real HTTP server answering the health, model and version routes and holding /v1/completions open."""
+    import http.server
+    import json
+    import threading
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = {"/health": {}, "/v1/models": {"data": [{"id": "m"}]}, "/weight_info": {"weight_version": None}}
+            self._answer(body.get(self.path, {}))
+
+        def do_POST(self):
+            time.sleep(120)  # a generation that outlives the run
+
+        def _answer(self, body):
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *_):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    script = (f"import time\nfrom grpo.rollout.servers import ServerPool\nfrom grpo.rollout.base import Sampling\n"
+              f"pool = ServerPool(['{url}'], None, 30, 90, can_push=False, log=None)\n"
+              "pool.submit([[1, 2, 3]], 2, Sampling(max_new_tokens=4, temperature=1.0, seed=None), 0)\n"
+              "time.sleep(1)\npool.close()\nprint('closed', flush=True)\n")
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    elapsed = time.time() - t0
+    httpd.shutdown()
+    assert out.returncode == 0 and "closed" in out.stdout, out.stderr
+    assert elapsed < 30, f"exit waited {elapsed:.0f} s for the request in flight"

@@ -32,7 +32,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from urllib.parse import urlparse
 
 from grpo import dist, lora
@@ -104,6 +104,72 @@ def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it", l
             raise ServerError(f"{what} did not become healthy in time: {last}")
         progress()
         time.sleep(poll_s)
+
+
+class DaemonWorker:
+    """One daemon thread running submitted calls in order (the pool's generator). ThreadPoolExecutor
+    threads are joined at interpreter exit, so a remote request in flight held the exit of a stopped or
+    interrupted run for up to request_timeout_s (600 s); a daemon thread is not waited for."""
+
+    def __init__(self, name: str):
+        self.queue: queue.Queue = queue.Queue()
+        self.closed = False
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn, *args) -> Future:
+        if self.closed:
+            raise RuntimeError("submit after close")
+        future: Future = Future()
+        self.queue.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                future.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Cancel what has not started; a call in flight ends with its server (or the process)."""
+        self.closed = True
+        with contextlib.suppress(queue.Empty):
+            while True:
+                item = self.queue.get_nowait()
+                if item is not None:
+                    item[0].cancel()
+        self.queue.put(None)
+
+
+def parallel_map(fn, items, workers: int | None = None) -> list:
+    """`[fn(x) for x in items]` on up to `workers` daemon threads (all by default), results in order,
+    the first error raised. Daemon threads, so an HTTP request in flight never holds the process's
+    exit (see DaemonWorker)."""
+    items = list(items)
+    results, errors, lock, todo = [None] * len(items), [], threading.Lock(), iter(range(len(items)))
+
+    def work() -> None:
+        while not errors:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            try:
+                results[i] = fn(items[i])
+            except BaseException as e:  # noqa: BLE001 - raised in the caller
+                errors.append(e)
+
+    threads = [threading.Thread(target=work, daemon=True, name="grpo-request") for _ in range(min(workers or len(items), len(items)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def free_port(host: str = "") -> int:
@@ -209,9 +275,8 @@ class ServerPool:
         deadline = time.time() + health_timeout_s
         notes = [f"log: {p}" for p in logs] if logs else [""] * len(urls)
         exited = exited or [None] * len(urls)
-        with ThreadPoolExecutor(len(self.servers)) as pool:
-            list(pool.map(lambda s, n, x: s.wait_healthy(deadline, log, n, x), self.servers, notes, exited))
-        self.generator = ThreadPoolExecutor(1, thread_name_prefix="grpo-generate")  # one batch at a time, in order
+        parallel_map(lambda i: self.servers[i].wait_healthy(deadline, log, notes[i], exited[i]), range(len(self.servers)))
+        self.generator = DaemonWorker("grpo-generate")  # one batch at a time, in order
         self.idle_since: float | None = None  # when the last batch finished (engine wait time)
         self.senders = []
         if can_push:
@@ -292,9 +357,9 @@ class ServerPool:
             before = self.served_version(server, version)
             t0 = time.perf_counter()
             shards = prompt_requests(a, b, sampling.seed, n)
-            with ThreadPoolExecutor(min(len(shards), MAX_REQUESTS_IN_FLIGHT)) as requests:  # the engine batches them
-                answers = requests.map(lambda r: self.complete(server, prompt_ids[r[0]:r[1]], n, sampling, r[2]), shards)
-                choices = [c for answer in answers for c in answer]
+            answers = parallel_map(lambda r: self.complete(server, prompt_ids[r[0]:r[1]], n, sampling, r[2]), shards,
+                                   MAX_REQUESTS_IN_FLIGHT)  # the engine batches them
+            choices = [c for answer in answers for c in answer]
             rate = sum(len(c["token_ids"]) for c in choices) / max(time.perf_counter() - t0, 1e-6)
             server.speed = rate if server.batches == 0 else 0.7 * server.speed + 0.3 * rate
             server.batches += 1
@@ -305,8 +370,7 @@ class ServerPool:
             return choices, before
 
         try:
-            with ThreadPoolExecutor(len(self.servers)) as pool:
-                parts = list(pool.map(call, range(len(self.servers))))
+            parts = parallel_map(call, range(len(self.servers)))
         finally:
             self.idle_since = time.perf_counter()
         versions = {v for _, v in parts if v is not None}
@@ -340,10 +404,9 @@ class ServerPool:
             server, sender = pair
             self._alongside(server, "/update_weights", {"update_info": info}, lambda: sender.send(flat), sender.abort)
 
-        with ThreadPoolExecutor(len(self.servers)) as pool:  # all servers at once, bucket by bucket
-            for bucket in buckets:
-                payload, info = self.senders[0].prepare(bucket), update_info(bucket)
-                list(pool.map(lambda pair: send(pair, payload, info), zip(self.servers, self.senders)))
+        for bucket in buckets:  # all servers at once, bucket by bucket
+            payload, info = self.senders[0].prepare(bucket), update_info(bucket)
+            parallel_map(lambda pair: send(pair, payload, info), zip(self.servers, self.senders))
         for server in self.servers:
             server.request("/finish_weight_update", {"weight_version": str(version)})
             server.request("/reset_prefix_cache", {})  # cached KV belongs to the old weights
@@ -362,8 +425,7 @@ class ServerPool:
                 server.request("/v1/unload_lora_adapter", {"lora_name": old}, text=True)
             server.request("/reset_prefix_cache", {})
 
-        with ThreadPoolExecutor(len(self.servers)) as pool:
-            list(pool.map(load, self.servers))
+        parallel_map(load, self.servers)
 
     def use_adapter(self, version: int) -> None:
         """Generate with the adapter another rank's pool loaded (remote: every rank asks the servers itself)."""
@@ -371,7 +433,7 @@ class ServerPool:
             server.adapter = adapter_name(version)
 
     def close(self) -> None:
-        self.generator.shutdown(wait=False, cancel_futures=True)  # a request in flight ends with its server
+        self.generator.shutdown()  # a request in flight ends with its server, and never holds the exit
         for server, sender in zip(self.servers, self.senders):
             try:
                 server.request("/shutdown_weight_transfer_engine", {}, timeout=10)
