@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import struct
+import time
 
 from omegaconf import OmegaConf
 
@@ -75,6 +76,7 @@ def test_a_resumed_run_logs_every_step_once_to_metrics_and_wandb(tmp_path):
     for step in range(1, 7):
         first.log(step, {"x": float(step)})
     first.close()  # as the kill leaves it: the rows up to 6 are written
+    time.sleep(1.1)  # wandb names an attempt's offline folder by the second it starts (and its id): a resume in the same second would replace it
     resumed = logger(tmp_path, resume_step=4)
     for step in range(5, 9):
         resumed.log(step, {"x": 10.0 * step})
