@@ -140,6 +140,23 @@ def test_a_refused_weight_update_fails_in_seconds_with_the_servers_answer(server
         pool.close()
 
 
+def test_a_refused_transfer_init_fails_in_seconds_with_the_servers_answer(server):
+    """A trainer whose init the server cannot take (here vLLM nccl's `packed` field sent to a grpo_gloo
+    server, as a weight_transfer mismatch would): the server refuses it before its workers join, so
+    the trainer's rendezvous has no peer. The error comes back in seconds with the server's words
+    instead of after the rendezvous timeout."""
+    from grpo.rollout.gloo_transfer import GlooSender
+
+    server_ = ServerPool([server["url"]], TOKEN, 60, 120, can_push=False).servers[0]
+    sender = GlooSender("127.0.0.1", 2, 120)
+    t0 = time.time()
+    with pytest.raises(ServerError) as e:
+        ServerPool._alongside(server_, "/init_weight_transfer_engine", {"init_info": {**sender.init_info(), "packed": False}},
+                              sender.connect, sender.abort)
+    assert time.time() - t0 < 30
+    assert "/init_weight_transfer_engine answered" in str(e.value) and "packed" in str(e.value), str(e.value)
+
+
 def test_weight_routes_need_the_token(server):
     url = server["url"]
     assert urllib.request.urlopen(url + "/health", timeout=5).status == 200
