@@ -41,6 +41,7 @@ class TinyModelConfig:
     warm_start_warmup_steps: int = 50
     warm_start_clip: float = 1.0  # max gradient norm; 0 = no clipping
     warm_start_batch: int = 128
+    warm_start_check_every: int = 25  # supervised steps between greedy checks of the target
 
 
 @dataclass
@@ -213,6 +214,22 @@ class AlgoConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn episodes (grpo/envs/, grpo/rollout/episodes.py); `none` keeps single completions."""
+
+    name: str = "none"  # none | a key of grpo.envs.ENVS | a dotted path to a class or factory
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the environment's constructor
+    max_turns: int = 4  # policy turns per episode (each up to rollout.max_new_tokens)
+    # the span after the prompt (sampled + observation tokens); 0: max_turns x (max_new_tokens +
+    # max_observation_tokens). A trajectory with no room for a whole next turn ends as "length".
+    max_total_tokens: int = 0
+    max_observation_tokens: int = 64  # one observation, cut in the middle beyond this
+    step_timeout_s: float = 10.0  # an env.reset/step that raises or runs longer ends its episode as "error"
+    render: str = "raw"  # raw (the text tokenized alone) | chat (a message of the chat template); grpo/rollout/render.py
+    role: str = "user"  # chat: the observations' role (user | tool, as the template knows it)
+
+
+@dataclass
 class LoggerConfig:
     backend: str = "console"  # console | wandb (console and metrics.jsonl are always written)
     log_every: int = 10  # console line every N steps
@@ -232,6 +249,7 @@ class Config:
     parallel: ParallelConfig = MISSING
     algo: AlgoConfig = MISSING
     logger: LoggerConfig = MISSING
+    env: EnvConfig = MISSING
     seed: int = 0
     steps: int = 300  # GRPO steps (one generated batch each)
     eval_every: int = 0  # 0 = only before and after training
@@ -254,6 +272,7 @@ GROUPS = {
     "parallel": ParallelConfig,
     "algo": AlgoConfig,
     "logger": LoggerConfig,
+    "env": EnvConfig,
 }
 
 
@@ -407,6 +426,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
         raise ConfigError("reward.funcs is empty: list at least one reward function (e.g. reward=exact_match).")
     for f in cfg.reward.funcs:
         resolve_reward(f.name)  # raises a ConfigError naming the function
+    _check_env(cfg)
 
     from grpo.models import PACKAGED
 
@@ -443,6 +463,27 @@ def lora_dtype_problem(backend: str, dtype: str, cuda: bool) -> str | None:
         return (f"model.lora with rollout={backend} on a GPU and model.dtype={dtype}: vLLM's CUDA LoRA kernels take "
                 "bfloat16 or float16 only. Set model.dtype=bfloat16 (or rollout=hf, or model.lora.rank=0).")
     return None
+
+
+def _check_env(cfg) -> None:
+    """env.*: the environment can be found, and the budgets leave room for a turn."""
+    from grpo.envs import resolve_env
+    from grpo.rollout.render import RENDERERS
+
+    e = cfg.env
+    if e.name == "none":
+        if any(f.name == "env" for f in cfg.reward.funcs):
+            raise ConfigError("reward `env` scores an environment's episodes, but env=none; pick an env (env=guess) "
+                              "or drop the env reward.")
+        return
+    resolve_env(e.name)
+    _choices("env.render", e.render, RENDERERS)
+    if e.max_turns < 1 or e.max_observation_tokens < 1 or e.step_timeout_s <= 0:
+        raise ConfigError("env.max_turns and env.max_observation_tokens must be >= 1 and env.step_timeout_s > 0.")
+    if e.max_total_tokens and e.max_total_tokens < cfg.rollout.max_new_tokens:
+        raise ConfigError(f"env.max_total_tokens={e.max_total_tokens} leaves no room for one turn of "
+                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}; raise it (or 0 for max_turns x "
+                          f"(max_new_tokens + max_observation_tokens)).")
 
 
 def _check_lora(cfg, world: int, cuda: bool | None = None) -> None:

@@ -34,18 +34,25 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def evaluate(rollout, tokenizer, task, cfg, info: DistInfo) -> dict[str, float]:
-    """Greedy accuracy (and pass@k when `eval_samples` > 1) on the held-out split; each rank takes a share."""
+def evaluate(rollout, tokenizer, task, cfg, info: DistInfo, episodes=None) -> dict[str, float]:
+    """Greedy accuracy (and pass@k when `eval_samples` > 1) on the held-out split; each rank takes a share.
+    With an environment (`episodes`: grpo.rollout.episodes.EpisodeRunner) each prompt is played as an
+    episode, through the same driver as training, and its final turn is judged."""
     samples = task.eval[info.rank :: info.world_size]
     prompt_ids = encode_prompts(tokenizer, samples, task.chat_template, task.system_prompt)
-    out = rollout.generate(prompt_ids, 1, sampling_from(cfg.rollout, greedy=True))
-    texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+
+    def texts_of(n: int, sampling) -> list[str]:
+        if episodes is None:
+            return tokenizer.batch_decode(rollout.generate(prompt_ids, n, sampling).completion_ids, skip_special_tokens=True)
+        out = rollout.submit_episodes(prompt_ids, samples, n, sampling, episodes).result()
+        return [e.final_text if e.finish != "error" else "" for e in out.episodes]
+
+    texts = texts_of(1, sampling_from(cfg.rollout, greedy=True))
     sums = [sum(task.is_correct(t, s) for t, s in zip(texts, samples)), len(samples)]
     n = cfg.eval_samples
     ks = [k for k in (2**i for i in range(10)) if k <= n] if n > 1 else []
     if ks:
-        out = rollout.generate(prompt_ids, n, sampling_from(cfg.rollout))
-        texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        texts = texts_of(n, sampling_from(cfg.rollout))
         correct = [sum(task.is_correct(texts[p * n + j], s) for j in range(n)) for p, s in enumerate(samples)]
         sums += [sum(pass_at_k(n, c, k) for c in correct) for k in ks]
     total = all_reduce_sum(sums)
@@ -70,7 +77,9 @@ def run_eval(cfg: DictConfig) -> dict[str, float]:
     model, tokenizer, path = build_policy(cfg, info)
     rollout = build_rollout(cfg.rollout, model, tokenizer, path, cfg.model.dtype, cfg.seed, run_dir)
     try:
-        metrics = evaluate(rollout, tokenizer, task, cfg, info)
+        from grpo.rollout.episodes import build_episodes
+
+        metrics = evaluate(rollout, tokenizer, task, cfg, info, build_episodes(cfg, task, tokenizer, rollout))
     finally:
         rollout.close()
         shutdown()

@@ -88,7 +88,7 @@ def greedy_accuracy(model, tokenizer, samples, max_new_tokens: int, batch_size: 
 
 def warm_start(model, tokenizer, task, cfg, max_new_tokens: int, log=print) -> dict:
     """Supervised training on prompt + answer + <eos>, loss on the answer, until greedy accuracy
-    on 256 training prompts reaches cfg.warm_start_accuracy (checked every 25 steps). AdamW, lr
+    on 256 training prompts reaches cfg.warm_start_accuracy (checked every `warm_start_check_every` steps). AdamW, lr
     warmed up linearly over `warm_start_warmup_steps`, gradient norm clipped at `warm_start_clip`.
     Returns what it measured; raises WarmStartError if the step cap comes first, since GRPO learns
     nothing from a policy that never earns a reward."""
@@ -102,10 +102,22 @@ def warm_start(model, tokenizer, task, cfg, max_new_tokens: int, log=print) -> d
     probe, train = task.train[:n_probe], task.train[n_probe:]
     if not probe or not train:
         raise ValueError(f"the warm start needs at least 2 training samples; the task has {len(task.train)}.")
-    t0, acc, step = time.perf_counter(), greedy_accuracy(model, tokenizer, probe, max_new_tokens), 0
+    def accuracy() -> float:  # greedy: one-shot exact match, or a multi-turn task's own episodes
+        if task.play is None:
+            return greedy_accuracy(model, tokenizer, probe, max_new_tokens)
+        model.eval()
+        with torch.no_grad():
+            acc = task.play(model, tokenizer, probe, max_new_tokens)
+        model.train()
+        return acc
+
+    t0, acc, step = time.perf_counter(), accuracy(), 0
     while acc < cfg.warm_start_accuracy and step < cfg.warm_start_max_steps:
         idx = torch.randint(len(train), (cfg.warm_start_batch,), generator=gen).tolist()
-        loss = model(**supervised_batch(tokenizer, [train[i] for i in idx])).loss
+        rows = [train[i] for i in idx]
+        batch = (supervised_batch(tokenizer, rows) if task.demonstration is None
+                 else demonstration_batch(tokenizer, rows, task.demonstration))
+        loss = model(**batch).loss
         loss.backward()
         if cfg.warm_start_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.warm_start_clip)
@@ -113,8 +125,8 @@ def warm_start(model, tokenizer, task, cfg, max_new_tokens: int, log=print) -> d
         schedule.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        if step % 25 == 0 or step == cfg.warm_start_max_steps:
-            acc = greedy_accuracy(model, tokenizer, probe, max_new_tokens)
+        if step % cfg.warm_start_check_every == 0 or step == cfg.warm_start_max_steps:
+            acc = accuracy()
     info = {"warm_start_steps": step, "warm_start_train_accuracy": acc, "warm_start_s": time.perf_counter() - t0}
     log(f"warm start: {step} supervised steps, greedy train accuracy {acc:.3f}, {info['warm_start_s']:.1f}s")
     if acc < cfg.warm_start_accuracy:
@@ -143,6 +155,27 @@ def supervised_batch(tokenizer, samples) -> dict:
     for row, p in enumerate(prompt_lens):
         labels[row, :p] = -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def demonstration_batch(tokenizer, samples, demonstration) -> dict:
+    """input_ids, attention_mask and labels for prompt + a demonstrated episode: each trained segment
+    (a policy turn) is followed by <eos> and carries the loss, the others (observations) do not, as
+    the episode driver masks them (right padding)."""
+    rows, labels = [], []
+    for s in samples:
+        ids = list(tokenizer(s.prompt).input_ids)
+        lab = [-100] * len(ids)
+        for text, trained in demonstration(s):
+            piece = list(tokenizer(text, add_special_tokens=False).input_ids) + ([tokenizer.eos_token_id] if trained else [])
+            ids += piece
+            lab += piece if trained else [-100] * len(piece)
+        rows.append(ids)
+        labels.append(lab)
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id
+    return {"input_ids": torch.tensor([r + [pad] * (width - len(r)) for r in rows]),
+            "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
+            "labels": torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])}
 
 
 def tiny_model_dir(cfg, task_cfg, max_new_tokens: int) -> str:

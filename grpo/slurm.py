@@ -181,13 +181,16 @@ def remote_server_layout(gpus: int, train_tasks: int, shared: bool) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m grpo.slurm server-layout GPUS TRAIN_TASKS SHARED`: shell assignments for the sbatch template."""
-    import sys
+    """`python -m grpo.slurm server-layout GPUS TRAIN_TASKS SHARED`: shell assignments for slurm/train_remote.sbatch."""
+    import argparse
 
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 4 or args[0] != "server-layout":
-        raise SystemExit("usage: python -m grpo.slurm server-layout GPUS TRAIN_TASKS SHARED(0|1)")
-    layout = remote_server_layout(int(args[1] or 0), int(args[2]), args[3] == "1")
+    p = argparse.ArgumentParser(prog="python -m grpo.slurm", description=main.__doc__)
+    p.add_argument("command", choices=["server-layout"])
+    p.add_argument("gpus", help="GPUs on this node (SLURM_GPUS_ON_NODE; empty or 0: none)")
+    p.add_argument("train_tasks", type=int, help="training tasks on a node (SLURM_NTASKS_PER_NODE)")
+    p.add_argument("shared", choices=["0", "1"], help="1: the server shares its node with the trainers")
+    args = p.parse_args(argv)
+    layout = remote_server_layout(int(args.gpus or 0), args.train_tasks, args.shared == "1")
     print("\n".join(f"{k}={v}" for k, v in layout.items()))
 
 

@@ -69,6 +69,7 @@ from grpo.parallel import build_strategy, strategy_class
 from grpo.preempt import StopSignal, stop
 from grpo.rewards import build_rewards, score
 from grpo.rollout import build_rollout, sampling_from
+from grpo.rollout.episodes import build_episodes, episode_metrics, final_texts, reward_info
 from grpo.tasks import TrainSampler, build_task
 from grpo.update import batch_advantages, collate, policy_update
 
@@ -110,6 +111,11 @@ class InFlight:
     prompt_ids: list[list[int]]
     sampler_state: dict  # the sampler before this batch was drawn: what a checkpoint before `step` saves
     rollouts: Future  # .result(): the Rollouts
+
+
+def sampled_budget(cfg) -> int:
+    """The most sampled tokens of one completion (Dr. GRPO's constant): max_new_tokens, or every turn's."""
+    return cfg.rollout.max_new_tokens * (cfg.env.max_turns if cfg.env.name != "none" else 1)
 
 
 def seed_everything(seed: int) -> None:
@@ -173,6 +179,7 @@ class Run:
     sampling: object  # the engines' sampling settings, reseeded per step (`sampling_seed`)
     P: int  # prompts per step on this rank
     G: int  # completions per prompt
+    episodes: object = None  # grpo.rollout.episodes.EpisodeRunner with an environment (env=...), else None
     start: int = 0  # the last step trained before this process began (> 0 on resume)
     eval_before: float | None = None
     checkpoint_path: str | None = None  # the checkpoint resumed from
@@ -194,6 +201,9 @@ class Run:
         samples = self.sampler.next(P * self.info.world_size)[rank * P : (rank + 1) * P]
         prompt_ids = encode_prompts(self.tokenizer, samples, self.task.chat_template, self.task.system_prompt)
         seeded = replace(self.sampling, seed=sampling_seed(self.cfg.seed, step, rank, self.info.world_size, P, self.G))
+        if self.episodes is not None:  # several turns per completion, each through the backend's generate
+            return InFlight(step, samples, prompt_ids, before,
+                            self.rollout.submit_episodes(prompt_ids, samples, self.G, seeded, self.episodes))
         return InFlight(step, samples, prompt_ids, before, self.rollout.submit(prompt_ids, self.G, seeded))
 
     def checkpoint(self, step: int) -> None:
@@ -224,7 +234,8 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
     ref_model = build_reference(cfg, model_path, strategy)  # runs as the policy does: KL 0 before the first step
     seed_everything(cfg.seed + info.rank)  # again: a fresh and a cached tiny model start alike
     r = Run(cfg, info, run_dir, task, tokenizer, model_path, reward_fns, strategy, rollout, ref_model,
-            TrainSampler(task.train, seed=cfg.seed), sampling_from(cfg.rollout), P=algo.batch_size // G // info.world_size, G=G)
+            TrainSampler(task.train, seed=cfg.seed), sampling_from(cfg.rollout), P=algo.batch_size // G // info.world_size, G=G,
+            episodes=build_episodes(cfg, task, tokenizer, rollout))
 
     r.checkpoint_path = broadcast_object(latest_checkpoint(run_dir) if cfg.resume else None)
     if not cfg.resume and info.is_main and (aside := set_aside_checkpoints(run_dir)):
@@ -278,7 +289,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     if r.checkpoint_path:
         logger.info(f"resumed from {r.checkpoint_path} at step {r.start}")
     else:
-        before = evaluate(r.rollout, r.tokenizer, r.task, cfg, info)
+        before = evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.episodes)
         r.eval_before = before["eval/accuracy"]
         logger.log(0, before, console=True)
 
@@ -299,13 +310,20 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         rollouts = current.rollouts.result()
         t_gen = time.perf_counter()
 
-        # 2. score: every reward function on every completion, weighted sum per completion
-        completions = r.tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
+        # 2. score: every reward function on every completion, weighted sum per completion (an
+        #    episode's: its final turn, with the transcript, turns and the environment's reward)
         samples_BG = [s for s in samples for _ in range(G)]
+        if rollouts.episodes is None:
+            completions = r.tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
+            info_B = {"completion_ids": rollouts.completion_ids}
+        else:
+            completions, info_B = final_texts(rollouts), reward_info(rollouts)
         rewards_FB, reward_means = score(
-            r.reward_fns, completions, samples_BG, cfg.reward.timeout_s,
-            completion_ids=rollouts.completion_ids, max_new_tokens=cfg.rollout.max_new_tokens,
-        )
+            r.reward_fns, completions, samples_BG, cfg.reward.timeout_s, max_new_tokens=cfg.rollout.max_new_tokens, **info_B)
+        for i, reason in enumerate(rollouts.finish_reasons):  # an environment that failed: no reward, advantage 0
+            if reason == "error":
+                for values in rewards_FB:
+                    values[i] = None
         rewards_PG = combine_rewards(rewards_FB, weights_F).view(P, G)
         t_score = time.perf_counter()
 
@@ -321,7 +339,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
 
         # 4-6. logprobs, loss, backward and optimizer step(s); a colocated engine may sleep meanwhile
         r.rollout.sleep()
-        stats = policy_update(r.strategy, batch, algo, cfg.rollout.max_new_tokens, r.sampling.temperature, r.ref_model)
+        stats = policy_update(r.strategy, batch, algo, sampled_budget(cfg), r.sampling.temperature, r.ref_model)
         t_update = time.perf_counter()
 
         # 7. push the new weights to the rollout engine(s)
@@ -329,7 +347,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         t_end = time.perf_counter()
 
         # 8. metrics, samples, evaluation, checkpoint
-        n_tokens = sum(len(c) for c in rollouts.completion_ids)
+        n_tokens = sum(sum(m) for m in rollouts.loss_masks) if rollouts.loss_masks else sum(len(c) for c in rollouts.completion_ids)
         gen_tokens_total += n_tokens
         gen_time_total += t_gen - t0
         valid = rewards_PG[~torch.isnan(rewards_PG)]
@@ -339,7 +357,8 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
             "reward/zero_std_frac": float(flat_P.float().mean()),
             **reward_means,
             **stats,
-            "completion_len": n_tokens / len(rollouts.completion_ids),
+            "completion_len": n_tokens / len(rollouts.completion_ids),  # sampled tokens (observations aside)
+            **(episode_metrics(rollouts) if rollouts.episodes is not None else {}),
             "truncated_frac": sum(reason == "length" for reason in rollouts.finish_reasons) / len(rollouts.finish_reasons),
             "weight_version": rollouts.weight_version,
             # versions the sampler was behind the trainer (one version per batch: mean = max per
@@ -358,7 +377,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
             "time/sync_s": t_end - t_update,
         }
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
-            metrics.update(evaluate(r.rollout, r.tokenizer, r.task, cfg, info))
+            metrics.update(evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.episodes))
         logger.log(step, reduce_metrics(metrics, info))
         if cfg.logger.sample_every and step % cfg.logger.sample_every == 0:
             rows = [(samples_BG[i].prompt, completions[i], float(rewards_PG.flatten()[i])) for i in range(0, len(completions), G)]
@@ -376,7 +395,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         r.checkpoint(cfg.steps)
     if stop_signal.requested():
         stop_after(r, cfg.steps, stop_signal)
-    after = evaluate(r.rollout, r.tokenizer, r.task, cfg, info)
+    after = evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.episodes)
     eval_after = after["eval/accuracy"]
     logger.log(cfg.steps, after, console=True)
     summary = {

@@ -82,7 +82,9 @@ def collate(
             attn_BL[i, P : P + len(c)] = 1
             logp_BT[i, : len(c)] = torch.tensor(lp)
             drop = mask_truncated and rollouts.finish_reasons[i] == "length"
-            mask_BT[i, : len(c)] = 0.0 if drop else 1.0
+            # multi-turn: 0 on the environment's observation tokens, 1 on the sampled ones
+            keep = torch.tensor(rollouts.loss_masks[i], dtype=mask_BT.dtype) if rollouts.loss_masks is not None else 1.0
+            mask_BT[i, : len(c)] = 0.0 if drop else keep
     position_ids_BL = (attn_BL.cumsum(dim=1) - 1).clamp(min=0)
     return Batch(ids_BL, attn_BL, position_ids_BL, ids_BL[:, P:], mask_BT, logp_BT, advantages_B.float(), P)
 

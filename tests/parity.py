@@ -63,3 +63,39 @@ def assert_round_trip(result: dict, name: str) -> None:
     assert result["before"] < PARITY_TOL and result["after"] < PARITY_TOL, result
     assert result["changed"], "generations did not change: the weights did not arrive"
     assert result["version"] == 1
+
+
+class EndsAtTurnOne:
+    """An environment that ends every episode after the first turn."""
+
+    def reset(self, sample, seed):
+        return None
+
+    def step(self, action):
+        from grpo.envs import Step
+
+        return Step(None, 0.0, True)
+
+    def close(self):
+        pass
+
+
+def assert_turn_one_is_generate(backend, tok) -> None:
+    """Episodes that end at turn 1 are exactly `generate`'s ids, logprobs and finish reasons (same
+    seed), every token in the loss (mask 1): the driver adds nothing to a single-turn batch."""
+    from grpo.rollout.episodes import Budget, EpisodeRunner
+    from grpo.rollout.render import RawRender
+    from grpo.tasks.base import Sample
+
+    texts = ["12+34=", "7+1=", "99+99="]
+    prompts, samples = [tok(t).input_ids for t in texts], [Sample(t, "0") for t in texts]
+    sampling = Sampling(max_new_tokens=6, temperature=1.0, seed=77)
+    plain = backend.generate(prompts, 2, sampling)
+    runner = EpisodeRunner(EndsAtTurnOne, tok, RawRender(tok), Budget(4, 6, 64, 8, backend.max_context), 5.0,
+                           [tok.eos_token_id])
+    one = backend.submit_episodes(prompts, samples, 2, sampling, runner).result()
+    assert one.completion_ids == plain.completion_ids
+    assert one.logprobs == plain.logprobs
+    assert one.finish_reasons == plain.finish_reasons and one.weight_version == plain.weight_version
+    assert one.loss_masks == [[1] * len(ids) for ids in plain.completion_ids]
+    assert [e.turns for e in one.episodes] == [1] * 6

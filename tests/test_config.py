@@ -8,12 +8,13 @@ from tests.conftest import CONF, ROOT, compose_cfg
 
 EXPECTED_OPTIONS = {  # update when adding a config file: the count guards against silently skipped files
     "model": 3,
-    "task": 6,
-    "reward": 3,
+    "task": 7,
+    "reward": 4,
     "rollout": 4,
     "parallel": 5,
     "algo": 7,
     "logger": 2,
+    "env": 4,
 }
 
 
@@ -24,7 +25,7 @@ def group_files():
 def test_every_group_has_its_expected_options():
     found = {g: len(list((CONF / g).glob("*.yaml"))) for g in GROUPS}
     assert found == EXPECTED_OPTIONS
-    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 30
+    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 36
 
 
 def is_subset(values, composed) -> bool:
@@ -42,7 +43,8 @@ def test_every_config_file_composes(group, option, tmp_path):
 
     extra = {("task", "jsonl"): [f"task.path={tmp_path / 'x.jsonl'}"],
              ("model", "hub"): [f"model.path={tmp_path}"],  # a local folder: no hub lookup here
-             ("rollout", "remote"): ["rollout.remote.urls=[http://127.0.0.1:9]"]}.get((group, option), [])
+             ("rollout", "remote"): ["rollout.remote.urls=[http://127.0.0.1:9]"],
+             ("reward", "env"): ["env=guess"]}.get((group, option), [])
     real_model = [] if group == "model" else ["model=hub", f"model.path={tmp_path}"]
     cfg = compose_cfg(*real_model, f"{group}={option}", *extra)
     path = CONF / group / f"{option}.yaml"
@@ -53,6 +55,8 @@ def test_every_config_file_composes(group, option, tmp_path):
         values = {group: values}
     for o in extra:  # the test's own override
         key, _ = o.split("=", 1)
+        if "." not in key:
+            continue
         outer, inner = key.split(".", 1)
         values[outer].pop(inner.split(".")[0], None)
     for key, value in values.items():  # every value in the file reached the composed config
@@ -111,6 +115,7 @@ EXPERIMENTS = [  # update when adding an experiment: the count guards against si
     "addition_tiny_colocated",
     "countdown_tinyzero",
     "deepseekmath7b_math_remote",
+    "guess_tiny",
     "qwen05b_gsm8k_colocated",
     "qwen15b_gsm8k_zero3_dedicated",
     "smollm2_arithmetic_cpu",
@@ -120,7 +125,7 @@ EXPERIMENTS = [  # update when adding an experiment: the count guards against si
 
 def test_experiments_are_all_counted():
     assert sorted(p.stem for p in (ROOT / "experiments").glob("*.yaml")) == EXPERIMENTS
-    assert len(EXPERIMENTS) == 8
+    assert len(EXPERIMENTS) == 9
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

@@ -57,7 +57,7 @@ def test_parity_and_generations_change_after_sync(tiny_lm, tmp_path):
 
     from grpo.config import RolloutConfig
     from grpo.rollout.dedicated import DedicatedBackend
-    from tests.parity import assert_round_trip, sync_round_trip
+    from tests.parity import assert_round_trip, assert_turn_one_is_generate, sync_round_trip
 
     model, tok = copy.deepcopy(tiny_lm[0]), tiny_lm[1]
     model.save_pretrained(tmp_path / "model")
@@ -67,6 +67,7 @@ def test_parity_and_generations_change_after_sync(tiny_lm, tmp_path):
     backend = DedicatedBackend(cfg, model, tok, str(tmp_path / "model"), run_dir=str(tmp_path))
     try:
         assert_round_trip(sync_round_trip(backend, model, tok), "dedicated")
+        assert_turn_one_is_generate(backend, tok)  # episodes run on the node main's generator thread
     finally:
         backend.close()
     assert wait_gone(tmp_path) == []
@@ -107,6 +108,22 @@ def check_run(run_dir, steps):
     assert all(r["sampler_diff"] < 1e-3 for r in trained)  # synced every step 
     assert len(glob.glob(os.path.join(run_dir, "vllm-engine-*.log"))) == 1  # one engine for the node
     assert wait_gone(run_dir) == [], "engine processes outlived the run"
+
+
+def test_guess_episodes_through_dedicated(make_cfg):
+    """3 steps of experiment=guess_tiny: the node main builds the environments and drives the episodes
+    against its engine; several turns, the trainer scoring the engine's tokens across turns."""
+    from grpo.train import train
+
+    cfg = make_cfg("experiment=guess_tiny", "rollout=dedicated", "rollout.vllm.memory_fraction=0.1", "steps=3",
+                   "eval_every=0", "checkpoint_every=0")
+    train(cfg)
+    rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    trained = [r for r in rows if "loss" in r]
+    assert [r["weight_version"] for r in trained] == [0, 1, 2]
+    assert all(r["sampler_diff"] <= 1e-3 for r in trained), [r["sampler_diff"] for r in trained]
+    assert max(r["episode/turns_max"] for r in trained) > 1
+    assert wait_gone(cfg.run_dir) == []
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "zero3"])

@@ -23,6 +23,7 @@ from grpo.config import RolloutConfig
 from grpo.rollout.auth import TOKEN_ENV
 from grpo.errors import ServerError
 from grpo.rollout.remote import RemoteBackend
+from grpo.rollout import Sampling
 from grpo.rollout.servers import ServerPool, free_port, split_by_load
 from grpo.serve import is_open
 from tests.conftest import ROOT
@@ -194,6 +195,55 @@ def test_parity_and_generations_change_after_sync(server, tiny_lm, token_env):
         assert_round_trip(sync_round_trip(backend, model, tok), "remote")
     finally:
         backend.close()
+
+
+def test_episodes_ending_at_turn_one_are_exactly_generate_and_prompts_are_echoed(server, tiny_lm, token_env):
+    from grpo.models import load_model
+    from tests.parity import assert_turn_one_is_generate
+
+    model, tok = load_model(server["path"])
+    backend = RemoteBackend(backend_cfg(server["url"]), model, tok)
+    try:
+        assert backend.max_context == 128  # as the server reports it (--max-model-len 128)
+        before = backend.pool.servers[0].prompt_checks
+        assert_turn_one_is_generate(backend, tok)
+        assert backend.pool.servers[0].prompt_checks - before == 12  # 6 choices x 2 calls (generate, episodes)
+    finally:
+        backend.close()
+
+
+def test_a_trajectory_stays_on_its_first_server(server, tiny_lm, token_env):
+    """Two pool entries for the one real server, told apart by their own counters: turn 1 splits the
+    prompts between them by speed; a later turn sends each trajectory where its first turn went."""
+    from grpo.rollout.auth import load_token
+    from grpo.rollout.servers import ServerPool, StickyRoutes
+
+    _, tok = tiny_lm
+    pool = ServerPool([server["url"], server["url"]], load_token(None), 60, 60, can_push=False, log=None)
+    try:
+        sticky = StickyRoutes(pool, version=0)
+        prompts = [tok(t).input_ids for t in ("1+1=", "2+2=", "3+3=", "4+4=")]
+        sticky(prompts, 2, Sampling(max_new_tokens=2, seed=1))  # prompts 0-1 -> entry 0, 2-3 -> entry 1
+        assert [s.prompt_checks for s in pool.servers] == [4, 4]
+        out = sticky([prompts[0], prompts[3], prompts[3]], 1, Sampling(max_new_tokens=2, seed=2), keys=[1, 6, 7])
+        assert [s.prompt_checks for s in pool.servers] == [5, 6] and len(out.completion_ids) == 3
+    finally:
+        pool.close()
+
+
+def test_guess_episodes_through_remote(server, make_cfg, token_env):
+    """3 steps of experiment=guess_tiny on the server: every turn's prompt ids echoed back as sent (a
+    mismatch is an error), the trainer scoring the sampler's tokens across turns."""
+    from grpo.train import train
+
+    cfg = make_cfg("experiment=guess_tiny", "rollout=remote", f"rollout.remote.urls=[{server['url']}]", "steps=3",
+                   "eval_every=0", "checkpoint_every=0")
+    train(cfg)
+    rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    trained = [r for r in rows if "loss" in r]
+    assert [r["weight_version"] for r in trained] == [0, 1, 2]
+    assert all(r["sampler_diff"] <= 1e-3 for r in trained), [r["sampler_diff"] for r in trained]
+    assert max(r["episode/turns_max"] for r in trained) > 1
 
 
 def test_short_training_run_through_remote(server, make_cfg, token_env):

@@ -89,6 +89,7 @@ PAIRS = {
     "countdown": ("<answer>1 + 2</answer>", 2, "<answer>1 - 2</answer>", 2),
     "overlong": ("<answer>3</answer>", 2, "3 3 3 3 3 3 3 3", 8),  # 8 of max_new_tokens=8: past the soft buffer
     "math_verify": ("The answer is $\\boxed{3}$.", 4, "The answer is $\\boxed{4}$.", 4),
+    "env": ("3", 1, "4", 1),  # with the environment's rewards for the two episodes below
 }
 
 
@@ -99,7 +100,8 @@ def test_every_registered_reward_takes_the_trainer_call_and_tells_right_from_wro
     s = cd([1, 2], 3)
     for name, fn in REWARDS.items():
         good, good_len, bad, bad_len = PAIRS[name]
-        values = fn([good, bad], [s, s], completion_ids=[[5] * good_len, [5] * bad_len], max_new_tokens=8)
+        values = fn([good, bad], [s, s], completion_ids=[[5] * good_len, [5] * bad_len], max_new_tokens=8,
+                    env_rewards=[1.0, 0.0])  # what an environment's episodes add (env=...): `env` reads it
         assert len(values) == 2 and all(isinstance(v, float) for v in values), (name, values)
         assert values[0] > values[1], (name, values)
 

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from grpo.config import RolloutConfig
 from grpo.rollout.colocated import SleepState, sleep_plan, state_after, update_plan, wake_plan
-from tests.parity import assert_round_trip, sync_round_trip
+from tests.parity import assert_round_trip, assert_turn_one_is_generate, sync_round_trip
 
 
 def colocated_cfg(**vllm):
@@ -74,6 +74,11 @@ def test_a_failed_engine_start_says_what_to_change_and_the_next_one_starts(tiny_
 def test_contract_and_parity_before_and_after_sync(engine):
     backend, model, tok = engine
     assert_round_trip(sync_round_trip(backend, model, tok), "colocated")
+
+
+def test_episodes_ending_at_turn_one_are_exactly_generate(engine):
+    backend, _, tok = engine
+    assert_turn_one_is_generate(backend, tok)
 
 
 # Sleep mode, decided by plain functions (grpo/rollout/colocated.py) and checked here by value; the

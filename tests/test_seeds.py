@@ -54,8 +54,8 @@ def test_a_resumed_step_draws_the_same_seeds():
 
 def test_servers_get_one_request_per_prompt_with_its_own_seed():
     # prompts 4..7 of the batch on this server, 16 completions each
-    assert prompt_requests(4, 8, 1000, 16) == [(4, 5, 1064), (5, 6, 1080), (6, 7, 1096), (7, 8, 1112)]
-    assert prompt_requests(4, 8, None, 16) == [(4, 8, None)]  # unseeded (evaluation): one request
+    assert prompt_requests([4, 5, 6, 7], 1000, 16) == [([4], 1064), ([5], 1080), ([6], 1096), ([7], 1112)]
+    assert prompt_requests([4, 5, 6, 7], None, 16) == [([4, 5, 6, 7], None)]  # unseeded (evaluation): one request
 
 
 def test_colocated_seeds_each_prompt_n_apart():

@@ -2,6 +2,9 @@
 
 None means the function does not apply to that completion. `info` holds `completion_ids` (token
 ids per completion) and `max_new_tokens`; a function takes what it needs and ignores the rest.
+With an environment (env=...), `completions` are each episode's final turn and `completion_ids` its
+ids, and `info` adds `transcripts` (every turn and observation as text), `turns`, `finish_reasons`
+(stop, length, turns, error) and `env_rewards`; the `env` function returns the environment's reward.
 `reward.funcs` names functions from `REWARDS` or by dotted path (`mypkg.rewards.my_reward`), each
 with a weight.
 
@@ -20,6 +23,7 @@ import warnings
 from typing import Callable
 
 from grpo.rewards.countdown import countdown
+from grpo.rewards.env import env_reward
 from grpo.rewards.exact_match import exact_match
 from grpo.rewards.format import answer_format, overlong_penalty
 from grpo.rewards.math_answer import math_verify
@@ -32,6 +36,7 @@ REWARDS: dict[str, RewardFn] = {
     "countdown": countdown,
     "overlong": overlong_penalty,
     "math_verify": math_verify,
+    "env": env_reward,
 }
 
 
@@ -93,7 +98,7 @@ def run_reward(name: str, fn, completions: list[str], samples: list, info: dict,
     warnings.warn(f"reward {name!r} failed on the batch ({error}); scoring its completions one at a time", stacklevel=2)
     out, hangs = [], 0
     for i, (c, s) in enumerate(zip(completions, samples)):
-        one = {k: [v[i]] if k == "completion_ids" else v for k, v in info.items()}
+        one = {k: [v[i]] if isinstance(v, list) and len(v) == len(completions) else v for k, v in info.items()}
         if hangs < MAX_HANGS:
             value, err = call_with_timeout(fn, ([c], [s]), one, timeout_s)
             hangs += err is not None and err.startswith("no answer")

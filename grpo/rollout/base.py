@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from grpo.errors import ConfigError
 from grpo.weights import WeightBuckets
@@ -43,6 +43,16 @@ class Rollouts:
     # seconds the engines sat without a request between the previous batch and this one (waiting for
     # the trainer's weights, or for the staleness bound to let the next batch in); 0 in-process
     engine_wait_s: float = 0.0
+    # multi-turn episodes (grpo/rollout/episodes.py): completion_ids is the span after the prompt
+    # (turn 1, observation 1, turn 2, ...); 1 on sampled tokens, 0 on observation tokens (logprob 0.0)
+    loss_masks: list[list[int]] | None = None
+    episodes: list | None = None  # one grpo.rollout.episodes.Episode per completion
+    # finish_reasons of an episode: stop (the environment ended it), length, turns (the cap), error
+
+    def slice(self, start: int, end: int) -> "Rollouts":
+        """Completions start..end (a rank's or a server's share), every per-completion field alike."""
+        return Rollouts(**{f.name: v[start:end] if isinstance(v := getattr(self, f.name), list) else v
+                           for f in fields(self)})
 
 
 class RolloutBackend(ABC):
@@ -50,6 +60,8 @@ class RolloutBackend(ABC):
     backend it has."""
 
     weight_version: int = 0
+    max_context: int | None = None  # the engine's limit on prompt + completion tokens (None: none known)
+    generate_is_collective: bool = False  # every rank must call `generate` equally often (multi-turn lockstep)
     # the engines run in other processes, so a batch can generate while the trainer updates
     # (algo.max_staleness >= 1); in-process backends would only take turns with the trainer
     overlaps_training: bool = False
@@ -91,6 +103,19 @@ class RolloutBackend(ABC):
         while the trainer updates, and `update_weights` waits for every batch submitted before it."""
         done: Future = Future()
         done.set_result(self.generate(prompt_ids, n, sampling))
+        return done
+
+    def submit_episodes(self, prompt_ids: list[list[int]], samples: list, n: int, sampling: Sampling, runner) -> Future:
+        """Multi-turn episodes (`runner`: grpo.rollout.episodes.EpisodeRunner) through this backend's own
+        `generate`, once per turn; returns like `submit`. In-process backends run them here, in the
+        caller's thread (where a collective `generate` needs every rank); backends with engines elsewhere
+        run them on their generator thread, so an episode batch is one unit there and weights change only
+        between batches."""
+        from grpo import dist
+
+        lockstep = (lambda active: dist.all_reduce_max([active])[0] > 0) if self.generate_is_collective else None
+        done: Future = Future()
+        done.set_result(runner.run(self.generate, prompt_ids, samples, n, sampling, lockstep))
         return done
 
     @abstractmethod

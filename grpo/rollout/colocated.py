@@ -242,6 +242,8 @@ class ColocatedBackend(RolloutBackend):
         self.sleep_state = SleepState()
         self.sleep_enabled = cfg.vllm.sleep
         self.weight_version = 0
+        self.max_context = cfg.vllm.max_model_len
+        self.generate_is_collective = self.tp_group is not None  # tensor-parallel ranks pool their prompts
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
         if self.tp_group is None:
@@ -255,7 +257,7 @@ class ColocatedBackend(RolloutBackend):
         me = dist.rank() % self.tp
         a = sum(len(ids) for ids, _ in parts[:me]) * n
         b = a + len(prompt_ids) * n
-        return Rollouts(out.completion_ids[a:b], out.logprobs[a:b], out.finish_reasons[a:b], out.weight_version)
+        return out.slice(a, b)
 
     def _generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
         from vllm.inputs import TokensPrompt

@@ -37,7 +37,8 @@ from grpo.rollout.engine_memory import check_vllm
 from grpo import dist, lora
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.weights import WeightBuckets
-from grpo.rollout.servers import TRANSFERS, ServerPool, push_adapter_from_one_rank, reserve_port, push_from_one_rank, transfer_backend
+from grpo.rollout.servers import (TRANSFERS, ServerPool, StickyRoutes, push_adapter_from_one_rank, push_from_one_rank,
+                                  reserve_port, transfer_backend)
 
 
 def pick_devices(spec, training_per_node: int) -> list[str]:
@@ -245,8 +246,7 @@ class NodeShare:
             out, parts, start = self.future.result(), [], 0
             for count in self.counts:
                 end = start + count * self.n
-                parts.append(Rollouts(out.completion_ids[start:end], out.logprobs[start:end], out.finish_reasons[start:end],
-                                      out.weight_version, out.engine_wait_s))
+                parts.append(out.slice(start, end))
                 start = end
         mine = [None]
         tdist.scatter_object_list(mine, parts, src=self.backend.main, group=self.backend.group)
@@ -271,6 +271,7 @@ class DedicatedBackend(RolloutBackend):
         self.reapers: list[subprocess.Popen] = []  # one per engine (grpo/rollout/reaper.py)
         self.pool = None
         self.weight_version = 0
+        self.max_context = cfg.vllm.max_model_len
         per_node = tdist.get_world_size(self.group) if self.group is not None else 1
         devices = pick_devices(cfg.dedicated.devices, per_node)
         engine_cpus, self.restore_cpus = None, None
@@ -326,6 +327,23 @@ class DedicatedBackend(RolloutBackend):
         if self.is_owner:  # the node's whole batch at once
             future = self.pool.submit([p for part in gathered for p in part], n, sampling, self.weight_version)
         return NodeShare(self, future, [len(part) for part in gathered] if self.is_owner else None, n)
+
+    def submit_episodes(self, prompt_ids, samples, n, sampling, runner) -> "Future | NodeShare":
+        """The node's prompts and samples go to the local main, which builds the environments and
+        drives the episodes against its engines on the pool's generator thread; `.result()` scatters."""
+        version = self.weight_version
+
+        def start(prompts, rows):
+            return self.pool.generator.submit(runner.run, StickyRoutes(self.pool, version), prompts, rows, n, sampling)
+
+        if self.group is None:
+            return start(prompt_ids, samples)
+        gathered = [None] * tdist.get_world_size(self.group) if self.is_owner else None
+        tdist.gather_object((prompt_ids, samples), gathered, dst=self.main, group=self.group)
+        future = None
+        if self.is_owner:
+            future = start([p for part, _ in gathered for p in part], [s for _, part in gathered for s in part])
+        return NodeShare(self, future, [len(part) for part, _ in gathered] if self.is_owner else None, n)
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
         pool = self.pool if self.is_owner else None

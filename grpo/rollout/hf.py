@@ -114,6 +114,8 @@ class HFBackend(RolloutBackend):
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = stop_token_ids(tokenizer.eos_token_id, base_model(model).generation_config)
         self.weight_version = 0
+        self.max_context = getattr(base_model(model).config, "max_position_embeddings", None)
+        self.generate_is_collective = lockstep and dist.world_size() > 1  # ZeRO-3's synced generate
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:

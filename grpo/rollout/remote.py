@@ -29,7 +29,7 @@ from grpo.errors import ConfigError, ServerError, TokenError
 from grpo.progress import say
 from grpo.rollout.auth import load_token, read_token_file
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
-from grpo.rollout.servers import TRANSFERS, ServerPool, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
+from grpo.rollout.servers import TRANSFERS, ServerPool, StickyRoutes, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
 from grpo.weights import WeightBuckets
 
 
@@ -61,6 +61,12 @@ class RemoteBackend(RolloutBackend):
         self.weight_version = 0
         self.lora_model = model if lora.is_lora(model) else None
         self.adapter_dir = os.path.join(os.path.abspath(run_dir), "adapters", "remote")
+        self.max_context = self.pool.max_context
+
+    def submit_episodes(self, prompt_ids, samples, n, sampling, runner) -> Future:
+        """The episodes run on the pool's generator thread, turn by turn, as one batch."""
+        return self.pool.generator.submit(runner.run, StickyRoutes(self.pool, self.weight_version), prompt_ids, samples, n,
+                                          sampling)
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
         return self.submit(prompt_ids, n, sampling).result()

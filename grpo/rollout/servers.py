@@ -204,15 +204,15 @@ def split_by_load(num_prompts: int, speeds: list[float]) -> list[tuple[int, int]
 MAX_REQUESTS_IN_FLIGHT = 64  # per server: concurrent /v1/completions requests of one batch
 
 
-def prompt_requests(start: int, end: int, seed: int | None, n: int) -> list[tuple[int, int, int | None]]:
-    """How prompts [start, end) of a batch go to one server: (first, last + 1, request seed) each.
+def prompt_requests(indices: list[int], seed: int | None, n: int) -> list[tuple[list[int], int | None]]:
+    """How a batch's prompts `indices` go to one server: (prompt indices, request seed) per request.
     Unseeded, one request for all. Seeded, one request per prompt, prompt k seeded `seed + k * n`:
     vLLM gives a request's every prompt the request's seed and completion j of each `seed + j`, so
     one request for all would draw every prompt's noise from one stream, and prompt seeds one apart
     would share streams between neighbouring prompts' completions."""
     if seed is None:
-        return [(start, end, None)]
-    return [(k, k + 1, seed + k * n) for k in range(start, end)]
+        return [(list(indices), None)]
+    return [([k], seed + k * n) for k in indices]
 
 
 def adapter_name(version: int) -> str:
@@ -227,6 +227,8 @@ class Server:
         self.speed = 1.0  # completion tokens per second, an EMA over batches (equal until measured)
         self.batches = 0
         self.model = None
+        self.max_model_len = None  # as the server reports it (/v1/models)
+        self.prompt_checks = 0  # choices whose echoed prompt ids were compared with the ids sent
 
     def request(self, path: str, body: dict | None = None, timeout: float | None = None, text: bool = False):
         """POST `body` (GET without one) and return the JSON answer, or the plain text with text=True
@@ -250,7 +252,8 @@ class Server:
     def wait_healthy(self, deadline: float, log=say, note: str = "", exited=None) -> None:
         def ready():
             self.request("/health", timeout=5)
-            self.model = self.request("/v1/models")["data"][0]["id"]
+            card = self.request("/v1/models")["data"][0]
+            self.model, self.max_model_len = card["id"], card.get("max_model_len")
 
         wait_until(ready, deadline - time.time(), what=f"rollout server {self.url}", log=log, note=note, exited=exited)
 
@@ -258,6 +261,41 @@ class Server:
         """The server's own engine world (tensor x pipeline x data parallel): the ranks its transfer
         group needs beside the trainer's (vLLM's RL route /get_world_size, mounted with the others)."""
         return int(self.request("/get_world_size")["world_size"])
+
+
+class StickyRoutes:
+    """Multi-turn on a pool: every turn of a trajectory goes to the server that generated its first, so
+    its prefix stays in that server's cache. A `generate` for grpo.rollout.episodes (it passes `keys`,
+    the trajectories' indices, from turn 2 on)."""
+
+    takes_keys = True
+
+    def __init__(self, pool: "ServerPool", version: int):
+        self.pool, self.version, self.owner = pool, version, {}
+
+    def __call__(self, prompt_ids: list[list[int]], n: int, sampling: Sampling, keys: list[int] | None = None) -> Rollouts:
+        if keys is None:  # turn 1: shares by speed; completion j of prompt p is trajectory p * n + j
+            route = [i for i, (a, b) in enumerate(split_by_load(len(prompt_ids), [s.speed for s in self.pool.servers]))
+                     for _ in range(a, b)]
+            self.owner = {p * n + j: route[p] for p in range(len(prompt_ids)) for j in range(n)}
+        else:
+            route = [self.owner[k] for k in keys]
+        return self.pool.generate(prompt_ids, n, sampling, self.version, route=route)
+
+
+def check_echo(server: Server, prompts: list[list[int]], n: int, choices: list[dict]) -> None:
+    """The prompt ids each choice says it continued (vLLM's `return_token_ids` echo) against the ids
+    sent: a server that re-tokenized or cut a prompt is an error, never a silent mismatch."""
+    for c in choices:
+        echoed = c.get("prompt_token_ids")
+        if echoed is None:
+            continue  # an older server that does not echo
+        sent = prompts[c["index"] // n]
+        if list(echoed) != list(sent):
+            raise ServerError(f"{server.url} continued prompt ids {list(echoed)[:8]}... ({len(echoed)} ids), not the "
+                              f"{len(sent)} ids sent {list(sent)[:8]}...: the sampler and the trainer would see "
+                              "different sequences")
+        server.prompt_checks += 1
 
 
 class ServerPool:
@@ -276,6 +314,8 @@ class ServerPool:
         notes = [f"log: {p}" for p in logs] if logs else [""] * len(urls)
         exited = exited or [None] * len(urls)
         parallel_map(lambda i: self.servers[i].wait_healthy(deadline, log, notes[i], exited[i]), range(len(self.servers)))
+        lens = [s.max_model_len for s in self.servers if s.max_model_len]
+        self.max_context = min(lens) if lens else None  # prompt + completion, as the servers allow
         self.generator = DaemonWorker("grpo-generate")  # one batch at a time, in order
         self.idle_since: float | None = None  # when the last batch finished (engine wait time)
         self.senders = []
@@ -344,20 +384,25 @@ class ServerPool:
         v = str(server.request("/weight_info").get("weight_version"))
         return int(v) if v.isdigit() else fallback
 
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling, version: int) -> Rollouts:
-        """The batch, split across the servers; `version`: what the trainer last pushed."""
-        ranges = split_by_load(len(prompt_ids), [s.speed for s in self.servers])
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling, version: int,
+                 route: list[int] | None = None) -> Rollouts:
+        """The batch, split across the servers; `version`: what the trainer last pushed. `route`: the
+        server of each prompt (multi-turn keeps a trajectory on one server, `StickyRoutes`); by
+        default contiguous shares in proportion to each server's speed (`split_by_load`)."""
+        if route is None:
+            route = [i for i, (a, b) in enumerate(split_by_load(len(prompt_ids), [s.speed for s in self.servers]))
+                     for _ in range(a, b)]
         t_start = time.perf_counter()
         waited = 0.0 if self.idle_since is None else t_start - self.idle_since
 
         def call(i: int):
-            server, (a, b) = self.servers[i], ranges[i]
-            if a == b:
-                return [], None
+            server, mine = self.servers[i], [k for k, r in enumerate(route) if r == i]
+            if not mine:
+                return [], None, mine
             before = self.served_version(server, version)
             t0 = time.perf_counter()
-            shards = prompt_requests(a, b, sampling.seed, n)
-            answers = parallel_map(lambda r: self.complete(server, prompt_ids[r[0]:r[1]], n, sampling, r[2]), shards,
+            shards = prompt_requests(mine, sampling.seed, n)
+            answers = parallel_map(lambda r: self.complete(server, [prompt_ids[k] for k in r[0]], n, sampling, r[1]), shards,
                                    MAX_REQUESTS_IN_FLIGHT)  # the engine batches them
             choices = [c for answer in answers for c in answer]
             rate = sum(len(c["token_ids"]) for c in choices) / max(time.perf_counter() - t0, 1e-6)
@@ -367,22 +412,28 @@ class ServerPool:
             if after != before:
                 raise ServerError(f"{server.url} changed weights from version {before} to {after} during a generation "
                                   "request; weights must only change between requests (ServerPool.drain)")
-            return choices, before
+            return choices, before, mine
 
         try:
             parts = parallel_map(call, range(len(self.servers)))
         finally:
             self.idle_since = time.perf_counter()
-        versions = {v for _, v in parts if v is not None}
+        versions = {v for _, v, _ in parts if v is not None}
         if len(versions) > 1:
             raise ServerError(f"the servers hold different weight versions {sorted(versions)}; a push reached only some")
-        ids, logprobs, reasons = [], [], []
-        for choice in (c for part, _ in parts for c in part):
-            ids.append(list(choice["token_ids"]))
-            logprobs.append([float(x) for x in choice["logprobs"]["token_logprobs"]])
-            reasons.append("length" if choice["finish_reason"] == "length" else "stop")
-        if len(ids) != len(prompt_ids) * n:
-            raise ServerError(f"asked for {len(prompt_ids) * n} completions, the servers returned {len(ids)}")
+        ids, logprobs, reasons = [None] * (len(prompt_ids) * n), [None] * (len(prompt_ids) * n), [None] * (len(prompt_ids) * n)
+        returned = 0
+        for choices, _, mine in parts:
+            if len(choices) != len(mine) * n:
+                raise ServerError(f"asked a server for {len(mine) * n} completions, it returned {len(choices)}")
+            for j, choice in enumerate(choices):  # prompt by prompt, n each, in the order sent
+                at = mine[j // n] * n + j % n
+                ids[at] = list(choice["token_ids"])
+                logprobs[at] = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+                reasons[at] = "length" if choice["finish_reason"] == "length" else "stop"
+                returned += 1
+        if returned != len(prompt_ids) * n:
+            raise ServerError(f"asked for {len(prompt_ids) * n} completions, the servers returned {returned}")
         return Rollouts(ids, logprobs, reasons, versions.pop() if versions else version, engine_wait_s=waited)
 
     def complete(self, server: Server, prompts: list[list[int]], n: int, sampling: Sampling, seed: int | None) -> list[dict]:
@@ -391,7 +442,9 @@ class ServerPool:
                 **sampling_fields(sampling), "logprobs": 0, "return_token_ids": True}
         if seed is not None:
             body["seed"] = seed
-        return sorted(server.request("/v1/completions", body)["choices"], key=lambda c: c["index"])
+        choices = sorted(server.request("/v1/completions", body)["choices"], key=lambda c: c["index"])
+        check_echo(server, prompts, n, choices)
+        return choices
 
     def push(self, buckets: WeightBuckets, version: int) -> None:
         """Every bucket to every server: one /update_weights call and one gloo broadcast each, to all

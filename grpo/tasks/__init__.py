@@ -7,6 +7,7 @@ from grpo.tasks.arithmetic import build_arithmetic
 from grpo.tasks.base import Sample, Task, TrainSampler
 from grpo.tasks.countdown import build_countdown
 from grpo.tasks.gsm8k import build_gsm8k
+from grpo.tasks.guess import build_guess
 from grpo.tasks.jsonl import build_jsonl
 from grpo.tasks.math_problems import build_math
 
@@ -17,6 +18,7 @@ TASKS = {
     "gsm8k": build_gsm8k,
     "math": build_math,
     "countdown": build_countdown,
+    "guess": build_guess,
 }
 
 

@@ -38,6 +38,11 @@ class Task:
     # template (auto: when it has one | always | never), after an optional system prompt.
     chat_template: str = "auto"
     system_prompt: Optional[str] = None
+    # Multi-turn tasks: the tiny model's warm start trains on `demonstration(sample)`, (text, trained)
+    # segments (each trained one followed by the end token), and checks `play(model, tokenizer,
+    # samples, max_new_tokens)` (a greedy solve rate) instead of one-shot exact match.
+    demonstration: Optional[Callable] = None
+    play: Optional[Callable] = None
 
     def __post_init__(self):
         if not self.train:

@@ -1,0 +1,302 @@
+"""Multi-turn episodes on any backend: one driver that calls the backend's own generation once per turn.
+
+    turn 1:  generate(prompts, n)                    P x n trajectories, the prompt shared per group
+    env:     each finished turn's text -> env.step -> observation tokens (loss mask 0)
+    turn t:  generate(prompt + span so far, n=1)     over the trajectories still active
+
+The trainer gets, per trajectory, the span after the prompt (turn 1, observation 1, turn 2, ...) as
+`completion_ids`, with a loss mask (1 on sampled tokens, 0 on observations) and the sampler's
+logprobs (0.0 on observations). Sampled ids are never decoded and encoded again: the text each
+environment reads is decoded from them, but the sequence keeps the ids themselves.
+
+Budgets, checked before every request: `max_turns`; each turn `rollout.max_new_tokens`; the span
+(`env.max_total_tokens`, sampled + observation tokens), and prompt + span + a whole next turn within
+the engine's context (`max_context`). A trajectory with no room for a whole next turn ends as
+"length", its last observation not added. A turn cut off by `max_new_tokens` ends the episode as
+"length" and never reaches the environment. Observations longer than `env.max_observation_tokens`
+are cut in the middle.
+
+Finish reasons: stop (the environment said done), length (a budget), turns (the turn cap),
+error (the environment raised or hung past `env.step_timeout_s`: reward None, a warning names it).
+
+Turns are synchronous over the batch, so the episode batch is one unit of engine work with one
+weight version. Where generation is a collective (`lockstep`: ZeRO-3's synced generate, tensor-
+parallel colocated engines), every rank calls it as often as the rank with the longest episodes,
+an idle rank with one throwaway request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
+
+from grpo.rollout.base import Rollouts, Sampling
+
+FINISH = ("stop", "length", "turns", "error")
+
+
+@dataclass
+class Budget:
+    max_turns: int
+    max_new_tokens: int  # per turn
+    max_total_tokens: int  # the span after the prompt: sampled and observation tokens
+    max_observation_tokens: int
+    max_context: Optional[int] = None  # the engine's limit on prompt + span + next turn (None: no limit)
+
+
+@dataclass
+class Episode:
+    """One trajectory, as rewards and metrics see it."""
+
+    final_text: str = ""  # the last turn's text: what reward functions score
+    transcript: str = ""  # every turn and observation, as text
+    turns: int = 0
+    finish: str = "length"
+    env_reward: Optional[float] = None  # sum of the rewards the environment gave (None: none)
+    sampled_tokens: int = 0
+    observation_tokens: int = 0
+    env_s: float = 0.0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    error: Optional[str] = None
+    last_turn_ids: list = field(default_factory=list)
+
+
+def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
+    """The sampling seed of turn `turn` (1-based): turn 1 keeps the step's seed (so an episode that
+    ends at turn 1 samples exactly what `generate` would); later turns mix the turn into the low 32
+    bits, which number the step's sequences (grpo.train.sampling_seed), keeping the run seed's bits."""
+    if seed is None or turn == 1:
+        return seed
+    high, low = seed >> 32 << 32, seed & 0xFFFFFFFF
+    return high | ((low + turn * 0x9E3779B9) & 0xFFFFFFFF)
+
+
+def cut_middle(ids: list[int], limit: int, marker: list[int]) -> list[int]:
+    """At most `limit` ids: the head and the tail kept, `marker` between them."""
+    if len(ids) <= limit:
+        return ids
+    keep = max(0, limit - len(marker))
+    head = keep - keep // 2
+    return (ids[:head] + marker + ids[len(ids) - keep // 2:])[:limit] if keep else ids[:limit]
+
+
+def call_with_timeout(fn: Callable, timeout_s: float):
+    """(value, None) or (None, error text); a call past `timeout_s` is abandoned (a daemon thread)."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except Exception as e:  # noqa: BLE001 - the caller ends the episode as "error" with this text
+            box["error"] = f"{type(e).__name__}: {e}"
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        return None, f"no answer within env.step_timeout_s={timeout_s:g}s"
+    return box.get("value"), box.get("error")
+
+
+class Trajectory:
+    def __init__(self, prompt_ids: list[int], sample, env, index: int):
+        self.prompt_ids, self.sample, self.env, self.index = prompt_ids, sample, env, index
+        self.span: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.episode = Episode()
+        self.rewards: list[float] = []
+        self.active = True
+        self.texts: list[str] = []
+
+    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
+        self.span += ids
+        self.mask += [1 if logprobs is not None else 0] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+    def end(self, finish: str) -> None:
+        self.active = False
+        self.episode.finish = finish
+
+
+class EpisodeRunner:
+    """Builds one environment per trajectory (`make_env`), renders observations (`render`: grpo/rollout/
+    render.py) and drives a batch of episodes through a backend's `generate`."""
+
+    def __init__(self, make_env: Callable, tokenizer, render, budget: Budget, step_timeout_s: float, stop_ids: list[int],
+                 env_name: str = "env"):
+        self.make_env, self.tokenizer, self.render, self.budget = make_env, tokenizer, render, budget
+        self.step_timeout_s, self.stop_ids, self.env_name = step_timeout_s, set(stop_ids), env_name
+
+    def run(self, generate: Callable, prompt_ids: list[list[int]], samples: list, n: int, sampling: Sampling,
+            lockstep: Optional[Callable[[int], bool]] = None) -> Rollouts:
+        """`generate(prompt_ids, n, sampling) -> Rollouts` is the backend's; `lockstep(active)`, where
+        generation is a collective, says whether any rank still has an active trajectory."""
+        b = self.budget
+        sampling = replace(sampling, max_new_tokens=b.max_new_tokens)
+        trajectories = [Trajectory(p, s, None, i * n + k) for i, (p, s) in enumerate(zip(prompt_ids, samples)) for k in range(n)]
+        version = None
+        try:
+            first = []
+            for t in trajectories:
+                t.env = self.make_env()
+                text, error = call_with_timeout(lambda t=t: t.env.reset(t.sample, t.index), self.step_timeout_s)
+                if error:
+                    self.fail(t, error, "reset")
+                elif text:
+                    self.observe(t, text, after_eos=False)
+                first.append(bool(text))
+            shared = not any(first)  # no opening observation: turn 1 is generate(prompts, n), as without an environment
+            turn, wait = 0, 0.0
+            while True:
+                turn += 1
+                active = [t for t in trajectories if t.active and self.room(t)]
+                if lockstep is not None:
+                    if not lockstep(len(active)):
+                        break
+                elif not active:
+                    break
+                seeded = replace(sampling, seed=turn_seed(sampling.seed, turn))
+                if turn == 1 and shared and len(active) == len(trajectories):
+                    out = generate(prompt_ids, n, seeded)
+                elif active:  # a pool's StickyRoutes keeps each trajectory on its first server
+                    keys = {"keys": [t.index for t in active]} if getattr(generate, "takes_keys", False) else {}
+                    out = generate([t.prompt_ids + t.span for t in active], 1, seeded, **keys)
+                else:  # a collective this rank must join with nothing to do: one throwaway request
+                    generate([prompt_ids[0]], 1, replace(seeded, max_new_tokens=1))
+                    continue
+                version = out.weight_version if version is None else version
+                if out.weight_version != version:
+                    raise RuntimeError(f"turn {turn} came from weight version {out.weight_version}, turn 1 from {version}: "
+                                       "weights changed inside an episode batch")
+                wait += out.engine_wait_s
+                for t, ids, lps, reason in zip(active, out.completion_ids, out.logprobs, out.finish_reasons):
+                    self.take_turn(t, ids, lps, reason)
+            return self.rollouts(trajectories, version, wait)
+        finally:
+            for t in trajectories:
+                if t.env is not None:
+                    try:
+                        t.env.close()
+                    except Exception as e:  # noqa: BLE001 - a close that fails loses nothing of the episode
+                        warnings.warn(f"{self.env_name}.close() raised {type(e).__name__}: {e}", stacklevel=2)
+
+    def room(self, t: Trajectory) -> bool:
+        """Whether a whole next turn fits the span budget and the engine's context; if not, the episode
+        ends here ("length")."""
+        b = self.budget
+        if len(t.span) + b.max_new_tokens > b.max_total_tokens or (
+                b.max_context is not None and len(t.prompt_ids) + len(t.span) + b.max_new_tokens > b.max_context):
+            t.end("length")
+            return False
+        return True
+
+    def take_turn(self, t: Trajectory, ids: list[int], logprobs: list[float], reason: str) -> None:
+        ep = t.episode
+        t.add(ids, logprobs)
+        ep.turns += 1
+        ep.sampled_tokens += len(ids)
+        ep.last_turn_ids = list(ids)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        t.texts.append(text)
+        ep.final_text = text
+        ep.transcript += text
+        if reason == "length":  # cut off mid-turn: never handed to the environment
+            t.end("length")
+            return
+        t0 = time.perf_counter()
+        step, error = call_with_timeout(lambda: t.env.step(text), self.step_timeout_s)
+        ep.env_s += time.perf_counter() - t0
+        if error is None and step is None:
+            error = "step returned None, not a Step"
+        if error:
+            self.fail(t, error, "step")
+            return
+        if step.reward is not None:
+            t.rewards.append(float(step.reward))
+            ep.env_reward = sum(t.rewards)
+        ep.tool_calls += bool(step.info.get("tool_call"))
+        ep.tool_errors += bool(step.info.get("tool_error"))
+        if step.done:
+            t.end("stop")
+        elif ep.turns >= self.budget.max_turns:
+            t.end("turns")
+        else:
+            self.observe(t, step.observation or "", after_eos=bool(ids) and ids[-1] in self.stop_ids)
+
+    def observe(self, t: Trajectory, text: str, after_eos: bool) -> None:
+        ids = self.render(text, after_eos)
+        limit = self.budget.max_observation_tokens
+        if len(ids) > limit:
+            ids = cut_middle(ids, limit, self.render.marker)
+        t.add(ids, None)
+        t.episode.observation_tokens += len(ids)
+        t.episode.transcript += text
+
+    def fail(self, t: Trajectory, error: str, where: str) -> None:
+        t.episode.error = error
+        t.episode.env_reward = None
+        t.end("error")
+        warnings.warn(f"environment {self.env_name!r} {where} failed on sample {str(t.sample.prompt)[:60]!r} "
+                      f"(trajectory {t.index}): {error}; the episode ends as 'error', excluded from the rewards",
+                      stacklevel=3)
+
+    @staticmethod
+    def rollouts(trajectories: list[Trajectory], version: int | None, wait: float) -> Rollouts:
+        return Rollouts(
+            [t.span for t in trajectories], [t.logprobs for t in trajectories], [t.episode.finish for t in trajectories],
+            version or 0, engine_wait_s=wait, loss_masks=[t.mask for t in trajectories],
+            episodes=[t.episode for t in trajectories],
+        )
+
+
+def episode_span(env, max_new_tokens: int) -> int:
+    """The most tokens after the prompt: `env.max_total_tokens`, or by default every turn and observation."""
+    return env.max_total_tokens or env.max_turns * (max_new_tokens + env.max_observation_tokens)
+
+
+def build_episodes(cfg, task, tokenizer, rollout) -> Optional[EpisodeRunner]:
+    """The episode runner of a run with an environment (`env.name`), None for env=none."""
+    if cfg.env.name == "none":
+        return None
+    from grpo.envs import env_factory
+    from grpo.rollout.render import ChatRender, RawRender
+
+    e, max_new = cfg.env, cfg.rollout.max_new_tokens
+    render = ChatRender(tokenizer, e.role) if e.render == "chat" else RawRender(tokenizer)
+    budget = Budget(e.max_turns, max_new, episode_span(e, max_new), e.max_observation_tokens, rollout.max_context)
+    return EpisodeRunner(env_factory(e, task), tokenizer, render, budget, e.step_timeout_s, [tokenizer.eos_token_id], e.name)
+
+
+def final_texts(rollouts: Rollouts) -> list[str]:
+    return [e.final_text for e in rollouts.episodes]
+
+
+def reward_info(rollouts: Rollouts) -> dict:
+    """What reward functions get about each episode besides its final turn (grpo/rewards/__init__.py)."""
+    eps = rollouts.episodes
+    return {"completion_ids": [e.last_turn_ids for e in eps], "transcripts": [e.transcript for e in eps],
+            "turns": [e.turns for e in eps], "finish_reasons": list(rollouts.finish_reasons),
+            "env_rewards": [e.env_reward for e in eps]}
+
+
+def episode_metrics(rollouts: Rollouts) -> dict[str, float]:
+    eps = rollouts.episodes
+    n = max(len(eps), 1)
+    calls = sum(e.tool_calls for e in eps)
+    metrics = {
+        "episode/turns_mean": sum(e.turns for e in eps) / n,
+        "episode/turns_max": max((e.turns for e in eps), default=0),
+        "episode/sampled_tokens": sum(e.sampled_tokens for e in eps) / n,
+        "episode/observation_tokens": sum(e.observation_tokens for e in eps) / n,
+        "episode/env_s": sum(e.env_s for e in eps),
+        "episode/errors": sum(e.finish == "error" for e in eps),
+        "episode/tool_calls": calls / n,
+        "episode/tool_failure_rate": sum(e.tool_errors for e in eps) / calls if calls else 0.0,
+    }
+    metrics.update({f"episode/finish_{r}": sum(e.finish == r for e in eps) / n for r in FINISH})
+    return metrics

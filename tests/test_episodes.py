@@ -1,0 +1,406 @@
+"""Multi-turn episodes: the driver (grpo/rollout/episodes.py), environments (grpo/envs/), observation
+rendering (grpo/rollout/render.py), the loss mask through collate and the loss, and a training run.
+
+The driver's unit tests drive it with `Scripted`, a generate function whose turns are written in the
+test, since what is under test there is the driver (budgets, masks, faults, lockstep); the real
+backends run the same driver below (hf) and in tests/test_remote.py, test_rollout_vllm.py and
+test_dedicated.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+
+import pytest
+import torch
+
+from grpo.envs import CalcEnv, GuessEnv, RetryEnv, Step, calculator
+from grpo.envs.guess import binary_search_turns
+from grpo.rollout.base import Rollouts, Sampling
+from grpo.rollout.episodes import Budget, EpisodeRunner, cut_middle, turn_seed
+from grpo.rollout.render import ChatRender, RawRender
+from grpo.tasks.base import Sample
+
+GUESS = [Sample("Guess 1-15:", str(s)) for s in range(1, 16)]
+
+
+class Scripted:
+    """generate(prompt_ids, n, sampling) whose turn is `policy(prompt_ids) -> text` (tokenized and
+    ended by <eos>, or cut at max_new_tokens as an engine would), logprob -0.5 per token. Records
+    every request and fails on one beyond `max_context`."""
+
+    def __init__(self, tok, policy, max_context: int = 10_000, ids=None):
+        self.tok, self.policy, self.max_context, self.ids = tok, policy, max_context, ids
+        self.requests: list[tuple[list[list[int]], int, int]] = []
+
+    def __call__(self, prompt_ids, n, sampling: Sampling) -> Rollouts:
+        self.requests.append(([list(p) for p in prompt_ids], n, sampling.max_new_tokens))
+        out_ids, reasons = [], []
+        for p in prompt_ids:
+            assert len(p) + sampling.max_new_tokens <= self.max_context, "a request beyond the engine's context"
+            for _ in range(n):
+                ids = self.ids(p) if self.ids else list(self.tok(self.policy(p), add_special_tokens=False).input_ids)
+                ids = ids + [self.tok.eos_token_id]
+                if len(ids) > sampling.max_new_tokens:
+                    ids, reason = ids[: sampling.max_new_tokens], "length"
+                else:
+                    reason = "stop"
+                out_ids.append(ids)
+                reasons.append(reason)
+        return Rollouts(out_ids, [[-0.5] * len(i) for i in out_ids], reasons, weight_version=7)
+
+
+def binary_search_policy(tok):
+    """Plays binary search by reading the observations in its own prompt: it sees them or fails."""
+    def policy(prompt_ids):
+        text = tok.decode(prompt_ids, skip_special_tokens=True)
+        low, high = 1, 15
+        for ch in text.split(":", 1)[1]:
+            if ch in "<>":
+                mid = (low + high) // 2
+                low, high = (low, mid - 1) if ch == "<" else (mid + 1, high)
+        return str((low + high) // 2)
+    return policy
+
+
+def runner(tok, make_env=GuessEnv, max_turns=4, max_new=3, total=100, obs=4, context=None, timeout=5.0, render=None):
+    return EpisodeRunner(make_env, tok, render or RawRender(tok), Budget(max_turns, max_new, total, obs, context),
+                         timeout, [tok.eos_token_id], "test-env")
+
+
+def prompts_of(tok, samples):
+    return [tok(s.prompt).input_ids for s in samples]
+
+
+def test_guess_episodes_put_masked_observations_between_turns(tiny_lm):
+    _, tok = tiny_lm
+    gen = Scripted(tok, binary_search_policy(tok))
+    out = runner(tok).run(gen, prompts_of(tok, GUESS), GUESS, 2, Sampling(3, seed=5))
+    assert len(out.completion_ids) == 30 and out.weight_version == 7
+    assert all(e.finish == "stop" and e.env_reward == 1.0 for e in out.episodes)  # every secret, both copies
+    assert sum(e.turns for e in out.episodes) / 30 == pytest.approx(49 / 15)  # binary search: 3.27 guesses
+    # secret 7: 8 < 4 > 6 > 7, as tokens: "8" eos "<" "4" eos ">" "6" eos ">" "7" eos
+    i = 6 * 2
+    span, mask, lps = out.completion_ids[i], out.loss_masks[i], out.logprobs[i]
+    eos = tok.eos_token_id
+    expected = [tok.convert_tokens_to_ids(c) if c != "E" else eos for c in "8E<4E>6E>7E"]
+    assert span == expected
+    assert mask == [1, 1, 0, 1, 1, 0, 1, 1, 0, 1, 1]
+    assert lps == [-0.5 if m else 0.0 for m in mask]
+    assert out.episodes[i].transcript == "8<4>6>7" and out.episodes[i].final_text == "7"
+    assert out.episodes[i].observation_tokens == 3 and out.episodes[i].sampled_tokens == 8
+    # turn 1 is one request for the prompts, n each; later turns send prompt + span, n = 1
+    first, n, _ = gen.requests[0]
+    assert n == 2 and len(first) == 15
+    assert gen.requests[1][1] == 1 and gen.requests[1][0][0][-2:] == [eos, tok.convert_tokens_to_ids("<")]
+    assert len(gen.requests) == 4  # the most turns any episode took
+
+
+def test_turn_seeds_keep_turn_one_and_the_run_seeds_bits():
+    seed = (12345 << 32) + 678
+    assert turn_seed(seed, 1) == seed and turn_seed(None, 3) is None
+    later = {turn_seed(seed, t) for t in range(2, 6)}
+    assert len(later) == 4 and all(s >> 32 == 12345 and s != seed for s in later)
+
+
+def test_an_episode_ending_at_turn_one_is_exactly_generate_on_hf(tiny_lm):
+    """env done after the first turn: the driver's ids, logprobs and finish reasons are generate's own."""
+    from grpo.rollout.hf import HFBackend
+
+    model, tok = tiny_lm
+    backend = HFBackend(None, model, tok)
+    prompts = [tok("12+34=").input_ids, tok("7=").input_ids]
+    samples = [Sample("12+34=", "046"), Sample("7=", "7")]
+    sampling = Sampling(max_new_tokens=6, temperature=1.0)
+    torch.manual_seed(3)
+    plain = backend.generate(prompts, 4, sampling)
+    torch.manual_seed(3)
+    one = runner(tok, make_env=lambda: OneTurn(), max_new=6).run(backend.generate, prompts, samples, 4, sampling)
+    assert one.completion_ids == plain.completion_ids and one.logprobs == plain.logprobs
+    assert one.finish_reasons == [("length" if r == "length" else "stop") for r in plain.finish_reasons]
+    assert all(m == [1] * len(ids) for m, ids in zip(one.loss_masks, one.completion_ids))
+
+
+class OneTurn:
+    def reset(self, sample, seed):
+        return None
+
+    def step(self, action):
+        return Step(None, 0.0, True)
+
+    def close(self):
+        pass
+
+
+class Recording(GuessEnv):
+    seen: list = []
+
+    def step(self, action):
+        Recording.seen.append(action)
+        return super().step(action)
+
+
+def test_budgets_end_episodes_as_length_and_a_cut_turn_never_reaches_the_env(tiny_lm):
+    _, tok = tiny_lm
+    Recording.seen = []
+    always_8 = Scripted(tok, lambda p: "8")
+    # span budget 7: turn 1 (2) + obs (1) + turn 2 (2) + obs (1) = 6, no room for a 3-token turn: "length"
+    out = runner(tok, make_env=Recording, total=7, context=None).run(always_8, prompts_of(tok, GUESS[:3]), GUESS[:3], 1,
+                                                                     Sampling(3))
+    assert [e.finish for e in out.episodes] == ["length", "length", "length"]
+    assert all(len(ids) <= 7 for ids in out.completion_ids)
+    # the engine's context: prompt (12) + span + a whole turn (3) within 20 -> 2 turns at most
+    out = runner(tok, context=20).run(Scripted(tok, lambda p: "8", max_context=20), prompts_of(tok, GUESS[:2]), GUESS[:2], 1,
+                                      Sampling(3))
+    assert [e.turns for e in out.episodes] == [2, 2] and {e.finish for e in out.episodes} == {"length"}
+    # a turn cut at max_new_tokens ("123" + eos > 3 tokens) ends the episode before the environment sees it
+    Recording.seen = []
+    out = runner(tok, make_env=Recording).run(Scripted(tok, lambda p: "123"), prompts_of(tok, GUESS[:2]), GUESS[:2], 1,
+                                              Sampling(3))
+    assert [e.finish for e in out.episodes] == ["length", "length"] and Recording.seen == []
+    # the turn cap
+    out = runner(tok, max_turns=2).run(always_8, prompts_of(tok, GUESS[:1]), GUESS[:1], 1, Sampling(3))
+    assert out.episodes[0].finish == "turns" and out.episodes[0].turns == 2
+
+
+def test_long_observations_are_cut_in_the_middle():
+    assert cut_middle(list(range(10)), 10, [99]) == list(range(10))
+    assert cut_middle(list(range(10)), 5, [99]) == [0, 1, 99, 8, 9]
+
+
+class Hangs(GuessEnv):
+    def step(self, action):
+        if self.secret == 2:
+            time.sleep(30)
+        if self.secret == 3:
+            raise RuntimeError("tool crashed")
+        return super().step(action)
+
+
+def test_an_env_that_hangs_or_raises_ends_its_episode_as_error_within_its_timeout(tiny_lm):
+    _, tok = tiny_lm
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = runner(tok, make_env=Hangs, timeout=0.5).run(Scripted(tok, binary_search_policy(tok)), prompts_of(tok, GUESS[:4]),
+                                                           GUESS[:4], 1, Sampling(3))
+    assert time.perf_counter() - t0 < 0.5 + 1.0
+    assert [e.finish for e in out.episodes] == ["stop", "error", "error", "stop"]
+    assert out.episodes[1].env_reward is None and "0.5s" in out.episodes[1].error
+    assert "tool crashed" in out.episodes[2].error
+    messages = [str(w.message) for w in caught]
+    assert sum("'test-env'" in m and "error" in m for m in messages) == 2, messages
+
+
+def test_lockstep_keeps_calling_generate_while_another_rank_is_active(tiny_lm):
+    """This rank's episodes end at turn 1; another rank's go on to turn 4: this rank joins every turn."""
+    _, tok = tiny_lm
+    gen, turns = Scripted(tok, lambda p: "8"), []
+
+    def lockstep(active):  # the other rank: active for 4 turns
+        turns.append(active)
+        return active > 0 or len(turns) <= 4
+
+    out = runner(tok, make_env=lambda: OneTurn()).run(gen, prompts_of(tok, GUESS[:2]), GUESS[:2], 1, Sampling(3), lockstep)
+    assert len(gen.requests) == 4 and turns == [2, 0, 0, 0, 0]
+    assert [r[2] for r in gen.requests[1:]] == [1, 1, 1]  # throwaway requests: one token
+    assert [e.turns for e in out.episodes] == [1, 1]
+
+
+def test_observation_logits_leave_loss_and_gradients_exactly_equal(tiny_lm):
+    """Noise added to the hidden states that predict observation tokens (logits there change) leaves the
+    loss and every gradient bit-for-bit equal; the token normaliser counts sampled tokens only."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from grpo.config import AlgoConfig
+    from grpo.parallel.single import SingleStrategy
+    from grpo.update import accumulate_gradients, collate, loss_norm
+
+    model, tok = copy.deepcopy(tiny_lm[0]), tiny_lm[1]
+    out = runner(tok).run(Scripted(tok, binary_search_policy(tok)), prompts_of(tok, GUESS[4:8]), GUESS[4:8], 1, Sampling(3))
+    prompts = prompts_of(tok, GUESS[4:8])
+    batch = collate(prompts, out, torch.tensor([1.0, -0.5, 0.25, 0.8]), tok.pad_token_id, False)
+    assert int(batch.mask_BT.sum()) == sum(e.sampled_tokens for e in out.episodes)
+    assert loss_norm(batch, 12, 1.0).num_tokens == sum(e.sampled_tokens for e in out.episodes)
+    algo = OmegaConf.structured(AlgoConfig(lr=1e-3, batch_size=4, group_size=4))
+    strategy = SingleStrategy(None, model, algo, total_steps=10)
+    width = batch.prompt_width
+    observed_BT = (batch.mask_BT == 0) & (batch.attention_mask_BL[:, width:] == 1)
+    assert observed_BT.sum() == sum(e.observation_tokens for e in out.episodes) > 0
+
+    def grads(noise: bool):
+        handle = None
+        if noise:
+            def hook(module, inputs, output):  # the hidden state at position p predicts token p + 1
+                bump = torch.zeros_like(output)
+                bump[:, width - 1 : width - 1 + observed_BT.shape[1]][observed_BT] = 5.0
+                return output + bump
+            handle = unwrap(model).model.norm.register_forward_hook(hook)
+        model.zero_grad(set_to_none=True)
+        sums = accumulate_gradients(strategy, batch, algo, loss_norm(batch, 12, 1.0), 1.0)
+        if handle:
+            handle.remove()
+        return float(sums["loss"]), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss_a, grads_a = grads(False)
+    loss_b, grads_b = grads(True)
+    assert loss_a == loss_b and grads_a.keys() == grads_b.keys()
+    assert all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+    # the hook can change what it touches: the same noise on the sampled tokens' positions moves the
+    # gradients (the on-policy loss value is sum(A) / n whatever the logits: its ratio is exactly 1)
+    observed_BT = batch.mask_BT == 1
+    _, grads_c = grads(True)
+    assert not all(torch.equal(grads_a[k], grads_c[k]) for k in grads_a)
+
+
+def unwrap(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    from grpo.models import PACKAGED
+
+    module, filename, _ = PACKAGED["smollm2-135m"]
+    folder = list(importlib.util.find_spec(module).submodule_search_locations)[0]
+    return AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+
+
+def test_sampled_ids_reach_the_trainer_verbatim(smollm2_tokenizer):
+    """A sampler may emit a non-canonical tokenization ("he" + "llo" where the tokenizer says
+    "hello"): the span and the trainer's input ids keep the sampled ids, never a re-encoding."""
+    from grpo.update import collate
+
+    tok = smollm2_tokenizer
+    he, llo = tok("he", add_special_tokens=False).input_ids, tok("llo", add_special_tokens=False).input_ids
+    canonical = tok("hello", add_special_tokens=False).input_ids
+    assert he + llo != canonical  # precondition: the two tokenizations differ
+    gen = Scripted(tok, None, ids=lambda p: he + llo)
+    sample = Sample("Say hello", "hello")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Say hello"}], add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
+    run = runner(tok, make_env=lambda: RetryEnv(lambda a, s: False), max_turns=2, max_new=10, obs=32,
+                 render=ChatRender(tok))
+    out = run.run(gen, [prompt], [sample], 1, Sampling(10))
+    span = out.completion_ids[0]
+    assert span[: len(he + llo) + 1] == he + llo + [tok.eos_token_id]
+    assert out.episodes[0].final_text == "hello" and out.episodes[0].turns == 2
+    batch = collate([prompt], out, torch.zeros(1), tok.pad_token_id, False)
+    row = batch.input_ids_BL[0, batch.prompt_width:].tolist()
+    assert row[: len(span)] == span
+
+
+def test_chat_rendering_equals_the_template_of_the_whole_conversation(smollm2_tokenizer):
+    """prompt + (sampled turn + <|im_end|> + rendered observation) x k == apply_chat_template of the
+    conversation, on 200 random conversations of 1-5 turns."""
+    import random
+
+    tok = smollm2_tokenizer
+    render = ChatRender(tok)
+    rng = random.Random(0)
+    words = ["the", "answer", "is", "42", "wrong", ",", "try", "again", "calc", ":", "12+7", "=", " 19", "Hello", "!",
+             "über", "naïve", "\t", "  ", "x", "(", ")", "<b>", "🙂"]
+    def text():
+        return "".join(rng.choice(words) + rng.choice(["", " ", "\n"]) for _ in range(rng.randint(1, 12))).strip() or "ok"
+
+    def ids(s):
+        return list(tok(s, add_special_tokens=False).input_ids)
+
+    for _ in range(200):
+        messages = [{"role": "user", "content": text()}]
+        seq = ids(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        for _ in range(rng.randint(1, 5)):
+            reply, observation = text(), text()
+            seq += ids(reply) + [tok.eos_token_id]  # a sampled turn, ended by the end-of-turn token
+            seq += render(observation, after_eos=True)
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": observation}]
+        whole = ids(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        assert seq == whole, messages
+
+
+def test_chat_rendering_without_a_template_is_an_error(tiny_lm):
+    from grpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="env.render=raw"):
+        ChatRender(tiny_lm[1])
+
+
+def test_calculator_walks_the_syntax_tree_and_never_evaluates_code():
+    assert calculator("123+456") == "579" and calculator("-(7*6)//4") == "-11"
+    for bad in ["__import__('os')", "2**100000", "1.5+1", "open('x')", "9" * 300]:
+        with pytest.raises((ValueError, SyntaxError)):
+            calculator(bad)
+
+
+def test_tool_env_calls_the_tool_and_ends_on_an_answer():
+    env = CalcEnv(tool_timeout_s=1.0)
+    env.reset(Sample("123+456=", "579"), 0)
+    step = env.step("calc: 123+456")
+    assert (step.observation, step.done, step.info["tool_call"]) == (" = 579", False, True)
+    step = env.step("calc: 1/0")
+    assert step.observation.startswith(" error: ") and step.info["tool_error"]
+    step = env.step("579")
+    assert step.done and not step.info["tool_call"]
+
+
+def test_binary_search_solves_every_secret_in_four_guesses():
+    lengths = [len(binary_search_turns(s)) for s in range(1, 16)]
+    assert max(lengths) == 4 and sum(lengths) == 49
+
+
+def test_env_config_is_checked(make_cfg):
+    from grpo.config import validate
+    from grpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="env=none"):
+        validate(make_cfg("reward=env"))
+    with pytest.raises(ConfigError, match="env.name='nope'"):
+        validate(make_cfg("env=guess", "env.name=nope"))
+    with pytest.raises(ConfigError, match="max_total_tokens=2"):
+        validate(make_cfg("task=guess", "env=guess", "env.max_total_tokens=2"))
+    validate(make_cfg("experiment=guess_tiny"))
+
+
+class BreaksOnOdd(GuessEnv):
+    """Raises on every odd secret: the run goes on without those episodes' rewards."""
+
+    def step(self, action):
+        if self.secret % 2:
+            raise ValueError("odd secrets are not allowed")
+        return super().step(action)
+
+
+def test_guess_training_run_on_hf(make_cfg):
+    """3 steps of task=guess env=guess: the trainer scores the sampler's tokens across turns (sampler_diff
+    <= 1e-3 with observations in the sequence), and the episode metrics are written."""
+    from grpo.train import train
+
+    cfg = make_cfg("experiment=guess_tiny", "steps=3", "eval_every=0", "checkpoint_every=0", "logger.sample_every=1")
+    summary = train(cfg)
+    rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    trained = [r for r in rows if "loss" in r]
+    assert len(trained) == 3 and all(r["sampler_diff"] <= 1e-3 for r in trained), [r["sampler_diff"] for r in trained]
+    assert max(r["episode/turns_max"] for r in trained) > 1 and all(r["episode/observation_tokens"] > 0 for r in trained)
+    assert all(abs(sum(r[f"episode/finish_{k}"] for k in ("stop", "length", "turns", "error")) - 1) < 1e-9 for r in trained)
+    assert 0 <= summary["eval_after"] <= 1
+
+
+def test_an_env_that_raises_in_training_ends_only_its_episodes(make_cfg):
+    from grpo.train import train
+
+    cfg = make_cfg("experiment=guess_tiny", "steps=2", "eval_every=0", "checkpoint_every=0",
+                   "env.name=tests.test_episodes.BreaksOnOdd", "env.step_timeout_s=2")
+    with pytest.warns(UserWarning, match="BreaksOnOdd"):
+        train(cfg)
+    rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    trained = [r for r in rows if "loss" in r]
+    assert len(trained) == 2 and sum(r["episode/errors"] for r in trained) > 0
