@@ -166,26 +166,6 @@ def test_grpo_serve_port_0_writes_a_url_whose_port_it_already_holds(model_dir, t
         proc.wait()
 
 
-def test_a_tied_weight_is_synced_once(tiny_lm):
-    """The tiny model ties lm_head to embed_tokens, as Qwen2.5's small models do: the sync sends the
-    shared tensor once (vLLM skips lm_head.weight for tied models; REVIEW L4). That the engines still
-    serve the trainer's weights after such a sync is what the runs' sampler_diff shows (grpo.doctor's
-    backend rows, the training tests of each backend)."""
-    import copy
-
-    from omegaconf import OmegaConf
-
-    from grpo.config import AlgoConfig, ParallelConfig
-    from grpo.parallel import strategy_class
-
-    model = copy.deepcopy(tiny_lm[0])
-    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
-    strategy = strategy_class("single")(OmegaConf.structured(ParallelConfig(strategy="single")), model,
-                                        OmegaConf.structured(AlgoConfig()), total_steps=1)
-    names = [n for bucket in strategy.weight_buckets(2**20) for n, _ in bucket]
-    assert len(names) == len(set(names)) and "lm_head.weight" not in names and "model.embed_tokens.weight" in names
-
-
 def test_a_stopped_run_exits_without_waiting_for_a_remote_request_in_flight(tmp_path):
     """A process whose pool is generating against a server that does not answer (a long generation),
     then closed (Ctrl-C, a stop signal): it exits at once, not after request_timeout_s. The server is a

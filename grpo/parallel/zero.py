@@ -215,7 +215,7 @@ class ZeroStrategy(Strategy):
         (the gathers are collectives); a bucket's tensors are valid until the next is requested."""
         import deepspeed
 
-        named = self.model.named_parameters()  # a tied weight once (see SingleStrategy.weight_buckets)
+        named = self.model.named_parameters(remove_duplicate=False)  # tied weights under both names
         if lora.is_lora(self.model):  # the adapter alone, in peft's saved names
             named = lora.adapter_parameters(self.model)
         for bucket in group_by_size(named, bucket_bytes):  # sized by full_nbytes (ds_numel)
