@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test test-all test-slurm bench clean
+.PHONY: setup train test test-all test-slurm test-gpu bench clean
 
 setup: $(STAMP)
 
@@ -50,6 +50,10 @@ test-all: $(STAMP)
 # Against a real SLURM: start the local two-node one first (slurm/dev-cluster.sh install && slurm/dev-cluster.sh up --nodes 2).
 test-slurm: $(STAMP)
 	$(PY) -m pytest -q -m slurm $(ARGS)
+
+# On a machine with a CUDA GPU (skipped without one): grpo.doctor, then a short run per backend and strategy (tests/test_gpu.py).
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m grpo.bench $(ARGS)

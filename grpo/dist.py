@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from grpo.errors import DeviceError
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -62,11 +64,32 @@ def process_group_backend(cuda: bool) -> str:
     return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
+def cuda_device_index(local_rank: int, device_count: int) -> int:
+    """The GPU ordinal a rank uses. torchrun and a SLURM task that sees the node's GPUs: its local rank.
+    A SLURM task bound to one GPU (--gpus-per-task=1, --gpu-bind=single:1) sees only that one, as
+    cuda:0, whatever its local rank: cuda:{local_rank} would be an invalid ordinal there (and vLLM's
+    worker asserts LOCAL_RANK < device_count). Any other shortfall is an error naming both numbers."""
+    if local_rank < device_count:
+        return local_rank
+    if device_count == 1:
+        return 0
+    raise DeviceError(f"local rank {local_rank} sees {device_count} GPU(s) (CUDA_VISIBLE_DEVICES="
+                      f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give each task either all of its node's "
+                      "GPUs (one per local rank) or exactly one.")
+
+
 def init_distributed(info: DistInfo, timeout_s: float = 600, force: bool = False) -> None:
     """gloo on CPU, NCCL on GPU. A peer that never arrives fails after `timeout_s` with its rank.
     One process gets no group unless `force` (DeepSpeed needs one even then)."""
     if (info.world_size == 1 and not force) or dist.is_initialized():
         return
+    store = None
+    if info.world_size == 1 and "MASTER_PORT" not in os.environ:  # one process (DeepSpeed's group): its own
+        # store on a port bound here (0: the kernel's choice), not one picked free and bound later
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, 1, is_master=True,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        os.environ["MASTER_PORT"] = str(store.port)
     for key in ("MASTER_ADDR", "MASTER_PORT"):
         if key not in os.environ:
             raise RuntimeError(f"rank {info.rank}: {key} is not set; launch with torchrun, or export it in the job script "
@@ -74,9 +97,12 @@ def init_distributed(info: DistInfo, timeout_s: float = 600, force: bool = False
     os.environ.update(rank_env(info))
     backend = process_group_backend(torch.cuda.is_available())
     if torch.cuda.is_available():
-        torch.cuda.set_device(info.local_rank)
+        device = cuda_device_index(info.local_rank, torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        # vLLM's external launcher and DeepSpeed take LOCAL_RANK as the device ordinal
+        os.environ["LOCAL_RANK"] = str(device)
     dist.init_process_group(
-        backend, rank=info.rank, world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        backend, rank=info.rank, world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout_s), store=store
     )
 
 

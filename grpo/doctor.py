@@ -134,28 +134,47 @@ def check_allreduce() -> Result:
     return Result("all-reduce", True, f"2 ranks, {backend}, {time.perf_counter() - t0:.1f} s with start-up")
 
 
-def start_server(model: str, token: str, log_path: str, memory_fraction: float = 0.3) -> tuple[subprocess.Popen, str]:
+def server_placement(gpus: int, parent_visible: str | None) -> tuple[dict, str]:
+    """(environment, weight transfer) for the doctor's `grpo.serve` beside its one-process trainer on
+    cuda:0. NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"), and
+    vLLM's nccl transfer is such a communicator: with 2+ GPUs the server takes the last one and the
+    transfer is nccl; with one GPU (or none) they share it and the bytes go through grpo_gloo."""
+    from grpo.rollout.dedicated import child_visible_devices
+    from grpo.rollout.gloo_transfer import BACKEND as GLOO
+
+    if gpus >= 2:
+        return {"CUDA_VISIBLE_DEVICES": child_visible_devices([f"cuda:{gpus - 1}"], parent_visible)}, "nccl"
+    return {}, GLOO
+
+
+def start_server(model: str, token: str, log_path: str, memory_fraction: float = 0.3,
+                 transfer: str = "auto", env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """`grpo.serve` on a free local port; returns (process, url) once /health answers."""
     import urllib.request
 
-    from grpo.rollout.servers import free_port
+    from grpo.rollout.servers import reserve_port
 
-    port = free_port("127.0.0.1")
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", model, "--port", str(port), "--max-model-len", "128",
-                             "--memory-fraction", str(memory_fraction)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, "GRPO_SERVE_TOKEN": token})
+    held = reserve_port("127.0.0.1")  # held until the server answers, so nothing else takes the port meanwhile
+    port = held.getsockname()[1]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", model, "--port", str(port), "--max-model-len", "128",
+                                 "--memory-fraction", str(memory_fraction), "--weight-transfer", transfer],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "GRPO_SERVE_TOKEN": token, **(env or {})})
     url, deadline = f"http://127.0.0.1:{port}", time.time() + 600
     progress = WaitProgress(f"grpo.serve at {url} to answer /health", 600, note=f"log: {log_path}")
-    while time.time() < deadline:
-        progress()
-        if proc.poll() is not None:
-            raise RuntimeError(f"grpo.serve exited ({proc.returncode}): {last_error(open(log_path).read())}")
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            return proc, url
-        except OSError:
-            time.sleep(1)
+    try:
+        while time.time() < deadline:
+            progress()
+            if proc.poll() is not None:
+                raise RuntimeError(f"grpo.serve exited ({proc.returncode}): {last_error(open(log_path).read())}")
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                return proc, url
+            except OSError:
+                time.sleep(1)
+    finally:
+        held.close()
     stop_server(proc)
     raise RuntimeError(f"grpo.serve did not answer /health in 600 s; see {log_path}")
 
@@ -192,20 +211,18 @@ def check_backend(backend: str, work: str, extra: list[str]) -> Result:
     return Result(backend, True, detail)
 
 
-def check_weight_sync(url: str, token: str, bucket_mbs: list[float]) -> Result:
+def check_weight_sync(url: str, token: str, bucket_mbs: list[float], transfer: str) -> Result:
     """Seconds per full sync of the tiny model into a running server, per bucket size."""
-    import torch
-
     from grpo.config import TinyModelConfig
     from grpo.models import build_char_tokenizer, build_tiny_model
-    from grpo.rollout.servers import ServerPool, transfer_backend
+    from grpo.rollout.servers import ServerPool
     from grpo.weights import group_by_size
 
     tok = build_char_tokenizer()
     model = build_tiny_model(TinyModelConfig(), len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
     params = list(model.state_dict().items())
     mb = sum(t.numel() * t.element_size() for _, t in params) / 2**20
-    pool = ServerPool([url], token, 60, 300, transfer=transfer_backend("auto", torch.cuda.is_available()))
+    pool = ServerPool([url], token, 60, 300, transfer=transfer)
     try:
         times = []
         for bucket_mb in bucket_mbs:
@@ -237,12 +254,18 @@ def run_checks(only: list[str], work: str) -> list[Result]:
     simple = {"versions": check_versions, "device": check_device, "all-reduce": check_allreduce}
     for name in (c for c in CHECKS if c in only and c in simple):
         guarded(name, simple[name])
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for backend in (b for b in BACKENDS if b in only and b != "remote"):
-        guarded(backend, lambda: check_backend(backend, work, []))
+        # dedicated on a GPU machine: one engine on cuda:1, not every free GPU
+        extra = ["rollout.dedicated.devices=[cuda:1]"] if backend == "dedicated" and gpus >= 2 else []
+        guarded(backend, lambda: check_backend(backend, work, extra))
     if "remote" in only or "weight-sync" in only:
         token, server = secrets.token_hex(16), None
+        env, transfer = server_placement(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
         try:
-            server, url = start_server("tiny", token, os.path.join(work, "server.log"))
+            server, url = start_server("tiny", token, os.path.join(work, "server.log"), transfer=transfer, env=env)
         except Exception as e:  # noqa: BLE001
             for name in ("remote", "weight-sync"):
                 if name in only:
@@ -251,9 +274,10 @@ def run_checks(only: list[str], work: str) -> list[Result]:
             os.environ["GRPO_SERVE_TOKEN"] = token  # the trainer reads it there, never from the command line
             try:
                 if "remote" in only:
-                    guarded("remote", lambda: check_backend("remote", work, [f"rollout.remote.urls=[{url}]"]))
+                    guarded("remote", lambda: check_backend("remote", work, [f"rollout.remote.urls=[{url}]",
+                                                                             f"rollout.vllm.weight_transfer={transfer}"]))
                 if "weight-sync" in only:
-                    guarded("weight-sync", lambda: check_weight_sync(url, token, [0.25, 1.0, 64.0]))
+                    guarded("weight-sync", lambda: check_weight_sync(url, token, [0.25, 1.0, 64.0], transfer))
             finally:
                 stop_server(server)
     return results

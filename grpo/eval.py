@@ -91,10 +91,17 @@ def run_eval(cfg: DictConfig) -> dict[str, float]:
     if info.is_main:
         with open(os.path.join(run_dir, "eval.json"), "w") as f:
             json.dump({"model_path": path, "eval_size": len(task.eval), **metrics}, f, indent=2)
-        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps({"step": 0, **metrics}) + "\n")
+        if not is_training_folder(run_dir):  # a training run's metrics stay in step order for grpo.plot
+            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({"step": 0, **metrics}) + "\n")
         print(" | ".join(f"{k} {v:.3f}" for k, v in metrics.items()) + f"  ({path}, {len(task.eval)} prompts)")
     return metrics
+
+
+def is_training_folder(run_dir: str) -> bool:
+    """A folder `grpo.train` wrote (checkpoints or a summary): `grpo.eval` then leaves its metrics.jsonl
+    alone (a step-0 row appended after step N would be out of order) and writes eval.json only."""
+    return any(os.path.exists(os.path.join(run_dir, name)) for name in ("checkpoints", "summary.json"))
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

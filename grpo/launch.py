@@ -89,12 +89,9 @@ class TrainJob:
         if self.num_servers:
             overrides.append(f"rollout.remote.urls=[{','.join(wait_for_servers(self.run_dir, self.num_servers, self.server_wait_s))}]")
         try:
-            summary = train(compose_config(overrides))
-        except Exception:
+            return train(compose_config(overrides))
+        finally:  # every way out: an error, scancel or preemption (SystemExit), the watchdog (KeyboardInterrupt)
             self.cancel_servers()
-            raise
-        self.cancel_servers()
-        return summary
 
     def cancel_servers(self, grace_s: float = 60) -> None:
         """SIGINT first, as Ctrl-C would (vLLM then shuts its engine down and frees its shared
@@ -157,6 +154,15 @@ def server_visible_devices(local_id: int, tensor_parallel_size: int, parent_visi
     return child_visible_devices([f"cuda:{i}" for i in range(first, first + tensor_parallel_size)], parent_visible)
 
 
+def serve_task_devices(env, tensor_parallel_size: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES for this task of the server job when its node runs several servers (None:
+    leave it). Mapped through the step's own list, or, on a cluster that sets none, logical =
+    physical: without a list every server of the node would take GPUs 0..tp-1."""
+    if int(env.get("SLURM_NTASKS_PER_NODE", "1")) <= 1:
+        return None
+    return server_visible_devices(int(env.get("SLURM_LOCALID", "0")), tensor_parallel_size, env.get("CUDA_VISIBLE_DEVICES"))
+
+
 @dataclass
 class ServeJob:
     """One rollout server per task of the companion job (one task per tensor-parallel group of a
@@ -173,9 +179,8 @@ class ServeJob:
         cfg = compose_config([*self.overrides, f"run_dir={self.run_dir}"])
         model = resolve_model_folder(cfg)
         tp = cfg.rollout.remote.tensor_parallel_size
-        if os.environ.get("CUDA_VISIBLE_DEVICES") and int(os.environ.get("SLURM_NTASKS_PER_NODE", "1")) > 1:
-            os.environ["CUDA_VISIBLE_DEVICES"] = server_visible_devices(int(os.environ.get("SLURM_LOCALID", "0")), tp,
-                                                                        os.environ["CUDA_VISIBLE_DEVICES"])
+        if (devices := serve_task_devices(os.environ, tp)) is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = devices
         # the server owns its devices: memory fraction and CUDA graphs are grpo.serve's per-device
         # defaults (0.9 on GPU), not the colocated engine's share; the dtype is the trainer's
         serve(["--model", model, "--host", "0.0.0.0", "--port", "0", "--url-dir", servers_dir(self.run_dir), "--dtype", cfg.model.dtype,
@@ -226,7 +231,7 @@ def launch(argv: list[str]) -> str:
         if cfg.rollout.backend != "remote":
             raise ConfigError(f"servers={own['servers']} starts rollout servers for rollout=remote; add rollout=remote.")
         cfg.rollout.remote.urls = ["http://found-when-the-job-starts:0"]
-    validate(cfg, world_size=world)
+    validate(cfg, world_size=world, cuda=bool(launcher.gpus_per_node or own["server_gpus"]) or None)  # the job's GPUs, not this machine's
     check_request(request_from(launcher))
     per_node = servers_per_node(own["server_gpus"], cfg.rollout.remote.tensor_parallel_size)
     if own["servers"]:

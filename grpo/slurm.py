@@ -117,7 +117,23 @@ def check_request(req: Request, nodes: list[Node] | None = None) -> str:
             f"{len(fits)} of them big enough (the largest: {largest.cpus} CPUs, {largest.gpus} GPUs, "
             f"{largest.mem_mb // 1024} GB). Ask for fewer nodes, tasks, CPUs or GPUs, or another partition."
         )
+    if problem := gpu_task_cpus_problem(req):
+        raise ClusterError(problem)
     return partition
+
+
+MIN_GPU_TASK_CPUS = 4
+
+
+def gpu_task_cpus_problem(req: Request) -> str | None:
+    """A GPU job whose tasks get a CPU or two: vLLM's API server, engine core and scheduler (and a
+    colocated engine's detokenizer) share the task's CPUs with the trainer, and the GPU waits on them."""
+    if req.gpus_per_node and req.cpus_per_task < MIN_GPU_TASK_CPUS:
+        return (f"cpus_per_task={req.cpus_per_task} with gpus_per_node={req.gpus_per_node}: each task's vLLM server, "
+                f"engine core and scheduler share its CPUs with the trainer, and the GPUs would wait on them. Ask for "
+                f"cpus_per_task=8 or more (up to the node's CPUs / tasks_per_node; grpo.launch cpus_per_task=..., "
+                f"hydra.launcher.cpus_per_task=... for a sweep); at least {MIN_GPU_TASK_CPUS}.")
+    return None
 
 
 def request_from(launcher) -> Request:
@@ -141,3 +157,42 @@ class SlurmCheck(Callback):
             check_request(request_from(launcher))
         except ClusterError as e:
             raise SystemExit(f"error: {e}") from None
+
+
+def remote_server_layout(gpus: int, train_tasks: int, shared: bool) -> dict[str, str]:
+    """How slurm/train_remote.sbatch starts `grpo.serve` on a node (`python -m grpo.slurm server-layout`):
+    - a server node (`shared` false): one engine on all its GPUs, tensor parallel over them;
+    - the one-node mode (`shared`: trainer ranks on cuda:0..train_tasks-1): the server takes the GPUs
+      the trainers do not use, or, with none left, shares cuda:0 at a fraction of its memory with
+      the weights over grpo_gloo (NCCL refuses two ranks of one communicator on one GPU);
+    - no GPUs: a CPU server, grpo_gloo.
+    Keys: SERVER_DEVICES (CUDA_VISIBLE_DEVICES, logical ids of the step; empty: leave it), SERVER_TP,
+    SERVER_MEMORY (empty: grpo.serve's default), TRANSFER (for both sides)."""
+    if gpus <= 0:
+        return {"SERVER_DEVICES": "", "SERVER_TP": "1", "SERVER_MEMORY": "", "TRANSFER": "grpo_gloo"}
+    if not shared:
+        return {"SERVER_DEVICES": "", "SERVER_TP": str(gpus), "SERVER_MEMORY": "", "TRANSFER": "auto"}
+    free = list(range(train_tasks, gpus))
+    if free:  # a power of two of them: the tensor-parallel sizes common models' head counts take
+        tp = 1 << (len(free).bit_length() - 1)
+        return {"SERVER_DEVICES": ",".join(map(str, free[:tp])), "SERVER_TP": str(tp), "SERVER_MEMORY": "",
+                "TRANSFER": "auto"}
+    return {"SERVER_DEVICES": "", "SERVER_TP": "1", "SERVER_MEMORY": "0.4", "TRANSFER": "grpo_gloo"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m grpo.slurm server-layout GPUS TRAIN_TASKS SHARED`: shell assignments for slurm/train_remote.sbatch."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m grpo.slurm", description=main.__doc__)
+    p.add_argument("command", choices=["server-layout"])
+    p.add_argument("gpus", help="GPUs on this node (SLURM_GPUS_ON_NODE; empty or 0: none)")
+    p.add_argument("train_tasks", type=int, help="training tasks on a node (SLURM_NTASKS_PER_NODE)")
+    p.add_argument("shared", choices=["0", "1"], help="1: the server shares its node with the trainers")
+    args = p.parse_args(argv)
+    layout = remote_server_layout(int(args.gpus or 0), args.train_tasks, args.shared == "1")
+    print("\n".join(f"{k}={v}" for k, v in layout.items()))
+
+
+if __name__ == "__main__":
+    main()

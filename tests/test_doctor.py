@@ -29,3 +29,15 @@ def test_unknown_check_is_refused(capsys):
     with pytest.raises(SystemExit):
         doctor.main(["--only", "gpu-magic"])
     assert "unknown check(s) gpu-magic" in capsys.readouterr().err
+
+
+def test_the_doctors_server_never_shares_a_gpu_with_the_trainer_over_nccl():
+    """NCCL refuses two ranks of one communicator on one device ('Duplicate GPU detected'): with one
+    GPU the trainer and server share it over grpo_gloo; with several the server takes the last one
+    (through the parent's CUDA_VISIBLE_DEVICES) and vLLM's nccl carries the weights."""
+    from grpo.doctor import server_placement
+
+    assert server_placement(0, None) == ({}, "grpo_gloo")
+    assert server_placement(1, None) == ({}, "grpo_gloo")
+    assert server_placement(8, None) == ({"CUDA_VISIBLE_DEVICES": "7"}, "nccl")
+    assert server_placement(2, "4,6") == ({"CUDA_VISIBLE_DEVICES": "6"}, "nccl")

@@ -26,6 +26,14 @@ def test_gpu_count_from_sinfo_gres(gres, n):
     assert gpu_count(gres) == n
 
 
+def test_a_gpu_job_with_one_cpu_per_task_is_refused_with_what_to_ask():
+    with pytest.raises(ClusterError) as e:
+        check_request(Request(nodes=1, tasks_per_node=8, gpus_per_node=8, partition="gpu"), NODES)
+    assert "cpus_per_task=1 with gpus_per_node=8" in str(e.value) and "Ask for cpus_per_task=8 or more" in str(e.value)
+    check_request(Request(nodes=1, tasks_per_node=8, cpus_per_task=8, gpus_per_node=8, partition="gpu"), NODES)
+    check_request(Request(nodes=1), NODES)  # a CPU job: one CPU per task is the user's choice
+
+
 def test_requests_that_fit():
     assert check_request(Request(nodes=1), NODES) == "cpu"  # the default partition
     assert check_request(Request(nodes=4, tasks_per_node=8, cpus_per_task=8, gpus_per_node=8, partition="gpu"), NODES) == "gpu"
@@ -159,3 +167,55 @@ def test_one_server_per_tensor_parallel_group_on_its_own_gpus():
     assert [server_visible_devices(i, 2, "0,1,2,3,4,5,6,7") for i in range(4)] == ["0,1", "2,3", "4,5", "6,7"]
     assert server_visible_devices(1, 2, "4,5,6,7") == "6,7"  # the step's own list, renumbered
     assert server_visible_devices(0, 1, "GPU-aa,GPU-bb") == "GPU-aa"
+
+
+def test_each_server_of_a_node_gets_its_own_gpus_even_without_a_visible_list():
+    """REVIEW L7: a cluster that sets no CUDA_VISIBLE_DEVICES left every server of a node on GPUs 0..tp-1."""
+    from grpo.launch import serve_task_devices
+
+    node = {"SLURM_NTASKS_PER_NODE": "4"}
+    assert [serve_task_devices({**node, "SLURM_LOCALID": str(i)}, 2) for i in range(4)] == ["0,1", "2,3", "4,5", "6,7"]
+    assert serve_task_devices({**node, "SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "8,9,10,11,12,13,14,15"}, 2) == "10,11"
+    assert serve_task_devices({"SLURM_NTASKS_PER_NODE": "1", "CUDA_VISIBLE_DEVICES": "3"}, 1) is None  # one server: all of it
+
+
+@pytest.mark.parametrize("way_out", [SystemExit(143), KeyboardInterrupt(), RuntimeError("boom")])
+def test_the_server_job_is_cancelled_on_every_way_out(tmp_path, monkeypatch, way_out):
+    """scancel or preemption (SystemExit from grpo/preempt.py), the peer watchdog (KeyboardInterrupt)
+    and an error all cancel the companion server job; before, only an Exception did. `scancel` and
+    `squeue` are stand-in executables on PATH that record their arguments (no SLURM here)."""
+    import grpo.train
+    from grpo.launch import TrainJob
+
+    calls = tmp_path / "calls"
+    for tool in ("scancel", "squeue"):
+        script = tmp_path / tool
+        script.write_text(f"#!/bin/sh\necho {tool} \"$@\" >> {calls}\n")
+        script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+
+    def train(cfg):
+        raise way_out
+
+    monkeypatch.setattr(grpo.train, "train", train)
+    job = TrainJob(["steps=1"], str(tmp_path / "run"), server_job="4242")
+    with pytest.raises(type(way_out)):
+        job()
+    assert "scancel --signal=INT 4242" in calls.read_text()
+
+
+def test_train_remote_sbatch_places_its_server_where_nccl_and_vllm_accept_it():
+    """slurm/train_remote.sbatch evaluates `python -m grpo.slurm server-layout GPUS TRAIN_TASKS SHARED`:
+    a server node's GPUs go to one engine with a matching tensor-parallel size (REVIEW M2); in the
+    one-node mode the server never shares a GPU with a trainer rank over NCCL (H1)."""
+    from grpo.slurm import remote_server_layout
+
+    assert remote_server_layout(8, 8, shared=False) == {"SERVER_DEVICES": "", "SERVER_TP": "8", "SERVER_MEMORY": "", "TRANSFER": "auto"}
+    assert remote_server_layout(8, 1, shared=True)["SERVER_DEVICES"] == "1,2,3,4"  # 7 free: TP 4, not 7
+    assert remote_server_layout(1, 1, shared=True) == {"SERVER_DEVICES": "", "SERVER_TP": "1", "SERVER_MEMORY": "0.4",
+                                                       "TRANSFER": "grpo_gloo"}
+    assert remote_server_layout(0, 1, shared=True)["TRANSFER"] == "grpo_gloo"
+    out = subprocess.run([sys.executable, "-m", "grpo.slurm", "server-layout", "2", "1", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["SERVER_DEVICES=1", "SERVER_TP=1", "SERVER_MEMORY=", "TRANSFER=auto"], out.stderr

@@ -36,6 +36,27 @@ def test_sigterm_checkpoints_after_the_step_and_resumes(tmp_path, cache_dir):
     assert steps_logged(run_dir) == [0, *range(1, summary["steps"] + 1), summary["steps"]]
 
 
+def test_a_stop_during_the_last_step_keeps_it_and_the_resumed_run_only_evaluates(tmp_path, cache_dir):
+    """SIGTERM while the last step (3 of 3) scores: the step finishes, its checkpoint is written before
+    the final evaluation and the run exits 143 without a summary; run again, it trains nothing, evaluates,
+    and every step is logged once."""
+    run_dir = tmp_path / "run"
+    fault = "reward.funcs=[{name: tests.faults.sigterm_on_third_call, weight: 1.0}]"
+    victim = run_train(run_dir, cache_dir, "steps=3", fault)
+    out, _ = victim.communicate(timeout=300)
+    assert victim.returncode == 143, out
+    assert (run_dir / "checkpoints" / "latest").read_text().strip().endswith("step_00000003")
+    assert "stopped after step 3 on a signal; checkpoint written" in out
+    assert not (run_dir / "summary.json").exists() and steps_logged(run_dir) == [0, 1, 2, 3]
+
+    resumed = run_train(run_dir, cache_dir, "steps=3")
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] == 3
+    assert steps_logged(run_dir) == [0, 1, 2, 3, 3]  # the final evaluation's row, once
+
+
 def test_sigterm_exits_and_the_time_limit_warning_requeues():
     """What each signal asks for, decided on (here: one) rank: SIGTERM (scancel, preemption) exits,
     SIGUSR1/SIGUSR2 (the time-limit warning of the sbatch templates / submitit) requeue, and a

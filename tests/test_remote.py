@@ -4,6 +4,7 @@ guarded by a token and weights sent over the grpo_gloo transport.
 Parity tolerance as for colocated: 1e-4 (fp32; measured 4.8e-7 before a sync and 6.0e-6 after).
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ from grpo.rollout.auth import TOKEN_ENV
 from grpo.errors import ServerError
 from grpo.rollout.remote import RemoteBackend
 from grpo.rollout import Sampling
-from grpo.rollout.servers import free_port, split_by_load
+from grpo.rollout.servers import ServerPool, free_port, split_by_load
 from grpo.serve import is_open
 from tests.conftest import ROOT
 from tests.parity import assert_round_trip, sync_round_trip
@@ -116,6 +117,45 @@ def test_a_wrong_token_fails_in_seconds_naming_the_401(server, monkeypatch):
     assert time.time() - t0 < 30
     assert "answered 401" in str(e.value) and "the token is not the server's" in str(e.value), str(e.value)
     assert e.value.status == 401
+
+
+def test_a_refused_weight_update_fails_in_seconds_with_the_servers_answer(server, tiny_lm):
+    """/update_weights without /start_weight_update first: vLLM refuses it before its workers post
+    their receive, so the trainer's broadcast has no peer. The push ends within seconds with the
+    server's status and message (before: the gloo broadcast waited out request_timeout_s, 600 s by
+    default, and the HTTP answer was dropped), and the pool still closes."""
+    from grpo.rollout.gloo_transfer import update_info
+
+    pool = ServerPool([server["url"]], TOKEN, 60, 120)
+    try:
+        server_, sender = pool.servers[0], pool.senders[0]
+        bucket = list(tiny_lm[0].state_dict().items())[:2]
+        t0 = time.time()
+        with pytest.raises(ServerError) as e:
+            pool._alongside(server_, "/update_weights", {"update_info": update_info(bucket)},
+                            lambda: sender.send(sender.prepare(bucket)), sender.abort)
+        assert time.time() - t0 < 30
+        assert e.value.status is not None and e.value.status >= 400, str(e.value)
+        assert "/update_weights answered" in str(e.value)
+    finally:
+        pool.close()
+
+
+def test_a_refused_transfer_init_fails_in_seconds_with_the_servers_answer(server):
+    """A trainer whose init the server cannot take (here vLLM nccl's `packed` field sent to a grpo_gloo
+    server, as a weight_transfer mismatch would): the server refuses it before its workers join, so
+    the trainer's rendezvous has no peer. The error comes back in seconds with the server's words
+    instead of after the rendezvous timeout."""
+    from grpo.rollout.gloo_transfer import GlooSender
+
+    server_ = ServerPool([server["url"]], TOKEN, 60, 120, can_push=False).servers[0]
+    sender = GlooSender("127.0.0.1", 2, 120)
+    t0 = time.time()
+    with pytest.raises(ServerError) as e:
+        ServerPool._alongside(server_, "/init_weight_transfer_engine", {"init_info": {**sender.init_info(), "packed": False}},
+                              sender.connect, sender.abort)
+    assert time.time() - t0 < 30
+    assert "/init_weight_transfer_engine answered" in str(e.value) and "packed" in str(e.value), str(e.value)
 
 
 def test_weight_routes_need_the_token(server):
@@ -336,6 +376,16 @@ def test_nccl_sender_speaks_vllms_receiver(monkeypatch):
         def synchronize(self):
             pass
 
+        def wait_stream(self, other):
+            pass
+
+    class Event:  # the bounded wait's event: done at once (the loopback is synchronous)
+        def record(self, stream):
+            pass
+
+        def query(self):
+            return True
+
     class Loopback:
         """One end of a NCCL broadcast group, the wire a shared queue: the sender's end queues its
         tensors; the receiver's end fills each buffer with the next one, which must be its exact
@@ -354,8 +404,10 @@ def test_nccl_sender_speaks_vllms_receiver(monkeypatch):
             tensor.copy_(sent_tensor)
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())  # no CUDA here
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
     wire = []
-    sender.comm = Loopback(wire, sending=True)
+    sender.comm, sender.stream = Loopback(wire, sending=True), Stream()
     sender.send([t.contiguous() for _, t in bucket])  # NcclSender.prepare, less the move to the GPU
     receiver.model_update_group = Loopback(wire, sending=False)  # what init_transfer_engine would join
     receiver.packed = init.packed  # as init_transfer_engine sets it

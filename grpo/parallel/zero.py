@@ -29,7 +29,6 @@ import copy
 import importlib
 import json
 import os
-import socket
 
 import torch
 import torch.distributed as tdist
@@ -154,12 +153,7 @@ def init_deepspeed_comm(cpu_shm_allreduce: bool) -> None:
     info = dist.dist_info()  # from torchrun or SLURM; DeepSpeed reads these variables itself
     for key, value in dist.rank_env(info).items():
         os.environ.setdefault(key, value)
-    if not tdist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    if not tdist.is_initialized():  # one process: a group of one, on a store port bound, not picked (grpo/dist.py)
         dist.init_distributed(dist.DistInfo(), force=True)
     deepspeed.init_distributed(dist_backend=tdist.get_backend(), auto_mpi_discovery=False)
 

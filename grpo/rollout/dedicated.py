@@ -36,9 +36,9 @@ from grpo.rollout.engine_memory import check_vllm
 
 from grpo import dist, lora
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
-from grpo.rollout.reaper import die_with_parent
 from grpo.weights import WeightBuckets
-from grpo.rollout.servers import TRANSFERS, ServerPool, StickyRoutes, free_port, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
+from grpo.rollout.servers import (TRANSFERS, ServerPool, StickyRoutes, push_adapter_from_one_rank, push_from_one_rank,
+                                  reserve_port, transfer_backend)
 
 
 def pick_devices(spec, training_per_node: int) -> list[str]:
@@ -74,6 +74,46 @@ def pick_devices(spec, training_per_node: int) -> list[str]:
                 f"pick one of {', '.join(x for x in visible if x not in used) or 'none'}."
             )
     return devices
+
+
+def vllm_tensor_parallel_sizes(heads: int | None, kv_heads: int | None, most: int) -> list[int]:
+    """Tensor-parallel sizes up to `most` that vLLM 0.33 accepts for a model with `heads` attention
+    heads and `kv_heads` KV heads: tp divides the heads (vllm/config/model.py
+    verify_with_parallel_config), and tp divides the KV heads or is a multiple of them (replicated KV
+    heads, vllm/model_executor/layers/linear.py QKVParallelLinear). Unknown heads: any size."""
+    sizes = []
+    for tp in range(1, most + 1):
+        if heads and heads % tp:
+            continue
+        kv = kv_heads or heads
+        if kv and (kv % tp if tp < kv else tp % kv):
+            continue
+        sizes.append(tp)
+    return sizes
+
+
+def plan_engines(devices: list[str], num_engines: int, heads: int | None, kv_heads: int | None) -> list[list[str]]:
+    """The devices of each engine. `num_engines` = 0 (auto): the largest tensor-parallel size vLLM
+    accepts that divides the free GPUs, and as many engines as fill them (7 free GPUs and 4 heads:
+    7 engines of 1 GPU, not one of 7, which vLLM refuses). A given count splits the devices evenly
+    and must give each engine a size vLLM accepts. CPU: `num_engines` processes (auto: 1)."""
+    if devices == ["cpu"]:
+        return [devices] * max(1, num_engines)
+    n = len(devices)
+    accepted = vllm_tensor_parallel_sizes(heads, kv_heads, n)
+    if num_engines == 0:
+        tp = max(t for t in accepted if n % t == 0)
+    else:
+        if n % num_engines:
+            raise DeviceError(f"rollout.dedicated.num_engines={num_engines} does not divide the {n} reserved devices {devices}; "
+                              "set it to a divisor, or 0 (auto).")
+        tp = n // num_engines
+        if tp not in accepted:
+            fits = [n // t for t in accepted if n % t == 0]
+            raise DeviceError(f"rollout.dedicated.num_engines={num_engines} gives each engine {tp} GPUs, a tensor-parallel "
+                              f"size vLLM refuses for a model with {heads} attention heads ({kv_heads} KV heads); "
+                              f"use num_engines in {sorted(fits)} or 0 (auto).")
+    return [devices[i : i + tp] for i in range(0, n, tp)]
 
 
 def split_cpus(cpus: list[int], engine_cores: int) -> tuple[list[int], list[int]]:
@@ -129,18 +169,39 @@ def launch_engine(model_path: str, devices: list[str], port: int, token: str, vl
         argv.append("--no-enforce-eager")
     if lora_rank:
         argv += ["--lora-rank", str(lora_rank)]
-    log = open(log_path, "w")
-    def before_exec() -> None:
-        die_with_parent()
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-
-    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=before_exec)
+    # the parent-death signal and the CPU pinning are set by grpo.serve itself: no preexec_fn, which is
+    # unsafe in this multi-threaded process (a child can deadlock between fork and exec)
+    argv += ["--parent-pid", str(os.getpid())]
+    if cpus:
+        argv += ["--cpus", ",".join(map(str, cpus))]
+    with open(log_path, "w") as log:  # the child keeps its own copy
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     # ends the engine's group if the trainer dies and the server's own SIGTERM does not (grpo/rollout/reaper.py)
     reaper = subprocess.Popen([sys.executable, "-m", "grpo.rollout.reaper", str(proc.pid), str(REAP_GRACE_S), str(os.getpid())],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     return proc, reaper
+
+
+def engine_exit(proc: subprocess.Popen, log_path: str, lines: int = 15) -> str | None:
+    """None while the engine runs; once it exited, its code and the end of its log (what vLLM said)."""
+    if proc.poll() is None:
+        return None
+    try:
+        with open(log_path, errors="replace") as f:
+            tail = "".join(f.readlines()[-lines:]).strip()
+    except OSError:
+        tail = "(no log)"
+    return f"exit code {proc.returncode}; the end of {log_path}:\n{tail}"
+
+
+def model_heads(model_path: str) -> tuple[int | None, int | None]:
+    """(attention heads, KV heads) from the model folder's config.json (None, None if unknown)."""
+    from grpo.rollout.engine_memory import read_model_config
+
+    config = read_model_config(model_path)
+    config = config.get("text_config", config)
+    heads = config.get("num_attention_heads")
+    return heads, config.get("num_key_value_heads", heads)
 
 
 def node_groups():
@@ -198,8 +259,8 @@ class DedicatedBackend(RolloutBackend):
     @classmethod
     def check(cls, cfg, world: int) -> None:
         check_vllm(cfg)  # devices are picked on the node, where they are (pick_devices)
-        if cfg.dedicated.num_engines < 1:
-            raise ConfigError(f"rollout.dedicated.num_engines={cfg.dedicated.num_engines} must be at least 1.")
+        if cfg.dedicated.num_engines < 0:
+            raise ConfigError(f"rollout.dedicated.num_engines={cfg.dedicated.num_engines} must be 0 (auto) or more.")
         if cfg.vllm.weight_transfer not in TRANSFERS:
             raise ConfigError(f"rollout.vllm.weight_transfer={cfg.vllm.weight_transfer!r}: choose one of {', '.join(TRANSFERS)}.")
 
@@ -224,11 +285,11 @@ class DedicatedBackend(RolloutBackend):
         self.adapter_dir = os.path.join(os.path.abspath(run_dir), "adapters", f"node{self.main}")
         lora_rank = lora.adapter_rank(model) if self.lora_model is not None else 0
         if self.is_owner:
-            k = cfg.dedicated.num_engines
-            if devices != ["cpu"] and len(devices) % k:
-                raise DeviceError(f"rollout.dedicated.num_engines={k} does not divide the {len(devices)} reserved devices {devices}.")
-            shares = [devices] * k if devices == ["cpu"] else [devices[i::k] for i in range(k)]
-            token, ports = secrets.token_hex(16), [free_port("127.0.0.1") for _ in range(k)]
+            shares = plan_engines(devices, cfg.dedicated.num_engines, *model_heads(model_path))
+            k = len(shares)
+            # ports held from here until the engines listen on them (reserve_port), not picked and bound later
+            held = [reserve_port("127.0.0.1") for _ in range(k)]
+            token, ports = secrets.token_hex(16), [h.getsockname()[1] for h in held]
             transfer = transfer_backend(cfg.vllm.weight_transfer, devices != ["cpu"] and torch.cuda.is_available())
             atexit.register(self.close)
             logs = [os.path.join(run_dir, f"vllm-engine-{dist.node_name()}-{port}.log") for port in ports]
@@ -238,12 +299,16 @@ class DedicatedBackend(RolloutBackend):
                                                    engine_cpus, lora_rank)
                     self.procs.append(engine)
                     self.reapers.append(reaper)
+                exited = [lambda proc=proc, log=log: engine_exit(proc, log) for proc, log in zip(self.procs, logs)]
                 self.pool = ServerPool([f"http://127.0.0.1:{p}" for p in ports], token, cfg.dedicated.start_timeout_s,
-                                       cfg.dedicated.request_timeout_s, len(shares[0]) if devices != ["cpu"] else 1, "127.0.0.1",
-                                       transfer=transfer, logs=logs)
+                                       cfg.dedicated.request_timeout_s, "127.0.0.1", transfer=transfer, logs=logs,
+                                       exited=exited)
             except BaseException:  # an engine that never got healthy: stop the ones already started
                 self.close()
                 raise
+            finally:
+                for h in held:
+                    h.close()
             print(f"dedicated: node {dist.node_name()} (ranks {self.main}-{self.main + per_node - 1}) owns "
                   f"{len(ports)} engine(s) on {devices}: {', '.join(f'127.0.0.1:{p}' for p in ports)}", flush=True)
         dist.barrier()
@@ -289,6 +354,7 @@ class DedicatedBackend(RolloutBackend):
         self.weight_version = version
 
     def close(self) -> None:
+        atexit.unregister(self.close)  # registered at start: nothing keeps a closed backend alive
         if self.pool is not None:
             self.pool.close()
             self.pool = None

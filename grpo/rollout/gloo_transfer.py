@@ -70,11 +70,18 @@ def unpack(flat: torch.Tensor, names, dtype_names, shapes) -> list[tuple[str, to
 
 
 class GlooSender:
-    """Trainer side: the TCP store's master and rank 0 of a group with one server's workers."""
+    """Trainer side: the TCP store's master and rank 0 of a group with one server's workers. The
+    store listens from construction on a port the kernel picks (port 0, read back as `port`), so the
+    port the server is told is already ours."""
 
-    def __init__(self, host: str, port: int, world_size: int, timeout_s: float):
-        self.host, self.port, self.world_size, self.timeout_s = host, port, world_size, timeout_s
-        self.store = self.group = None
+    def __init__(self, host: str, world_size: int, timeout_s: float):
+        from torch.distributed import TCPStore
+
+        self.host, self.world_size, self.timeout_s = host, world_size, timeout_s
+        self.store = TCPStore(host, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+        self.port = self.store.port
+        self.group = None
 
     def init_info(self) -> dict:
         return {"master_address": self.host, "master_port": self.port, "rank_offset": 1,
@@ -82,7 +89,9 @@ class GlooSender:
 
     def connect(self) -> None:
         """Blocks until every worker joined; call while the server's init request is in flight."""
-        self.store, self.group = _group(self.host, self.port, 0, self.world_size, self.timeout_s)
+        from torch.distributed import ProcessGroupGloo
+
+        self.group = ProcessGroupGloo(self.store, 0, self.world_size, datetime.timedelta(seconds=self.timeout_s))
 
     @staticmethod
     def prepare(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
@@ -91,6 +100,11 @@ class GlooSender:
 
     def send(self, flat: torch.Tensor) -> None:
         _broadcast(self.group, flat)
+
+    def abort(self) -> None:
+        """The server refused its half: end a broadcast that waits for it (the group is unusable after)."""
+        if self.group is not None:
+            self.group.abort()
 
     def close(self) -> None:
         self.group = self.store = None
@@ -150,7 +164,9 @@ def _engine_classes():
             self.model.load_weights([(n, t.to(self.device)) for n, t in weights])
 
         def update_weights(self, update_info) -> None:
-            self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing to synchronise
+            self.receive_weights(self.parse_update_info(update_info))
+            if torch.cuda.is_available():  # as vLLM's base class: the copies onto the GPU are done before the
+                torch.cuda.synchronize(self.device)  # answer says "applied" (on CPU there is nothing to wait for)
 
         def shutdown(self) -> None:
             self.group = self.store = None

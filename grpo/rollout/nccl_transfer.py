@@ -14,10 +14,32 @@ from __future__ import annotations
 import torch
 
 
+def wait_until_done(done, timeout_s: float, aborted=lambda: False, poll_s: float = 0.01, what: str = "NCCL broadcast") -> None:
+    """Poll `done()` (a CUDA event's query) until it is true. A PyNccl broadcast has no timeout of its
+    own: if the server never posts its receive (its /update_weights failed), `stream.synchronize()`
+    would wait for ever. Raises after `timeout_s`, or once `aborted()` (the server's answer came back
+    as an error; the caller raises that one)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if aborted():
+            raise RuntimeError(f"{what} aborted: the server refused its half")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} did not complete within {timeout_s:g} s (rollout.*.request_timeout_s): "
+                               "the server's workers never received it")
+        time.sleep(poll_s)
+
+
 class NcclSender:
     def __init__(self, host: str, port: int, world_size: int, timeout_s: float):
-        self.host, self.port, self.world_size = host, port, world_size
+        self.host, self.port, self.world_size, self.timeout_s = host, port, world_size, timeout_s
         self.comm = None
+        self.aborted = False
+        # this rank's GPU, fixed now (the main thread): connect and send run in transfer threads, where
+        # the current device would be cuda:0 (REVIEW L1)
+        self.device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self.stream = None  # one per sender, so several servers' broadcasts do not queue on one stream (L2)
 
     def init_info(self) -> dict:
         """vLLM's NCCLWeightTransferInitInfo, field for field (it rejects unknown keys)."""
@@ -28,19 +50,28 @@ class NcclSender:
         """Blocks until every worker joined; call while the server's init request is in flight."""
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
-        self.comm = trainer_init({"master_address": self.host, "master_port": self.port, "world_size": self.world_size})
+        with torch.cuda.device(self.device):  # trainer_init uses the current device
+            self.comm = trainer_init({"master_address": self.host, "master_port": self.port, "world_size": self.world_size})
+            self.stream = torch.cuda.Stream()
 
-    @staticmethod
-    def prepare(bucket: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def prepare(self, bucket: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         """The bucket's tensors on this rank's GPU, contiguous (NCCL sends numel elements from data_ptr)."""
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", self.device)
         return [t.detach().to(device).contiguous() for _, t in bucket]
 
     def send(self, tensors: list[torch.Tensor]) -> None:
-        stream = torch.cuda.current_stream()
-        for t in tensors:
-            self.comm.broadcast(t, src=0, stream=stream)
-        stream.synchronize()  # the caller may change the parameters as soon as this returns
+        with torch.cuda.device(self.device):
+            self.stream.wait_stream(torch.cuda.current_stream())  # the tensors are ready before they go
+            for t in tensors:
+                self.comm.broadcast(t, src=0, stream=self.stream)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        # the caller may change the parameters once this returns; bounded, and ended by abort()
+        wait_until_done(done.query, self.timeout_s, lambda: self.aborted)
+
+    def abort(self) -> None:
+        """The server refused its half: stop waiting for the broadcast and drop the communicator."""
+        self.aborted = True
 
     def close(self) -> None:
         if self.comm is not None:

@@ -52,8 +52,10 @@ class RemoteBackend(RolloutBackend):
         rc = cfg.remote
         if not rc.urls:
             raise ServerError("rollout=remote needs rollout.remote.urls=[http://host:port,...] (see `python -m grpo.serve`).")
+        # each server's transfer group is sized by the server's own world (/get_world_size), not by
+        # rc.tensor_parallel_size (grpo.launch's placement of the servers it starts)
         self.pool = ServerPool(list(rc.urls), load_token(rc.token_file), rc.health_timeout_s, rc.request_timeout_s,
-                               rc.tensor_parallel_size, rc.transfer_host, can_push=dist.rank() == 0,
+                               rc.transfer_host, can_push=dist.rank() == 0,
                                transfer=transfer_backend(cfg.vllm.weight_transfer, torch.cuda.is_available()),
                                log=say if dist.rank() == 0 else None)  # every rank waits; rank 0 says so
         self.weight_version = 0

@@ -24,13 +24,15 @@ pushes over the grpo_gloo transport.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import queue
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from urllib.parse import urlparse
 
 from grpo import dist, lora
@@ -55,12 +57,15 @@ def transfer_backend(setting: str, cuda: bool) -> str:
     return setting
 
 
-def make_sender(transfer: str, host: str, port: int, world_size: int, timeout_s: float):
+def make_sender(transfer: str, host: str, world_size: int, timeout_s: float):
+    """The trainer's end of one server's transfer group. grpo_gloo binds its rendezvous port here
+    (TCPStore on port 0, read back), so no other process can take it between picking and binding;
+    vLLM's nccl trainer_init binds the port it is given, so for nccl it is picked just before."""
     if transfer == "nccl":
         from grpo.rollout.nccl_transfer import NcclSender
 
-        return NcclSender(host, port, world_size, timeout_s)
-    return GlooSender(host, port, world_size, timeout_s)
+        return NcclSender(host, free_port(), world_size, timeout_s)
+    return GlooSender(host, world_size, timeout_s)
 
 
 def route_address(host: str, port: int) -> str:
@@ -77,13 +82,16 @@ REFUSED = {401: "the token is not the server's: give the trainer the token the s
            403: "the server refuses this client"}
 
 
-def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it", log=say, note: str = ""):
+def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it", log=say, note: str = "", exited=None):
     """Call `check()` until it returns without raising, or raise the last error after `timeout_s`;
     every 15 s, `log` says what it is waiting for and for how long (grpo/progress.py; None: silent).
-    A server that answers but refuses us (401, 403) fails at once: waiting cannot change that."""
+    A server that answers but refuses us (401, 403) fails at once: waiting cannot change that; so
+    does one whose process is gone (`exited()`: None while it runs, else what it left in its log)."""
     deadline, last = time.time() + timeout_s, None
     progress = WaitProgress(f"{what} to answer /health", timeout_s, log, note=note)
     while True:
+        if exited is not None and (gone := exited()):
+            raise ServerError(f"{what} exited before it became healthy: {gone}")
         try:
             return check()
         except ServerError as e:
@@ -98,10 +106,88 @@ def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it", l
         time.sleep(poll_s)
 
 
+class DaemonWorker:
+    """One daemon thread running submitted calls in order (the pool's generator). ThreadPoolExecutor
+    threads are joined at interpreter exit, so a remote request in flight held the exit of a stopped or
+    interrupted run for up to request_timeout_s (600 s); a daemon thread is not waited for."""
+
+    def __init__(self, name: str):
+        self.queue: queue.Queue = queue.Queue()
+        self.closed = False
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn, *args) -> Future:
+        if self.closed:
+            raise RuntimeError("submit after close")
+        future: Future = Future()
+        self.queue.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                future.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Cancel what has not started; a call in flight ends with its server (or the process)."""
+        self.closed = True
+        with contextlib.suppress(queue.Empty):
+            while True:
+                item = self.queue.get_nowait()
+                if item is not None:
+                    item[0].cancel()
+        self.queue.put(None)
+
+
+def parallel_map(fn, items, workers: int | None = None) -> list:
+    """`[fn(x) for x in items]` on up to `workers` daemon threads (all by default), results in order,
+    the first error raised. Daemon threads, so an HTTP request in flight never holds the process's
+    exit (see DaemonWorker)."""
+    items = list(items)
+    results, errors, lock, todo = [None] * len(items), [], threading.Lock(), iter(range(len(items)))
+
+    def work() -> None:
+        while not errors:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            try:
+                results[i] = fn(items[i])
+            except BaseException as e:  # noqa: BLE001 - raised in the caller
+                errors.append(e)
+
+    threads = [threading.Thread(target=work, daemon=True, name="grpo-request") for _ in range(min(workers or len(items), len(items)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 def free_port(host: str = "") -> int:
+    """A port free now; another process may take it before it is bound again (prefer reserve_port)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def reserve_port(host: str = "") -> socket.socket:
+    """A port bound now and held: a socket bound to (host, 0) with SO_REUSEADDR and never listening.
+    While it is open the kernel gives the port to no other bind(0) and refuses a plain bind, but a
+    server that binds it with SO_REUSEADDR (vLLM's create_server_socket, uvicorn) still can, since
+    none of them listens yet. Keep it open until the server listens; `.getsockname()[1]` is the port."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, 0))
+    return s
 
 
 def split_by_load(num_prompts: int, speeds: list[float]) -> list[tuple[int, int]]:
@@ -163,13 +249,18 @@ class Server:
             return raw.decode(errors="replace")
         return json.loads(raw) if raw else {}
 
-    def wait_healthy(self, deadline: float, log=say, note: str = "") -> None:
+    def wait_healthy(self, deadline: float, log=say, note: str = "", exited=None) -> None:
         def ready():
             self.request("/health", timeout=5)
             card = self.request("/v1/models")["data"][0]
             self.model, self.max_model_len = card["id"], card.get("max_model_len")
 
-        wait_until(ready, deadline - time.time(), what=f"rollout server {self.url}", log=log, note=note)
+        wait_until(ready, deadline - time.time(), what=f"rollout server {self.url}", log=log, note=note, exited=exited)
+
+    def world_size(self) -> int:
+        """The server's own engine world (tensor x pipeline x data parallel): the ranks its transfer
+        group needs beside the trainer's (vLLM's RL route /get_world_size, mounted with the others)."""
+        return int(self.request("/get_world_size")["world_size"])
 
 
 class StickyRoutes:
@@ -212,45 +303,72 @@ class ServerPool:
     weight pushes. Shared by the remote and dedicated backends."""
 
     def __init__(self, urls: list[str], token: str | None, health_timeout_s: float, request_timeout_s: float,
-                 tensor_parallel_size: int = 1, transfer_host: str | None = None, can_push: bool = True,
-                 transfer: str = GLOO, log=say, logs: list[str] | None = None):
+                 transfer_host: str | None = None, can_push: bool = True,
+                 transfer: str = GLOO, log=say, logs: list[str] | None = None, exited: list | None = None):
         """`log`: where the health waits report progress (None: silent); `logs`: each server's log file,
-        named in those lines (the dedicated engines')."""
+        named in those lines (the dedicated engines'); `exited`: per server, a function saying whether
+        its process is gone (engines this trainer started), so a dead one fails the wait at once.
+        Each server's transfer group is sized by the server's own world (`Server.world_size`)."""
         self.servers = [Server(u, token, request_timeout_s) for u in urls]
         deadline = time.time() + health_timeout_s
         notes = [f"log: {p}" for p in logs] if logs else [""] * len(urls)
-        with ThreadPoolExecutor(len(self.servers)) as pool:
-            list(pool.map(lambda s, n: s.wait_healthy(deadline, log, n), self.servers, notes))
+        exited = exited or [None] * len(urls)
+        parallel_map(lambda i: self.servers[i].wait_healthy(deadline, log, notes[i], exited[i]), range(len(self.servers)))
         lens = [s.max_model_len for s in self.servers if s.max_model_len]
         self.max_context = min(lens) if lens else None  # prompt + completion, as the servers allow
-        self.generator = ThreadPoolExecutor(1, thread_name_prefix="grpo-generate")  # one batch at a time, in order
+        self.generator = DaemonWorker("grpo-generate")  # one batch at a time, in order
         self.idle_since: float | None = None  # when the last batch finished (engine wait time)
         self.senders = []
         if can_push:
             for server in self.servers:
                 url = urlparse(server.url)
                 host = transfer_host or route_address(url.hostname, url.port or 80)
-                sender = make_sender(transfer, host, free_port(), 1 + tensor_parallel_size, request_timeout_s)
-                self._alongside(server, "/init_weight_transfer_engine", {"init_info": sender.init_info()}, sender.connect)
+                sender = make_sender(transfer, host, 1 + server.world_size(), request_timeout_s)
+                try:
+                    self._alongside(server, "/init_weight_transfer_engine", {"init_info": sender.init_info()},
+                                    sender.connect, sender.abort)
+                except BaseException:
+                    sender.close()
+                    raise
                 self.senders.append(sender)
 
     @staticmethod
-    def _alongside(server: Server, path: str, body: dict, fn) -> None:
-        """POST `path` (which blocks server-side until the gloo peer acts) while `fn` runs here."""
-        error: list[BaseException] = []
+    def _alongside(server: Server, path: str, body: dict, fn, abort=None, grace_s: float = 2.0) -> None:
+        """POST `path` (which blocks server-side until the transfer's peer acts) while `fn` (this side of
+        the transfer: the rendezvous, or one bucket's broadcast) runs in a thread. Whichever fails first
+        ends the call: a POST the server refuses (400 for a bad update, no weight update started, a
+        transfer backend other than ours, 401, 500) raises at once with its status and the server's own
+        words, and `abort()` releases this side, whose peer will never come; before, the transfer waited
+        out its timeout (10 min; an NCCL broadcast, for ever) and the server's answer was lost. A
+        failing transfer waits `grace_s` for the server's answer, which usually says why."""
+        done: queue.Queue = queue.Queue()
 
-        def post():
+        def run(name, call):
             try:
-                server.request(path, body)
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                error.append(e)
+                call()
+                done.put((name, None))
+            except BaseException as e:  # noqa: BLE001 - raised in the caller
+                done.put((name, e))
 
-        t = threading.Thread(target=post, daemon=True)
-        t.start()
-        fn()
-        t.join()
-        if error:
-            raise error[0]
+        threading.Thread(target=run, args=("post", lambda: server.request(path, body)), daemon=True,
+                         name="grpo-transfer-post").start()
+        threading.Thread(target=run, args=("transfer", fn), daemon=True, name="grpo-transfer").start()
+        results = {}
+        while len(results) < 2:
+            name, error = done.get()
+            results[name] = error
+            if error is None:
+                continue
+            if name == "transfer" and "post" not in results:
+                with contextlib.suppress(queue.Empty):
+                    other, http_error = done.get(timeout=grace_s)
+                    results[other] = http_error
+                    if http_error is not None:
+                        error = http_error
+            if abort is not None and ("transfer" not in results or results["transfer"] is not None):
+                with contextlib.suppress(Exception):
+                    abort()
+            raise error
 
     def submit(self, prompt_ids: list[list[int]], n: int, sampling: Sampling, version: int) -> Future:
         """Queue a batch on the generator thread; it starts when the batches before it are done."""
@@ -284,10 +402,9 @@ class ServerPool:
             before = self.served_version(server, version)
             t0 = time.perf_counter()
             shards = prompt_requests(mine, sampling.seed, n)
-            with ThreadPoolExecutor(min(len(shards), MAX_REQUESTS_IN_FLIGHT)) as requests:  # the engine batches them
-                answers = requests.map(lambda r: self.complete(server, [prompt_ids[k] for k in r[0]], n, sampling, r[1]),
-                                       shards)
-                choices = [c for answer in answers for c in answer]
+            answers = parallel_map(lambda r: self.complete(server, [prompt_ids[k] for k in r[0]], n, sampling, r[1]), shards,
+                                   MAX_REQUESTS_IN_FLIGHT)  # the engine batches them
+            choices = [c for answer in answers for c in answer]
             rate = sum(len(c["token_ids"]) for c in choices) / max(time.perf_counter() - t0, 1e-6)
             server.speed = rate if server.batches == 0 else 0.7 * server.speed + 0.3 * rate
             server.batches += 1
@@ -298,8 +415,7 @@ class ServerPool:
             return choices, before, mine
 
         try:
-            with ThreadPoolExecutor(len(self.servers)) as pool:
-                parts = list(pool.map(call, range(len(self.servers))))
+            parts = parallel_map(call, range(len(self.servers)))
         finally:
             self.idle_since = time.perf_counter()
         versions = {v for _, v, _ in parts if v is not None}
@@ -339,12 +455,11 @@ class ServerPool:
             server.request("/start_weight_update", {})
         def send(pair, flat, info):
             server, sender = pair
-            self._alongside(server, "/update_weights", {"update_info": info}, lambda: sender.send(flat))
+            self._alongside(server, "/update_weights", {"update_info": info}, lambda: sender.send(flat), sender.abort)
 
-        with ThreadPoolExecutor(len(self.servers)) as pool:  # all servers at once, bucket by bucket
-            for bucket in buckets:
-                payload, info = self.senders[0].prepare(bucket), update_info(bucket)
-                list(pool.map(lambda pair: send(pair, payload, info), zip(self.servers, self.senders)))
+        for bucket in buckets:  # all servers at once, bucket by bucket
+            payload, info = self.senders[0].prepare(bucket), update_info(bucket)
+            parallel_map(lambda pair: send(pair, payload, info), zip(self.servers, self.senders))
         for server in self.servers:
             server.request("/finish_weight_update", {"weight_version": str(version)})
             server.request("/reset_prefix_cache", {})  # cached KV belongs to the old weights
@@ -363,8 +478,7 @@ class ServerPool:
                 server.request("/v1/unload_lora_adapter", {"lora_name": old}, text=True)
             server.request("/reset_prefix_cache", {})
 
-        with ThreadPoolExecutor(len(self.servers)) as pool:
-            list(pool.map(load, self.servers))
+        parallel_map(load, self.servers)
 
     def use_adapter(self, version: int) -> None:
         """Generate with the adapter another rank's pool loaded (remote: every rank asks the servers itself)."""
@@ -372,7 +486,7 @@ class ServerPool:
             server.adapter = adapter_name(version)
 
     def close(self) -> None:
-        self.generator.shutdown(wait=False, cancel_futures=True)  # a request in flight ends with its server
+        self.generator.shutdown()  # a request in flight ends with its server, and never holds the exit
         for server, sender in zip(self.servers, self.senders):
             try:
                 server.request("/shutdown_weight_transfer_engine", {}, timeout=10)

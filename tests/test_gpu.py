@@ -1,0 +1,93 @@
+"""The `gpu` tier: what only a CUDA GPU can show, skipped without one. `make test-gpu` (`pytest -m gpu`)
+on the first machine with a GPU runs, with one command:
+
+  - `python -m grpo.doctor`: every row (versions, device, all-reduce, each backend's 2 steps with the
+    sampler-trainer logprob difference after a sync, the weight sync into a `grpo.serve` server);
+  - a short run (2 steps on the tiny model) for each rollout backend and parallel strategy that fits
+    the machine's GPUs, each checking that the engine serves the trainer's weights after the sync
+    (`sampler_diff`), fp32 and bf16, colocated with sleep mode, LoRA in bf16 (the only dtype vLLM's
+    CUDA LoRA kernels take). Runs that need two GPUs (dedicated, ddp's two ranks) skip on one.
+
+Also in the tier: test_rollout_vllm.py's real sleep/wake cycle. Written against vLLM 0.33.0 and
+DeepSpeed 0.19.8 (docs/gpu.md); not yet run: no GPU has been available to this project."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from grpo.doctor import PARITY_TOL, TWO_STEPS
+from tests.conftest import ROOT
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU")]
+
+
+BF16_TOL = 5e-2  # bf16 engine vs bf16-autocast trainer: rounding, not a missed sync (which moves logprobs by ~0.5)
+
+
+def train(tmp_path, *overrides, launcher=(sys.executable,), timeout=900) -> dict:
+    run_dir = tmp_path / "run"
+    out = subprocess.run([*launcher, "-m", "grpo.train", *TWO_STEPS, f"run_dir={run_dir}", *overrides], cwd=ROOT,
+                         capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    diffs = [r["sampler_diff"] for r in rows if "sampler_diff" in r]
+    tol = BF16_TOL if "model.dtype=bfloat16" in overrides else PARITY_TOL
+    assert len(diffs) == 2 and diffs[-1] <= tol, diffs  # after a sync, the engine serves the trainer's weights
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_the_doctor_passes_every_row():
+    out = subprocess.run([sys.executable, "-m", "grpo.doctor"], cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert ", 0 failed" in out.stdout
+
+
+@pytest.mark.parametrize("backend, parallel, extra", [
+    ("hf", "single", []),
+    ("colocated", "single", []),
+    ("colocated", "single", ["model.dtype=bfloat16"]),
+    ("colocated", "single", ["rollout.vllm.sleep=true"]),
+    ("colocated", "single", ["model.dtype=bfloat16", "model.lora.rank=8"]),
+    ("colocated", "zero2", ["model.dtype=bfloat16"]),
+    ("colocated", "zero3", ["model.dtype=bfloat16"]),
+    ("hf", "zero3", []),
+])
+def test_a_short_run_on_one_gpu(tmp_path, backend, parallel, extra):
+    summary = train(tmp_path, f"rollout={backend}", f"parallel={parallel}", *extra)
+    assert summary["steps"] == 2 and summary["peak_memory_gb"] > 0
+
+
+@pytest.mark.skipif(GPUS < 2, reason="the engine needs a GPU training does not use")
+@pytest.mark.parametrize("transfer", ["nccl", "grpo_gloo"])
+def test_a_short_dedicated_run_on_a_second_gpu(tmp_path, transfer):
+    train(tmp_path, "rollout=dedicated", "rollout.dedicated.devices=[cuda:1]", f"rollout.vllm.weight_transfer={transfer}")
+
+
+@pytest.mark.skipif(GPUS < 2, reason="two NCCL ranks need two GPUs (NCCL refuses two ranks on one device)")
+@pytest.mark.parametrize("parallel", ["ddp", "zero3"])
+def test_a_short_two_rank_run(tmp_path, parallel):
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+    summary = train(tmp_path, "rollout=colocated", f"parallel={parallel}", "model.dtype=bfloat16", launcher=torchrun)
+    assert summary["world_size"] == 2
+
+
+def test_a_short_remote_run_against_a_grpo_serve_on_this_machine(tmp_path, monkeypatch):
+    """The server placed as the doctor places it (grpo.doctor.server_placement): the last GPU over nccl,
+    or the one GPU shared over grpo_gloo."""
+    import secrets
+
+    from grpo.doctor import server_placement, start_server, stop_server
+
+    token = secrets.token_hex(16)
+    env, transfer = server_placement(GPUS, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    server, url = start_server("tiny", token, str(tmp_path / "server.log"), transfer=transfer, env=env)
+    monkeypatch.setenv("GRPO_SERVE_TOKEN", token)
+    try:
+        train(tmp_path, "rollout=remote", f"rollout.remote.urls=[{url}]", f"rollout.vllm.weight_transfer={transfer}")
+    finally:
+        stop_server(server)

@@ -1,0 +1,119 @@
+"""What a run folder keeps across a kill and resume, or a `resume=false` restart: `metrics.jsonl` and
+the wandb history hold every step once, and a fresh start never rewrites an earlier run's records.
+
+wandb runs offline here (`mode=offline`: no network); its history is read back from the `.wandb`
+files it writes, record by record, as `wandb sync` would upload them."""
+
+import glob
+import json
+import os
+import struct
+import time
+
+from omegaconf import OmegaConf
+
+from grpo.checkpoint import set_aside_checkpoints
+from grpo.config import LoggerConfig
+from grpo.log import RunLogger
+
+
+def wandb_records(path: str) -> list:
+    """The protobuf records of one offline `.wandb` file (wandb's LevelDB-style log: a 7-byte file
+    header ':W&B' + magic + version, then 32 KiB blocks of records, each a 7-byte header (crc32,
+    length, type: 1 full, 2 first, 3 middle, 4 last) and its bytes)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, block, out, buf = open(path, "rb").read(), 7, 32768, [], b""
+    assert data[:4] == b":W&B", data[:7]
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # the block's tail is padding
+            pos += block - pos % block
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if n == 0 and kind == 0:
+            break
+        buf += data[pos + 7 : pos + 7 + n]
+        pos += 7 + n
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(buf)
+            out.append(record)
+            buf = b""
+    return out
+
+
+def wandb_history(run_dir) -> dict[int, float]:
+    """The run's history as the wandb server keeps it: attempts in order, each rewind (`resume_from`,
+    the run record's branch point) dropping the rows after its step, a later row replacing nothing
+    (wandb ignores a step not above the run's last)."""
+    rows: dict[int, float] = {}
+    for path in sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))):
+        for record in wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run" and record.run.branch_point.run:
+                rows = {s: v for s, v in rows.items() if s <= record.run.branch_point.value}
+            elif kind == "history":
+                item = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                if "x" in item and item["_step"] > max(rows, default=-1):
+                    rows[item["_step"]] = item["x"]
+    return rows
+
+
+def logger(run_dir, resume_step=None) -> RunLogger:
+    cfg = OmegaConf.structured(LoggerConfig(backend="wandb", mode="offline", log_every=1000))
+    return RunLogger(cfg, str(run_dir), 8, {}, resume_step=resume_step)
+
+
+def jsonl(run_dir) -> list[tuple[int, float]]:
+    return [(r["step"], r["x"]) for r in map(json.loads, open(run_dir / "metrics.jsonl"))]
+
+
+def test_a_resumed_run_logs_every_step_once_to_metrics_and_wandb(tmp_path):
+    """Killed after logging step 6 with its checkpoint at 4, resumed: steps 5 and 6 are redone. Both
+    metrics.jsonl and the wandb run hold 1..8 once each, the redone steps with the resumed values
+    (resume="allow" on one id kept the killed attempt's 5 and 6 in wandb and dropped the new ones)."""
+    first = logger(tmp_path)
+    for step in range(1, 7):
+        first.log(step, {"x": float(step)})
+    first.close()  # as the kill leaves it: the rows up to 6 are written
+    time.sleep(1.1)  # wandb names an attempt's offline folder by the second it starts (and its id): a resume in the same second would replace it
+    resumed = logger(tmp_path, resume_step=4)
+    for step in range(5, 9):
+        resumed.log(step, {"x": 10.0 * step})
+    resumed.close()
+    expected = {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 50.0, 6: 60.0, 7: 70.0, 8: 80.0}
+    assert jsonl(tmp_path) == sorted(expected.items())
+    assert wandb_history(tmp_path) == expected
+
+
+def test_resume_false_keeps_the_earlier_runs_records_aside(tmp_path):
+    """A `resume=false` restart in a used folder: the earlier run's checkpoints, metrics, summary and
+    wandb id move aside together, untouched; the new run's metrics and wandb run start empty."""
+    first = logger(tmp_path)
+    for step in range(1, 4):
+        first.log(step, {"x": float(step)})
+    first.close()
+    (tmp_path / "checkpoints" / "step_00000003").mkdir(parents=True)
+    (tmp_path / "summary.json").write_text("{}")
+    old_id = (tmp_path / "wandb_id").read_text()
+
+    aside = set_aside_checkpoints(str(tmp_path))
+    fresh = logger(tmp_path)  # what the run does next: resume_step None
+    fresh.log(1, {"x": 100.0})
+    fresh.close()
+
+    assert sorted(os.listdir(aside)) == ["checkpoints", "metrics.jsonl", "summary.json", "wandb_id"]
+    assert [json.loads(line)["step"] for line in open(os.path.join(aside, "metrics.jsonl"))] == [1, 2, 3]
+    assert jsonl(tmp_path) == [(1, 100.0)] and not (tmp_path / "checkpoints").exists()
+    assert (tmp_path / "wandb_id").read_text() != old_id  # a new wandb run, not the old one's steps 1..3
+    (tmp_path / "empty").mkdir()
+    assert set_aside_checkpoints(str(tmp_path / "empty")) is None  # nothing to keep: nothing moves
+
+
+def test_grpo_eval_leaves_a_training_folders_metrics_alone(tmp_path):
+    """`grpo.eval run_dir=<a training run>` would append a step-0 row after the run's last step."""
+    from grpo.eval import is_training_folder
+
+    assert not is_training_folder(str(tmp_path))  # an eval-only folder: its metrics.jsonl gets the row
+    (tmp_path / "summary.json").write_text("{}")
+    assert is_training_folder(str(tmp_path))
