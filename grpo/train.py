@@ -253,7 +253,9 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
     and the engines given the trainer's weights. Everything that must be closed joins `cleanup`."""
     run_dir = broadcast_object(os.path.abspath(cfg.run_dir))  # every rank uses rank 0's folder
     os.makedirs(run_dir, exist_ok=True)
-    if info.is_main:
+    if not cfg.resume and info.is_main and (aside := set_aside_checkpoints(run_dir)):
+        print(f"resume=false: the folder's earlier run (checkpoints, metrics, config) was moved to {aside}")
+    if info.is_main:  # after the set-aside: an earlier run's config.yaml is kept with its records
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             f.write(OmegaConf.to_yaml(resolved_config(cfg, run_dir)))
     seed_everything(cfg.seed)  # model init and anything else in setup
@@ -273,8 +275,6 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
             episodes=build_episodes(cfg, task, tokenizer, rollout))
 
     r.checkpoint_path = broadcast_object(latest_checkpoint(run_dir) if cfg.resume else None)
-    if not cfg.resume and info.is_main and (aside := set_aside_checkpoints(run_dir)):
-        print(f"resume=false: the folder's earlier checkpoints were moved to {aside}")
     barrier()
     if r.checkpoint_path:
         state = load_checkpoint(r.checkpoint_path, strategy)

@@ -87,14 +87,15 @@ def test_a_resumed_run_logs_every_step_once_to_metrics_and_wandb(tmp_path):
 
 
 def test_resume_false_keeps_the_earlier_runs_records_aside(tmp_path):
-    """A `resume=false` restart in a used folder: the earlier run's checkpoints, metrics, summary and
-    wandb id move aside together, untouched; the new run's metrics and wandb run start empty."""
+    """A `resume=false` restart in a used folder: the earlier run's checkpoints, metrics, summary, config
+    and wandb id move aside together, untouched; the new run's metrics and wandb run start empty."""
     first = logger(tmp_path)
     for step in range(1, 4):
         first.log(step, {"x": float(step)})
     first.close()
     (tmp_path / "checkpoints" / "step_00000003").mkdir(parents=True)
     (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "config.yaml").write_text("seed: 1\n")
     old_id = (tmp_path / "wandb_id").read_text()
 
     aside = set_aside_checkpoints(str(tmp_path))
@@ -102,7 +103,8 @@ def test_resume_false_keeps_the_earlier_runs_records_aside(tmp_path):
     fresh.log(1, {"x": 100.0})
     fresh.close()
 
-    assert sorted(os.listdir(aside)) == ["checkpoints", "metrics.jsonl", "summary.json", "wandb_id"]
+    assert sorted(os.listdir(aside)) == ["checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "wandb_id"]
+    assert open(os.path.join(aside, "config.yaml")).read() == "seed: 1\n"  # the earlier run's, not overwritten
     assert [json.loads(line)["step"] for line in open(os.path.join(aside, "metrics.jsonl"))] == [1, 2, 3]
     assert jsonl(tmp_path) == [(1, 100.0)] and not (tmp_path / "checkpoints").exists()
     assert (tmp_path / "wandb_id").read_text() != old_id  # a new wandb run, not the old one's steps 1..3
