@@ -29,7 +29,7 @@ if __name__ == "__main__":
     from vllm.entrypoints.openai.api_server import build_app
 
     ours = argparse.Namespace(model=sys.argv[1], host="127.0.0.1", port=0, dtype="float32", memory_fraction=0.1,
-                              max_model_len=128, enforce_eager=True, weight_transfer="grpo_gloo")
+                              max_model_len=128, enforce_eager=True, chunked_prefill=False, weight_transfer="grpo_gloo")
     args = parse_server_args(vllm_argv(ours, [], kv_bytes=1 << 26))
     app = build_app(args, supported_tasks=("generate",))
     routes = sorted({(r.path, m) for r in app.routes for m in (getattr(r, "methods", None) or ["GET"]) if m != "HEAD"})
