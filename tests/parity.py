@@ -99,3 +99,16 @@ def assert_turn_one_is_generate(backend, tok) -> None:
     assert one.finish_reasons == plain.finish_reasons and one.weight_version == plain.weight_version
     assert one.loss_masks == [[1] * len(ids) for ids in plain.completion_ids]
     assert [e.turns for e in one.episodes] == [1] * 6
+
+
+def assert_guess_run_scores_the_samplers_tokens(run_dir) -> None:
+    """A 3-step experiment=guess_tiny run: weights synced every step, the trainer scoring the engine's
+    tokens across turns (sampler_diff <= 1e-3 with observations in the sequence), several turns."""
+    import json
+    import os
+
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    trained = [r for r in rows if "loss" in r]
+    assert [r["weight_version"] for r in trained] == [0, 1, 2]
+    assert all(r["sampler_diff"] <= 1e-3 for r in trained), [r["sampler_diff"] for r in trained]
+    assert max(r["episode/turns_max"] for r in trained) > 1

@@ -14,6 +14,7 @@ steps gave (None when no step gave one), and enters the loss through the `env` r
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
@@ -34,15 +35,16 @@ class Env(Protocol):
     def close(self) -> None: ...
 
 
-class TextEnv:
+class TextEnv(ABC):
     """A base with nothing to reset or close; subclasses write `step`."""
 
     def reset(self, sample, seed: int) -> Optional[str]:
         self.sample = sample
         return None
 
-    def step(self, action: str) -> Step:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def step(self, action: str) -> Step:
+        """The policy's turn, as text -> what the environment answers."""
 
     def close(self) -> None:
         pass

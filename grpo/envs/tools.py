@@ -11,10 +11,10 @@ from __future__ import annotations
 import ast
 import operator
 import re
-import threading
 from typing import Callable
 
 from grpo.envs.base import Step, TextEnv
+from grpo.timeouts import call_with_timeout
 
 CALL = re.compile(r"^\s*([A-Za-z_][\w]*)\s*:\s*(.*?)\s*$", re.DOTALL)
 
@@ -43,24 +43,6 @@ def calculator(expression: str) -> str:
     return str(walk(ast.parse(expression.strip(), mode="eval")))
 
 
-def run_with_timeout(fn: Callable, arg: str, timeout_s: float) -> tuple[str | None, str | None]:
-    """(result, None) or (None, error); a call past `timeout_s` is abandoned (its thread is a daemon)."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = str(fn(arg))
-        except Exception as e:  # noqa: BLE001 - the error is the observation
-            box["error"] = f"{type(e).__name__}: {e}"
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        return None, f"no answer within {timeout_s:g}s"
-    return box.get("value"), box.get("error")
-
-
 class ToolEnv(TextEnv):
     def __init__(self, tools: dict[str, Callable] | None = None, tool_timeout_s: float = 5.0):
         self.tools = tools or {}
@@ -79,7 +61,7 @@ class ToolEnv(TextEnv):
         if call is None:
             return Step(None, None, True, {"tool_call": False})
         name, arg = call
-        result, error = run_with_timeout(self.tools[name], arg, self.tool_timeout_s)
+        result, error = call_with_timeout(lambda: str(self.tools[name](arg)), self.tool_timeout_s, "tool_timeout_s")
         return Step(self.format_result(result, error), None, False, {"tool_call": True, "tool_error": error})
 
 

@@ -18,11 +18,11 @@ cannot be killed in Python; it is abandoned (a daemon thread) and the run moves 
 from __future__ import annotations
 
 import importlib
-import threading
 import warnings
 from typing import Callable
 
 from grpo.rewards.countdown import countdown
+from grpo.timeouts import call_with_timeout
 from grpo.rewards.env import env_reward
 from grpo.rewards.exact_match import exact_match
 from grpo.rewards.format import answer_format, overlong_penalty
@@ -64,31 +64,13 @@ def build_rewards(cfg) -> list[tuple[str, RewardFn, float]]:
 MAX_HANGS = 3  # per function and batch, in the one-at-a-time retry
 
 
-def call_with_timeout(fn, args: tuple, kwargs: dict, timeout_s: float):
-    """(result, None) or (None, "what went wrong"); a call past `timeout_s` is abandoned."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = list(fn(*args, **kwargs))
-        except Exception as e:  # noqa: BLE001 - reported to the caller, who excludes the sample
-            box["error"] = f"{type(e).__name__}: {e}"
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        return None, f"no answer within reward.timeout_s={timeout_s:g}s"
-    return box.get("value"), box.get("error")
-
-
 def is_score(value) -> bool:
     """A reward is a real number, or None (the function abstains)."""
     return value is None or (isinstance(value, (int, float)) and not isinstance(value, complex))
 
 
 def run_reward(name: str, fn, completions: list[str], samples: list, info: dict, timeout_s: float) -> list:
-    values, error = call_with_timeout(fn, (completions, samples), info, timeout_s)
+    values, error = call_with_timeout(lambda: list(fn(completions, samples, **info)), timeout_s, "reward.timeout_s")
     if error is None and len(values) != len(completions):
         error = f"returned {len(values)} values for {len(completions)} completions"
     if error is None and (bad := next((v for v in values if not is_score(v)), "ok")) != "ok":
@@ -100,7 +82,7 @@ def run_reward(name: str, fn, completions: list[str], samples: list, info: dict,
     for i, (c, s) in enumerate(zip(completions, samples)):
         one = {k: [v[i]] if isinstance(v, list) and len(v) == len(completions) else v for k, v in info.items()}
         if hangs < MAX_HANGS:
-            value, err = call_with_timeout(fn, ([c], [s]), one, timeout_s)
+            value, err = call_with_timeout(lambda c=c, s=s, one=one: list(fn([c], [s], **one)), timeout_s, "reward.timeout_s")
             hangs += err is not None and err.startswith("no answer")
         else:  # bounded: a function that keeps hanging does not stall the step for B x timeout
             value, err = None, f"skipped after {MAX_HANGS} timeouts in this batch"

@@ -28,7 +28,6 @@ an idle rank with one throwaway request of the same sampling settings.
 
 from __future__ import annotations
 
-import threading
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -36,6 +35,7 @@ from typing import Callable, Optional
 
 from grpo.errors import ConfigError
 from grpo.rollout.base import Rollouts, Sampling
+from grpo.timeouts import call_with_timeout
 
 FINISH = ("stop", "length", "turns", "error")
 
@@ -93,30 +93,6 @@ def cut_middle(ids: list[int], limit: int, marker: list[int]) -> list[int]:
     return (ids[:head] + marker + ids[len(ids) - keep // 2:])[:limit] if keep else ids[:limit]
 
 
-def call_with_timeout(fn: Callable, timeout_s: float):
-    """(value, None) or (None, error text); a call past `timeout_s` is abandoned (a daemon thread). A
-    ConfigError is raised again here: a setup mistake (an OpenEnv server that admits too few sessions)
-    stops the run, where ending every episode as "error" would train on nothing."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except ConfigError as e:
-            box["fatal"] = e
-        except Exception as e:  # noqa: BLE001 - the caller ends the episode as "error" with this text
-            box["error"] = f"{type(e).__name__}: {e}"
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        return None, f"no answer within env.step_timeout_s={timeout_s:g}s"
-    if "fatal" in box:
-        raise box["fatal"]
-    return box.get("value"), box.get("error")
-
-
 class Trajectory:
     def __init__(self, prompt_ids: list[int], sample, env, index: int):
         self.prompt_ids, self.sample, self.env, self.index = prompt_ids, sample, env, index
@@ -159,7 +135,8 @@ class EpisodeRunner:
             first = []
             for t in trajectories:
                 t.env = self.make_env()
-                text, error = call_with_timeout(lambda t=t: t.env.reset(t.sample, reset_seed(sampling.seed, t.index)), self.step_timeout_s)
+                text, error = call_with_timeout(lambda t=t: t.env.reset(t.sample, reset_seed(sampling.seed, t.index)),
+                                                self.step_timeout_s, "env.step_timeout_s", reraise=(ConfigError,))
                 if error:
                     self.fail(t, error, "reset")
                 elif text:
@@ -226,7 +203,8 @@ class EpisodeRunner:
             t.end("length")
             return
         t0 = time.perf_counter()
-        step, error = call_with_timeout(lambda: t.env.step(text), self.step_timeout_s)
+        step, error = call_with_timeout(lambda: t.env.step(text), self.step_timeout_s, "env.step_timeout_s",
+                                        reraise=(ConfigError,))
         ep.env_s += time.perf_counter() - t0
         if error is None and step is None:
             error = "step returned None, not a Step"
