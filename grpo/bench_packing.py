@@ -1,5 +1,5 @@
-"""`python -m grpo.bench update-packing`: the update phase padded against packed (`algo.packing`),
-on SmolLM2-135M with a realistic spread of lengths, each mode in a fresh process of this module
+"""`python -m grpo.bench update-packing`: the update phase padded against packed (`algo.packing`)
+against packed with each prompt once per tree of its completions (`algo.shared_prompt`), on SmolLM2-135M with a realistic spread of lengths, each mode in a fresh process of this module
 (`python -m grpo.bench_packing MODE OUT ...`) so each starts from the same resting memory.
 
 The workload: `--prompts` prompts of 40-160 tokens, `--group` completions each, of 4 to 400 tokens
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-MODES = ("padded", "packed")
+MODES = ("padded", "packed", "shared")
 
 
 def spread_workload(prompts: int, group: int, vocab: int, seed: int = 0):
@@ -43,18 +43,19 @@ def spread_workload(prompts: int, group: int, vocab: int, seed: int = 0):
     return prompt_ids, Rollouts(completions, logps, reasons, 0), torch.randn(len(completions), generator=g)
 
 
-def forward_tokens(batch, max_tokens: int, packing: bool) -> int:
+def forward_tokens(batch, max_tokens: int, layout: str) -> int:
     """Tokens the model's forward passes see, padding included."""
+    from grpo.packing import pack, pack_shared
     from grpo.update import micro_batches
 
     total = 0
-    for mb in micro_batches(batch, max_tokens, packing):
-        if mb.rows is None:
+    for mb in micro_batches(batch, max_tokens, layout):
+        if layout == "padded":
             total += mb.input_ids_BL.numel()
+        elif layout == "packed":
+            total += pack(mb.input_ids_BL, mb.attention_mask_BL, mb.prompt_width, mb.rows).input_ids_RW.numel()
         else:
-            lengths = mb.attention_mask_BL.sum(dim=1).tolist()
-            starts = [0, *torch.tensor(mb.rows).cumsum(0).tolist()]
-            total += len(mb.rows) * max(sum(lengths[a:b]) for a, b in zip(starts, starts[1:]))
+            total += pack_shared(mb.input_ids_BL, mb.attention_mask_BL, mb.prompt_width, mb.trees).input_ids_RW.numel()
     return total
 
 
@@ -74,7 +75,7 @@ def update_worker(mode: str, out: str, layers: int, prompts: int, group: int) ->
     prompt_ids, rollouts, adv = spread_workload(prompts, group, len(tok))
     batch = collate(prompt_ids, rollouts, adv, tok.pad_token_id, mask_truncated=False)
     algo = OmegaConf.structured(AlgoConfig(batch_size=prompts * group, group_size=group, warmup_steps=0,
-                                           packing=mode == "packed"))
+                                           packing=mode != "padded", shared_prompt=mode == "shared"))
     strategy = SingleStrategy(OmegaConf.structured(ParallelConfig(strategy="single")), model, algo, total_steps=2)
     warm = batch.select(slice(0, 2))
     warm_algo = OmegaConf.merge(algo, {"group_size": 2, "batch_size": 2})
@@ -88,7 +89,7 @@ def update_worker(mode: str, out: str, layers: int, prompts: int, group: int) ->
         json.dump({"mode": mode, "update_s": seconds, "completion_tok_per_s": completion_tokens / seconds,
                    "completions": batch.size, "completion_tokens": completion_tokens,
                    "sequence_tokens": int(batch.attention_mask_BL.sum()),
-                   "forward_tokens": forward_tokens(batch, algo.micro_batch_tokens, algo.packing),
+                   "forward_tokens": forward_tokens(batch, algo.micro_batch_tokens, mode),
                    "peak_above_rest_mb": mem.peak_above_mb, "loss": stats["loss"], "grad_norm": stats["grad_norm"],
                    "layers": layers, "threads": torch.get_num_threads()}, f)
 

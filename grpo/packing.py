@@ -114,3 +114,163 @@ def packs_exactly(model, key: int) -> bool:
         # the restart (what a cache does, `use_cache=True`): 0.91
         _PACKS[key] = bool((a - b).abs().max() <= 1e-2 * b.abs().max().clamp(min=1e-6))
     return _PACKS[key]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The prompt once per group (`algo.shared_prompt`): a row holds trees, each one prompt followed by
+# several of the completions sampled from it; every completion attends to its prompt and to itself.
+
+
+def shared_plan(lengths: list[int], prompts: list[int], keys: list, width: int) -> list[list[list[int]]]:
+    """Rows of trees: `lengths[i]` is sequence i's prompt + completion, `prompts[i]` its prompt's
+    length, `keys[i]` its prompt (sequences with equal keys may share one). Each prompt's sequences,
+    longest completion first, first-fit into trees of at most `width` tokens (the prompt counted
+    once); the trees first-fit into rows of `width` (first-fit decreasing, ties in order). Returns,
+    per row, its trees as lists of sequence indices."""
+    by_prompt: dict = {}
+    for i, k in enumerate(keys):
+        by_prompt.setdefault(k, []).append(i)
+    trees: list[list[int]] = []
+    for members in by_prompt.values():
+        p = prompts[members[0]]
+        mine: list[list[int]] = []
+        room: list[int] = []
+        for i in sorted(members, key=lambda i: -lengths[i]):
+            c = lengths[i] - p
+            for t, free in enumerate(room):
+                if c <= free:
+                    mine[t].append(i)
+                    room[t] -= c
+                    break
+            else:
+                mine.append([i])
+                room.append(width - p - c)
+        trees += mine
+    sizes = [prompts[t[0]] + sum(lengths[i] - prompts[i] for i in t) for t in trees]
+    return [[trees[k] for k in row] for row in first_fit_rows(sizes, width)]
+
+
+@dataclass
+class SharedRows(PackedRows):
+    mask_R1WW: torch.Tensor = None  # which positions each position attends to, in the attention's own form
+
+
+def pack_shared(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, prompt_width: int,
+                trees: list[list[int]], mask_dtype: torch.dtype = torch.bool, pad_id: int = 0) -> SharedRows:
+    """The rows of a padded batch laid out as trees: the batch's sequences, in order, fill `trees[0][0]`
+    sequences of row 0's first tree, `trees[0][1]` of its second, ... A tree is its first sequence's
+    prompt once, then each of its sequences' completions; positions run on from the prompt in every
+    completion, as in the sequence alone. `mask_dtype` bool: True where attended (sdpa); a float
+    dtype: 0 there and the dtype's minimum elsewhere (eager attention)."""
+    device = input_ids_BL.device
+    ids_BL, real_BL = input_ids_BL.cpu(), attention_mask_BL.cpu().bool()
+    prompt_B = real_BL[:, :prompt_width].sum(dim=1).tolist()
+    completion_B = real_BL[:, prompt_width:].sum(dim=1).tolist()
+    spans, b, width = [], 0, 1
+    for r, row in enumerate(trees):  # (row, column, what, sequence, tree, branch, tokens)
+        w = 0
+        for k, size in enumerate(row):
+            first, p = b, prompt_B[b]
+            prompt = ids_BL[first, prompt_width - p : prompt_width]
+            spans.append((r, w, "prompt", first, k, 0, p))
+            last, w = w + p - 1, w + p
+            for j in range(size):
+                i = b + j
+                if prompt_B[i] != p or not torch.equal(ids_BL[i, prompt_width - p : prompt_width], prompt):
+                    raise ValueError(f"sequence {i} of a shared-prompt tree has another prompt than sequence {first}")
+                spans.append((r, w, last, i, k, j + 1, completion_B[i]))
+                w += completion_B[i]
+            b += size
+        width = max(width, w)
+    if b != ids_BL.shape[0]:
+        raise ValueError(f"the trees hold {b} sequences, the batch {ids_BL.shape[0]}")
+    R = len(trees)
+    ids_RW = torch.full((R, width), pad_id, dtype=ids_BL.dtype)
+    pos_RW = torch.zeros((R, width), dtype=torch.long)
+    tree_RW = torch.full((R, width), -1)
+    branch_RW = torch.zeros((R, width), dtype=torch.long)
+    hr, hw, tb, tt = [], [], [], []
+    for r, w, last, i, k, branch, n in spans:
+        if last == "prompt":
+            ids_RW[r, w : w + n] = ids_BL[i, prompt_width - n : prompt_width]
+            pos_RW[r, w : w + n] = torch.arange(n)
+        else:
+            p = prompt_B[i]
+            ids_RW[r, w : w + n] = ids_BL[i, prompt_width : prompt_width + n]
+            pos_RW[r, w : w + n] = torch.arange(p, p + n)
+            # token 0 is predicted by the prompt's last position, token t by the completion's t - 1
+            hr += [r] * n
+            hw += ([last] + list(range(w, w + n - 1)))[:n]
+            tb += [i] * n
+            tt += list(range(n))
+        tree_RW[r, w : w + n] = k
+        branch_RW[r, w : w + n] = branch
+    q, kv = (slice(None), slice(None), None), (slice(None), None, slice(None))
+    allowed = ((tree_RW[q] == tree_RW[kv]) & (tree_RW[q] >= 0)
+               & ((branch_RW[kv] == 0) | (branch_RW[kv] == branch_RW[q])))
+    allowed &= torch.ones(width, width, dtype=torch.bool).tril()
+    allowed |= torch.eye(width, dtype=torch.bool)  # a padding position attends to itself: no empty softmax
+    mask = allowed[:, None] if mask_dtype == torch.bool else \
+        torch.zeros(allowed[:, None].shape, dtype=mask_dtype).masked_fill(~allowed[:, None], torch.finfo(mask_dtype).min)
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return SharedRows(ids_RW.to(device), pos_RW.to(device), (as_long(hr), as_long(hw)), (as_long(tb), as_long(tt)),
+                      mask.to(device))
+
+
+def mask_dtype_for(model) -> torch.dtype | None:
+    """The form of a custom 4D mask `model`'s attention takes: bool for sdpa (True where attended),
+    the model's float dtype for eager attention (added to the scores); None for any other attention
+    (flash attention takes no 4D mask)."""
+    impl = attention_of(model)
+    if impl == "sdpa":
+        return torch.bool
+    if impl == "eager":
+        return next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+    return None
+
+
+def model_config(model):
+    """The transformers config of the first module in `model` that has one (the model itself, or the
+    one inside grpo's or DeepSpeed's wrapper)."""
+    configs = (getattr(m, "config", None) for m in model.modules())  # DeepSpeed's engine has a config of its own
+    return next((c for c in configs if hasattr(c, "_attn_implementation")), None)
+
+
+def attention_of(model) -> str | None:
+    return getattr(model_config(model), "_attn_implementation", None)
+
+
+def sliding_window_of(model) -> int | None:
+    """The window of a model whose layers (some or all) attend over a sliding window: a custom 4D
+    mask replaces the one transformers would build with the window, so it would attend past it."""
+    config = model_config(model)
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
+_SHARES: dict[int, bool] = {}
+
+
+def shares_exactly(model, key: int, mask_dtype: torch.dtype) -> bool:
+    """Whether `model` gives each completion of a shared-prompt row (pack_shared) the hidden states it
+    gives it alone: the row `1 2 | 3 3 | 1` (prompt 1 2, completions 3 3 and 1) against `1 2 3 3`
+    and `1 2 1`, once per model (`key`); every rank checks on its first shared micro-batch, together."""
+    if key not in _SHARES:
+        device = next(model.parameters()).device
+        ids = torch.tensor([[1, 2, 3, 3], [1, 2, 1, 0]])
+        shared = pack_shared(ids, torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]), 2, [[2]], mask_dtype)
+        with torch.no_grad():
+            hidden = lambda **kw: model(**{k: v.to(device) for k, v in kw.items()}, use_cache=False,  # noqa: E731
+                                        output_hidden_states=True, logits_to_keep=1).hidden_states[-1][0].float()
+            h_row = hidden(input_ids=shared.input_ids_RW, position_ids=shared.position_ids_RW,
+                           attention_mask=shared.mask_R1WW)
+            h_a = hidden(input_ids=ids[:1], position_ids=torch.arange(4)[None])
+            h_b = hidden(input_ids=ids[1:, :3], position_ids=torch.arange(3)[None])
+        a, b = torch.cat([h_a, h_b[2:]]), torch.cat([h_row[:4], h_row[4:]])
+        _SHARES[key] = bool((a - b).abs().max() <= 1e-2 * a.abs().max().clamp(min=1e-6))
+    return _SHARES[key]

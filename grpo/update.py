@@ -16,7 +16,10 @@ import torch
 from grpo import dist
 from grpo.errors import ConfigError
 from grpo.logprobs import head_logprobs, pieces_for, plain_head, unwrapped
-from grpo.packing import first_fit_rows, pack, packs_exactly
+from grpo.packing import (
+    attention_of, first_fit_rows, mask_dtype_for, pack, pack_shared, packs_exactly, shared_plan, shares_exactly,
+    sliding_window_of,
+)
 from grpo.algorithm import (
     LossNorm, centred_moments, decoupled_loss, entropy, group_advantages, reinforce_pp_advantages,
     reward_moments, rloo_advantages, sampled_kl, std_from_moments, token_logprobs,
@@ -37,6 +40,9 @@ class Batch:
     ref_logprobs_BT: Optional[torch.Tensor] = None  # set when beta > 0
     # a packed micro-batch (algo.packing): how many of its sequences, in order, each row holds
     rows: Optional[list[int]] = None
+    # a shared-prompt micro-batch (algo.shared_prompt): per row, how many of its sequences, in order,
+    # each of its trees (one prompt, several completions) holds
+    trees: Optional[list[list[int]]] = None
 
     @property
     def size(self) -> int:
@@ -51,7 +57,7 @@ class Batch:
             f.name: getattr(self, f.name)[idx] if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name)
             for f in fields(self)
         }
-        return Batch(**{**picked, "rows": None})  # a packing is laid out for the rows it was made for
+        return Batch(**{**picked, "rows": None, "trees": None})  # a packing is laid out for the rows it was made for
 
 
 def batch_advantages(rewards_PG: torch.Tensor, scale: str, estimator: str = "grpo") -> torch.Tensor:
@@ -107,7 +113,7 @@ def forward_logprobs(model, batch: Batch, temperature: float, with_entropy: bool
         return dict(input_ids=b.input_ids_BL, attention_mask=b.attention_mask_BL, position_ids=b.position_ids_BL)
 
     plain = plain_head(model, probe)
-    if batch.rows is not None:
+    if batch.rows is not None or batch.trees is not None:
         return packed_logprobs(model, batch, temperature, with_entropy, max_tokens, plain)
     if not plain:
         # a head of its own (soft-capping, scaling): the model's logits, only the last T + 1 positions
@@ -125,15 +131,21 @@ def forward_logprobs(model, batch: Batch, temperature: float, with_entropy: bool
 
 
 def packed_logprobs(model, batch: Batch, temperature: float, with_entropy: bool, max_tokens: int, plain: bool):
-    """forward_logprobs of a packed micro-batch (`batch.rows`): the model runs on the packed rows, the
-    head on the completion tokens only, and logprobs_BT (entropy_BT) come back in the batch's B x T
-    layout, 0 past each completion's end."""
-    if not packs_exactly(model, id(unwrapped(model))):
-        raise ConfigError(
-            f"algo.packing=true, but {type(unwrapped(model)).__name__} attends across the sequences of a packed row "
-            f"(it does not restart attention where the position ids restart): set algo.packing=false.")
-    packed = pack(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.rows)
-    inputs = dict(input_ids=packed.input_ids_RW, position_ids=packed.position_ids_RW, use_cache=False)
+    """forward_logprobs of a packed micro-batch (`batch.rows`, or `batch.trees` with the prompt once per
+    tree): the model runs on the packed rows, the head on the completion tokens only, and logprobs_BT
+    (entropy_BT) come back in the batch's B x T layout, 0 past each completion's end."""
+    if batch.trees is not None:
+        packed = pack_shared(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.trees,
+                             shared_mask_dtype(model))
+        inputs = dict(input_ids=packed.input_ids_RW, position_ids=packed.position_ids_RW,
+                      attention_mask=packed.mask_R1WW, use_cache=False)
+    else:
+        if not packs_exactly(model, id(unwrapped(model))):
+            raise ConfigError(
+                f"algo.packing=true, but {type(unwrapped(model)).__name__} attends across the sequences of a packed row "
+                f"(it does not restart attention where the position ids restart): set algo.packing=false.")
+        packed = pack(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.rows)
+        inputs = dict(input_ids=packed.input_ids_RW, position_ids=packed.position_ids_RW, use_cache=False)
     tokens_1N = batch.completion_ids_BT[packed.token_at][None]
     if not plain:  # a head of its own: the model's logits at every position, those before a completion token kept
         logits_1NV = model(**inputs, logits_to_keep=0).logits[packed.hidden_at][None]
@@ -151,37 +163,103 @@ def packed_logprobs(model, batch: Batch, temperature: float, with_entropy: bool,
             zeros_BT.index_put(packed.token_at, ent_1N[0]) if with_entropy else None)
 
 
-def micro_batch_plan(batch: Batch, max_tokens: int, packing: bool = False) -> list[tuple[torch.Tensor | slice, list[int] | None]]:
-    """Which rows of `batch` each micro-batch takes, and (packed) how many sequences each of its rows
-    holds. Padded: consecutive slices of at most `max_tokens` padded tokens (at least one row each).
-    Packed: the sequences first-fit into rows as wide as the batch's longest sequence, and
-    `max_tokens // width` rows (at least one) per micro-batch."""
-    if not packing:
+def shared_mask_dtype(model) -> torch.dtype:
+    """The attention mask `algo.shared_prompt` hands `model` (pack_shared), after checking once per
+    model that a tree row gives each completion what it gets alone."""
+    dtype = mask_dtype_for(model)
+    name = type(unwrapped(model)).__name__
+    if dtype is None:
+        raise ConfigError(f"algo.shared_prompt=true needs sdpa or eager attention (a custom 4D mask); {name} runs "
+                          f"{attention_of(model)!r}: set algo.shared_prompt=false (algo.packing stays available).")
+    if sliding_window_of(model):
+        raise ConfigError(f"algo.shared_prompt=true, but {name} attends over a sliding window of "
+                          f"{sliding_window_of(model)} tokens, which a shared-prompt row's 4D mask does not keep: set "
+                          f"algo.shared_prompt=false (algo.packing stays available).")
+    if not shares_exactly(model, id(unwrapped(model)), dtype):
+        raise ConfigError(f"algo.shared_prompt=true, but {name} does not give a completion in a shared-prompt row what "
+                          f"it gives it alone (it ignores a custom 4D attention mask): set algo.shared_prompt=false.")
+    return dtype
+
+
+LAYOUTS = ("padded", "packed", "shared")
+
+
+def layout_of(algo) -> str:
+    """How the update lays out its micro-batches: padded rows, packed rows (algo.packing), or packed
+    rows with each prompt once per tree of its completions (algo.shared_prompt)."""
+    return "shared" if getattr(algo, "shared_prompt", False) else "packed" if algo.packing else "padded"
+
+
+# On the CPU a packed row's attention is dense: a position attends over the row's whole width. One
+# position's linear layers cost about as much as attending over this many keys (24 h^2 against 4 h
+# multiply-adds per layer: 3,456 keys for SmolLM2's h = 576; more for wider models, so rows chosen
+# with it are, if anything, too narrow)
+KEYS_PER_POSITION = 4096
+
+
+def shared_width(lengths: list[int], prompts: list[int], keys: list, longest: int, max_tokens: int):
+    """(width, rows of shared_plan) for algo.shared_prompt: wider rows let a prompt serve more of its
+    completions (fewer positions) but cost more attention per position. The widths tried are the
+    longest sequence, then doubled while some prompt still needs several trees and the width stays
+    within the micro-batch cap; the one of least positions x (KEYS_PER_POSITION + width) is kept."""
+    best = None
+    width = longest
+    while True:
+        rows = shared_plan(lengths, prompts, keys, width)
+        cost = len(rows) * width * (KEYS_PER_POSITION + width)
+        if best is None or cost < best[0]:
+            best = (cost, width, rows)
+        trees = sum(len(row) for row in rows)
+        if trees == len(set(keys)) or 2 * width > max(max_tokens, longest):
+            return best[1], best[2]
+        width *= 2
+
+
+def micro_batch_plan(batch: Batch, max_tokens: int, layout: str = "padded") -> list[tuple[torch.Tensor | slice, dict]]:
+    """Which rows of `batch` each micro-batch takes, and (packed, shared) how its rows are laid out,
+    as fields of the micro-batch's Batch. padded: consecutive slices of at most `max_tokens` padded
+    tokens (at least one row each). packed: the sequences first-fit into rows as wide as the batch's
+    longest sequence. shared: the sequences with equal prompts first-fit into trees, the trees into
+    rows, as wide as the longest sequence (`shared_plan`). Packed and shared: `max_tokens // width`
+    rows (at least one) per micro-batch."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown micro-batch layout {layout!r}; one of {LAYOUTS}")
+    if layout == "padded":
         rows = max(1, max_tokens // batch.input_ids_BL.shape[1])
-        return [(slice(i, i + rows), None) for i in range(0, batch.size, rows)]
+        return [(slice(i, i + rows), {}) for i in range(0, batch.size, rows)]
     lengths = batch.attention_mask_BL.sum(dim=1).tolist()
     if not lengths:
         return []
     width = max(lengths)
-    rows = first_fit_rows(lengths, width)
     per = max(1, max_tokens // width)
-    return [(torch.tensor([i for row in rows[k : k + per] for i in row]), [len(row) for row in rows[k : k + per]])
+    if layout == "packed":
+        rows = first_fit_rows(lengths, width)
+        return [(torch.tensor([i for row in rows[k : k + per] for i in row]), {"rows": [len(row) for row in rows[k : k + per]]})
+                for k in range(0, len(rows), per)]
+    P = batch.prompt_width
+    prompts = batch.attention_mask_BL[:, :P].sum(dim=1).tolist()
+    keys = [tuple(batch.input_ids_BL[i, P - p : P].tolist()) for i, p in enumerate(prompts)]
+    width, rows = shared_width(lengths, prompts, keys, width, max_tokens)
+    per = max(1, max_tokens // width)
+    return [(torch.tensor([i for row in rows[k : k + per] for tree in row for i in tree]),
+             {"trees": [[len(tree) for tree in row] for row in rows[k : k + per]]})
             for k in range(0, len(rows), per)]
 
 
-def micro_batches(batch: Batch, max_tokens: int, packing: bool = False) -> list[Batch]:
+def micro_batches(batch: Batch, max_tokens: int, layout: str = "padded") -> list[Batch]:
     """The micro-batches of `micro_batch_plan`."""
-    return [replace(batch.select(idx), rows=rows) for idx, rows in micro_batch_plan(batch, max_tokens, packing)]
+    return [replace(batch.select(idx), **fields_) for idx, fields_ in micro_batch_plan(batch, max_tokens, layout)]
 
 
-def padding_batch(packing: bool = False) -> Batch:
+def padding_batch(layout: str = "padded") -> Batch:
     """One row that enters no loss (mask 0, advantage 0): a rank with fewer micro-batches runs it so
-    that every rank makes the same forward/backward calls, which ZeRO's collectives need (packed as
-    the rank's other micro-batches are, so every rank checks `packs_exactly` on the same call)."""
+    that every rank makes the same forward/backward calls, which ZeRO's collectives need (laid out as
+    the rank's other micro-batches are, so every rank runs the layout's one-off check on the same call)."""
     ids = torch.zeros((1, 2), dtype=torch.long)
     zeros = torch.zeros((1, 1))
     return Batch(ids, torch.ones_like(ids), torch.tensor([[0, 1]]), ids[:, 1:], zeros, zeros, torch.zeros(1),
-                 prompt_width=1, ref_logprobs_BT=zeros, rows=[1] if packing else None)
+                 prompt_width=1, ref_logprobs_BT=zeros, rows=[1] if layout == "packed" else None,
+                 trees=[[1]] if layout == "shared" else None)
 
 
 def lockstep_padding(strategy, micro_batches: int) -> int:
@@ -193,26 +271,26 @@ def lockstep_padding(strategy, micro_batches: int) -> int:
     return max(1, int(dist.all_reduce_max([micro_batches])[0])) - micro_batches
 
 
-def lockstep_micro_batches(strategy, batch: Batch, max_tokens: int, packing: bool = False) -> tuple[list[Batch], int]:
+def lockstep_micro_batches(strategy, batch: Batch, max_tokens: int, layout: str = "padded") -> tuple[list[Batch], int]:
     """This rank's micro-batches and how many padding ones to add (`lockstep_padding`)."""
-    mbs = micro_batches(batch, max_tokens, packing)
+    mbs = micro_batches(batch, max_tokens, layout)
     return mbs, lockstep_padding(strategy, len(mbs))
 
 
 @torch.no_grad()
 def score_tokens(model, batch: Batch, temperature: float, max_tokens: int, strategy=None,
-                 packing: bool = False) -> torch.Tensor:
+                 layout: str = "padded") -> torch.Tensor:
     """logprobs_BT of the whole batch (no gradient), in micro-batches."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    plan = micro_batch_plan(batch, max_tokens, packing)
+    plan = micro_batch_plan(batch, max_tokens, layout)
     out_BT = torch.zeros_like(batch.sampler_logprobs_BT)
-    for idx, rows in plan:
-        mb = replace(batch.select(idx), rows=rows).to(device)
+    for idx, fields_ in plan:
+        mb = replace(batch.select(idx), **fields_).to(device)
         out_BT[idx] = forward_logprobs(model, mb, temperature, max_tokens=max_tokens)[0].cpu()
     for _ in range(lockstep_padding(strategy, len(plan))):
-        forward_logprobs(model, padding_batch(packing).to(device), temperature, max_tokens=max_tokens)
+        forward_logprobs(model, padding_batch(layout).to(device), temperature, max_tokens=max_tokens)
     model.train(was_training)
     return out_BT
 
@@ -234,8 +312,9 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
     statistics stay on the device (0-dim tensors): the step reads them once, not per micro-batch."""
     device = next(strategy.model.parameters()).device
     sums = {k: torch.zeros((), device=device) for k in SUMS}
-    mbs, padding = lockstep_micro_batches(strategy, batch, algo.micro_batch_tokens, algo.packing)
-    for mb in mbs + [padding_batch(algo.packing)] * padding:
+    layout = layout_of(algo)
+    mbs, padding = lockstep_micro_batches(strategy, batch, algo.micro_batch_tokens, layout)
+    for mb in mbs + [padding_batch(layout)] * padding:
         mb = mb.to(device)
         logp_BT, ent_BT = forward_logprobs(strategy.forward_model, mb, temperature, with_entropy=True,
                                            max_tokens=algo.micro_batch_tokens)
@@ -272,10 +351,10 @@ def policy_update(
     G = algo.group_size
     lockstep = strategy.lockstep  # every rank joins every forward, even with no rows
     if (batch.size or lockstep) and (algo.num_iterations > 1 or algo.num_minibatches > 1):
-        old_BT = score_tokens(strategy.forward_model, batch, temperature, algo.micro_batch_tokens, strategy, algo.packing)
+        old_BT = score_tokens(strategy.forward_model, batch, temperature, algo.micro_batch_tokens, strategy, layout_of(algo))
         batch = replace(batch, old_logprobs_BT=old_BT)
     if (batch.size or lockstep) and algo.beta > 0:  # a sharded reference (ZeRO-3) needs every rank too
-        ref_BT = score_tokens(ref_model, batch, temperature, algo.micro_batch_tokens, strategy, algo.packing)
+        ref_BT = score_tokens(ref_model, batch, temperature, algo.micro_batch_tokens, strategy, layout_of(algo))
         batch = replace(batch, ref_logprobs_BT=ref_BT)
     # normalisers count the whole optimizer batch on every rank; each rank joins every reduction,
     # also with an empty minibatch

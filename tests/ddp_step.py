@@ -5,7 +5,8 @@
 
 STRATEGY is single, ddp, zero2 or zero3; ddp reduces in 10 KB buckets, so in many. With an argument `uneven`, rank 0 takes 3 of the 4
 groups and rank 1 one, so the ranks run different numbers of micro-batches; with `padded`, algo.packing=false (default: packed
-micro-batches). Writes OUT/<loss_type>.pt with the full updated weights (rank 0), for every loss type, and OUT/micro_batches.json
+micro-batches); with `shared`, algo.shared_prompt=true; with `grouped` (implied by `shared`), each prompt serves a group of
+2 completions. Writes OUT/<loss_type>.pt with the full updated weights (rank 0), for every loss type, and OUT/micro_batches.json
 with each rank's count of micro-batches.
 """
 
@@ -36,27 +37,28 @@ def sgd(model, algo, total_steps):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 
 
-def main(out: str, n_micro: int, name: str, uneven: bool = False, packing: bool = True) -> None:
+def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = "packed", grouped: bool = False) -> None:
     grpo.parallel.single.build_optimizer = grpo.parallel.zero.build_optimizer = sgd
     info = dist_info()
     init_distributed(info)
     tok = build_char_tokenizer()
     torch.manual_seed(0)
     base = build_tiny_model(TinyModelConfig(), len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
-    batch = make_batch(tok, B=8)
+    batch = make_batch(tok, B=8, group=2 if grouped or layout == "shared" else 1)
     rows = batch.size // info.world_size
     local = batch.select(slice(info.rank * rows, (info.rank + 1) * rows))
     if uneven and info.world_size == 2:
         local = batch.select(slice(0, 6) if info.rank == 0 else slice(6, 8))
     for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
         algo = OmegaConf.structured(AlgoConfig(loss_type=loss_type, group_size=2, batch_size=8, lr=1e-2, warmup_steps=0,
-                                               max_grad_norm=1e9, num_iterations=2, beta=0.05, packing=packing))
+                                               max_grad_norm=1e9, num_iterations=2, beta=0.05,
+                                               packing=layout != "padded", shared_prompt=layout == "shared"))
         algo.micro_batch_tokens = local.input_ids_BL.shape[1] * rows // n_micro
         model = copy.deepcopy(base)
         strategy = strategy_class(name)(OmegaConf.structured(ParallelConfig(strategy=name, allreduce_bucket_mb=0.01)), model, algo, total_steps=10)
         ref = copy.deepcopy(base).eval()
         policy_update(strategy, local, algo, max_len=6, temperature=1.0, ref_model=ref)
-        counts = all_reduce_sum([len(micro_batches(local, algo.micro_batch_tokens, packing)) * (r == info.rank)
+        counts = all_reduce_sum([len(micro_batches(local, algo.micro_batch_tokens, layout)) * (r == info.rank)
                                  for r in range(info.world_size)])
         full = {n: t.clone() for bucket in strategy.weight_buckets(2**20) for n, t in bucket}  # gathered under ZeRO-3
         if info.rank == 0:
@@ -81,5 +83,7 @@ def exit_process(code: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], "uneven" in sys.argv[4:], "padded" not in sys.argv[4:])
+    flags = sys.argv[4:]
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], "uneven" in flags,
+         next((f for f in ("padded", "shared") if f in flags), "packed"), "grouped" in flags)
     exit_process(0)

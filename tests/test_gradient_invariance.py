@@ -16,9 +16,12 @@ from grpo.rollout.base import Rollouts
 from grpo.update import accumulate_gradients, collate, loss_norm, score_tokens
 
 
-def make_batch(tok, seed=0, B=8, T=6):
+def make_batch(tok, seed=0, B=8, T=6, group=1):
+    """B completions; each prompt serves `group` consecutive ones."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [[tok.bos_token_id] + torch.randint(4, 20, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g).tolist() for _ in range(B)]
+    prompts = [[tok.bos_token_id] + torch.randint(4, 20, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(B // group)]
+    prompts = [p for p in prompts for _ in range(group)]
     lengths = torch.randint(1, T + 1, (B,), generator=g).tolist()  # ragged completions
     comps = [torch.randint(4, 20, (n,), generator=g).tolist() for n in lengths]
     logps = [(-torch.rand(n, generator=g)).tolist() for n in lengths]

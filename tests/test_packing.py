@@ -1,5 +1,6 @@
-"""Packed micro-batches (algo.packing, grpo/packing.py): the same logprobs, gradients and metrics as
-the padded update, to 1e-5 in fp32, on one process and with LoRA (ZeRO-3's lockstep: test_parallel.py)."""
+"""Packed micro-batches (algo.packing, grpo/packing.py), and packed with each prompt once per tree of
+its completions (algo.shared_prompt): the same logprobs, gradients and metrics as the padded update,
+to 1e-5 in fp32, on one process and with LoRA (ZeRO-3's lockstep: test_parallel.py)."""
 
 import copy
 
@@ -8,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from grpo.config import AlgoConfig, ConfigError, LoraConfig
-from grpo.packing import first_fit_rows, pack
+from grpo.packing import first_fit_rows, pack, pack_shared, shared_plan
 from grpo.parallel.single import SingleStrategy
 from grpo.rollout.base import Rollouts
 from grpo.update import (
@@ -16,12 +17,14 @@ from grpo.update import (
 )
 
 
-def spread_batch(tok, B=8, seed=0):
-    """Ragged prompts (2-9 tokens) and completions (0-14 tokens, one empty), advantages of both signs,
-    and a loss mask with holes inside completions (what multi-turn observation tokens will be)."""
+def spread_batch(tok, B=8, seed=0, group=2):
+    """Ragged prompts (2-9 tokens; each the prompt of `group` consecutive completions) and completions
+    (0-14 tokens, one empty), advantages of both signs, and a loss mask with holes inside completions
+    (what multi-turn observation tokens will be)."""
     g = torch.Generator().manual_seed(seed)
     prompts = [[tok.bos_token_id] + torch.randint(4, 20, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(B)]
+               for _ in range(B // group)]
+    prompts = [p for p in prompts for _ in range(group)]
     lengths = [0] + torch.randint(1, 15, (B - 1,), generator=g).tolist()
     comps = [torch.randint(4, 20, (n,), generator=g).tolist() for n in lengths]
     logps = [(-torch.rand(n, generator=g)).tolist() for n in lengths]
@@ -57,16 +60,24 @@ def test_pack_lays_sequences_end_to_end_by_value(tiny_lm):
     assert two_rows.hidden_at[0].tolist() == [0, 0, 1, 1, 1] and two_rows.hidden_at[1].tolist() == [2, 3, 1, 2, 3]
 
 
+LAYOUTS = ["packed", "shared"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("max_tokens", [10_000, 40])  # one micro-batch; several, of several rows
-def test_packed_logprobs_equal_the_padded_ones(tiny_lm, max_tokens):
+def test_packed_logprobs_equal_the_padded_ones(tiny_lm, max_tokens, layout):
     model, tok = tiny_lm
     batch = spread_batch(tok)
-    mbs = micro_batches(batch, max_tokens, packing=True)
-    assert (len(mbs) > 1) == (max_tokens == 40) and any(len(mb.rows) > 1 for mb in mbs)
-    assert any(n > 1 for mb in mbs for n in mb.rows)  # rows holding several sequences
+    mbs = micro_batches(batch, max_tokens, layout)
+    rows = [mb.rows or mb.trees for mb in mbs]
+    assert (len(mbs) > 1) == (max_tokens == 40) and any(len(r) > 1 for r in rows)
+    if layout == "packed":
+        assert any(n > 1 for r in rows for n in r)  # rows holding several sequences
+    else:  # trees holding several completions of one prompt, and rows holding several trees
+        assert any(n > 1 for r in rows for row in r for n in row) and any(len(row) > 1 for r in rows for row in r)
     real = completion_tokens(batch)
     padded = score_tokens(model, batch, 0.7, max_tokens)
-    packed = score_tokens(model, batch, 0.7, max_tokens, packing=True)
+    packed = score_tokens(model, batch, 0.7, max_tokens, layout=layout)
     torch.testing.assert_close(packed[real], padded[real], rtol=0, atol=1e-5)
     assert (packed[~real] == 0).all()
     logp, ent = forward_logprobs(model, mbs[0], 0.7, with_entropy=True)
@@ -79,10 +90,11 @@ def test_packed_logprobs_equal_the_padded_ones(tiny_lm, max_tokens):
 def replace_rows(mb):
     from dataclasses import replace
 
-    return replace(mb, rows=None)
+    return replace(mb, rows=None, trees=None)
 
 
-def test_packed_logprobs_through_a_head_of_its_own(tiny_lm):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_packed_logprobs_through_a_head_of_its_own(tiny_lm, layout):
     """A model whose logits are not lm_head(hidden) takes its own logits, packed as well."""
     from tests.test_algorithm import ScaledHead
 
@@ -90,13 +102,14 @@ def test_packed_logprobs_through_a_head_of_its_own(tiny_lm):
     batch = spread_batch(tok)
     real = completion_tokens(batch)
     scaled = ScaledHead(model)
-    torch.testing.assert_close(score_tokens(scaled, batch, 1.0, 10_000, packing=True)[real],
+    torch.testing.assert_close(score_tokens(scaled, batch, 1.0, 10_000, layout=layout)[real],
                                score_tokens(scaled, batch, 1.0, 10_000)[real], rtol=0, atol=1e-5)
 
 
-def algo_for(loss_type, packing, max_tokens):
+def algo_for(loss_type, layout, max_tokens):
     return OmegaConf.structured(AlgoConfig(loss_type=loss_type, beta=0.05, clip_eps=0.1, is_level="token",
-                                           packing=packing, micro_batch_tokens=max_tokens))
+                                           packing=layout != "padded", shared_prompt=layout == "shared",
+                                           micro_batch_tokens=max_tokens))
 
 
 def gradients(model, batch, algo, norm):
@@ -104,8 +117,9 @@ def gradients(model, batch, algo, norm):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, stats
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_packed_gradients_and_statistics_equal_the_padded_ones(tiny_lm, loss_type):
+def test_packed_gradients_and_statistics_equal_the_padded_ones(tiny_lm, loss_type, layout):
     """Off-policy old logprobs (some tokens clipped), a reference, importance weights: every
     gradient and every summed statistic of accumulate_gradients, packed against padded."""
     base, tok = tiny_lm
@@ -114,8 +128,8 @@ def test_packed_gradients_and_statistics_equal_the_padded_ones(tiny_lm, loss_typ
     batch.old_logprobs_BT = score_tokens(base, batch, 1.0, 10_000) + noise
     batch.ref_logprobs_BT = batch.old_logprobs_BT - 0.2
     norm = loss_norm(batch, max_len=14, gen_tokens_per_step=float(batch.mask_BT.sum()))
-    padded, padded_stats = gradients(copy.deepcopy(base), batch, algo_for(loss_type, False, 60), norm)
-    packed, packed_stats = gradients(copy.deepcopy(base), batch, algo_for(loss_type, True, 60), norm)
+    padded, padded_stats = gradients(copy.deepcopy(base), batch, algo_for(loss_type, "padded", 60), norm)
+    packed, packed_stats = gradients(copy.deepcopy(base), batch, algo_for(loss_type, layout, 60), norm)
     assert padded_stats["clipped_tokens"] > 0 and len(padded) > 10
     for k in padded_stats:
         torch.testing.assert_close(packed_stats[k], padded_stats[k], rtol=1e-5, atol=1e-6, msg=k)
@@ -123,7 +137,8 @@ def test_packed_gradients_and_statistics_equal_the_padded_ones(tiny_lm, loss_typ
         torch.testing.assert_close(packed[n], padded[n], rtol=0, atol=1e-5, msg=n)
 
 
-def test_packed_policy_update_gives_the_same_metrics_and_weights(tiny_lm, monkeypatch):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_packed_policy_update_gives_the_same_metrics_and_weights(tiny_lm, monkeypatch, layout):
     """Two passes of two optimizer steps (old logprobs scored packed), a reference: every metric, and
     the weights after SGD (AdamW's first steps would turn float noise in near-zero gradients into
     visible changes: tests/ddp_step.py)."""
@@ -134,10 +149,11 @@ def test_packed_policy_update_gives_the_same_metrics_and_weights(tiny_lm, monkey
     base, tok = tiny_lm
     batch = spread_batch(tok)
     runs = []
-    for packing in (False, True):
+    for mode in ("padded", layout):
         model = copy.deepcopy(base)
         algo = OmegaConf.structured(AlgoConfig(group_size=2, batch_size=8, num_iterations=2, num_minibatches=2, beta=0.05,
-                                               lr=1e-2, warmup_steps=0, packing=packing, micro_batch_tokens=60))
+                                               lr=1e-2, warmup_steps=0, packing=mode != "padded",
+                                               shared_prompt=mode == "shared", micro_batch_tokens=60))
         stats = policy_update(SingleStrategy(None, model, algo, total_steps=4), batch, algo, 14, 1.0,
                               ref_model=copy.deepcopy(base).eval())
         runs.append((stats, model.state_dict()))
@@ -149,7 +165,8 @@ def test_packed_policy_update_gives_the_same_metrics_and_weights(tiny_lm, monkey
     assert moved > 1e-3 and max((w_packed[k] - w_padded[k]).abs().max().item() for k in w_padded) < 1e-5
 
 
-def test_lora_packed_gradients_equal_the_padded_ones(tiny_lm):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_lora_packed_gradients_equal_the_padded_ones(tiny_lm, layout):
     from grpo import lora
 
     model, tok = tiny_lm
@@ -160,8 +177,8 @@ def test_lora_packed_gradients_equal_the_padded_ones(tiny_lm):
     batch = spread_batch(tok)
     batch.ref_logprobs_BT = score_tokens(base, batch, 1.0, 10_000) - 0.2
     norm = loss_norm(batch, max_len=14, gen_tokens_per_step=1.0)
-    padded, _ = gradients(copy.deepcopy(base), batch, algo_for("bnpo", False, 60), norm)
-    packed, _ = gradients(copy.deepcopy(base), batch, algo_for("bnpo", True, 60), norm)
+    padded, _ = gradients(copy.deepcopy(base), batch, algo_for("bnpo", "padded", 60), norm)
+    packed, _ = gradients(copy.deepcopy(base), batch, algo_for("bnpo", layout, 60), norm)
     assert len(padded) == 2 * 7 * 2 and all(g.abs().sum() > 0 for g in padded.values())  # the adapter only
     for n in padded:
         torch.testing.assert_close(packed[n], padded[n], rtol=0, atol=1e-5, msg=n)
@@ -185,5 +202,96 @@ def test_a_model_that_attends_across_sequences_is_refused(tiny_lm):
     model, tok = tiny_lm
     batch = spread_batch(tok)
     with pytest.raises(ConfigError, match="algo.packing=false"):
-        score_tokens(NoPositions(model), batch, 1.0, 10_000, packing=True)
+        score_tokens(NoPositions(model), batch, 1.0, 10_000, layout="packed")
     score_tokens(NoPositions(model), batch, 1.0, 10_000)  # padded: its own positions from the mask are fine
+
+
+def test_shared_plan_by_value():
+    # prompts a (3 tokens: sequences 0-2, completions 2, 1, 0) and b (2 tokens: 3-4, completions 4, 1)
+    lengths, prompts, keys = [5, 4, 3, 6, 3], [3, 3, 3, 2, 2], ["a", "a", "a", "b", "b"]
+    # width 6: a's three completions fit beside one prompt (3 + 2 + 1 + 0); b's 4 and 1 do not (2 + 4 + 1)
+    assert shared_plan(lengths, prompts, keys, 6) == [[[0, 1, 2]], [[3]], [[4]]]
+    # width 9: b's tree (2 + 4 + 1 = 7) comes first, a's (6) does not fit beside it
+    assert shared_plan(lengths, prompts, keys, 9) == [[[3, 4]], [[0, 1, 2]]]
+    assert shared_plan([], [], [], 4) == []
+
+
+def test_pack_shared_lays_trees_by_value(tiny_lm):
+    _, tok = tiny_lm
+    b = tok.bos_token_id
+    batch = collate([[b, 5, 6], [b, 5, 6], [b, 7]],
+                    Rollouts([[10, 11], [12], [13, 14, 15]], [[0.0] * 2, [0.0], [0.0] * 3], ["stop"] * 3, 0),
+                    torch.zeros(3), tok.pad_token_id, False)
+    row = pack_shared(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, [[2, 1]])
+    assert row.input_ids_RW.tolist() == [[b, 5, 6, 10, 11, 12, b, 7, 13, 14, 15]]
+    assert row.position_ids_RW.tolist() == [[0, 1, 2, 3, 4, 3, 0, 1, 2, 3, 4]]  # 12 sits where 10 does
+    # a completion's first token is predicted by its prompt's last position (2 for 10 and 12, 7 for 13)
+    assert row.hidden_at[1].tolist() == [2, 3, 2, 7, 8, 9]
+    assert [list(x) for x in zip(*(t.tolist() for t in row.token_at))] == [[0, 0], [0, 1], [1, 0], [2, 0], [2, 1], [2, 2]]
+    attends = [torch.nonzero(m).flatten().tolist() for m in row.mask_R1WW[0, 0]]
+    assert attends[4] == [0, 1, 2, 3, 4]  # 11: its prompt and 10
+    assert attends[5] == [0, 1, 2, 5]  # 12: its prompt and itself, not the other completion
+    assert attends[8] == [6, 7, 8]  # 13: the second tree's prompt only
+    eager = pack_shared(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, [[2, 1]], torch.float32)
+    assert (eager.mask_R1WW == 0).equal(row.mask_R1WW) and eager.mask_R1WW.min() == torch.finfo(torch.float32).min
+    padded = pack_shared(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, [[2], [1]])
+    assert padded.input_ids_RW.tolist() == [[b, 5, 6, 10, 11, 12], [b, 7, 13, 14, 15, tok.pad_token_id]]
+    assert torch.nonzero(padded.mask_R1WW[1, 0, 5]).flatten().tolist() == [5]  # padding: itself, no empty softmax
+    with pytest.raises(ValueError, match="another prompt"):
+        pack_shared(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, [[3]])
+
+
+class NoMask(torch.nn.Module):
+    """A model that drops the attention mask it is given (as one whose attention takes no 4D mask)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def forward(self, attention_mask=None, **kw):
+        return self.inner(**kw)
+
+
+def test_shared_prompt_refuses_a_model_that_ignores_the_mask(tiny_lm):
+    model, tok = tiny_lm
+    batch = spread_batch(tok)
+    with pytest.raises(ConfigError, match="algo.shared_prompt=false"):
+        score_tokens(NoMask(model), batch, 1.0, 10_000, layout="shared")
+    score_tokens(NoMask(model), batch, 1.0, 10_000, layout="packed")  # packing needs no mask
+
+
+def test_shared_prompt_needs_packing():
+    from grpo.config import validate
+    from tests.conftest import compose_cfg
+
+    with pytest.raises(ConfigError, match="algo.packing=true"):
+        validate(compose_cfg("algo.packing=false", "algo.shared_prompt=true"))
+
+
+def test_shared_width_weighs_positions_against_attention():
+    from grpo.update import KEYS_PER_POSITION, shared_width
+
+    # one 10-token prompt, 16 completions of 4: width 14 holds one per tree (16 rows of 14); 28: four
+    # (4 rows); 56: eleven, then five (2 rows); 112: all sixteen (1 row, 74 used). Positions x
+    # (K + width): 224 (K + 14), 112 (K + 28), 112 (K + 56), 112 (K + 112): 28 is the least
+    width, rows = shared_width([14] * 16, [10] * 16, ["a"] * 16, 14, 8192)
+    assert KEYS_PER_POSITION == 4096 and width == 28 and [[len(t) for t in row] for row in rows] == [[4]] * 4
+    # a 100-token prompt, completions 300, 200, 200: 3 rows of 400 (1,200 x (K + 400)) against one of
+    # 800 (800 x (K + 800)); a 10-token prompt, two of 390: 2 x 400 x (K + 400) against 800 x (K + 800)
+    assert shared_width([400, 300, 300], [100] * 3, ["a"] * 3, 400, 8192) == (800, [[[0, 1, 2]]])
+    assert shared_width([400, 400], [10] * 2, ["a"] * 2, 400, 8192) == (400, [[[0]], [[1]]])
+
+
+def test_shared_prompt_refuses_a_sliding_window(tiny_lm):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    _, tok = tiny_lm
+    windowed = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
+                                            sliding_window=64, max_window_layers=0))
+    with pytest.raises(ConfigError, match="sliding window of 64 tokens"):
+        score_tokens(windowed, spread_batch(tok), 1.0, 10_000, layout="shared")

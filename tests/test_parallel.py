@@ -58,16 +58,18 @@ def test_one_process_four_micro_equals_two_processes_two_micro(tmp_path, strateg
     assert_same_update(one, two, initial_weights(), f"{strategy} 1x4 vs 2x2")
 
 
-def test_zero3_ranks_with_different_micro_batch_counts(tmp_path):
+@pytest.mark.parametrize("layout", ["packed", "shared"])
+def test_zero3_ranks_with_different_micro_batch_counts(tmp_path, layout):
     """Rank 0 holds 3 groups, rank 1 one: rank 1 pads with zero-weight micro-batches so ZeRO-3's
     gathers and reductions line up, and the update still equals one process's over all rows. The
-    ranks' micro-batches are packed (algo.packing), the one process's padded: packed equals padded
-    under ZeRO-3's lockstep too."""
-    one = updated_weights(tmp_path / "one", 1, 4, "single", "padded")
-    two = updated_weights(tmp_path / "two", 2, 2, "zero3", "uneven")
+    ranks' micro-batches are packed (algo.packing; shared: each prompt once per tree of its group's
+    completions, algo.shared_prompt), the one process's padded: they equal padded under ZeRO-3's
+    lockstep too."""
+    one = updated_weights(tmp_path / "one", 1, 4, "single", "padded", "grouped")
+    two = updated_weights(tmp_path / "two", 2, 2, "zero3", "uneven", layout, "grouped")
     counts = json.load(open(tmp_path / "two" / "micro_batches.json"))
     assert counts[0] > counts[1], counts  # rank 1 padded its count in lockstep
-    assert_same_update(one, two, initial_weights(), "zero3 uneven packed 2x vs single padded")
+    assert_same_update(one, two, initial_weights(), f"zero3 uneven {layout} 2x vs single padded")
 
 
 def test_two_process_training_run(tmp_path, cache_dir):
