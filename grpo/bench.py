@@ -147,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--group", type=int, default=8, help="completions per prompt (default: %(default)s)")
     c.add_argument("--repeats", type=int, default=1, help="times each mode runs, alternating (default: %(default)s)")
 
-    command("vs-trl", run_vs_trl, "TRL's GRPOTrainer against rollout=hf on the same tiny model, task, batch and "
-            "loss (needs trl)", steps=12, overrides=True)
+    command("vs-trl", run_vs_trl, "TRL's GRPOTrainer against rollout=hf on the same model, prompts, rewards, batch "
+            "and loss; the overrides set up both (e.g. experiment=smollm2_arithmetic_cpu; needs trl)", steps=12,
+            overrides=True)
     return p
 
 

@@ -164,47 +164,53 @@ def pack_shared(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, pro
     dtype: 0 there and the dtype's minimum elsewhere (eager attention)."""
     device = input_ids_BL.device
     ids_BL, real_BL = input_ids_BL.cpu(), attention_mask_BL.cpu().bool()
-    prompt_B = real_BL[:, :prompt_width].sum(dim=1).tolist()
-    completion_B = real_BL[:, prompt_width:].sum(dim=1).tolist()
-    spans, b, width = [], 0, 1
-    for r, row in enumerate(trees):  # (row, column, what, sequence, tree, branch, tokens)
-        w = 0
-        for k, size in enumerate(row):
-            first, p = b, prompt_B[b]
-            prompt = ids_BL[first, prompt_width - p : prompt_width]
-            spans.append((r, w, "prompt", first, k, 0, p))
-            last, w = w + p - 1, w + p
-            for j in range(size):
-                i = b + j
-                if prompt_B[i] != p or not torch.equal(ids_BL[i, prompt_width - p : prompt_width], prompt):
-                    raise ValueError(f"sequence {i} of a shared-prompt tree has another prompt than sequence {first}")
-                spans.append((r, w, last, i, k, j + 1, completion_B[i]))
-                w += completion_B[i]
-            b += size
-        width = max(width, w)
-    if b != ids_BL.shape[0]:
-        raise ValueError(f"the trees hold {b} sequences, the batch {ids_BL.shape[0]}")
+    P, B = prompt_width, ids_BL.shape[0]
+    sizes = torch.tensor([n for row in trees for n in row], dtype=torch.long)
+    if int(sizes.sum()) != B:
+        raise ValueError(f"the trees hold {int(sizes.sum())} sequences, the batch {B}")
     R = len(trees)
+    row_T = torch.repeat_interleave(torch.arange(R), torch.tensor([len(row) for row in trees]))  # T trees
+    k_T = torch.cat([torch.arange(len(row)) for row in trees]) if R else torch.zeros(0, dtype=torch.long)
+    tree_B = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+    first_T = sizes.cumsum(0) - sizes
+    branch_B = torch.arange(B) - first_T[tree_B] + 1  # 1, 2, ... within the tree
+    prompt_B = real_BL[:, :P].sum(dim=1)
+    completion_B = real_BL[:, P:].sum(dim=1)
+    first_B = first_T[tree_B]
+    if not (prompt_B.equal(prompt_B[first_B]) and (ids_BL[:, :P] * real_BL[:, :P]).equal((ids_BL * real_BL)[first_B, :P])):
+        i = int(((ids_BL[:, :P] * real_BL[:, :P]) != (ids_BL * real_BL)[first_B, :P]).any(dim=1).logical_or(
+            prompt_B != prompt_B[first_B]).nonzero()[0])
+        raise ValueError(f"sequence {i} of a shared-prompt tree has another prompt than sequence {int(first_B[i])}")
+    p_T = prompt_B[first_T]
+    length_T = p_T + torch.zeros(len(sizes), dtype=torch.long).index_add(0, tree_B, completion_B)
+    # each tree's start in its row, each completion's start in its tree: the lengths before it
+    ends_T = length_T.cumsum(0)
+    row_first_T = torch.tensor([0] + [len(row) for row in trees[:-1]], dtype=torch.long).cumsum(0)[row_T]
+    start_T = ends_T - length_T - (ends_T - length_T)[row_first_T]
+    width = max(1, int((start_T + length_T).max())) if R else 1
+    ends_B = completion_B.cumsum(0)
+    start_B = start_T[tree_B] + p_T[tree_B] + (ends_B - completion_B) - (ends_B - completion_B)[first_B]
+
     ids_RW = torch.full((R, width), pad_id, dtype=ids_BL.dtype)
     pos_RW = torch.zeros((R, width), dtype=torch.long)
     tree_RW = torch.full((R, width), -1)
     branch_RW = torch.zeros((R, width), dtype=torch.long)
-    hr, hw, tb, tt = [], [], [], []
-    for r, w, last, i, k, branch, n in spans:
-        if last == "prompt":
-            ids_RW[r, w : w + n] = ids_BL[i, prompt_width - n : prompt_width]
-            pos_RW[r, w : w + n] = torch.arange(n)
-        else:
-            p = prompt_B[i]
-            ids_RW[r, w : w + n] = ids_BL[i, prompt_width : prompt_width + n]
-            pos_RW[r, w : w + n] = torch.arange(p, p + n)
-            # token 0 is predicted by the prompt's last position, token t by the completion's t - 1
-            hr += [r] * n
-            hw += ([last] + list(range(w, w + n - 1)))[:n]
-            tb += [i] * n
-            tt += list(range(n))
-        tree_RW[r, w : w + n] = k
-        branch_RW[r, w : w + n] = branch
+    # the prompts, once per tree (left-padded in the batch: column c is token c - (P - p) of the prompt)
+    t, c = real_BL[first_T, :P].nonzero(as_tuple=True)
+    at = (row_T[t], start_T[t] + c - (P - p_T[t]))
+    ids_RW[at] = ids_BL[first_T[t], c]
+    pos_RW[at] = c - (P - p_T[t])
+    tree_RW[at] = k_T[t]
+    # the completions, after their tree's prompt, positions running on from it
+    b, n = (torch.arange(completion_B.max() if B else 0)[None, :] < completion_B[:, None]).nonzero(as_tuple=True)
+    at = (row_T[tree_B[b]], start_B[b] + n)
+    ids_RW[at] = ids_BL[b, P + n]
+    pos_RW[at] = prompt_B[b] + n
+    tree_RW[at] = k_T[tree_B[b]]
+    branch_RW[at] = branch_B[b]
+    # token 0 is predicted by the prompt's last position, token n by the completion's n - 1
+    prompt_last = start_T[tree_B[b]] + p_T[tree_B[b]] - 1
+    hidden_at = (at[0], torch.where(n == 0, prompt_last, at[1] - 1))
     q, kv = (slice(None), slice(None), None), (slice(None), None, slice(None))
     allowed = ((tree_RW[q] == tree_RW[kv]) & (tree_RW[q] >= 0)
                & ((branch_RW[kv] == 0) | (branch_RW[kv] == branch_RW[q])))
@@ -212,9 +218,8 @@ def pack_shared(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, pro
     allowed |= torch.eye(width, dtype=torch.bool)  # a padding position attends to itself: no empty softmax
     mask = allowed[:, None] if mask_dtype == torch.bool else \
         torch.zeros(allowed[:, None].shape, dtype=mask_dtype).masked_fill(~allowed[:, None], torch.finfo(mask_dtype).min)
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    return SharedRows(ids_RW.to(device), pos_RW.to(device), (as_long(hr), as_long(hw)), (as_long(tb), as_long(tt)),
-                      mask.to(device))
+    return SharedRows(ids_RW.to(device), pos_RW.to(device), tuple(x.to(device) for x in hidden_at),
+                      (b.to(device), n.to(device)), mask.to(device))
 
 
 def mask_dtype_for(model) -> torch.dtype | None:

@@ -238,7 +238,7 @@ def micro_batch_plan(batch: Batch, max_tokens: int, layout: str = "padded") -> l
                 for k in range(0, len(rows), per)]
     P = batch.prompt_width
     prompts = batch.attention_mask_BL[:, :P].sum(dim=1).tolist()
-    keys = [tuple(batch.input_ids_BL[i, P - p : P].tolist()) for i, p in enumerate(prompts)]
+    keys = [tuple(ids[P - p :]) for ids, p in zip(batch.input_ids_BL[:, :P].tolist(), prompts)]
     width, rows = shared_width(lengths, prompts, keys, width, max_tokens)
     per = max(1, max_tokens // width)
     return [(torch.tensor([i for row in rows[k : k + per] for tree in row for i in tree]),
