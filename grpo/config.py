@@ -197,8 +197,9 @@ class AlgoConfig:
     # kept inside each sequence by restarting position ids): grpo/packing.py. false: padded rows
     packing: bool = True
     # packed rows that hold each prompt once for several of its completions, which attend to it
-    # through a 4D mask (sdpa or eager attention): grpo/packing.py `pack_shared`; needs packing
-    shared_prompt: bool = False
+    # through a 4D mask (grpo/packing.py `pack_shared`). A model that cannot (flash attention, a
+    # sliding window) is packed without sharing, with a warning. No effect with packing=false
+    shared_prompt: bool = True
     # DAPO's dynamic sampling: keep drawing batches of P prompts until P groups have unequal rewards,
     # at most max_draws batches per step (grpo/dynamic_sampling.py)
     dynamic_sampling: bool = False
@@ -369,9 +370,6 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
             f"algo.num_minibatches={a.num_minibatches} must be >= 1 and divide the {prompts} prompts per step "
             f"(batch_size / group_size), so no group is split across optimizer steps."
         )
-    if a.shared_prompt and not a.packing:
-        raise ConfigError("algo.shared_prompt=true lays out packed rows: set algo.packing=true as well, or "
-                          "algo.shared_prompt=false.")
     if a.dynamic_sampling and a.max_staleness > 0:
         raise ConfigError(f"algo.dynamic_sampling draws more prompts after scoring the step's batch, but with "
                           f"algo.max_staleness={a.max_staleness} the next batches are already drawn and generating: "

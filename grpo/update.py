@@ -8,6 +8,7 @@ With `algo.packing` the model's forward sees the micro-batch's sequences packed 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Optional
 
@@ -134,9 +135,13 @@ def packed_logprobs(model, batch: Batch, temperature: float, with_entropy: bool,
     """forward_logprobs of a packed micro-batch (`batch.rows`, or `batch.trees` with the prompt once per
     tree): the model runs on the packed rows, the head on the completion tokens only, and logprobs_BT
     (entropy_BT) come back in the batch's B x T layout, 0 past each completion's end."""
+    if batch.trees is not None and (mask_dtype := shared_mask_dtype(model)) is None:
+        packed_batch, order = without_sharing(batch)
+        logp_BT, ent_BT = packed_logprobs(model, packed_batch, temperature, with_entropy, max_tokens, plain)
+        back = lambda x_BT: None if x_BT is None else torch.zeros_like(x_BT).index_copy(0, order.to(x_BT.device), x_BT)  # noqa: E731
+        return back(logp_BT), back(ent_BT)
     if batch.trees is not None:
-        packed = pack_shared(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.trees,
-                             shared_mask_dtype(model))
+        packed = pack_shared(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.trees, mask_dtype)
         inputs = dict(input_ids=packed.input_ids_RW, position_ids=packed.position_ids_RW,
                       attention_mask=packed.mask_R1WW, use_cache=False)
     else:
@@ -163,22 +168,37 @@ def packed_logprobs(model, batch: Batch, temperature: float, with_entropy: bool,
             zeros_BT.index_put(packed.token_at, ent_1N[0]) if with_entropy else None)
 
 
-def shared_mask_dtype(model) -> torch.dtype:
+_UNSHARED: set[int] = set()
+
+
+def shared_mask_dtype(model) -> torch.dtype | None:
     """The attention mask `algo.shared_prompt` hands `model` (pack_shared), after checking once per
-    model that a tree row gives each completion what it gets alone."""
-    dtype = mask_dtype_for(model)
-    name = type(unwrapped(model)).__name__
+    model that a tree row gives each completion what it gets alone; None, with a warning once per
+    model, where it cannot: its micro-batches are then packed without sharing (the same numbers)."""
+    dtype, name = mask_dtype_for(model), type(unwrapped(model)).__name__
     if dtype is None:
-        raise ConfigError(f"algo.shared_prompt=true needs sdpa or eager attention (a custom 4D mask); {name} runs "
-                          f"{attention_of(model)!r}: set algo.shared_prompt=false (algo.packing stays available).")
-    if sliding_window_of(model):
-        raise ConfigError(f"algo.shared_prompt=true, but {name} attends over a sliding window of "
-                          f"{sliding_window_of(model)} tokens, which a shared-prompt row's 4D mask does not keep: set "
-                          f"algo.shared_prompt=false (algo.packing stays available).")
-    if not shares_exactly(model, id(unwrapped(model)), dtype):
-        raise ConfigError(f"algo.shared_prompt=true, but {name} does not give a completion in a shared-prompt row what "
-                          f"it gives it alone (it ignores a custom 4D attention mask): set algo.shared_prompt=false.")
-    return dtype
+        why = f"{name} runs {attention_of(model)!r} attention, which takes no custom 4D mask (sdpa and eager do)"
+    elif sliding_window_of(model):
+        why = f"{name} attends over a sliding window of {sliding_window_of(model)} tokens, which a 4D mask replaces"
+    elif not shares_exactly(model, id(unwrapped(model)), dtype):
+        why = f"{name} does not give a completion in a shared-prompt row what it gives it alone (it ignores a 4D mask)"
+    else:
+        return dtype
+    if id(unwrapped(model)) not in _UNSHARED:
+        _UNSHARED.add(id(unwrapped(model)))
+        warnings.warn(f"algo.shared_prompt=true, but {why}: the update packs its micro-batches without sharing "
+                      f"prompts (algo.packing; the same numbers, more positions). Set algo.shared_prompt=false to "
+                      f"say so.", stacklevel=2)
+    return None
+
+
+def without_sharing(batch: Batch) -> tuple[Batch, torch.Tensor]:
+    """A shared-prompt micro-batch laid out packed (algo.packing) instead, and the order of its
+    sequences in it."""
+    lengths = batch.attention_mask_BL.sum(dim=1).tolist()
+    rows = first_fit_rows(lengths, max(lengths))
+    order = torch.tensor([i for row in rows for i in row])
+    return replace(batch.select(order), rows=[len(row) for row in rows]), order
 
 
 LAYOUTS = ("padded", "packed", "shared")
@@ -187,7 +207,9 @@ LAYOUTS = ("padded", "packed", "shared")
 def layout_of(algo) -> str:
     """How the update lays out its micro-batches: padded rows, packed rows (algo.packing), or packed
     rows with each prompt once per tree of its completions (algo.shared_prompt)."""
-    return "shared" if getattr(algo, "shared_prompt", False) else "packed" if algo.packing else "padded"
+    if not algo.packing:
+        return "padded"
+    return "shared" if getattr(algo, "shared_prompt", False) else "packed"
 
 
 # On the CPU a packed row's attention is dense: a position attends over the row's whole width. One

@@ -256,20 +256,23 @@ class NoMask(torch.nn.Module):
         return self.inner(**kw)
 
 
-def test_shared_prompt_refuses_a_model_that_ignores_the_mask(tiny_lm):
+def test_a_model_that_ignores_the_mask_is_packed_without_sharing(tiny_lm):
+    """Where shared prompts cannot hold (here: a 4D mask ignored), a warning, and the micro-batches
+    packed without sharing: the padded update's logprobs still."""
     model, tok = tiny_lm
     batch = spread_batch(tok)
-    with pytest.raises(ConfigError, match="algo.shared_prompt=false"):
-        score_tokens(NoMask(model), batch, 1.0, 10_000, layout="shared")
-    score_tokens(NoMask(model), batch, 1.0, 10_000, layout="packed")  # packing needs no mask
+    real = completion_tokens(batch)
+    with pytest.warns(UserWarning, match="ignores a 4D mask.*without sharing"):
+        unshared = score_tokens(NoMask(model), batch, 1.0, 40, layout="shared")
+    torch.testing.assert_close(unshared[real], score_tokens(model, batch, 1.0, 40)[real], rtol=0, atol=1e-5)
 
 
-def test_shared_prompt_needs_packing():
-    from grpo.config import validate
-    from tests.conftest import compose_cfg
+def test_layout_of_the_settings():
+    from grpo.update import layout_of
 
-    with pytest.raises(ConfigError, match="algo.packing=true"):
-        validate(compose_cfg("algo.packing=false", "algo.shared_prompt=true"))
+    layout = lambda **kw: layout_of(OmegaConf.structured(AlgoConfig(**kw)))  # noqa: E731
+    assert layout() == "shared" and layout(shared_prompt=False) == "packed"
+    assert layout(packing=False) == layout(packing=False, shared_prompt=False) == "padded"
 
 
 def test_shared_width_weighs_positions_against_attention():
@@ -286,12 +289,15 @@ def test_shared_width_weighs_positions_against_attention():
     assert shared_width([400, 400], [10] * 2, ["a"] * 2, 400, 8192) == (400, [[[0]], [[1]]])
 
 
-def test_shared_prompt_refuses_a_sliding_window(tiny_lm):
+def test_a_sliding_window_is_packed_without_sharing(tiny_lm):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     _, tok = tiny_lm
     windowed = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                             num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
                                             sliding_window=64, max_window_layers=0))
-    with pytest.raises(ConfigError, match="sliding window of 64 tokens"):
-        score_tokens(windowed, spread_batch(tok), 1.0, 10_000, layout="shared")
+    batch = spread_batch(tok)
+    real = completion_tokens(batch)
+    with pytest.warns(UserWarning, match="sliding window of 64 tokens"):
+        unshared = score_tokens(windowed, batch, 1.0, 10_000, layout="shared")
+    torch.testing.assert_close(unshared[real], score_tokens(windowed, batch, 1.0, 10_000)[real], rtol=0, atol=1e-5)

@@ -98,3 +98,25 @@ def test_collate_masks_truncated_completions(tiny_lm):
     # second prompt is left-padded by one: positions 0.. start at its first real token
     assert kept.position_ids_BL[1].tolist()[1:] == [0, 1, 2, 3]
     assert kept.input_ids_BL[1, 0].item() == tok.pad_token_id
+
+
+def test_shared_prefill_samples_what_the_plain_prefill_does(tiny_lm, monkeypatch):
+    """Each prompt's forward once, its cache repeated for its n samples: the same tokens and
+    logprobs as n prefills of it, under the same seed (prompts of unequal lengths, left-padded)."""
+    import grpo.rollout.hf as hf
+
+    model, tok = tiny_lm
+    backend = HFBackend(None, model, tok)
+    prompts = [tok("1+2=").input_ids, tok("12+34=").input_ids, tok("7=").input_ids]
+    calls = []
+    shared = hf.shared_prefill
+    monkeypatch.setattr(hf, "shared_prefill", lambda *a: calls.append(a[1].shape) or shared(*a))
+    torch.manual_seed(0)
+    once = backend.generate(prompts, n=4, sampling=Sampling(max_new_tokens=6, temperature=1.0))
+    assert calls == [torch.Size([3, 7])]  # three prompts, not twelve rows (7: the widest prompt)
+    monkeypatch.setattr(hf, "shared_prefill", lambda *a: None)
+    torch.manual_seed(0)
+    each = backend.generate(prompts, n=4, sampling=Sampling(max_new_tokens=6, temperature=1.0))
+    assert once.completion_ids == each.completion_ids and len(set(map(tuple, once.completion_ids))) > 3
+    for a, b in zip(once.logprobs, each.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)

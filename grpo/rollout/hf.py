@@ -106,6 +106,21 @@ def folder_defaults_off(model):
         target.generation_config = saved
 
 
+def shared_prefill(model, ids_PL: torch.Tensor, mask_PL: torch.Tensor, n: int):
+    """Each prompt's keys and values once, then repeated for its n samples: `generate` continues
+    from them with the prompt's last token, so the prompt's forward runs once per prompt, not n
+    times. Left-padded prompts all end in the last column; every column but that one is cached, with
+    the position ids `generate` gives them (from the mask). None where the model keeps no cache."""
+    position_PL = (mask_PL.cumsum(dim=1) - 1).clamp(min=0)
+    out = model(input_ids=ids_PL[:, :-1], attention_mask=mask_PL[:, :-1], position_ids=position_PL[:, :-1],
+                use_cache=True, logits_to_keep=1)
+    cache = getattr(out, "past_key_values", None)
+    if cache is None or not hasattr(cache, "batch_repeat_interleave"):
+        return None
+    cache.batch_repeat_interleave(n)
+    return cache
+
+
 class HFBackend(RolloutBackend):
     def __init__(self, cfg, model: torch.nn.Module, tokenizer, model_path: str | None = None, lockstep: bool = False,
                  dtype: str = "float32", **_):
@@ -119,7 +134,9 @@ class HFBackend(RolloutBackend):
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
-        width = max(len(p) for p in prompt_ids)
+        # at least 2 columns: shared_prefill caches all but the last, and every rank of a synced generate
+        # must run it alike
+        width = max(2, max(len(p) for p in prompt_ids))
         rows = [p for p in prompt_ids for _ in range(n)]
         ids_BL = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in rows])
         mask_BL = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
@@ -132,9 +149,10 @@ class HFBackend(RolloutBackend):
         synced = self.lockstep and dist.world_size() > 1
         recorder = SampledLogprobs()
         with folder_defaults_off(self.model), compute_precision(self.model, self.dtype):
+            cache = shared_prefill(self.model, ids_BL[::n].to(device), mask_BL[::n].to(device), n) if n > 1 else None
             out = self.model.generate(input_ids=ids_BL.to(device), attention_mask=mask_BL.to(device),
                                       generation_config=gen_cfg, logits_processor=logits_processors(sampling, recorder),
-                                      synced_gpus=synced)
+                                      synced_gpus=synced, **({"past_key_values": cache} if cache is not None else {}))
         self.model.train(was_training)
         new_BT = out.sequences[:, width:].cpu()
         logprobs_BT = recorder.logprobs(new_BT)
