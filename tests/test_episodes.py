@@ -231,7 +231,8 @@ def test_observation_logits_leave_loss_and_gradients_exactly_equal(tiny_lm):
     batch = collate(prompts, out, torch.tensor([1.0, -0.5, 0.25, 0.8]), tok.pad_token_id, False)
     assert int(batch.mask_BT.sum()) == sum(e.sampled_tokens for e in out.episodes)
     assert loss_norm(batch, 12, 1.0).num_tokens == sum(e.sampled_tokens for e in out.episodes)
-    algo = OmegaConf.structured(AlgoConfig(lr=1e-3, batch_size=4, group_size=4))
+    # padded rows: the hook below finds the positions in the B x L layout
+    algo = OmegaConf.structured(AlgoConfig(lr=1e-3, batch_size=4, group_size=4, packing=False))
     strategy = SingleStrategy(None, model, algo, total_steps=10)
     width = batch.prompt_width
     observed_BT = (batch.mask_BT == 0) & (batch.attention_mask_BL[:, width:] == 1)
