@@ -85,6 +85,20 @@ def test_two_process_training_run(tmp_path, cache_dir):
     assert out.stdout.count("eval accuracy") == 1
 
 
+def test_dynamic_sampling_keeps_two_zero3_ranks_in_step(tmp_path, cache_dir):
+    """algo.dynamic_sampling across 2 ZeRO-3 ranks (rollout=hf: every generate is a collective): the
+    ranks draw as many batches as the rank short of most informative groups, so none waits on a
+    collective the other never joins; the steps end, with more than one batch drawn in some."""
+    cmd = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, "parallel=zero3",
+           "algo.dynamic_sampling=true", "algo.max_draws=3", "algo.zero_std_groups=drop", "eval_every=0",
+           "export_model=false", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"]
+    run(cmd)
+    trained = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "loss" in r]
+    assert [r["step"] for r in trained] == [1, 2, 3]
+    assert any(r["dynamic/draws"] > 1 for r in trained), trained  # the tiny policy leaves flat groups
+    assert all(r["dynamic/draws"] <= 3 for r in trained)
+
+
 def test_two_processes_share_one_tensor_parallel_colocated_engine(tmp_path, cache_dir):
     """parallel=ddp rollout=colocated with tensor_parallel_size=2: vLLM's external_launcher across
     both ranks (gloo), prompts pooled every turn, each rank training on its own completions. Multi-turn
