@@ -166,28 +166,30 @@ def packed_logprobs(model, batch: Batch, temperature: float, with_entropy: bool,
             zeros_BT.index_put(packed.token_at, ent_1N[0]) if with_entropy else None)
 
 
-_UNSHARED: set[int] = set()
+_SHARED_MASK: dict[int, torch.dtype | None] = {}
 
 
 def shared_mask_dtype(model) -> torch.dtype | None:
-    """The attention mask `algo.shared_prompt` hands `model` (pack_shared), after checking once per
-    model that a tree row gives each completion what it gets alone; None, with a warning once per
-    model, where it cannot: its micro-batches are then packed without sharing (the same numbers)."""
-    dtype, name = mask_dtype_for(model), type(unwrapped(model)).__name__
+    """The attention mask `algo.shared_prompt` hands `model` (pack_shared), decided once per model
+    (a one-off check that a tree row gives each completion what it gets alone); None, with a
+    warning, where it cannot: its micro-batches are then packed without sharing (the same numbers)."""
+    key = id(unwrapped(model))
+    if key in _SHARED_MASK:
+        return _SHARED_MASK[key]
+    dtype, name, window = mask_dtype_for(model), type(unwrapped(model)).__name__, sliding_window_of(model)
+    why = None
     if dtype is None:
         why = f"{name} runs {attention_of(model)!r} attention, which takes no custom 4D mask (sdpa and eager do)"
-    elif sliding_window_of(model):
-        why = f"{name} attends over a sliding window of {sliding_window_of(model)} tokens, which a 4D mask replaces"
-    elif not shares_exactly(model, id(unwrapped(model)), dtype):
+    elif window:
+        why = f"{name} attends over a sliding window of {window} tokens, which a 4D mask replaces"
+    elif not shares_exactly(model, key, dtype):
         why = f"{name} does not give a completion in a shared-prompt row what it gives it alone (it ignores a 4D mask)"
-    else:
-        return dtype
-    if id(unwrapped(model)) not in _UNSHARED:
-        _UNSHARED.add(id(unwrapped(model)))
+    if why is not None:
         warnings.warn(f"algo.shared_prompt=true, but {why}: the update packs its micro-batches without sharing "
                       f"prompts (algo.packing; the same numbers, more positions). Set algo.shared_prompt=false to "
                       f"say so.", stacklevel=2)
-    return None
+    _SHARED_MASK[key] = None if why is not None else dtype
+    return _SHARED_MASK[key]
 
 
 def without_sharing(batch: Batch) -> tuple[Batch, torch.Tensor]:
