@@ -31,7 +31,8 @@ def lora_worker(mode: str, out: str, rows: int = 8, prompt: int = 64, completion
     from grpo.parallel.single import SingleStrategy
     from grpo.rollout import Sampling, build_rollout
     from grpo.rollout.base import Rollouts
-    from grpo.update import collate, forward_logprobs
+    from grpo.batch import collate
+    from grpo.logprobs import forward_logprobs
 
     cfg = compose(["model=smollm2-135m", "rollout=colocated", "run_dir=unused", "rollout.vllm.max_model_len=256",
                    *(["model.lora.rank=16", "model.lora.alpha=32"] if mode == "lora" else [])])

@@ -76,7 +76,7 @@ def smollm2_body(layers: int, vocab: int = VOCAB):
 
 def random_batch(rows: int, prompt: int, completion: int, vocab: int):
     from grpo.rollout.base import Rollouts
-    from grpo.update import collate
+    from grpo.batch import collate
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (prompt,), generator=g).tolist() for _ in range(rows)]
@@ -96,7 +96,7 @@ def whole_logits_logprobs(model, batch):
 
 
 def update_worker(mode: str, out: str, layers: int, rows: int = 16, prompt: int = 64, completion: int = 512) -> None:
-    from grpo.update import forward_logprobs
+    from grpo.logprobs import forward_logprobs
 
     model = smollm2_body(layers).train()
     batch = random_batch(rows, prompt, completion, VOCAB)

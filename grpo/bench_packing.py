@@ -45,8 +45,8 @@ def spread_workload(prompts: int, group: int, vocab: int, seed: int = 0):
 
 def forward_tokens(batch, max_tokens: int, layout: str) -> int:
     """Tokens the model's forward passes see, padding included."""
-    from grpo.packing import pack, pack_shared
-    from grpo.update import micro_batches
+    from grpo.layouts import pack, pack_shared
+    from grpo.layouts import micro_batches
 
     total = 0
     for mb in micro_batches(batch, max_tokens, layout):
@@ -64,7 +64,8 @@ def update_worker(mode: str, out: str, layers: int, prompts: int, group: int) ->
     from grpo.config import AlgoConfig, ParallelConfig
     from grpo.models import ensure_packaged_model, load_model
     from grpo.parallel.single import SingleStrategy
-    from grpo.update import collate, policy_update
+    from grpo.batch import collate
+    from grpo.update import policy_update
     from omegaconf import OmegaConf
 
     torch.manual_seed(0)

@@ -47,7 +47,7 @@ def save_model(folder: str) -> float:
 def synthetic_batch(rows: int, prompt: int, completion: int, seed: int):
     """`rows` completions in groups of 4 with random tokens and rewards, collated as the loop does."""
     from grpo.rollout.base import Rollouts
-    from grpo.update import collate
+    from grpo.batch import collate
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(100, 40000, (prompt,), generator=g).tolist() for _ in range(rows)]

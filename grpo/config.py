@@ -194,10 +194,10 @@ class AlgoConfig:
     num_minibatches: int = 1  # optimizer steps per pass
     micro_batch_tokens: int = 8192  # tokens per forward/backward, padding included
     # micro-batches of whole sequences packed end to end in rows (no padding between them; attention
-    # kept inside each sequence by restarting position ids): grpo/packing.py. false: padded rows
+    # kept inside each sequence by restarting position ids): grpo/layouts.py. false: padded rows
     packing: bool = True
     # packed rows that hold each prompt once for several of its completions, which attend to it
-    # through a 4D mask (grpo/packing.py `pack_shared`). A model that cannot (flash attention, a
+    # through a 4D mask (grpo/layouts.py `pack_shared`). A model that cannot (flash attention, a
     # sliding window) is packed without sharing, with a warning. No effect with packing=false
     shared_prompt: bool = True
     # DAPO's dynamic sampling: keep drawing batches of P prompts until P groups have unequal rewards,

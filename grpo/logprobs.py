@@ -15,19 +15,23 @@ for checkpointing's recompute (it came back as its empty placeholder, shape [0],
 it), so under ZeRO-3 each piece's logits are kept for backward, as the whole batch's were before.
 
 Heads that are not `lm_head(hidden)` (Gemma's logit soft-capping, Cohere's logit scale, ...) are
-found by comparing both ways once per model on a two-token input; those models take their own
-logits, whole, as before.
+found once per model (grpo/model_support.py); those models take their own logits, whole.
+
+`forward_logprobs` runs a micro-batch in the layout it was planned in (grpo/layouts.py): padded, packed
+or shared; the logprobs always come back in the batch's B x T layout.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from grpo.algorithm import entropy, token_logprobs
+from grpo.batch import Batch
+from grpo.layouts import pack, pack_shared
+from grpo.model_support import has_plain_head, precision, support_of, unwrapped
 
 LOGIT_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one piece (152k vocabulary: 441 tokens)
 
@@ -36,19 +40,6 @@ def pieces_for(max_tokens: int, vocab_size: int) -> int:
     """How many pieces the head runs on for a micro-batch of at most `max_tokens` positions."""
     per_piece = max(1, LOGIT_CHUNK_BYTES // (4 * vocab_size))
     return max(1, math.ceil(max_tokens / per_piece))
-
-
-def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under grpo's Autocast and DeepSpeed's engine (both keep it as
-    `.module`); a peft model answers `get_output_embeddings` for its base."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
-
-
-def precision(model: torch.nn.Module):
-    """The autocast the model's own forward runs under, for the head run outside it."""
-    return model.precision() if hasattr(model, "precision") else contextlib.nullcontext()
 
 
 def _piece(head, hidden_NH, tokens_N, temperature: float, with_entropy: bool):
@@ -81,21 +72,60 @@ def head_logprobs(model, hidden_BTH: torch.Tensor, tokens_BT: torch.Tensor, temp
     return logp_BT, (torch.cat(ents).reshape(B, T) if with_entropy else None)
 
 
-_PLAIN_HEAD: dict[int, bool] = {}
+def vocab_size_of(model) -> int:
+    vocab = unwrapped(model).get_output_embeddings().weight
+    return getattr(vocab, "ds_shape", vocab.shape)[0]  # ZeRO-3: the full shape, not the local shard
 
 
-def plain_head(model, inputs) -> bool:
-    """Whether the model's logits are `get_output_embeddings()(last hidden state)`, checked once
-    per model on `inputs()` (a tiny batch; every rank checks on its first micro-batch, together)."""
-    key = id(unwrapped(model))
-    if key not in _PLAIN_HEAD:
+def forward_logprobs(model, batch: Batch, temperature: float, with_entropy: bool = False, max_tokens: int = 0):
+    """Per-token logprobs of the completion under `model` -> logprobs_BT (and entropy_BT), the LM
+    head run a piece at a time: `max_tokens` is the micro-batch cap, which sets the number of pieces
+    alike on every rank (0: this batch's own size). `batch` must already be on the model's device,
+    laid out as `runnable_layout` allows for this model."""
+    plain = has_plain_head(model)
+    if batch.rows is not None or batch.trees is not None:
+        return packed_logprobs(model, batch, temperature, with_entropy, max_tokens, plain)
+    T = batch.completion_ids_BT.shape[1]
+    inputs = dict(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, position_ids=batch.position_ids_BL)
+    if not plain:
+        # a head of its own (soft-capping, scaling): the model's logits, only the last T + 1 positions
+        logits_BTV = model(**inputs, logits_to_keep=T + 1).logits[:, -(T + 1) : -1]
+        logp_BT = token_logprobs(logits_BTV, batch.completion_ids_BT, temperature)
         with torch.no_grad():
-            out = model(**inputs(), output_hidden_states=True, logits_to_keep=0)
-            hidden = getattr(out, "hidden_states", None)
-            ok = hidden is not None
-            if ok:
-                with precision(model):
-                    mine = unwrapped(model).get_output_embeddings()(hidden[-1]).float()
-                ok = mine.shape == out.logits.shape and torch.allclose(mine, out.logits.float(), atol=1e-3, rtol=1e-3)
-        _PLAIN_HEAD[key] = ok
-    return _PLAIN_HEAD[key]
+            ent_BT = entropy(logits_BTV.detach() / max(temperature, 1e-6)) if with_entropy else None
+        return logp_BT, ent_BT
+    hidden_BLH = model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
+    hidden_BTH = hidden_BLH[:, -(T + 1) : -1]  # position p predicts token p + 1: the completion's T tokens
+    pieces = pieces_for(max_tokens or batch.size * T, vocab_size_of(model))
+    return head_logprobs(model, hidden_BTH, batch.completion_ids_BT, temperature, pieces, with_entropy)
+
+
+def packed_logprobs(model, batch: Batch, temperature: float, with_entropy: bool, max_tokens: int, plain: bool):
+    """forward_logprobs of a packed micro-batch (`batch.rows`, or `batch.trees` with the prompt once per
+    tree): the model runs on the packed rows, the head on the completion tokens only, and logprobs_BT
+    (entropy_BT) come back in the batch's B x T layout, 0 past each completion's end."""
+    if batch.trees is not None:
+        mask_dtype = support_of(model).mask_dtype
+        if not support_of(model).shares:
+            raise ValueError("a shared-prompt micro-batch for a model that cannot share prompts: plan the micro-batches "
+                             "with the layout grpo.model_support.runnable_layout gives")
+        packed = pack_shared(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.trees, mask_dtype)
+        inputs = dict(input_ids=packed.input_ids_RW, position_ids=packed.position_ids_RW,
+                      attention_mask=packed.mask_R1WW, use_cache=False)
+    else:
+        packed = pack(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.rows)
+        inputs = dict(input_ids=packed.input_ids_RW, position_ids=packed.position_ids_RW, use_cache=False)
+    tokens_1N = batch.completion_ids_BT[packed.token_at][None]
+    if not plain:  # a head of its own: the model's logits at every position, those before a completion token kept
+        logits_1NV = model(**inputs, logits_to_keep=0).logits[packed.hidden_at][None]
+        logp_1N = token_logprobs(logits_1NV, tokens_1N, temperature)
+        with torch.no_grad():
+            ent_1N = entropy(logits_1NV.detach() / max(temperature, 1e-6)) if with_entropy else None
+    else:
+        hidden_RWH = model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
+        pieces = pieces_for(max_tokens or tokens_1N.shape[1], vocab_size_of(model))
+        logp_1N, ent_1N = head_logprobs(model, hidden_RWH[packed.hidden_at][None], tokens_1N, temperature, pieces,
+                                        with_entropy)
+    zeros_BT = torch.zeros(batch.completion_ids_BT.shape, device=logp_1N.device)
+    return (zeros_BT.index_put(packed.token_at, logp_1N[0]),
+            zeros_BT.index_put(packed.token_at, ent_1N[0]) if with_entropy else None)

@@ -72,7 +72,8 @@ from grpo.rewards import build_rewards, score
 from grpo.rollout import build_rollout, sampling_from
 from grpo.rollout.episodes import build_episodes, episode_metrics, final_texts, reward_info
 from grpo.tasks import TrainSampler, build_task
-from grpo.update import batch_advantages, collate, policy_update
+from grpo.batch import batch_advantages, collate
+from grpo.update import policy_update
 
 register_configs()
 

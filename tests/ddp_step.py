@@ -10,6 +10,7 @@ micro-batches); with `shared`, algo.shared_prompt=true; with `grouped` (implied 
 with each rank's count of micro-batches.
 """
 
+import collections
 import copy
 import json
 import os
@@ -20,13 +21,15 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import grpo.logprobs  # noqa: E402
 import grpo.parallel.single  # noqa: E402
 import grpo.parallel.zero  # noqa: E402
 from grpo.config import AlgoConfig, ParallelConfig, TinyModelConfig  # noqa: E402
 from grpo.dist import all_reduce_sum, dist_info, init_distributed, shutdown  # noqa: E402
 from grpo.models import build_char_tokenizer, build_tiny_model  # noqa: E402
 from grpo.parallel import strategy_class  # noqa: E402
-from grpo.update import micro_batches, policy_update  # noqa: E402
+from grpo.layouts import micro_batches  # noqa: E402
+from grpo.update import policy_update  # noqa: E402
 from tests.test_gradient_invariance import make_batch  # noqa: E402
 
 
@@ -49,6 +52,10 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
     local = batch.select(slice(info.rank * rows, (info.rank + 1) * rows))
     if uneven and info.world_size == 2:
         local = batch.select(slice(0, 6) if info.rank == 0 else slice(6, 8))
+    ran = collections.Counter()  # the forwards each layout ran (a shared-prompt fallback packs: the same numbers)
+    for fn, name_ in (("pack", "packed"), ("pack_shared", "shared")):
+        real = getattr(grpo.logprobs, fn)
+        setattr(grpo.logprobs, fn, lambda *a, _real=real, _name=name_, **k: (ran.update([_name]), _real(*a, **k))[1])
     for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
         algo = OmegaConf.structured(AlgoConfig(loss_type=loss_type, group_size=2, batch_size=8, lr=1e-2, warmup_steps=0,
                                                max_grad_norm=1e9, num_iterations=2, beta=0.05,
@@ -64,6 +71,7 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
         if info.rank == 0:
             torch.save(full, os.path.join(out, f"{loss_type}.pt"))
             json.dump(counts, open(os.path.join(out, "micro_batches.json"), "w"))
+    json.dump(ran, open(os.path.join(out, f"layouts_rank{info.rank}.json"), "w"))
     shutdown()
 
 

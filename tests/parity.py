@@ -5,7 +5,8 @@ import torch
 
 from grpo.weights import group_by_size
 from grpo.rollout import Sampling
-from grpo.update import collate, score_tokens
+from grpo.batch import collate
+from grpo.update import score_tokens
 
 PARITY_TOL = 1e-4  # fp32, max |sampler - trainer| logprob over all sampled tokens
 

@@ -196,7 +196,7 @@ def _advantages_on_rank(rank: int, world: int, init_file: str, rewards_PG, out_d
                         estimator: str = "grpo") -> None:
     import torch.distributed as tdist
 
-    from grpo.update import batch_advantages
+    from grpo.batch import batch_advantages
 
     tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     share = len(rewards_PG) // world
@@ -327,7 +327,7 @@ def test_batch_scaled_advantages_are_the_same_on_one_and_two_processes(tmp_path)
     1 process x 4 groups and 2 real gloo processes x 2 groups give the same advantages."""
     import torch.multiprocessing as mp
 
-    from grpo.update import batch_advantages
+    from grpo.batch import batch_advantages
 
     rewards_PG = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
     one = batch_advantages(rewards_PG, "batch")
@@ -343,7 +343,8 @@ def test_completion_logits_only_give_the_same_logprobs(tiny_lm):
     logit - logsumexp instead of a full log_softmax: the same numbers as every position's logits
     through log_softmax (to 1e-6), and the same entropy."""
     from grpo.rollout.base import Rollouts
-    from grpo.update import collate, forward_logprobs
+    from grpo.batch import collate
+    from grpo.logprobs import forward_logprobs
 
     model, tok = tiny_lm
     prompts = [[tok.bos_token_id, 5, 6, 7, 8, 9], [tok.bos_token_id, 5]]
@@ -365,7 +366,8 @@ def test_head_in_pieces_gives_the_same_logprobs_and_gradients(tiny_lm, monkeypat
 
     from grpo import logprobs
     from grpo.rollout.base import Rollouts
-    from grpo.update import collate, forward_logprobs
+    from grpo.batch import collate
+    from grpo.logprobs import forward_logprobs
 
     base, tok = tiny_lm
     batch = collate([[tok.bos_token_id, 5, 6, 7]] * 3, Rollouts([[10, 11, 12], [12], [13, 14]], [[0.0] * 3, [0.0], [0.0] * 2],
@@ -403,18 +405,18 @@ class ScaledHead(torch.nn.Module):
 
 
 def test_a_head_of_its_own_takes_the_models_logits(tiny_lm):
-    """plain_head finds that a model's logits are not lm_head(hidden) and forward_logprobs takes the
+    """has_plain_head finds that a model's logits are not lm_head(hidden) and forward_logprobs takes the
     model's own logits; a plain model is found plain."""
-    from grpo.logprobs import plain_head
+    from grpo.model_support import has_plain_head
     from grpo.rollout.base import Rollouts
-    from grpo.update import collate, forward_logprobs
+    from grpo.batch import collate
+    from grpo.logprobs import forward_logprobs
 
     model, tok = tiny_lm
     scaled = ScaledHead(model)
     batch = collate([[tok.bos_token_id, 5, 6]] * 2, Rollouts([[10, 11], [12]], [[0.0] * 2, [0.0]], ["length"] * 2, 0),
                     torch.zeros(2), tok.pad_token_id, False)
-    probe = lambda: dict(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL)  # noqa: E731
-    assert plain_head(model, probe) and not plain_head(scaled, probe)
+    assert has_plain_head(model) and not has_plain_head(scaled)
     logp, _ = forward_logprobs(scaled, batch, 1.0)
     logits = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
                    position_ids=batch.position_ids_BL).logits[:, batch.prompt_width - 1 : -1] * 3.0
@@ -428,7 +430,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_lm):
 
     from grpo.models import enable_gradient_checkpointing
     from grpo.rollout.base import Rollouts
-    from grpo.update import collate, forward_logprobs
+    from grpo.batch import collate
+    from grpo.logprobs import forward_logprobs
 
     base, tok = tiny_lm
     batch = collate([[tok.bos_token_id, 5, 6, 7]] * 2, Rollouts([[10, 11], [12]], [[0.0, 0.0], [0.0]], ["length"] * 2, 0),
@@ -479,7 +482,7 @@ def test_reinforce_pp_std_is_the_same_on_one_and_two_processes(tmp_path):
     """The batch std of the centred rewards is summed over ranks: 1 x 4 groups == 2 x 2 groups."""
     import torch.multiprocessing as mp
 
-    from grpo.update import batch_advantages
+    from grpo.batch import batch_advantages
 
     rewards_PG = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
     one = batch_advantages(rewards_PG, "none", "reinforce_pp")

@@ -223,7 +223,8 @@ def test_observation_logits_leave_loss_and_gradients_exactly_equal(tiny_lm):
 
     from grpo.config import AlgoConfig
     from grpo.parallel.single import SingleStrategy
-    from grpo.update import accumulate_gradients, collate, loss_norm
+    from grpo.update import accumulate_gradients, loss_norm
+    from grpo.batch import collate
 
     model, tok = copy.deepcopy(tiny_lm[0]), tiny_lm[1]
     out = runner(tok).run(Scripted(tok, binary_search_policy(tok)), prompts_of(tok, GUESS[4:8]), GUESS[4:8], 1, Sampling(3))
@@ -283,7 +284,7 @@ def smollm2_tokenizer():
 def test_sampled_ids_reach_the_trainer_verbatim(smollm2_tokenizer):
     """A sampler may emit a non-canonical tokenization ("he" + "llo" where the tokenizer says
     "hello"): the span and the trainer's input ids keep the sampled ids, never a re-encoding."""
-    from grpo.update import collate
+    from grpo.batch import collate
 
     tok = smollm2_tokenizer
     he, llo = tok("he", add_special_tokens=False).input_ids, tok("llo", add_special_tokens=False).input_ids

@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 from grpo.config import AlgoConfig
 from grpo.parallel.single import SingleStrategy
 from grpo.rollout.base import Rollouts
-from grpo.update import accumulate_gradients, collate, loss_norm, score_tokens
+from grpo.update import accumulate_gradients, loss_norm, score_tokens
+from grpo.batch import collate
 
 
 def make_batch(tok, seed=0, B=8, T=6, group=1):

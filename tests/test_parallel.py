@@ -69,6 +69,9 @@ def test_zero3_ranks_with_different_micro_batch_counts(tmp_path, layout):
     two = updated_weights(tmp_path / "two", 2, 2, "zero3", "uneven", layout, "grouped")
     counts = json.load(open(tmp_path / "two" / "micro_batches.json"))
     assert counts[0] > counts[1], counts  # rank 1 padded its count in lockstep
+    for rank in (0, 1):  # the layout really ran on both ranks (a shared fallback would pack: the same numbers)
+        ran = json.load(open(tmp_path / "two" / f"layouts_rank{rank}.json"))
+        assert ran.get(layout, 0) > 0 and (layout == "packed" or "packed" not in ran), (rank, ran)
     assert_same_update(one, two, initial_weights(), f"zero3 uneven {layout} 2x vs single padded")
 
 

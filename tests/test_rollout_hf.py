@@ -4,7 +4,8 @@ import torch
 
 from grpo.rollout import Sampling
 from grpo.rollout.hf import HFBackend
-from grpo.update import collate, score_tokens
+from grpo.batch import collate
+from grpo.update import score_tokens
 
 
 def test_generate_contract_and_logprob_parity(tiny_lm):

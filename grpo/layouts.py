@@ -1,16 +1,20 @@
-"""Padding-free micro-batches (`algo.packing`): whole sequences laid end to end in rows.
+"""How the update lays a batch's sequences out in rows: one home for the three layouts.
 
-The padded update lays every completion in a row as wide as the batch's widest prompt plus its
-longest completion, so one long completion makes every row pay for it. Packed, a row holds as many
-whole sequences (prompt + completion, no padding between them) as fit in the batch's longest
-sequence, first-fit decreasing, and a micro-batch holds `algo.micro_batch_tokens // width` rows.
+    padded  every sequence in a row of its own: prompt left-padded to the batch's widest, completion
+            right-padded to its longest (grpo/batch.py `collate`); the batch's own B x L layout
+    packed  (`algo.packing`) whole sequences end to end in rows as wide as the batch's longest
+            sequence, first-fit decreasing, position ids restarting at 0 at every sequence
+    shared  (`algo.shared_prompt`) rows of trees: one prompt, then several of the completions sampled
+            from it, each attending to the prompt and to itself only, through a 4D mask
 
-Attention stays inside each sequence through the position ids alone: they restart at 0 at every
-sequence, and transformers (masking_utils, `find_packed_sequence_indices`) turns a restart into a
-block-causal mask for sdpa and eager attention, or into varlen kernels for flash attention, when the
-forward gets no attention mask and no cache (`use_cache=False`: with a cache it silently builds a
-plain causal mask over the row). `packs_exactly` checks once per model that this holds (a model
-class that ignores restarts is refused with a message, not trained on mixed-up attention).
+and which rows each micro-batch takes (`micro_batch_plan`: at most `algo.micro_batch_tokens`
+positions per forward, at least one row). Whether a model can run a layout is decided once per model
+in grpo/model_support.py, before the micro-batches are planned.
+
+Packed: attention stays inside each sequence through the position ids alone: transformers
+(masking_utils, `find_packed_sequence_indices`) turns a restart into a block-causal mask for sdpa
+and eager attention, or into varlen kernels for flash attention, when the forward gets no attention
+mask and no cache (`use_cache=False`: with a cache it silently builds a plain causal mask over the row).
 
 Why rows as wide as the longest sequence and not one row of micro_batch_tokens: on the CPU the
 mask is dense, so attention costs width^2 per row; measured on SmolLM2's shape (2 layers, 64
@@ -25,9 +29,11 @@ every normaliser and metric are the padded update's, token for token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from grpo.batch import Batch
 
 
 def first_fit_rows(lengths: list[int], width: int) -> list[list[int]]:
@@ -91,29 +97,6 @@ def pack(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, prompt_wid
     hidden_at = (row_B[tb], start_B[tb] + prompt_B[tb] + tt - 1)
     return PackedRows(ids_RW.to(device), pos_RW.to(device), tuple(x.to(device) for x in hidden_at),
                       (tb.to(device), tt.to(device)))
-
-
-_PACKS: dict[int, bool] = {}
-
-
-def packs_exactly(model, key: int) -> bool:
-    """Whether `model` keeps attention inside each sequence of a packed row, given restarting
-    position ids and no mask: a two-sequence row against its second sequence alone, once per model
-    (`key`: the unwrapped model's id). Every rank checks on its first packed micro-batch, together
-    (under ZeRO-3 the forward gathers parameters)."""
-    if key not in _PACKS:
-        device = next(model.parameters()).device
-        ids = torch.tensor([[1, 2, 3, 3, 1, 2]], device=device)
-        packed = dict(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]], device=device))
-        alone = dict(input_ids=ids[:, 3:], position_ids=torch.tensor([[0, 1, 2]], device=device))
-        with torch.no_grad():
-            h_packed = model(**packed, use_cache=False, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
-            h_alone = model(**alone, use_cache=False, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
-        a, b = h_packed[0, 3:].float(), h_alone[0].float()
-        # the tiny model: 5e-7 of the largest value in fp32, 0 under bf16 autocast; attending across
-        # the restart (what a cache does, `use_cache=True`): 0.91
-        _PACKS[key] = bool((a - b).abs().max() <= 1e-2 * b.abs().max().clamp(min=1e-6))
-    return _PACKS[key]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -211,71 +194,116 @@ def pack_shared(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, pro
     # token 0 is predicted by the prompt's last position, token n by the completion's n - 1
     prompt_last = start_T[tree_B[b]] + p_T[tree_B[b]] - 1
     hidden_at = (at[0], torch.where(n == 0, prompt_last, at[1] - 1))
+    return SharedRows(ids_RW.to(device), pos_RW.to(device), tuple(x.to(device) for x in hidden_at),
+                      (b.to(device), n.to(device)), tree_mask(tree_RW.to(device), branch_RW.to(device), mask_dtype))
+
+
+def tree_mask(tree_RW: torch.Tensor, branch_RW: torch.Tensor, mask_dtype: torch.dtype) -> torch.Tensor:
+    """mask_R1WW from two vectors per row, built where they are (on the model's device: an R x W x W
+    mask is not built on the host and copied): position q attends to k <= q in its own tree (tree_RW,
+    -1 on padding) that is the tree's prompt (branch 0) or q's own completion (branch_RW). A padding
+    position attends to itself, so no softmax row is empty. bool: True where attended (sdpa); a float
+    dtype: 0 there and the dtype's minimum elsewhere (eager attention adds it to the scores)."""
+    width = tree_RW.shape[1]
     q, kv = (slice(None), slice(None), None), (slice(None), None, slice(None))
     allowed = ((tree_RW[q] == tree_RW[kv]) & (tree_RW[q] >= 0)
                & ((branch_RW[kv] == 0) | (branch_RW[kv] == branch_RW[q])))
-    allowed &= torch.ones(width, width, dtype=torch.bool).tril()
-    allowed |= torch.eye(width, dtype=torch.bool)  # a padding position attends to itself: no empty softmax
-    mask = allowed[:, None] if mask_dtype == torch.bool else \
-        torch.zeros(allowed[:, None].shape, dtype=mask_dtype).masked_fill(~allowed[:, None], torch.finfo(mask_dtype).min)
-    return SharedRows(ids_RW.to(device), pos_RW.to(device), tuple(x.to(device) for x in hidden_at),
-                      (b.to(device), n.to(device)), mask.to(device))
+    allowed &= torch.ones(width, width, dtype=torch.bool, device=tree_RW.device).tril()
+    allowed |= torch.eye(width, dtype=torch.bool, device=tree_RW.device)
+    if mask_dtype == torch.bool:
+        return allowed[:, None]
+    return torch.zeros(allowed[:, None].shape, dtype=mask_dtype, device=tree_RW.device).masked_fill(
+        ~allowed[:, None], torch.finfo(mask_dtype).min)
 
 
-def mask_dtype_for(model) -> torch.dtype | None:
-    """The form of a custom 4D mask `model`'s attention takes: bool for sdpa (True where attended),
-    the model's float dtype for eager attention (added to the scores); None for any other attention
-    (flash attention takes no 4D mask)."""
-    impl = attention_of(model)
-    if impl == "sdpa":
-        return torch.bool
-    if impl == "eager":
-        return next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
-    return None
+# ---------------------------------------------------------------------------------------------------
+# Micro-batches: which rows each forward takes, in which layout.
+
+LAYOUTS = ("padded", "packed", "shared")
 
 
-def model_config(model):
-    """The transformers config of the first module in `model` that has one (the model itself, or the
-    one inside grpo's or DeepSpeed's wrapper)."""
-    configs = (getattr(m, "config", None) for m in model.modules())  # DeepSpeed's engine has a config of its own
-    return next((c for c in configs if hasattr(c, "_attn_implementation")), None)
+def layout_of(algo) -> str:
+    """The layout the settings ask for: padded rows, packed rows (algo.packing), or packed rows with
+    each prompt once per tree of its completions (algo.shared_prompt). What a model really runs:
+    grpo/model_support.py `runnable_layout`."""
+    if not algo.packing:
+        return "padded"
+    return "shared" if getattr(algo, "shared_prompt", False) else "packed"
 
 
-def attention_of(model) -> str | None:
-    return getattr(model_config(model), "_attn_implementation", None)
+# A CPU cost estimate, not a general constant: on the CPU a packed row's attention is dense, a
+# position attends over the row's whole width. One position's linear layers cost about as much as
+# attending over this many keys (24 h^2 against 4 h multiply-adds per layer: 3,456 keys for SmolLM2's
+# h = 576; more for wider models, so rows chosen with it are, if anything, too narrow)
+CPU_KEYS_PER_POSITION = 4096
 
 
-def sliding_window_of(model) -> int | None:
-    """The window of a model whose layers (some or all) attend over a sliding window: a custom 4D
-    mask replaces the one transformers would build with the window, so it would attend past it."""
-    config = model_config(model)
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
-    return window if getattr(config, "use_sliding_window", True) else None
+def shared_width(lengths: list[int], prompts: list[int], keys: list, longest: int, max_tokens: int):
+    """(width, rows of shared_plan) for algo.shared_prompt: wider rows let a prompt serve more of its
+    completions (fewer positions) but cost more attention per position. The widths tried are the
+    longest sequence, then doubled while some prompt still needs several trees and the width stays
+    within the micro-batch cap; the one of least positions x (CPU_KEYS_PER_POSITION + width) is kept."""
+    best = None
+    width = longest
+    while True:
+        rows = shared_plan(lengths, prompts, keys, width)
+        cost = len(rows) * width * (CPU_KEYS_PER_POSITION + width)
+        if best is None or cost < best[0]:
+            best = (cost, width, rows)
+        trees = sum(len(row) for row in rows)
+        if trees == len(set(keys)) or 2 * width > max(max_tokens, longest):
+            return best[1], best[2]
+        width *= 2
 
 
-_SHARES: dict[int, bool] = {}
+def micro_batch_plan(batch: Batch, max_tokens: int, layout: str = "padded") -> list[tuple[torch.Tensor | slice, dict]]:
+    """Which sequences of `batch` each micro-batch takes, and (packed, shared) how its rows are laid
+    out, as fields of the micro-batch's Batch. padded: consecutive slices of at most `max_tokens`
+    padded tokens (at least one sequence each). packed: the sequences first-fit into rows as wide as
+    the batch's longest sequence. shared: the sequences with equal prompts first-fit into trees, the
+    trees into rows (`shared_width`). Packed and shared: `max_tokens // width` rows (at least one)
+    per micro-batch."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown micro-batch layout {layout!r}; one of {LAYOUTS}")
+    if layout == "padded":
+        per = max(1, max_tokens // batch.input_ids_BL.shape[1])
+        return [(slice(i, i + per), {}) for i in range(0, batch.size, per)]
+    lengths = batch.attention_mask_BL.sum(dim=1).tolist()
+    if not lengths:
+        return []
+    width = max(lengths)
+    if layout == "packed":
+        rows = first_fit_rows(lengths, width)
+        sizes = [[len(row)] for row in rows]
+        key = "rows"
+    else:
+        P = batch.prompt_width
+        prompts = batch.attention_mask_BL[:, :P].sum(dim=1).tolist()
+        keys = [tuple(ids[P - p :]) for ids, p in zip(batch.input_ids_BL[:, :P].tolist(), prompts)]
+        width, rows = shared_width(lengths, prompts, keys, width, max_tokens)
+        sizes = [[len(tree) for tree in row] for row in rows]
+        rows = [[i for tree in row for i in tree] for row in rows]
+        key = "trees"
+    per = max(1, max_tokens // width)
+    plan = []
+    for k in range(0, len(rows), per):
+        layout_k = sizes[k : k + per]
+        plan.append((torch.tensor([i for row in rows[k : k + per] for i in row]),
+                     {key: [n for (n,) in layout_k] if key == "rows" else layout_k}))
+    return plan
 
 
-def shares_exactly(model, key: int, mask_dtype: torch.dtype) -> bool:
-    """Whether `model` gives each completion of a shared-prompt row (pack_shared) the hidden states it
-    gives it alone: the row `1 2 | 3 3 | 1` (prompt 1 2, completions 3 3 and 1) against `1 2 3 3`
-    and `1 2 1`, once per model (`key`); every rank checks on its first shared micro-batch, together."""
-    if key not in _SHARES:
-        device = next(model.parameters()).device
-        ids = torch.tensor([[1, 2, 3, 3], [1, 2, 1, 0]])
-        shared = pack_shared(ids, torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]), 2, [[2]], mask_dtype)
-        with torch.no_grad():
-            hidden = lambda **kw: model(**{k: v.to(device) for k, v in kw.items()}, use_cache=False,  # noqa: E731
-                                        output_hidden_states=True, logits_to_keep=1).hidden_states[-1][0].float()
-            h_row = hidden(input_ids=shared.input_ids_RW, position_ids=shared.position_ids_RW,
-                           attention_mask=shared.mask_R1WW)
-            h_a = hidden(input_ids=ids[:1], position_ids=torch.arange(4)[None])
-            h_b = hidden(input_ids=ids[1:, :3], position_ids=torch.arange(3)[None])
-        a, b = torch.cat([h_a, h_b[2:]]), torch.cat([h_row[:4], h_row[4:]])
-        _SHARES[key] = bool((a - b).abs().max() <= 1e-2 * a.abs().max().clamp(min=1e-6))
-    return _SHARES[key]
+def micro_batches(batch: Batch, max_tokens: int, layout: str = "padded") -> list[Batch]:
+    """The micro-batches of `micro_batch_plan`."""
+    return [replace(batch.select(idx), **fields_) for idx, fields_ in micro_batch_plan(batch, max_tokens, layout)]
+
+
+def padding_batch(layout: str = "padded") -> Batch:
+    """One sequence that enters no loss (mask 0, advantage 0): a rank with fewer micro-batches runs it
+    so that every rank makes the same forward/backward calls, which ZeRO's collectives need (laid out
+    as the rank's other micro-batches are)."""
+    ids = torch.zeros((1, 2), dtype=torch.long)
+    zeros = torch.zeros((1, 1))
+    return Batch(ids, torch.ones_like(ids), torch.tensor([[0, 1]]), ids[:, 1:], zeros, zeros, torch.zeros(1),
+                 prompt_width=1, ref_logprobs_BT=zeros, rows=[1] if layout == "packed" else None,
+                 trees=[[1]] if layout == "shared" else None)

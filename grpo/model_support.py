@@ -1,0 +1,214 @@
+"""What a model supports, asked once per model and stored on it.
+
+    plain_head    its logits are `get_output_embeddings()(last hidden state)`: the update runs the head
+                  itself, in pieces (grpo/logprobs.py); a head of its own (Gemma's soft-capping,
+                  Cohere's logit scale) gives its own logits, whole
+    packs         it keeps attention inside each sequence of a packed row (restarting position ids,
+                  no mask): algo.packing; a model that does not is refused, never trained on
+                  attention mixed across sequences
+    mask_dtype    the 4D mask it takes (bool for sdpa, its float dtype for eager), None if none
+                  (flash attention); with `shares` the shared-prompt layout (algo.shared_prompt)
+    window        its sliding window, if any: a 4D mask replaces the window transformers builds, so a
+                  batch shares prompts only while its longest sequence is within the window
+
+Each answer is a probe (a forward on a few tokens, in eval mode, so dropout and LoRA dropout cannot
+make two forwards disagree) run on first use and kept as an attribute of the unwrapped model: a
+model built later can never inherit another's answer (an `id()`-keyed cache could, at a reused
+address: an eager model handed a bool mask is not masked at all). Under ZeRO-3 a probe's forward
+gathers parameters, a collective: every rank asks the same questions in the same order, because
+what is asked follows the configured layout only (`runnable_layout`), never the rank's own batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from grpo.errors import ConfigError
+from grpo.layouts import pack_shared
+
+ATTRIBUTE = "_grpo_support"
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under grpo's Autocast and DeepSpeed's engine (both keep it as
+    `.module`); a peft model answers `get_output_embeddings` for its base."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
+def model_config(model):
+    """The transformers config of the first module in `model` that has one (the model itself, or the
+    one inside grpo's or DeepSpeed's wrapper)."""
+    configs = (getattr(m, "config", None) for m in model.modules())  # DeepSpeed's engine has a config of its own
+    return next((c for c in configs if hasattr(c, "_attn_implementation")), None)
+
+
+def attention_of(model) -> str | None:
+    return getattr(model_config(model), "_attn_implementation", None)
+
+
+def sliding_window_of(model) -> int | None:
+    """The window of a model whose layers (some or all) attend over a sliding window."""
+    config = model_config(model)
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
+def mask_dtype_for(model) -> torch.dtype | None:
+    """The form of a custom 4D mask `model`'s attention takes: bool for sdpa (True where attended),
+    the model's float dtype for eager attention (added to the scores); None for any other attention
+    (flash attention takes no 4D mask)."""
+    impl = attention_of(model)
+    if impl == "sdpa":
+        return torch.bool
+    if impl == "eager":
+        return next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+    return None
+
+
+def precision(model: torch.nn.Module):
+    """The autocast the model's own forward runs under, for the head run outside it."""
+    return model.precision() if hasattr(model, "precision") else contextlib.nullcontext()
+
+
+@dataclass
+class Support:
+    attention: Optional[str]  # the attention implementation the answers hold for
+    plain_head: Optional[bool] = None
+    packs: Optional[bool] = None
+    shares: Optional[bool] = None  # the shared-prompt layout: a 4D mask taken and obeyed
+    mask_dtype: Optional[torch.dtype] = None
+    window: Optional[int] = None
+    why_not_shared: Optional[str] = None
+    warned: set = field(default_factory=set)
+
+
+def support_of(model) -> Support:
+    """The answers kept on `model` (asked anew if its attention implementation changed since)."""
+    target = unwrapped(model)
+    found = target.__dict__.get(ATTRIBUTE)
+    if found is None or found.attention != attention_of(model):
+        found = Support(attention_of(model), mask_dtype=mask_dtype_for(model), window=sliding_window_of(model))
+        target.__dict__[ATTRIBUTE] = found
+    return found
+
+
+@contextlib.contextmanager
+def evaluating(model):
+    """Eval mode (no dropout) and no gradient for a probe, the model's mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tolerance: float = 1e-2) -> bool:
+    """Hidden states agree position by position: |a - b| within `tolerance` of |b| at every position
+    (attending to the wrong tokens changes a position's state by about its own size; a model's
+    outlier dimensions cannot hide a wrong position behind the largest value of another)."""
+    a, b = a.float(), b.float()
+    return bool(((a - b).norm(dim=-1) <= tolerance * b.norm(dim=-1).clamp(min=1e-6)).all())
+
+
+def last_hidden(model, **inputs) -> torch.Tensor:
+    device = next(model.parameters()).device
+    out = model(**{k: v.to(device) for k, v in inputs.items()}, use_cache=False, output_hidden_states=True,
+                logits_to_keep=1)
+    return out.hidden_states[-1][0]
+
+
+def probe_plain_head(model) -> bool:
+    device = next(model.parameters()).device
+    ids = torch.tensor([[0, 1]], device=device)
+    with evaluating(model):
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.tensor([[0, 1]], device=device),
+                    output_hidden_states=True, logits_to_keep=0)
+        hidden = getattr(out, "hidden_states", None)
+        if hidden is None:
+            return False
+        with precision(model):
+            mine = unwrapped(model).get_output_embeddings()(hidden[-1]).float()
+    return mine.shape == out.logits.shape and torch.allclose(mine, out.logits.float(), atol=1e-3, rtol=1e-3)
+
+
+def probe_packs(model) -> bool:
+    """A two-sequence row against its second sequence alone (a model attending across the restart,
+    as a cache makes it: 0.91 of the state's size off on the tiny model)."""
+    ids = torch.tensor([[1, 2, 3, 3, 1, 2]])
+    with evaluating(model):
+        packed = last_hidden(model, input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
+        alone = last_hidden(model, input_ids=ids[:, 3:], position_ids=torch.tensor([[0, 1, 2]]))
+    return close(packed[3:], alone)
+
+
+def probe_shares(model, mask_dtype: torch.dtype) -> bool:
+    """The row `1 2 | 3 3 | 1` (prompt 1 2, completions 3 3 and 1) against `1 2 3 3` and `1 2 1`."""
+    ids = torch.tensor([[1, 2, 3, 3], [1, 2, 1, 0]])
+    shared = pack_shared(ids, torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]), 2, [[2]], mask_dtype)
+    with evaluating(model):
+        row = last_hidden(model, input_ids=shared.input_ids_RW, position_ids=shared.position_ids_RW,
+                          attention_mask=shared.mask_R1WW)
+        a = last_hidden(model, input_ids=ids[:1], position_ids=torch.arange(4)[None])
+        b = last_hidden(model, input_ids=ids[1:, :3], position_ids=torch.arange(3)[None])
+    return close(row, torch.cat([a, b[2:]]))
+
+
+def has_plain_head(model) -> bool:
+    support = support_of(model)
+    if support.plain_head is None:
+        support.plain_head = probe_plain_head(model)
+    return support.plain_head
+
+
+def runnable_layout(model, layout: str, longest: int = 0) -> str:
+    """The layout `model` runs when the settings ask for `layout` (grpo/layouts.py `layout_of`) on
+    a batch whose longest sequence is `longest` tokens: shared where the model takes a 4D mask, obeys
+    it and no sliding window binds; else packed (one warning per model and reason: the same numbers,
+    more positions); packed only where the model keeps packed sequences apart (else ConfigError).
+    Called before the micro-batches are planned, so a fallback is planned within the token cap."""
+    if layout == "padded":
+        return layout
+    support = support_of(model)
+    name = type(unwrapped(model)).__name__
+    if support.packs is None:
+        support.packs = probe_packs(model)
+    if not support.packs:
+        raise ConfigError(
+            f"algo.packing=true, but {name} attends across the sequences of a packed row "
+            f"(it does not restart attention where the position ids restart): set algo.packing=false.")
+    if layout == "packed":
+        return layout
+    if support.shares is None:
+        if support.mask_dtype is None:
+            support.why_not_shared = (f"{name} runs {support.attention!r} attention, which takes no custom 4D mask "
+                                      "(sdpa and eager do)")
+        elif not probe_shares(model, support.mask_dtype):
+            support.why_not_shared = (f"{name} does not give a completion in a shared-prompt row what it gives it alone "
+                                      "(it ignores a 4D mask)")
+        support.shares = support.why_not_shared is None
+    reason, why = "model", support.why_not_shared
+    if why is None and support.window is not None and longest > support.window:
+        reason, why = "window", (f"{name} attends over a sliding window of {support.window} tokens, which a 4D mask "
+                                 f"replaces, and a batch has a sequence of {longest} tokens")
+    if why is None:
+        return "shared"
+    if reason not in support.warned:
+        support.warned.add(reason)
+        warnings.warn(f"algo.shared_prompt=true, but {why}: the update packs these micro-batches without sharing "
+                      f"prompts (algo.packing; the same numbers, more positions). Set algo.shared_prompt=false to "
+                      f"say so.", stacklevel=2)
+    return "packed"
