@@ -104,6 +104,15 @@ def sampling_seed(seed: int, step: int, rank: int, world_size: int, prompts: int
     return (seed << STREAM_BITS) + ((step * world_size + rank) * prompts * n) % (1 << STREAM_BITS)
 
 
+def withhold_errored(rewards_FB: list[list], finish_reasons: list[str]) -> None:
+    """An episode whose environment failed ("error") gets no reward from any function (None: advantage
+    0, and `collate` keeps its tokens out of the loss), whatever its final text would score."""
+    for i, reason in enumerate(finish_reasons):
+        if reason == "error":
+            for values in rewards_FB:
+                values[i] = None
+
+
 @dataclass
 class InFlight:
     """A batch handed to the rollout engines, waiting to be trained on."""
@@ -226,10 +235,7 @@ class Run:
             self.reward_fns, completions, [s for s in batch.samples for _ in range(self.G)], self.cfg.reward.timeout_s,
             max_new_tokens=self.cfg.rollout.max_new_tokens, **info_B,
         )
-        for i, reason in enumerate(rollouts.finish_reasons):  # an environment that failed: no reward, advantage 0
-            if reason == "error":
-                for values in rewards_FB:
-                    values[i] = None
+        withhold_errored(rewards_FB, rollouts.finish_reasons)
         rewards_PG = combine_rewards(rewards_FB, [w for _, _, w in self.reward_fns]).view(self.P, self.G)
         sampled = (sum(sum(m) for m in rollouts.loss_masks) if rollouts.loss_masks is not None
                    else sum(len(c) for c in rollouts.completion_ids))  # observation tokens aside
@@ -360,7 +366,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         flat_P = zero_std_groups(rewards_PG)
         batch = collate(
             [p for p in prompt_ids for _ in range(G)], rollouts, advantages_PG.flatten(),
-            r.tokenizer.pad_token_id, algo.mask_truncated,
+            r.tokenizer.pad_token_id, algo.mask_truncated, excluded_B=torch.isnan(rewards_PG).flatten(),
         )
         if algo.zero_std_groups == "drop":
             batch = batch.select((~flat_P).repeat_interleave(G))

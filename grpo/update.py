@@ -50,11 +50,15 @@ def score_tokens(model, batch: Batch, temperature: float, max_tokens: int, strat
     device = next(model.parameters()).device
     layout = planned_layout(model, batch, layout)
     plan = micro_batch_plan(batch, max_tokens, layout)
+    # counted before any forward: under ZeRO-3 a forward is a collective (parameter gathers, and
+    # DeepSpeed's trace check at its start), so a rank with fewer micro-batches must not reach this
+    # all-reduce while another is still in a forward
+    padding = lockstep_padding(strategy, len(plan))
     out_BT = torch.zeros_like(batch.sampler_logprobs_BT)
     for idx, fields_ in plan:
         mb = replace(batch.select(idx), **fields_).to(device)
         out_BT[idx] = forward_logprobs(model, mb, temperature, max_tokens=max_tokens)[0].cpu()
-    for _ in range(lockstep_padding(strategy, len(plan))):
+    for _ in range(padding):
         forward_logprobs(model, padding_batch(layout).to(device), temperature, max_tokens=max_tokens)
     model.train(was_training)
     return out_BT

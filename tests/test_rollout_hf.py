@@ -121,3 +121,28 @@ def test_shared_prefill_samples_what_the_plain_prefill_does(tiny_lm, monkeypatch
     assert once.completion_ids == each.completion_ids and len(set(map(tuple, once.completion_ids))) > 3
     for a, b in zip(once.logprobs, each.logprobs):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+
+
+def test_collate_keeps_rewardless_completions_out_of_the_loss_normalisers(tiny_lm):
+    """A 4-trajectory group, one ended in an environment error (reward None -> NaN): advantage 0 alone
+    left its 3 tokens in num_tokens and its sequence in num_seqs (diluting every token's weight by the
+    error fraction, and adding KL). With mask_truncated, an episode that ran out of budget between
+    turns ("length", out_of_budget) was not cut and keeps its tokens; one cut mid-turn does not."""
+    from grpo.rollout.base import Rollouts
+    from grpo.rollout.episodes import Episode
+    from grpo.train import withhold_errored
+    from grpo.update import loss_norm
+
+    _, tok = tiny_lm
+    finish = ["stop", "error", "length", "length"]
+    episodes = [Episode(finish=f, out_of_budget=(i == 2)) for i, f in enumerate(finish)]
+    r = Rollouts([[5, 6, 2]] * 4, [[-1.0] * 3] * 4, finish, 0, episodes=episodes)
+    rewards_FB = [[1.0, 1.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]]
+    withhold_errored(rewards_FB, finish)
+    assert [row[1] for row in rewards_FB] == [None, None]
+    rewards_B = torch.tensor([float("nan") if any(row[i] is None for row in rewards_FB) else 1.0 for i in range(4)])
+    batch = collate([[1, 4]] * 4, r, torch.zeros(4), tok.pad_token_id, mask_truncated=True,
+                    excluded_B=torch.isnan(rewards_B))
+    assert batch.mask_BT.tolist() == [[1, 1, 1], [0, 0, 0], [1, 1, 1], [0, 0, 0]]
+    norm = loss_norm(batch, max_len=3, gen_tokens_per_step=6.0)
+    assert (norm.num_seqs, norm.num_tokens) == (2, 6)
