@@ -43,10 +43,11 @@ def lockstep_micro_batches(strategy, batch: Batch, max_tokens: int, layout: str 
 
 @torch.no_grad()
 def score_tokens(model, batch: Batch, temperature: float, max_tokens: int, strategy=None,
-                 layout: str = "padded") -> torch.Tensor:
-    """logprobs_BT of the whole batch (no gradient), in micro-batches."""
+                 layout: str = "padded", training_mode: bool = False) -> torch.Tensor:
+    """logprobs_BT of the whole batch (no gradient), in micro-batches; in eval mode unless
+    `training_mode` (the mode the loss's forward runs in: grpo.verify compares the two)."""
     was_training = model.training
-    model.eval()
+    model.train(training_mode)
     device = next(model.parameters()).device
     layout = planned_layout(model, batch, layout)
     plan = micro_batch_plan(batch, max_tokens, layout)

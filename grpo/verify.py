@@ -1,0 +1,316 @@
+"""`python -m grpo.verify [OVERRIDES]`: does my run compute what it claims?
+
+`grpo.doctor` answers "is this machine ready"; this answers "does my run (model, task, backend,
+strategy, processes: the same overrides as `grpo.train`) compute what the code promises". It sets the
+run up as `grpo.train` does, in a scratch folder, draws real batches through the run's own engines,
+and checks every equivalence the loss relies on, one PASS / FAIL / SKIP line each, with the numbers:
+
+  sampler          the sampler's logprobs of its own tokens equal the trainer's (after the first sync)
+  ratio            importance ratios are 1 at the first step: the loss's forward (training mode) scores
+                   what the old-logprob pass (eval mode) does (dropout, LoRA dropout break it)
+  reference        KL is 0 at the first step: a reference model scores as the policy does
+  layouts          padded, packed and shared rows give the same logprobs and gradients, and which
+                   layout the model really runs (a fallback is named)
+  micro-batches    one micro-batch and several give the same gradients
+  ranks            ranks hold equal weights after an optimizer step (gathered, fingerprinted)
+  sync             after that step and a weight push, the sampler matches the trainer again
+  resume           a run stopped after step 1 and resumed gives step 2's metrics of an unbroken run
+  render           with an environment and chat rendering: observations render as the template does
+
+    python -m grpo.verify                                      # the default run
+    python -m grpo.verify experiment=smollm2_arithmetic_cpu
+    torchrun --nproc_per_node 2 -m grpo.verify parallel=zero3
+
+Tolerances follow the dtype: fp32 compares to 1e-4 (logprobs) and 1e-4 of the gradient's size;
+bf16/fp16 to what their rounding gives (docs/algorithm.md: one bf16 step of a logit is 0.0625 in
+[8, 16)). Exit status 1 if any check fails: paste the table into a bug report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+
+import torch
+from omegaconf import OmegaConf
+
+from grpo import dist
+from grpo.batch import batch_advantages, collate
+from grpo.cli import exit_on_user_error
+from grpo.config import compose_config, validate
+from grpo.cpus import configure_threads
+from grpo.layouts import LAYOUTS, layout_of
+from grpo.library_logs import quiet_library_logs
+from grpo.model_support import runnable_layout
+from grpo.update import accumulate_gradients, loss_norm, policy_update, score_tokens
+
+# (logprob, relative gradient) tolerances by the model's dtype
+TOLERANCES = {"float32": (1e-4, 1e-4), "bfloat16": (0.1, 5e-2), "float16": (0.02, 1e-2)}
+SCRATCH = ["eval_every=0", "checkpoint_every=0", "export_model=false", "logger.sample_every=0", "logger.log_every=1"]
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # PASS, FAIL, SKIP
+    detail: str
+
+    def line(self) -> str:
+        return f"{self.status:4}  {self.name:14} {self.detail}"
+
+
+def check(name: str, ok: bool, detail: str) -> Check:
+    return Check(name, "PASS" if ok else "FAIL", detail)
+
+
+def max_diff(a_BT: torch.Tensor, b_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    real = mask_BT.bool()
+    return float((a_BT - b_BT)[real].abs().max()) if real.any() else 0.0
+
+
+def first_batch(r, step: int = 1):
+    """Step `step`'s batch as the loop builds it (every group kept), and whether its advantages carry
+    a signal; without one (every group flat), ±1 advantages stand in for the gradient checks."""
+    scored = r.score(r.submit(step))
+    G = r.G
+    advantages_PG = batch_advantages(scored.rewards_PG, r.cfg.algo.adv_scale, r.cfg.algo.adv_estimator)
+    batch = collate([p for p in scored.prompt_ids for _ in range(G)], scored.rollouts, advantages_PG.flatten(),
+                    r.tokenizer.pad_token_id, r.cfg.algo.mask_truncated,
+                    excluded_B=torch.isnan(scored.rewards_PG).flatten())
+    if not batch.advantages_B.abs().sum():
+        batch.advantages_B = torch.tensor([1.0 if i % 2 else -1.0 for i in range(batch.size)])
+    return batch
+
+
+def sampler_check(r, batch, name: str, tol: float) -> Check:
+    algo = r.cfg.algo
+    trainer = score_tokens(r.strategy.forward_model, batch, r.sampling.temperature, algo.micro_batch_tokens, r.strategy,
+                           layout_of(algo))
+    diff = max(dist.all_reduce_max([max_diff(trainer, batch.sampler_logprobs_BT, batch.mask_BT)]))
+    return check(name, diff <= tol, f"max |trainer - sampler| logprob {diff:.2e} over the sampled tokens (tol {tol:g})")
+
+
+def ratio_check(r, batch, tol: float) -> Check:
+    algo, model = r.cfg.algo, r.strategy.forward_model
+    args = (batch, r.sampling.temperature, algo.micro_batch_tokens, r.strategy, layout_of(algo))
+    old = score_tokens(model, *args)
+    new = score_tokens(model, *args, training_mode=True)
+    ratio = max(dist.all_reduce_max([max_diff(torch.exp(new - old), torch.ones_like(old), batch.mask_BT)]))
+    return check("ratio", ratio <= tol, f"max |ratio - 1| at the first step {ratio:.2e} (training-mode forward against "
+                                        f"the old-logprob pass; tol {tol:g})")
+
+
+def reference_check(r, batch, tol: float) -> Check:
+    from grpo.models import build_reference
+
+    cfg = copy.deepcopy(r.cfg)
+    if cfg.algo.beta == 0:
+        cfg.algo.beta = 1e-3  # only to build one: the check is about the reference, not the run's KL
+    ref = build_reference(cfg, r.model_path, r.strategy)
+    algo = r.cfg.algo
+    args = (batch, r.sampling.temperature, algo.micro_batch_tokens, r.strategy, layout_of(algo))
+    kl = max(dist.all_reduce_max([max_diff(score_tokens(ref, *args), score_tokens(r.strategy.forward_model, *args),
+                                           batch.mask_BT)]))
+    del ref
+    return check("reference", kl <= tol, f"max |policy - reference| logprob at the first step {kl:.2e} (KL 0; tol {tol:g})")
+
+
+def local_copy(r):
+    """A copy of the run's model on this process alone (no collectives), as the run loads it."""
+    from grpo.models import load_model
+
+    model, _ = load_model(r.model_path, r.cfg.model.dtype)
+    if r.cfg.model.lora.rank > 0:
+        from grpo import lora
+
+        model = lora.wrap(model, r.cfg.model.lora)
+        with torch.no_grad():  # B starts at 0, which would leave A without a gradient to compare
+            for _, p in lora.adapter_parameters(model):
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(0))
+    return model.to(next(r.strategy.model.parameters()).device).train()
+
+
+def gradients(model, batch, algo, temperature: float) -> tuple[dict, torch.Tensor]:
+    from grpo.parallel.single import SingleStrategy
+
+    model = copy.deepcopy(model)
+    strategy = SingleStrategy(None, model, algo, total_steps=1)
+    norm = loss_norm(batch, max_len=batch.completion_ids_BT.shape[1], gen_tokens_per_step=float(batch.mask_BT.sum()))
+    accumulate_gradients(strategy, batch, algo, norm, temperature)
+    logp = score_tokens(strategy.forward_model, batch, temperature, algo.micro_batch_tokens, layout=layout_of(algo))
+    return {n: p.grad.float().clone() for n, p in strategy.model.named_parameters() if p.grad is not None}, logp
+
+
+def grad_gap(a: dict, b: dict) -> float:
+    """max |a - b| over every gradient, relative to the largest |b| (inf when b is all zero: nothing
+    would be compared)."""
+    size = max((float(g.abs().max()) for g in b.values()), default=0.0)
+    if size == 0:
+        return float("inf")
+    return max(float((a[n] - b[n]).abs().max()) for n in b) / size
+
+
+def layout_checks(r, batch, tol_logp: float, tol_grad: float) -> list[Check]:
+    """On rank 0 alone, a few groups, a local copy of the model: each layout against padded, and one
+    micro-batch against several."""
+    G = r.G
+    signal_P = batch.advantages_B.abs().view(-1, G).sum(1)  # two groups with a learning signal (else ±1 advantages)
+    groups = signal_P.argsort(descending=True)[:2]
+    sub = batch.select((groups[:, None] * G + torch.arange(G)).flatten())
+    if not sub.advantages_B.abs().sum():
+        sub.advantages_B = torch.tensor([1.0 if i % 2 else -1.0 for i in range(sub.size)])
+    model = local_copy(r)
+    algo = r.cfg.algo
+    temperature = r.sampling.temperature
+    results = []
+    runs = {}
+    for layout in LAYOUTS:
+        a = OmegaConf.merge(algo, {"packing": layout != "padded", "shared_prompt": layout == "shared",
+                                   "micro_batch_tokens": 1 << 20, "beta": 0.0})
+        runs[layout] = gradients(model, sub, a, temperature)
+    longest = int(sub.attention_mask_BL.sum(1).max())
+    for layout in ("packed", "shared"):
+        ran = runnable_layout(model, layout, longest)
+        d = max_diff(runs[layout][1], runs["padded"][1], sub.mask_BT)
+        g = grad_gap(runs[layout][0], runs["padded"][0])
+        results.append(check(f"layout/{layout}", d <= tol_logp and g <= tol_grad,
+                             f"against padded: logprobs {d:.2e} (tol {tol_logp:g}), gradients {g:.2e} of their size "
+                             f"(tol {tol_grad:g}); the model ran {ran}" + ("" if ran == layout else " (a fallback)")))
+    configured = layout_of(algo)
+    width = int(sub.attention_mask_BL.sum(1).max()) if configured != "padded" else sub.input_ids_BL.shape[1]
+    small = OmegaConf.merge(algo, {"micro_batch_tokens": width, "beta": 0.0})
+    one = runs[configured][0]
+    several, _ = gradients(model, sub, small, temperature)
+    g = grad_gap(several, one)
+    results.append(check("micro-batches", g <= tol_grad, f"{configured}, {sub.size} sequences: one micro-batch against one "
+                                                          f"per {width} tokens: gradients {g:.2e} of their size "
+                                                          f"(tol {tol_grad:g})"))
+    return results
+
+
+def fingerprint(r) -> float:
+    """A float64 digest of the full weights (ZeRO-3 gathers them bucket by bucket): sums weighted by
+    a fixed sequence, so a swapped or shifted tensor changes it too."""
+    total = 0.0
+    for bucket in r.strategy.weight_buckets(r.bucket_bytes):
+        for _, t in bucket:
+            flat = t.detach().double().flatten().cpu()
+            total += float((flat * torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64)).sum())
+    return total
+
+
+def ranks_check(r) -> Check:
+    mine = fingerprint(r)
+    every = dist.all_reduce_sum([mine * (i == dist.rank()) for i in range(dist.world_size())])
+    differ = [i for i, f in enumerate(every) if abs(f - every[0]) > 1e-9 * max(abs(every[0]), 1.0)]
+    if len(every) == 1:
+        return Check("ranks", "SKIP", "one process: nothing to compare")
+    return check("ranks", not differ, f"weight fingerprints after a step, rank by rank: {', '.join(f'{f:.10g}' for f in every)}"
+                 + (f"; ranks {differ} differ from rank 0" if differ else ""))
+
+
+def render_check(r) -> Check:
+    if r.episodes is None or r.cfg.env.render != "chat":
+        return Check("render", "SKIP", "no environment with chat rendering")
+    render = r.episodes.render
+    probe = getattr(render, "check", None)
+    if probe is None:
+        return Check("render", "SKIP", "this renderer has no self-check")
+    ok, detail = probe()
+    return check("render", ok, detail)
+
+
+COMPARED = ("reward/mean", "loss", "grad_norm", "clip_frac", "entropy", "completion_len", "sampler_diff", "kl")
+
+
+def resume_check(overrides: list[str]) -> Check:
+    """Two 2-step runs of `grpo.train` in subprocesses: one unbroken, one stopped after step 1 and
+    resumed: step 2's metrics must agree (the same prompts, seeds, weights and optimizer state)."""
+    if dist.world_size() > 1:
+        return Check("resume", "SKIP", "run grpo.verify on one process for the resume check")
+    base = tempfile.mkdtemp(prefix="grpo-verify-resume-")
+    try:
+        rows = {}
+        for name, parts in (("unbroken", [["steps=2"]]), ("resumed", [["steps=1"], ["steps=2"]])):
+            for extra in parts:
+                cmd = [sys.executable, "-m", "grpo.train", *overrides, *SCRATCH, *extra, "checkpoint_every=1",
+                       f"hydra.run.dir={os.path.join(base, name)}"]
+                out = subprocess.run(cmd, capture_output=True, text=True)
+                if out.returncode:
+                    return Check("resume", "FAIL", f"{' '.join(cmd[2:])} exited {out.returncode}: {out.stderr.strip()[-400:]}")
+            rows[name] = [json.loads(x) for x in open(os.path.join(base, name, "metrics.jsonl"))]
+        step2 = {k: next(x for x in v if x.get("step") == 2 and "loss" in x) for k, v in rows.items()}
+        gaps = {k: abs(step2["unbroken"][k] - step2["resumed"][k]) for k in COMPARED if k in step2["unbroken"]}
+        worst = max(gaps, key=gaps.get)
+        ok = all(g <= 1e-5 * max(1.0, abs(step2["unbroken"][k])) for k, g in gaps.items())
+        return check("resume", ok, f"step 2 of an unbroken run against one stopped after step 1 and resumed: "
+                                   f"{len(gaps)} metrics, largest gap {gaps[worst]:.2e} ({worst})")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def run_checks(cfg, overrides: list[str]) -> list[Check]:
+    from grpo.train import setup
+
+    info = dist.dist_info()
+    tol_logp, tol_grad = TOLERANCES.get(cfg.model.dtype, TOLERANCES["float32"])
+    results = []
+    with contextlib.ExitStack() as cleanup:
+        cleanup.enter_context(dist.process_group(info, cfg.parallel.collective_timeout_s, cfg.parallel.peer_timeout_s))
+        r = setup(cfg, info, cleanup)
+        batch = first_batch(r)
+        results.append(sampler_check(r, batch, "sampler", tol_logp if cfg.model.dtype != "float32" else 1e-3))
+        results.append(ratio_check(r, batch, tol_logp))
+        results.append(reference_check(r, batch, 1e-6))
+        if info.is_main:
+            results += layout_checks(r, batch, tol_logp, tol_grad)
+        dist.barrier()
+        policy_update(r.strategy, batch, cfg.algo, batch.completion_ids_BT.shape[1], r.sampling.temperature)
+        results.append(ranks_check(r))
+        r.push_weights(version=1)
+        results.append(sampler_check(r, first_batch(r, step=2), "sync", tol_logp if cfg.model.dtype != "float32" else 1e-3))
+        results.append(render_check(r))
+    results.append(resume_check(overrides))
+    return results
+
+
+def verify(overrides: list[str]) -> int:
+    scratch = tempfile.mkdtemp(prefix="grpo-verify-")  # rank 0's is the run folder (setup broadcasts it)
+    cfg = compose_config([*overrides, *SCRATCH, "steps=2", f"run_dir={scratch}"])
+    validate(cfg)
+    info = dist.dist_info()
+    quiet_library_logs(info.rank)
+    configure_threads(cfg.threads)
+    try:
+        results = run_checks(cfg, overrides)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if info.is_main:
+        print(f"grpo.verify {' '.join(overrides) or '(the default run)'}: model.dtype={cfg.model.dtype}, "
+              f"{info.world_size} process(es), layout {layout_of(cfg.algo)}")
+        for c in results:
+            print(c.line())
+        failed = [c.name for c in results if c.status == "FAIL"]
+        print(f"{'FAIL: ' + ', '.join(failed) if failed else 'all checks passed'} "
+              f"({sum(c.status == 'PASS' for c in results)} pass, {sum(c.status == 'SKIP' for c in results)} skipped)")
+    failed = any(c.status == "FAIL" for c in results)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in ("-h", "--help"):
+        print(__doc__)
+        return
+    sys.exit(exit_on_user_error(verify, args))
+
+
+if __name__ == "__main__":
+    main()
