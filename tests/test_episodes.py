@@ -203,15 +203,48 @@ def test_lockstep_keeps_calling_generate_while_another_rank_is_active(tiny_lm):
     _, tok = tiny_lm
     gen, turns = Scripted(tok, lambda p: "8"), []
 
-    def lockstep(active):  # the other rank: active for 4 turns
-        turns.append(active)
-        return active > 0 or len(turns) <= 4
+    def lockstep(value):  # the other rank: no split at turn 1 (call 2), then active for turns 2-4 (calls 3-5)
+        turns.append(value)
+        return value > 0 or 3 <= len(turns) <= 5
 
     out = runner(tok, make_env=lambda: OneTurn()).run(gen, prompts_of(tok, GUESS[:2]), GUESS[:2], 1, Sampling(3), lockstep)
-    assert len(gen.requests) == 4 and turns == [2, 0, 0, 0, 0]
+    assert len(gen.requests) == 4 and turns == [2, 0, 0, 0, 0, 0]
     assert [len(r[0]) for r in gen.requests[1:]] == [1, 1, 1]  # throwaway requests: one prompt each,
     assert [r[2] for r in gen.requests] == [3, 3, 3, 3]  # with the others' sampling (one engine schedule under TP)
     assert [e.turns for e in out.episodes] == [1, 1]
+
+
+def test_the_turn_one_request_shape_is_collective(tiny_lm):
+    """Every trajectory here is active and has no opening observation, so alone this rank would send
+    generate(prompts, n=2); another rank had a failed reset (it answers "split" at turn 1), so every
+    rank sends one request per trajectory instead: under ZeRO-3's synced generate and a tensor-parallel
+    engine, ranks issuing different requests hang or hand completions to the wrong trajectories."""
+    _, tok = tiny_lm
+    gen, calls = Scripted(tok, lambda p: "8"), []
+
+    def lockstep(value):  # call 1: any rank active; call 2: any rank must split (the other one must)
+        calls.append(value)
+        return True if len(calls) == 2 else value > 0
+
+    out = runner(tok, make_env=lambda: OneTurn()).run(gen, prompts_of(tok, GUESS[:2]), GUESS[:2], 2, Sampling(3), lockstep)
+    assert calls[:2] == [4, 0]
+    assert [(len(r[0]), r[1]) for r in gen.requests[:1]] == [(4, 1)]  # 4 trajectories, n=1 each; not 2 prompts x 2
+    assert [e.turns for e in out.episodes] == [1] * 4
+
+
+def test_reset_seeds_fit_every_seeding_api(tiny_lm):
+    """A run seed >= 1 makes sampling seeds >= 2**32 (grpo.train.sampling_seed), which numpy's legacy
+    seeding refuses: every episode of such an environment ended as "error"."""
+    import numpy as np
+
+    from grpo.rollout.episodes import reset_seed
+    from grpo.train import sampling_seed
+
+    seeds = [reset_seed(sampling_seed(s, step, 0, 1, 8, 4), i) for s in (0, 1, 2**31 - 1) for step in (1, 2) for i in range(32)]
+    assert all(0 <= x < 2**31 for x in seeds) and len(set(seeds)) == len(seeds)
+    for x in seeds[:5]:
+        np.random.seed(x)
+    assert reset_seed(sampling_seed(1, 3, 0, 1, 8, 4), 5) == reset_seed(sampling_seed(1, 3, 0, 1, 8, 4), 5)
 
 
 def test_observation_logits_leave_loss_and_gradients_exactly_equal(tiny_lm):

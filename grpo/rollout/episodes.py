@@ -79,9 +79,14 @@ def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
 
 
 def reset_seed(seed: Optional[int], index: int) -> int:
-    """The seed an environment's `reset` gets: the step's sampling seed (a new one every step and rank,
-    the same again when a resumed run redoes the step) plus the trajectory's index."""
-    return (seed or 0) + index
+    """The seed an environment's `reset` gets, in [0, 2**31): the step's sampling seed (a new one every
+    step and rank, the same again when a resumed run redoes the step; grpo.train.sampling_seed, which is
+    2**32 or more for any run seed >= 1) plus the trajectory's index, mixed (splitmix64) and folded
+    into 31 bits, which every seeding API takes (numpy's legacy seeding refuses 2**32 and more)."""
+    x = ((seed or 0) + index * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) % 2**31
 
 
 def cut_middle(ids: list[int], limit: int, marker: list[int]) -> list[int]:
@@ -153,7 +158,11 @@ class EpisodeRunner:
                 elif not active:
                     break
                 seeded = replace(sampling, seed=turn_seed(sampling.seed, turn))
-                if turn == 1 and shared and len(active) == len(trajectories):
+                whole = turn == 1 and shared and len(active) == len(trajectories)
+                if turn == 1 and lockstep is not None:  # the request shape is collective too: one rank's failed
+                    # reset, opening observation or long prompt sends every rank to per-trajectory requests
+                    whole = not lockstep(int(not whole))
+                if whole:
                     out = generate(prompt_ids, n, seeded)
                 elif active:  # a pool's StickyRoutes keeps each trajectory on its first server
                     keys = {"keys": [t.index for t in active]} if getattr(generate, "takes_keys", False) else {}

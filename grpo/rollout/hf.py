@@ -136,6 +136,11 @@ class HFBackend(RolloutBackend):
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
         # at least 2 columns: shared_prefill caches all but the last, and every rank of a synced generate
         # must run it alike
+        if not prompt_ids:  # a rank with nothing to generate (evaluation with fewer prompts than ranks)
+            if not self.generate_is_collective:
+                return Rollouts([], [], [], self.weight_version)
+            self.generate([[self.pad_id, self.pad_id]], n, sampling)  # joins the others' synced forwards
+            return Rollouts([], [], [], self.weight_version)
         width = max(2, max(len(p) for p in prompt_ids))
         rows = [p for p in prompt_ids for _ in range(n)]
         ids_BL = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in rows])
