@@ -63,6 +63,8 @@ from grpo.dist import DistInfo, all_reduce_max, all_reduce_sum, barrier, broadca
 from grpo.dynamic_sampling import Scored, refill
 from grpo.eval import evaluate
 from grpo.export import export_hf
+from grpo.guards import StepGuard
+from grpo.layouts import layout_of
 from grpo.library_logs import quiet_library_logs
 from grpo.log import RunLogger
 from grpo.models import DTYPES, build_policy, build_reference, encode_prompts
@@ -336,6 +338,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         logger.log(0, before, console=True)
 
     gen_tokens_total, gen_time_total = 0, 0.0
+    guard = StepGuard()
     for step in range(r.start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
 
@@ -374,6 +377,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         # 4-6. logprobs, loss, backward and optimizer step(s); a colocated engine may sleep meanwhile
         r.rollout.sleep()
         stats = policy_update(r.strategy, batch, algo, sampled_budget(cfg), r.sampling.temperature, r.ref_model)
+        stats.update(guard.check(step, stats, layout_of(algo)))  # a non-finite step was skipped; a run of them stops
         t_update = time.perf_counter()
 
         # 7. push the new weights to the rollout engine(s)

@@ -307,6 +307,7 @@ def verify(overrides: list[str]) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] in ("-h", "--help"):
+        print("usage: python -m grpo.verify [HYDRA OVERRIDES ...]   (torchrun --nproc_per_node N -m grpo.verify ...)\n")
         print(__doc__)
         return
     sys.exit(exit_on_user_error(verify, args))

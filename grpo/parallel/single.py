@@ -80,7 +80,8 @@ class SingleStrategy(Strategy):
     def step(self) -> float:
         self.reduce_gradients()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
+        if torch.isfinite(norm):  # the norm after the cross-rank reduction: every rank skips alike (grpo/guards.py)
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
