@@ -446,10 +446,11 @@ def test_an_env_that_raises_in_training_ends_only_its_episodes(make_cfg):
 
 
 class Misconfigured(GuessEnv):
-    closed = 0
+    closed = resets = 0
 
     def reset(self, sample, seed):
-        if seed == 3:
+        Misconfigured.resets += 1
+        if Misconfigured.resets == 4:  # trajectory 3's reset (seeds are mixed: grpo.rollout.episodes.reset_seed)
             raise ConfigError("env.kwargs.url is wrong; set it to the server's")
         return super().reset(sample, seed)
 
@@ -461,7 +462,7 @@ def test_a_config_error_from_an_env_stops_the_run_and_every_env_is_closed(tiny_l
     """A setup mistake (grpo/envs/openenv.py: a server admitting too few sessions) is no episode's
     fault: it stops the run, where ending the episodes as "error" would train on nothing."""
     _, tok = tiny_lm
-    Misconfigured.closed = 0
+    Misconfigured.closed = Misconfigured.resets = 0
     with pytest.raises(ConfigError, match="env.kwargs.url"):
         runner(tok, make_env=Misconfigured).run(Scripted(tok, lambda p: "8"), prompts_of(tok, GUESS[:2]), GUESS[:2], 2,
                                                 Sampling(3))
