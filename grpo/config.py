@@ -169,6 +169,9 @@ class ParallelConfig:
     # the heartbeat (peer_timeout_s), not by this
     collective_timeout_s: float = 1800.0
     allreduce_bucket_mb: float = 25.0  # ddp: gradients all-reduced in buckets of this size (torch DDP's default)
+    # with several ranks: at step 1 and every this many steps the ranks compare a fingerprint of their
+    # weights and a mismatch stops the run (grpo/guards.py; one pass over the weights); 0 = never
+    check_ranks_every: int = 50
 
 
 @dataclass

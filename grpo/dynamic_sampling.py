@@ -33,16 +33,26 @@ class Scored:
     rollouts: object  # grpo.rollout.base.Rollouts, B = P x G completions, grouped by prompt
     completions: list[str]  # B decoded completions
     rewards_PG: torch.Tensor
-    reward_means: dict[str, float]  # reward/<function>: its mean over the completions
+    rewards_FB: dict[str, list[float | None]]  # each reward function's value per completion (None: unscored)
     generate_s: float = 0.0  # seconds generating (waiting for) the rollouts
     score_s: float = 0.0  # seconds decoding and scoring them
     generated_tokens: int = 0  # tokens generated for this batch (every draw's)
 
+    @property
+    def reward_means(self) -> dict[str, float]:
+        """reward/<function>: its mean over this batch's scored completions (after `refill`, the trained
+        groups', as reward/mean is)."""
+        means = {}
+        for name, values in self.rewards_FB.items():
+            scored = [v for v in values if v is not None]
+            means[f"reward/{name}"] = sum(scored) / len(scored) if scored else float("nan")
+        return means
+
 
 def take(batches: list[Scored], picks: list[tuple[int, int]], G: int) -> Scored:
     """The groups `picks` ((batch, group) pairs) of `batches`, as one batch. Every per-completion list
-    of the Rollouts is taken alike (a field added later comes along); times and tokens add up, and
-    each reward mean is the mean of the batches' means (equal sizes)."""
+    of the Rollouts and every reward function's values are taken alike (a field added later comes
+    along); times and tokens add up."""
     first = batches[0]
     rows = [(b, p * G + g) for b, p in picks for g in range(G)]
 
@@ -61,7 +71,7 @@ def take(batches: list[Scored], picks: list[tuple[int, int]], G: int) -> Scored:
         rollouts=rollouts,
         completions=[batches[b].completions[i] for b, i in rows],
         rewards_PG=torch.stack([batches[b].rewards_PG[p] for b, p in picks]),
-        reward_means={k: sum(b.reward_means[k] for b in batches) / len(batches) for k in first.reward_means},
+        rewards_FB={name: [batches[b].rewards_FB[name][i] for b, i in rows] for name in first.rewards_FB},
         generate_s=sum(b.generate_s for b in batches),
         score_s=sum(b.score_s for b in batches),
         generated_tokens=sum(b.generated_tokens for b in batches),

@@ -1,12 +1,19 @@
-"""Guards every run carries, cheap enough to stay on: a non-finite step is skipped and counted, and a
-run of them stops the run with what to try.
+"""Guards every run carries, cheap enough to stay on (docs/verify.md, "The step guards"):
 
-Where the skip happens: the strategy's `step` (grpo/parallel/single.py, and DDP through it) reads the
-gradient norm after the cross-rank reduction, so every rank sees the same norm and skips together:
-gradients dropped, no optimizer step, the learning-rate schedule still advanced (the step is spent,
-as a step on an empty batch is). DeepSpeed's bf16/fp32 step applies what it is given; under ZeRO the
-norm is read after it (a skip there is counted and stops the run the same way, but the step was
-taken: docs/verify.md).
+- a non-finite step is skipped and counted (`guard/skipped_steps`); a run of them stops the run with
+  what to try;
+- at step 1 and every `check_ranks_every` steps the ranks compare a fingerprint of their full weights;
+  a mismatch stops the run naming the ranks (a gradient that was not all-reduced, a rank that skipped
+  a step the others took);
+- a `sampler_diff` above its dtype's bound for several on-policy steps in a row warns, with the likely
+  causes (the sampler does not run the weights the trainer scores).
+
+Where the skip happens: `single` and `ddp` (grpo/parallel/single.py) read the gradient norm after the
+cross-rank reduction, so every rank sees the same norm and skips together: gradients dropped, no
+optimizer step, the learning-rate schedule still advanced (the step is spent, as a step on an empty
+batch is). DeepSpeed 0.19.8's ZeRO-2/3 optimizers do the same by themselves in fp32 and bf16 (an
+invalid global norm is an "overflow": gradients dropped, no step, the schedule held,
+`engine.was_step_applied()` False); grpo/parallel/zero.py reports such a step's norm as inf.
 """
 
 from __future__ import annotations
@@ -14,11 +21,18 @@ from __future__ import annotations
 import math
 import warnings
 
+import torch
+
+from grpo import dist
 from grpo.errors import ConfigError
 
 
 class NonFiniteSteps(ConfigError):
     """A run of non-finite steps: stops the run (a user-fixable error: the message says what to try)."""
+
+
+class RanksDiverged(RuntimeError):
+    """Ranks hold different weights after the same steps: the run is not data-parallel any more."""
 
 
 def finite(x: float) -> bool:
@@ -50,3 +64,90 @@ class StepGuard:
                       f"({self.skipped} so far, {self.in_a_row} in a row; {self.max_in_a_row} in a row stop the run)",
                       stacklevel=2)
         return {"guard/skipped_steps": self.skipped}
+
+
+def weight_fingerprint(buckets) -> float:
+    """A float64 digest of full weights given as buckets of (name, tensor) (a strategy's
+    `weight_buckets`: ZeRO-3 gathers them bucket by bucket, so every rank must call this together):
+    the k-th tensor's values weighted by a ramp from k + 1 to k + 2, so two tensors swapped or one
+    tensor's values shifted change it too."""
+    total, k = 0.0, 0
+    for bucket in buckets:
+        for _, t in bucket:
+            flat = t.detach().flatten().double()
+            ramp = torch.linspace(k + 1.0, k + 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
+            total += float(torch.dot(flat, ramp))
+            k += 1
+    return total
+
+
+def ranks_fingerprints(mine: float) -> tuple[list[float], list[int]]:
+    """Every rank's fingerprint (one all-reduce) -> (them in rank order, the ranks that differ from rank 0
+    beyond float64 summation noise)."""
+    every = dist.all_reduce_sum([mine * (i == dist.rank()) for i in range(dist.world_size())])
+    differ = [i for i, f in enumerate(every) if abs(f - every[0]) > 1e-9 * max(abs(every[0]), 1.0)]
+    return every, differ
+
+
+class RankCheck:
+    """At step 1 and every `every` steps (0: never), with more than one rank: the ranks' weight
+    fingerprints after the optimizer step must agree. The cost is one pass over the weights (under
+    ZeRO-3 one gather, as a weight sync does) and one small all-reduce, on those steps only."""
+
+    def __init__(self, every: int, world: int):
+        self.every = every if world > 1 else 0
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and (step == 1 or step % self.every == 0)
+
+    def check(self, step: int, buckets) -> None:
+        every, differ = ranks_fingerprints(weight_fingerprint(buckets))
+        if differ:
+            raise RanksDiverged(
+                f"after step {step} ranks {differ} hold weights that differ from rank 0's (fingerprints "
+                f"{', '.join(f'{f:.12g}' for f in every)}): data-parallel ranks must hold the same weights. A gradient "
+                f"that was not reduced across ranks, or a step taken on some ranks only, does this; "
+                f"python -m grpo.verify with the same overrides and processes checks it on one step.")
+
+
+# the largest |trainer - sampler| logprob of a sampled token (sampler_diff) a healthy run stays under,
+# by model.dtype: fp32 engines agree to ~1e-5 on CPU (TF32 attention on GPUs, ~1e-3); bf16 layouts and
+# kernels round apart by ~0.03-0.1 (docs/verify.md)
+SAMPLER_DIFF_BOUND = {"float32": 0.05, "bfloat16": 0.5, "float16": 0.5}
+
+
+class SamplerWatch:
+    """Warns (once) when `sampler_diff` stays above its bound for `in_a_row` on-policy steps in a row.
+    A stale batch (algo.max_staleness) was sampled by older weights on purpose: not counted."""
+
+    def __init__(self, dtype: str, in_a_row: int = 3):
+        self.bound, self.in_a_row, self.count, self.warned = SAMPLER_DIFF_BOUND.get(dtype, 0.5), in_a_row, 0, False
+
+    def check(self, step: int, sampler_diff: float, behind: int) -> None:
+        if behind > 0 or not finite(sampler_diff):
+            return
+        self.count = self.count + 1 if sampler_diff > self.bound else 0
+        if self.count >= self.in_a_row and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"step {step}: sampler_diff {sampler_diff:.3g} > {self.bound:g} for {self.count} on-policy steps in a row: "
+                f"the engines sample from something other than what the trainer scores. Likely causes: the weights "
+                f"do not reach the engines (time/sync_s near 0, weight_version not advancing), a generation setting "
+                f"the trainer does not apply (a model folder's generation_config, top_k/top_p, repetition penalty: "
+                f"docs/sampling.md), or the engine's dtype or kernels (rollout.vllm.dtype against model.dtype). "
+                f"python -m grpo.verify with the same overrides checks the sampler against the trainer.", stacklevel=2)
+
+
+class RunGuards:
+    """The guards of one run, called once per step after the update (before the weights are pushed)."""
+
+    def __init__(self, strategy, bucket_bytes: int, dtype: str, check_ranks_every: int, world: int):
+        self.strategy, self.bucket_bytes = strategy, bucket_bytes
+        self.steps, self.ranks, self.sampler = StepGuard(), RankCheck(check_ranks_every, world), SamplerWatch(dtype)
+
+    def after_update(self, step: int, stats: dict, layout: str, behind: int) -> dict[str, float]:
+        metrics = self.steps.check(step, stats, layout)
+        if self.ranks.due(step):
+            self.ranks.check(step, self.strategy.weight_buckets(self.bucket_bytes))
+        self.sampler.check(step, stats.get("sampler_diff", 0.0), behind)
+        return metrics

@@ -63,7 +63,7 @@ from grpo.dist import DistInfo, all_reduce_max, all_reduce_sum, barrier, broadca
 from grpo.dynamic_sampling import Scored, refill
 from grpo.eval import evaluate
 from grpo.export import export_hf
-from grpo.guards import StepGuard
+from grpo.guards import RunGuards
 from grpo.layouts import layout_of
 from grpo.library_logs import quiet_library_logs
 from grpo.log import RunLogger
@@ -233,7 +233,7 @@ class Run:
             info_B = {"completion_ids": rollouts.completion_ids}
         else:  # an episode's final turn, with the transcript, turns and the environment's reward
             completions, info_B = final_texts(rollouts), reward_info(rollouts)
-        rewards_FB, reward_means = score(
+        rewards_FB, _ = score(
             self.reward_fns, completions, [s for s in batch.samples for _ in range(self.G)], self.cfg.reward.timeout_s,
             max_new_tokens=self.cfg.rollout.max_new_tokens, **info_B,
         )
@@ -241,7 +241,8 @@ class Run:
         rewards_PG = combine_rewards(rewards_FB, [w for _, _, w in self.reward_fns]).view(self.P, self.G)
         sampled = (sum(sum(m) for m in rollouts.loss_masks) if rollouts.loss_masks is not None
                    else sum(len(c) for c in rollouts.completion_ids))  # observation tokens aside
-        return Scored(batch.samples, batch.prompt_ids, rollouts, completions, rewards_PG, reward_means,
+        by_name = {name: values for (name, _, _), values in zip(self.reward_fns, rewards_FB)}
+        return Scored(batch.samples, batch.prompt_ids, rollouts, completions, rewards_PG, by_name,
                       generate_s=t_gen - t0, score_s=time.perf_counter() - t_gen, generated_tokens=sampled)
 
     def draw_more(self, step: int, k: int) -> Scored:
@@ -338,7 +339,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         logger.log(0, before, console=True)
 
     gen_tokens_total, gen_time_total = 0, 0.0
-    guard = StepGuard()
+    guards = RunGuards(r.strategy, r.bucket_bytes, cfg.model.dtype, cfg.parallel.check_ranks_every, info.world_size)
     for step in range(r.start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
 
@@ -377,7 +378,8 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         # 4-6. logprobs, loss, backward and optimizer step(s); a colocated engine may sleep meanwhile
         r.rollout.sleep()
         stats = policy_update(r.strategy, batch, algo, sampled_budget(cfg), r.sampling.temperature, r.ref_model)
-        stats.update(guard.check(step, stats, layout_of(algo)))  # a non-finite step was skipped; a run of them stops
+        # a non-finite step was skipped (a run of them stops); ranks' weights compared; a drifting sampler warned
+        stats.update(guards.after_update(step, stats, layout_of(algo), staleness(step - 1, rollouts.weight_version)))
         t_update = time.perf_counter()
 
         # 7. push the new weights to the rollout engine(s)

@@ -46,6 +46,7 @@ from grpo.batch import batch_advantages, collate
 from grpo.cli import exit_on_user_error
 from grpo.config import compose_config, validate
 from grpo.cpus import configure_threads
+from grpo.guards import ranks_fingerprints, weight_fingerprint
 from grpo.layouts import LAYOUTS, layout_of
 from grpo.library_logs import quiet_library_logs
 from grpo.model_support import runnable_layout
@@ -195,21 +196,8 @@ def layout_checks(r, batch, tol_logp: float, tol_grad: float) -> list[Check]:
     return results
 
 
-def fingerprint(r) -> float:
-    """A float64 digest of the full weights (ZeRO-3 gathers them bucket by bucket): sums weighted by
-    a fixed sequence, so a swapped or shifted tensor changes it too."""
-    total = 0.0
-    for bucket in r.strategy.weight_buckets(r.bucket_bytes):
-        for _, t in bucket:
-            flat = t.detach().double().flatten().cpu()
-            total += float((flat * torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64)).sum())
-    return total
-
-
 def ranks_check(r) -> Check:
-    mine = fingerprint(r)
-    every = dist.all_reduce_sum([mine * (i == dist.rank()) for i in range(dist.world_size())])
-    differ = [i for i, f in enumerate(every) if abs(f - every[0]) > 1e-9 * max(abs(every[0]), 1.0)]
+    every, differ = ranks_fingerprints(weight_fingerprint(r.strategy.weight_buckets(r.bucket_bytes)))
     if len(every) == 1:
         return Check("ranks", "SKIP", "one process: nothing to compare")
     return check("ranks", not differ, f"weight fingerprints after a step, rank by rank: {', '.join(f'{f:.10g}' for f in every)}"

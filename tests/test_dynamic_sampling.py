@@ -32,7 +32,7 @@ def scored(tag: str, rewards_PG: list[list[float]], wait: float = 1.0) -> Scored
                               engine_wait_s=wait, loss_masks=[[1, 0, 1] if i % 2 else [1] for i in range(P * G)])
     rewards = torch.tensor(rewards_PG, dtype=torch.float32)
     return Scored([f"{tag}{p}" for p in range(P)], [[p] for p in range(P)], rollouts, names, rewards,
-                  {"reward/f": float(rewards.mean())}, generate_s=1.0, score_s=0.5, generated_tokens=P * G)
+                  {"f": rewards.flatten().tolist()}, generate_s=1.0, score_s=0.5, generated_tokens=P * G)
 
 
 def never(_):
@@ -57,7 +57,8 @@ def test_refill_takes_the_first_p_informative_groups_in_draw_order():
     # 3 informative of the 6 groups drawn; the reward over all 12 completions drawn: 3 + 4 ones / 12
     assert m == {"dynamic/draws": 2.0, "dynamic/informative_frac": 0.5, "dynamic/trained_informative": 3.0,
                  "dynamic/reward_mean_drawn": pytest.approx(7 / 12)}
-    assert out.reward_means == {"reward/f": pytest.approx((3 / 6 + 4 / 6) / 2)}
+    # reward/f over the trained groups, as reward/mean: a1, b0, b2 hold 3 ones in 6 (not the drawn 7 / 12)
+    assert out.reward_means == {"reward/f": pytest.approx(3 / 6)}
 
 
 def test_refill_stops_at_max_draws_and_fills_with_the_first_batchs_flat_groups():

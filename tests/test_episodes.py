@@ -24,6 +24,7 @@ from grpo.rollout.base import Rollouts, Sampling
 from grpo.rollout.episodes import Budget, EpisodeRunner, cut_middle, turn_seed
 from grpo.rollout.render import ChatRender, RawRender
 from grpo.tasks.base import Sample
+from tests.parity import EndsAtTurnOne
 
 GUESS = [Sample("Guess 1-15:", str(s)) for s in range(1, 16)]
 
@@ -119,21 +120,10 @@ def test_an_episode_ending_at_turn_one_is_exactly_generate_on_hf(tiny_lm):
     torch.manual_seed(3)
     plain = backend.generate(prompts, 4, sampling)
     torch.manual_seed(3)
-    one = runner(tok, make_env=lambda: OneTurn(), max_new=6).run(backend.generate, prompts, samples, 4, sampling)
+    one = runner(tok, make_env=lambda: EndsAtTurnOne(), max_new=6).run(backend.generate, prompts, samples, 4, sampling)
     assert one.completion_ids == plain.completion_ids and one.logprobs == plain.logprobs
     assert one.finish_reasons == [("length" if r == "length" else "stop") for r in plain.finish_reasons]
     assert all(m == [1] * len(ids) for m, ids in zip(one.loss_masks, one.completion_ids))
-
-
-class OneTurn:
-    def reset(self, sample, seed):
-        return None
-
-    def step(self, action):
-        return Step(None, 0.0, True)
-
-    def close(self):
-        pass
 
 
 class Recording(GuessEnv):
@@ -207,7 +197,7 @@ def test_lockstep_keeps_calling_generate_while_another_rank_is_active(tiny_lm):
         turns.append(value)
         return value > 0 or 3 <= len(turns) <= 5
 
-    out = runner(tok, make_env=lambda: OneTurn()).run(gen, prompts_of(tok, GUESS[:2]), GUESS[:2], 1, Sampling(3), lockstep)
+    out = runner(tok, make_env=lambda: EndsAtTurnOne()).run(gen, prompts_of(tok, GUESS[:2]), GUESS[:2], 1, Sampling(3), lockstep)
     assert len(gen.requests) == 4 and turns == [2, 0, 0, 0, 0, 0]
     assert [len(r[0]) for r in gen.requests[1:]] == [1, 1, 1]  # throwaway requests: one prompt each,
     assert [r[2] for r in gen.requests] == [3, 3, 3, 3]  # with the others' sampling (one engine schedule under TP)
@@ -226,7 +216,7 @@ def test_the_turn_one_request_shape_is_collective(tiny_lm):
         calls.append(value)
         return True if len(calls) == 2 else value > 0
 
-    out = runner(tok, make_env=lambda: OneTurn()).run(gen, prompts_of(tok, GUESS[:2]), GUESS[:2], 2, Sampling(3), lockstep)
+    out = runner(tok, make_env=lambda: EndsAtTurnOne()).run(gen, prompts_of(tok, GUESS[:2]), GUESS[:2], 2, Sampling(3), lockstep)
     assert calls[:2] == [4, 0]
     assert [(len(r[0]), r[1]) for r in gen.requests[:1]] == [(4, 1)]  # 4 trajectories, n=1 each; not 2 prompts x 2
     assert [e.turns for e in out.episodes] == [1] * 4

@@ -205,10 +205,11 @@ def test_the_server_job_is_cancelled_on_every_way_out(tmp_path, monkeypatch, way
     assert "scancel --signal=INT 4242" in calls.read_text()
 
 
-def test_train_remote_sbatch_places_its_server_where_nccl_and_vllm_accept_it():
+def test_train_remote_sbatch_gives_a_server_node_its_gpus_and_keeps_trainers_off_them():
     """slurm/train_remote.sbatch evaluates `python -m grpo.slurm server-layout GPUS TRAIN_TASKS SHARED`:
-    a server node's GPUs go to one engine with a matching tensor-parallel size (REVIEW M2); in the
-    one-node mode the server never shares a GPU with a trainer rank over NCCL (H1)."""
+    a server node's GPUs go to one engine whose tensor-parallel size is its GPU count (REVIEW M2); in
+    the one-node mode the server never shares a GPU with a trainer rank over NCCL (H1). Whether the
+    model's heads divide that size is not checked here (no model is named: issue 35)."""
     from grpo.slurm import remote_server_layout
 
     assert remote_server_layout(8, 8, shared=False) == {"SERVER_DEVICES": "", "SERVER_TP": "8", "SERVER_MEMORY": "", "TRANSFER": "auto"}

@@ -48,8 +48,13 @@ def test_the_old_layout_failed_where_this_one_holds():
     assert sampling_seed(20251123, 0, 0, 1, 32, 16) <= INT64_MAX
 
 
-def test_a_resumed_step_draws_the_same_seeds():
-    assert sampling_seed(3, 41, 1, 2, 16, 16) == sampling_seed(3, 41, 1, 2, 16, 16)
+def test_a_steps_seed_by_value():
+    """Run seed 3, step 41, rank 1 of 2, 16 prompts x 16: 3 * 2**32 + (41 * 2 + 1) * 256 = 12884901888 + 21248.
+    The seed depends on nothing but these numbers, so a resumed run redoing step 41 draws the same
+    streams (that a resumed run draws the same prompts and metrics is
+    tests/test_dynamic_sampling.py::test_dynamic_sampling_run_resumes_drawing_the_same_prompts and grpo.verify's resume)."""
+    assert sampling_seed(3, 41, 1, 2, 16, 16) == 12_884_923_136
+    assert sampling_seed(3, 41, 0, 2, 16, 16) == 12_884_923_136 - 256  # rank 0's streams just before
 
 
 def test_servers_get_one_request_per_prompt_with_its_own_seed():

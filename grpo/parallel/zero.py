@@ -48,7 +48,7 @@ def deepspeed_config(cfg, algo, stage: int, dtype: torch.dtype) -> dict:
         "managed_gradient_accumulation": False,
         "gradient_clipping": algo.max_grad_norm,
         "zero_optimization": {"stage": stage},
-        "bf16": {"enabled": dtype == torch.bfloat16},
+        "bf16": {"enabled": dtype == torch.bfloat16, "check_grad_overflow": True},  # a NaN/inf norm skips the step (guards.py)
         "fp16": {"enabled": False},
         # bf16 parameters, fp32 gradients: the loop's many micro-batches (lockstep padding included)
         # are summed and reduce-scattered in fp32, as under single/ddp; without this DeepSpeed
@@ -203,7 +203,12 @@ class ZeroStrategy(Strategy):
         self.engine.backward(loss * self.world, scale_wrt_gas=False)
 
     def step(self) -> float:
+        """DeepSpeed's step; an invalid global gradient norm (NaN, inf) is an overflow to its ZeRO
+        optimizers in fp32 and bf16 alike: no update on any rank (the norm is all-reduced), gradients
+        dropped, the schedule held. Such a step reports an inf norm (grpo/guards.py counts it)."""
         self.engine.step()
+        if not self.engine.was_step_applied():
+            return float("inf")
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 

@@ -12,7 +12,9 @@ environment reads is decoded from them, but the sequence keeps the ids themselve
 Budgets, checked before every request: `max_turns`; each turn `rollout.max_new_tokens`; the span
 (`env.max_total_tokens`, sampled + observation tokens), and prompt + span + a whole next turn within
 the engine's context (`max_context`). A trajectory with no room for a whole next turn ends as
-"length", its last observation not added. A turn cut off by `max_new_tokens` ends the episode as
+"length" (`out_of_budget`: not cut, so `algo.mask_truncated` keeps it); the observation it last got
+stays at the end of its span, masked, so a span may pass `max_total_tokens` by up to
+`env.max_observation_tokens`. A turn cut off by `max_new_tokens` ends the episode as
 "length" and never reaches the environment. Observations longer than `env.max_observation_tokens`
 are cut in the middle.
 

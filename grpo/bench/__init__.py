@@ -3,10 +3,10 @@ benchmark, each printing its tables and writing a JSON report (`--out`, default
 bench_results/COMMAND.json; the default `run`'s is bench_results/bench.json). Without a command:
 `run`. `python -m grpo.bench COMMAND --help` lists a command's options.
 
-Each command's code is its own module: grpo/bench_steps.py (run), bench_async.py, bench_lora.py,
-bench_shared_cores.py, bench_warm_start.py, bench_memory.py (update-memory, hf-scores), bench_zero3.py
-(zero3-memory), bench_packing.py (update-packing), bench_trl.py (vs-trl); bench_runs.py holds what their trainings share and
-bench_report.py their tables and JSON.
+Each command's code is its own module of this package: steps.py (run, with sync.py), asynchronous.py,
+lora.py, shared_cores.py, warm_start.py, memory.py (update-memory, hf-scores), zero3.py (zero3-memory),
+packing.py (update-packing), vs_trl.py (vs-trl); runs.py holds what their trainings share and report.py
+their tables and JSON. This file is the dispatcher and imports no benchmark.
 """
 
 from __future__ import annotations
@@ -28,62 +28,62 @@ def csv(text: str, kind=str) -> list:
 
 
 def run(args):
-    from grpo.bench_steps import report_run
+    from grpo.bench.steps import report_run
 
     return report_run(csv(args.backends), args.steps, args.sync_repeats, csv(args.parallel), csv(args.zero3_buckets, float),
                       args.overrides)
 
 
 def run_async(args):
-    from grpo.bench_async import report_async
+    from grpo.bench.asynchronous import report_async
 
     return report_async(args.steps, args.learn_steps, args.engine_cores, args.overrides)
 
 
 def run_lora(args):
-    from grpo.bench_lora import report_lora
+    from grpo.bench.lora import report_lora
 
     return report_lora()
 
 
 def run_shared_cores(args):
-    from grpo.bench_shared_cores import report_shared_cores
+    from grpo.bench.shared_cores import report_shared_cores
 
     return report_shared_cores(args.steps, args.overrides)
 
 
 def run_warm_start(args):
-    from grpo.bench_warm_start import report_warm_start
+    from grpo.bench.warm_start import report_warm_start
 
     return report_warm_start(csv(args.seeds, int), args.settings)
 
 
 def run_update_memory(args):
-    from grpo.bench_memory import report_update_memory
+    from grpo.bench.memory import report_update_memory
 
     return report_update_memory(args.layers)
 
 
 def run_hf_scores(args):
-    from grpo.bench_memory import report_hf_scores
+    from grpo.bench.memory import report_hf_scores
 
     return report_hf_scores(args.layers)
 
 
 def run_zero3_memory(args):
-    from grpo.bench_zero3 import report_zero3_memory
+    from grpo.bench.zero3 import report_zero3_memory
 
     return report_zero3_memory(args.rows, args.tokens)
 
 
 def run_update_packing(args):
-    from grpo.bench_packing import report_update_packing
+    from grpo.bench.packing import report_update_packing
 
     return report_update_packing(args.layers, args.prompts, args.group, args.repeats)
 
 
 def run_vs_trl(args):
-    from grpo.bench_trl import report_trl
+    from grpo.bench.vs_trl import report_trl
 
     return report_trl(args.steps, args.overrides)
 
@@ -164,11 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     import torch
 
-    from grpo.bench_report import publish
+    from grpo.bench.report import publish
 
     torch.manual_seed(0)
     publish(args.out, *args.fn(args))
 
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """`python -m grpo.bench update-memory` and `hf-scores`: the memory that a real vocabulary
 costs, before and after, each measurement in a fresh process of this module
-(`python -m grpo.bench_memory WORKER MODE OUT`) so each starts from the same resting memory.
+(`python -m grpo.bench.memory WORKER MODE OUT`) so each starts from the same resting memory.
 
 Both run on a synthetic model with SmolLM2-135M's body (hidden 576, 9 heads, 3 KV heads, MLP 1536)
 and Qwen2.5's 151,936-token vocabulary, built in code (no download), with `--layers` of the body's 30
@@ -157,7 +157,7 @@ def run_workers(worker: str, modes: list[str], layers: int) -> list[dict]:
     for mode in modes:
         print(f"bench: {worker} {mode}", flush=True)
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            subprocess.run([sys.executable, "-m", "grpo.bench_memory", worker, mode, f.name, str(layers)], check=True,
+            subprocess.run([sys.executable, "-m", "grpo.bench.memory", worker, mode, f.name, str(layers)], check=True,
                            env={**os.environ, **ALLOCATOR})
             rows.append(json.load(open(f.name)))
     return rows
@@ -199,7 +199,7 @@ def report_hf_scores(layers: int) -> tuple[dict, list]:
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m grpo.bench_memory",
+    parser = argparse.ArgumentParser(prog="python -m grpo.bench.memory",
                                      description="One measurement in a fresh process; `python -m grpo.bench "
                                                  "update-memory` and `hf-scores` run one per mode.")
     parser.add_argument("worker", choices=["update", "hf"])

@@ -1,6 +1,6 @@
 """`python -m grpo.bench update-packing`: the update phase padded against packed (`algo.packing`)
 against packed with each prompt once per tree of its completions (`algo.shared_prompt`), on SmolLM2-135M with a realistic spread of lengths, each mode in a fresh process of this module
-(`python -m grpo.bench_packing MODE OUT ...`) so each starts from the same resting memory.
+(`python -m grpo.bench.packing MODE OUT ...`) so each starts from the same resting memory.
 
 The workload: `--prompts` prompts of 40-160 tokens, `--group` completions each, of 4 to 400 tokens
 (log-uniform: most short, a few long, as sampled completions are), random token ids, seeded; the
@@ -60,7 +60,7 @@ def forward_tokens(batch, max_tokens: int, layout: str) -> int:
 
 
 def update_worker(mode: str, out: str, layers: int, prompts: int, group: int) -> None:
-    from grpo.bench_memory import PeakRSS
+    from grpo.bench.memory import PeakRSS
     from grpo.config import AlgoConfig, ParallelConfig
     from grpo.models import ensure_packaged_model, load_model
     from grpo.parallel.single import SingleStrategy
@@ -96,14 +96,14 @@ def update_worker(mode: str, out: str, layers: int, prompts: int, group: int) ->
 
 
 def bench_update_packing(layers: int, prompts: int, group: int, repeats: int) -> list[dict]:
-    from grpo.bench_memory import ALLOCATOR
+    from grpo.bench.memory import ALLOCATOR
 
     rows = []
     for r in range(repeats):  # modes alternate, so a change in the machine's load falls on both
         for mode in MODES:
             print(f"bench: update-packing {mode} (repeat {r + 1} of {repeats})", flush=True)
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
-                subprocess.run([sys.executable, "-m", "grpo.bench_packing", mode, f.name, str(layers), str(prompts),
+                subprocess.run([sys.executable, "-m", "grpo.bench.packing", mode, f.name, str(layers), str(prompts),
                                 str(group)], check=True, env={**os.environ, **ALLOCATOR})
                 rows.append({**json.load(open(f.name)), "repeat": r + 1})
     for row in rows:
@@ -126,7 +126,7 @@ def report_update_packing(layers: int, prompts: int, group: int, repeats: int) -
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m grpo.bench_packing",
+    parser = argparse.ArgumentParser(prog="python -m grpo.bench.packing",
                                      description="One update in a fresh process; `python -m grpo.bench update-packing` "
                                                  "runs one per mode.")
     parser.add_argument("mode", choices=MODES)

@@ -1,7 +1,7 @@
 """`python -m grpo.bench warm-start`: steps until the tiny model's warm start reaches its target,
 per seed, under numerically different settings of this machine (torch's AVX2 kernels against its
 default, one thread against the default). Each setting runs in a fresh process of this module
-(`python -m grpo.bench_warm_start OUT SEEDS`), since ATEN_CPU_CAPABILITY is read once at start."""
+(`python -m grpo.bench.warm_start OUT SEEDS`), since ATEN_CPU_CAPABILITY is read once at start."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def bench_warm_start(seeds: list[int], settings: list[str]) -> list[dict]:
         for name in settings:
             print(f"bench: warm starts of seeds {seeds}, setting {name}", flush=True)
             out = os.path.join(tmp, f"{name}.json")
-            subprocess.run([sys.executable, "-m", "grpo.bench_warm_start", out, ",".join(map(str, seeds))],
+            subprocess.run([sys.executable, "-m", "grpo.bench.warm_start", out, ",".join(map(str, seeds))],
                            check=True, env={**os.environ, **SETTINGS[name]})
             rows += [{"setting": name, **r} for r in json.load(open(out))]
     return rows
@@ -73,7 +73,7 @@ def report_warm_start(seeds: list[int], settings: str | None) -> tuple[dict, lis
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m grpo.bench_warm_start",
+    parser = argparse.ArgumentParser(prog="python -m grpo.bench.warm_start",
                                      description="One setting's warm starts, in this process's numerics; "
                                                  "`python -m grpo.bench warm-start` runs one per setting.")
     parser.add_argument("out", help="the JSON file the rows are written to")

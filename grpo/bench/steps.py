@@ -1,7 +1,7 @@
 """`python -m grpo.bench run` (the default): rollout throughput and the step-time breakdown per backend
 (for `remote` a local `grpo.serve` started first), weight-sync cost per bucket size, step time per
 parallel strategy (`single` as one process, the others as 2 torchrun processes), and ZeRO-3's gather
-cost against bucket size (grpo/bench_sync.py)."""
+cost against bucket size (grpo/bench/sync.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import contextlib
 
 import torch
 
-from grpo.bench_runs import bench_backend, bench_parallel, peak_rss_mb, served, tiny_model_path
-from grpo.bench_sync import bench_sync, bench_zero3_sync
+from grpo.bench.runs import bench_backend, bench_parallel, peak_rss_mb, served, tiny_model_path
+from grpo.bench.sync import bench_sync, bench_zero3_sync
 
 
 def report_run(backends: list[str], steps: int, sync_repeats: int, strategies: list[str], zero3_buckets: list[float],

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from grpo.bench_runs import bench_parallel
+from grpo.bench.runs import bench_parallel
 
 
 def bench_shared_cores(steps: int, extra: list[str]) -> list[dict]:

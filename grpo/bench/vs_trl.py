@@ -9,7 +9,7 @@ import statistics
 import tempfile
 import time
 
-from grpo.bench_runs import bench_backend, compose, tiny_model_path
+from grpo.bench.runs import bench_backend, compose, tiny_model_path
 
 
 def bench_trl(steps: int, ours: dict, overrides: list[str]) -> dict:

@@ -9,7 +9,7 @@ import statistics
 import tempfile
 import time
 
-from grpo.bench_runs import QUIET, backend_overrides, compose, metrics_rows, pinned, served, tiny_model_path
+from grpo.bench.runs import QUIET, backend_overrides, compose, metrics_rows, pinned, served, tiny_model_path
 
 
 def bench_async(steps: int, learn_steps: int, engine_cores: int, extra: list[str]) -> tuple[list[dict], list[dict]]:

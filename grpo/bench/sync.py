@@ -2,7 +2,7 @@
 into an engine per bucket size (and one tensor per bucket, how TRL and OpenRLHF send them), and
 ZeRO-3's gather of a SmolLM2-135M-shaped model from its shards on 2 processes, bucket by bucket, with
 the peak memory above the resting state. The gather runs under torchrun as this module
-(`python -m grpo.bench_sync OUT BUCKETS`)."""
+(`python -m grpo.bench.sync OUT BUCKETS`)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from grpo.bench_memory import PeakRSS
-from grpo.bench_runs import backend_overrides, compose, tiny_model_path
+from grpo.bench.memory import PeakRSS
+from grpo.bench.runs import backend_overrides, compose, tiny_model_path
 
 
 def bench_sync(backend_name: str, bucket_mb: list[float], repeats: int, url: str | None = None) -> list[dict]:
@@ -99,7 +99,7 @@ def zero3_sync_worker(bucket_mbs: list[float], out: str) -> None:
 
 def bench_zero3_sync(bucket_mbs: list[float]) -> list[dict]:
     out = os.path.join(tempfile.mkdtemp(prefix="bench-zero3-sync-"), "sync.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "grpo.bench_sync",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "grpo.bench.sync",
            out, ",".join(map(str, bucket_mbs))]
     print(f"bench: ZeRO-3 gather on 2 processes, buckets {bucket_mbs} MB", flush=True)
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -112,7 +112,7 @@ def bench_zero3_sync(bucket_mbs: list[float]) -> list[dict]:
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m grpo.bench_sync",
+    parser = argparse.ArgumentParser(prog="python -m grpo.bench.sync",
                                      description="One rank of the ZeRO-3 gather, under torchrun; "
                                                  "`python -m grpo.bench run` starts 2 of them.")
     parser.add_argument("out", help="the JSON file rank 0 writes the rows to")

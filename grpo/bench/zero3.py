@@ -24,7 +24,7 @@ import tempfile
 
 import torch
 
-from grpo.bench_memory import PeakRSS
+from grpo.bench.memory import PeakRSS
 
 SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
              num_key_value_heads=3, tie_word_embeddings=True, max_position_embeddings=512)
@@ -109,7 +109,7 @@ def bench_zero3_memory(rows: int = 4, tokens: int = 32) -> tuple[list[dict], flo
         out = os.path.join(folder, f"{mode}-{beta}.json")
         print(f"bench: ZeRO-3 memory, {mode}, beta {beta}, on 2 processes", flush=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-               "grpo.bench_zero3", "--worker", folder, mode, str(beta), out, "--rows", str(rows), "--tokens", str(tokens)]
+               "grpo.bench.zero3", "--worker", folder, mode, str(beta), out, "--rows", str(rows), "--tokens", str(tokens)]
         res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if res.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"ZeRO-3 memory bench ({mode}, beta={beta}) failed:\n{res.stderr[-3000:]}")
@@ -127,7 +127,7 @@ def report_zero3_memory(rows: int = 4, tokens: int = 32) -> tuple[dict, list]:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="python -m grpo.bench_zero3", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m grpo.bench.zero3", description=__doc__.split("\n\n")[0])
     p.add_argument("--worker", nargs=4, metavar=("FOLDER", "MODE", "BETA", "OUT"),
                    help="one case on this rank, under torchrun (without it: every case, as `grpo.bench zero3-memory`)")
     p.add_argument("--rows", type=int, default=4)
@@ -138,6 +138,6 @@ if __name__ == "__main__":
         folder, mode, beta, out = args.worker
         worker(folder, mode, float(beta), out, args.rows, args.tokens)
     else:
-        from grpo.bench_report import publish
+        from grpo.bench.report import publish
 
         publish(args.out, *report_zero3_memory(args.rows, args.tokens))

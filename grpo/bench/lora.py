@@ -1,6 +1,6 @@
 """`python -m grpo.bench lora`: LoRA against full fine-tuning on smollm2-135m: step time, step memory,
 and the sync into a colocated engine (bytes, seconds, the first generation after it). Each mode runs
-in a fresh process of this module (`python -m grpo.bench_lora MODE OUT`), so each starts from the
+in a fresh process of this module (`python -m grpo.bench.lora MODE OUT`), so each starts from the
 same resting memory."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from grpo.bench_memory import PeakRSS
-from grpo.bench_runs import compose
+from grpo.bench.memory import PeakRSS
+from grpo.bench.runs import compose
 
 
 def lora_worker(mode: str, out: str, rows: int = 8, prompt: int = 64, completion: int = 64, steps: int = 3) -> None:
@@ -74,7 +74,7 @@ def bench_lora() -> list[dict]:
     for mode in ("full", "lora"):
         print(f"bench: smollm2-135m, {mode}", flush=True)
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            subprocess.run([sys.executable, "-m", "grpo.bench_lora", mode, f.name], check=True)
+            subprocess.run([sys.executable, "-m", "grpo.bench.lora", mode, f.name], check=True)
             rows.append(json.load(open(f.name)))
     return rows
 
@@ -90,7 +90,7 @@ def report_lora() -> tuple[dict, list]:
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m grpo.bench_lora",
+    parser = argparse.ArgumentParser(prog="python -m grpo.bench.lora",
                                      description="One mode's measurement in a fresh process; "
                                                  "`python -m grpo.bench lora` runs one per mode.")
     parser.add_argument("mode", choices=["full", "lora"])
