@@ -298,6 +298,47 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
     return r
 
 
+def finished(r: Run) -> dict:
+    """A run folder that already holds every step and its summary: export if a stop came before
+    that, and return the summary."""
+    if r.info.is_main:
+        print(f"{r.run_dir} already finished {r.start} steps; raise `steps` to train further.")
+    if r.cfg.export_model and not os.path.exists(os.path.join(r.run_dir, "model", "config.json")):
+        export_hf(r.strategy, r.tokenizer, os.path.join(r.run_dir, "model"), r.bucket_bytes)  # stopped before it
+    with open(os.path.join(r.run_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+def step_metrics(scored: Scored, stats: dict, step: int, lr: float, times: dict[str, float]) -> dict[str, float]:
+    """What one step logs: the trained groups' rewards, the update's statistics (`stats`, with dynamic
+    sampling's), lengths, staleness, throughput and the phases' seconds (`times`, with `step_s`)."""
+    rollouts, rewards_PG = scored.rollouts, scored.rewards_PG
+    valid = rewards_PG[~torch.isnan(rewards_PG)]
+    n_tokens = scored.generated_tokens  # every draw's sampled tokens (an episode's observations aside)
+    lengths = ([sum(m) for m in rollouts.loss_masks] if rollouts.loss_masks is not None
+               else [len(c) for c in rollouts.completion_ids])
+    return {
+        "reward/mean": float(valid.mean()) if valid.numel() else float("nan"),
+        "reward/std": float(valid.std()) if valid.numel() > 1 else 0.0,
+        "reward/zero_std_frac": float(zero_std_groups(rewards_PG).float().mean()),
+        **scored.reward_means,  # reward/<function>, over the same trained groups
+        **stats,
+        "completion_len": sum(lengths) / len(lengths),
+        **(episode_metrics(rollouts) if rollouts.episodes is not None else {}),
+        "truncated_frac": sum(reason == "length" for reason in rollouts.finish_reasons) / len(rollouts.finish_reasons),
+        "weight_version": rollouts.weight_version,
+        # versions the sampler was behind the trainer (one version per batch: mean = max per
+        # rank; every rank's batch comes from the same push)
+        "async/staleness_mean": staleness(step - 1, rollouts.weight_version),
+        "async/staleness_max": staleness(step - 1, rollouts.weight_version),
+        "time/engine_wait_s": rollouts.engine_wait_s,  # the engines, idle before it (waiting for weights)
+        "lr": lr,
+        "tokens_per_s": n_tokens / times["step_s"],
+        "gen_tokens_per_s": n_tokens / times["time/generate_s"],
+        **times,
+    }
+
+
 def stop_after(r: Run, step: int, stop_signal: StopSignal) -> None:
     """A stop signal, once `step`'s checkpoint is written: close, then exit or requeue (grpo/preempt.py)."""
     r.logger.close()
@@ -322,12 +363,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     r = setup(cfg, info, cleanup)
     algo, G, P = cfg.algo, r.G, r.P
     if r.start >= cfg.steps and os.path.exists(os.path.join(r.run_dir, "summary.json")):
-        if info.is_main:
-            print(f"{r.run_dir} already finished {r.start} steps; raise `steps` to train further.")
-        if cfg.export_model and not os.path.exists(os.path.join(r.run_dir, "model", "config.json")):
-            export_hf(r.strategy, r.tokenizer, os.path.join(r.run_dir, "model"), r.bucket_bytes)  # stopped before it
-        with open(os.path.join(r.run_dir, "summary.json")) as f:
-            return json.load(f)
+        return finished(r)
     r.logger = logger = RunLogger(cfg.logger, r.run_dir, cfg.steps, resolved_config(cfg, r.run_dir), enabled=info.is_main,
                                   resume_step=r.start if r.checkpoint_path else None)
     cleanup.callback(logger.close)
@@ -387,37 +423,11 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         t_end = time.perf_counter()
 
         # 8. metrics, samples, evaluation, checkpoint
-        n_tokens = scored.generated_tokens  # every draw's sampled tokens (an episode's observations aside)
-        gen_tokens_total += n_tokens
+        gen_tokens_total += scored.generated_tokens  # every draw's sampled tokens (an episode's observations aside)
         gen_time_total += generate_s
-        valid = rewards_PG[~torch.isnan(rewards_PG)]
-        metrics = {
-            "reward/mean": float(valid.mean()) if valid.numel() else float("nan"),
-            "reward/std": float(valid.std()) if valid.numel() > 1 else 0.0,
-            "reward/zero_std_frac": float(flat_P.float().mean()),
-            **scored.reward_means,
-            **stats,
-            **draw_metrics,
-            "completion_len": sum(sum(m) for m in rollouts.loss_masks) / len(rollouts.completion_ids)
-            if rollouts.loss_masks is not None else sum(len(c) for c in rollouts.completion_ids) / len(rollouts.completion_ids),
-            **(episode_metrics(rollouts) if rollouts.episodes is not None else {}),
-            "truncated_frac": sum(reason == "length" for reason in rollouts.finish_reasons) / len(rollouts.finish_reasons),
-            "weight_version": rollouts.weight_version,
-            # versions the sampler was behind the trainer (one version per batch: mean = max per
-            # rank; every rank's batch comes from the same push)
-            "async/staleness_mean": staleness(step - 1, rollouts.weight_version),
-            "async/staleness_max": staleness(step - 1, rollouts.weight_version),
-            "time/wait_for_data_s": wait_s,  # the trainer, waiting for this batch
-            "time/engine_wait_s": rollouts.engine_wait_s,  # the engines, idle before it (waiting for weights)
-            "lr": r.strategy.lr,
-            "tokens_per_s": n_tokens / (t_end - t0),
-            "gen_tokens_per_s": n_tokens / generate_s,
-            "step_s": t_end - t0,
-            "time/generate_s": generate_s,
-            "time/score_s": scored.score_s,
-            "time/update_s": t_update - t_score,
-            "time/sync_s": t_end - t_update,
-        }
+        metrics = step_metrics(scored, {**stats, **draw_metrics}, step, r.strategy.lr, {
+            "time/wait_for_data_s": wait_s, "time/generate_s": generate_s, "time/score_s": scored.score_s,
+            "time/update_s": t_update - t_score, "time/sync_s": t_end - t_update, "step_s": t_end - t0})
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
             metrics.update(evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.episodes))
         logger.log(step, reduce_metrics(metrics, info))

@@ -414,3 +414,16 @@ def test_nccl_sender_speaks_vllms_receiver(monkeypatch):
     assert [n for n, _ in loaded] == [n for n, _ in bucket]
     for (_, got), (_, want) in zip(loaded, bucket):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_an_echo_of_other_prompt_ids_of_the_same_length_is_an_error():
+    """The echo check compares the ids, not their count: a server that continued [1, 2, 9] for the
+    [1, 2, 3] sent (prompt 1 of 2, n = 2: choices 2 and 3) is named; the true echo passes and is counted."""
+    from grpo.rollout.servers import Server, check_echo
+
+    server = Server("http://127.0.0.1:1", None, 1.0)
+    prompts = [[7, 7], [1, 2, 3]]
+    check_echo(server, prompts, 2, [{"index": 2, "prompt_token_ids": [1, 2, 3]}, {"index": 0, "prompt_token_ids": [7, 7]}])
+    assert server.prompt_checks == 2
+    with pytest.raises(ServerError, match=r"continued prompt ids \[1, 2, 9\]\.\.\. \(3 ids\), not the 3 ids sent \[1, 2, 3\]"):
+        check_echo(server, prompts, 2, [{"index": 3, "prompt_token_ids": [1, 2, 9]}])
