@@ -456,6 +456,22 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
                 f"folder, nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'. Fix the path."
             )
         _check_hub_model(path)
+    # the engines' context against the model's own: fitted with a warning, or refused (engine_memory.engine_context)
+    backend_class(r.backend).check_context(r, known_model_config(cfg.model))
+
+
+def known_model_config(model) -> dict:
+    """What validate can know of the model's config.json without building anything: the tiny model's
+    context (set in code), a packaged model's or a local folder's config.json once it is on disk, a
+    hub id's config as transformers cached it; {} where none is known yet."""
+    from grpo.models import PACKAGED, TINY_CONTEXT, packaged_model_dir
+    from grpo.rollout.engine_memory import model_config_of, read_model_config
+
+    if model.path == "tiny":
+        return {"max_position_embeddings": TINY_CONTEXT}
+    if model.path in PACKAGED:
+        return read_model_config(packaged_model_dir(model.path, model.cache_dir))
+    return model_config_of(model.path)
 
 
 def check_collective_timeout(timeout_s: float, rollout, world: int) -> None:

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+TINY_CONTEXT = 256  # the tiny model's max_position_embeddings: prompt + completion tokens it can hold
 TINY_FORMAT = 2  # bump when the tiny model's recipe changes, so old cache entries are not reused
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,7 +61,7 @@ def build_tiny_model(cfg, vocab_size: int, pad_id: int, bos_id: int, eos_id: int
         num_key_value_heads=cfg.num_heads,
         head_dim=cfg.head_dim,
         intermediate_size=cfg.intermediate_size,
-        max_position_embeddings=256,
+        max_position_embeddings=TINY_CONTEXT,
         tie_word_embeddings=True,
         pad_token_id=pad_id,
         bos_token_id=bos_id,

@@ -211,11 +211,13 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--host {args.host} is reachable from other machines: set {TOKEN_ENV} or give --token-file so no "
                 "one else can push weights into this server.")
     args.model = resolve_model(args.model)
-    from grpo.rollout.engine_memory import read_model_config
+    from grpo.rollout.engine_memory import engine_context, model_config_of, read_model_config
 
     for key, value in device_defaults(torch.cuda.is_available(), read_model_config(args.model)).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    # a --max-model-len longer than the model's context: the model's, with a warning (vLLM refuses a longer one)
+    args.max_model_len = engine_context(model_config_of(args.model), args.max_model_len, key="--max-model-len")
     if args.port == 0:  # bound here and held across the exec until vLLM binds it too (reserve_port), so the
         held = reserve_port(args.host)  # URL written below names a port no other process can take meanwhile
         os.set_inheritable(held.fileno(), True)

@@ -72,6 +72,12 @@ class RolloutBackend(ABC):
         (called by grpo.config.validate before anything is built; no hardware is asked here)."""
 
     @classmethod
+    def check_context(cls, cfg, model_config: dict) -> None:
+        """Raise ConfigError where the model's context (its config.json, `model_config`; {} if unknown)
+        cannot hold what this backend's engines are asked to (called by validate). Backends that start
+        vLLM engines with rollout.vllm.max_model_len check it (engine_memory.engine_context)."""
+
+    @classmethod
     def check_staleness(cls, cfg, max_staleness: int) -> None:
         """Say what `algo.max_staleness` >= 1 does here. Engines in other processes overlap the two
         phases. In-process backends cannot: they still hand out batches k versions stale (each is

@@ -32,7 +32,8 @@ from grpo import dist, lora
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, sampling_fields
 from grpo.weights import WeightBuckets
 from grpo.errors import ConfigError, EngineStartError
-from grpo.rollout.engine_memory import chunked_prefill, check_vllm, kv_cache_bytes, read_model_config, start_failure_message
+from grpo.rollout.engine_memory import (chunked_prefill, check_vllm, engine_context, kv_cache_bytes, model_config_of,
+                                        read_model_config, start_failure_message)
 
 
 def empty_device_cache() -> None:
@@ -58,7 +59,8 @@ def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1, lora_r
     import torch
 
     v = cfg.vllm
-    kv_bytes = kv_cache_bytes(v.kv_cache_gb, read_model_config(path), dtype, v.max_model_len, torch.cuda.is_available())
+    max_len = engine_context(model_config_of(path), v.max_model_len, cfg.max_new_tokens)
+    kv_bytes = kv_cache_bytes(v.kv_cache_gb, read_model_config(path), dtype, max_len, torch.cuda.is_available())
     kwargs = {} if chunked_prefill(torch.cuda.is_available()) else {"enable_chunked_prefill": False}
     if world_size > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
@@ -74,7 +76,7 @@ def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1, lora_r
             seed=seed,
             enforce_eager=v.enforce_eager,
             gpu_memory_utilization=v.memory_fraction,
-            max_model_len=v.max_model_len,
+            max_model_len=max_len,  # the model's own context where rollout.vllm.max_model_len is longer
             tensor_parallel_size=v.tensor_parallel_size,
             enable_sleep_mode=v.sleep,
             logprobs_mode="processed_logprobs",  # after temperature/top-k/top-p: what it sampled from
@@ -100,6 +102,11 @@ def release_engine_state(keep_process_group: bool) -> None:
     if not keep_process_group:  # the trainer's own group (external_launcher) stays
         parallel_state.destroy_distributed_environment()
     gc.collect()
+
+
+def engine_max_model_len(llm) -> int:
+    """The context an in-process engine started with (vLLM 0.32's LLM.model_config, wrapped here)."""
+    return llm.model_config.max_model_len
 
 
 def remove_adapter(llm, adapter_id: int) -> None:
@@ -214,6 +221,10 @@ class ColocatedBackend(RolloutBackend):
             )
 
     @classmethod
+    def check_context(cls, cfg, model_config: dict) -> None:
+        engine_context(model_config, cfg.vllm.max_model_len, cfg.max_new_tokens, warn=False)  # the engine start warns
+
+    @classmethod
     def check(cls, cfg, world: int) -> None:
         check_vllm(cfg)
         if world % cfg.vllm.tensor_parallel_size:
@@ -242,7 +253,7 @@ class ColocatedBackend(RolloutBackend):
         self.sleep_state = SleepState()
         self.sleep_enabled = cfg.vllm.sleep
         self.weight_version = 0
-        self.max_context = cfg.vllm.max_model_len
+        self.max_context = engine_max_model_len(self.llm)  # rollout.vllm.max_model_len, or the model's shorter context
         self.generate_is_collective = self.tp_group is not None  # tensor-parallel ranks pool their prompts
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:

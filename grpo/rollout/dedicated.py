@@ -32,7 +32,7 @@ import torch.distributed as tdist
 
 from grpo.cpus import set_num_threads
 from grpo.errors import ConfigError, DeviceError
-from grpo.rollout.engine_memory import check_vllm
+from grpo.rollout.engine_memory import check_vllm, engine_context, model_config_of
 
 from grpo import dist, lora
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
@@ -152,13 +152,15 @@ def pinned_engine_env(cpus: list[int] | None) -> dict[str, str]:
 
 
 def launch_engine(model_path: str, devices: list[str], port: int, token: str, vllm_cfg, dtype: str, log_path: str,
-                  transfer: str = "grpo_gloo", cpus: list[int] | None = None, lora_rank: int = 0):
+                  transfer: str = "grpo_gloo", cpus: list[int] | None = None, lora_rank: int = 0,
+                  max_model_len: int | None = None):
     """One `grpo.serve` process on `devices`, bound to 127.0.0.1, logging to `log_path`; on CPU,
     pinned to `cpus` when given (its vLLM threads bound to them); with `lora_rank`, serving LoRA
-    adapters up to that rank."""
+    adapters up to that rank. `max_model_len`: the engine's context as fitted to the model
+    (engine_memory.engine_context); default rollout.vllm.max_model_len."""
     env = {**os.environ, "GRPO_SERVE_TOKEN": token, **pinned_engine_env(cpus)}
     argv = [sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", str(port),
-            "--max-model-len", str(vllm_cfg.max_model_len), "--dtype", dtype, "--kv-cache-gb", str(vllm_cfg.kv_cache_gb),
+            "--max-model-len", str(max_model_len or vllm_cfg.max_model_len), "--dtype", dtype, "--kv-cache-gb", str(vllm_cfg.kv_cache_gb),
             "--weight-transfer", transfer]
     if devices == ["cpu"]:
         argv += ["--memory-fraction", str(vllm_cfg.memory_fraction)]
@@ -257,6 +259,10 @@ class DedicatedBackend(RolloutBackend):
     overlaps_training = True  # the engines are other processes: they generate while the trainer updates
 
     @classmethod
+    def check_context(cls, cfg, model_config: dict) -> None:
+        engine_context(model_config, cfg.vllm.max_model_len, cfg.max_new_tokens, warn=False)  # the engine start warns
+
+    @classmethod
     def check(cls, cfg, world: int) -> None:
         check_vllm(cfg)  # devices are picked on the node, where they are (pick_devices)
         if cfg.dedicated.num_engines < 0:
@@ -271,7 +277,8 @@ class DedicatedBackend(RolloutBackend):
         self.reapers: list[subprocess.Popen] = []  # one per engine (grpo/rollout/reaper.py)
         self.pool = None
         self.weight_version = 0
-        self.max_context = cfg.vllm.max_model_len
+        # rollout.vllm.max_model_len, or the model's own context where that is shorter (with a warning)
+        self.max_context = engine_context(model_config_of(model_path), cfg.vllm.max_model_len, cfg.max_new_tokens)
         per_node = tdist.get_world_size(self.group) if self.group is not None else 1
         devices = pick_devices(cfg.dedicated.devices, per_node)
         engine_cpus, self.restore_cpus = None, None
@@ -296,7 +303,7 @@ class DedicatedBackend(RolloutBackend):
             try:
                 for share, port, log in zip(shares, ports, logs):
                     engine, reaper = launch_engine(model_path, share, port, token, cfg.vllm, dtype, log, transfer,
-                                                   engine_cpus, lora_rank)
+                                                   engine_cpus, lora_rank, self.max_context)
                     self.procs.append(engine)
                     self.reapers.append(reaper)
                 exited = [lambda proc=proc, log=log: engine_exit(proc, log) for proc, log in zip(self.procs, logs)]

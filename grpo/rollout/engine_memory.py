@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 MAX_NUM_SEQS = 256  # vLLM's default batch of running sequences on CPU and smaller GPUs
 CPU_CAP_BYTES = 1 << 30  # 1 GiB: the tiny model's default needs 128 MiB, SmolLM2 at 256 tokens 2.8 GiB
@@ -42,6 +43,69 @@ def read_model_config(model_path: str) -> dict:
         return {}
     with open(path) as f:
         return json.load(f)
+
+
+def model_config_of(model_path: str) -> dict:
+    """config.json of a local folder, else (a hub id) the config transformers has cached for it (validate
+    loaded it), else {}: nothing is fetched here, so an engine start never waits on the network for it."""
+    config = read_model_config(model_path)
+    if config or os.path.isdir(os.path.expanduser(model_path)):
+        return config
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model_path, local_files_only=True).to_dict()
+    except Exception:  # noqa: BLE001 - not cached, or a config transformers cannot read: unknown here
+        return {}
+
+
+# rope types whose max_position_embeddings is already the scaled length (vLLM's _get_and_verify_max_len)
+_PRESCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def model_context(model_config: dict) -> int | None:
+    """The longest sequence (prompt + completion) a model's config.json allows, as vLLM derives it:
+    max_position_embeddings, times a RoPE scaling factor that does not already count in it; a
+    model_max_length above that also holds. None where the config names no length."""
+    c = model_config.get("text_config") or model_config
+    positions = c.get("max_position_embeddings") or model_config.get("max_position_embeddings")
+    if not positions:
+        return None
+    rope = c.get("rope_scaling") or c.get("rope_parameters")
+    if isinstance(rope, dict) and rope.get("factor") and (rope.get("rope_type") or rope.get("type")) not in _PRESCALED_ROPE:
+        positions = int(positions * rope["factor"])
+    override = c.get("model_max_length") or model_config.get("model_max_length")
+    return max(positions, override) if isinstance(override, int) else positions
+
+
+MIN_PROMPT_TOKENS = 1  # a prompt has at least its first token; its real length is known only when the task is built
+
+
+def engine_context(model_config: dict, max_model_len: int | None, max_new_tokens: int = 0,
+                   key: str = "rollout.vllm.max_model_len", warn: bool = True) -> int | None:
+    """The context (prompt + completion tokens) to start a vLLM engine with: `max_model_len`, or the
+    model's own context where that is smaller (vLLM refuses a longer one), with a warning naming both
+    and `key` (`warn=False`: validate, which only refuses; the engine start warns). A model's context
+    that cannot hold a prompt and `max_new_tokens` (rollout.max_new_tokens; 0: not known here) is a
+    ConfigError saying what to change. Unknown model context or None (the model's own): `max_model_len`
+    as given."""
+    from grpo.errors import ConfigError
+
+    context = model_context(model_config)
+    if context is None or max_model_len is None or context >= max_model_len:
+        return max_model_len
+    if max_new_tokens and context < MIN_PROMPT_TOKENS + max_new_tokens:
+        raise ConfigError(
+            f"{key}={max_model_len}, but the model's context is {context} tokens (max_position_embeddings in its "
+            f"config.json), which cannot hold a prompt and rollout.max_new_tokens={max_new_tokens}. Set "
+            f"rollout.max_new_tokens to at most {context - MIN_PROMPT_TOKENS} less the prompt's tokens, and "
+            f"{key}={context}; or use a model with a longer context.")
+    if warn:
+        warnings.warn(
+            f"{key}={max_model_len} is more than the model's context of {context} tokens (max_position_embeddings in "
+            f"its config.json): its vLLM engine starts with max_model_len={context}, so prompt + completion stop at "
+            f"{context} tokens. Set {key}={context} (or less) to say so and silence this.", stacklevel=2)
+    return context
 
 
 def kv_cache_bytes(setting, model_config: dict, dtype: str, max_model_len: int | None, on_gpu: bool) -> int | None:
@@ -87,8 +151,10 @@ def check_setting(setting) -> None:
 
 
 def start_failure_message(error: BaseException, kv_bytes: int | None, memory_fraction: float) -> str:
-    """What to change when vLLM refuses to start: for memory, the two ways the cache can be sized."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    """What to change when vLLM refuses to start: vLLM's whole message, every line of it (a pydantic
+    ValidationError's first line is only "1 validation error for ModelConfig"; the field and the
+    reason follow), and for memory the two ways the cache can be sized."""
+    text = str(error).strip() or type(error).__name__
     if "memory" not in text.lower():
         return f"vLLM could not start: {type(error).__name__}: {text}"
     if kv_bytes is None:

@@ -1,0 +1,196 @@
+"""An engine's context against the model's own (engine_memory.engine_context), and vLLM's whole
+message when an engine does not start (engine_memory.start_failure_message).
+
+`model=hub` on a folder whose config.json says max_position_embeddings=256, with rollout=colocated's
+1024-token `rollout.vllm.max_model_len`, stopped with "vLLM could not start: ValidationError: 1
+validation error for ModelConfig" and nothing more: the lines naming max_model_len were cut off.
+"""
+
+import json
+import warnings
+
+import pytest
+
+from grpo.errors import ConfigError
+from grpo.rollout.engine_memory import engine_context, model_context, start_failure_message
+from tests.conftest import compose_cfg
+
+SHORT = {"max_position_embeddings": 256}
+
+
+def test_a_model_context_shorter_than_max_model_len_is_used_with_a_warning():
+    with pytest.warns(UserWarning) as caught:
+        assert engine_context(SHORT, 1024, max_new_tokens=128) == 256
+    message = str(caught[0].message)
+    assert "rollout.vllm.max_model_len=1024" in message and "256 tokens" in message, message
+    assert "Set rollout.vllm.max_model_len=256" in message, message
+    # grpo.serve's own flag is named in its warning
+    with pytest.warns(UserWarning, match=r"--max-model-len=1024 .* Set --max-model-len=256"):
+        assert engine_context(SHORT, 1024, key="--max-model-len") == 256
+    with warnings.catch_warnings():  # validate: refuses, never warns (the engine start does)
+        warnings.simplefilter("error")
+        assert engine_context(SHORT, 1024, max_new_tokens=128, warn=False) == 256
+
+
+def test_a_model_context_that_cannot_hold_the_completion_is_refused_naming_both_numbers_and_the_keys():
+    with pytest.raises(ConfigError) as e:
+        engine_context(SHORT, 1024, max_new_tokens=512)
+    message = str(e.value)
+    for part in ("rollout.vllm.max_model_len=1024", "context is 256 tokens", "rollout.max_new_tokens=512",
+                 "at most 255", "rollout.vllm.max_model_len=256"):
+        assert part in message, (part, message)
+    with pytest.raises(ConfigError):  # a prompt needs at least one token beside the completion
+        engine_context(SHORT, 1024, max_new_tokens=256)
+    with pytest.warns(UserWarning):
+        assert engine_context(SHORT, 1024, max_new_tokens=255) == 256
+
+
+def test_a_longer_equal_or_unknown_model_context_leaves_max_model_len_as_it_is():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and says nothing
+        assert engine_context({"max_position_embeddings": 32768}, 1024, max_new_tokens=512) == 1024
+        assert engine_context({"max_position_embeddings": 1024}, 1024, max_new_tokens=512) == 1024
+        assert engine_context({}, 1024, max_new_tokens=512) == 1024  # a hub id not cached here: unknown
+        assert engine_context(SHORT, None) is None  # grpo.serve without --max-model-len: vLLM takes the model's
+        # a multimodal config keeps the text model's length in text_config
+        assert engine_context({"text_config": {"max_position_embeddings": 4096}}, 1024, 512) == 1024
+        # linear RoPE scaling: vLLM derives 512 x 4 = 2048 positions, so 1024 stays
+        rope = {"max_position_embeddings": 512, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+        assert model_context(rope) == 2048 and engine_context(rope, 1024, 512) == 1024
+    # YaRN's max_position_embeddings already counts the factor (as vLLM reads it)
+    assert model_context({"max_position_embeddings": 512, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}) == 512
+
+
+def model_folder(path, positions: int) -> str:
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": positions}))
+    return str(path)
+
+
+def test_validate_refuses_a_context_the_completion_cannot_fit_in_and_accepts_one_it_fits(tmp_path):
+    from grpo.config import validate
+
+    folder = model_folder(tmp_path, 256)
+    for rollout in ("colocated", "dedicated"):  # 1024-token engines, 512 new tokens
+        cfg = compose_cfg("model=hub", f"model.path={folder}", f"rollout={rollout}")
+        with pytest.raises(ConfigError, match=r"rollout.vllm.max_model_len=1024.*256 tokens.*rollout.max_new_tokens=512"):
+            validate(cfg, world_size=1, cuda=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            validate(compose_cfg("model=hub", f"model.path={folder}", f"rollout={rollout}", "rollout.max_new_tokens=128"),
+                     world_size=1, cuda=False)
+    validate(compose_cfg("model=hub", f"model.path={folder}", "rollout=hf"), world_size=1, cuda=False)  # no vLLM engine
+    # the tiny model (256 positions, set in code) with a 1024-token engine and its 4 new tokens: fitted, not refused
+    validate(compose_cfg("rollout=colocated", "rollout.vllm.max_model_len=1024"), world_size=1, cuda=False)
+    with pytest.raises(ConfigError, match="256 tokens"):
+        validate(compose_cfg("rollout=colocated", "rollout.vllm.max_model_len=1024", "rollout.max_new_tokens=300"),
+                 world_size=1, cuda=False)
+
+
+def test_the_start_failure_message_keeps_every_line_of_vllms_message():
+    import pydantic
+
+    reason = ("User-specified max_model_len (1024) is greater than the derived max_model_len "
+              "(max_position_embeddings=256 or model_max_length=None in model's config.json).")
+
+    class ModelConfig(pydantic.BaseModel):  # as vLLM's ModelConfig refuses the length: a ValidationError
+        max_model_len: int
+
+        @pydantic.field_validator("max_model_len")
+        @classmethod
+        def fits(cls, value):
+            raise ValueError(reason)
+
+    with pytest.raises(pydantic.ValidationError) as e:
+        ModelConfig(max_model_len=1024)
+    lines = str(e.value).strip().splitlines()
+    assert len(lines) >= 3 and lines[0] == "1 validation error for ModelConfig", lines  # the reason is further down
+    message = start_failure_message(e.value, None, 0.2)
+    assert message.startswith("vLLM could not start: ValidationError: 1 validation error for ModelConfig"), message
+    assert reason in message and all(line.strip() in message for line in lines), message
+    # a memory failure over several lines: every line, and the hint after them
+    memory = start_failure_message(ValueError("Engine core initialization failed.\nNo available memory for the cache "
+                                              "blocks."), 1 << 29, 0.2)
+    assert "Engine core initialization failed." in memory and "No available memory for the cache blocks." in memory, memory
+    assert "0.50 GiB does not fit: set a smaller rollout.vllm.kv_cache_gb" in memory, memory
+
+
+def test_a_colocated_engine_on_a_256_position_model_starts_with_1024_fitted_to_256(tiny_lm, model_dir):
+    """The real engine: the tiny model's folder (max_position_embeddings=256) and rollout.vllm.max_model_len=1024
+    start, at the model's 256 tokens, and the backend reports that as its context (the multi-turn budget's)."""
+    from grpo.rollout.base import Sampling
+    from grpo.rollout.colocated import ColocatedBackend
+    from grpo.rollout.engine_memory import read_model_config
+    from omegaconf import OmegaConf
+
+    from grpo.config import RolloutConfig
+
+    assert read_model_config(model_dir)["max_position_embeddings"] == 256  # precondition: the model's context
+    model, tok = tiny_lm
+    cfg = OmegaConf.structured(RolloutConfig(backend="colocated", max_new_tokens=4))
+    cfg.vllm.max_model_len, cfg.vllm.kv_cache_gb = 1024, 0.05
+    with pytest.warns(UserWarning, match=r"rollout.vllm.max_model_len=1024 .*256 tokens"):
+        backend = ColocatedBackend(cfg, model, tok, model_dir)
+    try:
+        assert backend.max_context == 256 and backend.llm.model_config.max_model_len == 256
+        out = backend.generate([[tok.bos_token_id, 5, 6]], 2, Sampling(max_new_tokens=3, seed=1))
+        assert len(out.completion_ids) == 2 and all(len(c) >= 1 for c in out.completion_ids)
+    finally:
+        backend.close()
+
+
+def test_grpo_serve_starts_vllm_with_the_models_context_when_max_model_len_is_longer(model_dir, monkeypatch):
+    """grpo.serve (rollout=dedicated's engines, grpo.launch's servers): the command line it hands vLLM."""
+    import os
+
+    from grpo import serve
+
+    class Exec(Exception):
+        pass
+
+    def execv(path, argv):
+        raise Exec(argv)
+
+    monkeypatch.setattr(os, "execv", execv)
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "0")  # grpo.serve sets it for vLLM; restored after the test
+    monkeypatch.delenv("GRPO_SERVE_TOKEN", raising=False)
+
+    def vllm_max_model_len(*flags):
+        with pytest.raises(Exec) as e:
+            serve.main(["--model", model_dir, *flags])
+        argv = e.value.args[0]
+        return int(argv[argv.index("--max-model-len") + 1]) if "--max-model-len" in argv else None
+
+    with pytest.warns(UserWarning, match=r"--max-model-len=1024 .*256 tokens"):
+        assert vllm_max_model_len("--max-model-len", "1024") == 256
+    assert vllm_max_model_len("--max-model-len", "128") == 128  # shorter than the model's: as given
+    assert vllm_max_model_len() is None  # not given: vLLM takes the model's own
+
+
+def test_rollout_dedicated_launches_its_engines_with_the_models_context(tiny_lm, model_dir, monkeypatch, tmp_path):
+    """The max_model_len the local main hands each engine's grpo.serve (stopped before any process starts)."""
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from grpo.config import RolloutConfig
+    from grpo.rollout import dedicated
+
+    launched = []
+
+    class Stop(Exception):
+        pass
+
+    signature = inspect.signature(dedicated.launch_engine)
+
+    def launch_engine(*args, **kwargs):
+        launched.append(signature.bind(*args, **kwargs).arguments.get("max_model_len"))
+        raise Stop
+
+    monkeypatch.setattr(dedicated, "launch_engine", launch_engine)
+    monkeypatch.setattr(dedicated, "pick_devices", lambda spec, per_node: ["cpu"])
+    model, tok = tiny_lm
+    cfg = OmegaConf.structured(RolloutConfig(backend="dedicated", max_new_tokens=4))
+    cfg.vllm.max_model_len = 1024
+    with pytest.warns(UserWarning, match=r"rollout.vllm.max_model_len=1024 .*256 tokens"), pytest.raises(Stop):
+        dedicated.DedicatedBackend(cfg, model, tok, model_dir, run_dir=str(tmp_path))
+    assert launched == [256]
