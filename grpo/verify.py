@@ -218,10 +218,12 @@ def render_check(r) -> Check:
 COMPARED = ("reward/mean", "loss", "grad_norm", "clip_frac", "entropy", "completion_len", "sampler_diff", "kl")
 
 
-def resume_check(overrides: list[str]) -> Check:
+def resume_check(overrides: list[str], world_size: int) -> Check:
     """Two 2-step runs of `grpo.train` in subprocesses: one unbroken, one stopped after step 1 and
-    resumed: step 2's metrics must agree (the same prompts, seeds, weights and optimizer state)."""
-    if dist.world_size() > 1:
+    resumed: step 2's metrics must agree (the same prompts, seeds, weights and optimizer state).
+    `world_size` is the launch's (the process group is gone by now): each rank's subprocess would
+    inherit torchrun's rank variables and join another's rendezvous."""
+    if world_size > 1:
         return Check("resume", "SKIP", "run grpo.verify on one process for the resume check")
     base = tempfile.mkdtemp(prefix="grpo-verify-resume-")
     try:
@@ -265,7 +267,7 @@ def run_checks(cfg, overrides: list[str]) -> list[Check]:
         r.push_weights(version=1)
         results.append(sampler_check(r, first_batch(r, step=2), "sync", tol_logp if cfg.model.dtype != "float32" else 1e-3))
         results.append(render_check(r))
-    results.append(resume_check(overrides))
+    results.append(resume_check(overrides, info.world_size))
     return results
 
 

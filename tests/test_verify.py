@@ -42,3 +42,13 @@ def test_verify_names_a_planted_layout_defect(cache_dir, capsys, monkeypatch):
     status, out = lines(capsys)
     assert status["layout/shared"] == "FAIL" and status["layout/packed"] == "PASS", out
     assert "FAIL: " in out and "layout/shared" in out.splitlines()[-1]
+
+
+def test_the_resume_check_skips_under_several_processes_after_the_group_is_gone():
+    """grpo.verify runs its resume check after the process group is closed, when dist.world_size() says
+    1 again: it must go by the launch's world size, or each torchrun rank would start a grpo.train that
+    inherits the rank variables and waits in another's rendezvous (a hang seen under parallel=ddp)."""
+    from grpo.verify import resume_check
+
+    check = resume_check(["steps=1"], world_size=2)
+    assert check.status == "SKIP" and "one process" in check.detail, check
