@@ -201,8 +201,10 @@ class AlgoConfig:
     packing: bool = True
     # packed rows that hold each prompt once for several of its completions, which attend to it
     # through a 4D mask (grpo/layouts.py `pack_shared`). A model that cannot (flash attention, a
-    # sliding window) is packed without sharing, with a warning. No effect with packing=false
-    shared_prompt: bool = True
+    # sliding window) is packed without sharing, with a warning. No effect with packing=false.
+    # true | false | auto: on for the CPU (measured there), off on CUDA until measured on a GPU
+    # (grpo/layouts.py `shares_prompts`)
+    shared_prompt: Any = "auto"
     # DAPO's dynamic sampling: keep drawing batches of P prompts until P groups have unequal rewards,
     # at most max_draws batches per step (grpo/dynamic_sampling.py)
     dynamic_sampling: bool = False
@@ -326,6 +328,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     by default the ones this process was launched with. `cuda`: whether the run will have GPUs
     (grpo.launch: it asked for some); by default whether this process sees one."""
     from grpo.algorithm import trust_region
+    from grpo.layouts import SHARED_PROMPT_SETTINGS
     from grpo.parallel import STRATEGIES, strategy_class
     from grpo.rewards import resolve_reward
     from grpo.rollout import BACKENDS, backend_class
@@ -377,6 +380,9 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
         raise ConfigError(f"algo.dynamic_sampling draws more prompts after scoring the step's batch, but with "
                           f"algo.max_staleness={a.max_staleness} the next batches are already drawn and generating: "
                           f"set algo.max_staleness=0, or algo.dynamic_sampling=false.")
+    if a.shared_prompt not in SHARED_PROMPT_SETTINGS or not isinstance(a.shared_prompt, (bool, str)):
+        raise ConfigError(f"algo.shared_prompt={a.shared_prompt!r}: use true, false or auto (on for the CPU, off on "
+                          f"CUDA until measured on a GPU).")
     for key in ("num_iterations", "micro_batch_tokens", "max_draws"):
         if getattr(a, key) < 1:
             raise ConfigError(f"algo.{key}={getattr(a, key)} must be at least 1.")

@@ -110,6 +110,35 @@ class RankCheck:
                 f"python -m grpo.verify with the same overrides and processes checks it on one step.")
 
 
+# The parity checks' bound: the largest |trainer - sampler| logprob of a sampled token, right after a
+# sync, that grpo.doctor, grpo.verify's sampler/sync rows and the `gpu` test tier (tests/test_gpu.py)
+# pass, by model.dtype and the device the engine runs on. A missed sync is far outside all of them: the
+# doctor's tiny model one step (lr 1e-3) past its engine scores the same tokens up to 4.4 apart (median
+# 0.07; measured on CPU).
+#   float32, CPU   1e-3: engines and trainer both compute in fp32 (1.4e-6 to 2.1e-6 measured, doctor).
+#   float32, CUDA  2e-2: vLLM 0.33 runs an fp32 engine's attention in its Triton kernel (FLASH_ATTN and
+#                  FLASHINFER take fp16/bf16 only), whose fp32 `tl.dot` defaults to TF32 on NVIDIA tensor
+#                  cores: Q, K, P and V rounded to a 10-bit mantissa, 2^-11 = 4.9e-4 relative, 8,192 times
+#                  fp32's 2^-24. An attention score of size 10 moves by about 5e-3 and the layers after carry
+#                  such errors into the logits; the largest over a batch's tokens is a few of those, so 2e-2,
+#                  the bound fp16 (the same 10-bit mantissa, everywhere, not in attention only) has in
+#                  grpo.verify (an estimate: not yet measured on a GPU). The trainer's fp32 SDPA is not
+#                  TF32 (torch keeps matmuls at "highest").
+#   bfloat16       0.1: a 7-bit mantissa (a logit step of 0.0625 in [8, 16)); engine and trainer kernels and
+#                  layouts round apart (docs/verify.md).
+#   float16        2e-2: TF32's 10-bit mantissa.
+PARITY_BOUNDS = {("float32", "cpu"): 1e-3, ("float32", "cuda"): 2e-2, "bfloat16": 0.1, "float16": 2e-2}
+
+
+def parity_bound(dtype: str, device_type: str) -> float:
+    """The bound above (`PARITY_BOUNDS`) for an engine in `dtype` on `device_type` ("cpu", "cuda")."""
+    if dtype == "float32":
+        return PARITY_BOUNDS[("float32", "cuda" if device_type == "cuda" else "cpu")]
+    if dtype not in PARITY_BOUNDS:
+        raise ValueError(f"no parity bound for model.dtype={dtype!r}; one of float32, bfloat16, float16")
+    return PARITY_BOUNDS[dtype]
+
+
 # the largest |trainer - sampler| logprob of a sampled token (sampler_diff) a healthy run stays under,
 # by model.dtype: fp32 engines agree to ~1e-5 on CPU (TF32 attention on GPUs, ~1e-3); bf16 layouts and
 # kernels round apart by ~0.03-0.1 (docs/verify.md)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from grpo import attention
 from grpo.batch import Batch
 
 
@@ -62,11 +63,12 @@ class PackedRows:
 
 
 def pack(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, prompt_width: int, rows: list[int],
-         pad_id: int = 0) -> PackedRows:
+         pad_id: int = 0, multiple: int | None = None) -> PackedRows:
     """The packed rows of a padded batch (prompts left-padded to `prompt_width`, completions
     right-padded) whose sequences, in order, fill `rows[0]` sequences of row 0, `rows[1]` of row 1, ...
     Every completion token is carried, whatever its mask (a truncated or an observation token is
-    still context for the tokens after it)."""
+    still context for the tokens after it). The rows' width is the longest row's, rounded up to a
+    multiple of `multiple` (None: grpo.attention.width_multiple of the batch's device: 128 on CUDA)."""
     device = input_ids_BL.device
     input_ids_BL, attention_mask_BL = input_ids_BL.cpu(), attention_mask_BL.cpu()  # the layout is worked out here
     B, L = input_ids_BL.shape
@@ -78,7 +80,8 @@ def pack(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, prompt_wid
     ends_B = lengths_B.cumsum(0)
     first_B = torch.tensor([0] + rows[:-1]).cumsum(0)[row_B]  # the row's first sequence
     start_B = ends_B - lengths_B - (ends_B - lengths_B)[first_B]
-    width = int((start_B + lengths_B).max())
+    width = attention.row_width(int((start_B + lengths_B).max()),
+                                attention.width_multiple(device.type) if multiple is None else multiple)
 
     in_seq_BL = real_BL.long().cumsum(dim=1) - 1  # a real token's index within its sequence
     b, col = real_BL.nonzero(as_tuple=True)
@@ -139,12 +142,15 @@ class SharedRows(PackedRows):
 
 
 def pack_shared(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, prompt_width: int,
-                trees: list[list[int]], mask_dtype: torch.dtype = torch.bool, pad_id: int = 0) -> SharedRows:
+                trees: list[list[int]], mask_dtype: torch.dtype = torch.bool, pad_id: int = 0,
+                multiple: int | None = None) -> SharedRows:
     """The rows of a padded batch laid out as trees: the batch's sequences, in order, fill `trees[0][0]`
     sequences of row 0's first tree, `trees[0][1]` of its second, ... A tree is its first sequence's
     prompt once, then each of its sequences' completions; positions run on from the prompt in every
     completion, as in the sequence alone. `mask_dtype` bool: True where attended (sdpa); a float
-    dtype: 0 there and the dtype's minimum elsewhere (eager attention)."""
+    dtype: 0 there and the dtype's minimum elsewhere (eager attention). The rows' width is the widest
+    row's, rounded up to a multiple of `multiple` (None: grpo.attention.width_multiple of the batch's
+    device: 128 on CUDA); padding positions attend to themselves only."""
     device = input_ids_BL.device
     ids_BL, real_BL = input_ids_BL.cpu(), attention_mask_BL.cpu().bool()
     P, B = prompt_width, ids_BL.shape[0]
@@ -170,7 +176,8 @@ def pack_shared(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, pro
     ends_T = length_T.cumsum(0)
     row_first_T = torch.tensor([0] + [len(row) for row in trees[:-1]], dtype=torch.long).cumsum(0)[row_T]
     start_T = ends_T - length_T - (ends_T - length_T)[row_first_T]
-    width = max(1, int((start_T + length_T).max())) if R else 1
+    width = attention.row_width(max(1, int((start_T + length_T).max())) if R else 1,
+                                attention.width_multiple(device.type) if multiple is None else multiple)
     ends_B = completion_B.cumsum(0)
     start_B = start_T[tree_B] + p_T[tree_B] + (ends_B - completion_B) - (ends_B - completion_B)[first_B]
 
@@ -222,13 +229,31 @@ def tree_mask(tree_RW: torch.Tensor, branch_RW: torch.Tensor, mask_dtype: torch.
 LAYOUTS = ("padded", "packed", "shared")
 
 
-def layout_of(algo) -> str:
+SHARED_PROMPT_SETTINGS = (True, False, "auto")
+
+
+def shares_prompts(setting, cuda: bool) -> bool:
+    """algo.shared_prompt resolved: true and false as set; auto on for the CPU, where it was measured
+    (docs/results/packing.md), and off on CUDA until it is measured on a GPU: there the R x W x W
+    mask becomes a dense bias SDPA keeps per layer for backward, a cost the CPU measurements do not
+    price (REVIEW G3; docs/gpu.md)."""
+    if setting == "auto":
+        return not cuda
+    if setting is True or setting is False:
+        return setting
+    raise ValueError(f"algo.shared_prompt={setting!r}: one of true, false, auto")
+
+
+def layout_of(algo, cuda: bool | None = None) -> str:
     """The layout the settings ask for: padded rows, packed rows (algo.packing), or packed rows with
-    each prompt once per tree of its completions (algo.shared_prompt). What a model really runs:
-    grpo/model_support.py `runnable_layout`."""
+    each prompt once per tree of its completions (algo.shared_prompt, `shares_prompts`; `cuda`:
+    whether the trainer runs on a GPU, by default whether this process sees one, as
+    grpo.models.policy_device places it). What a model really runs: grpo/model_support.py
+    `runnable_layout`."""
     if not algo.packing:
         return "padded"
-    return "shared" if getattr(algo, "shared_prompt", False) else "packed"
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    return "shared" if shares_prompts(getattr(algo, "shared_prompt", False), cuda) else "packed"
 
 
 # A CPU cost estimate, not a general constant: on the CPU a packed row's attention is dense, a
@@ -256,17 +281,19 @@ def shared_width(lengths: list[int], prompts: list[int], keys: list, longest: in
         width *= 2
 
 
-def micro_batch_plan(batch: Batch, max_tokens: int, layout: str = "padded") -> list[tuple[torch.Tensor | slice, dict]]:
+def micro_batch_plan(batch: Batch, max_tokens: int, layout: str = "padded",
+                     multiple: int = 1) -> list[tuple[torch.Tensor | slice, dict]]:
     """Which sequences of `batch` each micro-batch takes, and (packed, shared) how its rows are laid
     out, as fields of the micro-batch's Batch. padded: consecutive slices of at most `max_tokens`
     padded tokens (at least one sequence each). packed: the sequences first-fit into rows as wide as
     the batch's longest sequence. shared: the sequences with equal prompts first-fit into trees, the
     trees into rows (`shared_width`). Packed and shared: `max_tokens // width` rows (at least one)
-    per micro-batch."""
+    per micro-batch. `multiple`: what the forward rounds its rows' width up to (grpo.attention
+    `width_multiple` of the model's device), counted here so a micro-batch stays within `max_tokens`."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown micro-batch layout {layout!r}; one of {LAYOUTS}")
     if layout == "padded":
-        per = max(1, max_tokens // batch.input_ids_BL.shape[1])
+        per = max(1, max_tokens // attention.row_width(batch.input_ids_BL.shape[1], multiple))
         return [(slice(i, i + per), {}) for i in range(0, batch.size, per)]
     lengths = batch.attention_mask_BL.sum(dim=1).tolist()
     if not lengths:
@@ -284,7 +311,7 @@ def micro_batch_plan(batch: Batch, max_tokens: int, layout: str = "padded") -> l
         sizes = [[len(tree) for tree in row] for row in rows]
         rows = [[i for tree in row for i in tree] for row in rows]
         key = "trees"
-    per = max(1, max_tokens // width)
+    per = max(1, max_tokens // attention.row_width(width, multiple))
     plan = []
     for k in range(0, len(rows), per):
         layout_k = sizes[k : k + per]
@@ -293,9 +320,9 @@ def micro_batch_plan(batch: Batch, max_tokens: int, layout: str = "padded") -> l
     return plan
 
 
-def micro_batches(batch: Batch, max_tokens: int, layout: str = "padded") -> list[Batch]:
+def micro_batches(batch: Batch, max_tokens: int, layout: str = "padded", multiple: int = 1) -> list[Batch]:
     """The micro-batches of `micro_batch_plan`."""
-    return [replace(batch.select(idx), **fields_) for idx, fields_ in micro_batch_plan(batch, max_tokens, layout)]
+    return [replace(batch.select(idx), **fields_) for idx, fields_ in micro_batch_plan(batch, max_tokens, layout, multiple)]
 
 
 def padding_batch(layout: str = "padded") -> Batch:

@@ -26,8 +26,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from grpo import attention
 from grpo.algorithm import entropy, token_logprobs
 from grpo.batch import Batch
 from grpo.layouts import pack, pack_shared
@@ -81,21 +83,36 @@ def forward_logprobs(model, batch: Batch, temperature: float, with_entropy: bool
     """Per-token logprobs of the completion under `model` -> logprobs_BT (and entropy_BT), the LM
     head run a piece at a time: `max_tokens` is the micro-batch cap, which sets the number of pieces
     alike on every rank (0: this batch's own size). `batch` must already be on the model's device,
-    laid out as `runnable_layout` allows for this model."""
+    laid out as `runnable_layout` allows for this model. The forward takes the attention kernels
+    grpo.attention allows on that device (on CUDA: not cuDNN's), in rows as wide as it rounds them."""
     plain = has_plain_head(model)
-    if batch.rows is not None or batch.trees is not None:
-        return packed_logprobs(model, batch, temperature, with_entropy, max_tokens, plain)
+    with attention.training_attention(batch.input_ids_BL.device):
+        if batch.rows is not None or batch.trees is not None:
+            return packed_logprobs(model, batch, temperature, with_entropy, max_tokens, plain)
+        return padded_logprobs(model, batch, temperature, with_entropy, max_tokens, plain)
+
+
+def padded_logprobs(model, batch: Batch, temperature: float, with_entropy: bool, max_tokens: int, plain: bool):
+    """forward_logprobs of a padded micro-batch. Its rows are right-padded (mask 0) to the width
+    grpo.attention rounds them to on their device (CUDA: a multiple of 128): the padding comes after
+    every real token, so causality keeps it out of their attention, and its outputs are not read."""
     T = batch.completion_ids_BT.shape[1]
-    inputs = dict(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL, position_ids=batch.position_ids_BL)
+    ids_BL, mask_BL, pos_BL = batch.input_ids_BL, batch.attention_mask_BL, batch.position_ids_BL
+    L = ids_BL.shape[1]
+    extra = attention.row_width(L, attention.width_multiple(ids_BL.device.type)) - L
+    if extra:  # positions repeat the row's last one, as collate's do past a completion's end
+        ids_BL, mask_BL = F.pad(ids_BL, (0, extra)), F.pad(mask_BL, (0, extra))
+        pos_BL = torch.cat([pos_BL, pos_BL[:, -1:].expand(-1, extra)], dim=1)
+    inputs = dict(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL)
     if not plain:
-        # a head of its own (soft-capping, scaling): the model's logits, only the last T + 1 positions
-        logits_BTV = model(**inputs, logits_to_keep=T + 1).logits[:, -(T + 1) : -1]
+        # a head of its own (soft-capping, scaling): the model's logits, only the last T + 1 (+ padding) positions
+        logits_BTV = model(**inputs, logits_to_keep=T + 1 + extra).logits[:, :T]
         logp_BT = token_logprobs(logits_BTV, batch.completion_ids_BT, temperature)
         with torch.no_grad():
             ent_BT = entropy(logits_BTV.detach() / max(temperature, 1e-6)) if with_entropy else None
         return logp_BT, ent_BT
     hidden_BLH = model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
-    hidden_BTH = hidden_BLH[:, -(T + 1) : -1]  # position p predicts token p + 1: the completion's T tokens
+    hidden_BTH = hidden_BLH[:, L - T - 1 : L - 1]  # position p predicts token p + 1: the completion's T tokens
     pieces = pieces_for(max_tokens or batch.size * T, vocab_size_of(model))
     return head_logprobs(model, hidden_BTH, batch.completion_ids_BT, temperature, pieces, with_entropy)
 

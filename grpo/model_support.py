@@ -208,7 +208,7 @@ def runnable_layout(model, layout: str, longest: int = 0) -> str:
         return "shared"
     if reason not in support.warned:
         support.warned.add(reason)
-        warnings.warn(f"algo.shared_prompt=true, but {why}: the update packs these micro-batches without sharing "
+        warnings.warn(f"algo.shared_prompt is on, but {why}: the update packs these micro-batches without sharing "
                       f"prompts (algo.packing; the same numbers, more positions). Set algo.shared_prompt=false to "
                       f"say so.", stacklevel=2)
     return "packed"

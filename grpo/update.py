@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from grpo import dist
+from grpo import attention, dist
 from grpo.algorithm import LossNorm, decoupled_loss, sampled_kl
 from grpo.batch import Batch
 from grpo.layouts import layout_of, micro_batch_plan, micro_batches, padding_batch
@@ -35,9 +35,11 @@ def lockstep_padding(strategy, micro_batches: int) -> int:
     return max(1, int(dist.all_reduce_max([micro_batches])[0])) - micro_batches
 
 
-def lockstep_micro_batches(strategy, batch: Batch, max_tokens: int, layout: str = "padded") -> tuple[list[Batch], int]:
-    """This rank's micro-batches and how many padding ones to add (`lockstep_padding`)."""
-    mbs = micro_batches(batch, max_tokens, layout)
+def lockstep_micro_batches(strategy, batch: Batch, max_tokens: int, layout: str = "padded",
+                           multiple: int = 1) -> tuple[list[Batch], int]:
+    """This rank's micro-batches (rows rounded to `multiple` wide: grpo.attention.width_multiple) and
+    how many padding ones to add (`lockstep_padding`)."""
+    mbs = micro_batches(batch, max_tokens, layout, multiple)
     return mbs, lockstep_padding(strategy, len(mbs))
 
 
@@ -50,7 +52,7 @@ def score_tokens(model, batch: Batch, temperature: float, max_tokens: int, strat
     model.train(training_mode)
     device = next(model.parameters()).device
     layout = planned_layout(model, batch, layout)
-    plan = micro_batch_plan(batch, max_tokens, layout)
+    plan = micro_batch_plan(batch, max_tokens, layout, attention.width_multiple(device.type))
     # counted before any forward: under ZeRO-3 a forward is a collective (parameter gathers, and
     # DeepSpeed's trace check at its start), so a rank with fewer micro-batches must not reach this
     # all-reduce while another is still in a forward
@@ -82,8 +84,9 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
     statistics stay on the device (0-dim tensors): the step reads them once, not per micro-batch."""
     device = next(strategy.model.parameters()).device
     sums = {k: torch.zeros((), device=device) for k in SUMS}
-    layout = planned_layout(strategy.forward_model, batch, layout_of(algo))
-    mbs, padding = lockstep_micro_batches(strategy, batch, algo.micro_batch_tokens, layout)
+    layout = planned_layout(strategy.forward_model, batch, layout_of(algo, device.type == "cuda"))
+    mbs, padding = lockstep_micro_batches(strategy, batch, algo.micro_batch_tokens, layout,
+                                          attention.width_multiple(device.type))
     for mb in mbs + [padding_batch(layout)] * padding:
         mb = mb.to(device)
         logp_BT, ent_BT = forward_logprobs(strategy.forward_model, mb, temperature, with_entropy=True,
@@ -92,7 +95,9 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
         old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else logp_BT.detach()
         loss, stats = decoupled_loss(logp_BT, old_BT, mb.sampler_logprobs_BT, mb.advantages_B, mb.mask_BT, norm, algo,
                                      ref_logprobs_BT=mb.ref_logprobs_BT)
-        strategy.backward(loss)
+        # the backward under the forward's kernels too: gradient checkpointing recomputes layers there
+        with attention.training_attention(device):
+            strategy.backward(loss)
         if mb.size:  # |trainer - sampler| logprob on the sampled tokens (see policy_update)
             diff_BT = (logp_BT.detach() - mb.sampler_logprobs_BT).abs() * mb.mask_BT
             sums["sampler_diff_max"] = torch.maximum(sums["sampler_diff_max"], diff_BT.max())
@@ -120,11 +125,12 @@ def policy_update(
     """
     G = algo.group_size
     lockstep = strategy.lockstep  # every rank joins every forward, even with no rows
+    layout = layout_of(algo, next(strategy.model.parameters()).device.type == "cuda")
     if (batch.size or lockstep) and (algo.num_iterations > 1 or algo.num_minibatches > 1):
-        old_BT = score_tokens(strategy.forward_model, batch, temperature, algo.micro_batch_tokens, strategy, layout_of(algo))
+        old_BT = score_tokens(strategy.forward_model, batch, temperature, algo.micro_batch_tokens, strategy, layout)
         batch = replace(batch, old_logprobs_BT=old_BT)
     if (batch.size or lockstep) and algo.beta > 0:  # a sharded reference (ZeRO-3) needs every rank too
-        ref_BT = score_tokens(ref_model, batch, temperature, algo.micro_batch_tokens, strategy, layout_of(algo))
+        ref_BT = score_tokens(ref_model, batch, temperature, algo.micro_batch_tokens, strategy, layout)
         batch = replace(batch, ref_logprobs_BT=ref_BT)
     # normalisers count the whole optimizer batch on every rank; each rank joins every reduction,
     # also with an empty minibatch

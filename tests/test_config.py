@@ -185,6 +185,8 @@ def test_unknown_option_is_an_error():
         ("algo=cispo|algo.ratio_level=sequence", "algo.pg_loss=cispo weights each token's gradient"),
         ("model.dtype=float16", "model.dtype='float16' is not one of"),
         ("parallel.collective_timeout_s=0", "parallel.collective_timeout_s=0 must be > 0 seconds"),
+        ("algo.shared_prompt=sometimes", "algo.shared_prompt='sometimes': use true, false or auto"),
+        ("algo.shared_prompt=1", "algo.shared_prompt=1: use true, false or auto"),
     ],
 )
 def test_bad_values_say_what_to_change(override, message):

@@ -41,3 +41,48 @@ def test_the_doctors_server_never_shares_a_gpu_with_the_trainer_over_nccl():
     assert server_placement(1, None) == ({}, "grpo_gloo")
     assert server_placement(8, None) == ({"CUDA_VISIBLE_DEVICES": "7"}, "nccl")
     assert server_placement(2, "4,6") == ({"CUDA_VISIBLE_DEVICES": "6"}, "nccl")
+
+
+def test_the_parity_bound_follows_the_dtype_and_the_device_by_value():
+    """One bound for the doctor, grpo.verify's sampler/sync rows and the `gpu` tier: fp32 1e-3 on the
+    CPU; on CUDA 2e-2, since vLLM's fp32 attention runs in TF32 (a 10-bit mantissa, as fp16's); bf16 0.1.
+    A missed sync (4.4 on the doctor's tiny model) is outside every one."""
+    import pytest
+
+    from grpo.guards import SAMPLER_DIFF_BOUND, parity_bound
+
+    assert parity_bound("float32", "cpu") == 1e-3 and parity_bound("float32", "cuda") == 2e-2
+    assert parity_bound("bfloat16", "cpu") == parity_bound("bfloat16", "cuda") == 0.1
+    assert parity_bound("float16", "cuda") == 2e-2
+    assert parity_bound("float32", "cuda") > 2**-11 * 10  # a TF32-rounded attention score of size 10
+    assert all(parity_bound(d, dev) < min(SAMPLER_DIFF_BOUND[d], 4.4) for d in SAMPLER_DIFF_BOUND for dev in ("cpu", "cuda"))
+    with pytest.raises(ValueError, match="no parity bound"):
+        parity_bound("int8", "cuda")
+
+
+def test_a_backend_row_passes_within_its_devices_bound(tmp_path, monkeypatch):
+    """The doctor's row takes the run's model.dtype and this machine's device: an fp32 run whose
+    engine is 5e-3 off fails on the CPU and passes on CUDA (TF32 attention), as the `gpu` tier's
+    runs do (tests/test_gpu.py reads the same `run_parity_bound`)."""
+    import json
+    import os
+    import subprocess
+
+    import torch
+
+    def fake_run(cmd, timeout_s, env=None):  # a finished 2-step run, its engine 5e-3 off after the sync
+        run_dir = next(a.split("=", 1)[1] for a in cmd if a.startswith("run_dir="))
+        os.makedirs(run_dir)
+        with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"step": 1, "sampler_diff": 1e-6}) + "\n" + json.dumps({"step": 2, "sampler_diff": 5e-3}) + "\n")
+        json.dump({"peak_memory_gb": 0.1}, open(os.path.join(run_dir, "summary.json"), "w"))
+        open(os.path.join(run_dir, "config.yaml"), "w").write("model:\n  dtype: float32\n")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(doctor, "run_child", fake_run)
+    on_cpu = doctor.check_backend("hf", str(tmp_path / "cpu"), [])
+    assert not on_cpu.ok and "bound 0.001" in on_cpu.detail and "(> 0.001)" in on_cpu.fix
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    on_cuda = doctor.check_backend("hf", str(tmp_path / "cuda"), [])
+    assert on_cuda.ok and "bound 0.02" in on_cuda.detail

@@ -302,11 +302,25 @@ def test_a_model_that_ignores_the_mask_is_packed_without_sharing(tiny_lm):
 
 
 def test_layout_of_the_settings():
-    from grpo.layouts import layout_of
+    """algo.shared_prompt=auto (the default): shared on the CPU, where it was measured; packed on CUDA
+    until it is measured on a GPU (REVIEW G3). true and false hold on both."""
+    from grpo.layouts import layout_of, shares_prompts
 
-    layout = lambda **kw: layout_of(OmegaConf.structured(AlgoConfig(**kw)))  # noqa: E731
-    assert layout() == "shared" and layout(shared_prompt=False) == "packed"
-    assert layout(packing=False) == layout(packing=False, shared_prompt=False) == "padded"
+    assert [shares_prompts(s, cuda) for s in ("auto", True, False) for cuda in (False, True)] == [
+        True, False, True, True, False, False]
+    with pytest.raises(ValueError, match="one of true, false, auto"):
+        shares_prompts("yes", False)
+    layout = lambda cuda, **kw: layout_of(OmegaConf.structured(AlgoConfig(**kw)), cuda)  # noqa: E731
+    assert AlgoConfig().shared_prompt == "auto"
+    assert layout(False) == "shared" and layout(True) == "packed"
+    assert layout(True, shared_prompt=True) == "shared" and layout(False, shared_prompt=False) == "packed"
+    assert layout(False, packing=False) == layout(True, packing=False, shared_prompt=True) == "padded"
+    # what a command line gives: Hydra's true/false are bools, auto a string
+    from tests.conftest import compose_cfg
+
+    assert [compose_cfg(f"algo.shared_prompt={v}").algo.shared_prompt for v in ("true", "false", "auto")] == [
+        True, False, "auto"]
+    assert layout_of(compose_cfg().algo, cuda=False) == "shared" and layout_of(compose_cfg().algo, cuda=True) == "packed"
 
 
 def test_shared_width_weighs_positions_against_attention():
