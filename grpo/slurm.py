@@ -17,11 +17,12 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 
 from hydra.experimental.callback import Callback
 
-from grpo.errors import ClusterError
+from grpo.errors import ClusterError, ConfigError, DeviceError
 
 @dataclass(frozen=True)
 class Request:
@@ -159,39 +160,160 @@ class SlurmCheck(Callback):
             raise SystemExit(f"error: {e}") from None
 
 
-def remote_server_layout(gpus: int, train_tasks: int, shared: bool) -> dict[str, str]:
+def server_groups(free: list[int], heads: int | None, kv_heads: int | None, tp: int = 0) -> list[list[int]]:
+    """The GPUs (logical ids of the job step) of each server on a node, from the GPUs it may use:
+    the dedicated backend's planner (`plan_engines`), so every server's tensor-parallel size is one
+    vLLM accepts for the model's heads, and as many servers as fill the GPUs (8 GPUs and Qwen2.5-7B's
+    28 heads: two servers of TP 4; 8 can split neither 28 heads nor 4 KV heads). `tp` > 0 (the
+    sbatch's SERVER_TP_OVERRIDE): servers of that size, as many as fit, checked against the heads.
+    Unknown heads: powers of two, the sizes common models' head counts take."""
+    from grpo.rollout.dedicated import plan_engines, vllm_tensor_parallel_sizes
+
+    if heads is None and not tp:
+        heads = kv_heads = 1 << (len(free) - 1).bit_length()  # the smallest power of two >= the GPUs
+    devices = [f"cuda:{i}" for i in free]
+    if tp:
+        accepted = vllm_tensor_parallel_sizes(heads, kv_heads, len(free))
+        if tp not in accepted:
+            raise ConfigError(f"SERVER_TP_OVERRIDE={tp}: the server may use {len(free)} GPU(s) ({free}) and the model has "
+                              f"{heads} attention heads ({kv_heads} KV heads); vLLM accepts a tensor-parallel size in "
+                              f"{accepted}. Unset it to let the layout choose.")
+        devices = devices[: len(devices) // tp * tp]
+        shares = plan_engines(devices, len(devices) // tp, heads, kv_heads)
+    else:
+        shares = plan_engines(devices, 0, heads, kv_heads)
+    return [[int(d.split(":")[1]) for d in share] for share in shares]
+
+
+def remote_server_layout(gpus: int, train_tasks: int, shared: bool, heads: int | None = None,
+                         kv_heads: int | None = None, tp: int = 0) -> dict[str, str]:
     """How slurm/train_remote.sbatch starts `grpo.serve` on a node (`python -m grpo.slurm server-layout`):
-    - a server node (`shared` false): one engine on all its GPUs, tensor parallel over them;
-    - the one-node mode (`shared`: trainer ranks on cuda:0..train_tasks-1): the server takes the GPUs
-      the trainers do not use, or, with none left, shares cuda:0 at a fraction of its memory with
-      the weights over grpo_gloo (NCCL refuses two ranks of one communicator on one GPU);
+    - a server node (`shared` false): its GPUs, split into servers by `server_groups` (the model's
+      heads decide the tensor-parallel size; unknown heads: powers of two, 8 GPUs one server of TP 8);
+    - the one-node mode (`shared`: trainer ranks on cuda:0..train_tasks-1): the GPUs the trainers do
+      not use, split the same way (none left idle: 7 free GPUs and 28 heads make 7 servers of one GPU),
+      or, with none left, one server sharing cuda:0 at a fraction of its memory with the weights over
+      grpo_gloo (NCCL refuses two ranks of one communicator on one GPU);
     - no GPUs: a CPU server, grpo_gloo.
-    Keys: SERVER_DEVICES (CUDA_VISIBLE_DEVICES, logical ids of the step; empty: leave it), SERVER_TP,
-    SERVER_MEMORY (empty: grpo.serve's default), TRANSFER (for both sides)."""
+    Keys: SERVER_GROUPS (each server's CUDA_VISIBLE_DEVICES as logical ids of the step, space-separated;
+    empty: one server that leaves it alone), SERVERS_PER_NODE, SERVER_TP, SERVER_MEMORY (empty:
+    grpo.serve's default), TRANSFER (for both sides)."""
     if gpus <= 0:
-        return {"SERVER_DEVICES": "", "SERVER_TP": "1", "SERVER_MEMORY": "", "TRANSFER": "grpo_gloo"}
-    if not shared:
-        return {"SERVER_DEVICES": "", "SERVER_TP": str(gpus), "SERVER_MEMORY": "", "TRANSFER": "auto"}
-    free = list(range(train_tasks, gpus))
-    if free:  # a power of two of them: the tensor-parallel sizes common models' head counts take
-        tp = 1 << (len(free).bit_length() - 1)
-        return {"SERVER_DEVICES": ",".join(map(str, free[:tp])), "SERVER_TP": str(tp), "SERVER_MEMORY": "",
-                "TRANSFER": "auto"}
-    return {"SERVER_DEVICES": "", "SERVER_TP": "1", "SERVER_MEMORY": "0.4", "TRANSFER": "grpo_gloo"}
+        return layout_keys([], 1, "", "grpo_gloo")
+    free = list(range(train_tasks, gpus)) if shared else list(range(gpus))
+    if not free:
+        return layout_keys([], 1, "0.4", "grpo_gloo")
+    groups = server_groups(free, heads, kv_heads, tp)
+    return layout_keys(groups, len(groups[0]), "", "auto")
+
+
+def layout_keys(groups: list[list[int]], tp: int, memory: str, transfer: str) -> dict[str, str]:
+    return {"SERVER_GROUPS": " ".join(",".join(map(str, g)) for g in groups), "SERVERS_PER_NODE": str(max(1, len(groups))),
+            "SERVER_TP": str(tp), "SERVER_MEMORY": memory, "TRANSFER": transfer}
+
+
+def model_heads_of(model: str) -> tuple[int | None, int | None]:
+    """(attention heads, KV heads) of the sbatch's MODEL: a config dict as JSON ('{"num_attention_heads":
+    28, "num_key_value_heads": 4}'), an HF folder, a hub id transformers has cached, or `tiny` / a
+    packaged name (resolved into the cache as grpo.serve resolves it). (None, None) when unknown."""
+    import json
+
+    from grpo.rollout.dedicated import config_heads
+
+    if model.lstrip().startswith("{"):
+        return config_heads(json.loads(model))
+    from grpo.rollout.engine_memory import model_config_of
+    from grpo.serve import resolve_model
+
+    return config_heads(model_config_of(resolve_model(model)))
+
+
+def serve_node(groups: list[str], serve_argv: list[str], command: list[str] | None = None, grace_s: float = 60) -> int:
+    """One node's servers (`python -m grpo.slurm serve-node`, a single task of the sbatch's server step):
+    each `grpo.serve` on its own GPUs, CUDA_VISIBLE_DEVICES mapped through this task's own list (SLURM
+    may give 4,5,6,7 or UUIDs). One server (or none named: a CPU or shared-GPU server): this process
+    becomes it (exec), as the step ran it before. Several: they run as children, each ended with this
+    process (--parent-pid); SIGINT/SIGTERM reach each of them (vLLM takes a repeated signal as one),
+    and when one fails the others are stopped and its exit code is this one's. `command`: what runs a
+    server (tests)."""
+    import signal
+    import sys
+
+    from grpo.rollout.dedicated import child_visible_devices
+
+    command = command or [sys.executable, "-m", "grpo.serve"]
+    parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+    envs = [{**os.environ, "CUDA_VISIBLE_DEVICES": child_visible_devices([f"cuda:{i}" for i in g.split(",")], parent)}
+            for g in groups]
+    if len(envs) <= 1:
+        sys.stdout.flush()
+        os.execve(command[0], [*command, *serve_argv], envs[0] if envs else dict(os.environ))
+    children = [subprocess.Popen([*command, *serve_argv, "--parent-pid", str(os.getpid())], env=env) for env in envs]
+
+    def forward(sig, _frame):
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(sig)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    status, deadline = 0, None
+    while True:
+        codes = [c.poll() for c in children]
+        failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
+        if failed is not None and deadline is None:  # the first to fail: stop the rest, then report it
+            code = codes[failed]
+            status = code if code > 0 else 128 - code
+            print(f"grpo.slurm serve-node: the server on CUDA_VISIBLE_DEVICES={envs[failed]['CUDA_VISIBLE_DEVICES']} "
+                  f"exited with {code}; stopping this node's other servers", file=sys.stderr, flush=True)
+            forward(signal.SIGTERM, None)
+            deadline = time.monotonic() + grace_s
+        if all(code is not None for code in codes):
+            return status
+        if deadline is not None and time.monotonic() > deadline:
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+        time.sleep(0.2)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m grpo.slurm server-layout GPUS TRAIN_TASKS SHARED`: shell assignments for slurm/train_remote.sbatch."""
+    """`python -m grpo.slurm server-layout GPUS TRAIN_TASKS SHARED [--model M] [--tp K]`: shell assignments
+    for slurm/train_remote.sbatch. `python -m grpo.slurm serve-node --groups "0,1 2,3" -- ARGS`: this
+    node's servers, `grpo.serve ARGS` each."""
     import argparse
+    import shlex
+    import sys
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve-node"]:
+        p = argparse.ArgumentParser(prog="python -m grpo.slurm serve-node", description=serve_node.__doc__)
+        p.add_argument("--groups", default="", help="SERVER_GROUPS of the layout: each server's GPUs, space-separated")
+        split = argv.index("--") if "--" in argv else len(argv)
+        args = p.parse_args(argv[1:split])
+        raise SystemExit(serve_node(args.groups.split(), argv[split + 1 :]))
     p = argparse.ArgumentParser(prog="python -m grpo.slurm", description=main.__doc__)
     p.add_argument("command", choices=["server-layout"])
     p.add_argument("gpus", help="GPUs on this node (SLURM_GPUS_ON_NODE; empty or 0: none)")
     p.add_argument("train_tasks", type=int, help="training tasks on a node (SLURM_NTASKS_PER_NODE)")
     p.add_argument("shared", choices=["0", "1"], help="1: the server shares its node with the trainers")
+    p.add_argument("--model", help="the served model, whose heads decide each server's tensor-parallel size: an HF "
+                   "folder, a hub id, tiny, or a config as JSON with num_attention_heads and num_key_value_heads")
+    p.add_argument("--tp", type=int, default=0, help="> 0: servers of this many GPUs (SERVER_TP_OVERRIDE)")
     args = p.parse_args(argv)
-    layout = remote_server_layout(int(args.gpus or 0), args.train_tasks, args.shared == "1")
-    print("\n".join(f"{k}={v}" for k, v in layout.items()))
+    gpus, shared = int(args.gpus or 0), args.shared == "1"
+    free = gpus - args.train_tasks if shared else gpus
+    heads = kv_heads = None
+    if free > 1 and args.model:  # the heads decide only where a server could span several GPUs
+        heads, kv_heads = model_heads_of(args.model)
+        if heads is None:
+            print(f"grpo.slurm server-layout: the heads of {args.model} are unknown here (no config.json): servers of a "
+                  f"power of two GPUs. If vLLM refuses that size, set SERVER_TP_OVERRIDE.", file=sys.stderr)
+    try:
+        layout = remote_server_layout(gpus, args.train_tasks, shared, heads, kv_heads, args.tp)
+    except (ConfigError, DeviceError) as e:
+        raise SystemExit(f"error: {e}") from None
+    print("\n".join(f"{k}={shlex.quote(v)}" for k, v in layout.items()))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,17 @@
 """grpo.launch and grpo.slurm without a cluster: argument split, what `sinfo` says, clear errors
 before anything is submitted. The same errors against the real cluster are in tests/test_slurm.py."""
 
+import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
+from grpo.errors import ConfigError
 from grpo.launch import parse_args
 from grpo.slurm import ClusterError, Node, Request, check_request, gpu_count
 from tests.conftest import ROOT
@@ -205,18 +210,217 @@ def test_the_server_job_is_cancelled_on_every_way_out(tmp_path, monkeypatch, way
     assert "scancel --signal=INT 4242" in calls.read_text()
 
 
-def test_train_remote_sbatch_gives_a_server_node_its_gpus_and_keeps_trainers_off_them():
-    """slurm/train_remote.sbatch evaluates `python -m grpo.slurm server-layout GPUS TRAIN_TASKS SHARED`:
-    a server node's GPUs go to one engine whose tensor-parallel size is its GPU count (REVIEW M2); in
-    the one-node mode the server never shares a GPU with a trainer rank over NCCL (H1). Whether the
-    model's heads divide that size is not checked here (no model is named: issue 35)."""
+# (attention heads, KV heads) of the models' own config.json files
+QWEN25_7B, QWEN25_05B, LLAMA3_8B = (28, 4), (14, 2), (32, 8)
+
+
+def test_a_server_node_is_split_into_servers_the_models_heads_allow():
+    """slurm/train_remote.sbatch evaluates `python -m grpo.slurm server-layout GPUS TRAIN_TASKS SHARED
+    --model M` (REVIEW Part 3 finding 9). vLLM refuses a tensor-parallel size that does not divide the
+    heads, or neither divides nor is a multiple of the KV heads: Qwen2.5-7B on 8 GPUs is refused at
+    start ('Total number of attention heads (28) must be divisible by tensor parallel size (8)'), so the
+    node runs two servers of 4 GPUs. In the one-node mode no free GPU is left idle (before, a power-of-two
+    cut of 7 free GPUs took 4). The server never shares a GPU with a trainer rank over NCCL (H1)."""
     from grpo.slurm import remote_server_layout
 
-    assert remote_server_layout(8, 8, shared=False) == {"SERVER_DEVICES": "", "SERVER_TP": "8", "SERVER_MEMORY": "", "TRANSFER": "auto"}
-    assert remote_server_layout(8, 1, shared=True)["SERVER_DEVICES"] == "1,2,3,4"  # 7 free: TP 4, not 7
-    assert remote_server_layout(1, 1, shared=True) == {"SERVER_DEVICES": "", "SERVER_TP": "1", "SERVER_MEMORY": "0.4",
-                                                       "TRANSFER": "grpo_gloo"}
-    assert remote_server_layout(0, 1, shared=True)["TRANSFER"] == "grpo_gloo"
-    out = subprocess.run([sys.executable, "-m", "grpo.slurm", "server-layout", "2", "1", "1"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
-    assert out.stdout.split() == ["SERVER_DEVICES=1", "SERVER_TP=1", "SERVER_MEMORY=", "TRANSFER=auto"], out.stderr
+    def servers(gpus, train_tasks, shared, model, tp=0):
+        layout = remote_server_layout(gpus, train_tasks, shared, *model, tp=tp)
+        assert int(layout["SERVERS_PER_NODE"]) == len(layout["SERVER_GROUPS"].split() or [""])
+        assert all(len(g.split(",")) == int(layout["SERVER_TP"]) for g in layout["SERVER_GROUPS"].split())
+        return layout["SERVER_GROUPS"], layout["SERVER_TP"], layout["TRANSFER"]
+
+    # a server node of 8 GPUs
+    assert servers(8, 8, False, QWEN25_7B) == ("0,1,2,3 4,5,6,7", "4", "auto")  # 8 divides neither 28 nor 4 KV heads
+    assert servers(8, 8, False, QWEN25_05B) == ("0,1 2,3 4,5 6,7", "2", "auto")  # 14 heads, 2 KV heads: TP 1 or 2
+    assert servers(8, 8, False, LLAMA3_8B) == ("0,1,2,3,4,5,6,7", "8", "auto")
+    assert servers(4, 8, False, QWEN25_7B) == ("0,1,2,3", "4", "auto")
+    # one node: the GPUs the trainer ranks (cuda:0..k-1) do not use, every one of them serving
+    assert servers(8, 1, True, QWEN25_7B) == ("1 2 3 4 5 6 7", "1", "auto")  # 7 free: 7 divides 28 but not 4 KV heads
+    assert servers(8, 2, True, LLAMA3_8B) == ("2,3 4,5 6,7", "2", "auto")
+    assert servers(8, 4, True, QWEN25_7B) == ("4,5,6,7", "4", "auto")
+    # heads unknown (a hub id not cached here): powers of two, as common models' heads take
+    assert servers(8, 8, False, (None, None)) == ("0,1,2,3,4,5,6,7", "8", "auto")
+    assert servers(8, 2, True, (None, None)) == ("2,3 4,5 6,7", "2", "auto")
+    # SERVER_TP_OVERRIDE: servers of that size, checked against the heads
+    assert servers(8, 8, False, QWEN25_7B, tp=2) == ("0,1 2,3 4,5 6,7", "2", "auto")
+    assert servers(8, 1, True, QWEN25_7B, tp=4) == ("1,2,3,4", "4", "auto")
+    with pytest.raises(ConfigError, match=r"SERVER_TP_OVERRIDE=8: .* vLLM accepts a tensor-parallel size in \[1, 2, 4\]"):
+        remote_server_layout(8, 8, False, *QWEN25_7B, tp=8)
+    # one GPU shared with the trainer: grpo_gloo, a fraction of its memory; no GPU: a CPU server
+    assert remote_server_layout(1, 1, True, *QWEN25_7B) == {"SERVER_GROUPS": "", "SERVERS_PER_NODE": "1", "SERVER_TP": "1",
+                                                            "SERVER_MEMORY": "0.4", "TRANSFER": "grpo_gloo"}
+    assert remote_server_layout(0, 1, True)["TRANSFER"] == "grpo_gloo"
+
+
+def test_the_server_layout_reads_the_models_heads_from_its_folder_or_a_config(tmp_path):
+    """`--model` is what the sbatch serves (MODEL): an HF folder's config.json, or a config given as JSON;
+    the shell assignments are quoted for `eval`."""
+    folder = tmp_path / "qwen2.5-7b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "num_attention_heads": 28,
+                                                    "num_key_value_heads": 4}))
+
+    def layout(*args):
+        out = subprocess.run([sys.executable, "-m", "grpo.slurm", "server-layout", *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        return out.returncode, out.stdout, out.stderr
+
+    code, stdout, stderr = layout("8", "8", "0", "--model", str(folder))
+    assert code == 0 and stdout.split("\n")[:3] == ["SERVER_GROUPS='0,1,2,3 4,5,6,7'", "SERVERS_PER_NODE=2", "SERVER_TP=4"], stderr
+    code, stdout, _ = layout("8", "1", "1", "--model", json.dumps({"num_attention_heads": 32, "num_key_value_heads": 8}))
+    assert stdout.splitlines() == ["SERVER_GROUPS='1 2 3 4 5 6 7'", "SERVERS_PER_NODE=7", "SERVER_TP=1", "SERVER_MEMORY=''",
+                              "TRANSFER=auto"]
+    code, _, stderr = layout("8", "8", "0", "--model", str(folder), "--tp", "8")
+    assert code != 0 and "error: SERVER_TP_OVERRIDE=8" in stderr
+
+
+FAKE_SLURM = {  # the SLURM commands train_remote.sbatch calls, recording their arguments
+    "scontrol": 'print("\\n".join(os.environ["FAKE_NODES"].split()))',
+    "squeue": "pass",
+    "scancel": "pass",
+    "srun": """
+with open(os.environ["FAKE_CALLS"], "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+args = sys.argv[1:]
+if any("socket.socket()" in a for a in args):  # the free port on the first trainer node
+    print(29512)
+elif "--job-name=grpo-serve" in args:  # each node's servers write their URLs, as grpo.serve does
+    nodes = int(next(a for a in args if a.startswith("--nodes=")).split("=")[1])
+    groups = args[args.index("--groups") + 1].split() or [""]
+    url_dir = args[args.index("--url-dir") + 1]
+    os.makedirs(url_dir, exist_ok=True)
+    for node in range(nodes):
+        for i, _ in enumerate(groups):
+            open(os.path.join(url_dir, f"node{node}-{8000 + i}.url"), "w").write(f"http://node{node}:{8000 + i}\\n")
+""",
+}
+
+
+@pytest.mark.parametrize("case", ["gpu-nodes", "cpu-one-node"])
+def test_train_remote_sbatch_starts_every_server_of_the_layout_and_trains_against_them(tmp_path, case):
+    """The sbatch's own lines, run by bash with SLURM's commands faked (the real cluster runs it in the
+    `slurm` tier): it passes MODEL to the layout, starts each server node's servers on their GPUs
+    (`grpo.slurm serve-node`), and hands the trainer every URL. Three 8-GPU nodes with Qwen2.5-7B and
+    SERVERS=2: two server nodes of two TP-4 servers each, one training node. One CPU node: one
+    grpo_gloo server beside the trainer, as on the dev cluster."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool, body in FAKE_SLURM.items():
+        (bin_dir / tool).write_text(f"#!{sys.executable}\nimport json, os, sys\n{body}\n")
+        (bin_dir / tool).chmod(0o755)
+    model = tmp_path / "qwen2.5-7b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_attention_heads": 28, "num_key_value_heads": 4}))
+    calls, run_dir = tmp_path / "calls", tmp_path / "run"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_CALLS": str(calls), "RUN_DIR": str(run_dir),
+           "PYTHON": sys.executable, "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "unused", "GRPO_SERVE_TOKEN": "t"}
+    if case == "gpu-nodes":
+        env.update(FAKE_NODES="n1 n2 n3", SERVERS="2", MODEL=str(model), SLURM_GPUS_ON_NODE="8", SLURM_CPUS_PER_TASK="8",
+                   SLURM_NTASKS_PER_NODE="8")
+    else:
+        env.update(FAKE_NODES="n1", SLURM_NTASKS_PER_NODE="1")
+        for key in ("SERVERS", "MODEL", "SLURM_GPUS_ON_NODE", "SLURM_CPUS_PER_TASK"):
+            env.pop(key, None)
+    out = subprocess.run(["bash", "slurm/train_remote.sbatch", "steps=1"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    steps = [json.loads(line) for line in calls.read_text().splitlines()]
+    serve = next(s for s in steps if "--job-name=grpo-serve" in s)
+    train = next(s for s in steps if "grpo.train" in s)
+    serve_args = serve[serve.index("--") + 1 :]
+    urls = next(a for a in train if a.startswith("rollout.remote.urls=")).split("=", 1)[1].strip("[]").split(",")
+    if case == "gpu-nodes":
+        assert "--nodes=2" in serve and "--nodelist=n1,n2" in serve and serve[serve.index("--groups") + 1] == "0,1,2,3 4,5,6,7"
+        assert serve_args[serve_args.index("--model") + 1] == str(model)
+        assert serve_args[serve_args.index("--tensor-parallel-size") + 1] == "4"
+        assert serve_args[serve_args.index("--weight-transfer") + 1] == "auto"
+        assert sorted(urls) == ["http://node0:8000", "http://node0:8001", "http://node1:8000", "http://node1:8001"]
+        assert "--nodes=1" in train and "--nodelist=n3" in train and f"model.path={model}" in train
+    else:
+        assert serve[serve.index("--groups") + 1] == "" and serve_args[serve_args.index("--model") + 1] == "tiny"
+        assert serve_args[serve_args.index("--weight-transfer") + 1] == "grpo_gloo"
+        assert urls == ["http://node0:8000"] and "rollout.vllm.weight_transfer=grpo_gloo" in train
+
+
+FAKE_SERVER = """
+import os, signal, sys, time
+devices = os.environ["CUDA_VISIBLE_DEVICES"]
+with open(os.path.join(sys.argv[1], devices), "w") as f:
+    f.write(" ".join(sys.argv[2:]) + "\\n")
+if devices == os.environ.get("FAIL_ON"):
+    time.sleep(1)  # the other server's handlers are set by then
+    sys.exit(3)
+stopped = []
+signal.signal(signal.SIGINT, lambda *_: stopped.append("INT"))
+signal.signal(signal.SIGTERM, lambda *_: stopped.append("TERM"))
+while not stopped:
+    time.sleep(0.05)
+with open(os.path.join(sys.argv[1], devices), "a") as f:
+    f.write(f"stopped {stopped[0]}\\n")
+"""
+
+
+def test_a_nodes_servers_run_on_their_own_gpus_and_stop_together(tmp_path, monkeypatch):
+    """`grpo.slurm serve-node` (one task of the sbatch's server step per node): each server gets its group
+    of the step's GPUs (mapped through the step's own CUDA_VISIBLE_DEVICES) and is tied to the task
+    (--parent-pid); the step's SIGINT (scancel --signal=INT) reaches every server; one server failing
+    stops the others and fails the step with its exit code. One server: the task becomes it."""
+    from grpo import slurm
+
+    server = tmp_path / "server.py"
+    server.write_text(FAKE_SERVER)
+    seen = tmp_path / "seen"
+    seen.mkdir()
+
+    def start(groups, fail_on=""):
+        command = [sys.executable, str(server), str(seen)]
+        code = (f"import sys; from grpo.slurm import serve_node; "
+                f"sys.exit(serve_node({groups!r}, ['--model', 'm'], command={command!r}, grace_s=10))")
+        started.append(subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                                        env={**os.environ, "CUDA_VISIBLE_DEVICES": "4,5,6,7", "FAIL_ON": fail_on},
+                                        start_new_session=True))  # its own group: cleaned up below whatever happens
+        return started[-1]
+
+    def wait_for(names):
+        deadline = time.time() + 60
+        while {p.name for p in seen.iterdir()} != set(names):
+            assert time.time() < deadline, list(seen.iterdir())
+            time.sleep(0.05)
+
+    started = []
+    try:
+        check_node(start, wait_for, seen)
+    finally:
+        for node in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGKILL)
+
+    called = []  # the command line the sbatch gives it
+    monkeypatch.setattr(slurm, "serve_node", lambda groups, argv: called.append((groups, argv)) or 0)
+    with pytest.raises(SystemExit):
+        slurm.main(["serve-node", "--groups", "0,1 2,3", "--", "--model", "m", "--port", "0"])
+    assert called == [(["0,1", "2,3"], ["--model", "m", "--port", "0"])]
+
+
+def check_node(start, wait_for, seen):
+    node = start(["0,1", "2,3"])
+    wait_for(["4,5", "6,7"])
+    time.sleep(0.5)  # the servers' handlers are set
+    node.send_signal(signal.SIGINT)
+    assert node.wait(30) == 0, node.stderr.read()
+    for name in ("4,5", "6,7"):
+        assert (seen / name).read_text() == f"--model m --parent-pid {node.pid}\nstopped INT\n"
+
+    for p in seen.iterdir():
+        p.unlink()
+    node = start(["0,1", "2,3"], fail_on="6,7")
+    t0 = time.time()
+    assert node.wait(30) == 3
+    assert time.time() - t0 < 10 and "CUDA_VISIBLE_DEVICES=6,7 exited with 3" in node.stderr.read()
+    wait_for(["4,5", "6,7"])
+    assert (seen / "4,5").read_text().endswith("stopped TERM\n")
+
+    for p in seen.iterdir():
+        p.unlink()
+    node = start(["1"], fail_on="5")  # one server: exec'd in the task's place, its exit code the task's
+    assert node.wait(30) == 3 and (seen / "5").read_text() == "--model m\n"

@@ -404,6 +404,7 @@ def test_nccl_sender_speaks_vllms_receiver(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())  # no CUDA here
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)  # a CUDA stream's bookkeeping
     wire = []
     sender.comm, sender.stream = Loopback(wire, sending=True), Stream()
     sender.send([t.contiguous() for _, t in bucket])  # NcclSender.prepare, less the move to the GPU
@@ -427,3 +428,123 @@ def test_an_echo_of_other_prompt_ids_of_the_same_length_is_an_error():
     assert server.prompt_checks == 2
     with pytest.raises(ServerError, match=r"continued prompt ids \[1, 2, 9\]\.\.\. \(3 ids\), not the 3 ids sent \[1, 2, 3\]"):
         check_echo(server, prompts, 2, [{"index": 3, "prompt_token_ids": [1, 2, 9]}])
+
+
+def test_a_generation_requests_timeout_grows_with_the_work_the_server_holds():
+    """REVIEW Part 3 finding 13: a non-streaming /v1/completions answers only when its last completion
+    ends, so a fixed 600 s read timeout ended a healthy long-CoT batch (512 prompts x 16 x 4096 tokens on
+    one engine) with ServerError. The timeout is request_timeout_s plus the completion tokens the server
+    holds meanwhile at MIN_TOKENS_PER_S: every request in flight (64 at most per trainer), from every
+    trainer rank that sends to it (rollout=remote)."""
+    from grpo.rollout.servers import MIN_TOKENS_PER_S, Server, generation_timeout, in_flight_completions
+
+    assert MIN_TOKENS_PER_S == 100.0
+    assert in_flight_completions([512], 16) == 8192  # unseeded: one request for the server's prompts
+    assert in_flight_completions([1] * 512, 16) == 1024  # seeded: one request per prompt, 64 in flight
+    assert in_flight_completions([1] * 512, 16, clients=8) == 8192
+    assert generation_timeout(600, 4096, 8192) == pytest.approx(600 + 4096 * 8192 / 100)  # 93 hours: never cut
+    assert generation_timeout(600, 4, 32 * 4) == pytest.approx(605.12)  # the tiny default: what it was
+
+    class Recorded(Server):  # answers at once, noting each generation request's timeout
+        def request(self, path, body=None, timeout=None, text=False):
+            if path == "/weight_info":
+                return {"weight_version": "3"}
+            self.timeouts.append(timeout)
+            return {"choices": [{"index": k, "token_ids": [5], "logprobs": {"token_logprobs": [-0.1]}, "finish_reason": "length",
+                                 "prompt_token_ids": body["prompt"][k // body["n"]]} for k in range(len(body["prompt"]) * body["n"])]}
+
+    pool = ServerPool.__new__(ServerPool)  # no health checks: the generation path alone
+    pool.servers, pool.clients, pool.idle_since = [Recorded("http://127.0.0.1:1", None, 10.0)], 2, None
+    pool.servers[0].timeouts = []
+    prompts = [[1, 2]] * 100
+    out = pool.generate(prompts, 2, Sampling(max_new_tokens=50), version=3)
+    assert len(out.completion_ids) == 200 and pool.servers[0].timeouts == [10 + 50 * (2 * 100 * 2) / 100]
+    pool.servers[0].timeouts = []
+    pool.generate(prompts, 2, Sampling(max_new_tokens=50, seed=7), version=3)  # 100 requests, 64 in flight
+    assert pool.servers[0].timeouts == [10 + 50 * (2 * 64 * 2) / 100] * 100
+
+
+def test_parallel_map_raises_as_soon_as_one_item_fails():
+    """REVIEW Part 3 finding 13: the first error is raised when it happens, not after every request in
+    flight has returned (a generation can run for minutes); its threads are daemon threads, left to end
+    on their own. Items not started by then are never started."""
+    from grpo.rollout.servers import parallel_map
+
+    def item(x):
+        if x == "fail":
+            time.sleep(0.1)
+            raise ServerError("one server refused")
+        time.sleep(x)
+        return x
+
+    assert parallel_map(item, [0.2, 0, 0.1]) == [0.2, 0, 0.1]  # in order
+    t0 = time.time()
+    with pytest.raises(ServerError, match="one server refused"):
+        parallel_map(item, [30, "fail", 0.01])
+    assert time.time() - t0 < 2, f"raised after {time.time() - t0:.1f} s"
+    started = []
+    with pytest.raises(ServerError):
+        parallel_map(lambda x: started.append(x) or item(x), ["fail", 0, 0], workers=1)
+    assert started == ["fail"]
+
+
+def test_an_aborted_nccl_send_keeps_its_tensors_and_ends_the_broadcast(monkeypatch):
+    """REVIEW Part 3 finding 19: the payload is allocated on the caller's stream and broadcast on the
+    sender's, so each tensor is recorded on the sender's stream before its broadcast (the allocator
+    then keeps its memory until that stream has passed it, even if the caller drops it after an abort).
+    An abort (the server refused its half and will never post its receives) destroys the communicator
+    (vLLM's PyNcclCommunicator.destroy: ncclCommAbort), which ends the queued broadcasts; before, it only
+    set a flag. The CUDA stream, event and tensor bookkeeping are fakes; the sender's logic is real."""
+    import threading
+
+    import torch
+
+    from grpo.rollout.nccl_transfer import NcclSender
+
+    log = []
+
+    class Stream:
+        def wait_stream(self, other):
+            log.append(("wait", other))
+
+    class Event:  # the broadcast never completes: the server never receives
+        def record(self, stream):
+            pass
+
+        def query(self):
+            return False
+
+    class Comm:
+        def broadcast(self, tensor, src, stream=None):
+            log.append(("broadcast", tensor.data_ptr(), stream))
+
+        def destroy(self):
+            log.append(("destroy",))
+
+    caller = Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: caller)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: log.append(("record", self.data_ptr(), stream)))
+    sender = NcclSender("127.0.0.1", 1, 2, timeout_s=60)
+    sender.comm, sender.stream = Comm(), Stream()
+    tensors = [torch.zeros(3), torch.ones(2)]
+    failed = []
+    thread = threading.Thread(target=lambda: failed.append(pytest.raises(RuntimeError, sender.send, tensors)), daemon=True)
+    thread.start()
+    deadline = time.time() + 10
+    while len(log) < 5 and time.time() < deadline:
+        time.sleep(0.01)
+    a, b = (t.data_ptr() for t in tensors)
+    assert log == [("wait", caller), ("record", a, sender.stream), ("broadcast", a, sender.stream),
+                   ("record", b, sender.stream), ("broadcast", b, sender.stream)]
+    t0 = time.time()
+    sender.abort()
+    thread.join(10)
+    assert failed and "aborted: the server refused its half" in str(failed[0].value) and time.time() - t0 < 5
+    assert log[5:] == [("destroy",)] and sender.comm is None
+    with pytest.raises(RuntimeError, match="NCCL weight-transfer group was aborted"):
+        sender.send(tensors)  # nothing more goes through a destroyed group
+    sender.close()
+    sender.abort()
+    assert log.count(("destroy",)) == 1  # destroyed once

@@ -168,3 +168,112 @@ def test_level_2_sleep_then_sync_on_a_real_engine_gives_back_memory_and_keeps_pa
             assert backend.generate(prompts, 1, greedy).completion_ids != old, "the new weights did not arrive"
     finally:
         backend.close()
+
+
+class FakeStream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits for {other.name}")
+
+    def __eq__(self, other):
+        return isinstance(other, FakeStream) and other.name == self.name
+
+    def __hash__(self):
+        return hash(self.name)
+
+
+class FakeCuda:
+    """torch.cuda's stream API, as vLLM's patched set_stream leaves it: one current stream per thread."""
+
+    def __init__(self, available=True):
+        self.log, self.available = [], available
+        self.current = FakeStream("default", self.log)
+
+    def is_available(self):
+        return self.available
+
+    def current_stream(self):
+        assert self.available, "no stream is asked for without CUDA"
+        return self.current
+
+    def set_stream(self, stream):
+        self.log.append(f"set {stream.name}")
+        self.current = stream
+
+
+def test_an_engine_call_leaves_the_callers_stream_current():
+    """REVIEW Part 4 G4: vLLM makes its own stream current in the thread that first asks it for one (CUDA
+    graph capture at the engine's start, in the trainer's main thread), and training then ran on it.
+    `EngineStream` gives the caller its stream back after each engine call, puts the engine back on its
+    own for the next, and orders the two streams both ways; without CUDA it touches nothing."""
+    from grpo.rollout.colocated import EngineStream
+
+    cuda = FakeCuda()
+    guard = EngineStream(cuda)
+    with guard:  # the engine's start: vLLM's current_stream() makes a new stream current
+        cuda.set_stream(FakeStream("vllm", cuda.log))
+    assert cuda.current.name == "default" and cuda.log == ["set vllm", "default waits for vllm", "set default"]
+    cuda.log.clear()
+    seen = []
+    with guard:  # a later call: the engine finds its own stream, after the trainer's work
+        seen.append(cuda.current.name)
+        with guard:  # nested (wake inside generate): nothing more
+            seen.append(cuda.current.name)
+    assert seen == ["vllm", "vllm"] and cuda.current.name == "default"
+    assert cuda.log == ["vllm waits for default", "set vllm", "default waits for vllm", "set default"]
+    with pytest.raises(RuntimeError), guard:  # an engine call that fails gives the stream back too
+        raise RuntimeError("engine failed")
+    assert cuda.current.name == "default"
+
+    cuda = FakeCuda()
+    with EngineStream(cuda):  # an engine that never changes the stream (eager, CPU-like): no switching
+        pass
+    assert cuda.log == []
+    off = FakeCuda(available=False)
+    with EngineStream(off):
+        pass
+    assert off.log == []
+    with EngineStream():  # the real torch.cuda of this machine
+        pass
+
+
+def test_every_colocated_engine_call_runs_inside_the_stream_guard(tiny_lm, monkeypatch):
+    """The backend's engine calls (start, generate, wake/sleep/reload/reset) each see the engine's
+    stream, and the trainer's stream is current again between them. The engine is a fake that does
+    what vLLM does to the stream at its start."""
+    from grpo.rollout import colocated
+    from grpo.rollout.colocated import ColocatedBackend, EngineStream
+
+    cuda = FakeCuda()
+    inside = []
+
+    class Engine:
+        model_config = type("ModelConfig", (), {"max_model_len": 128})()
+
+        def generate(self, prompts, params, **kw):
+            inside.append(("generate", cuda.current.name))
+            return []
+
+        def collective_rpc(self, method, kwargs):
+            inside.append((method, cuda.current.name))
+
+        def reset_prefix_cache(self):
+            inside.append(("reset_prefix_cache", cuda.current.name))
+
+    def build_llm(*args, **kwargs):
+        cuda.set_stream(FakeStream("vllm", cuda.log))  # CUDA graph capture, in this thread
+        inside.append(("start", cuda.current.name))
+        return Engine()
+
+    monkeypatch.setattr(colocated, "EngineStream", lambda: EngineStream(cuda))
+    monkeypatch.setattr(colocated, "build_llm", build_llm)
+    model, tok = tiny_lm
+    backend = ColocatedBackend(colocated_cfg(), model, tok, "unused")
+    assert cuda.current.name == "default"
+    backend.generate([[1, 2]], 2, colocated.Sampling(max_new_tokens=2))
+    assert cuda.current.name == "default"
+    backend.update_weights([], 1)
+    assert cuda.current.name == "default"
+    assert inside == [("start", "vllm"), ("generate", "vllm"), ("reload_weights", "vllm"), ("reset_prefix_cache", "vllm")]

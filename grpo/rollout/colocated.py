@@ -44,6 +44,45 @@ def empty_device_cache() -> None:
         torch.cuda.empty_cache()
 
 
+class EngineStream:
+    """Engine calls on the engine's CUDA stream, the trainer's code on its own (REVIEW Part 4 G4). An
+    in-process vLLM makes a new stream current in the calling thread the first time it asks for one
+    (vllm/utils/torch_utils.py `current_stream`, through its patched `torch.cuda.set_stream`): CUDA
+    graph capture and a tensor-parallel PyNccl start do it in the trainer's main thread, and every later
+    training kernel ran on that stream, so anything ordered against the default stream (DeepSpeed's
+    fp16 paths) was not. Around each engine call (`with engine_stream:`): the caller's current stream is
+    noted, the engine's own stream (from the call before) made current and ordered after the caller's
+    work; afterwards the caller's stream waits for the engine's work and is current again. Without CUDA
+    (or with no stream change) nothing is touched. `cuda`: the stream API (torch.cuda; tests pass a fake)."""
+
+    def __init__(self, cuda=None):
+        self.cuda = cuda
+        self.engine = None  # the stream the engine left current, made current again for its next call
+        self.callers = []  # the callers' streams, innermost last (None without CUDA)
+
+    def __enter__(self):
+        if self.cuda is None:
+            import torch
+
+            self.cuda = torch.cuda
+        caller = self.cuda.current_stream() if self.cuda.is_available() else None
+        self.callers.append(caller)
+        if caller is not None and self.engine is not None and self.engine != caller:
+            self.engine.wait_stream(caller)  # the engine reads what the caller wrote (new weights)
+            self.cuda.set_stream(self.engine)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        caller = self.callers.pop()
+        if caller is None:
+            return
+        engine = self.cuda.current_stream()
+        if engine != caller:
+            self.engine = engine
+            caller.wait_stream(engine)  # the caller's next kernels after the engine's
+            self.cuda.set_stream(caller)
+
+
 def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1, lora_rank: int = 0):
     """`world_size` > 1: the engine is one of several in the trainer's process group. A start that
     fails (most often for memory) tears down what vLLM set up, so the next engine in this process
@@ -249,7 +288,9 @@ class ColocatedBackend(RolloutBackend):
         self.lora_request, self.adapter_dir = None, os.path.join(run_dir, "adapters", f"rank{dist.rank()}")
         rank = lora.adapter_rank(model) if self.lora_model is not None else 0
         empty_device_cache()  # the trainer's cached blocks, so vLLM's memory profile sees them free
-        self.llm = build_llm(model_path, cfg, dtype, seed + dist.rank() // self.tp, world, lora_rank=rank)
+        self.engine_stream = EngineStream()  # every engine call below runs inside it
+        with self.engine_stream:  # CUDA graph capture makes vLLM's own stream current here
+            self.llm = build_llm(model_path, cfg, dtype, seed + dist.rank() // self.tp, world, lora_rank=rank)
         self.sleep_state = SleepState()
         self.sleep_enabled = cfg.vllm.sleep
         self.weight_version = 0
@@ -275,8 +316,9 @@ class ColocatedBackend(RolloutBackend):
 
         self.wake()
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
-        outputs = self.llm.generate(prompts, sampling_params(n, sampling, len(prompts)), use_tqdm=False,
-                                    lora_request=self.lora_request)
+        with self.engine_stream:
+            outputs = self.llm.generate(prompts, sampling_params(n, sampling, len(prompts)), use_tqdm=False,
+                                        lora_request=self.lora_request)
         return to_rollouts(outputs, self.weight_version)
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
@@ -296,7 +338,8 @@ class ColocatedBackend(RolloutBackend):
             "reset_prefix_cache": lambda _: self.llm.reset_prefix_cache(),  # cached KV belongs to the old weights
         }
         for op, arg in ops:
-            run[op](arg)
+            with self.engine_stream:
+                run[op](arg)
             self.sleep_state = state_after(self.sleep_state, [(op, arg)])
 
     def _load_adapter(self, buckets: WeightBuckets, version: int) -> None:
@@ -324,5 +367,6 @@ class ColocatedBackend(RolloutBackend):
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            del llm
-            release_engine_state(keep_process_group=not self.owns_process_group)
+            with self.engine_stream:
+                del llm
+                release_engine_state(keep_process_group=not self.owns_process_group)

@@ -200,7 +200,11 @@ def model_heads(model_path: str) -> tuple[int | None, int | None]:
     """(attention heads, KV heads) from the model folder's config.json (None, None if unknown)."""
     from grpo.rollout.engine_memory import read_model_config
 
-    config = read_model_config(model_path)
+    return config_heads(read_model_config(model_path))
+
+
+def config_heads(config: dict) -> tuple[int | None, int | None]:
+    """(attention heads, KV heads) of a config.json's contents (a multimodal one's text_config)."""
     config = config.get("text_config", config)
     heads = config.get("num_attention_heads")
     return heads, config.get("num_key_value_heads", heads)

@@ -60,20 +60,34 @@ class NcclSender:
         return [t.detach().to(device).contiguous() for _, t in bucket]
 
     def send(self, tensors: list[torch.Tensor]) -> None:
+        """One broadcast per tensor on the sender's stream. Each tensor is recorded on that stream
+        (`record_stream`): it was allocated on the caller's stream, and without the record the caching
+        allocator would hand its memory out again as soon as the caller drops it (after an abort, or
+        once this returns) while NCCL may still read it."""
+        comm = self.comm
+        if comm is None or self.aborted:
+            raise RuntimeError("the NCCL weight-transfer group was aborted (a server refused an update); "
+                               "no broadcast can go through it")
         with torch.cuda.device(self.device):
             self.stream.wait_stream(torch.cuda.current_stream())  # the tensors are ready before they go
             for t in tensors:
-                self.comm.broadcast(t, src=0, stream=self.stream)
+                t.record_stream(self.stream)
+                comm.broadcast(t, src=0, stream=self.stream)
             done = torch.cuda.Event()
             done.record(self.stream)
         # the caller may change the parameters once this returns; bounded, and ended by abort()
         wait_until_done(done.query, self.timeout_s, lambda: self.aborted)
 
     def abort(self) -> None:
-        """The server refused its half: stop waiting for the broadcast and drop the communicator."""
+        """The server refused its half: stop waiting for the broadcast and destroy the communicator.
+        A flag alone left the broadcasts queued on the sender's stream for ever (the server never posts
+        its receives); vLLM's `PyNcclCommunicator.destroy` (ncclCommAbort on a thread, joined for 5 s:
+        vllm/distributed/device_communicators/pynccl.py, the same in 0.32 and 0.33) ends them, so the
+        stream moves on and the tensors recorded on it are freed."""
         self.aborted = True
+        self.close()
 
     def close(self) -> None:
-        if self.comm is not None:
-            self.comm.destroy()
-            self.comm = None
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            comm.destroy()

@@ -57,7 +57,8 @@ class RemoteBackend(RolloutBackend):
         self.pool = ServerPool(list(rc.urls), load_token(rc.token_file), rc.health_timeout_s, rc.request_timeout_s,
                                rc.transfer_host, can_push=dist.rank() == 0,
                                transfer=transfer_backend(cfg.vllm.weight_transfer, torch.cuda.is_available()),
-                               log=say if dist.rank() == 0 else None)  # every rank waits; rank 0 says so
+                               log=say if dist.rank() == 0 else None,  # every rank waits; rank 0 says so
+                               clients=dist.world_size())  # every rank sends its own batch to the same servers
         self.weight_version = 0
         self.lora_model = model if lora.is_lora(model) else None
         self.adapter_dir = os.path.join(os.path.abspath(run_dir), "adapters", "remote")

