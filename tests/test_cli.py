@@ -25,6 +25,7 @@ ENTRY_POINTS = [  # every module with `if __name__ == "__main__"`: one added and
     "grpo.slurm",
     "grpo.train",
     "grpo.verify",
+    "grpo.wheelhouse",
 ]
 
 

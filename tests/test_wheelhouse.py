@@ -1,0 +1,97 @@
+"""`make wheelhouse` / `make setup WHEELHOUSE=...` (grpo/wheelhouse.py): the package lists come from
+setup.cfg, torch stays out, pip is given every platform tag a target takes. By value, no network; the
+real build and offline install are measured in docs/gpu.md ("Air-gapped install (wheelhouse)")."""
+
+import re
+import subprocess
+import zipfile
+
+import pytest
+
+from grpo import wheelhouse as wh
+from tests.conftest import ROOT
+
+SETUP_CFG = """
+[metadata]
+name = x
+
+[options]
+install_requires =
+    torch>=2.13,<2.15
+    transformers==5.19.0  # a reason, after the pin
+    Hydra_Core==1.3.8
+    deepspeed==0.19.8  # parallel=zero2
+    datasets==5.2.0
+
+[options.extras_require]
+dev =
+    pytest>=8
+    wandb>=0.22
+"""
+
+
+def test_profiles_read_setup_cfg_and_leave_torch_out():
+    assert wh.profile_requirements("trainer", SETUP_CFG) == [
+        "transformers==5.19.0", "Hydra_Core==1.3.8", "deepspeed==0.19.8", "datasets==5.2.0", "pytest>=8"]
+    assert wh.profile_requirements("full", SETUP_CFG, vllm="vllm==9.9") == [
+        "transformers==5.19.0", "Hydra_Core==1.3.8", "deepspeed==0.19.8", "datasets==5.2.0", "pytest>=8", "vllm==9.9"]
+    assert wh.profile_requirements("trainer", SETUP_CFG, with_torch=True)[0] == "torch>=2.13,<2.15"
+    assert wh.profile_requirements("trainer", SETUP_CFG, skip=("datasets", "hydra-core")) == [
+        "transformers==5.19.0", "deepspeed==0.19.8", "pytest>=8"]
+    with pytest.raises(ValueError, match="skip: dataset not in setup.cfg"):
+        wh.profile_requirements("trainer", SETUP_CFG, skip=("dataset",))  # a typo is not silently ignored
+    assert wh.sdist_requirements(SETUP_CFG) == ["deepspeed==0.19.8", "antlr4-python3-runtime==4.9.3"]
+
+
+def test_the_real_setup_cfg_and_makefile_agree_with_the_lists():
+    text = (ROOT / "setup.cfg").read_text()
+    install, _ = wh.setup_cfg_requirements(text)
+    names = [wh.name_of(r) for r in install]
+    assert "torch" in names and "deepspeed" in names and "hydra-core" in names
+    trainer = wh.profile_requirements("trainer", text)
+    assert [wh.name_of(r) for r in trainer] == [n for n in names if n != "torch"] + ["pytest"]
+    assert wh.sdist_requirements(text)[0] in install  # deepspeed built at setup.cfg's own pin
+    assert wh.build_requirements((ROOT / "pyproject.toml").read_text()) == ["setuptools>=68", "wheel"]
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^VLLM_GPU := (\S+)$", makefile, re.M).group(1) == wh.VLLM_GPU
+
+
+def test_platform_tags_reach_down_to_the_manylinux2014_wheels():
+    tags = wh.platform_tags("manylinux_2_28_x86_64")
+    assert tags[:2] == ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64"]
+    assert {"manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"} <= set(tags)
+    assert len(tags) == 24 + 3 and "manylinux_2_29_x86_64" not in tags
+    assert wh.platform_tags("linux_x86_64") == ["linux_x86_64"]
+
+
+def test_torch_outside_setup_cfgs_range_is_named():
+    spec = "torch>=2.13,<2.15"
+    assert wh.torch_problem("2.13.0+cpu", spec) is None
+    assert wh.torch_problem("2.14.1", spec) is None
+    assert wh.torch_problem("2.11.0+cu130", spec) == "torch 2.11.0+cu130 is outside torch>=2.13,<2.15 (>=2.13 fails)"
+    assert wh.torch_problem("2.15.0", spec).endswith("(<2.15 fails)")
+
+
+def test_the_stand_in_torch_is_a_wheel_with_no_dependencies(tmp_path):
+    path = wh._stub_torch(tmp_path, "2.11.0")
+    assert path.name == "torch-2.11.0+wheelhouse-py3-none-any.whl"
+    with zipfile.ZipFile(path) as z:
+        metadata = z.read("torch-2.11.0+wheelhouse.dist-info/METADATA").decode()
+    assert "Version: 2.11.0+wheelhouse" in metadata and "Requires-Dist" not in metadata
+
+
+def test_make_setup_with_a_wheelhouse_installs_with_no_index_and_the_default_is_unchanged(tmp_path):
+    def dry_run(*args):
+        out = subprocess.run(["make", "-n", "setup", f"VENV={tmp_path}/venv", *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    (tmp_path / "wh").mkdir()
+    (tmp_path / "wh" / wh.REQUIREMENTS).write_text("hydra-core==1.3.8\n")
+    offline = dry_run(f"WHEELHOUSE={tmp_path}/wh")
+    pip_lines = [ln for ln in offline.splitlines() if " -m pip install" in ln]
+    assert len(pip_lines) == 2 and all("--no-index" in ln for ln in pip_lines), offline
+    assert "--system-site-packages" in offline and "--no-deps -e ." in offline and "check-torch" in offline
+    default = dry_run()
+    assert "--no-index" not in default and '-e ".[dev]"' in default and "--system-site-packages" not in default
