@@ -146,3 +146,11 @@ def test_collate_keeps_rewardless_completions_out_of_the_loss_normalisers(tiny_l
     assert batch.mask_BT.tolist() == [[1, 1, 1], [0, 0, 0], [1, 1, 1], [0, 0, 0]]
     norm = loss_norm(batch, max_len=3, gen_tokens_per_step=6.0)
     assert (norm.num_seqs, norm.num_tokens) == (2, 6)
+
+
+def test_a_rank_with_no_prompts_generates_nothing(tiny_lm):
+    """Evaluation with task.eval_size below the world size leaves some rank no prompts (task.eval[rank::world]):
+    it gets empty rollouts, not max() of an empty list (REVIEW finding 21)."""
+    model, tok = tiny_lm
+    out = HFBackend(None, model, tok).generate([], 4, Sampling(max_new_tokens=3))
+    assert (out.completion_ids, out.logprobs, out.finish_reasons) == ([], [], [])
