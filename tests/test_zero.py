@@ -26,9 +26,10 @@ def test_config_from_the_groups():
     assert cfg["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False}}
     assert cfg["gradient_clipping"] == 0.7
     assert cfg["managed_gradient_accumulation"] is False
-    assert cfg["bf16"] == {"enabled": False} and "data_types" not in cfg
+    # a NaN/inf global norm is an overflow DeepSpeed skips, in bf16 too (grpo/guards.py)
+    assert cfg["bf16"] == {"enabled": False, "check_grad_overflow": True} and "data_types" not in cfg
     bf16 = deepspeed_config(ds_cfg(), algo, 2, torch.bfloat16)
-    assert bf16["bf16"] == {"enabled": True}
+    assert bf16["bf16"] == {"enabled": True, "check_grad_overflow": True}
     assert bf16["data_types"] == {"grad_accum_dtype": "fp32"}  # bf16 parameters, fp32 gradient sums
 
 
@@ -40,7 +41,7 @@ def test_zero_init_and_reference_configs():
     assert zero_init_config(ds_cfg(), algo, 3, torch.bfloat16) == deepspeed_config(ds_cfg(), algo, 3, torch.bfloat16)
     policy = deepspeed_config(ds_cfg(offload_optimizer=True), algo, 3, torch.bfloat16)
     ref = reference_config(policy)
-    assert ref["zero_optimization"] == {"stage": 3} and "data_types" not in ref and ref["bf16"] == {"enabled": True}
+    assert ref["zero_optimization"] == {"stage": 3} and "data_types" not in ref and ref["bf16"] == {"enabled": True, "check_grad_overflow": True}
     assert policy["zero_optimization"]["offload_optimizer"]  # the policy's config is left as it was
     assert reference_config(deepspeed_config(ds_cfg("zero2"), algo, 2, torch.float32))["zero_optimization"] == {"stage": 0}
 
