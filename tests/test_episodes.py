@@ -467,14 +467,18 @@ class Misconfigured(GuessEnv):
 def test_a_config_error_from_an_env_stops_the_run_and_every_env_is_closed(tiny_lm, concurrency):
     """A setup mistake (grpo/envs/openenv.py: a server admitting too few sessions) is no episode's
     fault: it stops the run, where ending the episodes as "error" would train on nothing. Called one
-    at a time, the resets after trajectory 3's never start; called at once, the run waits for those
-    running before it closes their environments, then shuts its pool down."""
+    at a time, the resets after trajectory 3's never start; called at once, the run waits for the
+    calls still running before it closes their environments, then shuts its pool down."""
     _, tok = tiny_lm
     Misconfigured.resets = Misconfigured.closed = Misconfigured.closed_early = 0
     with pytest.raises(ConfigError, match="env.kwargs.url"):
         runner(tok, make_env=Misconfigured, max_concurrency=concurrency).run(
             Scripted(tok, lambda p: "8"), prompts_of(tok, GUESS[:4]), GUESS[:4], 2, Sampling(3))
-    assert (Misconfigured.resets, Misconfigured.closed) == (4 if concurrency == 1 else 8, 8)  # all built before the resets
+    assert Misconfigured.closed == 8  # every environment is built before the resets
+    if concurrency == 1:
+        assert Misconfigured.resets == 4
+    else:  # those a worker had not yet taken when the error came are cancelled
+        assert 4 <= Misconfigured.resets <= 8
     assert Misconfigured.closed_early == 0
     assert not [t for t in threading.enumerate() if t.name.startswith("grpo-env")]
 
