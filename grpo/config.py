@@ -241,6 +241,8 @@ class EnvConfig:
     max_total_tokens: int = 0
     max_observation_tokens: int = 64  # one observation, cut in the middle beyond this
     step_timeout_s: float = 10.0  # an env.reset/step that raises or runs longer ends its episode as "error"
+    # environments called at once (reset, step, close; one per trajectory, each its own env): 1 = one after another
+    max_concurrency: int = 32
     render: str = "raw"  # raw (the text tokenized alone) | chat (a message of the chat template); grpo/rollout/render.py
     role: str = "user"  # chat: the observations' role (user | tool, as the template knows it)
 
@@ -520,6 +522,9 @@ def _check_env(cfg) -> None:
     _choices("env.render", e.render, RENDERERS)
     if e.max_turns < 1 or e.max_observation_tokens < 1 or e.step_timeout_s <= 0:
         raise ConfigError("env.max_turns and env.max_observation_tokens must be >= 1 and env.step_timeout_s > 0.")
+    if e.max_concurrency < 1:
+        raise ConfigError(f"env.max_concurrency={e.max_concurrency}: the environments called at once must be >= 1 "
+                          "(1 calls them one after another; the default 32).")
     if e.max_total_tokens and e.max_total_tokens < cfg.rollout.max_new_tokens:
         raise ConfigError(f"env.max_total_tokens={e.max_total_tokens} leaves no room for one turn of "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}; raise it (or 0 for max_turns x "

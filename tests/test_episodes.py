@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import warnings
 
@@ -21,7 +22,7 @@ from grpo.envs import CalcEnv, GuessEnv, RetryEnv, Step, calculator
 from grpo.errors import ConfigError
 from grpo.envs.guess import binary_search_turns
 from grpo.rollout.base import Rollouts, Sampling
-from grpo.rollout.episodes import Budget, EpisodeRunner, cut_middle, turn_seed
+from grpo.rollout.episodes import Budget, EpisodeRunner, cut_middle, reset_seed, turn_seed
 from grpo.rollout.render import ChatRender, RawRender
 from grpo.tasks.base import Sample
 from tests.parity import EndsAtTurnOne
@@ -68,9 +69,10 @@ def binary_search_policy(tok):
     return policy
 
 
-def runner(tok, make_env=GuessEnv, max_turns=4, max_new=3, total=100, obs=4, context=None, timeout=5.0, render=None):
+def runner(tok, make_env=GuessEnv, max_turns=4, max_new=3, total=100, obs=4, context=None, timeout=5.0, render=None,
+           max_concurrency=32):
     return EpisodeRunner(make_env, tok, render or RawRender(tok), Budget(max_turns, max_new, total, obs, context),
-                         timeout, [tok.eos_token_id], "test-env")
+                         timeout, [tok.eos_token_id], "test-env", max_concurrency)
 
 
 def prompts_of(tok, samples):
@@ -227,7 +229,6 @@ def test_reset_seeds_fit_every_seeding_api(tiny_lm):
     seeding refuses: every episode of such an environment ended as "error"."""
     import numpy as np
 
-    from grpo.rollout.episodes import reset_seed
     from grpo.train import sampling_seed
 
     seeds = [reset_seed(sampling_seed(s, step, 0, 1, 8, 4), i) for s in (0, 1, 2**31 - 1) for step in (1, 2) for i in range(32)]
@@ -396,6 +397,9 @@ def test_env_config_is_checked(make_cfg):
         validate(make_cfg("env=guess", "env.name=nope"))
     with pytest.raises(ConfigError, match="max_total_tokens=2"):
         validate(make_cfg("task=guess", "env=guess", "env.max_total_tokens=2"))
+    with pytest.raises(ConfigError, match=r"env.max_concurrency=0: .* must be >= 1 \(1 calls them one after another"):
+        validate(make_cfg("experiment=guess_tiny", "env.max_concurrency=0"))
+    validate(make_cfg("experiment=guess_tiny", "env.max_concurrency=1"))
     validate(make_cfg("experiment=guess_tiny"))
 
 
@@ -436,27 +440,47 @@ def test_an_env_that_raises_in_training_ends_only_its_episodes(make_cfg):
 
 
 class Misconfigured(GuessEnv):
-    closed = resets = 0
+    """Trajectory 3's reset raises a ConfigError; those after it take 0.3 s (still running when it
+    raises, with env.max_concurrency > 1). Counts resets, closes, and closes during a reset."""
+
+    resets = closed = closed_early = 0
+    lock = threading.Lock()  # resets and closes run concurrently (env.max_concurrency)
 
     def reset(self, sample, seed):
-        Misconfigured.resets += 1
-        if Misconfigured.resets == 4:  # trajectory 3's reset (seeds are mixed: grpo.rollout.episodes.reset_seed)
+        index = [reset_seed(None, i) for i in range(8)].index(seed)  # seeds are mixed: which trajectory
+        with Misconfigured.lock:
+            Misconfigured.resets += 1
+        if index == 3:
             raise ConfigError("env.kwargs.url is wrong; set it to the server's")
+        self.resetting = True
+        time.sleep(0.3 if index > 3 else 0.0)
+        self.resetting = False
         return super().reset(sample, seed)
 
     def close(self):
-        Misconfigured.closed += 1
+        with Misconfigured.lock:
+            Misconfigured.closed += 1
+            Misconfigured.closed_early += getattr(self, "resetting", False)
 
 
-def test_a_config_error_from_an_env_stops_the_run_and_every_env_is_closed(tiny_lm):
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_a_config_error_from_an_env_stops_the_run_and_every_env_is_closed(tiny_lm, concurrency):
     """A setup mistake (grpo/envs/openenv.py: a server admitting too few sessions) is no episode's
-    fault: it stops the run, where ending the episodes as "error" would train on nothing."""
+    fault: it stops the run, where ending the episodes as "error" would train on nothing. Called one
+    at a time, the resets after trajectory 3's never start; called at once, the run waits for the
+    calls still running before it closes their environments, then shuts its pool down."""
     _, tok = tiny_lm
-    Misconfigured.closed = Misconfigured.resets = 0
+    Misconfigured.resets = Misconfigured.closed = Misconfigured.closed_early = 0
     with pytest.raises(ConfigError, match="env.kwargs.url"):
-        runner(tok, make_env=Misconfigured).run(Scripted(tok, lambda p: "8"), prompts_of(tok, GUESS[:2]), GUESS[:2], 2,
-                                                Sampling(3))
-    assert Misconfigured.closed == 4  # trajectories 0-3, built before trajectory 3's reset raised
+        runner(tok, make_env=Misconfigured, max_concurrency=concurrency).run(
+            Scripted(tok, lambda p: "8"), prompts_of(tok, GUESS[:4]), GUESS[:4], 2, Sampling(3))
+    assert Misconfigured.closed == 8  # every environment is built before the resets
+    if concurrency == 1:
+        assert Misconfigured.resets == 4
+    else:  # those a worker had not yet taken when the error came are cancelled
+        assert 4 <= Misconfigured.resets <= 8
+    assert Misconfigured.closed_early == 0
+    assert not [t for t in threading.enumerate() if t.name.startswith("grpo-env")]
 
 
 class RankTurns(GuessEnv):

@@ -5,8 +5,8 @@ bench_results/COMMAND.json; the default `run`'s is bench_results/bench.json). Wi
 
 Each command's code is its own module of this package: steps.py (run, with sync.py), asynchronous.py,
 lora.py, shared_cores.py, warm_start.py, memory.py (update-memory, hf-scores), zero3.py (zero3-memory),
-packing.py (update-packing), vs_trl.py (vs-trl); runs.py holds what their trainings share and report.py
-their tables and JSON. This file is the dispatcher and imports no benchmark.
+packing.py (update-packing), vs_trl.py (vs-trl), env_calls.py (env-calls); runs.py holds what their
+trainings share and report.py their tables and JSON. This file is the dispatcher and imports no benchmark.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 import sys
 
 COMMANDS = ("run", "async", "lora", "shared-cores", "warm-start", "update-memory", "hf-scores", "zero3-memory", "update-packing",
-            "vs-trl")
+            "vs-trl", "env-calls")
 # the flags that chose a benchmark before the commands, and the command each is now
 OLD_FLAGS = {"--async": "async", "--lora": "lora", "--shared-cores": "shared-cores", "--warm-start": "warm-start",
              "--update-memory": "update-memory", "--hf-scores": "hf-scores", "--zero3-memory": "zero3-memory",
@@ -88,6 +88,12 @@ def run_vs_trl(args):
     return report_trl(args.steps, args.overrides)
 
 
+def run_env_calls(args):
+    from grpo.bench.env_calls import report_env_calls
+
+    return report_env_calls(args.trajectories, args.step_ms, csv(args.concurrency, int))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m grpo.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -150,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     command("vs-trl", run_vs_trl, "TRL's GRPOTrainer against rollout=hf on the same model, prompts, rewards, batch "
             "and loss; the overrides set up both (e.g. experiment=smollm2_arithmetic_cpu; needs trl)", steps=12,
             overrides=True)
+
+    c = command("env-calls", run_env_calls, "one turn of episodes whose environment step takes --step-ms: the "
+                "environments called one after another (env.max_concurrency=1) and concurrently")
+    c.add_argument("--trajectories", type=int, default=512, help="episodes, 8 per prompt (default: %(default)s)")
+    c.add_argument("--step-ms", type=float, default=50.0, help="each environment step's time (default: %(default)s)")
+    c.add_argument("--concurrency", default="1,32", help="env.max_concurrency values (default: %(default)s)")
     return p
 
 

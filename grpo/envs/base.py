@@ -6,9 +6,11 @@
     env.close()
 
 The episode driver (grpo/rollout/episodes.py) calls `step` once per policy turn, with the turn's
-text (special tokens removed), under `env.step_timeout_s`. The observation is tokenized and put in
-the sequence with loss mask 0; the episode's environment reward is the sum of the rewards its
-steps gave (None when no step gave one), and enters the loss through the `env` reward function
+text (special tokens removed), under `env.step_timeout_s`. It calls a batch's instances from several
+threads at once (`env.max_concurrency`), each instance one call at a time (only a `close` may come
+while a call abandoned at its timeout still runs). The observation is tokenized and put in the
+sequence with loss mask 0; the episode's environment reward is the sum of the rewards its steps
+gave (None when no step gave one), and enters the loss through the `env` reward function
 (grpo/rewards/__init__.py) with its weight, like any other reward.
 """
 

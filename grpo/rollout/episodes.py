@@ -22,6 +22,12 @@ Finish reasons: stop (the environment said done), length (a budget), turns (the 
 error (the environment raised or hung past `env.step_timeout_s`: reward None, a warning names it).
 An environment that raises ConfigError (a setup mistake, not the episode's fault) stops the run.
 
+Each trajectory has its own environment, so their calls are independent: the batch's resets, each
+turn's steps and the closes run concurrently across trajectories, up to `env.max_concurrency` at once
+(`EnvCalls`; 1: one after another in the driver's thread, as before), each reset and step under its
+own `env.step_timeout_s`, and the results are applied in the trajectories' order, so spans, masks,
+finish reasons, warnings and the lockstep's decisions are the serial driver's.
+
 Turns are synchronous over the batch, so the episode batch is one unit of engine work with one
 weight version. Where generation is a collective (`lockstep`: ZeRO-3's synced generate, tensor-
 parallel colocated engines), every rank calls it as often as the rank with the longest episodes,
@@ -32,9 +38,11 @@ from __future__ import annotations
 
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
+from grpo.envs.base import Step
 from grpo.errors import ConfigError
 from grpo.rollout.base import Rollouts, Sampling
 from grpo.timeouts import call_with_timeout
@@ -121,14 +129,54 @@ class Trajectory:
         self.episode.finish = finish
 
 
+class EnvCalls:
+    """One call per trajectory into the batch's environments, the results in the trajectories' order:
+    up to `max_concurrency` calls at once on a pool of threads that lives as long as one
+    `EpisodeRunner.run` (every turn reuses it), or one after another in the caller's thread where at
+    most one would run at once. A call under `env.step_timeout_s` (reset, step) runs the
+    environment's code on a daemon thread of its own (`call_with_timeout`), not on the pool's worker:
+    its timeout counts from its start, not from its submission, and a hung call is abandoned without
+    holding a worker (the pool's workers are joined when it shuts down, and at exit)."""
+
+    def __init__(self, max_concurrency: int, calls: int):
+        workers = min(max_concurrency, calls)
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="grpo-env") if workers > 1 else None
+
+    def __enter__(self) -> "EnvCalls":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)  # every call has returned or been abandoned by its timeout
+
+    def map(self, fn: Callable, items: list) -> Iterable:
+        """fn(item) for each item, in the items' order. Serially a generator: each call runs as its
+        result is taken, so the caller applies one before the next call starts, as the loop did before
+        the pool. On the pool, an exception (a ConfigError) is raised as the serial loop would raise
+        it: the first in the items' order, once the calls already running have returned (no environment
+        is closed while one of its calls runs), the ones not yet started cancelled."""
+        if self.pool is None:
+            return (fn(item) for item in items)
+        futures = [self.pool.submit(fn, item) for item in items]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            raise
+
+
 class EpisodeRunner:
     """Builds one environment per trajectory (`make_env`), renders observations (`render`: grpo/rollout/
-    render.py) and drives a batch of episodes through a backend's `generate`."""
+    render.py) and drives a batch of episodes through a backend's `generate`, calling up to
+    `max_concurrency` environments at once (`EnvCalls`)."""
 
     def __init__(self, make_env: Callable, tokenizer, render, budget: Budget, step_timeout_s: float, stop_ids: list[int],
-                 env_name: str = "env"):
+                 env_name: str = "env", max_concurrency: int = 32):
         self.make_env, self.tokenizer, self.render, self.budget = make_env, tokenizer, render, budget
         self.step_timeout_s, self.stop_ids, self.env_name = step_timeout_s, set(stop_ids), env_name
+        self.max_concurrency = max_concurrency
 
     def run(self, generate: Callable, prompt_ids: list[list[int]], samples: list, n: int, sampling: Sampling,
             lockstep: Optional[Callable[[int], bool]] = None) -> Rollouts:
@@ -137,57 +185,85 @@ class EpisodeRunner:
         b = self.budget
         sampling = replace(sampling, max_new_tokens=b.max_new_tokens)
         trajectories = [Trajectory(p, s, None, i * n + k) for i, (p, s) in enumerate(zip(prompt_ids, samples)) for k in range(n)]
-        version = None
-        try:
-            first = []
-            for t in trajectories:
-                t.env = self.make_env()
-                text, error = call_with_timeout(lambda t=t: t.env.reset(t.sample, reset_seed(sampling.seed, t.index)),
-                                                self.step_timeout_s, "env.step_timeout_s", reraise=(ConfigError,))
-                if error:
-                    self.fail(t, error, "reset")
-                elif text:
-                    self.observe(t, text, after_eos=False)
-                first.append(bool(text))
-            shared = not any(first)  # no opening observation: turn 1 is generate(prompts, n), as without an environment
-            turn, wait = 0, 0.0
-            while True:
-                turn += 1
-                active = [t for t in trajectories if t.active and self.room(t)]
-                if lockstep is not None:
-                    if not lockstep(len(active)):
-                        break
-                elif not active:
+        with EnvCalls(self.max_concurrency, len(trajectories)) as calls:
+            try:
+                for t in trajectories:
+                    t.env = self.make_env()
+                return self.episodes(calls, trajectories, generate, prompt_ids, n, sampling, lockstep)
+            finally:
+                built = [t for t in trajectories if t.env is not None]
+                for error in calls.map(self.env_close, built):
+                    if error:  # a close that fails loses nothing of the episode
+                        warnings.warn(f"{self.env_name}.close() raised {error}", stacklevel=2)
+
+    def episodes(self, calls: EnvCalls, trajectories: list[Trajectory], generate: Callable, prompt_ids: list[list[int]],
+                 n: int, sampling: Sampling, lockstep: Optional[Callable[[int], bool]]) -> Rollouts:
+        """`run`'s turns, with every trajectory's environment built."""
+        first = []
+        for t, (text, error) in zip(trajectories, calls.map(lambda t: self.env_reset(t, sampling.seed), trajectories)):
+            if error:
+                self.fail(t, error, "reset")
+            elif text:
+                self.observe(t, text, after_eos=False)
+            first.append(bool(text))
+        shared = not any(first)  # no opening observation: turn 1 is generate(prompts, n), as without an environment
+        turn, wait_s, version = 0, 0.0, None
+        while True:
+            turn += 1
+            active = [t for t in trajectories if t.active and self.room(t)]
+            if lockstep is not None:
+                if not lockstep(len(active)):
                     break
-                seeded = replace(sampling, seed=turn_seed(sampling.seed, turn))
-                whole = turn == 1 and shared and len(active) == len(trajectories)
-                if turn == 1 and lockstep is not None:  # the request shape is collective too: one rank's failed
-                    # reset, opening observation or long prompt sends every rank to per-trajectory requests
-                    whole = not lockstep(int(not whole))
-                if whole:
-                    out = generate(prompt_ids, n, seeded)
-                elif active:  # a pool's StickyRoutes keeps each trajectory on its first server
-                    keys = {"keys": [t.index for t in active]} if getattr(generate, "takes_keys", False) else {}
-                    out = generate([t.prompt_ids + t.span for t in active], 1, seeded, **keys)
-                else:  # a collective this rank must join with nothing to do: one throwaway request, with the
-                    # same sampling as the others' (tensor-parallel ranks run one engine schedule together)
-                    generate([prompt_ids[0]], 1, seeded)
-                    continue
-                version = out.weight_version if version is None else version
-                if out.weight_version != version:
-                    raise RuntimeError(f"turn {turn} came from weight version {out.weight_version}, turn 1 from {version}: "
-                                       "weights changed inside an episode batch")
-                wait += out.engine_wait_s
-                for t, ids, lps, reason in zip(active, out.completion_ids, out.logprobs, out.finish_reasons):
-                    self.take_turn(t, ids, lps, reason)
-            return self.rollouts(trajectories, version, wait)
-        finally:
-            for t in trajectories:
-                if t.env is not None:
-                    try:
-                        t.env.close()
-                    except Exception as e:  # noqa: BLE001 - a close that fails loses nothing of the episode
-                        warnings.warn(f"{self.env_name}.close() raised {type(e).__name__}: {e}", stacklevel=2)
+            elif not active:
+                break
+            seeded = replace(sampling, seed=turn_seed(sampling.seed, turn))
+            whole = turn == 1 and shared and len(active) == len(trajectories)
+            if turn == 1 and lockstep is not None:  # the request shape is collective too: one rank's failed
+                # reset, opening observation or long prompt sends every rank to per-trajectory requests
+                whole = not lockstep(int(not whole))
+            if whole:
+                out = generate(prompt_ids, n, seeded)
+            elif active:  # a pool's StickyRoutes keeps each trajectory on its first server
+                keys = {"keys": [t.index for t in active]} if getattr(generate, "takes_keys", False) else {}
+                out = generate([t.prompt_ids + t.span for t in active], 1, seeded, **keys)
+            else:  # a collective this rank must join with nothing to do: one throwaway request, with the
+                # same sampling as the others' (tensor-parallel ranks run one engine schedule together)
+                generate([prompt_ids[0]], 1, seeded)
+                continue
+            version = out.weight_version if version is None else version
+            if out.weight_version != version:
+                raise RuntimeError(f"turn {turn} came from weight version {out.weight_version}, turn 1 from {version}: "
+                                   "weights changed inside an episode batch")
+            wait_s += out.engine_wait_s
+            texts = [self.take_turn(t, ids, lps, reason)
+                     for t, ids, lps, reason in zip(active, out.completion_ids, out.logprobs, out.finish_reasons)]
+            stepped = [(t, text) for t, text in zip(active, texts) if text is not None]
+            for (t, text), (step, error, seconds) in zip(stepped, calls.map(self.env_step, stepped)):
+                self.take_step(t, step, error, seconds)
+        return self.rollouts(trajectories, version, wait_s)
+
+    def env_reset(self, t: Trajectory, seed: Optional[int]) -> tuple[Optional[str], Optional[str]]:
+        """(the opening text, None) or (None, what went wrong): on an `EnvCalls` thread."""
+        return call_with_timeout(lambda: t.env.reset(t.sample, reset_seed(seed, t.index)), self.step_timeout_s,
+                                 "env.step_timeout_s", reraise=(ConfigError,))
+
+    def env_step(self, stepped: tuple[Trajectory, str]) -> tuple[Optional[Step], Optional[str], float]:
+        """(the Step, None, seconds) or (None, what went wrong, seconds): on an `EnvCalls` thread."""
+        t, text = stepped
+        t0 = time.perf_counter()
+        step, error = call_with_timeout(lambda: t.env.step(text), self.step_timeout_s, "env.step_timeout_s",
+                                        reraise=(ConfigError,))
+        return step, error, time.perf_counter() - t0
+
+    @staticmethod
+    def env_close(t: Trajectory) -> Optional[str]:
+        """None, or what the close raised: on an `EnvCalls` thread, with no timeout (as before the pool:
+        an environment bounds its own close, as OpenEnv's does)."""
+        try:
+            t.env.close()
+        except Exception as e:  # noqa: BLE001 - reported by the caller
+            return f"{type(e).__name__}: {e}"
+        return None
 
     def room(self, t: Trajectory) -> bool:
         """Whether a whole next turn fits the span budget and the engine's context; if not, the episode
@@ -200,7 +276,9 @@ class EpisodeRunner:
             return False
         return True
 
-    def take_turn(self, t: Trajectory, ids: list[int], logprobs: list[float], reason: str) -> None:
+    def take_turn(self, t: Trajectory, ids: list[int], logprobs: list[float], reason: str) -> Optional[str]:
+        """Adds a sampled turn; returns its text for the environment, or None where the turn ends the
+        episode (cut off mid-turn: never handed to the environment)."""
         ep = t.episode
         t.add(ids, logprobs)
         ep.turns += 1
@@ -210,13 +288,15 @@ class EpisodeRunner:
         t.texts.append(text)
         ep.final_text = text
         ep.transcript += text
-        if reason == "length":  # cut off mid-turn: never handed to the environment
+        if reason == "length":
             t.end("length")
-            return
-        t0 = time.perf_counter()
-        step, error = call_with_timeout(lambda: t.env.step(text), self.step_timeout_s, "env.step_timeout_s",
-                                        reraise=(ConfigError,))
-        ep.env_s += time.perf_counter() - t0
+            return None
+        return text
+
+    def take_step(self, t: Trajectory, step: Optional[Step], error: Optional[str], seconds: float) -> None:
+        """Applies what the environment answered to the turn `take_turn` added."""
+        ep = t.episode
+        ep.env_s += seconds
         if error is None and step is None:
             error = "step returned None, not a Step"
         if error:
@@ -232,6 +312,7 @@ class EpisodeRunner:
         elif ep.turns >= self.budget.max_turns:
             t.end("turns")
         else:
+            ids = ep.last_turn_ids
             self.observe(t, step.observation or "", after_eos=bool(ids) and ids[-1] in self.stop_ids)
 
     def observe(self, t: Trajectory, text: str, after_eos: bool) -> None:
@@ -275,7 +356,8 @@ def build_episodes(cfg, task, tokenizer, rollout) -> Optional[EpisodeRunner]:
     e, max_new = cfg.env, cfg.rollout.max_new_tokens
     render = ChatRender(tokenizer, e.role) if e.render == "chat" else RawRender(tokenizer)
     budget = Budget(e.max_turns, max_new, episode_span(e, max_new), e.max_observation_tokens, rollout.max_context)
-    return EpisodeRunner(env_factory(e, task), tokenizer, render, budget, e.step_timeout_s, [tokenizer.eos_token_id], e.name)
+    return EpisodeRunner(env_factory(e, task), tokenizer, render, budget, e.step_timeout_s, [tokenizer.eos_token_id], e.name,
+                         e.max_concurrency)
 
 
 def final_texts(rollouts: Rollouts) -> list[str]:
