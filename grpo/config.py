@@ -9,7 +9,6 @@ before any model is built, and its messages say what to change.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -94,14 +93,41 @@ class TaskConfig:
 
 @dataclass
 class RewardFuncConfig:
-    name: str = MISSING  # a key of grpo.rewards.REWARDS, or a dotted path `package.module.function`
+    name: str = MISSING  # a key of grpo.rewards.REWARDS or MODEL_REWARDS (rm), or a dotted path `package.module.function`
     weight: float = 1.0
+
+
+@dataclass
+class TinyRewardModelConfig:
+    """reward.rm.path=tiny_rm: the tiny policy's backbone, fresh layers and a score head, trained to rank the
+    addition task's correct sums above wrong ones (grpo/rewards/tiny_rm.py)."""
+
+    new_layers: int = 3  # on top of the policy's: a digit's value, its check, the checks gathered at the last token
+    steps: int = 400
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    batch: int = 128  # (prompt, correct, wrong) triples per step
+    seed: int = 0
+
+
+@dataclass
+class RewardModelConfig:
+    """reward `rm`: a sequence-classification model's score of prompt + completion (grpo/rewards/reward_model.py)."""
+
+    path: Optional[str] = None  # a local HF folder, a hub id, or tiny_rm (built in code for task=addition)
+    max_tokens: int = 8192  # padded tokens per forward (rows x the longest); a longer text goes alone
+    dtype: Optional[str] = None  # float32 | bfloat16; null: the trainer's (model.dtype)
+    normalise: str = "none"  # none | running (mean and std of every score so far) | fixed: (score - offset) / scale
+    offset: float = 0.0
+    scale: float = 1.0
+    tiny: TinyRewardModelConfig = field(default_factory=TinyRewardModelConfig)
 
 
 @dataclass
 class RewardConfig:
     funcs: list[RewardFuncConfig] = field(default_factory=list)
     timeout_s: float = 30.0  # a function that raises or hangs past this is retried per completion
+    rm: RewardModelConfig = field(default_factory=RewardModelConfig)  # the settings of reward `rm`
 
 
 @dataclass
@@ -321,9 +347,6 @@ def _choices(key: str, value: str, allowed) -> None:
         raise ConfigError(f"{key}={value!r} is not one of {sorted(allowed)}; pick one of those.")
 
 
-_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-
-
 def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool | None = None) -> None:
     """Cross-field rules, checked before any heavy work. Raises ConfigError saying what to change.
     `world_size`: the processes the run will have (grpo.launch checks a job before submitting it);
@@ -332,7 +355,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     from grpo.algorithm import trust_region
     from grpo.layouts import SHARED_PROMPT_SETTINGS
     from grpo.parallel import STRATEGIES, strategy_class
-    from grpo.rewards import resolve_reward
+    from grpo.rewards import check_rewards
     from grpo.rollout import BACKENDS, backend_class
     from grpo.tasks import TASKS
 
@@ -450,15 +473,14 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
         raise ConfigError("steps must be >= 0, task.eval_size >= 1 and eval_samples >= 1.")
     if not cfg.reward.funcs:
         raise ConfigError("reward.funcs is empty: list at least one reward function (e.g. reward=exact_match).")
-    for f in cfg.reward.funcs:
-        resolve_reward(f.name)  # raises a ConfigError naming the function
+    check_rewards(cfg)  # each name resolves; a reward that holds a model checks its settings (grpo/rewards/)
     _check_env(cfg)
 
-    from grpo.models import PACKAGED
+    from grpo.models import HUB_ID, PACKAGED
 
     path = cfg.model.path
     if path != "tiny" and path not in PACKAGED and not os.path.isdir(os.path.expanduser(path)):
-        if not _HUB_ID.match(path):
+        if not HUB_ID.match(path):
             raise ConfigError(
                 f"model.path={path!r} is neither 'tiny', a packaged model {sorted(PACKAGED)}, an existing local "
                 f"folder, nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'. Fix the path."

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import string
 import tempfile
@@ -30,6 +31,7 @@ import torch
 TINY_CONTEXT = 256  # the tiny model's max_position_embeddings: prompt + completion tokens it can hold
 TINY_FORMAT = 2  # bump when the tiny model's recipe changes, so old cache entries are not reused
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # what a hub id looks like: owner/name
 
 
 def build_char_tokenizer():

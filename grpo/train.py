@@ -67,7 +67,7 @@ from grpo.guards import RunGuards
 from grpo.layouts import layout_of
 from grpo.library_logs import quiet_library_logs
 from grpo.log import RunLogger
-from grpo.models import DTYPES, build_policy, build_reference, encode_prompts
+from grpo.models import DTYPES, build_policy, build_reference, encode_prompts, policy_device
 from grpo.parallel import build_strategy, strategy_class
 from grpo.preempt import StopSignal, stop
 from grpo.rewards import build_rewards, score
@@ -274,7 +274,7 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
     task = build_task(cfg.task)
     loading = strategy_class(cfg.parallel.strategy).loading(cfg.parallel, algo, DTYPES[cfg.model.dtype])
     model, tokenizer, model_path = build_policy(cfg, info, loading=loading)  # partitioned from the start under ZeRO-3
-    reward_fns = build_rewards(cfg.reward)
+    reward_fns = build_rewards(cfg, policy_device(info.local_rank))  # a reward model is loaded here, once
     strategy = build_strategy(cfg.parallel, model, algo, cfg.steps * algo.num_iterations * algo.num_minibatches)
     rollout = cleanup.enter_context(contextlib.closing(
         build_rollout(cfg.rollout, strategy.model, tokenizer, model_path, cfg.model.dtype, cfg.seed, run_dir, strategy.lockstep)))

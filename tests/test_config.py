@@ -9,7 +9,7 @@ from tests.conftest import CONF, ROOT, compose_cfg
 EXPECTED_OPTIONS = {  # update when adding a config file: the count guards against silently skipped files
     "model": 3,
     "task": 7,
-    "reward": 4,
+    "reward": 5,
     "rollout": 4,
     "parallel": 5,
     "algo": 7,
@@ -25,7 +25,7 @@ def group_files():
 def test_every_group_has_its_expected_options():
     found = {g: len(list((CONF / g).glob("*.yaml"))) for g in GROUPS}
     assert found == EXPECTED_OPTIONS
-    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 37
+    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 38
 
 
 def is_subset(values, composed) -> bool:
@@ -44,7 +44,8 @@ def test_every_config_file_composes(group, option, tmp_path):
     extra = {("task", "jsonl"): [f"task.path={tmp_path / 'x.jsonl'}"],
              ("model", "hub"): [f"model.path={tmp_path}"],  # a local folder: no hub lookup here
              ("rollout", "remote"): ["rollout.remote.urls=[http://127.0.0.1:9]"],
-             ("reward", "env"): ["env=guess"]}.get((group, option), [])
+             ("reward", "env"): ["env=guess"],
+             ("reward", "rm"): ["reward.rm.path=tiny_rm"]}.get((group, option), [])  # rm.yaml leaves the path to the user
     real_model = [] if group == "model" else ["model=hub", f"model.path={tmp_path}"]
     cfg = compose_cfg(*real_model, f"{group}={option}", *extra)
     path = CONF / group / f"{option}.yaml"
@@ -113,6 +114,7 @@ def test_schemas_are_not_options_of_their_groups():
 EXPERIMENTS = [  # update when adding an experiment: the count guards against silently skipped files
     "addition_tiny",
     "addition_tiny_colocated",
+    "addition_tiny_rm",
     "countdown_tinyzero",
     "deepseekmath7b_math_remote",
     "guess_tiny",
@@ -125,7 +127,7 @@ EXPERIMENTS = [  # update when adding an experiment: the count guards against si
 
 def test_experiments_are_all_counted():
     assert sorted(p.stem for p in (ROOT / "experiments").glob("*.yaml")) == EXPERIMENTS
-    assert len(EXPERIMENTS) == 9
+    assert len(EXPERIMENTS) == 10
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

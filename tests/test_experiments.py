@@ -14,6 +14,7 @@ from tests.test_config import EXPERIMENTS
 CPU_EXPERIMENTS = {  # name -> pytest marks: the SmolLM2 ones convert a 135M model (slow tier)
     "addition_tiny": [],
     "addition_tiny_colocated": [],
+    "addition_tiny_rm": [pytest.mark.slow],  # builds the full tiny RM (~2 min); the default tier runs it in test_reward_model.py
     "guess_tiny": [],
     "smollm2_arithmetic_cpu": [pytest.mark.slow],
     "smollm2_arithmetic_lora_cpu": [pytest.mark.slow],

@@ -41,7 +41,7 @@ def bench_trl(steps: int, ours: dict, overrides: list[str]) -> dict:
         reward.__name__ = name
         return reward
 
-    rewards = build_rewards(cfg.reward)
+    rewards = build_rewards(cfg)
     class StepTimes(TrainerCallback):
         def __init__(self):
             self.times, self.t0 = [], None

@@ -6,7 +6,9 @@ With an environment (env=...), `completions` are each episode's final turn and `
 ids, and `info` adds `transcripts` (every turn and observation as text), `turns`, `finish_reasons`
 (stop, length, turns, error) and `env_rewards`; the `env` function returns the environment's reward.
 `reward.funcs` names functions from `REWARDS` or by dotted path (`mypkg.rewards.my_reward`), each
-with a weight.
+with a weight. A reward that holds a model (`MODEL_REWARDS`: `rm`, a reward model) is a module with
+`check(cfg)` (validate: its settings, nothing loaded) and `build(cfg, device)` (the function, its model
+loaded once when the run is built); it is called like any other.
 
 A function that raises or runs past `reward.timeout_s` on a batch is retried one completion at a
 time (each with the same timeout; after 3 timeouts the batch's remaining completions are skipped);
@@ -38,6 +40,10 @@ REWARDS: dict[str, RewardFn] = {
     "math_verify": math_verify,
     "env": env_reward,
 }
+# name -> module (imported on use) with check(cfg) and build(cfg, device) -> RewardFn
+MODEL_REWARDS: dict[str, str] = {
+    "rm": "grpo.rewards.reward_model",
+}
 
 
 def resolve_reward(name: str) -> RewardFn:
@@ -47,7 +53,8 @@ def resolve_reward(name: str) -> RewardFn:
         return REWARDS[name]
     module_name, _, attr = name.rpartition(".")
     if not module_name:
-        raise ConfigError(f"reward {name!r} is not one of {sorted(REWARDS)} nor a dotted path 'module.function'.")
+        raise ConfigError(f"reward {name!r} is not one of {sorted(REWARDS) + sorted(MODEL_REWARDS)} nor a dotted path "
+                          f"'module.function'.")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
@@ -57,8 +64,25 @@ def resolve_reward(name: str) -> RewardFn:
     return fn
 
 
-def build_rewards(cfg) -> list[tuple[str, RewardFn, float]]:
-    return [(f.name, resolve_reward(f.name), float(f.weight)) for f in cfg.funcs]
+def check_rewards(cfg) -> None:
+    """validate's part (`cfg`: the run config): every name resolves, and a reward that holds a model
+    checks its own settings without loading anything."""
+    for f in cfg.reward.funcs:
+        if f.name in MODEL_REWARDS:
+            importlib.import_module(MODEL_REWARDS[f.name]).check(cfg)
+        else:
+            resolve_reward(f.name)  # raises a ConfigError naming the function
+
+
+def build_rewards(cfg, device="cpu") -> list[tuple[str, RewardFn, float]]:
+    """(name, function, weight) per `reward.funcs` entry of the run config `cfg`; a reward that holds a
+    model is built here, once, its model on `device` (the trainer's)."""
+    def build(name: str) -> RewardFn:
+        if name in MODEL_REWARDS:
+            return importlib.import_module(MODEL_REWARDS[name]).build(cfg, device)
+        return resolve_reward(name)
+
+    return [(f.name, build(f.name), float(f.weight)) for f in cfg.reward.funcs]
 
 
 MAX_HANGS = 3  # per function and batch, in the one-at-a-time retry

@@ -1,0 +1,159 @@
+"""reward=rm: score normalisation against numbers worked by hand, batching by tokens, the tiny reward
+model telling correct sums from wrong ones, and a short run on its score alone."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from grpo.rewards.reward_model import RewardModel, ScoreNormaliser, token_batches
+from grpo.tasks import Sample
+from tests.conftest import compose_cfg
+
+RM_STEPS = "reward.rm.tiny.steps=60"  # the default tier's tiny RM: 60 steps (~20 s); the full recipe's 400 in the slow tier
+
+
+def test_running_normalisation_by_hand():
+    norm = ScoreNormaliser("running")
+    # one score: its own mean, std 0 -> only centred
+    assert norm([5.0]) == [0.0]
+    norm = ScoreNormaliser("running")
+    # [1, 2, 3]: mean 2, population variance (1 + 0 + 1) / 3 = 2/3, std 0.8165 -> -1.2247, 0, 1.2247
+    assert norm([1.0, 2.0, 3.0]) == pytest.approx([-1 / math.sqrt(2 / 3), 0.0, 1 / math.sqrt(2 / 3)])
+    # then [6]: the stats of all four, [1, 2, 3, 6]: mean 3, variance (4 + 1 + 0 + 9) / 4 = 3.5 -> (6 - 3) / 1.8708 = 1.6036
+    assert norm([6.0]) == pytest.approx([3 / math.sqrt(3.5)])
+    assert (norm.count, norm.mean, norm.std) == (4, pytest.approx(3.0), pytest.approx(math.sqrt(3.5)))
+
+
+def test_fixed_and_no_normalisation():
+    # (score - offset) / scale with offset 2, scale 4: 6 -> 1, -2 -> -1, 2 -> 0
+    assert ScoreNormaliser("fixed", offset=2.0, scale=4.0)([6.0, -2.0, 2.0]) == [1.0, -1.0, 0.0]
+    assert ScoreNormaliser("none")([6.0, -2.0]) == [6.0, -2.0]
+
+
+def test_token_batches_by_hand():
+    # lengths 3, 10, 4, 7 under a cap of 14 padded tokens, longest first: 10 alone (2 x 10 > 14);
+    # 7 and 4 (2 x 7 = 14); 3 would make 3 x 7 = 21, so alone
+    assert token_batches([3, 10, 4, 7], 14) == [[1], [3, 2], [0]]
+    assert token_batches([3, 10, 4, 7], 1) == [[1], [3], [2], [0]]  # a text past the cap goes alone
+    assert token_batches([3, 10, 4, 7], 10_000) == [[1, 3, 2, 0]]
+
+
+@pytest.fixture(scope="module")
+def random_rm():
+    """A tiny Qwen2ForSequenceClassification at random (no training) with the char tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from grpo.models import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=32, intermediate_size=128, max_position_embeddings=256,
+                         pad_token_id=tok.pad_token_id, num_labels=1)
+    return Qwen2ForSequenceClassification(config).eval(), tok
+
+
+def test_scores_are_the_same_whatever_the_cap(random_rm):
+    """Each text scored alone (no padding) is the reference; batched under any cap, in any order of
+    lengths, every text keeps its own score (the batch's order restored, padding on the right)."""
+    model, tok = random_rm
+    texts = ["07+45=052", "1+1=2", "99+99=198 and more", "3", "12+34=046", "a much longer text than the others"]
+    with torch.no_grad():
+        alone = [model(**tok(t, return_tensors="pt")).logits[0, 0].item() for t in texts]
+    assert len(set(round(a, 4) for a in alone)) == len(texts)  # precondition: a mix-up would show
+    for cap in (1, 40, 100, 10_000):
+        assert RewardModel(model, tok, max_tokens=cap).scores(texts) == pytest.approx(alone, abs=1e-5), cap
+
+
+def test_the_reward_reads_prompt_and_completion(random_rm):
+    model, tok = random_rm
+    rm = RewardModel(model, tok, max_tokens=64, normaliser=ScoreNormaliser("fixed", offset=1.0, scale=2.0))
+    samples = [Sample(prompt="07+45=", answer="052"), Sample(prompt="10+10=", answer="020")]
+    raw = rm.scores(["07+45=052", "10+10=021"])
+    assert rm(["052", "021"], samples, completion_ids=[[1], [2]]) == pytest.approx([(r - 1.0) / 2.0 for r in raw])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["reward=rm"], "reward `rm` needs reward.rm.path"),
+        (["reward=rm", "reward.rm.path=tiny_rm", "task=arithmetic"], "reward.rm.path=tiny_rm is trained on the addition task"),
+        (["reward=rm", "reward.rm.path=/no/such/folder"], "reward.rm.path='/no/such/folder' is neither tiny_rm"),
+        (["reward=rm", "reward.rm.path=tiny_rm", "reward.rm.normalise=zscore"], "reward.rm.normalise='zscore' is not one of"),
+        (["reward=rm", "reward.rm.path=tiny_rm", "reward.rm.normalise=fixed", "reward.rm.scale=0"], "give a scale other than 0"),
+        (["reward=rm", "reward.rm.path=tiny_rm", "reward.rm.max_tokens=0"], "reward.rm.max_tokens=0 must be >= 1"),
+    ],
+)
+def test_validate_says_what_to_set(overrides, message):
+    from grpo.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(compose_cfg(*overrides))
+    assert message in str(e.value)
+
+
+@pytest.fixture(scope="session")
+def tiny_rm(cache_dir, learning_policy):
+    """The tiny reward model of the default tier (60 steps), built once in the session's cache."""
+    from grpo.rewards.tiny_rm import ensure_tiny_rm
+
+    return ensure_tiny_rm(compose_cfg("experiment=addition_tiny_rm", RM_STEPS, cache=cache_dir))
+
+
+def test_tiny_rm_scores_correct_sums_above_wrong_ones(tiny_rm):
+    """Loaded as the reward loads it, on held-out prompts it never saw: correct sums above wrong answers
+    (near misses, one digit changed, any number, wrong forms) in >= 75% of pairs (60 steps: 0.81)."""
+    from grpo.rewards.reward_model import load_reward_model
+    from grpo.rewards.tiny_rm import pairwise_accuracy
+    from grpo.tasks import build_task
+
+    rm = RewardModel(*load_reward_model(tiny_rm, "float32"), max_tokens=4096)
+    task = build_task(compose_cfg().task)
+    accuracy = pairwise_accuracy(rm.scores, task.eval)
+    assert accuracy >= 0.75, accuracy
+    assert json.load(open(os.path.join(tiny_rm, "grpo_tiny_rm.json")))["heldout_pairwise_accuracy"] == pytest.approx(accuracy, abs=0.01)
+
+
+def test_a_run_on_the_rm_score_logs_it_and_loads_the_model_once(make_cfg, tiny_rm, monkeypatch):
+    import grpo.rewards.reward_model as reward_model
+    from grpo.train import train
+
+    loads = []
+    real_load = reward_model.load_reward_model
+    monkeypatch.setattr(reward_model, "load_reward_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    cfg = make_cfg("experiment=addition_tiny_rm", RM_STEPS)
+    assert cfg.rollout.backend == "hf" and [f.name for f in cfg.reward.funcs] == ["rm"]
+    train(cfg)
+    rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:  # the only reward: its mean is the step's
+        assert math.isfinite(r["reward/rm"]) and r["reward/rm"] == pytest.approx(r["reward/mean"], abs=1e-5)
+    assert len(loads) == 1 and loads[0][0] == tiny_rm  # built once, for every step and both evaluations
+
+
+@pytest.mark.slow
+def test_the_full_tiny_rm_and_the_learning_bar(tmp_path, cache_dir, learning_policy):
+    """experiment=addition_tiny_rm: the full tiny RM (400 steps) ranks held-out correct sums above wrong
+    ones and first among every possible sum most of the time; GRPO on its score alone raises held-out
+    exact-match accuracy by >= 0.20."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    cmd = [sys.executable, "-m", "grpo.train", "experiment=addition_tiny_rm", f"hydra.run.dir={tmp_path}",
+           f"model.cache_dir={cache_dir}"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert out.returncode == 0, out.stderr[-3000:]
+    from grpo.rewards.tiny_rm import ensure_tiny_rm
+
+    info = json.load(open(os.path.join(ensure_tiny_rm(compose_cfg("experiment=addition_tiny_rm", cache=cache_dir)),
+                                       "grpo_tiny_rm.json")))
+    assert info["heldout_pairwise_accuracy"] >= 0.95 and info["heldout_top1_accuracy"] >= 0.5, info
+    summary = json.load(open(tmp_path / "summary.json"))
+    print(summary, info)
+    assert summary["eval_after"] - summary["eval_before"] >= 0.20
