@@ -123,11 +123,41 @@ class RewardModelConfig:
     tiny: TinyRewardModelConfig = field(default_factory=TinyRewardModelConfig)
 
 
+DEFAULT_JUDGE_TEMPLATE = (
+    "Question: {prompt}\nReference answer: {answer}\nProposed answer: {completion}\n"
+    "Is the proposed answer the same as the reference answer? Answer yes or no."
+)
+
+
+@dataclass
+class JudgeConfig:
+    """reward `judge`: an LLM judge on OpenAI-compatible servers (grpo/rewards/judge.py)."""
+
+    urls: list[str] = field(default_factory=list)  # http://host:port of `grpo.serve`, `vllm serve` or any endpoint
+    model: Optional[str] = None  # the served model's name; null: the first server's (/v1/models)
+    token_file: Optional[str] = None  # chmod 600; null: $GRPO_SERVE_TOKEN (none: no Authorization header)
+    api: str = "chat"  # chat (/v1/chat/completions: the judge's chat template) | completions (the text as is)
+    template: str = DEFAULT_JUDGE_TEMPLATE  # {prompt}, {completion}, {answer} (the task's reference)
+    score: str = "logprobs"  # logprobs: expected value over `choices` at the first token | pattern: a match in the text
+    choices: dict[str, float] = field(default_factory=lambda: {"yes": 1.0, "no": 0.0})  # answer token -> score
+    rating: Optional[list[int]] = None  # [low, high]: the numbers low..high as the choices, each its own value (not `choices`)
+    pattern: str = r"(-?\d+(?:\.\d+)?)"  # score=pattern: its first group, a choice's name or a number
+    max_tokens: int = 1  # the judge's answer length (score=pattern needs room for its words)
+    top_logprobs: int = 20  # score=logprobs: tokens read at the first position (vLLM's default cap is 20)
+    max_concurrency: int = 16  # requests in flight, over every server
+    request_timeout_s: float = 60.0
+    retries: int = 2  # a failed request is sent again, to another server when there is one
+    min_scored: float = 0.5  # fewer of a batch scored than this fraction stops the run
+    batch_timeout_s: float = 600.0  # one batch's bound (instead of reward.timeout_s)
+    health_timeout_s: float = 120.0  # at start: every server answers /health by then
+
+
 @dataclass
 class RewardConfig:
     funcs: list[RewardFuncConfig] = field(default_factory=list)
     timeout_s: float = 30.0  # a function that raises or hangs past this is retried per completion
     rm: RewardModelConfig = field(default_factory=RewardModelConfig)  # the settings of reward `rm`
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # the settings of reward `judge`
 
 
 @dataclass

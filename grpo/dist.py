@@ -143,6 +143,15 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def all_gather(obj) -> list:
+    """Every rank's `obj`, in rank order (a collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def all_reduce_sum(values: list[float]) -> list[float]:
     if not dist.is_initialized() or dist.get_world_size() == 1:  # one rank: also vLLM's own one-rank NCCL group
         return list(values)

@@ -16,7 +16,7 @@ trains on what it has.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 
 import torch
@@ -37,6 +37,7 @@ class Scored:
     generate_s: float = 0.0  # seconds generating (waiting for) the rollouts
     score_s: float = 0.0  # seconds decoding and scoring them
     generated_tokens: int = 0  # tokens generated for this batch (every draw's)
+    reward_stats: dict = field(default_factory=dict)  # each reward's seconds and counts (grpo.rewards.score), every draw's
 
     @property
     def reward_means(self) -> dict[str, float]:
@@ -75,6 +76,7 @@ def take(batches: list[Scored], picks: list[tuple[int, int]], G: int) -> Scored:
         generate_s=sum(b.generate_s for b in batches),
         score_s=sum(b.score_s for b in batches),
         generated_tokens=sum(b.generated_tokens for b in batches),
+        reward_stats={k: sum(b.reward_stats.get(k, 0.0) for b in batches) for k in first.reward_stats},
     )
 
 

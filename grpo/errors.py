@@ -35,6 +35,11 @@ class ServerError(RuntimeError):
         self.status = status
 
 
+class RewardStop(RuntimeError):
+    """A reward that cannot go on (a judge that scores too few completions, refuses the token): the run
+    stops instead of training on what little is scored."""
+
+
 class EngineStartError(RuntimeError):
     """A vLLM engine that could not start, most often for memory."""
 
@@ -43,4 +48,4 @@ class WarmStartError(RuntimeError):
     """The tiny model's supervised warm start ended below its accuracy target; nothing was cached."""
 
 
-USER_ERRORS = (ConfigError, DatasetError, ServerError, EngineStartError, WarmStartError)
+USER_ERRORS = (ConfigError, DatasetError, ServerError, RewardStop, EngineStartError, WarmStartError)

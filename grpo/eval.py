@@ -20,8 +20,9 @@ import hydra
 from omegaconf import DictConfig
 
 from grpo.config import register_configs
-from grpo.dist import DistInfo, all_reduce_sum
+from grpo.dist import DistInfo, all_gather, all_reduce_sum
 from grpo.models import encode_prompts
+from grpo.rewards import MODEL_REWARDS, score
 from grpo.rollout import sampling_from
 
 register_configs()
@@ -34,10 +35,29 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def evaluate(rollout, tokenizer, task, cfg, info: DistInfo, episodes=None) -> dict[str, float]:
+def agreement(name: str, scores: list, correct: list[bool]) -> dict[str, float]:
+    """How a model reward's scores agree with the task's rule on the same completions:
+    `eval/<name>_auc`, the probability that a correct completion scores above a wrong one (ties count
+    half; 0.5 is chance, 1 a perfect ranking; NaN when every completion is right or every one wrong),
+    and the mean score of the correct and of the wrong ones. Unscored completions (None) are left out.
+    A policy that learns to please the reward model and not the rule shows here first: its reward
+    rises while the AUC falls."""
+    right = [v for v, ok in zip(scores, correct) if v is not None and ok]
+    wrong = [v for v, ok in zip(scores, correct) if v is not None and not ok]
+    pairs = len(right) * len(wrong)
+    above = sum((r > w) + 0.5 * (r == w) for r in right for w in wrong)
+    nan = float("nan")
+    return {f"eval/{name}_auc": above / pairs if pairs else nan,
+            f"eval/{name}_mean_correct": sum(right) / len(right) if right else nan,
+            f"eval/{name}_mean_wrong": sum(wrong) / len(wrong) if wrong else nan}
+
+
+def evaluate(rollout, tokenizer, task, cfg, info: DistInfo, episodes=None, reward_fns=()) -> dict[str, float]:
     """Greedy accuracy (and pass@k when `eval_samples` > 1) on the held-out split; each rank takes a share.
     With an environment (`episodes`: grpo.rollout.episodes.EpisodeRunner) each prompt is played as an
-    episode, through the same driver as training, and its final turn is judged."""
+    episode, through the same driver as training, and its final turn is judged. Each model reward
+    among `reward_fns` (a reward model, a judge) scores the greedy completions too, and its agreement
+    with the task's rule is logged (`agreement`)."""
     samples = task.eval[info.rank :: info.world_size]
     prompt_ids = encode_prompts(tokenizer, samples, task.chat_template, task.system_prompt)
 
@@ -50,6 +70,7 @@ def evaluate(rollout, tokenizer, task, cfg, info: DistInfo, episodes=None) -> di
         return [e.final_text if e.finish != "error" else "" for e in out.episodes], [e.turns for e in out.episodes]
 
     texts, turns = play(1, sampling_from(cfg.rollout, greedy=True))
+    greedy = texts
     solved = [task.is_correct(t, s) for t, s in zip(texts, samples)]
     sums = [sum(solved), len(samples), sum(k for k, ok in zip(turns, solved) if ok)]
     n = cfg.eval_samples
@@ -63,6 +84,11 @@ def evaluate(rollout, tokenizer, task, cfg, info: DistInfo, episodes=None) -> di
     if episodes is not None:  # turns per solved episode (guess: binary search takes 3.27)
         metrics["eval/turns_per_solve"] = total[2] / total[0] if total[0] else float("nan")
     metrics.update({f"eval/pass@{k}": v / total[1] for k, v in zip(ks, total[3:])})
+    for name, fn, _ in reward_fns:
+        if name in MODEL_REWARDS:
+            values, _ = score([(name, fn, 1.0)], greedy, samples, cfg.reward.timeout_s)
+            pairs = [p for rank_pairs in all_gather(list(zip(values[0], solved))) for p in rank_pairs]
+            metrics.update(agreement(name, [v for v, _ in pairs], [ok for _, ok in pairs]))
     return metrics
 
 

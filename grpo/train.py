@@ -233,7 +233,7 @@ class Run:
             info_B = {"completion_ids": rollouts.completion_ids}
         else:  # an episode's final turn, with the transcript, turns and the environment's reward
             completions, info_B = final_texts(rollouts), reward_info(rollouts)
-        rewards_FB, _ = score(
+        rewards_FB, reward_stats = score(
             self.reward_fns, completions, [s for s in batch.samples for _ in range(self.G)], self.cfg.reward.timeout_s,
             max_new_tokens=self.cfg.rollout.max_new_tokens, **info_B,
         )
@@ -243,7 +243,8 @@ class Run:
                    else sum(len(c) for c in rollouts.completion_ids))  # observation tokens aside
         by_name = {name: values for (name, _, _), values in zip(self.reward_fns, rewards_FB)}
         return Scored(batch.samples, batch.prompt_ids, rollouts, completions, rewards_PG, by_name,
-                      generate_s=t_gen - t0, score_s=time.perf_counter() - t_gen, generated_tokens=sampled)
+                      generate_s=t_gen - t0, score_s=time.perf_counter() - t_gen, generated_tokens=sampled,
+                      reward_stats=reward_stats)
 
     def draw_more(self, step: int, k: int) -> Scored:
         """The step's k-th extra batch (algo.dynamic_sampling), drawn, generated and scored now."""
@@ -322,6 +323,7 @@ def step_metrics(scored: Scored, stats: dict, step: int, lr: float, times: dict[
         "reward/std": float(valid.std()) if valid.numel() > 1 else 0.0,
         "reward/zero_std_frac": float(zero_std_groups(rewards_PG).float().mean()),
         **scored.reward_means,  # reward/<function>, over the same trained groups
+        **scored.reward_stats,  # time/reward_<function>_s, a judge's requests, failures and garbage answers
         **stats,
         "completion_len": sum(lengths) / len(lengths),
         **(episode_metrics(rollouts) if rollouts.episodes is not None else {}),
@@ -370,7 +372,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     if r.checkpoint_path:
         logger.info(f"resumed from {r.checkpoint_path} at step {r.start}")
     else:
-        before = evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.episodes)
+        before = evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.episodes, r.reward_fns)
         r.eval_before = before["eval/accuracy"]
         logger.log(0, before, console=True)
 
@@ -429,7 +431,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
             "time/wait_for_data_s": wait_s, "time/generate_s": generate_s, "time/score_s": scored.score_s,
             "time/update_s": t_update - t_score, "time/sync_s": t_end - t_update, "step_s": t_end - t0})
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
-            metrics.update(evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.episodes))
+            metrics.update(evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.episodes, r.reward_fns))
         logger.log(step, reduce_metrics(metrics, info))
         if cfg.logger.sample_every and step % cfg.logger.sample_every == 0:
             rows = [(samples_BG[i].prompt, completions[i], float(rewards_PG.flatten()[i])) for i in range(0, len(completions), G)]
@@ -447,7 +449,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         r.checkpoint(cfg.steps)
     if stop_signal.requested():
         stop_after(r, cfg.steps, stop_signal)
-    after = evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.episodes)
+    after = evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.episodes, r.reward_fns)
     eval_after = after["eval/accuracy"]
     logger.log(cfg.steps, after, console=True)
     summary = {

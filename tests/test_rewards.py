@@ -56,8 +56,8 @@ def test_a_reward_that_raises_on_one_completion_excludes_only_it():
         return [1.0] * len(completions)
 
     with pytest.warns(UserWarning, match="'picky' failed on completion 1 'boom' .*RuntimeError: cannot parse"):
-        rewards, means = score([("picky", picky, 1.0)], ["ok", "boom", "ok"], [None] * 3, timeout_s=5)
-    assert rewards == [[1.0, None, 1.0]] and means["reward/picky"] == 1.0
+        rewards, stats = score([("picky", picky, 1.0)], ["ok", "boom", "ok"], [None] * 3, timeout_s=5)
+    assert rewards == [[1.0, None, 1.0]] and stats["time/reward_picky_s"] > 0
 
 
 def test_a_reward_that_returns_a_non_number_excludes_only_that_completion():
@@ -65,8 +65,8 @@ def test_a_reward_that_returns_a_non_number_excludes_only_that_completion():
         return ["1.0" if c == "text" else 0.5 for c in completions]  # a string where a number belongs
 
     with pytest.warns(UserWarning, match="'sloppy' failed on completion 1 'text' .*returned '1.0', not a number or None"):
-        rewards, means = score([("sloppy", sloppy, 1.0)], ["a", "text", "b"], [None] * 3, timeout_s=5)
-    assert rewards == [[0.5, None, 0.5]] and means["reward/sloppy"] == 0.5
+        rewards, _ = score([("sloppy", sloppy, 1.0)], ["a", "text", "b"], [None] * 3, timeout_s=5)
+    assert rewards == [[0.5, None, 0.5]]
 
 
 def test_a_reward_that_hangs_is_cut_off():
@@ -124,5 +124,5 @@ def test_math_verify(completion, answer, value):
 
 def test_math_verify_runs_in_the_reward_thread():
     """math-verify's own timeouts use SIGALRM (main thread only); score() calls it in a worker thread."""
-    rewards_FB, means = score([("math_verify", math_verify, 1.0)], ["\\boxed{3}", "4"], [Sample("", "3")] * 2, timeout_s=30)
-    assert rewards_FB == [[1.0, 0.0]] and means == {"reward/math_verify": 0.5}
+    rewards_FB, stats = score([("math_verify", math_verify, 1.0)], ["\\boxed{3}", "4"], [Sample("", "3")] * 2, timeout_s=30)
+    assert rewards_FB == [[1.0, 0.0]] and list(stats) == ["time/reward_math_verify_s"]

@@ -20,9 +20,11 @@ cannot be killed in Python; it is abandoned (a daemon thread) and the run moves 
 from __future__ import annotations
 
 import importlib
+import time
 import warnings
 from typing import Callable
 
+from grpo.errors import RewardStop
 from grpo.rewards.countdown import countdown
 from grpo.timeouts import call_with_timeout
 from grpo.rewards.env import env_reward
@@ -43,6 +45,7 @@ REWARDS: dict[str, RewardFn] = {
 # name -> module (imported on use) with check(cfg) and build(cfg, device) -> RewardFn
 MODEL_REWARDS: dict[str, str] = {
     "rm": "grpo.rewards.reward_model",
+    "judge": "grpo.rewards.judge",
 }
 
 
@@ -94,7 +97,10 @@ def is_score(value) -> bool:
 
 
 def run_reward(name: str, fn, completions: list[str], samples: list, info: dict, timeout_s: float) -> list:
-    values, error = call_with_timeout(lambda: list(fn(completions, samples, **info)), timeout_s, "reward.timeout_s")
+    setting = "reward.timeout_s"
+    if getattr(fn, "timeout_s", None):  # a reward that bounds its own calls (a judge: reward.judge.batch_timeout_s)
+        timeout_s, setting = fn.timeout_s, f"reward.{name}.batch_timeout_s"
+    values, error = call_with_timeout(lambda: list(fn(completions, samples, **info)), timeout_s, setting, (RewardStop,))
     if error is None and len(values) != len(completions):
         error = f"returned {len(values)} values for {len(completions)} completions"
     if error is None and (bad := next((v for v in values if not is_score(v)), "ok")) != "ok":
@@ -106,7 +112,8 @@ def run_reward(name: str, fn, completions: list[str], samples: list, info: dict,
     for i, (c, s) in enumerate(zip(completions, samples)):
         one = {k: [v[i]] if isinstance(v, list) and len(v) == len(completions) else v for k, v in info.items()}
         if hangs < MAX_HANGS:
-            value, err = call_with_timeout(lambda c=c, s=s, one=one: list(fn([c], [s], **one)), timeout_s, "reward.timeout_s")
+            value, err = call_with_timeout(lambda c=c, s=s, one=one: list(fn([c], [s], **one)), timeout_s, setting,
+                                           (RewardStop,))
             hangs += err is not None and err.startswith("no answer")
         else:  # bounded: a function that keeps hanging does not stall the step for B x timeout
             value, err = None, f"skipped after {MAX_HANGS} timeouts in this batch"
@@ -122,11 +129,13 @@ def run_reward(name: str, fn, completions: list[str], samples: list, info: dict,
 
 def score(reward_fns, completions: list[str], samples: list, timeout_s: float = 30.0,
           **info) -> tuple[list[list[float | None]], dict[str, float]]:
-    """Run every reward function -> (rewards_FB, per-function mean for logging)."""
-    rewards_FB, means = [], {}
+    """Run every reward function -> (rewards_FB, stats): each function's seconds
+    (`time/reward_<name>_s`) and the counts a function keeps in its `stats` attribute (a judge's
+    requests, failures, garbage answers, retries) as `<name>/<count>`; all of them add up over draws."""
+    rewards_FB, stats = [], {}
     for name, fn, _ in reward_fns:
-        values = run_reward(name, fn, completions, samples, info, timeout_s)
-        rewards_FB.append(values)
-        scored = [v for v in values if v is not None]
-        means[f"reward/{name}"] = sum(scored) / len(scored) if scored else float("nan")
-    return rewards_FB, means
+        t0 = time.perf_counter()
+        rewards_FB.append(run_reward(name, fn, completions, samples, info, timeout_s))
+        stats[f"time/reward_{name}_s"] = time.perf_counter() - t0
+        stats.update({f"{name}/{k}": float(v) for k, v in (getattr(fn, "stats", None) or {}).items()})
+    return rewards_FB, stats

