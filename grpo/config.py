@@ -120,6 +120,12 @@ class RewardModelConfig:
     normalise: str = "none"  # none | running (mean and std of every score so far) | fixed: (score - offset) / scale
     offset: float = 0.0
     scale: float = 1.0
+    # served (grpo/rewards/served_rm.py): `python -m grpo.serve --model DIR --reward-model` servers, the batch
+    # split across them; the trainer then loads only path's tokenizer. Empty: the model in the trainer process.
+    urls: list[str] = field(default_factory=list)  # e.g. [http://node7:8001]
+    token_file: Optional[str] = None  # the servers' token (chmod 600); default $GRPO_SERVE_TOKEN, as rollout.remote
+    health_timeout_s: float = 300.0  # at build: wait this long for every server's /health
+    request_timeout_s: float = 20.0  # one server's share of a batch; past it, that share scores None (< reward.timeout_s)
     tiny: TinyRewardModelConfig = field(default_factory=TinyRewardModelConfig)
 
 

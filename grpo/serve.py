@@ -19,6 +19,12 @@ It is vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`) started wi
 The token comes from $GRPO_SERVE_TOKEN or `--token-file` (a file only its owner can read), never
 from the command line, where every user of the machine can read it (grpo/rollout/auth.py).
 
+With `--reward-model` it serves a sequence-classification reward model instead (`reward.rm.urls`,
+grpo/rewards/served_rm.py): vLLM's pooling runner (`--runner pooling --convert classify`), whose POST
+/classify returns each input's logits (raw with `use_activation: false` in the request, as the trainer
+asks); none of the generation flags above (weight transfer, logprobs mode, generation config, LoRA, the
+RL routes); the token middleware, the CPU defaults and the explicit KV size as for a rollout server.
+
 Any further arguments go to vLLM unchanged. The plain equivalent, for `vllm serve` users:
   VLLM_SERVER_DEV_MODE=1 GRPO_SERVE_TOKEN=T python -m vllm.entrypoints.openai.api_server --model DIR \
     --weight-transfer-config '{"backend": "grpo_gloo"}' --logprobs-mode processed_logprobs --generation-config vllm \
@@ -66,17 +72,23 @@ def is_loopback(host: str) -> bool:
 
 def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None = None) -> list[str]:
     """vLLM's command line; it never holds the token (vLLM's middleware reads it from the environment)."""
-    transfer = {"backend": args.weight_transfer}
     argv = [
         "--model", args.model, "--host", args.host, "--port", str(args.port),
         "--dtype", args.dtype,
         "--gpu-memory-utilization", str(args.memory_fraction),
-        "--weight-transfer-config", json.dumps(transfer),
-        "--logprobs-mode", "processed_logprobs",
-        "--generation-config", "vllm",  # a request's unset sampling fields are vLLM's neutral ones, not the folder's
         "--middleware", "grpo.serve.require_token",
-        "--enable-prefix-caching",
     ]
+    if getattr(args, "reward_model", False):
+        # the pooling runner with the folder's score head: /classify answers one logit per label at each
+        # input's last token (vLLM's LAST pooling, the token HF's ForSequenceClassification reads)
+        argv += ["--runner", "pooling", "--convert", "classify"]
+    else:
+        argv += [
+            "--weight-transfer-config", json.dumps({"backend": args.weight_transfer}),
+            "--logprobs-mode", "processed_logprobs",
+            "--generation-config", "vllm",  # a request's unset sampling fields are vLLM's neutral ones, not the folder's
+            "--enable-prefix-caching",
+        ]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
     if args.enforce_eager:
@@ -112,6 +124,21 @@ def checkpoint_dtype(model_config: dict) -> str:
     says nothing (a hub id: vLLM reads it)."""
     name = str(model_config.get("dtype") or model_config.get("torch_dtype") or "auto").removeprefix("torch.")
     return {"float": "float32", "half": "float16", "bf16": "bfloat16"}.get(name, name)
+
+
+def not_a_reward_model(model_config: dict) -> str | None:
+    """What keeps a folder's config.json from serving as a reward model (None: nothing, or no config to
+    read: a hub id vLLM resolves). vLLM's `--convert classify` would also take a causal LM and give it
+    a score head its checkpoint lacks."""
+    if not model_config:
+        return None
+    arches = model_config.get("architectures") or []
+    if not any(a.endswith("ForSequenceClassification") for a in arches):
+        return f"its architectures {arches} hold no *ForSequenceClassification model; a reward model has a score head."
+    labels = len(model_config.get("id2label") or {}) or model_config.get("num_labels", 1)
+    if labels != 1:
+        return f"it has {labels} labels; a reward model gives one score (num_labels=1)."
+    return None
 
 
 def resolve_model(name: str) -> str:
@@ -189,11 +216,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--parent-pid", type=int, help="end this server (SIGTERM) when process PID, the trainer that "
                    "started it, dies (PR_SET_PDEATHSIG, set here rather than in a preexec_fn of a threaded trainer)")
     p.add_argument("--cpus", help="pin the server to these CPUs (e.g. 6,7): sched_setaffinity here, before vLLM starts")
+    p.add_argument("--reward-model", action="store_true", help="serve a sequence-classification reward model "
+                   "(reward.rm.urls) through vLLM's pooling runner and its /classify route, instead of a policy to "
+                   "generate from: no weight transfer, LoRA or generation flags")
     p.add_argument("--lora-rank", type=int, default=0, help="> 0: serve LoRA adapters up to this rank (the trainer's "
                    "model.lora.rank); each sync loads the new adapter from a folder through /v1/load_lora_adapter, "
                    "which the token guards like every route")
     args, extra = p.parse_known_args(argv)
     tie_to_parent(args.parent_pid, args.cpus)
+    if args.reward_model and args.lora_rank:
+        p.error("--lora-rank serves policy adapters; a --reward-model server takes no LoRA.")
     import torch
 
     try:
@@ -213,6 +245,9 @@ def main(argv: list[str] | None = None) -> None:
     args.model = resolve_model(args.model)
     from grpo.rollout.engine_memory import engine_context, model_config_of, read_model_config
 
+    if args.reward_model and (problem := not_a_reward_model(model_config_of(args.model))):
+        p.error(f"--reward-model {args.model}: {problem}")
+
     for key, value in device_defaults(torch.cuda.is_available(), read_model_config(args.model)).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -224,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
         args.port = held.getsockname()[1]
     if args.url_dir:
         write_url(args.url_dir, args.host, args.port)
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    if not args.reward_model:  # the RL routes (weight pushes); a reward model's weights never change
+        os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     if args.lora_rank:
         os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # mounts /v1/load_lora_adapter (behind the token)
     if args.token:

@@ -65,6 +65,31 @@ def tiny_lm():
     return model.float(), tok
 
 
+@pytest.fixture(scope="session")
+def random_rm():
+    """A tiny Qwen2ForSequenceClassification at random (no training) with the char tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from grpo.models import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=32, intermediate_size=128, max_position_embeddings=256,
+                         pad_token_id=tok.pad_token_id, num_labels=1)
+    return Qwen2ForSequenceClassification(config).eval(), tok
+
+
+@pytest.fixture(scope="session")
+def rm_dir(random_rm, tmp_path_factory) -> str:
+    """`random_rm` saved as an HF folder, for servers and `load_reward_model`."""
+    model, tok = random_rm
+    path = tmp_path_factory.mktemp("random-rm")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
 # What a hub model's generation_config.json may hold (Qwen2.5-Instruct ships a repetition_penalty,
 # top_k and top_p of its own): every engine and `generate` would apply these unless the backend pins
 # its sampling to what the trainer's logprobs assume. Written into the test folders engines load.

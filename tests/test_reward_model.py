@@ -33,27 +33,18 @@ def test_fixed_and_no_normalisation():
     assert ScoreNormaliser("none")([6.0, -2.0]) == [6.0, -2.0]
 
 
+def test_a_text_without_a_score_stays_none_and_counts_in_no_statistic():
+    # running over the scored [1, 3] only: mean 2, std 1 -> -1, 1; None stays None
+    assert ScoreNormaliser("running")([1.0, None, 3.0]) == [-1.0, None, 1.0]
+    assert ScoreNormaliser("fixed", offset=1.0, scale=2.0)([None, 5.0]) == [None, 2.0]
+
+
 def test_token_batches_by_hand():
     # lengths 3, 10, 4, 7 under a cap of 14 padded tokens, longest first: 10 alone (2 x 10 > 14);
     # 7 and 4 (2 x 7 = 14); 3 would make 3 x 7 = 21, so alone
     assert token_batches([3, 10, 4, 7], 14) == [[1], [3, 2], [0]]
     assert token_batches([3, 10, 4, 7], 1) == [[1], [3], [2], [0]]  # a text past the cap goes alone
     assert token_batches([3, 10, 4, 7], 10_000) == [[1, 3, 2, 0]]
-
-
-@pytest.fixture(scope="module")
-def random_rm():
-    """A tiny Qwen2ForSequenceClassification at random (no training) with the char tokenizer."""
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-    from grpo.models import build_char_tokenizer
-
-    tok = build_char_tokenizer()
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, head_dim=32, intermediate_size=128, max_position_embeddings=256,
-                         pad_token_id=tok.pad_token_id, num_labels=1)
-    return Qwen2ForSequenceClassification(config).eval(), tok
 
 
 def test_scores_are_the_same_whatever_the_cap(random_rm):
@@ -85,6 +76,12 @@ def test_the_reward_reads_prompt_and_completion(random_rm):
         (["reward=rm", "reward.rm.path=tiny_rm", "reward.rm.normalise=zscore"], "reward.rm.normalise='zscore' is not one of"),
         (["reward=rm", "reward.rm.path=tiny_rm", "reward.rm.normalise=fixed", "reward.rm.scale=0"], "give a scale other than 0"),
         (["reward=rm", "reward.rm.path=tiny_rm", "reward.rm.max_tokens=0"], "reward.rm.max_tokens=0 must be >= 1"),
+        (["reward=rm", "reward.rm.path=tiny_rm", "reward.rm.urls=[node7:8001]"], "reward.rm.urls: 'node7:8001' is not http(s)://host:port"),
+        (["reward=rm", "reward.rm.path=tiny_rm", "reward.rm.urls=[http://node7]"], "reward.rm.urls: 'http://node7' is not"),
+        (["reward=rm", "reward.rm.path=tiny_rm", "reward.rm.urls=[http://node7:8001]", "reward.rm.request_timeout_s=30"],
+         "reward.rm.request_timeout_s=30.0 must be > 0 and below reward.timeout_s=30.0"),
+        (["reward=rm", "reward.rm.path=tiny_rm", "reward.rm.urls=[http://node7:8001]", "reward.rm.token_file=/no/such/token"],
+         "reward.rm.token_file: token file /no/such/token cannot be read"),
     ],
 )
 def test_validate_says_what_to_set(overrides, message):

@@ -1,4 +1,6 @@
-"""reward `rm`: a reward model's score of prompt + completion, in the trainer process.
+"""reward `rm`: a reward model's score of prompt + completion, in the trainer process or, with
+`reward.rm.urls`, on `grpo.serve --reward-model` servers (grpo/rewards/served_rm.py: the same token
+ids scored, the same normalisation after).
 
 The model is a Hugging Face sequence-classification model with one label
 (`AutoModelForSequenceClassification`, `num_labels=1`; its one logit at the text's last token is the
@@ -48,14 +50,17 @@ class ScoreNormaliser:
     def std(self) -> float:
         return math.sqrt(self.m2 / self.count) if self.count else 0.0
 
-    def __call__(self, values: list[float]) -> list[float]:
+    def __call__(self, values: list[float | None]) -> list[float | None]:
+        """None (a text a served model could not score) stays None and counts in no statistic."""
+        scored = [x for x in values if x is not None]
         if self.mode == "fixed":
-            return [(x - self.offset) / self.scale for x in values]
-        if self.mode == "running":
-            self.update(values)
+            scored = [(x - self.offset) / self.scale for x in scored]
+        elif self.mode == "running":
+            self.update(scored)
             std = self.std or 1.0
-            return [(x - self.mean) / std for x in values]
-        return list(values)
+            scored = [(x - self.mean) / std for x in scored]
+        it = iter(scored)
+        return [None if x is None else next(it) for x in values]
 
 
 def token_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -95,16 +100,22 @@ class RewardModel:
         return self.normaliser(self.scores([s.prompt + c for c, s in zip(completions, samples)]))
 
 
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 def load_reward_model(path: str, dtype: str, device="cpu"):
     """(model in eval mode without gradients on `device`, tokenizer) from a folder or hub id."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
     from grpo.errors import ConfigError
     from grpo.models import DTYPES
 
     hf_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=DTYPES[dtype])
     if model.config.num_labels != 1:
         raise ConfigError(f"reward.rm.path={path!r} has num_labels={model.config.num_labels}; a reward model gives "
@@ -125,7 +136,7 @@ def check(cfg) -> None:
     if not rm.path:
         raise ConfigError("reward `rm` needs reward.rm.path: a local folder or hub id of a sequence-classification "
                           "model with one label (num_labels=1), or tiny_rm (the addition task's, built in code): e.g. "
-                          "reward.rm.path=tiny_rm.")
+                          "reward.rm.path=tiny_rm. With reward.rm.urls only its tokenizer is loaded here.")
     if rm.path == TINY_RM:
         if cfg.task.name != "addition":
             raise ConfigError(f"reward.rm.path=tiny_rm is trained on the addition task, not task={cfg.task.name}; "
@@ -144,11 +155,16 @@ def check(cfg) -> None:
         raise ConfigError(f"reward.rm.max_tokens={rm.max_tokens} must be >= 1 (padded tokens per forward).")
     if rm.dtype not in (None, "float32", "bfloat16"):
         raise ConfigError(f"reward.rm.dtype={rm.dtype!r}: use float32, bfloat16, or null for model.dtype.")
+    if rm.urls:
+        from grpo.rewards.served_rm import check_served
+
+        check_served(rm, cfg.reward.timeout_s)
 
 
 def build(cfg, device="cpu") -> RewardModel:
     """The reward function of `reward.rm`, its model loaded now (tiny_rm built first if not cached: on
-    each node's local rank 0 while the others wait)."""
+    each node's local rank 0 while the others wait); with reward.rm.urls only its tokenizer, the servers
+    checked now (served_rm.build_served)."""
     from grpo.dist import barrier, dist_info
 
     rm, path = cfg.reward.rm, os.path.expanduser(cfg.reward.rm.path)
@@ -160,5 +176,10 @@ def build(cfg, device="cpu") -> RewardModel:
             ensure_tiny_rm(cfg, log=print if info.is_main else lambda *_: None)
         barrier()
         path = ensure_tiny_rm(cfg)
+    normaliser = ScoreNormaliser(rm.normalise, rm.offset, rm.scale)
+    if rm.urls:
+        from grpo.rewards.served_rm import build_served
+
+        return build_served(rm, load_tokenizer(path), normaliser)
     model, tokenizer = load_reward_model(path, rm.dtype or cfg.model.dtype, device)
-    return RewardModel(model, tokenizer, rm.max_tokens, ScoreNormaliser(rm.normalise, rm.offset, rm.scale))
+    return RewardModel(model, tokenizer, rm.max_tokens, normaliser)

@@ -280,13 +280,13 @@ class Server:
             return raw.decode(errors="replace")
         return json.loads(raw) if raw else {}
 
-    def wait_healthy(self, deadline: float, log=say, note: str = "", exited=None) -> None:
+    def wait_healthy(self, deadline: float, log=say, note: str = "", exited=None, kind: str = "rollout server") -> None:
         def ready():
             self.request("/health", timeout=5)
             card = self.request("/v1/models")["data"][0]
             self.model, self.max_model_len = card["id"], card.get("max_model_len")
 
-        wait_until(ready, deadline - time.time(), what=f"rollout server {self.url}", log=log, note=note, exited=exited)
+        wait_until(ready, deadline - time.time(), what=f"{kind} {self.url}", log=log, note=note, exited=exited)
 
     def world_size(self) -> int:
         """The server's own engine world (tensor x pipeline x data parallel): the ranks its transfer

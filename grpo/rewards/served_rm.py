@@ -1,0 +1,128 @@
+"""reward `rm` on servers (`reward.rm.urls`): the reward model behind `python -m grpo.serve --model DIR
+--reward-model` (vLLM's pooling runner), the trainer holding only its tokenizer.
+
+- What is sent: token ids, not text. The trainer tokenizes `sample.prompt + completion` with the reward
+  model's own tokenizer (`reward.rm.path`, the folder or hub id the servers serve), special tokens
+  included (a BOS its tokenizer adds), exactly as the in-process model does, so the server scores the
+  same ids whatever vLLM's own tokenization of the text would give.
+- The route: POST /classify {"input": [[ids], ...], "use_activation": false}. Its `probs` hold each
+  input's logits at its last token; `use_activation: false` keeps the raw logit (vLLM's default puts a
+  one-label head through a sigmoid), the number the in-process model returns.
+- The batch is split in equal contiguous shares, one request per server, sent in parallel.
+- A server that fails on its share (down, refusing, slower than `reward.rm.request_timeout_s`, an answer
+  of the wrong shape) leaves that share's scores None, with a warning naming the server and its answer:
+  the run goes on, as for any failing reward (grpo/rewards/__init__.py), and the other shares keep
+  their scores. A text longer than the server's context (its max_model_len) scores None, with a warning.
+- At build, every server must answer /health within `reward.rm.health_timeout_s`, then one /classify
+  probe: a wrong token (401), a server of a policy (no /classify) or a model with several labels is
+  an error then, not None at every step.
+- The token: $GRPO_SERVE_TOKEN or `reward.rm.token_file`, as for rollout.remote (grpo/rollout/auth.py).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from urllib.parse import urlparse
+
+from grpo.errors import ConfigError, ServerError, TokenError
+from grpo.rewards.reward_model import RewardModel, ScoreNormaliser
+from grpo.rollout.auth import load_token, read_token_file
+from grpo.rollout.servers import Server, parallel_map, split_by_load
+
+
+def check_url(url: str) -> str | None:
+    """What is wrong with a server URL (None: it is http(s)://host:port)."""
+    try:
+        parts = urlparse(url)
+        port = parts.port
+    except ValueError as e:
+        return str(e)
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+        return "not http(s)://host:port"
+    return None
+
+
+def check_served(rm, reward_timeout_s: float) -> None:
+    """validate's part for `reward.rm.urls` (nothing is contacted)."""
+    for url in rm.urls:
+        if problem := check_url(str(url)):
+            raise ConfigError(f"reward.rm.urls: {url!r} is {problem}; give each `grpo.serve --reward-model` server as "
+                              f"http://host:port.")
+    if rm.token_file:
+        try:
+            read_token_file(rm.token_file)
+        except TokenError as e:
+            raise ConfigError(f"reward.rm.token_file: {e}") from e
+    if rm.health_timeout_s <= 0:
+        raise ConfigError(f"reward.rm.health_timeout_s={rm.health_timeout_s} must be > 0.")
+    if not 0 < rm.request_timeout_s < reward_timeout_s:
+        raise ConfigError(f"reward.rm.request_timeout_s={rm.request_timeout_s} must be > 0 and below reward.timeout_s="
+                          f"{reward_timeout_s}, so a slow server's share scores None before the reward's own timeout "
+                          f"abandons the whole batch; raise reward.timeout_s or lower the request timeout.")
+
+
+def classify(server: Server, ids: list[list[int]]) -> list[float]:
+    """Each token-id list's raw score from one server (one /classify request)."""
+    answer = server.request("/classify", {"input": ids, "use_activation": False})
+    try:
+        rows = sorted(answer["data"], key=lambda d: d["index"])
+        values = [float(r["probs"][0]) for r in rows if len(r["probs"]) == 1]
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise ServerError(f"{server.url}/classify answered {str(answer)[:300]}, not one score per input ({e!r})") from e
+    if len(values) != len(ids):
+        raise ServerError(f"{server.url}/classify answered {len(rows)} rows ({str(answer)[:300]}) for {len(ids)} inputs "
+                          f"of one score each: is it serving a reward model with one label?")
+    return values
+
+
+class ServedRewardModel(RewardModel):
+    """A reward model scored by servers: the in-process RewardModel's tokenization and normalisation,
+    each server's forward instead of the local one."""
+
+    def __init__(self, servers: list[Server], tokenizer, normaliser: ScoreNormaliser | None = None):
+        super().__init__(None, tokenizer, max_tokens=0, normaliser=normaliser)
+        self.servers = servers
+
+    def scores(self, texts: list[str]) -> list[float | None]:
+        """Raw scores in the order given; None where a server failed or a text exceeds its context."""
+        ids = self.tokenizer(texts).input_ids  # as RewardModel.scores: special tokens included
+        out: list[float | None] = [None] * len(texts)
+        shares = split_by_load(len(texts), [1.0] * len(self.servers))
+
+        def ask(i: int) -> list[str]:  # what went wrong, warned of in the caller's thread
+            server, (start, end) = self.servers[i], shares[i]
+            limit = server.max_model_len or float("inf")
+            fits = [k for k in range(start, end) if len(ids[k]) <= limit]
+            problems = []
+            if len(fits) < end - start:
+                problems.append(f"{end - start - len(fits)} texts are longer than {server.url}'s context "
+                                f"({server.max_model_len} tokens); they score None")
+            try:
+                values = classify(server, [ids[k] for k in fits]) if fits else []
+            except (ServerError, OSError) as e:
+                return problems + [f"server {server.url} failed on its {len(fits)} texts ({e}); they score None"]
+            for k, v in zip(fits, values):
+                out[k] = v
+            return problems
+
+        for problems in parallel_map(ask, [i for i, (a, b) in enumerate(shares) if b > a]):
+            for problem in problems:
+                warnings.warn(f"reward 'rm': {problem}", stacklevel=2)
+        return out
+
+
+def build_served(rm, tokenizer, normaliser: ScoreNormaliser) -> ServedRewardModel:
+    """The served reward model, every server healthy and answering a /classify probe now (errors name it)."""
+    servers = [Server(str(u), load_token(rm.token_file), rm.request_timeout_s) for u in rm.urls]
+    deadline = time.time() + rm.health_timeout_s
+    parallel_map(lambda s: s.wait_healthy(deadline, kind="reward model server"), servers)
+    probe = tokenizer(["1+1=2"]).input_ids
+    for server in servers:
+        try:
+            classify(server, probe)
+        except ServerError as e:
+            raise ServerError(f"reward model server {server.url} does not score texts: {e}. Start it with "
+                              f"`python -m grpo.serve --model DIR --reward-model` and the token the trainer has "
+                              f"($GRPO_SERVE_TOKEN or reward.rm.token_file).", e.status) from e
+    return ServedRewardModel(servers, tokenizer, normaliser)
