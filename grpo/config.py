@@ -187,7 +187,7 @@ class VLLMConfig:
 class RemoteConfig:
     urls: list[str] = field(default_factory=list)  # e.g. [http://node7:8000, http://node8:8000]
     # The servers' shared secret comes from $GRPO_SERVE_TOKEN, or this file (chmod 600); never from
-    # the config, which is written into the run folder (grpo/rollout/auth.py).
+    # the config, which is written into the run folder (grpo/auth.py).
     token_file: Optional[str] = None
     health_timeout_s: float = 300.0  # wait this long for every server's /health before failing
     request_timeout_s: float = 600.0

@@ -17,7 +17,7 @@ It is vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`) started wi
     loopback interface.
 
 The token comes from $GRPO_SERVE_TOKEN or `--token-file` (a file only its owner can read), never
-from the command line, where every user of the machine can read it (grpo/rollout/auth.py).
+from the command line, where every user of the machine can read it (grpo/auth.py).
 
 With `--reward-model` it serves a sequence-classification reward model instead (`reward.rm.urls`,
 grpo/rewards/served_rm.py): vLLM's pooling runner (`--runner pooling --convert classify`), whose POST
@@ -41,7 +41,7 @@ import sys
 
 from grpo.dist import node_name
 from grpo.errors import TokenError
-from grpo.rollout.auth import TOKEN_ENV, load_token, token_ok
+from grpo.auth import TOKEN_ENV, load_token, token_ok
 from grpo.rollout.servers import TRANSFERS, reserve_port, transfer_backend
 
 # Read-only probes anyone who can reach the port may call; everything else needs the token.

@@ -9,7 +9,7 @@ from tests.conftest import CONF, ROOT, compose_cfg
 EXPECTED_OPTIONS = {  # update when adding a config file: the count guards against silently skipped files
     "model": 3,
     "task": 7,
-    "reward": 5,
+    "reward": 6,
     "rollout": 4,
     "parallel": 5,
     "algo": 7,
@@ -25,7 +25,7 @@ def group_files():
 def test_every_group_has_its_expected_options():
     found = {g: len(list((CONF / g).glob("*.yaml"))) for g in GROUPS}
     assert found == EXPECTED_OPTIONS
-    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 38
+    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 39
 
 
 def is_subset(values, composed) -> bool:
@@ -45,7 +45,8 @@ def test_every_config_file_composes(group, option, tmp_path):
              ("model", "hub"): [f"model.path={tmp_path}"],  # a local folder: no hub lookup here
              ("rollout", "remote"): ["rollout.remote.urls=[http://127.0.0.1:9]"],
              ("reward", "env"): ["env=guess"],
-             ("reward", "rm"): ["reward.rm.path=tiny_rm"]}.get((group, option), [])  # rm.yaml leaves the path to the user
+             ("reward", "rm"): ["reward.rm.path=tiny_rm"],  # rm.yaml leaves the path to the user
+             ("reward", "judge"): ["reward.judge.urls=[http://127.0.0.1:9]"]}.get((group, option), [])
     real_model = [] if group == "model" else ["model=hub", f"model.path={tmp_path}"]
     cfg = compose_cfg(*real_model, f"{group}={option}", *extra)
     path = CONF / group / f"{option}.yaml"

@@ -21,7 +21,7 @@ from grpo.config import validate
 from grpo.errors import ConfigError, RewardStop
 from grpo.eval import agreement
 from grpo.rewards.judge import Judge, expected_score, judge_prompt, pattern_score
-from grpo.rollout.auth import TOKEN_ENV
+from grpo.auth import TOKEN_ENV
 from grpo.rollout.servers import free_port
 from grpo.tasks import Sample
 from tests.conftest import FAST, ROOT, compose_cfg

@@ -20,11 +20,12 @@ import pytest
 from omegaconf import OmegaConf
 
 from grpo.config import RolloutConfig
-from grpo.rollout.auth import TOKEN_ENV
+from grpo.auth import TOKEN_ENV
 from grpo.errors import ServerError
 from grpo.rollout.remote import RemoteBackend
 from grpo.rollout import Sampling
-from grpo.rollout.servers import ServerPool, free_port, split_by_load
+from grpo.endpoints import split_by_load
+from grpo.rollout.servers import ServerPool, free_port
 from grpo.serve import is_open
 from tests.conftest import ROOT
 from tests.parity import assert_round_trip, sync_round_trip
@@ -215,7 +216,7 @@ def test_episodes_ending_at_turn_one_are_exactly_generate_and_prompts_are_echoed
 def test_a_trajectory_stays_on_its_first_server(server, tiny_lm, token_env):
     """Two pool entries for the one real server, told apart by their own counters: turn 1 splits the
     prompts between them by speed; a later turn sends each trajectory where its first turn went."""
-    from grpo.rollout.auth import load_token
+    from grpo.auth import load_token
     from grpo.rollout.servers import ServerPool, StickyRoutes
 
     _, tok = tiny_lm
@@ -420,7 +421,8 @@ def test_nccl_sender_speaks_vllms_receiver(monkeypatch):
 def test_an_echo_of_other_prompt_ids_of_the_same_length_is_an_error():
     """The echo check compares the ids, not their count: a server that continued [1, 2, 9] for the
     [1, 2, 3] sent (prompt 1 of 2, n = 2: choices 2 and 3) is named; the true echo passes and is counted."""
-    from grpo.rollout.servers import Server, check_echo
+    from grpo.endpoints import Server
+    from grpo.rollout.servers import check_echo
 
     server = Server("http://127.0.0.1:1", None, 1.0)
     prompts = [[7, 7], [1, 2, 3]]
@@ -436,7 +438,8 @@ def test_a_generation_requests_timeout_grows_with_the_work_the_server_holds():
     one engine) with ServerError. The timeout is request_timeout_s plus the completion tokens the server
     holds meanwhile at MIN_TOKENS_PER_S: every request in flight (64 at most per trainer), from every
     trainer rank that sends to it (rollout=remote)."""
-    from grpo.rollout.servers import MIN_TOKENS_PER_S, Server, generation_timeout, in_flight_completions
+    from grpo.endpoints import Server
+    from grpo.rollout.servers import MIN_TOKENS_PER_S, generation_timeout, in_flight_completions
 
     assert MIN_TOKENS_PER_S == 100.0
     assert in_flight_completions([512], 16) == 8192  # unseeded: one request for the server's prompts
@@ -468,7 +471,7 @@ def test_parallel_map_raises_as_soon_as_one_item_fails():
     """REVIEW Part 3 finding 13: the first error is raised when it happens, not after every request in
     flight has returned (a generation can run for minutes); its threads are daemon threads, left to end
     on their own. Items not started by then are never started."""
-    from grpo.rollout.servers import parallel_map
+    from grpo.endpoints import parallel_map
 
     def item(x):
         if x == "fail":

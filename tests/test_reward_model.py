@@ -115,7 +115,7 @@ def test_tiny_rm_scores_correct_sums_above_wrong_ones(tiny_rm):
 
 
 def test_a_run_on_the_rm_score_logs_it_and_loads_the_model_once(make_cfg, tiny_rm, monkeypatch):
-    import grpo.rewards.reward_model as reward_model
+    import grpo.rewards.rm as reward_model  # where build looks load_reward_model up
     from grpo.train import train
 
     loads = []

@@ -19,10 +19,12 @@ import urllib.request
 import pytest
 
 from grpo.errors import ServerError
-from grpo.rewards.reward_model import RewardModel, build, check, load_reward_model
+from grpo.rewards.reward_model import RewardModel, load_reward_model
+from grpo.rewards.rm import build, check
 from grpo.rewards.served_rm import ServedRewardModel
-from grpo.rollout.auth import TOKEN_ENV
-from grpo.rollout.servers import Server, free_port
+from grpo.auth import TOKEN_ENV
+from grpo.endpoints import Server
+from grpo.rollout.servers import free_port
 from grpo.tasks import Sample
 from tests.conftest import ROOT, compose_cfg
 

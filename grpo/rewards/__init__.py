@@ -44,7 +44,7 @@ REWARDS: dict[str, RewardFn] = {
 }
 # name -> module (imported on use) with check(cfg) and build(cfg, device) -> RewardFn
 MODEL_REWARDS: dict[str, str] = {
-    "rm": "grpo.rewards.reward_model",
+    "rm": "grpo.rewards.rm",
     "judge": "grpo.rewards.judge",
 }
 

@@ -35,7 +35,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 from grpo.errors import ConfigError, RewardStop, ServerError
-from grpo.rollout.servers import Server
+from grpo.endpoints import Server
 
 SCORES = ("logprobs", "pattern")
 APIS = ("chat", "completions")
@@ -219,7 +219,7 @@ class Judge:
 
 def check(cfg) -> None:
     """validate's part: reward.judge's settings, with nothing contacted."""
-    from grpo.rollout.auth import read_token_file
+    from grpo.auth import read_token_file
     from grpo.errors import TokenError
 
     jc = cfg.reward.judge
@@ -262,7 +262,7 @@ def check(cfg) -> None:
 
 def build(cfg, device=None) -> Judge:
     """The reward function of `reward.judge`, once its servers answer."""
-    from grpo.rollout.auth import load_token
+    from grpo.auth import load_token
 
     judge = Judge(cfg.reward.judge, load_token(cfg.reward.judge.token_file))
     judge.wait_healthy()

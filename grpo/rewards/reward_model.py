@@ -24,7 +24,6 @@ several processes each keeps its own running statistics (of its share of the bat
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -125,61 +124,3 @@ def load_reward_model(path: str, dtype: str, device="cpu"):
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model.to(device).eval().requires_grad_(False), tokenizer
-
-
-def check(cfg) -> None:
-    """validate's part: reward.rm's settings, with nothing loaded."""
-    from grpo.errors import ConfigError
-    from grpo.models import HUB_ID
-
-    rm = cfg.reward.rm
-    if not rm.path:
-        raise ConfigError("reward `rm` needs reward.rm.path: a local folder or hub id of a sequence-classification "
-                          "model with one label (num_labels=1), or tiny_rm (the addition task's, built in code): e.g. "
-                          "reward.rm.path=tiny_rm. With reward.rm.urls only its tokenizer is loaded here.")
-    if rm.path == TINY_RM:
-        if cfg.task.name != "addition":
-            raise ConfigError(f"reward.rm.path=tiny_rm is trained on the addition task, not task={cfg.task.name}; "
-                              f"give a reward model for this task.")
-        if rm.tiny.steps < 1 or rm.tiny.batch < 1 or rm.tiny.lr <= 0 or rm.tiny.new_layers < 3:
-            raise ConfigError("reward.rm.tiny needs steps >= 1, batch >= 1, lr > 0 and new_layers >= 3 (the digit "
-                              "checks are read from the first two fresh layers' outputs, gathered by the last).")
-    elif not os.path.isdir(os.path.expanduser(rm.path)) and not HUB_ID.match(rm.path):
-        raise ConfigError(f"reward.rm.path={rm.path!r} is neither tiny_rm, an existing local folder, nor a hub id "
-                          f"like 'owner/name'. Fix the path.")
-    if rm.normalise not in NORMALISATIONS:
-        raise ConfigError(f"reward.rm.normalise={rm.normalise!r} is not one of {list(NORMALISATIONS)}.")
-    if rm.normalise == "fixed" and rm.scale == 0:
-        raise ConfigError("reward.rm.normalise=fixed divides by reward.rm.scale: give a scale other than 0.")
-    if rm.max_tokens < 1:
-        raise ConfigError(f"reward.rm.max_tokens={rm.max_tokens} must be >= 1 (padded tokens per forward).")
-    if rm.dtype not in (None, "float32", "bfloat16"):
-        raise ConfigError(f"reward.rm.dtype={rm.dtype!r}: use float32, bfloat16, or null for model.dtype.")
-    if rm.urls:
-        from grpo.rewards.served_rm import check_served
-
-        check_served(rm, cfg.reward.timeout_s)
-
-
-def build(cfg, device="cpu") -> RewardModel:
-    """The reward function of `reward.rm`, its model loaded now (tiny_rm built first if not cached: on
-    each node's local rank 0 while the others wait); with reward.rm.urls only its tokenizer, the servers
-    checked now (served_rm.build_served)."""
-    from grpo.dist import barrier, dist_info
-
-    rm, path = cfg.reward.rm, os.path.expanduser(cfg.reward.rm.path)
-    if rm.path == TINY_RM:
-        from grpo.rewards.tiny_rm import ensure_tiny_rm
-
-        info = dist_info()
-        if info.local_rank == 0:
-            ensure_tiny_rm(cfg, log=print if info.is_main else lambda *_: None)
-        barrier()
-        path = ensure_tiny_rm(cfg)
-    normaliser = ScoreNormaliser(rm.normalise, rm.offset, rm.scale)
-    if rm.urls:
-        from grpo.rewards.served_rm import build_served
-
-        return build_served(rm, load_tokenizer(path), normaliser)
-    model, tokenizer = load_reward_model(path, rm.dtype or cfg.model.dtype, device)
-    return RewardModel(model, tokenizer, rm.max_tokens, normaliser)

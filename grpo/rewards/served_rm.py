@@ -16,7 +16,7 @@
 - At build, every server must answer /health within `reward.rm.health_timeout_s`, then one /classify
   probe: a wrong token (401), a server of a policy (no /classify) or a model with several labels is
   an error then, not None at every step.
-- The token: $GRPO_SERVE_TOKEN or `reward.rm.token_file`, as for rollout.remote (grpo/rollout/auth.py).
+- The token: $GRPO_SERVE_TOKEN or `reward.rm.token_file`, as for rollout.remote (grpo/auth.py).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from urllib.parse import urlparse
 
 from grpo.errors import ConfigError, ServerError, TokenError
 from grpo.rewards.reward_model import RewardModel, ScoreNormaliser
-from grpo.rollout.auth import load_token, read_token_file
-from grpo.rollout.servers import Server, parallel_map, split_by_load
+from grpo.auth import load_token, read_token_file
+from grpo.endpoints import Server, parallel_map, split_by_load
 
 
 def check_url(url: str) -> str | None:

@@ -14,7 +14,7 @@
   through vLLM's /v1/load_lora_adapter, so the servers must see the run folder at the same path (a
   shared file system, as multi-node runs need for checkpoints anyway).
 - Every request carries `Authorization: Bearer <token>` when a token is set ($GRPO_SERVE_TOKEN or
-  rollout.remote.token_file; grpo/rollout/auth.py).
+  rollout.remote.token_file; grpo/auth.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from grpo import dist, lora
 from grpo.errors import ConfigError, ServerError, TokenError
 from grpo.progress import say
-from grpo.rollout.auth import load_token, read_token_file
+from grpo.auth import load_token, read_token_file
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.rollout.servers import TRANSFERS, ServerPool, StickyRoutes, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
 from grpo.weights import WeightBuckets

@@ -30,14 +30,13 @@ import queue
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import Future
 from urllib.parse import urlparse
 
 from grpo import dist, lora
 from grpo.errors import ConfigError, ServerError
-from grpo.progress import WaitProgress, say
+from grpo.endpoints import Server, parallel_map, split_by_load
+from grpo.progress import say
 from grpo.rollout.base import Rollouts, Sampling, sampling_fields
 from grpo.rollout.gloo_transfer import BACKEND as GLOO, GlooSender, update_info
 from grpo.weights import WeightBuckets
@@ -75,35 +74,6 @@ def route_address(host: str, port: int) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect(addr)
         return s.getsockname()[0]
-
-
-REFUSED = {401: "the token is not the server's: give the trainer the token the server was started with "
-                "(GRPO_SERVE_TOKEN, or rollout.remote.token_file)",
-           403: "the server refuses this client"}
-
-
-def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it", log=say, note: str = "", exited=None):
-    """Call `check()` until it returns without raising, or raise the last error after `timeout_s`;
-    every 15 s, `log` says what it is waiting for and for how long (grpo/progress.py; None: silent).
-    A server that answers but refuses us (401, 403) fails at once: waiting cannot change that; so
-    does one whose process is gone (`exited()`: None while it runs, else what it left in its log)."""
-    deadline, last = time.time() + timeout_s, None
-    progress = WaitProgress(f"{what} to answer /health", timeout_s, log, note=note)
-    while True:
-        if exited is not None and (gone := exited()):
-            raise ServerError(f"{what} exited before it became healthy: {gone}")
-        try:
-            return check()
-        except ServerError as e:
-            if e.status in REFUSED:
-                raise ServerError(f"{what} is up but refused the request: {e} ({REFUSED[e.status]}).", e.status) from e
-            last = e
-        except OSError as e:
-            last = e
-        if time.time() >= deadline:
-            raise ServerError(f"{what} did not become healthy in time: {last}")
-        progress()
-        time.sleep(poll_s)
 
 
 class DaemonWorker:
@@ -144,45 +114,6 @@ class DaemonWorker:
         self.queue.put(None)
 
 
-def parallel_map(fn, items, workers: int | None = None) -> list:
-    """`[fn(x) for x in items]` on up to `workers` daemon threads (all by default), results in order.
-    The first error is raised as soon as it happens, not once every item in flight has returned (a
-    generation request can run for minutes); items not started by then never start, and those in
-    flight finish on their own. Daemon threads, so an HTTP request in flight never holds the
-    process's exit (see DaemonWorker)."""
-    items = list(items)
-    results, errors, todo = [None] * len(items), [], iter(range(len(items)))
-    changed = threading.Condition()
-    workers = min(workers or len(items), len(items))
-    running = [workers]
-
-    def work() -> None:
-        try:
-            while True:
-                with changed:
-                    i = None if errors else next(todo, None)
-                if i is None:
-                    return
-                try:
-                    results[i] = fn(items[i])
-                except BaseException as e:  # noqa: BLE001 - raised in the caller
-                    with changed:
-                        errors.append(e)
-                    return
-        finally:
-            with changed:
-                running[0] -= 1
-                changed.notify_all()
-
-    for _ in range(workers):
-        threading.Thread(target=work, daemon=True, name="grpo-request").start()
-    with changed:
-        changed.wait_for(lambda: errors or not running[0])
-        if errors:
-            raise errors[0]
-    return results
-
-
 def free_port(host: str = "") -> int:
     """A port free now; another process may take it before it is bound again (prefer reserve_port)."""
     with socket.socket() as s:
@@ -199,17 +130,6 @@ def reserve_port(host: str = "") -> socket.socket:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind((host, 0))
     return s
-
-
-def split_by_load(num_prompts: int, speeds: list[float]) -> list[tuple[int, int]]:
-    """Contiguous [start, end) prompt ranges, sized in proportion to each server's speed."""
-    total = sum(speeds)
-    bounds, acc = [0], 0.0
-    for s in speeds[:-1]:
-        acc += s
-        bounds.append(round(num_prompts * acc / total))
-    bounds.append(num_prompts)
-    return list(zip(bounds[:-1], bounds[1:]))
 
 
 MAX_REQUESTS_IN_FLIGHT = 64  # per server: concurrent /v1/completions requests of one batch
@@ -249,49 +169,6 @@ def prompt_requests(indices: list[int], seed: int | None, n: int) -> list[tuple[
 def adapter_name(version: int) -> str:
     """The name a LoRA adapter version is loaded and asked for under."""
     return f"policy-v{version}"
-
-
-class Server:
-    def __init__(self, url: str, token: str | None, timeout_s: float):
-        self.url, self.token, self.timeout_s = url.rstrip("/"), token, timeout_s
-        self.adapter = None  # with LoRA: the adapter's name, asked for as the model
-        self.speed = 1.0  # completion tokens per second, an EMA over batches (equal until measured)
-        self.batches = 0
-        self.model = None
-        self.max_model_len = None  # as the server reports it (/v1/models)
-        self.prompt_checks = 0  # choices whose echoed prompt ids were compared with the ids sent
-
-    def request(self, path: str, body: dict | None = None, timeout: float | None = None, text: bool = False):
-        """POST `body` (GET without one) and return the JSON answer, or the plain text with text=True
-        (vLLM's adapter routes answer in words)."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method="GET" if body is None else "POST")
-        req.add_header("Content-Type", "application/json")
-        if self.token:
-            req.add_header("Authorization", f"Bearer {self.token}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as r:
-                raw = r.read()
-        except urllib.error.HTTPError as e:
-            raise ServerError(f"{self.url}{path} answered {e.code}: {e.read()[:500].decode(errors='replace')}", e.code) from e
-        except (urllib.error.URLError, OSError) as e:
-            raise ServerError(f"{self.url}{path} is unreachable ({e}); is `python -m grpo.serve` running there?") from e
-        if text:
-            return raw.decode(errors="replace")
-        return json.loads(raw) if raw else {}
-
-    def wait_healthy(self, deadline: float, log=say, note: str = "", exited=None, kind: str = "rollout server") -> None:
-        def ready():
-            self.request("/health", timeout=5)
-            card = self.request("/v1/models")["data"][0]
-            self.model, self.max_model_len = card["id"], card.get("max_model_len")
-
-        wait_until(ready, deadline - time.time(), what=f"{kind} {self.url}", log=log, note=note, exited=exited)
-
-    def world_size(self) -> int:
-        """The server's own engine world (tensor x pipeline x data parallel): the ranks its transfer
-        group needs beside the trainer's (vLLM's RL route /get_world_size, mounted with the others)."""
-        return int(self.request("/get_world_size")["world_size"])
 
 
 class StickyRoutes:

@@ -1,0 +1,138 @@
+"""HTTP endpoints by URL, shared by the rollout servers (grpo/rollout/servers.py) and the rewards that
+run on servers (a served reward model, a judge): one client per server (`Server`: JSON requests with
+the token, errors that name the server and its answer), health waits, the load split and a parallel
+map whose first error is raised at once. It knows nothing of rollouts or rewards.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from grpo.errors import ServerError
+from grpo.progress import WaitProgress, say
+
+
+REFUSED = {401: "the token is not the server's: give the trainer the token the server was started with "
+                "(GRPO_SERVE_TOKEN, or rollout.remote.token_file)",
+           403: "the server refuses this client"}
+
+
+def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it", log=say, note: str = "", exited=None):
+    """Call `check()` until it returns without raising, or raise the last error after `timeout_s`;
+    every 15 s, `log` says what it is waiting for and for how long (grpo/progress.py; None: silent).
+    A server that answers but refuses us (401, 403) fails at once: waiting cannot change that; so
+    does one whose process is gone (`exited()`: None while it runs, else what it left in its log)."""
+    deadline, last = time.time() + timeout_s, None
+    progress = WaitProgress(f"{what} to answer /health", timeout_s, log, note=note)
+    while True:
+        if exited is not None and (gone := exited()):
+            raise ServerError(f"{what} exited before it became healthy: {gone}")
+        try:
+            return check()
+        except ServerError as e:
+            if e.status in REFUSED:
+                raise ServerError(f"{what} is up but refused the request: {e} ({REFUSED[e.status]}).", e.status) from e
+            last = e
+        except OSError as e:
+            last = e
+        if time.time() >= deadline:
+            raise ServerError(f"{what} did not become healthy in time: {last}")
+        progress()
+        time.sleep(poll_s)
+
+
+def parallel_map(fn, items, workers: int | None = None) -> list:
+    """`[fn(x) for x in items]` on up to `workers` daemon threads (all by default), results in order.
+    The first error is raised as soon as it happens, not once every item in flight has returned (a
+    generation request can run for minutes); items not started by then never start, and those in
+    flight finish on their own. Daemon threads, so an HTTP request in flight never holds the
+    process's exit (see DaemonWorker)."""
+    items = list(items)
+    results, errors, todo = [None] * len(items), [], iter(range(len(items)))
+    changed = threading.Condition()
+    workers = min(workers or len(items), len(items))
+    running = [workers]
+
+    def work() -> None:
+        try:
+            while True:
+                with changed:
+                    i = None if errors else next(todo, None)
+                if i is None:
+                    return
+                try:
+                    results[i] = fn(items[i])
+                except BaseException as e:  # noqa: BLE001 - raised in the caller
+                    with changed:
+                        errors.append(e)
+                    return
+        finally:
+            with changed:
+                running[0] -= 1
+                changed.notify_all()
+
+    for _ in range(workers):
+        threading.Thread(target=work, daemon=True, name="grpo-request").start()
+    with changed:
+        changed.wait_for(lambda: errors or not running[0])
+        if errors:
+            raise errors[0]
+    return results
+
+
+def split_by_load(num_prompts: int, speeds: list[float]) -> list[tuple[int, int]]:
+    """Contiguous [start, end) prompt ranges, sized in proportion to each server's speed."""
+    total = sum(speeds)
+    bounds, acc = [0], 0.0
+    for s in speeds[:-1]:
+        acc += s
+        bounds.append(round(num_prompts * acc / total))
+    bounds.append(num_prompts)
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+class Server:
+    def __init__(self, url: str, token: str | None, timeout_s: float):
+        self.url, self.token, self.timeout_s = url.rstrip("/"), token, timeout_s
+        self.adapter = None  # with LoRA: the adapter's name, asked for as the model
+        self.speed = 1.0  # completion tokens per second, an EMA over batches (equal until measured)
+        self.batches = 0
+        self.model = None
+        self.max_model_len = None  # as the server reports it (/v1/models)
+        self.prompt_checks = 0  # choices whose echoed prompt ids were compared with the ids sent
+
+    def request(self, path: str, body: dict | None = None, timeout: float | None = None, text: bool = False):
+        """POST `body` (GET without one) and return the JSON answer, or the plain text with text=True
+        (vLLM's adapter routes answer in words)."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method="GET" if body is None else "POST")
+        req.add_header("Content-Type", "application/json")
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as e:
+            raise ServerError(f"{self.url}{path} answered {e.code}: {e.read()[:500].decode(errors='replace')}", e.code) from e
+        except (urllib.error.URLError, OSError) as e:
+            raise ServerError(f"{self.url}{path} is unreachable ({e}); is `python -m grpo.serve` running there?") from e
+        if text:
+            return raw.decode(errors="replace")
+        return json.loads(raw) if raw else {}
+
+    def wait_healthy(self, deadline: float, log=say, note: str = "", exited=None, kind: str = "rollout server") -> None:
+        def ready():
+            self.request("/health", timeout=5)
+            card = self.request("/v1/models")["data"][0]
+            self.model, self.max_model_len = card["id"], card.get("max_model_len")
+
+        wait_until(ready, deadline - time.time(), what=f"{kind} {self.url}", log=log, note=note, exited=exited)
+
+    def world_size(self) -> int:
+        """The server's own engine world (tensor x pipeline x data parallel): the ranks its transfer
+        group needs beside the trainer's (vLLM's RL route /get_world_size, mounted with the others)."""
+        return int(self.request("/get_world_size")["world_size"])
