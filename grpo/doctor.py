@@ -8,10 +8,13 @@ fix for each failure, and a non-zero exit on any. The same checks run on a CPU m
                 sync the engine's logprobs of the sampled tokens must match the trainer's, within
                 grpo.guards.parity_bound (fp32: 1e-3 on CPU, 2e-2 on CUDA, where vLLM's attention is TF32)
   weight sync   seconds per sync into a `grpo.serve` server, per bucket size
+  judge         with --judge: a configured judge (reward=judge) answers a right and a wrong answer
+                with scores, and how long it took (token from $GRPO_SERVE_TOKEN or reward.judge.token_file)
   (peak memory of each run is in its row)
 
     python -m grpo.doctor                      # everything
     python -m grpo.doctor --only versions,device,all-reduce,hf
+    python -m grpo.doctor --only judge --judge reward.judge.urls=[http://j1:8000] reward.judge.rating=[1,10]
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from grpo.progress import WaitProgress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKENDS = ("hf", "colocated", "dedicated", "remote")
-CHECKS = ("versions", "device", "all-reduce", *BACKENDS, "weight-sync")
+CHECKS = ("versions", "device", "all-reduce", *BACKENDS, "weight-sync", "judge")
 TWO_STEPS = ["steps=2", "algo.batch_size=16", "algo.group_size=4", "algo.warmup_steps=0", "eval_every=0",
              "task.eval_size=16", "logger.log_every=1", "logger.sample_every=0", "checkpoint_every=0",
              "rollout.vllm.max_model_len=128"]
@@ -248,7 +251,35 @@ def check_weight_sync(url: str, token: str, bucket_mbs: list[float], transfer: s
     return Result("weight-sync", True, f"{mb:.1f} MB model: " + ", ".join(times))
 
 
-def run_checks(only: list[str], work: str) -> list[Result]:
+def check_judge(overrides: list[str]) -> Result:
+    """The judge the overrides configure (on top of reward=judge and the addition task), asked about a
+    right and a wrong answer to one prompt: both must be scored. The detail gives both scores (a judge
+    that scores them alike tells nothing apart) and the seconds each took."""
+    from grpo.config import compose_config, validate
+    from grpo.rewards.judge import build
+    from grpo.tasks import build_task
+
+    cfg = compose_config(["task=addition", "reward=judge", *overrides, "run_dir=unused"])
+    validate(cfg)
+    sample = build_task(cfg.task).eval[0]
+    wrong = str(int(sample.answer) + 1).zfill(len(sample.answer))
+    judge = build(cfg)
+    judge.jc.min_scored = 0  # a judge that cannot score is this check's FAIL, not an exception
+    seconds, scores = [], []
+    for answer in (sample.answer, wrong):
+        t0 = time.perf_counter()
+        scores += judge([answer], [sample])
+        seconds.append(time.perf_counter() - t0)
+    said = [f"{v:.3f}" if v is not None else "nothing" for v in scores]
+    detail = (f"{judge.model} at {', '.join(cfg.reward.judge.urls)}: {sample.prompt}{sample.answer} scored {said[0]}, "
+              f"{sample.prompt}{wrong} scored {said[1]} ({seconds[0]:.2f} s, {seconds[1]:.2f} s)")
+    if None in scores:
+        return Result("judge", False, detail, "the judge answered without a score: check reward.judge.score, choices "
+                      "or pattern, and the template (python -m grpo.doctor --only judge shows the warning above)")
+    return Result("judge", True, detail)
+
+
+def run_checks(only: list[str], work: str, judge: list[str] | None = None) -> list[Result]:
     import secrets
 
     results: list[Result] = []
@@ -293,6 +324,8 @@ def run_checks(only: list[str], work: str) -> list[Result]:
                     guarded("weight-sync", lambda: check_weight_sync(url, token, [0.25, 1.0, 64.0], transfer))
             finally:
                 stop_server(server)
+    if "judge" in only and judge is not None:
+        guarded("judge", lambda: check_judge(judge))
     return results
 
 
@@ -310,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
     p.add_argument("--keep", action="store_true", help="keep the run folders (printed)")
+    p.add_argument("--judge", nargs="+", metavar="OVERRIDE", help="check the judge these config overrides configure "
+                   "(reward.judge.urls=[...] and any other reward.judge.* key); the `judge` check runs only with it")
     p.add_argument("--allreduce-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.allreduce_worker:
@@ -319,9 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(only) - set(CHECKS))
     if unknown:
         p.error(f"unknown check(s) {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
+    if only == ["judge"] and not args.judge:
+        p.error("--only judge checks the judge --judge configures: add --judge reward.judge.urls=[http://host:port] ...")
     work = tempfile.mkdtemp(prefix="grpo-doctor-")
     try:
-        results = run_checks(only, work)
+        results = run_checks(only, work, args.judge)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -211,6 +211,19 @@ def test_a_wrong_token_stops_at_once(server):
     assert time.monotonic() - t0 < 10  # no retries
 
 
+def test_doctor_checks_a_configured_judge(server, monkeypatch):
+    """`grpo.doctor --judge ...`: the live judge scores a right and a wrong answer (PASS, both scores in
+    the row); a judge nothing answers at is a FAIL row naming it."""
+    from grpo.doctor import check_judge, main
+
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    common = ["reward.judge.api=completions", f"reward.judge.template='{TEMPLATE}'", "reward.judge.rating=[0,9]"]
+    result = check_judge([f"reward.judge.urls=[{server['url']}]", *common])
+    assert result.ok and re.search(r"13\+54=067 scored \d\.\d{3}, 13\+54=068 scored \d\.\d{3}", result.detail), result.detail
+    dead = f"http://127.0.0.1:{free_port()}"
+    assert main(["--only", "judge", "--judge", f"reward.judge.urls=[{dead}]", "reward.judge.health_timeout_s=2", *common]) == 1
+
+
 def test_a_run_on_the_judge_logs_it_and_stops_when_the_judge_dies(server, tmp_path, cache_dir):
     """3 steps scored by the judge (its metrics and the eval's agreement logged), then the server is
     killed: the next step's completions are unscored with a warning and the run stops with the
@@ -240,3 +253,4 @@ def test_a_run_on_the_judge_logs_it_and_stops_when_the_judge_dies(server, tmp_pa
     assert proc.returncode != 0, out[-3000:]
     assert "requests failed after 1 retries" in out, out[-3000:]
     assert re.search(r"error: reward `judge` scored 0 of \d+ completions, below reward.judge.min_scored=0.5", out), out[-3000:]
+
