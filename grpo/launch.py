@@ -3,8 +3,9 @@ SLURM, submitted through submitit.
 
 Launch keys, defaulting to conf/hydra/launcher/slurm.yaml (the file sweeps use):
   nodes, tasks_per_node, gpus_per_node, cpus_per_task, mem_gb, partition, time (minutes), account,
-  qos, constraint; for rollout=remote also servers (server nodes) and server_gpus; wait=true blocks
-  until the job ends and prints its summary.
+  qos, constraint; for rollout=remote also servers (server nodes) and server_gpus; for reward=judge
+  also judges (judge nodes), judge_model and judge_gpus; wait=true blocks until the job ends and
+  prints its summary.
 Every other argument is a `grpo.train` override.
 
 Before submitting, the train config is composed and validated for nodes x tasks_per_node processes,
@@ -27,6 +28,11 @@ Topologies:
     for the S URLs, then for every server's health check (rollout.remote.health_timeout_s), with a
     fresh random token guarding the weight routes (in <run_dir>/servers/token, mode 600, read by
     both jobs), and cancels the servers when training ends.
+  - judges (reward=judge): judges=J judge_model=M submits another companion job: J nodes, each running
+    one `grpo.serve --model M` (`JudgeJob`; tensor parallel over the node's judge_gpus, or on CPU),
+    writing its URL into <run_dir>/judges/. The trainer waits for the J URLs and trains with
+    reward.judge.urls set to them and reward.judge.token_file to the same token file; the judges are
+    cancelled with the servers. Any configuration can take judges: they only score.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ LAUNCH_KEYS = {  # key on the command line -> field of conf/hydra/launcher/slurm
     "cpus_per_task": "cpus_per_task", "mem_gb": "mem_gb", "partition": "partition", "time": "timeout_min",
     "account": "account", "qos": "qos", "constraint": "constraint",
 }
-OWN_KEYS = {"servers": 0, "server_gpus": 0, "wait": False}
+OWN_KEYS = {"servers": 0, "server_gpus": 0, "judges": 0, "judge_gpus": 0, "judge_model": None, "wait": False}
 
 
 def parse_args(argv: list[str]) -> tuple[list[str], dict, list[str]]:
@@ -66,7 +72,8 @@ def parse_args(argv: list[str]) -> tuple[list[str], dict, list[str]]:
         if eq and key in LAUNCH_KEYS:
             launcher.append(f"hydra.launcher.{LAUNCH_KEYS[key]}={value}")
         elif eq and key in OWN_KEYS:
-            own[key] = value.lower() in ("1", "true", "yes") if key == "wait" else int(value)
+            own[key] = (value.lower() in ("1", "true", "yes") if key == "wait" else value if key == "judge_model"
+                        else int(value))
         else:
             train.append(arg)
     return launcher, own, train
@@ -81,31 +88,43 @@ class TrainJob:
     num_servers: int = 0
     server_job: str | None = None
     server_wait_s: float = 1800.0
+    num_judges: int = 0
+    judge_job: str | None = None
 
     def __call__(self) -> dict:
         from grpo.train import train
 
         overrides = [*self.overrides, f"run_dir={self.run_dir}"]
-        if self.num_servers:
-            overrides.append(f"rollout.remote.urls=[{','.join(wait_for_servers(self.run_dir, self.num_servers, self.server_wait_s))}]")
         try:
+            if self.num_servers:
+                urls = wait_for_urls(servers_dir(self.run_dir), self.num_servers, self.server_wait_s, "rollout server", self.run_dir)
+                overrides.append(f"rollout.remote.urls=[{','.join(urls)}]")
+            if self.num_judges:
+                urls = wait_for_urls(judges_dir(self.run_dir), self.num_judges, self.server_wait_s, "judge server", self.run_dir)
+                overrides.append(f"reward.judge.urls=[{','.join(urls)}]")
             return train(compose_config(overrides))
         finally:  # every way out: an error, scancel or preemption (SystemExit), the watchdog (KeyboardInterrupt)
             self.cancel_servers()
 
     def cancel_servers(self, grace_s: float = 60) -> None:
         """SIGINT first, as Ctrl-C would (vLLM then shuts its engine down and frees its shared
-        memory); a plain scancel only for a server still there after `grace_s`."""
-        if self.server_job and os.environ.get("SLURM_PROCID", "0") == "0":
-            subprocess.run(["scancel", "--signal=INT", self.server_job], check=False)
+        memory); a plain scancel only for a server still there after `grace_s`. Rollout servers and
+        judges alike."""
+        jobs = [j for j in (self.server_job, self.judge_job) if j]
+        if jobs and os.environ.get("SLURM_PROCID", "0") == "0":
+            subprocess.run(["scancel", "--signal=INT", *jobs], check=False)
             deadline = time.time() + grace_s
-            while time.time() < deadline and job_listed(self.server_job):
+            while time.time() < deadline and any(job_listed(j) for j in jobs):
                 time.sleep(1)
-            subprocess.run(["scancel", self.server_job], check=False)
+            subprocess.run(["scancel", *jobs], check=False)
 
 
 def servers_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "servers")
+
+
+def judges_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "judges")
 
 
 def write_token_file(run_dir: str, token: str) -> str:
@@ -121,19 +140,20 @@ def write_token_file(run_dir: str, token: str) -> str:
     return path
 
 
-def wait_for_servers(run_dir: str, count: int, timeout_s: float) -> list[str]:
-    """The URLs the companion job's servers wrote, once all `count` of them have."""
+def wait_for_urls(folder: str, count: int, timeout_s: float, what: str, run_dir: str) -> list[str]:
+    """The URLs a companion job's servers (`what`: rollout or judge servers) wrote into `folder`, once
+    all `count` of them have."""
     deadline = time.time() + timeout_s
-    progress = WaitProgress(f"{count} rollout server(s) to write their URL into {servers_dir(run_dir)}", timeout_s,
+    progress = WaitProgress(f"{count} {what}(s) to write their URL into {folder}", timeout_s,
                             note=f"server job log under {run_dir}/slurm/")
     while True:
-        urls = sorted(Path(p).read_text().strip() for p in glob.glob(os.path.join(servers_dir(run_dir), "*.url")))
+        urls = sorted(Path(p).read_text().strip() for p in glob.glob(os.path.join(folder, "*.url")))
         if len(urls) >= count:
             return urls[:count]
         progress()
         if time.time() > deadline:
-            raise RuntimeError(f"only {len(urls)} of {count} rollout servers wrote their URL into {servers_dir(run_dir)} "
-                               f"within {timeout_s:.0f} s; is the server job running (squeue)? Its log is under {run_dir}/slurm/.")
+            raise RuntimeError(f"only {len(urls)} of {count} {what}s wrote their URL into {folder} within {timeout_s:.0f} s; "
+                               f"is the server job running (squeue)? Its log is under {run_dir}/slurm/.")
         time.sleep(2)
 
 
@@ -187,6 +207,23 @@ class ServeJob:
                "--tensor-parallel-size", str(tp), "--weight-transfer", cfg.rollout.vllm.weight_transfer, *self.extra_args])
 
 
+@dataclass
+class JudgeJob:
+    """One judge server per node of the judge job: `grpo.serve --model <judge_model>` on a free port,
+    tensor parallel over the node's judge GPUs, its URL written into <run_dir>/judges/."""
+
+    model: str
+    run_dir: str
+    gpus: int = 0
+    extra_args: list[str] = field(default_factory=list)
+
+    def __call__(self) -> None:
+        from grpo.serve import main as serve, resolve_model
+
+        serve(["--model", resolve_model(self.model), "--host", "0.0.0.0", "--port", "0", "--url-dir", judges_dir(self.run_dir),
+               "--tensor-parallel-size", str(self.gpus or 1), *self.extra_args])
+
+
 def executor_for(folder: str, launcher, name: str, **changes):
     """A submitit SLURM executor with conf/hydra/launcher/slurm.yaml's values (and `changes`)."""
     import submitit
@@ -227,6 +264,15 @@ def launch(argv: list[str]) -> str:
     train_overrides = [o for o in train_overrides if not o.startswith("run_dir=")]
 
     world = int(launcher.nodes) * int(launcher.tasks_per_node)
+    if own["judges"]:
+        if "judge" not in [f.name for f in cfg.reward.funcs]:
+            raise ConfigError(f"judges={own['judges']} starts judge servers for reward `judge`; add reward=judge (or a "
+                              f"`judge` entry in reward.funcs).")
+        if not own["judge_model"]:
+            raise ConfigError("judges=N needs judge_model=M: the judge's folder, hub id or packaged name (smollm2-135m).")
+        cfg.reward.judge.urls = ["http://found-when-the-job-starts:0"]
+    elif own["judge_model"] or own["judge_gpus"]:
+        raise ConfigError("judge_model and judge_gpus go with judges=N (the judge nodes to start).")
     if own["servers"]:
         if cfg.rollout.backend != "remote":
             raise ConfigError(f"servers={own['servers']} starts rollout servers for rollout=remote; add rollout=remote.")
@@ -238,20 +284,31 @@ def launch(argv: list[str]) -> str:
         server_launcher = OmegaConf.merge(launcher, {"nodes": own["servers"], "tasks_per_node": per_node,
                                                      "gpus_per_node": own["server_gpus"] or None})
         check_request(request_from(server_launcher))
+    if own["judges"]:
+        check_request(request_from(OmegaConf.merge(launcher, {"nodes": own["judges"], "tasks_per_node": 1,
+                                                              "gpus_per_node": own["judge_gpus"] or None})))
 
     os.makedirs(run_dir, exist_ok=True)
     folder = os.path.join(run_dir, "slurm", "%j")
-    server_job = None
-    if own["servers"]:
-        for old in glob.glob(os.path.join(servers_dir(run_dir), "*.url")):  # from an earlier launch into this folder
-            os.remove(old)
+    server_job = judge_job = None
+    if own["servers"] or own["judges"]:
+        for old in glob.glob(os.path.join(servers_dir(run_dir), "*.url")) + glob.glob(os.path.join(judges_dir(run_dir), "*.url")):
+            os.remove(old)  # from an earlier launch into this folder
         token_file = write_token_file(run_dir, os.environ.get("GRPO_SERVE_TOKEN") or secrets.token_hex(16))
+    if own["judges"]:
+        ex = executor_for(folder, launcher, "grpo-judge", nodes=own["judges"], tasks_per_node=1,
+                          gpus_per_node=own["judge_gpus"] or None)
+        judge_job = ex.submit(JudgeJob(own["judge_model"], run_dir, own["judge_gpus"], ["--token-file", token_file])).job_id
+        train_overrides = [*train_overrides, f"reward.judge.token_file={token_file}"]
+        print(f"submitted judge servers: job {judge_job} ({own['judges']} node(s) of {own['judge_model']})")
+    if own["servers"]:
         ex = executor_for(folder, launcher, "grpo-serve", nodes=own["servers"], tasks_per_node=per_node,
                           gpus_per_node=own["server_gpus"] or None)
         server_job = ex.submit(ServeJob(train_overrides, run_dir, ["--token-file", token_file])).job_id
         train_overrides = [*train_overrides, f"rollout.remote.token_file={token_file}"]
         print(f"submitted rollout servers: job {server_job} ({own['servers']} node(s) x {per_node} server(s))")
-    job = executor_for(folder, launcher, "grpo").submit(TrainJob(train_overrides, run_dir, own["servers"] * per_node, server_job))
+    job = executor_for(folder, launcher, "grpo").submit(TrainJob(train_overrides, run_dir, own["servers"] * per_node, server_job,
+                                                                 num_judges=own["judges"], judge_job=judge_job))
     print(f"submitted training: job {job.job_id}, {launcher.nodes} node(s) x {launcher.tasks_per_node} task(s)\n"
           f"  run folder {run_dir}\n  logs {run_dir}/slurm/{job.job_id}/\n  squeue -j {job.job_id}; scancel {job.job_id}")
     if own["wait"]:

@@ -4,6 +4,7 @@ before anything is submitted. The same errors against the real cluster are in te
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ NODES = [Node(f"gpu{i}", "gpu", 64, 512_000, 8, False) for i in range(4)] + [Nod
 def test_launch_keys_are_split_from_train_overrides():
     launcher, own, train = parse_args(["nodes=4", "time=30", "servers=2", "wait=true", "algo.lr=1e-3", "-m"])
     assert launcher == ["hydra.launcher.nodes=4", "hydra.launcher.timeout_min=30"]
-    assert own == {"servers": 2, "server_gpus": 0, "wait": True}
+    assert own == {"servers": 2, "server_gpus": 0, "judges": 0, "judge_gpus": 0, "judge_model": None, "wait": True}
     assert train == ["algo.lr=1e-3", "-m"]
 
 
@@ -82,6 +83,42 @@ def test_train_config_is_validated_for_the_whole_job():
 
     with pytest.raises(ConfigError, match="2 processes were launched but parallel=single"):
         launch(["nodes=1", "tasks_per_node=2", "run_dir=/nonexistent/never-made"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["judges=1", "judge_model=smollm2-135m"], "judges=1 starts judge servers for reward `judge`; add reward=judge"),
+    (["judges=1", "reward=judge"], "judges=N needs judge_model=M"),
+    (["judge_model=smollm2-135m"], "judge_model and judge_gpus go with judges=N"),
+])
+def test_judges_are_checked_before_anything_is_submitted(args, message):
+    from grpo.launch import launch
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        launch(["nodes=1", *args, "run_dir=/nonexistent/never-made"])
+
+
+def test_the_trainer_waits_for_its_judges_urls_and_cancels_them_with_the_servers(tmp_path, monkeypatch):
+    """The judge job's URL, written into <run_dir>/judges/, becomes reward.judge.urls of the training
+    config; both companion jobs are cancelled when training ends. `scancel` and `squeue` are stand-ins
+    on PATH that record their arguments (no SLURM here)."""
+    import grpo.train
+    from grpo.launch import TrainJob, judges_dir
+
+    calls = tmp_path / "calls"
+    for tool in ("scancel", "squeue"):
+        script = tmp_path / tool
+        script.write_text(f"#!/bin/sh\necho {tool} \"$@\" >> {calls}\n")
+        script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    run_dir = tmp_path / "run"
+    os.makedirs(judges_dir(str(run_dir)))
+    (run_dir / "judges" / "n2-8100.url").write_text("http://n2:8100\n")
+    seen = []
+    monkeypatch.setattr(grpo.train, "train", lambda cfg: seen.append(list(cfg.reward.judge.urls)) or {"ok": 1})
+    job = TrainJob(["reward=judge"], str(run_dir), server_job="11", num_judges=1, judge_job="12", server_wait_s=5)
+    assert job() == {"ok": 1} and seen == [["http://n2:8100"]]
+    assert "scancel --signal=INT 11 12" in calls.read_text()
 
 
 def test_serve_and_launch_resolve_model_names_as_the_trainer_does(cache_dir, monkeypatch):

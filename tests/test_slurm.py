@@ -388,6 +388,23 @@ def test_train_remote_sbatch_starts_a_server_and_trains_against_it(tmp_path, slu
     assert shm_files() - shm_before == set(), "the server was killed, not shut down: its shared memory leaked"
 
 
+def test_train_remote_sbatch_starts_a_judge_beside_the_server(tmp_path, slurm_env, model_cache):
+    """JUDGES=1 JUDGE_MODEL=tiny: on one node the judge shares it with the server and the trainer; the
+    trainer is scored by the judge every step, through the job's token, and both servers shut down."""
+    run_dir = tmp_path / "run"
+    shm_before = shm_files()
+    log = sbatch("train_remote.sbatch", run_dir, slurm_env, "reward=judge", "reward.judge.api=completions",
+                 "reward.judge.rating=[0,9]", "reward.judge.template='{prompt}{completion}?'",
+                 extra_env={"GRPO_CACHE": model_cache, "JUDGES": "1", "JUDGE_MODEL": "tiny"})
+    assert (run_dir / "summary.json").exists(), log[-4000:]
+    judges = [p.read_text().strip() for p in (run_dir / "judges").glob("*.url")]
+    config = (run_dir / "config.yaml").read_text()
+    assert len(judges) == 1 and judges[0] in config and "backend: remote" in config
+    steps = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if '"reward/judge"' in line]
+    assert [r["step"] for r in steps] == [1, 2, 3] and all(r["judge/failed"] == 0 for r in steps)
+    assert shm_files() - shm_before == set(), "a server was killed, not shut down: its shared memory leaked"
+
+
 def test_launch_with_servers_runs_a_companion_server_job(tmp_path, slurm_env, model_cache, cluster):
     """servers=1: the server job takes one whole node, the trainer the other; the trainer finds the
     server's URL (its node's name) in the run folder and its token in a file only the owner reads."""
@@ -409,6 +426,31 @@ def test_launch_with_servers_runs_a_companion_server_job(tmp_path, slurm_env, mo
     assert steps_logged(run_dir) == [0, 1, 2, 3, 3]
     wait_gone(server_job, slurm_env, timeout=60)  # the trainer cancelled its servers at the end
     assert shm_files() - shm_before == set(), "the server was killed, not shut down: its shared memory leaked"
+
+
+def test_launch_with_judges_runs_a_companion_judge_job(tmp_path, slurm_env, model_cache, cluster):
+    """judges=1 judge_model=tiny reward=judge: the judge job takes one whole node, the trainer (rollout=hf)
+    the other; the trainer finds the judge's URL in <run_dir>/judges/ and its token in the run's token
+    file, is scored by it every step, and cancels it at the end."""
+    run_dir = tmp_path / "run"
+    out = run([sys.executable, "-m", "grpo.launch", "nodes=1", "judges=1", "judge_model=tiny", f"cpus_per_task={cluster[1]}",
+               "wait=true", "reward=judge", "reward.judge.api=completions", "reward.judge.rating=[0,9]",
+               "reward.judge.template='{prompt}{completion}?'", *FAST, f"model.cache_dir={model_cache}", f"run_dir={run_dir}"],
+              {**slurm_env, "GRPO_CACHE": model_cache})
+    assert (run_dir / "summary.json").exists(), out.stdout[-3000:] + out.stderr[-3000:]
+    judge_job = out.stdout.split("submitted judge servers: job ")[1].split(" ")[0]
+    urls = [p.read_text().strip() for p in (run_dir / "judges").glob("*.url")]
+    config = (run_dir / "config.yaml").read_text()
+    assert len(urls) == 1 and urls[0] in config  # found, not configured
+    trainer_node = json.load(open(run_dir / "summary.json"))["nodes"][0]
+    judge_node = urls[0].split("//")[1].split(":")[0]
+    assert {judge_node, trainer_node} == set(cluster[0][:2]), (judge_node, trainer_node)  # one node each
+    token_file = run_dir / "servers" / "token"
+    assert oct(token_file.stat().st_mode & 0o777) == "0o600" and f"token_file: {token_file}" in config
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    steps = [r for r in rows if "reward/judge" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3] and all(r["judge/failed"] == 0 and r["judge/requests"] >= 1 for r in steps)
+    wait_gone(judge_job, slurm_env, timeout=60)  # the trainer cancelled its judge at the end
 
 
 def test_dedicated_engines_one_per_node_each_serving_its_own_node(tmp_path, slurm_env, model_cache, cluster):
