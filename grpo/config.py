@@ -155,7 +155,7 @@ class JudgeConfig:
     retries: int = 2  # a failed request is sent again, to another server when there is one
     min_scored: float = 0.5  # fewer of a batch scored than this fraction stops the run
     batch_timeout_s: float = 600.0  # one batch's bound (instead of reward.timeout_s)
-    health_timeout_s: float = 120.0  # at start: every server answers /health by then
+    health_timeout_s: float = 300.0  # at start: every server answers /health by then
 
 
 @dataclass

@@ -113,6 +113,7 @@ def test_schemas_are_not_options_of_their_groups():
 
 
 EXPERIMENTS = [  # update when adding an experiment: the count guards against silently skipped files
+    "addition_smollm2_judge",
     "addition_tiny",
     "addition_tiny_colocated",
     "addition_tiny_rm",
@@ -128,7 +129,7 @@ EXPERIMENTS = [  # update when adding an experiment: the count guards against si
 
 def test_experiments_are_all_counted():
     assert sorted(p.stem for p in (ROOT / "experiments").glob("*.yaml")) == EXPERIMENTS
-    assert len(EXPERIMENTS) == 10
+    assert len(EXPERIMENTS) == 11
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

@@ -15,6 +15,7 @@ CPU_EXPERIMENTS = {  # name -> pytest marks: the SmolLM2 ones convert a 135M mod
     "addition_tiny": [],
     "addition_tiny_colocated": [],
     "addition_tiny_rm": [pytest.mark.slow],  # builds the full tiny RM (~2 min); the default tier runs it in test_reward_model.py
+    "addition_smollm2_judge": [pytest.mark.slow],  # its judge server (SmolLM2-135M) is started below
     "guess_tiny": [],
     "smollm2_arithmetic_cpu": [pytest.mark.slow],
     "smollm2_arithmetic_lora_cpu": [pytest.mark.slow],
@@ -30,9 +31,44 @@ def test_cpu_experiments_are_those_without_a_gpu():
         assert (name in CPU_EXPERIMENTS) == ("GPU" not in resources), (name, resources)
 
 
+@pytest.fixture
+def judge_url(request):
+    """For an experiment scored by a judge: `grpo.serve` of SmolLM2-135M on a free port (its URL), as
+    the experiment's header says to start it; None for the others."""
+    if request.node.callspec.params["name"] != "addition_smollm2_judge":
+        yield None
+        return
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from grpo.rollout.servers import free_port
+    from tests.conftest import ROOT
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", "smollm2-135m", "--port", str(port),
+                             "--max-model-len", "512"], cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, deadline = f"http://127.0.0.1:{port}", time.time() + 600
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            break
+        except OSError:
+            assert proc.poll() is None, "the judge server exited"
+            time.sleep(2)
+    yield url
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=60)
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=m) for n, m in CPU_EXPERIMENTS.items()])
-def test_cpu_experiment_runs_one_step(make_cfg, learning_policy, name):
-    cfg = make_cfg(f"experiment={name}", "steps=1", "task.eval_size=8", "checkpoint_every=0", "eval_every=0", fast=False)
+def test_cpu_experiment_runs_one_step(make_cfg, learning_policy, name, judge_url):
+    judge = [f"reward.judge.urls=[{judge_url}]"] if judge_url else []
+    cfg = make_cfg(f"experiment={name}", "steps=1", "task.eval_size=8", "checkpoint_every=0", "eval_every=0", *judge,
+                   fast=False)
     summary = train(cfg)
     assert summary["steps"] == 1 and 0 <= summary["eval_after"] <= 1
     rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]

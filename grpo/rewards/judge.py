@@ -117,7 +117,7 @@ class Judge:
         `reward.judge.model` is null."""
         deadline = time.time() + self.jc.health_timeout_s
         for s in self.servers:
-            s.wait_healthy(deadline, note="(reward.judge.urls)")
+            s.wait_healthy(deadline, note="(reward.judge.urls)", kind="judge server")
             if self.model is None:
                 self.model = s.model
 
