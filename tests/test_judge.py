@@ -252,5 +252,7 @@ def test_a_run_on_the_judge_logs_it_and_stops_when_the_judge_dies(server, tmp_pa
     assert "eval/judge_auc" in rows[0] and "eval/judge_mean_correct" in rows[0], rows[0]
     assert proc.returncode != 0, out[-3000:]
     assert "requests failed after 1 retries" in out, out[-3000:]
-    assert re.search(r"error: reward `judge` scored 0 of \d+ completions, below reward.judge.min_scored=0.5", out), out[-3000:]
+    # (a request or two of the step may have been answered before the kill: 0 or a few scored)
+    assert re.search(r"error: reward `judge` scored \d+ of \d+ completions, below reward.judge.min_scored=0.5: .*unreachable", out), \
+        out[-3000:]
 

@@ -211,8 +211,9 @@ class Judge:
                           f"{garbage[0][1]!r}", stacklevel=2)
         if values and scored < self.jc.min_scored * len(values):
             why = failed[0][1] if failed else f"the judge's answers had no score, e.g. {garbage[0][1]!r}"
+            why += "" if why.endswith((".", "?", "!")) else "."
             raise RewardStop(f"reward `judge` scored {scored} of {len(values)} completions, below reward.judge.min_scored="
-                             f"{self.jc.min_scored:g}: {why}. Check the servers {list(self.jc.urls)} and the judge's "
+                             f"{self.jc.min_scored:g}: {why} Check the servers {list(self.jc.urls)} and the judge's "
                              f"template and score settings.")
         return values
 
