@@ -74,7 +74,7 @@ from grpo.rewards import build_rewards, score
 from grpo.rollout import build_rollout, sampling_from
 from grpo.rollout.episodes import build_episodes, episode_metrics, final_texts, reward_info
 from grpo.tasks import TrainSampler, build_task
-from grpo.batch import batch_advantages, collate
+from grpo.batch import collate, step_advantages
 from grpo.update import policy_update
 
 register_configs()
@@ -403,11 +403,11 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         generate_s = (t_wait - t0) + scored.generate_s  # submitting (hf: generating) and waiting, every draw
         t_score = time.perf_counter()
 
-        # 3. advantages per group; groups with equal rewards carry no signal
-        advantages_PG = batch_advantages(rewards_PG, algo.adv_scale, algo.adv_estimator)
-        flat_P = zero_std_groups(rewards_PG)
+        # 3. advantages per group (per completion; per token with algo.turn_rewards); groups with
+        #    equal rewards carry no signal
+        advantages, flat_P = step_advantages(rewards_PG, rollouts, scored.rewards_FB, r.reward_fns, algo)
         batch = collate(
-            [p for p in prompt_ids for _ in range(G)], rollouts, advantages_PG.flatten(),
+            [p for p in prompt_ids for _ in range(G)], rollouts, advantages,
             r.tokenizer.pad_token_id, algo.mask_truncated, excluded_B=torch.isnan(rewards_PG).flatten(),
         )
         if algo.zero_std_groups == "drop":
