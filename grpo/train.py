@@ -8,6 +8,9 @@ Variant implemented (DeepSeekMath GRPO, with the fixes later papers made optiona
   - Advantages: reward minus its group's mean, divided by the group's std (`algo.adv_scale=group`),
     the batch's std (`batch`, as in "A Closer Look at GRPO"; over all ranks) or nothing (`none`,
     Dr. GRPO); computed in float64, and a group of equal rewards gets exactly 0.
+    Multi-turn episodes may instead credit each turn with its own discounted return (`algo.turn_rewards`:
+    per_turn, normalised per turn index; process, DeepSeekMath's process supervision), one advantage
+    per token (grpo/batch.py `step_advantages`).
   - Loss: PPO's clipped ratio per token with an optional higher upper clip (DAPO's clip-higher),
     plus beta * KL(policy || reference) by the k3 estimator; aggregated by `algo.loss_type`.
     Departure from the paper: beta defaults to 0 (no reference model), as DAPO and Dr. GRPO do.
