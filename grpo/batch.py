@@ -15,8 +15,8 @@ import torch
 
 from grpo import dist
 from grpo.algorithm import (
-    centred_moments, combine_rewards, zero_std_groups, group_advantages, per_turn_advantages, process_advantages, reinforce_pp_advantages, reward_moments,
-    rloo_advantages, std_from_moments,
+    centred_moments, combine_rewards, group_advantages, per_turn_advantages, process_advantages, reinforce_pp_advantages,
+    reward_moments, rloo_advantages, std_from_moments, zero_std_groups,
 )
 
 
@@ -111,16 +111,17 @@ def turn_token_advantages(rewards_PG: torch.Tensor, rollouts, env_weight: float,
     return adv_BT
 
 
-def step_advantages(rewards_PG: torch.Tensor, rollouts, by_name: dict, reward_fns: list, algo) -> tuple[torch.Tensor, torch.Tensor]:
+def step_advantages(rewards_PG: torch.Tensor, rollouts, rewards_FB: dict, reward_fns: list, algo) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's advantages and its groups without signal (flat_P: `algo.zero_std_groups=drop`).
     algo.turn_rewards=none: one per completion from its reward (`batch_advantages`), flat where the
     group's rewards are equal. per_turn | process: one per token from the turns' rewards
     (`turn_token_advantages`; reward `env`'s weight scales the steps' rewards, the other functions'
-    weighted sum joins the last turn), flat where every token's advantage in the group is 0."""
+    weighted sum joins the last turn), flat where every token's advantage in the group is 0.
+    rewards_FB: each reward function's values by name (`Scored.rewards_FB`)."""
     if algo.turn_rewards == "none":
         return batch_advantages(rewards_PG, algo.adv_scale, algo.adv_estimator).flatten(), zero_std_groups(rewards_PG)
     env_weight = next(w for name, _, w in reward_fns if name == "env")
-    others = [(by_name[name], w) for name, _, w in reward_fns if name != "env"]
+    others = [(rewards_FB[name], w) for name, _, w in reward_fns if name != "env"]
     others_B = (combine_rewards([v for v, _ in others], [w for _, w in others]) if others
                 else torch.zeros(rewards_PG.numel()))
     adv_BT = turn_token_advantages(rewards_PG, rollouts, env_weight, others_B, algo.turn_rewards, algo.turn_discount,

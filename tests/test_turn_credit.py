@@ -194,3 +194,23 @@ def test_validate_takes_turn_credit_on_the_guess_task(make_cfg):
     from grpo.config import validate
 
     validate(make_cfg("experiment=guess_tiny", "algo.turn_rewards=per_turn", "algo.turn_discount=0.9"))
+
+
+def test_a_per_turn_run_trains_on_token_advantages_and_differs_from_the_final_reward(make_cfg, tmp_path):
+    """2 steps of the shaped guess game: per_turn (gamma 0.9) trains, and its losses are not the
+    final-reward run's (same seed, same episodes at step 1): the token advantages reached the loss."""
+    import json
+    import os
+
+    from grpo.train import train
+
+    losses = {}
+    for mode, extra in (("none", []), ("per_turn", ["algo.turn_discount=0.9"])):
+        cfg = make_cfg("experiment=guess_tiny", "steps=2", "eval_every=0", "checkpoint_every=0", "+env.kwargs.narrow_reward=0.2",
+                       f"algo.turn_rewards={mode}", *extra, f"run_dir={tmp_path / mode}")
+        train(cfg)
+        rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+        trained = [r for r in rows if "loss" in r]
+        assert len(trained) == 2 and all(math.isfinite(r["loss"]) and r["trained_completions"] > 0 for r in trained)
+        losses[mode] = [r["loss"] for r in trained]
+    assert losses["none"][0] != pytest.approx(losses["per_turn"][0], abs=1e-6), losses
