@@ -83,6 +83,59 @@ def rloo_advantages(rewards_PG: torch.Tensor) -> torch.Tensor:
     return torch.where(valid_PG & ~flat_P1, loo_PG, 0.0).float()
 
 
+def turn_returns(rewards_BK: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Discounted returns of each turn -> returns_BK, R_t = sum over k >= t of gamma^(k - t) x r_k.
+
+    rewards_BK: trajectory b's reward at its turn k (0-based), NaN past its last turn (a trajectory's
+    turns are a prefix of the K columns); the returns are NaN there too. Computed in float64,
+    backwards: R_t = r_t + gamma x R_{t+1}."""
+    r_BK = rewards_BK.double()
+    valid_BK = ~torch.isnan(r_BK)
+    returns_BK = torch.full_like(r_BK, torch.nan)
+    running_B = torch.zeros(r_BK.shape[0], dtype=torch.float64)
+    for k in reversed(range(r_BK.shape[1])):
+        running_B = torch.where(valid_BK[:, k], torch.nan_to_num(r_BK[:, k]) + gamma * running_B, 0.0)
+        returns_BK[:, k] = torch.where(valid_BK[:, k], running_B, torch.nan)
+    return returns_BK
+
+
+def per_turn_advantages(rewards_PGK: torch.Tensor, gamma: float, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
+    """`algo.turn_rewards=per_turn` -> advantages_PGK: each turn's discounted return (`turn_returns`),
+    group-normalised across the G trajectories of its prompt that reached the same turn index:
+    A_{i,t} = (R_{i,t} - mean_j R_{j,t}) / (std_j R_{j,t} + eps), j over the trajectories with a turn t.
+
+    A turn-indexed baseline: GiGPO's step-level group (Feng et al. 2025, "Group-in-Group Policy
+    Optimization for LLM Agent Training": discounted returns normalised within a group of steps)
+    with the group taken as "same prompt, same turn index" instead of "same environment state".
+    Turn 1 (every trajectory has one) with gamma = 1 gets exactly the final-reward GRPO advantage.
+    Biased where the policy decides how many turns a trajectory takes: the trajectories that reach
+    turn t are a selection made by the earlier turns, so turn t's baseline compares a trajectory
+    only with the survivors (a turn reached by one trajectory gets 0), and the std and the sample's
+    own return in its baseline add GRPO's usual biases. Missing turns (NaN) and flat turn groups get
+    exactly 0 (`group_advantages` per (prompt, turn))."""
+    P, G, K = rewards_PGK.shape
+    returns_XG = turn_returns(rewards_PGK.reshape(P * G, K), gamma).view(P, G, K).permute(0, 2, 1).reshape(P * K, G)
+    return group_advantages(returns_XG, scale, eps).view(P, K, G).permute(0, 2, 1).contiguous()
+
+
+def process_advantages(rewards_PGK: torch.Tensor, gamma: float, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
+    """`algo.turn_rewards=process` -> advantages_PGK: DeepSeekMath's process supervision (Shao et al.
+    2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
+    section 4.1.3) with a turn as the step: every turn reward of the group is normalised together,
+    r~_{i,k} = (r_{i,k} - mean(R)) / (std(R) + eps), R = every (trajectory, turn) reward of the
+    group, and the advantage of turn t is the sum of its trajectory's normalised rewards from t on,
+    A_{i,t} = sum over k >= t of gamma^(k - t) x r~_{i,k} (the paper: gamma = 1).
+    Every normalised reward is centred on the group's per-turn mean, so with a reward given only at
+    the end a trajectory's extra turns each add (0 - mean) / std: the estimator prefers shorter
+    episodes where rewards are positive (a length bias the paper's fixed-step solutions did not
+    have). Flat groups get exactly 0; missing turns 0."""
+    P, G, K = rewards_PGK.shape
+    valid_PGK = ~torch.isnan(rewards_PGK)
+    normed_PX = group_advantages(rewards_PGK.reshape(P, G * K), scale, eps).double()
+    normed_BK = torch.where(valid_PGK, normed_PX.view(P, G, K), torch.nan).view(P * G, K)
+    return torch.nan_to_num(turn_returns(normed_BK, gamma)).view(P, G, K).float()
+
+
 def centred_moments(rewards_PG: torch.Tensor) -> list[float]:
     """`reward_moments` of the group-centred rewards (r - its group's mean): summed over ranks, they
     give REINFORCE++'s global std of the baseline-subtracted rewards."""
@@ -280,7 +333,8 @@ def policy_loss(
     Returns the aggregated loss and sums (not means) of the statistics, for the caller to reduce.
     """
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    adv_B1 = advantages_B[:, None]
+    # one advantage per completion (B), or per token (B x T: algo.turn_rewards, grpo/batch.py)
+    adv_B1 = advantages_B[:, None] if advantages_B.dim() == 1 else advantages_B
     if pg_loss == "cispo":
         if ratio_level != "token":
             raise ValueError("pg_loss=cispo weights tokens: it needs ratio_level=token")

@@ -15,7 +15,8 @@ import torch
 
 from grpo import dist
 from grpo.algorithm import (
-    centred_moments, group_advantages, reinforce_pp_advantages, reward_moments, rloo_advantages, std_from_moments,
+    centred_moments, combine_rewards, group_advantages, per_turn_advantages, process_advantages, reinforce_pp_advantages,
+    reward_moments, rloo_advantages, std_from_moments, zero_std_groups,
 )
 
 
@@ -27,7 +28,7 @@ class Batch:
     completion_ids_BT: torch.Tensor
     mask_BT: torch.Tensor  # 1 for completion tokens that enter the loss
     sampler_logprobs_BT: torch.Tensor
-    advantages_B: torch.Tensor
+    advantages_B: torch.Tensor  # per completion; per token (B x T) with algo.turn_rewards (`turn_token_advantages`)
     prompt_width: int
     old_logprobs_BT: Optional[torch.Tensor] = None  # set when the batch is reused (off-policy)
     ref_logprobs_BT: Optional[torch.Tensor] = None  # set when beta > 0
@@ -70,6 +71,63 @@ def batch_advantages(rewards_PG: torch.Tensor, scale: str, estimator: str = "grp
         raise ValueError(f"unknown advantage estimator {estimator!r}")
     batch_std = std_from_moments(*dist.all_reduce_sum(reward_moments(rewards_PG))) if scale == "batch" else None
     return group_advantages(rewards_PG, scale, batch_std=batch_std)
+
+
+TURN_ESTIMATORS = {"per_turn": per_turn_advantages, "process": process_advantages}
+
+
+def turn_rewards(episodes: list, env_weight: float, others_B: torch.Tensor, rewards_B: torch.Tensor) -> torch.Tensor:
+    """Each trajectory's reward per turn -> rewards_BK (K: the most turns; NaN past a trajectory's last
+    turn, and on every turn of a trajectory with no reward, rewards_B NaN).
+
+    r_k = env_weight x the reward the environment's step k gave (0 where it gave none), and the other
+    reward functions' weighted sum (`others_B`: `combine_rewards` of every function but `env`; NaN,
+    where none scored, counts 0) is added to the last turn's: they score the final turn. So with
+    gamma = 1 the turn rewards sum to the completion's reward under algo.turn_rewards=none."""
+    K = max([1] + [e.turns for e in episodes])
+    rewards_BK = torch.full((len(episodes), K), torch.nan, dtype=torch.float64)
+    for i, e in enumerate(episodes):
+        if e.turns == 0 or torch.isnan(rewards_B[i]):
+            continue
+        steps = [env_weight * (r if r is not None else 0.0) for r in e.step_rewards]
+        steps[-1] += float(torch.nan_to_num(others_B[i]))
+        rewards_BK[i, : e.turns] = torch.tensor(steps, dtype=torch.float64)
+    return rewards_BK
+
+
+def turn_token_advantages(rewards_PG: torch.Tensor, rollouts, env_weight: float, others_B: torch.Tensor, mode: str,
+                          gamma: float, scale: str) -> torch.Tensor:
+    """`algo.turn_rewards` = per_turn | process -> advantages_BT (T: the longest span, as `collate`
+    pads): every sampled token of turn t gets its trajectory's turn-t advantage (grpo/algorithm.py
+    `per_turn_advantages`, `process_advantages`), observation tokens and padding 0."""
+    P, G = rewards_PG.shape
+    rewards_BK = turn_rewards(rollouts.episodes, env_weight, others_B, rewards_PG.flatten())
+    adv_BK = TURN_ESTIMATORS[mode](rewards_BK.view(P, G, -1), gamma, scale).view(P * G, -1)
+    T = max(1, max(len(c) for c in rollouts.completion_ids))
+    adv_BT = torch.zeros(P * G, T)
+    for i, turns in enumerate(rollouts.token_turns):
+        index = torch.tensor(turns, dtype=torch.long)
+        adv_BT[i, : len(turns)] = torch.where(index >= 0, adv_BK[i, index.clamp(min=0)], 0.0)
+    return adv_BT
+
+
+def step_advantages(rewards_PG: torch.Tensor, rollouts, rewards_FB: dict, reward_fns: list, algo) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's advantages and its groups without signal (flat_P: `algo.zero_std_groups=drop`).
+    algo.turn_rewards=none: one per completion from its reward (`batch_advantages`), flat where the
+    group's rewards are equal. per_turn | process: one per token from the turns' rewards
+    (`turn_token_advantages`; reward `env`'s weight scales the steps' rewards, the other functions'
+    weighted sum joins the last turn), flat where every token's advantage in the group is 0.
+    rewards_FB: each reward function's values by name (`Scored.rewards_FB`)."""
+    if algo.turn_rewards == "none":
+        return batch_advantages(rewards_PG, algo.adv_scale, algo.adv_estimator).flatten(), zero_std_groups(rewards_PG)
+    env_weight = next(w for name, _, w in reward_fns if name == "env")
+    others = [(rewards_FB[name], w) for name, _, w in reward_fns if name != "env"]
+    others_B = (combine_rewards([v for v, _ in others], [w for _, w in others]) if others
+                else torch.zeros(rewards_PG.numel()))
+    adv_BT = turn_token_advantages(rewards_PG, rollouts, env_weight, others_B, algo.turn_rewards, algo.turn_discount,
+                                   algo.adv_scale)
+    P, G = rewards_PG.shape
+    return adv_BT, adv_BT.view(P, G, -1).abs().amax(dim=(1, 2)) == 0
 
 
 def collate(

@@ -250,6 +250,14 @@ class AlgoConfig:
     # grpo: r - group mean, scaled by adv_scale | rloo: r - mean of the others (RLOO) |
     # reinforce_pp: (r - group mean) / batch std of that (REINFORCE++-baseline); grpo/algorithm.py
     adv_estimator: str = "grpo"
+    # credit per turn of a multi-turn episode (env=...; docs/algorithm.md): none (one reward per
+    # episode, the final-reward default) | per_turn (each turn's discounted return, normalised over
+    # the group's trajectories at the same turn index) | process (DeepSeekMath's process supervision:
+    # the group's turn rewards normalised together, a turn's advantage the discounted sum of its own
+    # and later normalised rewards). A turn's reward: its env step's x reward `env`'s weight; the other
+    # reward functions' weighted sum is added to the last turn's
+    turn_rewards: str = "none"
+    turn_discount: float = 1.0  # gamma of turn_rewards: R_t = sum over k >= t of gamma^(k - t) r_k
     ratio_level: str = "token"  # token (PPO/GRPO) | sequence (GSPO: geometric-mean ratio, clipped per sequence)
     pg_loss: str = "ppo"  # ppo (clipped surrogate) | cispo (clipped, detached weight x A x logp; clip_eps/clip_eps_high bound it)
     clip_eps: float = 0.2
@@ -456,6 +464,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
             f"the centred rewards), so algo.adv_scale={a.adv_scale} would be ignored: set algo.adv_scale=none, or use "
             f"the preset algo={a.adv_estimator}."
         )
+    _check_turn_rewards(cfg)
     if a.pg_loss == "cispo" and a.ratio_level != "token":
         raise ConfigError("algo.pg_loss=cispo weights each token's gradient: it needs algo.ratio_level=token "
                           "(sequence is GSPO's, for pg_loss=ppo).")
@@ -563,6 +572,34 @@ def lora_dtype_problem(backend: str, dtype: str, cuda: bool) -> str | None:
         return (f"model.lora with rollout={backend} on a GPU and model.dtype={dtype}: vLLM's CUDA LoRA kernels take "
                 "bfloat16 or float16 only. Set model.dtype=bfloat16 (or rollout=hf, or model.lora.rank=0).")
     return None
+
+
+def _check_turn_rewards(cfg) -> None:
+    """algo.turn_rewards / turn_discount: per-turn credit needs an environment whose steps are weighted
+    by reward `env`, and GRPO's own group normalisation (grpo/batch.py `step_advantages`)."""
+    a = cfg.algo
+    _choices("algo.turn_rewards", a.turn_rewards, {"none", "per_turn", "process"})
+    if not 0 < a.turn_discount <= 1:
+        raise ConfigError(f"algo.turn_discount={a.turn_discount}: the discount gamma must be in (0, 1] (1: undiscounted).")
+    if a.turn_rewards == "none":
+        if a.turn_discount != 1:
+            raise ConfigError(f"algo.turn_discount={a.turn_discount} discounts turn rewards, but algo.turn_rewards=none "
+                              "gives one reward per episode: set algo.turn_rewards=per_turn or process, or leave the discount at 1.")
+        return
+    what = f"algo.turn_rewards={a.turn_rewards} credits each turn with its environment step's reward"
+    if cfg.env.name == "none":
+        raise ConfigError(f"{what}, but env=none has no turns: pick an environment (env=guess, env=calc, ...) or set "
+                          "algo.turn_rewards=none.")
+    if not any(f.name == "env" for f in cfg.reward.funcs):
+        raise ConfigError(f"{what}, weighted by reward `env`, which reward.funcs lacks: add it (reward=env) or set "
+                          "algo.turn_rewards=none.")
+    if a.adv_estimator != "grpo" or a.adv_scale not in ("group", "none"):
+        raise ConfigError(f"{what} and normalises within each group: it needs algo.adv_estimator=grpo with "
+                          f"algo.adv_scale=group or none (got {a.adv_estimator} / {a.adv_scale}).")
+    if a.ratio_level != "token" or a.dynamic_sampling:
+        raise ConfigError(f"{what}, one advantage per token: it needs algo.ratio_level=token (GSPO's sequence ratio "
+                          "takes one per sequence) and algo.dynamic_sampling=false (which picks groups by their final "
+                          "reward).")
 
 
 def _check_env(cfg) -> None:

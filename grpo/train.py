@@ -8,6 +8,9 @@ Variant implemented (DeepSeekMath GRPO, with the fixes later papers made optiona
   - Advantages: reward minus its group's mean, divided by the group's std (`algo.adv_scale=group`),
     the batch's std (`batch`, as in "A Closer Look at GRPO"; over all ranks) or nothing (`none`,
     Dr. GRPO); computed in float64, and a group of equal rewards gets exactly 0.
+    Multi-turn episodes may instead credit each turn with its own discounted return (`algo.turn_rewards`:
+    per_turn, normalised per turn index; process, DeepSeekMath's process supervision), one advantage
+    per token (grpo/batch.py `step_advantages`).
   - Loss: PPO's clipped ratio per token with an optional higher upper clip (DAPO's clip-higher),
     plus beta * KL(policy || reference) by the k3 estimator; aggregated by `algo.loss_type`.
     Departure from the paper: beta defaults to 0 (no reference model), as DAPO and Dr. GRPO do.
@@ -74,7 +77,7 @@ from grpo.rewards import build_rewards, score
 from grpo.rollout import build_rollout, sampling_from
 from grpo.rollout.episodes import build_episodes, episode_metrics, final_texts, reward_info
 from grpo.tasks import TrainSampler, build_task
-from grpo.batch import batch_advantages, collate
+from grpo.batch import collate, step_advantages
 from grpo.update import policy_update
 
 register_configs()
@@ -403,11 +406,11 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         generate_s = (t_wait - t0) + scored.generate_s  # submitting (hf: generating) and waiting, every draw
         t_score = time.perf_counter()
 
-        # 3. advantages per group; groups with equal rewards carry no signal
-        advantages_PG = batch_advantages(rewards_PG, algo.adv_scale, algo.adv_estimator)
-        flat_P = zero_std_groups(rewards_PG)
+        # 3. advantages per group (per completion; per token with algo.turn_rewards); groups with
+        #    equal rewards carry no signal
+        advantages, flat_P = step_advantages(rewards_PG, rollouts, scored.rewards_FB, r.reward_fns, algo)
         batch = collate(
-            [p for p in prompt_ids for _ in range(G)], rollouts, advantages_PG.flatten(),
+            [p for p in prompt_ids for _ in range(G)], rollouts, advantages,
             r.tokenizer.pad_token_id, algo.mask_truncated, excluded_B=torch.isnan(rewards_PG).flatten(),
         )
         if algo.zero_std_groups == "drop":

@@ -11,7 +11,8 @@ threads at once (`env.max_concurrency`), each instance one call at a time (only 
 while a call abandoned at its timeout still runs). The observation is tokenized and put in the
 sequence with loss mask 0; the episode's environment reward is the sum of the rewards its steps
 gave (None when no step gave one), and enters the loss through the `env` reward function
-(grpo/rewards/__init__.py) with its weight, like any other reward.
+(grpo/rewards/__init__.py) with its weight, like any other reward. With `algo.turn_rewards` each
+step's reward (times that weight) is its own turn's instead (docs/algorithm.md, per-turn credit).
 """
 
 from __future__ import annotations

@@ -47,6 +47,8 @@ class Rollouts:
     # (turn 1, observation 1, turn 2, ...); 1 on sampled tokens, 0 on observation tokens (logprob 0.0)
     loss_masks: list[list[int]] | None = None
     episodes: list | None = None  # one grpo.rollout.episodes.Episode per completion
+    # per span token, the 0-based turn that sampled it (-1 on observation tokens); with episodes only
+    token_turns: list[list[int]] | None = None
     # finish_reasons of an episode: stop (the environment ended it), length, turns (the cap), error
 
     def slice(self, start: int, end: int) -> "Rollouts":

@@ -68,6 +68,9 @@ class Episode:
     turns: int = 0
     finish: str = "length"
     env_reward: Optional[float] = None  # sum of the rewards the environment gave (None: none)
+    # per turn, the reward its step gave (None: none, or the turn never reached the environment);
+    # algo.turn_rewards credits each turn with its own (grpo/batch.py `turn_token_advantages`)
+    step_rewards: list = field(default_factory=list)
     sampled_tokens: int = 0
     observation_tokens: int = 0
     env_s: float = 0.0
@@ -114,6 +117,7 @@ class Trajectory:
         self.span: list[int] = []
         self.mask: list[int] = []
         self.logprobs: list[float] = []
+        self.turns: list[int] = []  # per span token: the 0-based turn that sampled it, -1 on observations
         self.episode = Episode()
         self.rewards: list[float] = []
         self.active = True
@@ -123,6 +127,7 @@ class Trajectory:
         self.span += ids
         self.mask += [1 if logprobs is not None else 0] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.turns += [self.episode.turns if logprobs is not None else -1] * len(ids)
 
     def end(self, finish: str) -> None:
         self.active = False
@@ -282,6 +287,7 @@ class EpisodeRunner:
         ep = t.episode
         t.add(ids, logprobs)
         ep.turns += 1
+        ep.step_rewards.append(None)
         ep.sampled_tokens += len(ids)
         ep.last_turn_ids = list(ids)
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -305,6 +311,7 @@ class EpisodeRunner:
         if step.reward is not None:
             t.rewards.append(float(step.reward))
             ep.env_reward = sum(t.rewards)
+            ep.step_rewards[-1] = float(step.reward)
         ep.tool_calls += bool(step.info.get("tool_call"))
         ep.tool_errors += bool(step.info.get("tool_error"))
         if step.done:
@@ -337,7 +344,7 @@ class EpisodeRunner:
         return Rollouts(
             [t.span for t in trajectories], [t.logprobs for t in trajectories], [t.episode.finish for t in trajectories],
             version or 0, engine_wait_s=wait, loss_masks=[t.mask for t in trajectories],
-            episodes=[t.episode for t in trajectories],
+            episodes=[t.episode for t in trajectories], token_turns=[t.turns for t in trajectories],
         )
 
 
