@@ -24,6 +24,10 @@ from tests.conftest import FAST, ROOT
 
 pytestmark = pytest.mark.slurm
 DEV_CONF = os.path.join(os.environ.get("GRPO_SLURM_DIR", "/tmp/grpo-slurm"), "slurm.conf")
+# Steps of a run that a test signals (time limit, preemption) once it has logged a few: long enough
+# that the signal lands before the run ends (the sweeps' tasks, two to a node, are slower and keep 150). On an idle machine the tiny model's steps take 0.02 s:
+# 150 steps were over in 3 s and the run finished before its USR1 arrived (CI, 2026-11-25).
+SIGNALLED_RUN_STEPS = 1000
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +226,7 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(tmp_path, slurm_en
     """The signal SLURM sends before the time limit: SIGUSR1 (train.sbatch's --signal=USR1@120) or
     SIGUSR2 (submitit's, under grpo.launch), sent here by hand. The run checkpoints after its step,
     requeues itself, resumes from the checkpoint and finishes, every step logged once."""
-    run_dir, steps = tmp_path / "run", 150
+    run_dir, steps = tmp_path / "run", SIGNALLED_RUN_STEPS
     if how == "train.sbatch":
         signal_name, world = "USR1", 1
         log = tmp_path / "job.out"
@@ -253,7 +257,7 @@ def test_preempted_job_is_requeued_by_slurm_and_resumes(tmp_path, slurm_env, mod
     preempts the 2-node training job: SIGTERM on both nodes, checkpoint on every rank, exit; SLURM
     requeues it (PreemptMode=REQUEUE) and it resumes across both nodes after the urgent job,
     finishing with every step logged once."""
-    run_dir, steps = tmp_path / "run", 150
+    run_dir, steps = tmp_path / "run", SIGNALLED_RUN_STEPS
     job = launch_and_wait_for_step(run_dir, slurm_env, 5, f"steps={steps}", model_cache=model_cache)
     signalled_at = max(steps_logged(run_dir))
     names, slots = cluster
