@@ -451,6 +451,13 @@ def staleness(trainer_version: int, sampler_version: int) -> int:
     return trainer_version - sampler_version
 
 
+def token_staleness(trainer_version: int, token_versions: list[list[int]]) -> float:
+    """Partial rollouts: the mean over sampled tokens (version >= 0; observations are -1) of the versions
+    each token's sampler is behind the trainer."""
+    sampled = [v for vs in token_versions for v in vs if v >= 0]
+    return sum(trainer_version - v for v in sampled) / len(sampled) if sampled else 0.0
+
+
 def batches_to_submit(step: int, submitted: int, max_staleness: int, last_step: int) -> range:
     """The batches to hand to the engines at the start of `step`, when batches up to `submitted`
     already were: every one up to step + max_staleness (never past `last_step`). Submitted now, with

@@ -213,6 +213,10 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    # multi-turn episodes (env=...): turns (every trajectory waits at each turn for the batch's slowest;
+    # grpo/rollout/episodes.py) | trajectories (each sends its next turn as soon as its environment has
+    # answered; servers only: grpo/rollout/trajectories.py) | auto (trajectories on dedicated/remote)
+    schedule: str = "auto"
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     dedicated: DedicatedConfig = field(default_factory=DedicatedConfig)
@@ -289,6 +293,10 @@ class AlgoConfig:
     # (rollout=dedicated/remote) overlap the two phases, in-process ones (hf/colocated) give the
     # staleness without the overlap
     max_staleness: int = 0
+    # with max_staleness >= 1 and episodes scheduled per trajectory: a weight push waits for the turns in
+    # flight, not for the episode batch; later turns use the new weights and every token records its
+    # version (grpo/rollout/trajectories.py). A batch spans at most max_staleness + 1 versions
+    partial_rollouts: bool = False
     # what the clipped ratio is taken against (algorithm.decoupled_loss): proximal (the trainer before
     # this update; with a stale batch times w = proximal / sampler from is_*: decoupled PPO) |
     # behaviour (the sampler: PPO with the sampler as the old policy; is_level must be none) |
@@ -486,6 +494,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     if a.max_staleness < 0:
         raise ConfigError(f"algo.max_staleness={a.max_staleness} must be >= 0 (0: synchronous; k: batches up to k versions old).")
     backend_class(r.backend).check_staleness(r, a.max_staleness)  # engines elsewhere overlap; in-process ones warn
+    _check_schedule(cfg)
     if a.trust_region == "behaviour" and a.is_level != "none":
         raise ConfigError(
             f"algo.trust_region=behaviour takes the ratio against the sampler, which is the importance correction "
@@ -600,6 +609,31 @@ def _check_turn_rewards(cfg) -> None:
         raise ConfigError(f"{what}, one advantage per token: it needs algo.ratio_level=token (GSPO's sequence ratio "
                           "takes one per sequence) and algo.dynamic_sampling=false (which picks groups by their final "
                           "reward).")
+
+
+def _check_schedule(cfg) -> None:
+    """rollout.schedule and algo.partial_rollouts: per-trajectory turns need servers, partial rollouts them and staleness."""
+    from grpo.rollout import backend_class
+
+    r, a = cfg.rollout, cfg.algo
+    _choices("rollout.schedule", r.schedule, {"auto", "turns", "trajectories"})
+    per_trajectory = backend_class(r.backend).schedules_trajectories
+    if r.schedule == "trajectories" and not per_trajectory:
+        raise ConfigError(f"rollout.schedule=trajectories with rollout={r.backend}: its generate is one call for the whole "
+                          f"batch (a collective under ZeRO-3 or tensor parallelism), so turns stay synchronous; use "
+                          f"rollout=dedicated or rollout=remote, or rollout.schedule=turns (or auto).")
+    if not a.partial_rollouts:
+        return
+    if cfg.env.name == "none":
+        raise ConfigError("algo.partial_rollouts=true with env=none: weights change between the turns of an episode, and a "
+                          "single-turn task has one turn; pick an environment (env=guess, ...) or set algo.partial_rollouts=false.")
+    if not per_trajectory or r.schedule == "turns":
+        raise ConfigError(f"algo.partial_rollouts=true needs episodes scheduled per trajectory on servers: rollout=dedicated "
+                          f"or rollout=remote with rollout.schedule=auto or trajectories (now rollout={r.backend}, "
+                          f"rollout.schedule={r.schedule}).")
+    if a.max_staleness < 1:
+        raise ConfigError("algo.partial_rollouts=true with algo.max_staleness=0: weights only change between batches when the "
+                          "trainer waits for each batch; set algo.max_staleness=1 (or more) for pushes during a batch.")
 
 
 def _check_env(cfg) -> None:

@@ -6,6 +6,7 @@ map whose first error is raised at once. It knows nothing of rollouts or rewards
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -95,6 +96,32 @@ def split_by_load(num_prompts: int, speeds: list[float]) -> list[tuple[int, int]
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+class Occupancy:
+    """The seconds a server had at least one of this client's requests in flight (`with occupancy.request():`):
+    its engine busy, as far as this client can tell (the engine idle fraction of grpo.bench episodes)."""
+
+    def __init__(self):
+        self.lock, self.in_flight, self.busy, self.since = threading.Lock(), 0, 0.0, 0.0
+
+    @contextlib.contextmanager
+    def request(self):
+        with self.lock:
+            if self.in_flight == 0:
+                self.since = time.perf_counter()
+            self.in_flight += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+                if self.in_flight == 0:
+                    self.busy += time.perf_counter() - self.since
+
+    def busy_s(self) -> float:
+        with self.lock:
+            return self.busy + (time.perf_counter() - self.since if self.in_flight else 0.0)
+
+
 class Server:
     def __init__(self, url: str, token: str | None, timeout_s: float):
         self.url, self.token, self.timeout_s = url.rstrip("/"), token, timeout_s
@@ -104,6 +131,7 @@ class Server:
         self.model = None
         self.max_model_len = None  # as the server reports it (/v1/models)
         self.prompt_checks = 0  # choices whose echoed prompt ids were compared with the ids sent
+        self.occupancy = Occupancy()  # generation requests in flight (grpo/rollout/servers.py ServerPool.complete)
 
     def request(self, path: str, body: dict | None = None, timeout: float | None = None, text: bool = False):
         """POST `body` (GET without one) and return the JSON answer, or the plain text with text=True

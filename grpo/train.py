@@ -57,7 +57,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from grpo.algorithm import batches_to_submit, combine_rewards, staleness, zero_std_groups
+from grpo.algorithm import batches_to_submit, combine_rewards, staleness, token_staleness, zero_std_groups
 from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_aside_checkpoints
 from grpo.cli import exit_on_user_error
 from grpo.config import register_configs, validate
@@ -89,7 +89,9 @@ def reduce_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float
         return metrics
     keys = sorted(metrics)
     sums = all_reduce_sum([float(metrics[k]) for k in keys])
-    summed = {"tokens_per_s", "gen_tokens_per_s", "trained_completions"}
+    # engine_busy_s: the servers' busy seconds, summed over the ranks' own requests (several remote ranks
+    # sharing servers count their overlap once each)
+    summed = {"tokens_per_s", "gen_tokens_per_s", "trained_completions", "time/engine_busy_s"}
     return {k: v if k in summed else v / info.world_size for k, v in zip(keys, sums)}
 
 
@@ -202,6 +204,7 @@ class Run:
     logger: RunLogger | None = None
     in_flight: deque = field(default_factory=deque)  # batches the engines work on, oldest first
     submitted: int = 0  # the last step whose batch was handed over
+    engine_busy_s: float = 0.0  # the servers' busy seconds so far (RolloutBackend.engine_busy_s)
 
     @property
     def bucket_bytes(self) -> int:
@@ -281,7 +284,8 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
     reward_fns = build_rewards(cfg, policy_device(info.local_rank))  # a reward model is loaded here, once
     strategy = build_strategy(cfg.parallel, model, algo, cfg.steps * algo.num_iterations * algo.num_minibatches)
     rollout = cleanup.enter_context(contextlib.closing(
-        build_rollout(cfg.rollout, strategy.model, tokenizer, model_path, cfg.model.dtype, cfg.seed, run_dir, strategy.lockstep)))
+        build_rollout(cfg.rollout, strategy.model, tokenizer, model_path, cfg.model.dtype, cfg.seed, run_dir, strategy.lockstep,
+                      algo.partial_rollouts)))
     ref_model = build_reference(cfg, model_path, strategy)  # runs as the policy does: KL 0 before the first step
     seed_everything(cfg.seed + info.rank)  # again: a fresh and a cached tiny model start alike
     r = Run(cfg, info, run_dir, task, tokenizer, model_path, reward_fns, strategy, rollout, ref_model,
@@ -315,7 +319,8 @@ def finished(r: Run) -> dict:
 
 def step_metrics(scored: Scored, stats: dict, step: int, lr: float, times: dict[str, float]) -> dict[str, float]:
     """What one step logs: the trained groups' rewards, the update's statistics (`stats`, with dynamic
-    sampling's), lengths, staleness, throughput and the phases' seconds (`times`, with `step_s`)."""
+    sampling's), lengths, staleness (with partial rollouts the mean over sampled tokens, the max the
+    batch's oldest), throughput and the phases' seconds (`times`, with `step_s`)."""
     rollouts, rewards_PG = scored.rollouts, scored.rewards_PG
     valid = rewards_PG[~torch.isnan(rewards_PG)]
     n_tokens = scored.generated_tokens  # every draw's sampled tokens (an episode's observations aside)
@@ -334,7 +339,8 @@ def step_metrics(scored: Scored, stats: dict, step: int, lr: float, times: dict[
         "weight_version": rollouts.weight_version,
         # versions the sampler was behind the trainer (one version per batch: mean = max per
         # rank; every rank's batch comes from the same push)
-        "async/staleness_mean": staleness(step - 1, rollouts.weight_version),
+        "async/staleness_mean": (staleness(step - 1, rollouts.weight_version) if rollouts.token_versions is None
+                                 else token_staleness(step - 1, rollouts.token_versions)),
         "async/staleness_max": staleness(step - 1, rollouts.weight_version),
         "time/engine_wait_s": rollouts.engine_wait_s,  # the engines, idle before it (waiting for weights)
         "lr": lr,
@@ -430,9 +436,11 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         # 8. metrics, samples, evaluation, checkpoint
         gen_tokens_total += scored.generated_tokens  # every draw's sampled tokens (an episode's observations aside)
         gen_time_total += generate_s
-        metrics = step_metrics(scored, {**stats, **draw_metrics}, step, r.strategy.lr, {
-            "time/wait_for_data_s": wait_s, "time/generate_s": generate_s, "time/score_s": scored.score_s,
-            "time/update_s": t_update - t_score, "time/sync_s": t_end - t_update, "step_s": t_end - t0})
+        times = {"time/wait_for_data_s": wait_s, "time/generate_s": generate_s, "time/score_s": scored.score_s,
+                 "time/update_s": t_update - t_score, "time/sync_s": t_end - t_update, "step_s": t_end - t0}
+        if (busy := r.rollout.engine_busy_s()) is not None:  # servers: seconds with a request in flight, this step
+            times["time/engine_busy_s"], r.engine_busy_s = busy - r.engine_busy_s, busy
+        metrics = step_metrics(scored, {**stats, **draw_metrics}, step, r.strategy.lr, times)
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
             metrics.update(evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.episodes, r.reward_fns))
         logger.log(step, reduce_metrics(metrics, info))

@@ -153,3 +153,44 @@ def hub_like_policy(learning_policy, tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("hub-like") / "model"
     shutil.copytree(learning_policy, path)
     return with_hub_generation_defaults(path)
+
+
+def serve_tiny(model_dir: str, log_path, token: str, max_model_len: int = 128, start_timeout_s: float = 240):
+    """A real `python -m grpo.serve` of `model_dir` on a free port, its routes guarded by `token` (given in
+    the environment, never on a command line); returns (process, url) once /health answers. Stop it with
+    `stop_served`. Shared by the remote, judge and per-trajectory tests' module fixtures."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from grpo.auth import TOKEN_ENV
+    from grpo.rollout.servers import free_port
+
+    port = free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpo.serve", "--model", model_dir, "--port", str(port),
+         "--max-model-len", str(max_model_len), "--memory-fraction", "0.1"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, TOKEN_ENV: token},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + start_timeout_s
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            return proc, url
+        except OSError:
+            assert proc.poll() is None, Path(log_path).read_text()[-3000:]
+            time.sleep(1)
+    stop_served(proc)
+    raise AssertionError(f"grpo.serve did not answer /health in {start_timeout_s} s: {Path(log_path).read_text()[-3000:]}")
+
+
+def stop_served(proc) -> None:
+    """Ctrl-C to the server's process group, as a user stops it."""
+    import signal
+
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from grpo.rewards.judge import Judge, expected_score, judge_prompt, pattern_scor
 from grpo.auth import TOKEN_ENV
 from grpo.rollout.servers import free_port
 from grpo.tasks import Sample
-from tests.conftest import FAST, ROOT, compose_cfg
+from tests.conftest import FAST, ROOT, compose_cfg, serve_tiny, stop_served
 
 TOKEN = "judge-secret-token"
 TEMPLATE = "{prompt}{completion}?"  # the tiny model's char vocabulary: short, plain text
@@ -76,27 +75,9 @@ def test_validate_says_what_to_change(override, message):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("judge") / "server.log"
-    port = free_port()
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "grpo.serve", "--model", model_dir, "--port", str(port), "--max-model-len", "128",
-         "--memory-fraction", "0.1"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, TOKEN_ENV: TOKEN},
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            break
-        except OSError:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            time.sleep(1)
+    proc, url = serve_tiny(model_dir, tmp_path_factory.mktemp("judge") / "server.log", TOKEN)
     yield {"url": url, "proc": proc, "path": model_dir}
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=60)
+    stop_served(proc)
 
 
 def judge_cfg(urls, *overrides):

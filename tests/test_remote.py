@@ -7,7 +7,6 @@ Parity tolerance as for colocated: 1e-4 (fp32; measured 4.8e-7 before a sync and
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from grpo.rollout import Sampling
 from grpo.endpoints import split_by_load
 from grpo.rollout.servers import ServerPool, free_port
 from grpo.serve import is_open
-from tests.conftest import ROOT
+from tests.conftest import ROOT, serve_tiny, stop_served
 from tests.parity import assert_round_trip, sync_round_trip
 
 TOKEN = "test-secret-token"
@@ -43,26 +42,9 @@ def process_group_alive(pgid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    port = free_port()
-    log = open(log_path, "w")
-    proc = subprocess.Popen(  # the token only in the environment: never on a command line
-        [sys.executable, "-m", "grpo.serve", "--model", model_dir, "--port", str(port),
-         "--max-model-len", "128", "--memory-fraction", "0.1"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, TOKEN_ENV: TOKEN},
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            break
-        except OSError:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            time.sleep(1)
+    proc, url = serve_tiny(model_dir, tmp_path_factory.mktemp("server") / "server.log", TOKEN)
     yield {"url": url, "path": model_dir, "proc": proc}
-    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the server and its engine processes must all exit
-    proc.wait(timeout=60)
+    stop_served(proc)  # Ctrl-C: the server and its engine processes must all exit
     deadline = time.time() + 30
     while process_group_alive(proc.pid) and time.time() < deadline:
         time.sleep(0.5)

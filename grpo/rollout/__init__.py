@@ -21,11 +21,12 @@ def backend_class(name: str) -> type[RolloutBackend]:
 
 
 def build_rollout(cfg, model, tokenizer, model_path: str, dtype: str = "float32", seed: int = 0, run_dir: str = ".",
-                  lockstep: bool = False) -> RolloutBackend:
+                  lockstep: bool = False, partial_rollouts: bool = False) -> RolloutBackend:
     """`model` is the trainer's module (hf shares it); `model_path` the HF folder engines load;
-    `lockstep`: the strategy's forward passes are collectives every rank must join (ZeRO-3)."""
+    `lockstep`: the strategy's forward passes are collectives every rank must join (ZeRO-3);
+    `partial_rollouts`: algo.partial_rollouts (servers only: weights change between turns)."""
     return backend_class(cfg.backend)(cfg, model, tokenizer, model_path, dtype=dtype, seed=seed, run_dir=run_dir,
-                                      lockstep=lockstep)
+                                      lockstep=lockstep, partial_rollouts=partial_rollouts)
 
 
 def sampling_from(cfg, greedy: bool = False) -> Sampling:

@@ -49,6 +49,10 @@ class Rollouts:
     episodes: list | None = None  # one grpo.rollout.episodes.Episode per completion
     # per span token, the 0-based turn that sampled it (-1 on observation tokens); with episodes only
     token_turns: list[list[int]] | None = None
+    # per span token, the weight version that sampled it (-1 on observation tokens); with episodes only.
+    # One version per batch, except with partial rollouts (grpo/rollout/trajectories.py), where an
+    # episode's later turns may come from newer weights and `weight_version` is the oldest
+    token_versions: list[list[int]] | None = None
     # finish_reasons of an episode: stop (the environment ended it), length, turns (the cap), error
 
     def slice(self, start: int, end: int) -> "Rollouts":
@@ -67,6 +71,8 @@ class RolloutBackend(ABC):
     # the engines run in other processes, so a batch can generate while the trainer updates
     # (algo.max_staleness >= 1); in-process backends would only take turns with the trainer
     overlaps_training: bool = False
+    # multi-turn episodes can be scheduled per trajectory (rollout.schedule; grpo/rollout/trajectories.py)
+    schedules_trajectories: bool = False
 
     @classmethod
     def check(cls, cfg, world: int) -> None:
@@ -130,6 +136,11 @@ class RolloutBackend(ABC):
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
         """Load new policy weights, streamed bucket by bucket; `buckets` is lazy, so a backend
         that shares the trainer's module never pays for gathering it."""
+
+    def engine_busy_s(self) -> float | None:
+        """Seconds so far, summed over this process's servers, that a server had one of its generation
+        requests in flight (grpo/endpoints.py Occupancy); None where generation is in this process."""
+        return None
 
     def sleep(self) -> None:
         """Free the engine's memory during the training phase, where that means something."""

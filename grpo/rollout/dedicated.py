@@ -37,7 +37,7 @@ from grpo.rollout.engine_memory import check_vllm, engine_context, model_config_
 from grpo import dist, lora
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.weights import WeightBuckets
-from grpo.rollout.servers import (TRANSFERS, ServerPool, StickyRoutes, push_adapter_from_one_rank, push_from_one_rank,
+from grpo.rollout.servers import (TRANSFERS, ServerPool, TurnGate, episode_driver, push_adapter_from_one_rank, push_from_one_rank,
                                   reserve_port, transfer_backend)
 
 
@@ -261,6 +261,7 @@ class NodeShare:
 
 class DedicatedBackend(RolloutBackend):
     overlaps_training = True  # the engines are other processes: they generate while the trainer updates
+    schedules_trajectories = True  # generation is no collective: episodes can run per trajectory
 
     @classmethod
     def check_context(cls, cfg, model_config: dict) -> None:
@@ -274,8 +275,10 @@ class DedicatedBackend(RolloutBackend):
         if cfg.vllm.weight_transfer not in TRANSFERS:
             raise ConfigError(f"rollout.vllm.weight_transfer={cfg.vllm.weight_transfer!r}: choose one of {', '.join(TRANSFERS)}.")
 
-    def __init__(self, cfg, model, tokenizer, model_path: str, dtype: str = "float32", run_dir: str = ".", **_):
+    def __init__(self, cfg, model, tokenizer, model_path: str, dtype: str = "float32", run_dir: str = ".",
+                 partial_rollouts: bool = False, **_):
         self.group, self.main, self.local_rank = node_groups()
+        self.schedule = cfg.schedule
         self.is_owner = dist.rank() == self.main
         self.procs: list[subprocess.Popen] = []
         self.reapers: list[subprocess.Popen] = []  # one per engine (grpo/rollout/reaper.py)
@@ -320,6 +323,8 @@ class DedicatedBackend(RolloutBackend):
             finally:
                 for h in held:
                     h.close()
+            if partial_rollouts:
+                self.pool.gate = TurnGate(self.weight_version)
             print(f"dedicated: node {dist.node_name()} (ranks {self.main}-{self.main + per_node - 1}) owns "
                   f"{len(ports)} engine(s) on {devices}: {', '.join(f'127.0.0.1:{p}' for p in ports)}", flush=True)
         dist.barrier()
@@ -345,7 +350,8 @@ class DedicatedBackend(RolloutBackend):
         version = self.weight_version
 
         def start(prompts, rows):
-            return self.pool.generator.submit(runner.run, StickyRoutes(self.pool, version), prompts, rows, n, sampling)
+            return self.pool.generator.submit(episode_driver(self.schedule, runner, self.pool, version), prompts, rows, n,
+                                              sampling)
 
         if self.group is None:
             return start(prompt_ids, samples)
@@ -355,6 +361,10 @@ class DedicatedBackend(RolloutBackend):
         if self.is_owner:
             future = start([p for part, _ in gathered for p in part], [s for _, part in gathered for s in part])
         return NodeShare(self, future, [len(part) for part, _ in gathered] if self.is_owner else None, n)
+
+    def engine_busy_s(self) -> float | None:
+        """The node main's engines; 0 on the node's other ranks (the step's metric is summed over ranks)."""
+        return 0.0 if self.pool is None else sum(s.occupancy.busy_s() for s in self.pool.servers)
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
         pool = self.pool if self.is_owner else None

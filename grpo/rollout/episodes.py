@@ -118,6 +118,8 @@ class Trajectory:
         self.mask: list[int] = []
         self.logprobs: list[float] = []
         self.turns: list[int] = []  # per span token: the 0-based turn that sampled it, -1 on observations
+        self.version = 0  # the weight version sampling the turn being added
+        self.versions: list[int] = []  # per span token: the weight version that sampled it, -1 on observations
         self.episode = Episode()
         self.rewards: list[float] = []
         self.active = True
@@ -128,6 +130,7 @@ class Trajectory:
         self.mask += [1 if logprobs is not None else 0] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
         self.turns += [self.episode.turns if logprobs is not None else -1] * len(ids)
+        self.versions += [self.version if logprobs is not None else -1] * len(ids)
 
     def end(self, finish: str) -> None:
         self.active = False
@@ -240,6 +243,8 @@ class EpisodeRunner:
                 raise RuntimeError(f"turn {turn} came from weight version {out.weight_version}, turn 1 from {version}: "
                                    "weights changed inside an episode batch")
             wait_s += out.engine_wait_s
+            for t in active:
+                t.version = out.weight_version
             texts = [self.take_turn(t, ids, lps, reason)
                      for t, ids, lps, reason in zip(active, out.completion_ids, out.logprobs, out.finish_reasons)]
             stepped = [(t, text) for t, text in zip(active, texts) if text is not None]
@@ -345,6 +350,7 @@ class EpisodeRunner:
             [t.span for t in trajectories], [t.logprobs for t in trajectories], [t.episode.finish for t in trajectories],
             version or 0, engine_wait_s=wait, loss_masks=[t.mask for t in trajectories],
             episodes=[t.episode for t in trajectories], token_turns=[t.turns for t in trajectories],
+            token_versions=[t.versions for t in trajectories],
         )
 
 
@@ -395,4 +401,11 @@ def episode_metrics(rollouts: Rollouts) -> dict[str, float]:
         "episode/tool_failure_rate": sum(e.tool_errors for e in eps) / calls if calls else 0.0,
     }
     metrics.update({f"episode/finish_{r}": sum(e.finish == r for e in eps) / n for r in FINISH})
+    if rollouts.token_versions is not None:  # partial rollouts: the weight versions within a trajectory
+        spans = [sorted({v for v in vs if v >= 0}) for vs in rollouts.token_versions]
+        newest = max((s[-1] for s in spans if s), default=0)
+        sampled = [v for vs in rollouts.token_versions for v in vs if v >= 0]
+        metrics["episode/versions_max"] = max((len(s) for s in spans), default=0)
+        metrics["episode/mixed_versions"] = sum(len(s) > 1 for s in spans) / n  # of trajectories
+        metrics["episode/tokens_behind"] = sum(v < newest for v in sampled) / max(len(sampled), 1)
     return metrics

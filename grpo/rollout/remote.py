@@ -29,12 +29,14 @@ from grpo.errors import ConfigError, ServerError, TokenError
 from grpo.progress import say
 from grpo.auth import load_token, read_token_file
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
-from grpo.rollout.servers import TRANSFERS, ServerPool, StickyRoutes, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
+from grpo.rollout.servers import (TRANSFERS, ServerPool, TurnGate, episode_driver, push_adapter_from_one_rank,
+                                  push_from_one_rank, transfer_backend)
 from grpo.weights import WeightBuckets
 
 
 class RemoteBackend(RolloutBackend):
     overlaps_training = True  # the servers generate while the trainer updates (algo.max_staleness)
+    schedules_trajectories = True  # generation is no collective: episodes can run per trajectory
 
     @classmethod
     def check(cls, cfg, world: int) -> None:
@@ -48,8 +50,10 @@ class RemoteBackend(RolloutBackend):
             except TokenError as e:
                 raise ConfigError(f"rollout.remote.token_file: {e}") from e
 
-    def __init__(self, cfg, model, tokenizer, model_path: str | None = None, run_dir: str = ".", **_):
+    def __init__(self, cfg, model, tokenizer, model_path: str | None = None, run_dir: str = ".",
+                 partial_rollouts: bool = False, **_):
         rc = cfg.remote
+        self.schedule = cfg.schedule
         if not rc.urls:
             raise ServerError("rollout=remote needs rollout.remote.urls=[http://host:port,...] (see `python -m grpo.serve`).")
         # each server's transfer group is sized by the server's own world (/get_world_size), not by
@@ -63,17 +67,24 @@ class RemoteBackend(RolloutBackend):
         self.lora_model = model if lora.is_lora(model) else None
         self.adapter_dir = os.path.join(os.path.abspath(run_dir), "adapters", "remote")
         self.max_context = self.pool.max_context
+        if partial_rollouts:
+            self.pool.gate = TurnGate(self.weight_version)
 
     def submit_episodes(self, prompt_ids, samples, n, sampling, runner) -> Future:
-        """The episodes run on the pool's generator thread, turn by turn, as one batch."""
-        return self.pool.generator.submit(runner.run, StickyRoutes(self.pool, self.weight_version), prompt_ids, samples, n,
-                                          sampling)
+        """The episodes run on the pool's generator thread as one batch: per trajectory or turn by turn
+        (rollout.schedule; `episode_driver`)."""
+        return self.pool.generator.submit(episode_driver(self.schedule, runner, self.pool, self.weight_version), prompt_ids,
+                                          samples, n, sampling)
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
         return self.submit(prompt_ids, n, sampling).result()
 
     def submit(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Future:
         return self.pool.submit(prompt_ids, n, sampling, self.weight_version)
+
+    def engine_busy_s(self) -> float | None:
+        """This rank's requests (every rank sends its own batch to the same servers)."""
+        return sum(s.occupancy.busy_s() for s in self.pool.servers)
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
         if self.lora_model is not None:

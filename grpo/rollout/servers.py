@@ -20,12 +20,14 @@ pushes over the grpo_gloo transport.
   the decoupled loss has no single behaviour logprob for; on one engine, waiting out the request
   costs no more than finishing it later.) Each batch records the version the servers report
   (/weight_info) before and after it; if they differ it is an error, not a silent mix.
+- Partial rollouts (`algo.partial_rollouts`, multi-turn episodes scheduled per trajectory): a push
+  waits only for the turns in flight (`TurnGate`), not for the batch; the episodes' later turns are
+  sampled by the new weights, and every token records the version that sampled it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import queue
 import socket
 import threading
@@ -155,15 +157,55 @@ def generation_timeout(base_s: float, max_new_tokens: int, completions: int, tok
     return base_s + max_new_tokens * completions / tokens_per_s
 
 
-def prompt_requests(indices: list[int], seed: int | None, n: int) -> list[tuple[list[int], int | None]]:
+def prompt_requests(indices: list[int], seed: int | None, n: int,
+                    keys: list[int] | None = None) -> list[tuple[list[int], int | None]]:
     """How a batch's prompts `indices` go to one server: (prompt indices, request seed) per request.
     Unseeded, one request for all. Seeded, one request per prompt, prompt k seeded `seed + k * n`:
     vLLM gives a request's every prompt the request's seed and completion j of each `seed + j`, so
     one request for all would draw every prompt's noise from one stream, and prompt seeds one apart
-    would share streams between neighbouring prompts' completions."""
+    would share streams between neighbouring prompts' completions. Completion j of prompt k is
+    trajectory k * n + j, so each completion's seed is `seed + its trajectory's index`; `keys` (n = 1,
+    multi-turn's later turns) give each prompt's trajectory index, keeping that rule whichever
+    trajectories are still active (grpo/rollout/trajectories.py sends the same seeds one by one)."""
     if seed is None:
         return [(list(indices), None)]
-    return [([k], seed + k * n) for k in indices]
+    return [([k], seed + (keys[k] if keys is not None else k * n)) for k in indices]
+
+
+class TurnGate:
+    """Partial rollouts (`algo.partial_rollouts`): weights change between the turns of an episode batch,
+    never inside a request. Every turn request holds the gate (`turn()` gives the weight version it is
+    sampled with); a push `pause()`s it (no new turn starts; it returns once the turns in flight have
+    returned), loads the weights and `resume(version)`s. A turn's every token thus comes from one
+    version, known without asking the server, and a push waits for at most one turn per trajectory,
+    not for the batch's slowest episode."""
+
+    def __init__(self, version: int = 0):
+        self.version, self.paused, self.active = version, False, 0
+        self.changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def turn(self):
+        with self.changed:
+            self.changed.wait_for(lambda: not self.paused)
+            self.active += 1
+            version = self.version
+        try:
+            yield version
+        finally:
+            with self.changed:
+                self.active -= 1
+                self.changed.notify_all()
+
+    def pause(self) -> None:
+        with self.changed:
+            self.paused = True
+            self.changed.wait_for(lambda: self.active == 0)
+
+    def resume(self, version: int) -> None:
+        with self.changed:
+            self.version, self.paused = version, False
+            self.changed.notify_all()
 
 
 def adapter_name(version: int) -> str:
@@ -187,8 +229,26 @@ class StickyRoutes:
                      for _ in range(a, b)]
             self.owner = {p * n + j: route[p] for p in range(len(prompt_ids)) for j in range(n)}
         else:
+            if not self.owner:  # turn 1 one trajectory per request (an environment's opening observation)
+                shares = split_by_load(len(keys), [s.speed for s in self.pool.servers])
+                self.owner = {k: i for i, (a, b) in enumerate(shares) for k in keys[a:b]}
             route = [self.owner[k] for k in keys]
-        return self.pool.generate(prompt_ids, n, sampling, self.version, route=route)
+        return self.pool.generate(prompt_ids, n, sampling, self.version, route=route, keys=keys)
+
+
+class EchoMismatch(ServerError):
+    """A server continued other prompt ids than it was sent: a bug to stop at, never one trajectory's bad luck."""
+
+
+def episode_driver(schedule: str, runner, pool: "ServerPool", version: int):
+    """`f(prompt_ids, samples, n, sampling) -> Rollouts`: an episode batch on `pool`, each trajectory at its
+    own pace (rollout.schedule auto or trajectories: grpo/rollout/trajectories.py) or turn by turn
+    (turns: the runner's own driver through `StickyRoutes`)."""
+    if schedule == "turns":
+        return lambda prompt_ids, samples, n, sampling: runner.run(StickyRoutes(pool, version), prompt_ids, samples, n, sampling)
+    from grpo.rollout.trajectories import TrajectoryDriver
+
+    return lambda prompt_ids, samples, n, sampling: TrajectoryDriver(runner, pool, version).run(prompt_ids, samples, n, sampling)
 
 
 def check_echo(server: Server, prompts: list[list[int]], n: int, choices: list[dict]) -> None:
@@ -200,7 +260,7 @@ def check_echo(server: Server, prompts: list[list[int]], n: int, choices: list[d
             continue  # an older server that does not echo
         sent = prompts[c["index"] // n]
         if list(echoed) != list(sent):
-            raise ServerError(f"{server.url} continued prompt ids {list(echoed)[:8]}... ({len(echoed)} ids), not the "
+            raise EchoMismatch(f"{server.url} continued prompt ids {list(echoed)[:8]}... ({len(echoed)} ids), not the "
                               f"{len(sent)} ids sent {list(sent)[:8]}...: the sampler and the trainer would see "
                               "different sequences")
         server.prompt_checks += 1
@@ -222,6 +282,7 @@ class ServerPool:
         remote backend's ranks), for the generation timeout (`generation_timeout`)."""
         self.servers = [Server(u, token, request_timeout_s) for u in urls]
         self.clients = clients
+        self.gate: TurnGate | None = None  # partial rollouts: weights change between turns (TurnGate)
         deadline = time.time() + health_timeout_s
         notes = [f"log: {p}" for p in logs] if logs else [""] * len(urls)
         exited = exited or [None] * len(urls)
@@ -287,8 +348,17 @@ class ServerPool:
         return self.generator.submit(self.generate, prompt_ids, n, sampling, version)
 
     def drain(self) -> None:
-        """Wait until every batch submitted so far has finished (before weights change)."""
-        self.generator.submit(lambda: None).result()
+        """Wait until every batch submitted so far has finished (before weights change); with partial
+        rollouts, only until the turns in flight have returned (`TurnGate.pause`; `resume` after the push)."""
+        if self.gate is not None:
+            self.gate.pause()
+        else:
+            self.generator.submit(lambda: None).result()
+
+    def resume(self, version: int) -> None:
+        """After a push: partial rollouts' turns go on with `version` (without them, nothing waits)."""
+        if self.gate is not None:
+            self.gate.resume(version)
 
     def served_version(self, server: Server, fallback: int) -> int:
         """The weight version `server` holds (set by our pushes); `fallback` before the first push
@@ -297,10 +367,11 @@ class ServerPool:
         return int(v) if v.isdigit() else fallback
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling, version: int,
-                 route: list[int] | None = None) -> Rollouts:
+                 route: list[int] | None = None, keys: list[int] | None = None) -> Rollouts:
         """The batch, split across the servers; `version`: what the trainer last pushed. `route`: the
         server of each prompt (multi-turn keeps a trajectory on one server, `StickyRoutes`); by
-        default contiguous shares in proportion to each server's speed (`split_by_load`)."""
+        default contiguous shares in proportion to each server's speed (`split_by_load`). `keys`: each
+        prompt's trajectory index, for its seed (`prompt_requests`)."""
         if route is None:
             route = [i for i, (a, b) in enumerate(split_by_load(len(prompt_ids), [s.speed for s in self.servers]))
                      for _ in range(a, b)]
@@ -313,7 +384,7 @@ class ServerPool:
                 return [], None, mine
             before = self.served_version(server, version)
             t0 = time.perf_counter()
-            shards = prompt_requests(mine, sampling.seed, n)
+            shards = prompt_requests(mine, sampling.seed, n, keys)
             load = in_flight_completions([len(r[0]) for r in shards], n, MAX_REQUESTS_IN_FLIGHT, self.clients)
             timeout = generation_timeout(server.timeout_s, sampling.max_new_tokens, load)
             answers = parallel_map(lambda r: self.complete(server, [prompt_ids[k] for k in r[0]], n, sampling, r[1], timeout),
@@ -358,7 +429,9 @@ class ServerPool:
                 **sampling_fields(sampling), "logprobs": 0, "return_token_ids": True}
         if seed is not None:
             body["seed"] = seed
-        choices = sorted(server.request("/v1/completions", body, timeout=timeout)["choices"], key=lambda c: c["index"])
+        with server.occupancy.request():
+            answer = server.request("/v1/completions", body, timeout=timeout)
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
         check_echo(server, prompts, n, choices)
         return choices
 
@@ -432,6 +505,8 @@ def push_adapter_from_one_rank(pool: ServerPool | None, model, buckets: WeightBu
             if old != f"v{version}" and old.startswith("v"):
                 shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
     dist.barrier()
+    if own is not None:
+        own.resume(version)
 
 
 def push_from_one_rank(pool: ServerPool | None, buckets: WeightBuckets, version: int, own: ServerPool | None = None) -> None:
@@ -442,11 +517,15 @@ def push_from_one_rank(pool: ServerPool | None, buckets: WeightBuckets, version:
     if own is not None:
         own.drain()
     dist.barrier()
-    if pool is not None:
-        pool.push(buckets, version)
-    else:
-        for _ in buckets:
-            pass
-    dist.barrier()
+    try:
+        if pool is not None:
+            pool.push(buckets, version)
+        else:
+            for _ in buckets:
+                pass
+        dist.barrier()
+    finally:
+        if own is not None:
+            own.resume(version)
 
 

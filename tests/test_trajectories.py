@@ -1,0 +1,230 @@
+"""Episodes scheduled per trajectory on a real `python -m grpo.serve` (grpo/rollout/trajectories.py), and
+partial rollouts: weights pushed between the turns of an episode batch (grpo/rollout/servers.py TurnGate).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from grpo.config import RolloutConfig, validate
+from grpo.envs.guess import GuessEnv
+from grpo.errors import ConfigError
+from grpo.rollout import Sampling
+from grpo.rollout.episodes import Budget, EpisodeRunner, episode_metrics
+from grpo.rollout.render import RawRender
+from grpo.rollout.servers import TurnGate, episode_driver, prompt_requests
+from grpo.tasks.base import Sample
+from grpo.weights import group_by_size
+from tests.conftest import compose_cfg, serve_tiny, stop_served
+
+TOKEN = "test-secret-token"
+EVENTS: list[tuple] = []  # (secret, step number, start, end) of every SlowGuess step
+
+
+class SlowGuess(GuessEnv):
+    """The guess game whose steps take `slow_s` for secret `slow` and `fast_s` for the others."""
+
+    def __init__(self, slow: int = 9, slow_s: float = 1.5, fast_s: float = 0.0):
+        super().__init__()
+        self.slow, self.slow_s, self.fast_s, self.steps = slow, slow_s, fast_s, 0
+
+    def step(self, action):
+        self.steps += 1
+        t0 = time.perf_counter()
+        time.sleep(self.slow_s if self.secret == self.slow else self.fast_s)
+        EVENTS.append((self.secret, self.steps, t0, time.perf_counter()))
+        return super().step(action)
+
+
+@pytest.fixture(scope="module")
+def server(learning_policy, tmp_path_factory):
+    """The warm-started tiny addition model: its turns are digits ending in the end token, so the
+    guess game goes on for several turns (a random model's turns run out of tokens at turn 1)."""
+    proc, url = serve_tiny(learning_policy, tmp_path_factory.mktemp("trajectories") / "server.log", TOKEN)
+    yield {"url": url, "path": learning_policy}
+    stop_served(proc)
+
+
+@pytest.fixture
+def remote(server, monkeypatch):
+    """A RemoteBackend on the module's server, and the tiny model it serves, loaded here."""
+    from grpo.auth import TOKEN_ENV
+    from grpo.models import load_model
+    from grpo.rollout.remote import RemoteBackend
+
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    model, tok = load_model(server["path"])
+    made = []
+
+    def make(partial: bool = False):
+        cfg = OmegaConf.structured(RolloutConfig(backend="remote"))
+        cfg.remote.urls = [server["url"]]
+        made.append(RemoteBackend(cfg, model, tok, partial_rollouts=partial))
+        return made[-1]
+
+    yield make, model, tok
+    for backend in made:
+        backend.close()
+
+
+def batch(tok, secrets=(9, 3, 5, 12)):
+    texts = ["12+34=", "7+1=", "99+9=", "5+5="][:len(secrets)]
+    return [tok(t).input_ids for t in texts], [Sample(t, str(s)) for t, s in zip(texts, secrets)]
+
+
+def runner_for(tok, backend, **env_kwargs):
+    return EpisodeRunner(lambda: SlowGuess(**env_kwargs), tok, RawRender(tok), Budget(4, 4, 64, 4, backend.max_context),
+                         10.0, [tok.eos_token_id], "slow_guess", max_concurrency=8)
+
+
+def test_a_trajectory_goes_on_while_a_slower_one_waits_and_the_tokens_equal_the_turn_synchronous_driver(remote):
+    """Secret 9's two trajectories take 1.5 s per step, the other six none. Per trajectory, a fast
+    trajectory's second step (so its second turn: sent, sampled, answered) starts before the slow
+    ones' first step has returned; turn by turn it cannot, since every turn 2 waits for every step 1.
+    Under the same seed and weights, both drivers train on the same tokens: the same ids, masks,
+    finish reasons and sampler logprobs (1e-5; the engine batches them differently)."""
+    make, model, tok = remote
+    backend = make()
+    prompts, samples = batch(tok)
+    sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=1234)
+    outs = {}
+    for schedule in ("turns", "trajectories"):
+        EVENTS.clear()
+        drive = episode_driver(schedule, runner_for(tok, backend), backend.pool, backend.weight_version)
+        outs[schedule] = drive(prompts, samples, 2, sampling)
+        slow_first = min(end for secret, k, _, end in EVENTS if secret == 9 and k == 1)
+        fast_second = [start for secret, k, start, _ in EVENTS if secret != 9 and k == 2]
+        assert fast_second, f"no fast trajectory reached a second step: {EVENTS}"
+        if schedule == "turns":
+            assert min(fast_second) >= slow_first
+        else:
+            assert min(fast_second) < slow_first - 0.5, (min(fast_second), slow_first)
+    turns, free = outs["turns"], outs["trajectories"]
+    assert free.completion_ids == turns.completion_ids
+    assert free.loss_masks == turns.loss_masks and free.token_turns == turns.token_turns
+    assert free.finish_reasons == turns.finish_reasons
+    assert [e.turns for e in free.episodes] == [e.turns for e in turns.episodes]
+    assert max(e.turns for e in free.episodes) >= 2
+    for a, b in zip(free.logprobs, turns.logprobs):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
+    assert free.token_versions == [[0 if m else -1 for m in mask] for mask in free.loss_masks]
+
+
+def token_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log p(ids[k] | ids[:k]) for k >= 1, at temperature 1."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def test_partial_rollouts_score_each_token_with_the_weights_that_sampled_it(remote):
+    """A push while an episode batch runs (every step 0.4 s): the push waits for the turns in flight,
+    not for the batch, so trajectories carry tokens of versions 0 and 1. Each token's sampler logprob
+    equals the logprob under the weights of its own version (the behaviour logprob the loss uses) to
+    1e-3, and differs from the other version's: the versions are told apart, not guessed."""
+    make, model, tok = remote
+    backend = make(partial=True)
+    before = copy.deepcopy(model)
+    prompts, samples = batch(tok, secrets=(13, 14, 15, 11))
+    sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=99)
+    EVENTS.clear()
+    future = backend.submit_episodes(prompts, samples, 2, sampling, runner_for(tok, backend, slow=0, fast_s=0.4))
+    deadline = time.time() + 60
+    while not EVENTS and time.time() < deadline:  # a first step has returned: turn 2 is coming
+        time.sleep(0.01)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    t0 = time.perf_counter()
+    named = ((n, p.detach()) for n, p in model.named_parameters(remove_duplicate=False))
+    backend.update_weights(group_by_size(named, 256 * 1024), version=1)
+    push_s = time.perf_counter() - t0
+    out = future.result()
+    assert not future.exception() and push_s < 30
+    mixed = [i for i, vs in enumerate(out.token_versions) if {0, 1} <= set(vs)]
+    assert mixed, out.token_versions
+    assert out.weight_version == 0  # the batch's oldest tokens
+    assert episode_metrics(out)["episode/versions_max"] == 2
+    own, other = [], []
+    weights = {0: before, 1: model}
+    for i in mixed:
+        ids = prompts[i // 2] + out.completion_ids[i]
+        at = len(prompts[i // 2]) - 1
+        scored = {v: token_logprobs(m, ids)[at:] for v, m in weights.items()}
+        sampler = torch.tensor(out.logprobs[i])
+        for k, v in enumerate(out.token_versions[i]):
+            if v >= 0:
+                own.append(abs(scored[v][k] - sampler[k]).item())
+                other.append(abs(scored[1 - v][k] - sampler[k]).item())
+    assert max(own) <= 1e-3, max(own)
+    assert max(other) > 1e-2, max(other)
+
+
+def test_the_turn_gate_lets_a_push_wait_only_for_the_turns_in_flight():
+    gate, log = TurnGate(version=3), []
+
+    def turn(hold: float):
+        with gate.turn() as v:
+            log.append(("start", v))
+            time.sleep(hold)
+        log.append(("end", v))
+
+    first = threading.Thread(target=turn, args=(0.3,))
+    first.start()
+    time.sleep(0.05)
+    t0 = time.perf_counter()
+    gate.pause()  # returns once the turn in flight has ended
+    assert log == [("start", 3), ("end", 3)] and time.perf_counter() - t0 >= 0.2
+    second = threading.Thread(target=turn, args=(0.0,))
+    second.start()
+    time.sleep(0.1)
+    assert len(log) == 2  # no turn starts while paused
+    gate.resume(4)
+    second.join(5)
+    first.join(5)
+    assert log[2:] == [("start", 4), ("end", 4)]
+
+
+def test_later_turn_seeds_follow_the_trajectory_not_its_place_in_the_batch():
+    assert prompt_requests([0, 1], 1000, 1, keys=[5, 2]) == [([0], 1005), ([1], 1002)]
+    assert prompt_requests([0, 1], 1000, 4) == [([0], 1000), ([1], 1004)]  # turn 1: completion j of prompt k is k * 4 + j
+
+
+def test_schedule_and_partial_rollouts_are_checked():
+    with pytest.raises(ConfigError, match="rollout.schedule=trajectories with rollout=hf"):
+        validate(compose_cfg("rollout=hf", "rollout.schedule=trajectories"))
+    with pytest.raises(ConfigError, match="single-turn task"):
+        validate(compose_cfg("rollout=remote", "rollout.remote.urls=[http://x:1]", "algo.max_staleness=1",
+                             "algo.partial_rollouts=true"))
+    with pytest.raises(ConfigError, match="rollout.schedule=turns"):
+        validate(compose_cfg("experiment=guess_tiny", "rollout=remote", "rollout.remote.urls=[http://x:1]",
+                             "rollout.schedule=turns", "algo.max_staleness=1", "algo.partial_rollouts=true"))
+    with pytest.raises(ConfigError, match="algo.max_staleness=0"):
+        validate(compose_cfg("experiment=guess_tiny", "rollout=remote", "rollout.remote.urls=[http://x:1]",
+                             "algo.partial_rollouts=true"))
+
+
+def test_a_guess_run_with_partial_rollouts_through_remote(server, make_cfg, monkeypatch):
+    """4 steps of experiment=guess_tiny on the server, one batch ahead (max_staleness=1) with partial
+    rollouts: it trains, logs the versions each batch spans, and never more than 2."""
+    from grpo.auth import TOKEN_ENV
+    from grpo.train import train
+
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    cfg = make_cfg("experiment=guess_tiny", "rollout=remote", f"rollout.remote.urls=[{server['url']}]", "steps=4",
+                   "eval_every=0", "checkpoint_every=0", "algo.max_staleness=1", "algo.partial_rollouts=true")
+    train(cfg)
+    rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    trained = [r for r in rows if "loss" in r]
+    assert len(trained) == 4
+    assert all(1 <= r["episode/versions_max"] <= 2 for r in trained), [r["episode/versions_max"] for r in trained]
+    assert all(r["async/staleness_max"] <= 1 for r in trained)
