@@ -20,7 +20,8 @@ from grpo.errors import ConfigError
 from grpo.rollout import Sampling
 from grpo.rollout.episodes import Budget, EpisodeRunner, episode_metrics
 from grpo.rollout.render import RawRender
-from grpo.rollout.servers import TurnGate, episode_driver, prompt_requests
+from grpo.rollout.servers import TurnGate, prompt_requests
+from grpo.rollout.trajectories import episode_driver
 from grpo.tasks.base import Sample
 from grpo.weights import group_by_size
 from tests.conftest import compose_cfg, serve_tiny, stop_served

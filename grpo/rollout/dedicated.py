@@ -37,7 +37,8 @@ from grpo.rollout.engine_memory import check_vllm, engine_context, model_config_
 from grpo import dist, lora
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.weights import WeightBuckets
-from grpo.rollout.servers import (TRANSFERS, ServerPool, TurnGate, episode_driver, push_adapter_from_one_rank, push_from_one_rank,
+from grpo.rollout.trajectories import episode_driver
+from grpo.rollout.servers import (TRANSFERS, ServerPool, TurnGate, push_adapter_from_one_rank, push_from_one_rank,
                                   reserve_port, transfer_backend)
 
 

@@ -29,7 +29,8 @@ from grpo.errors import ConfigError, ServerError, TokenError
 from grpo.progress import say
 from grpo.auth import load_token, read_token_file
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
-from grpo.rollout.servers import (TRANSFERS, ServerPool, TurnGate, episode_driver, push_adapter_from_one_rank,
+from grpo.rollout.trajectories import episode_driver
+from grpo.rollout.servers import (TRANSFERS, ServerPool, TurnGate, push_adapter_from_one_rank,
                                   push_from_one_rank, transfer_backend)
 from grpo.weights import WeightBuckets
 

@@ -240,17 +240,6 @@ class EchoMismatch(ServerError):
     """A server continued other prompt ids than it was sent: a bug to stop at, never one trajectory's bad luck."""
 
 
-def episode_driver(schedule: str, runner, pool: "ServerPool", version: int):
-    """`f(prompt_ids, samples, n, sampling) -> Rollouts`: an episode batch on `pool`, each trajectory at its
-    own pace (rollout.schedule auto or trajectories: grpo/rollout/trajectories.py) or turn by turn
-    (turns: the runner's own driver through `StickyRoutes`)."""
-    if schedule == "turns":
-        return lambda prompt_ids, samples, n, sampling: runner.run(StickyRoutes(pool, version), prompt_ids, samples, n, sampling)
-    from grpo.rollout.trajectories import TrajectoryDriver
-
-    return lambda prompt_ids, samples, n, sampling: TrajectoryDriver(runner, pool, version).run(prompt_ids, samples, n, sampling)
-
-
 def check_echo(server: Server, prompts: list[list[int]], n: int, choices: list[dict]) -> None:
     """The prompt ids each choice says it continued (vLLM's `return_token_ids` echo) against the ids
     sent: a server that re-tokenized or cut a prompt is an error, never a silent mismatch."""

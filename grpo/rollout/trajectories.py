@@ -40,7 +40,16 @@ from grpo.endpoints import parallel_map, split_by_load
 from grpo.errors import ServerError
 from grpo.rollout.base import Rollouts, Sampling
 from grpo.rollout.episodes import EnvCalls, EpisodeRunner, Trajectory, turn_seed
-from grpo.rollout.servers import MAX_REQUESTS_IN_FLIGHT, EchoMismatch, generation_timeout
+from grpo.rollout.servers import MAX_REQUESTS_IN_FLIGHT, EchoMismatch, StickyRoutes, generation_timeout
+
+
+def episode_driver(schedule: str, runner: EpisodeRunner, pool, version: int):
+    """`f(prompt_ids, samples, n, sampling) -> Rollouts`: an episode batch on `pool` (a ServerPool), each
+    trajectory at its own pace (rollout.schedule auto or trajectories: `TrajectoryDriver`) or turn by
+    turn (turns: the runner's own driver, each trajectory kept on its server by `StickyRoutes`)."""
+    if schedule == "turns":
+        return lambda prompt_ids, samples, n, sampling: runner.run(StickyRoutes(pool, version), prompt_ids, samples, n, sampling)
+    return lambda prompt_ids, samples, n, sampling: TrajectoryDriver(runner, pool, version).run(prompt_ids, samples, n, sampling)
 
 
 class Stop(Exception):
