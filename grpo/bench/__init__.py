@@ -5,7 +5,7 @@ bench_results/COMMAND.json; the default `run`'s is bench_results/bench.json). Wi
 
 Each command's code is its own module of this package: steps.py (run, with sync.py), asynchronous.py,
 lora.py, shared_cores.py, warm_start.py, memory.py (update-memory, hf-scores), zero3.py (zero3-memory),
-packing.py (update-packing), vs_trl.py (vs-trl), env_calls.py (env-calls); runs.py holds what their
+packing.py (update-packing), vs_trl.py (vs-trl), env_calls.py (env-calls), episodes.py (episodes); runs.py holds what their
 trainings share and report.py their tables and JSON. This file is the dispatcher and imports no benchmark.
 """
 
@@ -16,7 +16,7 @@ import os
 import sys
 
 COMMANDS = ("run", "async", "lora", "shared-cores", "warm-start", "update-memory", "hf-scores", "zero3-memory", "update-packing",
-            "vs-trl", "env-calls")
+            "vs-trl", "env-calls", "episodes")
 # the flags that chose a benchmark before the commands, and the command each is now
 OLD_FLAGS = {"--async": "async", "--lora": "lora", "--shared-cores": "shared-cores", "--warm-start": "warm-start",
              "--update-memory": "update-memory", "--hf-scores": "hf-scores", "--zero3-memory": "zero3-memory",
@@ -94,6 +94,12 @@ def run_env_calls(args):
     return report_env_calls(args.trajectories, args.step_ms, csv(args.concurrency, int))
 
 
+def run_episodes(args):
+    from grpo.bench.episodes import report_episodes
+
+    return report_episodes(args.steps, args.batch, args.latency_ms, csv(args.settings), args.overrides)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m grpo.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -162,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--trajectories", type=int, default=512, help="episodes, 8 per prompt (default: %(default)s)")
     c.add_argument("--step-ms", type=float, default=50.0, help="each environment step's time (default: %(default)s)")
     c.add_argument("--concurrency", default="1,32", help="env.max_concurrency values (default: %(default)s)")
+
+    c = command("episodes", run_episodes, "multi-turn training on long-tailed guess episodes with a tool latency, "
+                "rollout=remote on two local servers: turn-synchronous, per trajectory, and per trajectory with "
+                "partial rollouts (episodes/s, engine idle fraction, the trainer's wait)", steps=6, overrides=True)
+    c.add_argument("--batch", type=int, default=128, help="episodes per step, 16 per prompt (default: %(default)s)")
+    c.add_argument("--latency-ms", type=float, default=50.0, help="each environment step's tool latency (default: %(default)s)")
+    c.add_argument("--settings", default="turns,trajectories,partial", help="which schedules (default: %(default)s)")
     return p
 
 
