@@ -97,7 +97,8 @@ def run_env_calls(args):
 def run_episodes(args):
     from grpo.bench.episodes import report_episodes
 
-    return report_episodes(args.steps, args.batch, args.latency_ms, csv(args.settings), args.overrides)
+    return report_episodes(args.steps, args.batch, args.latency_ms, csv(args.settings), args.overrides, args.learn_steps,
+                           csv(args.learn_settings))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,10 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = command("episodes", run_episodes, "multi-turn training on long-tailed guess episodes with a tool latency, "
                 "rollout=remote on two local servers: turn-synchronous, per trajectory, and per trajectory with "
-                "partial rollouts (episodes/s, engine idle fraction, the trainer's wait)", steps=6, overrides=True)
+                "partial rollouts (episodes/s, engine idle fraction, the trainer's wait)", steps=10, overrides=True)
     c.add_argument("--batch", type=int, default=128, help="episodes per step, 16 per prompt (default: %(default)s)")
     c.add_argument("--latency-ms", type=float, default=50.0, help="each environment step's tool latency (default: %(default)s)")
     c.add_argument("--settings", default="turns,trajectories,partial", help="which schedules (default: %(default)s)")
+    c.add_argument("--learn-steps", type=int, default=0, help="then experiment=guess_tiny on remote for this many steps "
+                   "per --learn-settings, its held-out solve rate before and after (default: %(default)s, none)")
+    c.add_argument("--learn-settings", default="turns,partial", help="the schedules that learn (default: %(default)s)")
     return p
 
 

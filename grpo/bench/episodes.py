@@ -75,7 +75,7 @@ def bench_episodes(steps: int, batch: int, latency_ms: float, settings: list[str
             t0 = time.perf_counter()
             train(compose([*common, "rollout=remote", f"rollout.remote.urls=[{','.join(urls)}]", *SETTINGS[name],
                            f"run_dir={run_dir}"]))
-            timed = metrics_rows(run_dir)
+            timed = metrics_rows(run_dir)[:-1]  # the last step waits for no next batch
             mean = lambda key: statistics.mean(r[key] for r in timed)  # noqa: E731
             step_s = mean("step_s")
             rows.append({"setting": name, "steps_timed": len(timed), "episodes_per_s": batch / step_s, "step_s": step_s,
@@ -90,10 +90,36 @@ def bench_episodes(steps: int, batch: int, latency_ms: float, settings: list[str
     return rows
 
 
-def report_episodes(steps: int, batch: int, latency_ms: float, settings: list[str], overrides: list[str]) -> tuple[dict, list]:
-    rows = bench_episodes(steps, batch, latency_ms, settings, overrides)
+def bench_learning(steps: int, settings: list[str], extra: list[str]) -> list[dict]:
+    """experiment=guess_tiny itself (the plain guess game, 4 turns) on rollout=remote with one server,
+    algo.max_staleness=1, per setting: the held-out solve rate before and after `steps` steps."""
+    from grpo.models import resolve_model_folder
+    from grpo.train import train
+
+    common = ["experiment=guess_tiny", "algo.max_staleness=1", f"steps={steps}", "export_model=false", *QUIET, *extra]
+    rows = []
+    with served(resolve_model_folder(compose(common + ["run_dir=unused"]))) as url:
+        for name in settings:
+            run_dir = tempfile.mkdtemp(prefix=f"bench-episodes-learn-{name}-")
+            print(f"bench: learning, {name}, {steps} steps of experiment=guess_tiny", flush=True)
+            summary = train(compose([*common, "rollout=remote", f"rollout.remote.urls=[{url}]", *SETTINGS[name],
+                                     f"run_dir={run_dir}"]))
+            rows.append({"setting": name, "steps": steps, "eval_before": summary["eval_before"],
+                         "eval_after": summary["eval_after"], "eval_gain": summary["eval_gain"], "wall_s": summary["wall_s"]})
+    return rows
+
+
+def report_episodes(steps: int, batch: int, latency_ms: float, settings: list[str], overrides: list[str],
+                    learn_steps: int = 0, learn_settings: list[str] = ()) -> tuple[dict, list]:
+    rows = bench_episodes(steps, batch, latency_ms, settings, overrides) if steps else []
     cols = ["setting", "episodes_per_s", "vs_turns", "step_s", "engine_idle", "trainer_wait_s", "turns_mean", "turns_max",
             "versions_max", "mixed_versions", "steps_timed", "wall_s"]
-    return {"episodes": rows}, [(f"long-tailed guess episodes ({latency_ms:g} ms tool, turn caps up to 12), "
-                                 f"{batch} per step, rollout=remote on 2 servers, algo.max_staleness=1 "
-                                 "(means over the steps after the first)", rows, cols)]
+    sections = [(f"long-tailed guess episodes ({latency_ms:g} ms tool, turn caps up to 12), "
+                 f"{batch} per step, rollout=remote on 2 servers, algo.max_staleness=1 "
+                 "(means over the steps after the first, the last left out)", rows, cols)] if rows else []
+    learning = bench_learning(learn_steps, list(learn_settings), overrides) if learn_steps else []
+    if learning:
+        sections.append((f"experiment=guess_tiny on rollout=remote (one server), algo.max_staleness=1, {learn_steps} steps: "
+                         "greedy held-out solve rate", learning, ["setting", "steps", "eval_before", "eval_after", "eval_gain",
+                                                                   "wall_s"]))
+    return {"episodes": rows, "learning": learning}, sections

@@ -38,7 +38,7 @@ from grpo import dist, lora
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.weights import WeightBuckets
 from grpo.rollout.trajectories import episode_driver
-from grpo.rollout.servers import (TRANSFERS, ServerPool, TurnGate, push_adapter_from_one_rank, push_from_one_rank,
+from grpo.rollout.servers import (TRANSFERS, ServerPool, TurnGate, in_thread, push_adapter_from_one_rank, push_from_one_rank,
                                   reserve_port, transfer_backend)
 
 
@@ -350,9 +350,11 @@ class DedicatedBackend(RolloutBackend):
         drives the episodes against its engines on the pool's generator thread; `.result()` scatters."""
         version = self.weight_version
 
-        def start(prompts, rows):
-            return self.pool.generator.submit(episode_driver(self.schedule, runner, self.pool, version), prompts, rows, n,
-                                              sampling)
+        def start(prompts, rows):  # with partial rollouts the batches in flight overlap (remote.py, `in_thread`)
+            drive = episode_driver(self.schedule, runner, self.pool, version)
+            if self.pool.gate is not None:
+                return in_thread(drive, prompts, rows, n, sampling)
+            return self.pool.generator.submit(drive, prompts, rows, n, sampling)
 
         if self.group is None:
             return start(prompt_ids, samples)

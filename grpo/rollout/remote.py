@@ -30,7 +30,7 @@ from grpo.progress import say
 from grpo.auth import load_token, read_token_file
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.rollout.trajectories import episode_driver
-from grpo.rollout.servers import (TRANSFERS, ServerPool, TurnGate, push_adapter_from_one_rank,
+from grpo.rollout.servers import (TRANSFERS, ServerPool, TurnGate, in_thread, push_adapter_from_one_rank,
                                   push_from_one_rank, transfer_backend)
 from grpo.weights import WeightBuckets
 
@@ -72,10 +72,13 @@ class RemoteBackend(RolloutBackend):
             self.pool.gate = TurnGate(self.weight_version)
 
     def submit_episodes(self, prompt_ids, samples, n, sampling, runner) -> Future:
-        """The episodes run on the pool's generator thread as one batch: per trajectory or turn by turn
-        (rollout.schedule; `episode_driver`)."""
-        return self.pool.generator.submit(episode_driver(self.schedule, runner, self.pool, self.weight_version), prompt_ids,
-                                          samples, n, sampling)
+        """The episodes run as one batch, per trajectory or turn by turn (rollout.schedule; `episode_driver`):
+        on the pool's generator thread after the batches before it, or with partial rollouts on a thread of
+        their own at once, so the batches in flight overlap on the servers."""
+        drive = episode_driver(self.schedule, runner, self.pool, self.weight_version)
+        if self.pool.gate is not None:
+            return in_thread(drive, prompt_ids, samples, n, sampling)
+        return self.pool.generator.submit(drive, prompt_ids, samples, n, sampling)
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
         return self.submit(prompt_ids, n, sampling).result()

@@ -116,6 +116,23 @@ class DaemonWorker:
         self.queue.put(None)
 
 
+def in_thread(fn, *args) -> Future:
+    """`fn(*args)` on a daemon thread of its own, started now; its Future. Partial rollouts' episode
+    batches overlap on the servers this way (a straggler of one batch runs while the next one starts),
+    where other batches take turns on the pool's generator."""
+    future: Future = Future()
+    future.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="grpo-episodes", daemon=True).start()
+    return future
+
+
 def free_port(host: str = "") -> int:
     """A port free now; another process may take it before it is bound again (prefer reserve_port)."""
     with socket.socket() as s:
