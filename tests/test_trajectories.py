@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from grpo.config import RolloutConfig, validate
 from grpo.envs.guess import GuessEnv
-from grpo.errors import ConfigError
+from grpo.errors import ConfigError, ServerError
 from grpo.rollout import Sampling
 from grpo.rollout.episodes import Budget, EpisodeRunner, episode_metrics
 from grpo.rollout.render import RawRender
@@ -229,3 +229,29 @@ def test_a_guess_run_with_partial_rollouts_through_remote(server, make_cfg, monk
     assert len(trained) == 4
     assert all(1 <= r["episode/versions_max"] <= 2 for r in trained), [r["episode/versions_max"] for r in trained]
     assert all(r["async/staleness_max"] <= 1 for r in trained)
+
+
+def test_a_failed_request_ends_only_its_trajectories(server, remote):
+    """Two pool entries, the second pointed at a dead port after the health checks: the prompts routed
+    there end as 'error' (reward None, one warning for the batch), the others' episodes are whole. With
+    every server dead the batch fails, naming the first error."""
+    from grpo.auth import load_token
+    from grpo.rollout.servers import ServerPool, free_port
+    from grpo.rollout.trajectories import TrajectoryDriver
+
+    _, _, tok = remote
+    pool = ServerPool([server["url"], server["url"]], load_token(None), 60, 60, can_push=False, log=None)
+    try:
+        pool.servers[1].url = f"http://127.0.0.1:{free_port()}"
+        prompts, samples = batch(tok)
+        runner = runner_for(tok, pool)
+        sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=5)
+        with pytest.warns(UserWarning, match="4 of 8 trajectories ended as 'error'.*unreachable"):
+            out = TrajectoryDriver(runner, pool, 0).run(prompts, samples, 2, sampling)
+        assert out.finish_reasons[4:] == ["error"] * 4 and all(e.env_reward is None for e in out.episodes[4:])
+        assert "error" not in out.finish_reasons[:4] and all(len(ids) > 0 for ids in out.completion_ids[:4])
+        pool.servers[0].url = pool.servers[1].url
+        with pytest.raises(ServerError, match="every trajectory of the episode batch"):
+            TrajectoryDriver(runner, pool, 0).run(prompts, samples, 2, sampling)
+    finally:
+        pool.close()

@@ -95,9 +95,9 @@ class TrajectoryDriver:
         t_start = time.perf_counter()
         self.wait_s = 0.0 if pool.idle_since is None else t_start - pool.idle_since
         used = [i for i, c in enumerate(per_server) if c]
-        before = None if pool.gate else parallel_map(lambda i: pool.served_version(servers[i], self.version), used)
+        before = None if pool.gate else self.served_versions(used)
         if before:  # what the servers hold (the trainer's last push, or an earlier trainer's), as a turn-synchronous batch says
-            self.version = before[0]
+            self.version = next(iter(before.values()))
         threads = min(len(trajectories), MAX_REQUESTS_IN_FLIGHT * len(servers) + max(1, self.runner.max_concurrency))
         try:
             with ThreadPoolExecutor(max(1, threads), thread_name_prefix="grpo-trajectory") as workers:
@@ -117,18 +117,30 @@ class TrajectoryDriver:
             server.speed = rate if server.batches == 0 else 0.7 * server.speed + 0.3 * rate
             server.batches += 1
         if before is not None:
-            after = parallel_map(lambda i: pool.served_version(servers[i], self.version), used)
-            if before != after:
+            after = self.served_versions(list(before))
+            if any(before[i] != after.get(i, before[i]) for i in before):
                 raise ServerError(f"the servers' weight versions went from {before} to {after} during an episode batch; "
                                   "weights change only between batches without partial rollouts (ServerPool.drain)")
-            if len(set(before)) > 1:
-                raise ServerError(f"the servers hold different weight versions {sorted(set(before))}; a push reached only some")
+            if len(set(before.values())) > 1:
+                raise ServerError(f"the servers hold different weight versions {sorted(set(before.values()))}; a push "
+                                  "reached only some")
         self.report_failures(len(trajectories))
         versions = [v for t in trajectories for v in t.versions if v >= 0]
         version = min(versions) if versions else self.version
         out = self.runner.rollouts(trajectories, version, self.wait_s)
         out.token_versions = [list(t.versions) for t in trajectories]
         return out
+
+    def served_versions(self, used: list[int]) -> dict[int, int]:
+        """Server index -> the weight version it holds, for the servers that answer (one that does not
+        fails its trajectories' requests, each ending as "error")."""
+        def ask(i):
+            try:
+                return self.pool.served_version(self.pool.servers[i], self.version)
+            except ServerError:
+                return None
+
+        return {i: v for i, v in zip(used, parallel_map(ask, used)) if v is not None}
 
     def spawn(self, fn, *args) -> None:
         with self.done:
