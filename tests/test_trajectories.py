@@ -82,7 +82,7 @@ def batch(tok, secrets=(9, 3, 5, 12)):
 
 
 def runner_for(tok, backend, **env_kwargs):
-    return EpisodeRunner(lambda: SlowGuess(**env_kwargs), tok, RawRender(tok), Budget(4, 4, 64, 4, backend.max_context),
+    return EpisodeRunner(lambda: SlowGuess(**env_kwargs), tok, RawRender(tok), Budget(4, 6, 64, 4, backend.max_context),
                          10.0, [tok.eos_token_id], "slow_guess", max_concurrency=8)
 
 
@@ -95,7 +95,7 @@ def test_a_trajectory_goes_on_while_a_slower_one_waits_and_the_tokens_equal_the_
     make, model, tok = remote
     backend = make()
     prompts, samples = batch(tok)
-    sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=1234)
+    sampling = Sampling(max_new_tokens=6, temperature=1.0, seed=1234)
     outs = {}
     for schedule in ("turns", "trajectories"):
         EVENTS.clear()
@@ -135,7 +135,7 @@ def test_partial_rollouts_score_each_token_with_the_weights_that_sampled_it(remo
     backend = make(partial=True)
     before = copy.deepcopy(model)
     prompts, samples = batch(tok, secrets=(13, 14, 15, 11))
-    sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=99)
+    sampling = Sampling(max_new_tokens=6, temperature=1.0, seed=99)
     EVENTS.clear()
     future = backend.submit_episodes(prompts, samples, 2, sampling, runner_for(tok, backend, slow=0, fast_s=0.4))
     deadline = time.time() + 60
@@ -245,7 +245,7 @@ def test_a_failed_request_ends_only_its_trajectories(server, remote):
         pool.servers[1].url = f"http://127.0.0.1:{free_port()}"
         prompts, samples = batch(tok)
         runner = runner_for(tok, pool)
-        sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=5)
+        sampling = Sampling(max_new_tokens=6, temperature=1.0, seed=5)
         with pytest.warns(UserWarning, match="4 of 8 trajectories ended as 'error'.*unreachable"):
             out = TrajectoryDriver(runner, pool, 0).run(prompts, samples, 2, sampling)
         assert out.finish_reasons[4:] == ["error"] * 4 and all(e.env_reward is None for e in out.episodes[4:])
