@@ -190,14 +190,20 @@ class EpisodeRunner:
             lockstep: Optional[Callable[[int], bool]] = None) -> Rollouts:
         """`generate(prompt_ids, n, sampling) -> Rollouts` is the backend's; `lockstep(active)`, where
         generation is a collective, says whether any rank still has an active trajectory."""
-        b = self.budget
-        sampling = replace(sampling, max_new_tokens=b.max_new_tokens)
+        return self.drive(prompt_ids, samples, n, sampling, lambda calls, trajectories, sampling: self.episodes(
+            calls, trajectories, generate, prompt_ids, n, sampling, lockstep))
+
+    def drive(self, prompt_ids: list[list[int]], samples: list, n: int, sampling: Sampling, episodes: Callable) -> Rollouts:
+        """The batch's trajectories (completion k of prompt i is trajectory i * n + k), each with its own
+        environment, through `episodes(calls, trajectories, sampling)` (turn by turn here, per trajectory in
+        grpo/rollout/trajectories.py); every environment built is closed after it, on an error too."""
+        sampling = replace(sampling, max_new_tokens=self.budget.max_new_tokens)
         trajectories = [Trajectory(p, s, None, i * n + k) for i, (p, s) in enumerate(zip(prompt_ids, samples)) for k in range(n)]
         with EnvCalls(self.max_concurrency, len(trajectories)) as calls:
             try:
                 for t in trajectories:
                     t.env = self.make_env()
-                return self.episodes(calls, trajectories, generate, prompt_ids, n, sampling, lockstep)
+                return episodes(calls, trajectories, sampling)
             finally:
                 built = [t for t in trajectories if t.env is not None]
                 for error in calls.map(self.env_close, built):

@@ -33,7 +33,6 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import Optional
 
 from grpo.endpoints import parallel_map, split_by_load
@@ -70,22 +69,13 @@ class TrajectoryDriver:
         self.wait_s = 0.0
 
     def run(self, prompt_ids: list[list[int]], samples: list, n: int, sampling: Sampling) -> Rollouts:
-        r = self.runner
-        sampling = replace(sampling, max_new_tokens=r.budget.max_new_tokens)
-        trajectories = [Trajectory(p, s, None, i * n + k) for i, (p, s) in enumerate(zip(prompt_ids, samples)) for k in range(n)]
-        with EnvCalls(r.max_concurrency, len(trajectories)) as calls:
-            try:
-                for t in trajectories:
-                    t.env = r.make_env()
-                return self.episodes(trajectories, prompt_ids, n, sampling)
-            finally:
-                built = [t for t in trajectories if t.env is not None]
-                for error in calls.map(r.env_close, built):
-                    if error:
-                        warnings.warn(f"{r.env_name}.close() raised {error}", stacklevel=2)
+        return self.runner.drive(prompt_ids, samples, n, sampling,
+                                 lambda calls, trajectories, sampling: self.episodes(calls, trajectories, prompt_ids, n, sampling))
 
-    def episodes(self, trajectories: list[Trajectory], prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
+    def episodes(self, calls: EnvCalls, trajectories: list[Trajectory], prompt_ids: list[list[int]], n: int,
+                 sampling: Sampling) -> Rollouts:
         pool, servers = self.pool, self.pool.servers
+        self.calls = calls  # the resets go through the runner's pool of environment calls
         shares = split_by_load(len(prompt_ids), [s.speed for s in servers])
         self.server_of = [i for i, (a, b) in enumerate(shares) for _ in range(a, b)]  # per prompt
         per_server = [(b - a) * n for a, b in shares]
@@ -162,12 +152,11 @@ class TrajectoryDriver:
                 self.done.notify_all()
 
     def group(self, group: list[Trajectory], p: int, n: int, sampling: Sampling) -> None:
-        """Prompt p's n trajectories: their resets, then turn 1 as one request where none of them opened
-        with an observation (the prompt's prefix shared, as `generate(prompts, n)`), else one each."""
+        """Prompt p's n trajectories: their resets (concurrently, on the runner's pool of environment
+        calls), then turn 1 as one request where none of them opened with an observation (the prompt's
+        prefix shared, as `generate(prompts, n)`), else one each."""
         r, opened = self.runner, False
-        for t in group:
-            with self.envs:
-                text, error = r.env_reset(t, sampling.seed)
+        for t, (text, error) in zip(group, self.calls.map(lambda t: r.env_reset(t, sampling.seed), group)):
             with self.lock:
                 if error:
                     r.fail(t, error, "reset")
