@@ -78,6 +78,14 @@ def route_address(host: str, port: int) -> str:
         return s.getsockname()[0]
 
 
+def settle(future: Future, fn, args) -> None:
+    """Run `fn(*args)` into a running `future`: its result, or what it raised."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - delivered through the future
+        future.set_exception(e)
+
+
 class DaemonWorker:
     """One daemon thread running submitted calls in order (the pool's generator). ThreadPoolExecutor
     threads are joined at interpreter exit, so a remote request in flight held the exit of a stopped or
@@ -98,12 +106,8 @@ class DaemonWorker:
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
             future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - delivered through the future
-                future.set_exception(e)
+            if future.set_running_or_notify_cancel():
+                settle(future, fn, args)
 
     def shutdown(self) -> None:
         """Cancel what has not started; a call in flight ends with its server (or the process)."""
@@ -122,14 +126,7 @@ def in_thread(fn, *args) -> Future:
     where other batches take turns on the pool's generator."""
     future: Future = Future()
     future.set_running_or_notify_cancel()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - delivered through the future
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="grpo-episodes", daemon=True).start()
+    threading.Thread(target=settle, args=(future, fn, args), name="grpo-episodes", daemon=True).start()
     return future
 
 
