@@ -109,6 +109,9 @@ class ParallelConfig:
     # with several ranks: at step 1 and every this many steps the ranks compare a fingerprint of their
     # weights and a mismatch stops the run (grpo/guards.py; one pass over the weights); 0 = never
     check_ranks_every: int = 50
+    # Ulysses: groups of this many consecutive ranks share each row of the update (its columns split
+    # among them, DeepSpeed's all-to-all in the attention); rollouts unchanged; grpo/parallel/sequence.py
+    sequence_parallel: int = 1
 
 
 @dataclass
@@ -388,6 +391,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
             f"(or auto) to clip around the sampler."
         )
     strategy_class(cfg.parallel.strategy).check(cfg.parallel, world)  # each strategy its own (grpo/parallel/)
+    check_sequence_parallel(cfg, world)
     _check_lora(cfg, world, cuda)
     if cfg.parallel.peer_timeout_s <= 0:
         raise ConfigError(f"parallel.peer_timeout_s={cfg.parallel.peer_timeout_s} must be > 0 seconds.")
@@ -413,6 +417,17 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
         _check_hub_model(path)
     # the engines' context against the model's own: fitted with a warning, or refused (engine_memory.engine_context)
     backend_class(r.backend).check_context(r, known_model_config(cfg.model))
+
+
+def check_sequence_parallel(cfg, world: int) -> None:
+    """parallel.sequence_parallel against the strategy, the processes and (the tiny model: known before
+    loading) the heads; a loaded model's attention and heads are checked when the strategy is built."""
+    from grpo.parallel.sequence import check_heads, check_size
+
+    size = cfg.parallel.sequence_parallel
+    check_size(size, cfg.parallel.strategy, world)
+    if size > 1 and cfg.model.path == "tiny":
+        check_heads(size, cfg.model.tiny.num_heads, cfg.model.tiny.num_heads)
 
 
 def known_model_config(model) -> dict:

@@ -146,3 +146,39 @@ def packed_logprobs(model, batch: Batch, temperature: float, with_entropy: bool,
     zeros_BT = torch.zeros(batch.completion_ids_BT.shape, device=logp_1N.device)
     return (zeros_BT.index_put(packed.token_at, logp_1N[0]),
             zeros_BT.index_put(packed.token_at, ent_1N[0]) if with_entropy else None)
+
+
+def forward_logprobs_split(model, batch: Batch, rows, split, temperature: float, with_entropy: bool, max_tokens: int,
+                           plain: bool):
+    """forward_logprobs of a micro-batch whose rows a group of ranks shares (grpo/parallel/sequence.py):
+    the model runs on this rank's columns of `rows` (the micro-batch laid out whole); the head on the
+    completion tokens predicted from them; the group's all-reduce gives every rank the whole
+    micro-batch's logprobs_BT (entropy_BT). Every rank keeps the graph through its model forward, even
+    with no token of its own, so every rank's backward joins the attention's all-to-alls."""
+    from grpo.parallel.sequence import columns
+
+    cols = columns(rows.input_ids_RW.shape[1], split.size, split.rank)
+    inputs = dict(input_ids=rows.input_ids_RW[:, cols], position_ids=rows.position_ids_RW[:, cols], use_cache=False)
+    row_N, col_N = rows.hidden_at
+    mine_N = (col_N >= cols.start) & (col_N < cols.stop)
+    at = (row_N[mine_N], col_N[mine_N] - cols.start)
+    tokens_N = batch.completion_ids_BT[rows.token_at]
+    with attention.training_attention(batch.input_ids_BL.device):
+        if plain:
+            hidden_RwH = model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
+            pieces = pieces_for(max_tokens or tokens_N.shape[0], vocab_size_of(model))
+            logp_1n, ent_1n = head_logprobs(model, hidden_RwH[at][None], tokens_N[mine_N][None], temperature, pieces,
+                                            with_entropy)
+        else:  # a head of its own: the model's logits at this rank's positions
+            logits_1nV = model(**inputs, logits_to_keep=0).logits[at][None]
+            logp_1n = token_logprobs(logits_1nV, tokens_N[mine_N][None], temperature)
+            with torch.no_grad():
+                ent_1n = entropy(logits_1nV.detach() / max(temperature, 1e-6)) if with_entropy else None
+    where = (mine_N.nonzero()[:, 0],)
+    zeros_N = torch.zeros(tokens_N.shape, device=logp_1n.device)
+    logp_N = split.gather(zeros_N.index_put(where, logp_1n[0]))
+    zeros_BT = torch.zeros(batch.completion_ids_BT.shape, device=logp_N.device)
+    if not with_entropy:
+        return zeros_BT.index_put(rows.token_at, logp_N), None
+    ent_N = split.gather(zeros_N.index_put(where, ent_1n[0].detach()))
+    return zeros_BT.index_put(rows.token_at, logp_N), zeros_BT.index_put(rows.token_at, ent_N)

@@ -8,6 +8,7 @@ parallel strategy.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
@@ -35,12 +36,31 @@ def lockstep_padding(strategy, micro_batches: int) -> int:
     return max(1, int(dist.all_reduce_max([micro_batches])[0])) - micro_batches
 
 
-def lockstep_micro_batches(strategy, batch: Batch, max_tokens: int, layout: str = "padded",
-                           multiple: int = 1) -> tuple[list[Batch], int]:
-    """This rank's micro-batches (rows rounded to `multiple` wide: grpo.attention.width_multiple) and
-    how many padding ones to add (`lockstep_padding`)."""
-    mbs = micro_batches(batch, max_tokens, layout, multiple)
-    return mbs, lockstep_padding(strategy, len(mbs))
+def shared_work(strategy, items: list) -> list[tuple[object, bool]]:
+    """What this rank runs forwards on: its own micro-batches (`items`), each with True; with
+    parallel.sequence_parallel > 1 every micro-batch of the rank's group, in rank order, each with
+    whether it is this rank's own (its statistics and outputs are kept by that rank alone)."""
+    split = getattr(strategy, "sequence", None)
+    return [(item, True) for item in items] if split is None else split.exchange(items)
+
+
+def split_size(strategy) -> int:
+    """How many ranks run each micro-batch's forward together: parallel.sequence_parallel."""
+    split = getattr(strategy, "sequence", None)
+    return 1 if split is None else split.size
+
+
+@contextlib.contextmanager
+def forwarding(strategy, model, mb: Batch, temperature: float, with_entropy: bool = False, max_tokens: int = 0):
+    """(logprobs_BT, entropy_BT) of micro-batch `mb` under `model`; with sequence parallelism its
+    rows split across the group (grpo/parallel/sequence.py), the split kept until the block ends so
+    the caller's backward runs there too."""
+    split = getattr(strategy, "sequence", None)
+    if split is None:
+        yield forward_logprobs(model, mb, temperature, with_entropy=with_entropy, max_tokens=max_tokens)
+        return
+    with split.micro_batch(model, mb, temperature, with_entropy, max_tokens) as out:
+        yield out
 
 
 @torch.no_grad()
@@ -53,16 +73,16 @@ def score_tokens(model, batch: Batch, temperature: float, max_tokens: int, strat
     device = next(model.parameters()).device
     layout = planned_layout(model, batch, layout)
     plan = micro_batch_plan(batch, max_tokens, layout, attention.width_multiple(device.type))
+    work = shared_work(strategy, [(idx, replace(batch.select(idx), **fields_)) for idx, fields_ in plan])
     # counted before any forward: under ZeRO-3 a forward is a collective (parameter gathers, and
     # DeepSpeed's trace check at its start), so a rank with fewer micro-batches must not reach this
     # all-reduce while another is still in a forward
-    padding = lockstep_padding(strategy, len(plan))
+    padding = lockstep_padding(strategy, len(work))
     out_BT = torch.zeros_like(batch.sampler_logprobs_BT)
-    for idx, fields_ in plan:
-        mb = replace(batch.select(idx), **fields_).to(device)
-        out_BT[idx] = forward_logprobs(model, mb, temperature, max_tokens=max_tokens)[0].cpu()
-    for _ in range(padding):
-        forward_logprobs(model, padding_batch(layout).to(device), temperature, max_tokens=max_tokens)
+    for (idx, mb), mine in work + [((None, padding_batch(layout)), False)] * padding:
+        with forwarding(strategy, model, mb.to(device), temperature, max_tokens=max_tokens) as (logp_BT, _):
+            if mine:
+                out_BT[idx] = logp_BT.cpu()
     model.train(was_training)
     return out_BT
 
@@ -85,19 +105,23 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
     device = next(strategy.model.parameters()).device
     sums = {k: torch.zeros((), device=device) for k in SUMS}
     layout = planned_layout(strategy.forward_model, batch, layout_of(algo, device.type == "cuda"))
-    mbs, padding = lockstep_micro_batches(strategy, batch, algo.micro_batch_tokens, layout,
-                                          attention.width_multiple(device.type))
-    for mb in mbs + [padding_batch(layout)] * padding:
+    work = shared_work(strategy, micro_batches(batch, algo.micro_batch_tokens, layout, attention.width_multiple(device.type)))
+    padding = lockstep_padding(strategy, len(work))
+    # a micro-batch split across S ranks: each computes its whole loss and backs off 1/S of it
+    # (grpo/parallel/sequence.py); its statistics count on its own rank alone
+    share = split_size(strategy)
+    for mb, mine in work + [(padding_batch(layout), False)] * padding:
         mb = mb.to(device)
-        logp_BT, ent_BT = forward_logprobs(strategy.forward_model, mb, temperature, with_entropy=True,
-                                           max_tokens=algo.micro_batch_tokens)
-        # proximal policy: the trainer before this update (decoupled loss, grpo/algorithm.py)
-        old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else logp_BT.detach()
-        loss, stats = decoupled_loss(logp_BT, old_BT, mb.sampler_logprobs_BT, mb.advantages_B, mb.mask_BT, norm, algo,
-                                     ref_logprobs_BT=mb.ref_logprobs_BT)
-        # the backward under the forward's kernels too: gradient checkpointing recomputes layers there
-        with attention.training_attention(device):
-            strategy.backward(loss)
+        with forwarding(strategy, strategy.forward_model, mb, temperature, True, algo.micro_batch_tokens) as (logp_BT, ent_BT):
+            # proximal policy: the trainer before this update (decoupled loss, grpo/algorithm.py)
+            old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else logp_BT.detach()
+            loss, stats = decoupled_loss(logp_BT, old_BT, mb.sampler_logprobs_BT, mb.advantages_B, mb.mask_BT, norm,
+                                         algo, ref_logprobs_BT=mb.ref_logprobs_BT)
+            # the backward under the forward's kernels too: gradient checkpointing recomputes layers there
+            with attention.training_attention(device):
+                strategy.backward(loss / share if share > 1 else loss)
+        if not mine:
+            continue
         if mb.size:  # |trainer - sampler| logprob on the sampled tokens (see policy_update)
             diff_BT = (logp_BT.detach() - mb.sampler_logprobs_BT).abs() * mb.mask_BT
             sums["sampler_diff_max"] = torch.maximum(sums["sampler_diff_max"], diff_BT.max())
@@ -124,7 +148,8 @@ def policy_update(
     step.
     """
     G = algo.group_size
-    lockstep = strategy.lockstep  # every rank joins every forward, even with no rows
+    # every rank joins every forward, even with no rows (a rank's group shares its forwards: the same)
+    lockstep = strategy.lockstep or split_size(strategy) > 1
     layout = layout_of(algo, next(strategy.model.parameters()).device.type == "cuda")
     if (batch.size or lockstep) and (algo.num_iterations > 1 or algo.num_minibatches > 1):
         old_BT = score_tokens(strategy.forward_model, batch, temperature, algo.micro_batch_tokens, strategy, layout)

@@ -40,7 +40,8 @@ def sgd(model, algo, total_steps):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 
 
-def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = "packed", grouped: bool = False) -> None:
+def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = "packed", grouped: bool = False,
+         split: int = 1) -> None:
     grpo.parallel.single.build_optimizer = grpo.parallel.zero.build_optimizer = sgd
     info = dist_info()
     init_distributed(info)
@@ -62,15 +63,18 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
                                                packing=layout != "padded", shared_prompt=layout == "shared"))
         algo.micro_batch_tokens = local.input_ids_BL.shape[1] * rows // n_micro
         model = copy.deepcopy(base)
-        strategy = strategy_class(name)(OmegaConf.structured(ParallelConfig(strategy=name, allreduce_bucket_mb=0.01)), model, algo, total_steps=10)
+        strategy = strategy_class(name)(OmegaConf.structured(ParallelConfig(strategy=name, allreduce_bucket_mb=0.01,
+                                                                                     sequence_parallel=split)), model, algo, total_steps=10)
         ref = copy.deepcopy(base).eval()
-        policy_update(strategy, local, algo, max_len=6, temperature=1.0, ref_model=ref)
+        stats = policy_update(strategy, local, algo, max_len=6, temperature=1.0, ref_model=ref)
+        losses = all_reduce_sum([stats["loss"]])
         counts = all_reduce_sum([len(micro_batches(local, algo.micro_batch_tokens, layout)) * (r == info.rank)
                                  for r in range(info.world_size)])
         full = {n: t.clone() for bucket in strategy.weight_buckets(2**20) for n, t in bucket}  # gathered under ZeRO-3
         if info.rank == 0:
             torch.save(full, os.path.join(out, f"{loss_type}.pt"))
             json.dump(counts, open(os.path.join(out, "micro_batches.json"), "w"))
+            json.dump(losses, open(os.path.join(out, f"{loss_type}_loss.json"), "w"))
     json.dump(ran, open(os.path.join(out, f"layouts_rank{info.rank}.json"), "w"))
     shutdown()
 
@@ -93,5 +97,6 @@ def exit_process(code: int = 0) -> None:
 if __name__ == "__main__":
     flags = sys.argv[4:]
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3], "uneven" in flags,
-         next((f for f in ("padded", "shared") if f in flags), "packed"), "grouped" in flags)
+         next((f for f in ("padded", "shared") if f in flags), "packed"), "grouped" in flags,
+         next((int(f[2:]) for f in flags if f.startswith("sp")), 1))
     exit_process(0)

@@ -32,6 +32,7 @@ def build_optimizer(model: torch.nn.Module, algo, total_steps: int):
 class Strategy(ABC):
     model: torch.nn.Module  # the unwrapped module: forward passes and rollout backends use it
     lockstep = False  # True: every rank must make the same forward/backward calls (sharded parameters)
+    sequence = None  # parallel.sequence_parallel > 1: this rank's group sharing rows (grpo/parallel/sequence.py)
 
     @classmethod
     def check(cls, cfg, world: int) -> None:

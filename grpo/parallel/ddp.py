@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
+from grpo.parallel import sequence
 from grpo.parallel.single import SingleStrategy
 from grpo.weights import group_by_size
 
@@ -41,6 +42,7 @@ class DDPStrategy(SingleStrategy):
                 "parallel=ddp` (or srun), or use parallel=single."
             )
         super().__init__(cfg, model, algo, total_steps)
+        self.sequence = sequence.build(cfg.sequence_parallel, model)
         self.buckets = gradient_buckets([p for p in model.parameters() if p.requires_grad], int(cfg.allreduce_bucket_mb * 2**20))
         with torch.no_grad():  # every rank starts from rank 0's weights
             for p in model.parameters():

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as tdist
 
 from grpo import dist, lora
+from grpo.parallel import sequence
 from grpo.errors import ConfigError
 from grpo.weights import group_by_size
 from grpo.parallel.base import Strategy, build_optimizer
@@ -184,6 +185,7 @@ class ZeroStrategy(Strategy):
         self.model = self.engine.module
         self.config = config
         self.world = tdist.get_world_size()
+        self.sequence = sequence.build(cfg.sequence_parallel, self.model)
 
     def prepare_reference(self, ref: torch.nn.Module) -> torch.nn.Module:
         """An engine without optimizer, in the policy's dtype (the policy's forward runs its bf16 or

@@ -1,0 +1,278 @@
+"""Ulysses sequence parallelism for the update (`parallel.sequence_parallel=S`), through DeepSpeed's
+own `UlyssesSPAttentionHF` (deepspeed.runtime.sequence_parallel.ulysses_sp, the ALST work).
+
+Groups of S consecutive ranks share every row of the update. Rollouts are unchanged: each rank still
+samples and scores its own prompts, so engines get whole prompts and their placement does not change.
+In the update each rank plans its micro-batches as without S; the S ranks of a group then exchange
+them (`exchange`) and run every one of them together, each on 1/S of the row's columns:
+
+    columns   the row (padded, packed or shared, grpo/layouts.py) is widened to a multiple of S and
+              cut in S consecutive slices; rank s runs the model on slice s, with the row's own
+              position ids, so rotary positions are the unsplit row's
+    attention DeepSpeed's all-to-all turns [local columns, all heads] into [all columns, H/S heads],
+              the model's own SDPA runs there with the whole row's mask (causal and padding, the
+              packed block-causal one, the shared-prompt tree), and a second all-to-all goes back.
+              DeepSpeed's wrapper drops the model's mask (it relies on position ids and flash
+              kernels); ours hands the attention the row's mask, built here from the whole row,
+              so the three layouts stay exact
+    logprobs  the head runs on the completion tokens predicted from this rank's columns; one
+              differentiable all-reduce over the group gives every rank the micro-batch's whole
+              logprobs_BT, the loss is computed alike on the S ranks, and each backs off 1/S of it:
+              the all-reduce's backward hands each rank the whole gradient for its own tokens, and
+              the attention's all-to-all routes the other ranks' share back to them
+
+Gradients: every rank's parameter gradients are a part of the micro-batch's; the strategies sum
+them over all ranks already (DDP's all-reduce; ZeRO's averaged reduce times the world), so
+data parallelism is world / S rows at a time with no change to their reductions. Statistics
+(entropy, sampler difference, the loss's own value) count on the micro-batch's owner only.
+
+What a split needs of the model is checked when the strategy is built (`check_model`): SDPA
+attention (transformers routes eager attention past the registry this wraps), no sliding window,
+heads and key/value heads that S divides (or S a multiple of the key/value heads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as tdist
+
+from grpo import attention
+from grpo.batch import Batch
+from grpo.errors import ConfigError
+
+# the row being run while a split forward (and its backward: checkpointed layers recompute there)
+# is under way; None otherwise, when the wrapped attention is the model's own
+_ACTIVE: dict = {"split": None, "mask": None}
+
+
+def sequence_groups(world: int, size: int) -> list[list[int]]:
+    """The ranks of each group sharing rows: `size` consecutive ranks (as DeepSpeed's own groups)."""
+    if size < 1 or world % size:
+        raise ValueError(f"{world} ranks cannot form groups of {size}")
+    return [list(range(g * size, (g + 1) * size)) for g in range(world // size)]
+
+
+def check_size(size: int, strategy: str, world: int | None) -> None:
+    """Raise ConfigError for a `parallel.sequence_parallel` the strategy and world cannot take."""
+    if size < 1:
+        raise ConfigError(f"parallel.sequence_parallel={size} must be >= 1 (1: rows are not split).")
+    if size == 1:
+        return
+    if strategy == "single":
+        raise ConfigError(f"parallel.sequence_parallel={size} splits rows across ranks; parallel=single has one. "
+                          f"Use parallel=zero2, zero3 or ddp with a multiple of {size} processes.")
+    if world is not None and world % size:
+        raise ConfigError(f"parallel.sequence_parallel={size} with {world} processes: the processes must be a "
+                          f"multiple of {size} (groups of {size} ranks share rows). Change one of them.")
+
+
+def check_heads(size: int, heads: int, kv_heads: int) -> None:
+    """Ulysses gives each rank heads / size query heads: `size` must divide the heads, and divide the
+    key/value heads or be a multiple of them (each rank then holds a copy of one)."""
+    if heads % size:
+        raise ConfigError(f"parallel.sequence_parallel={size}: the model has {heads} attention heads, which {size} "
+                          f"does not divide; choose a divisor of {heads}.")
+    if kv_heads % size and size % kv_heads:
+        raise ConfigError(f"parallel.sequence_parallel={size}: the model has {kv_heads} key/value heads; {size} must "
+                          f"divide them or be a multiple of them.")
+
+
+def check_model(size: int, model) -> None:
+    """Raise ConfigError if `model` cannot run split rows (see the top)."""
+    from grpo.model_support import model_config, support_of
+
+    support = support_of(model)
+    if support.attention != "sdpa":
+        raise ConfigError(f"parallel.sequence_parallel={size} needs SDPA attention, the model runs "
+                          f"{support.attention!r}; load it with model.attn_implementation=sdpa (or set "
+                          f"parallel.sequence_parallel=1).")
+    if support.window:
+        raise ConfigError(f"parallel.sequence_parallel={size}: the model attends through a sliding window of "
+                          f"{support.window}, which the split rows' masks do not carry; set parallel.sequence_parallel=1.")
+    text = model_config(model)
+    text = text.get_text_config() if hasattr(text, "get_text_config") else text
+    heads = text.num_attention_heads
+    check_heads(size, heads, getattr(text, "num_key_value_heads", None) or heads)
+
+
+def columns(width: int, size: int, rank: int) -> slice:
+    """The columns of a row `width` wide (a multiple of `size`) that split rank `rank` runs."""
+    if width % size:
+        raise ValueError(f"a row {width} wide does not split in {size}")
+    n = width // size
+    return slice(rank * n, (rank + 1) * n)
+
+
+def split_multiple(device_type: str, size: int) -> int:
+    """What a split forward's row widths are rounded up to: a multiple of both the device's tile
+    (grpo.attention.width_multiple) and the group size."""
+    return math.lcm(attention.width_multiple(device_type), size)
+
+
+@dataclass
+class Rows:
+    """A micro-batch laid out whole, as every rank of a group sees it before taking its columns."""
+
+    input_ids_RW: torch.Tensor
+    position_ids_RW: torch.Tensor
+    mask_R1WW: torch.Tensor  # bool, True where attended: the unsplit forward's mask, position for position
+    hidden_at: tuple[torch.Tensor, torch.Tensor]  # (row, column) whose hidden state predicts completion token n
+    token_at: tuple[torch.Tensor, torch.Tensor]  # (b, t) of completion token n in the B x T layout
+
+
+def causal_mask(keep_RW: torch.Tensor) -> torch.Tensor:
+    """mask_R1WW: causal over the keys `keep_RW` allows; every position attends to itself, so no
+    softmax row is empty (a padding query's output is never read)."""
+    W = keep_RW.shape[1]
+    allowed = keep_RW[:, None, :] & torch.ones(W, W, dtype=torch.bool, device=keep_RW.device).tril()
+    return (allowed | torch.eye(W, dtype=torch.bool, device=keep_RW.device))[:, None]
+
+
+def packed_mask(position_ids_RW: torch.Tensor) -> torch.Tensor:
+    """mask_R1WW of packed rows: causal within each run of position ids that rise by one, as
+    transformers' `find_packed_sequence_indices` reads a packed row for the unsplit forward."""
+    diff = torch.diff(position_ids_RW, prepend=position_ids_RW[:, :1] - 1, dim=-1)
+    seq_RW = (diff != 1).cumsum(dim=-1)
+    W = position_ids_RW.shape[1]
+    same = seq_RW[:, :, None] == seq_RW[:, None, :]
+    return (same & torch.ones(W, W, dtype=torch.bool, device=seq_RW.device).tril())[:, None]
+
+
+def whole_rows(batch: Batch, multiple: int) -> Rows:
+    """`batch` (a planned micro-batch: padded, `rows` packed or `trees` shared) laid out in rows as
+    wide as a multiple of `multiple`, with each row's whole mask."""
+    from grpo.layouts import pack, pack_shared
+
+    T = batch.completion_ids_BT.shape[1]
+    if batch.trees is not None:
+        packed = pack_shared(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.trees,
+                             torch.bool, multiple=multiple)
+        return Rows(packed.input_ids_RW, packed.position_ids_RW, packed.mask_R1WW, packed.hidden_at, packed.token_at)
+    if batch.rows is not None:
+        packed = pack(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.rows, multiple=multiple)
+        return Rows(packed.input_ids_RW, packed.position_ids_RW, packed_mask(packed.position_ids_RW),
+                    packed.hidden_at, packed.token_at)
+    ids_BL, keep_BL, pos_BL = batch.input_ids_BL, batch.attention_mask_BL.bool(), batch.position_ids_BL
+    B, L = ids_BL.shape
+    extra = attention.row_width(L, multiple) - L
+    if extra:  # as padded_logprobs widens a row: padding after every real token, positions repeating the last
+        ids_BL = torch.nn.functional.pad(ids_BL, (0, extra))
+        keep_BL = torch.nn.functional.pad(keep_BL, (0, extra))
+        pos_BL = torch.cat([pos_BL, pos_BL[:, -1:].expand(-1, extra)], dim=1)
+    b, t = torch.meshgrid(torch.arange(B, device=ids_BL.device), torch.arange(T, device=ids_BL.device), indexing="ij")
+    b, t = b.reshape(-1), t.reshape(-1)
+    return Rows(ids_BL, pos_BL, causal_mask(keep_BL), (b, L - T - 1 + t), (b, t))
+
+
+class SequenceParallel:
+    """One rank's part in its group of `size` ranks sharing rows (see the top)."""
+
+    def __init__(self, size: int, model):
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF  # noqa: F401 (fails early)
+
+        from grpo.model_support import model_config
+
+        check_model(size, model)
+        world, rank = tdist.get_world_size(), tdist.get_rank()
+        self.size = size
+        self.group = None
+        for ranks in sequence_groups(world, size):  # every rank creates every group, in the same order
+            group = tdist.new_group(ranks)
+            if rank in ranks:
+                self.group, self.rank = group, ranks.index(rank)
+        text = model_config(model)
+        self.text = text.get_text_config() if hasattr(text, "get_text_config") else text
+        self._ulysses: dict[int, object] = {}
+        install(self.text._attn_implementation if hasattr(self.text, "_attn_implementation") else "sdpa")
+
+    def ulysses(self, rows: int):
+        """DeepSpeed's attention for micro-batches of `rows` rows (its shapes fix the batch size)."""
+        if rows not in self._ulysses:
+            from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            heads = self.text.num_attention_heads
+            self._ulysses[rows] = UlyssesSPAttentionHF(
+                attn=ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"],  # the model's own SDPA, not our wrapper
+                batch_size=rows,
+                attn_head_count=heads,
+                attn_head_size=getattr(self.text, "head_dim", None) or self.text.hidden_size // heads,
+                kv_head_count=getattr(self.text, "num_key_value_heads", None) or heads,
+                num_hidden_layers=self.text.num_hidden_layers,
+                process_group=self.group,
+                seq_length_is_variable=True,
+            )
+        return self._ulysses[rows]
+
+    def exchange(self, items: list) -> list[tuple[object, bool]]:
+        """Every group member's `items`, in rank order, each with whether it is this rank's own:
+        what the group runs together (the same list on every member)."""
+        gathered = [None] * self.size
+        tdist.all_gather_object(gathered, items, group=self.group)
+        return [(item, r == self.rank) for r, mine in enumerate(gathered) for item in mine]
+
+    @contextlib.contextmanager
+    def micro_batch(self, model, batch: Batch, temperature: float, with_entropy: bool = False, max_tokens: int = 0):
+        """The whole micro-batch's (logprobs_BT, entropy_BT), the same on every rank of the group,
+        from this rank's columns; the attention stays split until the block ends, so the caller's
+        backward (and any recompute in it) runs split too."""
+        from grpo.logprobs import forward_logprobs_split
+        from grpo.model_support import has_plain_head
+
+        device = batch.input_ids_BL.device
+        rows = whole_rows(batch, split_multiple(device.type, self.size))
+        plain = has_plain_head(model)  # found once per model by a forward of its own: before the split starts
+        _ACTIVE["split"], _ACTIVE["mask"] = self, rows.mask_R1WW
+        try:
+            yield forward_logprobs_split(model, batch, rows, self, temperature, with_entropy, max_tokens, plain)
+        finally:
+            _ACTIVE["split"] = _ACTIVE["mask"] = None
+
+    def gather(self, values_N: torch.Tensor) -> torch.Tensor:
+        """The sum over the group of each rank's `values_N` (0 where another rank computed the value),
+        differentiable: the backward hands each rank the whole gradient."""
+        from torch.distributed.nn.functional import all_reduce
+
+        if values_N.requires_grad:
+            return all_reduce(values_N, group=self.group)
+        values_N = values_N.clone()
+        tdist.all_reduce(values_N, group=self.group)
+        return values_N
+
+
+_INSTALLED: set = set()
+
+
+def install(implementation: str) -> None:
+    """Route `implementation`'s attention through `split_attention` (once per process): outside a
+    split forward it calls the model's own attention unchanged."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if implementation in _INSTALLED:
+        return
+    own = ALL_ATTENTION_FUNCTIONS[implementation]
+
+    def split_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        split = _ACTIVE["split"]
+        if split is None:
+            return own(module, query, key, value, attention_mask, *args, **kwargs)
+        # the model's mask covers this rank's columns only; the whole row's goes to DeepSpeed's all-to-all
+        return split.ulysses(query.shape[0])(module, query, key, value, _ACTIVE["mask"], *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[implementation] = split_attention
+    _INSTALLED.add(implementation)
+
+
+def build(size: int, model) -> SequenceParallel | None:
+    """The rank's SequenceParallel for `parallel.sequence_parallel=size`, or None at 1. DeepSpeed's
+    communication layer is started first (its all-to-all runs there), also under DDP."""
+    if size == 1:
+        return None
+    from grpo.parallel.zero import init_deepspeed_comm
+
+    init_deepspeed_comm(False)
+    return SequenceParallel(size, model)
