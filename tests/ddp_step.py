@@ -6,8 +6,10 @@
 STRATEGY is single, ddp, zero2 or zero3; ddp reduces in 10 KB buckets, so in many. With an argument `uneven`, rank 0 takes 3 of the 4
 groups and rank 1 one, so the ranks run different numbers of micro-batches; with `padded`, algo.packing=false (default: packed
 micro-batches); with `shared`, algo.shared_prompt=true; with `grouped` (implied by `shared`), each prompt serves a group of
-2 completions. Writes OUT/<loss_type>.pt with the full updated weights (rank 0), for every loss type, and OUT/micro_batches.json
-with each rank's count of micro-batches.
+2 completions; with `spS`, parallel.sequence_parallel=S (groups of S ranks share every micro-batch, each on 1/S of its
+columns); with `lora`, a rank-4 LoRA adapter trains (OUT/<loss_type>_init.pt: its weights before the step). Writes
+OUT/<loss_type>.pt with the full updated weights (rank 0; with `lora`, the adapter's), for every loss type,
+OUT/<loss_type>_loss.json with the loss summed over ranks, and OUT/micro_batches.json with each rank's count of micro-batches.
 """
 
 import collections
@@ -24,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo.logprobs  # noqa: E402
 import grpo.parallel.single  # noqa: E402
 import grpo.parallel.zero  # noqa: E402
-from grpo.config import AlgoConfig, ParallelConfig, TinyModelConfig  # noqa: E402
+from grpo import lora  # noqa: E402
+from grpo.config import AlgoConfig, LoraConfig, ParallelConfig, TinyModelConfig  # noqa: E402
 from grpo.dist import all_reduce_sum, dist_info, init_distributed, shutdown  # noqa: E402
 from grpo.models import build_char_tokenizer, build_tiny_model  # noqa: E402
 from grpo.parallel import strategy_class  # noqa: E402
@@ -41,7 +44,7 @@ def sgd(model, algo, total_steps):
 
 
 def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = "packed", grouped: bool = False,
-         split: int = 1) -> None:
+         split: int = 1, adapter: bool = False) -> None:
     grpo.parallel.single.build_optimizer = grpo.parallel.zero.build_optimizer = sgd
     info = dist_info()
     init_distributed(info)
@@ -63,6 +66,12 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
                                                packing=layout != "padded", shared_prompt=layout == "shared"))
         algo.micro_batch_tokens = local.input_ids_BL.shape[1] * rows // n_micro
         model = copy.deepcopy(base)
+        if adapter:  # a LoRA adapter (the same on every rank): only it trains, and only it is compared
+            torch.manual_seed(1)
+            model = lora.wrap(model, OmegaConf.structured(LoraConfig(rank=4)))
+            if info.rank == 0:
+                torch.save({n: p.detach().clone() for n, p in lora.adapter_parameters(model)},
+                           os.path.join(out, f"{loss_type}_init.pt"))
         strategy = strategy_class(name)(OmegaConf.structured(ParallelConfig(strategy=name, allreduce_bucket_mb=0.01,
                                                                                      sequence_parallel=split)), model, algo, total_steps=10)
         ref = copy.deepcopy(base).eval()
@@ -98,5 +107,5 @@ if __name__ == "__main__":
     flags = sys.argv[4:]
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3], "uneven" in flags,
          next((f for f in ("padded", "shared") if f in flags), "packed"), "grouped" in flags,
-         next((int(f[2:]) for f in flags if f.startswith("sp")), 1))
+         next((int(f[2:]) for f in flags if f.startswith("sp")), 1), "lora" in flags)
     exit_process(0)
