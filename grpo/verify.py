@@ -13,6 +13,8 @@ and checks every equivalence the loss relies on, one PASS / FAIL / SKIP line eac
                    layout the model really runs (a fallback is named)
   micro-batches    one micro-batch and several give the same gradients
   ranks            ranks hold equal weights after an optimizer step (gathered, fingerprinted)
+  split            with parallel.sequence_parallel > 1: rows split across a group of ranks give the
+                   logprobs the same rows give unsplit (grpo/parallel/sequence.py)
   sync             after that step and a weight push, the sampler matches the trainer again
   resume           a run stopped after step 1 and resumed gives step 2's metrics of an unbroken run
   render           with an environment and chat rendering: observations render as the template does
@@ -198,6 +200,23 @@ def layout_checks(r, batch, tol_logp: float, tol_grad: float) -> list[Check]:
     return results
 
 
+def split_check(r, batch, tol: float) -> Check:
+    """Every rank scores its batch with its rows split across its group (as the run's update does)
+    and unsplit (the same strategy without the split: ZeRO-3's lockstep kept), in eval mode."""
+    split = r.strategy.sequence
+    if split is None:
+        return Check("split", "SKIP", "parallel.sequence_parallel=1: rows are not split")
+    algo = r.cfg.algo
+    args = (batch, r.sampling.temperature, algo.micro_batch_tokens)
+    whole = copy.copy(r.strategy)
+    whole.sequence = None
+    split_BT = score_tokens(r.strategy.forward_model, *args, r.strategy, layout_of(algo))
+    whole_BT = score_tokens(r.strategy.forward_model, *args, whole, layout_of(algo))
+    diff = max(dist.all_reduce_max([max_diff(split_BT, whole_BT, batch.mask_BT)]))
+    return check("split", diff <= tol, f"rows split across {split.size} ranks against unsplit: max logprob difference "
+                                       f"{diff:.2e} (tol {tol:g})")
+
+
 def ranks_check(r) -> Check:
     every, differ = ranks_fingerprints(weight_fingerprint(r.strategy.weight_buckets(r.bucket_bytes)))
     if len(every) == 1:
@@ -263,6 +282,7 @@ def run_checks(cfg, overrides: list[str]) -> list[Check]:
         results.append(sampler_check(r, batch, "sampler", tol_sampler))
         results.append(ratio_check(r, batch, tol_logp))
         results.append(reference_check(r, batch, 1e-6))
+        results.append(split_check(r, batch, tol_logp))
         if info.is_main:
             results += layout_checks(r, batch, tol_logp, tol_grad)
         dist.barrier()

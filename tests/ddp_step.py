@@ -7,7 +7,7 @@ STRATEGY is single, ddp, zero2 or zero3; ddp reduces in 10 KB buckets, so in man
 groups and rank 1 one, so the ranks run different numbers of micro-batches; with `padded`, algo.packing=false (default: packed
 micro-batches); with `shared`, algo.shared_prompt=true; with `grouped` (implied by `shared`), each prompt serves a group of
 2 completions; with `spS`, parallel.sequence_parallel=S (groups of S ranks share every micro-batch, each on 1/S of its
-columns); with `lora`, a rank-4 LoRA adapter trains (OUT/<loss_type>_init.pt: its weights before the step). Writes
+columns); with `long`, completions of up to 16 tokens (2 ranks' packed rows then hold several sequences); with `lora`, a rank-4 LoRA adapter trains (OUT/<loss_type>_init.pt: its weights before the step). Writes
 OUT/<loss_type>.pt with the full updated weights (rank 0; with `lora`, the adapter's), for every loss type,
 OUT/<loss_type>_loss.json with the loss summed over ranks, and OUT/micro_batches.json with each rank's count of micro-batches.
 """
@@ -44,14 +44,15 @@ def sgd(model, algo, total_steps):
 
 
 def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = "packed", grouped: bool = False,
-         split: int = 1, adapter: bool = False) -> None:
+         split: int = 1, adapter: bool = False, long: bool = False) -> None:
     grpo.parallel.single.build_optimizer = grpo.parallel.zero.build_optimizer = sgd
     info = dist_info()
     init_distributed(info)
     tok = build_char_tokenizer()
     torch.manual_seed(0)
     base = build_tiny_model(TinyModelConfig(), len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
-    batch = make_batch(tok, B=8, group=2 if grouped or layout == "shared" else 1)
+    T = 16 if long else 6
+    batch = make_batch(tok, B=8, group=2 if grouped or layout == "shared" else 1, T=T)
     rows = batch.size // info.world_size
     local = batch.select(slice(info.rank * rows, (info.rank + 1) * rows))
     if uneven and info.world_size == 2:
@@ -75,7 +76,7 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
         strategy = strategy_class(name)(OmegaConf.structured(ParallelConfig(strategy=name, allreduce_bucket_mb=0.01,
                                                                                      sequence_parallel=split)), model, algo, total_steps=10)
         ref = copy.deepcopy(base).eval()
-        stats = policy_update(strategy, local, algo, max_len=6, temperature=1.0, ref_model=ref)
+        stats = policy_update(strategy, local, algo, max_len=T, temperature=1.0, ref_model=ref)
         losses = all_reduce_sum([stats["loss"]])
         counts = all_reduce_sum([len(micro_batches(local, algo.micro_batch_tokens, layout)) * (r == info.rank)
                                  for r in range(info.world_size)])
@@ -107,5 +108,5 @@ if __name__ == "__main__":
     flags = sys.argv[4:]
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3], "uneven" in flags,
          next((f for f in ("padded", "shared") if f in flags), "packed"), "grouped" in flags,
-         next((int(f[2:]) for f in flags if f.startswith("sp")), 1), "lora" in flags)
+         next((int(f[2:]) for f in flags if f.startswith("sp")), 1), "lora" in flags, "long" in flags)
     exit_process(0)

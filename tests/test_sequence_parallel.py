@@ -99,11 +99,12 @@ def test_whole_rows_and_their_masks_give_the_unsplit_logprobs(tiny_lm, layout):
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """One process's updates (parallel=single, 4 micro-batches): packed; padded with groups of 2
-    (the shared layout's reference); packed with a LoRA adapter."""
+    """One process's updates (parallel=single, 4 micro-batches): packed (completions of up to 16 tokens:
+    on 2 ranks some packed rows hold two sequences); padded with groups of 2 (the shared layout's
+    reference); packed with a LoRA adapter."""
     root = tmp_path_factory.mktemp("single")
     return {name: updated_weights(root / name, 1, 4, "single", *flags) | {"dir": root / name}
-            for name, flags in (("packed", ()), ("grouped", ("padded", "grouped")), ("lora", ("lora",)))}
+            for name, flags in (("packed", ("long",)), ("grouped", ("padded", "grouped")), ("lora", ("lora", "long")))}
 
 
 def losses(folder) -> dict[str, float]:
@@ -117,7 +118,7 @@ def test_split_rows_update_equals_one_process(tmp_path, references, strategy, pr
     """S = 2 on 2 ranks (one group) and on 4 (two groups, data parallel 2): the two optimizer steps
     (num_iterations=2: old logprobs scored split too; KL on: the reference scored split) give one
     process's weights (gradients: SGD at lr 1) and loss, for every loss type, to 1e-5."""
-    flags = {"packed": (), "shared": ("shared",), "padded": ("padded", "grouped"), "lora": ("lora",)}[layout]
+    flags = {"packed": ("long",), "shared": ("shared",), "padded": ("padded", "grouped"), "lora": ("lora", "long")}[layout]
     ref = references[{"packed": "packed", "shared": "grouped", "padded": "grouped", "lora": "lora"}[layout]]
     got = updated_weights(tmp_path / "split", procs, 1, strategy, "sp2", *flags)
     if layout == "lora":
@@ -142,3 +143,13 @@ def test_two_process_training_run_with_split_rows(tmp_path, cache_dir):
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 2
     assert all(r["sampler_diff"] < 1e-3 for r in steps), [r["sampler_diff"] for r in steps]
+
+
+def test_verify_checks_the_split_on_two_processes(cache_dir):
+    """grpo.verify under S = 2: its `split` row compares split rows with unsplit ones on the run's own
+    batch, and the sampler and sync rows score through the split. (With the whole-row mask dropped
+    from the split attention, split, sampler and sync all FAIL: 1.1e1 off.)"""
+    out = run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.verify", *FAST,
+               "parallel=zero3", "parallel.sequence_parallel=2", f"model.cache_dir={cache_dir}"])
+    status = {line[6:21].strip(): line[:4] for line in out.stdout.splitlines() if line[:4] in ("PASS", "FAIL", "SKIP")}
+    assert status.get("split") == "PASS" and status.get("sampler") == "PASS" and status.get("sync") == "PASS", out.stdout

@@ -235,13 +235,25 @@ class SequenceParallel:
     def gather(self, values_N: torch.Tensor) -> torch.Tensor:
         """The sum over the group of each rank's `values_N` (0 where another rank computed the value),
         differentiable: the backward hands each rank the whole gradient."""
-        from torch.distributed.nn.functional import all_reduce
+        return GroupSum.apply(values_N, self.group)
 
-        if values_N.requires_grad:
-            return all_reduce(values_N, group=self.group)
-        values_N = values_N.clone()
-        tdist.all_reduce(values_N, group=self.group)
-        return values_N
+
+class GroupSum(torch.autograd.Function):
+    """The sum over a process group, whose backward is the sum of the gradients over the group: with
+    the same loss on every rank, S times each rank's own gradient (the loss is backed off 1/S)."""
+
+    @staticmethod
+    def forward(ctx, values, group):
+        ctx.group = group
+        out = values.clone()
+        tdist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        tdist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 _INSTALLED: set = set()
