@@ -114,12 +114,15 @@ def metric_rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "zero3"])
+@pytest.mark.parametrize("parallel", [["parallel=ddp"], ["parallel=zero3"], ["parallel=zero3", "parallel.sequence_parallel=2"]],
+                         ids=["ddp", "zero3", "zero3-sequence2"])
 def test_two_node_job_learns_as_its_one_node_twin(tmp_path, slurm_env, model_cache, cluster, parallel):
     """2 ranks on 2 nodes (one run folder, one summary.json, MASTER_ADDR the first node's name) and
-    2 ranks on 1 node, the same seed, side by side: the same losses, rewards and accuracy."""
+    2 ranks on 1 node, the same seed, side by side: the same losses, rewards and accuracy. With
+    parallel.sequence_parallel=2 the two ranks share every row of the update: across the nodes, the
+    all-to-alls of each attention go between them."""
     t0 = time.time()
-    jobs = {shape: subprocess.Popen(launch_cmd(tmp_path / shape, model_cache, f"parallel={parallel}", *layout), cwd=ROOT,
+    jobs = {shape: subprocess.Popen(launch_cmd(tmp_path / shape, model_cache, *parallel, *layout), cwd=ROOT,
                                     env=slurm_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for shape, layout in {"two_nodes": ["nodes=2", "tasks_per_node=1"], "one_node": ["nodes=1", "tasks_per_node=2"]}.items()}
     outs = {shape: proc.communicate(timeout=600)[0] for shape, proc in jobs.items()}

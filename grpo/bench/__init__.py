@@ -5,7 +5,8 @@ bench_results/COMMAND.json; the default `run`'s is bench_results/bench.json). Wi
 
 Each command's code is its own module of this package: steps.py (run, with sync.py), asynchronous.py,
 lora.py, shared_cores.py, warm_start.py, memory.py (update-memory, hf-scores), zero3.py (zero3-memory),
-packing.py (update-packing), vs_trl.py (vs-trl), env_calls.py (env-calls), episodes.py (episodes); runs.py holds what their
+packing.py (update-packing), vs_trl.py (vs-trl), env_calls.py (env-calls), episodes.py (episodes), sequence.py
+(sequence-memory); runs.py holds what their
 trainings share and report.py their tables and JSON. This file is the dispatcher and imports no benchmark.
 """
 
@@ -16,7 +17,7 @@ import os
 import sys
 
 COMMANDS = ("run", "async", "lora", "shared-cores", "warm-start", "update-memory", "hf-scores", "zero3-memory", "update-packing",
-            "vs-trl", "env-calls", "episodes")
+            "vs-trl", "env-calls", "episodes", "sequence-memory")
 # the flags that chose a benchmark before the commands, and the command each is now
 OLD_FLAGS = {"--async": "async", "--lora": "lora", "--shared-cores": "shared-cores", "--warm-start": "warm-start",
              "--update-memory": "update-memory", "--hf-scores": "hf-scores", "--zero3-memory": "zero3-memory",
@@ -101,6 +102,12 @@ def run_episodes(args):
                            csv(args.learn_settings))
 
 
+def run_sequence_memory(args):
+    from grpo.bench.sequence import report_sequence_memory
+
+    return report_sequence_memory(csv(args.sizes, int), args.layers, args.tokens)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m grpo.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -179,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--learn-steps", type=int, default=0, help="then experiment=guess_tiny on remote for this many steps "
                    "per --learn-settings, its held-out solve rate before and after (default: %(default)s, none)")
     c.add_argument("--learn-settings", default="turns,partial", help="the schedules that learn (default: %(default)s)")
+
+    c = command("sequence-memory", run_sequence_memory, "one rank's peak memory in an update on one long sequence, "
+                "its rows split across S ranks (parallel.sequence_parallel)")
+    c.add_argument("--sizes", default="1,2,4", help="values of S, each a torchrun of S processes (default: %(default)s)")
+    c.add_argument("--layers", type=int, default=4, help="layers of SmolLM2's body (of 30; default: %(default)s)")
+    c.add_argument("--tokens", type=int, default=8192, help="completion tokens of the sequence (default: %(default)s)")
     return p
 
 

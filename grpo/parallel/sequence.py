@@ -119,7 +119,7 @@ class Rows:
 
     input_ids_RW: torch.Tensor
     position_ids_RW: torch.Tensor
-    mask_R1WW: torch.Tensor  # bool, True where attended: the unsplit forward's mask, position for position
+    mask_R1WW: torch.Tensor  # bool, True where attended: the unsplit forward's, for every position whose output is read
     hidden_at: tuple[torch.Tensor, torch.Tensor]  # (row, column) whose hidden state predicts completion token n
     token_at: tuple[torch.Tensor, torch.Tensor]  # (b, t) of completion token n in the B x T layout
 
@@ -156,16 +156,27 @@ def whole_rows(batch: Batch, multiple: int) -> Rows:
         packed = pack(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.rows, multiple=multiple)
         return Rows(packed.input_ids_RW, packed.position_ids_RW, packed_mask(packed.position_ids_RW),
                     packed.hidden_at, packed.token_at)
-    ids_BL, keep_BL, pos_BL = batch.input_ids_BL, batch.attention_mask_BL.bool(), batch.position_ids_BL
+    ids_BL, pos_BL = batch.input_ids_BL, batch.position_ids_BL
+    # keys: every position from the row's first real token on (the left padding is out); the padding
+    # after a completion is only seen by later padding, whose outputs are never read
+    keep_BL = batch.attention_mask_BL.long().cumsum(dim=1) > 0
     B, L = ids_BL.shape
     extra = attention.row_width(L, multiple) - L
     if extra:  # as padded_logprobs widens a row: padding after every real token, positions repeating the last
         ids_BL = torch.nn.functional.pad(ids_BL, (0, extra))
-        keep_BL = torch.nn.functional.pad(keep_BL, (0, extra))
+        keep_BL = torch.nn.functional.pad(keep_BL, (0, extra), value=True)
         pos_BL = torch.cat([pos_BL, pos_BL[:, -1:].expand(-1, extra)], dim=1)
     b, t = torch.meshgrid(torch.arange(B, device=ids_BL.device), torch.arange(T, device=ids_BL.device), indexing="ij")
     b, t = b.reshape(-1), t.reshape(-1)
     return Rows(ids_BL, pos_BL, causal_mask(keep_BL), (b, L - T - 1 + t), (b, t))
+
+
+def plain_causal(mask_R1WW: torch.Tensor) -> bool:
+    """Whether a whole-row mask is the causal one for every row (one sequence per row, no left
+    padding: the usual long-sequence row). Such a row's attention then gets no mask at all, and
+    SDPA runs causal with no W x W tensor (on CUDA: its flash kernel)."""
+    W = mask_R1WW.shape[-1]
+    return bool(mask_R1WW.eq(torch.ones(W, W, dtype=torch.bool, device=mask_R1WW.device).tril()).all())
 
 
 class SequenceParallel:
@@ -226,7 +237,7 @@ class SequenceParallel:
         device = batch.input_ids_BL.device
         rows = whole_rows(batch, split_multiple(device.type, self.size))
         plain = has_plain_head(model)  # found once per model by a forward of its own: before the split starts
-        _ACTIVE["split"], _ACTIVE["mask"] = self, rows.mask_R1WW
+        _ACTIVE["split"], _ACTIVE["mask"] = self, None if plain_causal(rows.mask_R1WW) else rows.mask_R1WW
         try:
             yield forward_logprobs_split(model, batch, rows, self, temperature, with_entropy, max_tokens, plain)
         finally:
@@ -272,7 +283,7 @@ def install(implementation: str) -> None:
         split = _ACTIVE["split"]
         if split is None:
             return own(module, query, key, value, attention_mask, *args, **kwargs)
-        # the model's mask covers this rank's columns only; the whole row's goes to DeepSpeed's all-to-all
+        # the model's mask covers this rank's columns only; the whole row's (None: causal) goes to DeepSpeed's
         return split.ulysses(query.shape[0])(module, query, key, value, _ACTIVE["mask"], *args, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS[implementation] = split_attention
