@@ -133,11 +133,13 @@ def test_split_rows_update_equals_one_process(tmp_path, references, strategy, pr
         assert value == pytest.approx(losses(ref["dir"])[lt], abs=1e-5, rel=1e-5), lt
 
 
-def test_two_process_training_run_with_split_rows(tmp_path, cache_dir):
-    """The issue's command on the default task: 2 processes, ZeRO-3, S = 2; it trains and its
-    sampler-trainer parity holds (the split scores what the sampler sampled)."""
+@pytest.mark.parametrize("strategy,extra", [("zero3", []), ("zero2", ["model.gradient_checkpointing=true"]), ("ddp", [])])
+def test_two_process_training_run_with_split_rows(tmp_path, cache_dir, strategy, extra):
+    """`torchrun --nproc_per_node 2 -m grpo.train parallel=zero3 parallel.sequence_parallel=2` on the
+    default task (and zero2, with checkpointed layers recomputed in the backward, still split; and
+    ddp): 2 steps, and the sampler-trainer parity holds (the split scores what the sampler sampled)."""
     cmd = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, "steps=2",
-           "parallel=zero3", "parallel.sequence_parallel=2", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"]
+           f"parallel={strategy}", "parallel.sequence_parallel=2", *extra, f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"]
     run(cmd)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     steps = [r for r in rows if "loss" in r]
