@@ -148,16 +148,13 @@ def packed_logprobs(model, batch: Batch, temperature: float, with_entropy: bool,
             zeros_BT.index_put(packed.token_at, ent_1N[0]) if with_entropy else None)
 
 
-def forward_logprobs_split(model, batch: Batch, rows, split, temperature: float, with_entropy: bool, max_tokens: int,
-                           plain: bool):
+def forward_logprobs_split(model, batch: Batch, rows, cols: slice, gather, temperature: float, with_entropy: bool,
+                           max_tokens: int, plain: bool):
     """forward_logprobs of a micro-batch whose rows a group of ranks shares (grpo/parallel/sequence.py):
-    the model runs on this rank's columns of `rows` (the micro-batch laid out whole); the head on the
-    completion tokens predicted from them; the group's all-reduce gives every rank the whole
+    the model runs on this rank's columns `cols` of `rows` (the micro-batch laid out whole); the head on
+    the completion tokens predicted from them; `gather` (the group's sum) gives every rank the whole
     micro-batch's logprobs_BT (entropy_BT). Every rank keeps the graph through its model forward, even
     with no token of its own, so every rank's backward joins the attention's all-to-alls."""
-    from grpo.parallel.sequence import columns
-
-    cols = columns(rows.input_ids_RW.shape[1], split.size, split.rank)
     inputs = dict(input_ids=rows.input_ids_RW[:, cols], position_ids=rows.position_ids_RW[:, cols], use_cache=False)
     row_N, col_N = rows.hidden_at
     mine_N = (col_N >= cols.start) & (col_N < cols.stop)
@@ -176,9 +173,9 @@ def forward_logprobs_split(model, batch: Batch, rows, split, temperature: float,
                 ent_1n = entropy(logits_1nV.detach() / max(temperature, 1e-6)) if with_entropy else None
     where = (mine_N.nonzero()[:, 0],)
     zeros_N = torch.zeros(tokens_N.shape, device=logp_1n.device)
-    logp_N = split.gather(zeros_N.index_put(where, logp_1n[0]))
+    logp_N = gather(zeros_N.index_put(where, logp_1n[0]))
     zeros_BT = torch.zeros(batch.completion_ids_BT.shape, device=logp_N.device)
     if not with_entropy:
         return zeros_BT.index_put(rows.token_at, logp_N), None
-    ent_N = split.gather(zeros_N.index_put(where, ent_1n[0].detach()))
+    ent_N = gather(zeros_N.index_put(where, ent_1n[0].detach()))
     return zeros_BT.index_put(rows.token_at, logp_N), zeros_BT.index_put(rows.token_at, ent_N)

@@ -42,6 +42,10 @@ class DDPStrategy(SingleStrategy):
                 "parallel=ddp` (or srun), or use parallel=single."
             )
         super().__init__(cfg, model, algo, total_steps)
+        if cfg.sequence_parallel > 1:
+            from grpo.parallel.zero import init_deepspeed_comm
+
+            init_deepspeed_comm(False)  # DeepSpeed's all-to-all carries the split rows' attention
         self.sequence = sequence.build(cfg.sequence_parallel, model)
         self.buckets = gradient_buckets([p for p in model.parameters() if p.requires_grad], int(cfg.allreduce_bucket_mb * 2**20))
         with torch.no_grad():  # every rank starts from rank 0's weights

@@ -239,7 +239,8 @@ class SequenceParallel:
         plain = has_plain_head(model)  # found once per model by a forward of its own: before the split starts
         _ACTIVE["split"], _ACTIVE["mask"] = self, None if plain_causal(rows.mask_R1WW) else rows.mask_R1WW
         try:
-            yield forward_logprobs_split(model, batch, rows, self, temperature, with_entropy, max_tokens, plain)
+            cols = columns(rows.input_ids_RW.shape[1], self.size, self.rank)
+            yield forward_logprobs_split(model, batch, rows, cols, self.gather, temperature, with_entropy, max_tokens, plain)
         finally:
             _ACTIVE["split"] = _ACTIVE["mask"] = None
 
@@ -292,10 +293,8 @@ def install(implementation: str) -> None:
 
 def build(size: int, model) -> SequenceParallel | None:
     """The rank's SequenceParallel for `parallel.sequence_parallel=size`, or None at 1. DeepSpeed's
-    communication layer is started first (its all-to-all runs there), also under DDP."""
+    communication layer must be up (its all-to-all runs there; grpo.parallel.zero.init_deepspeed_comm,
+    which the DDP strategy calls too when it splits rows)."""
     if size == 1:
         return None
-    from grpo.parallel.zero import init_deepspeed_comm
-
-    init_deepspeed_comm(False)
     return SequenceParallel(size, model)
