@@ -158,16 +158,18 @@ def test_verify_checks_the_split_on_two_processes(cache_dir):
 
 
 def test_a_row_of_one_sequence_attends_with_no_mask_at_all():
-    """One sequence per row and no left padding (the long-sequence row) is plain causal: SDPA gets no
-    W x W mask; two packed sequences or a left-padded prompt keep theirs."""
+    """One sequence per row and no left padding (the long-sequence row) is plain causal: no W x W
+    mask is built and SDPA runs causal; two packed sequences or a left-padded prompt keep theirs."""
+    from dataclasses import replace
+
     from grpo.batch import Batch
 
-    one = sequence.packed_mask(torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]]))  # a sequence of 6, then padding
-    assert sequence.plain_causal(one)
-    assert not sequence.plain_causal(sequence.packed_mask(torch.tensor([[0, 1, 2, 0, 1, 2, 6, 7]])))
     ids = torch.tensor([[0, 5, 6, 7, 8], [4, 5, 6, 7, 0]])
     mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     padded = Batch(ids, mask, pos, ids[:, 3:], torch.zeros(2, 2), torch.ones(2, 2), torch.zeros(2), prompt_width=3)
-    assert not sequence.plain_causal(sequence.whole_rows(padded, 2).mask_R1WW)  # row 0 is left-padded
-    assert sequence.plain_causal(sequence.whole_rows(padded.select(slice(1, 2)), 2).mask_R1WW)
+    assert sequence.whole_rows(padded, 2).mask_R1WW is not None  # row 0 is left-padded
+    assert sequence.whole_rows(padded.select(slice(1, 2)), 2).mask_R1WW is None
+    assert sequence.whole_rows(replace(padded, rows=[1, 1]), 4).mask_R1WW is None
+    two = sequence.whole_rows(replace(padded, rows=[2]), 4).mask_R1WW[0, 0]
+    assert not two[5, :4].any() and two[5, 4:6].all()  # the second sequence sees itself only

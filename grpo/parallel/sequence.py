@@ -119,7 +119,10 @@ class Rows:
 
     input_ids_RW: torch.Tensor
     position_ids_RW: torch.Tensor
-    mask_R1WW: torch.Tensor  # bool, True where attended: the unsplit forward's, for every position whose output is read
+    # bool, True where attended: the unsplit forward's, for every position whose output is read; None
+    # where that is plain causal (one sequence per row, no left padding: the usual long-sequence row),
+    # so the attention gets no mask and SDPA runs causal with no W x W tensor (on CUDA: flash)
+    mask_R1WW: torch.Tensor | None
     hidden_at: tuple[torch.Tensor, torch.Tensor]  # (row, column) whose hidden state predicts completion token n
     token_at: tuple[torch.Tensor, torch.Tensor]  # (b, t) of completion token n in the B x T layout
 
@@ -154,8 +157,9 @@ def whole_rows(batch: Batch, multiple: int) -> Rows:
         return Rows(packed.input_ids_RW, packed.position_ids_RW, packed.mask_R1WW, packed.hidden_at, packed.token_at)
     if batch.rows is not None:
         packed = pack(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.rows, multiple=multiple)
-        return Rows(packed.input_ids_RW, packed.position_ids_RW, packed_mask(packed.position_ids_RW),
-                    packed.hidden_at, packed.token_at)
+        # a row of one sequence: its padding's positions run on from it (grpo.layouts.pack), one causal run
+        mask = None if all(n == 1 for n in batch.rows) else packed_mask(packed.position_ids_RW)
+        return Rows(packed.input_ids_RW, packed.position_ids_RW, mask, packed.hidden_at, packed.token_at)
     ids_BL, pos_BL = batch.input_ids_BL, batch.position_ids_BL
     # keys: every position from the row's first real token on (the left padding is out); the padding
     # after a completion is only seen by later padding, whose outputs are never read
@@ -168,15 +172,7 @@ def whole_rows(batch: Batch, multiple: int) -> Rows:
         pos_BL = torch.cat([pos_BL, pos_BL[:, -1:].expand(-1, extra)], dim=1)
     b, t = torch.meshgrid(torch.arange(B, device=ids_BL.device), torch.arange(T, device=ids_BL.device), indexing="ij")
     b, t = b.reshape(-1), t.reshape(-1)
-    return Rows(ids_BL, pos_BL, causal_mask(keep_BL), (b, L - T - 1 + t), (b, t))
-
-
-def plain_causal(mask_R1WW: torch.Tensor) -> bool:
-    """Whether a whole-row mask is the causal one for every row (one sequence per row, no left
-    padding: the usual long-sequence row). Such a row's attention then gets no mask at all, and
-    SDPA runs causal with no W x W tensor (on CUDA: its flash kernel)."""
-    W = mask_R1WW.shape[-1]
-    return bool(mask_R1WW.eq(torch.ones(W, W, dtype=torch.bool, device=mask_R1WW.device).tril()).all())
+    return Rows(ids_BL, pos_BL, None if bool(keep_BL.all()) else causal_mask(keep_BL), (b, L - T - 1 + t), (b, t))
 
 
 class SequenceParallel:
@@ -198,7 +194,7 @@ class SequenceParallel:
         text = model_config(model)
         self.text = text.get_text_config() if hasattr(text, "get_text_config") else text
         self._ulysses: dict[int, object] = {}
-        install(self.text._attn_implementation if hasattr(self.text, "_attn_implementation") else "sdpa")
+        install()
 
     def ulysses(self, rows: int):
         """DeepSpeed's attention for micro-batches of `rows` rows (its shapes fix the batch size)."""
@@ -208,7 +204,7 @@ class SequenceParallel:
 
             heads = self.text.num_attention_heads
             self._ulysses[rows] = UlyssesSPAttentionHF(
-                attn=ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"],  # the model's own SDPA, not our wrapper
+                attn=ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"],  # transformers' own SDPA, not split_attention
                 batch_size=rows,
                 attn_head_count=heads,
                 attn_head_size=getattr(self.text, "head_dim", None) or self.text.hidden_size // heads,
@@ -237,7 +233,7 @@ class SequenceParallel:
         device = batch.input_ids_BL.device
         rows = whole_rows(batch, split_multiple(device.type, self.size))
         plain = has_plain_head(model)  # found once per model by a forward of its own: before the split starts
-        _ACTIVE["split"], _ACTIVE["mask"] = self, None if plain_causal(rows.mask_R1WW) else rows.mask_R1WW
+        _ACTIVE["split"], _ACTIVE["mask"] = self, rows.mask_R1WW
         try:
             cols = columns(rows.input_ids_RW.shape[1], self.size, self.rank)
             yield forward_logprobs_split(model, batch, rows, cols, self.gather, temperature, with_entropy, max_tokens, plain)
@@ -268,17 +264,14 @@ class GroupSum(torch.autograd.Function):
         return grad, None
 
 
-_INSTALLED: set = set()
-
-
-def install(implementation: str) -> None:
-    """Route `implementation`'s attention through `split_attention` (once per process): outside a
-    split forward it calls the model's own attention unchanged."""
+def install() -> None:
+    """Route SDPA attention through `split_attention` (once per process; `check_model` made sure the
+    model runs SDPA): outside a split forward it calls transformers' own SDPA unchanged."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if implementation in _INSTALLED:
-        return
-    own = ALL_ATTENTION_FUNCTIONS[implementation]
+    own = ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"]
+    if ALL_ATTENTION_FUNCTIONS["sdpa"] is not own:
+        return  # installed already
 
     def split_attention(module, query, key, value, attention_mask, *args, **kwargs):
         split = _ACTIVE["split"]
@@ -287,8 +280,7 @@ def install(implementation: str) -> None:
         # the model's mask covers this rank's columns only; the whole row's (None: causal) goes to DeepSpeed's
         return split.ulysses(query.shape[0])(module, query, key, value, _ACTIVE["mask"], *args, **kwargs)
 
-    ALL_ATTENTION_FUNCTIONS[implementation] = split_attention
-    _INSTALLED.add(implementation)
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = split_attention
 
 
 def build(size: int, model) -> SequenceParallel | None:
