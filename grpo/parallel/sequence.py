@@ -26,6 +26,11 @@ them over all ranks already (DDP's all-reduce; ZeRO's averaged reduce times the 
 data parallelism is world / S rows at a time with no change to their reductions. Statistics
 (entropy, sampler difference, the loss's own value) count on the micro-batch's owner only.
 
+The split is the process's while a split forward and its backward run (`_ACTIVE`; module state, not
+thread state, because CUDA runs a backward's recompute on autograd's own threads): no other model in
+the process may run SDPA attention meanwhile. None does: in-process generation (hf, colocated) and
+in-process reward models take turns with the update in the trainer's thread.
+
 What a split needs of the model is checked when the strategy is built (`check_model`): SDPA
 attention (transformers routes eager attention past the registry this wraps), no sliding window,
 heads and key/value heads that S divides (or S a multiple of the key/value heads).
