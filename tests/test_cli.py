@@ -13,6 +13,7 @@ ENTRY_POINTS = [  # every module with `if __name__ == "__main__"`: one added and
     "grpo.bench.lora",
     "grpo.bench.memory",
     "grpo.bench.packing",
+    "grpo.bench.sequence",
     "grpo.bench.sync",
     "grpo.bench.warm_start",
     "grpo.bench.zero3",

@@ -86,7 +86,7 @@ def bench_sequence_memory(sizes: list[int], layers: int, tokens: int) -> list[di
         out = os.path.join(folder, f"S{size}.json")
         print(f"bench: one update on a {tokens}-token sequence, rows split across {size} rank(s)", flush=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(size), "-m",
-               "grpo.bench.sequence", "--worker", str(size), "--layers", str(layers), "--tokens", str(tokens), "--out", out]
+               "grpo.bench.sequence", "--worker", str(size), out, "--layers", str(layers), "--tokens", str(tokens)]
         threads = max(1, (os.cpu_count() or 1) // size)
         res = subprocess.run(cmd, capture_output=True, text=True,
                              env={**os.environ, **ALLOCATOR, "OMP_NUM_THREADS": str(threads)})
@@ -107,9 +107,16 @@ def report_sequence_memory(sizes: list[int], layers: int, tokens: int) -> tuple[
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m grpo.bench.sequence", description=__doc__.split("\n\n")[0])
-    p.add_argument("--worker", type=int, metavar="S", help="one case on this rank, under torchrun")
+    p.add_argument("--worker", nargs=2, metavar=("S", "OUT"),
+                   help="one case on this rank, under torchrun (without it: every --sizes, as `grpo.bench sequence-memory`)")
+    p.add_argument("--sizes", default="1,2,4")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--out", default="bench_results/sequence_memory.json")
     args = p.parse_args()
-    worker(args.worker, args.layers, args.tokens, args.out)
+    if args.worker:
+        worker(int(args.worker[0]), args.layers, args.tokens, args.worker[1])
+    else:
+        from grpo.bench.report import publish
+
+        publish(args.out, *report_sequence_memory([int(x) for x in args.sizes.split(",") if x], args.layers, args.tokens))
