@@ -37,6 +37,9 @@ class Batch:
     # a shared-prompt micro-batch: per row, how many of its sequences, in order, each of its trees
     # (one prompt, several completions) holds
     trees: Optional[list[list[int]]] = None
+    # a vision-language model's image prompts: per row, its prompt's images (grpo.vision.VisionInputs;
+    # None for a row without); None when no row has any
+    vision: Optional[list] = None
 
     @property
     def size(self) -> int:
@@ -55,6 +58,13 @@ class Batch:
             f.name: getattr(self, f.name)[idx] if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name)
             for f in fields(self)
         }
+        if self.vision is not None:
+            if isinstance(idx, slice):
+                rows = list(range(self.size)[idx])
+            else:
+                t = torch.as_tensor(idx)
+                rows = (t.nonzero().flatten() if t.dtype == torch.bool else t.reshape(-1)).tolist()
+            picked["vision"] = [self.vision[i] for i in rows]
         return Batch(**{**picked, "rows": None, "trees": None})  # a packing is laid out for the rows it was made for
 
 
@@ -162,4 +172,6 @@ def collate(
     ids_BL, attn_BL = torch.tensor(ids, dtype=torch.long), torch.tensor(attn, dtype=torch.long)
     logp_BT, mask_BT = torch.tensor(logps, dtype=torch.float32), torch.tensor(masks, dtype=torch.float32)
     position_ids_BL = (attn_BL.cumsum(dim=1) - 1).clamp(min=0)
-    return Batch(ids_BL, attn_BL, position_ids_BL, ids_BL[:, P:], mask_BT, logp_BT, advantages_B.float(), P)
+    vision = [getattr(p, "vision", None) for p in prompt_ids]  # grpo.vision.ImagePrompt carries its images
+    return Batch(ids_BL, attn_BL, position_ids_BL, ids_BL[:, P:], mask_BT, logp_BT, advantages_B.float(), P,
+                 vision=vision if any(v is not None for v in vision) else None)

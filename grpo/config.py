@@ -69,6 +69,9 @@ class ModelConfig:
     cache_dir: str = "${oc.env:GRPO_CACHE,'~/.cache/grpo'}"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # vision-language models (grpo/vision.py): the vision tower takes no gradient and is not sent to
+    # the engines; only the language model trains
+    freeze_vision: bool = True
 
 
 @dataclass
@@ -77,6 +80,7 @@ class TaskConfig:
     eval_size: int = 256  # held-out prompts used for evaluation
     seed: int = 1234  # fixes the train/eval split, independent of the run seed
     digits: int = 2  # addition, arithmetic: operand width
+    size: Optional[int] = None  # shapes: how many images are drawn (null: the task's own, 2,048)
     # Data sets (gsm8k, math, countdown): a local .jsonl/.parquet file with the hub set's columns
     # (jsonl task: {"prompt", "answer"} rows), else the hub id through `datasets.load_dataset`.
     path: Optional[str] = None
@@ -405,10 +409,10 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     check_rewards(cfg)  # each name resolves; a reward that holds a model checks its settings (grpo/rewards/)
     _check_env(cfg)
 
-    from grpo.models import HUB_ID, PACKAGED
+    from grpo.models import HUB_ID, PACKAGED, TINY_KINDS
 
     path = cfg.model.path
-    if path != "tiny" and path not in PACKAGED and not os.path.isdir(os.path.expanduser(path)):
+    if path not in TINY_KINDS and path not in PACKAGED and not os.path.isdir(os.path.expanduser(path)):
         if not HUB_ID.match(path):
             raise ConfigError(
                 f"model.path={path!r} is neither 'tiny', a packaged model {sorted(PACKAGED)}, an existing local "
@@ -417,6 +421,28 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
         _check_hub_model(path)
     # the engines' context against the model's own: fitted with a warning, or refused (engine_memory.engine_context)
     backend_class(r.backend).check_context(r, known_model_config(cfg.model))
+    check_vision(cfg, known_model_config(cfg.model))
+
+
+def check_vision(cfg, model_config: dict) -> None:
+    """What a vision-language model (model=tiny_vlm, or a folder/hub id whose config.json has a
+    vision_config) runs with: rollout=hf, one-turn tasks, no sequence split, not ZeRO-3 (docs/vlm.md)."""
+    if cfg.model.path != "tiny_vlm" and not model_config.get("vision_config"):
+        return
+    why = None
+    if cfg.rollout.backend not in ("hf", "colocated"):
+        why = (f"rollout={cfg.rollout.backend}: image prompts go through rollout=hf and rollout=colocated so far; the "
+               "servers' requests carry token ids only (docs/vlm.md)")
+    elif cfg.env.name != "none":
+        why = f"env={cfg.env.name}: multi-turn episodes do not carry images"
+    elif cfg.parallel.sequence_parallel > 1:
+        why = "parallel.sequence_parallel > 1: split rows do not carry images"
+    elif cfg.parallel.strategy == "zero3":
+        why = ("parallel=zero3: a rank's padding micro-batch has no image, so its vision tower's parameter gathers "
+               "would not match the other ranks'")
+    if why:
+        raise ConfigError(f"model.path={cfg.model.path} is a vision-language model; {why}. Use rollout=hf or colocated, "
+                          "env=none, parallel=single, ddp or zero2.")
 
 
 def check_sequence_parallel(cfg, world: int) -> None:
@@ -437,7 +463,7 @@ def known_model_config(model) -> dict:
     from grpo.models import PACKAGED, TINY_CONTEXT, packaged_model_dir
     from grpo.rollout.engine_memory import model_config_of, read_model_config
 
-    if model.path == "tiny":
+    if model.path in ("tiny", "tiny_vlm"):
         return {"max_position_embeddings": TINY_CONTEXT}
     if model.path in PACKAGED:
         return read_model_config(packaged_model_dir(model.path, model.cache_dir))

@@ -38,6 +38,8 @@ def export_hf(strategy, tokenizer, folder: str, bucket_bytes: int = 256 * 2**20,
         dist.barrier()
         return None
     config = strategy.model.config
+    if getattr(config, "vision_config", None) is not None:  # a vision-language model (grpo/vision.py)
+        from transformers import AutoModelForImageTextToText as AutoModelForCausalLM  # noqa: N814
     model = AutoModelForCausalLM.from_config(config, dtype=next(iter(state.values())).dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
@@ -47,6 +49,8 @@ def export_hf(strategy, tokenizer, folder: str, bucket_bytes: int = 256 * 2**20,
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    if getattr(tokenizer, "vision", None) is not None:  # a VLM's image processor, as the model folder had it
+        tokenizer.vision.image_processor.save_pretrained(tmp)
     if os.path.exists(folder):
         shutil.rmtree(folder)
     os.rename(tmp, folder)

@@ -60,15 +60,18 @@ class PackedRows:
     position_ids_RW: torch.Tensor  # restarting at 0 at each sequence (and at the row's padding)
     hidden_at: tuple[torch.Tensor, torch.Tensor]  # (row, column) whose hidden state predicts completion token n
     token_at: tuple[torch.Tensor, torch.Tensor]  # (b, t): where completion token n sits in the B x T layout
+    carried_KRW: torch.Tensor | None = None  # `carry_KBL` laid out as the rows are (0 on the rows' padding)
 
 
 def pack(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, prompt_width: int, rows: list[int],
-         pad_id: int = 0, multiple: int | None = None) -> PackedRows:
+         pad_id: int = 0, multiple: int | None = None, carry_KBL: torch.Tensor | None = None) -> PackedRows:
     """The packed rows of a padded batch (prompts left-padded to `prompt_width`, completions
     right-padded) whose sequences, in order, fill `rows[0]` sequences of row 0, `rows[1]` of row 1, ...
     Every completion token is carried, whatever its mask (a truncated or an observation token is
     still context for the tokens after it). The rows' width is the longest row's, rounded up to a
-    multiple of `multiple` (None: grpo.attention.width_multiple of the batch's device: 128 on CUDA)."""
+    multiple of `multiple` (None: grpo.attention.width_multiple of the batch's device: 128 on CUDA).
+    `carry_KBL`: K more values per token of the padded batch (a VLM's M-RoPE positions and image
+    slots, grpo/vision.py) moved to the rows as the tokens are."""
     device = input_ids_BL.device
     input_ids_BL, attention_mask_BL = input_ids_BL.cpu(), attention_mask_BL.cpu()  # the layout is worked out here
     B, L = input_ids_BL.shape
@@ -98,8 +101,13 @@ def pack(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, prompt_wid
     tb, tt = (torch.arange(T)[None, :] < completion_B[:, None]).nonzero(as_tuple=True)
     # the hidden state at the position before a token predicts it: prompt_len + t - 1 into the sequence
     hidden_at = (row_B[tb], start_B[tb] + prompt_B[tb] + tt - 1)
+    carried = None
+    if carry_KBL is not None:
+        carried = torch.zeros((carry_KBL.shape[0], len(rows), width), dtype=carry_KBL.dtype)
+        carried[:, r, w] = carry_KBL.cpu()[:, b, col]
+        carried = carried.to(device)
     return PackedRows(ids_RW.to(device), pos_RW.to(device), tuple(x.to(device) for x in hidden_at),
-                      (tb.to(device), tt.to(device)))
+                      (tb.to(device), tt.to(device)), carried)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from grpo import attention
+from grpo import attention, vision
 from grpo.algorithm import entropy, token_logprobs
 from grpo.batch import Batch
 from grpo.layouts import pack, pack_shared
@@ -104,6 +104,8 @@ def padded_logprobs(model, batch: Batch, temperature: float, with_entropy: bool,
         ids_BL, mask_BL = F.pad(ids_BL, (0, extra)), F.pad(mask_BL, (0, extra))
         pos_BL = torch.cat([pos_BL, pos_BL[:, -1:].expand(-1, extra)], dim=1)
     inputs = dict(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL)
+    if batch.vision is not None:  # images: the embeddings with the vision tower's output, M-RoPE positions
+        inputs = vision.padded_inputs(model, unwrapped(model).config, batch, ids_BL, mask_BL, pos_BL)
     if not plain:
         # a head of its own (soft-capping, scaling): the model's logits, only the last T + 1 (+ padding) positions
         logits_BTV = model(**inputs, logits_to_keep=T + 1 + extra).logits[:, :T]
@@ -129,6 +131,10 @@ def packed_logprobs(model, batch: Batch, temperature: float, with_entropy: bool,
         packed = pack_shared(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.trees, mask_dtype)
         inputs = dict(input_ids=packed.input_ids_RW, position_ids=packed.position_ids_RW,
                       attention_mask=packed.mask_R1WW, use_cache=False)
+    elif batch.vision is not None:  # images: each sequence's M-RoPE positions and image slots moved with it
+        packed = pack(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.rows,
+                      carry_KBL=vision.packing_carry(batch, unwrapped(model).config))
+        inputs = vision.packed_inputs(model, batch, packed)
     else:
         packed = pack(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.rows)
         inputs = dict(input_ids=packed.input_ids_RW, position_ids=packed.position_ids_RW, use_cache=False)

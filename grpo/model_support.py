@@ -184,6 +184,15 @@ def runnable_layout(model, layout: str, longest: int = 0) -> str:
         return layout
     support = support_of(model)
     name = type(unwrapped(model)).__name__
+    if getattr(unwrapped(model).config, "vision_config", None) is not None:
+        # a VLM's rows carry M-RoPE positions behind the text ones (grpo/vision.py): packed rows are kept
+        # apart by those; the shared-prompt layout is not built for them
+        if layout == "shared" and "vision" not in support.warned:
+            support.warned.add("vision")
+            warnings.warn(f"algo.shared_prompt is on, but {name} is a vision-language model, whose image prompts are "
+                          "not laid out in shared-prompt rows: the update packs them (the same numbers, more "
+                          "positions). Set algo.shared_prompt=false to say so.", stacklevel=2)
+        return "packed"
     if support.packs is None:
         support.packs = probe_packs(model)
     if not support.packs:

@@ -28,6 +28,7 @@ import time
 
 import torch
 
+TINY_KINDS = ("tiny", "tiny_vlm")  # model.path values built in code: the text model, the vision-language one
 TINY_CONTEXT = 256  # the tiny model's max_position_embeddings: prompt + completion tokens it can hold
 TINY_FORMAT = 2  # bump when the tiny model's recipe changes, so old cache entries are not reused
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -105,7 +106,13 @@ def warm_start(model, tokenizer, task, cfg, max_new_tokens: int, log=print) -> d
     probe, train = task.train[:n_probe], task.train[n_probe:]
     if not probe or not train:
         raise ValueError(f"the warm start needs at least 2 training samples; the task has {len(task.train)}.")
+    images = getattr(tokenizer, "vision", None) is not None  # a VLM on image prompts (grpo/vision.py)
+    if images:
+        from grpo import vision
+
     def accuracy() -> float:  # greedy: one-shot exact match, or a multi-turn task's own episodes
+        if images:
+            return vision.greedy_accuracy(model, tokenizer, probe, max_new_tokens)
         if task.play is None:
             return greedy_accuracy(model, tokenizer, probe, max_new_tokens)
         model.eval()
@@ -118,7 +125,8 @@ def warm_start(model, tokenizer, task, cfg, max_new_tokens: int, log=print) -> d
     while acc < cfg.warm_start_accuracy and step < cfg.warm_start_max_steps:
         idx = torch.randint(len(train), (cfg.warm_start_batch,), generator=gen).tolist()
         rows = [train[i] for i in idx]
-        batch = (supervised_batch(tokenizer, rows) if task.demonstration is None
+        batch = (vision.supervised_batch(tokenizer, rows) if images
+                 else supervised_batch(tokenizer, rows) if task.demonstration is None
                  else demonstration_batch(tokenizer, rows, task.demonstration))
         loss = model(**batch).loss
         loss.backward()
@@ -185,21 +193,31 @@ def tiny_model_dir(cfg, task_cfg, max_new_tokens: int) -> str:
     """Cache folder of the tiny model: a hash of its recipe, the task it was warm-started on."""
     from omegaconf import OmegaConf
 
+    from grpo.vision import TINY_VLM_FORMAT
+
     recipe = {
         "format": TINY_FORMAT,
+        **({"kind": cfg.path, "vlm_format": TINY_VLM_FORMAT} if cfg.path != "tiny" else {}),  # the vision-language one
         "tiny": OmegaConf.to_container(cfg.tiny, resolve=True) if not isinstance(cfg.tiny, dict) else cfg.tiny,
-        "task": {k: task_cfg[k] for k in ("name", "seed", "digits", "eval_size", "path")},
+        "task": {k: task_cfg[k] for k in ("name", "seed", "digits", "eval_size", "path", "size") if k in task_cfg},
         "max_new_tokens": max_new_tokens,  # the warm start's greedy checks decode this far
     }
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    return os.path.join(os.path.expanduser(cfg.cache_dir), f"tiny-{key}")
+    return os.path.join(os.path.expanduser(cfg.cache_dir), f"{cfg.path}-{key}")
 
 
-def build_warm_tiny(tiny, task, max_new_tokens: int, log=print):
+def build_warm_tiny(tiny, task, max_new_tokens: int, log=print, kind: str = "tiny"):
     """(model, tokenizer, info): the tiny model built from `tiny` (model.tiny) and warm-started on
-    `task` unless `tiny.warm_start_accuracy` is 0; raises WarmStartError on a miss."""
+    `task` unless `tiny.warm_start_accuracy` is 0; raises WarmStartError on a miss. `kind` tiny_vlm:
+    the vision-language one (grpo/vision.py), its tokenizer carrying its image processor."""
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tiny, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
+    if kind == "tiny_vlm":
+        from grpo import vision
+
+        model = vision.build_tiny_vlm(tiny, tokenizer)
+        tokenizer.vision = vision.ImageReader(vision.tiny_image_processor(), model.config)
+    else:
+        model = build_tiny_model(tiny, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
     info = {"parameters": sum(p.numel() for p in model.parameters())}
     if tiny.warm_start_accuracy > 0:
         info.update(warm_start(model, tokenizer, task, tiny, max_new_tokens, log))
@@ -213,7 +231,7 @@ def ensure_tiny_model(cfg, task_cfg, task, max_new_tokens: int, log=print) -> st
     if os.path.isfile(os.path.join(path, "grpo_tiny.json")):
         return path
     log(f"building the tiny model in {path}")
-    model, tokenizer, info = build_warm_tiny(cfg.tiny, task, max_new_tokens, log)
+    model, tokenizer, info = build_warm_tiny(cfg.tiny, task, max_new_tokens, log, kind=cfg.path)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -229,6 +247,8 @@ def publish_model_folder(model, tokenizer, path: str, marker: str, info: dict) -
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any model folder
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    if getattr(tokenizer, "vision", None) is not None:  # a VLM: its image processor beside it
+        tokenizer.vision.image_processor.save_pretrained(tmp)
     with open(os.path.join(tmp, marker), "w") as f:
         json.dump(info, f, indent=1)
     try:
@@ -294,7 +314,7 @@ def ensure_packaged_model(name: str, cache_dir: str, log=print) -> str:
 def ensure_model_folder(cfg, task_cfg, task, max_new_tokens: int, log=print) -> str:
     """The local folder of `model.path=tiny` (built and warm-started) or of a packaged model
     (converted), made once and cached."""
-    if cfg.path == "tiny":
+    if cfg.path in TINY_KINDS:
         return ensure_tiny_model(cfg, task_cfg, task, max_new_tokens, log)
     return ensure_packaged_model(cfg.path, cfg.cache_dir, log)
 
@@ -320,7 +340,19 @@ def encode_prompts(tokenizer, samples, chat_template: str = "auto", system_promp
     """Token ids of each sample's prompt, as trainer and engines both see them (BOS included; a chat
     template writes its own special tokens, so the tokenizer adds none to it)."""
     out = []
+    reader = getattr(tokenizer, "vision", None)  # a VLM's image processor (grpo/vision.py)
     for s in samples:
+        if s.meta.get("images"):
+            if reader is None:
+                from grpo.errors import ConfigError
+
+                raise ConfigError("the task's prompts carry images but the model is a text model: use a vision-language "
+                                  "model (model=tiny_vlm, or model=hub model.path=Qwen/Qwen2-VL-2B-Instruct).")
+            from grpo import vision
+
+            out.append(vision.encode_image_prompt(tokenizer, reader.image_processor, reader.config, s, chat_template,
+                                                  system_prompt))
+            continue
         text, templated = format_prompt(tokenizer, s.prompt, chat_template, system_prompt)
         out.append(tokenizer(text, add_special_tokens=not templated).input_ids)
     return out
@@ -343,7 +375,18 @@ def load_model(path: str, dtype: str = "float32", log=None):
         tokenizer = AutoTokenizer.from_pretrained(path)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+        if getattr(config, "vision_config", None) is not None:  # a vision-language model: its image processor too
+            from transformers import AutoModelForImageTextToText
+
+            from grpo import vision
+
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=DTYPES[dtype])
+            vision.attach(tokenizer, path, model.config)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     finally:
         hf_logging.disable_progress_bar()
     return model, tokenizer
@@ -354,11 +397,11 @@ def resolve_model_folder(cfg, log=print) -> str:
     bench alike: `tiny` built (and warm-started), a packaged model (smollm2-135m) converted, both
     once into the cache; anything else (a folder, a hub id) as given. `cfg` is a whole run config."""
     path = os.path.expanduser(cfg.model.path)
-    if path != "tiny" and path not in PACKAGED:
+    if path not in TINY_KINDS and path not in PACKAGED:
         return path
     from grpo.tasks import build_task
 
-    task = build_task(cfg.task) if path == "tiny" else None  # the tiny model's warm start trains on the task
+    task = build_task(cfg.task) if path in TINY_KINDS else None  # the tiny model's warm start trains on the task
     return ensure_model_folder(cfg.model, cfg.task, task, cfg.rollout.max_new_tokens, log)
 
 
@@ -386,6 +429,12 @@ def build_policy(cfg, info, log=print, loading=contextlib.nullcontext()):
         model, tokenizer = load_model(path, cfg.model.dtype, log=log if info.is_main else None)
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        if cfg.model.freeze_vision and getattr(model.config, "vision_config", None) is not None:
+            from grpo import vision
+
+            frozen = vision.freeze_vision(model)
+            if info.is_main:
+                log(f"vision tower frozen (model.freeze_vision): {frozen / 1e6:.2f}M parameters take no gradient")
         if cfg.model.lora.rank > 0:  # only the adapter trains; the base weights stay the folder's
             from grpo import lora
 

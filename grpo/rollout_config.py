@@ -26,6 +26,8 @@ class VLLMConfig:
     # dedicated/remote: how weights reach the servers: auto (vLLM's nccl between GPUs, else
     # grpo_gloo), grpo_gloo or nccl; a remote server's `grpo.serve --weight-transfer` must agree
     weight_transfer: str = "auto"
+    # a vision-language model: the most images one prompt may carry (vLLM's limit_mm_per_prompt; no video)
+    images_per_prompt: int = 1
 
 
 @dataclass

@@ -14,6 +14,17 @@ WeightBuckets = Iterable[list[tuple[str, torch.Tensor]]]
 T = TypeVar("T")
 
 
+def is_vision_parameter(name: str) -> bool:
+    """Whether a parameter name belongs to a vision-language model's vision tower (Qwen2-VL: `visual`)."""
+    return ".visual." in f".{name}"
+
+
+def engine_parameters(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, parameter) pairs a weight sync sends: all but a frozen vision tower's
+    (model.freeze_vision), which the engines keep as they loaded it."""
+    return ((n, p) for n, p in named if p.requires_grad or not is_vision_parameter(n))
+
+
 def full_nbytes(t: torch.Tensor) -> int:
     """Bytes of the full tensor: a ZeRO-3 parameter's local placeholder is empty, `ds_numel` is not."""
     return getattr(t, "ds_numel", t.numel()) * t.element_size()

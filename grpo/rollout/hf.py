@@ -8,7 +8,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from grpo import dist
+from grpo import dist, vision
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.weights import WeightBuckets
 
@@ -153,11 +153,18 @@ class HFBackend(RolloutBackend):
         # stepping until all ranks are done (transformers' synced_gpus)
         synced = self.lockstep and dist.world_size() > 1
         recorder = SampledLogprobs()
+        # image prompts (grpo/vision.py): their pixels go in whole; the prompt is not prefilled once per
+        # group (the vision tower and M-RoPE positions are the model's own generate's business)
+        images = vision.generate_inputs(rows, base_model(self.model).config)
+        if images:
+            images["mm_token_type_ids"] = (ids_BL == vision.image_token_id(base_model(self.model).config)).int()
         with folder_defaults_off(self.model), compute_precision(self.model, self.dtype):
-            cache = shared_prefill(self.model, ids_BL[::n].to(device), mask_BL[::n].to(device), n) if n > 1 else None
+            cache = (shared_prefill(self.model, ids_BL[::n].to(device), mask_BL[::n].to(device), n)
+                     if n > 1 and not images else None)
             out = self.model.generate(input_ids=ids_BL.to(device), attention_mask=mask_BL.to(device),
                                       generation_config=gen_cfg, logits_processor=logits_processors(sampling, recorder),
-                                      synced_gpus=synced, **({"past_key_values": cache} if cache is not None else {}))
+                                      synced_gpus=synced, **({"past_key_values": cache} if cache is not None else {}),
+                                      **{k: v.to(device) for k, v in images.items()})
         self.model.train(was_training)
         new_BT = out.sequences[:, width:].cpu()
         logprobs_BT = recorder.logprobs(new_BT)

@@ -10,6 +10,7 @@ from grpo.tasks.gsm8k import build_gsm8k
 from grpo.tasks.guess import build_guess
 from grpo.tasks.jsonl import build_jsonl
 from grpo.tasks.math_problems import build_math
+from grpo.tasks.shapes import build_shapes
 
 TASKS = {
     "addition": build_addition,
@@ -19,6 +20,7 @@ TASKS = {
     "math": build_math,
     "countdown": build_countdown,
     "guess": build_guess,
+    "shapes": build_shapes,
 }
 
 

@@ -1,0 +1,375 @@
+"""Image prompts for vision-language models (the Qwen2-VL / Qwen2.5-VL family): one home for how an
+image reaches the sampler and the trainer alike.
+
+A prompt with images is its token ids with each image's placeholder already expanded (one
+`<|image_pad|>` per merged patch, as the model's processor writes them) and the pixels the model's
+image processor made of the images (`VisionInputs`). `ImagePrompt` is such a list of ids carrying its
+`VisionInputs`, so every place that passes prompt ids (the rollout backends, `collate`) passes the
+images with them; the Batch keeps them per row (`Batch.vision`).
+
+The trainer's forward builds the language model's input embeddings itself: the token embeddings,
+with the vision tower's output written over the prompt's image placeholders (never over a sampled
+token, even one that happens to be the placeholder's id), and the M-RoPE position ids of each
+sequence (`mrope_positions`: text positions for text, temporal/height/width for an image's tokens,
+the completion running on from the prompt's largest position), prepended by the plain text
+positions transformers builds the attention mask from. The padded and packed layouts take them
+(packed: each sequence's positions restart in its row, `grpo/layouts.py pack(carry_KBL=...)`); the
+shared-prompt layout is not built for images, so a VLM runs packed where it is asked for shared
+(grpo/model_support.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+VIDEO_PAD = "<|video_pad|>"  # the tiny VLM takes no video, but vLLM's Qwen2-VL processor looks the token up
+TINY_VLM_FORMAT = 2  # bump when the tiny VLM's recipe changes (2: <|video_pad|> in its vocabulary)
+
+
+@dataclass
+class VisionInputs:
+    """One prompt's images as the model takes them."""
+
+    pixel_values: torch.Tensor  # (patches, channels x temporal x patch x patch), the image processor's
+    image_grid_thw: torch.Tensor  # (images, 3): each image's grid of patches (before merging)
+    images: list  # the images as the task gave them (PIL), for engines that run their own processor
+    rope_3P: torch.Tensor  # the prompt's M-RoPE positions (3, P)
+    image_token_id: int  # the placeholder's id
+
+
+class ImagePrompt(list):
+    """A prompt's token ids (image placeholders expanded) that carries its images (`vision`)."""
+
+    def __init__(self, ids, vision: VisionInputs):
+        super().__init__(ids)
+        self.vision = vision
+
+
+def vision_of(prompt) -> VisionInputs | None:
+    return getattr(prompt, "vision", None)
+
+
+def is_vision_model(model_or_config) -> bool:
+    config = getattr(model_or_config, "config", model_or_config)
+    return getattr(config, "vision_config", None) is not None
+
+
+def image_token_id(config) -> int:
+    return int(config.image_token_id)
+
+
+def merge_size(config) -> int:
+    return int(config.vision_config.spatial_merge_size)
+
+
+def tokens_per_image(grid_thw: torch.Tensor, merge: int) -> list[int]:
+    """How many placeholder tokens each image of `grid_thw` (images, 3) takes: its patches / merge^2."""
+    return [int(t * h * w) // (merge * merge) for t, h, w in grid_thw.tolist()]
+
+
+def mrope_positions(ids: list[int], image_id: int, grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
+    """(3, len(ids)) M-RoPE position ids of one unpadded sequence, as Qwen2-VL's `get_rope_index`
+    gives them: a text token at the next position on all three axes; an image's tokens at the
+    position where the image starts plus (frame, row, column) of its merged patch grid; the text
+    after an image from the largest position so far + 1 (tests compare with the model's own)."""
+    out = torch.empty((3, len(ids)), dtype=torch.long)
+    grids = [tuple(g) for g in grid_thw.tolist()]
+    nxt, image, i = 0, 0, 0
+    while i < len(ids):
+        if ids[i] != image_id:
+            out[:, i] = nxt
+            nxt, i = nxt + 1, i + 1
+            continue
+        if image >= len(grids):
+            raise ValueError(f"a prompt has more image placeholder runs than its {len(grids)} image(s)")
+        t, h, w = grids[image]
+        h, w = h // merge, w // merge
+        n = t * h * w
+        frames = torch.arange(t).repeat_interleave(h * w)
+        rows = torch.arange(h).repeat_interleave(w).repeat(t)
+        cols = torch.arange(w).repeat(t * h)
+        out[:, i : i + n] = torch.stack([frames, rows, cols]) + nxt
+        nxt = int(out[:, i : i + n].max()) + 1
+        i, image = i + n, image + 1
+    if image != len(grids):
+        raise ValueError(f"a prompt has {image} image placeholder run(s) for {len(grids)} image(s)")
+    return out
+
+
+def render_text(tokenizer, prompt: str, n_images: int, chat_template: str = "auto",
+                system_prompt: str | None = None) -> tuple[str, bool]:
+    """(text, whether a chat template wrote it) with one unexpanded placeholder per image before the
+    prompt's text: through the tokenizer's chat template (content parts, as Qwen2-VL's template
+    takes them), else the plain placeholders, then the prompt."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat_template == "always" and not has_template:
+        raise ValueError("task.chat_template=always but the tokenizer has no chat template; use auto or never.")
+    if chat_template == "never" or not has_template:
+        text = (VISION_START + IMAGE_PAD + VISION_END) * n_images + prompt
+        return (f"{system_prompt}\n\n{text}" if system_prompt else text), False
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": prompt}]})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), True
+
+
+def encode_image_prompt(tokenizer, image_processor, config, sample, chat_template: str = "auto",
+                        system_prompt: str | None = None) -> ImagePrompt:
+    """The token ids of a sample with images (`sample.meta["images"]`), every placeholder expanded to
+    its image's token count, with the image processor's pixels and the prompt's M-RoPE positions."""
+    images = list(sample.meta["images"])
+    text, templated = render_text(tokenizer, sample.prompt, len(images), chat_template, system_prompt)
+    ids = tokenizer(text, add_special_tokens=not templated).input_ids
+    pixels = image_processor(images=images, return_tensors="pt")
+    grid = pixels["image_grid_thw"]
+    image_id = image_token_id(config)
+    counts = iter(tokens_per_image(grid, merge_size(config)))
+    expanded = []
+    for token in ids:
+        expanded += [token] * next(counts) if token == image_id else [token]
+    if sum(t == image_id for t in ids) != len(images):
+        raise ValueError(f"the prompt text of {sample.prompt!r} holds {sum(t == image_id for t in ids)} image "
+                         f"placeholder(s) for {len(images)} image(s); check the chat template")
+    rope = mrope_positions(expanded, image_id, grid, merge_size(config))
+    return ImagePrompt(expanded, VisionInputs(pixels["pixel_values"], grid, images, rope, image_id))
+
+
+# --------------------------------------------------------------------------------------------------
+# The trainer's side: position ids and input embeddings of a micro-batch
+
+
+def mrope_BL(batch, config) -> torch.Tensor:
+    """(3, B, L) M-RoPE positions of a padded batch (prompt left-padded to `prompt_width`, completion
+    after it): each row's prompt positions, then its completion's running on from the prompt's
+    largest + 1; padding keeps the batch's text positions."""
+    pos = batch.position_ids_BL.to("cpu")
+    out = pos[None].repeat(3, 1, 1)
+    P = batch.prompt_width
+    lengths = batch.attention_mask_BL.to("cpu").sum(dim=1).tolist()
+    for b, v in enumerate(batch.vision):
+        if v is None:
+            continue
+        p = v.rope_3P.shape[1]
+        c = lengths[b] - p
+        out[:, b, P - p : P] = v.rope_3P
+        out[:, b, P : P + c] = int(v.rope_3P.max()) + 1 + torch.arange(c)
+    return out
+
+
+def image_slots_BL(batch, config) -> torch.Tensor:
+    """(B, L) bool: the prompt's image placeholders, where the vision tower's output goes (a sampled
+    token with the placeholder's id stays a token)."""
+    ids = batch.input_ids_BL.to("cpu")
+    slots = ids == image_token_id(config)
+    slots[:, batch.prompt_width :] = False
+    return slots
+
+
+def vision_module(model):
+    """The module that holds `get_image_features` and the embeddings (Qwen2VLModel), under any wrapper."""
+    for module in model.modules():
+        if hasattr(module, "get_image_features") and hasattr(module, "language_model"):
+            return module
+    raise ValueError(f"{type(model).__name__} has no vision tower (get_image_features)")
+
+
+def input_embeddings(model, ids: torch.Tensor, slots: torch.Tensor, vision: list) -> torch.Tensor:
+    """Token embeddings of `ids`, the vision tower's output for the images of `vision` (in order)
+    written over `slots` (the same order: row-major through the rows)."""
+    inner = vision_module(model)
+    embeds = inner.get_input_embeddings()(ids)
+    present = [v for v in vision if v is not None]
+    if not present:
+        return embeds
+    device = ids.device
+    pixels = torch.cat([v.pixel_values for v in present]).to(device)
+    grid = torch.cat([v.image_grid_thw for v in present]).to(device)
+    out = inner.get_image_features(pixels.to(inner.visual.dtype if hasattr(inner, "visual") else embeds.dtype), grid,
+                                   return_dict=True)
+    features = torch.cat(list(out.pooler_output), dim=0).to(embeds.dtype)
+    if int(slots.sum()) != features.shape[0]:
+        raise ValueError(f"{int(slots.sum())} image placeholder tokens for {features.shape[0]} image features: the "
+                         "prompt's token ids and its images disagree")
+    return embeds.masked_scatter(slots.to(device)[..., None].expand_as(embeds), features)
+
+
+def freeze_vision(model) -> int:
+    """Stop gradients to the vision tower (model.freeze_vision); returns how many parameters it holds."""
+    inner = vision_module(model)
+    frozen = 0
+    for p in inner.visual.parameters():
+        p.requires_grad_(False)
+        frozen += p.numel()
+    return frozen
+
+
+from grpo.weights import is_vision_parameter  # noqa: E402,F401  (a parameter of the vision tower, by name)
+
+
+# --------------------------------------------------------------------------------------------------
+# The sampler's side (transformers `generate`)
+
+
+def generate_inputs(rows: list, config) -> dict:
+    """What transformers' `generate` needs besides ids and mask for left-padded `rows` (prompts,
+    ImagePrompts among them): the pixels and grids of every row's images in row order, and the
+    token types (1 on an image placeholder) it builds M-RoPE from."""
+    present = [vision_of(r) for r in rows if vision_of(r) is not None]
+    if not present:
+        return {}
+    return {"pixel_values": torch.cat([v.pixel_values for v in present]),
+            "image_grid_thw": torch.cat([v.image_grid_thw for v in present])}
+
+
+def padded_inputs(model, config, batch, ids_BL: torch.Tensor, mask_BL: torch.Tensor, pos_BL: torch.Tensor) -> dict:
+    """The forward's inputs for a padded micro-batch with images: `ids_BL` etc. are the batch's own,
+    right-padded by the forward to its row width."""
+    extra = ids_BL.shape[1] - batch.input_ids_BL.shape[1]
+    rope = mrope_BL(batch, config)
+    slots = image_slots_BL(batch, config)
+    if extra:
+        rope = torch.cat([rope, rope[:, :, -1:].expand(-1, -1, extra)], dim=2)
+        slots = torch.nn.functional.pad(slots, (0, extra))
+    device = ids_BL.device
+    return dict(inputs_embeds=input_embeddings(model, ids_BL, slots.to(device), batch.vision),
+                attention_mask=mask_BL, position_ids=torch.cat([pos_BL[None], rope.to(device)]))
+
+
+def packing_carry(batch, config) -> torch.Tensor:
+    """(4, B, L): the M-RoPE positions and the image slots of a padded micro-batch, for `pack` to move."""
+    return torch.cat([mrope_BL(batch, config), image_slots_BL(batch, config).long()[None]])
+
+
+def packed_inputs(model, batch, packed) -> dict:
+    """The forward's inputs for packed rows (`packed`: grpo.layouts.pack with `packing_carry`): no
+    attention mask, the text positions (restarting at each sequence) first, so transformers keeps
+    the sequences apart."""
+    rope_3RW, slots_RW = packed.carried_KRW[:3], packed.carried_KRW[3].bool()
+    return dict(inputs_embeds=input_embeddings(model, packed.input_ids_RW, slots_RW, batch.vision),
+                position_ids=torch.cat([packed.position_ids_RW[None], rope_3RW]), use_cache=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading, the embedded tiny VLM, and its warm start
+
+
+@dataclass
+class ImageReader:
+    """What a VLM's tokenizer carries (`tokenizer.vision`) to turn images into model inputs."""
+
+    image_processor: object
+    config: object  # the model's config: image token id, merge size
+
+
+def attach(tokenizer, path: str, config) -> None:
+    """Give a VLM's tokenizer its folder's image processor (transformers' PIL one where torchvision
+    is missing, as on the CPU here)."""
+    import warnings
+
+    from transformers import AutoImageProcessor
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            processor = AutoImageProcessor.from_pretrained(path, backend="pil")
+        except (TypeError, ValueError):
+            processor = AutoImageProcessor.from_pretrained(path)
+    tokenizer.vision = ImageReader(processor, config)
+
+
+TINY_IMAGE_PIXELS = (28 * 28 * 4, 28 * 28 * 16)  # the embedded VLM's image budget: 4 to 16 merged patches
+
+
+def build_tiny_vlm(tiny, tokenizer):
+    """A Qwen2-VL of `tiny`'s language model sizes (M-RoPE sections for its head dim) with a one-block
+    vision tower (patch 14, merge 2); the tokenizer gains the three vision tokens first."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    tokenizer.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD]})
+    start, pad, end, video = tokenizer.convert_tokens_to_ids([VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD])
+    half = tiny.head_dim // 2
+    sections = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]  # 32 -> [4, 6, 6], as Qwen2-VL's 128 -> [16, 24, 24]
+    torch.manual_seed(tiny.seed)
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=tiny.hidden_size, intermediate_size=tiny.intermediate_size,
+                         num_hidden_layers=tiny.num_layers, num_attention_heads=tiny.num_heads,
+                         num_key_value_heads=tiny.num_heads, head_dim=tiny.head_dim, max_position_embeddings=256,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": sections},
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True),
+        vision_config=dict(depth=1, embed_dim=64, hidden_size=tiny.hidden_size, num_heads=2, mlp_ratio=2,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=pad, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    return Qwen2VLForConditionalGeneration(config)
+
+
+def tiny_image_processor():
+    from transformers import Qwen2VLImageProcessorPil
+
+    low, high = TINY_IMAGE_PIXELS
+    return Qwen2VLImageProcessorPil(min_pixels=low, max_pixels=high, patch_size=14, merge_size=2, temporal_patch_size=2)
+
+
+def supervised_batch(tokenizer, samples) -> dict:
+    """input_ids, attention_mask, labels (on answer + <eos>), pixels and M-RoPE inputs for prompt
+    (with its images) + answer + <eos>, right padded: the model's own forward takes them."""
+    reader = tokenizer.vision
+    prompts = [encode_image_prompt(tokenizer, reader.image_processor, reader.config, s) for s in samples]
+    rows, labels = [], []
+    for p, s in zip(prompts, samples):
+        answer = list(tokenizer(s.answer, add_special_tokens=False).input_ids) + [tokenizer.eos_token_id]
+        rows.append(list(p) + answer)
+        labels.append([-100] * len(p) + answer)
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+    return {"input_ids": ids,
+            "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
+            "labels": torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels]),
+            "mm_token_type_ids": (ids == image_token_id(reader.config)).int(),
+            **generate_inputs(prompts, reader.config)}
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, samples, max_new_tokens: int, batch_size: int = 128) -> float:
+    """Exact-match accuracy of greedy completions of image prompts (the warm start's check)."""
+    reader = tokenizer.vision
+    model.eval()
+    correct = 0
+    for i in range(0, len(samples), batch_size):
+        chunk = samples[i : i + batch_size]
+        prompts = [encode_image_prompt(tokenizer, reader.image_processor, reader.config, s) for s in chunk]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + list(p) for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        out = model.generate(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == image_token_id(reader.config)).int(),
+                             do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                             **generate_inputs(prompts, reader.config))
+        texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+        correct += sum(t.strip() == s.answer for t, s in zip(texts, chunk))
+    model.train()
+    return correct / len(samples)
+
+
+# --------------------------------------------------------------------------------------------------
+# The sampler's side (vLLM engines)
+
+
+def engine_prompt(prompt: ImagePrompt) -> dict:
+    """A vLLM prompt of an ImagePrompt: its ids with each image's placeholder run cut back to one token
+    (vLLM expands it itself, and expands an already expanded run again), and its images."""
+    image_id = prompt.vision.image_token_id
+    ids = [t for i, t in enumerate(prompt) if not (t == image_id and i and prompt[i - 1] == image_id)]
+    return {"prompt_token_ids": ids, "multi_modal_data": {"image": list(prompt.vision.images)}}
+
+
+def check_expanded(prompts: list, engine_ids: list) -> None:
+    """The prompt ids an engine ran (its placeholders expanded by its own processor) must be the ones
+    the trainer scores; a difference (another image budget in the engine's processor, say) is an error."""
+    for prompt, ran in zip(prompts, engine_ids):
+        if vision_of(prompt) is not None and list(ran) != list(prompt):
+            raise RuntimeError(
+                f"the engine expanded an image prompt to {len(ran)} tokens, the trainer to {len(prompt)}: the engine's "
+                f"image processor and the trainer's disagree (the model folder's preprocessor_config.json is both's)")
