@@ -183,12 +183,20 @@ def input_embeddings(model, ids: torch.Tensor, slots: torch.Tensor, vision: list
     present = [v for v in vision if v is not None]
     if not present:
         return embeds
+    # the G completions of a prompt share its VisionInputs: the tower runs once per prompt's images
+    unique = list({id(v): v for v in present}.values())
     device = ids.device
-    pixels = torch.cat([v.pixel_values for v in present]).to(device)
-    grid = torch.cat([v.image_grid_thw for v in present]).to(device)
+    pixels = torch.cat([v.pixel_values for v in unique]).to(device)
+    grid = torch.cat([v.image_grid_thw for v in unique]).to(device)
     out = inner.get_image_features(pixels.to(inner.visual.dtype if hasattr(inner, "visual") else embeds.dtype), grid,
                                    return_dict=True)
-    features = torch.cat(list(out.pooler_output), dim=0).to(embeds.dtype)
+    per_image = list(out.pooler_output)  # one (tokens, hidden) per image, in `unique`'s order
+    first, at = {}, 0
+    for v in unique:
+        first[id(v)] = at
+        at += v.image_grid_thw.shape[0]
+    features = torch.cat([per_image[first[id(v)] + k] for v in present for k in range(v.image_grid_thw.shape[0])],
+                         dim=0).to(embeds.dtype)
     if int(slots.sum()) != features.shape[0]:
         raise ValueError(f"{int(slots.sum())} image placeholder tokens for {features.shape[0]} image features: the "
                          "prompt's token ids and its images disagree")

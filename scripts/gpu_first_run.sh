@@ -30,7 +30,7 @@ printf 'step\trc\tseconds\n' > "$OUT/steps.tsv"
 
 if nvidia-smi -L >/dev/null 2>&1; then GPU=1; else GPU=0; fi
 PAR=${PAR:-$([ "$GPU" = 1 ] && echo 4 || echo 1)}
-echo "== $(date -u +%FT%TZ) gpu=$GPU par=$PAR budget=${BUDGET_S}s commit $(git rev-parse HEAD 2>/dev/null || echo '?') GRPO_CACHE=$GRPO_CACHE"
+echo "== $(date -u +%FT%TZ) gpu=$GPU par=$PAR budget=${BUDGET_S}s commit $(git rev-parse HEAD 2>/dev/null || cat dist/commit.txt 2>/dev/null || echo "?") GRPO_CACHE=$GRPO_CACHE"
 
 # step NAME TIMEOUT CMD...: run under `timeout`, log rc and seconds; skipped when the budget is spent
 step() {
@@ -74,30 +74,39 @@ $PY scripts/gpu_probes.py env
 # --- probes (a), (b), (c) ------------------------------------------------------------------------
 step probes 120 $PY scripts/gpu_probes.py sdpa "$OUT/sdpa_probes.json"
 
-# --- the matrix: 4 steps of rollout=hf per configuration ----------------------------------------
+# --- the matrix: 4 steps of rollout=hf per configuration, per code tree ---------------------------
+# TREES: "label=dir ..." (default the checkout, "head=."): each tree's grpo/ and conf/ run from its
+# own folder (python -m takes the package from the working directory before the editable install).
+TREES=${TREES:-head=.}
 COMMON="rollout=hf steps=4 algo.batch_size=32 algo.group_size=8 algo.warmup_steps=0 eval_every=0 logger.log_every=1 logger.sample_every=0 checkpoint_every=0 export_model=false"
-cat > "$WORK/matrix.txt" <<'EOF'
-fp32 parallel=single
-fp32_padded parallel=single algo.packing=false
-fp32_shared parallel=single algo.shared_prompt=true
-bf16 parallel=single model.dtype=bfloat16
-bf16_padded parallel=single model.dtype=bfloat16 algo.packing=false
-bf16_shared parallel=single model.dtype=bfloat16 algo.shared_prompt=true
-bf16_lora8 parallel=single model.dtype=bfloat16 model.lora.rank=8
-zero2_bf16 parallel=zero2 model.dtype=bfloat16
-zero3_bf16 parallel=zero3 model.dtype=bfloat16
-zero3_bf16_beta parallel=zero3 model.dtype=bfloat16 algo.beta=0.04
-zero3_offload_bf16 parallel=zero3_offload model.dtype=bfloat16
-zero3_fp32 parallel=zero3
-EOF
-# warm the tiny model's cache once (a carried GRPO_CACHE makes this a load), so parallel runs do not race to build it
-step warm 120 $PY -m grpo.train $COMMON steps=1 run_dir="$WORK/runs/warm" > "$WORK/logs/warm.log" 2>&1
-tail -3 "$WORK/logs/warm.log"
-one_run() {  # NAME OVERRIDES...
-    local name=$1; shift
+printf '%s\n' \
+    "fp32 parallel=single" \
+    "fp32_padded parallel=single algo.packing=false" \
+    "fp32_shared parallel=single algo.shared_prompt=true" \
+    "bf16 parallel=single model.dtype=bfloat16" \
+    "bf16_padded parallel=single model.dtype=bfloat16 algo.packing=false" \
+    "bf16_shared parallel=single model.dtype=bfloat16 algo.shared_prompt=true" \
+    "bf16_lora8 parallel=single model.dtype=bfloat16 model.lora.rank=8" \
+    "zero2_bf16 parallel=zero2 model.dtype=bfloat16" \
+    "zero3_bf16 parallel=zero3 model.dtype=bfloat16" \
+    "zero3_bf16_beta parallel=zero3 model.dtype=bfloat16 algo.beta=0.04" \
+    "zero3_offload_bf16 parallel=zero3_offload model.dtype=bfloat16" \
+    "zero3_fp32 parallel=zero3" > "$WORK/configs.txt"
+[ -n "${ONLY:-}" ] && grep -wE "^($ONLY)" "$WORK/configs.txt" > "$WORK/c" && mv "$WORK/c" "$WORK/configs.txt"
+: > "$WORK/matrix.txt"
+for t in $TREES; do
+    label=${t%%=*}; dir=$(cd "${t#*=}" && pwd)
+    echo "tree $label: $dir, commit $(cat "$dir/commit.txt" 2>/dev/null || git -C "$dir" rev-parse HEAD 2>/dev/null)"
+    # warm the tiny model's cache once per tree (a carried GRPO_CACHE makes this a load), so parallel runs do not race to build it
+    step "warm_$label" 120 bash -c "cd '$dir' && exec $PY -m grpo.train $COMMON steps=1 run_dir='$WORK/runs/warm_$label' > '$WORK/logs/warm_$label.log' 2>&1"
+    grep -E 'warm start|eval accuracy|Error' "$WORK/logs/warm_$label.log" | tail -3
+    sed "s|^|$label $dir |" "$WORK/configs.txt" >> "$WORK/matrix.txt"
+done
+one_run() {  # LABEL DIR NAME OVERRIDES...
+    local label=$1 dir=$2 name=$3; shift 3
     local t0=$SECONDS
-    timeout -k 5 150 $PY -m grpo.train $COMMON "$@" run_dir="$WORK/runs/$name" > "$WORK/logs/$name.log" 2>&1
-    echo "$name rc=$? $((SECONDS - t0))s: $(grep -E 'eval accuracy|Error|error:' "$WORK/logs/$name.log" | tail -2 | tr '\n' ' ')"
+    (cd "$dir" && timeout -k 5 150 $PY -m grpo.train $COMMON "$@" run_dir="$WORK/runs/${label}_$name" > "$WORK/logs/${label}_$name.log" 2>&1)
+    echo "${label}_$name rc=$? $((SECONDS - t0))s: $(grep -E 'eval accuracy|Error|error:' "$WORK/logs/${label}_$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"
 }
 export -f one_run; export PY COMMON WORK
 if (( SECONDS + 60 < BUDGET_S )); then
@@ -105,33 +114,38 @@ if (( SECONDS + 60 < BUDGET_S )); then
     xargs -P "$PAR" -L 1 bash -c 'one_run "$@"' _ < "$WORK/matrix.txt"
     printf 'matrix\t-\t%s\n' "$((SECONDS - t0))" >> "$OUT/steps.tsv"
 fi
-$PY scripts/gpu_probes.py summarize $(awk -v w="$WORK" '{print w "/runs/" $1}' "$WORK/matrix.txt") > "$OUT/matrix.md" 2>&1
+$PY scripts/gpu_probes.py summarize $(awk -v w="$WORK" '{print w "/runs/" $1 "_" $3}' "$WORK/matrix.txt") > "$OUT/matrix.md" 2>&1
 cat "$OUT/matrix.md"
 for f in "$WORK"/logs/*.log; do
-    n=$(grep -cE '\b(nan|NaN|inf)\b|Traceback' "$f"); [ "$n" -gt 0 ] && echo "!! $(basename "$f"): $n lines with nan/inf/Traceback: $(grep -E '\b(nan|NaN|inf)\b|Traceback' "$f" | head -3 | tr '\n' ' ')"
+    n=$(grep -cE '\b(nan|NaN|inf)\b|Traceback' "$f"); [ "$n" -gt 0 ] && echo "!! $(basename "$f"): $n lines with nan/inf/Traceback: $(grep -E '\b(nan|NaN|inf)\b|Traceback|Error' "$f" | tail -3 | tr '\n' ' ' | cut -c1-400)"
 done
 
-# --- grpo.verify (fp32, bf16), the doctor's hf rows, the gpu tier's hf tests: side by side -------
-if (( SECONDS + 60 < BUDGET_S )); then
+# --- grpo.verify (fp32, bf16 per tree; zero3 bf16 on the first), the doctor's hf rows and the gpu
+# tier's hf tests (on the last tree): side by side ---------------------------------------------------
+if (( SECONDS + 60 < BUDGET_S )) && [ -z "${NO_VERIFY:-}" ]; then
     t0=$SECONDS
-    ( timeout -k 5 180 $PY -m grpo.verify rollout=hf > "$WORK/logs/verify_fp32.log" 2>&1; echo "verify_fp32 rc=$?" ) &
-    ( timeout -k 5 180 $PY -m grpo.verify rollout=hf model.dtype=bfloat16 > "$WORK/logs/verify_bf16.log" 2>&1; echo "verify_bf16 rc=$?" ) &
-    ( timeout -k 5 180 $PY -m grpo.verify rollout=hf parallel=zero3 model.dtype=bfloat16 > "$WORK/logs/verify_zero3_bf16.log" 2>&1; echo "verify_zero3_bf16 rc=$?" ) &
-    ( timeout -k 5 180 $PY -m grpo.doctor --only versions,device,all-reduce,hf > "$WORK/logs/doctor.log" 2>&1; echo "doctor rc=$?" ) &
+    first=""; last=""
+    for t in $TREES; do
+        label=${t%%=*}; dir=$(cd "${t#*=}" && pwd); [ -z "$first" ] && first=$label:$dir; last=$label:$dir
+        ( cd "$dir"; timeout -k 5 180 $PY -m grpo.verify rollout=hf > "$WORK/logs/verify_${label}_fp32.log" 2>&1; echo "verify_${label}_fp32 rc=$?" ) &
+        ( cd "$dir"; timeout -k 5 180 $PY -m grpo.verify rollout=hf model.dtype=bfloat16 > "$WORK/logs/verify_${label}_bf16.log" 2>&1; echo "verify_${label}_bf16 rc=$?" ) &
+    done
+    ( cd "${first#*:}"; timeout -k 5 180 $PY -m grpo.verify rollout=hf parallel=zero3 model.dtype=bfloat16 > "$WORK/logs/verify_${first%%:*}_zero3_bf16.log" 2>&1; echo "verify_${first%%:*}_zero3_bf16 rc=$?" ) &
+    ( cd "${last#*:}"; timeout -k 5 180 $PY -m grpo.doctor --only versions,device,all-reduce,hf > "$WORK/logs/doctor_${last%%:*}.log" 2>&1; echo "doctor_${last%%:*} rc=$?" ) &
     if [ "$GPU" = 1 ]; then
-        ( timeout -k 5 180 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "one_gpu and hf" > "$WORK/logs/pytest_gpu_hf.log" 2>&1; echo "pytest_gpu_hf rc=$?" ) &
+        ( cd "${last#*:}"; timeout -k 5 180 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "one_gpu and hf" > "$WORK/logs/pytest_gpu_hf_${last%%:*}.log" 2>&1; echo "pytest_gpu_hf_${last%%:*} rc=$?" ) &
     fi
     wait
     printf 'verify+doctor+pytest\t-\t%s\n' "$((SECONDS - t0))" >> "$OUT/steps.tsv"
-    for f in verify_fp32 verify_bf16 verify_zero3_bf16 doctor pytest_gpu_hf; do
-        [ -f "$WORK/logs/$f.log" ] && { echo "---- $f"; grep -vE '^\[20|WARNING|warn' "$WORK/logs/$f.log" | tail -25; }
+    for f in "$WORK"/logs/verify_*.log "$WORK"/logs/doctor_*.log "$WORK"/logs/pytest_*.log; do
+        [ -f "$f" ] && { echo "---- $(basename "$f")"; grep -vE '^\[20|WARNING|warn' "$f" | tail -22; }
     done
 fi
 
 # --- the default run (600 steps, conf/config.yaml) alone, for held-out accuracy and s/step -----------
 if [ "$GPU" = 1 ] && (( SECONDS + 150 < BUDGET_S )); then
-    step default_600 $((BUDGET_S - SECONDS - 10)) $PY -m grpo.train rollout=hf export_model=false checkpoint_every=0 \
-        run_dir="$WORK/runs/default_600" > "$WORK/logs/default_600.log" 2>&1
+    last=""; for t in $TREES; do last=${t#*=}; done
+    step default_600 $((BUDGET_S - SECONDS - 10)) bash -c "cd '$last' && exec $PY -m grpo.train rollout=hf export_model=false checkpoint_every=0 run_dir='$WORK/runs/default_600' > '$WORK/logs/default_600.log' 2>&1"
     grep -E 'eval|step +(100|300|600)/' "$WORK/logs/default_600.log" | tail -8
     $PY scripts/gpu_probes.py summarize "$WORK/runs/default_600" | tail -1 >> "$OUT/matrix.md"
 fi

@@ -7,8 +7,8 @@ from grpo.config import GROUPS, ConfigError, validate
 from tests.conftest import CONF, ROOT, compose_cfg
 
 EXPECTED_OPTIONS = {  # update when adding a config file: the count guards against silently skipped files
-    "model": 3,
-    "task": 7,
+    "model": 4,
+    "task": 8,
     "reward": 6,
     "rollout": 4,
     "parallel": 5,
@@ -25,7 +25,7 @@ def group_files():
 def test_every_group_has_its_expected_options():
     found = {g: len(list((CONF / g).glob("*.yaml"))) for g in GROUPS}
     assert found == EXPECTED_OPTIONS
-    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 39
+    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 41
 
 
 def is_subset(values, composed) -> bool:
@@ -122,6 +122,7 @@ EXPERIMENTS = [  # update when adding an experiment: the count guards against si
     "guess_tiny",
     "qwen05b_gsm8k_colocated",
     "qwen15b_gsm8k_zero3_dedicated",
+    "shapes_tiny_vlm",
     "smollm2_arithmetic_cpu",
     "smollm2_arithmetic_lora_cpu",
 ]

@@ -17,6 +17,7 @@ CPU_EXPERIMENTS = {  # name -> pytest marks: the SmolLM2 ones convert a 135M mod
     "addition_tiny_rm": [pytest.mark.slow],  # builds the full tiny RM (~2 min); the default tier runs it in test_reward_model.py
     "addition_smollm2_judge": [pytest.mark.slow],  # its judge server (SmolLM2-135M) is started below
     "guess_tiny": [],
+    "shapes_tiny_vlm": [pytest.mark.slow],  # warm-starts the tiny VLM (~1.5 min); tests/test_vision.py runs it short
     "smollm2_arithmetic_cpu": [pytest.mark.slow],
     "smollm2_arithmetic_lora_cpu": [pytest.mark.slow],
 }

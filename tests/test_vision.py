@@ -243,3 +243,50 @@ def test_a_short_run_trains_the_language_model_only(make_cfg, tmp_path, lora):
     if lora == 0:
         assert any(not torch.equal(after[k], before[k]) for k in before if not vision.is_vision_parameter(k)), \
             "the language model did not train"
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_a_sync_sends_the_vision_tower_only_when_it_trains(freeze):
+    """model.freeze_vision: the engines get the language model's weights alone (they keep the vision
+    tower they loaded); unfrozen, every weight. The export always holds every weight."""
+    from omegaconf import OmegaConf
+
+    from grpo.config import AlgoConfig, TinyModelConfig
+    from grpo.models import build_char_tokenizer
+    from grpo.parallel.single import SingleStrategy
+
+    model = vision.build_tiny_vlm(TinyModelConfig(), build_char_tokenizer())
+    if freeze:
+        assert vision.freeze_vision(model) > 0
+    strategy = SingleStrategy(None, model, OmegaConf.structured(AlgoConfig()), total_steps=1)
+    synced = [name for bucket in strategy.weight_buckets(1 << 20) for name, _ in bucket]
+    exported = [name for bucket in strategy.export_buckets(1 << 20) for name, _ in bucket]
+    visual = [n for n in exported if vision.is_vision_parameter(n)]
+    assert visual and any("language_model" in n for n in synced)
+    assert (not set(visual) & set(synced)) if freeze else set(visual) <= set(synced)
+    assert len(exported) == len(list(model.named_parameters(remove_duplicate=False)))
+
+
+def test_a_short_run_through_colocated_vllm(make_cfg, tmp_path):
+    """Image prompts through a colocated vLLM engine (one placeholder per image, expanded by vLLM's own
+    Qwen2-VL processor to the trainer's ids, checked every batch): sampler and trainer agree after
+    every sync of the language model's weights, and evaluation after the syncs runs (the encoder
+    cache reset with them)."""
+    from grpo.train import train
+
+    cfg = make_cfg("model=tiny_vlm", "task=shapes", "task.size=256", "task.eval_size=16", "model.tiny.warm_start_accuracy=0.02",
+                   "model.tiny.warm_start_check_every=10", "rollout.max_new_tokens=16", "rollout.temperature=0.5",
+                   "rollout=colocated", "rollout.vllm.memory_fraction=0.1")
+    train(cfg)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    diffs = [r["sampler_diff"] for r in rows if "sampler_diff" in r]
+    assert len(diffs) == cfg.steps and max(diffs) < 1e-3, diffs
+    assert sum("eval/accuracy" in r for r in rows) == 2
+
+
+def test_a_vlm_engine_drops_its_encoder_cache_with_new_weights():
+    from grpo.rollout.colocated import SleepState, update_plan
+
+    assert update_plan(SleepState(), lora=False, images=True)[-2:] == [("reset_prefix_cache", None),
+                                                                      ("reset_encoder_cache", None)]
+    assert ("reset_encoder_cache", None) not in update_plan(SleepState(), lora=False)

@@ -289,6 +289,7 @@ class ColocatedBackend(RolloutBackend):
         self.owns_process_group = not torch.distributed.is_initialized()  # vLLM makes a 1-process group itself
         # LoRA: the trainer's module is a peft model; the engine gets its adapter, never the base again
         self.lora_model = model if lora.is_lora(model) else None
+        self.images = vision.is_vision_model(getattr(model, "config", None))  # a VLM: its encoder cache reset per sync
         self.lora_request, self.adapter_dir = None, os.path.join(run_dir, "adapters", f"rank{dist.rank()}")
         rank = lora.adapter_rank(model) if self.lora_model is not None else 0
         empty_device_cache()  # the trainer's cached blocks, so vLLM's memory profile sees them free
@@ -328,8 +329,7 @@ class ColocatedBackend(RolloutBackend):
         return to_rollouts(outputs, self.weight_version)
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
-        self._apply(update_plan(self.sleep_state, lora=self.lora_model is not None,
-                                images=vision.is_vision_model(self.llm.llm_engine.model_config.hf_config)), buckets, version)
+        self._apply(update_plan(self.sleep_state, lora=self.lora_model is not None, images=self.images), buckets, version)
         self.weight_version = version
 
     def _apply(self, ops: list[tuple], buckets: WeightBuckets = (), version: int = 0) -> None:
