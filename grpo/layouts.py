@@ -210,7 +210,7 @@ def pack_shared(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, pro
     prompt_last = start_T[tree_B[b]] + p_T[tree_B[b]] - 1
     hidden_at = (at[0], torch.where(n == 0, prompt_last, at[1] - 1))
     return SharedRows(ids_RW.to(device), pos_RW.to(device), tuple(x.to(device) for x in hidden_at),
-                      (b.to(device), n.to(device)), tree_mask(tree_RW.to(device), branch_RW.to(device), mask_dtype))
+                      (b.to(device), n.to(device)), mask_R1WW=tree_mask(tree_RW.to(device), branch_RW.to(device), mask_dtype))
 
 
 def tree_mask(tree_RW: torch.Tensor, branch_RW: torch.Tensor, mask_dtype: torch.dtype) -> torch.Tensor:

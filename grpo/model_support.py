@@ -184,7 +184,7 @@ def runnable_layout(model, layout: str, longest: int = 0) -> str:
         return layout
     support = support_of(model)
     name = type(unwrapped(model)).__name__
-    if getattr(unwrapped(model).config, "vision_config", None) is not None:
+    if getattr(getattr(unwrapped(model), "config", None), "vision_config", None) is not None:
         # a VLM's rows carry M-RoPE positions behind the text ones (grpo/vision.py): packed rows are kept
         # apart by those; the shared-prompt layout is not built for them
         if layout == "shared" and "vision" not in support.warned:

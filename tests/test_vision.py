@@ -290,3 +290,21 @@ def test_a_vlm_engine_drops_its_encoder_cache_with_new_weights():
     assert update_plan(SleepState(), lora=False, images=True)[-2:] == [("reset_prefix_cache", None),
                                                                       ("reset_encoder_cache", None)]
     assert ("reset_encoder_cache", None) not in update_plan(SleepState(), lora=False)
+
+
+def test_a_chat_template_gets_one_image_part_per_image(tiny_vlm, samples):
+    """With a chat template, the prompt is a user message of image parts then the text part, rendered
+    by the template (here a minimal one in Qwen2-VL's form), and each placeholder is still expanded."""
+    import copy
+
+    model, tok = tiny_vlm
+    tok = copy.deepcopy(tok)
+    tok.chat_template = ("{% for m in messages %}<|{{ m.role }}|>{% for part in m.content %}"
+                         "{% if part.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+                         "{% else %}{{ part.text }}{% endif %}{% endfor %}\n{% endfor %}<|assistant|>")
+    text, templated = vision.render_text(tok, "what is it?", 2)
+    assert templated and text == ("<|user|><|vision_start|><|image_pad|><|vision_end|>"
+                                  "<|vision_start|><|image_pad|><|vision_end|>what is it?<|assistant|>")  # trim_blocks
+    prompt = encode_prompts(tok, samples[:1])[0]
+    image_id = vision.image_token_id(model.config)
+    assert sum(t == image_id for t in prompt) == vision.tokens_per_image(prompt.vision.image_grid_thw, 2)[0] == 4
