@@ -15,7 +15,12 @@
 # Everything lands in $OUT as at most 8 files: log.txt (all output), steps.tsv (each step's exit
 # status and seconds), sdpa_probes.json, matrix.md (the runs' table), runs.tgz (every run's
 # metrics.jsonl, summary.json, config.yaml and log).
-# Knobs: BUDGET_S (seconds after which optional steps are skipped; default 420), PAR (runs at a time).
+# Knobs: BUDGET_S (seconds after which optional steps are skipped; default 420), PAR (runs at a time),
+# RUN_TIMEOUT (seconds per matrix run, default 75), TREES ("label=dir ...": code trees to run the
+# matrix and grpo.verify from, default "head=."; e.g. "base=dist/base head=." with dist/base a
+# `git archive` of another commit's grpo conf tests setup.cfg pyproject.toml), ONLY (a regex of
+# matrix names), PARTS (default "probes matrix verify default"), GRPO_CACHE (default dist/grpo_cache:
+# carry the tiny models' cache to skip their warm starts).
 
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu_first_run_out}
@@ -71,8 +76,11 @@ else
 fi
 $PY scripts/gpu_probes.py env
 
+PARTS=${PARTS:-probes matrix verify default}
+has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
+
 # --- probes (a), (b), (c) ------------------------------------------------------------------------
-step probes 120 $PY scripts/gpu_probes.py sdpa "$OUT/sdpa_probes.json"
+has probes && step probes 120 $PY scripts/gpu_probes.py sdpa "$OUT/sdpa_probes.json"
 
 # --- the matrix: 4 steps of rollout=hf per configuration, per code tree ---------------------------
 # TREES: "label=dir ..." (default the checkout, "head=."): each tree's grpo/ and conf/ run from its
@@ -98,44 +106,49 @@ for t in $TREES; do
     label=${t%%=*}; dir=$(cd "${t#*=}" && pwd)
     echo "tree $label: $dir, commit $(cat "$dir/commit.txt" 2>/dev/null || git -C "$dir" rev-parse HEAD 2>/dev/null)"
     # warm the tiny model's cache once per tree (a carried GRPO_CACHE makes this a load), so parallel runs do not race to build it
-    step "warm_$label" 120 bash -c "cd '$dir' && exec $PY -m grpo.train $COMMON steps=1 run_dir='$WORK/runs/warm_$label' > '$WORK/logs/warm_$label.log' 2>&1"
-    grep -E 'warm start|eval accuracy|Error' "$WORK/logs/warm_$label.log" | tail -3
+    has matrix && step "warm_$label" 120 bash -c "cd '$dir' && exec $PY -m grpo.train $COMMON steps=1 run_dir='$WORK/runs/warm_$label' > '$WORK/logs/warm_$label.log' 2>&1"
+    has matrix && grep -E 'warm start|eval accuracy|Error' "$WORK/logs/warm_$label.log" | tail -3
     sed "s|^|$label $dir |" "$WORK/configs.txt" >> "$WORK/matrix.txt"
 done
+T_END=$(( $(date +%s) + BUDGET_S - SECONDS ))  # the budget's end, for the runs xargs starts (their SECONDS start at 0)
 one_run() {  # LABEL DIR NAME OVERRIDES...
     local label=$1 dir=$2 name=$3; shift 3
-    local t0=$SECONDS
-    (cd "$dir" && timeout -k 5 150 $PY -m grpo.train $COMMON "$@" run_dir="$WORK/runs/${label}_$name" > "$WORK/logs/${label}_$name.log" 2>&1)
+    local t0=$SECONDS left=$(( T_END - $(date +%s) ))
+    if (( left < 30 )); then echo "${label}_$name skipped: budget spent"; return 0; fi
+    (cd "$dir" && timeout -k 5 $(( left - 10 < RUN_TIMEOUT ? left - 10 : RUN_TIMEOUT )) $PY -m grpo.train $COMMON "$@" run_dir="$WORK/runs/${label}_$name" > "$WORK/logs/${label}_$name.log" 2>&1)
     echo "${label}_$name rc=$? $((SECONDS - t0))s: $(grep -E 'eval accuracy|Error|error:' "$WORK/logs/${label}_$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"
 }
-export -f one_run; export PY COMMON WORK
-if (( SECONDS + 60 < BUDGET_S )); then
+RUN_TIMEOUT=${RUN_TIMEOUT:-75}
+export -f one_run; export PY COMMON WORK T_END RUN_TIMEOUT
+if has matrix && (( SECONDS + 60 < BUDGET_S )); then
     t0=$SECONDS
     xargs -P "$PAR" -L 1 bash -c 'one_run "$@"' _ < "$WORK/matrix.txt"
     printf 'matrix\t-\t%s\n' "$((SECONDS - t0))" >> "$OUT/steps.tsv"
 fi
-$PY scripts/gpu_probes.py summarize $(awk -v w="$WORK" '{print w "/runs/" $1 "_" $3}' "$WORK/matrix.txt") > "$OUT/matrix.md" 2>&1
-cat "$OUT/matrix.md"
+if has matrix; then
+    $PY scripts/gpu_probes.py summarize $(awk -v w="$WORK" '{print w "/runs/" $1 "_" $3}' "$WORK/matrix.txt") > "$OUT/matrix.md" 2>&1
+    cat "$OUT/matrix.md"
+fi
 for f in "$WORK"/logs/*.log; do
     n=$(grep -cE '\b(nan|NaN|inf)\b|Traceback' "$f"); [ "$n" -gt 0 ] && echo "!! $(basename "$f"): $n lines with nan/inf/Traceback: $(grep -E '\b(nan|NaN|inf)\b|Traceback|Error' "$f" | tail -3 | tr '\n' ' ' | cut -c1-400)"
 done
 
 # --- grpo.verify (fp32, bf16 per tree; zero3 bf16 on the first), the doctor's hf rows and the gpu
 # tier's hf tests (on the last tree): side by side ---------------------------------------------------
-if (( SECONDS + 60 < BUDGET_S )) && [ -z "${NO_VERIFY:-}" ]; then
+if has verify && (( SECONDS + 60 < BUDGET_S )); then
     t0=$SECONDS
-    first=""; last=""
+    first=""; last=""; pids=""
     for t in $TREES; do
         label=${t%%=*}; dir=$(cd "${t#*=}" && pwd); [ -z "$first" ] && first=$label:$dir; last=$label:$dir
-        ( cd "$dir"; timeout -k 5 180 $PY -m grpo.verify rollout=hf > "$WORK/logs/verify_${label}_fp32.log" 2>&1; echo "verify_${label}_fp32 rc=$?" ) &
-        ( cd "$dir"; timeout -k 5 180 $PY -m grpo.verify rollout=hf model.dtype=bfloat16 > "$WORK/logs/verify_${label}_bf16.log" 2>&1; echo "verify_${label}_bf16 rc=$?" ) &
+        ( cd "$dir"; timeout -k 5 180 $PY -m grpo.verify rollout=hf > "$WORK/logs/verify_${label}_fp32.log" 2>&1; echo "verify_${label}_fp32 rc=$?" ) & pids="$pids $!"
+        ( cd "$dir"; timeout -k 5 180 $PY -m grpo.verify rollout=hf model.dtype=bfloat16 > "$WORK/logs/verify_${label}_bf16.log" 2>&1; echo "verify_${label}_bf16 rc=$?" ) & pids="$pids $!"
     done
-    ( cd "${first#*:}"; timeout -k 5 180 $PY -m grpo.verify rollout=hf parallel=zero3 model.dtype=bfloat16 > "$WORK/logs/verify_${first%%:*}_zero3_bf16.log" 2>&1; echo "verify_${first%%:*}_zero3_bf16 rc=$?" ) &
-    ( cd "${last#*:}"; timeout -k 5 180 $PY -m grpo.doctor --only versions,device,all-reduce,hf > "$WORK/logs/doctor_${last%%:*}.log" 2>&1; echo "doctor_${last%%:*} rc=$?" ) &
+    ( cd "${first#*:}"; timeout -k 5 180 $PY -m grpo.verify rollout=hf parallel=zero3 model.dtype=bfloat16 > "$WORK/logs/verify_${first%%:*}_zero3_bf16.log" 2>&1; echo "verify_${first%%:*}_zero3_bf16 rc=$?" ) & pids="$pids $!"
+    ( cd "${last#*:}"; timeout -k 5 180 $PY -m grpo.doctor --only versions,device,all-reduce,hf > "$WORK/logs/doctor_${last%%:*}.log" 2>&1; echo "doctor_${last%%:*} rc=$?" ) & pids="$pids $!"
     if [ "$GPU" = 1 ]; then
-        ( cd "${last#*:}"; timeout -k 5 180 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "one_gpu and hf" > "$WORK/logs/pytest_gpu_hf_${last%%:*}.log" 2>&1; echo "pytest_gpu_hf_${last%%:*} rc=$?" ) &
+        ( cd "${last#*:}"; timeout -k 5 180 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "one_gpu and hf" > "$WORK/logs/pytest_gpu_hf_${last%%:*}.log" 2>&1; echo "pytest_gpu_hf_${last%%:*} rc=$?" ) & pids="$pids $!"
     fi
-    wait
+    wait $pids  # not a bare `wait`: bash >= 5.1 would wait for the >(tee) of this script's output too, forever
     printf 'verify+doctor+pytest\t-\t%s\n' "$((SECONDS - t0))" >> "$OUT/steps.tsv"
     for f in "$WORK"/logs/verify_*.log "$WORK"/logs/doctor_*.log "$WORK"/logs/pytest_*.log; do
         [ -f "$f" ] && { echo "---- $(basename "$f")"; grep -vE '^\[20|WARNING|warn' "$f" | tail -22; }
@@ -143,7 +156,7 @@ if (( SECONDS + 60 < BUDGET_S )) && [ -z "${NO_VERIFY:-}" ]; then
 fi
 
 # --- the default run (600 steps, conf/config.yaml) alone, for held-out accuracy and s/step -----------
-if [ "$GPU" = 1 ] && (( SECONDS + 150 < BUDGET_S )); then
+if has default && [ "$GPU" = 1 ] && (( SECONDS + 100 < BUDGET_S )); then
     last=""; for t in $TREES; do last=${t#*=}; done
     step default_600 $((BUDGET_S - SECONDS - 10)) bash -c "cd '$last' && exec $PY -m grpo.train rollout=hf export_model=false checkpoint_every=0 run_dir='$WORK/runs/default_600' > '$WORK/logs/default_600.log' 2>&1"
     grep -E 'eval|step +(100|300|600)/' "$WORK/logs/default_600.log" | tail -8
