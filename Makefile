@@ -56,6 +56,7 @@ WHEELHOUSE_PIP = $(firstword $(wildcard $(WHEELHOUSE)/pip-*.whl))
 $(STAMP): setup.cfg pyproject.toml Makefile $(WHEELHOUSE)/requirements.txt
 	$(PY_CHECK)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV) || $(PYTHON) -m venv --system-site-packages --without-pip $(VENV)
+	$(PYTHON) -m grpo.wheelhouse inherit-site $(VENV)
 	$(PY) -m pip --version >/dev/null 2>&1 || $(PY) $(WHEELHOUSE_PIP)/pip install --quiet --no-index $(WHEELHOUSE_PIP)
 	$(PY) -m grpo.wheelhouse check-torch $(WHEELHOUSE)
 	$(PY) -m pip install --quiet --no-index --find-links $(WHEELHOUSE) -r $(WHEELHOUSE)/requirements.txt

@@ -239,6 +239,17 @@ def render_check(r) -> Check:
 COMPARED = ("reward/mean", "loss", "grad_norm", "clip_frac", "entropy", "completion_len", "sampler_diff", "kl")
 
 
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+              "ROLE_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def child_env(environ) -> dict:
+    """The environment of the resume check's one-process runs: this one's without its rendezvous. A
+    ZeRO or DDP strategy gave this process a store on MASTER_PORT (grpo.dist.init_distributed), which it
+    still holds: a child given that port failed with EADDRINUSE (seen on the first GPU run, and on CPU)."""
+    return {k: v for k, v in environ.items() if k not in RENDEZVOUS}
+
+
 def resume_check(overrides: list[str], world_size: int) -> Check:
     """Two 2-step runs of `grpo.train` in subprocesses: one unbroken, one stopped after step 1 and
     resumed: step 2's metrics must agree (the same prompts, seeds, weights and optimizer state).
@@ -253,7 +264,7 @@ def resume_check(overrides: list[str], world_size: int) -> Check:
             for extra in parts:
                 cmd = [sys.executable, "-m", "grpo.train", *overrides, *SCRATCH, *extra, "checkpoint_every=1",
                        f"hydra.run.dir={os.path.join(base, name)}"]
-                out = subprocess.run(cmd, capture_output=True, text=True)
+                out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(os.environ))
                 if out.returncode:
                     return Check("resume", "FAIL", f"{' '.join(cmd[2:])} exited {out.returncode}: {out.stderr.strip()[-400:]}")
             rows[name] = [json.loads(x) for x in open(os.path.join(base, name, "metrics.jsonl"))]

@@ -275,6 +275,23 @@ def check_torch(folder: Path) -> int:
     return 0
 
 
+def inherit_site(venv: Path) -> int:
+    """Run by the Python `make setup` builds VENV from: where that Python is itself a venv (the GPU
+    machine's python3 is /opt/torch/.venv, which holds its torch), a venv made from it with
+    --system-site-packages sees the base interpreter's packages, not that venv's: a .pth file in
+    VENV's site-packages lists this venv's. Nothing otherwise."""
+    import site
+
+    if sys.prefix == sys.base_prefix:
+        return 0
+    mine = [p for p in site.getsitepackages() if os.path.isdir(p)]
+    target = subprocess.check_output([str(venv / "bin" / "python"), "-c",
+                                      "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip()
+    Path(target, "zz_inherited_site.pth").write_text("".join(f"{p}\n" for p in mine))
+    print(f"{venv} sees the packages of {sys.prefix} (a venv itself): {', '.join(mine)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m grpo.wheelhouse", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -292,9 +309,13 @@ def main(argv: list[str] | None = None) -> int:
                    "(e.g. datasets math-verify submitit hydra-submitit-launcher, which the trainer imports only on use)")
     c = sub.add_parser("check-torch", help="on the target: which torch the install builds on")
     c.add_argument("folder", type=Path)
+    i = sub.add_parser("inherit-site", help="run by the Python VENV was made from: VENV sees that Python's venv packages")
+    i.add_argument("venv", type=Path)
     args = parser.parse_args(argv)
     if args.command == "check-torch":
         return check_torch(args.folder)
+    if args.command == "inherit-site":
+        return inherit_site(args.venv)
     try:
         build(args.folder, args.profile, args.python_version, args.platform or host_platform(),
               torch_version=args.torch_version, with_torch=args.with_torch, vllm=args.vllm, skip=tuple(args.skip))

@@ -52,3 +52,13 @@ def test_the_resume_check_skips_under_several_processes_after_the_group_is_gone(
 
     check = resume_check(["steps=1"], world_size=2)
     assert check.status == "SKIP" and "one process" in check.detail, check
+
+
+def test_the_resume_checks_runs_get_no_rendezvous_of_this_process():
+    """A one-process ZeRO or DDP verify holds a store on its MASTER_PORT; its resume runs must start
+    their own (given it, they failed with EADDRINUSE on the first GPU run and on CPU)."""
+    from grpo.verify import child_env
+
+    env = child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "1",
+                     "LOCAL_RANK": "0", "PATH": "/bin", "GRPO_CACHE": "/c"})
+    assert env == {"PATH": "/bin", "GRPO_CACHE": "/c"}

@@ -2,9 +2,11 @@
 setup.cfg, torch stays out, pip is given every platform tag a target takes. By value, no network; the
 real build and offline install are measured in docs/gpu.md ("Air-gapped install (wheelhouse)")."""
 
+import os
 import re
 import subprocess
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +97,27 @@ def test_make_setup_with_a_wheelhouse_installs_with_no_index_and_the_default_is_
     assert "--system-site-packages" in offline and "--no-deps -e ." in offline and "check-torch" in offline
     default = dry_run()
     assert "--no-index" not in default and '-e ".[dev]"' in default and "--system-site-packages" not in default
+
+
+def test_a_venv_made_from_a_venv_sees_that_venvs_packages(tmp_path):
+    """The GPU machine's python3 is itself a venv holding torch: `make setup WHEELHOUSE=` made .venv from
+    it with --system-site-packages, which saw the base interpreter's packages and no torch. Run by the
+    outer Python, `inherit-site` gives the new venv the outer venv's site-packages (here a marker package)."""
+    import sys
+
+    outer, inner = tmp_path / "outer", tmp_path / "inner"
+    subprocess.run([sys.base_prefix + "/bin/python3", "-m", "venv", "--without-pip", str(outer)], check=True, timeout=60)
+    purelib = subprocess.check_output([str(outer / "bin" / "python"), "-c",
+                                       "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip()
+    (Path(purelib) / "outer_marker.py").write_text("")
+    subprocess.run([str(outer / "bin" / "python"), "-m", "venv", "--system-site-packages", "--without-pip", str(inner)],
+                   check=True, timeout=60)
+    sees = [str(inner / "bin" / "python"), "-c", "import outer_marker"]
+    assert subprocess.run(sees, capture_output=True, timeout=30).returncode != 0  # the gap
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([str(outer / "bin" / "python"), "-m", "grpo.wheelhouse", "inherit-site", str(inner)], check=True,
+                   env=env, timeout=60)
+    assert subprocess.run(sees, capture_output=True, timeout=30).returncode == 0
+    (tmp_path / wh.REQUIREMENTS).write_text("hydra-core==1.3.8\n")
+    assert "inherit-site" in subprocess.run(["make", "-n", "setup", f"VENV={inner}", f"WHEELHOUSE={tmp_path}"], cwd=ROOT,
+                                            capture_output=True, text=True, timeout=30).stdout
