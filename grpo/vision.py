@@ -140,7 +140,7 @@ def encode_image_prompt(tokenizer, image_processor, config, sample, chat_templat
 # The trainer's side: position ids and input embeddings of a micro-batch
 
 
-def mrope_BL(batch, config) -> torch.Tensor:
+def mrope_BL(batch) -> torch.Tensor:
     """(3, B, L) M-RoPE positions of a padded batch (prompt left-padded to `prompt_width`, completion
     after it): each row's prompt positions, then its completion's running on from the prompt's
     largest + 1; padding keeps the batch's text positions."""
@@ -220,7 +220,7 @@ from grpo.weights import is_vision_parameter  # noqa: E402,F401  (a parameter of
 # The sampler's side (transformers `generate`)
 
 
-def generate_inputs(rows: list, config) -> dict:
+def generate_inputs(rows: list) -> dict:
     """What transformers' `generate` needs besides ids and mask for left-padded `rows` (prompts,
     ImagePrompts among them): the pixels and grids of every row's images in row order, and the
     token types (1 on an image placeholder) it builds M-RoPE from."""
@@ -235,7 +235,7 @@ def padded_inputs(model, config, batch, ids_BL: torch.Tensor, mask_BL: torch.Ten
     """The forward's inputs for a padded micro-batch with images: `ids_BL` etc. are the batch's own,
     right-padded by the forward to its row width."""
     extra = ids_BL.shape[1] - batch.input_ids_BL.shape[1]
-    rope = mrope_BL(batch, config)
+    rope = mrope_BL(batch)
     slots = image_slots_BL(batch, config)
     if extra:
         rope = torch.cat([rope, rope[:, :, -1:].expand(-1, -1, extra)], dim=2)
@@ -247,7 +247,7 @@ def padded_inputs(model, config, batch, ids_BL: torch.Tensor, mask_BL: torch.Ten
 
 def packing_carry(batch, config) -> torch.Tensor:
     """(4, B, L): the M-RoPE positions and the image slots of a padded micro-batch, for `pack` to move."""
-    return torch.cat([mrope_BL(batch, config), image_slots_BL(batch, config).long()[None]])
+    return torch.cat([mrope_BL(batch), image_slots_BL(batch, config).long()[None]])
 
 
 def packed_inputs(model, batch, packed) -> dict:
@@ -337,7 +337,7 @@ def supervised_batch(tokenizer, samples) -> dict:
             "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
             "labels": torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels]),
             "mm_token_type_ids": (ids == image_token_id(reader.config)).int(),
-            **generate_inputs(prompts, reader.config)}
+            **generate_inputs(prompts)}
 
 
 @torch.no_grad()
@@ -354,7 +354,7 @@ def greedy_accuracy(model, tokenizer, samples, max_new_tokens: int, batch_size: 
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         out = model.generate(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == image_token_id(reader.config)).int(),
                              do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                             **generate_inputs(prompts, reader.config))
+                             **generate_inputs(prompts))
         texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
         correct += sum(t.strip() == s.answer for t, s in zip(texts, chunk))
     model.train()

@@ -189,7 +189,7 @@ def test_trainer_logprobs_match_the_samplers(tiny_vlm, task, layout, dtype, tol)
 
     assert diff(mb) < tol, diff(mb)
     if dtype == "float32":
-        text_only = lambda batch, config: batch.position_ids_BL[None].repeat(3, 1, 1)  # noqa: E731
+        text_only = lambda batch: batch.position_ids_BL[None].repeat(3, 1, 1)  # noqa: E731
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(vision, "mrope_BL", text_only)
             assert diff(mb) > 1e-3

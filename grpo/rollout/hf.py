@@ -155,7 +155,7 @@ class HFBackend(RolloutBackend):
         recorder = SampledLogprobs()
         # image prompts (grpo/vision.py): their pixels go in whole; the prompt is not prefilled once per
         # group (the vision tower and M-RoPE positions are the model's own generate's business)
-        images = vision.generate_inputs(rows, base_model(self.model).config)
+        images = vision.generate_inputs(rows)
         if images:
             images["mm_token_type_ids"] = (ids_BL == vision.image_token_id(base_model(self.model).config)).int()
         with folder_defaults_off(self.model), compute_precision(self.model, self.dtype):
