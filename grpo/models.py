@@ -342,7 +342,7 @@ def encode_prompts(tokenizer, samples, chat_template: str = "auto", system_promp
     out = []
     reader = getattr(tokenizer, "vision", None)  # a VLM's image processor (grpo/vision.py)
     for s in samples:
-        if s.meta.get("images"):
+        if (getattr(s, "meta", None) or {}).get("images"):  # a sample with images (task=shapes)
             if reader is None:
                 from grpo.errors import ConfigError
 
