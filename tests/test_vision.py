@@ -99,9 +99,9 @@ def test_the_trainer_gets_the_samplers_pixels_and_token_ids_in_the_packed_layout
     agree with the sampler's."""
     model, tok = tiny_vlm
     torch.manual_seed(0)
-    prompts, given, rollouts, batch = sample_and_collate(model, tok, samples)
+    _, given, rollouts, batch = sample_and_collate(model, tok, samples)
     mb = packed(batch, per_row=3)
-    order = list(range(batch.size))
+    order = list(range(batch.size))  # `packed` keeps the batch's order: sequence k is the sampler's row k
 
     seen = {}
     inner = vision.vision_module(model)
@@ -123,9 +123,8 @@ def test_the_trainer_gets_the_samplers_pixels_and_token_ids_in_the_packed_layout
         del inner.get_image_features
         hook.remove()
 
-    # the sampler's rows, one per completion: its pixels split by image, its ids without left padding
-    per_row = [list(torch.split(given["pixel_values"], [int(g.prod()) for g in given["image_grid_thw"]]))]
-    sampler_pixels = per_row[0]
+    # the sampler's rows, one per completion: its pixels split by image (one each), its ids unpadded
+    sampler_pixels = torch.split(given["pixel_values"], [int(g.prod()) for g in given["image_grid_thw"]])
     sampler_ids = [row[m.bool()].tolist() for row, m in zip(given["input_ids"], given["attention_mask"])]
     trainer_pixels = torch.split(seen["pixels"], [int(g.prod()) for g in seen["grid"]])
     # the tower runs once per prompt's images (its n completions share them): the first sequence of each
@@ -135,7 +134,7 @@ def test_the_trainer_gets_the_samplers_pixels_and_token_ids_in_the_packed_layout
         assert torch.equal(trainer_pixels[k], sampler_pixels[b])
         assert torch.equal(seen["grid"][k], given["image_grid_thw"][b])
     assert len({tuple(g) for g in seen["grid"].tolist()}) == 3  # three image sizes
-    ids_RW, start = seen["ids"], 0
+    ids_RW = seen["ids"]
     row_of = [r for r, count in enumerate(mb.rows) for _ in range(count)]
     cols = {r: 0 for r in range(len(mb.rows))}
     for k, b in enumerate(order):
@@ -143,8 +142,7 @@ def test_the_trainer_gets_the_samplers_pixels_and_token_ids_in_the_packed_layout
         r = row_of[k]
         assert ids_RW[r, cols[r] : cols[r] + len(expect)].tolist() == expect
         cols[r] += len(expect)
-    sampler_BT = mb.sampler_logprobs_BT
-    assert (logp_BT - sampler_BT).mul(mb.mask_BT).abs().max() < 1e-5
+    assert (logp_BT - mb.sampler_logprobs_BT).mul(mb.mask_BT).abs().max() < 1e-5
 
 
 def packed(batch, per_row: int):
@@ -215,45 +213,34 @@ def test_what_a_vlm_does_not_run_is_refused(make_cfg, override, match):
     from grpo.config import validate
     from grpo.errors import ConfigError
 
-    from grpo.models import tiny_model_dir
-
     cfg = make_cfg("model=tiny_vlm", "task=shapes", override)
     with pytest.raises(ConfigError, match=match):
         validate(cfg, world_size=1)
 
 
+def short_run_cfg(make_cfg, *overrides):
+    """A few steps of the tiny VLM on 256 shapes: a short warm start, so some completions earn a reward,
+    and temperature 0.5, so the half-trained policy's samples are not all wrong."""
+    return make_cfg("model=tiny_vlm", "task=shapes", "task.size=256", "task.eval_size=16",
+                    "model.tiny.warm_start_accuracy=0.02", "model.tiny.warm_start_check_every=10",
+                    "rollout.max_new_tokens=16", "rollout.temperature=0.5", *overrides)
+
+
+def sampler_diffs(run_dir) -> list[float]:
+    return [r["sampler_diff"] for r in map(json.loads, open(run_dir / "metrics.jsonl")) if "sampler_diff" in r]
+
+
 @pytest.mark.parametrize("lora", [0, 4])
 def test_a_short_run_trains_the_language_model_only(make_cfg, tmp_path, lora):
-    """A few GRPO steps of the tiny VLM on the shapes task (a short warm start, so rewards vary): the sampler and the trainer
-    agree every step; the vision tower is frozen (model.freeze_vision) and stays as the folder had
-    it; the exported folder loads back as a VLM with its image processor."""
+    """A few GRPO steps through hf: the sampler and the trainer agree every step; the vision tower is
+    frozen (model.freeze_vision) and stays as the folder had it; the exported folder loads back as a
+    VLM with its image processor."""
     from grpo.models import load_model, tiny_model_dir
     from grpo.train import train
 
-    from grpo.models import tiny_model_dir
-
-    cfg = make_cfg("model=tiny_vlm", "task=shapes", override)
-    with pytest.raises(ConfigError, match=match):
-        validate(cfg, world_size=1)
-
-
-@pytest.mark.parametrize("lora", [0, 4])
-def test_a_short_run_trains_the_language_model_only(make_cfg, tmp_path, lora):
-    """A few GRPO steps of the tiny VLM on the shapes task (a short warm start, so rewards vary): the sampler and the trainer
-    agree every step; the vision tower is frozen (model.freeze_vision) and stays as the folder had
-    it; the exported folder loads back as a VLM with its image processor."""
-    from safetensors.torch import load_file
-
-    from grpo.models import load_model
-    from grpo.train import train
-
-    from grpo.models import tiny_model_dir
-
-    cfg = make_cfg("model=tiny_vlm", "task=shapes", "task.size=256", "task.eval_size=16", "model.tiny.warm_start_accuracy=0.02",
-                   "model.tiny.warm_start_check_every=10", "rollout.max_new_tokens=16", "rollout.temperature=0.5", f"model.lora.rank={lora}")
+    cfg = short_run_cfg(make_cfg, f"model.lora.rank={lora}")
     train(cfg)
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    diffs = [r["sampler_diff"] for r in rows if "sampler_diff" in r]
+    diffs = sampler_diffs(tmp_path / "run")
     assert len(diffs) == cfg.steps and max(diffs) < 1e-3, diffs
     exported, tok = load_model(str(tmp_path / "run" / "model"))
     assert vision.is_vision_model(exported) and tok.vision is not None
@@ -295,14 +282,11 @@ def test_a_short_run_through_colocated_vllm(make_cfg, tmp_path):
     cache reset with them)."""
     from grpo.train import train
 
-    cfg = make_cfg("model=tiny_vlm", "task=shapes", "task.size=256", "task.eval_size=16", "model.tiny.warm_start_accuracy=0.02",
-                   "model.tiny.warm_start_check_every=10", "rollout.max_new_tokens=16", "rollout.temperature=0.5",
-                   "rollout=colocated", "rollout.vllm.memory_fraction=0.1")
+    cfg = short_run_cfg(make_cfg, "rollout=colocated", "rollout.vllm.memory_fraction=0.1")
     train(cfg)
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    diffs = [r["sampler_diff"] for r in rows if "sampler_diff" in r]
+    diffs = sampler_diffs(tmp_path / "run")
     assert len(diffs) == cfg.steps and max(diffs) < 1e-3, diffs
-    assert sum("eval/accuracy" in r for r in rows) == 2
+    assert sum("eval/accuracy" in r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))) == 2
 
 
 def test_a_vlm_engine_drops_its_encoder_cache_with_new_weights():

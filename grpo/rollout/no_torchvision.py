@@ -36,7 +36,7 @@ def install() -> None:
         size = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}
 
         def preprocess(self, videos, **kwargs):
-            raise NotImplementedError("video inputs need torchvision, which this machine's torch cannot load")
+            raise ValueError("video inputs need torchvision, which this machine's torch cannot load; send images")
 
     class AutoVideoProcessor:
         @classmethod
