@@ -421,28 +421,9 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
         _check_hub_model(path)
     # the engines' context against the model's own: fitted with a warning, or refused (engine_memory.engine_context)
     backend_class(r.backend).check_context(r, known_model_config(cfg.model))
-    check_vision(cfg, known_model_config(cfg.model))
+    from grpo.vision import check_config
 
-
-def check_vision(cfg, model_config: dict) -> None:
-    """What a vision-language model (model=tiny_vlm, or a folder/hub id whose config.json has a
-    vision_config) runs with: rollout=hf, one-turn tasks, no sequence split, not ZeRO-3 (docs/vlm.md)."""
-    if cfg.model.path != "tiny_vlm" and not model_config.get("vision_config"):
-        return
-    why = None
-    if cfg.rollout.backend not in ("hf", "colocated"):
-        why = (f"rollout={cfg.rollout.backend}: image prompts go through rollout=hf and rollout=colocated so far; the "
-               "servers' requests carry token ids only (docs/vlm.md)")
-    elif cfg.env.name != "none":
-        why = f"env={cfg.env.name}: multi-turn episodes do not carry images"
-    elif cfg.parallel.sequence_parallel > 1:
-        why = "parallel.sequence_parallel > 1: split rows do not carry images"
-    elif cfg.parallel.strategy == "zero3":
-        why = ("parallel=zero3: a rank's padding micro-batch has no image, so its vision tower's parameter gathers "
-               "would not match the other ranks'")
-    if why:
-        raise ConfigError(f"model.path={cfg.model.path} is a vision-language model; {why}. Use rollout=hf or colocated, "
-                          "env=none, parallel=single, ddp or zero2.")
+    check_config(cfg, known_model_config(cfg.model))  # a vision-language model's refusals
 
 
 def check_sequence_parallel(cfg, world: int) -> None:

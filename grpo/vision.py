@@ -122,18 +122,42 @@ def encode_image_prompt(tokenizer, image_processor, config, sample, chat_templat
     images = list(sample.meta["images"])
     text, templated = render_text(tokenizer, sample.prompt, len(images), chat_template, system_prompt)
     ids = tokenizer(text, add_special_tokens=not templated).input_ids
+    image_id = image_token_id(config)
+    if sum(t == image_id for t in ids) != len(images):  # checked before expanding, which would stop short
+        raise ValueError(f"the prompt text of {sample.prompt!r} holds {sum(t == image_id for t in ids)} image "
+                         f"placeholder(s) for {len(images)} image(s); check the chat template")
     pixels = image_processor(images=images, return_tensors="pt")
     grid = pixels["image_grid_thw"]
-    image_id = image_token_id(config)
     counts = iter(tokens_per_image(grid, merge_size(config)))
     expanded = []
     for token in ids:
         expanded += [token] * next(counts) if token == image_id else [token]
-    if sum(t == image_id for t in ids) != len(images):
-        raise ValueError(f"the prompt text of {sample.prompt!r} holds {sum(t == image_id for t in ids)} image "
-                         f"placeholder(s) for {len(images)} image(s); check the chat template")
     rope = mrope_positions(expanded, image_id, grid, merge_size(config))
     return ImagePrompt(expanded, VisionInputs(pixels["pixel_values"], grid, images, rope, image_id))
+
+
+def check_config(cfg, model_config: dict) -> None:
+    """What a vision-language model (model=tiny_vlm, or a folder/hub id whose config.json has a
+    vision_config) runs with: rollout=hf or colocated, one-turn tasks, no sequence split, not ZeRO-3
+    (docs/vlm.md); called by grpo.config.validate."""
+    from grpo.errors import ConfigError
+
+    if cfg.model.path != "tiny_vlm" and not model_config.get("vision_config"):
+        return
+    why = None
+    if cfg.rollout.backend not in ("hf", "colocated"):
+        why = (f"rollout={cfg.rollout.backend}: image prompts go through rollout=hf and rollout=colocated so far; the "
+               "servers' requests carry token ids only (docs/vlm.md)")
+    elif cfg.env.name != "none":
+        why = f"env={cfg.env.name}: multi-turn episodes do not carry images"
+    elif cfg.parallel.sequence_parallel > 1:
+        why = "parallel.sequence_parallel > 1: split rows do not carry images"
+    elif cfg.parallel.strategy == "zero3":
+        why = ("parallel=zero3: a rank's padding micro-batch has no image, so its vision tower's parameter gathers "
+               "would not match the other ranks'")
+    if why:
+        raise ConfigError(f"model.path={cfg.model.path} is a vision-language model; {why}. Use rollout=hf or colocated, "
+                          "env=none, parallel=single, ddp or zero2.")
 
 
 # --------------------------------------------------------------------------------------------------
