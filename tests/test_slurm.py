@@ -25,7 +25,8 @@ from tests.conftest import FAST, ROOT
 pytestmark = pytest.mark.slurm
 DEV_CONF = os.path.join(os.environ.get("GRPO_SLURM_DIR", "/tmp/grpo-slurm"), "slurm.conf")
 # Steps of a run that a test signals (time limit, preemption) once it has logged a few: long enough
-# that the signal lands before the run ends (the sweeps' tasks, two to a node, are slower and keep 150). On an idle machine the tiny model's steps take 0.02 s:
+# that the signal lands before the run ends (the sweeps keep 150: start_sweep holds the first of its runs at step 5
+# until the other gets there). On an idle machine the tiny model's steps take 0.02 s:
 # 150 steps were over in 3 s and the run finished before its USR1 arrived (CI, 2026-11-25).
 SIGNALLED_RUN_STEPS = 1000
 
@@ -281,18 +282,36 @@ def test_preempted_job_is_requeued_by_slurm_and_resumes(tmp_path, slurm_env, mod
 
 def start_sweep(sweep, env, model_cache, steps, slots):
     """`-m hydra/launcher=slurm` of two runs (each asking for a whole node's slots: one per node),
-    running; returns the multirun process and the array's task ids once both runs have logged step 5."""
+    running; returns the multirun process and the array's task ids once both runs have logged step 5.
+    The runs do not start together (imports, model load; a node freed late): each is suspended
+    (`scontrol suspend`) at step 5 until the other is there too, so neither has finished when the test
+    signals (CI, 2026-11-26: one task's 150 steps took 4 s and were over before the signal came)."""
     proc = subprocess.Popen([sys.executable, "-m", "grpo.train", "-m", "hydra/launcher=slurm", "algo.lr=1e-3,2e-3", *FAST,
                              f"hydra.launcher.cpus_per_task={slots}",
                              f"steps={steps}", f"model.cache_dir={model_cache}", f"hydra.sweep.dir={sweep}"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while min(max(steps_logged(sweep / n), default=0) for n in "01") < 5:
+    deadline, tasks, held = time.time() + 300, [], {}
+    while len(held) < 2:
         if time.time() > deadline or proc.poll() is not None:
+            subprocess.run(["scontrol", "resume", ",".join(held)], env=env)
+            subprocess.run(["scancel", *tasks], env=env)
             proc.kill()
             pytest.fail(f"the sweep's runs did not both reach step 5: {proc.communicate()[0][-3000:]}")
+        tasks = sorted(d.name for d in (sweep / ".submitit").iterdir() if d.is_dir() and "_" in d.name) if (sweep / ".submitit").is_dir() else []
+        for n, task in zip("01", tasks if len(tasks) == 2 else []):
+            if task not in held and max(steps_logged(sweep / n), default=0) >= 5:
+                subprocess.run(["scontrol", "suspend", task], env=env, check=True)
+                held[task] = max(steps_logged(sweep / n))
         time.sleep(0.2)
-    tasks = sorted(d.name for d in (sweep / ".submitit").iterdir() if d.is_dir() and "_" in d.name)
+    # Both resumed together; signalled only once each has logged a step since (a signal sent right
+    # after `scontrol resume` never reached the resumed task in a local run, 2026-11-26).
+    subprocess.run(["scontrol", "resume", ",".join(held)], env=env, check=True)
+    while any(max(steps_logged(sweep / n)) <= held[task] for n, task in zip("01", tasks)):
+        if time.time() > deadline or proc.poll() is not None:
+            proc.kill()
+            pytest.fail(f"the sweep's runs did not go on after `scontrol resume`: {proc.communicate()[0][-3000:]}")
+        time.sleep(0.1)
+    print(f"both runs held at steps {held}, resumed")
     if not (len(tasks) == 2 and tasks[0].split("_")[0] == tasks[1].split("_")[0]):  # one array, two tasks
         subprocess.run(["scancel", *tasks], env=env)
         proc.kill()
