@@ -104,7 +104,7 @@ def padded_logprobs(model, batch: Batch, temperature: float, with_entropy: bool,
         ids_BL, mask_BL = F.pad(ids_BL, (0, extra)), F.pad(mask_BL, (0, extra))
         pos_BL = torch.cat([pos_BL, pos_BL[:, -1:].expand(-1, extra)], dim=1)
     inputs = dict(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL)
-    if batch.vision is not None:  # images: the embeddings with the vision tower's output, M-RoPE positions
+    if batch.vision is not None or vision.is_vision_model(unwrapped(model)):  # the vision tower's output, M-RoPE
         inputs = vision.padded_inputs(model, unwrapped(model).config, batch, ids_BL, mask_BL, pos_BL)
     if not plain:
         # a head of its own (soft-capping, scaling): the model's logits, only the last T + 1 (+ padding) positions
@@ -131,7 +131,7 @@ def packed_logprobs(model, batch: Batch, temperature: float, with_entropy: bool,
         packed = pack_shared(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.trees, mask_dtype)
         inputs = dict(input_ids=packed.input_ids_RW, position_ids=packed.position_ids_RW,
                       attention_mask=packed.mask_R1WW, use_cache=False)
-    elif batch.vision is not None:  # images: each sequence's M-RoPE positions and image slots moved with it
+    elif batch.vision is not None or vision.is_vision_model(unwrapped(model)):  # M-RoPE positions, image slots moved
         packed = pack(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.rows,
                       carry_KBL=vision.packing_carry(batch, unwrapped(model).config))
         inputs = vision.packed_inputs(model, batch, packed)

@@ -153,8 +153,8 @@ def check_config(cfg, model_config: dict) -> None:
     elif cfg.parallel.sequence_parallel > 1:
         why = "parallel.sequence_parallel > 1: split rows do not carry images"
     elif cfg.parallel.strategy == "zero3":
-        why = ("parallel=zero3: a rank's padding micro-batch has no image, so its vision tower's parameter gathers "
-               "would not match the other ranks'")
+        why = ("parallel=zero3: every forward gathers parameters from all ranks, and a rank whose prompts or micro-batch "
+               "have no image (a frozen tower, or generation on the training model) would skip the vision tower's gathers")
     if why:
         raise ConfigError(f"model.path={cfg.model.path} is a vision-language model; {why}. Use rollout=hf or colocated, "
                           "env=none, parallel=single, ddp or zero2.")
@@ -172,7 +172,7 @@ def mrope_BL(batch) -> torch.Tensor:
     out = pos[None].repeat(3, 1, 1)
     P = batch.prompt_width
     lengths = batch.attention_mask_BL.to("cpu").sum(dim=1).tolist()
-    for b, v in enumerate(batch.vision):
+    for b, v in enumerate(batch.vision or []):
         if v is None:
             continue
         p = v.rope_3P.shape[1]
@@ -204,9 +204,9 @@ def input_embeddings(model, ids: torch.Tensor, slots: torch.Tensor, vision: list
     written over `slots` (the same order: row-major through the rows)."""
     inner = vision_module(model)
     embeds = inner.get_input_embeddings()(ids)
-    present = [v for v in vision if v is not None]
+    present = [v for v in vision or [] if v is not None]
     if not present:
-        return embeds
+        return embeds + 0.0 * blank_image_features(inner) if tower_needs_a_backward(inner) else embeds
     # the G completions of a prompt share its VisionInputs: the tower runs once per prompt's images
     unique = list({id(v): v for v in present}.values())
     device = ids.device
@@ -225,6 +225,28 @@ def input_embeddings(model, ids: torch.Tensor, slots: torch.Tensor, vision: list
         raise ValueError(f"{int(slots.sum())} image placeholder tokens for {features.shape[0]} image features: the "
                          "prompt's token ids and its images disagree")
     return embeds.masked_scatter(slots.to(device)[..., None].expand_as(embeds), features)
+
+
+def tower_needs_a_backward(inner) -> bool:
+    """Whether a micro-batch without images must still run the vision tower: while it trains, so that
+    every micro-batch's backward reaches the same parameters on every rank. ZeRO-2 reduces gradients in
+    buckets as their hooks fire: a rank whose micro-batch (a padding one, or text prompts only) skipped
+    the tower sent other buckets than its peers (gloo: "Received data size doesn't match expected size")."""
+    return torch.is_grad_enabled() and any(p.requires_grad for p in inner.visual.parameters())
+
+
+def blank_image_features(inner) -> torch.Tensor:
+    """The vision tower's output summed over one black image of the smallest grid (one merged token),
+    a scalar: added at weight 0 it leaves the embeddings as they were and gives every tower parameter
+    a gradient of 0."""
+    cfg = inner.config.vision_config
+    merge = int(cfg.spatial_merge_size)
+    width = int(getattr(cfg, "in_channels", getattr(cfg, "in_chans", 3))) * int(cfg.temporal_patch_size) * int(cfg.patch_size) ** 2
+    param = next(inner.visual.parameters())
+    pixels = torch.zeros((merge * merge, width), dtype=param.dtype, device=param.device)
+    grid = torch.tensor([[1, merge, merge]], device=param.device)
+    out = inner.get_image_features(pixels, grid, return_dict=True)
+    return sum(f.float().sum() for f in out.pooler_output)
 
 
 def freeze_vision(model) -> int:

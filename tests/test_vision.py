@@ -20,6 +20,7 @@ from grpo.models import encode_prompts
 from grpo.rollout.base import Sampling
 from grpo.rollout.hf import HFBackend
 from grpo.tasks.shapes import build_shapes
+from tests.conftest import compose_cfg
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +200,40 @@ def test_trainer_logprobs_match_the_samplers(tiny_vlm, task, layout, dtype, tol)
         assert diff(replace(mb, vision=swapped)) > 1e-4
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_a_micro_batch_without_images_still_reaches_the_trained_tower(tiny_vlm, layout):
+    """The padding micro-batch a rank adds for ZeRO's lockstep (no image): with the tower training, its
+    backward gives every trainable parameter a gradient (0 for the tower's) as an image micro-batch's
+    does, so every rank reduces the same buckets (ZeRO-2 crashed on 2 ranks without it: gloo "Received
+    data size doesn't match expected size"); its logprobs are the text model's exactly. Frozen, or
+    under no_grad, the tower does not run."""
+    import copy
+
+    from grpo.layouts import padding_batch
+
+    model = copy.deepcopy(tiny_vlm[0]).train()
+    mb = padding_batch(layout)
+    logp_BT, _ = forward_logprobs(model, mb, 1.0)
+    logp_BT.sum().backward()
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert [n for n, p in trainable if p.grad is None] == []
+    tower = [p for n, p in trainable if vision.is_vision_parameter(n)]
+    assert tower and all(float(p.grad.abs().max()) == 0.0 for p in tower)
+    calls = []
+    inner = vision.vision_module(model)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(inner, "get_image_features", lambda *a, **k: calls.append(1) or vision_module_features(inner, *a, **k))
+        with torch.no_grad():
+            assert torch.equal(forward_logprobs(model, mb, 1.0)[0], logp_BT.detach())
+        vision.freeze_vision(model)
+        assert torch.equal(forward_logprobs(model, mb, 1.0)[0].detach(), logp_BT.detach())
+    assert calls == []
+
+
+def vision_module_features(inner, *args, **kw):
+    return type(inner).get_image_features(inner, *args, **kw)
+
+
 def test_a_text_model_on_an_image_task_is_refused(tiny_lm, samples):
     from grpo.errors import ConfigError
 
@@ -221,9 +256,11 @@ def test_what_a_vlm_does_not_run_is_refused(make_cfg, override, match):
 def short_run_cfg(make_cfg, *overrides):
     """A few steps of the tiny VLM on 256 shapes: a short warm start, so some completions earn a reward,
     and temperature 0.5, so the half-trained policy's samples are not all wrong."""
-    return make_cfg("model=tiny_vlm", "task=shapes", "task.size=256", "task.eval_size=16",
-                    "model.tiny.warm_start_accuracy=0.02", "model.tiny.warm_start_check_every=10",
-                    "rollout.max_new_tokens=16", "rollout.temperature=0.5", *overrides)
+    return make_cfg(*SHORT_RUN, *overrides)
+
+
+SHORT_RUN = ["model=tiny_vlm", "task=shapes", "task.size=256", "task.eval_size=16", "model.tiny.warm_start_accuracy=0.02",
+             "model.tiny.warm_start_check_every=10", "rollout.max_new_tokens=16", "rollout.temperature=0.5"]
 
 
 def sampler_diffs(run_dir) -> list[float]:
@@ -251,6 +288,28 @@ def test_a_short_run_trains_the_language_model_only(make_cfg, tmp_path, lora):
     if lora == 0:
         assert any(not torch.equal(after[k], before[k]) for k in before if not vision.is_vision_parameter(k)), \
             "the language model did not train"
+
+
+def test_two_ranks_under_zero2_train_the_tower(tmp_path, cache_dir):
+    """parallel=zero2 on 2 processes with the tower training (model.freeze_vision=false): the ranks'
+    micro-batches differ (one runs a padding micro-batch without an image), ZeRO-2 reduces the same
+    gradient buckets on both, the sampler and trainer agree, and the tower's weights move."""
+    from safetensors.torch import load_file
+
+    from grpo.models import tiny_model_dir
+    from tests.conftest import FAST
+    from tests.test_parallel import TORCHRUN, run
+
+    overrides = [*FAST, *SHORT_RUN, "model.freeze_vision=false", "parallel=zero2"]
+    run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *overrides,
+         f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
+    diffs = sampler_diffs(tmp_path)
+    assert len(diffs) == 3 and max(diffs) < 1e-3, diffs
+    cfg = compose_cfg(*overrides, cache=cache_dir)
+    before = load_file(os.path.join(tiny_model_dir(cfg.model, cfg.task, cfg.rollout.max_new_tokens), "model.safetensors"))
+    after = load_file(tmp_path / "model" / "model.safetensors")
+    tower = [k for k in before if vision.is_vision_parameter(k)]
+    assert tower and any(not torch.equal(after[k], before[k]) for k in tower), "the vision tower did not train"
 
 
 @pytest.mark.parametrize("freeze", [True, False])
