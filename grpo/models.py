@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from grpo.prompts import format_prompt
+
 TINY_KINDS = ("tiny", "tiny_vlm")  # model.path values built in code: the text model, the vision-language one
 TINY_CONTEXT = 256  # the tiny model's max_position_embeddings: prompt + completion tokens it can hold
 TINY_FORMAT = 2  # bump when the tiny model's recipe changes, so old cache entries are not reused
@@ -317,23 +319,6 @@ def ensure_model_folder(cfg, task_cfg, task, max_new_tokens: int, log=print) -> 
     if cfg.path in TINY_KINDS:
         return ensure_tiny_model(cfg, task_cfg, task, max_new_tokens, log)
     return ensure_packaged_model(cfg.path, cfg.cache_dir, log)
-
-
-def format_prompt(tokenizer, prompt: str, chat_template: str = "auto", system_prompt: str | None = None) -> tuple[str, bool]:
-    """(the text the model continues, whether a chat template wrote it).
-
-    With the tokenizer's chat template (`chat_template=auto` when the tokenizer has one, `always`),
-    the prompt is a user message after an optional system message, then the template's generation
-    prompt. Without one (`never`, or `auto` on a tokenizer that has none, like the tiny model's),
-    the plain prompt, after the system prompt and a blank line."""
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    if chat_template == "always" and not has_template:
-        raise ValueError("task.chat_template=always but the tokenizer has no chat template; use auto or never.")
-    if chat_template == "never" or not has_template:
-        return (f"{system_prompt}\n\n{prompt}" if system_prompt else prompt), False
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": prompt})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), True
 
 
 def encode_prompts(tokenizer, samples, chat_template: str = "auto", system_prompt: str | None = None) -> list[list[int]]:

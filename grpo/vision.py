@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo.prompts import format_prompt
+
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 VIDEO_PAD = "<|video_pad|>"  # the tiny VLM takes no video, but vLLM's Qwen2-VL processor looks the token up
 TINY_VLM_FORMAT = 2  # bump when the tiny VLM's recipe changes (2: <|video_pad|> in its vocabulary)
@@ -99,28 +101,13 @@ def mrope_positions(ids: list[int], image_id: int, grid_thw: torch.Tensor, merge
     return out
 
 
-def render_text(tokenizer, prompt: str, n_images: int, chat_template: str = "auto",
-                system_prompt: str | None = None) -> tuple[str, bool]:
-    """(text, whether a chat template wrote it) with one unexpanded placeholder per image before the
-    prompt's text: through the tokenizer's chat template (content parts, as Qwen2-VL's template
-    takes them), else the plain placeholders, then the prompt."""
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    if chat_template == "always" and not has_template:
-        raise ValueError("task.chat_template=always but the tokenizer has no chat template; use auto or never.")
-    if chat_template == "never" or not has_template:
-        text = (VISION_START + IMAGE_PAD + VISION_END) * n_images + prompt
-        return (f"{system_prompt}\n\n{text}" if system_prompt else text), False
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": prompt}]})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), True
-
-
 def encode_image_prompt(tokenizer, image_processor, config, sample, chat_template: str = "auto",
                         system_prompt: str | None = None) -> ImagePrompt:
     """The token ids of a sample with images (`sample.meta["images"]`), every placeholder expanded to
     its image's token count, with the image processor's pixels and the prompt's M-RoPE positions."""
     images = list(sample.meta["images"])
-    text, templated = render_text(tokenizer, sample.prompt, len(images), chat_template, system_prompt)
+    text, templated = format_prompt(tokenizer, sample.prompt, chat_template, system_prompt, len(images),
+                                    VISION_START + IMAGE_PAD + VISION_END)
     ids = tokenizer(text, add_special_tokens=not templated).input_ids
     image_id = image_token_id(config)
     if sum(t == image_id for t in ids) != len(images):  # checked before expanding, which would stop short

@@ -17,6 +17,7 @@ from grpo.batch import collate
 from grpo.layouts import micro_batches
 from grpo.logprobs import forward_logprobs
 from grpo.models import encode_prompts
+from grpo.prompts import format_prompt
 from grpo.rollout.base import Sampling
 from grpo.rollout.hf import HFBackend
 from grpo.tasks.shapes import build_shapes
@@ -366,7 +367,8 @@ def test_a_chat_template_gets_one_image_part_per_image(tiny_vlm, samples):
     tok.chat_template = ("{% for m in messages %}<|{{ m.role }}|>{% for part in m.content %}"
                          "{% if part.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
                          "{% else %}{{ part.text }}{% endif %}{% endfor %}\n{% endfor %}<|assistant|>")
-    text, templated = vision.render_text(tok, "what is it?", 2)
+    assert format_prompt(tiny_vlm[1], "q", system_prompt="s", images=2, plain_image="<i>") == ("s\n\n<i><i>q", False)
+    text, templated = format_prompt(tok, "what is it?", images=2, plain_image="<image>")
     assert templated and text == ("<|user|><|vision_start|><|image_pad|><|vision_end|>"
                                   "<|vision_start|><|image_pad|><|vision_end|>what is it?<|assistant|>")  # trim_blocks
     prompt = encode_prompts(tok, samples[:1])[0]
