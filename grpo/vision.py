@@ -125,8 +125,8 @@ def encode_image_prompt(tokenizer, image_processor, config, sample, chat_templat
 
 def check_config(cfg, model_config: dict) -> None:
     """What a vision-language model (model=tiny_vlm, or a folder/hub id whose config.json has a
-    vision_config) runs with: rollout=hf or colocated, one-turn tasks, no sequence split, not ZeRO-3
-    (docs/vlm.md); called by grpo.config.validate."""
+    vision_config) runs with: rollout=hf or colocated, one-turn tasks, no sequence split (docs/vlm.md);
+    called by grpo.config.validate."""
     from grpo.errors import ConfigError
 
     if cfg.model.path != "tiny_vlm" and not model_config.get("vision_config"):
@@ -139,12 +139,9 @@ def check_config(cfg, model_config: dict) -> None:
         why = f"env={cfg.env.name}: multi-turn episodes do not carry images"
     elif cfg.parallel.sequence_parallel > 1:
         why = "parallel.sequence_parallel > 1: split rows do not carry images"
-    elif cfg.parallel.strategy == "zero3":
-        why = ("parallel=zero3: every forward gathers parameters from all ranks, and a rank whose prompts or micro-batch "
-               "have no image (a frozen tower, or generation on the training model) would skip the vision tower's gathers")
     if why:
         raise ConfigError(f"model.path={cfg.model.path} is a vision-language model; {why}. Use rollout=hf or colocated, "
-                          "env=none, parallel=single, ddp or zero2.")
+                          "env=none and parallel.sequence_parallel=1.")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -193,7 +190,7 @@ def input_embeddings(model, ids: torch.Tensor, slots: torch.Tensor, vision: list
     embeds = inner.get_input_embeddings()(ids)
     present = [v for v in vision or [] if v is not None]
     if not present:
-        return embeds + 0.0 * blank_image_features(inner) if tower_needs_a_backward(inner) else embeds
+        return embeds + 0.0 * blank_image_features(inner) if tower_must_run(inner) else embeds
     # the G completions of a prompt share its VisionInputs: the tower runs once per prompt's images
     unique = list({id(v): v for v in present}.values())
     device = ids.device
@@ -214,12 +211,16 @@ def input_embeddings(model, ids: torch.Tensor, slots: torch.Tensor, vision: list
     return embeds.masked_scatter(slots.to(device)[..., None].expand_as(embeds), features)
 
 
-def tower_needs_a_backward(inner) -> bool:
-    """Whether a micro-batch without images must still run the vision tower: while it trains, so that
-    every micro-batch's backward reaches the same parameters on every rank. ZeRO-2 reduces gradients in
-    buckets as their hooks fire: a rank whose micro-batch (a padding one, or text prompts only) skipped
-    the tower sent other buckets than its peers (gloo: "Received data size doesn't match expected size")."""
-    return torch.is_grad_enabled() and any(p.requires_grad for p in inner.visual.parameters())
+def tower_must_run(inner) -> bool:
+    """Whether a micro-batch without images must still run the vision tower, so that every rank makes
+    the same collectives whatever its micro-batch (a padding one, or text prompts only) holds: under
+    ZeRO-3 (every forward of the tower gathers its parameters from all ranks), and while the tower
+    trains (ZeRO-2 reduces gradients in buckets as their hooks fire: a rank whose micro-batch skipped
+    the tower sent other buckets than its peers, gloo "Received data size doesn't match expected size")."""
+    params = list(inner.visual.parameters())
+    if any(hasattr(p, "ds_id") for p in params):  # ZeRO-3 partitioned
+        return True
+    return torch.is_grad_enabled() and any(p.requires_grad for p in params)
 
 
 def blank_image_features(inner) -> torch.Tensor:

@@ -243,15 +243,16 @@ def test_a_text_model_on_an_image_task_is_refused(tiny_lm, samples):
         encode_prompts(tok, samples)
 
 
-@pytest.mark.parametrize("override, match", [("rollout=dedicated", "token ids only"), ("parallel=zero3", "zero3"),
+@pytest.mark.parametrize("override, match", [("rollout=dedicated", "token ids only"),
+                                             ("parallel=zero2 parallel.sequence_parallel=2", "split rows"),
                                              ("env=guess", "multi-turn")])
 def test_what_a_vlm_does_not_run_is_refused(make_cfg, override, match):
     from grpo.config import validate
     from grpo.errors import ConfigError
 
-    cfg = make_cfg("model=tiny_vlm", "task=shapes", override)
+    cfg = make_cfg("model=tiny_vlm", "task=shapes", *override.split())
     with pytest.raises(ConfigError, match=match):
-        validate(cfg, world_size=1)
+        validate(cfg, world_size=2 if "sequence_parallel" in override else 1)
 
 
 def short_run_cfg(make_cfg, *overrides):
@@ -291,17 +292,19 @@ def test_a_short_run_trains_the_language_model_only(make_cfg, tmp_path, lora):
             "the language model did not train"
 
 
-def test_two_ranks_under_zero2_train_the_tower(tmp_path, cache_dir):
-    """parallel=zero2 on 2 processes with the tower training (model.freeze_vision=false): the ranks'
-    micro-batches differ (one runs a padding micro-batch without an image), ZeRO-2 reduces the same
-    gradient buckets on both, the sampler and trainer agree, and the tower's weights move."""
+@pytest.mark.parametrize("parallel, freeze", [("zero2", "false"), ("zero3", "true")])
+def test_two_ranks_under_zero_with_images(tmp_path, cache_dir, parallel, freeze):
+    """ZeRO-2 with the tower training, ZeRO-3 with it frozen, on 2 processes: the ranks' micro-batches
+    differ (one runs a padding micro-batch without an image), yet every rank makes the same collectives
+    (ZeRO-2's gradient buckets, ZeRO-3's gathers of the tower, hf's synced generate); the sampler and
+    trainer agree, and the tower's weights move only when it trains."""
     from safetensors.torch import load_file
 
     from grpo.models import tiny_model_dir
     from tests.conftest import FAST
     from tests.test_parallel import TORCHRUN, run
 
-    overrides = [*FAST, *SHORT_RUN, "model.freeze_vision=false", "parallel=zero2"]
+    overrides = [*FAST, *SHORT_RUN, f"model.freeze_vision={freeze}", f"parallel={parallel}"]
     run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *overrides,
          f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
     diffs = sampler_diffs(tmp_path)
@@ -310,7 +313,34 @@ def test_two_ranks_under_zero2_train_the_tower(tmp_path, cache_dir):
     before = load_file(os.path.join(tiny_model_dir(cfg.model, cfg.task, cfg.rollout.max_new_tokens), "model.safetensors"))
     after = load_file(tmp_path / "model" / "model.safetensors")
     tower = [k for k in before if vision.is_vision_parameter(k)]
-    assert tower and any(not torch.equal(after[k], before[k]) for k in tower), "the vision tower did not train"
+    moved = [k for k in tower if not torch.equal(after[k], before[k])]
+    assert tower and (moved == [] if freeze == "true" else moved), moved
+
+
+def _images_on_rank(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as tdist
+
+    from grpo.rollout.hf import check_images_on_every_rank
+
+    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    check_images_on_every_rank(True)  # both ranks have images: nothing to say
+    try:
+        check_images_on_every_rank(rank == 0)
+        said = ""
+    except RuntimeError as e:
+        said = str(e)
+    open(f"{out_dir}/said{rank}", "w").write(said)
+    tdist.destroy_process_group()
+
+
+def test_zero3_generate_with_images_on_some_ranks_only_stops_every_rank(tmp_path):
+    """rollout=hf under ZeRO-3 generates on the training model, a collective: where one rank has image
+    prompts and another none, both raise the same error (instead of hanging in the tower's gathers)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_images_on_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    said = [(tmp_path / f"said{r}").read_text() for r in (0, 1)]
+    assert said[0] == said[1] and "some ranks had image prompts" in said[0]
 
 
 @pytest.mark.parametrize("freeze", [True, False])

@@ -121,6 +121,19 @@ def shared_prefill(model, ids_PL: torch.Tensor, mask_PL: torch.Tensor, n: int):
     return cache
 
 
+def check_images_on_every_rank(mine: bool) -> None:
+    """ZeRO-3's generate with a vision-language model: the vision tower's parameters are gathered in
+    the prefill of the ranks whose prompts have images; a rank without any would not join those
+    gathers and the ranks would hang or mismatch. Every rank raises the same error instead."""
+    some, none_ = dist.all_reduce_max([float(mine), float(not mine)])
+    if some and none_:
+        raise RuntimeError(
+            "parallel=zero3 with rollout=hf: some ranks had image prompts to generate from and others none (text-only "
+            "prompts, or fewer evaluation prompts than ranks), so ZeRO-3's gathers of the vision tower would not match. "
+            "Use a task whose every prompt carries an image with task.eval_size >= the number of ranks, rollout=colocated, "
+            "or parallel=zero2.")
+
+
 class HFBackend(RolloutBackend):
     def __init__(self, cfg, model: torch.nn.Module, tokenizer, model_path: str | None = None, lockstep: bool = False,
                  dtype: str = "float32", **_):
@@ -156,6 +169,8 @@ class HFBackend(RolloutBackend):
         # image prompts (grpo/vision.py): their pixels go in whole; the prompt is not prefilled once per
         # group (the vision tower and M-RoPE positions are the model's own generate's business)
         images = vision.generate_inputs(rows)
+        if synced and vision.is_vision_model(base_model(self.model)):
+            check_images_on_every_rank(bool(images))
         if images:
             images["mm_token_type_ids"] = (ids_BL == vision.image_token_id(base_model(self.model).config)).int()
         with folder_defaults_off(self.model), compute_precision(self.model, self.dtype):
