@@ -304,7 +304,8 @@ def test_two_ranks_under_zero_with_images(tmp_path, cache_dir, parallel, freeze)
     from tests.conftest import FAST
     from tests.test_parallel import TORCHRUN, run
 
-    overrides = [*FAST, *SHORT_RUN, f"model.freeze_vision={freeze}", f"parallel={parallel}"]
+    # a collective that never matches fails in 90 s (gloo's timeout), not in the default 30 min
+    overrides = [*FAST, *SHORT_RUN, f"model.freeze_vision={freeze}", f"parallel={parallel}", "parallel.collective_timeout_s=90"]
     run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *overrides,
          f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
     diffs = sampler_diffs(tmp_path)
