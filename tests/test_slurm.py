@@ -25,8 +25,8 @@ from tests.conftest import FAST, ROOT
 pytestmark = pytest.mark.slurm
 DEV_CONF = os.path.join(os.environ.get("GRPO_SLURM_DIR", "/tmp/grpo-slurm"), "slurm.conf")
 # Steps of a run that a test signals (time limit, preemption) once it has logged a few: long enough
-# that the signal lands before the run ends (the sweeps keep 150: start_sweep holds the first of its runs at step 5
-# until the other gets there). On an idle machine the tiny model's steps take 0.02 s:
+# that the signal lands before the run ends (the sweeps keep 150: start_sweep holds each of its runs at step 5
+# until both are there). On an idle machine the tiny model's steps take 0.02 s:
 # 150 steps were over in 3 s and the run finished before its USR1 arrived (CI, 2026-11-25).
 SIGNALLED_RUN_STEPS = 1000
 
