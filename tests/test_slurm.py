@@ -283,9 +283,11 @@ def test_preempted_job_is_requeued_by_slurm_and_resumes(tmp_path, slurm_env, mod
 def start_sweep(sweep, env, model_cache, steps, slots):
     """`-m hydra/launcher=slurm` of two runs (each asking for a whole node's slots: one per node),
     running; returns the multirun process and the array's task ids once both runs have logged step 5.
-    The runs do not start together (imports, model load; a node freed late): each is suspended
-    (`scontrol suspend`) at step 5 until the other is there too, so neither has finished when the test
-    signals (CI, 2026-11-26: one task's 150 steps took 4 s and were over before the signal came)."""
+    The runs do not start together (imports, model load; a node freed late): each is stopped
+    (`scancel --signal=STOP`) at step 5 until the other is there too, so neither has finished when the test
+    signals (CI, 2026-11-26: one task's 150 steps took 4 s and were over before the signal came).
+    Not `scontrol suspend`: sacct then says SUSPENDED, which submitit counts as finished, and the
+    sweep gave up on the task's result (CI, 2026-11-26); a stopped task stays RUNNING in sacct."""
     proc = subprocess.Popen([sys.executable, "-m", "grpo.train", "-m", "hydra/launcher=slurm", "algo.lr=1e-3,2e-3", *FAST,
                              f"hydra.launcher.cpus_per_task={slots}",
                              f"steps={steps}", f"model.cache_dir={model_cache}", f"hydra.sweep.dir={sweep}"],
@@ -293,25 +295,26 @@ def start_sweep(sweep, env, model_cache, steps, slots):
     deadline, tasks, held = time.time() + 300, [], {}
     while len(held) < 2:
         if time.time() > deadline or proc.poll() is not None:
-            subprocess.run(["scontrol", "resume", ",".join(held)], env=env)
+            if held:
+                subprocess.run(["scancel", "--signal=CONT", *held], env=env)
             subprocess.run(["scancel", *tasks], env=env)
             proc.kill()
             pytest.fail(f"the sweep's runs did not both reach step 5: {proc.communicate()[0][-3000:]}")
         tasks = sorted(d.name for d in (sweep / ".submitit").iterdir() if d.is_dir() and "_" in d.name) if (sweep / ".submitit").is_dir() else []
         for n, task in zip("01", tasks if len(tasks) == 2 else []):
             if task not in held and max(steps_logged(sweep / n), default=0) >= 5:
-                subprocess.run(["scontrol", "suspend", task], env=env, check=True)
+                subprocess.run(["scancel", "--signal=STOP", task], env=env, check=True)
                 held[task] = max(steps_logged(sweep / n))
         time.sleep(0.2)
-    # Both resumed together; signalled only once each has logged a step since (a signal sent right
+    # Both go on together; signalled only once each has logged a step since (a signal sent right
     # after `scontrol resume` never reached the resumed task in a local run, 2026-11-26).
-    subprocess.run(["scontrol", "resume", ",".join(held)], env=env, check=True)
+    subprocess.run(["scancel", "--signal=CONT", *held], env=env, check=True)
     while any(max(steps_logged(sweep / n)) <= held[task] for n, task in zip("01", tasks)):
         if time.time() > deadline or proc.poll() is not None:
             proc.kill()
-            pytest.fail(f"the sweep's runs did not go on after `scontrol resume`: {proc.communicate()[0][-3000:]}")
+            pytest.fail(f"the sweep's runs did not go on after SIGCONT: {proc.communicate()[0][-3000:]}")
         time.sleep(0.1)
-    print(f"both runs held at steps {held}, resumed")
+    print(f"both runs held at steps {held}, continued")
     if not (len(tasks) == 2 and tasks[0].split("_")[0] == tasks[1].split("_")[0]):  # one array, two tasks
         subprocess.run(["scancel", *tasks], env=env)
         proc.kill()
