@@ -10,6 +10,9 @@ It is vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`) started wi
     not the model folder's generation_config.json (a hub model's repetition_penalty, min_p, ...);
   - on CPU, an explicit KV-cache size (`--kv-cache-gb`, grpo/rollout/engine_memory.py);
   - with `--lora-rank R`, vLLM's LoRA support and its adapter routes (/v1/load_lora_adapter, ...);
+  - `--enable-scale-out`: vLLM's token-in-token-out route /inference/v1/generate, which takes token ids
+    with images (the trainer's image prompts; /v1/completions takes none); for a vision-language
+    model's folder, `--limit-mm-per-prompt` from `--images-per-prompt` (images only, no video);
   - `require_token` as middleware: every route but the read-only probes in OPEN_ROUTES (health,
     version, metrics) needs `Authorization: Bearer <token>`, the /v1 routes included. It is an
     allow-list: a route a later vLLM adds, or a flag mounts (LoRA loading, profiling), is guarded
@@ -28,7 +31,7 @@ RL routes); the token middleware, the CPU defaults and the explicit KV size as f
 Any further arguments go to vLLM unchanged. The plain equivalent, for `vllm serve` users:
   VLLM_SERVER_DEV_MODE=1 GRPO_SERVE_TOKEN=T python -m vllm.entrypoints.openai.api_server --model DIR \
     --weight-transfer-config '{"backend": "grpo_gloo"}' --logprobs-mode processed_logprobs --generation-config vllm \
-    --middleware grpo.serve.require_token
+    --enable-scale-out --middleware grpo.serve.require_token
 """
 
 from __future__ import annotations
@@ -88,7 +91,10 @@ def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None =
             "--logprobs-mode", "processed_logprobs",
             "--generation-config", "vllm",  # a request's unset sampling fields are vLLM's neutral ones, not the folder's
             "--enable-prefix-caching",
+            "--enable-scale-out",  # /inference/v1/generate: token ids plus images, for image prompts (behind the token)
         ]
+        if getattr(args, "vision", False):  # a VLM: images only, at most this many per prompt
+            argv += ["--limit-mm-per-prompt", json.dumps({"image": args.images_per_prompt, "video": 0})]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
     if args.enforce_eager:
@@ -219,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reward-model", action="store_true", help="serve a sequence-classification reward model "
                    "(reward.rm.urls) through vLLM's pooling runner and its /classify route, instead of a policy to "
                    "generate from: no weight transfer, LoRA or generation flags")
+    p.add_argument("--images-per-prompt", type=int, default=1, help="a vision-language model's folder: the most "
+                   "images a prompt may carry (vLLM's --limit-mm-per-prompt; the trainer's rollout.vllm.images_per_prompt)")
     p.add_argument("--lora-rank", type=int, default=0, help="> 0: serve LoRA adapters up to this rank (the trainer's "
                    "model.lora.rank); each sync loads the new adapter from a folder through /v1/load_lora_adapter, "
                    "which the token guards like every route")
@@ -248,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.reward_model and (problem := not_a_reward_model(model_config_of(args.model))):
         p.error(f"--reward-model {args.model}: {problem}")
 
+    args.vision = bool(model_config_of(args.model).get("vision_config"))
     for key, value in device_defaults(torch.cuda.is_available(), read_model_config(args.model)).items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -125,23 +125,19 @@ def encode_image_prompt(tokenizer, image_processor, config, sample, chat_templat
 
 def check_config(cfg, model_config: dict) -> None:
     """What a vision-language model (model=tiny_vlm, or a folder/hub id whose config.json has a
-    vision_config) runs with: rollout=hf or colocated, one-turn tasks, no sequence split (docs/vlm.md);
-    called by grpo.config.validate."""
+    vision_config) runs with: one-turn tasks, no sequence split (docs/vlm.md); called by grpo.config.validate."""
     from grpo.errors import ConfigError
 
     if cfg.model.path != "tiny_vlm" and not model_config.get("vision_config"):
         return
     why = None
-    if cfg.rollout.backend not in ("hf", "colocated"):
-        why = (f"rollout={cfg.rollout.backend}: image prompts go through rollout=hf and rollout=colocated so far; the "
-               "servers' requests carry token ids only (docs/vlm.md)")
-    elif cfg.env.name != "none":
+    if cfg.env.name != "none":
         why = f"env={cfg.env.name}: multi-turn episodes do not carry images"
     elif cfg.parallel.sequence_parallel > 1:
         why = "parallel.sequence_parallel > 1: split rows do not carry images"
     if why:
-        raise ConfigError(f"model.path={cfg.model.path} is a vision-language model; {why}. Use rollout=hf or colocated, "
-                          "env=none and parallel.sequence_parallel=1.")
+        raise ConfigError(f"model.path={cfg.model.path} is a vision-language model; {why}. Use env=none and "
+                          "parallel.sequence_parallel=1.")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -405,6 +401,25 @@ def engine_prompt(prompt: ImagePrompt) -> dict:
     image_id = prompt.vision.image_token_id
     ids = [t for i, t in enumerate(prompt) if not (t == image_id and i and prompt[i - 1] == image_id)]
     return {"prompt_token_ids": ids, "multi_modal_data": {"image": list(prompt.vision.images)}}
+
+
+def image_data_url(image) -> str:
+    """A PIL image as a PNG data URL (lossless: the server's processor gets the task's very pixels)."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def server_prompt(prompt: ImagePrompt) -> dict:
+    """The prompt fields of a vLLM server's token-in-token-out request (`/inference/v1/generate`, behind
+    `--enable-scale-out`): the ids with each placeholder run cut back to one token (`engine_prompt`) and
+    the images as content parts, which the server's own processor turns into pixels and expands."""
+    engine = engine_prompt(prompt)
+    return {"token_ids": engine["prompt_token_ids"],
+            "content_parts": [{"type": "image_url", "url": image_data_url(im)} for im in engine["multi_modal_data"]["image"]]}
 
 
 def check_expanded(prompts: list, engine_ids: list) -> None:

@@ -239,8 +239,7 @@ def test_a_text_model_on_an_image_task_is_refused(tiny_lm, samples):
         encode_prompts(tok, samples)
 
 
-@pytest.mark.parametrize("override, match", [("rollout=dedicated", "token ids only"),
-                                             ("parallel=zero2 parallel.sequence_parallel=2", "split rows"),
+@pytest.mark.parametrize("override, match", [("parallel=zero2 parallel.sequence_parallel=2", "split rows"),
                                              ("env=guess", "multi-turn")])
 def test_what_a_vlm_does_not_run_is_refused(make_cfg, override, match):
     from grpo.config import validate
@@ -374,6 +373,40 @@ def test_a_short_run_through_colocated_vllm(make_cfg, tmp_path):
     diffs = sampler_diffs(tmp_path / "run")
     assert len(diffs) == cfg.steps and max(diffs) < 1e-3, diffs
     assert sum("eval/accuracy" in r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))) == 2
+
+
+def test_a_short_run_through_a_dedicated_vllm_server(make_cfg, tmp_path):
+    """Image prompts through a vLLM server (rollout=dedicated; remote sends the same requests): one
+    token-in-token-out request per prompt, its images as PNG content parts, the ids the server expanded
+    checked against the trainer's on every request; sampler and trainer agree after every push, and
+    evaluation after the pushes runs (the servers' encoder caches reset with them)."""
+    from grpo.train import train
+
+    cfg = short_run_cfg(make_cfg, "rollout=dedicated", "rollout.vllm.memory_fraction=0.1", "steps=3")
+    train(cfg)
+    diffs = sampler_diffs(tmp_path / "run")
+    records = list(map(json.loads, open(tmp_path / "run" / "metrics.jsonl")))
+    assert len(diffs) == cfg.steps and max(diffs) < 1e-3, diffs
+    assert sum("eval/accuracy" in r for r in records) == 2
+
+
+def test_an_image_prompt_goes_to_a_server_with_one_placeholder_per_image_and_its_pixels(tiny_vlm, samples):
+    import base64
+    import io
+
+    from PIL import Image
+
+    model, tok = tiny_vlm
+    prompt = encode_prompts(tok, samples[:1])[0]
+    body = vision.server_prompt(prompt)
+    image_id = prompt.vision.image_token_id
+    assert body["token_ids"].count(image_id) == len(prompt.vision.images) == len(body["content_parts"])
+    assert [t for t in body["token_ids"] if t != image_id] == [t for t in prompt if t != image_id]
+    for part, image in zip(body["content_parts"], prompt.vision.images):
+        head, data = part["url"].split(",", 1)
+        assert part["type"] == "image_url" and head == "data:image/png;base64"
+        back = Image.open(io.BytesIO(base64.b64decode(data)))
+        assert back.size == image.size and back.tobytes() == image.convert(back.mode).tobytes()
 
 
 def test_a_vlm_engine_drops_its_encoder_cache_with_new_weights():

