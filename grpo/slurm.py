@@ -186,7 +186,7 @@ def server_groups(free: list[int], heads: int | None, kv_heads: int | None, tp: 
 
 
 def remote_server_layout(gpus: int, train_tasks: int, shared: bool, heads: int | None = None,
-                         kv_heads: int | None = None, tp: int = 0) -> dict[str, str]:
+                         kv_heads: int | None = None, tp: int = 0, judge_gpus: int = 0) -> dict[str, str]:
     """How slurm/train_remote.sbatch starts `grpo.serve` on a node (`python -m grpo.slurm server-layout`):
     - a server node (`shared` false): its GPUs, split into servers by `server_groups` (the model's
       heads decide the tensor-parallel size; unknown heads: powers of two, 8 GPUs one server of TP 8);
@@ -195,21 +195,33 @@ def remote_server_layout(gpus: int, train_tasks: int, shared: bool, heads: int |
       or, with none left, one server sharing cuda:0 at a fraction of its memory with the weights over
       grpo_gloo (NCCL refuses two ranks of one communicator on one GPU);
     - no GPUs: a CPU server, grpo_gloo.
+    `judge_gpus` > 0 (a judge on this node in the one-node mode, JUDGE_TP): the last free GPUs are the
+    judge's, before the servers take the rest; a judge left to vLLM's default would take cuda:0 at 90% of
+    its memory beside trainer rank 0 (REVIEW Part 5 finding 10). Too few free GPUs for it: refused.
     Keys: SERVER_GROUPS (each server's CUDA_VISIBLE_DEVICES as logical ids of the step, space-separated;
     empty: one server that leaves it alone), SERVERS_PER_NODE, SERVER_TP, SERVER_MEMORY (empty:
-    grpo.serve's default), TRANSFER (for both sides)."""
+    grpo.serve's default), TRANSFER (for both sides), JUDGE_GROUP (the judge's GPUs; empty: none
+    reserved, the judge has its node to itself or there are no GPUs)."""
     if gpus <= 0:
         return layout_keys([], 1, "", "grpo_gloo")
     free = list(range(train_tasks, gpus)) if shared else list(range(gpus))
+    judge: list[int] = []
+    if shared and judge_gpus > 0:
+        if len(free) < judge_gpus:
+            raise ConfigError(
+                f"one node of {gpus} GPU(s) with {train_tasks} trainer task(s) leaves {len(free)} GPU(s), and the judge "
+                f"needs {judge_gpus} of its own (JUDGE_TP={judge_gpus}): vLLM's default would take cuda:0 beside trainer "
+                f"rank 0. Give the judge its own node (sbatch --nodes=SERVERS+JUDGES+1), or fewer --ntasks-per-node.")
+        free, judge = free[: len(free) - judge_gpus], free[len(free) - judge_gpus :]
     if not free:
-        return layout_keys([], 1, "0.4", "grpo_gloo")
+        return layout_keys([], 1, "0.4", "grpo_gloo", judge)
     groups = server_groups(free, heads, kv_heads, tp)
-    return layout_keys(groups, len(groups[0]), "", "auto")
+    return layout_keys(groups, len(groups[0]), "", "auto", judge)
 
 
-def layout_keys(groups: list[list[int]], tp: int, memory: str, transfer: str) -> dict[str, str]:
+def layout_keys(groups: list[list[int]], tp: int, memory: str, transfer: str, judge: list[int] = ()) -> dict[str, str]:
     return {"SERVER_GROUPS": " ".join(",".join(map(str, g)) for g in groups), "SERVERS_PER_NODE": str(max(1, len(groups))),
-            "SERVER_TP": str(tp), "SERVER_MEMORY": memory, "TRANSFER": transfer}
+            "SERVER_TP": str(tp), "SERVER_MEMORY": memory, "TRANSFER": transfer, "JUDGE_GROUP": ",".join(map(str, judge))}
 
 
 def model_heads_of(model: str) -> tuple[int | None, int | None]:
@@ -300,9 +312,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", help="the served model, whose heads decide each server's tensor-parallel size: an HF "
                    "folder, a hub id, tiny, or a config as JSON with num_attention_heads and num_key_value_heads")
     p.add_argument("--tp", type=int, default=0, help="> 0: servers of this many GPUs (SERVER_TP_OVERRIDE)")
+    p.add_argument("--judge-gpus", type=int, default=0, help="> 0: a judge shares this node and needs this many GPUs "
+                   "of its own (JUDGE_TP), taken before the servers'")
     args = p.parse_args(argv)
     gpus, shared = int(args.gpus or 0), args.shared == "1"
-    free = gpus - args.train_tasks if shared else gpus
+    free = (gpus - args.train_tasks - args.judge_gpus) if shared else gpus
     heads = kv_heads = None
     if free > 1 and args.model:  # the heads decide only where a server could span several GPUs
         heads, kv_heads = model_heads_of(args.model)
@@ -310,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"grpo.slurm server-layout: the heads of {args.model} are unknown here (no config.json): servers of a "
                   f"power of two GPUs. If vLLM refuses that size, set SERVER_TP_OVERRIDE.", file=sys.stderr)
     try:
-        layout = remote_server_layout(gpus, args.train_tasks, shared, heads, kv_heads, args.tp)
+        layout = remote_server_layout(gpus, args.train_tasks, shared, heads, kv_heads, args.tp, args.judge_gpus)
     except (ConfigError, DeviceError) as e:
         raise SystemExit(f"error: {e}") from None
     print("\n".join(f"{k}={shlex.quote(v)}" for k, v in layout.items()))

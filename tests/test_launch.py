@@ -289,6 +289,25 @@ def test_a_server_node_is_split_into_servers_the_models_heads_allow():
     assert remote_server_layout(0, 1, True)["TRANSFER"] == "grpo_gloo"
 
 
+def test_a_judge_on_the_one_node_gets_gpus_no_trainer_or_server_uses():
+    """REVIEW Part 5 finding 10: the sbatch started the judge with no device restriction, so vLLM took
+    cuda:0 at 90% of its memory beside trainer rank 0. Its GPUs are now planned with the servers' (the
+    last free ones), or the layout is refused with what to change."""
+    from grpo.slurm import remote_server_layout
+
+    layout = remote_server_layout(4, 1, True, *QWEN25_7B, judge_gpus=1)
+    assert layout["JUDGE_GROUP"] == "3" and layout["SERVER_GROUPS"] == "1,2"
+    layout = remote_server_layout(8, 2, True, *LLAMA3_8B, judge_gpus=2)
+    assert layout["JUDGE_GROUP"] == "6,7" and layout["SERVER_GROUPS"] == "2,3,4,5"
+    # one GPU left for the judge: the server shares cuda:0 with the trainer, as with no free GPU
+    layout = remote_server_layout(2, 1, True, *QWEN25_7B, judge_gpus=1)
+    assert (layout["JUDGE_GROUP"], layout["SERVER_GROUPS"], layout["TRANSFER"]) == ("1", "", "grpo_gloo")
+    with pytest.raises(ConfigError, match=r"leaves 0 GPU\(s\), and the judge needs 1 of its own .* its own node"):
+        remote_server_layout(1, 1, True, *QWEN25_7B, judge_gpus=1)
+    # a server node (the judge on a node of its own): nothing reserved
+    assert remote_server_layout(8, 8, False, *QWEN25_7B, judge_gpus=0)["JUDGE_GROUP"] == ""
+
+
 def test_the_server_layout_reads_the_models_heads_from_its_folder_or_a_config(tmp_path):
     """`--model` is what the sbatch serves (MODEL): an HF folder's config.json, or a config given as JSON;
     the shell assignments are quoted for `eval`."""
@@ -306,7 +325,7 @@ def test_the_server_layout_reads_the_models_heads_from_its_folder_or_a_config(tm
     assert code == 0 and stdout.split("\n")[:3] == ["SERVER_GROUPS='0,1,2,3 4,5,6,7'", "SERVERS_PER_NODE=2", "SERVER_TP=4"], stderr
     code, stdout, _ = layout("8", "1", "1", "--model", json.dumps({"num_attention_heads": 32, "num_key_value_heads": 8}))
     assert stdout.splitlines() == ["SERVER_GROUPS='1 2 3 4 5 6 7'", "SERVERS_PER_NODE=7", "SERVER_TP=1", "SERVER_MEMORY=''",
-                              "TRANSFER=auto"]
+                              "TRANSFER=auto", "JUDGE_GROUP=''"]
     code, _, stderr = layout("8", "8", "0", "--model", str(folder), "--tp", "8")
     assert code != 0 and "error: SERVER_TP_OVERRIDE=8" in stderr
 
@@ -329,11 +348,15 @@ elif "--job-name=grpo-serve" in args:  # each node's servers write their URLs, a
     for node in range(nodes):
         for i, _ in enumerate(groups):
             open(os.path.join(url_dir, f"node{node}-{8000 + i}.url"), "w").write(f"http://node{node}:{8000 + i}\\n")
+elif "--job-name=grpo-judge" in args:
+    url_dir = args[args.index("--url-dir") + 1]
+    os.makedirs(url_dir, exist_ok=True)
+    open(os.path.join(url_dir, "judge.url"), "w").write("http://judge:9000\\n")
 """,
 }
 
 
-@pytest.mark.parametrize("case", ["gpu-nodes", "cpu-one-node"])
+@pytest.mark.parametrize("case", ["gpu-nodes", "cpu-one-node", "gpu-one-node-judge"])
 def test_train_remote_sbatch_starts_every_server_of_the_layout_and_trains_against_them(tmp_path, case):
     """The sbatch's own lines, run by bash with SLURM's commands faked (the real cluster runs it in the
     `slurm` tier): it passes MODEL to the layout, starts each server node's servers on their GPUs
@@ -354,6 +377,9 @@ def test_train_remote_sbatch_starts_every_server_of_the_layout_and_trains_agains
     if case == "gpu-nodes":
         env.update(FAKE_NODES="n1 n2 n3", SERVERS="2", MODEL=str(model), SLURM_GPUS_ON_NODE="8", SLURM_CPUS_PER_TASK="8",
                    SLURM_NTASKS_PER_NODE="8")
+    elif case == "gpu-one-node-judge":
+        env.update(FAKE_NODES="n1", MODEL=str(model), SLURM_GPUS_ON_NODE="4", SLURM_CPUS_PER_TASK="8",
+                   SLURM_NTASKS_PER_NODE="1", JUDGES="1", JUDGE_MODEL="judge-folder")
     else:
         env.update(FAKE_NODES="n1", SLURM_NTASKS_PER_NODE="1")
         for key in ("SERVERS", "MODEL", "SLURM_GPUS_ON_NODE", "SLURM_CPUS_PER_TASK"):
@@ -373,6 +399,10 @@ def test_train_remote_sbatch_starts_every_server_of_the_layout_and_trains_agains
         assert serve_args[serve_args.index("--weight-transfer") + 1] == "auto"
         assert sorted(urls) == ["http://node0:8000", "http://node0:8001", "http://node1:8000", "http://node1:8001"]
         assert "--nodes=1" in train and "--nodelist=n3" in train and f"model.path={model}" in train
+    elif case == "gpu-one-node-judge":  # the trainer on cuda:0, the servers on 1 and 2, the judge on 3 alone
+        judge = next(s for s in steps if "--job-name=grpo-judge" in s)
+        assert serve[serve.index("--groups") + 1] == "1,2" and judge[judge.index("--groups") + 1] == "3"
+        assert "grpo.slurm" in judge and "reward.judge.urls=[http://judge:9000]" in train
     else:
         assert serve[serve.index("--groups") + 1] == "" and serve_args[serve_args.index("--model") + 1] == "tiny"
         assert serve_args[serve_args.index("--weight-transfer") + 1] == "grpo_gloo"
