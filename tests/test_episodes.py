@@ -190,6 +190,37 @@ def test_an_env_that_hangs_or_raises_ends_its_episode_as_error_within_its_timeou
     assert sum("'test-env'" in m and "error" in m for m in messages) == 2, messages
 
 
+class WrongTypes(GuessEnv):
+    """The guess game answering by secret: 1 an int observation, 2 a dict, 3 None (allowed: nothing
+    shown), 4 a bare string instead of a Step; 5 opens its episode with an int at reset."""
+
+    def reset(self, sample, seed):
+        text = super().reset(sample, seed)
+        return 7 if self.secret == 5 else text
+
+    def step(self, action):
+        bad = {1: Step(42, 0.0, False), 2: Step({"board": "<"}, 0.0, False), 3: Step(None, 0.0, False), 4: "<"}
+        return bad.get(self.secret) or super().step(action)
+
+
+def test_an_env_answering_with_a_non_string_ends_its_episode_as_a_counted_error_naming_what_to_return(tiny_lm):
+    """An observation that is not text (an int, a dict, at reset or in a Step) or a step that returns no
+    Step ends that episode as "error" with a warning naming the environment and what it must return;
+    the other episodes are whole, and None stays an empty observation. Never a TypeError deep in the
+    tokenizer that ends the run."""
+    _, tok = tiny_lm
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = runner(tok, make_env=WrongTypes, max_turns=2).run(Scripted(tok, binary_search_policy(tok)),
+                                                                prompts_of(tok, GUESS[:6]), GUESS[:6], 1, Sampling(3))
+    assert [e.finish for e in out.episodes] == ["error", "error", "turns", "error", "error", "turns"]
+    assert all(out.episodes[i].env_reward is None for i in (0, 1, 3, 4))
+    assert "int" in out.episodes[0].error and "dict" in out.episodes[1].error and "str" in out.episodes[3].error
+    messages = [str(w.message) for w in caught if "'test-env'" in str(w.message)]
+    assert len(messages) == 4 and all("str or None" in m or "a Step" in m for m in messages), messages
+    assert "reset failed" in messages[0] and "int" in messages[0]  # the resets come before any turn
+
+
 def test_lockstep_keeps_calling_generate_while_another_rank_is_active(tiny_lm):
     """This rank's episodes end at turn 1; another rank's go on to turn 4: this rank joins every turn."""
     _, tok = tiny_lm

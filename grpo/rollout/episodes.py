@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Optional
 
 from grpo.envs.base import Step
 from grpo.errors import ConfigError
 from grpo.rollout.base import Rollouts, Sampling
+from grpo.rollout.servers import DaemonWorker
 from grpo.timeouts import call_with_timeout
 
 FINISH = ("stop", "length", "turns", "error")
@@ -144,18 +145,19 @@ class EnvCalls:
     most one would run at once. A call under `env.step_timeout_s` (reset, step) runs the
     environment's code on a daemon thread of its own (`call_with_timeout`), not on the pool's worker:
     its timeout counts from its start, not from its submission, and a hung call is abandoned without
-    holding a worker (the pool's workers are joined when it shuts down, and at exit)."""
+    holding a worker. The workers are daemon threads (`DaemonWorker`): a stopped run's exit never
+    waits for an environment call in flight, as it would for a ThreadPoolExecutor's."""
 
     def __init__(self, max_concurrency: int, calls: int):
         workers = min(max_concurrency, calls)
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="grpo-env") if workers > 1 else None
+        self.pool = DaemonWorker("grpo-env", workers) if workers > 1 else None
 
     def __enter__(self) -> "EnvCalls":
         return self
 
     def __exit__(self, *exc) -> None:
         if self.pool is not None:
-            self.pool.shutdown(wait=True)  # every call has returned or been abandoned by its timeout
+            self.pool.shutdown(wait=True)  # `map` has returned: every call has returned or been abandoned by its timeout
 
     def map(self, fn: Callable, items: list) -> Iterable:
         """fn(item) for each item, in the items' order. Serially a generator: each call runs as its
@@ -260,8 +262,11 @@ class EpisodeRunner:
 
     def env_reset(self, t: Trajectory, seed: Optional[int]) -> tuple[Optional[str], Optional[str]]:
         """(the opening text, None) or (None, what went wrong): on an `EnvCalls` thread."""
-        return call_with_timeout(lambda: t.env.reset(t.sample, reset_seed(seed, t.index)), self.step_timeout_s,
-                                 "env.step_timeout_s", reraise=(ConfigError,))
+        text, error = call_with_timeout(lambda: t.env.reset(t.sample, reset_seed(seed, t.index)), self.step_timeout_s,
+                                        "env.step_timeout_s", reraise=(ConfigError,))
+        if error is None and not isinstance(text, (str, type(None))):
+            return None, f"reset returned {describe(text)}; it must return the opening text, a str or None"
+        return text, error
 
     def env_step(self, stepped: tuple[Trajectory, str]) -> tuple[Optional[Step], Optional[str], float]:
         """(the Step, None, seconds) or (None, what went wrong, seconds): on an `EnvCalls` thread."""
@@ -269,7 +274,9 @@ class EpisodeRunner:
         t0 = time.perf_counter()
         step, error = call_with_timeout(lambda: t.env.step(text), self.step_timeout_s, "env.step_timeout_s",
                                         reraise=(ConfigError,))
-        return step, error, time.perf_counter() - t0
+        if error is None:
+            error = step_error(step)
+        return (None if error else step), error, time.perf_counter() - t0
 
     @staticmethod
     def env_close(t: Trajectory) -> Optional[str]:
@@ -314,8 +321,6 @@ class EpisodeRunner:
         """Applies what the environment answered to the turn `take_turn` added."""
         ep = t.episode
         ep.env_s += seconds
-        if error is None and step is None:
-            error = "step returned None, not a Step"
         if error:
             self.fail(t, error, "step")
             return
@@ -358,6 +363,20 @@ class EpisodeRunner:
             episodes=[t.episode for t in trajectories], token_turns=[t.turns for t in trajectories],
             token_versions=[t.versions for t in trajectories],
         )
+
+
+def describe(value) -> str:
+    return f"a {type(value).__name__} ({str(value)[:40]!r})"
+
+
+def step_error(step) -> Optional[str]:
+    """What is wrong with what an environment's step returned, None if nothing: an observation that is
+    not text would otherwise fail deep in the tokenizer and end the run, not the episode."""
+    if not isinstance(step, Step):
+        return f"step returned {describe(step)}, not a Step(observation=str | None, reward, done, info)"
+    if not isinstance(step.observation, (str, type(None))):
+        return f"step returned Step.observation={describe(step.observation)}; it must be a str or None"
+    return None
 
 
 def episode_span(env, max_new_tokens: int) -> int:
