@@ -6,6 +6,7 @@ from grpo.rollout import Sampling
 from grpo.rollout.hf import HFBackend
 from grpo.batch import collate
 from grpo.update import score_tokens
+from grpo.verify import TOLERANCES
 
 
 def test_generate_contract_and_logprob_parity(tiny_lm):
@@ -65,13 +66,21 @@ def test_bf16_generates_under_the_trainers_autocast(tiny_lm):
 
     model, tok = tiny_lm
     prompts = [tok("12+34=").input_ids, tok("7+8=").input_ids]
-    out = HFBackend(None, model, tok, dtype="bfloat16").generate(prompts, 4, Sampling(max_new_tokens=5, temperature=1.0))
+    head_dtypes = set()  # what the LM head computed in while the sampler ran: the autocast's bf16, not fp32
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, out: head_dtypes.add(out.dtype))
+    try:
+        out = HFBackend(None, model, tok, dtype="bfloat16").generate(prompts, 4, Sampling(max_new_tokens=5, temperature=1.0))
+    finally:
+        hook.remove()
+    assert head_dtypes == {torch.bfloat16}
+    # Parity within what bf16 rounding gives (grpo.verify's bound), not a kernel set's own agreement: the
+    # KV-cache decode and the trainer's full forward take other bf16 kernels, equal to 5e-7 under AVX-512
+    # and 2.1e-3 apart under ATEN_CPU_CAPABILITY=avx2 (where fp32 scoring is 3.6e-3 away: too close to
+    # tell apart by value, hence the dtype check above).
     batch = collate([p for p in prompts for _ in range(4)], out, torch.zeros(8), tok.pad_token_id, False)
     bf16_BT = score_tokens(Autocast(model, torch.bfloat16), batch, temperature=1.0, max_tokens=10_000)
-    fp32_BT = score_tokens(model, batch, temperature=1.0, max_tokens=10_000)
     mask = batch.mask_BT.bool()
-    assert (bf16_BT - batch.sampler_logprobs_BT)[mask].abs().max() < 1e-4
-    assert (fp32_BT - batch.sampler_logprobs_BT)[mask].abs().max() > 1e-3  # the check can tell them apart
+    assert (bf16_BT - batch.sampler_logprobs_BT)[mask].abs().max() < TOLERANCES["bfloat16"][0]
 
 
 def test_update_weights_sets_version_without_touching_buckets(tiny_lm):
