@@ -533,3 +533,51 @@ def test_an_aborted_nccl_send_keeps_its_tensors_and_ends_the_broadcast(monkeypat
     sender.close()
     sender.abort()
     assert log.count(("destroy",)) == 1  # destroyed once
+
+
+def test_an_abort_mid_bucket_destroys_the_group_only_after_the_enqueue_loop_stopped(monkeypatch):
+    """REVIEW Part 5 (GPU-only notes): abort() ran ncclCommAbort from the caller's thread while the
+    transfer thread could still be inside its per-tensor broadcast loop, so a broadcast could be enqueued
+    on an aborted or freed communicator. Now the loop holds a lock and checks for an abort before each
+    tensor; the destroy waits for it. Fakes for CUDA's stream and event as in the test above; the
+    sender's ordering is real."""
+    import threading
+
+    import torch
+
+    from grpo.rollout.nccl_transfer import NcclSender
+
+    log, inside, release = [], threading.Event(), threading.Event()
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class Comm:
+        def broadcast(self, tensor, src, stream=None):
+            log.append(("broadcast", tensor.numel()))
+            inside.set()
+            release.wait(10)  # the first tensor's enqueue is slow: abort() lands in the middle of the bucket
+
+        def destroy(self):
+            log.append(("destroy",))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    sender = NcclSender("127.0.0.1", 1, 2, timeout_s=60)
+    sender.comm, sender.stream = Comm(), Stream()
+    failed = []
+    sending = threading.Thread(target=lambda: failed.append(pytest.raises(RuntimeError, sender.send,
+                                                                          [torch.zeros(3), torch.ones(2)])), daemon=True)
+    sending.start()
+    assert inside.wait(10)
+    aborting = threading.Thread(target=sender.abort, daemon=True)
+    aborting.start()
+    aborting.join(0.5)
+    assert log == [("broadcast", 3)]  # not destroyed under the loop
+    release.set()
+    sending.join(10)
+    aborting.join(10)
+    assert failed and "was aborted" in str(failed[0].value)
+    assert log == [("broadcast", 3), ("destroy",)]  # the second tensor never went; then the group was destroyed

@@ -11,6 +11,8 @@ the CPU tests run. Written against vLLM 0.33.0's source; not yet run on a GPU (d
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -40,6 +42,9 @@ class NcclSender:
         # the current device would be cuda:0 (REVIEW L1)
         self.device = torch.cuda.current_device() if torch.cuda.is_available() else None
         self.stream = None  # one per sender, so several servers' broadcasts do not queue on one stream (L2)
+        # held while broadcasts are enqueued: abort() (another thread) destroys the communicator only
+        # between two enqueue loops, never under one (REVIEW Part 5, GPU-only notes)
+        self.lock = threading.Lock()
 
     def init_info(self) -> dict:
         """vLLM's NCCLWeightTransferInitInfo, field for field (it rejects unknown keys)."""
@@ -64,19 +69,29 @@ class NcclSender:
         (`record_stream`): it was allocated on the caller's stream, and without the record the caching
         allocator would hand its memory out again as soon as the caller drops it (after an abort, or
         once this returns) while NCCL may still read it."""
-        comm = self.comm
-        if comm is None or self.aborted:
-            raise RuntimeError("the NCCL weight-transfer group was aborted (a server refused an update); "
-                               "no broadcast can go through it")
         with torch.cuda.device(self.device):
             self.stream.wait_stream(torch.cuda.current_stream())  # the tensors are ready before they go
-            for t in tensors:
+
+            def broadcast(comm, t):
                 t.record_stream(self.stream)
                 comm.broadcast(t, src=0, stream=self.stream)
+
+            self.enqueue(tensors, broadcast)
             done = torch.cuda.Event()
             done.record(self.stream)
         # the caller may change the parameters once this returns; bounded, and ended by abort()
         wait_until_done(done.query, self.timeout_s, lambda: self.aborted)
+
+    def enqueue(self, tensors: list[torch.Tensor], broadcast) -> None:
+        """`broadcast(comm, t)` for each tensor, under the lock, checking for an abort before each: an
+        abort that lands mid-bucket stops the loop, and the communicator is destroyed after it, so no
+        broadcast is enqueued on an aborted or freed communicator."""
+        with self.lock:
+            for t in tensors:
+                if self.comm is None or self.aborted:
+                    raise RuntimeError("the NCCL weight-transfer group was aborted (a server refused an update); "
+                                       "no broadcast can go through it")
+                broadcast(self.comm, t)
 
     def abort(self) -> None:
         """The server refused its half: stop waiting for the broadcast and destroy the communicator.
@@ -84,10 +99,11 @@ class NcclSender:
         its receives); vLLM's `PyNcclCommunicator.destroy` (ncclCommAbort on a thread, joined for 5 s:
         vllm/distributed/device_communicators/pynccl.py, the same in 0.32 and 0.33) ends them, so the
         stream moves on and the tensors recorded on it are freed."""
-        self.aborted = True
+        self.aborted = True  # read by the enqueue loop between two broadcasts, and by wait_until_done
         self.close()
 
     def close(self) -> None:
-        comm, self.comm = self.comm, None
+        with self.lock:  # after the enqueue loop in flight, if any, has stopped
+            comm, self.comm = self.comm, None
         if comm is not None:
             comm.destroy()
