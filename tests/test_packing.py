@@ -467,3 +467,34 @@ def test_shared_prompts_in_bf16_round_as_the_padded_layout_does(tiny_lm, ran):
     assert_ran(ran, "shared")
     assert err["padded"].max() > 0  # bf16 really ran
     assert err["shared"].max() <= 2 * err["padded"].max() + 0.0625 and err["shared"].mean() <= 2 * err["padded"].mean() + 1e-3
+
+
+def test_the_packing_probe_bound_follows_the_compute_dtype(tiny_lm):
+    """REVIEW Part 5 (GPU-only notes): the probe accepted a packed row only within 1e-2 of each
+    position's size, which bf16 kernels of different kinds (a mask against none) can exceed on deep
+    models, refusing the CUDA default layout. The bound is now the compute dtype's (0.1 in bf16/fp16):
+    still far below what attending across the sequences gives (about the state's own size), which the
+    probe refuses in fp32 and bf16 alike."""
+    from grpo.model_support import PROBE_TOLERANCE, close, compute_dtype, probe_packs
+    from grpo.parallel.single import Autocast
+
+    base, _ = tiny_lm
+    as_bf16 = copy.deepcopy(base).to(torch.bfloat16)
+    assert (compute_dtype(base), compute_dtype(Autocast(base, torch.bfloat16)), compute_dtype(as_bf16)) == \
+        (torch.float32, torch.bfloat16, torch.bfloat16)
+    a = torch.ones(2, 8)
+    assert close(1.03 * a, a, PROBE_TOLERANCE[torch.bfloat16]) and not close(1.03 * a, a, PROBE_TOLERANCE[torch.float32])
+
+    class Across(torch.nn.Module):
+        """A model that attends across a packed row's sequences: the restart of positions is ignored."""
+
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, position_ids, **kw):
+            return self.model(input_ids=input_ids, position_ids=torch.arange(input_ids.shape[1])[None], **kw)
+
+    assert probe_packs(copy.deepcopy(base)) and probe_packs(Autocast(copy.deepcopy(base), torch.bfloat16))
+    assert probe_packs(as_bf16)
+    assert not probe_packs(Across(copy.deepcopy(base))) and not probe_packs(Across(as_bf16))
