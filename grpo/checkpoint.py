@@ -1,4 +1,5 @@
-"""Save and resume everything a run needs: weights, optimizer, scheduler, step, data position, RNG.
+"""Save and resume everything a run needs: weights, optimizer, scheduler, step, data position, RNG,
+the rewards' running statistics.
 
 A checkpoint is written into a temporary folder, fsynced, renamed into place, and only then named in
 `checkpoints/latest` (itself replaced atomically). A kill at any moment leaves `latest` pointing at
@@ -132,6 +133,19 @@ def set_aside_checkpoints(run_dir: str) -> str | None:
     for name in present:
         os.rename(os.path.join(run_dir, name), os.path.join(aside, name))
     return aside
+
+
+def reward_states(reward_fns) -> dict:
+    """The state of each reward that keeps one (a reward model's running score statistics), by name: a
+    rank's own, in its own state file, since each rank normalises its own share of the batches."""
+    return {name: fn.state_dict() for name, fn, _ in reward_fns if hasattr(fn, "state_dict")}
+
+
+def load_reward_states(reward_fns, states: dict) -> None:
+    """Restore `reward_states`' output (an older checkpoint has none: the statistics start afresh)."""
+    for name, fn, _ in reward_fns:
+        if name in states:
+            fn.load_state_dict(states[name])
 
 
 def load_checkpoint(path: str, strategy) -> dict:

@@ -56,8 +56,8 @@ def evaluate(rollout, tokenizer, task, cfg, info: DistInfo, episodes=None, rewar
     """Greedy accuracy (and pass@k when `eval_samples` > 1) on the held-out split; each rank takes a share.
     With an environment (`episodes`: grpo.rollout.episodes.EpisodeRunner) each prompt is played as an
     episode, through the same driver as training, and its final turn is judged. Each model reward
-    among `reward_fns` (a reward model, a judge) scores the greedy completions too, and its agreement
-    with the task's rule is logged (`agreement`)."""
+    among `reward_fns` (a reward model, a judge) scores the greedy completions too, its running
+    statistics left as they are, and its agreement with the task's rule is logged (`agreement`)."""
     samples = task.eval[info.rank :: info.world_size]
     prompt_ids = encode_prompts(tokenizer, samples, task.chat_template, task.system_prompt)
 
@@ -86,7 +86,9 @@ def evaluate(rollout, tokenizer, task, cfg, info: DistInfo, episodes=None, rewar
     metrics.update({f"eval/pass@{k}": v / total[1] for k, v in zip(ks, total[3:])})
     for name, fn, _ in reward_fns:
         if name in MODEL_REWARDS:
-            values, _ = score([(name, fn, 1.0)], greedy, samples, cfg.reward.timeout_s)
+            # a reward model's running normalisation learns from training batches only
+            scorer = getattr(fn, "score_only", fn)
+            values, _ = score([(name, scorer, 1.0)], greedy, samples, cfg.reward.timeout_s)
             pairs = [p for rank_pairs in all_gather(list(zip(values[0], solved))) for p in rank_pairs]
             metrics.update(agreement(name, [v for v, _ in pairs], [ok for _, ok in pairs]))
     return metrics

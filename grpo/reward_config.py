@@ -38,6 +38,9 @@ class RewardModelConfig:
     path: Optional[str] = None  # a local HF folder, a hub id, or tiny_rm (built in code for task=addition)
     max_tokens: int = 8192  # padded tokens per forward (rows x the longest); a longer text goes alone
     dtype: Optional[str] = None  # float32 | bfloat16; null: the trainer's (model.dtype)
+    # in process: a batch's bound, per 1000 of its tokens, checked between forwards (the texts left score
+    # None); null: none (a forward that hangs on the device is not recoverable anyway). Not reward.timeout_s
+    timeout_s_per_1k_tokens: Optional[float] = None
     normalise: str = "none"  # none | running (mean and std of every score so far) | fixed: (score - offset) / scale
     offset: float = 0.0
     scale: float = 1.0
@@ -46,7 +49,7 @@ class RewardModelConfig:
     urls: list[str] = field(default_factory=list)  # e.g. [http://node7:8001]
     token_file: Optional[str] = None  # the servers' token (chmod 600); default $GRPO_SERVE_TOKEN, as rollout.remote
     health_timeout_s: float = 300.0  # at build: wait this long for every server's /health
-    request_timeout_s: float = 20.0  # one server's share of a batch; past it, that share scores None (< reward.timeout_s)
+    request_timeout_s: float = 20.0  # one server's share of a batch; past it, that share scores None
     tiny: TinyRewardModelConfig = field(default_factory=TinyRewardModelConfig)
 
 
@@ -69,7 +72,7 @@ class JudgeConfig:
     choices: dict[str, float] = field(default_factory=lambda: {"yes": 1.0, "no": 0.0})  # answer token -> score
     rating: Optional[list[int]] = None  # [low, high]: the numbers low..high as the choices, each its own value (not `choices`)
     pattern: str = r"(-?\d+(?:\.\d+)?)"  # score=pattern: its first group, a choice's name or a number
-    max_tokens: int = 1  # the judge's answer length (score=pattern needs room for its words)
+    max_tokens: Optional[int] = None  # the judge's answer length; null: 1 under logprobs, 16 under pattern
     top_logprobs: int = 20  # score=logprobs: tokens read at the first position (vLLM's default cap is 20)
     max_concurrency: int = 16  # requests in flight, over every server
     request_timeout_s: float = 60.0
@@ -82,6 +85,6 @@ class JudgeConfig:
 @dataclass
 class RewardConfig:
     funcs: list[RewardFuncConfig] = field(default_factory=list)
-    timeout_s: float = 30.0  # a function that raises or hangs past this is retried per completion
+    timeout_s: float = 30.0  # a rule function that raises or hangs past this is retried per completion (not rm, judge)
     rm: RewardModelConfig = field(default_factory=RewardModelConfig)  # the settings of reward `rm`
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # the settings of reward `judge`

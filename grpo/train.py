@@ -58,7 +58,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from grpo.algorithm import batches_to_submit, combine_rewards, staleness, token_staleness, zero_std_groups
-from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_aside_checkpoints
+from grpo.checkpoint import (latest_checkpoint, load_checkpoint, load_reward_states, reward_states, save_checkpoint,
+                             set_aside_checkpoints)
 from grpo.cli import exit_on_user_error
 from grpo.config import register_configs, validate
 from grpo.cpus import configure_threads, machine_info
@@ -261,7 +262,8 @@ class Run:
     def checkpoint(self, step: int) -> None:
         # the sampler as of the batches trained: batches still in flight are drawn again on resume
         drawn = self.in_flight[0].sampler_state if self.in_flight else self.sampler.state_dict()
-        save_checkpoint(self.run_dir, step, self.strategy, {"sampler": drawn, "eval_before": self.eval_before},
+        save_checkpoint(self.run_dir, step, self.strategy, {"sampler": drawn, "eval_before": self.eval_before,
+                                                            "rewards": reward_states(self.reward_fns)},
                         self.cfg.keep_checkpoints)
 
 
@@ -298,6 +300,7 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
         state = load_checkpoint(r.checkpoint_path, strategy)
         r.start, r.eval_before = state["step"], state["eval_before"]
         r.sampler.load_state_dict(state["sampler"])
+        load_reward_states(r.reward_fns, state.get("rewards", {}))
     r.submitted = r.start
     # The engines serve exactly the trainer's weights from the first batch (and the first evaluation)
     # on: a server started on another folder, or left with an earlier run's weights, sampled step 1

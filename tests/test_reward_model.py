@@ -1,14 +1,21 @@
 """reward=rm: score normalisation against numbers worked by hand, batching by tokens, the tiny reward
 model telling correct sums from wrong ones, and a short run on its score alone."""
 
+import copy
 import json
 import math
 import os
+import threading
+import time
 
 import pytest
 import torch
 
-from grpo.rewards.reward_model import RewardModel, ScoreNormaliser, token_batches
+import grpo.train
+from grpo.errors import ConfigError
+from grpo.parallel import sequence
+from grpo.rewards import score
+from grpo.rewards.reward_model import RewardModel, ScoreNormaliser, load_reward_model, token_batches
 from grpo.tasks import Sample
 from tests.conftest import compose_cfg
 
@@ -78,8 +85,10 @@ def test_the_reward_reads_prompt_and_completion(random_rm):
         (["reward=rm", "reward.rm.path=tiny_rm", "reward.rm.max_tokens=0"], "reward.rm.max_tokens=0 must be >= 1"),
         (["reward=rm", "reward.rm.path=tiny_rm", "reward.rm.urls=[node7:8001]"], "reward.rm.urls: 'node7:8001' is not http(s)://host:port"),
         (["reward=rm", "reward.rm.path=tiny_rm", "reward.rm.urls=[http://node7]"], "reward.rm.urls: 'http://node7' is not"),
-        (["reward=rm", "reward.rm.path=tiny_rm", "reward.rm.urls=[http://node7:8001]", "reward.rm.request_timeout_s=30"],
-         "reward.rm.request_timeout_s=30.0 must be > 0 and below reward.timeout_s=30.0"),
+        (["reward=rm", "reward.rm.path=tiny_rm", "reward.rm.urls=[http://node7:8001]", "reward.rm.request_timeout_s=0"],
+         "reward.rm.request_timeout_s=0.0 must be > 0"),
+        (["reward=rm", "reward.rm.path=tiny_rm", "reward.rm.timeout_s_per_1k_tokens=0"],
+         "reward.rm.timeout_s_per_1k_tokens=0.0 must be > 0, or null"),
         (["reward=rm", "reward.rm.path=tiny_rm", "reward.rm.urls=[http://node7:8001]", "reward.rm.token_file=/no/such/token"],
          "reward.rm.token_file: token file /no/such/token cannot be read"),
     ],
@@ -154,3 +163,126 @@ def test_the_full_tiny_rm_and_the_learning_bar(tmp_path, cache_dir, learning_pol
     summary = json.load(open(tmp_path / "summary.json"))
     print(summary, info)
     assert summary["eval_after"] - summary["eval_before"] >= 0.20
+
+
+def sums(n: int) -> tuple[list[str], list[Sample]]:
+    """n completions of distinct sums and their samples."""
+    return [f"{i:03d}" for i in range(n)], [Sample(prompt=f"{i}+0=", answer=f"{i:03d}") for i in range(n)]
+
+
+def test_a_slow_reward_model_runs_in_the_callers_thread_and_counts_each_score_once(random_rm):
+    """A forward slower than reward.timeout_s: the model is not abandoned on a thread and retried one
+    completion at a time (orphans kept running on the device, the running statistics counted twice);
+    score() returns with no thread left behind, every completion scored once."""
+    model, tok = random_rm
+    rm = RewardModel(model, tok, max_tokens=4096, normaliser=ScoreNormaliser("running"))
+    completions, samples = sums(4)
+    hook = model.register_forward_hook(lambda *_: time.sleep(1.0))  # one forward for the batch (cap 4096)
+    before = set(threading.enumerate())
+    try:
+        rewards, _ = score([("rm", rm, 1.0)], completions, samples, timeout_s=0.1)
+        left = [t for t in threading.enumerate() if t not in before]
+    finally:
+        hook.remove()
+    assert left == []
+    assert rm.normaliser.count == 4 and None not in rewards[0]
+
+
+def test_a_reward_model_past_its_token_budget_scores_the_rest_none_and_says_so(random_rm):
+    """reward.rm.timeout_s_per_1k_tokens bounds a batch by its tokens, checked between forwards in the
+    caller's thread: with a budget of ~0 the first forward (one text each at cap 1) runs, the other
+    three texts score None with a warning, counted, and stay out of the running statistics."""
+    model, tok = random_rm
+    rm = RewardModel(model, tok, max_tokens=1, normaliser=ScoreNormaliser("running"), timeout_s_per_1k_tokens=1e-9)
+    completions, samples = sums(4)
+    with pytest.warns(UserWarning, match="3 of 4 texts were not scored within reward.rm.timeout_s_per_1k_tokens"):
+        values = rm(completions, samples)
+    assert sum(v is None for v in values) == 3 and rm.stats["over_budget"] == 3 and rm.normaliser.count == 1
+
+
+def test_a_text_longer_than_the_reward_models_context_scores_none_with_a_warning(random_rm):
+    """random_rm holds 256 positions (char tokenizer: a token per character): a 300-character text is
+    not fed past them (an out-of-range index on learned positions, extrapolated scores on RoPE)."""
+    model, tok = random_rm
+    rm = RewardModel(model, tok, max_tokens=4096)
+    with pytest.warns(UserWarning, match="1 texts are longer than the reward model's context \\(256 tokens\\)"):
+        values = rm(["1" * 300, "052"], [Sample(prompt="07+45=", answer="052")] * 2)
+    assert rm.stats["too_long"] == 1
+    assert values[0] is None and values[1] == pytest.approx(rm.scores(["07+45=052"])[0])
+
+
+def test_a_folder_without_a_one_label_score_head_is_refused_at_load(random_rm, tmp_path):
+    """Two labels, or a folder with no score head at all (a policy's: its head would start at random and
+    score noise), is refused with what to give instead."""
+    from transformers import Qwen2ForCausalLM, Qwen2ForSequenceClassification
+
+    model, tok = random_rm
+    config = copy.deepcopy(model.config)
+    config.num_labels = 2
+    two = Qwen2ForSequenceClassification(config)
+    policy = Qwen2ForCausalLM(model.config)  # num_labels=1 in its config, no score weights
+    for name, m in (("two", two), ("policy", policy)):
+        m.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    with pytest.raises(ConfigError, match="num_labels=2.*save it with num_labels=1"):
+        load_reward_model(str(tmp_path / "two"), "float32")
+    with pytest.raises(ConfigError, match="has no trained score head.*score.weight"):
+        load_reward_model(str(tmp_path / "policy"), "float32")
+
+
+def test_an_attention_call_from_another_thread_is_not_routed_into_an_active_split(random_rm):
+    """While the trainer's thread runs a split micro-batch, a forward from any other thread (an
+    abandoned reward model's) takes the model's own attention: the split's all-to-alls are the group's
+    and must not be entered from elsewhere. The split's attention here returns zeros, so the owner's
+    own forward, routed into it, scores differently (the precondition)."""
+    model, tok = random_rm
+    rm = RewardModel(model, tok, max_tokens=4096)
+    texts = ["07+45=052", "1+1=2"]
+    alone = rm.scores(texts)
+
+    class ZeroSplit:  # what the split's attention returns: zeros, [rows, columns, heads, head dim]
+        def ulysses(self, rows):
+            return lambda module, query, *_, **__: (torch.zeros_like(query).transpose(1, 2), None)
+
+    sequence.install()
+    other: list = []
+    with sequence.active(ZeroSplit(), None):
+        owner = rm.scores(texts)
+        thread = threading.Thread(target=lambda: other.append(rm.scores(texts)))
+        thread.start()
+        thread.join()
+    assert owner != pytest.approx(alone, abs=1e-4)  # precondition: the owner's call went into the split
+    assert other == [pytest.approx(alone, abs=1e-6)]
+
+
+def test_a_backward_is_seen_as_one_wherever_it_runs():
+    """The split's own backward (on CUDA: autograd's device threads) still routes into it: the graph
+    task that `in_backward` reads is torch's, and an upgrade that moves it fails here."""
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: seen.append(sequence.in_backward()))
+    y.sum().backward()
+    assert seen == [True] and not sequence.in_backward()
+
+
+def test_running_normalisation_learns_from_training_only_and_resumes(make_cfg, rm_dir, monkeypatch):
+    """normalise=running, one step of 32 completions, evaluated (16 held-out prompts) before and after:
+    the statistics count the 32 trained completions only (not 32 + 2 x 16), the checkpoint holds
+    them, and a resumed second step goes on from them (64), not from zero. Step 1's batch, its own
+    first statistics, is normalised to mean 0: with normalise=none it is the raw scores' mean."""
+    built = []
+    real = grpo.train.build_rewards
+    monkeypatch.setattr(grpo.train, "build_rewards", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    rm_args = ("reward=rm", f"reward.rm.path={rm_dir}", "reward.rm.normalise=running", "eval_every=1",
+               "task.eval_size=16")
+    cfg = make_cfg(*rm_args, "steps=1")
+    grpo.train.train(cfg)
+    normaliser = built[-1][0][1].normaliser
+    assert normaliser.count == 32
+    rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    assert [r["reward/rm"] for r in rows if "reward/rm" in r] == [pytest.approx(0.0, abs=1e-5)]
+    saved = torch.load(os.path.join(cfg.run_dir, "checkpoints", "step_00000001", "state_rank0.pt"), weights_only=False)
+    assert saved["rewards"]["rm"] == {"count": 32, "mean": normaliser.mean, "m2": normaliser.m2}
+    grpo.train.train(make_cfg(*rm_args, "steps=2", "resume=true"))
+    assert built[-1][0][1].normaliser.count == 64

@@ -27,9 +27,10 @@ data parallelism is world / S rows at a time with no change to their reductions.
 (entropy, sampler difference, the loss's own value) count on the micro-batch's owner only.
 
 The split is the process's while a split forward and its backward run (`_ACTIVE`; module state, not
-thread state, because CUDA runs a backward's recompute on autograd's own threads): no other model in
-the process may run SDPA attention meanwhile. None does: in-process generation (hf, colocated) and
-in-process reward models take turns with the update in the trainer's thread.
+thread state, because CUDA runs a backward's recompute on autograd's own threads), for the thread
+that entered it and the backwards it runs: an attention call from any other thread takes the model's
+own attention (`routed`). In-process generation (hf, colocated) and in-process reward models take
+turns with the update in the trainer's thread anyway (grpo/rewards/__init__.py runs them there).
 
 What a split needs of the model is checked when the strategy is built (`check_model`): SDPA
 attention (transformers routes eager attention past the registry this wraps), no sliding window,
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +52,35 @@ from grpo.batch import Batch
 from grpo.errors import ConfigError
 
 # the row being run while a split forward (and its backward: checkpointed layers recompute there)
-# is under way; None otherwise, when the wrapped attention is the model's own
-_ACTIVE: dict = {"split": None, "mask": None}
+# is under way, and the thread that entered it; None otherwise, when the wrapped attention is the model's own
+_ACTIVE: dict = {"split": None, "mask": None, "thread": None}
+
+
+@contextlib.contextmanager
+def active(split, mask_R1WW):
+    """SDPA attention runs through `split` (DeepSpeed's, with the whole row's mask; None: causal)
+    until the block ends, for calls from this thread and from the backwards it runs (`routed`)."""
+    _ACTIVE["split"], _ACTIVE["mask"], _ACTIVE["thread"] = split, mask_R1WW, threading.get_ident()
+    try:
+        yield
+    finally:
+        _ACTIVE["split"] = _ACTIVE["mask"] = _ACTIVE["thread"] = None
+
+
+def in_backward() -> bool:
+    """Whether this thread runs an autograd backward now (torch's thread-local graph task, -1 outside
+    one): on CUDA a backward and its checkpointed layers' recompute run on autograd's device threads."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def routed():
+    """The split an attention call from this thread goes into, or None (the model's own attention):
+    the split's all-to-alls are the group's sequence, so no other thread's model (a reward model, a
+    generation) may enter them."""
+    split = _ACTIVE["split"]
+    if split is None or (threading.get_ident() != _ACTIVE["thread"] and not in_backward()):
+        return None
+    return split
 
 
 def sequence_groups(world: int, size: int) -> list[list[int]]:
@@ -238,12 +267,9 @@ class SequenceParallel:
         device = batch.input_ids_BL.device
         rows = whole_rows(batch, split_multiple(device.type, self.size))
         plain = has_plain_head(model)  # found once per model by a forward of its own: before the split starts
-        _ACTIVE["split"], _ACTIVE["mask"] = self, rows.mask_R1WW
-        try:
+        with active(self, rows.mask_R1WW):
             cols = columns(rows.input_ids_RW.shape[1], self.size, self.rank)
             yield forward_logprobs_split(model, batch, rows, cols, self.gather, temperature, with_entropy, max_tokens, plain)
-        finally:
-            _ACTIVE["split"] = _ACTIVE["mask"] = None
 
     def gather(self, values_N: torch.Tensor) -> torch.Tensor:
         """The sum over the group of each rank's `values_N` (0 where another rank computed the value),
@@ -279,7 +305,7 @@ def install() -> None:
         return  # installed already
 
     def split_attention(module, query, key, value, attention_mask, *args, **kwargs):
-        split = _ACTIVE["split"]
+        split = routed()
         if split is None:
             return own(module, query, key, value, attention_mask, *args, **kwargs)
         # the model's mask covers this rank's columns only; the whole row's (None: causal) goes to DeepSpeed's

@@ -10,11 +10,18 @@ with a weight. A reward that holds a model (`MODEL_REWARDS`: `rm`, a reward mode
 `check(cfg)` (validate: its settings, nothing loaded) and `build(cfg, device)` (the function, its model
 loaded once when the run is built); it is called like any other.
 
-A function that raises or runs past `reward.timeout_s` on a batch is retried one completion at a
-time (each with the same timeout; after 3 timeouts the batch's remaining completions are skipped);
+A rule function that raises or runs past `reward.timeout_s` on a batch is retried one completion at
+a time (each with the same timeout; after 3 timeouts the batch's remaining completions are skipped);
 each completion it still fails on gets None (excluded from the statistics, advantage 0), with a
 warning naming the function, the completion and the error. The run goes on. A hung call's thread
 cannot be killed in Python; it is abandoned (a daemon thread) and the run moves past it.
+
+A model reward (`MODEL_REWARDS`) is called once per batch in the caller's thread, with no
+`reward.timeout_s` and no retry: it bounds its own time (a reward model's token budget, its servers'
+or a judge's request timeouts). An abandoned call would keep its forwards running on the trainer's
+device beside the one-at-a-time retries and the next update (and, under sequence parallelism, enter
+the split's attention from another thread), and a retry would score every completion again. If it
+raises, the batch's completions get None, with a warning.
 """
 
 from __future__ import annotations
@@ -96,16 +103,36 @@ def is_score(value) -> bool:
     return value is None or (isinstance(value, (int, float)) and not isinstance(value, complex))
 
 
-def run_reward(name: str, fn, completions: list[str], samples: list, info: dict, timeout_s: float) -> list:
-    setting = "reward.timeout_s"
-    if getattr(fn, "timeout_s", None):  # a reward that bounds its own calls (a judge: reward.judge.batch_timeout_s)
-        timeout_s, setting = fn.timeout_s, f"reward.{name}.batch_timeout_s"
-    values, error = call_with_timeout(lambda: list(fn(completions, samples, **info)), timeout_s, setting, (RewardStop,))
-    if error is None and len(values) != len(completions):
-        error = f"returned {len(values)} values for {len(completions)} completions"
-    if error is None and (bad := next((v for v in values if not is_score(v)), "ok")) != "ok":
-        error = f"returned {bad!r}, not a number or None"
+def batch_problem(values: list, n: int) -> str | None:
+    """What is wrong with a function's answer for n completions (None: one score each)."""
+    if len(values) != n:
+        return f"returned {len(values)} values for {n} completion{'s' * (n != 1)}"
+    bad = next((v for v in values if not is_score(v)), "ok")
+    return None if bad == "ok" else f"returned {bad!r}, not a number or None"
+
+
+def run_model_reward(name: str, fn, completions: list[str], samples: list, info: dict) -> list:
+    """A model reward's scores: once, in this thread (see the module's docstring)."""
+    try:
+        values = list(fn(completions, samples, **info))
+        error = batch_problem(values, len(completions))
+    except RewardStop:
+        raise
+    except Exception as e:  # noqa: BLE001 - the batch is excluded and the run goes on, as for a rule reward
+        error = f"{type(e).__name__}: {e}"
     if error is None:
+        return values
+    warnings.warn(f"reward {name!r} failed on the batch ({error}); its {len(completions)} completions are excluded",
+                  stacklevel=3)
+    return [None] * len(completions)
+
+
+def run_reward(name: str, fn, completions: list[str], samples: list, info: dict, timeout_s: float) -> list:
+    if name in MODEL_REWARDS:
+        return run_model_reward(name, fn, completions, samples, info)
+    setting = "reward.timeout_s"
+    values, error = call_with_timeout(lambda: list(fn(completions, samples, **info)), timeout_s, setting, (RewardStop,))
+    if error is None and (error := batch_problem(values, len(completions))) is None:
         return values
     warnings.warn(f"reward {name!r} failed on the batch ({error}); scoring its completions one at a time", stacklevel=2)
     out, hangs = [], 0
@@ -117,10 +144,8 @@ def run_reward(name: str, fn, completions: list[str], samples: list, info: dict,
             hangs += err is not None and err.startswith("no answer")
         else:  # bounded: a function that keeps hanging does not stall the step for B x timeout
             value, err = None, f"skipped after {MAX_HANGS} timeouts in this batch"
-        if err is None and len(value) != 1:
-            err = f"returned {len(value)} values for 1 completion"
-        if err is None and not is_score(value[0]):
-            err = f"returned {value[0]!r}, not a number or None"
+        if err is None:
+            err = batch_problem(value, 1)
         if err is not None:
             warnings.warn(f"reward {name!r} failed on completion {i} {c[:60]!r} ({err}); it is excluded", stacklevel=2)
         out.append(None if err is not None else value[0])

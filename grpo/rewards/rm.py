@@ -36,12 +36,15 @@ def check(cfg) -> None:
         raise ConfigError("reward.rm.normalise=fixed divides by reward.rm.scale: give a scale other than 0.")
     if rm.max_tokens < 1:
         raise ConfigError(f"reward.rm.max_tokens={rm.max_tokens} must be >= 1 (padded tokens per forward).")
+    if rm.timeout_s_per_1k_tokens is not None and rm.timeout_s_per_1k_tokens <= 0:
+        raise ConfigError(f"reward.rm.timeout_s_per_1k_tokens={rm.timeout_s_per_1k_tokens} must be > 0, or null for "
+                          f"no bound on a batch.")
     if rm.dtype not in (None, "float32", "bfloat16"):
         raise ConfigError(f"reward.rm.dtype={rm.dtype!r}: use float32, bfloat16, or null for model.dtype.")
     if rm.urls:
         from grpo.rewards.served_rm import check_served
 
-        check_served(rm, cfg.reward.timeout_s)
+        check_served(rm)
 
 
 def build(cfg, device="cpu") -> RewardModel:
@@ -65,4 +68,4 @@ def build(cfg, device="cpu") -> RewardModel:
 
         return build_served(rm, load_tokenizer(path), normaliser)
     model, tokenizer = load_reward_model(path, rm.dtype or cfg.model.dtype, device)
-    return RewardModel(model, tokenizer, rm.max_tokens, normaliser)
+    return RewardModel(model, tokenizer, rm.max_tokens, normaliser, rm.timeout_s_per_1k_tokens)

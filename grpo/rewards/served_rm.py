@@ -10,9 +10,11 @@
   one-label head through a sigmoid), the number the in-process model returns.
 - The batch is split in equal contiguous shares, one request per server, sent in parallel.
 - A server that fails on its share (down, refusing, slower than `reward.rm.request_timeout_s`, an answer
-  of the wrong shape) leaves that share's scores None, with a warning naming the server and its answer:
-  the run goes on, as for any failing reward (grpo/rewards/__init__.py), and the other shares keep
-  their scores. A text longer than the server's context (its max_model_len) scores None, with a warning.
+  of the wrong shape) leaves that share's scores None, with a warning naming the server and its answer
+  (counted, `rm/failed`): the run goes on, and the other shares keep their scores. A text longer than
+  the server's context (its max_model_len) scores None, with a warning (`rm/too_long`), by the
+  in-process model's check (`within_context`). The call returns when every share has its answer or
+  its request timeout: no reward.timeout_s, and no one-at-a-time retry (grpo/rewards/__init__.py).
 - At build, every server must answer /health within `reward.rm.health_timeout_s`, then one /classify
   probe: a wrong token (401), a server of a policy (no /classify) or a model with several labels is
   an error then, not None at every step.
@@ -26,7 +28,7 @@ import warnings
 from urllib.parse import urlparse
 
 from grpo.errors import ConfigError, ServerError, TokenError
-from grpo.rewards.reward_model import RewardModel, ScoreNormaliser
+from grpo.rewards.reward_model import RewardModel, ScoreNormaliser, within_context
 from grpo.auth import load_token, read_token_file
 from grpo.endpoints import Server, parallel_map, split_by_load
 
@@ -43,7 +45,7 @@ def check_url(url: str) -> str | None:
     return None
 
 
-def check_served(rm, reward_timeout_s: float) -> None:
+def check_served(rm) -> None:
     """validate's part for `reward.rm.urls` (nothing is contacted)."""
     for url in rm.urls:
         if problem := check_url(str(url)):
@@ -56,10 +58,9 @@ def check_served(rm, reward_timeout_s: float) -> None:
             raise ConfigError(f"reward.rm.token_file: {e}") from e
     if rm.health_timeout_s <= 0:
         raise ConfigError(f"reward.rm.health_timeout_s={rm.health_timeout_s} must be > 0.")
-    if not 0 < rm.request_timeout_s < reward_timeout_s:
-        raise ConfigError(f"reward.rm.request_timeout_s={rm.request_timeout_s} must be > 0 and below reward.timeout_s="
-                          f"{reward_timeout_s}, so a slow server's share scores None before the reward's own timeout "
-                          f"abandons the whole batch; raise reward.timeout_s or lower the request timeout.")
+    if rm.request_timeout_s <= 0:
+        raise ConfigError(f"reward.rm.request_timeout_s={rm.request_timeout_s} must be > 0: one server's share of a "
+                          f"batch scores None past it.")
 
 
 def classify(server: Server, ids: list[list[int]]) -> list[float]:
@@ -88,26 +89,31 @@ class ServedRewardModel(RewardModel):
         """Raw scores in the order given; None where a server failed or a text exceeds its context."""
         ids = self.tokenizer(texts).input_ids  # as RewardModel.scores: special tokens included
         out: list[float | None] = [None] * len(texts)
-        shares = split_by_load(len(texts), [1.0] * len(self.servers))
+        self.stats = {"too_long": 0, "failed": 0}
+        fits = {}  # server -> the indices of its share that fit its context (RewardModel's check)
+        for i, (start, end) in enumerate(split_by_load(len(texts), [1.0] * len(self.servers))):
+            server = self.servers[i]
+            keep, problem = within_context([len(x) for x in ids[start:end]], server.max_model_len,
+                                           f"{server.url}'s context")
+            fits[i] = [start + k for k in keep]
+            self.stats["too_long"] += end - start - len(keep)
+            if problem:
+                warnings.warn(f"reward 'rm': {problem}", stacklevel=2)
 
-        def ask(i: int) -> list[str]:  # what went wrong, warned of in the caller's thread
-            server, (start, end) = self.servers[i], shares[i]
-            limit = server.max_model_len or float("inf")
-            fits = [k for k in range(start, end) if len(ids[k]) <= limit]
-            problems = []
-            if len(fits) < end - start:
-                problems.append(f"{end - start - len(fits)} texts are longer than {server.url}'s context "
-                                f"({server.max_model_len} tokens); they score None")
+        def ask(i: int) -> str | None:  # what went wrong, warned of in the caller's thread
+            server = self.servers[i]
             try:
-                values = classify(server, [ids[k] for k in fits]) if fits else []
+                values = classify(server, [ids[k] for k in fits[i]])
             except (ServerError, OSError) as e:
-                return problems + [f"server {server.url} failed on its {len(fits)} texts ({e}); they score None"]
-            for k, v in zip(fits, values):
+                return f"server {server.url} failed on its {len(fits[i])} texts ({e}); they score None"
+            for k, v in zip(fits[i], values):
                 out[k] = v
-            return problems
+            return None
 
-        for problems in parallel_map(ask, [i for i, (a, b) in enumerate(shares) if b > a]):
-            for problem in problems:
+        asked = [i for i in fits if fits[i]]
+        for i, problem in zip(asked, parallel_map(ask, asked)):
+            if problem:
+                self.stats["failed"] += len(fits[i])
                 warnings.warn(f"reward 'rm': {problem}", stacklevel=2)
         return out
 
