@@ -46,39 +46,58 @@ class StepGuard:
         self.max_in_a_row, self.skipped, self.in_a_row = max_in_a_row, 0, 0
 
     def check(self, step: int, stats: dict, layout: str) -> dict[str, float]:
+        """`stats`: the update's loss and grad_norm and, from policy_update, how many optimizer steps it
+        took and skipped (with algo.num_minibatches > 1 some may be applied while one is skipped, so
+        the count is of optimizer steps); without the counts, a non-finite step is 1 skipped of 1."""
         bad = [k for k in ("loss", "grad_norm") if not finite(stats.get(k, 0.0))]
-        if not bad:
+        taken, skipped = stats.get("optimizer_steps", 1), stats.get("skipped_optimizer_steps", int(bool(bad)))
+        if not bad and not skipped:
             self.in_a_row = 0
             return {"guard/skipped_steps": self.skipped}
-        self.skipped += 1
+        self.skipped += skipped
         self.in_a_row += 1
-        what = ", ".join(f"{k} {stats[k]}" for k in bad)
+        # a bf16 overflow can leave the loss finite and the applied steps' mean norm too
+        what = ", ".join(f"{k} {stats[k]}" for k in bad) or "gradient"
         if self.in_a_row >= self.max_in_a_row:
             raise NonFiniteSteps(
-                f"{self.in_a_row} steps in a row (to step {step}) had a non-finite {what}; their updates were skipped. "
+                f"{self.in_a_row} steps in a row (to step {step}) had a non-finite {what}; their non-finite optimizer "
+                f"steps were skipped ({skipped} of {taken} at step {step}). "
                 f"The micro-batches ran the {layout!r} layout. Try: a lower algo.lr or algo.max_grad_norm; "
                 f"model.dtype=float32 to rule out overflow; algo.packing=false (or algo.shared_prompt=false) to rule out "
                 f"the attention kernel on masked rows (cuDNN's SDPA on H100 returns NaN gradients for some widths); "
                 f"python -m grpo.verify with the same overrides.")
-        warnings.warn(f"step {step}: non-finite {what} ({layout} layout): the optimizer step was skipped "
-                      f"({self.skipped} so far, {self.in_a_row} in a row; {self.max_in_a_row} in a row stop the run)",
-                      stacklevel=2)
+        warnings.warn(f"step {step}: non-finite {what} ({layout} layout): {skipped} of {taken} optimizer steps were "
+                      f"skipped ({self.skipped} so far; {self.in_a_row} steps in a row, {self.max_in_a_row} in a row "
+                      f"stop the run)", stacklevel=2)
         return {"guard/skipped_steps": self.skipped}
 
 
-def weight_fingerprint(buckets) -> float:
+# elements fingerprinted at a time: a float64 chunk and its ramp take 256 MB, whatever the weight's size
+FINGERPRINT_CHUNK = 2**24
+
+
+def weight_fingerprint(buckets, chunk: int = FINGERPRINT_CHUNK) -> float:
     """A float64 digest of full weights given as buckets of (name, tensor) (a strategy's
     `weight_buckets`: ZeRO-3 gathers them bucket by bucket, so every rank must call this together):
     the k-th tensor's values weighted by a ramp from k + 1 to k + 2, so two tensors swapped or one
-    tensor's values shifted change it too."""
-    total, k = 0.0, 0
+    tensor's values shifted change it too.
+
+    Summed `chunk` elements at a time, each chunk's piece of the ramp built from its offset in the
+    tensor: the whole tensor's value up to float64 summation order, with one chunk in float64 at a
+    time. A float64 copy of the whole weight and a ramp as long cost 8.7 GB for Qwen2.5-7B's embedding,
+    at step 1 of every multi-rank run (REVIEW Part 5 finding 9). The sum stays on the device: one sync."""
+    total, k = None, 0
     for bucket in buckets:
         for _, t in bucket:
-            flat = t.detach().flatten().double()
-            ramp = torch.linspace(k + 1.0, k + 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
-            total += float(torch.dot(flat, ramp))
+            flat = t.detach().flatten()
+            slope = 1.0 / (flat.numel() - 1) if flat.numel() > 1 else 0.0  # as torch.linspace(k + 1, k + 2, n)
+            for start in range(0, flat.numel(), chunk):
+                part = flat[start : start + chunk].double()
+                ramp = torch.arange(start, start + part.numel(), dtype=torch.float64, device=part.device)
+                dot = torch.dot(part, ramp.mul_(slope).add_(k + 1.0))
+                total = dot if total is None else total + dot
             k += 1
-    return total
+    return 0.0 if total is None else float(total)
 
 
 def ranks_fingerprints(mine: float) -> tuple[list[float], list[int]]:
@@ -178,5 +197,6 @@ class RunGuards:
         metrics = self.steps.check(step, stats, layout)
         if self.ranks.due(step):
             self.ranks.check(step, self.strategy.weight_buckets(self.bucket_bytes))
-        self.sampler.check(step, stats.get("sampler_diff", 0.0), behind)
+        if stats.get("trained_completions", 1):  # no token scored: a sampler_diff of 0 that measured nothing
+            self.sampler.check(step, stats.get("sampler_diff", 0.0), behind)
         return metrics

@@ -9,6 +9,7 @@ parallel strategy.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import replace
 
 import torch
@@ -162,7 +163,7 @@ def policy_update(
     gen_tokens_per_step = strategy.reduce_counts([float(batch.mask_BT.sum())])[0] / algo.num_minibatches
     group_chunks = torch.arange(batch.size // G).tensor_split(algo.num_minibatches)
     totals = {k: 0.0 for k in SUMS}  # 0-dim tensors on the device once a micro-batch ran
-    tokens, grad_norm, steps = 0.0, 0.0, 0
+    tokens, norms = 0.0, []
     for _ in range(algo.num_iterations):
         for groups in group_chunks:
             rows = (groups[:, None] * G + torch.arange(G)).flatten()
@@ -174,20 +175,24 @@ def policy_update(
                 sums = accumulate_gradients(strategy, mb, algo, norm, temperature)
                 for k in ("loss", "clipped_tokens", "kl_sum", "entropy_sum"):
                     totals[k] = totals[k] + sums[k]
-                if steps == 0:  # before any optimizer step the trainer holds the weights that sampled
+                if not norms:  # before any optimizer step the trainer holds the weights that sampled
                     totals["sampler_diff_max"] = sums["sampler_diff_max"]
-                if steps < algo.num_minibatches:  # the first pass: each token once
+                if len(norms) < algo.num_minibatches:  # the first pass: each token once
                     totals["sampler_kl_sum"] = totals["sampler_kl_sum"] + sums["sampler_kl_sum"]
                     totals["sampler_kl_tokens"] = totals["sampler_kl_tokens"] + sums["sampler_kl_tokens"]
                 tokens += local.num_tokens
-            grad_norm += strategy.step()
-            steps += 1
+            norms.append(strategy.step())
     # the one read of the statistics from the device
     totals = dict(zip(SUMS, torch.stack([torch.as_tensor(totals[k], dtype=torch.float32).cpu() for k in SUMS]).tolist()))
     tokens = max(tokens, 1.0)
+    # a step with a non-finite norm was skipped (grpo/guards.py); with num_minibatches > 1 the others
+    # were applied, so grad_norm is their mean (inf for the whole update read "the step was skipped")
+    applied = [n for n in norms if math.isfinite(n)]
     return {
-        "loss": totals["loss"] / steps,
-        "grad_norm": grad_norm / steps,
+        "loss": totals["loss"] / len(norms),
+        "grad_norm": sum(applied) / len(applied) if applied else sum(norms) / len(norms),
+        "optimizer_steps": len(norms),
+        "skipped_optimizer_steps": len(norms) - len(applied),
         "clip_frac": totals["clipped_tokens"] / tokens,
         "kl": totals["kl_sum"] / tokens,
         "entropy": totals["entropy_sum"] / tokens,

@@ -1,18 +1,27 @@
-"""The step guard (grpo/guards.py): a planted non-finite gradient is skipped and counted; a run of
-them stops with what to try."""
+"""The step guards (grpo/guards.py): a planted non-finite gradient is skipped and counted; a run of
+them stops with what to try; diverged ranks are named; a drifting sampler is warned. Each is planted
+once directly and once through `grpo.train.train`'s loop (deleting the loop's call must fail a test)."""
 
 import copy
 import json
 import math
+import os
+import re
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
 from omegaconf import OmegaConf
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import grpo.train
+import grpo.update
 from grpo.config import AlgoConfig
-from grpo.guards import NonFiniteSteps, RankCheck, SamplerWatch, StepGuard, weight_fingerprint
+from grpo.guards import NonFiniteSteps, RankCheck, RunGuards, SamplerWatch, StepGuard, weight_fingerprint
 from grpo.parallel.single import SingleStrategy
+from grpo.update import policy_update
+from tests.test_packing import spread_batch
 from tests.test_parallel import TORCHRUN, run
 
 
@@ -44,8 +53,9 @@ def test_the_guard_counts_skips_and_stops_a_run_of_them():
     guard = StepGuard(max_in_a_row=3)
     ok, bad = {"loss": 0.1, "grad_norm": 1.0}, {"loss": 0.1, "grad_norm": float("nan")}
     assert guard.check(1, ok, "shared") == {"guard/skipped_steps": 0}
-    with pytest.warns(UserWarning, match="step 2: non-finite grad_norm nan \\(shared layout\\)"):
+    with pytest.warns(UserWarning, match="step 2: non-finite grad_norm nan \\(shared layout\\): 1 of 1 optimizer steps"):
         assert guard.check(2, bad, "shared") == {"guard/skipped_steps": 1}
+    with pytest.warns(UserWarning, match="step 3: non-finite loss inf"):
         assert guard.check(3, {"loss": float("inf"), "grad_norm": 1.0}, "shared") == {"guard/skipped_steps": 2}
     assert guard.check(4, ok, "shared") == {"guard/skipped_steps": 2}  # in a row: counted anew
     with pytest.warns(UserWarning):
@@ -105,3 +115,154 @@ def test_the_sampler_watch_warns_once_after_three_on_policy_steps_above_the_boun
         warnings.simplefilter("error")
         watch.check(11, 0.2, 0)  # once
     assert SamplerWatch("bfloat16").bound == 0.5
+
+
+def test_the_fingerprint_in_chunks_is_the_whole_tensors_value():
+    """REVIEW Part 5 finding 9: the ramp is built per chunk from the global offset, so any chunk size
+    gives the whole-tensor value (up to float64 summation order); 26 as worked out above."""
+    torch.manual_seed(0)
+    buckets = [[("a", torch.randn(1000)), ("b", torch.randn(7, 13))], [("c", torch.randn(1)), ("d", torch.randn(64))]]
+    whole = weight_fingerprint(buckets, chunk=10**6)
+    for chunk in (1, 7, 64, 999):
+        assert weight_fingerprint(buckets, chunk=chunk) == pytest.approx(whole, rel=1e-12), chunk
+    assert weight_fingerprint([[("a", torch.arange(6.0))]], chunk=4) == pytest.approx(26.0)
+
+
+class LargestFloat64(TorchDispatchMode):
+    """Records the most elements of any float64 tensor an op makes: the fingerprint's transient."""
+
+    def __init__(self):
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+                self.most = max(self.most, t.numel())
+        return out
+
+
+def test_the_fingerprint_holds_one_chunk_in_float64_at_a_time():
+    """REVIEW Part 5 finding 9: a float64 copy of the whole weight and a float64 ramp as long (8.7 GB
+    for Qwen2.5-7B's embedding, at step 1 of every multi-rank run) became one chunk of each."""
+    weight = torch.randn(10_000)
+    with LargestFloat64() as spy:
+        weight_fingerprint([[("embed", weight)]], chunk=1024)
+    assert 0 < spy.most <= 1024, spy.most
+
+
+def plant_nan_loss(monkeypatch, steps: set[int]) -> None:
+    """A NaN loss in every micro-batch of the given steps' updates, as a kernel's NaN makes it: the
+    real loop, strategy and guards see it (grpo.train calls policy_update once per step)."""
+    step = [0]
+    real_update, real_loss = grpo.train.policy_update, grpo.update.decoupled_loss
+
+    def counted_update(*args, **kwargs):
+        step[0] += 1
+        return real_update(*args, **kwargs)
+
+    def planted_loss(*args, **kwargs):
+        loss, stats = real_loss(*args, **kwargs)
+        return (loss * float("nan") if step[0] in steps else loss), stats
+
+    monkeypatch.setattr(grpo.train, "policy_update", counted_update)
+    monkeypatch.setattr(grpo.update, "decoupled_loss", planted_loss)
+
+
+def logged_steps(cfg) -> list[dict]:
+    return [r for r in map(json.loads, open(os.path.join(cfg.run_dir, "metrics.jsonl"))) if "loss" in r]
+
+
+SHORT = ("task.eval_size=8", "export_model=false")  # the guards act per step: the evaluations can be tiny
+
+
+def test_non_finite_steps_through_the_loop_are_logged_and_three_in_a_row_stop_it(make_cfg, monkeypatch):
+    """REVIEW Part 5, tests that cannot fail 1: steps 2, 3 and 4 of a 4-step run have a NaN loss. Steps
+    2 and 3 are skipped, warned and logged as guard/skipped_steps 1 and 2; step 4, the third in a
+    row, ends the run with NonFiniteSteps."""
+    plant_nan_loss(monkeypatch, {2, 3, 4})
+    cfg = make_cfg("steps=4", "algo.zero_std_groups=keep", *SHORT)  # every step trains: a NaN loss reaches backward
+    with pytest.warns(UserWarning) as said, pytest.raises(NonFiniteSteps, match="3 steps in a row \\(to step 4\\)"):
+        grpo.train.train(cfg)
+    guard_said = [str(w.message) for w in said if "optimizer steps were skipped" in str(w.message)]
+    assert len(guard_said) == 2 and all(re.match(rf"step {s}: non-finite loss nan, grad_norm nan \(\w+ layout\): 1 of 1 "
+                                                 "optimizer steps", m) for s, m in zip((2, 3), guard_said)), guard_said
+    rows = logged_steps(cfg)
+    assert [(r["step"], r["guard/skipped_steps"]) for r in rows] == [(1, 0), (2, 1), (3, 2)], rows
+    assert math.isfinite(rows[0]["grad_norm"]) and not math.isfinite(rows[1]["grad_norm"]), rows
+
+
+def test_a_drifting_sampler_through_the_loop_is_logged_and_warned(make_cfg, monkeypatch):
+    """Issue 46 item 3, the sampler watch: every batch's sampler logprobs are shifted by 1 (as an
+    engine that never got the weights gives them): sampler_diff logs 1 at every step, and the third
+    on-policy step in a row above float32's bound (0.05) warns with the likely causes."""
+    real = grpo.train.collate
+
+    def drifted(*args, **kwargs):
+        batch = real(*args, **kwargs)
+        return replace(batch, sampler_logprobs_BT=batch.sampler_logprobs_BT - 1.0)
+
+    monkeypatch.setattr(grpo.train, "collate", drifted)
+    cfg = make_cfg("algo.zero_std_groups=keep", *SHORT)  # every step trains (the tiny policy's first groups are flat)
+    with pytest.warns(UserWarning, match="step 3: sampler_diff 1 > 0.05 for 3 on-policy steps.*weights do not reach"):
+        grpo.train.train(cfg)
+    assert [round(r["sampler_diff"], 4) for r in logged_steps(cfg)] == [1.0, 1.0, 1.0]
+
+
+def test_a_step_that_trained_nothing_does_not_reset_the_sampler_watch():
+    """A step whose groups were all dropped (zero std) scores no token: its sampler_diff is 0 for want
+    of tokens, not a sign of a healthy sampler. Three drifted steps around it still warn."""
+    guards = RunGuards(None, 0, "float32", check_ranks_every=50, world=1)
+    drifted, empty = {"loss": 0.1, "grad_norm": 1.0, "sampler_diff": 0.9, "trained_completions": 8}, {
+        "loss": 0.0, "grad_norm": 0.0, "sampler_diff": 0.0, "trained_completions": 0}
+    guards.after_update(1, drifted, "padded", 0)
+    guards.after_update(2, drifted, "padded", 0)
+    guards.after_update(3, empty, "padded", 0)
+    with pytest.warns(UserWarning, match="step 4: sampler_diff 0.9 > 0.05 for 3 on-policy steps"):
+        guards.after_update(4, drifted, "padded", 0)
+
+
+def test_one_skipped_minibatch_step_of_two_is_reported_as_one_of_two(tiny_lm, monkeypatch):
+    """REVIEW Part 5, tests that cannot fail 7: algo.num_minibatches=2, a NaN loss in the first
+    minibatch. Its step is skipped, the second is applied: the update reports 1 of 2 optimizer steps
+    skipped, the applied step's norm as grad_norm (not inf for the whole update), and the guard counts
+    one skipped step and says "1 of 2"."""
+    base, tok = tiny_lm
+    model = copy.deepcopy(base).train()
+    algo = OmegaConf.structured(AlgoConfig(group_size=2, batch_size=8, num_minibatches=2, lr=1e-2, warmup_steps=0))
+    strategy = SingleStrategy(None, model, algo, total_steps=4)
+    calls, norms = [0], []
+    real_loss, real_step = grpo.update.decoupled_loss, strategy.step
+
+    def planted_loss(*args, **kwargs):  # one micro-batch per minibatch: call 1 is minibatch 1's
+        calls[0] += 1
+        loss, stats = real_loss(*args, **kwargs)
+        return (loss * float("nan") if calls[0] == 1 else loss), stats
+
+    def step():
+        norms.append(real_step())
+        return norms[-1]
+
+    monkeypatch.setattr(grpo.update, "decoupled_loss", planted_loss)
+    monkeypatch.setattr(strategy, "step", step)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stats = policy_update(strategy, spread_batch(tok), algo, 14, 1.0)
+    with pytest.warns(UserWarning, match="step 5: non-finite loss nan \\(padded layout\\): 1 of 2 optimizer steps were skipped"):
+        assert StepGuard().check(5, stats, "padded") == {"guard/skipped_steps": 1}
+    assert calls[0] == 2 and not math.isfinite(norms[0]) and math.isfinite(norms[1]), norms
+    assert (stats["optimizer_steps"], stats["skipped_optimizer_steps"], stats["grad_norm"]) == (2, 1, norms[1])
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())  # the second step applied
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_guard_counts_skipped_optimizer_steps_not_updates():
+    """2 of 4 minibatch steps skipped, then 1 of 4: guard/skipped_steps counts 3 optimizer steps (2
+    updates in a row); a bf16 overflow that left loss and the applied steps' norm finite still counts."""
+    guard = StepGuard(max_in_a_row=3)
+    with pytest.warns(UserWarning, match="step 1: non-finite loss nan \\(packed layout\\): 2 of 4 optimizer steps"):
+        assert guard.check(1, {"loss": float("nan"), "grad_norm": 0.5, "optimizer_steps": 4,
+                               "skipped_optimizer_steps": 2}, "packed") == {"guard/skipped_steps": 2}
+    with pytest.warns(UserWarning, match="step 2: non-finite gradient \\(packed layout\\): 1 of 4 optimizer steps.*2 steps in a row"):
+        assert guard.check(2, {"loss": 0.1, "grad_norm": 0.5, "optimizer_steps": 4,
+                               "skipped_optimizer_steps": 1}, "packed") == {"guard/skipped_steps": 3}
