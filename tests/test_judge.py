@@ -8,10 +8,14 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import warnings
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -19,7 +23,8 @@ import torch
 from grpo.config import validate
 from grpo.errors import ConfigError, RewardStop
 from grpo.eval import agreement
-from grpo.rewards.judge import Judge, expected_score, judge_prompt, pattern_score
+from grpo.models import build_char_tokenizer
+from grpo.rewards.judge import Judge, answer_choices, check_choice_tokens, expected_score, judge_prompt, pattern_score
 from grpo.auth import TOKEN_ENV
 from grpo.rollout.servers import free_port
 from grpo.tasks import Sample
@@ -27,6 +32,9 @@ from tests.conftest import FAST, ROOT, compose_cfg, serve_tiny, stop_served
 
 TOKEN = "judge-secret-token"
 TEMPLATE = "{prompt}{completion}?"  # the tiny model's char vocabulary: short, plain text
+# the tiny model's chat template: <bos> and the user's text as is, so a chat request's prompt ids are
+# the completions API's ids for the same text
+CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 def test_expected_score_by_hand():
@@ -50,6 +58,43 @@ def test_pattern_score_and_the_prompt():
     assert judge_prompt("Q {prompt} A {completion} R {answer}", "1+1=", "{answer}", "2") == "Q 1+1= A {answer} R 2"
 
 
+def test_a_choice_the_judges_tokenizer_splits_is_refused():
+    """The review's example: under rating [1, 10] a digit-splitting tokenizer (the tiny model's, like
+    Qwen2's) cannot answer "10" in one token, so a judge sure of 10 puts its mass on the token "1":
+    (0.97 * 1 + 0.02 * 9 + 0.01 * 8) / 1 = 1.23. Such choices are refused, saying what to change."""
+    choices = answer_choices(compose_cfg("reward=judge", "reward.judge.rating=[1,10]").reward.judge)
+    sure_of_ten = {"1": math.log(0.97), "9": math.log(0.02), "8": math.log(0.01)}
+    assert expected_score(sure_of_ten, choices) == pytest.approx(1.23)
+    tok = build_char_tokenizer()
+    tokens = {c: tok.tokenize(c) for c in choices}
+    assert tokens["10"] == ["1", "0"]
+    logprobs = compose_cfg("reward=judge", "reward.judge.rating=[1,10]").reward.judge
+    with pytest.raises(ConfigError, match=re.escape("splits '10' into ['1', '0']") + ".*rating=\\[0, 9\\].*score=pattern"):
+        check_choice_tokens(logprobs, tokens, max_tokens=1)
+    check_choice_tokens(logprobs, {c: tok.tokenize(c) for c in map(str, range(10))}, max_tokens=1)  # [0, 9]: one each
+    pattern = compose_cfg("reward=judge", "reward.judge.rating=[1,10]", "reward.judge.score=pattern").reward.judge
+    with pytest.raises(ConfigError, match=re.escape("Raise reward.judge.max_tokens to at least 2")):
+        check_choice_tokens(pattern, tokens, max_tokens=1)
+    check_choice_tokens(pattern, tokens, max_tokens=2)
+
+
+def test_pattern_gets_room_for_the_largest_choice_and_a_cut_answer_is_garbage():
+    """score=pattern's default answer is long enough for "10" (max_tokens 1 gave the text "1", scored 1);
+    an answer cut at max_tokens right after its match may be a number cut short: no score."""
+    cfg = compose_cfg("reward=judge", "reward.judge.urls=[http://127.0.0.1:1]", "reward.judge.rating=[1,10]",
+                      "reward.judge.score=pattern")
+    judge = Judge(cfg.reward.judge, None)
+    assert judge.body("Rate it.")[1]["max_tokens"] >= 4
+    said = {"choices": [{"message": {"content": "Rating: 10"}, "finish_reason": "stop"}]}
+    assert judge.read(said) == (10.0, "Rating: 10")
+    cut = {"choices": [{"message": {"content": "Rating: 1"}, "finish_reason": "length"}]}
+    assert judge.read(cut) == (None, "Rating: 1")
+    cut_later = {"choices": [{"message": {"content": "Rating: 7 because"}, "finish_reason": "length"}]}
+    assert judge.read(cut_later) == (7.0, "Rating: 7 because")
+    out_of_range = {"choices": [{"message": {"content": "Rating: 11"}, "finish_reason": "stop"}]}
+    assert judge.read(out_of_range) == (None, "Rating: 11")  # outside the rating: not a score
+
+
 def test_agreement_by_hand():
     # correct scores 0.9, 0.4; wrong 0.5, 0.4, None: pairs (0.9>0.5) 1, (0.9>0.4) 1, (0.4<0.5) 0, (0.4=0.4) 0.5 -> 2.5/4
     m = agreement("judge", [0.9, 0.4, 0.5, 0.4, None], [True, True, False, False, False])
@@ -64,7 +109,8 @@ def test_agreement_by_hand():
     (["reward.judge.template=rate this"], "has no {completion}"),
     (["reward.judge.min_scored=2"], "min_scored=2.0 is a fraction"),
     (["reward.judge.pattern='(unclosed'"], "is not a regular expression"),
-    (["reward.judge.rating=[10,1]"], "must be [low, high] with low <= high"),
+    (["reward.judge.rating=[10,1]"], "reward.judge.rating=[10, 1] is backwards: give the low end first, "
+                                     "reward.judge.rating=[1, 10]"),
 ])
 def test_validate_says_what_to_change(override, message):
     urls = [] if not override else ["reward.judge.urls=[http://127.0.0.1:1]"]
@@ -75,8 +121,12 @@ def test_validate_says_what_to_change(override, message):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    proc, url = serve_tiny(model_dir, tmp_path_factory.mktemp("judge") / "server.log", TOKEN)
-    yield {"url": url, "proc": proc, "path": model_dir}
+    """The tiny model with a chat template (for the default api: chat), served once for the module."""
+    path = tmp_path_factory.mktemp("judge-model")
+    shutil.copytree(model_dir, path, dirs_exist_ok=True)
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    proc, url = serve_tiny(str(path), tmp_path_factory.mktemp("judge") / "server.log", TOKEN)
+    yield {"url": url, "proc": proc, "path": str(path)}
     stop_served(proc)
 
 
@@ -138,6 +188,42 @@ def test_logprob_scores_equal_the_model_in_this_process(server, in_process):
     assert judge.stats == {"requests": 6, "failed": 0, "garbage": 0}
 
 
+def test_the_default_chat_api_scores_as_the_model_in_this_process(server, in_process):
+    """api: chat (the default) on the served model: the chat answer's first-token logprobs give the
+    score computed here from the same model (the chat template adds only <bos>), for every completion,
+    an empty one included (a completion the judge is asked about like any other)."""
+    completions, samples = batch()
+    completions[1] = ""
+    texts = [judge_prompt(TEMPLATE, s.prompt, c, s.answer) for c, s in zip(completions, samples)]
+    ranked = sorted(in_process(texts[0]).items(), key=lambda kv: -kv[1])
+    choices = {tok: float(k) for k, (tok, _) in enumerate(ranked[:3]) if tok.strip()}
+    assert len(choices) >= 2, ranked[:3]
+    judge = make_judge([server["url"]], "reward.judge.api=chat", choices=choices)
+    served = judge(completions, samples)
+    here = [expected_score(in_process(t, top=20), choices) for t in texts]
+    assert None not in served and served == pytest.approx(here, abs=1e-4), (served, here)
+    assert judge.stats == {"requests": 6, "failed": 0, "garbage": 0}, judge.stats
+
+
+def test_a_two_digit_rating_through_chat_is_refused_at_start(server):
+    """rating [1, 10] on a judge whose tokenizer splits "10" (the tiny model's, as Qwen2's): read at the
+    first answer token a "10" would score 1, so the judge refuses to start, saying what to change.
+    score: pattern reads the text, so [1, 10] starts there unless max_tokens would cut "10"."""
+    with pytest.raises(ConfigError, match=r"splits '10' into \['1', '0'\].*rating=\[0, 9\]"):
+        make_judge([server["url"]], "reward.judge.api=chat", "reward.judge.rating=[1,10]")
+    with pytest.raises(ConfigError, match="Raise reward.judge.max_tokens to at least 2"):
+        make_judge([server["url"]], "reward.judge.api=chat", "reward.judge.rating=[1,10]", "reward.judge.score=pattern",
+                   "reward.judge.max_tokens=1")
+    judge = make_judge([server["url"]], "reward.judge.api=chat", "reward.judge.rating=[1,10]", "reward.judge.score=pattern",
+                       "reward.judge.min_scored=0")
+    assert judge.body("x")[1]["max_tokens"] >= 4
+    completions, samples = batch(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the random tiny model may write no number: garbage, counted
+        values = judge(completions, samples)
+    assert all(v is None or 1 <= v <= 10 for v in values) and judge.stats["failed"] == 0, (values, judge.stats)
+
+
 def test_identical_pairs_are_asked_once(server):
     completions, samples = batch(3)
     judge = make_judge([server["url"]], "reward.judge.rating=[0,9]")
@@ -181,6 +267,96 @@ def test_garbage_answers_are_counted_and_warned(server, in_process):
     with pytest.warns(UserWarning, match="6 of 6 answers had no score"):
         assert judge(completions, samples) == [None] * 6
     assert judge.stats["garbage"] == 6
+
+
+class Garbage(BaseHTTPRequestHandler):
+    """An endpoint that answers each path with the body `answers` gives it (200), or 404."""
+
+    answers: dict[str, bytes] = {}
+
+    def reply(self) -> None:
+        body = self.answers.get(self.path)
+        self.send_response(200 if body is not None else 404)
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def do_GET(self):
+        self.reply()
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.reply()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def garbage():
+    """A real HTTP server on a free port whose answers the test sets: `answers[path] = body`."""
+    answers = {"/health": b"", "/v1/models": json.dumps({"data": [{"id": "m"}]}).encode(),
+               "/tokenize": json.dumps({"count": 1, "tokens": [7], "token_strs": ["x"]}).encode()}  # one token a choice
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (Garbage,), {"answers": answers}))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_port}", answers
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def chat_answer(content, logprobs=None) -> bytes:
+    return json.dumps({"choices": [{"message": {"content": content}, "logprobs": logprobs, "finish_reason": "stop"}]}).encode()
+
+
+@pytest.mark.parametrize("answer, what", [
+    (b"<html>502 Bad Gateway</html>", "answered with no JSON"),
+    (json.dumps({"object": "error", "message": "overloaded"}).encode(), "in a shape not understood"),
+])
+def test_a_judge_that_answers_garbage_is_counted_and_warned(garbage, answer, what):
+    """Non-JSON, or JSON without choices: each request failed (counted, warned, its completion None), no
+    exception from the JSON parser; below min_scored the run stops saying why."""
+    url, answers = garbage
+    answers["/v1/chat/completions"] = answer
+    judge = make_judge([url], "reward.judge.api=chat", "reward.judge.min_scored=0", "reward.judge.retries=0")
+    completions, samples = batch(3)
+    with pytest.warns(UserWarning, match=f"3 of 3 requests failed.*{what}"):
+        assert judge(completions, samples) == [None] * 3
+    assert judge.stats["failed"] == 3
+    judge.jc.min_scored = 0.5
+    with pytest.raises(RewardStop, match=f"scored 0 of 3.*{what}"), pytest.warns(UserWarning):
+        judge(completions, samples)
+
+
+def test_an_empty_judge_answer_is_garbage_not_zero(garbage):
+    """The judge answers nothing (no text, no logprobs; or an empty top list): None, counted as garbage
+    and warned, never a score of 0."""
+    url, answers = garbage
+    completions, samples = batch(2)
+    for api, answer in [("chat", chat_answer("")), ("chat", chat_answer(None, {"content": [{"token": "", "top_logprobs": []}]})),
+                        ("completions", json.dumps({"choices": [{"text": "", "logprobs": None}]}).encode())]:
+        for score in ("logprobs", "pattern"):
+            answers[f"/v1/{'chat/' if api == 'chat' else ''}completions"] = answer
+            judge = make_judge([url], f"reward.judge.api={api}", f"reward.judge.score={score}", "reward.judge.min_scored=0")
+            with pytest.warns(UserWarning, match="2 of 2 answers had no score"):
+                assert judge(completions, samples) == [None, None], (api, score)
+            assert judge.stats["garbage"] == 2
+
+
+def test_a_url_that_is_no_openai_server_is_refused_at_start(garbage):
+    url, answers = garbage
+    answers["/v1/models"] = b"<html>hello</html>"
+    with pytest.raises(ConfigError, match=re.escape(f"{url}/v1/models answered with no JSON") + ".*OpenAI-compatible"):
+        make_judge([url], "reward.judge.health_timeout_s=5")
+    answers["/v1/models"] = json.dumps({"data": []}).encode()
+    with pytest.raises(ConfigError, match="lists no model.*reward.judge.model"):
+        make_judge([url], "reward.judge.health_timeout_s=5")
+
+
+def test_an_endpoint_without_tokenize_starts_with_a_warning(garbage):
+    """A server that cannot tokenize (not vLLM): the choices cannot be checked, and the user is told."""
+    url, answers = garbage
+    del answers["/tokenize"]
+    with pytest.warns(UserWarning, match=f"{re.escape(url)} has no /tokenize.*one token each"):
+        make_judge([url], "reward.judge.rating=[0,9]")
 
 
 def test_a_wrong_token_stops_at_once(server):

@@ -9,12 +9,17 @@ applies the judge's chat template) or `/v1/completions` (the text as is), greedy
 The score (`reward.judge.score`):
   - `logprobs`: the expected value over named answer tokens at the judge's first answer token:
     sum_c p(c) v(c) / sum_c p(c) over the `choices` (token -> value, e.g. yes: 1, no: 0; or with
-    `rating: [1, 10]` the tokens "1".."10" valued as those numbers)
+    `rating: [0, 9]` the tokens "0".."9" valued as those numbers)
     found among the top `top_logprobs` tokens (a token matches a choice by its text with spaces
     stripped, case ignored; the probabilities of tokens that match one choice add up). None found is
-    a garbage answer.
+    a garbage answer. Only one token is read, so at start every choice must be one token of the
+    judge's tokenizer (vLLM's /tokenize): digit-splitting tokenizers (Qwen2, SmolLM2, Llama-2,
+    Mistral) write "10" as "1" "0", and a judge sure of 10 would score 1.
   - `pattern`: the first match of `pattern` in the judge's text (its first group if it has one),
-    looked up in `choices` (case ignored) or read as a number. No match is a garbage answer.
+    looked up in `choices` (case ignored) or read as a number (within `rating` when one is given).
+    No match is a garbage answer, and so is a match at the end of an answer cut at `max_tokens`
+    (the number may be cut short: "1" of "10"). The answer is 16 tokens unless `max_tokens` says,
+    and at start `max_tokens` must hold the longest choice.
 
 A batch is sent at once: identical judge prompts are asked once, at most `max_concurrency` requests
 are in flight, each goes to the server with the fewest requests in flight (ties: the one answering
@@ -34,13 +39,16 @@ import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
-from grpo.errors import ConfigError, RewardStop, ServerError
-from grpo.endpoints import Server
+from grpo.auth import load_token, read_token_file
+from grpo.errors import ConfigError, RewardStop, ServerError, TokenError
+from grpo.endpoints import Server, parallel_map
 
 SCORES = ("logprobs", "pattern")
 APIS = ("chat", "completions")
 FATAL = (401, 403, 404)  # the token or the model name: every later request would fail the same way
 RETRY_PAUSE_S = 0.5  # doubled per retry
+PATTERN_MAX_TOKENS = 16  # score=pattern's default answer: a few words and a number
+NO_TOKENIZE = (404, 405, 501)  # an endpoint without vLLM's /tokenize: its choices cannot be checked
 
 
 def choice_of(token: str, choices: dict[str, float]) -> str | None:
@@ -61,10 +69,12 @@ def expected_score(top: dict[str, float], choices: dict[str, float]) -> float | 
     return sum(p * float(choices[c]) for c, p in mass.items()) / total
 
 
-def pattern_score(text: str, pattern: re.Pattern, choices: dict[str, float]) -> float | None:
-    """The first match of `pattern` (its first group if any): a choice's value, else a number; else None."""
+def pattern_score(text: str, pattern: re.Pattern, choices: dict[str, float], rating=None, cut: bool = False) -> float | None:
+    """The first match of `pattern` (its first group if any): a choice's value, else a number (within
+    `rating` [low, high] if given); else None. `cut`: the answer stopped at max_tokens, so a match
+    that reaches its end may be cut short ("1" of "10") and is no score."""
     m = pattern.search(text)
-    if m is None:
+    if m is None or (cut and m.end() == len(text)):
         return None
     found = m.group(1) if m.groups() else m.group(0)
     c = choice_of(found, choices)
@@ -73,6 +83,8 @@ def pattern_score(text: str, pattern: re.Pattern, choices: dict[str, float]) -> 
     try:
         value = float(found)
     except ValueError:
+        return None
+    if rating and not rating[0] <= value <= rating[1]:
         return None
     return value if math.isfinite(value) else None
 
@@ -86,6 +98,35 @@ def answer_choices(jc) -> dict[str, float]:
         low, high = jc.rating
         return {str(i): float(i) for i in range(low, high + 1)}
     return {str(k): float(v) for k, v in jc.choices.items()}
+
+
+def answer_length(jc) -> int:
+    """reward.judge.max_tokens, or what the score reads: one token (logprobs), a short text (pattern)."""
+    if jc.max_tokens is not None:
+        return jc.max_tokens
+    return 1 if jc.score == "logprobs" else PATTERN_MAX_TOKENS
+
+
+def check_choice_tokens(jc, tokens: dict[str, list], max_tokens: int) -> None:
+    """Refuse choices the judge cannot answer as they are read, given each choice's tokens in the
+    judge's tokenizer: under logprobs one that is more than one token (only the first answer token
+    is read, so "10" split "1" "0" would score as the choice "1"); under pattern one longer than
+    the answer (cut, "10" reads as "1")."""
+    if jc.score == "logprobs":
+        split = {c: t for c, t in tokens.items() if len(t) > 1}
+        if split:
+            c, t = next(iter(split.items()))
+            raise ConfigError(
+                f"reward.judge: the judge's tokenizer splits {c!r} into {t} ({len(split)} of {len(tokens)} choices are "
+                f"more than one token), and score=logprobs reads only the first answer token: a judge sure of {c!r} "
+                f"would score as {t[0]!r}. Use choices of one token each (e.g. reward.judge.rating=[0, 9], or words "
+                f"like yes/no), or reward.judge.score=pattern to read the judge's text.")
+    longest = max(tokens, key=lambda c: len(tokens[c]), default=None)
+    if jc.score == "pattern" and longest is not None and len(tokens[longest]) > max_tokens:
+        raise ConfigError(
+            f"reward.judge.max_tokens={max_tokens} cannot hold the choice {longest!r} ({len(tokens[longest])} tokens of "
+            f"the judge's tokenizer: {tokens[longest]}): the answer would be cut. Raise reward.judge.max_tokens to at "
+            f"least {len(tokens[longest])}, more for words before it (or leave it null: {PATTERN_MAX_TOKENS}).")
 
 
 def judge_prompt(template: str, prompt: str, completion: str, answer) -> str:
@@ -108,18 +149,52 @@ class Judge:
         self.lock = threading.Lock()
         self.pattern = re.compile(jc.pattern)
         self.choices = answer_choices(jc)
+        self.max_tokens = answer_length(jc)
         self.model = jc.model
         self.stats: dict[str, float] = {}
         self.timeout_s = jc.batch_timeout_s  # the reward wrapper's bound on one batch (grpo/rewards/__init__.py)
 
     def wait_healthy(self) -> None:
         """Every server answers /health and lists a model; the first server's names the model when
-        `reward.judge.model` is null."""
+        `reward.judge.model` is null. Then the choices are checked against the judge's tokenizer."""
         deadline = time.time() + self.jc.health_timeout_s
         for s in self.servers:
-            s.wait_healthy(deadline, note="(reward.judge.urls)", kind="judge server")
+            try:
+                s.wait_healthy(deadline, note="(reward.judge.urls)", kind="judge server")
+            except ValueError as e:  # json's error: an HTML page, a proxy's answer
+                raise ConfigError(f"reward.judge.urls: {s.url}/v1/models answered with no JSON ({e}): is it an "
+                                  f"OpenAI-compatible server (`python -m grpo.serve`, `vllm serve`)?") from e
+            except (KeyError, IndexError, TypeError) as e:
+                raise ConfigError(f"reward.judge.urls: {s.url}/v1/models lists no model ({type(e).__name__}: {e}): is "
+                                  f"the URL an OpenAI-compatible server? Set reward.judge.model to the model's name.") from e
             if self.model is None:
                 self.model = s.model
+        tokens = self.choice_tokens()
+        if tokens is None:
+            warnings.warn(f"reward `judge`: {self.servers[0].url} has no /tokenize (not vLLM), so the choices "
+                          f"{list(self.choices)[:12]} cannot be checked to be one token each of the judge's tokenizer "
+                          f"(score=logprobs reads one token: a \"10\" written as \"1\" \"0\" would score 1).", stacklevel=2)
+        else:
+            check_choice_tokens(self.jc, tokens, self.max_tokens)
+
+    def choice_tokens(self) -> dict[str, list] | None:
+        """Each choice as the judge's tokenizer writes it, from vLLM's /tokenize on the first server;
+        None where the server has none."""
+        server = self.servers[0]
+
+        def tokenize(choice: str) -> list:
+            said = server.request("/tokenize", {"model": self.model, "prompt": choice, "add_special_tokens": False,
+                                                "return_token_strs": True})
+            return said.get("token_strs") or said["tokens"]
+
+        try:
+            return dict(zip(self.choices, parallel_map(tokenize, list(self.choices), workers=8)))
+        except ServerError as e:
+            if e.status in NO_TOKENIZE:
+                return None
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError):  # an answer that is no vLLM tokenization
+            return None
 
     def pick(self, avoid: int | None) -> int:
         with self.lock:
@@ -129,7 +204,7 @@ class Judge:
 
     def body(self, text: str) -> tuple[str, dict]:
         jc = self.jc
-        body = {"model": self.model, "max_tokens": jc.max_tokens, "temperature": 0.0}
+        body = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0.0}
         if jc.api == "chat":
             body["messages"] = [{"role": "user", "content": text}]
             if jc.score == "logprobs":
@@ -154,7 +229,8 @@ class Judge:
             if self.jc.score == "logprobs":
                 tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
                 return expected_score(tops[0] if tops else {}, self.choices), text
-        return pattern_score(text, self.pattern, self.choices), text
+        cut = choice.get("finish_reason") == "length"
+        return pattern_score(text, self.pattern, self.choices, self.jc.rating, cut), text
 
     def ask(self, text: str) -> tuple[float | None, str | None, str | None]:
         """(score, the judge's text, error): tries up to 1 + retries servers."""
@@ -173,6 +249,9 @@ class Judge:
                     raise RewardStop(f"reward `judge`: {e}. Check reward.judge.token_file (or $GRPO_SERVE_TOKEN) and "
                                      f"reward.judge.model against the server.") from e
                 error, last = str(e), i
+                continue
+            except ValueError as e:  # json's error: a proxy's page, a server that is not what was meant
+                error, last = f"{self.servers[i].url}{path} answered with no JSON ({e})", i
                 continue
             finally:
                 with self.lock:
@@ -220,9 +299,6 @@ class Judge:
 
 def check(cfg) -> None:
     """validate's part: reward.judge's settings, with nothing contacted."""
-    from grpo.auth import read_token_file
-    from grpo.errors import TokenError
-
     jc = cfg.reward.judge
     if not jc.urls:
         raise ConfigError("reward `judge` needs reward.judge.urls=[http://host:port,...]: OpenAI-compatible servers "
@@ -234,8 +310,11 @@ def check(cfg) -> None:
         raise ConfigError(f"reward.judge.api={jc.api!r} is not one of {list(APIS)}.")
     if jc.score not in SCORES:
         raise ConfigError(f"reward.judge.score={jc.score!r} is not one of {list(SCORES)}.")
-    if jc.rating is not None and (len(jc.rating) != 2 or jc.rating[0] > jc.rating[1]):
-        raise ConfigError(f"reward.judge.rating={list(jc.rating)} must be [low, high] with low <= high, e.g. [1, 10].")
+    if jc.rating is not None and len(jc.rating) != 2:
+        raise ConfigError(f"reward.judge.rating={list(jc.rating)} must be [low, high], e.g. reward.judge.rating=[0, 9].")
+    if jc.rating is not None and jc.rating[0] > jc.rating[1]:
+        raise ConfigError(f"reward.judge.rating={list(jc.rating)} is backwards: give the low end first, "
+                          f"reward.judge.rating={sorted(jc.rating)}.")
     if jc.score == "logprobs" and not (jc.choices or jc.rating):
         raise ConfigError("reward.judge.score=logprobs reads the probabilities of reward.judge.choices: give at least "
                           "one, e.g. reward.judge.choices={yes: 1.0, no: 0.0}, or reward.judge.rating=[1,10].")
@@ -248,8 +327,8 @@ def check(cfg) -> None:
         raise ConfigError(f"reward.judge.pattern={jc.pattern!r} is not a regular expression ({e}).") from e
     if "{completion}" not in jc.template:
         raise ConfigError("reward.judge.template has no {completion}: the judge would not see what it scores.")
-    if jc.max_tokens < 1 or jc.top_logprobs < 1 or jc.max_concurrency < 1 or jc.retries < 0:
-        raise ConfigError("reward.judge needs max_tokens >= 1, top_logprobs >= 1, max_concurrency >= 1 and retries >= 0.")
+    if (jc.max_tokens is not None and jc.max_tokens < 1) or jc.top_logprobs < 1 or jc.max_concurrency < 1 or jc.retries < 0:
+        raise ConfigError("reward.judge needs max_tokens >= 1 (or null), top_logprobs >= 1, max_concurrency >= 1 and retries >= 0.")
     if not 0 <= jc.min_scored <= 1:
         raise ConfigError(f"reward.judge.min_scored={jc.min_scored} is a fraction of a batch: 0 to 1.")
     if jc.request_timeout_s <= 0 or jc.batch_timeout_s <= 0:
@@ -262,9 +341,7 @@ def check(cfg) -> None:
 
 
 def build(cfg, device=None) -> Judge:
-    """The reward function of `reward.judge`, once its servers answer."""
-    from grpo.auth import load_token
-
+    """The reward function of `reward.judge`, once its servers answer and its choices are checked."""
     judge = Judge(cfg.reward.judge, load_token(cfg.reward.judge.token_file))
     judge.wait_healthy()
     return judge
