@@ -2,10 +2,12 @@
 every rank; a weight changed on rank 1 alone is caught by the rank check, on every rank.
 
     torchrun --nproc_per_node 2 tests/guard_step.py OUT STRATEGY DTYPE    # ddp, zero2 or zero3; float32 or bfloat16
+    torchrun --nproc_per_node 2 tests/guard_step.py OUT train CACHE       # through grpo.train's loop (ddp)
 
 Writes OUT/rank<r>.json: the planted step's norm, whether any weight moved at it, whether the clean
 step after it moved them and left them finite, and what the rank check said before and after the
-planted divergence.
+planted divergence. With `train`: what ended the run on each rank, when rank 1 alone changes a weight
+after step 1's update (the rank check is due at step 1).
 """
 
 import json
@@ -17,11 +19,13 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import grpo.train  # noqa: E402
 from grpo.config import AlgoConfig, ParallelConfig, TinyModelConfig  # noqa: E402
 from grpo.dist import dist_info, init_distributed, shutdown  # noqa: E402
 from grpo.guards import RankCheck, RanksDiverged  # noqa: E402
 from grpo.models import build_char_tokenizer, build_tiny_model  # noqa: E402
 from grpo.parallel import strategy_class  # noqa: E402
+from tests.conftest import FAST, compose_cfg  # noqa: E402
 from tests.ddp_step import exit_process  # noqa: E402
 
 
@@ -77,6 +81,35 @@ def main(out: str, name: str, dtype: str) -> None:
     shutdown()
 
 
+def diverge_rank_1(update):
+    """`policy_update`, after which rank 1 alone adds 0.5 to one weight: a step the other rank did not take."""
+
+    def diverged(strategy, *args, **kwargs):
+        stats = update(strategy, *args, **kwargs)
+        if dist_info().rank == 1:
+            with torch.no_grad():
+                next(strategy.model.parameters()).view(-1)[0] += 0.5
+        return stats
+
+    return diverged
+
+
+def train_main(out: str, cache: str) -> None:
+    """Two ddp ranks through `grpo.train.train`, rank 1 diverging at step 1: what stopped each rank."""
+    grpo.train.policy_update = diverge_rank_1(grpo.train.policy_update)
+    cfg = compose_cfg(*FAST, "parallel=ddp", "task.eval_size=8", "export_model=false", run_dir=os.path.join(out, "run"),
+                      cache=cache)
+    try:
+        grpo.train.train(cfg)
+        said = "finished"
+    except RanksDiverged as e:
+        said = str(e)
+    json.dump({"said": said}, open(os.path.join(out, f"rank{dist_info().rank}.json"), "w"))
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    if sys.argv[2] == "train":
+        train_main(sys.argv[1], sys.argv[3])
+    else:
+        main(*sys.argv[1:4])
     exit_process(0)

@@ -83,6 +83,16 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank_and_a_diverged_rank_is_n
             assert "ranks [1] hold weights that differ from rank 0's" in got["rank_check"][1], got
 
 
+def test_a_rank_diverged_in_the_loop_is_named_on_every_rank(tmp_path, cache_dir):
+    """Issue 46 item 3, the rank check through grpo.train's loop on 2 ddp processes: rank 1 alone
+    changes a weight after step 1's update; the check due at step 1 ends the run on both ranks, naming
+    rank 1 (tests/guard_step.py `train`)."""
+    run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "tests/guard_step.py", str(tmp_path), "train", cache_dir])
+    for rank in (0, 1):
+        said = json.load(open(tmp_path / f"rank{rank}.json"))["said"]
+        assert said.startswith("after step 1 ranks [1] hold weights that differ from rank 0's"), (rank, said)
+
+
 def test_the_rank_check_runs_at_step_1_and_every_n_and_never_alone():
     check = RankCheck(every=50, world=2)
     assert [s for s in range(1, 201) if check.due(s)] == [1, 50, 100, 150, 200]
