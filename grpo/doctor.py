@@ -14,7 +14,7 @@ fix for each failure, and a non-zero exit on any. The same checks run on a CPU m
 
     python -m grpo.doctor                      # everything
     python -m grpo.doctor --only versions,device,all-reduce,hf
-    python -m grpo.doctor --only judge --judge reward.judge.urls=[http://j1:8000] reward.judge.rating=[1,10]
+    python -m grpo.doctor --only judge --judge reward.judge.urls=[http://j1:8000] reward.judge.rating=[0,9]
 """
 
 from __future__ import annotations
