@@ -278,10 +278,12 @@ def test_running_normalisation_learns_from_training_only_and_resumes(make_cfg, r
                "task.eval_size=16")
     cfg = make_cfg(*rm_args, "steps=1")
     grpo.train.train(cfg)
+    rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    # the batch's own statistics: mean 0, population std 1, so the logged (sample) std is sqrt(32 / 31)
+    assert [(r["reward/rm"], r["reward/std"]) for r in rows if "reward/rm" in r] == [
+        (pytest.approx(0.0, abs=1e-5), pytest.approx(math.sqrt(32 / 31), rel=1e-4))]
     normaliser = built[-1][0][1].normaliser
     assert normaliser.count == 32
-    rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
-    assert [r["reward/rm"] for r in rows if "reward/rm" in r] == [pytest.approx(0.0, abs=1e-5)]
     saved = torch.load(os.path.join(cfg.run_dir, "checkpoints", "step_00000001", "state_rank0.pt"), weights_only=False)
     assert saved["rewards"]["rm"] == {"count": 32, "mean": normaliser.mean, "m2": normaliser.m2}
     grpo.train.train(make_cfg(*rm_args, "steps=2", "resume=true"))

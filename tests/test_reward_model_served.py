@@ -120,6 +120,20 @@ def test_a_dead_server_scores_its_share_none_with_a_warning(rm_server, rm_dir, m
         values = run_reward("rm", served, [c for _, c in PAIRS], samples, {}, timeout_s=30.0)
     assert values[:8] == pytest.approx(alone[:8], abs=TOLERANCE) and values[8:] == [None] * 8
     assert not any("one at a time" in str(w.message) for w in seen)  # no per-completion retries
+    assert served.stats == {"too_long": 0, "failed": 8}
+
+
+def test_a_text_longer_than_the_servers_context_scores_none_counted(rm_server, rm_dir, monkeypatch):
+    """The server holds 128 tokens (--max-model-len): a 200-character text (a token each, char
+    tokenizer) is not sent, scores None with a warning and is counted, by the in-process model's check
+    (reward_model.within_context); the other texts keep their scores."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    served = build(rm_cfg(rm_dir, f"reward.rm.urls=[{rm_server}]"))
+    texts = ["07+45=052", "1" * 200, "1+1=2"]
+    with pytest.warns(UserWarning, match=rf"1 texts are longer than {rm_server}'s context \(128 tokens\)"):
+        values = served.scores(texts)
+    assert values[1] is None and served.stats == {"too_long": 1, "failed": 0}
+    assert [values[0], values[2]] == pytest.approx(served.scores([texts[0], texts[2]]), abs=TOLERANCE)
 
 
 def test_a_server_that_never_answers_is_an_error_at_build(rm_dir):

@@ -1,5 +1,6 @@
 """Reward functions against hand-checked cases, and a reward that raises or hangs not stopping the run."""
 
+import threading
 import time
 
 import pytest
@@ -80,6 +81,21 @@ def test_a_reward_that_hangs_is_cut_off():
         rewards, _ = score([("hangs", hangs_on_slow, 1.0)], ["a", "slow", "b"], [None] * 3, timeout_s=0.5)
     assert time.monotonic() - t0 < 5
     assert rewards == [[0.5, None, 0.5]]
+
+
+def test_a_model_reward_is_called_once_in_the_callers_thread_and_not_retried():
+    """A reward that holds a model (here under the name `judge`) is not abandoned on a thread nor
+    retried one completion at a time (B more forwards or requests): one call, in this thread; when it
+    fails, its batch is excluded with one warning."""
+    calls = []
+
+    def judge(completions, samples, **_):
+        calls.append((len(completions), threading.get_ident()))
+        raise RuntimeError("server gone")
+
+    with pytest.warns(UserWarning, match="'judge' failed on the batch \\(RuntimeError: server gone\\); its 3 completions"):
+        rewards, _ = score([("judge", judge, 1.0)], ["a", "b", "c"], [None] * 3, timeout_s=5)
+    assert rewards == [[None, None, None]] and calls == [(3, threading.get_ident())]
 
 
 # per registered reward: (a completion it should score higher, its token count; one it should score lower, its count)
