@@ -1,8 +1,7 @@
 """Guards every run carries, cheap enough to stay on (docs/verify.md, "The step guards"):
 
 - an optimizer step with a non-finite gradient is skipped and counted (`guard/skipped_steps`); a run of
-  training steps with one stops the run with
-  what to try;
+  training steps with one stops the run with what to try;
 - at step 1 and every `check_ranks_every` steps the ranks compare a fingerprint of their full weights;
   a mismatch stops the run naming the ranks (a gradient that was not all-reduced, a rank that skipped
   a step the others took);
