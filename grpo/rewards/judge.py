@@ -317,7 +317,7 @@ def check(cfg) -> None:
                           f"reward.judge.rating={sorted(jc.rating)}.")
     if jc.score == "logprobs" and not (jc.choices or jc.rating):
         raise ConfigError("reward.judge.score=logprobs reads the probabilities of reward.judge.choices: give at least "
-                          "one, e.g. reward.judge.choices={yes: 1.0, no: 0.0}, or reward.judge.rating=[1,10].")
+                          "one, e.g. reward.judge.choices={yes: 1.0, no: 0.0}, or reward.judge.rating=[0,9].")
     for token, value in dict(jc.choices).items():
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ConfigError(f"reward.judge.choices[{token!r}]={value!r} must be a number.")
