@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import PIL.Image
 import torch
 
 from grpo.prompts import format_prompt
@@ -37,7 +38,7 @@ class VisionInputs:
 
     pixel_values: torch.Tensor  # (patches, channels x temporal x patch x patch), the image processor's
     image_grid_thw: torch.Tensor  # (images, 3): each image's grid of patches (before merging)
-    images: list  # the images as the task gave them (PIL), for engines that run their own processor
+    images: list  # the images in RGB (checked_images), for engines that run their own processor
     rope_3P: torch.Tensor  # the prompt's M-RoPE positions (3, P)
     image_token_id: int  # the placeholder's id
 
@@ -101,11 +102,27 @@ def mrope_positions(ids: list[int], image_id: int, grid_thw: torch.Tensor, merge
     return out
 
 
+def checked_images(sample) -> list:
+    """A sample's images, each a PIL image of at least one pixel, in RGB. Another mode is converted here,
+    once, so the trainer's processor and the engine (vLLM's own conversion, or a PNG sent to a server)
+    see the same pixels; an empty image stopped deep in the image processor (ZeroDivisionError)."""
+    out = []
+    for i, image in enumerate(sample.meta["images"]):
+        if not isinstance(image, PIL.Image.Image):
+            raise ValueError(f"image {i} of the prompt {sample.prompt!r} is a {type(image).__name__}: a sample's "
+                             f"meta['images'] holds PIL images (PIL.Image.open(path))")
+        if image.width == 0 or image.height == 0:
+            raise ValueError(f"image {i} of the prompt {sample.prompt!r} is {image.width}x{image.height} pixels: "
+                             f"an empty image has nothing to encode; drop it (or the sample) from the data")
+        out.append(image if image.mode == "RGB" else image.convert("RGB"))
+    return out
+
+
 def encode_image_prompt(tokenizer, image_processor, config, sample, chat_template: str = "auto",
                         system_prompt: str | None = None) -> ImagePrompt:
     """The token ids of a sample with images (`sample.meta["images"]`), every placeholder expanded to
     its image's token count, with the image processor's pixels and the prompt's M-RoPE positions."""
-    images = list(sample.meta["images"])
+    images = checked_images(sample)
     text, templated = format_prompt(tokenizer, sample.prompt, chat_template, system_prompt, len(images),
                                     VISION_START + IMAGE_PAD + VISION_END)
     ids = tokenizer(text, add_special_tokens=not templated).input_ids
