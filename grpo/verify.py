@@ -45,16 +45,18 @@ from dataclasses import dataclass, replace
 import torch
 from omegaconf import OmegaConf
 
-from grpo import dist
+from grpo import dist, lora
 from grpo.batch import batch_advantages, collate
 from grpo.cli import exit_on_user_error
 from grpo.config import compose_config, validate
 from grpo.cpus import configure_threads
 from grpo.guards import parity_bound, ranks_fingerprints, weight_fingerprint
-from grpo.layouts import LAYOUTS, layout_of
+from grpo.layouts import layout_of
 from grpo.library_logs import quiet_library_logs
-from grpo.model_support import runnable_layout
-from grpo.update import accumulate_gradients, loss_norm, policy_update, score_tokens
+from grpo.models import build_reference, load_model
+from grpo.parallel.single import SingleStrategy
+from grpo.train import setup
+from grpo.update import accumulate_gradients, loss_norm, planned_layout, policy_update, score_tokens
 
 # (logprob, relative gradient) tolerances by the model's dtype
 TOLERANCES = {"float32": (1e-4, 1e-4), "bfloat16": (0.1, 5e-2), "float16": (0.02, 1e-2)}
@@ -113,8 +115,6 @@ def ratio_check(r, batch, tol: float) -> Check:
 
 
 def reference_check(r, batch, tol: float) -> Check:
-    from grpo.models import build_reference
-
     cfg = copy.deepcopy(r.cfg)
     if cfg.algo.beta == 0:
         cfg.algo.beta = 1e-3  # only to build one: the check is about the reference, not the run's KL
@@ -128,13 +128,11 @@ def reference_check(r, batch, tol: float) -> Check:
 
 
 def local_copy(r):
-    """A copy of the run's model on this process alone (no collectives), as the run loads it."""
-    from grpo.models import load_model
-
+    """A fresh copy of the run's model on this process alone (no collectives), as the run loads it:
+    loaded anew for each use, so rank 0 holds one such copy at a time (with a 7B model, each fp32
+    copy and its gradients are 56 GB beside the run's own shard)."""
     model, _ = load_model(r.model_path, r.cfg.model.dtype)
     if r.cfg.model.lora.rank > 0:
-        from grpo import lora
-
         model = lora.wrap(model, r.cfg.model.lora)
         with torch.no_grad():  # B starts at 0, which would leave A without a gradient to compare
             for _, p in lora.adapter_parameters(model):
@@ -142,15 +140,26 @@ def local_copy(r):
     return model.to(next(r.strategy.model.parameters()).device).train()
 
 
-def gradients(model, batch, algo, temperature: float) -> tuple[dict, torch.Tensor]:
-    from grpo.parallel.single import SingleStrategy
+@dataclass
+class Gradients:
+    """One layout's fp32 gradients (on the CPU: a kept set does not hold the device), the logprobs
+    its model gave, and the layout that model really ran."""
 
-    model = copy.deepcopy(model)
-    strategy = SingleStrategy(None, model, algo, total_steps=1)
+    by_name: dict
+    logprobs_BT: torch.Tensor
+    ran: str
+
+
+def gradients(r, batch, algo) -> Gradients:
+    """`batch`'s gradients under `algo` on a fresh local copy of the model, freed on return."""
+    strategy = SingleStrategy(None, local_copy(r), algo, total_steps=1)
     norm = loss_norm(batch, max_len=batch.completion_ids_BT.shape[1], gen_tokens_per_step=float(batch.mask_BT.sum()))
-    accumulate_gradients(strategy, batch, algo, norm, temperature)
-    logp = score_tokens(strategy.forward_model, batch, temperature, algo.micro_batch_tokens, layout=layout_of(algo))
-    return {n: p.grad.float().clone() for n, p in strategy.model.named_parameters() if p.grad is not None}, logp
+    accumulate_gradients(strategy, batch, algo, norm, r.sampling.temperature)
+    logp = score_tokens(strategy.forward_model, batch, r.sampling.temperature, algo.micro_batch_tokens,
+                        layout=layout_of(algo))
+    ran = planned_layout(strategy.forward_model, batch, layout_of(algo))
+    grads = {n: p.grad.float().cpu() for n, p in strategy.model.named_parameters() if p.grad is not None}
+    return Gradients(grads, logp, ran)
 
 
 def grad_gap(a: dict, b: dict) -> float:
@@ -162,42 +171,48 @@ def grad_gap(a: dict, b: dict) -> float:
     return max(float((a[n] - b[n]).abs().max()) for n in b) / size
 
 
-def layout_checks(r, batch, tol_logp: float, tol_grad: float) -> list[Check]:
-    """On rank 0 alone, a few groups, a local copy of the model: each layout against padded, and one
-    micro-batch against several."""
-    G = r.G
-    signal_P = batch.advantages_B.abs().view(-1, G).sum(1)  # two groups with a learning signal (else ±1 advantages)
+def few_groups(batch, G: int):
+    """Two groups of `batch` with a learning signal (else ±1 advantages stand in)."""
+    signal_P = batch.advantages_B.abs().view(-1, G).sum(1)
     groups = signal_P.argsort(descending=True)[:2]
     sub = batch.select((groups[:, None] * G + torch.arange(G)).flatten())
     if not sub.advantages_B.abs().sum():
         sub.advantages_B = torch.tensor([1.0 if i % 2 else -1.0 for i in range(sub.size)])
-    model = local_copy(r)
-    algo = r.cfg.algo
-    temperature = r.sampling.temperature
-    results = []
-    runs = {}
-    for layout in LAYOUTS:
-        a = OmegaConf.merge(algo, {"packing": layout != "padded", "shared_prompt": layout == "shared",
-                                   "micro_batch_tokens": 1 << 20, "beta": 0.0})
-        runs[layout] = gradients(model, sub, a, temperature)
-    longest = int(sub.attention_mask_BL.sum(1).max())
-    for layout in ("packed", "shared"):
-        ran = runnable_layout(model, layout, longest)
-        d = max_diff(runs[layout][1], runs["padded"][1], sub.mask_BT)
-        g = grad_gap(runs[layout][0], runs["padded"][0])
-        results.append(check(f"layout/{layout}", d <= tol_logp and g <= tol_grad,
-                             f"against padded: logprobs {d:.2e} (tol {tol_logp:g}), gradients {g:.2e} of their size "
-                             f"(tol {tol_grad:g}); the model ran {ran}" + ("" if ran == layout else " (a fallback)")))
-    configured = layout_of(algo)
+    return sub
+
+
+def layout_checks(r, batch, tol_logp: float, tol_grad: float) -> list[Check]:
+    """On rank 0 alone, a few groups, local copies of the model: each layout against padded, and one
+    micro-batch against several. One copy at a time, and at most two gradient sets kept (on the CPU):
+    the configured layout's is compared with several micro-batches', then with padded's, then freed
+    before the other layout runs."""
+    sub = few_groups(batch, r.G)
+    algo, configured = r.cfg.algo, layout_of(r.cfg.algo)
+
+    def settings(layout: str, micro_batch_tokens: int = 1 << 20):
+        return OmegaConf.merge(algo, {"packing": layout != "padded", "shared_prompt": layout == "shared",
+                                      "micro_batch_tokens": micro_batch_tokens, "beta": 0.0})
+
+    one = gradients(r, sub, settings(configured))
     width = int(sub.attention_mask_BL.sum(1).max()) if configured != "padded" else sub.input_ids_BL.shape[1]
-    small = OmegaConf.merge(algo, {"micro_batch_tokens": width, "beta": 0.0})
-    one = runs[configured][0]
-    several, _ = gradients(model, sub, small, temperature)
-    g = grad_gap(several, one)
-    results.append(check("micro-batches", g <= tol_grad, f"{configured}, {sub.size} sequences: one micro-batch against one "
-                                                          f"per {width} tokens: gradients {g:.2e} of their size "
-                                                          f"(tol {tol_grad:g})"))
-    return results
+    g = grad_gap(gradients(r, sub, settings(configured, width)).by_name, one.by_name)
+    several = check("micro-batches", g <= tol_grad, f"{configured}, {sub.size} sequences: one micro-batch against one "
+                                                     f"per {width} tokens: gradients {g:.2e} of their size "
+                                                     f"(tol {tol_grad:g})")
+    padded = one if configured == "padded" else gradients(r, sub, settings("padded"))
+    rows = {}
+    for layout in sorted(("packed", "shared"), key=lambda layout: layout != configured):  # the configured one first
+        if layout == configured:
+            run, one = one, None  # compared once, then freed
+        else:
+            run = gradients(r, sub, settings(layout))
+        d = max_diff(run.logprobs_BT, padded.logprobs_BT, sub.mask_BT)
+        g = grad_gap(run.by_name, padded.by_name)
+        rows[layout] = check(f"layout/{layout}", d <= tol_logp and g <= tol_grad,
+                             f"against padded: logprobs {d:.2e} (tol {tol_logp:g}), gradients {g:.2e} of their size "
+                             f"(tol {tol_grad:g}); the model ran {run.ran}" + ("" if run.ran == layout else " (a fallback)"))
+        del run
+    return [rows["packed"], rows["shared"], several]
 
 
 def split_check(r, batch, tol: float) -> Check:
@@ -250,37 +265,56 @@ def child_env(environ) -> dict:
     return {k: v for k, v in environ.items() if k not in RENDEZVOUS}
 
 
+# where a run lives and whether it resumes: the resume check's runs set these themselves
+PLACEMENT = ("run_dir", "resume", "hydra.run.dir")
+
+
+def child_overrides(overrides: list[str]) -> list[str]:
+    """The run's overrides without PLACEMENT's (also as +key= / ++key= / ~key): a user's run_dir= won
+    over the check's hydra.run.dir=, so both of its runs resumed the user's real run folder
+    (config.yaml overwritten, a step appended to metrics.jsonl; a finished run's folder crashed verify)."""
+    return [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in PLACEMENT]
+
+
 def resume_check(overrides: list[str], world_size: int) -> Check:
-    """Two 2-step runs of `grpo.train` in subprocesses: one unbroken, one stopped after step 1 and
-    resumed: step 2's metrics must agree (the same prompts, seeds, weights and optimizer state).
-    `world_size` is the launch's (the process group is gone by now): each rank's subprocess would
-    inherit torchrun's rank variables and join another's rendezvous."""
+    """Two 4-step runs of `grpo.train` in subprocesses, each in its own scratch folder: one unbroken,
+    one stopped after step 2 and resumed: steps 3 and 4's metrics must agree (the same prompts, seeds
+    and weights; from step 4 on, the optimizer's and the schedule's state too: a step's metrics come
+    before its optimizer step, and step 1 may train nothing). `world_size` is the launch's (the
+    process group is gone by now): each rank's subprocess would inherit torchrun's rank variables
+    and join another's rendezvous."""
     if world_size > 1:
         return Check("resume", "SKIP", "run grpo.verify on one process for the resume check")
+    # The stop is a 2-step run: a linear schedule's decay would then differ from the unbroken run's
+    # (it ends at `steps`), and the resumed run's step 3 would take the 2-step run's last LR. Warmup,
+    # then constant, is the same in both, and still needs the schedule's position restored.
+    same = [*SCRATCH, "algo.lr_schedule=constant", "checkpoint_every=1", "resume=true"]
     base = tempfile.mkdtemp(prefix="grpo-verify-resume-")
     try:
         rows = {}
-        for name, parts in (("unbroken", [["steps=2"]]), ("resumed", [["steps=1"], ["steps=2"]])):
-            for extra in parts:
-                cmd = [sys.executable, "-m", "grpo.train", *overrides, *SCRATCH, *extra, "checkpoint_every=1",
-                       f"hydra.run.dir={os.path.join(base, name)}"]
+        for name, parts in (("unbroken", ["steps=4"]), ("resumed", ["steps=2", "steps=4"])):
+            folder = os.path.join(base, name)
+            for steps in parts:
+                cmd = [sys.executable, "-m", "grpo.train", *child_overrides(overrides), *same, steps,
+                       f"run_dir={folder}", f"hydra.run.dir={folder}"]
                 out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(os.environ))
                 if out.returncode:
                     return Check("resume", "FAIL", f"{' '.join(cmd[2:])} exited {out.returncode}: {out.stderr.strip()[-400:]}")
-            rows[name] = [json.loads(x) for x in open(os.path.join(base, name, "metrics.jsonl"))]
-        step2 = {k: next(x for x in v if x.get("step") == 2 and "loss" in x) for k, v in rows.items()}
-        gaps = {k: abs(step2["unbroken"][k] - step2["resumed"][k]) for k in COMPARED if k in step2["unbroken"]}
+            rows[name] = [json.loads(x) for x in open(os.path.join(folder, "metrics.jsonl"))]
+        gaps = {}
+        for step in (3, 4):
+            at = {k: next(x for x in v if x.get("step") == step and "loss" in x) for k, v in rows.items()}
+            gaps |= {(step, k): abs(at["unbroken"][k] - at["resumed"][k]) / max(1.0, abs(at["unbroken"][k]))
+                     for k in COMPARED if k in at["unbroken"]}
         worst = max(gaps, key=gaps.get)
-        ok = all(g <= 1e-5 * max(1.0, abs(step2["unbroken"][k])) for k, g in gaps.items())
-        return check("resume", ok, f"step 2 of an unbroken run against one stopped after step 1 and resumed: "
-                                   f"{len(gaps)} metrics, largest gap {gaps[worst]:.2e} ({worst})")
+        return check("resume", gaps[worst] <= 1e-5, f"steps 3 and 4 of an unbroken run against one stopped after step 2 "
+                                                    f"and resumed: {len(gaps)} metrics, largest gap {gaps[worst]:.2e} "
+                                                    f"of max(1, |value|) ({worst[1]} at step {worst[0]})")
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
 
 def run_checks(cfg, overrides: list[str]) -> list[Check]:
-    from grpo.train import setup
-
     info = dist.dist_info()
     tol_logp, tol_grad = TOLERANCES.get(cfg.model.dtype, TOLERANCES["float32"])
     results = []

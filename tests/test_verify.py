@@ -1,9 +1,27 @@
 """`python -m grpo.verify`: every check passes on a healthy run, and a planted defect fails the check
-that covers it, named (the 2-process runs: docs/verify.md)."""
+that covers it, named: each row's planted defect is listed in docs/verify.md."""
+
+import copy
+import gc
+import os
+import subprocess
+from types import SimpleNamespace
 
 import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import GenerationMixin
 
+import grpo.parallel.single
+import grpo.rollout.hf
+import grpo.train
+import grpo.update
+import grpo.verify
+from grpo.rollout.render import ChatRender
+from grpo.verify import Check, render_check, resume_check, verify
 from tests.conftest import FAST
+from tests.test_parallel import TORCHRUN
+from tests.test_render import CHATML, chat_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -13,21 +31,46 @@ def lines(capsys) -> dict[str, str]:
     return {ln.split()[1]: ln.split()[0] for ln in out.splitlines() if ln[:4] in ("PASS", "FAIL", "SKIP")}, out
 
 
-def test_verify_passes_on_the_default_run(cache_dir, capsys):
-    from grpo.verify import verify
+def live_copies(param_name: str) -> tuple[int, int]:
+    """(models, gradient sets) alive in this process: language models with their head (not counting
+    the body inside each), and dicts holding a tensor under the model's first parameter name
+    (grpo.verify's kept gradients)."""
+    objects = gc.get_objects()
+    models = sum(isinstance(o, GenerationMixin) for o in objects)
+    kept = sum(type(o) is dict and isinstance(o.get(param_name), torch.Tensor) for o in objects)
+    return models, kept
 
+
+def test_verify_passes_on_the_default_run(cache_dir, capsys, monkeypatch):
+    """Every row passes; and the layout checks hold one model copy of their own and one kept gradient
+    set at a time beside the one being computed (they kept three fp32 sets and two copies on rank 0's
+    device: 7B OOMs an 80 GB GPU). Counted at each of their backward passes."""
+    seen, before = [], {}
+    real_checks, real_accumulate = grpo.verify.layout_checks, grpo.verify.accumulate_gradients
+
+    def counted_checks(r, *args):
+        before["counts"] = live_copies(next(n for n, _ in r.strategy.model.named_parameters()))
+        return real_checks(r, *args)
+
+    def counted_accumulate(strategy, *args):
+        seen.append(live_copies(next(n for n, _ in strategy.model.named_parameters())))
+        return real_accumulate(strategy, *args)
+
+    monkeypatch.setattr(grpo.verify, "layout_checks", counted_checks)
+    monkeypatch.setattr(grpo.verify, "accumulate_gradients", counted_accumulate)
     assert verify([*FAST, f"model.cache_dir={cache_dir}"]) == 0
     status, out = lines(capsys)
     assert {k for k, v in status.items() if v == "PASS"} >= {
         "sampler", "ratio", "reference", "layout/packed", "layout/shared", "micro-batches", "sync", "resume"}, out
     assert "the model ran shared" in out
+    models, kept = before["counts"]
+    assert len(seen) == 4 and all(m <= models + 1 and k <= kept + 1 for m, k in seen), (before, seen)
 
 
 def test_verify_names_a_planted_layout_defect(cache_dir, capsys, monkeypatch):
     """Shared rows whose first completion token is read one position late (a hidden_at off by one:
     the probes, which compare hidden states, cannot see it; the logprobs can)."""
     import grpo.logprobs
-    from grpo.verify import verify
 
     real = grpo.logprobs.pack_shared
 
@@ -44,12 +87,113 @@ def test_verify_names_a_planted_layout_defect(cache_dir, capsys, monkeypatch):
     assert "FAIL: " in out and "layout/shared" in out.splitlines()[-1]
 
 
+def skip_resume(monkeypatch):
+    """The resume row's runs are subprocesses, which these in-process plants do not reach; it has
+    tests of its own below."""
+    monkeypatch.setattr(grpo.verify, "resume_check", lambda *a: Check("resume", "SKIP", "not under test"))
+
+
+def test_verify_names_planted_ratio_reference_micro_batch_and_sync_defects(cache_dir, capsys, monkeypatch):
+    """Four defects, each reaching one row only, in one run:
+    - ratio: the policy's attention dropout on (its training-mode forward is not its eval one);
+    - reference: the reference loaded in bf16 while the policy runs fp32;
+    - micro-batches: each micro-batch's loss averaged over its own tokens (the classic accumulation
+      bug: exact with one micro-batch, so the layouts, run in one, still pass);
+    - sync: the sampler holds its own copy of the module, which the weight push never reaches
+      (exact before the first step: the sampler row still passes)."""
+    real_policy, real_reference = grpo.train.build_policy, grpo.verify.build_reference
+    real_loss, real_init = grpo.update.decoupled_loss, grpo.rollout.hf.HFBackend.__init__
+
+    def with_dropout(*a, **k):
+        model, tokenizer, path = real_policy(*a, **k)
+        for module in model.modules():
+            if hasattr(module, "attention_dropout"):
+                module.attention_dropout = 0.5
+        return model, tokenizer, path
+
+    def in_bf16(cfg, path, strategy):
+        cfg = copy.deepcopy(cfg)
+        cfg.model.dtype = "bfloat16"
+        return real_reference(cfg, path, strategy)
+
+    def per_micro_batch(logp_BT, old_BT, sampler_BT, adv_B, mask_BT, norm, algo, **k):
+        loss, stats = real_loss(logp_BT, old_BT, sampler_BT, adv_B, mask_BT, norm, algo, **k)
+        return loss * norm.num_tokens / mask_BT.sum(), stats
+
+    def own_copy(self, cfg, model, *a, **k):
+        real_init(self, cfg, copy.deepcopy(model), *a, **k)
+
+    monkeypatch.setattr(grpo.train, "build_policy", with_dropout)
+    monkeypatch.setattr(grpo.verify, "build_reference", in_bf16)
+    monkeypatch.setattr(grpo.update, "decoupled_loss", per_micro_batch)
+    monkeypatch.setattr(grpo.rollout.hf.HFBackend, "__init__", own_copy)
+    skip_resume(monkeypatch)
+    assert verify([*FAST, f"model.cache_dir={cache_dir}"]) == 1
+    status, out = lines(capsys)
+    assert {k for k, v in status.items() if v == "FAIL"} == {"ratio", "reference", "micro-batches", "sync"}, out
+    assert {k for k, v in status.items() if v == "PASS"} == {"sampler", "layout/packed", "layout/shared"}, out
+
+
+@pytest.mark.slow
+def test_verify_names_a_planted_sampler_defect(cache_dir, capsys, monkeypatch):
+    """The sampler generates under bf16 autocast while the trainer scores in fp32 (the engine's
+    dtype): the sampler row fails, and the sync row, the same comparison after a step, with it."""
+    monkeypatch.setattr(grpo.rollout.hf, "compute_precision",
+                        lambda model, dtype: torch.autocast(device_type="cpu", dtype=torch.bfloat16))
+    skip_resume(monkeypatch)
+    assert verify([*FAST, f"model.cache_dir={cache_dir}"]) == 1
+    status, out = lines(capsys)
+    assert {k for k, v in status.items() if v == "FAIL"} == {"sampler", "sync"}, out
+
+
+# run by torchrun: the last gradient of DDP's last bucket is never all-reduced
+UNREDUCED_GRADIENT = """
+
+from grpo.parallel import ddp
+from grpo.verify import main
+
+real = ddp.gradient_buckets
+
+
+def one_short(params, bucket_bytes):
+    buckets = real(params, bucket_bytes)
+    return buckets[:-1] + ([buckets[-1][:-1]] if len(buckets[-1]) > 1 else [])
+
+
+ddp.gradient_buckets = one_short
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_verify_names_ranks_that_diverge_on_two_processes(tmp_path, cache_dir):
+    """`torchrun --nproc_per_node 2 -m grpo.verify parallel=ddp` with one gradient left out of the
+    all-reduce: the ranks row fails, naming rank 1, and no other row does."""
+    script = tmp_path / "unreduced.py"
+    script.write_text(UNREDUCED_GRADIENT)
+    out = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", str(script), *FAST, "parallel=ddp",
+                          f"model.cache_dir={cache_dir}"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    status = {line.split()[1]: line[:4] for line in out.stdout.splitlines() if line[:4] in ("PASS", "FAIL", "SKIP")}
+    assert out.returncode == 1 and {k for k, v in status.items() if v == "FAIL"} == {"ranks"}, out.stdout + out.stderr[-3000:]
+    assert "ranks [1] differ from rank 0" in out.stdout, out.stdout
+
+
+def test_the_render_row_fails_when_observations_join_unlike_the_template(monkeypatch):
+    """A chat render whose observations drop ChatML's separator after <|im_end|>: the row fails, and
+    says where the joined tokens and the template part."""
+    render = ChatRender(chat_tokenizer(CHATML))
+    r = SimpleNamespace(episodes=SimpleNamespace(render=render), cfg=OmegaConf.create({"env": {"render": "chat"}}))
+    assert render_check(r).status == "PASS", render_check(r)
+    monkeypatch.setattr(render, "separator", [])
+    row = render_check(r)
+    assert row.status == "FAIL" and "part at character" in row.detail, row
+
+
 def test_the_resume_check_skips_under_several_processes_after_the_group_is_gone():
     """grpo.verify runs its resume check after the process group is closed, when dist.world_size() says
     1 again: it must go by the launch's world size, or each torchrun rank would start a grpo.train that
     inherits the rank variables and waits in another's rendezvous (a hang seen under parallel=ddp)."""
-    from grpo.verify import resume_check
-
     check = resume_check(["steps=1"], world_size=2)
     assert check.status == "SKIP" and "one process" in check.detail, check
 
@@ -62,3 +206,42 @@ def test_the_resume_checks_runs_get_no_rendezvous_of_this_process():
     env = child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "1",
                      "LOCAL_RANK": "0", "PATH": "/bin", "GRPO_CACHE": "/c"})
     assert env == {"PATH": "/bin", "GRPO_CACHE": "/c"}
+
+
+def test_the_resume_check_never_runs_in_the_users_run_folder(tmp_path, cache_dir):
+    """The guards tell users to run grpo.verify with their run's overrides, run_dir= among them: the
+    resume check's runs go to their own scratch folders whatever the overrides say (given the user's
+    run_dir, they overwrote its config.yaml and resumed its checkpoint)."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "config.yaml").write_text("the user's run\n")
+    row = resume_check([*FAST, f"model.cache_dir={cache_dir}", f"run_dir={user}", "++resume=false",
+                        f"hydra.run.dir={user}"], world_size=1)
+    assert os.listdir(user) == ["config.yaml"] and (user / "config.yaml").read_text() == "the user's run\n"
+    assert row.status == "PASS", row
+
+
+# put on PYTHONPATH as sitecustomize.py, so the resume check's grpo.train runs load it
+LOSES_OPTIMIZER_STATE = """
+from grpo.parallel.single import SingleStrategy
+
+real = SingleStrategy.load
+
+
+def load(self, folder):
+    real(self, folder)
+    self.optimizer.state.clear()
+
+
+SingleStrategy.load = load
+"""
+
+
+@pytest.mark.slow
+def test_the_resume_check_names_a_resume_that_loses_the_optimizer_state(tmp_path, cache_dir, monkeypatch):
+    """A resume that restores the weights but not AdamW's moments: step 3's metrics come before its
+    optimizer step and still agree, step 4's cannot (step 1 trains nothing in this run)."""
+    (tmp_path / "sitecustomize.py").write_text(LOSES_OPTIMIZER_STATE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    row = resume_check([*FAST, f"model.cache_dir={cache_dir}"], world_size=1)
+    assert row.status == "FAIL" and "at step 4" in row.detail, row
