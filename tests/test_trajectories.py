@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -20,11 +22,11 @@ from grpo.errors import ConfigError, ServerError
 from grpo.rollout import Sampling
 from grpo.rollout.episodes import Budget, EpisodeRunner, episode_metrics
 from grpo.rollout.render import RawRender
-from grpo.rollout.servers import TurnGate, prompt_requests
+from grpo.rollout.servers import PoolClosed, TurnGate, adapter_name, prompt_requests, push_adapter_from_one_rank
 from grpo.rollout.trajectories import episode_driver
 from grpo.tasks.base import Sample
 from grpo.weights import group_by_size
-from tests.conftest import compose_cfg, serve_tiny, stop_served
+from tests.conftest import ROOT, compose_cfg, serve_tiny, stop_served
 
 TOKEN = "test-secret-token"
 EVENTS: list[tuple] = []  # (secret, step number, start, end) of every SlowGuess step
@@ -216,7 +218,9 @@ def test_schedule_and_partial_rollouts_are_checked():
 
 def test_a_guess_run_with_partial_rollouts_through_remote(server, make_cfg, monkeypatch):
     """4 steps of experiment=guess_tiny on the server, one batch ahead (max_staleness=1) with partial
-    rollouts: it trains, logs the versions each batch spans, and never more than 2."""
+    rollouts: it trains, logs the versions each batch spans, never more than 2, and at least one batch
+    spans 2 (its episodes' later turns sampled after a push: partial rollouts ignored, every batch is
+    one version and this fails)."""
     from grpo.auth import TOKEN_ENV
     from grpo.train import train
 
@@ -227,7 +231,8 @@ def test_a_guess_run_with_partial_rollouts_through_remote(server, make_cfg, monk
     rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
     trained = [r for r in rows if "loss" in r]
     assert len(trained) == 4
-    assert all(1 <= r["episode/versions_max"] <= 2 for r in trained), [r["episode/versions_max"] for r in trained]
+    versions = [r["episode/versions_max"] for r in trained]
+    assert all(1 <= v <= 2 for v in versions) and 2 in versions, versions
     assert all(r["async/staleness_max"] <= 1 for r in trained)
 
 
@@ -255,3 +260,94 @@ def test_a_failed_request_ends_only_its_trajectories(server, remote):
             TrajectoryDriver(runner, pool, 0).run(prompts, samples, 2, sampling)
     finally:
         pool.close()
+
+
+STOPPED_RUN = """
+import os, sys, time
+from omegaconf import OmegaConf
+from grpo.config import RolloutConfig
+from grpo.envs.guess import GuessEnv
+from grpo.models import load_model
+from grpo.rollout import Sampling
+from grpo.rollout.episodes import Budget, EpisodeRunner
+from grpo.rollout.render import RawRender
+from grpo.rollout.remote import RemoteBackend
+from grpo.tasks.base import Sample
+
+url, path, marks, schedule = sys.argv[1:5]
+
+class Marked(GuessEnv):  # every step takes 3 s and leaves a mark when it starts and when it ends
+    def step(self, action):
+        open(os.path.join(marks, "started"), "a").close()
+        time.sleep(3)
+        open(os.path.join(marks, "finished"), "a").close()
+        return super().step(action)
+
+model, tok = load_model(path)
+cfg = OmegaConf.structured(RolloutConfig(backend="remote", schedule=schedule))
+cfg.remote.urls = [url]
+backend = RemoteBackend(cfg, model, tok)
+runner = EpisodeRunner(Marked, tok, RawRender(tok), Budget(4, 6, 64, 4, backend.max_context), 10.0,
+                       [tok.eos_token_id], "marked", max_concurrency=8)
+texts = ["12+34=", "7+1="]
+future = backend.submit_episodes([tok(t).input_ids for t in texts], [Sample(t, "9") for t in texts], 2,
+                                 Sampling(max_new_tokens=6, temperature=1.0, seed=3), runner)
+while not os.path.exists(os.path.join(marks, "started")):
+    if future.done():
+        sys.exit(f"no step started: {future.result()}")
+    time.sleep(0.01)
+backend.close()  # a stop, preemption or error: the run's finally closes its backend, then the process exits
+sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize("schedule", ["trajectories", "turns"])
+def test_a_stopped_run_exits_without_waiting_for_the_episodes_in_flight(server, tmp_path, schedule):
+    """A process closes its backend while an environment step (3 s) is in flight, then exits: it is gone
+    before that step returns (its end mark is never written). Before, the trajectories' and the
+    environment calls' ThreadPoolExecutor workers were joined at exit, and the episodes in flight played
+    out (steps of up to env.step_timeout_s, turns of up to the generation timeout) before it ended."""
+    from grpo.auth import TOKEN_ENV
+
+    done = subprocess.run([sys.executable, "-c", STOPPED_RUN, server["url"], server["path"], str(tmp_path), schedule],
+                          cwd=ROOT, env={**os.environ, TOKEN_ENV: TOKEN}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "started").exists()
+    assert not (tmp_path / "finished").exists(), "the exit waited for the environment step in flight"
+
+
+def test_a_closed_pool_sends_no_further_turn_and_fails_the_batch(remote):
+    """Every step takes 0.5 s; once a step has returned, the backend closes: the batch fails with
+    PoolClosed and no step starts after the close (before, the episodes played out on the pool)."""
+    make, model, tok = remote
+    backend = make()
+    prompts, samples = batch(tok)
+    EVENTS.clear()
+    future = backend.submit_episodes(prompts, samples, 2, Sampling(max_new_tokens=6, temperature=1.0, seed=7),
+                                     runner_for(tok, backend, slow=0, fast_s=0.5))
+    while not EVENTS and not future.done():
+        time.sleep(0.01)
+    assert EVENTS, future.result()
+    backend.close()
+    closed_at = time.perf_counter()
+    assert isinstance(future.exception(), PoolClosed), future.exception()
+    assert [e for e in EVENTS if e[2] > closed_at] == []
+
+
+def test_a_rank_without_the_pool_resumes_its_turns_with_the_new_adapter(remote, tmp_path):
+    """LoRA with partial rollouts on rank >= 1 (no pool to push with): a turn waiting out the push
+    wakes asking for the adapter the push loaded, never the one rank 0 has just unloaded."""
+    make, _, _ = remote
+    backend = make(partial=True)
+    gate, seen = backend.pool.gate, []
+    gate.pause()  # a push is under way: the turn below waits
+
+    def turn():
+        with gate.turn():
+            seen.append(backend.pool.servers[0].adapter)
+
+    waiting = threading.Thread(target=turn)
+    waiting.start()
+    push_adapter_from_one_rank(None, None, [], 1, str(tmp_path), own=backend.pool)
+    waiting.join(60)
+    assert seen == [adapter_name(1)]

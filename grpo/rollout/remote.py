@@ -93,8 +93,7 @@ class RemoteBackend(RolloutBackend):
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
         if self.lora_model is not None:
             push_adapter_from_one_rank(self.pool if dist.rank() == 0 else None, self.lora_model, buckets, version,
-                                       self.adapter_dir, own=self.pool)
-            self.pool.use_adapter(version)  # every rank generates through its own pool: all ask for the new adapter
+                                       self.adapter_dir, own=self.pool)  # every rank's pool asks for the new adapter
         else:
             push_from_one_rank(self.pool if dist.rank() == 0 else None, buckets, version, own=self.pool)
         self.weight_version = version

@@ -88,14 +88,19 @@ def settle(future: Future, fn, args) -> None:
 
 
 class DaemonWorker:
-    """One daemon thread running submitted calls in order (the pool's generator). ThreadPoolExecutor
-    threads are joined at interpreter exit, so a remote request in flight held the exit of a stopped or
-    interrupted run for up to request_timeout_s (600 s); a daemon thread is not waited for."""
+    """`threads` daemon threads running submitted calls in the order submitted (one: the pool's
+    generator; more: a trajectory batch's workers, an episode batch's environment calls).
+    ThreadPoolExecutor threads are joined at interpreter exit, whichever thread made the pool, so a
+    remote request or an environment step in flight held the exit of a stopped or interrupted run for
+    up to request_timeout_s (600 s), or until every in-flight episode had played out; a daemon thread
+    is not waited for."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, threads: int = 1):
         self.queue: queue.Queue = queue.Queue()
         self.closed = False
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        self.threads = [threading.Thread(target=self._run, name=name, daemon=True) for _ in range(threads)]
+        for t in self.threads:
+            t.start()
 
     def submit(self, fn, *args) -> Future:
         if self.closed:
@@ -110,15 +115,19 @@ class DaemonWorker:
             if future.set_running_or_notify_cancel():
                 settle(future, fn, args)
 
-    def shutdown(self) -> None:
-        """Cancel what has not started; a call in flight ends with its server (or the process)."""
+    def shutdown(self, wait: bool = False) -> None:
+        """Cancel what has not started; a call in flight ends with its server (or the process). `wait`:
+        join the threads (only where no call can be in flight: they are idle, and end at once)."""
         self.closed = True
         with contextlib.suppress(queue.Empty):
             while True:
                 item = self.queue.get_nowait()
                 if item is not None:
                     item[0].cancel()
-        self.queue.put(None)
+        for _ in self.threads:
+            self.queue.put(None)
+        for t in self.threads if wait else ():
+            t.join()
 
 
 def in_thread(fn, *args) -> Future:
@@ -188,6 +197,10 @@ def prompt_requests(indices: list[int], seed: int | None, n: int, keys: list[int
     return [([k], None if seed is None else seed + (keys[k] if keys is not None else k * n)) for k in indices]
 
 
+class PoolClosed(ServerError):
+    """The pool was closed (a stop, preemption or error ends the run): no further turn is sent."""
+
+
 class TurnGate:
     """Partial rollouts (`algo.partial_rollouts`): weights change between the turns of an episode batch,
     never inside a request. Every turn request holds the gate (`turn()` gives the weight version it is
@@ -197,13 +210,15 @@ class TurnGate:
     not for the batch's slowest episode."""
 
     def __init__(self, version: int = 0):
-        self.version, self.paused, self.active = version, False, 0
+        self.version, self.paused, self.active, self.closed = version, False, 0, False
         self.changed = threading.Condition()
 
     @contextlib.contextmanager
     def turn(self):
         with self.changed:
-            self.changed.wait_for(lambda: not self.paused)
+            self.changed.wait_for(lambda: not self.paused or self.closed)
+            if self.closed:  # a turn waiting out a push when the run stopped: no push will resume it
+                raise PoolClosed("the server pool was closed while this turn waited for a weight push")
             self.active += 1
             version = self.version
         try:
@@ -221,6 +236,11 @@ class TurnGate:
     def resume(self, version: int) -> None:
         with self.changed:
             self.version, self.paused = version, False
+            self.changed.notify_all()
+
+    def close(self) -> None:
+        with self.changed:
+            self.closed = True
             self.changed.notify_all()
 
 
@@ -289,6 +309,9 @@ class ServerPool:
         self.clients = clients
         self.gate: TurnGate | None = None  # partial rollouts: weights change between turns (TurnGate)
         self.sent_images = False  # an image prompt went out: pushes reset the encoder caches too
+        # set by `close`: episode drivers send no further turn (grpo/rollout/trajectories.py), so a stop
+        # never waits for the episodes in flight to play out
+        self.stopped = threading.Event()
         deadline = time.time() + health_timeout_s
         notes = [f"log: {p}" for p in logs] if logs else [""] * len(urls)
         exited = exited or [None] * len(urls)
@@ -515,6 +538,9 @@ class ServerPool:
             server.adapter = adapter_name(version)
 
     def close(self) -> None:
+        self.stopped.set()
+        if self.gate is not None:
+            self.gate.close()
         self.generator.shutdown()  # a request in flight ends with its server, and never holds the exit
         for server, sender in zip(self.servers, self.senders):
             try:
@@ -530,7 +556,9 @@ def push_adapter_from_one_rank(pool: ServerPool | None, model, buckets: WeightBu
     """LoRA: the buckets hold the adapter alone. The rank holding `pool` writes it into
     `folder/v<version>` and has every server load it (then deletes the previous version's folder);
     the others walk the buckets (collectives under ZeRO-3) and all wait until it is loaded. Batches
-    in flight finish first, as for full weights (`push_from_one_rank`)."""
+    in flight finish first, as for full weights (`push_from_one_rank`). Every rank names the new
+    adapter in its own pool (`use_adapter`) before its turns resume: a turn sent earlier would ask
+    for the adapter rank 0 has just unloaded (a 404, its trajectory ended as "error")."""
     import os
     import shutil
 
@@ -546,6 +574,7 @@ def push_adapter_from_one_rank(pool: ServerPool | None, model, buckets: WeightBu
                 shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
     dist.barrier()
     if own is not None:
+        own.use_adapter(version)
         own.resume(version)
 
 

@@ -17,7 +17,10 @@ If every trajectory failed that way, or a server echoes other prompt ids than it
 fails. An environment's ConfigError stops the batch (the run's setup is wrong).
 
 Concurrency: up to `MAX_REQUESTS_IN_FLIGHT` requests per server and `env.max_concurrency`
-environment calls at once, each trajectory on a thread of its own while it waits for either.
+environment calls at once, each trajectory on a thread of its own while it waits for either. The
+threads are daemons, and `ServerPool.close` (a stop, preemption or error) stops the batch: no
+trajectory sends another turn, the batch fails with `PoolClosed`, and the process's exit never waits
+for the episodes in flight to play out.
 
 Weights: without partial rollouts a push waits for the batch (`ServerPool.drain`) and the servers'
 versions are checked before and after it, as for a turn-synchronous batch. With partial rollouts
@@ -32,14 +35,14 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 from grpo.endpoints import parallel_map, split_by_load
 from grpo.errors import ServerError
 from grpo.rollout.base import Rollouts, Sampling
 from grpo.rollout.episodes import EnvCalls, EpisodeRunner, Trajectory, turn_seed
-from grpo.rollout.servers import MAX_REQUESTS_IN_FLIGHT, EchoMismatch, StickyRoutes, generation_timeout
+from grpo.rollout.servers import (MAX_REQUESTS_IN_FLIGHT, DaemonWorker, EchoMismatch, PoolClosed, StickyRoutes,
+                                  generation_timeout)
 
 
 def episode_driver(schedule: str, runner: EpisodeRunner, pool, version: int):
@@ -89,14 +92,15 @@ class TrajectoryDriver:
         if before:  # what the servers hold (the trainer's last push, or an earlier trainer's), as a turn-synchronous batch says
             self.version = next(iter(before.values()))
         threads = min(len(trajectories), MAX_REQUESTS_IN_FLIGHT * len(servers) + max(1, self.runner.max_concurrency))
+        self.workers = DaemonWorker("grpo-trajectory", max(1, threads))
+        self.pending, self.done = 0, threading.Condition()
         try:
-            with ThreadPoolExecutor(max(1, threads), thread_name_prefix="grpo-trajectory") as workers:
-                self.workers, self.pending, self.done = workers, 0, threading.Condition()
-                for p in range(len(prompt_ids)):
-                    self.spawn(self.group, trajectories[p * n:(p + 1) * n], p, n, sampling)
-                with self.done:
-                    self.done.wait_for(lambda: self.pending == 0)
+            for p in range(len(prompt_ids)):
+                self.spawn(self.group, trajectories[p * n:(p + 1) * n], p, n, sampling)
+            with self.done:
+                self.done.wait_for(lambda: self.pending == 0)
         finally:
+            self.workers.shutdown()
             pool.idle_since = time.perf_counter()
         if self.errors:
             raise self.errors[0]
@@ -176,6 +180,7 @@ class TrajectoryDriver:
         """One trajectory's turns, each sent as soon as the one before has been answered."""
         r = self.runner
         while t.active:
+            self.check_stop()
             with self.lock:
                 if not r.room(t):
                     return
@@ -194,6 +199,7 @@ class TrajectoryDriver:
             text = r.take_turn(t, ids, lps, reason)
         if text is None:
             return
+        self.check_stop()
         with self.envs:
             step, error, seconds = r.env_step((t, text))
         with self.lock:
@@ -203,8 +209,7 @@ class TrajectoryDriver:
                 owners: list[Trajectory]) -> Optional[list[tuple]]:
         """One /v1/completions request to server i: (ids, logprobs, finish reason, weight version) per
         completion, or None where it failed (its trajectories end as "error")."""
-        if self.errors:
-            raise Stop
+        self.check_stop()
         server, gate = self.pool.servers[i], self.pool.gate
         with self.slots[i]:
             try:
@@ -212,10 +217,9 @@ class TrajectoryDriver:
                     choices, version = self.pool.complete(server, prompts, n, sampling, seed, self.timeout[i]), self.version
                 else:
                     with gate.turn() as version:
-                        if self.errors:
-                            raise Stop
+                        self.check_stop()
                         choices = self.pool.complete(server, prompts, n, sampling, seed, self.timeout[i])
-            except EchoMismatch:
+            except (EchoMismatch, PoolClosed):
                 raise
             except ServerError as e:
                 with self.lock:
@@ -230,6 +234,13 @@ class TrajectoryDriver:
             self.tokens[i] += sum(len(c["token_ids"]) for c in choices)
         return [(list(c["token_ids"]), [float(x) for x in c["logprobs"]["token_logprobs"]],
                  "length" if c["finish_reason"] == "length" else "stop", version) for c in choices]
+
+    def check_stop(self) -> None:
+        """Before a turn: another trajectory's error ends this one (`Stop`), a closed pool the batch."""
+        if self.pool.stopped.is_set():
+            raise PoolClosed("the server pool was closed (the run is stopping): the episode batch ends unfinished")
+        if self.errors:
+            raise Stop
 
     def report_failures(self, total: int) -> None:
         if not self.failed:
