@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpo.logprobs  # noqa: E402
+import grpo.parallel.sequence  # noqa: E402
 import grpo.parallel.single  # noqa: E402
 import grpo.parallel.zero  # noqa: E402
 from grpo import lora  # noqa: E402
@@ -61,6 +62,8 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
     for fn, name_ in (("pack", "packed"), ("pack_shared", "shared")):
         real = getattr(grpo.logprobs, fn)
         setattr(grpo.logprobs, fn, lambda *a, _real=real, _name=name_, **k: (ran.update([_name]), _real(*a, **k))[1])
+    real_routed = grpo.parallel.sequence.routed  # attention calls that went into the split ("attention_split")
+    grpo.parallel.sequence.routed = lambda: (lambda s: (ran.update(["attention_split"] if s else []), s)[1])(real_routed())
     for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
         algo = OmegaConf.structured(AlgoConfig(loss_type=loss_type, group_size=2, batch_size=8, lr=1e-2, warmup_steps=0,
                                                max_grad_norm=1e9, num_iterations=2, beta=0.05,
