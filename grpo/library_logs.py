@@ -171,6 +171,8 @@ if __name__ == "__main__":
     import runpy
     import sys
 
-    explain_engine_logs()
+    from grpo.library_logs import explain_engine_logs as install  # the module vLLM's plugin imports, not __main__'s copy
+
+    install()
     module, sys.argv = sys.argv[1], sys.argv[1:]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -17,7 +17,8 @@ def unreadable(log: str) -> tuple[list[str], dict[str, int]]:
     3 times once their times and pids are set aside (a line per weight sync shows as a repeat; grpo's
     progress lines, "waiting ... 15 s of 600 s", do not); the step lines are the log's own."""
     lines = [line for line in log.splitlines() if line.strip() and not line.startswith("step ")]
-    warned = [line for line in lines if re.search(r"\bWARNING\b", line)]
+    level = r"^\(\w+ pid=\d+\) WARNING |\[WARNING\]|^WARNING\b"  # vLLM's, DeepSpeed's and hydra's, Python's forms
+    warned = [line for line in lines if re.search(level, line)]
     stamp = r"\d{4}-\d\d-\d\d [\d:,.]+|\d\d-\d\d \d\d:\d\d:\d\d|pid=\d+|\d+\.\d+ seconds"
     counts = Counter(re.sub(stamp, "N", line) for line in lines)
     return warned, {line: n for line, n in counts.items() if n > 3}
