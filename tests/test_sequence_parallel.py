@@ -3,6 +3,8 @@ decisions, the whole-row layouts against the unsplit forward, and real multi-pro
 gloo, DeepSpeed's all-to-all) equal to one process's, weights and loss, under every strategy."""
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -131,6 +133,10 @@ def test_split_rows_update_equals_one_process(tmp_path, references, strategy, pr
         assert_same_update(ref, got, initial_weights(), f"{strategy} x{procs} S=2 {layout}")
     for lt, value in losses(tmp_path / "split").items():
         assert value == pytest.approx(losses(ref["dir"])[lt], abs=1e-5, rel=1e-5), lt
+    # the split ran on every rank: without it (sequence_parallel ignored) the ranks share the rows out as
+    # data parallel, and the weights above still equal one process's
+    for rank in range(procs):
+        assert json.load(open(tmp_path / "split" / f"layouts_rank{rank}.json")).get("attention_split", 0) > 0, rank
 
 
 @pytest.mark.parametrize("strategy,extra", [("zero3", []), ("zero2", ["model.gradient_checkpointing=true"]), ("ddp", [])])
@@ -147,14 +153,47 @@ def test_two_process_training_run_with_split_rows(tmp_path, cache_dir, strategy,
     assert all(r["sampler_diff"] < 1e-3 for r in steps), [r["sampler_diff"] for r in steps]
 
 
+# run by torchrun in place of `-m grpo.verify`: the split attention gets no whole-row mask (each
+# sequence of a packed or shared row then attends to the others, a left-padded row to its padding)
+MASK_DROPPED = """
+import sys
+from dataclasses import replace
+
+from grpo.parallel import sequence
+from grpo.verify import main
+
+real = sequence.whole_rows
+sequence.whole_rows = lambda batch, multiple: replace(real(batch, multiple), mask_R1WW=None)
+main(sys.argv[1:])
+"""
+
+
+def verify_rows(stdout: str) -> dict[str, str]:
+    """grpo.verify's table, row by row (not its closing "FAIL: ..." line)."""
+    return {line[6:21].strip(): line[:4] for line in stdout.splitlines()
+            if line[:4] in ("PASS", "FAIL", "SKIP") and line[4:6] == "  "}
+
+
 def test_verify_checks_the_split_on_two_processes(cache_dir):
     """grpo.verify under S = 2: its `split` row compares split rows with unsplit ones on the run's own
-    batch, and the sampler and sync rows score through the split. (With the whole-row mask dropped
-    from the split attention, split, sampler and sync all FAIL: 1.1e1 off.)"""
+    batch, and the sampler and sync rows score through the split."""
     out = run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.verify", *FAST,
                "parallel=zero3", "parallel.sequence_parallel=2", f"model.cache_dir={cache_dir}"])
-    status = {line[6:21].strip(): line[:4] for line in out.stdout.splitlines() if line[:4] in ("PASS", "FAIL", "SKIP")}
+    status = verify_rows(out.stdout)
     assert status.get("split") == "PASS" and status.get("sampler") == "PASS" and status.get("sync") == "PASS", out.stdout
+
+
+def test_verify_names_a_split_without_its_whole_row_mask(tmp_path, cache_dir):
+    """The same run with the whole-row mask dropped from the split attention: split, sampler and sync
+    fail (the unsplit forward, the layouts and the reference keep theirs and pass)."""
+    script = tmp_path / "mask_dropped.py"
+    script.write_text(MASK_DROPPED)
+    out = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", str(script), *FAST, "parallel=zero3",
+                          "parallel.sequence_parallel=2", f"model.cache_dir={cache_dir}"], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    status = verify_rows(out.stdout)
+    assert out.returncode == 1 and {k for k, v in status.items() if v == "FAIL"} == {"split", "sampler", "sync"}, (
+        out.stdout + out.stderr[-3000:])
 
 
 def test_a_row_of_one_sequence_attends_with_no_mask_at_all():

@@ -208,6 +208,15 @@ def test_the_resume_checks_runs_get_no_rendezvous_of_this_process():
     assert env == {"PATH": "/bin", "GRPO_CACHE": "/c"}
 
 
+def test_the_resume_checks_runs_get_none_of_the_users_placement():
+    """Where the run lives and whether it resumes are the resume check's own: the user's run_dir,
+    resume and hydra.run.dir overrides, in any spelling, are not handed to its runs."""
+    from grpo.verify import child_overrides
+
+    given = ["run_dir=/u", "++resume=false", "+hydra.run.dir=/u", "~run_dir", "algo.lr=0.1", "+logger.tags=[a]"]
+    assert child_overrides(given) == ["algo.lr=0.1", "+logger.tags=[a]"]
+
+
 def test_the_resume_check_never_runs_in_the_users_run_folder(tmp_path, cache_dir):
     """The guards tell users to run grpo.verify with their run's overrides, run_dir= among them: the
     resume check's runs go to their own scratch folders whatever the overrides say (given the user's
