@@ -134,7 +134,6 @@ def test_verify_names_planted_ratio_reference_micro_batch_and_sync_defects(cache
     assert {k for k, v in status.items() if v == "PASS"} == {"sampler", "layout/packed", "layout/shared"}, out
 
 
-@pytest.mark.slow
 def test_verify_names_a_planted_sampler_defect(cache_dir, capsys, monkeypatch):
     """The sampler generates under bf16 autocast while the trainer scores in fp32 (the engine's
     dtype): the sampler row fails, and the sync row, the same comparison after a step, with it."""
@@ -148,6 +147,7 @@ def test_verify_names_a_planted_sampler_defect(cache_dir, capsys, monkeypatch):
 
 # run by torchrun: the last gradient of DDP's last bucket is never all-reduced
 UNREDUCED_GRADIENT = """
+import sys
 
 from grpo.parallel import ddp
 from grpo.verify import main
