@@ -78,7 +78,7 @@ class JudgeConfig:
     request_timeout_s: float = 60.0
     retries: int = 2  # a failed request is sent again, to another server when there is one
     min_scored: float = 0.5  # fewer of a batch scored than this fraction stops the run
-    batch_timeout_s: float = 600.0  # one batch's bound (instead of reward.timeout_s)
+    batch_timeout_s: float = 600.0  # one batch's bound (instead of reward.timeout_s): then no new request
     health_timeout_s: float = 300.0  # at start: every server answers /health by then
 
 

@@ -285,6 +285,7 @@ class Garbage(BaseHTTPRequestHandler):
 
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        time.sleep(float(self.answers.get("delay_s", 0)))
         self.reply()
 
     def log_message(self, *args):
@@ -413,3 +414,21 @@ def test_a_run_on_the_judge_logs_it_and_stops_when_the_judge_dies(server, tmp_pa
     assert re.search(r"error: reward `judge` scored \d+ of \d+ completions, below reward.judge.min_scored=0.5: .*unreachable", out), \
         out[-3000:]
 
+
+
+def test_a_slow_batch_ends_at_the_judges_own_bound_and_leaves_nothing_running(garbage):
+    """Issue 46 item 2: a judge runs in the trainer's thread with no reward.timeout_s, bounded by its own
+    reward.judge.batch_timeout_s (before, that key was the wrapper's bound, which left the batch's
+    requests running behind the loop). Past it the requests not yet sent are dropped (None, counted
+    as failed, warned) and the call returns only once no request of the batch is running."""
+    url, answers = garbage
+    answers["/v1/chat/completions"], answers["delay_s"] = chat_answer("7"), 1.0
+    judge = make_judge([url], "reward.judge.api=chat", "reward.judge.score=pattern", "reward.judge.min_scored=0",
+                       "reward.judge.max_concurrency=1", "reward.judge.batch_timeout_s=0.5", "reward.judge.retries=0",
+                       "reward.judge.rating=[0,9]")
+    completions, samples = batch(4)
+    with pytest.warns(UserWarning, match="3 of 4 requests failed.*batch_timeout_s=0.5"):
+        values = judge(completions, samples)
+    assert values == [7.0, None, None, None]  # the one in flight answered; the rest were never sent
+    assert judge.stats["failed"] == 3
+    assert not [t for t in threading.enumerate() if t.name.startswith("judge")]

@@ -37,7 +37,7 @@ import re
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from grpo.auth import load_token, read_token_file
 from grpo.errors import ConfigError, RewardStop, ServerError, TokenError
@@ -152,7 +152,7 @@ class Judge:
         self.max_tokens = answer_length(jc)
         self.model = jc.model
         self.stats: dict[str, float] = {}
-        self.timeout_s = jc.batch_timeout_s  # the reward wrapper's bound on one batch (grpo/rewards/__init__.py)
+        self.past_deadline = threading.Event()  # set once a batch ran past reward.judge.batch_timeout_s
 
     def wait_healthy(self) -> None:
         """Every server answers /health and lists a model; the first server's names the model when
@@ -237,6 +237,8 @@ class Judge:
         path, body = self.body(text)
         error, last = None, None
         for attempt in range(1 + self.jc.retries):
+            if self.past_deadline.is_set():  # the batch is over: no new request behind the loop's back
+                return None, None, error or f"not sent: the batch ran past reward.judge.batch_timeout_s={self.jc.batch_timeout_s:g}"
             if attempt:
                 self.count("retries")
                 time.sleep(RETRY_PAUSE_S * 2 ** (attempt - 1))
@@ -270,12 +272,26 @@ class Judge:
         with self.lock:
             self.stats[key] = self.stats.get(key, 0) + k
 
+    def ask_all(self, texts: list[str]) -> dict:
+        """Every text asked, within reward.judge.batch_timeout_s: past it, the requests not yet sent are
+        dropped (their completions score None, counted as failed) and those in flight end within their
+        own request_timeout_s. The judge runs in the trainer's thread (a model reward is not run under
+        reward.timeout_s), so this returns only when no request of the batch is left running."""
+        self.past_deadline.clear()
+        pool = ThreadPoolExecutor(min(self.jc.max_concurrency, len(texts)) or 1, thread_name_prefix="judge")
+        futures = {t: pool.submit(self.ask, t) for t in texts}
+        done, late = wait(futures.values(), timeout=self.jc.batch_timeout_s)
+        if late:
+            self.past_deadline.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        why = f"not answered within reward.judge.batch_timeout_s={self.jc.batch_timeout_s:g}"
+        return {t: f.result() if f.done() and not f.cancelled() else (None, None, why) for t, f in futures.items()}
+
     def __call__(self, completions: list[str], samples: list, **_) -> list[float | None]:
         texts = [judge_prompt(self.jc.template, s.prompt, c, s.answer) for c, s in zip(completions, samples)]
         unique = list(dict.fromkeys(texts))  # identical (prompt, completion) pairs asked once
         self.stats = {"requests": len(unique)}
-        with ThreadPoolExecutor(min(self.jc.max_concurrency, len(unique)) or 1, thread_name_prefix="judge") as pool:
-            asked = dict(zip(unique, pool.map(self.ask, unique)))
+        asked = self.ask_all(unique)
         failed = [(t, e) for t, (_, _, e) in asked.items() if e is not None]
         garbage = [(t, said) for t, (v, said, e) in asked.items() if e is None and v is None]
         self.stats.update(failed=len(failed), garbage=len(garbage))
