@@ -10,13 +10,15 @@ and checks every equivalence the loss relies on, one PASS / FAIL / SKIP line eac
                    what the old-logprob pass (eval mode) does (dropout, LoRA dropout break it)
   reference        KL is 0 at the first step: a reference model scores as the policy does
   layouts          padded, packed and shared rows give the same logprobs and gradients, and which
-                   layout the model really runs (a fallback is named)
+                   layout the model really runs (a fallback is named); on rank 0, one fresh copy of
+                   the model at a time, the gradients kept on the CPU
   micro-batches    one micro-batch and several give the same gradients
   ranks            ranks hold equal weights after an optimizer step (gathered, fingerprinted)
   split            with parallel.sequence_parallel > 1: rows split across a group of ranks give the
                    logprobs the same rows give unsplit (grpo/parallel/sequence.py)
   sync             after that step and a weight push, the sampler matches the trainer again
-  resume           a run stopped after step 1 and resumed gives step 2's metrics of an unbroken run
+  resume           a run stopped after step 2 and resumed gives steps 3 and 4's metrics of an unbroken
+                   run (its runs in scratch folders of their own, whatever run_dir= says)
   render           with an environment and chat rendering: observations render as the template does
 
     python -m grpo.verify                                      # the default run
@@ -40,7 +42,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from omegaconf import OmegaConf

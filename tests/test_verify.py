@@ -12,7 +12,6 @@ import torch
 from omegaconf import OmegaConf
 from transformers import GenerationMixin
 
-import grpo.parallel.single
 import grpo.rollout.hf
 import grpo.train
 import grpo.update
@@ -28,7 +27,8 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 def lines(capsys) -> dict[str, str]:
     out = capsys.readouterr().out
-    return {ln.split()[1]: ln.split()[0] for ln in out.splitlines() if ln[:4] in ("PASS", "FAIL", "SKIP")}, out
+    # the table's rows, not its closing "FAIL: a, b" line
+    return {ln.split()[1]: ln[:4] for ln in out.splitlines() if ln[:4] in ("PASS", "FAIL", "SKIP") and ln[4:6] == "  "}, out
 
 
 def live_copies(param_name: str) -> tuple[int, int]:
@@ -81,10 +81,31 @@ def test_verify_names_a_planted_layout_defect(cache_dir, capsys, monkeypatch):
         return rows
 
     monkeypatch.setattr(grpo.logprobs, "pack_shared", late)
+    skip_resume(monkeypatch)
     assert verify([*FAST, f"model.cache_dir={cache_dir}"]) == 1
     status, out = lines(capsys)
     assert status["layout/shared"] == "FAIL" and status["layout/packed"] == "PASS", out
     assert "FAIL: " in out and "layout/shared" in out.splitlines()[-1]
+
+
+def test_verify_names_a_planted_packed_layout_defect(cache_dir, capsys, monkeypatch):
+    """Packed rows whose completion is read one position late: layout/packed fails, and shared, whose
+    rows are built apart (grpo.layouts.pack_shared), passes."""
+    import grpo.logprobs
+
+    real = grpo.logprobs.pack
+
+    def late(*a, **k):
+        rows = real(*a, **k)
+        row, col = rows.hidden_at
+        rows.hidden_at = (row, (col + 1).clamp(max=rows.input_ids_RW.shape[1] - 1))
+        return rows
+
+    monkeypatch.setattr(grpo.logprobs, "pack", late)
+    skip_resume(monkeypatch)
+    assert verify([*FAST, f"model.cache_dir={cache_dir}"]) == 1
+    status, out = lines(capsys)
+    assert status["layout/packed"] == "FAIL" and status["layout/shared"] == "PASS", out
 
 
 def skip_resume(monkeypatch):
@@ -174,7 +195,7 @@ def test_verify_names_ranks_that_diverge_on_two_processes(tmp_path, cache_dir):
     out = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", str(script), *FAST, "parallel=ddp",
                           f"model.cache_dir={cache_dir}"], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    status = {line.split()[1]: line[:4] for line in out.stdout.splitlines() if line[:4] in ("PASS", "FAIL", "SKIP")}
+    status = {ln.split()[1]: ln[:4] for ln in out.stdout.splitlines() if ln[:4] in ("PASS", "FAIL", "SKIP") and ln[4:6] == "  "}
     assert out.returncode == 1 and {k for k, v in status.items() if v == "FAIL"} == {"ranks"}, out.stdout + out.stderr[-3000:]
     assert "ranks [1] differ from rank 0" in out.stdout, out.stdout
 
