@@ -375,15 +375,23 @@ def test_a_short_run_through_colocated_vllm(make_cfg, tmp_path):
     assert sum("eval/accuracy" in r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))) == 2
 
 
-def test_a_short_run_through_a_dedicated_vllm_server(make_cfg, tmp_path):
+def test_a_short_run_through_a_dedicated_vllm_server(make_cfg, tmp_path, monkeypatch):
     """Image prompts through a vLLM server (rollout=dedicated; remote sends the same requests): one
     token-in-token-out request per prompt, its images as PNG content parts, the ids the server expanded
     checked against the trainer's on every request; sampler and trainer agree after every push, and
-    evaluation after the pushes runs (the servers' encoder caches reset with them)."""
+    evaluation after the pushes runs. Every push after the first image requests resets the server's
+    encoder cache (`ServerPool.reset_caches`, seen on the real requests: the encoder's outputs under the
+    old weights are stale), as the colocated plan does (`update_plan`)."""
+    from grpo.endpoints import Server
     from grpo.train import train
 
+    sent, request = [], Server.request
+    monkeypatch.setattr(Server, "request", lambda self, path, *a, **kw: sent.append(path) or request(self, path, *a, **kw))
     cfg = short_run_cfg(make_cfg, "rollout=dedicated", "rollout.vllm.memory_fraction=0.1", "steps=3")
     train(cfg)
+    pushes = [i for i, path in enumerate(sent) if path == "/finish_weight_update"]
+    after_images = [i for i in pushes if "/inference/v1/generate" in sent[:i]]
+    assert after_images and all("/reset_encoder_cache" in sent[i:i + 3] for i in after_images), sent
     diffs = sampler_diffs(tmp_path / "run")
     records = list(map(json.loads, open(tmp_path / "run" / "metrics.jsonl")))
     assert len(diffs) == cfg.steps and max(diffs) < 1e-3, diffs
@@ -434,3 +442,25 @@ def test_a_chat_template_gets_one_image_part_per_image(tiny_vlm, samples):
     prompt = encode_prompts(tok, samples[:1])[0]
     image_id = vision.image_token_id(model.config)
     assert sum(t == image_id for t in prompt) == vision.tokens_per_image(prompt.vision.image_grid_thw, 2)[0] == 4
+
+
+def test_an_empty_or_non_rgb_image_is_refused_or_converted_once(tiny_vlm, samples):
+    """Issue 46 item 5: an empty image stopped deep in the image processor (ZeroDivisionError); a
+    grayscale, palette or 16-bit image is converted to RGB once, so the trainer and the engines see the
+    same pixels; anything but a PIL image is refused with what a sample must hold."""
+    from PIL import Image
+
+    model, tok = tiny_vlm
+    encode = lambda images: vision.encode_image_prompt(tok, tok.vision.image_processor, model.config,  # noqa: E731
+                                                       SimpleNamespace(prompt="which?", answer="", meta={"images": images}))
+    for size in [(0, 0), (56, 0)]:
+        with pytest.raises(ValueError, match=rf"image 0 of the prompt 'which\?' is {size[0]}x{size[1]} pixels"):
+            encode([Image.new("RGB", size)])
+    with pytest.raises(ValueError, match="is a str: a sample's meta\\['images'\\] holds PIL images"):
+        encode(["shape.png"])
+    rgb = samples[0].meta["images"][0]
+    for mode in ("L", "P", "RGBA", "I;16"):
+        other = rgb.convert(mode)
+        prompt = encode([other])
+        assert [im.mode for im in prompt.vision.images] == ["RGB"]
+        torch.testing.assert_close(prompt.vision.pixel_values, encode([other.convert("RGB")]).vision.pixel_values)
