@@ -165,14 +165,23 @@ class ShowRepeatersOnce:
         self.show(message, category, filename, lineno, file, line)
 
 
-if __name__ == "__main__":
-    # `python -m grpo.library_logs MODULE ARGS...`: run MODULE as `python -m MODULE ARGS...` with the
-    # engine notes installed first (grpo.serve execs vLLM's server so, before vLLM's first log line)
+def main(argv: list[str] | None = None) -> None:
+    """`python -m grpo.library_logs MODULE ARGS...`: run MODULE as `python -m MODULE ARGS...` with the
+    engine notes installed first (grpo.serve execs vLLM's server so, before vLLM's first log line)."""
+    import argparse
     import runpy
     import sys
 
+    p = argparse.ArgumentParser(prog="python -m grpo.library_logs", description=main.__doc__)
+    p.add_argument("module", help="the module to run, e.g. vllm.entrypoints.openai.api_server")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
     from grpo.library_logs import explain_engine_logs as install  # the module vLLM's plugin imports, not __main__'s copy
 
     install()
-    module, sys.argv = sys.argv[1], sys.argv[1:]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    sys.argv = [args.module, *args.args]
+    runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -20,6 +20,7 @@ ENTRY_POINTS = [  # every module with `if __name__ == "__main__"`: one added and
     "grpo.doctor",
     "grpo.eval",
     "grpo.launch",
+    "grpo.library_logs",
     "grpo.plot",
     "grpo.rollout.reaper",
     "grpo.serve",

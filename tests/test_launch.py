@@ -285,7 +285,7 @@ def test_a_server_node_is_split_into_servers_the_models_heads_allow():
         remote_server_layout(8, 8, False, *QWEN25_7B, tp=8)
     # one GPU shared with the trainer: grpo_gloo, a fraction of its memory; no GPU: a CPU server
     assert remote_server_layout(1, 1, True, *QWEN25_7B) == {"SERVER_GROUPS": "", "SERVERS_PER_NODE": "1", "SERVER_TP": "1",
-                                                            "SERVER_MEMORY": "0.4", "TRANSFER": "grpo_gloo"}
+                                                            "SERVER_MEMORY": "0.4", "TRANSFER": "grpo_gloo", "JUDGE_GROUP": ""}
     assert remote_server_layout(0, 1, True)["TRANSFER"] == "grpo_gloo"
 
 
