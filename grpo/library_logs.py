@@ -82,6 +82,9 @@ ENGINE_NOTES = (
                  "a speed hint for CPU engines; grpo does not preload allocators") for lib in ("libtcmalloc", "libiomp")),
     EngineNote("vllm.v1.worker.cpu_worker", r"CPU backend doesn't allow to use `torch.set_num_threads`",
                "the engine keeps the threads it pinned; grpo sets the trainer's (grpo/cpus.py)"),
+    EngineNote("vllm.platforms.interface", r"Unknown vLLM environment variable detected: VLLM_DIST_IDENT",
+               "vLLM's CPU worker sets it in the process's environment itself; a later engine in this process, "
+               "or in a process it started, reads it back"),
     # grpo.serve's server (vLLM's API server process)
     EngineNote("vllm.entrypoints.serve.dev.cache.api_router", r"Resetting prefix cache",
                "every weight sync drops the prefixes the old weights computed"),

@@ -222,9 +222,15 @@ def test_a_guess_run_with_partial_rollouts_through_remote(server, make_cfg, monk
     spans 2 (its episodes' later turns sampled after a push: partial rollouts ignored, every batch is
     one version and this fails)."""
     from grpo.auth import TOKEN_ENV
+    from grpo.envs.guess import GuessEnv
     from grpo.train import train
 
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    # each environment step takes 0.15 s, so a batch's episodes are still playing when the trainer's
+    # update of the batch before ends and pushes (without it, on a fast machine, a batch could end
+    # before the push and every batch be one version: CI saw [1, 1, 1, 1])
+    step = GuessEnv.step
+    monkeypatch.setattr(GuessEnv, "step", lambda self, action: (time.sleep(0.15), step(self, action))[1])
     cfg = make_cfg("experiment=guess_tiny", "rollout=remote", f"rollout.remote.urls=[{server['url']}]", "steps=4",
                    "eval_every=0", "checkpoint_every=0", "algo.max_staleness=1", "algo.partial_rollouts=true")
     train(cfg)
