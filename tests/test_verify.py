@@ -67,12 +67,15 @@ def test_verify_passes_on_the_default_run(cache_dir, capsys, monkeypatch):
     assert len(seen) == 4 and all(m <= models + 1 and k <= kept + 1 for m, k in seen), (before, seen)
 
 
-def test_verify_names_a_planted_layout_defect(cache_dir, capsys, monkeypatch):
-    """Shared rows whose first completion token is read one position late (a hidden_at off by one:
-    the probes, which compare hidden states, cannot see it; the logprobs can)."""
+@pytest.mark.parametrize("builder, broken, intact", [("pack_shared", "layout/shared", "layout/packed"),
+                                                    ("pack", "layout/packed", "layout/shared")])
+def test_verify_names_a_planted_layout_defect(cache_dir, capsys, monkeypatch, builder, broken, intact):
+    """Rows of one layout whose first completion token is read one position late (a hidden_at off by
+    one: the probes, which compare hidden states, cannot see it; the logprobs can): that layout's row
+    fails, and the other layout, whose rows are built apart (grpo.layouts), passes."""
     import grpo.logprobs
 
-    real = grpo.logprobs.pack_shared
+    real = getattr(grpo.logprobs, builder)
 
     def late(*a, **k):
         rows = real(*a, **k)
@@ -80,32 +83,12 @@ def test_verify_names_a_planted_layout_defect(cache_dir, capsys, monkeypatch):
         rows.hidden_at = (row, (col + 1).clamp(max=rows.input_ids_RW.shape[1] - 1))
         return rows
 
-    monkeypatch.setattr(grpo.logprobs, "pack_shared", late)
+    monkeypatch.setattr(grpo.logprobs, builder, late)
     skip_resume(monkeypatch)
     assert verify([*FAST, f"model.cache_dir={cache_dir}"]) == 1
     status, out = lines(capsys)
-    assert status["layout/shared"] == "FAIL" and status["layout/packed"] == "PASS", out
-    assert "FAIL: " in out and "layout/shared" in out.splitlines()[-1]
-
-
-def test_verify_names_a_planted_packed_layout_defect(cache_dir, capsys, monkeypatch):
-    """Packed rows whose completion is read one position late: layout/packed fails, and shared, whose
-    rows are built apart (grpo.layouts.pack_shared), passes."""
-    import grpo.logprobs
-
-    real = grpo.logprobs.pack
-
-    def late(*a, **k):
-        rows = real(*a, **k)
-        row, col = rows.hidden_at
-        rows.hidden_at = (row, (col + 1).clamp(max=rows.input_ids_RW.shape[1] - 1))
-        return rows
-
-    monkeypatch.setattr(grpo.logprobs, "pack", late)
-    skip_resume(monkeypatch)
-    assert verify([*FAST, f"model.cache_dir={cache_dir}"]) == 1
-    status, out = lines(capsys)
-    assert status["layout/packed"] == "FAIL" and status["layout/shared"] == "PASS", out
+    assert status[broken] == "FAIL" and status[intact] == "PASS", out
+    assert "FAIL: " in out and broken in out.splitlines()[-1]
 
 
 def skip_resume(monkeypatch):
