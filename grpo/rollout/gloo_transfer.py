@@ -15,19 +15,13 @@ know the backend.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from grpo.rollout import rendezvous
+
 BACKEND = "grpo_gloo"
-
-
-def _group(host: str, port: int, rank: int, world_size: int, timeout_s: float):
-    from torch.distributed import ProcessGroupGloo, TCPStore
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
-    return store, ProcessGroupGloo(store, rank, world_size, timeout)
 
 
 def _broadcast(group, tensor: torch.Tensor) -> None:
@@ -70,28 +64,40 @@ def unpack(flat: torch.Tensor, names, dtype_names, shapes) -> list[tuple[str, to
 
 
 class GlooSender:
-    """Trainer side: the TCP store's master and rank 0 of a group with one server's workers. The
-    store listens from construction on a port the kernel picks (port 0, read back as `port`), so the
-    port the server is told is already ours."""
+    """Trainer side: the rendezvous's master and rank 0 of a group with one server's workers. The
+    store listens from construction on `host` only, on a port the kernel picks (read back as `port`),
+    so the port the server is told is already ours; the join is authenticated by this sender's own
+    secret, which only the server's token-guarded init route is told (grpo/rollout/rendezvous.py),
+    and the store stops listening once the group has formed."""
 
     def __init__(self, host: str, world_size: int, timeout_s: float):
-        from torch.distributed import TCPStore
-
         self.host, self.world_size, self.timeout_s = host, world_size, timeout_s
-        self.store = TCPStore(host, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                              wait_for_workers=False)
+        self.secret = rendezvous.new_secret()
+        self.store = rendezvous.bound_store(host, world_size, timeout_s)
         self.port = self.store.port
-        self.group = None
+        self.where = f"{host}:{self.port}"
+        self.join = self.group = None
 
     def init_info(self) -> dict:
         return {"master_address": self.host, "master_port": self.port, "rank_offset": 1,
-                "world_size": self.world_size, "timeout_s": self.timeout_s}
+                "world_size": self.world_size, "timeout_s": self.timeout_s, "secret": self.secret}
 
     def connect(self) -> None:
-        """Blocks until every worker joined; call while the server's init request is in flight."""
-        from torch.distributed import ProcessGroupGloo
-
-        self.group = ProcessGroupGloo(self.store, 0, self.world_size, datetime.timedelta(seconds=self.timeout_s))
+        """Blocks until every worker joined and proved the secret; call while the server's init
+        request is in flight. Keys another process wrote are reported once, then the store closes."""
+        try:
+            self.join = rendezvous.Join(self.store, self.secret, 0, self.world_size, self.host, self.timeout_s, self.where)
+        except Exception as e:
+            if self.store is not None and (keys := rendezvous.foreign_keys(self.store, self.secret)):
+                raise rendezvous.JoinRefused(
+                    f"no server worker joined the weight-transfer group at {self.where} with this run's secret; "
+                    f"{len(keys)} key(s) there were written by a process without it ({', '.join(keys[:5])}): "
+                    "another process reached the rendezvous (docs/security.md)") from e
+            raise
+        self.group = self.join.group
+        rendezvous.report_intruders(self.join.intruders(), self.where)
+        self.join.close_store()
+        self.store = None
 
     @staticmethod
     def prepare(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
@@ -107,7 +113,7 @@ class GlooSender:
             self.group.abort()
 
     def close(self) -> None:
-        self.group = self.store = None
+        self.group = self.store = self.join = None
 
 
 def _engine_classes():
@@ -125,6 +131,12 @@ def _engine_classes():
         rank_offset: int
         world_size: int
         timeout_s: float = 600.0
+        secret: str = field(default="", repr=False)  # the sender's (rendezvous.py); never logged
+
+        def __post_init__(self):
+            if len(self.secret) != rendezvous.SECRET_HEX:
+                raise ValueError("grpo_gloo init_info has no valid `secret`: this server's grpo is newer than the "
+                                 "trainer's; run both from one checkout")
 
     @dataclass
     class GlooUpdateInfo(WeightTransferUpdateInfo):
@@ -137,11 +149,16 @@ def _engine_classes():
         update_info_cls = GlooUpdateInfo
 
         def init_transfer_engine(self, init_info) -> None:
+            """Join the trainer's group from this worker, on the address this node reaches it from,
+            proving the secret the init route was told; the store is dropped once the group formed."""
             worker = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            self.store, self.group = _group(
-                init_info.master_address, init_info.master_port, init_info.rank_offset + worker,
-                init_info.world_size, init_info.timeout_s,
-            )
+            host, port = init_info.master_address, init_info.master_port
+            store = torch.distributed.TCPStore(host, port, is_master=False,
+                                               timeout=datetime.timedelta(seconds=init_info.timeout_s))
+            self.join = rendezvous.Join(store, init_info.secret, init_info.rank_offset + worker, init_info.world_size,
+                                        rendezvous.route_address(host, port), init_info.timeout_s, f"{host}:{port}")
+            self.group = self.join.group
+            self.join.close_store()
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -169,7 +186,7 @@ def _engine_classes():
                 torch.cuda.synchronize(self.device)  # answer says "applied" (on CPU there is nothing to wait for)
 
         def shutdown(self) -> None:
-            self.group = self.store = None
+            self.group = self.join = None
 
     return GlooWeightTransferEngine
 

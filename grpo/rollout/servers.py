@@ -41,6 +41,7 @@ from grpo.endpoints import Server, parallel_map, split_by_load
 from grpo.progress import say
 from grpo.rollout.base import Rollouts, Sampling, sampling_fields
 from grpo.rollout.gloo_transfer import BACKEND as GLOO, GlooSender, update_info
+from grpo.rollout.rendezvous import route_address
 from grpo.vision import server_prompt, vision_of
 from grpo.weights import WeightBuckets
 
@@ -68,15 +69,6 @@ def make_sender(transfer: str, host: str, world_size: int, timeout_s: float):
 
         return NcclSender(host, free_port(), world_size, timeout_s)
     return GlooSender(host, world_size, timeout_s)
-
-
-def route_address(host: str, port: int) -> str:
-    """This machine's address on its route to host:port, the one the server can reach it at
-    (connecting a UDP socket sends nothing). gethostbyname(gethostname()) is often 127.0.1.1."""
-    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect(addr)
-        return s.getsockname()[0]
 
 
 def settle(future: Future, fn, args) -> None:
