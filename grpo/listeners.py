@@ -1,0 +1,149 @@
+"""Every listening socket of a process tree, and what it is for.
+
+On a shared cluster other users' jobs can reach the node, so each listener must be on the address
+its purpose needs (loopback for what stays on the node, the configured host for what must be
+reached) and nowhere else. The components that open a listener say so here:
+
+  - `expect(address, port, purpose)`: a port they chose or read back (a store bound to port 0,
+    a server's --port);
+  - `expect_process(pid, address, purpose)`: listeners of one process whose ports nobody picks
+    (gloo's pair listener, a vLLM engine's internal torch.distributed store), on one address.
+
+`listeners(root_pid)` lists the TCP/UDP listeners of a process and its children (psutil), and
+`classify` names each one's purpose and what is wrong with it: any wildcard address (0.0.0.0, ::),
+an address other than the one registered, or a listener nobody accounted for.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, replace
+
+import psutil
+
+from grpo.progress import say
+
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+@dataclass(frozen=True)
+class Listener:
+    pid: int
+    process: str  # the process's name and the start of its command line
+    kind: str  # "tcp" (listening) or "udp" (bound, unconnected)
+    address: str
+    port: int
+    purpose: str = ""  # "" nobody accounted for it
+    problem: str = ""  # "" where it is bound as intended
+    ancestors: tuple[int, ...] = ()  # its parent's pid, its grandparent's, ...
+
+    def __str__(self) -> str:
+        what = self.purpose or "unaccounted"
+        where = f"{self.kind} {self.address}:{self.port}" if ":" not in self.address else f"{self.kind} [{self.address}]:{self.port}"
+        return f"{where} pid {self.pid} ({self.process}): {what}" + (f": {self.problem}" if self.problem else "")
+
+
+# port -> (address, purpose); pid -> [(address, purpose, tree)]. A process keeps its own registry: what it
+# started (engines, stores, servers) it registers here, and an audit of its tree reads it.
+_ports: dict[int, tuple[str, str]] = {}
+_processes: dict[int, list[tuple[str, str, bool]]] = {}
+
+
+def expect(address: str, port: int, purpose: str) -> None:
+    _ports[port] = (address, purpose)
+
+
+def expect_process(pid: int, address: str, purpose: str, tree: bool = False) -> None:
+    """Listeners of `pid` (`tree`: and of its descendants) on ports nobody picks (gloo pairs, vLLM's
+    internals), expected on `address`."""
+    rules = _processes.setdefault(pid, [])
+    if (address, purpose, tree) not in rules:
+        rules.append((address, purpose, tree))
+
+
+def forget(port: int | None = None, pid: int | None = None) -> None:
+    """A listener that closed (its port may be someone else's next)."""
+    _ports.pop(port, None)
+    _processes.pop(pid, None)
+
+
+def registry() -> tuple[dict, dict]:
+    """This process's registrations, to hand to an audit run elsewhere (a test's watcher)."""
+    return dict(_ports), {pid: list(rules) for pid, rules in _processes.items()}
+
+
+def describe(proc: psutil.Process) -> str:
+    try:
+        cmd = " ".join(proc.cmdline()[:4])
+        return f"{proc.name()}: {cmd}"[:120]
+    except psutil.Error:
+        return "gone"
+
+
+def ancestors(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return proc.parents()
+    except psutil.Error:
+        return []
+
+
+def listeners(root_pid: int) -> list[Listener]:
+    """The listening TCP and bound, unconnected UDP sockets of `root_pid` and all its descendants."""
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for proc in procs:
+        try:
+            conns = proc.net_connections(kind="inet")
+        except psutil.Error:  # gone meanwhile
+            continue
+        for c in conns:
+            tcp = c.type == socket.SOCK_STREAM
+            if (c.status != psutil.CONN_LISTEN) if tcp else bool(c.raddr):
+                continue
+            found.append(Listener(proc.pid, describe(proc), "tcp" if tcp else "udp", c.laddr.ip, c.laddr.port,
+                                  ancestors=tuple(p.pid for p in ancestors(proc))))
+    return found
+
+
+def classify(found: list[Listener], ports: dict | None = None, processes: dict | None = None) -> list[Listener]:
+    """Each listener with its purpose and problem, from `ports` / `processes` (default: this process's
+    registry). A port registration wins over its process's; of a process's, the one on the listener's
+    address (else its first, to name what it was for)."""
+    ports = _ports if ports is None else ports
+    processes = _processes if processes is None else processes
+    out = []
+    for item in found:
+        address, purpose = ports.get(item.port, (None, ""))
+        options = [(a, p) for pid in (item.pid, *item.ancestors) for a, p, tree in processes.get(pid, [])
+                   if pid == item.pid or tree]
+        if not purpose and options:
+            address, purpose = next(((a, p) for a, p in options if a == item.address), options[0])
+        if item.address in WILDCARDS:
+            problem = f"on the wildcard address {item.address or '*'}" + (f" (configured: {address})" if address else "")
+        elif not purpose:
+            problem = "no component registered it"
+        elif item.address != address:
+            problem = f"on {item.address}, configured for {address}"
+        else:
+            problem = ""
+        out.append(replace(item, purpose=purpose, problem=problem))
+    return out
+
+
+def violations(found: list[Listener]) -> list[Listener]:
+    return [item for item in found if item.problem]
+
+
+def audit(root_pid: int, ports: dict | None = None, processes: dict | None = None) -> list[Listener]:
+    """The listeners of `root_pid`'s tree, classified."""
+    return classify(listeners(root_pid), ports, processes)
+
+
+def log_listeners(root_pid: int, log=say) -> None:
+    """One line per listener of the run's process tree, with its purpose; a misbound one says what is wrong."""
+    for item in sorted(audit(root_pid), key=lambda i: (i.pid, i.port)):
+        log(f"listener{' MISBOUND' if item.problem else ''}: {item}")
