@@ -70,6 +70,7 @@ from grpo.export import export_hf
 from grpo.guards import RunGuards
 from grpo.layouts import layout_of
 from grpo.library_logs import quiet_library_logs
+from grpo.listeners import log_listeners
 from grpo.log import RunLogger
 from grpo.models import DTYPES, build_policy, build_reference, encode_prompts, policy_device
 from grpo.parallel import build_strategy, strategy_class
@@ -306,6 +307,7 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
     # on: a server started on another folder, or left with an earlier run's weights, sampled step 1
     # from the wrong policy before (seen: |trainer - sampler| logprob 0.54 at step 1, 1e-6 after).
     r.push_weights(version=r.start)
+    log_listeners(os.getpid())  # every socket this run listens on, with its purpose (grpo/listeners.py)
     return r
 
 
