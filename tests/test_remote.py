@@ -141,6 +141,40 @@ def test_a_refused_transfer_init_fails_in_seconds_with_the_servers_answer(server
     assert "/init_weight_transfer_engine answered" in str(e.value) and "packed" in str(e.value), str(e.value)
 
 
+def test_a_rogue_on_the_rendezvous_is_refused_and_the_server_still_joins(server, tiny_lm, monkeypatch, caplog):
+    """Another process reaches the trainer's rendezvous before the server's worker and writes the keys
+    gloo's join reads (it can list every key name): the real worker still joins, proving the secret it
+    was told through the token-guarded init route, a push reaches it, and the intrusion is one warning."""
+    import datetime
+    import logging
+
+    import torch.distributed as dist
+
+    from grpo.rollout import servers
+
+    rogues = []
+
+    def sender_with_a_rogue_first(*args):
+        sender = make_sender(*args)
+        rogue = dist.TCPStore(sender.host, sender.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        for key in ("0/1", "0/0"):
+            rogue.set(key, b"\x00" * 64)
+        rogues.append(rogue)
+        return sender
+
+    make_sender = servers.make_sender
+    monkeypatch.setattr(servers, "make_sender", sender_with_a_rogue_first)
+    with caplog.at_level(logging.WARNING, logger="grpo"):
+        pool = ServerPool([server["url"]], TOKEN, 60, 120)
+    try:
+        pool.push([list(tiny_lm[0].state_dict().items())[:2]], version=1)
+        assert pool.served_version(pool.servers[0], fallback=-1) == 1
+    finally:
+        pool.close()
+    warnings = [r.getMessage() for r in caplog.records if "not written by a member" in r.getMessage()]
+    assert len(rogues) == 1 and len(warnings) == 1 and "2 key(s)" in warnings[0], warnings
+
+
 def test_weight_routes_need_the_token(server):
     url = server["url"]
     assert urllib.request.urlopen(url + "/health", timeout=5).status == 200
