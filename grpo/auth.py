@@ -1,21 +1,32 @@
-"""The shared secret between a trainer and its rollout servers, kept off command lines and out of
-run folders.
+"""Tokens: each client group sends its own, kept off command lines and out of run folders, and only
+where nobody on the way can read it.
 
-A command line is visible to every user of the machine (`ps`), and a run folder's config.yaml is
-copied around with its results, so the token travels only through the environment
-(`GRPO_SERVE_TOKEN`, readable by its owner in /proc/<pid>/environ) or a file only its owner can read
-(`--token-file` for `grpo.serve`, `rollout.remote.token_file` for the trainer).
+- Whose token: the rollout servers' (`GRPO_SERVE_TOKEN` or `rollout.remote.token_file`) guards their
+  weight routes, so it goes to them alone. The judge sends `GRPO_JUDGE_TOKEN` or
+  `reward.judge.token_file`, the served reward model `GRPO_RM_TOKEN` or `reward.rm.token_file`, never
+  the servers' token by fallback: a judge URL may be anyone's endpoint. A job that starts a judge
+  itself (grpo.launch, slurm/train_remote.sbatch) hands it the job's token explicitly.
+- How it travels: through the environment (readable by its owner in /proc/<pid>/environ) or a file
+  only its owner can read (chmod 600). A command line is visible to every user of the machine (`ps`),
+  and a run folder's config.yaml is copied around with its results.
+- Where it goes: over https, or plain http to loopback; plain http to another host only where the
+  config says so (`*.allow_plain_http`, e.g. a job's own servers on the cluster's network). Redirects
+  are never followed (grpo/endpoints.py), so the header never reaches a host that was not configured.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 import stat
+from urllib.parse import urlparse
 
 from grpo.errors import TokenError
 
-TOKEN_ENV = "GRPO_SERVE_TOKEN"
+TOKEN_ENV = "GRPO_SERVE_TOKEN"  # the rollout servers' (and `grpo.serve`'s own)
+JUDGE_TOKEN_ENV = "GRPO_JUDGE_TOKEN"
+RM_TOKEN_ENV = "GRPO_RM_TOKEN"
 
 
 def read_token_file(path: str) -> str:
@@ -34,12 +45,52 @@ def read_token_file(path: str) -> str:
     return token
 
 
-def load_token(token_file: str | None = None, env: dict | None = None) -> str | None:
-    """The token from `token_file` if given, else from $GRPO_SERVE_TOKEN; None when neither is set."""
+def load_token(token_file: str | None = None, env_var: str = TOKEN_ENV, env: dict | None = None) -> str | None:
+    """The token from `token_file` if given, else from $`env_var`; None when neither is set. Each client
+    names its own variable: there is no fallback to another client's."""
     if token_file:
         return read_token_file(token_file)
     env = os.environ if env is None else env
-    return env.get(TOKEN_ENV) or None
+    return env.get(env_var) or None
+
+
+def is_loopback(host: str) -> bool:
+    """localhost, 127.0.0.0/8 or ::1: traffic that never leaves the machine."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def sends_in_clear(url: str) -> bool:
+    """Whether a request to `url` crosses a network unencrypted: plain http:// to a host other than loopback."""
+    parts = urlparse(str(url))
+    return parts.scheme.lower() == "http" and not is_loopback(parts.hostname or "")
+
+
+def check_token_transport(urls, token: str | None, allow_plain_http: bool, group: str) -> None:
+    """Refuse to send `token` in the clear (`sends_in_clear`) unless `<group>.allow_plain_http` says so;
+    `group` is the config group, e.g. reward.judge. No token, no header: nothing to protect."""
+    if not token or allow_plain_http:
+        return
+    for url in urls:
+        if sends_in_clear(url):
+            raise TokenError(f"{group}.urls: {url} is plain http to another host, so its token would cross the network "
+                             f"unencrypted, readable by anyone on the way. Use https://, or, on a network you trust (a "
+                             f"cluster's own), set {group}.allow_plain_http=true.")
+
+
+def client_token(token_file: str | None, env_var: str, urls, allow_plain_http: bool, group: str) -> str | None:
+    """A client group's token (`<group>.token_file`, else $`env_var`; None: no Authorization header),
+    once each of its `urls` may carry it (`check_token_transport`). Read at validate and again at build."""
+    try:
+        token = load_token(token_file, env_var)
+    except TokenError as e:
+        raise TokenError(f"{group}.token_file: {e}") from e
+    check_token_transport(urls, token, allow_plain_http, group)
+    return token
 
 
 def token_ok(header: str | None, token: str | None) -> bool:

@@ -9,7 +9,7 @@ fix for each failure, and a non-zero exit on any. The same checks run on a CPU m
                 grpo.guards.parity_bound (fp32: 1e-3 on CPU, 2e-2 on CUDA, where vLLM's attention is TF32)
   weight sync   seconds per sync into a `grpo.serve` server, per bucket size
   judge         with --judge: a configured judge (reward=judge) answers a right and a wrong answer
-                with scores, and how long it took (token from $GRPO_SERVE_TOKEN or reward.judge.token_file)
+                with scores, and how long it took (token from $GRPO_JUDGE_TOKEN or reward.judge.token_file)
   (peak memory of each run is in its row)
 
     python -m grpo.doctor                      # everything

@@ -2,6 +2,10 @@
 run on servers (a served reward model, a judge): one client per server (`Server`: JSON requests with
 the token, errors that name the server and its answer), health waits, the load split and a parallel
 map whose first error is raised at once. It knows nothing of rollouts or rewards.
+
+Every request goes through `OPENER`, which follows no redirect: urllib's default opener would resend
+the Authorization header to whatever host a 301/302/303/307/308 names, so a 3xx is an error naming
+the server, its status and where it pointed (grpo/auth.py says which token goes where).
 """
 
 from __future__ import annotations
@@ -17,16 +21,35 @@ from grpo.errors import ServerError
 from grpo.progress import WaitProgress, say
 
 
-REFUSED = {401: "the token is not the server's: give the trainer the token the server was started with "
-                "(GRPO_SERVE_TOKEN, or rollout.remote.token_file)",
+REFUSED = {401: "the token is not the server's: give the client the token the server was started with "
+                "(rollout servers: GRPO_SERVE_TOKEN or rollout.remote.token_file; judges: GRPO_JUDGE_TOKEN or "
+                "reward.judge.token_file; reward model servers: GRPO_RM_TOKEN or reward.rm.token_file)",
            403: "the server refuses this client"}
+
+
+def is_redirect(status: int | None) -> bool:
+    return status is not None and 300 <= status < 400
+
+
+def build_opener() -> urllib.request.OpenerDirector:
+    """urllib's default handlers but HTTPRedirectHandler: a 3xx reaches HTTPDefaultErrorHandler and is
+    raised as an HTTPError, its Location unvisited and the Authorization header sent to no one else."""
+    opener = urllib.request.OpenerDirector()
+    for handler in (urllib.request.ProxyHandler(), urllib.request.UnknownHandler(), urllib.request.HTTPHandler(),
+                    urllib.request.HTTPSHandler(), urllib.request.HTTPDefaultErrorHandler(),
+                    urllib.request.HTTPErrorProcessor()):
+        opener.add_handler(handler)
+    return opener
+
+
+OPENER = build_opener()
 
 
 def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it", log=say, note: str = "", exited=None):
     """Call `check()` until it returns without raising, or raise the last error after `timeout_s`;
     every 15 s, `log` says what it is waiting for and for how long (grpo/progress.py; None: silent).
-    A server that answers but refuses us (401, 403) fails at once: waiting cannot change that; so
-    does one whose process is gone (`exited()`: None while it runs, else what it left in its log)."""
+    A server that answers but refuses us (401, 403) or redirects us (3xx) fails at once: waiting
+    cannot change that; so does one whose process is gone (`exited()`: None while it runs, else what it left in its log)."""
     deadline, last = time.time() + timeout_s, None
     progress = WaitProgress(f"{what} to answer /health", timeout_s, log, note=note)
     while True:
@@ -37,6 +60,8 @@ def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it", l
         except ServerError as e:
             if e.status in REFUSED:
                 raise ServerError(f"{what} is up but refused the request: {e} ({REFUSED[e.status]}).", e.status) from e
+            if is_redirect(e.status):
+                raise
             last = e
         except OSError as e:
             last = e
@@ -142,9 +167,13 @@ class Server:
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as r:
+            with OPENER.open(req, timeout=timeout or self.timeout_s) as r:
                 raw = r.read()
         except urllib.error.HTTPError as e:
+            if is_redirect(e.code):
+                raise ServerError(f"{self.url}{path} answered {e.code} to {e.headers.get('Location')!r}; point the URL at "
+                                  f"the server itself (a redirect is not followed: it would carry the token to another "
+                                  f"host).", e.code) from e
             raise ServerError(f"{self.url}{path} answered {e.code}: {e.read()[:500].decode(errors='replace')}", e.code) from e
         except (urllib.error.URLError, OSError) as e:
             raise ServerError(f"{self.url}{path} is unreachable ({e}); is `python -m grpo.serve` running there?") from e

@@ -47,7 +47,8 @@ class RewardModelConfig:
     # served (grpo/rewards/served_rm.py): `python -m grpo.serve --model DIR --reward-model` servers, the batch
     # split across them; the trainer then loads only path's tokenizer. Empty: the model in the trainer process.
     urls: list[str] = field(default_factory=list)  # e.g. [http://node7:8001]
-    token_file: Optional[str] = None  # the servers' token (chmod 600); default $GRPO_SERVE_TOKEN, as rollout.remote
+    token_file: Optional[str] = None  # the servers' token (chmod 600); null: $GRPO_RM_TOKEN (never $GRPO_SERVE_TOKEN)
+    allow_plain_http: bool = False  # send the token over plain http:// to a host other than loopback
     health_timeout_s: float = 300.0  # at build: wait this long for every server's /health
     request_timeout_s: float = 20.0  # one server's share of a batch; past it, that share scores None
     tiny: TinyRewardModelConfig = field(default_factory=TinyRewardModelConfig)
@@ -65,7 +66,8 @@ class JudgeConfig:
 
     urls: list[str] = field(default_factory=list)  # http://host:port of `grpo.serve`, `vllm serve` or any endpoint
     model: Optional[str] = None  # the served model's name; null: the first server's (/v1/models)
-    token_file: Optional[str] = None  # chmod 600; null: $GRPO_SERVE_TOKEN (none: no Authorization header)
+    token_file: Optional[str] = None  # chmod 600; null: $GRPO_JUDGE_TOKEN (none: no Authorization header)
+    allow_plain_http: bool = False  # send the token over plain http:// to a host other than loopback
     api: str = "chat"  # chat (/v1/chat/completions: the judge's chat template) | completions (the text as is)
     template: str = DEFAULT_JUDGE_TEMPLATE  # {prompt}, {completion}, {answer} (the task's reference)
     score: str = "logprobs"  # logprobs: expected value over `choices` at the first token | pattern: a match in the text

@@ -36,6 +36,8 @@ class RemoteConfig:
     # The servers' shared secret comes from $GRPO_SERVE_TOKEN, or this file (chmod 600); never from
     # the config, which is written into the run folder (grpo/auth.py).
     token_file: Optional[str] = None
+    # send the token over plain http:// to a host other than loopback (a network you trust); else https
+    allow_plain_http: bool = False
     health_timeout_s: float = 300.0  # wait this long for every server's /health before failing
     request_timeout_s: float = 600.0
     transfer_host: Optional[str] = None  # this trainer's address as the servers see it (auto)

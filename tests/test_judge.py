@@ -25,7 +25,7 @@ from grpo.errors import ConfigError, RewardStop
 from grpo.eval import agreement
 from grpo.models import build_char_tokenizer
 from grpo.rewards.judge import Judge, answer_choices, check_choice_tokens, expected_score, judge_prompt, pattern_score
-from grpo.auth import TOKEN_ENV
+from grpo.auth import JUDGE_TOKEN_ENV
 from grpo.rollout.servers import free_port
 from grpo.tasks import Sample
 from tests.conftest import FAST, ROOT, compose_cfg, serve_tiny, stop_served
@@ -374,7 +374,7 @@ def test_doctor_checks_a_configured_judge(server, monkeypatch):
     the row); a judge nothing answers at is a FAIL row naming it."""
     from grpo.doctor import check_judge, main
 
-    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    monkeypatch.setenv(JUDGE_TOKEN_ENV, TOKEN)
     common = ["reward.judge.api=completions", f"reward.judge.template='{TEMPLATE}'", "reward.judge.rating=[0,9]"]
     result = check_judge([f"reward.judge.urls=[{server['url']}]", *common])
     assert result.ok and re.search(r"13\+54=067 scored \d\.\d{3}, 13\+54=068 scored \d\.\d{3}", result.detail), result.detail
@@ -392,7 +392,7 @@ def test_a_run_on_the_judge_logs_it_and_stops_when_the_judge_dies(server, tmp_pa
            "reward.judge.rating=[0,9]",
            "reward.judge.retries=1", f"hydra.run.dir={run}", f"model.cache_dir={cache_dir}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, TOKEN_ENV: TOKEN})
+                            env={**os.environ, JUDGE_TOKEN_ENV: TOKEN})
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 400
     while time.time() < deadline and proc.poll() is None:

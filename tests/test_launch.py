@@ -337,6 +337,8 @@ FAKE_SLURM = {  # the SLURM commands train_remote.sbatch calls, recording their 
     "srun": """
 with open(os.environ["FAKE_CALLS"], "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
+with open(os.environ["FAKE_CALLS"] + ".tokens", "a") as f:  # the tokens each step was handed
+    f.write(json.dumps({"serve": os.environ.get("GRPO_SERVE_TOKEN"), "judge": os.environ.get("GRPO_JUDGE_TOKEN")}) + "\\n")
 args = sys.argv[1:]
 if any("socket.socket()" in a for a in args):  # the free port on the first trainer node
     print(29512)
@@ -390,6 +392,7 @@ def test_train_remote_sbatch_starts_every_server_of_the_layout_and_trains_agains
     steps = [json.loads(line) for line in calls.read_text().splitlines()]
     serve = next(s for s in steps if "--job-name=grpo-serve" in s)
     train = next(s for s in steps if "grpo.train" in s)
+    assert "rollout.remote.allow_plain_http=true" in train  # the job's own servers: http on the cluster's network
     serve_args = serve[serve.index("--") + 1 :]
     urls = next(a for a in train if a.startswith("rollout.remote.urls=")).split("=", 1)[1].strip("[]").split(",")
     if case == "gpu-nodes":
@@ -403,6 +406,13 @@ def test_train_remote_sbatch_starts_every_server_of_the_layout_and_trains_agains
         judge = next(s for s in steps if "--job-name=grpo-judge" in s)
         assert serve[serve.index("--groups") + 1] == "1,2" and judge[judge.index("--groups") + 1] == "3"
         assert "grpo.slurm" in judge and "reward.judge.urls=[http://judge:9000]" in train
+        # the judges get a token of their own, handed to the trainer as GRPO_JUDGE_TOKEN (never the
+        # servers' by fallback); no token on any command line
+        tokens = [json.loads(line) for line in (tmp_path / "calls.tokens").read_text().splitlines()]
+        judge_token = tokens[steps.index(judge)]["serve"]
+        assert tokens[steps.index(serve)]["serve"] == "t" and judge_token not in (None, "t")
+        assert tokens[steps.index(train)] == {"serve": "t", "judge": judge_token}
+        assert "reward.judge.allow_plain_http=true" in train and not any(judge_token in a for s in steps for a in s)
     else:
         assert serve[serve.index("--groups") + 1] == "" and serve_args[serve_args.index("--model") + 1] == "tiny"
         assert serve_args[serve_args.index("--weight-transfer") + 1] == "grpo_gloo"

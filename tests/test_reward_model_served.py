@@ -22,7 +22,7 @@ from grpo.errors import ServerError
 from grpo.rewards.reward_model import RewardModel, load_reward_model
 from grpo.rewards.rm import build, check
 from grpo.rewards.served_rm import ServedRewardModel
-from grpo.auth import TOKEN_ENV
+from grpo.auth import RM_TOKEN_ENV, TOKEN_ENV
 from grpo.endpoints import Server
 from grpo.rollout.servers import free_port
 from grpo.tasks import Sample
@@ -70,7 +70,7 @@ def test_served_scores_equal_the_in_process_ones(rm_server, rm_dir, monkeypatch)
     normalisation after them. The served reward loads no model in the trainer."""
     import grpo.rewards.reward_model as reward_model
 
-    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    monkeypatch.setenv(RM_TOKEN_ENV, TOKEN)
     cfg = rm_cfg(rm_dir, f"reward.rm.urls=[{rm_server}]", "reward.rm.normalise=running")
     check(cfg)
     local = RewardModel(*load_reward_model(rm_dir, "float32"), max_tokens=256,
@@ -100,7 +100,7 @@ def test_the_server_refuses_a_request_without_the_token(rm_server, rm_dir, monke
         urllib.request.urlopen(request, timeout=10)
     assert e.value.code == 401
     # a trainer with the wrong token fails at build, in seconds, naming the 401
-    monkeypatch.setenv(TOKEN_ENV, "not-the-servers-token")
+    monkeypatch.setenv(RM_TOKEN_ENV, "not-the-servers-token")
     with pytest.raises(ServerError, match="answered 401"):
         build(rm_cfg(rm_dir, f"reward.rm.urls=[{rm_server}]"))
 
@@ -110,7 +110,7 @@ def test_a_dead_server_scores_its_share_none_with_a_warning(rm_server, rm_dir, m
     naming it; the first half keeps its scores; the reward wrapper passes the Nones on, no retry."""
     from grpo.rewards import run_reward
 
-    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    monkeypatch.setenv(RM_TOKEN_ENV, TOKEN)
     served = build(rm_cfg(rm_dir, f"reward.rm.urls=[{rm_server}]"))
     dead = f"http://127.0.0.1:{free_port()}"
     alone = served.scores([p + c for p, c in PAIRS])
@@ -127,7 +127,7 @@ def test_a_text_longer_than_the_servers_context_scores_none_counted(rm_server, r
     """The server holds 128 tokens (--max-model-len): a 200-character text (a token each, char
     tokenizer) is not sent, scores None with a warning and is counted, by the in-process model's check
     (reward_model.within_context); the other texts keep their scores."""
-    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    monkeypatch.setenv(RM_TOKEN_ENV, TOKEN)
     served = build(rm_cfg(rm_dir, f"reward.rm.urls=[{rm_server}]"))
     texts = ["07+45=052", "1" * 200, "1+1=2"]
     with pytest.warns(UserWarning, match=rf"1 texts are longer than {rm_server}'s context \(128 tokens\)"):

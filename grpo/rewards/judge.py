@@ -27,7 +27,12 @@ fastest lately), and a request that fails (unreachable, timed out, 5xx, 429) is 
 server up to `retries` times with a growing pause. A completion that stays unanswered, or whose
 answer is garbage, gets None (excluded, advantage 0) with one warning per batch that counts them and
 shows the first; fewer than `min_scored` of a batch scored stops the run (RewardStop) naming the
-servers' errors. A server that refuses the token (401/403) or the model name (404) stops it at once.
+servers' errors. A server that refuses the token (401/403) or the model name (404), or redirects (3xx,
+never followed), stops it at once.
+
+The token: the judge's own, `reward.judge.token_file` or $GRPO_JUDGE_TOKEN (none: no Authorization
+header), never the rollout servers' $GRPO_SERVE_TOKEN (grpo/auth.py); plain http to a host other
+than loopback carries it only with `reward.judge.allow_plain_http=true`.
 """
 
 from __future__ import annotations
@@ -39,9 +44,9 @@ import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 
-from grpo.auth import load_token, read_token_file
-from grpo.errors import ConfigError, RewardStop, ServerError, TokenError
-from grpo.endpoints import Server, parallel_map
+from grpo.auth import JUDGE_TOKEN_ENV, client_token
+from grpo.errors import ConfigError, RewardStop, ServerError
+from grpo.endpoints import Server, is_redirect, parallel_map
 
 SCORES = ("logprobs", "pattern")
 APIS = ("chat", "completions")
@@ -247,8 +252,10 @@ class Judge:
             try:
                 answer = self.servers[i].request(path, body)
             except ServerError as e:
+                if is_redirect(e.status):
+                    raise RewardStop(f"reward `judge`: {e}") from e
                 if e.status in FATAL:
-                    raise RewardStop(f"reward `judge`: {e}. Check reward.judge.token_file (or $GRPO_SERVE_TOKEN) and "
+                    raise RewardStop(f"reward `judge`: {e}. Check reward.judge.token_file (or ${JUDGE_TOKEN_ENV}) and "
                                      f"reward.judge.model against the server.") from e
                 error, last = str(e), i
                 continue
@@ -349,15 +356,16 @@ def check(cfg) -> None:
         raise ConfigError(f"reward.judge.min_scored={jc.min_scored} is a fraction of a batch: 0 to 1.")
     if jc.request_timeout_s <= 0 or jc.batch_timeout_s <= 0:
         raise ConfigError("reward.judge.request_timeout_s and batch_timeout_s must be > 0.")
-    if jc.token_file:
-        try:
-            read_token_file(jc.token_file)
-        except TokenError as e:
-            raise ConfigError(f"reward.judge.token_file: {e}") from e
+    judge_token(jc)
+
+
+def judge_token(jc) -> str | None:
+    """The judge's own token (reward.judge.token_file, else $GRPO_JUDGE_TOKEN), once its URLs may carry it."""
+    return client_token(jc.token_file, JUDGE_TOKEN_ENV, jc.urls, jc.allow_plain_http, "reward.judge")
 
 
 def build(cfg, device=None) -> Judge:
     """The reward function of `reward.judge`, once its servers answer and its choices are checked."""
-    judge = Judge(cfg.reward.judge, load_token(cfg.reward.judge.token_file))
+    judge = Judge(cfg.reward.judge, judge_token(cfg.reward.judge))
     judge.wait_healthy()
     return judge

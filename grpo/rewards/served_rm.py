@@ -18,7 +18,10 @@
 - At build, every server must answer /health within `reward.rm.health_timeout_s`, then one /classify
   probe: a wrong token (401), a server of a policy (no /classify) or a model with several labels is
   an error then, not None at every step.
-- The token: $GRPO_SERVE_TOKEN or `reward.rm.token_file`, as for rollout.remote (grpo/auth.py).
+- The token: the reward model servers' own, `reward.rm.token_file` or $GRPO_RM_TOKEN (start the servers
+  with it: `GRPO_SERVE_TOKEN=... python -m grpo.serve --reward-model` or `--token-file`), never the rollout
+  servers' $GRPO_SERVE_TOKEN by fallback; plain http to a host other than loopback carries it only with
+  `reward.rm.allow_plain_http=true` (grpo/auth.py).
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ import time
 import warnings
 from urllib.parse import urlparse
 
-from grpo.errors import ConfigError, ServerError, TokenError
+from grpo.errors import ConfigError, ServerError
 from grpo.rewards.reward_model import RewardModel, ScoreNormaliser, within_context
-from grpo.auth import load_token, read_token_file
+from grpo.auth import RM_TOKEN_ENV, client_token
 from grpo.endpoints import Server, parallel_map, split_by_load
 
 
@@ -51,16 +54,17 @@ def check_served(rm) -> None:
         if problem := check_url(str(url)):
             raise ConfigError(f"reward.rm.urls: {url!r} is {problem}; give each `grpo.serve --reward-model` server as "
                               f"http://host:port.")
-    if rm.token_file:
-        try:
-            read_token_file(rm.token_file)
-        except TokenError as e:
-            raise ConfigError(f"reward.rm.token_file: {e}") from e
+    rm_token(rm)
     if rm.health_timeout_s <= 0:
         raise ConfigError(f"reward.rm.health_timeout_s={rm.health_timeout_s} must be > 0.")
     if rm.request_timeout_s <= 0:
         raise ConfigError(f"reward.rm.request_timeout_s={rm.request_timeout_s} must be > 0: one server's share of a "
                           f"batch scores None past it.")
+
+
+def rm_token(rm) -> str | None:
+    """The reward model servers' token (reward.rm.token_file, else $GRPO_RM_TOKEN), once their URLs may carry it."""
+    return client_token(rm.token_file, RM_TOKEN_ENV, rm.urls, rm.allow_plain_http, "reward.rm")
 
 
 def classify(server: Server, ids: list[list[int]]) -> list[float]:
@@ -120,7 +124,8 @@ class ServedRewardModel(RewardModel):
 
 def build_served(rm, tokenizer, normaliser: ScoreNormaliser) -> ServedRewardModel:
     """The served reward model, every server healthy and answering a /classify probe now (errors name it)."""
-    servers = [Server(str(u), load_token(rm.token_file), rm.request_timeout_s) for u in rm.urls]
+    token = rm_token(rm)
+    servers = [Server(str(u), token, rm.request_timeout_s) for u in rm.urls]
     deadline = time.time() + rm.health_timeout_s
     parallel_map(lambda s: s.wait_healthy(deadline, kind="reward model server"), servers)
     probe = tokenizer(["1+1=2"]).input_ids
@@ -130,5 +135,5 @@ def build_served(rm, tokenizer, normaliser: ScoreNormaliser) -> ServedRewardMode
         except ServerError as e:
             raise ServerError(f"reward model server {server.url} does not score texts: {e}. Start it with "
                               f"`python -m grpo.serve --model DIR --reward-model` and the token the trainer has "
-                              f"($GRPO_SERVE_TOKEN or reward.rm.token_file).", e.status) from e
+                              f"(${RM_TOKEN_ENV} or reward.rm.token_file).", e.status) from e
     return ServedRewardModel(servers, tokenizer, normaliser)

@@ -14,7 +14,8 @@
   through vLLM's /v1/load_lora_adapter, so the servers must see the run folder at the same path (a
   shared file system, as multi-node runs need for checkpoints anyway).
 - Every request carries `Authorization: Bearer <token>` when a token is set ($GRPO_SERVE_TOKEN or
-  rollout.remote.token_file; grpo/auth.py).
+  rollout.remote.token_file); plain http to a host other than loopback carries it only with
+  `rollout.remote.allow_plain_http=true` (grpo/auth.py).
 """
 
 from __future__ import annotations
@@ -25,14 +26,19 @@ from concurrent.futures import Future
 import torch
 
 from grpo import dist, lora
-from grpo.errors import ConfigError, ServerError, TokenError
+from grpo.errors import ConfigError, ServerError
 from grpo.progress import say
-from grpo.auth import load_token, read_token_file
+from grpo.auth import TOKEN_ENV, client_token
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.rollout.trajectories import episode_driver
 from grpo.rollout.servers import (TRANSFERS, ServerPool, TurnGate, in_thread, push_adapter_from_one_rank,
                                   push_from_one_rank, transfer_backend)
 from grpo.weights import WeightBuckets
+
+
+def servers_token(rc) -> str | None:
+    """The rollout servers' token (rollout.remote.token_file, else $GRPO_SERVE_TOKEN), once their URLs may carry it."""
+    return client_token(rc.token_file, TOKEN_ENV, rc.urls, rc.allow_plain_http, "rollout.remote")
 
 
 class RemoteBackend(RolloutBackend):
@@ -45,11 +51,7 @@ class RemoteBackend(RolloutBackend):
             raise ConfigError(f"rollout.vllm.weight_transfer={cfg.vllm.weight_transfer!r}: choose one of {', '.join(TRANSFERS)}.")
         if not cfg.remote.urls:
             raise ConfigError("rollout=remote needs rollout.remote.urls=[http://host:port,...]: start them with `python -m grpo.serve`.")
-        if cfg.remote.token_file:
-            try:
-                read_token_file(cfg.remote.token_file)
-            except TokenError as e:
-                raise ConfigError(f"rollout.remote.token_file: {e}") from e
+        servers_token(cfg.remote)
 
     def __init__(self, cfg, model, tokenizer, model_path: str | None = None, run_dir: str = ".",
                  partial_rollouts: bool = False, **_):
@@ -59,7 +61,7 @@ class RemoteBackend(RolloutBackend):
             raise ServerError("rollout=remote needs rollout.remote.urls=[http://host:port,...] (see `python -m grpo.serve`).")
         # each server's transfer group is sized by the server's own world (/get_world_size), not by
         # rc.tensor_parallel_size (grpo.launch's placement of the servers it starts)
-        self.pool = ServerPool(list(rc.urls), load_token(rc.token_file), rc.health_timeout_s, rc.request_timeout_s,
+        self.pool = ServerPool(list(rc.urls), servers_token(rc), rc.health_timeout_s, rc.request_timeout_s,
                                rc.transfer_host, can_push=dist.rank() == 0,
                                transfer=transfer_backend(cfg.vllm.weight_transfer, torch.cuda.is_available()),
                                log=say if dist.rank() == 0 else None,  # every rank waits; rank 0 says so

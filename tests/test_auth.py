@@ -1,0 +1,185 @@
+"""Which token goes where (grpo/auth.py) and how (grpo/endpoints.py): each client its own token, never
+the rollout servers' by fallback; plain http to another host only where the config says so; no
+redirect followed, against real local HTTP servers, so the Authorization header reaches no host that
+was not configured."""
+
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from grpo.auth import (JUDGE_TOKEN_ENV, RM_TOKEN_ENV, TOKEN_ENV, check_token_transport, client_token, load_token,
+                       sends_in_clear)
+from grpo.config import validate
+from grpo.endpoints import Server
+from grpo.errors import ConfigError, RewardStop, ServerError, TokenError
+from grpo.rewards.judge import Judge, judge_token
+from grpo.rewards.served_rm import rm_token
+from grpo.rollout.remote import servers_token
+from tests.conftest import compose_cfg
+
+TOKEN = "auth-test-secret"
+
+
+@pytest.mark.parametrize("url, clear", [
+    ("http://127.0.0.1:8000", False), ("http://127.9.8.7:8000", False),  # all of 127.0.0.0/8
+    ("http://[::1]:8000", False), ("http://localhost:8000", False), ("http://LocalHost:8000", False),
+    ("https://node7:8000", False), ("https://203.0.113.5", False),  # encrypted, whatever the host
+    ("http://node7:8000", True), ("http://10.0.0.4:8000", True), ("http://[2001:db8::1]:80", True),
+    ("http://localhost.example.com:8000", True),  # a name that merely starts like loopback
+    ("http://0.0.0.0:8000", True),  # a bind address, not a destination that is loopback by definition
+])
+def test_sends_in_clear_by_value(url, clear):
+    assert sends_in_clear(url) is clear
+
+
+def test_a_token_in_the_clear_is_refused_unless_the_config_says_so():
+    with pytest.raises(TokenError, match=re.escape("reward.judge.urls: http://node7:8000 is plain http to another host")
+                       + ".*Use https://, or.*set reward.judge.allow_plain_http=true"):
+        check_token_transport(["http://127.0.0.1:1", "http://node7:8000"], TOKEN, False, "reward.judge")
+    check_token_transport(["http://node7:8000"], TOKEN, True, "reward.judge")  # said so
+    check_token_transport(["http://node7:8000"], None, False, "reward.judge")  # no token: no header to read
+    check_token_transport(["https://node7:8000", "http://localhost:1"], TOKEN, False, "reward.judge")
+
+
+def test_each_client_reads_its_own_token_and_never_the_servers(monkeypatch, tmp_path):
+    """Only $GRPO_SERVE_TOKEN set: the rollout servers get it; the judge and the served reward model
+    send no token at all (a judge URL may be anyone's endpoint). Each reads its own variable or file."""
+    cfg = compose_cfg("reward=judge", "reward.judge.urls=[http://127.0.0.1:1]", "rollout=remote",
+                      "rollout.remote.urls=[http://127.0.0.1:2]", "reward.rm.urls=[http://127.0.0.1:3]")
+    for var in (TOKEN_ENV, JUDGE_TOKEN_ENV, RM_TOKEN_ENV):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(TOKEN_ENV, "servers")
+    assert (servers_token(cfg.rollout.remote), judge_token(cfg.reward.judge), rm_token(cfg.reward.rm)) == ("servers", None, None)
+    monkeypatch.setenv(JUDGE_TOKEN_ENV, "judge")
+    monkeypatch.setenv(RM_TOKEN_ENV, "rm")
+    assert (servers_token(cfg.rollout.remote), judge_token(cfg.reward.judge), rm_token(cfg.reward.rm)) == ("servers", "judge", "rm")
+    path = tmp_path / "judge-token"
+    path.write_text("from-file\n")
+    path.chmod(0o600)
+    cfg.reward.judge.token_file = str(path)
+    assert judge_token(cfg.reward.judge) == "from-file"  # the file before the variable
+    path.chmod(0o644)
+    with pytest.raises(TokenError, match=re.escape(f"reward.judge.token_file: token file {path} is readable by other users")):
+        judge_token(cfg.reward.judge)
+    assert load_token(None, JUDGE_TOKEN_ENV, env={TOKEN_ENV: "servers"}) is None
+
+
+@pytest.mark.parametrize("overrides, var, key", [
+    (["reward=judge", "reward.judge.urls=[http://judge7:8100]"], JUDGE_TOKEN_ENV, "reward.judge"),
+    (["reward=rm", "reward.rm.path=tiny_rm", "task=addition", "reward.rm.urls=[http://rm7:8001]"], RM_TOKEN_ENV, "reward.rm"),
+    (["rollout=remote", "rollout.remote.urls=[http://node7:8000]"], TOKEN_ENV, "rollout.remote"),
+])
+def test_validate_refuses_a_token_over_plain_http_to_another_host(overrides, var, key, monkeypatch):
+    """At config time, with the token the run would send: refused naming the key; the key lets it through;
+    without a token nothing is sent and nothing refused."""
+    for v in (TOKEN_ENV, JUDGE_TOKEN_ENV, RM_TOKEN_ENV):
+        monkeypatch.delenv(v, raising=False)
+    validate(compose_cfg(*overrides))
+    monkeypatch.setenv(var, TOKEN)
+    with pytest.raises(ConfigError, match=re.escape(f"set {key}.allow_plain_http=true")):
+        validate(compose_cfg(*overrides))
+    validate(compose_cfg(*overrides, f"{key}.allow_plain_http=true"))
+
+
+class Recorder(BaseHTTPRequestHandler):
+    """Answers every request 200 with a model list, and records each request's path and headers."""
+
+    seen: list
+
+    def do_GET(self):
+        self.seen.append((self.path, dict(self.headers)))
+        body = b'{"data": [{"id": "m"}]}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+class Redirector(BaseHTTPRequestHandler):
+    """Answers /<status>/<rest> with that status and Location: `target` + /<rest>."""
+
+    target: str
+
+    def do_GET(self):
+        status, _, rest = self.path.lstrip("/").partition("/")
+        self.send_response(int(status) if status.isdigit() else 302)
+        self.send_header("Location", f"{self.target}/{rest}")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def serve(handler) -> ThreadingHTTPServer:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+@pytest.fixture
+def redirect_to_recorder():
+    """A real server that redirects every request to a second real server, which records what reaches it."""
+    seen = []
+    other = serve(type("Handler", (Recorder,), {"seen": seen}))
+    target = f"http://127.0.0.1:{other.server_port}"
+    front = serve(type("Handler", (Redirector,), {"target": target}))
+    yield f"http://127.0.0.1:{front.server_port}", target, seen
+    for httpd in (front, other):
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_no_client_follows_a_redirect_with_the_token(redirect_to_recorder, status):
+    front, target, seen = redirect_to_recorder
+    server = Server(f"{front}/{status}", TOKEN, 5.0)
+    with pytest.raises(ServerError) as e:
+        server.request("/v1/completions", {"prompt": "x"})
+    assert str(e.value) == (f"{front}/{status}/v1/completions answered {status} to '{target}/v1/completions'; point the "
+                            f"URL at the server itself (a redirect is not followed: it would carry the token to another host).")
+    assert e.value.status == status
+    assert seen == [], f"the redirect was followed: {seen}"
+    # the recorder does answer a direct request, with the header: the assertion above can fail
+    Server(target, TOKEN, 5.0).request("/v1/models")
+    assert seen and seen[0][1].get("Authorization") == f"Bearer {TOKEN}"
+
+
+def test_a_redirecting_server_fails_the_health_wait_at_once_and_stops_the_judge(redirect_to_recorder):
+    """Waiting cannot change a redirect: the health wait ends at the first 3xx, not after its timeout,
+    and a judge whose server starts redirecting stops the run (no retries to the same answer)."""
+    front, target, seen = redirect_to_recorder
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match=re.escape(f"answered 302 to '{target}/health'; point the URL at the server itself")):
+        Server(f"{front}/302", TOKEN, 5.0).wait_healthy(time.time() + 120, log=None, kind="judge server")
+    assert time.monotonic() - t0 < 10
+    cfg = compose_cfg("task=addition", "reward=judge", f"reward.judge.urls=[{front}/307]", "reward.judge.model=m",
+                      "reward.judge.api=completions", "reward.judge.retries=2")
+    from grpo.tasks import Sample
+
+    with pytest.raises(RewardStop, match=re.escape("answered 307 to")):
+        Judge(cfg.reward.judge, TOKEN)(["7"], [Sample("3+4=", "7")])
+    assert seen == []
+
+
+def test_build_refuses_a_token_in_the_clear_before_contacting_anything(monkeypatch):
+    """The check runs again where the token is read for use (a build outside validate, e.g. grpo.doctor)."""
+    from grpo.rewards.judge import build
+
+    monkeypatch.setenv(JUDGE_TOKEN_ENV, TOKEN)
+    cfg = compose_cfg("reward=judge", "reward.judge.urls=[http://judge7:8100]", "reward.judge.health_timeout_s=600")
+    t0 = time.monotonic()
+    with pytest.raises(TokenError, match="reward.judge.allow_plain_http=true"):
+        build(cfg)
+    assert time.monotonic() - t0 < 5
+    assert client_token(None, JUDGE_TOKEN_ENV, ["http://judge7:8100"], True, "reward.judge") == TOKEN
