@@ -193,6 +193,7 @@ class ServeJob:
     extra_args: list[str] = field(default_factory=list)
 
     def __call__(self) -> None:
+        from grpo.dist import node_name
         from grpo.models import resolve_model_folder
         from grpo.serve import main as serve
 
@@ -203,7 +204,8 @@ class ServeJob:
             os.environ["CUDA_VISIBLE_DEVICES"] = devices
         # the server owns its devices: memory fraction and CUDA graphs are grpo.serve's per-device
         # defaults (0.9 on GPU), not the colocated engine's share; the dtype is the trainer's
-        serve(["--model", model, "--host", "0.0.0.0", "--port", "0", "--url-dir", servers_dir(self.run_dir), "--dtype", cfg.model.dtype,
+        # bound to this node's cluster address (its SLURM name, which its URL names), never 0.0.0.0 (every interface)
+        serve(["--model", model, "--host", node_name(), "--port", "0", "--url-dir", servers_dir(self.run_dir), "--dtype", cfg.model.dtype,
                "--tensor-parallel-size", str(tp), "--weight-transfer", cfg.rollout.vllm.weight_transfer, *self.extra_args])
 
 
@@ -218,9 +220,10 @@ class JudgeJob:
     extra_args: list[str] = field(default_factory=list)
 
     def __call__(self) -> None:
+        from grpo.dist import node_name
         from grpo.serve import main as serve, resolve_model
 
-        serve(["--model", resolve_model(self.model), "--host", "0.0.0.0", "--port", "0", "--url-dir", judges_dir(self.run_dir),
+        serve(["--model", resolve_model(self.model), "--host", node_name(), "--port", "0", "--url-dir", judges_dir(self.run_dir),
                "--tensor-parallel-size", str(self.gpus or 1), *self.extra_args])
 
 
