@@ -31,8 +31,12 @@ Topologies:
   - judges (reward=judge): judges=J judge_model=M submits another companion job: J nodes, each running
     one `grpo.serve --model M` (`JudgeJob`; tensor parallel over the node's judge_gpus, or on CPU),
     writing its URL into <run_dir>/judges/. The trainer waits for the J URLs and trains with
-    reward.judge.urls set to them and reward.judge.token_file to the same token file; the judges are
-    cancelled with the servers. Any configuration can take judges: they only score.
+    reward.judge.urls set to them and reward.judge.token_file to the same token file, handed explicitly
+    (the judge never falls back to the servers' token; grpo/auth.py); the judges are cancelled with the
+    servers. Any configuration can take judges: they only score.
+The servers a job starts write plain http:// URLs on the cluster's network, so the trainer is given
+rollout.remote.allow_plain_http=true (and reward.judge.allow_plain_http=true) for them, in the open in
+its config.yaml; servers given by URL get no such key.
 """
 
 from __future__ import annotations
@@ -274,12 +278,14 @@ def launch(argv: list[str]) -> str:
         if not own["judge_model"]:
             raise ConfigError("judges=N needs judge_model=M: the judge's folder, hub id or packaged name (smollm2-135m).")
         cfg.reward.judge.urls = ["http://found-when-the-job-starts:0"]
+        cfg.reward.judge.allow_plain_http = True  # the job's own judges, as the trainer is told below
     elif own["judge_model"] or own["judge_gpus"]:
         raise ConfigError("judge_model and judge_gpus go with judges=N (the judge nodes to start).")
     if own["servers"]:
         if cfg.rollout.backend != "remote":
             raise ConfigError(f"servers={own['servers']} starts rollout servers for rollout=remote; add rollout=remote.")
         cfg.rollout.remote.urls = ["http://found-when-the-job-starts:0"]
+        cfg.rollout.remote.allow_plain_http = True
     validate(cfg, world_size=world, cuda=bool(launcher.gpus_per_node or own["server_gpus"]) or None)  # the job's GPUs, not this machine's
     check_request(request_from(launcher))
     per_node = servers_per_node(own["server_gpus"], cfg.rollout.remote.tensor_parallel_size)
@@ -302,13 +308,13 @@ def launch(argv: list[str]) -> str:
         ex = executor_for(folder, launcher, "grpo-judge", nodes=own["judges"], tasks_per_node=1,
                           gpus_per_node=own["judge_gpus"] or None)
         judge_job = ex.submit(JudgeJob(own["judge_model"], run_dir, own["judge_gpus"], ["--token-file", token_file])).job_id
-        train_overrides = [*train_overrides, f"reward.judge.token_file={token_file}"]
+        train_overrides = [*train_overrides, f"reward.judge.token_file={token_file}", "reward.judge.allow_plain_http=true"]
         print(f"submitted judge servers: job {judge_job} ({own['judges']} node(s) of {own['judge_model']})")
     if own["servers"]:
         ex = executor_for(folder, launcher, "grpo-serve", nodes=own["servers"], tasks_per_node=per_node,
                           gpus_per_node=own["server_gpus"] or None)
         server_job = ex.submit(ServeJob(train_overrides, run_dir, ["--token-file", token_file])).job_id
-        train_overrides = [*train_overrides, f"rollout.remote.token_file={token_file}"]
+        train_overrides = [*train_overrides, f"rollout.remote.token_file={token_file}", "rollout.remote.allow_plain_http=true"]
         print(f"submitted rollout servers: job {server_job} ({own['servers']} node(s) x {per_node} server(s))")
     job = executor_for(folder, launcher, "grpo").submit(TrainJob(train_overrides, run_dir, own["servers"] * per_node, server_job,
                                                                  num_judges=own["judges"], judge_job=judge_job))
