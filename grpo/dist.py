@@ -17,9 +17,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+import psutil
 import torch
 import torch.distributed as dist
 
+from grpo import listeners
 from grpo.errors import DeviceError
 
 
@@ -80,20 +82,21 @@ def cuda_device_index(local_rank: int, device_count: int) -> int:
 
 def init_distributed(info: DistInfo, timeout_s: float = 600, force: bool = False) -> None:
     """gloo on CPU, NCCL on GPU. A peer that never arrives fails after `timeout_s` with its rank.
-    One process gets no group unless `force` (DeepSpeed needs one even then)."""
+    One process gets no group unless `force` (DeepSpeed needs one even then). Every gloo group this
+    process makes (the run's, vLLM's, DeepSpeed's) listens on this node's address towards MASTER_ADDR
+    (loopback for one process: `bind_gloo`), and a store this process hosts on MASTER_ADDR only."""
     if (info.world_size == 1 and not force) or dist.is_initialized():
+        bind_gloo("127.0.0.1" if info.world_size == 1 else os.environ.get("MASTER_ADDR", "127.0.0.1"))
         return
-    store = None
     if info.world_size == 1 and "MASTER_PORT" not in os.environ:  # one process (DeepSpeed's group): its own
         # store on a port bound here (0: the kernel's choice), not one picked free and bound later
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, 1, is_master=True,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-        os.environ["MASTER_PORT"] = str(store.port)
-    for key in ("MASTER_ADDR", "MASTER_PORT"):
-        if key not in os.environ:
-            raise RuntimeError(f"rank {info.rank}: {key} is not set; launch with torchrun, or export it in the job script "
-                               "(under SLURM: slurm/train.sbatch or python -m grpo.launch do).")
+    elif "MASTER_PORT" not in os.environ or "MASTER_ADDR" not in os.environ:
+        key = "MASTER_ADDR" if "MASTER_ADDR" not in os.environ else "MASTER_PORT"
+        raise RuntimeError(f"rank {info.rank}: {key} is not set; launch with torchrun, or export it in the job script "
+                           "(under SLURM: slurm/train.sbatch or python -m grpo.launch do).")
+    bind_gloo(os.environ["MASTER_ADDR"])
+    store = rendezvous_store(info, timeout_s)
     os.environ.update(rank_env(info))
     backend = process_group_backend(torch.cuda.is_available())
     if torch.cuda.is_available():
@@ -104,6 +107,80 @@ def init_distributed(info: DistInfo, timeout_s: float = 600, force: bool = False
     dist.init_process_group(
         backend, rank=info.rank, world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout_s), store=store
     )
+
+
+def listening_socket(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket bound to `host` only and listening (port 0: the kernel's choice)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def rendezvous_store(info: DistInfo, timeout_s: float) -> dist.TCPStore | None:
+    """The store the ranks meet at; None where torchrun's agent hosts it (its own process, ranks are
+    clients). Otherwise rank 0 hosts it on MASTER_ADDR only: torch's libuv store binds every interface
+    (0.0.0.0 / ::) whatever host it is given, so it gets a socket bound here (`master_listen_fd`, which
+    it then owns). Every rank passes the store to init_process_group, so all use its keys unprefixed.
+    One process without MASTER_PORT: port 0, read back into MASTER_PORT (the watchdog and DeepSpeed read it)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 0))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if info.rank != 0:
+        return dist.TCPStore(host, port, info.world_size, is_master=False, timeout=timeout)
+    fd = listening_socket(host, port).detach()
+    try:
+        store = dist.TCPStore(host, port, info.world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                              master_listen_fd=fd)
+    except BaseException:
+        socket.close(fd)
+        raise
+    os.environ["MASTER_PORT"] = str(store.port)
+    listeners.expect(host, store.port, "torch.distributed rendezvous store (rank 0)")
+    return store
+
+
+def route_address(host: str) -> str:
+    """This machine's address on its route to `host` (connecting a UDP socket sends nothing): the
+    address peers reach it at; the host's own address on the node that holds it."""
+    family, _, _, _, addr = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface holding `address` (lo for 127.0.0.1), None if none does."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addresses):
+            return name
+    return None
+
+
+def bind_gloo(master_addr: str) -> None:
+    """Every gloo group made in this process (torch's default device resolves the machine's hostname,
+    often a cluster-wide address, whatever the run needs) listens on this node's route to
+    `master_addr` instead: GLOO_SOCKET_IFNAME, read by each ProcessGroupGloo built without devices
+    (init_process_group, new_group, vLLM's and DeepSpeed's groups). A GLOO_SOCKET_IFNAME the user
+    set is kept."""
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        address = route_address(master_addr)
+        if (interface := interface_of(address)) is None:
+            return
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    interfaces = psutil.net_if_addrs()
+    for interface in os.environ["GLOO_SOCKET_IFNAME"].split(","):
+        for a in interfaces.get(interface, []):
+            if a.family in (socket.AF_INET, socket.AF_INET6):
+                listeners.expect_process(os.getpid(), a.address.split("%")[0],
+                                         f"gloo pairs of this process's groups ({interface})")
 
 
 def node_name() -> str:

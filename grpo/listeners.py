@@ -74,8 +74,8 @@ def registry() -> tuple[dict, dict]:
 
 def describe(proc: psutil.Process) -> str:
     try:
-        cmd = " ".join(proc.cmdline()[:4])
-        return f"{proc.name()}: {cmd}"[:120]
+        cmd = " ".join(" ".join(proc.cmdline()[:4]).split())  # one line, however the title was set
+        return f"{proc.name()}: {cmd}"[:100]
     except psutil.Error:
         return "gone"
 

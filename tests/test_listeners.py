@@ -1,0 +1,137 @@
+"""grpo.listeners by value, on sockets opened here; and where the run's own stores and gloo groups listen.
+
+Each backend's end-to-end run is watched too (tests/listener_watch.py): test_train (hf),
+test_train_colocated, test_dedicated, test_remote, test_reward_model_served."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from grpo import listeners
+from tests.conftest import ROOT
+
+
+@pytest.fixture
+def registry():
+    """A clean registry for the test, the process's own given back after."""
+    ports, processes = dict(listeners._ports), {pid: list(r) for pid, r in listeners._processes.items()}
+    listeners._ports.clear(), listeners._processes.clear()
+    yield
+    listeners._ports.clear(), listeners._processes.clear()
+    listeners._ports.update(ports), listeners._processes.update(processes)
+
+
+def listening(host: str, kind=socket.SOCK_STREAM) -> socket.socket:
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, kind)
+    s.bind((host, 0))
+    if kind == socket.SOCK_STREAM:
+        s.listen()
+    return s
+
+
+def found(sock: socket.socket) -> listeners.Listener:
+    port = sock.getsockname()[1]
+    mine = [item for item in listeners.audit(os.getpid()) if item.port == port]
+    assert len(mine) == 1, mine
+    return mine[0]
+
+
+def test_a_wildcard_listener_is_reported_with_its_process_and_port_even_when_registered(registry):
+    with listening("0.0.0.0") as s, listening("0.0.0.0", socket.SOCK_DGRAM) as u:
+        listeners.expect("127.0.0.1", s.getsockname()[1], "DDP rendezvous store")
+        item = found(s)
+        assert (item.pid, item.kind, item.address, item.purpose) == (os.getpid(), "tcp", "0.0.0.0", "DDP rendezvous store")
+        assert item.problem == "on the wildcard address 0.0.0.0 (configured: 127.0.0.1)"
+        assert f"0.0.0.0:{s.getsockname()[1]} pid {os.getpid()}" in str(item)
+        udp = found(u)  # a bound UDP socket receives from anyone too
+        assert (udp.kind, udp.purpose, udp.problem) == ("udp", "", "on the wildcard address 0.0.0.0")
+        assert listeners.violations([item, udp]) == [item, udp]
+
+
+def test_a_registered_loopback_listener_passes_with_its_purpose(registry):
+    with listening("127.0.0.1") as s:
+        listeners.expect("127.0.0.1", s.getsockname()[1], "grpo.serve API")
+        item = found(s)
+        assert (item.address, item.purpose, item.problem) == ("127.0.0.1", "grpo.serve API", "")
+        assert listeners.violations([item]) == []
+
+
+def test_an_unregistered_or_misplaced_listener_is_a_violation(registry):
+    with listening("127.0.0.1") as loose, listening("127.0.0.2") as elsewhere:
+        listeners.expect("127.0.0.1", elsewhere.getsockname()[1], "vLLM engine API (dedicated engine 0)")
+        assert found(loose).problem == "no component registered it"
+        assert found(elsewhere).problem == "on 127.0.0.2, configured for 127.0.0.1"
+        listeners.forget(elsewhere.getsockname()[1])
+        assert found(elsewhere).problem == "no component registered it"
+
+
+def test_a_process_rule_covers_its_tree_and_only_on_its_address(registry):
+    """Ports nobody picks (a vLLM engine's gloo groups) are matched by process and address."""
+    child = subprocess.Popen([sys.executable, "-c", "import socket, time\nfor h in ('127.0.0.1', '127.0.0.2'):\n"
+                              "    s = socket.socket(); s.bind((h, 0)); s.listen(); globals()[h] = s\nprint('up', flush=True)\n"
+                              "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        listeners.expect_process(child.pid, "127.0.0.1", "the child's own")  # not a tree rule: only its own pid
+        listeners.expect_process(os.getpid(), "127.0.0.1", "vLLM engine internals (dedicated engine 0)", tree=True)
+        theirs = sorted((i.address, i.purpose, i.problem) for i in listeners.audit(os.getpid()) if i.pid == child.pid)
+        assert theirs == [("127.0.0.1", "the child's own", ""),
+                          ("127.0.0.2", "the child's own", "on 127.0.0.2, configured for 127.0.0.1")]
+        listeners.forget(pid=child.pid)
+        theirs = sorted((i.address, i.purpose) for i in listeners.audit(os.getpid()) if i.pid == child.pid)
+        assert theirs == [("127.0.0.1", "vLLM engine internals (dedicated engine 0)"),
+                          ("127.0.0.2", "vLLM engine internals (dedicated engine 0)")]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_log_lists_each_listener_once_with_its_purpose(registry):
+    with listening("127.0.0.1") as s, listening("0.0.0.0") as w:
+        listeners.expect("127.0.0.1", s.getsockname()[1], "grpo.serve API")
+        lines = []
+        listeners.log_listeners(os.getpid(), log=lines.append)
+        assert f"listener: tcp 127.0.0.1:{s.getsockname()[1]} pid {os.getpid()}" in "\n".join(lines)
+        assert any(line.startswith(f"listener MISBOUND: tcp 0.0.0.0:{w.getsockname()[1]}") for line in lines), lines
+
+
+AUDIT_AFTER_INIT = """
+import json, os, sys
+from grpo import dist, listeners
+dist.init_distributed(dist.DistInfo(), timeout_s=30, force=True)
+import torch.distributed as td
+td.barrier()
+print(json.dumps([[i.address, i.port, i.purpose, i.problem] for i in listeners.audit(os.getpid())]))
+"""
+
+
+def other_address() -> str | None:
+    """An IPv4 address of this machine outside loopback, where one exists."""
+    return next((a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                 if a.family == socket.AF_INET and not a.address.startswith("127.")), None)
+
+
+@pytest.mark.parametrize("master", ["127.0.0.1", "other"])
+def test_the_process_groups_store_and_gloo_pairs_listen_on_master_addr_only(master):
+    """grpo.dist's own store (one process, DeepSpeed's group) and the gloo pairs of its group: torch's
+    store binds every interface, gloo's default device the hostname's address (127.0.0.1 on this
+    machine, so only a MASTER_ADDR elsewhere shows a gloo group that ignores it)."""
+    host = other_address() if master == "other" else master
+    if host is None:
+        pytest.skip("this machine has no address but loopback")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "GLOO_SOCKET_IFNAME", "RANK", "WORLD_SIZE")}
+    out = subprocess.run([sys.executable, "-c", AUDIT_AFTER_INIT], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**env, "MASTER_ADDR": host})
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [problem for *_, problem in seen if problem] == [], seen
+    purposes = sorted(purpose.split(" (")[0] for address, _, purpose, _ in seen if address == host)
+    assert purposes == ["gloo pairs of this process's groups", "torch.distributed rendezvous store"], seen
