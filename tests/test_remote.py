@@ -26,7 +26,9 @@ from grpo.rollout import Sampling
 from grpo.endpoints import split_by_load
 from grpo.rollout.servers import ServerPool, free_port
 from grpo.serve import is_open
+from grpo import listeners
 from tests.conftest import ROOT, serve_tiny, stop_served
+from tests.listener_watch import ListenerWatch, expect_served
 from tests.parity import assert_round_trip, sync_round_trip
 
 TOKEN = "test-secret-token"
@@ -43,6 +45,7 @@ def process_group_alive(pgid: int) -> bool:
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     proc, url = serve_tiny(model_dir, tmp_path_factory.mktemp("server") / "server.log", TOKEN)
+    expect_served(proc.pid, url)
     yield {"url": url, "path": model_dir, "proc": proc}
     stop_served(proc)  # Ctrl-C: the server and its engine processes must all exit
     deadline = time.time() + 30
@@ -265,7 +268,11 @@ def test_short_training_run_through_remote(server, make_cfg, token_env):
     from grpo.train import train
 
     cfg = make_cfg("rollout=remote", f"rollout.remote.urls=[{server['url']}]", "steps=3")
-    train(cfg)
+    # the trainer's side of the transfer: rollout.remote.transfer_host unset, so its route to the server
+    listeners.expect_process(os.getpid(), "127.0.0.1", "weight-transfer rendezvous and gloo pairs (server 0)")
+    with ListenerWatch(os.getpid()) as watch:  # the trainer (this process) and the server (its child)
+        train(cfg)
+    watch.assert_accounted("grpo.serve API", "grpo.serve's vLLM internals", "weight-transfer rendezvous")
     for path in Path(cfg.run_dir).rglob("*"):  # the secret never lands in the run folder
         assert not path.is_file() or TOKEN.encode() not in path.read_bytes(), path
     rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
@@ -346,6 +353,7 @@ def test_nccl_sender_speaks_vllms_receiver(monkeypatch):
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
+    from grpo.rollout import nccl_transfer
     from grpo.rollout.gloo_transfer import update_info
     from grpo.rollout.nccl_transfer import NcclSender
 
@@ -381,6 +389,12 @@ def test_nccl_sender_speaks_vllms_receiver(monkeypatch):
     # 0, and the unpacked wire: one broadcast per tensor, which is what NcclSender.send does
     assert (init.master_address, init.master_port, init.rank_offset, init.world_size) == ("10.0.0.1", 29500, 1, 3)
     assert init.nccl_unique_id_bytes is None and init.packed is False
+    # the unique-id rendezvous this vLLM takes (no address: nothing listens; docs/security.md)
+    assert nccl_transfer.takes_unique_id()
+    minted = bytes(range(128))
+    by_id = receiver.parse_init_info(nccl_transfer.init_info(3, minted, "10.0.0.1", None))
+    assert by_id.nccl_unique_id_bytes == minted and by_id.master_address is None and by_id.master_port is None
+    assert (by_id.rank_offset, by_id.world_size, by_id.packed) == (1, 3, False)
 
     bucket = [("a.weight", torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)), ("b", torch.tensor([1.5, -2.0, 3.0, 4.0])),
               ("c.bias", torch.tensor([[7]], dtype=torch.int64).t())]  # a non-contiguous view

@@ -2,18 +2,51 @@
 `vllm/distributed/weight_transfer/nccl_engine.py`), for GPU servers.
 
 The server half is vLLM's: `--weight-transfer-config '{"backend": "nccl"}'`. This sender is rank 0
-of a NCCL group with one server's workers (ranks 1..tp), made by vLLM's own `trainer_init` over a
-TCP-store rendezvous, in vLLM's unpacked mode: for each `/update_weights` call, which names the
+of a NCCL group with one server's workers (ranks 1..tp), made by vLLM's own communicator over a
+rendezvous, in vLLM's unpacked mode: for each `/update_weights` call, which names the
 bucket's tensors, one broadcast per tensor in that order, straight from GPU memory. It plugs into
 the same client (grpo/rollout/servers.py) as `grpo_gloo`, so everything but the bytes' path is what
 the CPU tests run. Written against vLLM 0.33.0's source; not yet run on a GPU (docs/gpu.md).
+
+The rendezvous (docs/security.md): where vLLM takes one (`nccl_unique_id_b64`, read from the
+installed vLLM by `takes_unique_id`), the trainer mints the NCCL unique id and the server is told it
+only inside `init_info`, through its token-guarded init route, so no TCP store listens at all; a
+peer without the id cannot find the group. An older vLLM joins over its own TCP store, bound to the
+transfer host by vLLM but unauthenticated: a warning says so.
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import logging
 import threading
 
 import torch
+
+log = logging.getLogger("grpo")
+
+
+def takes_unique_id() -> bool:
+    """Whether the installed vLLM's NCCL init info takes a unique id minted by the trainer."""
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+
+    return "nccl_unique_id_b64" in {f.name for f in dataclasses.fields(NCCLWeightTransferInitInfo)}
+
+
+def init_info(world_size: int, unique_id: bytes | None, host: str, port: int | None) -> dict:
+    """vLLM's NCCLWeightTransferInitInfo, field for field (it rejects unknown keys): the unique id
+    when there is one (no address: nothing listens), else the TCP store's address."""
+    where = ({"nccl_unique_id_b64": base64.b64encode(unique_id).decode()} if unique_id is not None
+             else {"master_address": host, "master_port": port})
+    return {**where, "rank_offset": 1, "world_size": world_size, "packed": False}
+
+
+def mint_unique_id() -> bytes:
+    """A new NCCL unique id (its bootstrap address and a random magic), through vLLM's NCCL library."""
+    from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
+
+    return bytes(NCCLLibrary().ncclGetUniqueId().internal)
 
 
 def wait_until_done(done, timeout_s: float, aborted=lambda: False, poll_s: float = 0.01, what: str = "NCCL broadcast") -> None:
@@ -34,7 +67,9 @@ def wait_until_done(done, timeout_s: float, aborted=lambda: False, poll_s: float
 
 
 class NcclSender:
-    def __init__(self, host: str, port: int, world_size: int, timeout_s: float):
+    """`port` None: the unique-id rendezvous (this sender mints the id); else vLLM's TCP store on it."""
+
+    def __init__(self, host: str, port: int | None, world_size: int, timeout_s: float):
         self.host, self.port, self.world_size, self.timeout_s = host, port, world_size, timeout_s
         self.comm = None
         self.aborted = False
@@ -45,18 +80,30 @@ class NcclSender:
         # held while broadcasts are enqueued: abort() (another thread) destroys the communicator only
         # between two enqueue loops, never under one (REVIEW Part 5, GPU-only notes)
         self.lock = threading.Lock()
+        self.unique_id = None
+        if port is None:
+            with torch.cuda.device(self.device):
+                self.unique_id = mint_unique_id()
+        else:
+            log.warning("weight transfer over NCCL: this vLLM has no unique-id rendezvous, so the servers join over "
+                        "vLLM's TCP store at %s:%d, which has no authentication (docs/security.md)", host, port)
 
     def init_info(self) -> dict:
-        """vLLM's NCCLWeightTransferInitInfo, field for field (it rejects unknown keys)."""
-        return {"master_address": self.host, "master_port": self.port, "rank_offset": 1,
-                "world_size": self.world_size, "packed": False}
+        return init_info(self.world_size, self.unique_id, self.host, self.port)
 
     def connect(self) -> None:
         """Blocks until every worker joined; call while the server's init request is in flight."""
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+        with torch.cuda.device(self.device):  # the communicator takes the current device
+            if self.unique_id is not None:
+                from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 
-        with torch.cuda.device(self.device):  # trainer_init uses the current device
-            self.comm = trainer_init({"master_address": self.host, "master_port": self.port, "world_size": self.world_size})
+                self.comm = PyNcclCommunicator.from_unique_id_bytes(self.unique_id, rank=0, world_size=self.world_size,
+                                                                    device=self.device)
+            else:
+                from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+                self.comm = trainer_init({"master_address": self.host, "master_port": self.port,
+                                          "world_size": self.world_size})
             self.stream = torch.cuda.Stream()
 
     def prepare(self, bucket: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:

@@ -61,13 +61,14 @@ def transfer_backend(setting: str, cuda: bool) -> str:
 
 
 def make_sender(transfer: str, host: str, world_size: int, timeout_s: float):
-    """The trainer's end of one server's transfer group. grpo_gloo binds its rendezvous port here
-    (TCPStore on port 0, read back), so no other process can take it between picking and binding;
-    vLLM's nccl trainer_init binds the port it is given, so for nccl it is picked just before."""
+    """The trainer's end of one server's transfer group, joined on `host` (grpo/rollout/rendezvous.py).
+    grpo_gloo binds its rendezvous port here (port 0, read back), so no other process can take it
+    between picking and binding; nccl needs no port where vLLM takes a unique id, else vLLM's
+    trainer_init binds the port it is given, picked just before."""
     if transfer == "nccl":
-        from grpo.rollout.nccl_transfer import NcclSender
+        from grpo.rollout.nccl_transfer import NcclSender, takes_unique_id  # vLLM: only where CUDA is
 
-        return NcclSender(host, free_port(), world_size, timeout_s)
+        return NcclSender(host, None if takes_unique_id() else free_port(host), world_size, timeout_s)
     return GlooSender(host, world_size, timeout_s)
 
 
