@@ -434,24 +434,66 @@ def test_train_remote_sbatch_starts_a_judge_beside_the_server(tmp_path, slurm_en
     assert shm_files() - shm_before == set(), "a server was killed, not shut down: its shared memory leaked"
 
 
+# Run on the trainer's node while the job's server (on the other node) is up: what a process there
+# without the token gets from it. /health is open (it proves the port answers); the rest needs the token.
+PROBE_WITHOUT_TOKEN = """
+import json, os, sys, time, urllib.error, urllib.request
+url = sys.argv[1]
+def status(path, body=None, token=None):
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    request = urllib.request.Request(url + path, data=body and json.dumps(body).encode(), headers=headers)
+    try:
+        return urllib.request.urlopen(request, timeout=10).status
+    except urllib.error.HTTPError as e:
+        return e.code
+deadline = time.time() + 300
+while True:
+    try:
+        if status("/health") == 200:
+            break
+    except OSError:
+        pass
+    assert time.time() < deadline, "the server never answered /health"
+    time.sleep(0.5)
+print(json.dumps({"node": os.environ["SLURMD_NODENAME"], "health": status("/health"),
+                  "update_weights": status("/update_weights", {"update_info": {}}),
+                  "completions": status("/v1/completions", {"prompt": "1+1=", "max_tokens": 1}),
+                  "wrong_token": status("/v1/completions", {"prompt": "1+1=", "max_tokens": 1}, token="not-the-token")}))
+"""
+
+
 def test_launch_with_servers_runs_a_companion_server_job(tmp_path, slurm_env, model_cache, cluster):
     """servers=1: the server job takes one whole node, the trainer the other; the trainer finds the
-    server's URL (its node's name) in the run folder and its token in a file only the owner reads."""
+    server's URL (its node's name) in the run folder and its token in a file only the owner reads.
+    While it runs, a process on the trainer's node without the token is refused (401) by the server on
+    the other node: weight pushes and generation alike. (The dev cluster's nodes share one loopback, so
+    this shows the token, not the interface the server binds: docs/security.md.)"""
     run_dir = tmp_path / "run"
     shm_before = shm_files()
-    out = run([sys.executable, "-m", "grpo.launch", "nodes=1", "servers=1", f"cpus_per_task={cluster[1]}", "wait=true",
+    out = run([sys.executable, "-m", "grpo.launch", "nodes=1", "servers=1", f"cpus_per_task={cluster[1]}",
                "rollout=remote", *FAST, f"model.cache_dir={model_cache}", f"run_dir={run_dir}"], slurm_env)
-    assert (run_dir / "summary.json").exists(), out.stdout[-3000:] + out.stderr[-3000:]
-    server_job = out.stdout.split("submitted rollout servers: job ")[1].split(" ")[0]
-    urls = [p.read_text().strip() for p in (run_dir / "servers").glob("*.url")]
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    server_job, job = out.stdout.split("submitted rollout servers: job ")[1].split(" ")[0], submitted_job(out)
+    deadline = time.time() + 120
+    while not (urls := [p.read_text().strip() for p in (run_dir / "servers").glob("*.url")]):
+        assert time.time() < deadline, "the server wrote no URL"
+        time.sleep(1)
+    probe = run(["srun", f"--jobid={job}", "--overlap", "--nodes=1", "--ntasks=1", sys.executable, "-c",
+                 PROBE_WITHOUT_TOKEN, urls[0]], slurm_env)
+    assert probe.returncode == 0, probe.stdout + probe.stderr
+    refused = json.loads(probe.stdout.strip().splitlines()[-1])
+    wait_gone(job, slurm_env, timeout=480)
+    assert (run_dir / "summary.json").exists(), job_logs(run_dir, job)[-3000:]
     config = (run_dir / "config.yaml").read_text()
     assert len(urls) == 1 and urls[0] in config  # found, not configured
     trainer_node = json.load(open(run_dir / "summary.json"))["nodes"][0]
     server_node = urls[0].split("//")[1].split(":")[0]
     assert {server_node, trainer_node} == set(cluster[0][:2]), (server_node, trainer_node)  # one node each
+    assert refused == {"node": trainer_node, "health": 200, "update_weights": 401, "completions": 401, "wrong_token": 401}
     token_file = run_dir / "servers" / "token"
     assert oct(token_file.stat().st_mode & 0o777) == "0o600" and f"token_file: {token_file}" in config
-    assert token_file.read_text().strip() not in config + out.stdout + out.stderr  # the token itself is nowhere else
+    logs = "".join(p.read_text() for p in (run_dir / "slurm").glob("*/*_log.*"))
+    assert token_file.read_text().strip() not in config + out.stdout + out.stderr + logs  # the token itself is nowhere else
     assert steps_logged(run_dir) == [0, 1, 2, 3, 3]
     wait_gone(server_job, slurm_env, timeout=60)  # the trainer cancelled its servers at the end
     assert shm_files() - shm_before == set(), "the server was killed, not shut down: its shared memory leaked"
