@@ -111,8 +111,7 @@ def listeners(root_pid: int) -> list[Listener]:
 
 def classify(found: list[Listener], ports: dict | None = None, processes: dict | None = None) -> list[Listener]:
     """Each listener with its purpose and problem, from `ports` / `processes` (default: this process's
-    registry). A port registration wins over its process's; of a process's, the one on the listener's
-    address (else its first, to name what it was for)."""
+    registry). A port registration wins over its process's (or its ancestors' `tree` ones)."""
     ports = _ports if ports is None else ports
     processes = _processes if processes is None else processes
     out = []
@@ -120,8 +119,10 @@ def classify(found: list[Listener], ports: dict | None = None, processes: dict |
         address, purpose = ports.get(item.port, (None, ""))
         options = [(a, p) for pid in (item.pid, *item.ancestors) for a, p, tree in processes.get(pid, [])
                    if pid == item.pid or tree]
-        if not purpose and options:
-            address, purpose = next(((a, p) for a, p in options if a == item.address), options[0])
+        if not purpose and options:  # every purpose registered for its address (a process's gloo groups
+            # and its transfer pairs share one), else the first, to name what it was for
+            here = [p for a, p in options if a == item.address]
+            address, purpose = (item.address, " or ".join(dict.fromkeys(here))) if here else options[0]
         if item.address in WILDCARDS:
             problem = f"on the wildcard address {item.address or '*'}" + (f" (configured: {address})" if address else "")
         elif not purpose:

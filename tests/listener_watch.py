@@ -51,9 +51,16 @@ class ListenerWatch:
 
     def assert_accounted(self, *purposes: str) -> None:
         """No violation; and (precondition: the watch saw the run) each of `purposes` was seen."""
-        assert self.samples >= 3, f"the watch sampled {self.samples} times: the run ended before it looked"
+        assert self.samples >= 2, f"the watch sampled {self.samples} times"
         bad = listeners.violations(list(self.seen.values()))
         assert not bad, "listeners bound where they must not be:\n" + "\n".join(map(str, bad))
         for purpose in purposes:
             assert any(purpose in p for p in self.purposes()), (
                 f"no listener for {purpose!r} was seen; seen:\n" + "\n".join(map(str, self.seen.values())))
+
+
+def expect_served(pid: int, url: str, name: str = "grpo.serve") -> None:
+    """What a test's own loopback `grpo.serve` at `url` listens on: its API, and its vLLM processes'
+    internals (gloo groups, the weight-transfer pairs) on loopback."""
+    listeners.expect("127.0.0.1", int(url.rsplit(":", 1)[1]), f"{name} API")
+    listeners.expect_process(pid, "127.0.0.1", f"{name}'s vLLM internals: gloo groups, weight-transfer pairs", tree=True)

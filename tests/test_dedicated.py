@@ -14,6 +14,7 @@ import pytest
 from grpo.errors import DeviceError
 from grpo.rollout.dedicated import pick_devices
 from tests.conftest import FAST, ROOT
+from tests.listener_watch import ListenerWatch
 from tests.test_parallel import TORCHRUN
 
 
@@ -117,7 +118,9 @@ def test_guess_episodes_through_dedicated(make_cfg):
 
     cfg = make_cfg("experiment=guess_tiny", "rollout=dedicated", "rollout.vllm.memory_fraction=0.1", "steps=3",
                    "eval_every=0", "checkpoint_every=0")
-    train(cfg)
+    with ListenerWatch(os.getpid()) as watch:  # the trainer (this process) and its engine
+        train(cfg)
+    watch.assert_accounted("vLLM engine API (dedicated engine 0)", "vLLM engine internals", "weight-transfer rendezvous")
     from tests.parity import assert_guess_run_scores_the_samplers_tokens
 
     assert_guess_run_scores_the_samplers_tokens(cfg.run_dir)

@@ -27,6 +27,7 @@ from grpo.endpoints import Server
 from grpo.rollout.servers import free_port
 from grpo.tasks import Sample
 from tests.conftest import ROOT, compose_cfg
+from tests.listener_watch import ListenerWatch, expect_served
 
 TOKEN = "test-rm-token"
 TOLERANCE = 1e-5
@@ -56,6 +57,7 @@ def rm_server(rm_dir, tmp_path_factory):
         except OSError:
             assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
             time.sleep(1)
+    expect_served(proc.pid, url, "grpo.serve --reward-model")
     yield url
     os.killpg(proc.pid, signal.SIGINT)
     proc.wait(timeout=60)
@@ -81,7 +83,9 @@ def test_served_scores_equal_the_in_process_ones(rm_server, rm_dir, monkeypatch)
 
     texts = [p + c for p, c in PAIRS]
     lengths = [len(ids) for ids in local.tokenizer(texts).input_ids]
-    expected, got = local.scores(texts), served.scores(texts)
+    with ListenerWatch(os.getpid()) as watch:  # the server is this process's child
+        expected, got = local.scores(texts), served.scores(texts)
+    watch.assert_accounted("grpo.serve --reward-model API", "grpo.serve --reward-model's vLLM internals")
     diff = max(abs(a - b) for a, b in zip(expected, got))
     print(f"served vs in-process, {len(texts)} texts of {min(lengths)}-{max(lengths)} tokens: max |diff| {diff:.2e}")
     assert min(lengths) <= 3 and max(lengths) >= 50

@@ -9,12 +9,15 @@ import pytest
 
 from grpo.train import train
 from tests.conftest import FAST, ROOT, assert_rewards_vary
+from tests.listener_watch import ListenerWatch
 
 
 def test_short_run_writes_its_run_folder(make_cfg, tmp_path, hub_like_policy):
     """rollout=hf on a folder whose generation_config.json sets a repetition penalty, min-p, top-k...:
     generate samples with the run's own settings only, so the sampler's logprobs are the trainer's."""
-    summary = train(make_cfg(f"model.path={hub_like_policy}"))
+    with ListenerWatch(os.getpid()) as watch:  # rollout=hf listens on nothing
+        summary = train(make_cfg(f"model.path={hub_like_policy}"))
+    watch.assert_accounted()
     run = tmp_path / "run"
     assert {"config.yaml", "metrics.jsonl", "summary.json"} <= set(os.listdir(run))
     on_disk = json.load(open(run / "summary.json"))

@@ -13,13 +13,16 @@ import pytest
 
 from grpo.train import train
 from tests.conftest import ROOT
+from tests.listener_watch import ListenerWatch
 
 
 def test_short_training_run_through_colocated(make_cfg, hub_like_policy):
     """On a folder with a hub model's generation_config.json (see conftest): the engine's sampling is
     pinned to the run's temperature/top-p/top-k."""
     cfg = make_cfg("rollout=colocated", "rollout.vllm.memory_fraction=0.1", "steps=3", f"model.path={hub_like_policy}")
-    train(cfg)
+    with ListenerWatch(os.getpid()) as watch:  # the engine's gloo groups, in this process
+        train(cfg)
+    watch.assert_accounted("gloo pairs of this process's groups")
     rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
     trained = [r for r in rows if "loss" in r]
     assert [r["weight_version"] for r in trained] == [0, 1, 2]

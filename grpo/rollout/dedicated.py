@@ -34,7 +34,7 @@ from grpo.cpus import set_num_threads
 from grpo.errors import ConfigError, DeviceError
 from grpo.rollout.engine_memory import check_vllm, engine_context, model_config_of
 
-from grpo import dist, lora
+from grpo import dist, listeners, lora
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.weights import WeightBuckets
 from grpo.rollout.trajectories import episode_driver
@@ -152,6 +152,13 @@ def pinned_engine_env(cpus: list[int] | None) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "OMP_NUM_THREADS": str(len(cpus))}
 
 
+def loopback_engine_env() -> dict[str, str]:
+    """An engine of this node talks to this node only: vLLM's own address (VLLM_HOST_IP, its
+    get_ip()) and the interface of every gloo group it makes (GLOO_SOCKET_IFNAME; the default
+    resolves the machine's hostname) are loopback, whatever the trainer's own groups use."""
+    return {"VLLM_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": dist.interface_of("127.0.0.1") or "lo"}
+
+
 def launch_engine(model_path: str, devices: list[str], port: int, token: str, vllm_cfg, dtype: str, log_path: str,
                   transfer: str = "grpo_gloo", cpus: list[int] | None = None, lora_rank: int = 0,
                   max_model_len: int | None = None):
@@ -159,7 +166,7 @@ def launch_engine(model_path: str, devices: list[str], port: int, token: str, vl
     pinned to `cpus` when given (its vLLM threads bound to them); with `lora_rank`, serving LoRA
     adapters up to that rank. `max_model_len`: the engine's context as fitted to the model
     (engine_memory.engine_context); default rollout.vllm.max_model_len."""
-    env = {**os.environ, "GRPO_SERVE_TOKEN": token, **pinned_engine_env(cpus)}
+    env = {**os.environ, "GRPO_SERVE_TOKEN": token, **pinned_engine_env(cpus), **loopback_engine_env()}
     argv = [sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", str(port),
             "--max-model-len", str(max_model_len or vllm_cfg.max_model_len), "--dtype", dtype, "--kv-cache-gb", str(vllm_cfg.kv_cache_gb),
             "--weight-transfer", transfer, "--images-per-prompt", str(vllm_cfg.images_per_prompt)]
@@ -282,6 +289,7 @@ class DedicatedBackend(RolloutBackend):
         self.schedule = cfg.schedule
         self.is_owner = dist.rank() == self.main
         self.procs: list[subprocess.Popen] = []
+        self.ports: list[int] = []  # each engine's API port, registered in grpo.listeners until close
         self.reapers: list[subprocess.Popen] = []  # one per engine (grpo/rollout/reaper.py)
         self.pool = None
         self.weight_version = 0
@@ -305,6 +313,7 @@ class DedicatedBackend(RolloutBackend):
             # ports held from here until the engines listen on them (reserve_port), not picked and bound later
             held = [reserve_port("127.0.0.1") for _ in range(k)]
             token, ports = secrets.token_hex(16), [h.getsockname()[1] for h in held]
+            self.ports = ports
             transfer = transfer_backend(cfg.vllm.weight_transfer, devices != ["cpu"] and torch.cuda.is_available())
             atexit.register(self.close)
             logs = [os.path.join(run_dir, f"vllm-engine-{dist.node_name()}-{port}.log") for port in ports]
@@ -314,6 +323,12 @@ class DedicatedBackend(RolloutBackend):
                                                    engine_cpus, lora_rank, self.max_context)
                     self.procs.append(engine)
                     self.reapers.append(reaper)
+                    name = f"dedicated engine {len(self.procs) - 1}"
+                    listeners.expect("127.0.0.1", port, f"vLLM engine API ({name})")
+                    listeners.expect_process(engine.pid, "127.0.0.1", f"vLLM engine internals: gloo groups, "
+                                             f"weight-transfer pairs ({name})", tree=True)
+                listeners.expect_process(os.getpid(), "127.0.0.1", "weight-transfer rendezvous and gloo pairs "
+                                         "(the dedicated engines)")
                 exited = [lambda proc=proc, log=log: engine_exit(proc, log) for proc, log in zip(self.procs, logs)]
                 self.pool = ServerPool([f"http://127.0.0.1:{p}" for p in ports], token, cfg.dedicated.start_timeout_s,
                                        cfg.dedicated.request_timeout_s, "127.0.0.1", transfer=transfer, logs=logs,
@@ -382,7 +397,8 @@ class DedicatedBackend(RolloutBackend):
         if self.pool is not None:
             self.pool.close()
             self.pool = None
-        for proc in self.procs:
+        for proc, port in zip(self.procs, self.ports):
+            listeners.forget(port, proc.pid)
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
         for proc in self.procs:
