@@ -48,7 +48,7 @@ def worker(info: dict, secret: str | None = None, out: dict | None = None):
 def outside_address() -> str | None:
     """This machine's address on a non-loopback route, if it has one."""
     try:
-        address = rendezvous.route_address("192.0.2.1", 80)  # TEST-NET-1: routed, never sent to
+        address = rendezvous.route_address("192.0.2.1")  # TEST-NET-1: routed, never sent to
     except OSError:
         return None
     return None if address.startswith("127.") else address

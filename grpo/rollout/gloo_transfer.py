@@ -156,7 +156,7 @@ def _engine_classes():
             store = torch.distributed.TCPStore(host, port, is_master=False,
                                                timeout=datetime.timedelta(seconds=init_info.timeout_s))
             self.join = rendezvous.Join(store, init_info.secret, init_info.rank_offset + worker, init_info.world_size,
-                                        rendezvous.route_address(host, port), init_info.timeout_s, f"{host}:{port}")
+                                        rendezvous.route_address(host), init_info.timeout_s, f"{host}:{port}")
             self.group = self.join.group
             self.join.close_store()
 

@@ -36,6 +36,8 @@ import socket
 import torch
 import torch.distributed as dist
 
+from grpo.dist import listening_socket, route_address
+
 log = logging.getLogger("grpo")
 
 SECRET_HEX = 64  # 32 bytes
@@ -62,29 +64,6 @@ def signed_name(secret: str, key: str) -> str:
 def is_signed_name(secret: str, name: str) -> bool:
     key = name.rpartition("/")[0]
     return bool(key) and hmac.compare_digest(signed_name(secret, key), name)
-
-
-def route_address(host: str, port: int) -> str:
-    """This machine's address on its route to host:port, the one the server can reach it at
-    (connecting a UDP socket sends nothing): where a member's gloo pairs listen.
-    gethostbyname(gethostname()) is often 127.0.1.1."""
-    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect(addr)
-        return s.getsockname()[0]
-
-
-def listening_socket(host: str) -> socket.socket:
-    """A TCP socket bound to `host` only (port 0: the kernel's choice) and listening."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.bind(address)
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def bound_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:

@@ -41,7 +41,6 @@ from grpo.endpoints import Server, parallel_map, split_by_load
 from grpo.progress import say
 from grpo.rollout.base import Rollouts, Sampling, sampling_fields
 from grpo.rollout.gloo_transfer import BACKEND as GLOO, GlooSender, update_info
-from grpo.rollout.rendezvous import route_address
 from grpo.vision import server_prompt, vision_of
 from grpo.weights import WeightBuckets
 
@@ -317,7 +316,7 @@ class ServerPool:
         if can_push:
             for server in self.servers:
                 url = urlparse(server.url)
-                host = transfer_host or route_address(url.hostname, url.port or 80)
+                host = transfer_host or dist.route_address(url.hostname)
                 sender = make_sender(transfer, host, 1 + server.world_size(), request_timeout_s)
                 try:
                     self._alongside(server, "/init_weight_transfer_engine", {"init_info": sender.init_info()},
