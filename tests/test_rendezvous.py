@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import socket
 import threading
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from grpo import listeners
 from grpo.rollout import rendezvous
 from grpo.rollout.gloo_transfer import GlooSender, _broadcast
 
@@ -67,6 +69,8 @@ def test_the_rendezvous_listens_on_its_host_only_and_closes_once_the_group_forme
     sender = GlooSender(host, 2, 30)
     port = sender.port
     assert listening_ports()[port] == host  # torch's own bind would be 0.0.0.0 / ::
+    named = {item.port: item for item in listeners.audit(os.getpid())}
+    assert "weight-transfer rendezvous" in named[port].purpose and not named[port].problem, named[port]
     if other is not None:
         with pytest.raises(OSError), socket.create_connection((other, port), timeout=2):
             pass
@@ -78,6 +82,8 @@ def test_the_rendezvous_listens_on_its_host_only_and_closes_once_the_group_forme
     opened = {p: ip for p, ip in listening_ports().items() if p not in before}
     assert port not in opened, "the rendezvous still listens after the group formed"
     assert opened and set(opened.values()) == {host}, opened  # the gloo pairs, on the join's host only
+    named = {item.port: item for item in listeners.audit(os.getpid())}
+    assert all("weight-transfer group" in named[p].purpose and not named[p].problem for p in opened), named
 
 
 def test_a_rogue_that_writes_the_keys_first_is_ignored_and_reported_once(caplog):

@@ -15,10 +15,12 @@ know the backend.
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass, field
 
 import torch
 
+from grpo import listeners
 from grpo.rollout import rendezvous
 
 BACKEND = "grpo_gloo"
@@ -77,6 +79,8 @@ class GlooSender:
         self.port = self.store.port
         self.where = f"{host}:{self.port}"
         self.join = self.group = None
+        listeners.expect(host, self.port, "weight-transfer rendezvous (open until the group forms)")
+        listeners.expect_process(os.getpid(), host, "gloo pairs of a weight-transfer group")
 
     def init_info(self) -> dict:
         return {"master_address": self.host, "master_port": self.port, "rank_offset": 1,
@@ -98,6 +102,7 @@ class GlooSender:
         rendezvous.report_intruders(self.join.intruders(), self.where)
         self.join.close_store()
         self.store = None
+        listeners.forget(port=self.port)
 
     @staticmethod
     def prepare(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
