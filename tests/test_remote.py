@@ -44,9 +44,10 @@ def process_group_alive(pgid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    proc, url = serve_tiny(model_dir, tmp_path_factory.mktemp("server") / "server.log", TOKEN)
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    proc, url = serve_tiny(model_dir, log, TOKEN)
     expect_served(proc.pid, url)
-    yield {"url": url, "path": model_dir, "proc": proc}
+    yield {"url": url, "path": model_dir, "proc": proc, "log": log}
     stop_served(proc)  # Ctrl-C: the server and its engine processes must all exit
     deadline = time.time() + 30
     while process_group_alive(proc.pid) and time.time() < deadline:
@@ -264,17 +265,48 @@ def test_guess_episodes_through_remote(server, make_cfg, token_env):
     assert_guess_run_scores_the_samplers_tokens(cfg.run_dir)
 
 
-def test_short_training_run_through_remote(server, make_cfg, token_env):
+def process_group(pgid: int) -> list[int]:
+    """The live processes of a process group (a server started with start_new_session: it and its engine's)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[2]) == pgid:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def test_short_training_run_through_remote(server, make_cfg, tmp_path, capfd, monkeypatch):
+    """Three steps through the real server, the trainer's token in a file (chmod 600). The secret is
+    then nowhere it could leak from (issue 47): in no file the run wrote (binary ones too: the
+    checkpoint), not in config.yaml (the file's path is), not in what the run printed or the server's
+    log, not on the command line of the server, its engine's processes or the trainer."""
     from grpo.train import train
 
-    cfg = make_cfg("rollout=remote", f"rollout.remote.urls=[{server['url']}]", "steps=3")
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    cfg = make_cfg("rollout=remote", f"rollout.remote.urls=[{server['url']}]", f"rollout.remote.token_file={token_file}",
+                   "steps=3")
     # the trainer's side of the transfer: rollout.remote.transfer_host unset, so its route to the server
     listeners.expect_process(os.getpid(), "127.0.0.1", "weight-transfer rendezvous and gloo pairs (server 0)")
     with ListenerWatch(os.getpid()) as watch:  # the trainer (this process) and the server (its child)
         train(cfg)
     watch.assert_accounted("grpo.serve API", "grpo.serve's vLLM internals", "weight-transfer rendezvous")
-    for path in Path(cfg.run_dir).rglob("*"):  # the secret never lands in the run folder
-        assert not path.is_file() or TOKEN.encode() not in path.read_bytes(), path
+    written = [p for p in Path(cfg.run_dir).rglob("*") if p.is_file()]
+    assert {"config.yaml", "metrics.jsonl", "summary.json"} <= {p.name for p in written}, written
+    assert f"token_file: {token_file}" in (Path(cfg.run_dir) / "config.yaml").read_text()
+    for path in written:
+        assert TOKEN.encode() not in path.read_bytes(), path
+    printed = capfd.readouterr()
+    assert TOKEN not in printed.out + printed.err and TOKEN not in Path(server["log"]).read_text()
+    pids = [*process_group(server["proc"].pid), os.getpid()]
+    assert len(pids) >= 3, pids  # the server, its engine core, this trainer
+    for pid in pids:
+        assert TOKEN.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
     rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
     trained = [r for r in rows if "loss" in r]
     assert [r["weight_version"] for r in trained] == [0, 1, 2]
