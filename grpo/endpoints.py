@@ -49,7 +49,8 @@ def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it", l
     """Call `check()` until it returns without raising, or raise the last error after `timeout_s`;
     every 15 s, `log` says what it is waiting for and for how long (grpo/progress.py; None: silent).
     A server that answers but refuses us (401, 403) or redirects us (3xx) fails at once: waiting
-    cannot change that; so does one whose process is gone (`exited()`: None while it runs, else what it left in its log)."""
+    cannot change that; so does one whose process is gone (`exited()`: None while it runs, else what
+    it left in its log)."""
     deadline, last = time.time() + timeout_s, None
     progress = WaitProgress(f"{what} to answer /health", timeout_s, log, note=note)
     while True:
