@@ -59,7 +59,7 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    # "tiny" builds the embedded model; a key of grpo.models.PACKAGED (smollm2-135m) converts a model
+    # "tiny" builds the embedded model; a key of grpo.packaged.PACKAGED (smollm2-135m) converts a model
     # shipped in a PyPI package once into the cache; anything else is a hub id or a local HF folder.
     path: str = "tiny"
     dtype: str = "float32"  # float32 | bfloat16 | float16
@@ -409,7 +409,9 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     check_rewards(cfg)  # each name resolves; a reward that holds a model checks its settings (grpo/rewards/)
     _check_env(cfg)
 
-    from grpo.models import HUB_ID, PACKAGED, TINY_KINDS
+    from grpo.models import HUB_ID
+    from grpo.packaged import PACKAGED
+    from grpo.tiny.warm_start import TINY_KINDS
 
     path = cfg.model.path
     if path not in TINY_KINDS and path not in PACKAGED and not os.path.isdir(os.path.expanduser(path)):
@@ -441,8 +443,9 @@ def known_model_config(model) -> dict:
     """What validate can know of the model's config.json without building anything: the tiny model's
     context (set in code), a packaged model's or a local folder's config.json once it is on disk, a
     hub id's config as transformers cached it; {} where none is known yet."""
-    from grpo.models import PACKAGED, TINY_CONTEXT, packaged_model_dir
+    from grpo.packaged import PACKAGED, packaged_model_dir
     from grpo.rollout.engine_memory import model_config_of, read_model_config
+    from grpo.tiny.text import TINY_CONTEXT
 
     if model.path in ("tiny", "tiny_vlm"):
         return {"max_position_embeddings": TINY_CONTEXT}

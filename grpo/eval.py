@@ -97,9 +97,10 @@ def evaluate(rollout, tokenizer, task, cfg, info: DistInfo, episodes=None, rewar
 def run_eval(cfg: DictConfig) -> dict[str, float]:
     from grpo.config import validate
     from grpo.dist import dist_info, init_distributed, shutdown
+    from grpo.models import build_policy
     from grpo.rollout import build_rollout
     from grpo.tasks import build_task
-    from grpo.models import build_policy
+    from grpo.tiny.folders import resolve_on_node
 
     validate(cfg)
     info = dist_info()
@@ -107,7 +108,8 @@ def run_eval(cfg: DictConfig) -> dict[str, float]:
     run_dir = os.path.abspath(cfg.run_dir)
     os.makedirs(run_dir, exist_ok=True)
     task = build_task(cfg.task)
-    model, tokenizer, path = build_policy(cfg, info)
+    path = resolve_on_node(cfg, info)
+    model, tokenizer = build_policy(cfg, path, info)
     rollout = build_rollout(cfg.rollout, model, tokenizer, path, cfg.model.dtype, cfg.seed, run_dir)
     try:
         from grpo.rollout.episodes import build_episodes

@@ -151,7 +151,8 @@ def resolve_model(name: str) -> str:
     """The folder to serve: `tiny` and packaged models (smollm2-135m) resolve as the trainer resolves
     them (the same cache folder, built or converted once); a folder or hub id goes to vLLM as given."""
     from grpo.config import compose_config
-    from grpo.models import PACKAGED, resolve_model_folder
+    from grpo.packaged import PACKAGED
+    from grpo.tiny.folders import resolve_model_folder
 
     if name != "tiny" and name not in PACKAGED:
         return name

@@ -79,6 +79,7 @@ from grpo.rewards import build_rewards, score
 from grpo.rollout import build_rollout, sampling_from
 from grpo.rollout.episodes import build_episodes, episode_metrics, final_texts, reward_info
 from grpo.tasks import TrainSampler, build_task
+from grpo.tiny.folders import resolve_on_node
 from grpo.batch import collate, step_advantages
 from grpo.update import policy_update
 
@@ -283,7 +284,8 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
     algo, G = cfg.algo, cfg.algo.group_size
     task = build_task(cfg.task)
     loading = strategy_class(cfg.parallel.strategy).loading(cfg.parallel, algo, DTYPES[cfg.model.dtype])
-    model, tokenizer, model_path = build_policy(cfg, info, loading=loading)  # partitioned from the start under ZeRO-3
+    model_path = resolve_on_node(cfg, info)  # tiny: built and warm-started on the task, once per node
+    model, tokenizer = build_policy(cfg, model_path, info, loading=loading)  # partitioned from the start under ZeRO-3
     reward_fns = build_rewards(cfg, policy_device(info.local_rank))  # a reward model is loaded here, once
     strategy = build_strategy(cfg.parallel, model, algo, cfg.steps * algo.num_iterations * algo.num_minibatches)
     rollout = cleanup.enter_context(contextlib.closing(

@@ -57,7 +57,7 @@ def make_cfg(tmp_path, cache_dir):
 def tiny_lm():
     """A randomly initialised tiny Qwen2 and the char tokenizer (no warm start, no disk)."""
     from grpo.config import TinyModelConfig
-    from grpo.models import build_char_tokenizer, build_tiny_model
+    from grpo.tiny.text import build_char_tokenizer, build_tiny_model
 
     tok = build_char_tokenizer()
     torch.manual_seed(0)
@@ -70,7 +70,7 @@ def random_rm():
     """A tiny Qwen2ForSequenceClassification at random (no training) with the char tokenizer."""
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    from grpo.models import build_char_tokenizer
+    from grpo.tiny.text import build_char_tokenizer
 
     tok = build_char_tokenizer()
     torch.manual_seed(0)
@@ -125,7 +125,7 @@ def learning_policy(cache_dir) -> str:
     asserts clipping, moved weights, a growing sampler/trainer difference or learning. A policy that
     never earns a reward changes nothing, whatever the code under test does, so this asserts its warm
     start reached the target before such a test reads anything else."""
-    from grpo.models import resolve_model_folder
+    from grpo.tiny.folders import resolve_model_folder
 
     cfg = compose_cfg(cache=cache_dir)
     path = resolve_model_folder(cfg, log=lambda *_: None)  # raises WarmStartError below the target

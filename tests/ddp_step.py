@@ -30,7 +30,7 @@ import grpo.parallel.zero  # noqa: E402
 from grpo import lora  # noqa: E402
 from grpo.config import AlgoConfig, LoraConfig, ParallelConfig, TinyModelConfig  # noqa: E402
 from grpo.dist import all_reduce_sum, dist_info, init_distributed, shutdown  # noqa: E402
-from grpo.models import build_char_tokenizer, build_tiny_model  # noqa: E402
+from grpo.tiny.text import build_char_tokenizer, build_tiny_model  # noqa: E402
 from grpo.parallel import strategy_class  # noqa: E402
 from grpo.layouts import micro_batches  # noqa: E402
 from grpo.update import policy_update  # noqa: E402

@@ -23,7 +23,7 @@ import grpo.train  # noqa: E402
 from grpo.config import AlgoConfig, ParallelConfig, TinyModelConfig  # noqa: E402
 from grpo.dist import dist_info, init_distributed, shutdown  # noqa: E402
 from grpo.guards import RankCheck, RanksDiverged  # noqa: E402
-from grpo.models import build_char_tokenizer, build_tiny_model  # noqa: E402
+from grpo.tiny.text import build_char_tokenizer, build_tiny_model  # noqa: E402
 from grpo.parallel import strategy_class  # noqa: E402
 from tests.conftest import FAST, compose_cfg  # noqa: E402
 from tests.ddp_step import exit_process  # noqa: E402

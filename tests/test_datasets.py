@@ -8,7 +8,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from grpo.config import TaskConfig
-from grpo.models import build_char_tokenizer, encode_prompts, format_prompt
+from grpo.models import encode_prompts, format_prompt
+from grpo.tiny.text import build_char_tokenizer
 from grpo.tasks import build_task
 from grpo.tasks.math_problems import last_boxed
 from grpo.tasks.rows import DatasetError

@@ -329,7 +329,7 @@ def smollm2_tokenizer():
 
     from transformers import AutoTokenizer
 
-    from grpo.models import PACKAGED
+    from grpo.packaged import PACKAGED
 
     module, filename, _ = PACKAGED["smollm2-135m"]
     folder = list(importlib.util.find_spec(module).submodule_search_locations)[0]

@@ -29,8 +29,9 @@ def test_cli_writes_eval_json(tmp_path, cache_dir):
     assert set(result) >= {"eval/accuracy", "eval/pass@1", "eval/pass@2", "eval/pass@4"}
     assert result["eval_size"] == 256 and "eval/accuracy" in out.stdout
     # the CLI's greedy accuracy is the model's: the same folder scored by a second path, transformers'
-    # plain generate and an exact string match (grpo.models.greedy_accuracy, the warm start's)
-    from grpo.models import greedy_accuracy, load_model
+    # plain generate and an exact string match (grpo.tiny.text.greedy_accuracy, the warm start's)
+    from grpo.models import load_model
+    from grpo.tiny.text import greedy_accuracy
     from grpo.tasks import build_task
     from tests.conftest import compose_cfg
 

@@ -160,7 +160,7 @@ def test_remote_adapter_sync_parity_training_and_token(make_cfg, tmp_path, monke
     import urllib.error
     import urllib.request
 
-    from grpo.models import resolve_model_folder
+    from grpo.tiny.folders import resolve_model_folder
     from grpo.auth import TOKEN_ENV
     from grpo.rollout.remote import RemoteBackend
     from grpo.rollout.servers import free_port

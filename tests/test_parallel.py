@@ -29,7 +29,7 @@ def updated_weights(out, n_procs: int, n_micro: int, strategy: str, *extra: str)
 
 def initial_weights() -> dict:
     from grpo.config import TinyModelConfig
-    from grpo.models import build_char_tokenizer, build_tiny_model
+    from grpo.tiny.text import build_char_tokenizer, build_tiny_model
 
     tok = build_char_tokenizer()
     torch.manual_seed(0)

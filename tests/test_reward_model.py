@@ -104,7 +104,7 @@ def test_validate_says_what_to_set(overrides, message):
 @pytest.fixture(scope="session")
 def tiny_rm(cache_dir, learning_policy):
     """The tiny reward model of the default tier (60 steps), built once in the session's cache."""
-    from grpo.rewards.tiny_rm import ensure_tiny_rm
+    from grpo.tiny.rm import ensure_tiny_rm
 
     return ensure_tiny_rm(compose_cfg("experiment=addition_tiny_rm", RM_STEPS, cache=cache_dir))
 
@@ -113,7 +113,7 @@ def test_tiny_rm_scores_correct_sums_above_wrong_ones(tiny_rm):
     """Loaded as the reward loads it, on held-out prompts it never saw: correct sums above wrong answers
     (near misses, one digit changed, any number, wrong forms) in >= 75% of pairs (60 steps: 0.81)."""
     from grpo.rewards.reward_model import load_reward_model
-    from grpo.rewards.tiny_rm import pairwise_accuracy
+    from grpo.tiny.rm import pairwise_accuracy
     from grpo.tasks import build_task
 
     rm = RewardModel(*load_reward_model(tiny_rm, "float32"), max_tokens=4096)
@@ -155,7 +155,7 @@ def test_the_full_tiny_rm_and_the_learning_bar(tmp_path, cache_dir, learning_pol
            f"model.cache_dir={cache_dir}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stderr[-3000:]
-    from grpo.rewards.tiny_rm import ensure_tiny_rm
+    from grpo.tiny.rm import ensure_tiny_rm
 
     info = json.load(open(os.path.join(ensure_tiny_rm(compose_cfg("experiment=addition_tiny_rm", cache=cache_dir)),
                                        "grpo_tiny_rm.json")))

@@ -56,8 +56,8 @@ def cluster(slurm_env):
 @pytest.fixture(scope="module")
 def model_cache(cache_dir):
     """Build the tiny model once here, so the jobs only load it."""
-    from grpo.models import ensure_tiny_model
     from grpo.tasks import build_task
+    from grpo.tiny.warm_start import ensure_tiny_model
     from tests.conftest import compose_cfg
 
     cfg = compose_cfg(*FAST, cache=cache_dir)

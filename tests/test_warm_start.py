@@ -10,8 +10,8 @@ import pytest
 
 from grpo.cli import exit_on_user_error
 from grpo.errors import WarmStartError
-from grpo.models import ensure_tiny_model, tiny_model_dir
 from grpo.tasks import build_task
+from grpo.tiny.warm_start import ensure_tiny_model, tiny_model_dir
 from tests.conftest import ROOT, compose_cfg
 
 

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo import dist  # noqa: E402
 from grpo.config import RolloutConfig, TinyModelConfig  # noqa: E402
-from grpo.models import build_char_tokenizer, build_tiny_model  # noqa: E402
+from grpo.tiny.text import build_char_tokenizer, build_tiny_model  # noqa: E402
 from grpo.rollout.colocated import ColocatedBackend  # noqa: E402
 from tests.parity import sync_round_trip  # noqa: E402
 

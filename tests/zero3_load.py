@@ -27,8 +27,10 @@ def main(folder: str, out: str) -> None:
     from safetensors.torch import load_file
 
     from grpo.dist import dist_info, init_distributed
-    from grpo.models import build_char_tokenizer, build_policy, build_reference
+    from grpo.models import build_policy, build_reference
     from grpo.parallel.zero import Zero3Strategy
+    from grpo.tiny.folders import resolve_on_node
+    from grpo.tiny.text import build_char_tokenizer
     from grpo.update import policy_update
     from tests.conftest import compose_cfg
     from tests.test_gradient_invariance import make_batch
@@ -37,8 +39,9 @@ def main(folder: str, out: str) -> None:
     init_distributed(info)
     cfg = compose_cfg("parallel=zero3", f"model.path={folder}", "model.dtype=bfloat16", "algo.beta=0.04",
                       "algo.batch_size=8", "algo.group_size=2", "algo.warmup_steps=0")
-    model, _, path = build_policy(cfg, info, log=lambda *_: None,
-                                  loading=Zero3Strategy.loading(cfg.parallel, cfg.algo, torch.bfloat16))
+    path = resolve_on_node(cfg, info, log=lambda *_: None)
+    model, _ = build_policy(cfg, path, info, log=lambda *_: None,
+                            loading=Zero3Strategy.loading(cfg.parallel, cfg.algo, torch.bfloat16))
     params = list(model.parameters())
     result = {
         "placeholders": all(p.numel() == 0 for p in params),  # nothing whole on this rank

@@ -26,7 +26,7 @@ class Sleeps(TextEnv):
 
 
 def bench_env_calls(trajectories: int, step_ms: float, concurrency: list[int]) -> list[dict]:
-    from grpo.models import build_char_tokenizer
+    from grpo.tiny.text import build_char_tokenizer
 
     tok = build_char_tokenizer()
     turn = tok("8", add_special_tokens=False).input_ids + [tok.eos_token_id]

@@ -61,7 +61,7 @@ def workload(latency_ms: float, batch: int, steps: int) -> list[str]:
 
 
 def bench_episodes(steps: int, batch: int, latency_ms: float, settings: list[str], extra: list[str]) -> list[dict]:
-    from grpo.models import resolve_model_folder
+    from grpo.tiny.folders import resolve_model_folder
     from grpo.train import train
 
     common = workload(latency_ms, batch, steps) + list(extra)
@@ -93,7 +93,7 @@ def bench_episodes(steps: int, batch: int, latency_ms: float, settings: list[str
 def bench_learning(steps: int, settings: list[str], extra: list[str]) -> list[dict]:
     """experiment=guess_tiny itself (the plain guess game, 4 turns) on rollout=remote with one server,
     algo.max_staleness=1, per setting: the held-out solve rate before and after `steps` steps."""
-    from grpo.models import resolve_model_folder
+    from grpo.tiny.folders import resolve_model_folder
     from grpo.train import train
 
     common = ["experiment=guess_tiny", "algo.max_staleness=1", f"steps={steps}", "export_model=false", *QUIET, *extra]

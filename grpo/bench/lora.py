@@ -25,18 +25,20 @@ def lora_worker(mode: str, out: str, rows: int = 8, prompt: int = 64, completion
     and the first generation after it (where vLLM loads an adapter)."""
     from omegaconf import OmegaConf
 
+    from grpo.batch import collate
     from grpo.config import AlgoConfig
     from grpo.dist import DistInfo
+    from grpo.logprobs import forward_logprobs
     from grpo.models import build_policy
     from grpo.parallel.single import SingleStrategy
     from grpo.rollout import Sampling, build_rollout
     from grpo.rollout.base import Rollouts
-    from grpo.batch import collate
-    from grpo.logprobs import forward_logprobs
+    from grpo.tiny.folders import resolve_on_node
 
     cfg = compose(["model=smollm2-135m", "rollout=colocated", "run_dir=unused", "rollout.vllm.max_model_len=256",
                    *(["model.lora.rank=16", "model.lora.alpha=32"] if mode == "lora" else [])])
-    model, tok, path = build_policy(cfg, DistInfo(), log=lambda *_: None)
+    path = resolve_on_node(cfg, DistInfo(), log=lambda *_: None)
+    model, tok = build_policy(cfg, path, DistInfo(), log=lambda *_: None)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (prompt,), generator=g).tolist() for _ in range(rows)]
     done = [torch.randint(100, 40000, (completion,), generator=g).tolist() for _ in range(rows)]

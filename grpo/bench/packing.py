@@ -60,11 +60,12 @@ def forward_tokens(batch, max_tokens: int, layout: str) -> int:
 
 
 def update_worker(mode: str, out: str, layers: int, prompts: int, group: int) -> None:
+    from grpo.batch import collate
     from grpo.bench.memory import PeakRSS
     from grpo.config import AlgoConfig, ParallelConfig
-    from grpo.models import ensure_packaged_model, load_model
+    from grpo.models import load_model
+    from grpo.packaged import ensure_packaged_model
     from grpo.parallel.single import SingleStrategy
-    from grpo.batch import collate
     from grpo.update import policy_update
     from omegaconf import OmegaConf
 

@@ -34,7 +34,7 @@ def compose(overrides: list[str]):
 
 
 def tiny_model_path() -> str:
-    from grpo.models import resolve_model_folder
+    from grpo.tiny.folders import resolve_model_folder
 
     return resolve_model_folder(compose(["run_dir=unused"]))
 

@@ -21,10 +21,11 @@ def bench_trl(steps: int, ours: dict, overrides: list[str]) -> dict:
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as e:
         raise SystemExit(f"grpo.bench vs-trl needs TRL: `.venv/bin/pip install trl==1.16.0` ({e})") from e
-    from grpo.models import format_prompt, resolve_model_folder
+    from grpo.models import format_prompt
     from grpo.rewards import build_rewards
     from grpo.tasks import build_task
     from grpo.tasks.base import Sample
+    from grpo.tiny.folders import resolve_model_folder
 
     cfg = compose(["run_dir=unused", *overrides])
     path = resolve_model_folder(cfg)

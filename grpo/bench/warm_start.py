@@ -27,8 +27,8 @@ def worker(seeds: list[int], out: str) -> None:
     from grpo.config import compose_config
     from grpo.cpus import machine_info
     from grpo.errors import WarmStartError
-    from grpo.models import build_warm_tiny
     from grpo.tasks import build_task
+    from grpo.tiny.warm_start import build_warm_tiny
 
     cfg = compose_config(["run_dir=unused"])
     task, rows = build_task(cfg.task), []

@@ -35,7 +35,7 @@ def save_model(folder: str) -> float:
     """The SmolLM2-135M-shaped model (random weights, fp32) and a tokenizer in `folder`; its size in MB."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from grpo.models import build_char_tokenizer
+    from grpo.tiny.text import build_char_tokenizer
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SHAPE))
@@ -65,6 +65,7 @@ def worker(folder: str, mode: str, beta: float, out: str, rows: int, tokens: int
     from grpo.config import compose_config
     from grpo.models import build_policy, build_reference, load_model
     from grpo.parallel.zero import Zero3Strategy, init_deepspeed_comm
+    from grpo.tiny.folders import resolve_on_node
     from grpo.update import policy_update
 
     info = dist.dist_info()
@@ -77,7 +78,8 @@ def worker(folder: str, mode: str, beta: float, out: str, rows: int, tokens: int
     dist.barrier()
     with PeakRSS() as load:
         loading = Zero3Strategy.loading(cfg.parallel, cfg.algo, torch.float32) if mode == "after" else contextlib.nullcontext()
-        model, _, path = build_policy(cfg, info, log=lambda *_: None, loading=loading)
+        path = resolve_on_node(cfg, info, log=lambda *_: None)
+        model, _ = build_policy(cfg, path, info, log=lambda *_: None, loading=loading)
         strategy = Zero3Strategy(cfg.parallel, model, cfg.algo, total_steps=1)
         del model
         if beta > 0 and mode == "after":

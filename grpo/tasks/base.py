@@ -39,10 +39,9 @@ class Task:
     chat_template: str = "auto"
     system_prompt: Optional[str] = None
     # Multi-turn tasks: the tiny model's warm start trains on `demonstration(sample)`, (text, trained)
-    # segments (each trained one followed by the end token), and checks `play(model, tokenizer,
-    # samples, max_new_tokens)` (a greedy solve rate) instead of one-shot exact match.
+    # segments (each trained one followed by the end token); it is checked by playing episodes, which
+    # needs the rollout engine, so that check lives above the tasks (grpo/tiny/folders.py PLAYS).
     demonstration: Optional[Callable] = None
-    play: Optional[Callable] = None
 
     def __post_init__(self):
         if not self.train:

@@ -1,0 +1,45 @@
+"""The local folder `model.path` names, for the trainer, `grpo.serve`, `grpo.launch` and the bench
+alike: `tiny`/`tiny_vlm` built and warm-started, a packaged model (smollm2-135m) converted, both once
+into the cache; anything else (a folder, a hub id) as given.
+
+The one place that knows both the task and the model: it builds the task the tiny model's warm start
+trains on, and the check a multi-turn task is warm-started to pass (`PLAYS`: it plays episodes, so
+it needs the rollout engine, which no task imports), and hands them to grpo/tiny/warm_start.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+from grpo.dist import barrier
+from grpo.packaged import PACKAGED, ensure_packaged_model
+from grpo.tasks import build_task
+from grpo.tiny.guess import solve_rate
+from grpo.tiny.warm_start import TINY_KINDS, ensure_tiny_model
+
+PLAYS = {"guess": solve_rate}  # task.name -> its warm start's greedy check (else one-shot exact match)
+
+
+def ensure_model_folder(cfg, task_cfg, max_new_tokens: int, log=print) -> str:
+    """The local folder of `model.path=tiny` (built and warm-started on `task_cfg`'s task) or of a
+    packaged model (converted), made once and cached. `cfg` is model."""
+    if cfg.path in TINY_KINDS:
+        return ensure_tiny_model(cfg, task_cfg, build_task(task_cfg), max_new_tokens, log, play=PLAYS.get(task_cfg.name))
+    return ensure_packaged_model(cfg.path, cfg.cache_dir, log)
+
+
+def resolve_model_folder(cfg, log=print) -> str:
+    """The folder of `model.path` (this module's docstring). `cfg` is a whole run config."""
+    path = os.path.expanduser(cfg.model.path)
+    if path not in TINY_KINDS and path not in PACKAGED:
+        return path
+    return ensure_model_folder(cfg.model, cfg.task, cfg.rollout.max_new_tokens, log)
+
+
+def resolve_on_node(cfg, info, log=print) -> str:
+    """`resolve_model_folder` for a rank of a run (`info`: its DistInfo): the folder is made (tiny,
+    packaged) on each node's local rank 0 first, while the node's other ranks wait, then found by all."""
+    if info.local_rank == 0:
+        resolve_model_folder(cfg, log)
+    barrier()
+    return resolve_model_folder(cfg, log)

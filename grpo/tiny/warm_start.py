@@ -1,0 +1,131 @@
+"""The tiny models' warm start and cache: the model built (grpo/tiny/text.py, or the VLM of
+grpo/tiny/vlm.py) and trained by a short supervised run on the task's training split until its greedy
+accuracy on training prompts reaches `warm_start_accuracy`. GRPO learns nothing from a policy that
+never gets a reward, so the warm start is part of building the model, not of the run. It is saved as
+a normal HF folder (config, safetensors, tokenizer) under `model.cache_dir`, keyed by a hash of
+everything that shaped it, so vLLM can load the same folder.
+
+The task (and a multi-turn task's `play`) is handed in: this module knows no task and no rollout
+engine; grpo/tiny/folders.py, which knows both, builds them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+import torch
+from omegaconf import OmegaConf
+
+from grpo import vision
+from grpo.errors import WarmStartError
+from grpo.packaged import publish_model_folder
+from grpo.tiny import text, vlm
+
+TINY_KINDS = ("tiny", "tiny_vlm")  # model.path values built in code: the text model, the vision-language one
+TINY_FORMAT = 2  # bump when the tiny model's recipe changes, so old cache entries are not reused
+
+
+def warm_start(model, tokenizer, task, cfg, max_new_tokens: int, log=print, play=None) -> dict:
+    """Supervised training on prompt + answer + <eos>, loss on the answer, until greedy accuracy
+    on 256 training prompts reaches cfg.warm_start_accuracy (checked every `warm_start_check_every` steps). AdamW, lr
+    warmed up linearly over `warm_start_warmup_steps`, gradient norm clipped at `warm_start_clip`.
+    Returns what it measured; raises WarmStartError if the step cap comes first, since GRPO learns
+    nothing from a policy that never earns a reward. A multi-turn task trains on its
+    `task.demonstration` and is checked by `play(model, tokenizer, samples, max_new_tokens)` (a greedy
+    solve rate, handed in: grpo/tiny/folders.py `PLAYS`) instead of one-shot exact match."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warm_start_lr)
+    warmup = max(0, cfg.warm_start_warmup_steps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+    n_probe = min(256, len(task.train) // 2)
+    probe, train = task.train[:n_probe], task.train[n_probe:]
+    if not probe or not train:
+        raise ValueError(f"the warm start needs at least 2 training samples; the task has {len(task.train)}.")
+    images = getattr(tokenizer, "vision", None) is not None  # a VLM on image prompts (grpo/tiny/vlm.py)
+
+    def accuracy() -> float:  # greedy: one-shot exact match, or a multi-turn task's own episodes
+        if images:
+            return vlm.greedy_accuracy(model, tokenizer, probe, max_new_tokens)
+        if play is None:
+            return text.greedy_accuracy(model, tokenizer, probe, max_new_tokens)
+        model.eval()
+        with torch.no_grad():
+            acc = play(model, tokenizer, probe, max_new_tokens)
+        model.train()
+        return acc
+
+    t0, acc, step = time.perf_counter(), accuracy(), 0
+    while acc < cfg.warm_start_accuracy and step < cfg.warm_start_max_steps:
+        idx = torch.randint(len(train), (cfg.warm_start_batch,), generator=gen).tolist()
+        rows = [train[i] for i in idx]
+        batch = (vlm.supervised_batch(tokenizer, rows) if images
+                 else text.supervised_batch(tokenizer, rows) if task.demonstration is None
+                 else text.demonstration_batch(tokenizer, rows, task.demonstration))
+        loss = model(**batch).loss
+        loss.backward()
+        if cfg.warm_start_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.warm_start_clip)
+        opt.step()
+        schedule.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if step % cfg.warm_start_check_every == 0 or step == cfg.warm_start_max_steps:
+            acc = accuracy()
+    info = {"warm_start_steps": step, "warm_start_train_accuracy": acc, "warm_start_s": time.perf_counter() - t0}
+    log(f"warm start: {step} supervised steps, greedy train accuracy {acc:.3f}, {info['warm_start_s']:.1f}s")
+    if acc < cfg.warm_start_accuracy:
+        raise WarmStartError(
+            f"the tiny model's warm start reached greedy train accuracy {acc:.3f} after {step} steps "
+            f"(model.tiny.warm_start_max_steps={cfg.warm_start_max_steps}), below its target "
+            f"model.tiny.warm_start_accuracy={cfg.warm_start_accuracy}; nothing was cached. A policy that never "
+            f"earns a reward cannot learn by GRPO. Raise model.tiny.warm_start_max_steps, try another model.tiny.seed, "
+            f"or lower model.tiny.warm_start_lr (now {cfg.warm_start_lr}).")
+    return info
+
+
+def tiny_model_dir(cfg, task_cfg, max_new_tokens: int) -> str:
+    """Cache folder of the tiny model: a hash of its recipe, the task it was warm-started on."""
+    recipe = {
+        "format": TINY_FORMAT,
+        **({"kind": cfg.path, "vlm_format": vlm.TINY_VLM_FORMAT} if cfg.path != "tiny" else {}),  # the vision-language one
+        "tiny": OmegaConf.to_container(cfg.tiny, resolve=True) if not isinstance(cfg.tiny, dict) else cfg.tiny,
+        "task": {k: task_cfg[k] for k in ("name", "seed", "digits", "eval_size", "path", "size") if k in task_cfg},
+        "max_new_tokens": max_new_tokens,  # the warm start's greedy checks decode this far
+    }
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    return os.path.join(os.path.expanduser(cfg.cache_dir), f"{cfg.path}-{key}")
+
+
+def build_warm_tiny(tiny, task, max_new_tokens: int, log=print, kind: str = "tiny", play=None):
+    """(model, tokenizer, info): the tiny model built from `tiny` (model.tiny) and warm-started on
+    `task` (checked by `play` where one is given) unless `tiny.warm_start_accuracy` is 0; raises
+    WarmStartError on a miss. `kind` tiny_vlm: the vision-language one (grpo/tiny/vlm.py), its
+    tokenizer carrying its image processor."""
+    tokenizer = text.build_char_tokenizer()
+    if kind == "tiny_vlm":
+        model = vlm.build_tiny_vlm(tiny, tokenizer)
+        tokenizer.vision = vision.ImageReader(vlm.tiny_image_processor(), model.config)
+    else:
+        model = text.build_tiny_model(tiny, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
+    info = {"parameters": sum(p.numel() for p in model.parameters())}
+    if tiny.warm_start_accuracy > 0:
+        info.update(warm_start(model, tokenizer, task, tiny, max_new_tokens, log, play))
+    return model, tokenizer, info
+
+
+def ensure_tiny_model(cfg, task_cfg, task, max_new_tokens: int, log=print, play=None) -> str:
+    """Build, warm-start (on `task`, checked by `play` where given) and save the tiny model unless the
+    cache already holds it. Atomic: the folder is written under a temporary name and renamed, so a
+    killed build leaves no half model."""
+    path = tiny_model_dir(cfg, task_cfg, max_new_tokens)
+    if os.path.isfile(os.path.join(path, "grpo_tiny.json")):
+        return path
+    log(f"building the tiny model in {path}")
+    model, tokenizer, info = build_warm_tiny(cfg.tiny, task, max_new_tokens, log, kind=cfg.path, play=play)
+    from transformers.utils import logging as hf_logging  # heavy: only when a model is built
+
+    hf_logging.disable_progress_bar()
+    return publish_model_folder(model, tokenizer, path, "grpo_tiny.json", info)
