@@ -230,7 +230,7 @@ def check_backend(backend: str, work: str, extra: list[str]) -> Result:
 def check_weight_sync(url: str, token: str, bucket_mbs: list[float], transfer: str) -> Result:
     """Seconds per full sync of the tiny model into a running server, per bucket size."""
     from grpo.config import TinyModelConfig
-    from grpo.models import build_char_tokenizer, build_tiny_model
+    from grpo.tiny.text import build_char_tokenizer, build_tiny_model
     from grpo.rollout.servers import ServerPool
     from grpo.weights import group_by_size
 

@@ -198,7 +198,7 @@ class ServeJob:
 
     def __call__(self) -> None:
         from grpo.dist import node_name
-        from grpo.models import resolve_model_folder
+        from grpo.tiny.folders import resolve_model_folder
         from grpo.serve import main as serve
 
         cfg = compose_config([*self.overrides, f"run_dir={self.run_dir}"])

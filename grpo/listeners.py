@@ -24,6 +24,7 @@ import psutil
 from grpo.progress import say
 
 WILDCARDS = ("0.0.0.0", "::", "")
+UNREGISTERED = "no component registered it"  # on an address of its own, but nobody said what it is for
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,13 @@ def expect_process(pid: int, address: str, purpose: str, tree: bool = False) -> 
     rules = _processes.setdefault(pid, [])
     if (address, purpose, tree) not in rules:
         rules.append((address, purpose, tree))
+
+
+def expect_served(pid: int, url: str, name: str = "grpo.serve") -> None:
+    """What a loopback `grpo.serve` this process started (pid `pid`, at `url`) listens on: its API, and
+    its vLLM processes' internals (gloo groups, the weight-transfer pairs) on loopback."""
+    expect("127.0.0.1", int(url.rsplit(":", 1)[1]), f"{name} API")
+    expect_process(pid, "127.0.0.1", f"{name}'s vLLM internals: gloo groups, weight-transfer pairs", tree=True)
 
 
 def forget(port: int | None = None, pid: int | None = None) -> None:
@@ -126,7 +134,7 @@ def classify(found: list[Listener], ports: dict | None = None, processes: dict |
         if item.address in WILDCARDS:
             problem = f"on the wildcard address {item.address or '*'}" + (f" (configured: {address})" if address else "")
         elif not purpose:
-            problem = "no component registered it"
+            problem = UNREGISTERED
         elif item.address != address:
             problem = f"on {item.address}, configured for {address}"
         else:
@@ -147,4 +155,5 @@ def audit(root_pid: int, ports: dict | None = None, processes: dict | None = Non
 def log_listeners(root_pid: int, log=say) -> None:
     """One line per listener of the run's process tree, with its purpose; a misbound one says what is wrong."""
     for item in sorted(audit(root_pid), key=lambda i: (i.pid, i.port)):
-        log(f"listener{' MISBOUND' if item.problem else ''}: {item}")
+        label = "" if not item.problem else " (unregistered)" if item.problem == UNREGISTERED else " MISBOUND"
+        log(f"listener{label}: {item}")

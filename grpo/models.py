@@ -12,9 +12,7 @@ import re
 
 import torch
 
-from grpo.packaged import PACKAGED  # noqa: F401  (re-exported for tests/test_launch.py, issue 48)
 from grpo.prompts import format_prompt
-from grpo.tiny.text import build_char_tokenizer, build_tiny_model  # noqa: F401  (re-exported for grpo/doctor.py, tests/test_judge.py)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # what a hub id looks like: owner/name
@@ -74,15 +72,6 @@ def load_model(path: str, dtype: str = "float32", log=None):
     finally:
         hf_logging.disable_progress_bar()
     return model, tokenizer
-
-
-def resolve_model_folder(cfg, log=print) -> str:
-    """Re-export of grpo.tiny.folders.resolve_model_folder while grpo/launch.py and tests/test_launch.py
-    import it from here (issue 48; tests/test_layering.py PENDING). A local import: grpo/tiny sits
-    above this module."""
-    from grpo.tiny.folders import resolve_model_folder as resolve
-
-    return resolve(cfg, log)
 
 
 def policy_device(local_rank: int) -> torch.device:

@@ -21,7 +21,7 @@ class RewardFuncConfig:
 @dataclass
 class TinyRewardModelConfig:
     """reward.rm.path=tiny_rm: the tiny policy's backbone, fresh layers and a score head, trained to rank the
-    addition task's correct sums above wrong ones (grpo/rewards/tiny_rm.py)."""
+    addition task's correct sums above wrong ones (grpo/tiny/rm.py)."""
 
     new_layers: int = 3  # on top of the policy's: a digit's value, its check, the checks gathered at the last token
     steps: int = 400

@@ -37,14 +37,13 @@ Any further arguments go to vLLM unchanged. The plain equivalent, for `vllm serv
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import os
 import sys
 
 from grpo.dist import interface_of, node_name
 from grpo.errors import TokenError
-from grpo.auth import TOKEN_ENV, load_token, token_ok
+from grpo.auth import TOKEN_ENV, is_loopback, load_token, token_ok
 from grpo.rollout.servers import TRANSFERS, reserve_port, transfer_backend
 
 # Read-only probes anyone who can reach the port may call; everything else needs the token.
@@ -62,15 +61,6 @@ async def require_token(request, call_next):
 
         return JSONResponse({"error": f"{request.url.path} needs 'Authorization: Bearer <{TOKEN_ENV}>'"}, status_code=401)
     return await call_next(request)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None = None) -> list[str]:

@@ -57,10 +57,3 @@ class ListenerWatch:
         for purpose in purposes:
             assert any(purpose in p for p in self.purposes()), (
                 f"no listener for {purpose!r} was seen; seen:\n" + "\n".join(map(str, self.seen.values())))
-
-
-def expect_served(pid: int, url: str, name: str = "grpo.serve") -> None:
-    """What a test's own loopback `grpo.serve` at `url` listens on: its API, and its vLLM processes'
-    internals (gloo groups, the weight-transfer pairs) on loopback."""
-    listeners.expect("127.0.0.1", int(url.rsplit(":", 1)[1]), f"{name} API")
-    listeners.expect_process(pid, "127.0.0.1", f"{name}'s vLLM internals: gloo groups, weight-transfer pairs", tree=True)

@@ -120,7 +120,7 @@ def test_guess_episodes_through_dedicated(make_cfg):
                    "eval_every=0", "checkpoint_every=0")
     with ListenerWatch(os.getpid()) as watch:  # the trainer (this process) and its engine
         train(cfg)
-    watch.assert_accounted("vLLM engine API (dedicated engine 0)", "vLLM engine internals", "weight-transfer rendezvous")
+    watch.assert_accounted("vLLM engine API (dedicated engine 0)", "vLLM engine internals", "weight-transfer group")
     from tests.parity import assert_guess_run_scores_the_samplers_tokens
 
     assert_guess_run_scores_the_samplers_tokens(cfg.run_dir)

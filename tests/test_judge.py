@@ -23,7 +23,7 @@ import torch
 from grpo.config import validate
 from grpo.errors import ConfigError, RewardStop
 from grpo.eval import agreement
-from grpo.models import build_char_tokenizer
+from grpo.tiny.text import build_char_tokenizer
 from grpo.rewards.judge import Judge, answer_choices, check_choice_tokens, expected_score, judge_prompt, pattern_score
 from grpo.auth import JUDGE_TOKEN_ENV
 from grpo.rollout.servers import free_port

@@ -126,7 +126,8 @@ def test_serve_and_launch_resolve_model_names_as_the_trainer_does(cache_dir, mon
     loads (before, only `tiny` was resolved and `smollm2-135m` went to vLLM as a hub id; the
     packaged name is checked in the slow tier, tests/test_smollm2.py, where the conversion runs)."""
     from grpo.config import compose_config
-    from grpo.models import PACKAGED, resolve_model_folder
+    from grpo.packaged import PACKAGED
+    from grpo.tiny.folders import resolve_model_folder
     from grpo.serve import resolve_model
 
     monkeypatch.setenv("GRPO_CACHE", cache_dir)

@@ -24,13 +24,6 @@ FORBIDDEN = [  # (importer prefix, imported prefix): layers that must not know e
     ("grpo.rewards", "grpo.tasks"), ("grpo.models", "grpo.rewards"),
 ]
 FOLDERS = ("grpo.tasks", "grpo.rewards", "grpo.models")  # each one node in `folder_graph`
-# Arrows that close a folder loop only because a caller others are editing still imports the old name
-# (issue 48): each is a re-export, removed with its last caller. `test_no_folder_loops` fails when one
-# is gone, so the list cannot outlive them.
-PENDING = {
-    ("grpo.models", "grpo.tiny.folders"): "resolve_model_folder, for grpo/launch.py and tests/test_launch.py",
-    ("grpo.rewards.tiny_rm", "grpo.tiny.rm"): "ensure_tiny_rm, for grpo/rewards/rm.py",
-}
 
 
 def modules() -> dict[str, Path]:
@@ -118,16 +111,16 @@ def test_forbidden_arrows():
     assert bad == []
 
 
-def folder_graph(graph: dict[str, set[str]], skip=()) -> dict[str, set[str]]:
-    """`graph` with each of FOLDERS one node (its modules' arrows merged) and the arrows in `skip` left out:
-    a loop between folders is a knot even where no two files import each other."""
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """`graph` with each of FOLDERS one node (its modules' arrows merged): a loop between folders is a
+    knot even where no two files import each other."""
     def node(m):
         return next((f for f in FOLDERS if m == f or m.startswith(f + ".")), m)
 
     out = {node(m): set() for m in graph}
     for a, targets in graph.items():
         for b in targets:
-            if (a, b) not in skip and node(a) != node(b):
+            if node(a) != node(b):
                 out[node(a)].add(node(b))
     return out
 
@@ -135,7 +128,5 @@ def folder_graph(graph: dict[str, set[str]], skip=()) -> dict[str, set[str]]:
 def test_no_folder_loops():
     """tasks -> rewards -> models is the order (a task's answer checker is a reward's; a scorer loads a
     model); nothing may lead back up it, through any module, function-local imports included."""
-    graph = import_graph()
-    assert [edge for edge in PENDING if edge[1] not in graph.get(edge[0], ())] == []  # stale entries go
-    loops = [c for c in cycles(folder_graph(graph, skip=PENDING)) if set(c) & set(FOLDERS)]
+    loops = [c for c in cycles(folder_graph(import_graph())) if set(c) & set(FOLDERS)]
     assert loops == []

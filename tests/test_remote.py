@@ -26,9 +26,9 @@ from grpo.rollout import Sampling
 from grpo.endpoints import split_by_load
 from grpo.rollout.servers import ServerPool, free_port
 from grpo.serve import is_open
-from grpo import listeners
 from tests.conftest import ROOT, serve_tiny, stop_served
-from tests.listener_watch import ListenerWatch, expect_served
+from grpo.listeners import expect_served
+from tests.listener_watch import ListenerWatch
 from tests.parity import assert_round_trip, sync_round_trip
 
 TOKEN = "test-secret-token"
@@ -145,7 +145,7 @@ def test_a_refused_transfer_init_fails_in_seconds_with_the_servers_answer(server
     assert "/init_weight_transfer_engine answered" in str(e.value) and "packed" in str(e.value), str(e.value)
 
 
-def test_a_rogue_on_the_rendezvous_is_refused_and_the_server_still_joins(server, tiny_lm, monkeypatch, caplog):
+def test_a_rogue_on_the_rendezvous_is_refused_and_the_server_still_joins(server, monkeypatch, caplog):
     """Another process reaches the trainer's rendezvous before the server's worker and writes the keys
     gloo's join reads (it can list every key name): the real worker still joins, proving the secret it
     was told through the token-guarded init route, a push reaches it, and the intrusion is one warning."""
@@ -170,9 +170,14 @@ def test_a_rogue_on_the_rendezvous_is_refused_and_the_server_still_joins(server,
     monkeypatch.setattr(servers, "make_sender", sender_with_a_rogue_first)
     with caplog.at_level(logging.WARNING, logger="grpo"):
         pool = ServerPool([server["url"]], TOKEN, 60, 120)
+    from grpo.models import load_model
+
+    model, _ = load_model(server["path"])  # the served weights themselves, every one (a push is a whole model)
+    bucket = [(n, p.detach()) for n, p in model.named_parameters(remove_duplicate=False)]
     try:
-        pool.push([list(tiny_lm[0].state_dict().items())[:2]], version=1)
+        pool.push([bucket], version=1)
         assert pool.served_version(pool.servers[0], fallback=-1) == 1
+        pool.push([bucket], version=0)  # the module's server as it was found (later tests read version 0)
     finally:
         pool.close()
     warnings = [r.getMessage() for r in caplog.records if "not written by a member" in r.getMessage()]
@@ -291,11 +296,10 @@ def test_short_training_run_through_remote(server, make_cfg, tmp_path, capfd, mo
     token_file.chmod(0o600)
     cfg = make_cfg("rollout=remote", f"rollout.remote.urls=[{server['url']}]", f"rollout.remote.token_file={token_file}",
                    "steps=3")
-    # the trainer's side of the transfer: rollout.remote.transfer_host unset, so its route to the server
-    listeners.expect_process(os.getpid(), "127.0.0.1", "weight-transfer rendezvous and gloo pairs (server 0)")
     with ListenerWatch(os.getpid()) as watch:  # the trainer (this process) and the server (its child)
         train(cfg)
-    watch.assert_accounted("grpo.serve API", "grpo.serve's vLLM internals", "weight-transfer rendezvous")
+    # the trainer's side of the transfer registers itself (GlooSender), on its route to the server
+    watch.assert_accounted("grpo.serve API", "grpo.serve's vLLM internals", "weight-transfer")
     written = [p for p in Path(cfg.run_dir).rglob("*") if p.is_file()]
     assert {"config.yaml", "metrics.jsonl", "summary.json"} <= {p.name for p in written}, written
     assert f"token_file: {token_file}" in (Path(cfg.run_dir) / "config.yaml").read_text()

@@ -16,7 +16,7 @@ from grpo.errors import ConfigError
 from grpo.parallel import sequence
 from grpo.rewards import score
 from grpo.rewards.reward_model import RewardModel, ScoreNormaliser, load_reward_model, token_batches
-from grpo.tasks import Sample
+from grpo.tasks import Sample, build_task
 from tests.conftest import compose_cfg
 
 RM_STEPS = "reward.rm.tiny.steps=60"  # the default tier's tiny RM: 60 steps (~20 s); the full recipe's 400 in the slow tier
@@ -106,7 +106,8 @@ def tiny_rm(cache_dir, learning_policy):
     """The tiny reward model of the default tier (60 steps), built once in the session's cache."""
     from grpo.tiny.rm import ensure_tiny_rm
 
-    return ensure_tiny_rm(compose_cfg("experiment=addition_tiny_rm", RM_STEPS, cache=cache_dir))
+    cfg = compose_cfg("experiment=addition_tiny_rm", RM_STEPS, cache=cache_dir)
+    return ensure_tiny_rm(cfg, build_task(cfg.task))
 
 
 def test_tiny_rm_scores_correct_sums_above_wrong_ones(tiny_rm):
@@ -157,7 +158,8 @@ def test_the_full_tiny_rm_and_the_learning_bar(tmp_path, cache_dir, learning_pol
     assert out.returncode == 0, out.stderr[-3000:]
     from grpo.tiny.rm import ensure_tiny_rm
 
-    info = json.load(open(os.path.join(ensure_tiny_rm(compose_cfg("experiment=addition_tiny_rm", cache=cache_dir)),
+    cfg = compose_cfg("experiment=addition_tiny_rm", cache=cache_dir)
+    info = json.load(open(os.path.join(ensure_tiny_rm(cfg, build_task(cfg.task)),
                                        "grpo_tiny_rm.json")))
     assert info["heldout_pairwise_accuracy"] >= 0.95 and info["heldout_top1_accuracy"] >= 0.5, info
     summary = json.load(open(tmp_path / "summary.json"))

@@ -27,7 +27,8 @@ from grpo.endpoints import Server
 from grpo.rollout.servers import free_port
 from grpo.tasks import Sample
 from tests.conftest import ROOT, compose_cfg
-from tests.listener_watch import ListenerWatch, expect_served
+from grpo.listeners import expect_served
+from tests.listener_watch import ListenerWatch
 
 TOKEN = "test-rm-token"
 TOLERANCE = 1e-5

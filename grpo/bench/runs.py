@@ -18,6 +18,7 @@ import urllib.request
 
 import torch
 
+from grpo import listeners
 from grpo.progress import WaitProgress
 
 QUIET = ["checkpoint_every=0", "logger.log_every=1000", "logger.sample_every=0"]  # the bench prints its own tables
@@ -62,6 +63,7 @@ def served(model_path: str, timeout_s: float = 300, cpus: list[int] | None = Non
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env,
                             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     url = f"http://127.0.0.1:{port}"
+    listeners.expect_served(proc.pid, url, "the bench's grpo.serve")
     try:
         deadline = time.time() + timeout_s
         progress = WaitProgress(f"grpo.serve at {url} to answer /health", timeout_s)

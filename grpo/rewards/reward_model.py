@@ -5,7 +5,7 @@ ids scored, the same normalisation after).
 The model is a Hugging Face sequence-classification model with one label
 (`AutoModelForSequenceClassification`, `num_labels=1`; its one logit at the text's last token is the
 score) from `reward.rm.path`: a local folder, a hub id, or `tiny_rm` (the addition task's, built in
-code: grpo/rewards/tiny_rm.py). It is loaded once when the run is built, on the trainer's device, in
+code: grpo/tiny/rm.py). It is loaded once when the run is built, on the trainer's device, in
 eval mode without gradients, in `reward.rm.dtype` (null: the trainer's `model.dtype`). It reads
 `sample.prompt + completion` as plain text (no chat template), tokenized by its own tokenizer.
 

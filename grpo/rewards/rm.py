@@ -8,6 +8,7 @@ import os
 
 from grpo.rewards.reward_model import (NORMALISATIONS, TINY_RM, RewardModel, ScoreNormaliser, load_reward_model,
                                        load_tokenizer)
+from grpo.tiny.rm import built_tiny_rm
 
 
 def check(cfg) -> None:
@@ -48,20 +49,12 @@ def check(cfg) -> None:
 
 
 def build(cfg, device="cpu") -> RewardModel:
-    """The reward function of `reward.rm`, its model loaded now (tiny_rm built first if not cached: on
-    each node's local rank 0 while the others wait); with reward.rm.urls only its tokenizer, the servers
-    checked now (served_rm.build_served)."""
-    from grpo.dist import barrier, dist_info
-
+    """The reward function of `reward.rm`, its model loaded now (tiny_rm as the run's setup built it:
+    grpo.tiny.folders.resolve_on_node); with reward.rm.urls only its tokenizer, the servers checked
+    now (served_rm.build_served)."""
     rm, path = cfg.reward.rm, os.path.expanduser(cfg.reward.rm.path)
     if rm.path == TINY_RM:
-        from grpo.rewards.tiny_rm import ensure_tiny_rm
-
-        info = dist_info()
-        if info.local_rank == 0:
-            ensure_tiny_rm(cfg, log=print if info.is_main else lambda *_: None)
-        barrier()
-        path = ensure_tiny_rm(cfg)
+        path = built_tiny_rm(cfg)
     normaliser = ScoreNormaliser(rm.normalise, rm.offset, rm.scale)
     if rm.urls:
         from grpo.rewards.served_rm import build_served

@@ -327,8 +327,6 @@ class DedicatedBackend(RolloutBackend):
                     listeners.expect("127.0.0.1", port, f"vLLM engine API ({name})")
                     listeners.expect_process(engine.pid, "127.0.0.1", f"vLLM engine internals: gloo groups, "
                                              f"weight-transfer pairs ({name})", tree=True)
-                listeners.expect_process(os.getpid(), "127.0.0.1", "weight-transfer rendezvous and gloo pairs "
-                                         "(the dedicated engines)")
                 exited = [lambda proc=proc, log=log: engine_exit(proc, log) for proc, log in zip(self.procs, logs)]
                 self.pool = ServerPool([f"http://127.0.0.1:{p}" for p in ports], token, cfg.dedicated.start_timeout_s,
                                        cfg.dedicated.request_timeout_s, "127.0.0.1", transfer=transfer, logs=logs,

@@ -13,8 +13,10 @@ import os
 
 from grpo.dist import barrier
 from grpo.packaged import PACKAGED, ensure_packaged_model
+from grpo.rewards.reward_model import TINY_RM
 from grpo.tasks import build_task
 from grpo.tiny.guess import solve_rate
+from grpo.tiny.rm import ensure_tiny_rm
 from grpo.tiny.warm_start import TINY_KINDS, ensure_tiny_model
 
 PLAYS = {"guess": solve_rate}  # task.name -> its warm start's greedy check (else one-shot exact match)
@@ -36,10 +38,17 @@ def resolve_model_folder(cfg, log=print) -> str:
     return ensure_model_folder(cfg.model, cfg.task, cfg.rollout.max_new_tokens, log)
 
 
+def uses_tiny_rm(cfg) -> bool:
+    return cfg.reward.rm.path == TINY_RM and any(f.name == "rm" for f in cfg.reward.funcs)
+
+
 def resolve_on_node(cfg, info, log=print) -> str:
     """`resolve_model_folder` for a rank of a run (`info`: its DistInfo): the folder is made (tiny,
-    packaged) on each node's local rank 0 first, while the node's other ranks wait, then found by all."""
+    packaged) on each node's local rank 0 first, while the node's other ranks wait, then found by all.
+    A run scored by `reward.rm.path=tiny_rm` gets that model built here too, on the run's task."""
     if info.local_rank == 0:
         resolve_model_folder(cfg, log)
+        if uses_tiny_rm(cfg):
+            ensure_tiny_rm(cfg, build_task(cfg.task), log if info.is_main else lambda *_: None)
     barrier()
     return resolve_model_folder(cfg, log)

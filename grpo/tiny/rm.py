@@ -29,7 +29,6 @@ import torch
 from omegaconf import OmegaConf
 
 from grpo.packaged import publish_model_folder
-from grpo.tasks import build_task
 from grpo.tiny.warm_start import ensure_tiny_model, tiny_model_dir
 
 TINY_RM_FORMAT = 1  # bump when the recipe changes, so old cache entries are not reused
@@ -185,17 +184,30 @@ def tiny_rm_dir(cfg, policy_dir: str) -> str:
     return os.path.join(os.path.expanduser(cfg.model.cache_dir), f"tiny_rm-{key}")
 
 
-def ensure_tiny_rm(cfg, log=print) -> str:
-    """The tiny reward model's folder, built (with the tiny policy it starts from) unless cached. The
-    policy is warm-started to decode the answer and its end token (task.digits + 2 new tokens), as the
-    default run's is, so the two share a folder. Built here, above the tasks, which a scorer never
-    imports; grpo/rewards/tiny_rm.py re-exports this for grpo/rewards/rm.py (issue 48: to go)."""
+def tiny_rm_folder(cfg) -> str:
+    """Where `reward.rm.path=tiny_rm` of the run config `cfg` is kept. Its policy is warm-started to
+    decode the answer and its end token (task.digits + 2 new tokens), as the default run's is, so the
+    two share a folder."""
+    return tiny_rm_dir(cfg, tiny_model_dir(cfg.model, cfg.task, cfg.task.digits + 2))
+
+
+def built_tiny_rm(cfg) -> str:
+    """The tiny reward model's folder, which the run's setup built (grpo.tiny.folders.resolve_on_node)."""
+    path = tiny_rm_folder(cfg)
+    if not os.path.isfile(os.path.join(path, "grpo_tiny_rm.json")):
+        raise FileNotFoundError(f"reward.rm.path=tiny_rm is not built in {path}: a run's setup builds it "
+                                "(grpo.tiny.folders.resolve_on_node); elsewhere call grpo.tiny.rm.ensure_tiny_rm first")
+    return path
+
+
+def ensure_tiny_rm(cfg, task, log=print) -> str:
+    """The tiny reward model's folder, built on `task` (the run's, handed in: a scorer knows no prompt
+    source) with the tiny policy it starts from, unless cached."""
     new_tokens = cfg.task.digits + 2
-    path = tiny_rm_dir(cfg, tiny_model_dir(cfg.model, cfg.task, new_tokens))
+    path = tiny_rm_folder(cfg)
     if os.path.isfile(os.path.join(path, "grpo_tiny_rm.json")):
         return path
     log(f"building the tiny reward model in {path}")
-    task = build_task(cfg.task)
     policy = ensure_tiny_model(cfg.model, cfg.task, task, new_tokens, log)
     model, tokenizer, info = train_tiny_rm(policy, task, cfg.reward.rm.tiny, log)
     return publish_model_folder(model, tokenizer, path, "grpo_tiny_rm.json", info)
