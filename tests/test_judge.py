@@ -28,7 +28,9 @@ from grpo.rewards.judge import Judge, answer_choices, check_choice_tokens, expec
 from grpo.auth import JUDGE_TOKEN_ENV
 from grpo.rollout.servers import free_port
 from grpo.tasks import Sample
+from grpo.listeners import expect_served
 from tests.conftest import FAST, ROOT, compose_cfg, serve_tiny, stop_served
+from tests.listener_watch import ListenerWatch
 
 TOKEN = "judge-secret-token"
 TEMPLATE = "{prompt}{completion}?"  # the tiny model's char vocabulary: short, plain text
@@ -126,6 +128,7 @@ def server(model_dir, tmp_path_factory):
     shutil.copytree(model_dir, path, dirs_exist_ok=True)
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     proc, url = serve_tiny(str(path), tmp_path_factory.mktemp("judge") / "server.log", TOKEN)
+    expect_served(proc.pid, url, "judge's grpo.serve")
     yield {"url": url, "proc": proc, "path": str(path)}
     stop_served(proc)
 
@@ -395,13 +398,16 @@ def test_a_run_on_the_judge_logs_it_and_stops_when_the_judge_dies(server, tmp_pa
                             env={**os.environ, JUDGE_TOKEN_ENV: TOKEN})
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 400
-    while time.time() < deadline and proc.poll() is None:
-        rows = [json.loads(line) for line in open(metrics)] if metrics.exists() else []
-        if sum("reward/mean" in r for r in rows) >= 3:
-            break
-        time.sleep(0.5)
+    with ListenerWatch(server["proc"].pid, proc.pid) as watch:  # the judge's server, and the trainer: a client only
+        while time.time() < deadline and proc.poll() is None:
+            rows = [json.loads(line) for line in open(metrics)] if metrics.exists() else []
+            if sum("reward/mean" in r for r in rows) >= 3:
+                break
+            time.sleep(0.5)
     os.killpg(server["proc"].pid, signal.SIGKILL)  # the judge dies mid-run
     out, _ = proc.communicate(timeout=300)
+    watch.assert_accounted("judge's grpo.serve API", "judge's grpo.serve's vLLM internals")
+    assert not [item for item in watch.seen.values() if item.pid == proc.pid], "the trainer listens"
     rows = [json.loads(line) for line in open(metrics)]
     steps = [r for r in rows if "reward/mean" in r]
     assert len(steps) >= 3, out[-3000:]
