@@ -39,8 +39,11 @@ class Listener:
     ancestors: tuple[int, ...] = ()  # its parent's pid, its grandparent's, ...
 
     def __str__(self) -> str:
+        return self.text(str(self.port))
+
+    def text(self, ports: str) -> str:
         what = self.purpose or "unaccounted"
-        where = f"{self.kind} {self.address}:{self.port}" if ":" not in self.address else f"{self.kind} [{self.address}]:{self.port}"
+        where = f"{self.kind} {self.address}:{ports}" if ":" not in self.address else f"{self.kind} [{self.address}]:{ports}"
         return f"{where} pid {self.pid} ({self.process}): {what}" + (f": {self.problem}" if self.problem else "")
 
 
@@ -153,7 +156,12 @@ def audit(root_pid: int, ports: dict | None = None, processes: dict | None = Non
 
 
 def log_listeners(root_pid: int, log=say) -> None:
-    """One line per listener of the run's process tree, with its purpose; a misbound one says what is wrong."""
+    """The listeners of the run's process tree with their purpose, one line per process, address and
+    purpose (a vLLM worker's dozen gloo ports are one line); a misbound one says what is wrong."""
+    groups: dict[tuple, list[Listener]] = {}
     for item in sorted(audit(root_pid), key=lambda i: (i.pid, i.port)):
-        label = "" if not item.problem else " (unregistered)" if item.problem == UNREGISTERED else " MISBOUND"
-        log(f"listener{label}: {item}")
+        groups.setdefault((item.pid, item.kind, item.address, item.purpose, item.problem), []).append(item)
+    for items in groups.values():
+        first = items[0]
+        label = "" if not first.problem else " (unregistered)" if first.problem == UNREGISTERED else " MISBOUND"
+        log(f"listener{label}: {first.text(','.join(str(i.port) for i in items))}")

@@ -102,6 +102,12 @@ def test_log_lists_each_listener_once_with_its_purpose(registry):
         listeners.log_listeners(os.getpid(), log=lines.append)
         assert f"listener: tcp 127.0.0.1:{s.getsockname()[1]} pid {os.getpid()}" in "\n".join(lines)
         assert any(line.startswith(f"listener MISBOUND: tcp 0.0.0.0:{w.getsockname()[1]}") for line in lines), lines
+        with listening("127.0.0.1") as a, listening("127.0.0.1") as b:  # one process's ports of one purpose: one line
+            listeners.expect_process(os.getpid(), "127.0.0.1", "gloo pairs")
+            lines = []
+            listeners.log_listeners(os.getpid(), log=lines.append)
+            ports = ",".join(str(p) for p in sorted([a.getsockname()[1], b.getsockname()[1]]))
+            assert sum(f"tcp 127.0.0.1:{ports} pid {os.getpid()}" in line and "gloo pairs" in line for line in lines) == 1, lines
 
 
 AUDIT_AFTER_INIT = """
