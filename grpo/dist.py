@@ -164,6 +164,13 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+def loopback_env() -> dict[str, str]:
+    """For a process that talks to this node only (a dedicated engine, a grpo.serve's vLLM internals):
+    vLLM's own address (VLLM_HOST_IP, its get_ip()) and the interface of every gloo group it makes
+    (GLOO_SOCKET_IFNAME; the default resolves the machine's hostname) are loopback."""
+    return {"VLLM_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": interface_of("127.0.0.1") or "lo"}
+
+
 def bind_gloo(master_addr: str) -> None:
     """Every gloo group made in this process (torch's default device resolves the machine's hostname,
     often a cluster-wide address, whatever the run needs) listens on this node's route to

@@ -41,7 +41,8 @@ import json
 import os
 import sys
 
-from grpo.dist import interface_of, node_name
+from grpo import dist
+from grpo.dist import node_name
 from grpo.errors import TokenError
 from grpo.auth import TOKEN_ENV, is_loopback, load_token, token_ok
 from grpo.rollout.servers import TRANSFERS, reserve_port, transfer_backend
@@ -267,8 +268,8 @@ def main(argv: list[str] | None = None) -> None:
         os.environ[TOKEN_ENV] = args.token  # the middleware reads it there, in the exec'd server
     # vLLM's internals stay on this node, whatever --host the API takes: its own address (get_ip(), else
     # the route to 8.8.8.8) and every gloo group it makes (else on the hostname's address) are loopback
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface_of("127.0.0.1") or "lo")
+    for key, value in dist.loopback_env().items():
+        os.environ.setdefault(key, value)
     # vLLM's server, run through grpo.library_logs: its expected lines once, with what they mean
     argv_out = [sys.executable, "-m", "grpo.library_logs", "vllm.entrypoints.openai.api_server",
                 *vllm_argv(args, extra, server_kv_bytes(args))]

@@ -152,13 +152,6 @@ def pinned_engine_env(cpus: list[int] | None) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "OMP_NUM_THREADS": str(len(cpus))}
 
 
-def loopback_engine_env() -> dict[str, str]:
-    """An engine of this node talks to this node only: vLLM's own address (VLLM_HOST_IP, its
-    get_ip()) and the interface of every gloo group it makes (GLOO_SOCKET_IFNAME; the default
-    resolves the machine's hostname) are loopback, whatever the trainer's own groups use."""
-    return {"VLLM_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": dist.interface_of("127.0.0.1") or "lo"}
-
-
 def launch_engine(model_path: str, devices: list[str], port: int, token: str, vllm_cfg, dtype: str, log_path: str,
                   transfer: str = "grpo_gloo", cpus: list[int] | None = None, lora_rank: int = 0,
                   max_model_len: int | None = None):
@@ -166,7 +159,7 @@ def launch_engine(model_path: str, devices: list[str], port: int, token: str, vl
     pinned to `cpus` when given (its vLLM threads bound to them); with `lora_rank`, serving LoRA
     adapters up to that rank. `max_model_len`: the engine's context as fitted to the model
     (engine_memory.engine_context); default rollout.vllm.max_model_len."""
-    env = {**os.environ, "GRPO_SERVE_TOKEN": token, **pinned_engine_env(cpus), **loopback_engine_env()}
+    env = {**os.environ, "GRPO_SERVE_TOKEN": token, **pinned_engine_env(cpus), **dist.loopback_env()}
     argv = [sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", str(port),
             "--max-model-len", str(max_model_len or vllm_cfg.max_model_len), "--dtype", dtype, "--kv-cache-gb", str(vllm_cfg.kv_cache_gb),
             "--weight-transfer", transfer, "--images-per-prompt", str(vllm_cfg.images_per_prompt)]
