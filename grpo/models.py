@@ -12,6 +12,7 @@ import re
 
 import torch
 
+from grpo.errors import ConfigError
 from grpo.prompts import format_prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,8 +27,6 @@ def encode_prompts(tokenizer, samples, chat_template: str = "auto", system_promp
     for s in samples:
         if (getattr(s, "meta", None) or {}).get("images"):  # a sample with images (task=shapes)
             if reader is None:
-                from grpo.errors import ConfigError
-
                 raise ConfigError("the task's prompts carry images but the model is a text model: use a vision-language "
                                   "model (model=tiny_vlm, or model=hub model.path=Qwen/Qwen2-VL-2B-Instruct).")
             from grpo import vision
@@ -38,6 +37,20 @@ def encode_prompts(tokenizer, samples, chat_template: str = "auto", system_promp
         text, templated = format_prompt(tokenizer, s.prompt, chat_template, system_prompt)
         out.append(tokenizer(text, add_special_tokens=not templated).input_ids)
     return out
+
+
+def check_hub_model(path: str) -> None:
+    """validate's look at a hub id (grpo/tiny/folders.py `check_path`): load only the model's config,
+    cheap, and fails fast for a wrong id or no network."""
+    from transformers import AutoConfig  # transformers is imported on first use, as by load_model
+
+    try:
+        AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - anything here means the id cannot be loaded
+        raise ConfigError(
+            f"model.path={path!r} could not be loaded ({type(e).__name__}: {e}). Check the hub id, "
+            f"your network or HF_HOME cache, or point model.path at a local folder."
+        ) from e
 
 
 def load_model(path: str, dtype: str = "float32", log=None):

@@ -137,10 +137,10 @@ def test_experiments_are_all_counted():
 def test_every_experiment_composes_and_validates(name, monkeypatch):
     """Composes and validates each file; only the hub lookup of the model id is left out (no network
     here), and the ids are checked for their shape instead."""
-    import grpo.config
+    import grpo.tiny.folders
 
     looked_up = []
-    monkeypatch.setattr(grpo.config, "_check_hub_model", looked_up.append)
+    monkeypatch.setattr(grpo.tiny.folders, "check_hub_model", looked_up.append)
     cfg = compose_cfg(f"experiment={name}")
     validate(cfg)
     assert looked_up == ([] if cfg.model.path in ("tiny", "tiny_vlm", "smollm2-135m") else [cfg.model.path])
@@ -192,6 +192,15 @@ def test_unknown_option_is_an_error():
         ("parallel.collective_timeout_s=0", "parallel.collective_timeout_s=0 must be > 0 seconds"),
         ("algo.shared_prompt=sometimes", "algo.shared_prompt='sometimes': use true, false or auto"),
         ("algo.shared_prompt=1", "algo.shared_prompt=1: use true, false or auto"),
+        ("algo.beta=-0.1", "algo.beta=-0.1 must be >= 0 (0 disables the KL term and the reference model)."),
+        ("algo.is_cap=1.0", "algo.is_cap=1.0 must be > 1: it caps the sampler/trainer probability ratio."),
+        ("algo.lr=0", "algo.lr and algo.clip_eps must be > 0, and algo.clip_eps_high (if set) >= algo.clip_eps."),
+        ("model.lora.rank=600", "model.lora.rank=600: vLLM serves adapters of rank 512 at most; use a smaller rank."),
+        ("task=guess|env=guess|env.max_turns=0",
+         "env.max_turns and env.max_observation_tokens must be >= 1 and env.step_timeout_s > 0."),
+        ("task=guess|env=guess|reward=env|algo.turn_rewards=per_turn|algo.ratio_level=sequence",
+         "algo.turn_rewards=per_turn credits each turn with its environment step's reward, one advantage per token: it "
+         "needs algo.ratio_level=token (GSPO's sequence ratio takes one per sequence) and algo.dynamic_sampling=false"),
     ],
 )
 def test_bad_values_say_what_to_change(override, message):
@@ -199,6 +208,24 @@ def test_bad_values_say_what_to_change(override, message):
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     assert message in str(e.value)
+
+
+def test_prompts_are_shared_evenly_by_the_processes():
+    cfg = compose_cfg("parallel=ddp")  # 512 completions in groups of 16: 32 prompts
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=3)
+    assert str(e.value) == ("algo.batch_size / algo.group_size = 32 prompts per step cannot be shared evenly by 3 "
+                            "processes; make it a multiple of 3.")
+    validate(cfg, world_size=4)
+
+
+def test_lora_refuses_asynchronous_rollouts():
+    cfg = compose_cfg("model.lora.rank=8", "algo.max_staleness=1", "rollout=dedicated")
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, cuda=False)
+    assert str(e.value) == ("model.lora.rank=8 with algo.max_staleness=1: asynchronous rollouts do not track adapter "
+                            "versions yet; set algo.max_staleness=0 (or train without LoRA).")
+    validate(compose_cfg("model.lora.rank=8", "rollout=dedicated"), cuda=False)
 
 
 def test_asynchronous_rollouts_validate_with_engines_in_other_processes(recwarn):

@@ -13,6 +13,7 @@ from grpo.envs.base import Env, Step, TextEnv
 from grpo.envs.guess import GuessEnv
 from grpo.envs.retry import RetryEnv
 from grpo.envs.tools import CalcEnv, ToolEnv, calculator
+from grpo.errors import ConfigError
 
 
 def openenv_adapter(**kwargs) -> Env:
@@ -32,8 +33,6 @@ ENVS: dict[str, Callable] = {
 
 
 def resolve_env(name: str) -> Callable:
-    from grpo.errors import ConfigError
-
     if name in ENVS:
         return ENVS[name]
     module_name, _, attr = name.rpartition(".")
@@ -46,6 +45,27 @@ def resolve_env(name: str) -> Callable:
     if not callable(factory):
         raise ConfigError(f"env.name={name!r} is not a class or function.")
     return factory
+
+
+def check(cfg) -> None:
+    """env.* (validate's part; `cfg`: the run config; env.render's choice is validate's own): the
+    environment can be found, and the budgets leave room for a turn."""
+    e = cfg.env
+    if e.name == "none":
+        if any(f.name == "env" for f in cfg.reward.funcs):
+            raise ConfigError("reward `env` scores an environment's episodes, but env=none; pick an env (env=guess) "
+                              "or drop the env reward.")
+        return
+    resolve_env(e.name)
+    if e.max_turns < 1 or e.max_observation_tokens < 1 or e.step_timeout_s <= 0:
+        raise ConfigError("env.max_turns and env.max_observation_tokens must be >= 1 and env.step_timeout_s > 0.")
+    if e.max_concurrency < 1:
+        raise ConfigError(f"env.max_concurrency={e.max_concurrency}: the environments called at once must be >= 1 "
+                          "(1 calls them one after another; the default 32).")
+    if e.max_total_tokens and e.max_total_tokens < cfg.rollout.max_new_tokens:
+        raise ConfigError(f"env.max_total_tokens={e.max_total_tokens} leaves no room for one turn of "
+                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}; raise it (or 0 for max_turns x "
+                          f"(max_new_tokens + max_observation_tokens)).")
 
 
 def env_factory(cfg, task) -> Callable[[], Env]:
@@ -62,5 +82,5 @@ def env_factory(cfg, task) -> Callable[[], Env]:
     return lambda: factory(**kwargs)
 
 
-__all__ = ["ENVS", "CalcEnv", "Env", "GuessEnv", "RetryEnv", "Step", "TextEnv", "ToolEnv", "calculator",
+__all__ = ["ENVS", "CalcEnv", "Env", "GuessEnv", "RetryEnv", "Step", "TextEnv", "ToolEnv", "calculator", "check",
            "env_factory", "resolve_env"]

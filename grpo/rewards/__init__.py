@@ -31,7 +31,7 @@ import time
 import warnings
 from typing import Callable
 
-from grpo.errors import RewardStop
+from grpo.errors import ConfigError, RewardStop
 from grpo.rewards.countdown import countdown
 from grpo.timeouts import call_with_timeout
 from grpo.rewards.env import env_reward
@@ -57,8 +57,6 @@ MODEL_REWARDS: dict[str, str] = {
 
 
 def resolve_reward(name: str) -> RewardFn:
-    from grpo.errors import ConfigError
-
     if name in REWARDS:
         return REWARDS[name]
     module_name, _, attr = name.rpartition(".")
@@ -75,8 +73,10 @@ def resolve_reward(name: str) -> RewardFn:
 
 
 def check_rewards(cfg) -> None:
-    """validate's part (`cfg`: the run config): every name resolves, and a reward that holds a model
-    checks its own settings without loading anything."""
+    """validate's part (`cfg`: the run config): at least one function, every name resolves, and a
+    reward that holds a model checks its own settings without loading anything."""
+    if not cfg.reward.funcs:
+        raise ConfigError("reward.funcs is empty: list at least one reward function (e.g. reward=exact_match).")
     for f in cfg.reward.funcs:
         if f.name in MODEL_REWARDS:
             importlib.import_module(MODEL_REWARDS[f.name]).check(cfg)

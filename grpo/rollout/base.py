@@ -102,6 +102,30 @@ class RolloutBackend(ABC):
             )
 
     @classmethod
+    def check_schedule(cls, cfg, algo, env: str) -> None:
+        """rollout.schedule and algo.partial_rollouts (`env`: env.name; called by validate): per-trajectory
+        turns need a backend whose generate is no collective (`schedules_trajectories`), partial rollouts
+        need them, an environment and staleness."""
+        if cfg.schedule == "trajectories" and not cls.schedules_trajectories:
+            raise ConfigError(f"rollout.schedule=trajectories with rollout={cfg.backend}: its generate is one call for the "
+                              f"whole batch (a collective under ZeRO-3 or tensor parallelism), so turns stay synchronous; "
+                              f"use rollout=dedicated or rollout=remote, or rollout.schedule=turns (or auto).")
+        if not algo.partial_rollouts:
+            return
+        if env == "none":
+            raise ConfigError("algo.partial_rollouts=true with env=none: weights change between the turns of an episode, and "
+                              "a single-turn task has one turn; pick an environment (env=guess, ...) or set "
+                              "algo.partial_rollouts=false.")
+        if not cls.schedules_trajectories or cfg.schedule == "turns":
+            raise ConfigError(f"algo.partial_rollouts=true needs episodes scheduled per trajectory on servers: "
+                              f"rollout=dedicated or rollout=remote with rollout.schedule=auto or trajectories (now "
+                              f"rollout={cfg.backend}, rollout.schedule={cfg.schedule}).")
+        if algo.max_staleness < 1:
+            raise ConfigError("algo.partial_rollouts=true with algo.max_staleness=0: weights only change between batches "
+                              "when the trainer waits for each batch; set algo.max_staleness=1 (or more) for pushes "
+                              "during a batch.")
+
+    @classmethod
     def check_lora(cls, cfg, lora, world: int) -> None:
         """Raise ConfigError if this backend cannot generate with a LoRA adapter (`model.lora`, rank > 0);
         called by grpo.config.validate only when LoRA is on."""

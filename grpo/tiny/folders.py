@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 
 from grpo.dist import barrier
+from grpo.errors import ConfigError
+from grpo.models import HUB_ID, check_hub_model
 from grpo.packaged import PACKAGED, ensure_packaged_model
 from grpo.rewards.reward_model import TINY_RM
 from grpo.tasks import build_task
@@ -36,6 +38,19 @@ def resolve_model_folder(cfg, log=print) -> str:
     if path not in TINY_KINDS and path not in PACKAGED:
         return path
     return ensure_model_folder(cfg.model, cfg.task, cfg.rollout.max_new_tokens, log)
+
+
+def check_path(path: str) -> None:
+    """model.path (validate's part): one of the names `resolve_model_folder` makes a folder of, an existing
+    folder, or a hub id whose config loads (nothing else is downloaded)."""
+    if path in TINY_KINDS or path in PACKAGED or os.path.isdir(os.path.expanduser(path)):
+        return
+    if not HUB_ID.match(path):
+        raise ConfigError(
+            f"model.path={path!r} is neither 'tiny', a packaged model {sorted(PACKAGED)}, an existing local "
+            f"folder, nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'. Fix the path."
+        )
+    check_hub_model(path)
 
 
 def uses_tiny_rm(cfg) -> bool:
