@@ -3,7 +3,7 @@
 The batch is laid out padded: prompt (left-padded) + completion (right-padded). Position ids come
 from the attention mask, as `generate` derives them, so the trainer's logprobs match the sampler's.
 How a micro-batch's forward lays these sequences out (packed rows, shared prompts) is
-grpo/layouts.py's; the loss and its masks always stay in this B x T layout.
+grpo/update/layouts.py's; the loss and its masks always stay in this B x T layout.
 """
 
 from __future__ import annotations
@@ -32,11 +32,6 @@ class Batch:
     prompt_width: int
     old_logprobs_BT: Optional[torch.Tensor] = None  # set when the batch is reused (off-policy)
     ref_logprobs_BT: Optional[torch.Tensor] = None  # set when beta > 0
-    # a packed micro-batch (grpo/layouts.py): how many of its sequences, in order, each row holds
-    rows: Optional[list[int]] = None
-    # a shared-prompt micro-batch: per row, how many of its sequences, in order, each of its trees
-    # (one prompt, several completions) holds
-    trees: Optional[list[list[int]]] = None
     # a vision-language model's image prompts: per row, its prompt's images (grpo.vision.VisionInputs;
     # None for a row without); None when no row has any
     vision: Optional[list] = None
@@ -44,10 +39,6 @@ class Batch:
     @property
     def size(self) -> int:
         return self.input_ids_BL.shape[0]
-
-    @property
-    def layout(self) -> str:
-        return "shared" if self.trees is not None else "packed" if self.rows is not None else "padded"
 
     def to(self, device) -> "Batch":
         return Batch(**{f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
@@ -65,7 +56,7 @@ class Batch:
                 t = torch.as_tensor(idx)
                 rows = (t.nonzero().flatten() if t.dtype == torch.bool else t.reshape(-1)).tolist()
             picked["vision"] = [self.vision[i] for i in rows]
-        return Batch(**{**picked, "rows": None, "trees": None})  # a packing is laid out for the rows it was made for
+        return Batch(**picked)
 
 
 def batch_advantages(rewards_PG: torch.Tensor, scale: str, estimator: str = "grpo") -> torch.Tensor:

@@ -161,13 +161,13 @@ class AlgoConfig:
     num_minibatches: int = 1  # optimizer steps per pass
     micro_batch_tokens: int = 8192  # tokens per forward/backward, padding included
     # micro-batches of whole sequences packed end to end in rows (no padding between them; attention
-    # kept inside each sequence by restarting position ids): grpo/layouts.py. false: padded rows
+    # kept inside each sequence by restarting position ids): grpo/update/layouts.py. false: padded rows
     packing: bool = True
     # packed rows that hold each prompt once for several of its completions, which attend to it
-    # through a 4D mask (grpo/layouts.py `pack_shared`). A model that cannot (flash attention, a
+    # through a 4D mask (grpo/update/layouts.py `pack_shared`). A model that cannot (flash attention, a
     # sliding window) is packed without sharing, with a warning. No effect with packing=false.
     # true | false | auto: on for the CPU (measured there), off on CUDA until measured on a GPU
-    # (grpo/layouts.py `shares_prompts`)
+    # (grpo/update/layouts.py `shares_prompts`)
     shared_prompt: Any = "auto"
     # DAPO's dynamic sampling: keep drawing batches of P prompts until P groups have unequal rewards,
     # at most max_draws batches per step (grpo/dynamic_sampling.py)
@@ -294,7 +294,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     Raises ConfigError saying what to change. `world_size`: the processes the run will have (grpo.launch
     checks a job before submitting it); by default the ones this process was launched with. `cuda`:
     whether the run will have GPUs (grpo.launch: it asked for some); by default whether this process sees one."""
-    from grpo.layouts import SHARED_PROMPT_SETTINGS
+    from grpo.update.layouts import SHARED_PROMPT_SETTINGS
 
     a, r = cfg.algo, cfg.rollout
     _choices("task.name", cfg.task.name, TASKS)

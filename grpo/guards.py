@@ -45,9 +45,9 @@ class StepGuard:
     def __init__(self, max_in_a_row: int = 3):
         self.max_in_a_row, self.skipped, self.in_a_row = max_in_a_row, 0, 0
 
-    def check(self, step: int, stats: dict, layout: str) -> dict[str, float]:
-        """`stats`: the update's loss and grad_norm and, from policy_update, how many optimizer steps it
-        took and skipped (with algo.num_minibatches > 1 some may be applied while one is skipped, so
+    def check(self, step: int, stats: dict) -> dict[str, float]:
+        """`stats`: the update's loss and grad_norm and, from policy_update, the layout its micro-batches
+        ran and how many optimizer steps it took and skipped (with algo.num_minibatches > 1 some may be applied while one is skipped, so
         the count is of optimizer steps); without the counts, a non-finite step is 1 skipped of 1."""
         bad = [k for k in ("loss", "grad_norm") if not finite(stats.get(k, 0.0))]
         taken, skipped = stats.get("optimizer_steps", 1), stats.get("skipped_optimizer_steps", int(bool(bad)))
@@ -58,6 +58,7 @@ class StepGuard:
         self.in_a_row += 1
         # a bf16 overflow can leave the loss finite and the applied steps' mean norm too
         what = ", ".join(f"{k} {stats[k]}" for k in bad) or "gradient"
+        layout = stats.get("layout", "padded")
         if self.in_a_row >= self.max_in_a_row:
             raise NonFiniteSteps(
                 f"{self.in_a_row} steps in a row (to step {step}) had a non-finite {what}; their non-finite optimizer "
@@ -193,8 +194,8 @@ class RunGuards:
         self.strategy, self.bucket_bytes = strategy, bucket_bytes
         self.steps, self.ranks, self.sampler = StepGuard(), RankCheck(check_ranks_every, world), SamplerWatch(dtype)
 
-    def after_update(self, step: int, stats: dict, layout: str, behind: int) -> dict[str, float]:
-        metrics = self.steps.check(step, stats, layout)
+    def after_update(self, step: int, stats: dict, behind: int) -> dict[str, float]:
+        metrics = self.steps.check(step, stats)
         if self.ranks.due(step):
             self.ranks.check(step, self.strategy.weight_buckets(self.bucket_bytes))
         if stats.get("trained_completions", 1):  # no token scored: a sampler_diff of 0 that measured nothing

@@ -68,7 +68,6 @@ from grpo.dynamic_sampling import Scored, refill
 from grpo.eval import evaluate
 from grpo.export import export_hf
 from grpo.guards import RunGuards
-from grpo.layouts import layout_of
 from grpo.library_logs import quiet_library_logs
 from grpo.listeners import log_listeners
 from grpo.log import RunLogger
@@ -86,16 +85,18 @@ from grpo.update import policy_update
 register_configs()
 
 
-def reduce_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float]:
-    """Mean over ranks (every rank holds the same number of prompts); throughputs are summed."""
+def reduce_metrics(metrics: dict[str, float | str], info: DistInfo) -> dict[str, float | str]:
+    """Mean over ranks (every rank holds the same number of prompts); throughputs are summed; names
+    (the update's `layout`, the same on every rank) as they are."""
     if info.world_size == 1:
         return metrics
-    keys = sorted(metrics)
+    keys = sorted(k for k, v in metrics.items() if not isinstance(v, str))
     sums = all_reduce_sum([float(metrics[k]) for k in keys])
     # engine_busy_s: the servers' busy seconds, summed over the ranks' own requests (several remote ranks
     # sharing servers count their overlap once each)
     summed = {"tokens_per_s", "gen_tokens_per_s", "trained_completions", "time/engine_busy_s"}
-    return {k: v if k in summed else v / info.world_size for k, v in zip(keys, sums)}
+    names = {k: v for k, v in metrics.items() if isinstance(v, str)}
+    return {**names, **{k: v if k in summed else v / info.world_size for k, v in zip(keys, sums)}}
 
 
 STREAM_BITS = 32  # sequences a run can sample before streams repeat: 2**32 (seeds stay below 2**63)
@@ -433,7 +434,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         r.rollout.sleep()
         stats = policy_update(r.strategy, batch, algo, sampled_budget(cfg), r.sampling.temperature, r.ref_model)
         # a non-finite step was skipped (a run of them stops); ranks' weights compared; a drifting sampler warned
-        stats.update(guards.after_update(step, stats, layout_of(algo), staleness(step - 1, rollouts.weight_version)))
+        stats.update(guards.after_update(step, stats, staleness(step - 1, rollouts.weight_version)))
         t_update = time.perf_counter()
 
         # 7. push the new weights to the rollout engine(s)

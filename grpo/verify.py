@@ -53,12 +53,12 @@ from grpo.cli import exit_on_user_error
 from grpo.config import compose_config, validate
 from grpo.cpus import configure_threads
 from grpo.guards import parity_bound, ranks_fingerprints, weight_fingerprint
-from grpo.layouts import layout_of
 from grpo.library_logs import quiet_library_logs
 from grpo.models import build_reference, load_model
 from grpo.parallel.single import SingleStrategy
 from grpo.train import setup
-from grpo.update import accumulate_gradients, loss_norm, planned_layout, policy_update, score_tokens
+from grpo.update import accumulate_gradients, loss_norm, policy_update, score_tokens
+from grpo.update.layouts import layout_of
 
 # (logprob, relative gradient) tolerances by the model's dtype
 TOLERANCES = {"float32": (1e-4, 1e-4), "bfloat16": (0.1, 5e-2), "float16": (0.02, 1e-2)}
@@ -156,10 +156,10 @@ def gradients(r, batch, algo) -> Gradients:
     """`batch`'s gradients under `algo` on a fresh local copy of the model, freed on return."""
     strategy = SingleStrategy(None, local_copy(r), algo, total_steps=1)
     norm = loss_norm(batch, max_len=batch.completion_ids_BT.shape[1], gen_tokens_per_step=float(batch.mask_BT.sum()))
-    accumulate_gradients(strategy, batch, algo, norm, r.sampling.temperature)
+    _, plan = accumulate_gradients(strategy, batch, algo, norm, r.sampling.temperature)
     logp = score_tokens(strategy.forward_model, batch, r.sampling.temperature, algo.micro_batch_tokens,
                         layout=layout_of(algo))
-    ran = planned_layout(strategy.forward_model, batch, layout_of(algo))
+    ran = plan.layout
     grads = {n: p.grad.float().cpu() for n, p in strategy.model.named_parameters() if p.grad is not None}
     return Gradients(grads, logp, ran)
 

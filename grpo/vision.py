@@ -13,9 +13,9 @@ token, even one that happens to be the placeholder's id), and the M-RoPE positio
 sequence (`mrope_positions`: text positions for text, temporal/height/width for an image's tokens,
 the completion running on from the prompt's largest position), prepended by the plain text
 positions transformers builds the attention mask from. The padded and packed layouts take them
-(packed: each sequence's positions restart in its row, `grpo/layouts.py pack(carry_KBL=...)`); the
+(packed: each sequence's positions restart in its row, grpo/update/layouts.py `pack(carry_KBL=...)`); the
 shared-prompt layout is not built for images, so a VLM runs packed where it is asked for shared
-(grpo/model_support.py).
+(grpo/update/support.py).
 """
 
 from __future__ import annotations
@@ -277,32 +277,11 @@ def generate_inputs(rows: list) -> dict:
             "image_grid_thw": torch.cat([v.image_grid_thw for v in present])}
 
 
-def padded_inputs(model, config, batch, ids_BL: torch.Tensor, mask_BL: torch.Tensor, pos_BL: torch.Tensor) -> dict:
-    """The forward's inputs for a padded micro-batch with images: `ids_BL` etc. are the batch's own,
-    right-padded by the forward to its row width."""
-    extra = ids_BL.shape[1] - batch.input_ids_BL.shape[1]
-    rope = mrope_BL(batch)
-    slots = image_slots_BL(batch, config)
-    if extra:
-        rope = torch.cat([rope, rope[:, :, -1:].expand(-1, -1, extra)], dim=2)
-        slots = torch.nn.functional.pad(slots, (0, extra))
-    device = ids_BL.device
-    return dict(inputs_embeds=input_embeddings(model, ids_BL, slots.to(device), batch.vision),
-                attention_mask=mask_BL, position_ids=torch.cat([pos_BL[None], rope.to(device)]))
-
-
 def packing_carry(batch, config) -> torch.Tensor:
-    """(4, B, L): the M-RoPE positions and the image slots of a padded micro-batch, for `pack` to move."""
+    """(4, B, L): the M-RoPE positions and the image slots of a padded micro-batch, laid out in rows as
+    its tokens are (grpo/update/layouts.py `rows`); the forward builds the input embeddings from them
+    (`input_embeddings`) and prepends the text positions (grpo/update/forward.py)."""
     return torch.cat([mrope_BL(batch), image_slots_BL(batch, config).long()[None]])
-
-
-def packed_inputs(model, batch, packed) -> dict:
-    """The forward's inputs for packed rows (`packed`: grpo.layouts.pack with `packing_carry`): no
-    attention mask, the text positions (restarting at each sequence) first, so transformers keeps
-    the sequences apart."""
-    rope_3RW, slots_RW = packed.carried_KRW[:3], packed.carried_KRW[3].bool()
-    return dict(inputs_embeds=input_embeddings(model, packed.input_ids_RW, slots_RW, batch.vision),
-                position_ids=torch.cat([packed.position_ids_RW[None], rope_3RW]), use_cache=False)
 
 
 # --------------------------------------------------------------------------------------------------

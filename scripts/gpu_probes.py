@@ -8,7 +8,7 @@ a CPU (the CUDA-only parts say SKIP there), so the script can be checked without
 
 (a) pytorch issue 196678: bf16, L=704 (and 768 as a control), D=64, q[...,0]=1, k[...,0]=-120*sqrt(D)
     (every row's logsumexp far below -88.7), a tril bool attn_mask, backward: non-finite q.grad under
-    torch's default backends, under each backend alone, and under grpo.attention.training_attention.
+    torch's default backends, under each backend alone, and under grpo.update.forward.training_attention.
 (b) the same with a left-padded mask whose first rows are all False (the padded layout's pad queries),
     ordinary random q/k/v, at L=704 and L=640.
 (c) peak memory of 28 chained SDPA calls (2 rows, W=4096, 14 heads, D=64, bf16, requires_grad) with
@@ -45,11 +45,11 @@ def env() -> None:
         except Exception as e:  # noqa: BLE001 - a probe reports, it does not stop
             print(f"{name}: not importable ({type(e).__name__}: {e})")
     try:
-        from grpo.attention import sdpa_backends
+        from grpo.update.forward import sdpa_backends
 
-        print(f"grpo.attention.sdpa_backends('cuda', {torch.__version__!r}) = {sdpa_backends('cuda')}")
+        print(f"grpo.update.forward.sdpa_backends('cuda', {torch.__version__!r}) = {sdpa_backends('cuda')}")
     except Exception as e:  # noqa: BLE001
-        print(f"grpo.attention: {type(e).__name__}: {e}")
+        print(f"grpo.update.forward: {type(e).__name__}: {e}")
 
 
 def _backends():
@@ -84,7 +84,7 @@ def _case(label, q0, k0, v0, mask, g, rows_to_compare=None) -> dict:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from grpo.attention import training_attention
+    from grpo.update.forward import training_attention
 
     ref_out, ref_grad, err = _grad_run(q0.float(), k0.float(), v0.float(), mask, g,
                                        sdpa_kernel([SDPBackend.MATH]))
@@ -155,7 +155,7 @@ def probe_c(device, W: int = 4096, R: int = 2, H: int = 14, D: int = 64, layers:
     import torch
     import torch.nn.functional as F
 
-    from grpo.attention import training_attention
+    from grpo.update.forward import training_attention
 
     if device.type != "cuda":
         return [{"case": "(c)", "skipped": "CUDA only"}]

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import grpo.logprobs  # noqa: E402
+import grpo.update.layouts  # noqa: E402
 import grpo.parallel.sequence  # noqa: E402
 import grpo.parallel.single  # noqa: E402
 import grpo.parallel.zero  # noqa: E402
@@ -32,7 +32,7 @@ from grpo.config import AlgoConfig, LoraConfig, ParallelConfig, TinyModelConfig 
 from grpo.dist import all_reduce_sum, dist_info, init_distributed, shutdown  # noqa: E402
 from grpo.tiny.text import build_char_tokenizer, build_tiny_model  # noqa: E402
 from grpo.parallel import strategy_class  # noqa: E402
-from grpo.layouts import micro_batches  # noqa: E402
+from grpo.update.layouts import micro_batches  # noqa: E402
 from grpo.update import policy_update  # noqa: E402
 from tests.test_gradient_invariance import make_batch  # noqa: E402
 
@@ -60,8 +60,8 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
         local = batch.select(slice(0, 6) if info.rank == 0 else slice(6, 8))
     ran = collections.Counter()  # the forwards each layout ran (a shared-prompt fallback packs: the same numbers)
     for fn, name_ in (("pack", "packed"), ("pack_shared", "shared")):
-        real = getattr(grpo.logprobs, fn)
-        setattr(grpo.logprobs, fn, lambda *a, _real=real, _name=name_, **k: (ran.update([_name]), _real(*a, **k))[1])
+        real = getattr(grpo.update.layouts, fn)
+        setattr(grpo.update.layouts, fn, lambda *a, _real=real, _name=name_, **k: (ran.update([_name]), _real(*a, **k))[1])
     real_routed = grpo.parallel.sequence.routed  # attention calls that went into the split ("attention_split")
     grpo.parallel.sequence.routed = lambda: (lambda s: (ran.update(["attention_split"] if s else []), s)[1])(real_routed())
     for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):

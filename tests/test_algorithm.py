@@ -344,13 +344,13 @@ def test_completion_logits_only_give_the_same_logprobs(tiny_lm):
     through log_softmax (to 1e-6), and the same entropy."""
     from grpo.rollout.base import Rollouts
     from grpo.batch import collate
-    from grpo.logprobs import forward_logprobs
+    from grpo.update.forward import batch_logprobs
 
     model, tok = tiny_lm
     prompts = [[tok.bos_token_id, 5, 6, 7, 8, 9], [tok.bos_token_id, 5]]
     rollouts = Rollouts([[10, 11, 12], [13]], [[0.0] * 3, [0.0]], ["length", "stop"], 0)
     batch = collate(prompts, rollouts, torch.zeros(2), tok.pad_token_id, False)
-    logp, ent = forward_logprobs(model, batch, temperature=0.7, with_entropy=True)
+    logp, ent = batch_logprobs(model, batch, temperature=0.7, with_entropy=True)
     full = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
                  position_ids=batch.position_ids_BL).logits[:, batch.prompt_width - 1 : -1].float() / 0.7
     ref_logp = torch.log_softmax(full, -1).gather(-1, batch.completion_ids_BT.unsqueeze(-1)).squeeze(-1)
@@ -364,10 +364,10 @@ def test_head_in_pieces_gives_the_same_logprobs_and_gradients(tiny_lm, monkeypat
     completion's logits at once: the same logprobs, entropies and gradients."""
     import copy
 
-    from grpo import logprobs
+    from grpo.update import forward as logprobs
     from grpo.rollout.base import Rollouts
     from grpo.batch import collate
-    from grpo.logprobs import forward_logprobs
+    from grpo.update.forward import batch_logprobs
 
     base, tok = tiny_lm
     batch = collate([[tok.bos_token_id, 5, 6, 7]] * 3, Rollouts([[10, 11, 12], [12], [13, 14]], [[0.0] * 3, [0.0], [0.0] * 2],
@@ -377,7 +377,7 @@ def test_head_in_pieces_gives_the_same_logprobs_and_gradients(tiny_lm, monkeypat
         monkeypatch.setattr(logprobs, "LOGIT_CHUNK_BYTES", piece_bytes)
         assert logprobs.pieces_for(9, len(tok)) == (1 if piece_bytes == 2**30 else 5)
         model = copy.deepcopy(base).train()
-        logp, ent = forward_logprobs(model, batch, 0.7, with_entropy=True)
+        logp, ent = batch_logprobs(model, batch, 0.7, with_entropy=True)
         (logp * batch.mask_BT * torch.arange(1.0, 4.0)).sum().backward()
         results.append((logp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     (logp1, ent1, g1), (logp5, ent5, g5) = results
@@ -407,17 +407,17 @@ class ScaledHead(torch.nn.Module):
 def test_a_head_of_its_own_takes_the_models_logits(tiny_lm):
     """has_plain_head finds that a model's logits are not lm_head(hidden) and forward_logprobs takes the
     model's own logits; a plain model is found plain."""
-    from grpo.model_support import has_plain_head
+    from grpo.update.support import has_plain_head
     from grpo.rollout.base import Rollouts
     from grpo.batch import collate
-    from grpo.logprobs import forward_logprobs
+    from grpo.update.forward import batch_logprobs
 
     model, tok = tiny_lm
     scaled = ScaledHead(model)
     batch = collate([[tok.bos_token_id, 5, 6]] * 2, Rollouts([[10, 11], [12]], [[0.0] * 2, [0.0]], ["length"] * 2, 0),
                     torch.zeros(2), tok.pad_token_id, False)
     assert has_plain_head(model) and not has_plain_head(scaled)
-    logp, _ = forward_logprobs(scaled, batch, 1.0)
+    logp, _ = batch_logprobs(scaled, batch, 1.0)
     logits = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
                    position_ids=batch.position_ids_BL).logits[:, batch.prompt_width - 1 : -1] * 3.0
     ref = torch.log_softmax(logits, -1).gather(-1, batch.completion_ids_BT.unsqueeze(-1)).squeeze(-1)
@@ -431,7 +431,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_lm):
     from grpo.models import enable_gradient_checkpointing
     from grpo.rollout.base import Rollouts
     from grpo.batch import collate
-    from grpo.logprobs import forward_logprobs
+    from grpo.update.forward import batch_logprobs
 
     base, tok = tiny_lm
     batch = collate([[tok.bos_token_id, 5, 6, 7]] * 2, Rollouts([[10, 11], [12]], [[0.0, 0.0], [0.0]], ["length"] * 2, 0),
@@ -441,7 +441,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_lm):
         model = copy.deepcopy(base).train()
         if checkpointing:
             enable_gradient_checkpointing(model)
-        logp, _ = forward_logprobs(model, batch, 1.0)
+        logp, _ = batch_logprobs(model, batch, 1.0)
         (logp * batch.mask_BT).sum().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10

@@ -1,4 +1,4 @@
-"""grpo/attention.py: the trainer's attention never takes cuDNN's SDPA on CUDA (its backward returns
+"""grpo/update/forward.py (kernels) and grpo/update/layouts.py (widths): the trainer's attention never takes cuDNN's SDPA on CUDA (its backward returns
 NaN with a mask at widths 64 mod 128: REVIEW G1), and rows are rounded to a multiple of 128 there.
 Decided in plain functions tested here by value; applied where the forwards (and the backward) run,
 which these tests check on the CPU by forcing the CUDA choices (MATH only, widths of 128)."""
@@ -10,10 +10,12 @@ import torch
 from omegaconf import OmegaConf
 from torch.nn.attention import SDPBackend
 
-import grpo.attention
-from grpo.attention import row_width, sdpa_backends, torch_version, width_multiple
+import grpo.update.forward
+import grpo.update.layouts
+from grpo.update.forward import sdpa_backends, torch_version
+from grpo.update.layouts import row_width, width_multiple
 from grpo.config import AlgoConfig
-from grpo.layouts import micro_batch_plan, pack, pack_shared
+from grpo.update.layouts import micro_batch_plan, pack, pack_shared
 from grpo.parallel.single import SingleStrategy
 from grpo.update import accumulate_gradients, loss_norm, score_tokens
 from tests.test_packing import completion_tokens, spread_batch
@@ -46,15 +48,15 @@ def force_cuda_choices(monkeypatch):
     """The choices CUDA gets, forced on the CPU: MATH only (a restriction, as on CUDA), widths of 128.
     Returns the backends of every sdpa_kernel entered."""
     entered = []
-    real_kernel = grpo.attention.sdpa_kernel
+    real_kernel = grpo.update.forward.sdpa_kernel
 
     def spy(backends, *a, **k):
         entered.append(list(backends))
         return real_kernel(backends, *a, **k)
 
-    monkeypatch.setattr(grpo.attention, "sdpa_kernel", spy)
-    monkeypatch.setattr(grpo.attention, "sdpa_backends", lambda device_type, version=None, masked=True: [SDPBackend.MATH])
-    monkeypatch.setattr(grpo.attention, "width_multiple", lambda device_type: 128)
+    monkeypatch.setattr(grpo.update.forward, "sdpa_kernel", spy)
+    monkeypatch.setattr(grpo.update.forward, "sdpa_backends", lambda device_type, version=None, masked=True: [SDPBackend.MATH])
+    monkeypatch.setattr(grpo.update.layouts, "width_multiple", lambda device_type: 128)
     return entered
 
 
@@ -150,4 +152,4 @@ def test_layouts_at_the_cuda_width_by_value(tiny_lm):
     longest = int(big.attention_mask_BL.sum(1).max())
     plain, rounded = (micro_batch_plan(big, 256, "packed", multiple=m) for m in (1, 128))
     assert longest <= 128 and len(rounded) >= len(plain)
-    assert all(len(fields_["rows"]) * 128 <= 256 for _, fields_ in rounded)
+    assert all(len(groups) * 128 <= 256 for _, groups in rounded)

@@ -303,7 +303,7 @@ def test_observation_logits_leave_loss_and_gradients_exactly_equal(tiny_lm):
                 return output + bump
             handle = unwrap(model).model.norm.register_forward_hook(hook)
         model.zero_grad(set_to_none=True)
-        sums = accumulate_gradients(strategy, batch, algo, loss_norm(batch, 12, 1.0), 1.0)
+        sums, _ = accumulate_gradients(strategy, batch, algo, loss_norm(batch, 12, 1.0), 1.0)
         if handle:
             handle.remove()
         return float(sums["loss"]), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo.train
-import grpo.update
+import grpo.update.step
 from grpo.config import AlgoConfig
 from grpo.guards import NonFiniteSteps, RankCheck, RunGuards, SamplerWatch, StepGuard, weight_fingerprint
 from grpo.parallel.single import SingleStrategy
@@ -51,18 +51,20 @@ def test_a_non_finite_gradient_skips_the_optimizer_step(tiny_lm):
 
 def test_the_guard_counts_skips_and_stops_a_run_of_them():
     guard = StepGuard(max_in_a_row=3)
-    ok, bad = {"loss": 0.1, "grad_norm": 1.0}, {"loss": 0.1, "grad_norm": float("nan")}
-    assert guard.check(1, ok, "shared") == {"guard/skipped_steps": 0}
+    # the layout is the one policy_update says its micro-batches ran (its stats' `layout`)
+    ok, bad = {"loss": 0.1, "grad_norm": 1.0, "layout": "shared"}, {"loss": 0.1, "grad_norm": float("nan"), "layout": "shared"}
+    assert guard.check(1, ok) == {"guard/skipped_steps": 0}
     with pytest.warns(UserWarning, match="step 2: non-finite grad_norm nan \\(shared layout\\): 1 of 1 optimizer steps"):
-        assert guard.check(2, bad, "shared") == {"guard/skipped_steps": 1}
+        assert guard.check(2, bad) == {"guard/skipped_steps": 1}
     with pytest.warns(UserWarning, match="step 3: non-finite loss inf"):
-        assert guard.check(3, {"loss": float("inf"), "grad_norm": 1.0}, "shared") == {"guard/skipped_steps": 2}
-    assert guard.check(4, ok, "shared") == {"guard/skipped_steps": 2}  # in a row: counted anew
+        assert guard.check(3, {"loss": float("inf"), "grad_norm": 1.0, "layout": "shared"}) == {"guard/skipped_steps": 2}
+    assert guard.check(4, ok) == {"guard/skipped_steps": 2}  # in a row: counted anew
+    bad = {**bad, "layout": "packed"}
     with pytest.warns(UserWarning):
-        guard.check(5, bad, "packed")
-        guard.check(6, bad, "packed")
+        guard.check(5, bad)
+        guard.check(6, bad)
     with pytest.raises(NonFiniteSteps, match="3 steps in a row.*'packed' layout.*algo.lr.*grpo.verify"):
-        guard.check(7, bad, "packed")
+        guard.check(7, bad)
 
 
 @pytest.mark.parametrize("strategy,dtype", [("ddp", "float32"), ("zero2", "bfloat16"), ("zero3", "float32")])
@@ -166,7 +168,7 @@ def plant_nan_loss(monkeypatch, steps: set[int]) -> None:
     """A NaN loss in every micro-batch of the given steps' updates, as a kernel's NaN makes it: the
     real loop, strategy and guards see it (grpo.train calls policy_update once per step)."""
     step = [0]
-    real_update, real_loss = grpo.train.policy_update, grpo.update.decoupled_loss
+    real_update, real_loss = grpo.train.policy_update, grpo.update.step.decoupled_loss
 
     def counted_update(*args, **kwargs):
         step[0] += 1
@@ -177,7 +179,7 @@ def plant_nan_loss(monkeypatch, steps: set[int]) -> None:
         return (loss * float("nan") if step[0] in steps else loss), stats
 
     monkeypatch.setattr(grpo.train, "policy_update", counted_update)
-    monkeypatch.setattr(grpo.update, "decoupled_loss", planted_loss)
+    monkeypatch.setattr(grpo.update.step, "decoupled_loss", planted_loss)
 
 
 def logged_steps(cfg) -> list[dict]:
@@ -226,11 +228,11 @@ def test_a_step_that_trained_nothing_does_not_reset_the_sampler_watch():
     guards = RunGuards(None, 0, "float32", check_ranks_every=50, world=1)
     drifted, empty = {"loss": 0.1, "grad_norm": 1.0, "sampler_diff": 0.9, "trained_completions": 8}, {
         "loss": 0.0, "grad_norm": 0.0, "sampler_diff": 0.0, "trained_completions": 0}
-    guards.after_update(1, drifted, "padded", 0)
-    guards.after_update(2, drifted, "padded", 0)
-    guards.after_update(3, empty, "padded", 0)
+    guards.after_update(1, drifted, 0)
+    guards.after_update(2, drifted, 0)
+    guards.after_update(3, empty, 0)
     with pytest.warns(UserWarning, match="step 4: sampler_diff 0.9 > 0.05 for 3 on-policy steps"):
-        guards.after_update(4, drifted, "padded", 0)
+        guards.after_update(4, drifted, 0)
 
 
 def test_one_skipped_minibatch_step_of_two_is_reported_as_one_of_two(tiny_lm, monkeypatch):
@@ -243,7 +245,7 @@ def test_one_skipped_minibatch_step_of_two_is_reported_as_one_of_two(tiny_lm, mo
     algo = OmegaConf.structured(AlgoConfig(group_size=2, batch_size=8, num_minibatches=2, lr=1e-2, warmup_steps=0))
     strategy = SingleStrategy(None, model, algo, total_steps=4)
     calls, norms = [0], []
-    real_loss, real_step = grpo.update.decoupled_loss, strategy.step
+    real_loss, real_step = grpo.update.step.decoupled_loss, strategy.step
 
     def planted_loss(*args, **kwargs):  # one micro-batch per minibatch: call 1 is minibatch 1's
         calls[0] += 1
@@ -254,12 +256,14 @@ def test_one_skipped_minibatch_step_of_two_is_reported_as_one_of_two(tiny_lm, mo
         norms.append(real_step())
         return norms[-1]
 
-    monkeypatch.setattr(grpo.update, "decoupled_loss", planted_loss)
+    monkeypatch.setattr(grpo.update.step, "decoupled_loss", planted_loss)
     monkeypatch.setattr(strategy, "step", step)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     stats = policy_update(strategy, spread_batch(tok), algo, 14, 1.0)
-    with pytest.warns(UserWarning, match="step 5: non-finite loss nan \\(padded layout\\): 1 of 2 optimizer steps were skipped"):
-        assert StepGuard().check(5, stats, "padded") == {"guard/skipped_steps": 1}
+    # the layout policy_update says ran: AlgoConfig's defaults share prompts on the CPU (a caller's guess could differ)
+    assert stats["layout"] == "shared"
+    with pytest.warns(UserWarning, match="step 5: non-finite loss nan \\(shared layout\\): 1 of 2 optimizer steps were skipped"):
+        assert StepGuard().check(5, stats) == {"guard/skipped_steps": 1}
     assert calls[0] == 2 and not math.isfinite(norms[0]) and math.isfinite(norms[1]), norms
     assert (stats["optimizer_steps"], stats["skipped_optimizer_steps"], stats["grad_norm"]) == (2, 1, norms[1])
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())  # the second step applied
@@ -272,7 +276,7 @@ def test_the_guard_counts_skipped_optimizer_steps_not_updates():
     guard = StepGuard(max_in_a_row=3)
     with pytest.warns(UserWarning, match="step 1: non-finite loss nan \\(packed layout\\): 2 of 4 optimizer steps"):
         assert guard.check(1, {"loss": float("nan"), "grad_norm": 0.5, "optimizer_steps": 4,
-                               "skipped_optimizer_steps": 2}, "packed") == {"guard/skipped_steps": 2}
+                               "skipped_optimizer_steps": 2, "layout": "packed"}) == {"guard/skipped_steps": 2}
     with pytest.warns(UserWarning, match="step 2: non-finite gradient \\(packed layout\\): 1 of 4 optimizer steps.*2 steps in a row"):
         assert guard.check(2, {"loss": 0.1, "grad_norm": 0.5, "optimizer_steps": 4,
-                               "skipped_optimizer_steps": 1}, "packed") == {"guard/skipped_steps": 3}
+                               "skipped_optimizer_steps": 1, "layout": "packed"}) == {"guard/skipped_steps": 3}

@@ -22,6 +22,10 @@ FORBIDDEN = [  # (importer prefix, imported prefix): layers that must not know e
     ("grpo.models", "grpo.tasks"), ("grpo.tiny.text", "grpo.tasks"), ("grpo.tiny.vlm", "grpo.tasks"),
     ("grpo.tiny.warm_start", "grpo.tasks"), ("grpo.tiny.warm_start", "grpo.rollout"),
     ("grpo.rewards", "grpo.tasks"), ("grpo.models", "grpo.rewards"),
+    # strategies know no update (a sequence-parallel split is handed to the update's forward as `split`);
+    # the update knows no strategy class, no rollout engine and no loop
+    ("grpo.parallel", "grpo.update"), ("grpo.update", "grpo.parallel"), ("grpo.update", "grpo.rollout"),
+    ("grpo.update", "grpo.train"),
 ]
 FOLDERS = ("grpo.tasks", "grpo.rewards", "grpo.models")  # each one node in `folder_graph`
 

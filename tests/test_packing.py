@@ -1,4 +1,4 @@
-"""Packed micro-batches (algo.packing, grpo/layouts.py), and packed with each prompt once per tree of
+"""Packed micro-batches (algo.packing, grpo/update/layouts.py), and packed with each prompt once per tree of
 its completions (algo.shared_prompt): the same logprobs, gradients and metrics as the padded update,
 to 1e-5 in fp32, on one process and with LoRA (ZeRO-3's lockstep: test_parallel.py); in bf16 within
 the rounding measured in docs/algorithm.md.
@@ -15,26 +15,26 @@ import torch
 from omegaconf import OmegaConf
 
 from grpo.config import AlgoConfig, ConfigError, LoraConfig
-from grpo.layouts import first_fit_rows, pack, pack_shared, shared_plan
+from grpo.update.layouts import first_fit_rows, pack, pack_shared, shared_plan
 from grpo.parallel.single import SingleStrategy
 from grpo.rollout.base import Rollouts
 from grpo.update import accumulate_gradients, loss_norm, policy_update, score_tokens
 from grpo.batch import collate
-from grpo.logprobs import forward_logprobs
-from grpo.layouts import micro_batches
+from grpo.update.forward import batch_logprobs
+from grpo.update.layouts import MicroBatch, micro_batches
 
 pytestmark = pytest.mark.filterwarnings("error")
 
 
 @pytest.fixture
 def ran(monkeypatch):
-    """How many forwards ran packed and shared (grpo/logprobs.py lays them out with pack, pack_shared)."""
-    import grpo.logprobs
+    """How many forwards ran packed and shared (grpo/update/layouts.py `rows` lays them out with pack, pack_shared)."""
+    import grpo.update.layouts
 
     counts = collections.Counter()
     for name, layout in (("pack", "packed"), ("pack_shared", "shared")):
-        real = getattr(grpo.logprobs, name)
-        monkeypatch.setattr(grpo.logprobs, name, lambda *a, _real=real, _layout=layout, **k: (
+        real = getattr(grpo.update.layouts, name)
+        monkeypatch.setattr(grpo.update.layouts, name, lambda *a, _real=real, _layout=layout, **k: (
             counts.update([_layout]), _real(*a, **k))[1])
     return counts
 
@@ -98,7 +98,7 @@ def test_packed_logprobs_equal_the_padded_ones(tiny_lm, max_tokens, layout, ran)
     model, tok = tiny_lm
     batch = spread_batch(tok)
     mbs = micro_batches(batch, max_tokens, layout)
-    rows = [mb.rows or mb.trees for mb in mbs]
+    rows = [mb.groups for mb in mbs]
     assert (len(mbs) > 1) == (max_tokens == 40) and any(len(r) > 1 for r in rows)
     if layout == "packed":
         assert any(n > 1 for r in rows for n in r)  # rows holding several sequences
@@ -109,18 +109,17 @@ def test_packed_logprobs_equal_the_padded_ones(tiny_lm, max_tokens, layout, ran)
     packed = score_tokens(model, batch, 0.7, max_tokens, layout=layout)
     torch.testing.assert_close(packed[real], padded[real], rtol=0, atol=1e-5)
     assert (packed[~real] == 0).all()
-    logp, ent = forward_logprobs(model, mbs[0], 0.7, with_entropy=True)
-    ref_logp, ref_ent = forward_logprobs(model, replace_rows(mbs[0]), 0.7, with_entropy=True)
-    real0 = completion_tokens(mbs[0])
+    logp, ent = batch_logprobs(model, mbs[0], 0.7, with_entropy=True)
+    ref_logp, ref_ent = batch_logprobs(model, replace_rows(mbs[0]), 0.7, with_entropy=True)
+    real0 = completion_tokens(mbs[0].batch)
     torch.testing.assert_close(logp[real0], ref_logp[real0], rtol=0, atol=1e-5)
     torch.testing.assert_close(ent[real0], ref_ent[real0], rtol=0, atol=1e-5)
     assert_ran(ran, layout)
 
 
 def replace_rows(mb):
-    from dataclasses import replace
-
-    return replace(mb, rows=None, trees=None)
+    """The micro-batch's sequences, padded."""
+    return MicroBatch(mb.batch, "padded")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -144,7 +143,7 @@ def algo_for(loss_type, layout, max_tokens):
 
 
 def gradients(model, batch, algo, norm):
-    stats = accumulate_gradients(SingleStrategy(None, model, algo, total_steps=1), batch, algo, norm, temperature=1.0)
+    stats, _ = accumulate_gradients(SingleStrategy(None, model, algo, total_steps=1), batch, algo, norm, temperature=1.0)
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, stats
 
 
@@ -191,6 +190,7 @@ def test_packed_policy_update_gives_the_same_metrics_and_weights(tiny_lm, monkey
         runs.append((stats, model.state_dict()))
     (padded, w_padded), (packed, w_packed) = runs
     assert padded.keys() == packed.keys() and padded["kl"] > 0
+    assert (padded.pop("layout"), packed.pop("layout")) == ("padded", layout)  # the layout that ran, named
     for k in padded:
         assert packed[k] == pytest.approx(padded[k], rel=1e-4, abs=1e-6), k
     moved = max((w_padded[k] - base.state_dict()[k]).abs().max().item() for k in w_padded)
@@ -304,7 +304,7 @@ def test_a_model_that_ignores_the_mask_is_packed_without_sharing(tiny_lm):
 def test_layout_of_the_settings():
     """algo.shared_prompt=auto (the default): shared on the CPU, where it was measured; packed on CUDA
     until it is measured on a GPU (REVIEW G3). true and false hold on both."""
-    from grpo.layouts import layout_of, shares_prompts
+    from grpo.update.layouts import layout_of, shares_prompts
 
     assert [shares_prompts(s, cuda) for s in ("auto", True, False) for cuda in (False, True)] == [
         True, False, True, True, False, False]
@@ -324,7 +324,7 @@ def test_layout_of_the_settings():
 
 
 def test_shared_width_weighs_positions_against_attention():
-    from grpo.layouts import CPU_KEYS_PER_POSITION, shared_width
+    from grpo.update.layouts import CPU_KEYS_PER_POSITION, shared_width
 
     # one 10-token prompt, 16 completions of 4: width 14 holds one per tree (16 rows of 14); 28: four
     # (4 rows); 56: eleven, then five (2 rows); 112: all sixteen (1 row, 74 used). Positions x
@@ -374,7 +374,7 @@ def test_an_eager_model_runs_the_float_mask(tiny_lm, ran):
     through a real forward, gives the padded logprobs."""
     from transformers import Qwen2ForCausalLM
 
-    from grpo.model_support import support_of
+    from grpo.update.support import support_of
 
     base, tok = tiny_lm
     eager = Qwen2ForCausalLM._from_config(copy.deepcopy(base.config), attn_implementation="eager")
@@ -392,7 +392,7 @@ def test_the_verdicts_live_on_the_model(tiny_lm):
     at a freed model's address, is asked anew (an id()-keyed cache handed such a model the earlier
     one's answers: an eager model given the bool mask adds it to its scores, masking nothing). A model
     whose attention implementation changed is asked anew too."""
-    from grpo.model_support import ATTRIBUTE, support_of, unwrapped
+    from grpo.update.support import ATTRIBUTE, support_of, unwrapped
     from grpo.parallel.single import Autocast
 
     base, tok = tiny_lm
@@ -410,7 +410,7 @@ def test_the_verdicts_live_on_the_model(tiny_lm):
 def test_a_fallback_stays_within_the_micro_batch_cap(tiny_lm, monkeypatch):
     """A model that cannot share is planned packed from the start: no forward holds more positions
     than algo.micro_batch_tokens (re-packing the shared plan's trees ran 4-5.5x the cap)."""
-    import grpo.logprobs
+    import grpo.update.layouts
 
     model, tok = tiny_lm
     b = tok.bos_token_id
@@ -419,12 +419,20 @@ def test_a_fallback_stays_within_the_micro_batch_cap(tiny_lm, monkeypatch):
     batch = collate([prompt] * 8, Rollouts(comps, [[0.0] * len(c) for c in comps], ["stop"] * 8, 0), torch.zeros(8),
                     tok.pad_token_id, False)
     widths = []
-    real_pack = grpo.logprobs.pack
-    monkeypatch.setattr(grpo.logprobs, "pack", lambda *a, **k: (lambda p: (widths.append(p.input_ids_RW.numel()), p)[1])(
+    real_pack = grpo.update.layouts.pack
+    monkeypatch.setattr(grpo.update.layouts, "pack", lambda *a, **k: (lambda p: (widths.append(p.input_ids_RW.numel()), p)[1])(
         real_pack(*a, **k)))
+    no_mask = NoMask(model)
     with pytest.warns(UserWarning, match="without sharing"):
-        score_tokens(NoMask(model), batch, 1.0, 80, layout="shared")
+        score_tokens(no_mask, batch, 1.0, 80, layout="shared")
     assert widths and max(widths) <= 80, widths
+    # the plan names what runs and why (policy_update's `layout`, the guard's message)
+    from grpo.update.layouts import plan
+
+    planned = plan(no_mask, batch, "shared", 80)
+    assert (planned.asked, planned.layout) == ("shared", "packed") and "ignores a 4D mask" in planned.reason
+    assert {mb.layout for mb in planned.micro_batches} == {"packed"}
+    assert plan(model, batch, "shared", 80).reason is None
 
 
 def test_the_layout_probes_run_in_eval_mode(tiny_lm, ran):
@@ -475,7 +483,7 @@ def test_the_packing_probe_bound_follows_the_compute_dtype(tiny_lm):
     models, refusing the CUDA default layout. The bound is now the compute dtype's (0.1 in bf16/fp16):
     still far below what attending across the sequences gives (about the state's own size), which the
     probe refuses in fp32 and bf16 alike."""
-    from grpo.model_support import PROBE_TOLERANCE, close, compute_dtype, probe_packs
+    from grpo.update.support import PROBE_TOLERANCE, close, compute_dtype, probe_packs
     from grpo.parallel.single import Autocast
 
     base, _ = tiny_lm

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from grpo.errors import ConfigError
 from grpo.parallel import sequence
+from grpo.update.layouts import split_multiple
 from tests.conftest import FAST, compose_cfg
 from tests.test_parallel import LOSS_TYPES, TORCHRUN, assert_same_update, initial_weights, run, updated_weights
 
@@ -29,8 +30,8 @@ def test_columns_split_a_row_evenly():
     assert [sequence.columns(12, 3, r) for r in range(3)] == [slice(0, 4), slice(4, 8), slice(8, 12)]
     with pytest.raises(ValueError):
         sequence.columns(10, 4, 0)
-    assert sequence.split_multiple("cpu", 4) == 4
-    assert sequence.split_multiple("cuda", 2) == 128 and sequence.split_multiple("cuda", 3) == 384
+    assert split_multiple("cpu", 4) == 4 and split_multiple("cpu", 1) == 1 and split_multiple("cuda", 1) == 128
+    assert split_multiple("cuda", 2) == 128 and split_multiple("cuda", 3) == 384
 
 
 def test_what_a_split_cannot_take_is_refused_with_what_to_change():
@@ -65,37 +66,34 @@ def test_validate_checks_the_tiny_models_heads_and_the_world():
 @pytest.mark.parametrize("layout", ["padded", "packed", "shared"])
 def test_whole_rows_and_their_masks_give_the_unsplit_logprobs(tiny_lm, layout):
     """What every rank of a group builds before taking its columns: the micro-batch's rows, widened
-    to a multiple of S, with the whole row's mask. Run unsplit with that mask, the logprobs at
-    `hidden_at` equal forward_logprobs's of the same micro-batch in its own layout (transformers'
-    masks for padded and packed rows, the tree mask for shared)."""
-    from dataclasses import replace
-
-    from grpo.algorithm import token_logprobs
-    from grpo.logprobs import forward_logprobs
-    from grpo.update import planned_layout
+    to a multiple of S, with the whole row's mask (grpo/update/layouts.py `rows` with split_size=S).
+    Run unsplit with that mask, the logprobs at `hidden_at` equal the micro-batch's in its own layout
+    (transformers' masks for padded and packed rows, the tree mask for shared)."""
+    from grpo.update.forward import batch_logprobs, token_logprobs
+    from grpo.update.layouts import MicroBatch, causal_mask, plan, rows
     from tests.test_gradient_invariance import make_batch
 
     model, tok = tiny_lm
     batch = make_batch(tok, B=8, group=2)
-    assert planned_layout(model, batch, layout) == layout  # the model runs it (a shared prompt needs a probe first)
+    assert plan(model, batch, layout, 10**6).layout == layout  # the model runs it (a shared prompt needs a probe first)
     # several sequences (packed) and trees of two completions (shared) per row, which the planner's rows,
     # as wide as the longest sequence, rarely hold on so small a batch
-    mb = replace(batch, **{"padded": {}, "packed": {"rows": [3, 3, 2]}, "shared": {"trees": [[2, 2], [2, 2]]}}[layout])
+    mb = MicroBatch(batch, layout, {"padded": None, "packed": [3, 3, 2], "shared": [[2, 2], [2, 2]]}[layout])
     with torch.no_grad():
-        want_BT = forward_logprobs(model, mb, temperature=1.0)[0]
-        rows = sequence.whole_rows(mb, multiple=4)
-        assert rows.input_ids_RW.shape[1] % 4 == 0
-        logits_RWV = model(input_ids=rows.input_ids_RW, position_ids=rows.position_ids_RW,
-                           attention_mask=rows.mask_R1WW, use_cache=False).logits
-        logp_N = token_logprobs(logits_RWV[rows.hidden_at][None], mb.completion_ids_BT[rows.token_at][None], 1.0)[0]
-    got_BT = torch.zeros_like(want_BT).index_put(rows.token_at, logp_N)
-    assert ((got_BT - want_BT).abs() * mb.mask_BT).max() < 1e-5
+        want_BT = batch_logprobs(model, mb, temperature=1.0)[0]
+        whole = rows(model, mb, split_size=4)
+        assert whole.input_ids_RW.shape[1] % 4 == 0
+        logits_RWV = model(input_ids=whole.input_ids_RW, position_ids=whole.position_ids_RW,
+                           attention_mask=whole.mask, use_cache=False).logits
+        logp_N = token_logprobs(logits_RWV[whole.hidden_at][None], whole.tokens_N[None], 1.0)[0]
+    got_BT = torch.zeros_like(want_BT).index_put(whole.token_at, logp_N)
+    assert ((got_BT - want_BT).abs() * batch.mask_BT).max() < 1e-5
     # a causal mask alone (the packed rows' sequences seeing each other) is not the layout's
     if layout != "padded":
         with torch.no_grad():
-            wrong = model(input_ids=rows.input_ids_RW, position_ids=rows.position_ids_RW, use_cache=False,
-                          attention_mask=sequence.causal_mask(torch.ones_like(rows.input_ids_RW, dtype=torch.bool))).logits
-        wrong_N = token_logprobs(wrong[rows.hidden_at][None], mb.completion_ids_BT[rows.token_at][None], 1.0)[0]
+            wrong = model(input_ids=whole.input_ids_RW, position_ids=whole.position_ids_RW, use_cache=False,
+                          attention_mask=causal_mask(torch.ones_like(whole.input_ids_RW, dtype=torch.bool))).logits
+        wrong_N = token_logprobs(wrong[whole.hidden_at][None], whole.tokens_N[None], 1.0)[0]
         assert (wrong_N - logp_N).abs().max() > 1e-3
 
 
@@ -157,13 +155,12 @@ def test_two_process_training_run_with_split_rows(tmp_path, cache_dir, strategy,
 # sequence of a packed or shared row then attends to the others, a left-padded row to its padding)
 MASK_DROPPED = """
 import sys
-from dataclasses import replace
 
 from grpo.parallel import sequence
 from grpo.verify import main
 
-real = sequence.whole_rows
-sequence.whole_rows = lambda batch, multiple: replace(real(batch, multiple), mask_R1WW=None)
+real = sequence.active
+sequence.active = lambda split, mask_R1WW: real(split, None)
 main(sys.argv[1:])
 """
 
@@ -196,19 +193,20 @@ def test_verify_names_a_split_without_its_whole_row_mask(tmp_path, cache_dir):
         out.stdout + out.stderr[-3000:])
 
 
-def test_a_row_of_one_sequence_attends_with_no_mask_at_all():
+def test_a_row_of_one_sequence_attends_with_no_mask_at_all(tiny_lm):
     """One sequence per row and no left padding (the long-sequence row) is plain causal: no W x W
     mask is built and SDPA runs causal; two packed sequences or a left-padded prompt keep theirs."""
-    from dataclasses import replace
-
     from grpo.batch import Batch
+    from grpo.update.layouts import MicroBatch, rows
+
+    model = tiny_lm[0]
 
     ids = torch.tensor([[0, 5, 6, 7, 8], [4, 5, 6, 7, 0]])
     mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     padded = Batch(ids, mask, pos, ids[:, 3:], torch.zeros(2, 2), torch.ones(2, 2), torch.zeros(2), prompt_width=3)
-    assert sequence.whole_rows(padded, 2).mask_R1WW is not None  # row 0 is left-padded
-    assert sequence.whole_rows(padded.select(slice(1, 2)), 2).mask_R1WW is None
-    assert sequence.whole_rows(replace(padded, rows=[1, 1]), 4).mask_R1WW is None
-    two = sequence.whole_rows(replace(padded, rows=[2]), 4).mask_R1WW[0, 0]
+    assert rows(model, MicroBatch(padded, "padded"), 2).mask is not None  # row 0 is left-padded
+    assert rows(model, MicroBatch(padded.select(slice(1, 2)), "padded"), 2).mask is None
+    assert rows(model, MicroBatch(padded, "packed", [1, 1]), 4).mask is None
+    two = rows(model, MicroBatch(padded, "packed", [2]), 4).mask[0, 0]
     assert not two[5, :4].any() and two[5, 4:6].all()  # the second sequence sees itself only

@@ -14,7 +14,7 @@ from transformers import GenerationMixin
 
 import grpo.rollout.hf
 import grpo.train
-import grpo.update
+import grpo.update.step
 import grpo.verify
 from grpo.rollout.render import ChatRender
 from grpo.verify import Check, render_check, resume_check, verify
@@ -72,10 +72,10 @@ def test_verify_passes_on_the_default_run(cache_dir, capsys, monkeypatch):
 def test_verify_names_a_planted_layout_defect(cache_dir, capsys, monkeypatch, builder, broken, intact):
     """Rows of one layout whose first completion token is read one position late (a hidden_at off by
     one: the probes, which compare hidden states, cannot see it; the logprobs can): that layout's row
-    fails, and the other layout, whose rows are built apart (grpo.layouts), passes."""
-    import grpo.logprobs
+    fails, and the other layout, whose rows are built apart (grpo/update/layouts.py), passes."""
+    import grpo.update.layouts
 
-    real = getattr(grpo.logprobs, builder)
+    real = getattr(grpo.update.layouts, builder)
 
     def late(*a, **k):
         rows = real(*a, **k)
@@ -83,7 +83,7 @@ def test_verify_names_a_planted_layout_defect(cache_dir, capsys, monkeypatch, bu
         rows.hidden_at = (row, (col + 1).clamp(max=rows.input_ids_RW.shape[1] - 1))
         return rows
 
-    monkeypatch.setattr(grpo.logprobs, builder, late)
+    monkeypatch.setattr(grpo.update.layouts, builder, late)
     skip_resume(monkeypatch)
     assert verify([*FAST, f"model.cache_dir={cache_dir}"]) == 1
     status, out = lines(capsys)
@@ -106,7 +106,7 @@ def test_verify_names_planted_ratio_reference_micro_batch_and_sync_defects(cache
     - sync: the sampler holds its own copy of the module, which the weight push never reaches
       (exact before the first step: the sampler row still passes)."""
     real_policy, real_reference = grpo.train.build_policy, grpo.verify.build_reference
-    real_loss, real_init = grpo.update.decoupled_loss, grpo.rollout.hf.HFBackend.__init__
+    real_loss, real_init = grpo.update.step.decoupled_loss, grpo.rollout.hf.HFBackend.__init__
 
     def with_dropout(*a, **k):
         model, tokenizer = real_policy(*a, **k)
@@ -129,7 +129,7 @@ def test_verify_names_planted_ratio_reference_micro_batch_and_sync_defects(cache
 
     monkeypatch.setattr(grpo.train, "build_policy", with_dropout)
     monkeypatch.setattr(grpo.verify, "build_reference", in_bf16)
-    monkeypatch.setattr(grpo.update, "decoupled_loss", per_micro_batch)
+    monkeypatch.setattr(grpo.update.step, "decoupled_loss", per_micro_batch)
     monkeypatch.setattr(grpo.rollout.hf.HFBackend, "__init__", own_copy)
     skip_resume(monkeypatch)
     assert verify([*FAST, f"model.cache_dir={cache_dir}"]) == 1

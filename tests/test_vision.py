@@ -14,8 +14,8 @@ import torch
 
 from grpo import vision
 from grpo.batch import collate
-from grpo.layouts import micro_batches
-from grpo.logprobs import forward_logprobs
+from grpo.update.layouts import MicroBatch, micro_batches
+from grpo.update.forward import batch_logprobs
 from grpo.models import encode_prompts
 from grpo.prompts import format_prompt
 from grpo.rollout.base import Sampling
@@ -104,6 +104,7 @@ def test_the_trainer_gets_the_samplers_pixels_and_token_ids_in_the_packed_layout
     torch.manual_seed(0)
     _, given, rollouts, batch = sample_and_collate(model, tok, samples)
     mb = packed(batch, per_row=3)
+    b_mb = mb.batch
     order = list(range(batch.size))  # `packed` keeps the batch's order: sequence k is the sampler's row k
 
     seen = {}
@@ -121,7 +122,7 @@ def test_the_trainer_gets_the_samplers_pixels_and_token_ids_in_the_packed_layout
     hook = embed.register_forward_pre_hook(ids_spy)
     try:
         with torch.no_grad():
-            logp_BT, _ = forward_logprobs(model, mb, temperature=1.0)
+            logp_BT, _ = batch_logprobs(model, mb, temperature=1.0)
     finally:
         del inner.get_image_features
         hook.remove()
@@ -131,30 +132,28 @@ def test_the_trainer_gets_the_samplers_pixels_and_token_ids_in_the_packed_layout
     sampler_ids = [row[m.bool()].tolist() for row, m in zip(given["input_ids"], given["attention_mask"])]
     trainer_pixels = torch.split(seen["pixels"], [int(g.prod()) for g in seen["grid"]])
     # the tower runs once per prompt's images (its n completions share them): the first sequence of each
-    firsts = [b for k, b in enumerate(order) if all(mb.vision[j] is not mb.vision[k] for j in range(k))]
+    firsts = [b for k, b in enumerate(order) if all(b_mb.vision[j] is not b_mb.vision[k] for j in range(k))]
     assert len(trainer_pixels) == len(firsts) == len(samples)
     for k, b in enumerate(firsts):  # the batch's b-th sequence is the sampler's row b
         assert torch.equal(trainer_pixels[k], sampler_pixels[b])
         assert torch.equal(seen["grid"][k], given["image_grid_thw"][b])
     assert len({tuple(g) for g in seen["grid"].tolist()}) == 3  # three image sizes
     ids_RW = seen["ids"]
-    row_of = [r for r, count in enumerate(mb.rows) for _ in range(count)]
-    cols = {r: 0 for r in range(len(mb.rows))}
+    row_of = [r for r, count in enumerate(mb.groups) for _ in range(count)]
+    cols = {r: 0 for r in range(len(mb.groups))}
     for k, b in enumerate(order):
         expect = sampler_ids[b] + rollouts.completion_ids[b]
         r = row_of[k]
         assert ids_RW[r, cols[r] : cols[r] + len(expect)].tolist() == expect
         cols[r] += len(expect)
-    assert (logp_BT - mb.sampler_logprobs_BT).mul(mb.mask_BT).abs().max() < 1e-5
+    assert (logp_BT - b_mb.sampler_logprobs_BT).mul(b_mb.mask_BT).abs().max() < 1e-5
 
 
 def packed(batch, per_row: int):
     """The whole batch as one packed micro-batch of `per_row` sequences a row (the planner packs rows
     only as wide as the longest sequence, which these short ones seldom share)."""
-    from dataclasses import replace
-
     rows = [per_row] * (batch.size // per_row) + ([batch.size % per_row] if batch.size % per_row else [])
-    return replace(batch.select(slice(0, batch.size)), rows=rows)
+    return MicroBatch(batch, "packed", rows)
 
 
 def forced_avx2_on_avx512() -> bool:
@@ -186,7 +185,7 @@ def test_trainer_logprobs_match_the_samplers(tiny_vlm, task, layout, dtype, tol)
 
     def diff(mb_):
         with torch.no_grad(), autocast:
-            return (forward_logprobs(model, mb_, 1.0)[0] - mb.sampler_logprobs_BT).mul(mb.mask_BT).abs().max()
+            return (batch_logprobs(model, mb_, 1.0)[0] - mb.batch.sampler_logprobs_BT).mul(mb.batch.mask_BT).abs().max()
 
     assert diff(mb) < tol, diff(mb)
     if dtype == "float32":
@@ -194,12 +193,12 @@ def test_trainer_logprobs_match_the_samplers(tiny_vlm, task, layout, dtype, tol)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(vision, "mrope_BL", text_only)
             assert diff(mb) > 1e-3
-        swapped = list(mb.vision)
+        swapped = list(mb.batch.vision)
         first, other = next((i, j) for i, a in enumerate(swapped) for j, b in enumerate(swapped)
                             if a.image_grid_thw.tolist() == b.image_grid_thw.tolist()
                             and not torch.equal(a.pixel_values, b.pixel_values))
         swapped[first], swapped[other] = swapped[other], swapped[first]
-        assert diff(replace(mb, vision=swapped)) > 1e-4
+        assert diff(replace(mb, batch=replace(mb.batch, vision=swapped))) > 1e-4
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -211,11 +210,11 @@ def test_a_micro_batch_without_images_still_reaches_the_trained_tower(tiny_vlm, 
     under no_grad, the tower does not run."""
     import copy
 
-    from grpo.layouts import padding_batch
+    from grpo.update.layouts import padding
 
     model = copy.deepcopy(tiny_vlm[0]).train()
-    mb = padding_batch(layout)
-    logp_BT, _ = forward_logprobs(model, mb, 1.0)
+    mb = padding(layout)
+    logp_BT, _ = batch_logprobs(model, mb, 1.0)
     logp_BT.sum().backward()
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     assert [n for n, p in trainable if p.grad is None] == []
@@ -226,9 +225,9 @@ def test_a_micro_batch_without_images_still_reaches_the_trained_tower(tiny_vlm, 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(inner, "get_image_features", lambda *a, **k: calls.append(1) or real(*a, **k))
         with torch.no_grad():
-            assert torch.equal(forward_logprobs(model, mb, 1.0)[0], logp_BT.detach())
+            assert torch.equal(batch_logprobs(model, mb, 1.0)[0], logp_BT.detach())
         vision.freeze_vision(model)
-        assert torch.equal(forward_logprobs(model, mb, 1.0)[0].detach(), logp_BT.detach())
+        assert torch.equal(batch_logprobs(model, mb, 1.0)[0].detach(), logp_BT.detach())
     assert calls == []
 
 

@@ -28,7 +28,7 @@ def lora_worker(mode: str, out: str, rows: int = 8, prompt: int = 64, completion
     from grpo.batch import collate
     from grpo.config import AlgoConfig
     from grpo.dist import DistInfo
-    from grpo.logprobs import forward_logprobs
+    from grpo.update.forward import batch_logprobs
     from grpo.models import build_policy
     from grpo.parallel.single import SingleStrategy
     from grpo.rollout import Sampling, build_rollout
@@ -49,7 +49,7 @@ def lora_worker(mode: str, out: str, rows: int = 8, prompt: int = 64, completion
     with PeakRSS() as mem:
         for _ in range(steps):
             t0 = time.perf_counter()
-            logp, _ = forward_logprobs(strategy.model, batch, 1.0)
+            logp, _ = batch_logprobs(strategy.model, batch, 1.0)
             strategy.backward(-logp.mean())
             strategy.step()
             times.append(time.perf_counter() - t0)

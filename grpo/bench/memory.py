@@ -8,7 +8,7 @@ layers: the logit side does not depend on depth, and the `body` row measures the
 
 - update: one forward + backward of the policy loss on one micro-batch of 8,192 completion tokens
   (16 x (64 prompt + 512 completion)). `logits`: the completion's logits whole, logit - logsumexp
-  (grpo.update before the head ran in pieces); `pieces`: grpo.update.forward_logprobs now; `body`:
+  (grpo.update before the head ran in pieces); `pieces`: grpo.update.forward.batch_logprobs now; `body`:
   the body alone (its last hidden states summed), to subtract: the logit side is the peak above it.
 - hf: `generate` of 32 x 128 new tokens through the hf backend's processors. `output_scores`: every
   step's scores kept, stacked and log-softmaxed (the hf backend before); `recorder`: the backend now.
@@ -85,9 +85,9 @@ def random_batch(rows: int, prompt: int, completion: int, vocab: int):
 
 
 def whole_logits_logprobs(model, batch):
-    """grpo.update.forward_logprobs before the pieces: the completion's logits whole (logits_to_keep),
+    """grpo.update.forward.batch_logprobs before the pieces: the completion's logits whole (logits_to_keep),
     then logit - logsumexp, which keeps the fp32 tokens x vocabulary tensor for backward."""
-    from grpo.algorithm import token_logprobs
+    from grpo.update.forward import token_logprobs
 
     T = batch.completion_ids_BT.shape[1]
     logits = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
@@ -96,7 +96,7 @@ def whole_logits_logprobs(model, batch):
 
 
 def update_worker(mode: str, out: str, layers: int, rows: int = 16, prompt: int = 64, completion: int = 512) -> None:
-    from grpo.logprobs import forward_logprobs
+    from grpo.update.forward import batch_logprobs
 
     model = smollm2_body(layers).train()
     batch = random_batch(rows, prompt, completion, VOCAB)
@@ -111,7 +111,7 @@ def update_worker(mode: str, out: str, layers: int, rows: int = 16, prompt: int 
             logp = whole_logits_logprobs(model, batch)
             (-logp.mean()).backward()
         else:
-            logp, _ = forward_logprobs(model, batch, 1.0, max_tokens=rows * (prompt + completion))
+            logp, _ = batch_logprobs(model, batch, 1.0, max_tokens=rows * (prompt + completion))
             (-logp.mean()).backward()
         seconds = time.perf_counter() - t0
     grad = model.get_output_embeddings().weight.grad

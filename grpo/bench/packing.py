@@ -45,17 +45,17 @@ def spread_workload(prompts: int, group: int, vocab: int, seed: int = 0):
 
 def forward_tokens(batch, max_tokens: int, layout: str) -> int:
     """Tokens the model's forward passes see, padding included."""
-    from grpo.layouts import pack, pack_shared
-    from grpo.layouts import micro_batches
+    from grpo.update.layouts import micro_batches, pack, pack_shared
 
     total = 0
     for mb in micro_batches(batch, max_tokens, layout):
+        b = mb.batch
         if layout == "padded":
-            total += mb.input_ids_BL.numel()
+            total += b.input_ids_BL.numel()
         elif layout == "packed":
-            total += pack(mb.input_ids_BL, mb.attention_mask_BL, mb.prompt_width, mb.rows).input_ids_RW.numel()
+            total += pack(b.input_ids_BL, b.attention_mask_BL, b.prompt_width, mb.groups).input_ids_RW.numel()
         else:
-            total += pack_shared(mb.input_ids_BL, mb.attention_mask_BL, mb.prompt_width, mb.trees).input_ids_RW.numel()
+            total += pack_shared(b.input_ids_BL, b.attention_mask_BL, b.prompt_width, mb.groups).input_ids_RW.numel()
     return total
 
 

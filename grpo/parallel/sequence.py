@@ -4,11 +4,15 @@ own `UlyssesSPAttentionHF` (deepspeed.runtime.sequence_parallel.ulysses_sp, the 
 Groups of S consecutive ranks share every row of the update. Rollouts are unchanged: each rank still
 samples and scores its own prompts, so engines get whole prompts and their placement does not change.
 In the update each rank plans its micro-batches as without S; the S ranks of a group then exchange
-them (`exchange`) and run every one of them together, each on 1/S of the row's columns:
+them (`exchange`) and run every one of them together, each on 1/S of the row's columns. This module
+is the strategy's side, handed to the update's forward (grpo/update/forward.py) as `split`: which
+columns a rank runs (`columns`), the group's sum (`gather`), and the attention routed through the
+group while a split forward and its backward run (`running`). The whole rows and their masks are
+laid out by grpo/update/layouts.py (`rows(..., split_size=S)`); this module knows no update.
 
-    columns   the row (padded, packed or shared, grpo/layouts.py) is widened to a multiple of S and
-              cut in S consecutive slices; rank s runs the model on slice s, with the row's own
-              position ids, so rotary positions are the unsplit row's
+    columns   the row (padded, packed or shared) is widened to a multiple of S and cut in S
+              consecutive slices; rank s runs the model on slice s, with the row's own position
+              ids, so rotary positions are the unsplit row's
     attention DeepSpeed's all-to-all turns [local columns, all heads] into [all columns, H/S heads],
               the model's own SDPA runs there with the whole row's mask (causal and padding, the
               packed block-causal one, the shared-prompt tree), and a second all-to-all goes back.
@@ -40,16 +44,13 @@ heads and key/value heads that S divides (or S a multiple of the key/value heads
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
 
-from grpo import attention
-from grpo.batch import Batch
 from grpo.errors import ConfigError
+from grpo.modeling import attention_of, sliding_window_of, text_config
 
 # the row being run while a split forward (and its backward: checkpointed layers recompute there)
 # is under way, and the thread that entered it; None otherwise, when the wrapped attention is the model's own
@@ -117,18 +118,16 @@ def check_heads(size: int, heads: int, kv_heads: int) -> None:
 
 def check_model(size: int, model) -> None:
     """Raise ConfigError if `model` cannot run split rows (see the top)."""
-    from grpo.model_support import model_config, support_of
-
-    support = support_of(model)
-    if support.attention != "sdpa":
+    attention = attention_of(model)
+    if attention != "sdpa":
         raise ConfigError(f"parallel.sequence_parallel={size} needs SDPA attention, the model runs "
-                          f"{support.attention!r}; load it with model.attn_implementation=sdpa (or set "
+                          f"{attention!r}; load it with model.attn_implementation=sdpa (or set "
                           f"parallel.sequence_parallel=1).")
-    if support.window:
+    window = sliding_window_of(model)
+    if window:
         raise ConfigError(f"parallel.sequence_parallel={size}: the model attends through a sliding window of "
-                          f"{support.window}, which the split rows' masks do not carry; set parallel.sequence_parallel=1.")
-    text = model_config(model)
-    text = text.get_text_config() if hasattr(text, "get_text_config") else text
+                          f"{window}, which the split rows' masks do not carry; set parallel.sequence_parallel=1.")
+    text = text_config(model)
     heads = text.num_attention_heads
     check_heads(size, heads, getattr(text, "num_key_value_heads", None) or heads)
 
@@ -141,81 +140,11 @@ def columns(width: int, size: int, rank: int) -> slice:
     return slice(rank * n, (rank + 1) * n)
 
 
-def split_multiple(device_type: str, size: int) -> int:
-    """What a split forward's row widths are rounded up to: a multiple of both the device's tile
-    (grpo.attention.width_multiple) and the group size."""
-    return math.lcm(attention.width_multiple(device_type), size)
-
-
-@dataclass
-class Rows:
-    """A micro-batch laid out whole, as every rank of a group sees it before taking its columns."""
-
-    input_ids_RW: torch.Tensor
-    position_ids_RW: torch.Tensor
-    # bool, True where attended: the unsplit forward's, for every position whose output is read; None
-    # where that is plain causal (one sequence per row, no left padding: the usual long-sequence row),
-    # so the attention gets no mask and SDPA runs causal with no W x W tensor (on CUDA: flash)
-    mask_R1WW: torch.Tensor | None
-    hidden_at: tuple[torch.Tensor, torch.Tensor]  # (row, column) whose hidden state predicts completion token n
-    token_at: tuple[torch.Tensor, torch.Tensor]  # (b, t) of completion token n in the B x T layout
-
-
-def causal_mask(keep_RW: torch.Tensor) -> torch.Tensor:
-    """mask_R1WW: causal over the keys `keep_RW` allows; every position attends to itself, so no
-    softmax row is empty (a padding query's output is never read)."""
-    W = keep_RW.shape[1]
-    allowed = keep_RW[:, None, :] & torch.ones(W, W, dtype=torch.bool, device=keep_RW.device).tril()
-    return (allowed | torch.eye(W, dtype=torch.bool, device=keep_RW.device))[:, None]
-
-
-def packed_mask(position_ids_RW: torch.Tensor) -> torch.Tensor:
-    """mask_R1WW of packed rows: causal within each run of position ids that rise by one, as
-    transformers' `find_packed_sequence_indices` reads a packed row for the unsplit forward."""
-    diff = torch.diff(position_ids_RW, prepend=position_ids_RW[:, :1] - 1, dim=-1)
-    seq_RW = (diff != 1).cumsum(dim=-1)
-    W = position_ids_RW.shape[1]
-    same = seq_RW[:, :, None] == seq_RW[:, None, :]
-    return (same & torch.ones(W, W, dtype=torch.bool, device=seq_RW.device).tril())[:, None]
-
-
-def whole_rows(batch: Batch, multiple: int) -> Rows:
-    """`batch` (a planned micro-batch: padded, `rows` packed or `trees` shared) laid out in rows as
-    wide as a multiple of `multiple`, with each row's whole mask."""
-    from grpo.layouts import pack, pack_shared
-
-    T = batch.completion_ids_BT.shape[1]
-    if batch.trees is not None:
-        packed = pack_shared(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.trees,
-                             torch.bool, multiple=multiple)
-        return Rows(packed.input_ids_RW, packed.position_ids_RW, packed.mask_R1WW, packed.hidden_at, packed.token_at)
-    if batch.rows is not None:
-        packed = pack(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, batch.rows, multiple=multiple)
-        # a row of one sequence: its padding's positions run on from it (grpo.layouts.pack), one causal run
-        mask = None if all(n == 1 for n in batch.rows) else packed_mask(packed.position_ids_RW)
-        return Rows(packed.input_ids_RW, packed.position_ids_RW, mask, packed.hidden_at, packed.token_at)
-    ids_BL, pos_BL = batch.input_ids_BL, batch.position_ids_BL
-    # keys: every position from the row's first real token on (the left padding is out); the padding
-    # after a completion is only seen by later padding, whose outputs are never read
-    keep_BL = batch.attention_mask_BL.long().cumsum(dim=1) > 0
-    B, L = ids_BL.shape
-    extra = attention.row_width(L, multiple) - L
-    if extra:  # as padded_logprobs widens a row: padding after every real token, positions repeating the last
-        ids_BL = torch.nn.functional.pad(ids_BL, (0, extra))
-        keep_BL = torch.nn.functional.pad(keep_BL, (0, extra), value=True)
-        pos_BL = torch.cat([pos_BL, pos_BL[:, -1:].expand(-1, extra)], dim=1)
-    b, t = torch.meshgrid(torch.arange(B, device=ids_BL.device), torch.arange(T, device=ids_BL.device), indexing="ij")
-    b, t = b.reshape(-1), t.reshape(-1)
-    return Rows(ids_BL, pos_BL, None if bool(keep_BL.all()) else causal_mask(keep_BL), (b, L - T - 1 + t), (b, t))
-
-
 class SequenceParallel:
     """One rank's part in its group of `size` ranks sharing rows (see the top)."""
 
     def __init__(self, size: int, model):
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF  # noqa: F401 (fails early)
-
-        from grpo.model_support import model_config
 
         check_model(size, model)
         world, rank = tdist.get_world_size(), tdist.get_rank()
@@ -225,8 +154,7 @@ class SequenceParallel:
             group = tdist.new_group(ranks)
             if rank in ranks:
                 self.group, self.rank = group, ranks.index(rank)
-        text = model_config(model)
-        self.text = text.get_text_config() if hasattr(text, "get_text_config") else text
+        self.text = text_config(model)
         self._ulysses: dict[int, object] = {}
         install()
 
@@ -257,19 +185,15 @@ class SequenceParallel:
         return [(item, r == self.rank) for r, mine in enumerate(gathered) for item in mine]
 
     @contextlib.contextmanager
-    def micro_batch(self, model, batch: Batch, temperature: float, with_entropy: bool = False, max_tokens: int = 0):
-        """The whole micro-batch's (logprobs_BT, entropy_BT), the same on every rank of the group,
-        from this rank's columns; the attention stays split until the block ends, so the caller's
-        backward (and any recompute in it) runs split too."""
-        from grpo.logprobs import forward_logprobs_split
-        from grpo.model_support import has_plain_head
+    def running(self, rows):
+        """The attention routed through the group for `rows` (grpo/update/layouts.py `Rows`, laid out
+        whole) until the block ends, so the caller's forward, backward and any recompute in it run split."""
+        with active(self, rows.mask):
+            yield self
 
-        device = batch.input_ids_BL.device
-        rows = whole_rows(batch, split_multiple(device.type, self.size))
-        plain = has_plain_head(model)  # found once per model by a forward of its own: before the split starts
-        with active(self, rows.mask_R1WW):
-            cols = columns(rows.input_ids_RW.shape[1], self.size, self.rank)
-            yield forward_logprobs_split(model, batch, rows, cols, self.gather, temperature, with_entropy, max_tokens, plain)
+    def columns(self, width: int) -> slice:
+        """This rank's columns of a row `width` wide."""
+        return columns(width, self.size, self.rank)
 
     def gather(self, values_N: torch.Tensor) -> torch.Tensor:
         """The sum over the group of each rank's `values_N` (0 where another rank computed the value),

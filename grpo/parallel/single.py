@@ -21,7 +21,7 @@ class Autocast(torch.nn.Module):
         self.module, self.dtype = module, dtype
 
     def precision(self):
-        """The autocast context; also taken by the LM head run outside `forward` (grpo/logprobs.py)."""
+        """The autocast context; also taken by the LM head run outside `forward` (grpo/update/forward.py)."""
         return torch.autocast(device_type=next(self.module.parameters()).device.type, dtype=self.dtype)
 
     def forward(self, *args, **kwargs):

@@ -1,9 +1,11 @@
-"""The update: the loss over micro-batches, backward, and the optimizer step(s).
+"""The update: num_iterations passes over the batch, each cut into optimizer steps; each step's
+micro-batches through one forward, the loss and the strategy's backward.
 
-The batch (grpo/batch.py) is cut into micro-batches of at most `algo.micro_batch_tokens` positions,
-each laid out as the model can run the configured layout (grpo/layouts.py, grpo/model_support.py);
-logprobs come from grpo/logprobs.py, the loss from grpo/algorithm.py, backward and step from the
-parallel strategy.
+Following one micro-batch: `plan` lays the batch out (grpo/update/layouts.py: the layout the model
+runs, the micro-batches, each one's `Rows`), `forward.logprobs` gives its per-token logprobs
+(grpo/update/forward.py), `decoupled_loss` its loss (grpo/algorithm.py), the strategy its backward
+(grpo/parallel/). With sequence parallelism the strategy's `sequence` (grpo/parallel/sequence.py)
+exchanges the group's micro-batches, runs the attention through the group and sums the logprobs.
 """
 
 from __future__ import annotations
@@ -14,18 +16,10 @@ from dataclasses import replace
 
 import torch
 
-from grpo import attention, dist
+from grpo import dist
 from grpo.algorithm import LossNorm, decoupled_loss, sampled_kl
 from grpo.batch import Batch
-from grpo.layouts import layout_of, micro_batch_plan, micro_batches, padding_batch
-from grpo.logprobs import forward_logprobs
-from grpo.model_support import runnable_layout
-
-
-def planned_layout(model, batch: Batch, layout: str) -> str:
-    """The layout this batch's micro-batches are planned in: what `model` can run of `layout`."""
-    longest = int(batch.attention_mask_BL.sum(dim=1).max()) if batch.size else 0
-    return runnable_layout(model, layout, longest)
+from grpo.update import forward, layouts
 
 
 def lockstep_padding(strategy, micro_batches: int) -> int:
@@ -37,31 +31,34 @@ def lockstep_padding(strategy, micro_batches: int) -> int:
     return max(1, int(dist.all_reduce_max([micro_batches])[0])) - micro_batches
 
 
-def shared_work(strategy, items: list) -> list[tuple[object, bool]]:
-    """What this rank runs forwards on: its own micro-batches (`items`), each with True; with
-    parallel.sequence_parallel > 1 every micro-batch of the rank's group, in rank order, each with
-    whether it is this rank's own (its statistics and outputs are kept by that rank alone)."""
-    split = getattr(strategy, "sequence", None)
-    return [(item, True) for item in items] if split is None else split.exchange(items)
+def split_of(strategy):
+    """The strategy's sequence-parallel split (parallel.sequence_parallel > 1), or None."""
+    return getattr(strategy, "sequence", None)
 
 
-def split_size(strategy) -> int:
-    """How many ranks run each micro-batch's forward together: parallel.sequence_parallel."""
-    split = getattr(strategy, "sequence", None)
-    return 1 if split is None else split.size
+def work(strategy, model, batch: Batch, asked: str, max_tokens: int) -> tuple[layouts.Plan, list]:
+    """(the batch's plan, what this rank runs forwards on): each micro-batch with whether it is this
+    rank's own, then the padding micro-batches that keep the ranks in step. With sequence parallelism
+    every micro-batch of the rank's group, in rank order (its statistics and outputs are kept by its
+    own rank alone). The padding is counted before any forward: under ZeRO-3 a forward is a collective
+    (parameter gathers, and DeepSpeed's trace check at its start), so a rank with fewer micro-batches
+    must not reach this all-reduce while another is still in a forward."""
+    plan = layouts.plan(model, batch, asked, max_tokens)
+    split = split_of(strategy)
+    mine = [(mb, True) for mb in plan.micro_batches] if split is None else split.exchange(plan.micro_batches)
+    return plan, mine + [(layouts.padding(plan.layout), False)] * lockstep_padding(strategy, len(mine))
 
 
 @contextlib.contextmanager
-def forwarding(strategy, model, mb: Batch, temperature: float, with_entropy: bool = False, max_tokens: int = 0):
-    """(logprobs_BT, entropy_BT) of micro-batch `mb` under `model`; with sequence parallelism its
-    rows split across the group (grpo/parallel/sequence.py), the split kept until the block ends so
-    the caller's backward runs there too."""
-    split = getattr(strategy, "sequence", None)
-    if split is None:
-        yield forward_logprobs(model, mb, temperature, with_entropy=with_entropy, max_tokens=max_tokens)
-        return
-    with split.micro_batch(model, mb, temperature, with_entropy, max_tokens) as out:
-        yield out
+def forwarding(strategy, model, mb: layouts.MicroBatch, temperature: float, with_entropy: bool = False,
+               max_tokens: int = 0):
+    """(logprobs_BT, entropy_BT) of micro-batch `mb` (on the model's device) under `model`; with
+    sequence parallelism its rows split across the group, the split kept until the block ends so the
+    caller's backward runs there too."""
+    split = split_of(strategy)
+    rows = layouts.rows(model, mb, 1 if split is None else split.size)
+    with contextlib.nullcontext() if split is None else split.running(rows):
+        yield forward.logprobs(model, rows, temperature, with_entropy, max_tokens, split)
 
 
 @torch.no_grad()
@@ -72,18 +69,12 @@ def score_tokens(model, batch: Batch, temperature: float, max_tokens: int, strat
     was_training = model.training
     model.train(training_mode)
     device = next(model.parameters()).device
-    layout = planned_layout(model, batch, layout)
-    plan = micro_batch_plan(batch, max_tokens, layout, attention.width_multiple(device.type))
-    work = shared_work(strategy, [(idx, replace(batch.select(idx), **fields_)) for idx, fields_ in plan])
-    # counted before any forward: under ZeRO-3 a forward is a collective (parameter gathers, and
-    # DeepSpeed's trace check at its start), so a rank with fewer micro-batches must not reach this
-    # all-reduce while another is still in a forward
-    padding = lockstep_padding(strategy, len(work))
+    _, runs = work(strategy, model, batch, layout, max_tokens)
     out_BT = torch.zeros_like(batch.sampler_logprobs_BT)
-    for (idx, mb), mine in work + [((None, padding_batch(layout)), False)] * padding:
+    for mb, mine in runs:
         with forwarding(strategy, model, mb.to(device), temperature, max_tokens=max_tokens) as (logp_BT, _):
             if mine:
-                out_BT[idx] = logp_BT.cpu()
+                out_BT[mb.index] = logp_BT.cpu()
     model.train(was_training)
     return out_BT
 
@@ -100,26 +91,27 @@ def loss_norm(batch: Batch, max_len: int, gen_tokens_per_step: float) -> LossNor
 SUMS = ("loss", "clipped_tokens", "kl_sum", "entropy_sum", "sampler_diff_max", "sampler_kl_sum", "sampler_kl_tokens")
 
 
-def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperature: float) -> dict[str, torch.Tensor]:
-    """Forward + backward over micro-batches of `batch`; gradients add up to the full batch's. The
-    statistics stay on the device (0-dim tensors): the step reads them once, not per micro-batch."""
+def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperature: float) -> tuple[dict, layouts.Plan]:
+    """Forward + backward over micro-batches of `batch`; gradients add up to the full batch's. Returns
+    the statistics, on the device (0-dim tensors: the step reads them once, not per micro-batch), and
+    the plan the micro-batches ran in."""
     device = next(strategy.model.parameters()).device
     sums = {k: torch.zeros((), device=device) for k in SUMS}
-    layout = planned_layout(strategy.forward_model, batch, layout_of(algo, device.type == "cuda"))
-    work = shared_work(strategy, micro_batches(batch, algo.micro_batch_tokens, layout, attention.width_multiple(device.type)))
-    padding = lockstep_padding(strategy, len(work))
+    plan, runs = work(strategy, strategy.forward_model, batch, layouts.layout_of(algo, device.type == "cuda"),
+                      algo.micro_batch_tokens)
     # a micro-batch split across S ranks: each computes its whole loss and backs off 1/S of it
     # (grpo/parallel/sequence.py); its statistics count on its own rank alone
-    share = split_size(strategy)
-    for mb, mine in work + [(padding_batch(layout), False)] * padding:
-        mb = mb.to(device)
-        with forwarding(strategy, strategy.forward_model, mb, temperature, True, algo.micro_batch_tokens) as (logp_BT, ent_BT):
+    share = 1 if split_of(strategy) is None else split_of(strategy).size
+    for planned, mine in runs:
+        planned = planned.to(device)
+        mb = planned.batch
+        with forwarding(strategy, strategy.forward_model, planned, temperature, True, algo.micro_batch_tokens) as (logp_BT, ent_BT):
             # proximal policy: the trainer before this update (decoupled loss, grpo/algorithm.py)
             old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else logp_BT.detach()
             loss, stats = decoupled_loss(logp_BT, old_BT, mb.sampler_logprobs_BT, mb.advantages_B, mb.mask_BT, norm,
                                          algo, ref_logprobs_BT=mb.ref_logprobs_BT)
             # the backward under the forward's kernels too: gradient checkpointing recomputes layers there
-            with attention.training_attention(device):
+            with forward.training_attention(device):
                 strategy.backward(loss / share if share > 1 else loss)
         if not mine:
             continue
@@ -133,13 +125,14 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
         sums["clipped_tokens"] += stats["clipped_tokens"]
         sums["kl_sum"] += stats.get("kl_sum", 0.0)
         sums["entropy_sum"] += (ent_BT * mb.mask_BT).sum()
-    return sums
+    return sums, plan
 
 
 def policy_update(
     strategy, batch: Batch, algo, max_len: int, temperature: float, ref_model=None
-) -> dict[str, float]:
-    """num_iterations passes over the batch, each cut into num_minibatches optimizer steps.
+) -> dict[str, float | str]:
+    """num_iterations passes over the batch, each cut into num_minibatches optimizer steps. Returns
+    the update's statistics and the layout its micro-batches ran in (`layout`).
 
     The batch holds whole groups of G consecutive rows (zero-std groups may have been dropped);
     minibatches are cut between groups. On-policy (one pass, one step) the old logprobs are the
@@ -150,8 +143,9 @@ def policy_update(
     """
     G = algo.group_size
     # every rank joins every forward, even with no rows (a rank's group shares its forwards: the same)
-    lockstep = strategy.lockstep or split_size(strategy) > 1
-    layout = layout_of(algo, next(strategy.model.parameters()).device.type == "cuda")
+    lockstep = strategy.lockstep or split_of(strategy) is not None
+    layout = layouts.layout_of(algo, next(strategy.model.parameters()).device.type == "cuda")
+    ran = layout  # what the model ran: the asked layout, or its fallback (`layouts.plan`)
     if (batch.size or lockstep) and (algo.num_iterations > 1 or algo.num_minibatches > 1):
         old_BT = score_tokens(strategy.forward_model, batch, temperature, algo.micro_batch_tokens, strategy, layout)
         batch = replace(batch, old_logprobs_BT=old_BT)
@@ -172,7 +166,8 @@ def policy_update(
             num_seqs, num_tokens = strategy.reduce_counts([local.num_seqs, local.num_tokens])
             norm = replace(local, num_seqs=int(num_seqs), num_tokens=int(num_tokens))
             if rows.numel() or lockstep:
-                sums = accumulate_gradients(strategy, mb, algo, norm, temperature)
+                sums, plan = accumulate_gradients(strategy, mb, algo, norm, temperature)
+                ran = plan.layout
                 for k in ("loss", "clipped_tokens", "kl_sum", "entropy_sum"):
                     totals[k] = totals[k] + sums[k]
                 if not norms:  # before any optimizer step the trainer holds the weights that sampled
@@ -197,6 +192,7 @@ def policy_update(
         "kl": totals["kl_sum"] / tokens,
         "entropy": totals["entropy_sum"] / tokens,
         "trained_completions": batch.size,
+        "layout": ran,  # the micro-batches' layout: padded, packed or shared (grpo/update/layouts.py)
         # max |trainer - sampler| logprob of a sampled token, with the weights that sampled: ~1e-5
         # when the engine got the last sync (fp32), far larger when it still runs older weights
         "sampler_diff": totals["sampler_diff_max"],

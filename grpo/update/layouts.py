@@ -1,4 +1,5 @@
-"""How the update lays a batch's sequences out in rows: one home for the three layouts.
+"""How the update lays a batch's sequences out in rows: the one home of the three layouts, from the
+settings' choice to the rows a forward runs (`Rows`).
 
     padded  every sequence in a row of its own: prompt left-padded to the batch's widest, completion
             right-padded to its longest (grpo/batch.py `collate`); the batch's own B x L layout
@@ -7,9 +8,13 @@
     shared  (`algo.shared_prompt`) rows of trees: one prompt, then several of the completions sampled
             from it, each attending to the prompt and to itself only, through a 4D mask
 
-and which rows each micro-batch takes (`micro_batch_plan`: at most `algo.micro_batch_tokens`
-positions per forward, at least one row). Whether a model can run a layout is decided once per model
-in grpo/model_support.py, before the micro-batches are planned.
+`plan` decides once per batch which layout the model runs (what the settings ask, `layout_of`; what
+the model can, grpo/update/support.py `runnable_layout`, with the reason for any fallback) and which
+sequences each micro-batch takes (`micro_batch_plan`: at most `algo.micro_batch_tokens` positions per
+forward, at least one row). `rows` lays one micro-batch out as its forward runs it: ids, positions,
+the mask (or none), where each completion token is read, and a VLM's M-RoPE positions and image slots
+(grpo/vision.py). With sequence parallelism the rows are the whole micro-batch as every rank of the
+group sees it, with the whole row's mask (the group's attention runs on all columns).
 
 Packed: attention stays inside each sequence through the position ids alone: transformers
 (masking_utils, `find_packed_sequence_indices`) turns a restart into a block-causal mask for sdpa
@@ -22,19 +27,46 @@ sequences of 4-400 completion tokens), rows of the longest sequence took 0.31 of
 time, rows of twice that 0.38, one row of 8,192 with a per-sequence attention loop 0.46
 (docs/results/packing.md).
 
-Only the model's forward sees the packed rows: the logprobs come back in the batch's B x T layout
-(0 where a row has no completion token), so `mask_BT`, the sampler's logprobs, the advantages and
-every normaliser and metric are the padded update's, token for token.
+Widths: on CUDA every row a forward runs is padded to a multiple of 128, the tile the attention
+kernels work in (`width_multiple`), so no width is 64 mod 128, where cuDNN's masked backward fails
+(grpo/update/forward.py); on the CPU widths stay as the data gives them (dense attention costs width^2).
+
+Only the model's forward sees the rows: the logprobs come back in the batch's B x T layout (0 where a
+row has no completion token), so `mask_BT`, the sampler's logprobs, the advantages and every
+normaliser and metric are the padded update's, token for token.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
-from grpo import attention
+from grpo import vision
 from grpo.batch import Batch
+from grpo.modeling import model_config
+from grpo.update.support import has_plain_head, mask_form, runnable_layout, support_of
+
+CUDA_WIDTH_MULTIPLE = 128
+
+
+def width_multiple(device_type: str) -> int:
+    """What the width of a forward's rows is rounded up to on `device_type`: 128 on CUDA, 1 (as the
+    data gives it) on the CPU."""
+    return CUDA_WIDTH_MULTIPLE if device_type == "cuda" else 1
+
+
+def split_multiple(device_type: str, split_size: int) -> int:
+    """What the width of whole rows a group of `split_size` ranks shares is rounded up to: a multiple
+    of both the device's tile (`width_multiple`) and the group size (each rank takes 1/S of it)."""
+    return math.lcm(width_multiple(device_type), split_size)
+
+
+def row_width(width: int, multiple: int) -> int:
+    """`width` rounded up to a multiple of `multiple` (at least one multiple)."""
+    return max(1, -(-width // multiple)) * multiple
 
 
 def first_fit_rows(lengths: list[int], width: int) -> list[list[int]]:
@@ -69,7 +101,7 @@ def pack(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, prompt_wid
     right-padded) whose sequences, in order, fill `rows[0]` sequences of row 0, `rows[1]` of row 1, ...
     Every completion token is carried, whatever its mask (a truncated or an observation token is
     still context for the tokens after it). The rows' width is the longest row's, rounded up to a
-    multiple of `multiple` (None: grpo.attention.width_multiple of the batch's device: 128 on CUDA).
+    multiple of `multiple` (None: `width_multiple` of the batch's device: 128 on CUDA).
     `carry_KBL`: K more values per token of the padded batch (a VLM's M-RoPE positions and image
     slots, grpo/vision.py) moved to the rows as the tokens are."""
     device = input_ids_BL.device
@@ -83,8 +115,8 @@ def pack(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, prompt_wid
     ends_B = lengths_B.cumsum(0)
     first_B = torch.tensor([0] + rows[:-1]).cumsum(0)[row_B]  # the row's first sequence
     start_B = ends_B - lengths_B - (ends_B - lengths_B)[first_B]
-    width = attention.row_width(int((start_B + lengths_B).max()),
-                                attention.width_multiple(device.type) if multiple is None else multiple)
+    width = row_width(int((start_B + lengths_B).max()),
+                                width_multiple(device.type) if multiple is None else multiple)
 
     in_seq_BL = real_BL.long().cumsum(dim=1) - 1  # a real token's index within its sequence
     b, col = real_BL.nonzero(as_tuple=True)
@@ -157,8 +189,8 @@ def pack_shared(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, pro
     prompt once, then each of its sequences' completions; positions run on from the prompt in every
     completion, as in the sequence alone. `mask_dtype` bool: True where attended (sdpa); a float
     dtype: 0 there and the dtype's minimum elsewhere (eager attention). The rows' width is the widest
-    row's, rounded up to a multiple of `multiple` (None: grpo.attention.width_multiple of the batch's
-    device: 128 on CUDA); padding positions attend to themselves only."""
+    row's, rounded up to a multiple of `multiple` (None: `width_multiple` of the batch's device: 128
+    on CUDA); padding positions attend to themselves only."""
     device = input_ids_BL.device
     ids_BL, real_BL = input_ids_BL.cpu(), attention_mask_BL.cpu().bool()
     P, B = prompt_width, ids_BL.shape[0]
@@ -184,8 +216,8 @@ def pack_shared(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, pro
     ends_T = length_T.cumsum(0)
     row_first_T = torch.tensor([0] + [len(row) for row in trees[:-1]], dtype=torch.long).cumsum(0)[row_T]
     start_T = ends_T - length_T - (ends_T - length_T)[row_first_T]
-    width = attention.row_width(max(1, int((start_T + length_T).max())) if R else 1,
-                                attention.width_multiple(device.type) if multiple is None else multiple)
+    width = row_width(max(1, int((start_T + length_T).max())) if R else 1,
+                                width_multiple(device.type) if multiple is None else multiple)
     ends_B = completion_B.cumsum(0)
     start_B = start_T[tree_B] + p_T[tree_B] + (ends_B - completion_B) - (ends_B - completion_B)[first_B]
 
@@ -225,10 +257,25 @@ def tree_mask(tree_RW: torch.Tensor, branch_RW: torch.Tensor, mask_dtype: torch.
                & ((branch_RW[kv] == 0) | (branch_RW[kv] == branch_RW[q])))
     allowed &= torch.ones(width, width, dtype=torch.bool, device=tree_RW.device).tril()
     allowed |= torch.eye(width, dtype=torch.bool, device=tree_RW.device)
-    if mask_dtype == torch.bool:
-        return allowed[:, None]
-    return torch.zeros(allowed[:, None].shape, dtype=mask_dtype, device=tree_RW.device).masked_fill(
-        ~allowed[:, None], torch.finfo(mask_dtype).min)
+    return mask_form(allowed[:, None], mask_dtype)
+
+
+def causal_mask(keep_RW: torch.Tensor) -> torch.Tensor:
+    """mask_R1WW (bool): causal over the keys `keep_RW` allows; every position attends to itself, so
+    no softmax row is empty (a padding query's output is never read)."""
+    W = keep_RW.shape[1]
+    allowed = keep_RW[:, None, :] & torch.ones(W, W, dtype=torch.bool, device=keep_RW.device).tril()
+    return (allowed | torch.eye(W, dtype=torch.bool, device=keep_RW.device))[:, None]
+
+
+def packed_mask(position_ids_RW: torch.Tensor) -> torch.Tensor:
+    """mask_R1WW (bool) of packed rows: causal within each run of position ids that rise by one, as
+    transformers' `find_packed_sequence_indices` reads a packed row for the unsplit forward."""
+    diff = torch.diff(position_ids_RW, prepend=position_ids_RW[:, :1] - 1, dim=-1)
+    seq_RW = (diff != 1).cumsum(dim=-1)
+    W = position_ids_RW.shape[1]
+    same = seq_RW[:, :, None] == seq_RW[:, None, :]
+    return (same & torch.ones(W, W, dtype=torch.bool, device=seq_RW.device).tril())[:, None]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -256,8 +303,7 @@ def layout_of(algo, cuda: bool | None = None) -> str:
     """The layout the settings ask for: padded rows, packed rows (algo.packing), or packed rows with
     each prompt once per tree of its completions (algo.shared_prompt, `shares_prompts`; `cuda`:
     whether the trainer runs on a GPU, by default whether this process sees one, as
-    grpo.models.policy_device places it). What a model really runs: grpo/model_support.py
-    `runnable_layout`."""
+    grpo.models.policy_device places it). What a model really runs: `plan`."""
     if not algo.packing:
         return "padded"
     cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -290,27 +336,26 @@ def shared_width(lengths: list[int], prompts: list[int], keys: list, longest: in
 
 
 def micro_batch_plan(batch: Batch, max_tokens: int, layout: str = "padded",
-                     multiple: int = 1) -> list[tuple[torch.Tensor | slice, dict]]:
+                     multiple: int = 1) -> list[tuple[torch.Tensor | slice, list | None]]:
     """Which sequences of `batch` each micro-batch takes, and (packed, shared) how its rows are laid
-    out, as fields of the micro-batch's Batch. padded: consecutive slices of at most `max_tokens`
+    out (`MicroBatch.groups`). padded: consecutive slices of at most `max_tokens`
     padded tokens (at least one sequence each). packed: the sequences first-fit into rows as wide as
     the batch's longest sequence. shared: the sequences with equal prompts first-fit into trees, the
     trees into rows (`shared_width`). Packed and shared: `max_tokens // width` rows (at least one)
-    per micro-batch. `multiple`: what the forward rounds its rows' width up to (grpo.attention
-    `width_multiple` of the model's device), counted here so a micro-batch stays within `max_tokens`."""
+    per micro-batch. `multiple`: what the forward rounds its rows' width up to (`width_multiple`
+    of the model's device), counted here so a micro-batch stays within `max_tokens`."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown micro-batch layout {layout!r}; one of {LAYOUTS}")
     if layout == "padded":
-        per = max(1, max_tokens // attention.row_width(batch.input_ids_BL.shape[1], multiple))
-        return [(slice(i, i + per), {}) for i in range(0, batch.size, per)]
+        per = max(1, max_tokens // row_width(batch.input_ids_BL.shape[1], multiple))
+        return [(slice(i, i + per), None) for i in range(0, batch.size, per)]
     lengths = batch.attention_mask_BL.sum(dim=1).tolist()
     if not lengths:
         return []
     width = max(lengths)
     if layout == "packed":
         rows = first_fit_rows(lengths, width)
-        sizes = [[len(row)] for row in rows]
-        key = "rows"
+        sizes = [len(row) for row in rows]
     else:
         P = batch.prompt_width
         prompts = batch.attention_mask_BL[:, :P].sum(dim=1).tolist()
@@ -318,27 +363,142 @@ def micro_batch_plan(batch: Batch, max_tokens: int, layout: str = "padded",
         width, rows = shared_width(lengths, prompts, keys, width, max_tokens)
         sizes = [[len(tree) for tree in row] for row in rows]
         rows = [[i for tree in row for i in tree] for row in rows]
-        key = "trees"
-    per = max(1, max_tokens // attention.row_width(width, multiple))
+    per = max(1, max_tokens // row_width(width, multiple))
     plan = []
     for k in range(0, len(rows), per):
-        layout_k = sizes[k : k + per]
-        plan.append((torch.tensor([i for row in rows[k : k + per] for i in row]),
-                     {key: [n for (n,) in layout_k] if key == "rows" else layout_k}))
+        plan.append((torch.tensor([i for row in rows[k : k + per] for i in row]), sizes[k : k + per]))
     return plan
 
 
-def micro_batches(batch: Batch, max_tokens: int, layout: str = "padded", multiple: int = 1) -> list[Batch]:
-    """The micro-batches of `micro_batch_plan`."""
-    return [replace(batch.select(idx), **fields_) for idx, fields_ in micro_batch_plan(batch, max_tokens, layout, multiple)]
+@dataclass
+class MicroBatch:
+    """One forward's sequences and how its rows hold them."""
+
+    batch: Batch  # its sequences, in the order the rows take them
+    layout: str  # padded | packed | shared
+    # packed: how many of its sequences, in order, each row holds; shared: per row, how many each of
+    # its trees (one prompt, several completions) holds; padded: None (one sequence per row)
+    groups: list | None = None
+    index: torch.Tensor | slice | None = None  # its sequences' rows in the planned batch (None: padding)
+
+    def to(self, device) -> "MicroBatch":
+        return replace(self, batch=self.batch.to(device))
 
 
-def padding_batch(layout: str = "padded") -> Batch:
+@dataclass
+class Plan:
+    """A batch's micro-batches and the layout the model runs them in."""
+
+    asked: str  # the layout the settings ask for (`layout_of`)
+    layout: str  # the one the model runs (grpo/update/support.py `runnable_layout`)
+    reason: str | None  # why `layout` is not `asked` (None: as asked)
+    micro_batches: list[MicroBatch]
+
+
+def plan(model, batch: Batch, asked: str, max_tokens: int) -> Plan:
+    """`batch` cut into micro-batches of at most `max_tokens` positions, in the layout `model` runs of
+    `asked` (decided before the cut, so a fallback is planned within the token cap). Under ZeRO-3 the
+    decision's probes are forwards, collectives: every rank plans, also with an empty batch."""
+    longest = int(batch.attention_mask_BL.sum(dim=1).max()) if batch.size else 0
+    layout, reason = runnable_layout(model, asked, longest)
+    multiple = width_multiple(next(model.parameters()).device.type)
+    return Plan(asked, layout, reason, [MicroBatch(batch.select(idx), layout, groups, idx)
+                                        for idx, groups in micro_batch_plan(batch, max_tokens, layout, multiple)])
+
+
+def micro_batches(batch: Batch, max_tokens: int, layout: str = "padded", multiple: int = 1) -> list[MicroBatch]:
+    """The micro-batches of `micro_batch_plan`, in `layout` as given (no model asked)."""
+    return [MicroBatch(batch.select(idx), layout, groups, idx)
+            for idx, groups in micro_batch_plan(batch, max_tokens, layout, multiple)]
+
+
+def padding(layout: str = "padded") -> MicroBatch:
     """One sequence that enters no loss (mask 0, advantage 0): a rank with fewer micro-batches runs it
     so that every rank makes the same forward/backward calls, which ZeRO's collectives need (laid out
     as the rank's other micro-batches are)."""
     ids = torch.zeros((1, 2), dtype=torch.long)
     zeros = torch.zeros((1, 1))
-    return Batch(ids, torch.ones_like(ids), torch.tensor([[0, 1]]), ids[:, 1:], zeros, zeros, torch.zeros(1),
-                 prompt_width=1, ref_logprobs_BT=zeros, rows=[1] if layout == "packed" else None,
-                 trees=[[1]] if layout == "shared" else None)
+    batch = Batch(ids, torch.ones_like(ids), torch.tensor([[0, 1]]), ids[:, 1:], zeros, zeros, torch.zeros(1),
+                  prompt_width=1, ref_logprobs_BT=zeros)
+    return MicroBatch(batch, layout, {"padded": None, "packed": [1], "shared": [[1]]}[layout])
+
+
+@dataclass
+class Rows:
+    """A micro-batch laid out as its forward runs it (`rows`); the one value grpo/update/forward.py takes."""
+
+    layout: str  # padded | packed | shared
+    input_ids_RW: torch.Tensor
+    position_ids_RW: torch.Tensor  # the text positions (a VLM's M-RoPE ones: rope_3RW)
+    # what the attention is given: padded, the R x W attention mask (1 on real tokens); packed, None (the
+    # restarting positions keep the sequences apart); shared, the R x 1 x W x W tree mask in the model's
+    # mask dtype. Whole rows (sequence parallelism): the R x 1 x W x W bool mask of the whole row, or
+    # None where that is plain causal (so SDPA runs causal with no W x W tensor; on CUDA: flash)
+    mask: torch.Tensor | None
+    hidden_at: tuple[torch.Tensor, torch.Tensor]  # (row, column) whose hidden state predicts completion token n
+    token_at: tuple[torch.Tensor, torch.Tensor]  # (b, t): where completion token n sits in the B x T layout
+    tokens_N: torch.Tensor  # completion token n
+    shape_BT: tuple[int, int]  # the micro-batch's B x T, where the logprobs go back to
+    plain_head: bool  # the logits are lm_head(last hidden state): the head runs in pieces (grpo/update/forward.py)
+    # a vision-language model's: (3, R, W) M-RoPE positions, (R, W) image placeholder slots, each
+    # sequence's images in order (grpo/vision.py); None for a text model
+    rope_3RW: torch.Tensor | None = None
+    image_slots_RW: torch.Tensor | None = None
+    images: list | None = None
+
+
+def rows(model, mb: MicroBatch, split_size: int = 1) -> Rows:
+    """`mb` (on `model`'s device) laid out as its forward runs it. `split_size` > 1: the whole rows a
+    group of that many ranks shares (grpo/parallel/sequence.py), as wide as a multiple of the group
+    and with each row's whole mask, for the group's attention runs over every column."""
+    b = mb.batch
+    device = b.input_ids_BL.device
+    whole = split_size > 1
+    multiple = split_multiple(device.type, split_size)
+    config = model_config(model)
+    vlm = vision.is_vision_model(config)
+    if whole and vlm:
+        raise ValueError("split rows do not carry images: parallel.sequence_parallel > 1 with a vision-language model "
+                         "(grpo.vision.check_config refuses it)")
+    carry_KBL = vision.packing_carry(b, config) if vlm else None  # M-RoPE positions, image slots
+    T = b.completion_ids_BT.shape[1]
+    if mb.layout == "shared":
+        support = support_of(model)
+        if not support.shares:
+            raise ValueError("a shared-prompt micro-batch for a model that cannot share prompts: plan the micro-batches "
+                             "with grpo.update.layouts.plan")
+        packed = pack_shared(b.input_ids_BL, b.attention_mask_BL, b.prompt_width, mb.groups,
+                             torch.bool if whole else support.mask_dtype, multiple=multiple)
+        ids_RW, pos_RW, mask, carried = packed.input_ids_RW, packed.position_ids_RW, packed.mask_R1WW, None
+        hidden_at, token_at = packed.hidden_at, packed.token_at
+    elif mb.layout == "packed":
+        packed = pack(b.input_ids_BL, b.attention_mask_BL, b.prompt_width, mb.groups, multiple=multiple,
+                      carry_KBL=carry_KBL)
+        ids_RW, pos_RW, carried = packed.input_ids_RW, packed.position_ids_RW, packed.carried_KRW
+        # whole rows: a row of one sequence is one causal run (its padding's positions run on from it)
+        mask = packed_mask(pos_RW) if whole and any(n > 1 for n in mb.groups) else None
+        hidden_at, token_at = packed.hidden_at, packed.token_at
+    else:
+        # rows right-padded to the width: padding after every real token, which causality keeps out of
+        # their attention; positions repeat the row's last one, as collate's do past a completion's end
+        ids_RW, mask_RW, pos_RW = b.input_ids_BL, b.attention_mask_BL, b.position_ids_BL
+        L = ids_RW.shape[1]
+        extra = row_width(L, multiple) - L
+        # whole rows' keys: every position from the row's first real token on (the left padding is out);
+        # the padding after a completion is seen only by later padding, whose outputs are never read
+        keep_RW = F.pad(mask_RW.long().cumsum(dim=1) > 0, (0, extra), value=True)
+        ids_RW, mask_RW = F.pad(ids_RW, (0, extra)), F.pad(mask_RW, (0, extra))
+        pos_RW = torch.cat([pos_RW, pos_RW[:, -1:].expand(-1, extra)], dim=1)
+        mask = mask_RW if not whole else None if bool(keep_RW.all()) else causal_mask(keep_RW)
+        carried = None
+        if carry_KBL is not None:
+            carried = torch.cat([carry_KBL, carry_KBL[:, :, -1:].expand(-1, -1, extra)], dim=2).to(device)
+            carried[3, :, L:] = 0  # no image slot in the padding
+        b_N, t_N = torch.meshgrid(torch.arange(b.size, device=device), torch.arange(T, device=device), indexing="ij")
+        token_at = (b_N.reshape(-1), t_N.reshape(-1))
+        hidden_at = (token_at[0], L - T - 1 + token_at[1])  # position p predicts token p + 1
+    out = Rows(mb.layout, ids_RW, pos_RW, mask, hidden_at, token_at, b.completion_ids_BT[token_at],
+               tuple(b.completion_ids_BT.shape), has_plain_head(model))
+    if carried is not None:
+        out.rope_3RW, out.image_slots_RW, out.images = carried[:3], carried[3].bool(), b.vision
+    return out

@@ -1,7 +1,7 @@
 """What a model supports, asked once per model and stored on it.
 
     plain_head    its logits are `get_output_embeddings()(last hidden state)`: the update runs the head
-                  itself, in pieces (grpo/logprobs.py); a head of its own (Gemma's soft-capping,
+                  itself, in pieces (grpo/update/forward.py); a head of its own (Gemma's soft-capping,
                   Cohere's logit scale) gives its own logits, whole
     packs         it keeps attention inside each sequence of a packed row (restarting position ids,
                   no mask): algo.packing; a model that does not is refused, never trained on
@@ -29,40 +29,9 @@ from typing import Optional
 import torch
 
 from grpo.errors import ConfigError
-from grpo.layouts import pack_shared
+from grpo.modeling import attention_of, compute_dtype, precision, sliding_window_of, unwrapped
 
 ATTRIBUTE = "_grpo_support"
-
-
-def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under grpo's Autocast and DeepSpeed's engine (both keep it as
-    `.module`); a peft model answers `get_output_embeddings` for its base."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
-
-
-def model_config(model):
-    """The transformers config of the first module in `model` that has one (the model itself, or the
-    one inside grpo's or DeepSpeed's wrapper)."""
-    configs = (getattr(m, "config", None) for m in model.modules())  # DeepSpeed's engine has a config of its own
-    return next((c for c in configs if hasattr(c, "_attn_implementation")), None)
-
-
-def attention_of(model) -> str | None:
-    return getattr(model_config(model), "_attn_implementation", None)
-
-
-def sliding_window_of(model) -> int | None:
-    """The window of a model whose layers (some or all) attend over a sliding window."""
-    config = model_config(model)
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
-    return window if getattr(config, "use_sliding_window", True) else None
 
 
 def mask_dtype_for(model) -> torch.dtype | None:
@@ -77,9 +46,13 @@ def mask_dtype_for(model) -> torch.dtype | None:
     return None
 
 
-def precision(model: torch.nn.Module):
-    """The autocast the model's own forward runs under, for the head run outside it."""
-    return model.precision() if hasattr(model, "precision") else contextlib.nullcontext()
+def mask_form(allowed: torch.Tensor, mask_dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True where attended) in the form an attention takes: bool as it is (sdpa); a float
+    dtype: 0 where attended and the dtype's minimum elsewhere (eager attention adds it to the scores)."""
+    if mask_dtype == torch.bool:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=mask_dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(mask_dtype).min)
 
 
 @dataclass
@@ -125,14 +98,6 @@ def evaluating(model):
 PROBE_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 0.1, torch.float16: 0.1}
 
 
-def compute_dtype(model) -> torch.dtype:
-    """The dtype `model`'s matmuls run in: an Autocast wrapper's (fp32 masters under bf16/fp16), else
-    its weights'."""
-    if hasattr(model, "precision") and isinstance(getattr(model, "dtype", None), torch.dtype):
-        return model.dtype
-    return next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
-
-
 def close(a: torch.Tensor, b: torch.Tensor, tolerance: float = 1e-2) -> bool:
     """Hidden states agree position by position: |a - b| within `tolerance` of |b| at every position
     (attending to the wrong tokens changes a position's state by about its own size; a model's
@@ -172,15 +137,20 @@ def probe_packs(model) -> bool:
     return close(packed[3:], alone, PROBE_TOLERANCE.get(compute_dtype(model), 1e-2))
 
 
+# the row `1 2 | 3 3 | 1`: prompt 1 2, then the completions 3 3 and 1, each attending to the prompt and
+# itself, positions running on from the prompt in each (as grpo/update/layouts.py `pack_shared` lays it)
+SHARED_PROBE_IDS, SHARED_PROBE_POSITIONS = [[1, 2, 3, 3, 1]], [[0, 1, 2, 3, 2]]
+SHARED_PROBE_MASK = [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 1]]
+
+
 def probe_shares(model, mask_dtype: torch.dtype) -> bool:
-    """The row `1 2 | 3 3 | 1` (prompt 1 2, completions 3 3 and 1) against `1 2 3 3` and `1 2 1`."""
-    ids = torch.tensor([[1, 2, 3, 3], [1, 2, 1, 0]])
-    shared = pack_shared(ids, torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]), 2, [[2]], mask_dtype)
+    """The row `1 2 | 3 3 | 1` against `1 2 3 3` and `1 2 1`."""
+    mask = mask_form(torch.tensor(SHARED_PROBE_MASK, dtype=torch.bool)[None, None], mask_dtype)
     with evaluating(model):
-        row = last_hidden(model, input_ids=shared.input_ids_RW, position_ids=shared.position_ids_RW,
-                          attention_mask=shared.mask_R1WW)
-        a = last_hidden(model, input_ids=ids[:1], position_ids=torch.arange(4)[None])
-        b = last_hidden(model, input_ids=ids[1:, :3], position_ids=torch.arange(3)[None])
+        row = last_hidden(model, input_ids=torch.tensor(SHARED_PROBE_IDS), attention_mask=mask,
+                          position_ids=torch.tensor(SHARED_PROBE_POSITIONS))
+        a = last_hidden(model, input_ids=torch.tensor([[1, 2, 3, 3]]), position_ids=torch.arange(4)[None])
+        b = last_hidden(model, input_ids=torch.tensor([[1, 2, 1]]), position_ids=torch.arange(3)[None])
     return close(row, torch.cat([a, b[2:]]), PROBE_TOLERANCE.get(compute_dtype(model), 1e-2))
 
 
@@ -191,25 +161,26 @@ def has_plain_head(model) -> bool:
     return support.plain_head
 
 
-def runnable_layout(model, layout: str, longest: int = 0) -> str:
-    """The layout `model` runs when the settings ask for `layout` (grpo/layouts.py `layout_of`) on
-    a batch whose longest sequence is `longest` tokens: shared where the model takes a 4D mask, obeys
-    it and no sliding window binds; else packed (one warning per model and reason: the same numbers,
-    more positions); packed only where the model keeps packed sequences apart (else ConfigError).
-    Called before the micro-batches are planned, so a fallback is planned within the token cap."""
+def runnable_layout(model, layout: str, longest: int = 0) -> tuple[str, str | None]:
+    """(the layout `model` runs, why it is not `layout` or None) when the settings ask for `layout`
+    (grpo/update/layouts.py `layout_of`) on a batch whose longest sequence is `longest` tokens: shared
+    where the model takes a 4D mask, obeys it and no sliding window binds; else packed (one warning per
+    model and reason: the same numbers, more positions); packed only where the model keeps packed
+    sequences apart (else ConfigError). Called before the micro-batches are planned, so a fallback is
+    planned within the token cap."""
     if layout == "padded":
-        return layout
+        return layout, None
     support = support_of(model)
     name = type(unwrapped(model)).__name__
     if getattr(getattr(unwrapped(model), "config", None), "vision_config", None) is not None:
         # a VLM's rows carry M-RoPE positions behind the text ones (grpo/vision.py): packed rows are kept
         # apart by those; the shared-prompt layout is not built for them
+        why = f"{name} is a vision-language model, whose image prompts are not laid out in shared-prompt rows"
         if layout == "shared" and "vision" not in support.warned:
             support.warned.add("vision")
-            warnings.warn(f"algo.shared_prompt is on, but {name} is a vision-language model, whose image prompts are "
-                          "not laid out in shared-prompt rows: the update packs them (the same numbers, more "
+            warnings.warn(f"algo.shared_prompt is on, but {why}: the update packs them (the same numbers, more "
                           "positions). Set algo.shared_prompt=false to say so.", stacklevel=2)
-        return "packed"
+        return "packed", why if layout == "shared" else None
     if support.packs is None:
         support.packs = probe_packs(model)
     if not support.packs:
@@ -217,7 +188,7 @@ def runnable_layout(model, layout: str, longest: int = 0) -> str:
             f"algo.packing=true, but {name} attends across the sequences of a packed row "
             f"(it does not restart attention where the position ids restart): set algo.packing=false.")
     if layout == "packed":
-        return layout
+        return layout, None
     if support.shares is None:
         if support.mask_dtype is None:
             support.why_not_shared = (f"{name} runs {support.attention!r} attention, which takes no custom 4D mask "
@@ -231,10 +202,10 @@ def runnable_layout(model, layout: str, longest: int = 0) -> str:
         reason, why = "window", (f"{name} attends over a sliding window of {support.window} tokens, which a 4D mask "
                                  f"replaces, and a batch has a sequence of {longest} tokens")
     if why is None:
-        return "shared"
+        return "shared", None
     if reason not in support.warned:
         support.warned.add(reason)
         warnings.warn(f"algo.shared_prompt is on, but {why}: the update packs these micro-batches without sharing "
                       f"prompts (algo.packing; the same numbers, more positions). Set algo.shared_prompt=false to "
                       f"say so.", stacklevel=2)
-    return "packed"
+    return "packed", why
