@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from grpo.errors import ConfigError
 from grpo.tasks.base import Sample, Task, hold_out
 
 
 def build_addition(cfg) -> Task:
-    from grpo.errors import ConfigError
-
     d = cfg.digits
     if not 1 <= d <= 4:
         raise ConfigError(f"task.digits={d} must be between 1 and 4.")

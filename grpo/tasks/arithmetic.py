@@ -5,6 +5,7 @@ checked by value (math-verify finds the final number), so "The answer is 85." co
 
 from __future__ import annotations
 
+from grpo.errors import ConfigError
 from grpo.rewards.math_answer import is_equivalent
 from grpo.tasks.base import Sample, Task, hold_out
 
@@ -12,8 +13,6 @@ ANSWER_FORMAT = "Answer with just the number."
 
 
 def build_arithmetic(cfg) -> Task:
-    from grpo.errors import ConfigError
-
     d = cfg.digits
     if not 1 <= d <= 4:
         raise ConfigError(f"task.digits={d} must be between 1 and 4.")

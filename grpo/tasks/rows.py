@@ -31,7 +31,7 @@ def read_jsonl_rows(path: str) -> list[Row]:
 
 
 def read_parquet_rows(path: str) -> list[Row]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # local: pyarrow is heavy, needed only for a .parquet file
 
     try:
         table = pq.read_table(path)
@@ -58,7 +58,7 @@ def read_local_rows(path: str) -> list[Row]:
 def load_hub_rows(hub_id: str, config: str | None, split: str, columns: list[str]) -> list[Row]:
     """A split of a hub data set through `datasets.load_dataset` (cached under HF_HOME)."""
     try:
-        import datasets
+        import datasets  # local: datasets is optional and heavy, needed only for a hub data set
 
         data = datasets.load_dataset(hub_id, config, split=split)
     except Exception as e:  # noqa: BLE001 - no network, a wrong id or split: all end the same way

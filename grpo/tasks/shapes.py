@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 
+from grpo.errors import ConfigError
 from grpo.tasks.base import Sample, Task, hold_out
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 60, 220)}
@@ -20,7 +21,7 @@ PROMPT = "what is it?"
 
 def draw(shape: str, colour: str, size: tuple[int, int], rng: random.Random):
     """One image: `shape` filled in `colour`, between 60% and 90% of the shorter side, placed at random."""
-    from PIL import Image, ImageDraw
+    from PIL import Image, ImageDraw  # local: PIL is heavy; grpo.config imports the task registry
 
     w, h = size
     image = Image.new("RGB", size, (255, 255, 255))
@@ -38,8 +39,6 @@ def draw(shape: str, colour: str, size: tuple[int, int], rng: random.Random):
 
 def build_shapes(cfg) -> Task:
     """`task.size` samples (default 2,048) from `task.seed`, `task.eval_size` held out."""
-    from grpo.errors import ConfigError
-
     count = cfg.size or 2048
     rng = random.Random(cfg.seed)
     samples = []
