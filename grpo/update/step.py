@@ -46,7 +46,8 @@ def work(strategy, model, batch: Batch, asked: str, max_tokens: int) -> tuple[la
     plan = layouts.plan(model, batch, asked, max_tokens)
     split = split_of(strategy)
     mine = [(mb, True) for mb in plan.micro_batches] if split is None else split.exchange(plan.micro_batches)
-    return plan, mine + [(layouts.padding(plan.layout), False)] * lockstep_padding(strategy, len(mine))
+    extra = lockstep_padding(strategy, len(mine))
+    return plan, mine + ([(layouts.padding(plan.layout), False)] * extra if extra else [])
 
 
 @contextlib.contextmanager
