@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test test-all test-slurm test-gpu bench clean wheelhouse
+.PHONY: setup train test test-all test-slow test-slurm test-gpu bench clean wheelhouse
 
 setup: $(STAMP)
 
@@ -84,11 +84,19 @@ endif
 train: $(STAMP)
 	$(PY) -m grpo.train $(ARGS)
 
+# The tiers (docs/testing.md): `make test` runs every unit test and one short run per rollout backend and
+# parallel strategy (`e2e_smoke`), leaving out the other tests that start a process, an engine, a server
+# or a training run (`starts_process`, marked by tests/conftest.py); `make test-all` runs all of them
+# (setup.cfg's default selection: not slow, not slurm); `make test-slow` the learning bar and SmolLM2.
+FAST_TIER := not slow and not slurm and (not starts_process or e2e_smoke)
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -m "$(FAST_TIER)" $(ARGS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m "not slurm" $(ARGS)
+	$(PY) -m pytest -q $(ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow $(ARGS)
 
 # Against a real SLURM: start the local two-node one first (slurm/dev-cluster.sh install && slurm/dev-cluster.sh up --nodes 2).
 test-slurm: $(STAMP)

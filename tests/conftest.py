@@ -1,15 +1,20 @@
-"""Shared fixtures: compose the real Hydra config and shrink it; a tiny model built in code."""
+"""Shared fixtures: compose the real Hydra config and shrink it; a tiny model built in code. And the
+tiers' marks: which tests start a process, an engine, a server or a training run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing.process
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+import grpo.train
 from grpo.config import register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +32,136 @@ FAST = [
 ]
 
 register_configs()
+
+
+# The tiers (docs/testing.md, "Tiers"). A test that starts a process, an engine, a server or a training
+# run (in this process too) is marked `starts_process`: here, by a fixture of STARTING_FIXTURES it uses
+# (directly or through another fixture), by the tiers made of runs (`slow`, `slurm`, `gpu`), or by its
+# own `@pytest.mark.starts_process` where it starts one itself. `make test` runs the tests that are not
+# marked and the `e2e_smoke` ones (one short run per rollout backend and parallel strategy); `make
+# test-all` runs every one. An unmarked test that starts one fails (`pytest_runtest_setup` and
+# `pytest_runtest_call` below), so a missing mark cannot hide a slow test in the fast tier.
+STARTING_FIXTURES = {
+    "server": "a `grpo.serve` process (test_remote, test_judge, test_trajectories)",
+    "rm_server": "a `grpo.serve --reward-model` process (test_reward_model_served)",
+    "engine": "an in-process vLLM engine (test_rollout_vllm)",
+    "judge_url": "a `grpo.serve` of SmolLM2-135M, or none (test_experiments)",
+    "references": "tests/ddp_step.py's one-process references (test_sequence_parallel)",
+}
+TIERS_OF_RUNS = ("slow", "slurm", "gpu")
+
+# The tests that start one themselves in files whose marks are kept here, not on the tests (files other
+# engineers own for now; their marks move into the files with them). By file and function, every
+# parametrisation included.
+STARTS_IN_FILES_KEPT_ELSEWHERE = {
+    "tests/test_algorithm.py": {
+        "test_batch_scaled_advantages_are_the_same_on_one_and_two_processes",
+        "test_reinforce_pp_std_is_the_same_on_one_and_two_processes",
+    },
+    "tests/test_cli.py": {
+        "test_help_shows_a_usage_and_exits_0",
+    },
+    "tests/test_episodes.py": {
+        "test_an_env_that_raises_in_training_ends_only_its_episodes",
+        "test_guess_training_run_on_hf",
+        "test_zero3_ranks_whose_episodes_end_at_turns_1_and_4_stay_in_lockstep",
+    },
+    "tests/test_guards.py": {
+        "test_a_drifting_sampler_through_the_loop_is_logged_and_warned",
+        "test_a_nan_on_one_rank_skips_the_step_on_every_rank_and_a_diverged_rank_is_named",
+        "test_a_rank_diverged_in_the_loop_is_named_on_every_rank",
+        "test_non_finite_steps_through_the_loop_are_logged_and_three_in_a_row_stop_it",
+    },
+    "tests/test_sequence_parallel.py": {
+        "test_two_process_training_run_with_split_rows",
+        "test_verify_checks_the_split_on_two_processes",
+        "test_verify_names_a_split_without_its_whole_row_mask",
+    },
+    "tests/test_verify.py": {
+        "test_the_resume_check_never_runs_in_the_users_run_folder",
+        "test_verify_passes_on_the_default_run",
+    },
+    "tests/test_vision.py": {
+        "test_a_short_run_through_a_dedicated_vllm_server",
+        "test_a_short_run_through_colocated_vllm",
+        "test_a_short_run_trains_the_language_model_only",
+        "test_two_ranks_under_zero_with_images",
+        "test_zero3_generate_with_images_on_some_ranks_only_stops_every_rank",
+    },
+}
+
+
+def starts_process(item) -> bool:
+    file, _, name = item.nodeid.partition("::")
+    return (any(item.get_closest_marker(tier) is not None for tier in ("starts_process", *TIERS_OF_RUNS))
+            or not STARTING_FIXTURES.keys().isdisjoint(item.fixturenames)
+            or name.split("[")[0] in STARTS_IN_FILES_KEPT_ELSEWHERE.get(file, ()))
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if starts_process(item) and item.get_closest_marker("starts_process") is None:
+            item.add_marker("starts_process")
+        if item.get_closest_marker("e2e_smoke") and item.get_closest_marker("starts_process") is None:
+            raise pytest.UsageError(f"{item.nodeid} is marked e2e_smoke but starts nothing")
+
+
+@contextlib.contextmanager
+def watching_starts():
+    """Record what the block starts: a process (subprocess.Popen), a multiprocessing child, or a run of
+    grpo.train's loop (`grpo.train.run`, which `train` calls: in this process too)."""
+    started = []
+    popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+    run = grpo.train.run
+
+    def watched_popen_init(self, args, *rest, **kw):
+        started.append(f"a process {args if isinstance(args, str) else [str(a) for a in args][:6]}")
+        popen_init(self, args, *rest, **kw)
+
+    def watched_process_start(self):
+        started.append(f"a multiprocessing child {self.name}")
+        process_start(self)
+
+    def watched_run(*args, **kw):
+        started.append("a training run (grpo.train.run)")
+        return run(*args, **kw)
+
+    subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start = watched_popen_init, watched_process_start
+    grpo.train.run = watched_run
+    try:
+        yield started
+    finally:
+        subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start = popen_init, process_start
+        grpo.train.run = run
+
+
+def fail_if_started(item, started: list[str], phase: str) -> None:
+    if started:
+        pytest.fail(f"{item.nodeid} is not marked starts_process but its {phase} started {started[0]}"
+                    f"{f' (and {len(started) - 1} more)' if len(started) > 1 else ''}: mark the test "
+                    "(@pytest.mark.starts_process) or, if a fixture started it, add the fixture to "
+                    "STARTING_FIXTURES in tests/conftest.py", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("starts_process"):
+        return (yield)
+    with watching_starts() as started:
+        result = yield
+    fail_if_started(item, started, "setup")
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    if item.get_closest_marker("starts_process"):
+        return (yield)
+    with watching_starts() as started:
+        result = yield
+    fail_if_started(item, started, "call")
+    return result
 
 
 @pytest.fixture(scope="session")
@@ -155,36 +290,55 @@ def hub_like_policy(learning_policy, tmp_path_factory) -> str:
     return with_hub_generation_defaults(path)
 
 
-def serve_tiny(model_dir: str, log_path, token: str, max_model_len: int = 128, start_timeout_s: float = 240):
-    """A real `python -m grpo.serve` of `model_dir` on a free port, its routes guarded by `token` (given in
-    the environment, never on a command line); returns (process, url) once /health answers. Stop it with
-    `stop_served`. Shared by the remote, judge and per-trajectory tests' module fixtures."""
-    import subprocess
-    import sys
+def wait_for(ready, proc, log_path, what: str, timeout_s: float, every_s: float = 1.0) -> None:
+    """Poll `ready()` until it is true while `proc` runs. `proc` exiting first, or `timeout_s` passing
+    (the process then stopped), fails with the end of its log (`log_path`; None: no log kept)."""
     import time
+
+    def log_tail() -> str:
+        return Path(log_path).read_text()[-3000:] if log_path else "(no log kept)"
+
+    deadline = time.time() + timeout_s
+    while not ready():
+        assert proc.poll() is None, f"{what}: the process exited with {proc.returncode}: {log_tail()}"
+        if time.time() > deadline:
+            stop_served(proc)
+            raise AssertionError(f"{what}: not within {timeout_s} s: {log_tail()}")
+        time.sleep(every_s)
+
+
+def answers(url: str) -> bool:
+    """Whether an HTTP server answers `url` (any status but an error)."""
     import urllib.request
+
+    try:
+        urllib.request.urlopen(url, timeout=2)
+        return True
+    except OSError:
+        return False
+
+
+def serve_tiny(model_dir: str, log_path, token: str, *extra_args: str, max_model_len: int = 128,
+               start_timeout_s: float = 240):
+    """A real `python -m grpo.serve` of `model_dir` on a free port, its routes guarded by `token` (given in
+    the environment, never on a command line), `extra_args` after the common ones (`--lora-rank 8`,
+    `--reward-model`); returns (process, url) once /health answers. Stop it with `stop_served`. The one
+    start-and-wait of the tests' servers: remote, judge, per-trajectory, LoRA and reward-model tests."""
+    import sys
 
     from grpo.auth import TOKEN_ENV
     from grpo.rollout.servers import free_port
 
     port = free_port()
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "grpo.serve", "--model", model_dir, "--port", str(port),
-         "--max-model-len", str(max_model_len), "--memory-fraction", "0.1"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, TOKEN_ENV: token},
-    )
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "grpo.serve", "--model", model_dir, "--port", str(port),
+             "--max-model-len", str(max_model_len), "--memory-fraction", "0.1", *extra_args],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, TOKEN_ENV: token},
+        )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + start_timeout_s
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            return proc, url
-        except OSError:
-            assert proc.poll() is None, Path(log_path).read_text()[-3000:]
-            time.sleep(1)
-    stop_served(proc)
-    raise AssertionError(f"grpo.serve did not answer /health in {start_timeout_s} s: {Path(log_path).read_text()[-3000:]}")
+    wait_for(lambda: answers(url + "/health"), proc, log_path, "grpo.serve to answer /health", start_timeout_s)
+    return proc, url
 
 
 def stop_served(proc) -> None:

@@ -36,6 +36,7 @@ def assert_stale_batches_disagree(rows: list[dict]) -> None:
     assert all(r["sampler_diff"] > 1e-3 and r["sampler_kl"] > 0 for r in shown), shown
 
 
+@pytest.mark.starts_process
 @pytest.mark.parametrize("parallel, k, versions, behind, loss", [
     ("ddp", 2, [0, 0, 0, 1, 2], [0, 1, 2, 2, 2], "algo.is_level=token"),  # decoupled PPO, weighted by is_*
     # ZeRO-3: each push gathers the shards (collectives every rank joins) while the owner's batch is in flight
@@ -61,6 +62,7 @@ def test_two_processes_train_on_batches_at_most_k_versions_old(tmp_path, cache_d
     assert wait_gone(tmp_path) == [], "engine processes outlived the run"
 
 
+@pytest.mark.starts_process
 def test_in_process_backend_trains_on_batches_k_versions_old_without_the_overlap(make_cfg, learning_policy):
     """rollout=hf with k = 1: each batch is generated when it is handed over (before that step's
     update), so it is as stale as from engines elsewhere, only not overlapped: the same off-policy
@@ -93,6 +95,7 @@ def logged_prompts(output: str) -> dict[int, str]:
     return {int(m[1]): eval(m[2]) for m in re.finditer(r"sample @ (\d+): ('(?:[^'\\]|\\.)*')", output)}
 
 
+@pytest.mark.starts_process
 def test_killed_async_run_resumes_with_no_batch_lost_or_trained_twice(tmp_path, cache_dir):
     steps, run_dir = 14, tmp_path / "run"
     cmd = [sys.executable, "-m", "grpo.train", *FAST, f"steps={steps}", *ASYNC, "algo.max_staleness=1",

@@ -95,6 +95,7 @@ def metrics(run_dir):
     return [(r["step"], {k: r[k] for k in keep if k in r}) for r in rows]
 
 
+@pytest.mark.starts_process
 def test_killed_run_resumes_to_the_same_results(tmp_path, cache_dir):
     args = ["steps=30", "checkpoint_every=4", "keep_checkpoints=100"]
     # build the tiny model first so both runs start from the same cached folder

@@ -32,6 +32,7 @@ def test_slurm_and_torchrun_variables():
     assert local_processes({}) == 1
 
 
+@pytest.mark.starts_process
 def test_idle_cpus_sees_a_busy_process():
     import subprocess
     import sys

@@ -184,6 +184,7 @@ def test_prompts_through_the_tokenizers_chat_template():
     assert ids[0] != tok.bos_token_id
 
 
+@pytest.mark.starts_process
 @pytest.mark.parametrize("task, reward", [("gsm8k", "math_verify"), ("countdown", "countdown")])
 def test_a_short_run_on_a_local_data_set(make_cfg, tmp_path, task, reward):
     """The whole loop on a data-set task read from local files (tiny model, no warm start: the

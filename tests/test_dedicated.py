@@ -51,6 +51,7 @@ def test_no_gpu_machine_rejects_cuda_devices(monkeypatch):
         pick_devices(["cuda:0"], training_per_node=1)
 
 
+@pytest.mark.starts_process
 def test_parity_and_generations_change_after_sync(tiny_lm, tmp_path):
     import copy
 
@@ -111,6 +112,7 @@ def check_run(run_dir, steps):
     assert wait_gone(run_dir) == [], "engine processes outlived the run"
 
 
+@pytest.mark.starts_process
 def test_guess_episodes_through_dedicated(make_cfg):
     """3 steps of experiment=guess_tiny: the node main builds the environments and drives the episodes
     against its engine; several turns, the trainer scoring the engine's tokens across turns."""
@@ -127,7 +129,9 @@ def test_guess_episodes_through_dedicated(make_cfg):
     assert wait_gone(cfg.run_dir) == []
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "zero3"])
+@pytest.mark.starts_process
+# make test: rollout=dedicated, parallel=ddp (e2e_smoke)
+@pytest.mark.parametrize("parallel", [pytest.param("ddp", marks=pytest.mark.e2e_smoke), "zero3"])
 def test_two_process_run_with_one_engine_per_node(tmp_path, cache_dir, hub_like_policy, parallel):
     """The engine's folder carries a hub model's generation_config.json (conftest): sampling stays pinned."""
     out = run_ok([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, f"parallel={parallel}",
@@ -141,6 +145,7 @@ def test_two_process_run_with_one_engine_per_node(tmp_path, cache_dir, hub_like_
     assert_readable(open(engine_log).read(), "its engine's log")
 
 
+@pytest.mark.starts_process
 def test_engines_die_when_the_trainer_is_killed(tmp_path, cache_dir):
     cmd = [sys.executable, "-m", "grpo.train", *FAST, "steps=500", "rollout=dedicated",
            f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"]
@@ -174,6 +179,7 @@ def running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.starts_process
 def test_the_reaper_ends_an_engine_that_ignores_sigterm_once_its_trainer_is_killed():
     """vLLM's server can hang in its shutdown with requests in flight when its trainer is SIGKILLed;
     the reaper started beside it (as launch_engine does) kills the group after its grace period."""

@@ -1,6 +1,8 @@
 """`python -m grpo.doctor`: the table, a failing check's fix and the exit code. The full doctor (every
 backend on real engines) runs in CI (`.ci/run`), not in this tier."""
 
+import pytest
+
 from grpo import doctor
 
 
@@ -15,6 +17,7 @@ def test_versions_and_device_pass_here(capsys):
     assert f"torch kernels {torch.backends.cpu.get_cpu_capability()}" in out and "threads" in out
 
 
+@pytest.mark.starts_process
 def test_a_failing_run_is_a_fail_row_with_its_fix(tmp_path):
     """A training run that exits non-zero (here: a config key that does not exist) fails its row."""
     result = doctor.check_backend("hf", str(tmp_path), ["no_such_key=1"])

@@ -97,6 +97,7 @@ def logged(run_dir) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "loss" in r}
 
 
+@pytest.mark.starts_process
 def test_dynamic_sampling_run_resumes_drawing_the_same_prompts(tmp_path, cache_dir, learning_policy):
     """3 steps straight against 2 steps, then a resume to 3: step 3 draws as many batches, of the same
     prompts (the sampler's state is in the checkpoint), and trains the same groups."""

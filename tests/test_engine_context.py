@@ -114,6 +114,7 @@ def test_the_start_failure_message_keeps_every_line_of_vllms_message():
     assert "0.50 GiB does not fit: set a smaller rollout.vllm.kv_cache_gb" in memory, memory
 
 
+@pytest.mark.starts_process
 def test_a_colocated_engine_on_a_256_position_model_starts_with_1024_fitted_to_256(tiny_lm, model_dir):
     """The real engine: the tiny model's folder (max_position_embeddings=256) and rollout.vllm.max_model_len=1024
     start, at the model's 256 tokens, and the backend reports that as its context (the multi-turn budget's)."""

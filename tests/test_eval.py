@@ -21,6 +21,7 @@ def test_pass_at_k_by_hand():
     assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 1, 4) == 1.0
 
 
+@pytest.mark.starts_process
 def test_cli_writes_eval_json(tmp_path, cache_dir):
     cmd = [sys.executable, "-m", "grpo.eval", "eval_samples=4", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -42,6 +43,7 @@ def test_cli_writes_eval_json(tmp_path, cache_dir):
     assert 0 < expected < 1  # a warm-started policy: some right, some wrong, so a scoring bug would show
 
 
+@pytest.mark.starts_process
 def test_in_loop_evaluation_goes_to_metrics(make_cfg):
     cfg = make_cfg("steps=4", "eval_every=2", "eval_samples=2")
     train(cfg)

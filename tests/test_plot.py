@@ -48,6 +48,7 @@ def test_plot_command_names_a_folder_without_metrics(tmp_path):
         main([str(tmp_path)])
 
 
+@pytest.mark.starts_process
 def test_notebook_runs_on_a_fresh_run(make_cfg, tmp_path, monkeypatch):
     import nbformat
     from nbclient import NotebookClient

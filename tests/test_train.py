@@ -12,6 +12,8 @@ from tests.conftest import FAST, ROOT, assert_rewards_vary
 from tests.listener_watch import ListenerWatch
 
 
+@pytest.mark.starts_process
+@pytest.mark.e2e_smoke  # make test's run of rollout=hf, parallel=single
 def test_short_run_writes_its_run_folder(make_cfg, tmp_path, hub_like_policy):
     """rollout=hf on a folder whose generation_config.json sets a repetition penalty, min-p, top-k...:
     generate samples with the run's own settings only, so the sampler's logprobs are the trainer's."""
@@ -44,6 +46,7 @@ def test_short_run_writes_its_run_folder(make_cfg, tmp_path, hub_like_policy):
     assert os.path.isdir(run / "checkpoints" / "step_00000003")
 
 
+@pytest.mark.starts_process
 def test_every_algo_variant_runs(make_cfg, learning_policy):
     for overrides in (
         ["algo=dr_grpo"],
@@ -60,6 +63,7 @@ def test_every_algo_variant_runs(make_cfg, learning_policy):
             assert (r["grad_norm"] > 0) == (r["trained_completions"] > 0), (overrides, r)
 
 
+@pytest.mark.starts_process
 @pytest.mark.parametrize("variant", ["gspo", "rloo", "reinforce_pp", "cispo"])
 def test_variant_presets_train(make_cfg, learning_policy, variant):
     """Each variant's preset trains 2 steps; reused batches (2 passes x 2 minibatches) make the
@@ -75,6 +79,7 @@ def test_variant_presets_train(make_cfg, learning_policy, variant):
         assert max(r["clip_frac"] for r in trained) > 0, trained
 
 
+@pytest.mark.starts_process
 def test_wandb_logger_offline(make_cfg, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -83,6 +88,7 @@ def test_wandb_logger_offline(make_cfg, tmp_path, monkeypatch):
     assert any(r.startswith("offline-run-") for r in runs), runs
 
 
+@pytest.mark.starts_process
 def test_cli_prints_the_figures(tmp_path, cache_dir):
     cmd = [sys.executable, "-m", "grpo.train", *FAST, "steps=2", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -90,6 +96,7 @@ def test_cli_prints_the_figures(tmp_path, cache_dir):
     assert "eval accuracy" in out.stdout and "in 2 steps" in out.stdout
 
 
+@pytest.mark.starts_process
 def test_cli_bad_config_exits_with_a_clear_message(tmp_path):
     cmd = [sys.executable, "-m", "grpo.train", "algo.batch_size=30", f"hydra.run.dir={tmp_path}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -109,6 +116,7 @@ def test_default_run_meets_the_learning_bar(tmp_path, cache_dir, learning_policy
     assert summary["wall_s"] < 300
 
 
+@pytest.mark.starts_process
 def test_bf16_reference_runs_as_the_policy_so_the_first_kl_is_zero(make_cfg, learning_policy):
     """model.dtype=bfloat16, parallel=single: the policy runs fp32 masters under bf16 autocast, and so
     must the reference (Strategy.prepare_reference). One step, before which the two are the same

@@ -16,6 +16,8 @@ from tests.conftest import ROOT
 from tests.listener_watch import ListenerWatch
 
 
+@pytest.mark.starts_process
+@pytest.mark.e2e_smoke  # make test's run of rollout=colocated
 def test_short_training_run_through_colocated(make_cfg, hub_like_policy):
     """On a folder with a hub model's generation_config.json (see conftest): the engine's sampling is
     pinned to the run's temperature/top-p/top-k."""
@@ -32,6 +34,7 @@ def test_short_training_run_through_colocated(make_cfg, hub_like_policy):
     assert all(r["gen_tokens_per_s"] > 0 and r["completion_len"] > 0 for r in trained)
 
 
+@pytest.mark.starts_process
 def test_guess_episodes_through_colocated(make_cfg):
     """3 steps of experiment=guess_tiny on the in-process engine: several turns, observations masked,
     the trainer scoring the engine's tokens across turns."""

@@ -196,6 +196,7 @@ def test_validate_takes_turn_credit_on_the_guess_task(make_cfg):
     validate(make_cfg("experiment=guess_tiny", "algo.turn_rewards=per_turn", "algo.turn_discount=0.9"))
 
 
+@pytest.mark.starts_process
 def test_a_per_turn_run_trains_on_token_advantages_and_differs_from_the_final_reward(make_cfg, tmp_path):
     """2 steps of the shaped guess game: per_turn (gamma 0.9) trains, and its losses are not the
     final-reward run's (same seed, same episodes at step 1): the token advantages reached the loss."""

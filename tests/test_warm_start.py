@@ -30,6 +30,7 @@ def test_a_warm_start_below_its_target_raises_and_caches_nothing(tmp_path):
         exit_on_user_error(lambda: (_ for _ in ()).throw(e.value))
 
 
+@pytest.mark.starts_process
 def test_the_warm_start_reaches_its_target_under_other_float_rounding(tmp_path):
     """The default warm start under torch's AVX2 kernels and on one thread (the session's own build,
     the `learning_policy` fixture, is the default setting): each reaches the target well inside the

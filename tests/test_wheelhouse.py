@@ -82,6 +82,7 @@ def test_the_stand_in_torch_is_a_wheel_with_no_dependencies(tmp_path):
     assert "Version: 2.11.0+wheelhouse" in metadata and "Requires-Dist" not in metadata
 
 
+@pytest.mark.starts_process
 def test_make_setup_with_a_wheelhouse_installs_with_no_index_and_the_default_is_unchanged(tmp_path):
     def dry_run(*args):
         out = subprocess.run(["make", "-n", "setup", f"VENV={tmp_path}/venv", *args], cwd=ROOT,
@@ -99,6 +100,7 @@ def test_make_setup_with_a_wheelhouse_installs_with_no_index_and_the_default_is_
     assert "--no-index" not in default and '-e ".[dev]"' in default and "--system-site-packages" not in default
 
 
+@pytest.mark.starts_process
 def test_a_venv_made_from_a_venv_sees_that_venvs_packages(tmp_path):
     """The GPU machine's python3 is itself a venv holding torch: `make setup WHEELHOUSE=` made .venv from
     it with --system-site-packages, which saw the base interpreter's packages and no torch. Run by the

@@ -82,6 +82,7 @@ def test_deepspeed_options_need_a_zero_strategy(tmp_path):
     assert cfg.parallel.strategy == "zero3" and cfg.parallel.offload_optimizer
 
 
+@pytest.mark.starts_process
 def test_design_card_command_as_one_process_and_export_loads(tmp_path, cache_dir, learning_policy):
     """`python -m grpo.train parallel=zero3 rollout=colocated`, one process without a launcher;
     the exported folder loads in transformers with the trained weights, and in vLLM."""
@@ -113,6 +114,7 @@ def test_design_card_command_as_one_process_and_export_loads(tmp_path, cache_dir
     assert "VLLM-OUT" in run([sys.executable, "-c", code]).stdout
 
 
+@pytest.mark.starts_process
 def test_design_card_command_as_two_torchrun_processes(tmp_path, cache_dir):
     """The whole batch goes to each rank's colocated engine at once; ZeRO-3 weights are gathered
     bucket by bucket (a 1 MB bucket: several buckets for the 2 MB model) into both engines."""
@@ -128,6 +130,7 @@ def test_design_card_command_as_two_torchrun_processes(tmp_path, cache_dir):
     assert sum("zero_pp_rank_" in f for f in files) >= 2, files  # one shard per rank
 
 
+@pytest.mark.starts_process
 def test_zero3_two_process_resume_matches_an_uninterrupted_run(tmp_path, cache_dir):
     """2 ranks, ZeRO-3: stop after 2 steps, resume to 4 in the same folder; metrics and final
     weights equal a straight 4-step run's."""
@@ -153,6 +156,7 @@ def test_zero3_two_process_resume_matches_an_uninterrupted_run(tmp_path, cache_d
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6
 
 
+@pytest.mark.starts_process
 def test_zero3_loads_partitioned_and_scores_a_sharded_reference(tmp_path, learning_policy):
     """2 ranks, bf16, beta > 0 (tests/zero3_load.py): the policy is built under zero.Init (each rank
     holds half the elements, nothing whole) with the folder's weights; the engine sums gradients in
@@ -168,7 +172,9 @@ def test_zero3_loads_partitioned_and_scores_a_sharded_reference(tmp_path, learni
     assert r["kl"] < 1e-6 and r["loss"] != 0.0, r
 
 
-@pytest.mark.parametrize("parallel", ["zero2", "zero3_offload"])
+@pytest.mark.starts_process
+# make test: parallel=zero2 (e2e_smoke)
+@pytest.mark.parametrize("parallel", [pytest.param("zero2", marks=pytest.mark.e2e_smoke), "zero3_offload"])
 def test_two_process_runs_of_the_other_zero_strategies(tmp_path, cache_dir, parallel):
     run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, f"parallel={parallel}",
          f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
