@@ -3,7 +3,6 @@ tiers' marks: which tests start a process, an engine, a server or a training run
 
 from __future__ import annotations
 
-import contextlib
 import json
 import multiprocessing.process
 import os
@@ -14,6 +13,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+import grpo.rollout.colocated
 import grpo.train
 from grpo.config import register_configs
 
@@ -34,15 +34,16 @@ FAST = [
 register_configs()
 
 
-# The tiers (docs/testing.md, "Tiers"). A test that starts a process, an engine, a server or a training
-# run (in this process too) is marked `starts_process`: here, by a fixture of STARTING_FIXTURES it uses
-# (directly or through another fixture), by the tiers made of runs (`slow`, `slurm`, `gpu`), or by its
-# own `@pytest.mark.starts_process` where it starts one itself. `make test` runs the tests that are not
-# marked and the `e2e_smoke` ones (one short run per rollout backend and parallel strategy); `make
-# test-all` runs every one. An unmarked test that starts one fails (`pytest_runtest_setup` and
-# `pytest_runtest_call` below), so a missing mark cannot hide a slow test in the fast tier.
+# The tiers (docs/testing.md, "How tests are marked"). A test that starts a process, an engine, a
+# server or a training run (in this process too) is marked `starts_process`: here, by a fixture of
+# STARTING_FIXTURES it uses (directly or through another fixture), by the tiers made of runs (`slow`,
+# `slurm`, `gpu`), or by its own `@pytest.mark.starts_process` where it starts one itself. `make test`
+# runs the tests that are not marked and the `e2e_smoke` ones (one short run per rollout backend and
+# parallel strategy); `make test-all` runs every one. An unmarked test that starts one fails
+# (`pytest_runtest_setup` and `pytest_runtest_call` below), so a missing mark cannot hide a slow test
+# in the fast tier.
 STARTING_FIXTURES = {
-    "server": "a `grpo.serve` process (test_remote, test_judge, test_trajectories)",
+    "server": "a `grpo.serve` process (test_remote, test_judge, test_trajectories); an OpenEnv server (test_openenv)",
     "rm_server": "a `grpo.serve --reward-model` process (test_reward_model_served)",
     "engine": "an in-process vLLM engine (test_rollout_vllm)",
     "judge_url": "a `grpo.serve` of SmolLM2-135M, or none (test_experiments)",
@@ -107,61 +108,78 @@ def pytest_collection_modifyitems(items):
             raise pytest.UsageError(f"{item.nodeid} is marked e2e_smoke but starts nothing")
 
 
-@contextlib.contextmanager
-def watching_starts():
-    """Record what the block starts: a process (subprocess.Popen), a multiprocessing child, or a run of
-    grpo.train's loop (`grpo.train.run`, which `train` calls: in this process too)."""
-    started = []
+# What the running unmarked test has started (None outside one): the watchers below, installed once for
+# the session (a test's own monkeypatch of the same functions then stacks on them), write into it.
+STARTED: dict[str, list[str] | None] = {"by_test": None}
+COSTLY_PROGRAMS = ("torchrun", "bash", "sh")  # and every python*: a child that imports torch, vLLM or grpo
+
+
+def started(what: str) -> None:
+    if STARTED["by_test"] is not None:
+        STARTED["by_test"].append(what)
+
+
+def watch_starts() -> None:
+    """Watch for a Python (or shell, torchrun) child process, a multiprocessing child (torch's spawn
+    included), a run of grpo.train's loop (`grpo.train.run`, in this process too) and an in-process vLLM
+    engine (`grpo.rollout.colocated.build_llm`). Probes a library runs (`uname -p`, `git rev-parse`,
+    `lscpu`) are not watched: they cost nothing."""
     popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
-    run = grpo.train.run
+    run, build_llm = grpo.train.run, grpo.rollout.colocated.build_llm
 
     def watched_popen_init(self, args, *rest, **kw):
-        started.append(f"a process {args if isinstance(args, str) else [str(a) for a in args][:6]}")
+        argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        program = os.path.basename(os.fsdecode(argv[0]).split()[0]) if argv else ""
+        if program.startswith("python") or program in COSTLY_PROGRAMS:
+            started(f"a process {[os.fsdecode(a) for a in argv][:6]}")
         popen_init(self, args, *rest, **kw)
 
     def watched_process_start(self):
-        started.append(f"a multiprocessing child {self.name}")
+        started(f"a multiprocessing child {self.name}")
         process_start(self)
 
     def watched_run(*args, **kw):
-        started.append("a training run (grpo.train.run)")
+        started("a training run (grpo.train.run)")
         return run(*args, **kw)
 
+    def watched_build_llm(*args, **kw):
+        started("an in-process vLLM engine (grpo.rollout.colocated.build_llm)")
+        return build_llm(*args, **kw)
+
     subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start = watched_popen_init, watched_process_start
-    grpo.train.run = watched_run
+    grpo.train.run, grpo.rollout.colocated.build_llm = watched_run, watched_build_llm
+
+
+watch_starts()
+
+
+def watched(item, phase: str):
+    """Run one phase of an unmarked test with STARTED collecting; fail it if it started anything."""
+    STARTED["by_test"] = []
     try:
-        yield started
+        result = yield
     finally:
-        subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start = popen_init, process_start
-        grpo.train.run = run
-
-
-def fail_if_started(item, started: list[str], phase: str) -> None:
-    if started:
-        pytest.fail(f"{item.nodeid} is not marked starts_process but its {phase} started {started[0]}"
-                    f"{f' (and {len(started) - 1} more)' if len(started) > 1 else ''}: mark the test "
+        seen, STARTED["by_test"] = STARTED["by_test"], None
+    if seen:
+        pytest.fail(f"{item.nodeid} is not marked starts_process but its {phase} started {seen[0]}"
+                    f"{f' (and {len(seen) - 1} more)' if len(seen) > 1 else ''}: mark the test "
                     "(@pytest.mark.starts_process) or, if a fixture started it, add the fixture to "
                     "STARTING_FIXTURES in tests/conftest.py", pytrace=False)
+    return result
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
     if item.get_closest_marker("starts_process"):
         return (yield)
-    with watching_starts() as started:
-        result = yield
-    fail_if_started(item, started, "setup")
-    return result
+    return (yield from watched(item, "setup"))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     if item.get_closest_marker("starts_process"):
         return (yield)
-    with watching_starts() as started:
-        result = yield
-    fail_if_started(item, started, "call")
-    return result
+    return (yield from watched(item, "call"))
 
 
 @pytest.fixture(scope="session")
@@ -334,7 +352,8 @@ def serve_tiny(model_dir: str, log_path, token: str, *extra_args: str, max_model
         proc = subprocess.Popen(
             [sys.executable, "-m", "grpo.serve", "--model", model_dir, "--port", str(port),
              "--max-model-len", str(max_model_len), "--memory-fraction", "0.1", *extra_args],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, TOKEN_ENV: token},
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, TOKEN_ENV: token},
         )
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: answers(url + "/health"), proc, log_path, "grpo.serve to answer /health", start_timeout_s)
