@@ -31,14 +31,14 @@ def _timeout() -> int | None:
 
 
 def _parse(text: str):
-    from math_verify import parse
+    from math_verify import parse  # local: math_verify is heavy (sympy); grpo.config imports the reward registry
 
     return parse(text, parsing_timeout=_timeout())
 
 
 def is_equivalent(completion: str, answer: str) -> bool:
     """True when math-verify finds the completion's final answer equal to `answer` (plain or LaTeX)."""
-    from math_verify import verify
+    from math_verify import verify  # local: as in _parse
 
     gold = _parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
     if not gold:

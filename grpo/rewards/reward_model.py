@@ -39,6 +39,9 @@ import warnings
 
 import torch
 
+from grpo.errors import ConfigError
+from grpo.models import DTYPES
+
 TINY_RM = "tiny_rm"
 NORMALISATIONS = ("none", "running", "fixed")
 
@@ -161,18 +164,15 @@ class RewardModel:
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # local: transformers is heavy; grpo.config reaches this module
 
     return AutoTokenizer.from_pretrained(path)
 
 
 def load_reward_model(path: str, dtype: str, device="cpu"):
     """(model in eval mode without gradients on `device`, tokenizer) from a folder or hub id."""
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification  # local: transformers is heavy (as above)
     from transformers.utils import logging as hf_logging
-
-    from grpo.errors import ConfigError
-    from grpo.models import DTYPES
 
     hf_logging.disable_progress_bar()
     tokenizer = load_tokenizer(path)

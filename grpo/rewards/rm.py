@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import os
 
+from grpo.errors import ConfigError
+from grpo.models import HUB_ID
 from grpo.rewards.reward_model import (NORMALISATIONS, TINY_RM, RewardModel, ScoreNormaliser, load_reward_model,
                                        load_tokenizer)
+from grpo.rewards.served_rm import build_served, check_served
 from grpo.tiny.rm import built_tiny_rm
 
 
 def check(cfg) -> None:
     """validate's part: reward.rm's settings, with nothing loaded."""
-    from grpo.errors import ConfigError
-    from grpo.models import HUB_ID
-
     rm = cfg.reward.rm
     if not rm.path:
         raise ConfigError("reward `rm` needs reward.rm.path: a local folder or hub id of a sequence-classification "
@@ -43,8 +43,6 @@ def check(cfg) -> None:
     if rm.dtype not in (None, "float32", "bfloat16"):
         raise ConfigError(f"reward.rm.dtype={rm.dtype!r}: use float32, bfloat16, or null for model.dtype.")
     if rm.urls:
-        from grpo.rewards.served_rm import check_served
-
         check_served(rm)
 
 
@@ -57,8 +55,6 @@ def build(cfg, device="cpu") -> RewardModel:
         path = built_tiny_rm(cfg)
     normaliser = ScoreNormaliser(rm.normalise, rm.offset, rm.scale)
     if rm.urls:
-        from grpo.rewards.served_rm import build_served
-
         return build_served(rm, load_tokenizer(path), normaliser)
     model, tokenizer = load_reward_model(path, rm.dtype or cfg.model.dtype, device)
     return RewardModel(model, tokenizer, rm.max_tokens, normaliser, rm.timeout_s_per_1k_tokens)

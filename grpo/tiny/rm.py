@@ -107,6 +107,7 @@ def digit_labels(tokenizer, rows: list, answers: list[str]) -> tuple[torch.Tenso
 def build_from_policy(policy_path: str, new_layers: int, seed: int):
     """(sequence-classification model, tokenizer): the policy's layers and embeddings, `new_layers` more
     layers and a score head, those at random (seeded)."""
+    # local: transformers is heavy; validate reaches this module through grpo.rewards.rm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
@@ -131,7 +132,7 @@ def train_tiny_rm(policy_path: str, task, cfg, log=print):
     gathers those checks at the final token, where the score is read. Without the two (the pairwise
     loss alone, 2 to 4 layers, 400 to 2000 steps), the model learned to check one digit and ignore
     another, and GRPO on its score drove held-out accuracy down (docs/results/reward_model.md)."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # local: heavy (as above)
 
     hf_logging.disable_progress_bar()
     model, tokenizer = build_from_policy(policy_path, cfg.new_layers, cfg.seed)

@@ -14,6 +14,7 @@ TINY_CONTEXT = 256  # the tiny model's max_position_embeddings: prompt + complet
 
 def build_char_tokenizer():
     """Character-level tokenizer over printable ASCII; it prepends <bos> itself, as HF ones do."""
+    # local: tokenizers and transformers are heavy; grpo.config imports this module (TINY_CONTEXT)
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -30,7 +31,7 @@ def build_char_tokenizer():
 
 
 def build_tiny_model(cfg, vocab_size: int, pad_id: int, bos_id: int, eos_id: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # local: heavy (as above)
 
     torch.manual_seed(cfg.seed)
     config = Qwen2Config(

@@ -17,7 +17,7 @@ TINY_IMAGE_PIXELS = (28 * 28 * 4, 28 * 28 * 16)  # the embedded VLM's image budg
 def build_tiny_vlm(tiny, tokenizer):
     """A Qwen2-VL of `tiny`'s language model sizes (M-RoPE sections for its head dim) with a one-block
     vision tower (patch 14, merge 2); the tokenizer gains the three vision tokens first."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration  # local: heavy; grpo.config imports this module
 
     tokens = [vision.VISION_START, vision.IMAGE_PAD, vision.VISION_END, vision.VIDEO_PAD]
     tokenizer.add_special_tokens({"additional_special_tokens": tokens})
@@ -40,7 +40,7 @@ def build_tiny_vlm(tiny, tokenizer):
 
 
 def tiny_image_processor():
-    from transformers import Qwen2VLImageProcessorPil
+    from transformers import Qwen2VLImageProcessorPil  # local: heavy (as above)
 
     low, high = TINY_IMAGE_PIXELS
     return Qwen2VLImageProcessorPil(min_pixels=low, max_pixels=high, patch_size=14, merge_size=2, temporal_patch_size=2)

@@ -125,7 +125,7 @@ def ensure_tiny_model(cfg, task_cfg, task, max_new_tokens: int, log=print, play=
         return path
     log(f"building the tiny model in {path}")
     model, tokenizer, info = build_warm_tiny(cfg.tiny, task, max_new_tokens, log, kind=cfg.path, play=play)
-    from transformers.utils import logging as hf_logging  # heavy: only when a model is built
+    from transformers.utils import logging as hf_logging  # local: transformers is heavy; only when a model is built
 
     hf_logging.disable_progress_bar()
     return publish_model_folder(model, tokenizer, path, "grpo_tiny.json", info)
