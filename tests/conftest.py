@@ -51,52 +51,10 @@ STARTING_FIXTURES = {
 }
 TIERS_OF_RUNS = ("slow", "slurm", "gpu")
 
-# The tests that start one themselves in files whose marks are kept here, not on the tests (files other
-# engineers own for now; their marks move into the files with them). By file and function, every
-# parametrisation included.
-STARTS_IN_FILES_KEPT_ELSEWHERE = {
-    "tests/test_algorithm.py": {
-        "test_batch_scaled_advantages_are_the_same_on_one_and_two_processes",
-        "test_reinforce_pp_std_is_the_same_on_one_and_two_processes",
-    },
-    "tests/test_cli.py": {
-        "test_help_shows_a_usage_and_exits_0",
-    },
-    "tests/test_episodes.py": {
-        "test_an_env_that_raises_in_training_ends_only_its_episodes",
-        "test_guess_training_run_on_hf",
-        "test_zero3_ranks_whose_episodes_end_at_turns_1_and_4_stay_in_lockstep",
-    },
-    "tests/test_guards.py": {
-        "test_a_drifting_sampler_through_the_loop_is_logged_and_warned",
-        "test_a_nan_on_one_rank_skips_the_step_on_every_rank_and_a_diverged_rank_is_named",
-        "test_a_rank_diverged_in_the_loop_is_named_on_every_rank",
-        "test_non_finite_steps_through_the_loop_are_logged_and_three_in_a_row_stop_it",
-    },
-    "tests/test_sequence_parallel.py": {
-        "test_two_process_training_run_with_split_rows",
-        "test_verify_checks_the_split_on_two_processes",
-        "test_verify_names_a_split_without_its_whole_row_mask",
-    },
-    "tests/test_verify.py": {
-        "test_the_resume_check_never_runs_in_the_users_run_folder",
-        "test_verify_passes_on_the_default_run",
-    },
-    "tests/test_vision.py": {
-        "test_a_short_run_through_a_dedicated_vllm_server",
-        "test_a_short_run_through_colocated_vllm",
-        "test_a_short_run_trains_the_language_model_only",
-        "test_two_ranks_under_zero_with_images",
-        "test_zero3_generate_with_images_on_some_ranks_only_stops_every_rank",
-    },
-}
-
 
 def starts_process(item) -> bool:
-    file, _, name = item.nodeid.partition("::")
     return (any(item.get_closest_marker(tier) is not None for tier in ("starts_process", *TIERS_OF_RUNS))
-            or not STARTING_FIXTURES.keys().isdisjoint(item.fixturenames)
-            or name.split("[")[0] in STARTS_IN_FILES_KEPT_ELSEWHERE.get(file, ()))
+            or not STARTING_FIXTURES.keys().isdisjoint(item.fixturenames))
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks

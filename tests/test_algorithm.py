@@ -322,6 +322,7 @@ def test_batches_in_flight_never_exceed_the_staleness_bound():
         assert submitted == 20 and max(behind) == k and behind[: k + 1] == list(range(k + 1))
 
 
+@pytest.mark.starts_process
 def test_batch_scaled_advantages_are_the_same_on_one_and_two_processes(tmp_path):
     """adv_scale=batch divides by the std of the whole batch, every rank's rewards included:
     1 process x 4 groups and 2 real gloo processes x 2 groups give the same advantages."""
@@ -478,6 +479,7 @@ def test_reinforce_pp_divides_centred_rewards_by_their_batch_std():
     torch.testing.assert_close(adv, torch.tensor([[0.0, 0.0, 0.0], [2.0, 0.0, -2.0]]))
 
 
+@pytest.mark.starts_process
 def test_reinforce_pp_std_is_the_same_on_one_and_two_processes(tmp_path):
     """The batch std of the centred rewards is summed over ranks: 1 x 4 groups == 2 x 2 groups."""
     import torch.multiprocessing as mp

@@ -37,6 +37,7 @@ def test_entry_points_are_all_counted():
     assert found == ENTRY_POINTS
 
 
+@pytest.mark.starts_process
 @pytest.mark.parametrize("module", ENTRY_POINTS)
 def test_help_shows_a_usage_and_exits_0(module):
     out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -443,6 +443,7 @@ class BreaksOnOdd(GuessEnv):
         return super().step(action)
 
 
+@pytest.mark.starts_process
 def test_guess_training_run_on_hf(make_cfg):
     """3 steps of task=guess env=guess: the trainer scores the sampler's tokens across turns (sampler_diff
     <= 1e-3 with observations in the sequence), and the episode metrics are written."""
@@ -458,6 +459,7 @@ def test_guess_training_run_on_hf(make_cfg):
     assert 0 <= summary["eval_after"] <= 1
 
 
+@pytest.mark.starts_process
 def test_an_env_that_raises_in_training_ends_only_its_episodes(make_cfg):
     from grpo.train import train
 
@@ -523,6 +525,7 @@ class RankTurns(GuessEnv):
         return Step(None, 0.0, True) if dist.rank() == 0 else Step("<", 0.0, False)
 
 
+@pytest.mark.starts_process
 def test_zero3_ranks_whose_episodes_end_at_turns_1_and_4_stay_in_lockstep(tmp_path, cache_dir):
     """Under ZeRO-3 every `generate` is a collective (synced_gpus): rank 0 finishes every episode at
     turn 1 and must still join rank 1's turns 2-4, or both hang."""

@@ -67,6 +67,7 @@ def test_the_guard_counts_skips_and_stops_a_run_of_them():
         guard.check(7, bad)
 
 
+@pytest.mark.starts_process
 @pytest.mark.parametrize("strategy,dtype", [("ddp", "float32"), ("zero2", "bfloat16"), ("zero3", "float32")])
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank_and_a_diverged_rank_is_named(tmp_path, strategy, dtype):
     """2 processes: rank 1's loss is NaN at one step. Every rank sees the non-finite norm after the
@@ -85,6 +86,7 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank_and_a_diverged_rank_is_n
             assert "ranks [1] hold weights that differ from rank 0's" in got["rank_check"][1], got
 
 
+@pytest.mark.starts_process
 def test_a_rank_diverged_in_the_loop_is_named_on_every_rank(tmp_path, cache_dir):
     """Issue 46 item 3, the rank check through grpo.train's loop on 2 ddp processes: rank 1 alone
     changes a weight after step 1's update; the check due at step 1 ends the run on both ranks, naming
@@ -189,6 +191,7 @@ def logged_steps(cfg) -> list[dict]:
 SHORT = ("task.eval_size=8", "export_model=false")  # the guards act per step: the evaluations can be tiny
 
 
+@pytest.mark.starts_process
 def test_non_finite_steps_through_the_loop_are_logged_and_three_in_a_row_stop_it(make_cfg, monkeypatch):
     """REVIEW Part 5, tests that cannot fail 1: steps 2, 3 and 4 of a 4-step run have a NaN loss. Steps
     2 and 3 are skipped, warned and logged as guard/skipped_steps 1 and 2; step 4, the third in a
@@ -205,6 +208,7 @@ def test_non_finite_steps_through_the_loop_are_logged_and_three_in_a_row_stop_it
     assert math.isfinite(rows[0]["grad_norm"]) and not math.isfinite(rows[1]["grad_norm"]), rows
 
 
+@pytest.mark.starts_process
 def test_a_drifting_sampler_through_the_loop_is_logged_and_warned(make_cfg, monkeypatch):
     """Issue 46 item 3, the sampler watch: every batch's sampler logprobs are shifted by 1 (as an
     engine that never got the weights gives them): sampler_diff logs 1 at every step, and the third

@@ -137,6 +137,7 @@ def test_split_rows_update_equals_one_process(tmp_path, references, strategy, pr
         assert json.load(open(tmp_path / "split" / f"layouts_rank{rank}.json")).get("attention_split", 0) > 0, rank
 
 
+@pytest.mark.starts_process
 @pytest.mark.parametrize("strategy,extra", [("zero3", []), ("zero2", ["model.gradient_checkpointing=true"]), ("ddp", [])])
 def test_two_process_training_run_with_split_rows(tmp_path, cache_dir, strategy, extra):
     """`torchrun --nproc_per_node 2 -m grpo.train parallel=zero3 parallel.sequence_parallel=2` on the
@@ -171,6 +172,7 @@ def verify_rows(stdout: str) -> dict[str, str]:
             if line[:4] in ("PASS", "FAIL", "SKIP") and line[4:6] == "  "}
 
 
+@pytest.mark.starts_process
 def test_verify_checks_the_split_on_two_processes(cache_dir):
     """grpo.verify under S = 2: its `split` row compares split rows with unsplit ones on the run's own
     batch, and the sampler and sync rows score through the split."""
@@ -180,6 +182,7 @@ def test_verify_checks_the_split_on_two_processes(cache_dir):
     assert status.get("split") == "PASS" and status.get("sampler") == "PASS" and status.get("sync") == "PASS", out.stdout
 
 
+@pytest.mark.starts_process
 def test_verify_names_a_split_without_its_whole_row_mask(tmp_path, cache_dir):
     """The same run with the whole-row mask dropped from the split attention: split, sampler and sync
     fail (the unsplit forward, the layouts and the reference keep theirs and pass)."""

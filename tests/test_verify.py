@@ -41,6 +41,7 @@ def live_copies(param_name: str) -> tuple[int, int]:
     return models, kept
 
 
+@pytest.mark.starts_process
 def test_verify_passes_on_the_default_run(cache_dir, capsys, monkeypatch):
     """Every row passes; and the layout checks hold one model copy of their own and one kept gradient
     set at a time beside the one being computed (they kept three fp32 sets and two copies on rank 0's
@@ -221,6 +222,7 @@ def test_the_resume_checks_runs_get_none_of_the_users_placement():
     assert child_overrides(given) == ["algo.lr=0.1", "+logger.tags=[a]"]
 
 
+@pytest.mark.starts_process
 def test_the_resume_check_never_runs_in_the_users_run_folder(tmp_path, cache_dir):
     """The guards tell users to run grpo.verify with their run's overrides, run_dir= among them: the
     resume check's runs go to their own scratch folders whatever the overrides say (given the user's

@@ -264,6 +264,7 @@ def sampler_diffs(run_dir) -> list[float]:
     return [r["sampler_diff"] for r in map(json.loads, open(run_dir / "metrics.jsonl")) if "sampler_diff" in r]
 
 
+@pytest.mark.starts_process
 @pytest.mark.parametrize("lora", [0, 4])
 def test_a_short_run_trains_the_language_model_only(make_cfg, tmp_path, lora):
     """A few GRPO steps through hf: the sampler and the trainer agree every step; the vision tower is
@@ -288,6 +289,7 @@ def test_a_short_run_trains_the_language_model_only(make_cfg, tmp_path, lora):
             "the language model did not train"
 
 
+@pytest.mark.starts_process
 @pytest.mark.parametrize("parallel, freeze", [("zero2", "false"), ("zero3", "true")])
 def test_two_ranks_under_zero_with_images(tmp_path, cache_dir, parallel, freeze):
     """ZeRO-2 with the tower training, ZeRO-3 with it frozen, on 2 processes: the ranks' micro-batches
@@ -330,6 +332,7 @@ def _images_on_rank(rank: int, init_file: str, out_dir: str) -> None:
     tdist.destroy_process_group()
 
 
+@pytest.mark.starts_process
 def test_zero3_generate_with_images_on_some_ranks_only_stops_every_rank(tmp_path):
     """rollout=hf under ZeRO-3 generates on the training model, a collective: where one rank has image
     prompts and another none, both raise the same error (instead of hanging in the tower's gathers)."""
@@ -362,6 +365,7 @@ def test_a_sync_sends_the_vision_tower_only_when_it_trains(freeze):
     assert len(exported) == len(list(model.named_parameters(remove_duplicate=False)))
 
 
+@pytest.mark.starts_process
 def test_a_short_run_through_colocated_vllm(make_cfg, tmp_path):
     """Image prompts through a colocated vLLM engine (one placeholder per image, expanded by vLLM's own
     Qwen2-VL processor to the trainer's ids, checked every batch): sampler and trainer agree after
@@ -376,6 +380,7 @@ def test_a_short_run_through_colocated_vllm(make_cfg, tmp_path):
     assert sum("eval/accuracy" in r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))) == 2
 
 
+@pytest.mark.starts_process
 def test_a_short_run_through_a_dedicated_vllm_server(make_cfg, tmp_path, monkeypatch):
     """Image prompts through a vLLM server (rollout=dedicated; remote sends the same requests): one
     token-in-token-out request per prompt, its images as PNG content parts, the ids the server expanded
