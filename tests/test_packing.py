@@ -21,7 +21,7 @@ from grpo.rollout.base import Rollouts
 from grpo.update import accumulate_gradients, loss_norm, policy_update, score_tokens
 from grpo.batch import collate
 from grpo.update.forward import batch_logprobs
-from grpo.update.layouts import MicroBatch, micro_batches
+from grpo.update.layouts import MicroBatch, micro_batches, plan
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -115,6 +115,22 @@ def test_packed_logprobs_equal_the_padded_ones(tiny_lm, max_tokens, layout, ran)
     torch.testing.assert_close(logp[real0], ref_logp[real0], rtol=0, atol=1e-5)
     torch.testing.assert_close(ent[real0], ref_ent[real0], rtol=0, atol=1e-5)
     assert_ran(ran, layout)
+
+
+def test_trees_of_two_completions_give_the_padded_logprobs(tiny_lm):
+    """One row of three trees, each a prompt and two non-empty completions: every completion attends to
+    its prompt and itself only (the tree mask), so each gets its padded logprobs; without the mask
+    the second completion of a tree would attend to the first."""
+    model, tok = tiny_lm
+    batch = spread_batch(tok).select(slice(2, 8))  # 3 prompts x 2 completions, none empty
+    assert (batch.mask_BT.sum(dim=1) > 0).all()
+    assert plan(model, batch, "shared", 10_000).layout == "shared"  # the model shares (probed once)
+    shared = MicroBatch(batch, "shared", [[2, 2, 2]])
+    with torch.no_grad():
+        logp, _ = batch_logprobs(model, shared, 0.7)
+        ref, _ = batch_logprobs(model, replace_rows(shared), 0.7)
+    real = completion_tokens(batch)
+    torch.testing.assert_close(logp[real], ref[real], rtol=0, atol=1e-5)
 
 
 def replace_rows(mb):
@@ -427,8 +443,6 @@ def test_a_fallback_stays_within_the_micro_batch_cap(tiny_lm, monkeypatch):
         score_tokens(no_mask, batch, 1.0, 80, layout="shared")
     assert widths and max(widths) <= 80, widths
     # the plan names what runs and why (policy_update's `layout`, the guard's message)
-    from grpo.update.layouts import plan
-
     planned = plan(no_mask, batch, "shared", 80)
     assert (planned.asked, planned.layout) == ("shared", "packed") and "ignores a 4D mask" in planned.reason
     assert {mb.layout for mb in planned.micro_batches} == {"packed"}
