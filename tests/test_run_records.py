@@ -60,6 +60,16 @@ def wandb_history(run_dir) -> dict[int, float]:
     return rows
 
 
+def settled_history(run_dir, expected: dict, timeout_s: float = 60.0) -> dict[int, float]:
+    """`wandb_history` once it equals `expected`, or as it is after `timeout_s`: wandb's service writes
+    a finished run's records after `wandb.finish()` returns (seen in CI under load: the resumed attempt's
+    file read mid-write held none of its rows, and held them all a minute later)."""
+    deadline = time.monotonic() + timeout_s
+    while (rows := wandb_history(run_dir)) != expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return rows
+
+
 def logger(run_dir, resume_step=None) -> RunLogger:
     cfg = OmegaConf.structured(LoggerConfig(backend="wandb", mode="offline", log_every=1000))
     return RunLogger(cfg, str(run_dir), 8, {}, resume_step=resume_step)
@@ -85,7 +95,7 @@ def test_a_resumed_run_logs_every_step_once_to_metrics_and_wandb(tmp_path):
     resumed.close()
     expected = {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 50.0, 6: 60.0, 7: 70.0, 8: 80.0}
     assert jsonl(tmp_path) == sorted(expected.items())
-    assert wandb_history(tmp_path) == expected
+    assert settled_history(tmp_path, expected) == expected
 
 
 @pytest.mark.starts_process
