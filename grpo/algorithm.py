@@ -218,28 +218,6 @@ def zero_std_groups(rewards_PG: torch.Tensor, tol: float = 1e-6) -> torch.Tensor
     return (hi_P - lo_P <= tol) | (valid_PG.sum(dim=1) < 2)
 
 
-def token_logprobs(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probability of each chosen token under softmax(logits / temperature) -> logprobs_BT.
-
-    As logit[token] - logsumexp(logits): no B x T x V log_softmax is kept for the backward pass
-    beside the logits (at 16k tokens x 152k vocabulary that is 10 GB in fp32)."""
-    logits_BTV = logits_BTV.float()
-    if temperature != 1.0:
-        logits_BTV = logits_BTV / max(temperature, 1e-6)
-    return logits_BTV.gather(-1, tokens_BT.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits_BTV, dim=-1)
-
-
-@torch.no_grad()
-def entropy(logits_BTV: torch.Tensor, rows_per_chunk: int = 8) -> torch.Tensor:
-    """Entropy of each position's distribution -> entropy_BT (a metric: no gradient), a few rows at
-    a time, so the fp32 log_softmax never exists for the whole batch."""
-    out = []
-    for chunk in logits_BTV.split(rows_per_chunk):
-        logp = torch.log_softmax(chunk.float(), dim=-1)
-        out.append(-(logp.exp() * logp).sum(-1))
-    return torch.cat(out) if out else logits_BTV.new_zeros(logits_BTV.shape[:2]).float()
-
-
 def importance_weights(
     old_logprobs_BT: torch.Tensor, sampler_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor, level: str, mode: str, cap: float
 ) -> torch.Tensor:
