@@ -29,81 +29,81 @@ def csv(text: str, kind=str) -> list:
 
 
 def run(args):
-    from grpo.bench.steps import report_run
+    from grpo.bench.steps import report_run  # lazy: a command imports its own deps
 
     return report_run(csv(args.backends), args.steps, args.sync_repeats, csv(args.parallel), csv(args.zero3_buckets, float),
                       args.overrides)
 
 
 def run_async(args):
-    from grpo.bench.asynchronous import report_async
+    from grpo.bench.asynchronous import report_async  # lazy: a command imports its own deps
 
     return report_async(args.steps, args.learn_steps, args.engine_cores, args.overrides)
 
 
 def run_lora(args):
-    from grpo.bench.lora import report_lora
+    from grpo.bench.lora import report_lora  # lazy: a command imports its own deps
 
     return report_lora()
 
 
 def run_shared_cores(args):
-    from grpo.bench.shared_cores import report_shared_cores
+    from grpo.bench.shared_cores import report_shared_cores  # lazy: a command imports its own deps
 
     return report_shared_cores(args.steps, args.overrides)
 
 
 def run_warm_start(args):
-    from grpo.bench.warm_start import report_warm_start
+    from grpo.bench.warm_start import report_warm_start  # lazy: a command imports its own deps
 
     return report_warm_start(csv(args.seeds, int), args.settings)
 
 
 def run_update_memory(args):
-    from grpo.bench.memory import report_update_memory
+    from grpo.bench.memory import report_update_memory  # lazy: a command imports its own deps
 
     return report_update_memory(args.layers)
 
 
 def run_hf_scores(args):
-    from grpo.bench.memory import report_hf_scores
+    from grpo.bench.memory import report_hf_scores  # lazy: a command imports its own deps
 
     return report_hf_scores(args.layers)
 
 
 def run_zero3_memory(args):
-    from grpo.bench.zero3 import report_zero3_memory
+    from grpo.bench.zero3 import report_zero3_memory  # lazy: a command imports its own deps
 
     return report_zero3_memory(args.rows, args.tokens)
 
 
 def run_update_packing(args):
-    from grpo.bench.packing import report_update_packing
+    from grpo.bench.packing import report_update_packing  # lazy: a command imports its own deps
 
     return report_update_packing(args.layers, args.prompts, args.group, args.repeats)
 
 
 def run_vs_trl(args):
-    from grpo.bench.vs_trl import report_trl
+    from grpo.bench.vs_trl import report_trl  # lazy: a command imports its own deps
 
     return report_trl(args.steps, args.overrides)
 
 
 def run_env_calls(args):
-    from grpo.bench.env_calls import report_env_calls
+    from grpo.bench.env_calls import report_env_calls  # lazy: a command imports its own deps
 
     return report_env_calls(args.trajectories, args.step_ms, csv(args.concurrency, int))
 
 
 def run_episodes(args):
-    from grpo.bench.episodes import report_episodes
+    from grpo.bench.episodes import report_episodes  # lazy: a command imports its own deps
 
     return report_episodes(args.steps, args.batch, args.latency_ms, csv(args.settings), args.overrides, args.learn_steps,
                            csv(args.learn_settings))
 
 
 def run_sequence_memory(args):
-    from grpo.bench.sequence import report_sequence_memory
+    from grpo.bench.sequence import report_sequence_memory  # lazy: a command imports its own deps
 
     return report_sequence_memory(csv(args.sizes, int), args.layers, args.tokens)
 
@@ -204,9 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
         argv = ["run", *argv]  # no command: the default benchmark, with the options given
     args = p.parse_args(argv)
-    import torch
+    import torch  # torch: heavy; the dispatcher and --help load no torch
 
-    from grpo.bench.report import publish
+    from grpo.bench.report import publish  # loads torch (grpo.cpus): here, not at the top, for the same reason
 
     torch.manual_seed(0)
     publish(args.out, *args.fn(args))

@@ -10,6 +10,8 @@ import tempfile
 import time
 
 from grpo.bench.runs import QUIET, backend_overrides, compose, metrics_rows, pinned, served, tiny_model_path
+from grpo.rollout.dedicated import split_cpus
+from grpo.train import train
 
 
 def bench_async(steps: int, learn_steps: int, engine_cores: int, extra: list[str]) -> tuple[list[dict], list[dict]]:
@@ -19,9 +21,6 @@ def bench_async(steps: int, learn_steps: int, engine_cores: int, extra: list[str
     that many CPUs and the trainer the rest (`rollout.dedicated.cpu_cores`; for remote the server and
     this process are pinned the same way), as reserved GPUs would be. Then the default task learned
     with k = 0 and k = 1 through rollout=dedicated for the same steps (0: no learning run)."""
-    from grpo.rollout.dedicated import split_cpus
-    from grpo.train import train
-
     # k = 0 is the synchronous loop exactly; k >= 1 its stale batches clipped around the sampler
     # (algo.trust_region=auto); the overrides may change both
     common = [*QUIET, "export_model=false", *extra]

@@ -12,6 +12,7 @@ from grpo.rollout.base import Rollouts, Sampling
 from grpo.rollout.episodes import Budget, EpisodeRunner
 from grpo.rollout.render import RawRender
 from grpo.tasks.base import Sample
+from grpo.tiny.text import build_char_tokenizer
 
 
 class Sleeps(TextEnv):
@@ -26,8 +27,6 @@ class Sleeps(TextEnv):
 
 
 def bench_env_calls(trajectories: int, step_ms: float, concurrency: list[int]) -> list[dict]:
-    from grpo.tiny.text import build_char_tokenizer
-
     tok = build_char_tokenizer()
     turn = tok("8", add_special_tokens=False).input_ids + [tok.eos_token_id]
 

@@ -24,6 +24,8 @@ import time
 from grpo.bench.runs import QUIET, compose, metrics_rows, served
 from grpo.envs.base import Step
 from grpo.envs.guess import GuessEnv
+from grpo.tiny.folders import resolve_model_folder
+from grpo.train import train
 
 SETTINGS = {
     "turns": ["rollout.schedule=turns"],
@@ -61,9 +63,6 @@ def workload(latency_ms: float, batch: int, steps: int) -> list[str]:
 
 
 def bench_episodes(steps: int, batch: int, latency_ms: float, settings: list[str], extra: list[str]) -> list[dict]:
-    from grpo.tiny.folders import resolve_model_folder
-    from grpo.train import train
-
     common = workload(latency_ms, batch, steps) + list(extra)
     model = resolve_model_folder(compose(common + ["run_dir=unused"]))  # the guess warm start, built once
     rows = []
@@ -93,9 +92,6 @@ def bench_episodes(steps: int, batch: int, latency_ms: float, settings: list[str
 def bench_learning(steps: int, settings: list[str], extra: list[str]) -> list[dict]:
     """experiment=guess_tiny itself (the plain guess game, 4 turns) on rollout=remote with one server,
     algo.max_staleness=1, per setting: the held-out solve rate before and after `steps` steps."""
-    from grpo.tiny.folders import resolve_model_folder
-    from grpo.train import train
-
     common = ["experiment=guess_tiny", "algo.max_staleness=1", f"steps={steps}", "export_model=false", *QUIET, *extra]
     rows = []
     with served(resolve_model_folder(compose(common + ["run_dir=unused"]))) as url:

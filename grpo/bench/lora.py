@@ -12,9 +12,19 @@ import tempfile
 import time
 
 import torch
+from omegaconf import OmegaConf
 
+from grpo.batch import collate
 from grpo.bench.memory import PeakRSS
 from grpo.bench.runs import compose
+from grpo.config import AlgoConfig
+from grpo.dist import DistInfo
+from grpo.models import build_policy
+from grpo.parallel.single import SingleStrategy
+from grpo.rollout import Sampling, build_rollout
+from grpo.rollout.base import Rollouts
+from grpo.tiny.folders import resolve_on_node
+from grpo.update.forward import batch_logprobs
 
 
 def lora_worker(mode: str, out: str, rows: int = 8, prompt: int = 64, completion: int = 64, steps: int = 3) -> None:
@@ -23,18 +33,6 @@ def lora_worker(mode: str, out: str, rows: int = 8, prompt: int = 64, completion
     training step (forward + backward of the policy loss on rows x (prompt + completion) tokens, then
     AdamW), then the sync into a colocated vLLM engine: the bytes sent, `update_weights`' seconds,
     and the first generation after it (where vLLM loads an adapter)."""
-    from omegaconf import OmegaConf
-
-    from grpo.batch import collate
-    from grpo.config import AlgoConfig
-    from grpo.dist import DistInfo
-    from grpo.update.forward import batch_logprobs
-    from grpo.models import build_policy
-    from grpo.parallel.single import SingleStrategy
-    from grpo.rollout import Sampling, build_rollout
-    from grpo.rollout.base import Rollouts
-    from grpo.tiny.folders import resolve_on_node
-
     cfg = compose(["model=smollm2-135m", "rollout=colocated", "run_dir=unused", "rollout.vllm.max_model_len=256",
                    *(["model.lora.rank=16", "model.lora.alpha=32"] if mode == "lora" else [])])
     path = resolve_on_node(cfg, DistInfo(), log=lambda *_: None)

@@ -25,6 +25,13 @@ import threading
 import time
 
 import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from grpo.batch import collate
+from grpo.rollout import Sampling
+from grpo.rollout.base import Rollouts
+from grpo.rollout.hf import SampledLogprobs, folder_defaults_off, generation_config, logits_processors
+from grpo.update.forward import batch_logprobs, token_logprobs
 
 VOCAB = 151_936
 # glibc raises its mmap threshold to the largest block freed (up to 32 MB), after which every
@@ -65,8 +72,6 @@ class PeakRSS:
 
 def smollm2_body(layers: int, vocab: int = VOCAB):
     """SmolLM2-135M's shape with `layers` layers and a `vocab`-token head, fp32, seeded."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
                          num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
@@ -75,9 +80,6 @@ def smollm2_body(layers: int, vocab: int = VOCAB):
 
 
 def random_batch(rows: int, prompt: int, completion: int, vocab: int):
-    from grpo.rollout.base import Rollouts
-    from grpo.batch import collate
-
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (prompt,), generator=g).tolist() for _ in range(rows)]
     done = [torch.randint(3, vocab, (completion,), generator=g).tolist() for _ in range(rows)]
@@ -87,8 +89,6 @@ def random_batch(rows: int, prompt: int, completion: int, vocab: int):
 def whole_logits_logprobs(model, batch):
     """grpo.update.forward.batch_logprobs before the pieces: the completion's logits whole (logits_to_keep),
     then logit - logsumexp, which keeps the fp32 tokens x vocabulary tensor for backward."""
-    from grpo.update.forward import token_logprobs
-
     T = batch.completion_ids_BT.shape[1]
     logits = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
                    position_ids=batch.position_ids_BL, logits_to_keep=T + 1).logits[:, -(T + 1) : -1]
@@ -96,8 +96,6 @@ def whole_logits_logprobs(model, batch):
 
 
 def update_worker(mode: str, out: str, layers: int, rows: int = 16, prompt: int = 64, completion: int = 512) -> None:
-    from grpo.update.forward import batch_logprobs
-
     model = smollm2_body(layers).train()
     batch = random_batch(rows, prompt, completion, VOCAB)
     with PeakRSS() as mem:
@@ -122,11 +120,6 @@ def update_worker(mode: str, out: str, layers: int, rows: int = 16, prompt: int 
 
 
 def hf_worker(mode: str, out: str, layers: int, rows: int = 32, prompt: int = 16, new_tokens: int = 128) -> None:
-    from transformers import GenerationConfig
-
-    from grpo.rollout import Sampling
-    from grpo.rollout.hf import SampledLogprobs, folder_defaults_off, generation_config, logits_processors
-
     model = smollm2_body(layers).eval()
     ids = torch.randint(3, VOCAB, (rows, prompt), generator=torch.Generator().manual_seed(0))
     sampling = Sampling(max_new_tokens=new_tokens, temperature=1.0)

@@ -22,14 +22,23 @@ import tempfile
 import time
 
 import torch
+from omegaconf import OmegaConf
+
+from grpo.batch import collate
+from grpo.bench.memory import ALLOCATOR, PeakRSS
+from grpo.config import AlgoConfig, ParallelConfig
+from grpo.models import load_model
+from grpo.packaged import ensure_packaged_model
+from grpo.parallel.single import SingleStrategy
+from grpo.rollout.base import Rollouts
+from grpo.update import policy_update
+from grpo.update.layouts import micro_batches, pack, pack_shared
 
 MODES = ("padded", "packed", "shared")
 
 
 def spread_workload(prompts: int, group: int, vocab: int, seed: int = 0):
     """(prompt ids per completion, Rollouts, advantages_B): the length-spread batch."""
-    from grpo.rollout.base import Rollouts
-
     g = torch.Generator().manual_seed(seed)
     prompt_ids, completions = [], []
     for _ in range(prompts):
@@ -45,8 +54,6 @@ def spread_workload(prompts: int, group: int, vocab: int, seed: int = 0):
 
 def forward_tokens(batch, max_tokens: int, layout: str) -> int:
     """Tokens the model's forward passes see, padding included."""
-    from grpo.update.layouts import micro_batches, pack, pack_shared
-
     total = 0
     for mb in micro_batches(batch, max_tokens, layout):
         b = mb.batch
@@ -60,15 +67,6 @@ def forward_tokens(batch, max_tokens: int, layout: str) -> int:
 
 
 def update_worker(mode: str, out: str, layers: int, prompts: int, group: int) -> None:
-    from grpo.batch import collate
-    from grpo.bench.memory import PeakRSS
-    from grpo.config import AlgoConfig, ParallelConfig
-    from grpo.models import load_model
-    from grpo.packaged import ensure_packaged_model
-    from grpo.parallel.single import SingleStrategy
-    from grpo.update import policy_update
-    from omegaconf import OmegaConf
-
     torch.manual_seed(0)
     model, tok = load_model(ensure_packaged_model("smollm2-135m", os.environ.get("GRPO_CACHE", "~/.cache/grpo")))
     model.model.layers = model.model.layers[:layers]
@@ -97,8 +95,6 @@ def update_worker(mode: str, out: str, layers: int, prompts: int, group: int) ->
 
 
 def bench_update_packing(layers: int, prompts: int, group: int, repeats: int) -> list[dict]:
-    from grpo.bench.memory import ALLOCATOR
-
     rows = []
     for r in range(repeats):  # modes alternate, so a change in the machine's load falls on both
         for mode in MODES:

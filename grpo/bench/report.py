@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 
+from grpo.cpus import machine_info
+
 
 def write_report(path: str, report: dict) -> None:
     """The bench's JSON, with the machine it ran on (CPU model, torch's kernel set, threads)."""
-    from grpo.cpus import machine_info
-
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump({**report, "machine": machine_info()}, f, indent=2)

@@ -19,7 +19,13 @@ import urllib.request
 import torch
 
 from grpo import listeners
+from grpo.config import compose_config
+from grpo.cpus import set_num_threads
 from grpo.progress import WaitProgress
+from grpo.rollout.dedicated import pinned_engine_env
+from grpo.rollout.servers import free_port
+from grpo.tiny.folders import resolve_model_folder
+from grpo.train import train
 
 QUIET = ["checkpoint_every=0", "logger.log_every=1000", "logger.sample_every=0"]  # the bench prints its own tables
 
@@ -29,14 +35,10 @@ def peak_rss_mb() -> float:
 
 
 def compose(overrides: list[str]):
-    from grpo.config import compose_config
-
     return compose_config(overrides)
 
 
 def tiny_model_path() -> str:
-    from grpo.tiny.folders import resolve_model_folder
-
     return resolve_model_folder(compose(["run_dir=unused"]))
 
 
@@ -53,9 +55,6 @@ def metrics_rows(run_dir: str) -> list[dict]:
 def served(model_path: str, timeout_s: float = 300, cpus: list[int] | None = None):
     """A local `grpo.serve` on `model_path` for the remote backend; yields its URL. With `cpus`, the
     server is pinned to them (its vLLM threads bound there), as `rollout.dedicated.cpu_cores` pins engines."""
-    from grpo.rollout.dedicated import pinned_engine_env
-    from grpo.rollout.servers import free_port
-
     port = free_port("127.0.0.1")
     env = {**os.environ, **pinned_engine_env(cpus)}
     proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", str(port),
@@ -85,8 +84,6 @@ def served(model_path: str, timeout_s: float = 300, cpus: list[int] | None = Non
 @contextlib.contextmanager
 def pinned(cpus: list[int] | None):
     """This process on `cpus` (one torch thread each) for the block, then as before; None: unchanged."""
-    from grpo.cpus import set_num_threads
-
     if not cpus:
         yield
         return
@@ -102,8 +99,6 @@ def pinned(cpus: list[int] | None):
 
 def bench_backend(backend: str, steps: int, extra: list[str], url: str | None = None) -> dict:
     """A short training of the default run through `backend`, in this process: its mean step times."""
-    from grpo.train import train
-
     run_dir = tempfile.mkdtemp(prefix=f"bench-{backend}-")
     cfg = compose([*backend_overrides(backend, url), f"steps={steps}", *QUIET, f"run_dir={run_dir}", *extra])
     print(f"bench: rollout={backend}, {steps} steps", flush=True)

@@ -25,8 +25,16 @@ import tempfile
 import time
 
 import torch
+from omegaconf import OmegaConf
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from grpo import dist
+from grpo.batch import collate
 from grpo.bench.memory import ALLOCATOR, PeakRSS
+from grpo.config import AlgoConfig, ParallelConfig
+from grpo.parallel.ddp import DDPStrategy
+from grpo.rollout.base import Rollouts
+from grpo.update import policy_update
 
 SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=8, head_dim=72,
              num_key_value_heads=4, tie_word_embeddings=True)
@@ -34,9 +42,6 @@ SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_atte
 
 def long_batch(tokens: int, prompt: int = 16, seed: int = 0):
     """A group of 2 completions of `tokens` tokens after one `prompt`-token prompt, random tokens."""
-    from grpo.batch import collate
-    from grpo.rollout.base import Rollouts
-
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(100, 40000, (prompt,), generator=g).tolist()
     done = [torch.randint(100, 40000, (tokens,), generator=g).tolist() for _ in range(2)]
@@ -44,14 +49,6 @@ def long_batch(tokens: int, prompt: int = 16, seed: int = 0):
 
 
 def worker(size: int, layers: int, tokens: int, out: str) -> None:
-    from omegaconf import OmegaConf
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from grpo import dist
-    from grpo.config import AlgoConfig, ParallelConfig
-    from grpo.parallel.ddp import DDPStrategy
-    from grpo.update import policy_update
-
     info = dist.dist_info()
     dist.init_distributed(info, force=True)  # one process too: the strategy's collectives need a group
     torch.manual_seed(0)

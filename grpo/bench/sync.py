@@ -6,6 +6,7 @@ the peak memory above the resting state. The gather runs under torchrun as this 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -15,18 +16,22 @@ import tempfile
 import time
 
 import torch
+from omegaconf import OmegaConf
+from transformers import LlamaConfig, LlamaForCausalLM
 
+from grpo import dist
 from grpo.bench.memory import PeakRSS
 from grpo.bench.runs import backend_overrides, compose, tiny_model_path
+from grpo.config import AlgoConfig, ParallelConfig
+from grpo.models import load_model
+from grpo.parallel.zero import Zero3Strategy
+from grpo.rollout import build_rollout
+from grpo.weights import group_by_size
 
 
 def bench_sync(backend_name: str, bucket_mb: list[float], repeats: int, url: str | None = None) -> list[dict]:
     """Seconds and MB/s to push the policy's weights into an engine, per bucket size; bucket 0
     means one tensor per bucket (how TRL and OpenRLHF send them: one call and transfer each)."""
-    from grpo.models import load_model
-    from grpo.rollout import build_rollout
-    from grpo.weights import group_by_size
-
     cfg = compose([*backend_overrides(backend_name, url), "run_dir=unused"])
     path = tiny_model_path()
     model, tok = load_model(path)
@@ -55,15 +60,6 @@ def zero3_sync_worker(bucket_mbs: list[float], out: str) -> None:
     """Under torchrun: ZeRO-3 shards of a SmolLM2-135M-shaped model (random weights) on each rank;
     for each bucket size, gather the full weights bucket by bucket and pack each bucket into one
     contiguous buffer, as the grpo_gloo transport does before sending it."""
-    import gc
-
-    from omegaconf import OmegaConf
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from grpo import dist
-    from grpo.config import AlgoConfig, ParallelConfig
-    from grpo.parallel.zero import Zero3Strategy
-
     dist.init_distributed(dist.dist_info())
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

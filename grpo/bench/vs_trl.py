@@ -10,22 +10,23 @@ import tempfile
 import time
 
 from grpo.bench.runs import bench_backend, compose, tiny_model_path
+from grpo.models import format_prompt
+from grpo.rewards import build_rewards
+from grpo.tasks import build_task
+from grpo.tasks.base import Sample
+from grpo.tiny.folders import resolve_model_folder
 
 
 def bench_trl(steps: int, ours: dict, overrides: list[str]) -> dict:
     """TRL's GRPOTrainer on the run that `overrides` compose, generating with transformers on this
     CPU, as `rollout=hf` does."""
+    # datasets, trl: optional, only for this bench (transformers with them: the same try)
     try:
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as e:
         raise SystemExit(f"grpo.bench vs-trl needs TRL: `.venv/bin/pip install trl==1.16.0` ({e})") from e
-    from grpo.models import format_prompt
-    from grpo.rewards import build_rewards
-    from grpo.tasks import build_task
-    from grpo.tasks.base import Sample
-    from grpo.tiny.folders import resolve_model_folder
 
     cfg = compose(["run_dir=unused", *overrides])
     path = resolve_model_folder(cfg)
@@ -69,7 +70,7 @@ def bench_trl(steps: int, ours: dict, overrides: list[str]) -> dict:
                           callbacks=[timer])
     trainer.train()
     trl_step = statistics.mean(timer.times[1:])
-    import trl
+    import trl  # trl: optional, only for this bench
 
     return {"trl_version": trl.__version__, "trl_step_s": trl_step, "grpo_step_s": ours["step_s"],
             "trl_over_grpo": trl_step / ours["step_s"], "steps_timed": len(timer.times) - 1}

@@ -14,6 +14,12 @@ import tempfile
 
 import torch
 
+from grpo.config import compose_config
+from grpo.cpus import machine_info
+from grpo.errors import WarmStartError
+from grpo.tasks import build_task
+from grpo.tiny.warm_start import build_warm_tiny
+
 SETTINGS = {"default": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2"}, "1-thread": {"OMP_NUM_THREADS": "1"}}
 
 
@@ -24,12 +30,6 @@ def default_settings() -> str:
 
 def worker(seeds: list[int], out: str) -> None:
     """The tiny model built and warm-started for each seed, from scratch (no cache), in this process's numerics."""
-    from grpo.config import compose_config
-    from grpo.cpus import machine_info
-    from grpo.errors import WarmStartError
-    from grpo.tasks import build_task
-    from grpo.tiny.warm_start import build_warm_tiny
-
     cfg = compose_config(["run_dir=unused"])
     task, rows = build_task(cfg.task), []
     for seed in seeds:

@@ -16,6 +16,7 @@ reclaimable, but count in the plain resident size).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -23,8 +24,18 @@ import sys
 import tempfile
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
+from grpo import dist
+from grpo.batch import collate
 from grpo.bench.memory import PeakRSS
+from grpo.config import compose_config
+from grpo.models import build_policy, build_reference, load_model
+from grpo.parallel.zero import Zero3Strategy, init_deepspeed_comm
+from grpo.rollout.base import Rollouts
+from grpo.tiny.folders import resolve_on_node
+from grpo.tiny.text import build_char_tokenizer
+from grpo.update import policy_update
 
 SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
              num_key_value_heads=3, tie_word_embeddings=True, max_position_embeddings=512)
@@ -33,10 +44,6 @@ CASES = [("before", 0.0), ("after", 0.0), ("before", 0.04), ("after", 0.04)]
 
 def save_model(folder: str) -> float:
     """The SmolLM2-135M-shaped model (random weights, fp32) and a tokenizer in `folder`; its size in MB."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from grpo.tiny.text import build_char_tokenizer
-
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SHAPE))
     model.save_pretrained(folder)
@@ -46,9 +53,6 @@ def save_model(folder: str) -> float:
 
 def synthetic_batch(rows: int, prompt: int, completion: int, seed: int):
     """`rows` completions in groups of 4 with random tokens and rewards, collated as the loop does."""
-    from grpo.rollout.base import Rollouts
-    from grpo.batch import collate
-
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(100, 40000, (prompt,), generator=g).tolist() for _ in range(rows)]
     done = [torch.randint(100, 40000, (completion,), generator=g).tolist() for _ in range(rows)]
@@ -59,15 +63,6 @@ def synthetic_batch(rows: int, prompt: int, completion: int, seed: int):
 
 def worker(folder: str, mode: str, beta: float, out: str, rows: int, tokens: int) -> None:
     """One case on this rank (under torchrun): load, then one update step; rank 0 writes both ranks' rows."""
-    import contextlib
-
-    from grpo import dist
-    from grpo.config import compose_config
-    from grpo.models import build_policy, build_reference, load_model
-    from grpo.parallel.zero import Zero3Strategy, init_deepspeed_comm
-    from grpo.tiny.folders import resolve_on_node
-    from grpo.update import policy_update
-
     info = dist.dist_info()
     cfg = compose_config(["parallel=zero3", f"model.path={folder}", "run_dir=unused", f"algo.beta={beta}",
                           f"algo.batch_size={rows * info.world_size}", "algo.group_size=4", "algo.warmup_steps=0",
