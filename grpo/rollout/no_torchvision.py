@@ -19,12 +19,13 @@ import sys
 
 def install() -> None:
     try:
+        # transformers: here, not at the top: its absence is checked
         from transformers.utils import is_torchvision_available
     except ImportError:
         return
     if is_torchvision_available():
         return
-    from transformers import processing_utils
+    from transformers import processing_utils  # transformers: heavy; vLLM's plugin and grpo.rollout import this module
     from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl
     from transformers.video_processing_utils import VideoProcessorMixin
 
@@ -41,6 +42,7 @@ def install() -> None:
     class AutoVideoProcessor:
         @classmethod
         def from_pretrained(cls, path, *args, **kwargs):
+            # transformers: heavy; vLLM's plugin and grpo.rollout import this module
             from transformers import AutoImageProcessor
 
             image = AutoImageProcessor.from_pretrained(path)

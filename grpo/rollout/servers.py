@@ -28,6 +28,7 @@ pushes over the grpo_gloo transport.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import socket
 import threading
@@ -41,6 +42,7 @@ from grpo.endpoints import Server, parallel_map, split_by_load
 from grpo.progress import say
 from grpo.rollout.base import Rollouts, Sampling, sampling_fields
 from grpo.rollout.gloo_transfer import BACKEND as GLOO, GlooSender, update_info
+from grpo.rollout.nccl_transfer import NcclSender, takes_unique_id
 from grpo.vision import server_prompt, vision_of
 from grpo.weights import WeightBuckets
 
@@ -65,8 +67,6 @@ def make_sender(transfer: str, host: str, world_size: int, timeout_s: float):
     between picking and binding; nccl needs no port where vLLM takes a unique id, else vLLM's
     trainer_init binds the port it is given, picked just before."""
     if transfer == "nccl":
-        from grpo.rollout.nccl_transfer import NcclSender, takes_unique_id  # vLLM: only where CUDA is
-
         return NcclSender(host, None if takes_unique_id() else free_port(host), world_size, timeout_s)
     return GlooSender(host, world_size, timeout_s)
 
@@ -551,7 +551,6 @@ def push_adapter_from_one_rank(pool: ServerPool | None, model, buckets: WeightBu
     in flight finish first, as for full weights (`push_from_one_rank`). Every rank names the new
     adapter in its own pool (`use_adapter`) before its turns resume: a turn sent earlier would ask
     for the adapter rank 0 has just unloaded (a 404, its trajectory ended as "error")."""
-    import os
     import shutil
 
     if own is not None:
