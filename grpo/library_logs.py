@@ -18,9 +18,12 @@ ERROR). Errors and grpo's own warnings still print on every rank.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import re
+import runpy
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -171,10 +174,6 @@ class ShowRepeatersOnce:
 def main(argv: list[str] | None = None) -> None:
     """`python -m grpo.library_logs MODULE ARGS...`: run MODULE as `python -m MODULE ARGS...` with the
     engine notes installed first (grpo.serve execs vLLM's server so, before vLLM's first log line)."""
-    import argparse
-    import runpy
-    import sys
-
     p = argparse.ArgumentParser(prog="python -m grpo.library_logs", description=main.__doc__)
     p.add_argument("module", help="the module to run, e.g. vllm.entrypoints.openai.api_server")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")

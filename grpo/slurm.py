@@ -13,10 +13,15 @@ slurm/ and conf/hydra/launcher/slurm.yaml carry those two lines.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import re
+import shlex
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -167,6 +172,7 @@ def server_groups(free: list[int], heads: int | None, kv_heads: int | None, tp: 
     28 heads: two servers of TP 4; 8 can split neither 28 heads nor 4 KV heads). `tp` > 0 (the
     sbatch's SERVER_TP_OVERRIDE): servers of that size, as many as fit, checked against the heads.
     Unknown heads: powers of two, the sizes common models' head counts take."""
+    # torch via grpo.rollout: slurm stays light (Hydra's callback, sbatch scripts)
     from grpo.rollout.dedicated import plan_engines, vllm_tensor_parallel_sizes
 
     if heads is None and not tp:
@@ -228,12 +234,12 @@ def model_heads_of(model: str) -> tuple[int | None, int | None]:
     """(attention heads, KV heads) of the sbatch's MODEL: a config dict as JSON ('{"num_attention_heads":
     28, "num_key_value_heads": 4}'), an HF folder, a hub id transformers has cached, or `tiny` / a
     packaged name (resolved into the cache as grpo.serve resolves it). (None, None) when unknown."""
-    import json
-
+    # torch via grpo.rollout: slurm stays light (Hydra's callback, sbatch scripts)
     from grpo.rollout.dedicated import config_heads
 
     if model.lstrip().startswith("{"):
         return config_heads(json.loads(model))
+    # torch via grpo.rollout: slurm stays light (Hydra's callback, sbatch scripts)
     from grpo.rollout.engine_memory import model_config_of
     from grpo.serve import resolve_model
 
@@ -248,9 +254,7 @@ def serve_node(groups: list[str], serve_argv: list[str], command: list[str] | No
     process (--parent-pid); SIGINT/SIGTERM reach each of them (vLLM takes a repeated signal as one),
     and when one fails the others are stopped and its exit code is this one's. `command`: what runs a
     server (tests)."""
-    import signal
-    import sys
-
+    # torch via grpo.rollout: slurm stays light (Hydra's callback, sbatch scripts)
     from grpo.rollout.dedicated import child_visible_devices
 
     command = command or [sys.executable, "-m", "grpo.serve"]
@@ -293,10 +297,6 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m grpo.slurm server-layout GPUS TRAIN_TASKS SHARED [--model M] [--tp K]`: shell assignments
     for slurm/train_remote.sbatch. `python -m grpo.slurm serve-node --groups "0,1 2,3" -- ARGS`: this
     node's servers, `grpo.serve ARGS` each."""
-    import argparse
-    import shlex
-    import sys
-
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve-node"]:
         p = argparse.ArgumentParser(prog="python -m grpo.slurm serve-node", description=serve_node.__doc__)
