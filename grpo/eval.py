@@ -52,10 +52,10 @@ def agreement(name: str, scores: list, correct: list[bool]) -> dict[str, float]:
             f"eval/{name}_mean_wrong": sum(wrong) / len(wrong) if wrong else nan}
 
 
-def evaluate(rollout, tokenizer, task, cfg, info: DistInfo, episodes=None, reward_fns=()) -> dict[str, float]:
+def evaluate(rollout, tokenizer, task, cfg, info: DistInfo, reward_fns=()) -> dict[str, float]:
     """Greedy accuracy (and pass@k when `eval_samples` > 1) on the held-out split; each rank takes a share.
-    With an environment (`episodes`: grpo.rollout.episodes.EpisodeRunner) each prompt is played as an
-    episode, through the same driver as training, and its final turn is judged. Each model reward
+    With an environment each prompt is played as an episode, through the same driver as training
+    (the backend's `submit`), and its final turn is judged (an episode that failed as ""). Each model reward
     among `reward_fns` (a reward model, a judge) scores the greedy completions too, its running
     statistics left as they are, and its agreement with the task's rule is logged (`agreement`)."""
     samples = task.eval[info.rank :: info.world_size]
@@ -63,11 +63,9 @@ def evaluate(rollout, tokenizer, task, cfg, info: DistInfo, episodes=None, rewar
 
     def play(n: int, sampling) -> tuple[list[str], list[int]]:
         """Each completion's text (an episode's final turn) and its turns (1 without an environment)."""
-        if episodes is None:
-            out = rollout.generate(prompt_ids, n, sampling)
-            return tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True), [1] * len(out.completion_ids)
-        out = rollout.submit_episodes(prompt_ids, samples, n, sampling, episodes).result()
-        return [e.final_text if e.finish != "error" else "" for e in out.episodes], [e.turns for e in out.episodes]
+        out = rollout.submit(prompt_ids, samples, n, sampling).result()
+        texts = [t if reason != "error" else "" for t, reason in zip(out.texts(tokenizer), out.finish_reasons)]
+        return texts, out.turns()
 
     texts, turns = play(1, sampling_from(cfg.rollout, greedy=True))
     greedy = texts
@@ -81,7 +79,7 @@ def evaluate(rollout, tokenizer, task, cfg, info: DistInfo, episodes=None, rewar
         sums += [sum(pass_at_k(n, c, k) for c in correct) for k in ks]
     total = all_reduce_sum(sums)
     metrics = {"eval/accuracy": total[0] / total[1]}
-    if episodes is not None:  # turns per solved episode (guess: binary search takes 3.27)
+    if rollout.episodes is not None:  # turns per solved episode (guess: binary search takes 3.27)
         metrics["eval/turns_per_solve"] = total[2] / total[0] if total[0] else float("nan")
     metrics.update({f"eval/pass@{k}": v / total[1] for k, v in zip(ks, total[3:])})
     for name, fn, _ in reward_fns:
@@ -110,11 +108,9 @@ def run_eval(cfg: DictConfig) -> dict[str, float]:
     task = build_task(cfg.task)
     path = resolve_on_node(cfg, info)
     model, tokenizer = build_policy(cfg, path, info)
-    rollout = build_rollout(cfg.rollout, model, tokenizer, path, cfg.model.dtype, cfg.seed, run_dir)
+    rollout = build_rollout(cfg.rollout, model, tokenizer, path, cfg.model.dtype, cfg.seed, run_dir, env=cfg.env, task=task)
     try:
-        from grpo.rollout.episodes import build_episodes
-
-        metrics = evaluate(rollout, tokenizer, task, cfg, info, build_episodes(cfg, task, tokenizer, rollout))
+        metrics = evaluate(rollout, tokenizer, task, cfg, info)
     finally:
         rollout.close()
         shutdown()

@@ -76,7 +76,6 @@ from grpo.parallel import build_strategy, strategy_class
 from grpo.preempt import StopSignal, stop
 from grpo.rewards import build_rewards, score
 from grpo.rollout import build_rollout, sampling_from
-from grpo.rollout.episodes import build_episodes, episode_metrics, final_texts, reward_info
 from grpo.tasks import TrainSampler, build_task
 from grpo.tiny.folders import resolve_on_node
 from grpo.batch import collate, step_advantages
@@ -133,11 +132,6 @@ class InFlight:
     prompt_ids: list[list[int]]
     sampler_state: dict  # the sampler before this batch was drawn: what a checkpoint before `step` saves
     rollouts: Future  # .result(): the Rollouts
-
-
-def sampled_budget(cfg) -> int:
-    """The most sampled tokens of one completion (Dr. GRPO's constant): max_new_tokens, or every turn's."""
-    return cfg.rollout.max_new_tokens * (cfg.env.max_turns if cfg.env.name != "none" else 1)
 
 
 def seed_everything(seed: int) -> None:
@@ -201,7 +195,6 @@ class Run:
     sampling: object  # the engines' sampling settings, reseeded per step (`sampling_seed`)
     P: int  # prompts per step on this rank
     G: int  # completions per prompt
-    episodes: object = None  # grpo.rollout.episodes.EpisodeRunner with an environment (env=...), else None
     start: int = 0  # the last step trained before this process began (> 0 on resume)
     eval_before: float | None = None
     checkpoint_path: str | None = None  # the checkpoint resumed from
@@ -227,10 +220,7 @@ class Run:
         prompt_ids = encode_prompts(self.tokenizer, samples, self.task.chat_template, self.task.system_prompt)
         batch = step * self.cfg.algo.max_draws + draw if self.cfg.algo.dynamic_sampling else step
         seeded = replace(self.sampling, seed=sampling_seed(self.cfg.seed, batch, rank, self.info.world_size, P, self.G))
-        if self.episodes is not None:  # several turns per completion, each through the backend's generate
-            return InFlight(step, samples, prompt_ids, before,
-                            self.rollout.submit_episodes(prompt_ids, samples, self.G, seeded, self.episodes))
-        return InFlight(step, samples, prompt_ids, before, self.rollout.submit(prompt_ids, self.G, seeded))
+        return InFlight(step, samples, prompt_ids, before, self.rollout.submit(prompt_ids, samples, self.G, seeded))
 
     def score(self, batch: InFlight) -> Scored:
         """Wait for a batch's rollouts, then every reward function on every completion, weighted sum per
@@ -238,23 +228,17 @@ class Run:
         t0 = time.perf_counter()
         rollouts = batch.rollouts.result()
         t_gen = time.perf_counter()
-        if rollouts.episodes is None:
-            completions = self.tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
-            info_B = {"completion_ids": rollouts.completion_ids}
-        else:  # an episode's final turn, with the transcript, turns and the environment's reward
-            completions, info_B = final_texts(rollouts), reward_info(rollouts)
+        completions = rollouts.texts(self.tokenizer)  # an episode's: its final turn
         rewards_FB, reward_stats = score(
             self.reward_fns, completions, [s for s in batch.samples for _ in range(self.G)], self.cfg.reward.timeout_s,
-            max_new_tokens=self.cfg.rollout.max_new_tokens, **info_B,
+            max_new_tokens=self.cfg.rollout.max_new_tokens, **rollouts.reward_info(),
         )
         withhold_errored(rewards_FB, rollouts.finish_reasons)
         rewards_PG = combine_rewards(rewards_FB, [w for _, _, w in self.reward_fns]).view(self.P, self.G)
-        sampled = (sum(sum(m) for m in rollouts.loss_masks) if rollouts.loss_masks is not None
-                   else sum(len(c) for c in rollouts.completion_ids))  # observation tokens aside
         by_name = {name: values for (name, _, _), values in zip(self.reward_fns, rewards_FB)}
         return Scored(batch.samples, batch.prompt_ids, rollouts, completions, rewards_PG, by_name,
-                      generate_s=t_gen - t0, score_s=time.perf_counter() - t_gen, generated_tokens=sampled,
-                      reward_stats=reward_stats)
+                      generate_s=t_gen - t0, score_s=time.perf_counter() - t_gen,
+                      generated_tokens=sum(rollouts.sampled_lengths()), reward_stats=reward_stats)
 
     def draw_more(self, step: int, k: int) -> Scored:
         """The step's k-th extra batch (algo.dynamic_sampling), drawn, generated and scored now."""
@@ -291,12 +275,11 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
     strategy = build_strategy(cfg.parallel, model, algo, cfg.steps * algo.num_iterations * algo.num_minibatches)
     rollout = cleanup.enter_context(contextlib.closing(
         build_rollout(cfg.rollout, strategy.model, tokenizer, model_path, cfg.model.dtype, cfg.seed, run_dir, strategy.lockstep,
-                      algo.partial_rollouts)))
+                      algo.partial_rollouts, env=cfg.env, task=task)))
     ref_model = build_reference(cfg, model_path, strategy)  # runs as the policy does: KL 0 before the first step
     seed_everything(cfg.seed + info.rank)  # again: a fresh and a cached tiny model start alike
     r = Run(cfg, info, run_dir, task, tokenizer, model_path, reward_fns, strategy, rollout, ref_model,
-            TrainSampler(task.train, seed=cfg.seed), sampling_from(cfg.rollout), P=algo.batch_size // G // info.world_size, G=G,
-            episodes=build_episodes(cfg, task, tokenizer, rollout))
+            TrainSampler(task.train, seed=cfg.seed), sampling_from(cfg.rollout), P=algo.batch_size // G // info.world_size, G=G)
 
     r.checkpoint_path = broadcast_object(latest_checkpoint(run_dir) if cfg.resume else None)
     barrier()
@@ -332,8 +315,7 @@ def step_metrics(scored: Scored, stats: dict, step: int, lr: float, times: dict[
     rollouts, rewards_PG = scored.rollouts, scored.rewards_PG
     valid = rewards_PG[~torch.isnan(rewards_PG)]
     n_tokens = scored.generated_tokens  # every draw's sampled tokens (an episode's observations aside)
-    lengths = ([sum(m) for m in rollouts.loss_masks] if rollouts.loss_masks is not None
-               else [len(c) for c in rollouts.completion_ids])
+    lengths = rollouts.sampled_lengths()
     return {
         "reward/mean": float(valid.mean()) if valid.numel() else float("nan"),
         "reward/std": float(valid.std()) if valid.numel() > 1 else 0.0,
@@ -342,7 +324,7 @@ def step_metrics(scored: Scored, stats: dict, step: int, lr: float, times: dict[
         **scored.reward_stats,  # time/reward_<function>_s, a judge's requests, failures and garbage answers
         **stats,
         "completion_len": sum(lengths) / len(lengths),
-        **(episode_metrics(rollouts) if rollouts.episodes is not None else {}),
+        **rollouts.metrics(),  # an episode's turns, tool calls, finish reasons
         "truncated_frac": sum(reason == "length" for reason in rollouts.finish_reasons) / len(rollouts.finish_reasons),
         "weight_version": rollouts.weight_version,
         # versions the sampler was behind the trainer (one version per batch: mean = max per
@@ -389,7 +371,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     if r.checkpoint_path:
         logger.info(f"resumed from {r.checkpoint_path} at step {r.start}")
     else:
-        before = evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.episodes, r.reward_fns)
+        before = evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.reward_fns)
         r.eval_before = before["eval/accuracy"]
         logger.log(0, before, console=True)
 
@@ -432,7 +414,8 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
 
         # 4-6. logprobs, loss, backward and optimizer step(s); a colocated engine may sleep meanwhile
         r.rollout.sleep()
-        stats = policy_update(r.strategy, batch, algo, sampled_budget(cfg), r.sampling.temperature, r.ref_model)
+        budget = r.rollout.sampled_budget(cfg.rollout.max_new_tokens)  # Dr. GRPO's constant (episodes: every turn's)
+        stats = policy_update(r.strategy, batch, algo, budget, r.sampling.temperature, r.ref_model)
         # a non-finite step was skipped (a run of them stops); ranks' weights compared; a drifting sampler warned
         stats.update(guards.after_update(step, stats, staleness(step - 1, rollouts.weight_version)))
         t_update = time.perf_counter()
@@ -450,7 +433,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
             times["time/engine_busy_s"], r.engine_busy_s = busy - r.engine_busy_s, busy
         metrics = step_metrics(scored, {**stats, **draw_metrics}, step, r.strategy.lr, times)
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
-            metrics.update(evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.episodes, r.reward_fns))
+            metrics.update(evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.reward_fns))
         logger.log(step, reduce_metrics(metrics, info))
         if cfg.logger.sample_every and step % cfg.logger.sample_every == 0:
             rows = [(samples_BG[i].prompt, completions[i], float(rewards_PG.flatten()[i])) for i in range(0, len(completions), G)]
@@ -468,7 +451,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         r.checkpoint(cfg.steps)
     if stop_signal.requested():
         stop_after(r, cfg.steps, stop_signal)
-    after = evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.episodes, r.reward_fns)
+    after = evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.reward_fns)
     eval_after = after["eval/accuracy"]
     logger.log(cfg.steps, after, console=True)
     summary = {

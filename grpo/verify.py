@@ -243,9 +243,9 @@ def ranks_check(r) -> Check:
 
 
 def render_check(r) -> Check:
-    if r.episodes is None or r.cfg.env.render != "chat":
+    if r.rollout.episodes is None or r.cfg.env.render != "chat":
         return Check("render", "SKIP", "no environment with chat rendering")
-    render = r.episodes.render
+    render = r.rollout.episodes.render
     probe = getattr(render, "check", None)
     if probe is None:
         return Check("render", "SKIP", "this renderer has no self-check")

@@ -12,7 +12,7 @@ import pytest
 
 from grpo.envs import GuessEnv, Step, TextEnv
 from grpo.rollout.base import Sampling
-from grpo.rollout.episodes import reward_info
+
 from tests.test_episodes import GUESS, Scripted, binary_search_policy, prompts_of, runner
 
 
@@ -108,7 +108,7 @@ def test_concurrent_episodes_equal_the_serial_ones_faults_included(tiny_lm):
     assert "0.4s" in serial.episodes[2].error and "tool crashed" in serial.episodes[4].error
     assert pooled.completion_ids == serial.completion_ids and pooled.loss_masks == serial.loss_masks
     assert pooled.logprobs == serial.logprobs and pooled.finish_reasons == finish
-    assert reward_info(pooled) == reward_info(serial)  # env rewards, turns, transcripts, last turns
+    assert pooled.reward_info() == serial.reward_info()  # env rewards, turns, transcripts, last turns
     assert [e.error for e in pooled.episodes] == [e.error for e in serial.episodes]
     assert pooled_requests == serial_requests and len(serial_requests) == 4
     assert pooled_warnings == serial_warnings and len(serial_warnings) == 6, serial_warnings

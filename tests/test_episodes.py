@@ -14,6 +14,7 @@ import os
 import threading
 import time
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ import torch
 from grpo.envs import CalcEnv, GuessEnv, RetryEnv, Step, calculator
 from grpo.errors import ConfigError
 from grpo.envs.guess import binary_search_turns
-from grpo.rollout.base import Rollouts, Sampling
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.rollout.episodes import Budget, EpisodeRunner, cut_middle, reset_seed, turn_seed
 from grpo.rollout.render import ChatRender, RawRender
 from grpo.tasks.base import Sample
@@ -77,6 +78,15 @@ def runner(tok, make_env=GuessEnv, max_turns=4, max_new=3, total=100, obs=4, con
 
 def prompts_of(tok, samples):
     return [tok(s.prompt).input_ids for s in samples]
+
+
+def test_dr_grpo_budget_counts_every_turn_of_an_episode(tiny_lm):
+    """The loss's constant (algo.loss_norm=dr_grpo) is the most tokens one completion can sample: one
+    turn's max_new_tokens without an environment, every turn's with one (4 turns of 3 here)."""
+    _, tok = tiny_lm
+    single, episodic = SimpleNamespace(episodes=None), SimpleNamespace(episodes=runner(tok, max_turns=4, max_new=3))
+    assert RolloutBackend.sampled_budget(single, 3) == 3
+    assert RolloutBackend.sampled_budget(episodic, 3) == 12
 
 
 def test_guess_episodes_put_masked_observations_between_turns(tiny_lm):
@@ -561,8 +571,6 @@ def test_a_tool_episode_calls_the_calculator_then_answers(tiny_lm):
     """A policy that asks `calc: a+b`, reads ` = sum` from its prompt and answers it: two turns, the
     tool's result in the sequence (masked), one call and no failure in the metrics; one that asks
     `calc: 1/0` gets the error as its observation and counts as a failed call."""
-    from grpo.rollout.episodes import episode_metrics
-
     _, tok = tiny_lm
 
     def policy(prompt_ids):
@@ -578,6 +586,11 @@ def test_a_tool_episode_calls_the_calculator_then_answers(tiny_lm):
     assert (first.final_text, first.turns, first.finish, first.tool_calls, first.tool_errors) == ("579", 2, "stop", 1, 0)
     assert first.transcript == "calc: 123+456 = 579579"
     assert (second.tool_calls, second.tool_errors, second.final_text) == (1, 1, "0")
-    metrics = episode_metrics(out)
+    metrics = out.metrics()
     assert metrics["episode/tool_calls"] == 1.0 and metrics["episode/tool_failure_rate"] == 0.5
     assert metrics["episode/finish_stop"] == 1.0 and metrics["episode/turns_mean"] == 2.0
+    # what the loop reads: the final turn as text, and so does a rank's share (`slice`, as dedicated and
+    # colocated hand it out), not the whole span decoded
+    assert out.texts(tok) == ["579", "0"] and out.turns() == [2, 2]
+    share = out.slice(1, 2)
+    assert share.texts(tok) == ["0"] and share.reward_info()["turns"] == [2] and share.metrics()["episode/tool_calls"] == 1.0

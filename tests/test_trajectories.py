@@ -20,7 +20,7 @@ from grpo.config import RolloutConfig, validate
 from grpo.envs.guess import GuessEnv
 from grpo.errors import ConfigError, ServerError
 from grpo.rollout import Sampling
-from grpo.rollout.episodes import Budget, EpisodeRunner, episode_metrics
+from grpo.rollout.episodes import Budget, EpisodeRunner
 from grpo.rollout.render import RawRender
 from grpo.rollout.servers import PoolClosed, TurnGate, adapter_name, prompt_requests, push_adapter_from_one_rank
 from grpo.rollout.trajectories import episode_driver
@@ -156,7 +156,7 @@ def test_partial_rollouts_score_each_token_with_the_weights_that_sampled_it(remo
     mixed = [i for i, vs in enumerate(out.token_versions) if {0, 1} <= set(vs)]
     assert mixed, out.token_versions
     assert out.weight_version == 0  # the batch's oldest tokens
-    assert episode_metrics(out)["episode/versions_max"] == 2
+    assert out.metrics()["episode/versions_max"] == 2
     own, other = [], []
     weights = {0: before, 1: model}
     for i in mixed:
@@ -173,27 +173,29 @@ def test_partial_rollouts_score_each_token_with_the_weights_that_sampled_it(remo
 
 
 def test_the_turn_gate_lets_a_push_wait_only_for_the_turns_in_flight():
-    gate, log = TurnGate(version=3), []
+    gate, log, held_until = TurnGate(version=3), [], []
 
     def turn(hold: float):
         with gate.turn() as v:
             log.append(("start", v))
             time.sleep(hold)
+            held_until.append(time.perf_counter())
         log.append(("end", v))
 
     first = threading.Thread(target=turn, args=(0.3,))
     first.start()
-    time.sleep(0.05)
-    t0 = time.perf_counter()
+    while not log:  # the turn is in flight (under load a thread can take long to start)
+        time.sleep(0.01)
     gate.pause()  # returns once the turn in flight has ended
-    assert log == [("start", 3), ("end", 3)] and time.perf_counter() - t0 >= 0.2
+    assert held_until and time.perf_counter() >= held_until[0]
+    first.join(5)
+    assert log == [("start", 3), ("end", 3)]
     second = threading.Thread(target=turn, args=(0.0,))
     second.start()
     time.sleep(0.1)
     assert len(log) == 2  # no turn starts while paused
     gate.resume(4)
     second.join(5)
-    first.join(5)
     assert log[2:] == [("start", 4), ("end", 4)]
 
 

@@ -5,6 +5,7 @@ import copy
 import gc
 import os
 import subprocess
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -35,7 +36,7 @@ def live_copies(param_name: str) -> tuple[int, int]:
     """(models, gradient sets) alive in this process: language models with their head (not counting
     the body inside each), and dicts holding a tensor under the model's first parameter name
     (grpo.verify's kept gradients)."""
-    objects = gc.get_objects()
+    objects = [o for o in gc.get_objects() if type(o) not in weakref.ProxyTypes]  # a dead proxy raises on isinstance
     models = sum(isinstance(o, GenerationMixin) for o in objects)
     kept = sum(type(o) is dict and isinstance(o.get(param_name), torch.Tensor) for o in objects)
     return models, kept
@@ -188,7 +189,8 @@ def test_the_render_row_fails_when_observations_join_unlike_the_template(monkeyp
     """A chat render whose observations drop ChatML's separator after <|im_end|>: the row fails, and
     says where the joined tokens and the template part."""
     render = ChatRender(chat_tokenizer(CHATML))
-    r = SimpleNamespace(episodes=SimpleNamespace(render=render), cfg=OmegaConf.create({"env": {"render": "chat"}}))
+    r = SimpleNamespace(rollout=SimpleNamespace(episodes=SimpleNamespace(render=render)),
+                        cfg=OmegaConf.create({"env": {"render": "chat"}}))
     assert render_check(r).status == "PASS", render_check(r)
     monkeypatch.setattr(render, "separator", [])
     row = render_check(r)

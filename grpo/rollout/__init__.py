@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
+from grpo.rollout.episodes import build_episodes
 
 BACKENDS = {
     "hf": "grpo.rollout.hf:HFBackend",
@@ -21,12 +22,20 @@ def backend_class(name: str) -> type[RolloutBackend]:
 
 
 def build_rollout(cfg, model, tokenizer, model_path: str, dtype: str = "float32", seed: int = 0, run_dir: str = ".",
-                  lockstep: bool = False, partial_rollouts: bool = False) -> RolloutBackend:
+                  lockstep: bool = False, partial_rollouts: bool = False, env=None, task=None) -> RolloutBackend:
     """`model` is the trainer's module (hf shares it); `model_path` the HF folder engines load;
     `lockstep`: the strategy's forward passes are collectives every rank must join (ZeRO-3);
-    `partial_rollouts`: algo.partial_rollouts (servers only: weights change between turns)."""
-    return backend_class(cfg.backend)(cfg, model, tokenizer, model_path, dtype=dtype, seed=seed, run_dir=run_dir,
-                                      lockstep=lockstep, partial_rollouts=partial_rollouts)
+    `partial_rollouts`: algo.partial_rollouts (servers only: weights change between turns); `env` (the
+    env config) and `task`: with an environment, `submit` plays whole episodes."""
+    backend = backend_class(cfg.backend)(cfg, model, tokenizer, model_path, dtype=dtype, seed=seed, run_dir=run_dir,
+                                         lockstep=lockstep, partial_rollouts=partial_rollouts)
+    if env is not None:  # the engine's context bounds an episode's budget: known once the engines run
+        try:
+            backend.episodes = build_episodes(env, cfg.max_new_tokens, task, tokenizer, backend.max_context)
+        except BaseException:  # an environment that cannot start leaves no engine running
+            backend.close()
+            raise
+    return backend
 
 
 def sampling_from(cfg, greedy: bool = False) -> Sampling:

@@ -57,8 +57,33 @@ class Rollouts:
 
     def slice(self, start: int, end: int) -> "Rollouts":
         """Completions start..end (a rank's or a server's share), every per-completion field alike."""
-        return Rollouts(**{f.name: v[start:end] if isinstance(v := getattr(self, f.name), list) else v
-                           for f in fields(self)})
+        return type(self)(**{f.name: v[start:end] if isinstance(v := getattr(self, f.name), list) else v
+                             for f in fields(self)})
+
+    # What the loop reads, the same for every kind of rollout (multi-turn episodes answer their own way:
+    # grpo.rollout.episodes.EpisodeRollouts).
+
+    def texts(self, tokenizer) -> list[str]:
+        """What the reward functions read, per completion: here the completion decoded."""
+        return tokenizer.batch_decode(self.completion_ids, skip_special_tokens=True)
+
+    def reward_info(self) -> dict:
+        """What the reward functions get besides the text (grpo/rewards/__init__.py `score`)."""
+        return {"completion_ids": self.completion_ids}
+
+    def turns(self) -> list[int]:
+        """Model turns per completion."""
+        return [1] * len(self.completion_ids)
+
+    def sampled_lengths(self) -> list[int]:
+        """Tokens the sampler drew per completion (observation tokens, masked out of the loss, aside)."""
+        if self.loss_masks is None:
+            return [len(c) for c in self.completion_ids]
+        return [sum(m) for m in self.loss_masks]
+
+    def metrics(self) -> dict[str, float]:
+        """This kind of rollout's own statistics for the step's log (none here)."""
+        return {}
 
 
 class RolloutBackend(ABC):
@@ -73,6 +98,8 @@ class RolloutBackend(ABC):
     overlaps_training: bool = False
     # multi-turn episodes can be scheduled per trajectory (rollout.schedule; grpo/rollout/trajectories.py)
     schedules_trajectories: bool = False
+    # the run's environment: a grpo.rollout.episodes.EpisodeRunner (env=...; `build_rollout` sets it), else None
+    episodes = None
 
     @classmethod
     def check(cls, cfg, world: int) -> None:
@@ -134,7 +161,16 @@ class RolloutBackend(ABC):
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
         """n completions for each prompt, all handed to the engine in one call."""
 
-    def submit(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Future:
+    def submit(self, prompt_ids: list[list[int]], samples: list, n: int, sampling: Sampling) -> Future:
+        """The loop's one request: n rollouts of each prompt (`samples`: the prompts' task rows, which an
+        environment starts from). `.result()` gives Rollouts that answer `texts`, `reward_info`, `turns`
+        and `metrics` for what they are: single completions, or with an environment (`episodes`) whole
+        episodes, each turn through this backend's `generate`."""
+        if self.episodes is None:
+            return self.submit_completions(prompt_ids, n, sampling)
+        return self.submit_episodes(prompt_ids, samples, n, sampling, self.episodes)
+
+    def submit_completions(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Future:
         """Start `generate` and return at once; `.result()` gives the Rollouts. Every rank calls it
         in the same order (it may gather prompts across ranks), and `.result()` likewise. In-process
         backends generate here, before returning; backends with engines elsewhere keep generating
@@ -155,6 +191,11 @@ class RolloutBackend(ABC):
         done: Future = Future()
         done.set_result(runner.run(self.generate, prompt_ids, samples, n, sampling, lockstep))
         return done
+
+    def sampled_budget(self, max_new_tokens: int) -> int:
+        """The most tokens the sampler draws for one completion (Dr. GRPO's constant): `max_new_tokens`
+        (rollout.max_new_tokens), or with an environment every turn's."""
+        return max_new_tokens * (self.episodes.budget.max_turns if self.episodes is not None else 1)
 
     @abstractmethod
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:

@@ -337,9 +337,9 @@ class DedicatedBackend(RolloutBackend):
         dist.barrier()
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
-        return self.submit(prompt_ids, n, sampling).result()
+        return self.submit_completions(prompt_ids, n, sampling).result()
 
-    def submit(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> "Future | NodeShare":
+    def submit_completions(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> "Future | NodeShare":
         """The node's prompts go to the local main now (a collective, in the caller's thread); its
         engines generate in the background; `.result()` hands every rank its share (a collective)."""
         if self.group is None:

@@ -42,9 +42,11 @@ from concurrent.futures import wait
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Optional
 
+from grpo.envs import env_factory
 from grpo.envs.base import Step
 from grpo.errors import ConfigError
 from grpo.rollout.base import Rollouts, Sampling
+from grpo.rollout.render import ChatRender, RawRender
 from grpo.rollout.servers import DaemonWorker
 from grpo.timeouts import call_with_timeout
 
@@ -175,6 +177,48 @@ class EnvCalls:
                 f.cancel()
             wait(futures)
             raise
+
+
+class EpisodeRollouts(Rollouts):
+    """Rollouts of multi-turn episodes: the reward functions read each episode's final turn, and get its
+    transcript, turns, finish reason and the environment's reward besides."""
+
+    def texts(self, tokenizer=None) -> list[str]:
+        return [e.final_text for e in self.episodes]
+
+    def reward_info(self) -> dict:
+        eps = self.episodes
+        return {"completion_ids": [e.last_turn_ids for e in eps], "transcripts": [e.transcript for e in eps],
+                "turns": [e.turns for e in eps], "finish_reasons": list(self.finish_reasons),
+                "env_rewards": [e.env_reward for e in eps]}
+
+    def turns(self) -> list[int]:
+        return [e.turns for e in self.episodes]
+
+    def metrics(self) -> dict[str, float]:
+        eps = self.episodes
+        n = max(len(eps), 1)
+        calls = sum(e.tool_calls for e in eps)
+        metrics = {
+            "episode/turns_mean": sum(e.turns for e in eps) / n,
+            "episode/turns_max": max((e.turns for e in eps), default=0),
+            "episode/sampled_tokens": sum(e.sampled_tokens for e in eps) / n,
+            "episode/observation_tokens": sum(e.observation_tokens for e in eps) / n,
+            "episode/env_s": sum(e.env_s for e in eps),
+            "episode/errors": sum(e.finish == "error" for e in eps),
+            "episode/out_of_budget": sum(e.out_of_budget for e in eps) / n,  # of finish_length: no room for a turn
+            "episode/tool_calls": calls / n,
+            "episode/tool_failure_rate": sum(e.tool_errors for e in eps) / calls if calls else 0.0,
+        }
+        metrics.update({f"episode/finish_{r}": sum(e.finish == r for e in eps) / n for r in FINISH})
+        if self.token_versions is not None:  # partial rollouts: the weight versions within a trajectory
+            spans = [sorted({v for v in vs if v >= 0}) for vs in self.token_versions]
+            newest = max((s[-1] for s in spans if s), default=0)
+            sampled = [v for vs in self.token_versions for v in vs if v >= 0]
+            metrics["episode/versions_max"] = max((len(s) for s in spans), default=0)
+            metrics["episode/mixed_versions"] = sum(len(s) > 1 for s in spans) / n  # of trajectories
+            metrics["episode/tokens_behind"] = sum(v < newest for v in sampled) / max(len(sampled), 1)
+        return metrics
 
 
 class EpisodeRunner:
@@ -356,8 +400,8 @@ class EpisodeRunner:
                       stacklevel=3)
 
     @staticmethod
-    def rollouts(trajectories: list[Trajectory], version: int | None, wait: float) -> Rollouts:
-        return Rollouts(
+    def rollouts(trajectories: list[Trajectory], version: int | None, wait: float) -> EpisodeRollouts:
+        return EpisodeRollouts(
             [t.span for t in trajectories], [t.logprobs for t in trajectories], [t.episode.finish for t in trajectories],
             version or 0, engine_wait_s=wait, loss_masks=[t.mask for t in trajectories],
             episodes=[t.episode for t in trajectories], token_turns=[t.turns for t in trajectories],
@@ -384,53 +428,14 @@ def episode_span(env, max_new_tokens: int) -> int:
     return env.max_total_tokens or env.max_turns * (max_new_tokens + env.max_observation_tokens)
 
 
-def build_episodes(cfg, task, tokenizer, rollout) -> Optional[EpisodeRunner]:
-    """The episode runner of a run with an environment (`env.name`), None for env=none."""
-    if cfg.env.name == "none":
+def build_episodes(e, max_new: int, task, tokenizer, max_context: int | None) -> Optional[EpisodeRunner]:
+    """The episode runner of a run with an environment (`e`: the env config; `max_new`: each turn's
+    rollout.max_new_tokens; `max_context`: the engine's), None for env=none."""
+    if e.name == "none":
         return None
-    from grpo.envs import env_factory
-    from grpo.rollout.render import ChatRender, RawRender
-
-    e, max_new = cfg.env, cfg.rollout.max_new_tokens
     render = ChatRender(tokenizer, e.role) if e.render == "chat" else RawRender(tokenizer)
-    budget = Budget(e.max_turns, max_new, episode_span(e, max_new), e.max_observation_tokens, rollout.max_context)
+    budget = Budget(e.max_turns, max_new, episode_span(e, max_new), e.max_observation_tokens, max_context)
     return EpisodeRunner(env_factory(e, task), tokenizer, render, budget, e.step_timeout_s, [tokenizer.eos_token_id], e.name,
                          e.max_concurrency)
 
 
-def final_texts(rollouts: Rollouts) -> list[str]:
-    return [e.final_text for e in rollouts.episodes]
-
-
-def reward_info(rollouts: Rollouts) -> dict:
-    """What reward functions get about each episode besides its final turn (grpo/rewards/__init__.py)."""
-    eps = rollouts.episodes
-    return {"completion_ids": [e.last_turn_ids for e in eps], "transcripts": [e.transcript for e in eps],
-            "turns": [e.turns for e in eps], "finish_reasons": list(rollouts.finish_reasons),
-            "env_rewards": [e.env_reward for e in eps]}
-
-
-def episode_metrics(rollouts: Rollouts) -> dict[str, float]:
-    eps = rollouts.episodes
-    n = max(len(eps), 1)
-    calls = sum(e.tool_calls for e in eps)
-    metrics = {
-        "episode/turns_mean": sum(e.turns for e in eps) / n,
-        "episode/turns_max": max((e.turns for e in eps), default=0),
-        "episode/sampled_tokens": sum(e.sampled_tokens for e in eps) / n,
-        "episode/observation_tokens": sum(e.observation_tokens for e in eps) / n,
-        "episode/env_s": sum(e.env_s for e in eps),
-        "episode/errors": sum(e.finish == "error" for e in eps),
-        "episode/out_of_budget": sum(e.out_of_budget for e in eps) / n,  # of finish_length: no room for a turn
-        "episode/tool_calls": calls / n,
-        "episode/tool_failure_rate": sum(e.tool_errors for e in eps) / calls if calls else 0.0,
-    }
-    metrics.update({f"episode/finish_{r}": sum(e.finish == r for e in eps) / n for r in FINISH})
-    if rollouts.token_versions is not None:  # partial rollouts: the weight versions within a trajectory
-        spans = [sorted({v for v in vs if v >= 0}) for vs in rollouts.token_versions]
-        newest = max((s[-1] for s in spans if s), default=0)
-        sampled = [v for vs in rollouts.token_versions for v in vs if v >= 0]
-        metrics["episode/versions_max"] = max((len(s) for s in spans), default=0)
-        metrics["episode/mixed_versions"] = sum(len(s) > 1 for s in spans) / n  # of trajectories
-        metrics["episode/tokens_behind"] = sum(v < newest for v in sampled) / max(len(sampled), 1)
-    return metrics

@@ -83,9 +83,9 @@ class RemoteBackend(RolloutBackend):
         return self.pool.generator.submit(drive, prompt_ids, samples, n, sampling)
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
-        return self.submit(prompt_ids, n, sampling).result()
+        return self.submit_completions(prompt_ids, n, sampling).result()
 
-    def submit(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Future:
+    def submit_completions(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Future:
         return self.pool.submit(prompt_ids, n, sampling, self.weight_version)
 
     def engine_busy_s(self) -> float | None:
