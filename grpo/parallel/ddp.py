@@ -21,6 +21,7 @@ import torch.distributed as tdist
 
 from grpo.parallel import sequence
 from grpo.parallel.single import SingleStrategy
+from grpo.parallel.zero import init_deepspeed_comm
 from grpo.weights import group_by_size
 
 
@@ -43,8 +44,6 @@ class DDPStrategy(SingleStrategy):
             )
         super().__init__(cfg, model, algo, total_steps)
         if cfg.sequence_parallel > 1:
-            from grpo.parallel.zero import init_deepspeed_comm
-
             init_deepspeed_comm(False)  # DeepSpeed's all-to-all carries the split rows' attention
         self.sequence = sequence.build(cfg.sequence_parallel, model)
         self.buckets = gradient_buckets([p for p in model.parameters() if p.requires_grad], int(cfg.allreduce_bucket_mb * 2**20))

@@ -161,6 +161,7 @@ class SequenceParallel:
     def ulysses(self, rows: int):
         """DeepSpeed's attention for micro-batches of `rows` rows (its shapes fix the batch size)."""
         if rows not in self._ulysses:
+            # deepspeed, transformers: heavy, only with sequence_parallel > 1
             from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -222,6 +223,7 @@ class GroupSum(torch.autograd.Function):
 def install() -> None:
     """Route SDPA attention through `split_attention` (once per process; `check_model` made sure the
     model runs SDPA): outside a split forward it calls transformers' own SDPA unchanged."""
+    # transformers: heavy; grpo.config imports this module
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     own = ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"]

@@ -115,6 +115,7 @@ def partitioned_loading(config: dict | None, cpu_shm_allreduce: bool):
     if config is None:
         yield
         return
+    # transformers' DeepSpeed integration: loads deepspeed (as below)
     from transformers.integrations import HfDeepSpeedConfig
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -147,7 +148,7 @@ def init_deepspeed_comm(cpu_shm_allreduce: bool) -> None:
     """A process group for DeepSpeed: the trainer's own, or a one-rank gloo/NCCL group when a single
     process runs without a launcher. DeepSpeed's shared-memory all-reduce for CPU ranks is compiled
     on first use (about 45 s, cached); it is skipped unless asked for, with identical results."""
-    import deepspeed
+    import deepspeed  # deepspeed: heavy, only with parallel=zero2/3
 
     if not cpu_shm_allreduce:
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
@@ -173,7 +174,7 @@ class ZeroStrategy(Strategy):
         return partitioned_loading(zero_init_config(cfg, algo, cls.stage, dtype), cfg.cpu_shm_allreduce)
 
     def __init__(self, cfg, model: torch.nn.Module, algo, total_steps: int):
-        import deepspeed
+        import deepspeed  # deepspeed: heavy, only with parallel=zero2/3
 
         init_deepspeed_comm(cfg.cpu_shm_allreduce)
         dtype = next(model.parameters()).dtype
@@ -191,7 +192,7 @@ class ZeroStrategy(Strategy):
         """An engine without optimizer, in the policy's dtype (the policy's forward runs its bf16 or
         fp32 parameters directly, and so does this). Under stage 3 its forwards gather parameters:
         every rank must score the reference in lockstep, as it does the policy."""
-        import deepspeed
+        import deepspeed  # deepspeed: heavy, only with parallel=zero2/3
 
         engine, _, _, _ = deepspeed.initialize(model=ref, config=reference_config(self.config))
         engine.eval()  # DeepSpeed's eval() returns None, not the module
@@ -224,7 +225,7 @@ class ZeroStrategy(Strategy):
 
     def _buckets(self, named, bucket_bytes: int):
         """`named` (tied weights under both names) gathered bucket by bucket; with LoRA the adapter alone."""
-        import deepspeed
+        import deepspeed  # deepspeed: heavy, only with parallel=zero2/3
 
         if lora.is_lora(self.model):  # the adapter alone, in peft's saved names
             named = lora.adapter_parameters(self.model)
@@ -240,7 +241,7 @@ class ZeroStrategy(Strategy):
         """With LoRA, the merged weights, each module's parameters gathered (ZeRO-3) while merged."""
         if not lora.is_lora(self.model):  # every weight, a frozen vision tower's too
             return self._buckets(self.model.named_parameters(remove_duplicate=False), bucket_bytes)
-        import deepspeed
+        import deepspeed  # deepspeed: heavy, only with parallel=zero2/3
 
         def gathered(params):
             return deepspeed.zero.GatheredParameters(params, enabled=self.stage == 3)
