@@ -14,6 +14,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
@@ -22,6 +23,7 @@ from grpo.dist import dist_info
 from grpo.errors import ConfigError
 from grpo.packaged import PACKAGED, packaged_model_dir
 from grpo.parallel import STRATEGIES, strategy_class
+from grpo.parallel.sequence import check_heads, check_size
 from grpo.reward_config import RewardConfig  # the reward group's schema (reward functions, `rm`, `judge`)
 from grpo.rewards import check_rewards
 from grpo.rollout import BACKENDS, backend_class
@@ -31,6 +33,7 @@ from grpo.rollout_config import RolloutConfig  # the rollout group's (sampling, 
 from grpo.tasks import TASKS
 from grpo.tiny import folders
 from grpo.tiny.text import TINY_CONTEXT
+from grpo.update.layouts import SHARED_PROMPT_SETTINGS
 
 
 @dataclass
@@ -277,8 +280,6 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 def compose_config(overrides: list[str], hydra_config: bool = False) -> DictConfig:
     """The run config that `python -m grpo.train <overrides>` would get, composed outside a Hydra app
     (grpo.launch, grpo.serve, the bench, the tests)."""
-    from hydra import compose, initialize_config_dir
-
     register_configs()
     with initialize_config_dir(CONF_DIR, version_base="1.3"):
         return compose("config", overrides=overrides, return_hydra_config=hydra_config)
@@ -294,8 +295,6 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     Raises ConfigError saying what to change. `world_size`: the processes the run will have (grpo.launch
     checks a job before submitting it); by default the ones this process was launched with. `cuda`:
     whether the run will have GPUs (grpo.launch: it asked for some); by default whether this process sees one."""
-    from grpo.update.layouts import SHARED_PROMPT_SETTINGS
-
     a, r = cfg.algo, cfg.rollout
     _choices("task.name", cfg.task.name, TASKS)
     _choices("rollout.backend", r.backend, BACKENDS)
@@ -357,8 +356,6 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
 def check_sequence_parallel(cfg, world: int) -> None:
     """parallel.sequence_parallel against the strategy, the processes and (the tiny model: known before
     loading) the heads; a loaded model's attention and heads are checked when the strategy is built."""
-    from grpo.parallel.sequence import check_heads, check_size
-
     size = cfg.parallel.sequence_parallel
     check_size(size, cfg.parallel.strategy, world)
     if size > 1 and cfg.model.path == "tiny":

@@ -8,6 +8,7 @@ found free there). A single process without a launcher is rank 0 of 1.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import datetime
 import os
@@ -318,8 +319,6 @@ class PeerWatchdog:
                 f"the cause is in that rank's own log.")
 
     def _run(self) -> None:
-        import _thread
-
         while not self.stopped.wait(self.interval_s):
             try:
                 self.beat += 1

@@ -20,7 +20,7 @@ from grpo import dist, lora
 def export_hf(strategy, tokenizer, folder: str, bucket_bytes: int = 256 * 2**20,
               adapter_folder: str | None = None) -> str | None:
     """Write the policy to `folder` (rank 0); returns the folder on rank 0, None elsewhere."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # transformers' Auto classes: seconds to import; only when exporting
 
     keep = dist.rank() == 0
     if lora.is_lora(strategy.model):  # the adapter alone, as the engines get it
@@ -39,6 +39,7 @@ def export_hf(strategy, tokenizer, folder: str, bucket_bytes: int = 256 * 2**20,
         return None
     config = strategy.model.config
     if getattr(config, "vision_config", None) is not None:  # a vision-language model (grpo/vision.py)
+        # transformers' Auto classes: as above
         from transformers import AutoModelForImageTextToText as AutoModelForCausalLM  # noqa: N814
     model = AutoModelForCausalLM.from_config(config, dtype=next(iter(state.values())).dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)

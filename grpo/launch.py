@@ -41,6 +41,7 @@ its config.yaml; servers given by URL get no such key.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
@@ -55,10 +56,14 @@ from omegaconf import OmegaConf
 
 from grpo.cli import exit_on_user_error
 from grpo.config import compose_config, validate
+from grpo.dist import node_name
 from grpo.errors import ConfigError
 from grpo.progress import WaitProgress
 from grpo.rollout.dedicated import child_visible_devices
+from grpo.serve import main as serve, resolve_model
 from grpo.slurm import check_request, request_from
+from grpo.tiny.folders import resolve_model_folder
+from grpo.train import train
 
 LAUNCH_KEYS = {  # key on the command line -> field of conf/hydra/launcher/slurm.yaml
     "nodes": "nodes", "tasks_per_node": "tasks_per_node", "gpus_per_node": "gpus_per_node",
@@ -96,8 +101,6 @@ class TrainJob:
     judge_job: str | None = None
 
     def __call__(self) -> dict:
-        from grpo.train import train
-
         overrides = [*self.overrides, f"run_dir={self.run_dir}"]
         try:
             if self.num_servers:
@@ -197,10 +200,6 @@ class ServeJob:
     extra_args: list[str] = field(default_factory=list)
 
     def __call__(self) -> None:
-        from grpo.dist import node_name
-        from grpo.tiny.folders import resolve_model_folder
-        from grpo.serve import main as serve
-
         cfg = compose_config([*self.overrides, f"run_dir={self.run_dir}"])
         model = resolve_model_folder(cfg)
         tp = cfg.rollout.remote.tensor_parallel_size
@@ -224,16 +223,13 @@ class JudgeJob:
     extra_args: list[str] = field(default_factory=list)
 
     def __call__(self) -> None:
-        from grpo.dist import node_name
-        from grpo.serve import main as serve, resolve_model
-
         serve(["--model", resolve_model(self.model), "--host", node_name(), "--port", "0", "--url-dir", judges_dir(self.run_dir),
                "--tensor-parallel-size", str(self.gpus or 1), *self.extra_args])
 
 
 def executor_for(folder: str, launcher, name: str, **changes):
     """A submitit SLURM executor with conf/hydra/launcher/slurm.yaml's values (and `changes`)."""
-    import submitit
+    import submitit  # submitit: heavy, only when a job is submitted
 
     keys = ("nodes", "tasks_per_node", "timeout_min", "gpus_per_node", "cpus_per_task", "mem_gb", "partition",
             "account", "qos", "constraint", "signal_delay_s", "additional_parameters", "setup")
@@ -330,8 +326,6 @@ def launch(argv: list[str]) -> str:
 
 
 def main() -> None:
-    import argparse
-
     keys = ", ".join([*LAUNCH_KEYS, *OWN_KEYS])
     parser = argparse.ArgumentParser(prog="python -m grpo.launch", formatter_class=argparse.RawDescriptionHelpFormatter,
                                      usage="%(prog)s nodes=N [launch keys] [grpo.train overrides]",

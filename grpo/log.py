@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import secrets
 import sys
 
 
@@ -38,7 +40,7 @@ class RunLogger:
         _truncate_after(self.path, resume_step)  # steps past the checkpoint are redone on resume
         self.file = open(self.path, "a", encoding="utf-8")
         if cfg.backend == "wandb":
-            import wandb
+            import wandb  # wandb: optional, only with logger.backend=wandb
 
             self.wandb = wandb.init(
                 project=cfg.project,
@@ -106,15 +108,11 @@ def wandb_resume(run_dir: str, resume_step: int | None) -> dict:
         wandb drops the killed attempt's rows after it and the redone steps are logged once;
       - a fresh start gets a new id, recorded in `<run_dir>/wandb_id` (set aside with the metrics by
         resume=false), so it never logs into an earlier run of the same folder."""
-    import secrets
-
     path = os.path.join(run_dir, "wandb_id")
     if resume_step is not None and os.path.exists(path):
         with open(path) as f:
             return {"resume_from": f"{f.read().strip()}?_step={resume_step}"}
     if resume_step is not None:  # a folder from before wandb_id: its id was the folder's hash
-        import hashlib
-
         return {"resume_from": f"{hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:16]}?_step={resume_step}"}
     run_id = secrets.token_hex(8)
     with open(path, "w") as f:

@@ -20,6 +20,7 @@ import shutil
 from typing import Iterable, Iterator
 
 import torch
+from safetensors.torch import save_file
 
 from grpo.errors import ConfigError
 
@@ -63,6 +64,7 @@ def dtype_problem(backend: str, dtype: str, cuda: bool) -> str | None:
 
 def wrap(model: torch.nn.Module, cfg) -> torch.nn.Module:
     """The policy with a fresh LoRA adapter on `cfg.target_modules` (B = 0: it starts as the base)."""
+    # peft: heavy, only with model.lora.rank > 0; grpo.config imports this module
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
@@ -98,8 +100,6 @@ def adapter_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.P
 def write_adapter(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], folder: str) -> str:
     """An adapter folder (adapter_model.safetensors + adapter_config.json) that peft and vLLM load,
     written under a temporary name and renamed into place."""
-    from safetensors.torch import save_file
-
     tmp = f"{folder}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -119,7 +119,7 @@ def merged_tensors(model: torch.nn.Module, gathered=None, copy: bool = False) ->
     `gathered(params)`: a context manager making a module's parameters whole (ZeRO-3's
     GatheredParameters), one module at a time; with `copy`, pass-through weights are copied so they
     outlive it (merged ones are new tensors anyway)."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # peft: heavy, only with LoRA (as in wrap)
 
     gathered = gathered or (lambda params: contextlib.nullcontext())
     inside: list[str] = []  # LoRA layers already handled: their children are not visited again

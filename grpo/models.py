@@ -12,6 +12,8 @@ import re
 
 import torch
 
+from grpo import lora, vision
+from grpo.dist import cuda_device_index
 from grpo.errors import ConfigError
 from grpo.prompts import format_prompt
 
@@ -29,8 +31,6 @@ def encode_prompts(tokenizer, samples, chat_template: str = "auto", system_promp
             if reader is None:
                 raise ConfigError("the task's prompts carry images but the model is a text model: use a vision-language "
                                   "model (model=tiny_vlm, or model=hub model.path=Qwen/Qwen2-VL-2B-Instruct).")
-            from grpo import vision
-
             out.append(vision.encode_image_prompt(tokenizer, reader.image_processor, reader.config, s, chat_template,
                                                   system_prompt))
             continue
@@ -57,6 +57,7 @@ def load_model(path: str, dtype: str = "float32", log=None):
     """A causal LM and its tokenizer from a local folder or hub id. With `log` (the main rank's) and a
     hub id, the download says so and shows the hub's progress bars (a 15 GB download is minutes);
     otherwise the bars stay off: a local folder loads in seconds, and every rank would draw them."""
+    # transformers: heavy; grpo.config reaches this module (grpo/tiny/folders.py)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -70,13 +71,13 @@ def load_model(path: str, dtype: str = "float32", log=None):
         tokenizer = AutoTokenizer.from_pretrained(path)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
+        # transformers: heavy; grpo.config reaches this module (grpo/tiny/folders.py)
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(path)
         if getattr(config, "vision_config", None) is not None:  # a vision-language model: its image processor too
+            # transformers: heavy; grpo.config reaches this module (grpo/tiny/folders.py)
             from transformers import AutoModelForImageTextToText
-
-            from grpo import vision
 
             model = AutoModelForImageTextToText.from_pretrained(path, dtype=DTYPES[dtype])
             vision.attach(tokenizer, path, model.config)
@@ -91,8 +92,6 @@ def policy_device(local_rank: int) -> torch.device:
     """Where this rank's policy, reference model and batches live: its GPU, else the CPU."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    from grpo.dist import cuda_device_index
-
     return torch.device(f"cuda:{cuda_device_index(local_rank, torch.cuda.device_count())}")
 
 
@@ -106,14 +105,10 @@ def build_policy(cfg, path: str, info, log=print, loading=contextlib.nullcontext
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         if cfg.model.freeze_vision and getattr(model.config, "vision_config", None) is not None:
-            from grpo import vision
-
             frozen = vision.freeze_vision(model)
             if info.is_main:
                 log(f"vision tower frozen (model.freeze_vision): {frozen / 1e6:.2f}M parameters take no gradient")
         if cfg.model.lora.rank > 0:  # only the adapter trains; the base weights stay the folder's
-            from grpo import lora
-
             model = lora.wrap(model, cfg.model.lora)
             if info.is_main:
                 log(lora.describe(model))

@@ -10,6 +10,7 @@ vLLM load like any other.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -53,8 +54,6 @@ def packaged_model_dir(name: str, cache_dir: str) -> str:
 def ensure_packaged_model(name: str, cache_dir: str, log=print) -> str:
     """Convert a packaged GGUF model once into a normal HF folder in the cache; return the folder.
     Atomic like the tiny model's (grpo/tiny/warm_start.py): written under a temporary name, then renamed."""
-    import importlib.util
-
     path = packaged_model_dir(name, cache_dir)
     if os.path.isfile(os.path.join(path, "grpo_packaged.json")):
         return path
@@ -69,6 +68,7 @@ def ensure_packaged_model(name: str, cache_dir: str, log=print) -> str:
     gguf = os.path.join(package_dir, filename)
     if not os.path.isfile(gguf):
         raise RuntimeError(f"{requirement} is installed but {gguf} is missing; reinstall it.")
+    # transformers: heavy, only for a conversion; grpo.config imports this module
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

@@ -68,7 +68,7 @@ def draw(ax, runs: dict[str, list[dict]], key: str, title: str) -> None:
 
 
 def plot_metric(runs: dict[str, list[dict]], key: str, title: str | None = None):
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib: optional (the plot extra)
 
     fig = Figure(figsize=(5, 3.2), layout="constrained")
     ax = fig.add_subplot()
@@ -80,7 +80,7 @@ def plot_metric(runs: dict[str, list[dict]], key: str, title: str | None = None)
 
 def plot_overview(runs: dict[str, list[dict]]):
     """All PANELS in one 2 x 3 figure."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib: optional (the plot extra)
 
     fig = Figure(figsize=(13, 7), layout="constrained")
     axes = fig.subplots(2, 3).flatten()
@@ -111,7 +111,7 @@ def write_plots(run_dirs: list[str], out_dir: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import matplotlib
+    import matplotlib  # matplotlib: optional (the plot extra)
 
     matplotlib.use("Agg")
     parser = argparse.ArgumentParser(prog="python -m grpo.plot", description=__doc__.split("\n\n")[0])

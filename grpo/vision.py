@@ -20,11 +20,15 @@ shared-prompt layout is not built for images, so a VLM runs packed where it is a
 
 from __future__ import annotations
 
+import base64
+import io
+import warnings
 from dataclasses import dataclass
 
 import PIL.Image
 import torch
 
+from grpo.errors import ConfigError
 from grpo.prompts import format_prompt
 
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
@@ -142,8 +146,6 @@ def encode_image_prompt(tokenizer, image_processor, config, sample, chat_templat
 def check_config(cfg, model_config: dict) -> None:
     """What a vision-language model (model=tiny_vlm, or a folder/hub id whose config.json has a
     vision_config) runs with: one-turn tasks, no sequence split (docs/vlm.md); called by grpo.config.validate."""
-    from grpo.errors import ConfigError
-
     if cfg.model.path != "tiny_vlm" and not model_config.get("vision_config"):
         return
     why = None
@@ -299,9 +301,7 @@ class ImageReader:
 def attach(tokenizer, path: str, config) -> None:
     """Give a VLM's tokenizer its folder's image processor (transformers' PIL one where torchvision
     is missing, as on the CPU here)."""
-    import warnings
-
-    from transformers import AutoImageProcessor
+    from transformers import AutoImageProcessor  # transformers: heavy; grpo.config imports this module
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -326,9 +326,6 @@ def engine_prompt(prompt: ImagePrompt) -> dict:
 
 def image_data_url(image) -> str:
     """A PIL image as a PNG data URL (lossless: the server's processor gets the task's very pixels)."""
-    import base64
-    import io
-
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()

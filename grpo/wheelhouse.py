@@ -27,6 +27,7 @@ import os
 import platform
 import re
 import shutil
+import site
 import subprocess
 import sys
 import tempfile
@@ -254,7 +255,7 @@ def check_torch(folder: Path) -> int:
     spec = next((r for r in setup_cfg_requirements((ROOT / "setup.cfg").read_text())[0] if name_of(r) == "torch"), "torch")
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # numpy comes next, from the folder
     try:
-        import torch
+        import torch  # torch: may be absent here (the wheelhouse installs it)
     except ImportError:
         if any(not p.name.endswith(f"+{STUB_LABEL}-py3-none-any.whl") for p in folder.glob("torch-*.whl")):
             print(f"torch: none here; it comes from {folder}")
@@ -280,8 +281,6 @@ def inherit_site(venv: Path) -> int:
     machine's python3 is /opt/torch/.venv, which holds its torch), a venv made from it with
     --system-site-packages sees the base interpreter's packages, not that venv's: a .pth file in
     VENV's site-packages lists this venv's. Nothing otherwise."""
-    import site
-
     if sys.prefix == sys.base_prefix:
         return 0
     mine = [p for p in site.getsitepackages() if os.path.isdir(p)]

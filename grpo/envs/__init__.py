@@ -19,7 +19,7 @@ from grpo.errors import ConfigError
 def openenv_adapter(**kwargs) -> Env:
     """env=openenv: an OpenEnv server's environment (grpo/envs/openenv.py), imported here on first use so
     that importing grpo.envs never imports openenv-core (the optional extra `grpo[openenv]`)."""
-    from grpo.envs.openenv import OpenEnvAdapter
+    from grpo.envs.openenv import OpenEnvAdapter  # openenv: optional; importing grpo.envs loads no openenv-core
 
     return OpenEnvAdapter(**kwargs)
 

@@ -43,7 +43,7 @@ def client_class():
     """openenv-core's dictionary client (actions and observations as plain dicts, so no environment
     package is needed here): the one place grpo imports openenv."""
     try:
-        from openenv.core.generic_client import GenericEnvClient
+        from openenv.core.generic_client import GenericEnvClient  # openenv: optional (the grpo[openenv] extra)
     except ImportError as e:
         raise ConfigError(f"env=openenv needs openenv-core, which could not be imported ({e}): {INSTALL}.") from e
     return GenericEnvClient
@@ -126,7 +126,7 @@ async def request(client, coroutine):
     """One client call. A server that refuses a session (CAPACITY_REACHED) sends its error and closes
     the socket at once, often before the call's message goes out: the send then fails, and the
     error, still buffered, is raised as openenv-core raises an error reply."""
-    from websockets.exceptions import ConnectionClosed
+    from websockets.exceptions import ConnectionClosed  # websockets: openenv-core's, optional as it is
 
     try:
         return await coroutine

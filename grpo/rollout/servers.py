@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import shutil
 import socket
 import threading
 import time
@@ -551,8 +552,6 @@ def push_adapter_from_one_rank(pool: ServerPool | None, model, buckets: WeightBu
     in flight finish first, as for full weights (`push_from_one_rank`). Every rank names the new
     adapter in its own pool (`use_adapter`) before its turns resume: a turn sent earlier would ask
     for the adapter rank 0 has just unloaded (a 404, its trajectory ended as "error")."""
-    import shutil
-
     if own is not None:
         own.drain()
     dist.barrier()
