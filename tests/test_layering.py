@@ -6,6 +6,8 @@ untie, and it is how config.py had grown into a hub."""
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,3 +136,45 @@ def test_no_folder_loops():
     model); nothing may lead back up it, through any module, function-local imports included."""
     loops = [c for c in cycles(folder_graph(import_graph())) if set(c) & set(FOLDERS)]
     assert loops == []
+
+
+# issue 48: being reshaped (their function-local imports are still to be moved up or explained)
+PENDING = {"grpo/train.py", "grpo/eval.py", "grpo/verify.py", "grpo/rollout/base.py", "grpo/rollout/episodes.py",
+           "grpo/rollout/__init__.py", "grpo/rollout/dedicated.py", "grpo/rollout/remote.py",
+           "grpo/rollout/trajectories.py", "grpo/rollout/hf.py"}
+
+
+def unexplained_local_imports(path: Path) -> list[str]:
+    """The imports inside functions of `path` with no comment saying why they are not at the top: a
+    comment on one of the import's lines, or on its own line just above, or on the import just above
+    in the same run of imports (a comment above a block of imports covers the block)."""
+    source = path.read_text()
+    lines = source.splitlines()
+    commented = {t.start[0] for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+    local = []
+
+    def walk(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
+                local.append(child)
+            walk(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    walk(ast.parse(source), False)
+    explained = set()  # the first line of each explained import
+    for node in sorted(local, key=lambda n: n.lineno):
+        above = node.lineno - 1
+        if (commented & set(range(node.lineno, node.end_lineno + 1))
+                or (above in commented and lines[above - 1].lstrip().startswith("#"))
+                or any(n.end_lineno == above and n.lineno in explained for n in local)):
+            explained.add(node.lineno)
+    return [f"{path.relative_to(ROOT)}:{n.lineno}: {lines[n.lineno - 1].strip()}"
+            for n in local if n.lineno not in explained]
+
+
+def test_every_function_local_import_says_why():
+    """Imports sit at the top of each module; one inside a function is there for a reason (an optional or
+    heavy dependency a plain import must not load, a cycle, a registry loading its chosen entry only)
+    that a comment beside it or just above it names."""
+    bad = [line for path in sorted((ROOT / "grpo").rglob("*.py"))
+           if str(path.relative_to(ROOT)) not in PENDING for line in unexplained_local_imports(path)]
+    assert bad == []
