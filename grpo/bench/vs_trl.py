@@ -20,8 +20,8 @@ from grpo.tiny.folders import resolve_model_folder
 def bench_trl(steps: int, ours: dict, overrides: list[str]) -> dict:
     """TRL's GRPOTrainer on the run that `overrides` compose, generating with transformers on this
     CPU, as `rollout=hf` does."""
-    # datasets, trl: optional, only for this bench (transformers with them: the same try)
     try:
+        # datasets, trl: optional, only for this bench (transformers with them: the same try)
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
