@@ -19,11 +19,14 @@ from math import comb
 import hydra
 from omegaconf import DictConfig
 
-from grpo.config import register_configs
-from grpo.dist import DistInfo, all_gather, all_reduce_sum
-from grpo.models import encode_prompts
+from grpo.cli import exit_on_user_error
+from grpo.config import register_configs, validate
+from grpo.dist import DistInfo, all_gather, all_reduce_sum, dist_info, init_distributed, shutdown
+from grpo.models import build_policy, encode_prompts
 from grpo.rewards import MODEL_REWARDS, score
-from grpo.rollout import sampling_from
+from grpo.rollout import build_rollout, sampling_from
+from grpo.tasks import build_task
+from grpo.tiny.folders import resolve_on_node
 
 register_configs()
 
@@ -93,13 +96,6 @@ def evaluate(rollout, tokenizer, task, cfg, info: DistInfo, reward_fns=()) -> di
 
 
 def run_eval(cfg: DictConfig) -> dict[str, float]:
-    from grpo.config import validate
-    from grpo.dist import dist_info, init_distributed, shutdown
-    from grpo.models import build_policy
-    from grpo.rollout import build_rollout
-    from grpo.tasks import build_task
-    from grpo.tiny.folders import resolve_on_node
-
     validate(cfg)
     info = dist_info()
     init_distributed(info)
@@ -132,8 +128,6 @@ def is_training_folder(run_dir: str) -> bool:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from grpo.cli import exit_on_user_error
-
     exit_on_user_error(run_eval, cfg)
 
 

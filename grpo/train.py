@@ -46,6 +46,7 @@ import contextlib
 import json
 import os
 import random
+import resource
 import subprocess
 import time
 from collections import deque
@@ -145,8 +146,6 @@ def peak_memory_gb() -> float:
     resident set (an in-process engine's included)."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
@@ -362,7 +361,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
 
     # ---- setup: task, model, rewards, strategy, rollout backend, resume ----
     r = setup(cfg, info, cleanup)
-    algo, G, P = cfg.algo, r.G, r.P
+    algo, G = cfg.algo, r.G
     if r.start >= cfg.steps and os.path.exists(os.path.join(r.run_dir, "summary.json")):
         return finished(r)
     r.logger = logger = RunLogger(cfg.logger, r.run_dir, cfg.steps, resolved_config(cfg, r.run_dir), enabled=info.is_main,

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass, fields
 
+from grpo import dist
 from grpo.errors import ConfigError
 from grpo.weights import WeightBuckets
 
@@ -185,8 +186,6 @@ class RolloutBackend(ABC):
         caller's thread (where a collective `generate` needs every rank); backends with engines elsewhere
         run them on their generator thread, so an episode batch is one unit there and weights change only
         between batches."""
-        from grpo import dist
-
         lockstep = (lambda active: dist.all_reduce_max([active])[0] > 0) if self.generate_is_collective else None
         done: Future = Future()
         done.set_result(runner.run(self.generate, prompt_ids, samples, n, sampling, lockstep))

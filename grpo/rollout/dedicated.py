@@ -32,7 +32,7 @@ import torch.distributed as tdist
 
 from grpo.cpus import set_num_threads
 from grpo.errors import ConfigError, DeviceError
-from grpo.rollout.engine_memory import check_vllm, engine_context, model_config_of
+from grpo.rollout.engine_memory import check_vllm, engine_context, model_config_of, read_model_config
 
 from grpo import dist, listeners, lora
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
@@ -199,8 +199,6 @@ def engine_exit(proc: subprocess.Popen, log_path: str, lines: int = 15) -> str |
 
 def model_heads(model_path: str) -> tuple[int | None, int | None]:
     """(attention heads, KV heads) from the model folder's config.json (None, None if unknown)."""
-    from grpo.rollout.engine_memory import read_model_config
-
     return config_heads(read_model_config(model_path))
 
 
