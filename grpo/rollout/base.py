@@ -88,8 +88,8 @@ class Rollouts:
 
 
 class RolloutBackend(ABC):
-    """generate / update_weights / sleep / wake / close. Nothing outside grpo/rollout/ asks which
-    backend it has."""
+    """submit (the loop's one request) / generate / update_weights / sleep / wake / close. Nothing
+    outside grpo/rollout/ asks which backend it has, nor whether its rollouts are episodes."""
 
     weight_version: int = 0
     max_context: int | None = None  # the engine's limit on prompt + completion tokens (None: none known)
