@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test test-all test-slow test-slurm test-gpu bench clean wheelhouse
+.PHONY: setup train test test-all test-slow test-slurm test-gpu bench clean wheelhouse gpu-bundle
 
 setup: $(STAMP)
 
@@ -45,6 +45,13 @@ wheelhouse:
 	  $(if $(PY_VERSION),--python-version $(PY_VERSION)) $(if $(PLATFORM),--platform $(PLATFORM)) \
 	  $(if $(TORCH_VERSION),--torch-version $(TORCH_VERSION)) $(if $(filter 1,$(WITH_TORCH)),--with-torch) \
 	  $(if $(SKIP),--skip $(SKIP))
+
+# The lent GPU machine (no index, 64 MiB a call): vLLM 0.26.0 trimmed for Hopper and the wheels it lacks
+# there, packed and split into dist/gpu_bundle/call1, call2, ... (grpo/gpu_bundle.py; docs/gpu.md). ADD:
+# folders to bring too (e.g. ADD="dist/wheels dist/grpo_cache").
+gpu-bundle:
+	$(PY_CHECK)
+	$(PYTHON) -m grpo.gpu_bundle build $(or $(BUNDLE),dist/gpu_bundle) $(if $(ADD),--add $(ADD)) $(if $(filter 1,$(KEEP_MOE)),--keep-moe)
 
 ifdef WHEELHOUSE
 # From the folder only. A new venv sees the system's site-packages, so the machine's own torch (and

@@ -19,6 +19,7 @@ ENTRY_POINTS = [  # every module with `if __name__ == "__main__"`: one added and
     "grpo.bench.zero3",
     "grpo.doctor",
     "grpo.eval",
+    "grpo.gpu_bundle",
     "grpo.launch",
     "grpo.library_logs",
     "grpo.plot",

@@ -1,0 +1,142 @@
+"""The GPU bundle (grpo/gpu_bundle.py, issue 49): vLLM's wheel trimmed, the payload cut into carry-sized
+parts with their manifest, and the last call's script putting them back together, all on stand-ins
+(no network, no GPU)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from grpo import gpu_bundle
+from grpo.gpu_bundle import (CARRY_BYTES, INSURANCE, LEAN, MiB, PART_BYTES, bundle_calls, download_command,
+                             install_command, pack, split, trim_wheel)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MEMBERS = {  # a stand-in for vLLM 0.26.0's wheel: (member, dropped without --keep-moe, dropped with it)
+    "vllm/__init__.py": (False, False),
+    "vllm/_C_stable_libtorch.abi3.so": (False, False),
+    "vllm/_vllm_fa3_C.abi3.so": (False, False),
+    "vllm/_vllm_fa2_C.abi3.so": (True, True),
+    "vllm/_moe_C_stable_libtorch.abi3.so": (True, False),
+    "vllm/vllm-rs": (True, True),
+    "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so": (True, True),
+    "vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so": (False, False),
+    "vllm-0.26.0.dist-info/METADATA": (False, False),
+}
+
+
+def stand_in_wheel(path: Path) -> None:
+    with zipfile.ZipFile(path, "w") as z:
+        for name in MEMBERS:
+            z.writestr(name, name.encode() * 10)
+        z.writestr("vllm-0.26.0.dist-info/RECORD", "".join(f"{n},sha256=x,{len(n) * 10}\n" for n in MEMBERS)
+                   + "vllm-0.26.0.dist-info/RECORD,,\n")
+
+
+@pytest.mark.parametrize("keep_moe", [False, True])
+def test_the_trimmed_wheel_drops_what_hopper_never_loads_and_its_record_agrees(tmp_path, keep_moe):
+    src, dst = tmp_path / "vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl", tmp_path / "trimmed.whl"
+    stand_in_wheel(src)
+    gone = trim_wheel(src, dst, keep_moe=keep_moe)
+    expected_gone = {n for n, (plain, moe) in MEMBERS.items() if (moe if keep_moe else plain)}
+    assert set(gone) == expected_gone
+    with zipfile.ZipFile(dst) as z:
+        names = set(z.namelist())
+        record = {line.split(",")[0] for line in z.read("vllm-0.26.0.dist-info/RECORD").decode().splitlines() if line}
+        assert z.read("vllm/_vllm_fa3_C.abi3.so") == b"vllm/_vllm_fa3_C.abi3.so" * 10
+    assert names == (set(MEMBERS) - expected_gone) | {"vllm-0.26.0.dist-info/RECORD"}
+    assert record == names  # pip checks installed files against RECORD: no line for a member that is gone
+
+
+def test_the_payload_is_cut_into_carry_sized_calls_with_checksums(tmp_path):
+    payload = tmp_path / "payload.tar.xz"
+    payload.write_bytes(os.urandom(5 * MiB + 3))
+    manifest = split(payload, tmp_path / "bundle", part_bytes=2 * MiB, carry_bytes=3 * MiB)
+    calls = manifest["calls"]
+    assert [c["folder"] for c in calls] == ["call1", "call2", "call3"]
+    assert [p["bytes"] for c in calls for p in c["parts"]] == [2 * MiB, 2 * MiB, MiB + 3]
+    data = b"".join((tmp_path / "bundle" / c["folder"] / p["name"]).read_bytes() for c in calls for p in c["parts"])
+    assert data == payload.read_bytes()
+    assert manifest["bytes"] == 5 * MiB + 3 and manifest["sha256"] == hashlib.sha256(data).hexdigest()
+    for c in calls:
+        folder = tmp_path / "bundle" / c["folder"]
+        assert sum(f.stat().st_size for f in folder.iterdir()) <= 3 * MiB
+        for p in c["parts"]:
+            assert hashlib.sha256((folder / p["name"]).read_bytes()).hexdigest() == p["sha256"]
+    sums = (tmp_path / "bundle" / "call3" / "SHA256SUMS").read_text().split("\n")
+    assert [line.split()[1] for line in sums if line] == ["part.00", "part.01", "part.02"]
+    assert json.loads((tmp_path / "bundle" / "call3" / "manifest.json").read_text()) == manifest
+    with pytest.raises(ValueError, match="no room"):
+        split(payload, tmp_path / "other", part_bytes=3 * MiB, carry_bytes=3 * MiB)
+
+
+def test_a_call_fits_the_machines_limit_with_the_checkout_beside_it():
+    """64 MiB a call, the checkout's files included (about 2 MB): a full part plus the manifest fits."""
+    assert PART_BYTES + MiB <= CARRY_BYTES <= 64 * MiB - 2 * MiB
+
+
+def test_the_pins_and_pips_options_name_the_lent_machine():
+    assert len(LEAN) == 77 and len(INSURANCE) == 11
+    assert all("==" in pin for pin in [*LEAN, *INSURANCE]) and len({p.split("==")[0].lower() for p in LEAN + INSURANCE}) == 88
+    cmd = download_command(Path("w"), [gpu_bundle.VLLM, *LEAN])
+    assert cmd[cmd.index("--python-version") + 1] == "3.12" and "--no-deps" in cmd and "vllm==0.26.0" in cmd
+    platforms = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--platform"]
+    assert platforms[0] == "manylinux_2_28_x86_64" and "manylinux2014_x86_64" in platforms and "manylinux1_x86_64" in platforms
+    install = install_command(Path("site"), [Path("a.whl")])
+    assert {"--no-index", "--no-deps", "--target"} <= set(install) and install[-1] == "a.whl"
+
+
+def test_the_calls_stage_then_unpack_and_run():
+    manifest = {"calls": [{"folder": "call1", "parts": []}, {"folder": "call2", "parts": []}]}
+    first, last = bundle_calls(manifest, "dist/gpu_bundle")
+    assert first["carry"] == ["dist/gpu_bundle/call1"] and "cp dist/gpu_bundle/call1/part.* /tmp/gpu_stage/" in first["command"]
+    assert last["carry"] == ["dist/gpu_bundle/call2"]
+    assert last["command"].startswith("bash scripts/gpu_bundle_go.sh dist/gpu_bundle/call2 python scripts/gpu_vllm_smoke.py")
+
+
+def test_the_packed_folders_unpack_under_their_names(tmp_path, monkeypatch):
+    """Python's lzma path (no `xz` tool), unpacked as the last call does (tarfile, the data filter)."""
+    monkeypatch.setattr(gpu_bundle.shutil, "which", lambda name: None)
+    (tmp_path / "site" / "pkg").mkdir(parents=True)
+    (tmp_path / "site" / "pkg" / "__init__.py").write_text("VALUE = 7\n")
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "model.json").write_text("{}")
+    pack({"site": tmp_path / "site", "grpo_cache": tmp_path / "cache"}, tmp_path / "payload.tar.xz")
+    with tarfile.open(tmp_path / "payload.tar.xz", "r:xz") as t:
+        t.extractall(tmp_path / "out", filter="data")
+    assert (tmp_path / "out" / "site" / "pkg" / "__init__.py").read_text() == "VALUE = 7\n"
+    assert (tmp_path / "out" / "grpo_cache" / "model.json").exists()
+
+
+@pytest.mark.starts_process
+def test_the_last_call_checks_unpacks_and_runs_with_the_bundle_on_the_path(tmp_path):
+    """scripts/gpu_bundle_go.sh on a stand-in bundle of two calls: call 1's part staged first, then the
+    last call checks both, unpacks and imports from the bundle; a corrupt part stops it (exit 3)."""
+    (tmp_path / "site" / "bundled").mkdir(parents=True)
+    (tmp_path / "site" / "bundled" / "__init__.py").write_text("VALUE = 'from the bundle'\n")
+    (tmp_path / "site" / "filler.bin").write_bytes(os.urandom(300_000))  # incompressible: two parts
+    pack({"site": tmp_path / "site"}, tmp_path / "payload.tar.xz")
+    split(tmp_path / "payload.tar.xz", tmp_path / "bundle", part_bytes=200_000, carry_bytes=2 * MiB)
+    stage, site, out = tmp_path / "stage", tmp_path / "unpacked", tmp_path / "out"
+    env = {**os.environ, "GPU_STAGE": str(stage), "GPU_SITE": str(site), "OUT": str(out)}
+    stage.mkdir()
+    for part in (tmp_path / "bundle" / "call1").glob("part.*"):  # what call 1's command does
+        (stage / part.name).write_bytes(part.read_bytes())
+    go = [str(ROOT / "scripts" / "gpu_bundle_go.sh"), str(tmp_path / "bundle" / "call2"),
+          sys.executable, "-c", "import bundled; print(bundled.VALUE)"]
+    done = subprocess.run(["bash", *go], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "from the bundle" in done.stdout and "rc=0" in done.stdout
+    assert (out / "manifest.json").exists() and (out / "go.log").exists()
+    (stage / "part.00").write_bytes(b"corrupt")
+    again = subprocess.run(["bash", *go], env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 3 and "STAGE LOST" in again.stdout
