@@ -104,7 +104,7 @@ def test_the_trainer_waits_for_its_judges_urls_and_cancels_them_with_the_servers
     """The judge job's URL, written into <run_dir>/judges/, becomes reward.judge.urls of the training
     config; both companion jobs are cancelled when training ends. `scancel` and `squeue` are stand-ins
     on PATH that record their arguments (no SLURM here)."""
-    import grpo.train
+    import grpo.launch
     from grpo.launch import TrainJob, judges_dir
 
     calls = tmp_path / "calls"
@@ -114,7 +114,7 @@ def test_the_trainer_waits_for_its_judges_urls_and_cancels_them_with_the_servers
     os.makedirs(judges_dir(str(run_dir)))
     (run_dir / "judges" / "n2-8100.url").write_text("http://n2:8100\n")
     seen = []
-    monkeypatch.setattr(grpo.train, "train", lambda cfg: seen.append(list(cfg.reward.judge.urls)) or {"ok": 1})
+    monkeypatch.setattr(grpo.launch, "train", lambda cfg: seen.append(list(cfg.reward.judge.urls)) or {"ok": 1})  # TrainJob's
     job = TrainJob(["reward=judge"], str(run_dir), server_job="11", num_judges=1, judge_job="12", server_wait_s=5)
     assert job() == {"ok": 1} and seen == [["http://n2:8100"]]
     assert "scancel --signal=INT 11 12" in calls.read_text()
@@ -227,7 +227,7 @@ def test_the_server_job_is_cancelled_on_every_way_out(tmp_path, monkeypatch, way
     """scancel or preemption (SystemExit from grpo/preempt.py), the peer watchdog (KeyboardInterrupt)
     and an error all cancel the companion server job; before, only an Exception did. `scancel` and
     `squeue` are stand-in executables on PATH that record their arguments (no SLURM here)."""
-    import grpo.train
+    import grpo.launch
     from grpo.launch import TrainJob
 
     calls = tmp_path / "calls"
@@ -237,7 +237,7 @@ def test_the_server_job_is_cancelled_on_every_way_out(tmp_path, monkeypatch, way
     def train(cfg):
         raise way_out
 
-    monkeypatch.setattr(grpo.train, "train", train)
+    monkeypatch.setattr(grpo.launch, "train", train)  # the name TrainJob calls
     job = TrainJob(["steps=1"], str(tmp_path / "run"), server_job="4242")
     with pytest.raises(type(way_out)):
         job()
