@@ -278,6 +278,14 @@ def child_overrides(overrides: list[str]) -> list[str]:
     return [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in PLACEMENT]
 
 
+def resume_settings(threads: int) -> list[str]:
+    """What both of the resume check's runs set. Both run on `threads`, this process's count: with
+    threads=auto each run would pick its own from the CPUs idle when it starts, and another count sums
+    in another order (1 against 2 threads: sampler_diff about 2e-6 apart within 4 steps of the default
+    run; a flip of a sampled token would make it more)."""
+    return [*SCRATCH, "algo.lr_schedule=constant", "checkpoint_every=1", "resume=true", f"threads={threads}"]
+
+
 def resume_check(overrides: list[str], world_size: int) -> Check:
     """Two 4-step runs of `grpo.train` in subprocesses, each in its own scratch folder: one unbroken,
     one stopped after step 2 and resumed: steps 3 and 4's metrics must agree (the same prompts, seeds
@@ -290,7 +298,7 @@ def resume_check(overrides: list[str], world_size: int) -> Check:
     # The stop is a 2-step run: a linear schedule's decay would then differ from the unbroken run's
     # (it ends at `steps`), and the resumed run's step 3 would take the 2-step run's last LR. Warmup,
     # then constant, is the same in both, and still needs the schedule's position restored.
-    same = [*SCRATCH, "algo.lr_schedule=constant", "checkpoint_every=1", "resume=true"]
+    same = resume_settings(torch.get_num_threads())
     base = tempfile.mkdtemp(prefix="grpo-verify-resume-")
     try:
         rows = {}

@@ -224,6 +224,13 @@ def test_the_resume_checks_runs_get_none_of_the_users_placement():
     assert child_overrides(given) == ["algo.lr=0.1", "+logger.tags=[a]"]
 
 
+def test_the_resume_checks_runs_share_one_thread_count():
+    """threads=auto picks a count from the CPUs idle at each run's start: the two runs compared must not."""
+    from grpo.verify import resume_settings
+
+    assert resume_settings(3)[-1] == "threads=3" and "resume=true" in resume_settings(3)
+
+
 @pytest.mark.starts_process
 def test_the_resume_check_never_runs_in_the_users_run_folder(tmp_path, cache_dir):
     """The guards tell users to run grpo.verify with their run's overrides, run_dir= among them: the
