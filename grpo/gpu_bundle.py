@@ -9,7 +9,7 @@ there into about 100-110 MiB of `.tar.xz`: two calls. On this machine, with an i
     python -m grpo.gpu_bundle build dist/gpu_bundle [--add dist/wheels dist/grpo_cache] [--keep-moe]
 
     1. download  `pip download --no-deps` of vLLM 0.26.0, the 77 lean wheels and 11 insurance wheels
-                 it needs beyond the image (cp312, manylinux_2_28 and older tags)
+                 it needs beyond the image (cp312, manylinux_2_35 and older tags)
     2. trim      vLLM's wheel without FA2 (H100/H200 run FA3), the Rust frontend, deep_gemm for other
                  Pythons and, unless --keep-moe, the MoE kernels (a dense model never loads them)
     3. install   `pip install --no-index --no-deps --target site/` of every wheel: nothing to resolve there
@@ -45,7 +45,10 @@ MiB = 2**20
 CARRY_BYTES = 62 * MiB  # per call: 64 MiB with the checkout, which is about 2 MB
 PART_BYTES = 60 * MiB  # a part, leaving the carry folder room for SHA256SUMS and manifest.json
 PYTHON_VERSION = "3.12"  # the lent machine's
-PLATFORM = "manylinux_2_28_x86_64"  # vLLM 0.26.0's own wheel tag; its deps' older tags follow (platform_tags)
+# The image's glibc is unrecorded (Python 3.12.3 suggests Ubuntu 24.04, glibc 2.39; gpu_bundle_go.sh logs
+# `ldd --version`); vLLM 0.26.0 itself is manylinux_2_28, but llguidance 1.7.6 has no wheel below 2_31
+# (seen: "No matching distribution" at 2_28). Every older tag follows (platform_tags).
+PLATFORM = "manylinux_2_35_x86_64"
 VLLM = "vllm==0.26.0"
 
 # The wheels vLLM 0.26.0 imports (or its API server does) that the image lacks: ../shared/GPU_VLLM.md section 2,

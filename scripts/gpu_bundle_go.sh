@@ -25,6 +25,7 @@ cp "$CARRY/manifest.json" "$OUT/" 2>/dev/null
 python3 -m pip list --format=freeze > "$OUT/piplist.txt" 2>&1
 python3 -m pip check > "$OUT/pipcheck.txt" 2>&1
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+ldd --version 2>&1 | head -1   # the image's glibc: the bundle's wheels are manylinux_2_35 at most
 timeout 120 python3 -c 'import torch, vllm, vllm._C_stable_libtorch; from vllm.vllm_flash_attn import flash_attn_interface as f; print("torch", torch.__version__, "vllm", vllm.__version__, "FA3", f.FA3_AVAILABLE, getattr(f, "FA3_UNAVAILABLE_REASON", None))'
 echo "== $*"
 "$@"
