@@ -139,14 +139,6 @@ def pack(folders: dict[str, Path], payload: Path) -> None:
             t.add(folder, arcname=name)
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(MiB), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def split(payload: Path, out: Path, part_bytes: int = PART_BYTES, carry_bytes: int = CARRY_BYTES) -> dict:
     """`payload` cut into parts of at most `part_bytes`, one carry folder per call (out/call1, call2, ...),
     each at most `carry_bytes` with the last one's SHA256SUMS and manifest.json. Returns the manifest:
@@ -154,17 +146,18 @@ def split(payload: Path, out: Path, part_bytes: int = PART_BYTES, carry_bytes: i
     if part_bytes > carry_bytes - MiB:
         raise ValueError(f"part_bytes={part_bytes} leaves no room in a carry of {carry_bytes} bytes for the checksums")
     size = payload.stat().st_size
-    calls = []
+    calls, whole = [], hashlib.sha256()  # the payload's checksum, in the same one read as the parts'
     with open(payload, "rb") as f:
         for i in range(max(1, -(-size // part_bytes))):
             folder = out / f"call{i + 1}"
             folder.mkdir(parents=True, exist_ok=True)
             part = folder / f"part.{i:02d}"
             data = f.read(part_bytes)
+            whole.update(data)
             part.write_bytes(data)
             calls.append({"folder": str(folder.relative_to(out)), "parts": [
                 {"name": part.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}]})
-    manifest = {"payload": payload.name, "bytes": size, "sha256": sha256(payload), "calls": calls}
+    manifest = {"payload": payload.name, "bytes": size, "sha256": whole.hexdigest(), "calls": calls}
     last = out / calls[-1]["folder"]
     (last / "SHA256SUMS").write_text("".join(f"{p['sha256']}  {p['name']}\n" for c in calls for p in c["parts"]))
     (last / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
