@@ -100,15 +100,17 @@ def stop(step: int, log=print, requeue: bool = False) -> None:
             "cancelled (submit again with the same run folder to resume).")
         raise SystemExit(143)
     if dist.rank() == 0:
+        # Said before the requeue: SLURM cancels this step as it requeues the job, and srun can drop
+        # output still on its way (CI, 2026-11-28: the line printed after `scontrol requeue` was lost).
+        log(f"stopped after step {step} before the time limit; checkpoint written, requeueing job {job}: it resumes from step {step}.")
         out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
         if out.returncode:
             log(
-                f"stopped after step {step}; checkpoint written, but `scontrol requeue {job}` failed: "
-                f"{out.stderr.strip()}. Submit the job again with the same run folder to resume "
+                f"`scontrol requeue {job}` failed: {out.stderr.strip()}. The job is NOT requeued; its checkpoint "
+                f"of step {step} is written. Submit the job again with the same run folder to resume "
                 "(and give it `--requeue` if the cluster sets JobRequeue=0)."
             )
             raise SystemExit(1)
-        log(f"stopped after step {step} before the time limit; checkpoint written, job {job} requeued: it resumes from step {step}.")
     dist.barrier()
     # SLURM now ends this allocation (SIGTERM, then SIGKILL after KillWait). Let its SIGTERM end us
     # here rather than returning, so no launcher mistakes this run for a finished or failed one.

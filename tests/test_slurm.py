@@ -251,7 +251,7 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(tmp_path, slurm_en
     wait_gone(job, slurm_env, timeout=480)
     logs = log.read_text() if log else job_logs(run_dir, job)
     assert (run_dir / "summary.json").exists(), logs[-4000:]
-    assert f"before the time limit; checkpoint written, job {job} requeued" in logs
+    assert f"before the time limit; checkpoint written, requeueing job {job}:" in logs
     assert_resumed_and_finished(run_dir, steps, world, signalled_at)
     assert sacct_states(job, slurm_env) == ["REQUEUED", "COMPLETED"]
 
@@ -273,7 +273,7 @@ def test_preempted_job_is_requeued_by_slurm_and_resumes(tmp_path, slurm_env, mod
     logs = job_logs(run_dir, job)
     assert (run_dir / "summary.json").exists(), logs[-4000:]
     assert "on SIGTERM (scancel or preemption); checkpoint written" in logs
-    assert "requeued: it resumes" not in logs  # SLURM requeued it, not the run
+    assert "requeueing job" not in logs  # SLURM requeued it, not the run
     summary = assert_resumed_and_finished(run_dir, steps, 2, signalled_at)
     assert summary["nodes"][0] != summary["nodes"][1]  # resumed across both nodes
     assert sacct_states(job, slurm_env) == ["PREEMPTED", "COMPLETED"]
@@ -343,7 +343,7 @@ def test_sweep_tasks_requeue_themselves_by_their_own_ids(tmp_path, slurm_env, mo
 
     summaries, logs = finish_sweep(proc, sweep, steps, tasks)
     for n, task in zip("01", tasks):
-        assert f"checkpoint written, job {task} requeued" in logs[n], logs[n][-3000:]
+        assert f"checkpoint written, requeueing job {task}:" in logs[n], logs[n][-3000:]
         assert signalled_at[n] <= summaries[n]["resumed_from"] < steps
         assert sacct_states(task, slurm_env) == ["REQUEUED", "COMPLETED"]
 
