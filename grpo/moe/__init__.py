@@ -1,0 +1,1 @@
+"""Mixture-of-Experts policies: which experts each token went to, recorded and replayed (routing.py)."""

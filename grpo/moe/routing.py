@@ -1,0 +1,214 @@
+"""Which experts a Mixture-of-Experts policy routes each token to: record them, and run a forward with
+given ones (rollout routing replay, R3: arXiv 2510.11370).
+
+The sampler (vLLM, or `generate` on the hf backend) and the trainer can route the same token to
+different experts: bf16 rounding moves a router's scores, and a near tie flips its top-k. The trainer
+then scores tokens with experts that never produced them. Replay forces the sampler's choice in every
+trainer forward; the router still learns, because the chosen experts' weights are gathered from the
+trainer's own scores (only the discrete selection is replayed, as verl, slime, NeMo RL and Megatron do).
+
+Routes are a LongTensor `[B, T, L, K]` laid out like the forward's `input_ids` `[B, T]`: one row of `K`
+experts per token and MoE layer, `L` the model's MoE layers in order (`moe_layers`; a dense layer has
+no row). An entry of -1 marks a route the sampler did not give (a prompt block its cache skipped):
+that token-layer keeps the trainer's own choice (NeMo RL's fallback).
+
+How: a forward hook on each router replaces its output `(logits, weights, experts)` by the weights of
+the given experts, computed from the router's own logits by its family's rule (`WEIGHTS`). With the
+router's own experts this reproduces its output bitwise (tests/test_moe_routing.py, every family).
+transformers 5.x has no routing argument; the hooks work under ZeRO-3 and gradient checkpointing
+(keep `replay` open across `backward()`: the recompute runs the routers again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+def _softmax_pick(router, logits, experts, norm: bool, cast: bool):
+    weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, experts)
+    if norm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype) if cast else weights
+
+
+def _qwen_like(router, logits, experts):  # Qwen2-MoE, Qwen3-MoE, OLMoE: softmax, pick, renormalise
+    return _softmax_pick(router, logits, experts, router.norm_topk_prob, cast=True)
+
+
+def _mixtral(router, logits, experts):  # softmax in fp32, pick, always renormalised, weights stay fp32
+    weights = F.softmax(logits.float(), dim=-1).gather(-1, experts)
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def _gpt_oss(router, logits, experts):  # pick the logits (bias included), then softmax over the k
+    picked = logits.gather(-1, experts)
+    return F.softmax(picked, dim=1, dtype=picked.dtype)
+
+
+def _deepseek_v3(router, logits, experts):  # sigmoid, pick, renormalise, scale (fp32 logits)
+    weights = logits.sigmoid().gather(1, experts)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * router.routed_scaling_factor
+
+
+# Router class (transformers 5.x) -> its rule from logits and chosen experts to the experts' weights.
+# Each is its class's forward with `torch.topk` replaced by a gather; add a family by reading its forward.
+WEIGHTS = {
+    "Qwen3MoeTopKRouter": _qwen_like,
+    "Qwen2MoeTopKRouter": _qwen_like,
+    "OlmoeTopKRouter": _qwen_like,
+    "MixtralTopKRouter": _mixtral,
+    "GptOssTopKRouter": _gpt_oss,
+    "DeepseekV3TopkRouter": _deepseek_v3,
+}
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def is_router(module) -> bool:
+    name = type(module).__name__.lower()
+    return name.endswith("topkrouter") and hasattr(module, "top_k")
+
+
+def moe_layers(model) -> list[tuple[int, torch.nn.Module]]:
+    """(decoder layer index, router) of every MoE layer, in layer order; [] for a dense model."""
+    found = []
+    for name, module in model.named_modules():
+        if is_router(module):
+            m = _LAYER.search(name)
+            if m is None:
+                raise ValueError(f"routing: cannot tell which decoder layer the router {name!r} belongs to "
+                                 "(expected a module path with `layers.<i>.`).")
+            found.append((int(m.group(1)), module))
+    return sorted(found, key=lambda pair: pair[0])
+
+
+def is_moe(model) -> bool:
+    return bool(moe_layers(model))
+
+
+def top_k(model) -> int:
+    """Experts per token (every MoE layer of a supported model routes to the same number)."""
+    ks = {router.top_k for _, router in moe_layers(model)}
+    if len(ks) != 1:
+        raise ValueError(f"routing: expected one top_k for every MoE layer, found {sorted(ks)}.")
+    return ks.pop()
+
+
+def _check_supported(routers) -> None:
+    unknown = sorted({type(r).__name__ for r in routers} - set(WEIGHTS))
+    if unknown:
+        raise NotImplementedError(
+            f"routing replay does not know the router {', '.join(unknown)}: supported are {', '.join(WEIGHTS)}. "
+            "Set rollout.routing_replay=false, or add the family's rule to grpo/moe/routing.py WEIGHTS."
+        )
+
+
+@dataclass
+class Recording:
+    """The experts each router chose, per forward call: `calls[j]` is `[N_j, L, K]` for the j-th forward
+    (N_j its tokens, flattened from `[B, T]` as the routers see them)."""
+
+    layers: int
+    per_router: list[list[torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def calls(self) -> list[torch.Tensor]:
+        counts = {len(c) for c in self.per_router}
+        if len(counts) != 1:
+            raise RuntimeError(f"routing: the routers ran a different number of times ({sorted(counts)}).")
+        return [torch.stack([c[j] for c in self.per_router], dim=1) for j in range(counts.pop())]
+
+    def routes(self, batch: int) -> torch.Tensor:
+        """The recorded calls as one `[B, T, L, K]` tensor, calls joined along time: a prefill of the
+        prompts and then one call per generated token (`generate` with a KV cache), or one full forward."""
+        return torch.cat([c.reshape(batch, -1, *c.shape[1:]) for c in self.calls], dim=1)
+
+
+@contextlib.contextmanager
+def record(model):
+    """Record the experts every router of `model` chooses while the block runs (`Recording`)."""
+    routers = [r for _, r in moe_layers(model)]
+    rec = Recording(layers=len(routers), per_router=[[] for _ in routers])
+
+    def hook(i):
+        def save(module, inputs, output):
+            rec.per_router[i].append(output[2].detach().to("cpu", torch.long))
+        return save
+
+    handles = [r.register_forward_hook(hook(i)) for i, r in enumerate(routers)]
+    try:
+        yield rec
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@dataclass
+class Replayed:
+    """What a replay did: token-layers that fell back to the trainer's own router (-1 in the routes),
+    out of the token-layers replayed; counted over every forward inside the block."""
+
+    fallback: int = 0
+    total: int = 0
+
+
+@contextlib.contextmanager
+def replay(model, routes: torch.Tensor | None):
+    """Every forward of `model` inside the block routes token t of MoE layer l to `routes[.., t, l, :]`
+    (`[B, T, L, K]` laid out like the forward's input ids). None replays nothing (a dense model, or
+    replay off). Yields a `Replayed` count."""
+    done = Replayed()
+    if routes is None:
+        yield done
+        return
+    layers = moe_layers(model)
+    routers = [r for _, r in layers]
+    _check_supported(routers)
+    if routes.dim() != 4 or routes.shape[2] != len(routers):
+        raise ValueError(f"routing replay: routes of shape {tuple(routes.shape)} for a model with {len(routers)} MoE "
+                         f"layers; expected [batch, tokens, {len(routers)}, top_k].")
+    flat = routes.reshape(-1, routes.shape[2], routes.shape[3])
+
+    def hook(i, layer):
+        def forced(module, inputs, output):
+            logits, _, own = output
+            given = flat[:, i].to(own.device)
+            if given.shape != own.shape:
+                raise ValueError(
+                    f"routing replay: the router of layer {layer} routed {own.shape[0]} tokens to {own.shape[1]} experts "
+                    f"each; the routes give {given.shape[0]} x {given.shape[1]}. Routes must be laid out like input_ids."
+                )
+            missing = (given < 0).any(dim=-1, keepdim=True)
+            if missing.any():
+                given = torch.where(missing, own, given)
+                done.fallback += int(missing.sum())
+            done.total += given.shape[0]
+            return logits, WEIGHTS[type(module).__name__](module, logits, given), given
+        return forced
+
+    handles = [r.register_forward_hook(hook(i, layer)) for i, (layer, r) in enumerate(layers)]
+    try:
+        yield done
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def flip_fraction(own: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """The fraction of token-layers whose set of experts differs between `own` and `sampled` (both
+    `[B, T, L, K]`; the order within a row does not count), over the tokens where `mask` `[B, T]` is
+    true; sampled rows with a -1 (not given) are left out."""
+    a, b = own.sort(dim=-1).values, sampled.sort(dim=-1).values
+    differs = (a != b).any(dim=-1)  # [B, T, L]
+    valid = (sampled >= 0).all(dim=-1)
+    if mask is not None:
+        valid = valid & mask.bool().unsqueeze(-1)
+    n = int(valid.sum())
+    return float((differs & valid).sum()) / n if n else 0.0
