@@ -35,6 +35,9 @@ class Batch:
     # a vision-language model's image prompts: per row, its prompt's images (grpo.vision.VisionInputs;
     # None for a row without); None when no row has any
     vision: Optional[list] = None
+    # rollout.routing_replay: the experts the sampler routed each token to, B x L x MoE layers x top_k,
+    # laid out as input_ids_BL; -1 where none was given (padding, the last token: the router decides)
+    routes_BLMK: Optional[torch.Tensor] = None
 
     @property
     def size(self) -> int:
@@ -164,5 +167,21 @@ def collate(
     logp_BT, mask_BT = torch.tensor(logps, dtype=torch.float32), torch.tensor(masks, dtype=torch.float32)
     position_ids_BL = (attn_BL.cumsum(dim=1) - 1).clamp(min=0)
     vision = [getattr(p, "vision", None) for p in prompt_ids]  # grpo.vision.ImagePrompt carries its images
+    routes = None if rollouts.routed_experts is None else routes_batch(prompt_ids, rollouts, P, T)
     return Batch(ids_BL, attn_BL, position_ids_BL, ids_BL[:, P:], mask_BT, logp_BT, advantages_B.float(), P,
-                 vision=vision if any(v is not None for v in vision) else None)
+                 vision=vision if any(v is not None for v in vision) else None, routes_BLMK=routes)
+
+
+def routes_batch(prompt_ids: list[list[int]], rollouts, P: int, T: int) -> torch.Tensor:
+    """Each completion's routed experts ([p + c - 1, M, K]: prompt, then completion but its last token)
+    placed as `collate` places its tokens: B x (P + T) x M x K, -1 elsewhere."""
+    shapes = {tuple(r.shape[1:]) for r in rollouts.routed_experts}
+    if len(shapes) != 1:
+        raise ValueError(f"routed experts of different shapes in one batch: {sorted(shapes)} (MoE layers, top_k)")
+    routes = torch.full((len(prompt_ids), P + T, *shapes.pop()), -1, dtype=torch.long)
+    for i, (p, c, r) in enumerate(zip(prompt_ids, rollouts.completion_ids, rollouts.routed_experts)):
+        if r.shape[0] != len(p) + len(c) - 1:
+            raise ValueError(f"completion {i}: {r.shape[0]} rows of routed experts for {len(p)} prompt and {len(c)} "
+                             f"completion tokens; expected {len(p) + len(c) - 1} (every token but the last sampled)")
+        routes[i, P - len(p): P + len(c) - 1] = r
+    return routes

@@ -66,6 +66,9 @@ class RolloutConfig:
     # grpo/rollout/episodes.py) | trajectories (each sends its next turn as soon as its environment has
     # answered; servers only: grpo/rollout/trajectories.py) | auto (trajectories on dedicated/remote)
     schedule: str = "auto"
+    # a Mixture-of-Experts policy: the sampler returns the experts it routed every token to, and every
+    # trainer forward of the policy uses them (rollout routing replay, R3; grpo/moe/routing.py)
+    routing_replay: bool = False
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     dedicated: DedicatedConfig = field(default_factory=DedicatedConfig)

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from grpo.errors import ConfigError
+
 
 def _softmax_pick(router, logits, experts, norm: bool, cast: bool):
     weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, experts)
@@ -212,3 +214,16 @@ def flip_fraction(own: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor |
         valid = valid & mask.bool().unsqueeze(-1)
     n = int(valid.sum())
     return float((differs & valid).sum()) / n if n else 0.0
+
+
+def check(cfg) -> None:
+    """rollout.routing_replay against the rest of the config (called by grpo.config.validate; the backend
+    checks its own part, RolloutBackend.check_routing): routes are not carried into a sequence-parallel
+    group's split rows nor a vision-language model's rows yet."""
+    if not cfg.rollout.routing_replay:
+        return
+    if cfg.parallel.sequence_parallel > 1:
+        raise ConfigError(f"rollout.routing_replay=true with parallel.sequence_parallel={cfg.parallel.sequence_parallel}: "
+                          "routed experts are not split across a sequence-parallel group yet; set one of them off.")
+    if cfg.model.path == "tiny_vlm":
+        raise ConfigError("rollout.routing_replay=true with a vision-language model: not supported yet; set it false.")

@@ -54,6 +54,10 @@ class Rollouts:
     # One version per batch, except with partial rollouts (grpo/rollout/trajectories.py), where an
     # episode's later turns may come from newer weights and `weight_version` is the oldest
     token_versions: list[list[int]] | None = None
+    # rollout.routing_replay: per completion, the experts each MoE layer routed each token to, as the
+    # sampler ran them: a [P + C - 1, layers, top_k] LongTensor over prompt then completion (the last
+    # token sampled is never forwarded; grpo/moe/routing.py)
+    routed_experts: list | None = None
     # finish_reasons of an episode: stop (the environment ended it), length, turns (the cap), error
 
     def slice(self, start: int, end: int) -> "Rollouts":
@@ -94,6 +98,7 @@ class RolloutBackend(ABC):
     weight_version: int = 0
     max_context: int | None = None  # the engine's limit on prompt + completion tokens (None: none known)
     generate_is_collective: bool = False  # every rank must call `generate` equally often (multi-turn lockstep)
+    returns_routes: bool = False  # gives each completion's routed experts (rollout.routing_replay)
     # the engines run in other processes, so a batch can generate while the trainer updates
     # (algo.max_staleness >= 1); in-process backends would only take turns with the trainer
     overlaps_training: bool = False
@@ -112,6 +117,19 @@ class RolloutBackend(ABC):
         """Raise ConfigError where the model's context (its config.json, `model_config`; {} if unknown)
         cannot hold what this backend's engines are asked to (called by validate). Backends that start
         vLLM engines with rollout.vllm.max_model_len check it (engine_memory.engine_context)."""
+
+    @classmethod
+    def check_routing(cls, cfg, env: str) -> None:
+        """rollout.routing_replay needs a backend that returns the routed experts, and single-turn rollouts
+        (an episode's observation tokens are not sampled, so no sampler routed them)."""
+        if not cfg.routing_replay:
+            return
+        if not cls.returns_routes:
+            raise ConfigError(f"rollout.routing_replay=true with rollout={cfg.backend}: this backend does not return the "
+                              "experts it routed each token to yet; use rollout=hf, or rollout.routing_replay=false.")
+        if env != "none":
+            raise ConfigError(f"rollout.routing_replay=true with env={env}: routing replay covers single-turn rollouts "
+                              "only; set env=none or rollout.routing_replay=false.")
 
     @classmethod
     def check_staleness(cls, cfg, max_staleness: int) -> None:

@@ -9,6 +9,8 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from grpo import dist, vision
+from grpo.errors import ConfigError
+from grpo.moe import routing
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.weights import WeightBuckets
 
@@ -136,10 +138,27 @@ def check_images_on_every_rank(mine: bool) -> None:
             "or parallel=zero2.")
 
 
+def generated_routes(rec: "routing.Recording", rows: int, prefill_rows: int, width: int, prompt_lens: list[int],
+                     completion_lens: list[int]) -> list[torch.Tensor]:
+    """Each completion's routed experts from `generate`'s recorded forwards: the prefill (of `prefill_rows`
+    prompts, each repeated to its `rows // prefill_rows` samples: `shared_prefill`), then one call per
+    token; cut to the sequence's own P + C - 1 rows (its left padding and anything after it dropped)."""
+    calls = rec.calls
+    first = calls[0].reshape(prefill_rows, -1, *calls[0].shape[1:]).repeat_interleave(rows // prefill_rows, dim=0)
+    routes = torch.cat([first, *(c.reshape(rows, -1, *c.shape[1:]) for c in calls[1:])], dim=1)
+    return [routes[i, width - p: width + c - 1] for i, (p, c) in enumerate(zip(prompt_lens, completion_lens))]
+
+
 class HFBackend(RolloutBackend):
+    returns_routes = True
+
     def __init__(self, cfg, model: torch.nn.Module, tokenizer, model_path: str | None = None, lockstep: bool = False,
                  dtype: str = "float32", **_):
         self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
+        self.routing_replay = cfg is not None and cfg.routing_replay
+        if self.routing_replay and not routing.is_moe(base_model(model)):
+            raise ConfigError("rollout.routing_replay=true needs a Mixture-of-Experts policy; this model has no MoE "
+                              "layers. Set rollout.routing_replay=false.")
         self.lockstep = lockstep
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = stop_token_ids(tokenizer.eos_token_id, base_model(model).generation_config)
@@ -175,7 +194,8 @@ class HFBackend(RolloutBackend):
             check_images_on_every_rank(bool(images))
         if images:
             images["mm_token_type_ids"] = (ids_BL == vision.image_token_id(base_model(self.model).config)).int()
-        with folder_defaults_off(self.model), compute_precision(self.model, self.dtype):
+        record = routing.record(base_model(self.model)) if self.routing_replay else contextlib.nullcontext()
+        with folder_defaults_off(self.model), compute_precision(self.model, self.dtype), record as rec:
             cache = (shared_prefill(self.model, ids_BL[::n].to(device), mask_BL[::n].to(device), n)
                      if n > 1 and not images else None)
             out = self.model.generate(input_ids=ids_BL.to(device), attention_mask=mask_BL.to(device),
@@ -196,7 +216,11 @@ class HFBackend(RolloutBackend):
                 completions.append(tokens)
                 logprobs.append(lps)
                 reasons.append("length")
-        return Rollouts(completions, logprobs, reasons, self.weight_version)
+        routes = None
+        if rec is not None:
+            routes = generated_routes(rec, len(rows), len(rows) // n if cache is not None else len(rows), width,
+                                      [len(p) for p in rows], [len(c) for c in completions])
+        return Rollouts(completions, logprobs, reasons, self.weight_version, routed_experts=routes)
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
         self.weight_version = version  # the module is the trainer's own: nothing to copy

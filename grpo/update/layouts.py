@@ -93,6 +93,7 @@ class PackedRows:
     hidden_at: tuple[torch.Tensor, torch.Tensor]  # (row, column) whose hidden state predicts completion token n
     token_at: tuple[torch.Tensor, torch.Tensor]  # (b, t): where completion token n sits in the B x T layout
     carried_KRW: torch.Tensor | None = None  # `carry_KBL` laid out as the rows are (0 on the rows' padding)
+    real_RW: torch.Tensor | None = None  # True on the sequences' tokens, False on the rows' padding
 
 
 def pack(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, prompt_width: int, rows: list[int],
@@ -138,8 +139,10 @@ def pack(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, prompt_wid
         carried = torch.zeros((carry_KBL.shape[0], len(rows), width), dtype=carry_KBL.dtype)
         carried[:, r, w] = carry_KBL.cpu()[:, b, col]
         carried = carried.to(device)
+    real_RW = torch.zeros((len(rows), width), dtype=torch.bool)
+    real_RW[r, w] = True
     return PackedRows(ids_RW.to(device), pos_RW.to(device), tuple(x.to(device) for x in hidden_at),
-                      (tb.to(device), tt.to(device)), carried)
+                      (tb.to(device), tt.to(device)), carried, real_RW.to(device))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -183,14 +186,15 @@ class SharedRows(PackedRows):
 
 def pack_shared(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, prompt_width: int,
                 trees: list[list[int]], mask_dtype: torch.dtype = torch.bool, pad_id: int = 0,
-                multiple: int | None = None) -> SharedRows:
+                multiple: int | None = None, carry_KBL: torch.Tensor | None = None) -> SharedRows:
     """The rows of a padded batch laid out as trees: the batch's sequences, in order, fill `trees[0][0]`
     sequences of row 0's first tree, `trees[0][1]` of its second, ... A tree is its first sequence's
     prompt once, then each of its sequences' completions; positions run on from the prompt in every
     completion, as in the sequence alone. `mask_dtype` bool: True where attended (sdpa); a float
     dtype: 0 there and the dtype's minimum elsewhere (eager attention). The rows' width is the widest
     row's, rounded up to a multiple of `multiple` (None: `width_multiple` of the batch's device: 128
-    on CUDA); padding positions attend to themselves only."""
+    on CUDA); padding positions attend to themselves only. `carry_KBL`: K more values per token (the
+    routed experts), moved as the tokens are: a tree's prompt takes its first sequence's (0 on padding)."""
     device = input_ids_BL.device
     ids_BL, real_BL = input_ids_BL.cpu(), attention_mask_BL.cpu().bool()
     P, B = prompt_width, ids_BL.shape[0]
@@ -231,6 +235,10 @@ def pack_shared(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, pro
     ids_RW[at] = ids_BL[first_T[t], c]
     pos_RW[at] = c - (P - p_T[t])
     tree_RW[at] = k_T[t]
+    carry = None if carry_KBL is None else carry_KBL.cpu()
+    carried = None if carry is None else torch.zeros((carry.shape[0], R, width), dtype=carry.dtype)
+    if carried is not None:
+        carried[:, at[0], at[1]] = carry[:, first_T[t], c]
     # the completions, after their tree's prompt, positions running on from it
     b, n = (torch.arange(completion_B.max() if B else 0)[None, :] < completion_B[:, None]).nonzero(as_tuple=True)
     at = (row_T[tree_B[b]], start_B[b] + n)
@@ -238,11 +246,14 @@ def pack_shared(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, pro
     pos_RW[at] = prompt_B[b] + n
     tree_RW[at] = k_T[tree_B[b]]
     branch_RW[at] = branch_B[b]
+    if carried is not None:
+        carried[:, at[0], at[1]] = carry[:, b, P + n]
     # token 0 is predicted by the prompt's last position, token n by the completion's n - 1
     prompt_last = start_T[tree_B[b]] + p_T[tree_B[b]] - 1
     hidden_at = (at[0], torch.where(n == 0, prompt_last, at[1] - 1))
     return SharedRows(ids_RW.to(device), pos_RW.to(device), tuple(x.to(device) for x in hidden_at),
-                      (b.to(device), n.to(device)), mask_R1WW=tree_mask(tree_RW.to(device), branch_RW.to(device), mask_dtype))
+                      (b.to(device), n.to(device)), None if carried is None else carried.to(device),
+                      (tree_RW >= 0).to(device), mask_R1WW=tree_mask(tree_RW.to(device), branch_RW.to(device), mask_dtype))
 
 
 def tree_mask(tree_RW: torch.Tensor, branch_RW: torch.Tensor, mask_dtype: torch.dtype) -> torch.Tensor:
@@ -445,6 +456,22 @@ class Rows:
     rope_3RW: torch.Tensor | None = None
     image_slots_RW: torch.Tensor | None = None
     images: list | None = None
+    # rollout.routing_replay: the sampler's experts per token, R x W x MoE layers x top_k (-1: the router
+    # decides); moved with the tokens (grpo/moe/routing.py replays them)
+    routes_RWMK: torch.Tensor | None = None
+    real_RW: torch.Tensor | None = None  # True on the sequences' tokens (what a MoE router's statistics count)
+
+
+def routes_carry(routes_BLMK: torch.Tensor) -> torch.Tensor:
+    """B x L x M x K routes as `carry_KBL` rows (M*K values per token), for the layouts that move tokens;
+    shifted by one so a token without a route (-1) and the rows' padding (0) both come back as -1."""
+    B, L, M, K = routes_BLMK.shape
+    return (routes_BLMK + 1).permute(2, 3, 0, 1).reshape(M * K, B, L)
+
+
+def routes_back(carried_CRW: torch.Tensor, M: int, K: int) -> torch.Tensor:
+    C, R, W = carried_CRW.shape
+    return (carried_CRW.reshape(M, K, R, W).permute(2, 3, 0, 1) - 1).contiguous()
 
 
 def rows(model, mb: MicroBatch, split_size: int = 1) -> Rows:
@@ -461,6 +488,10 @@ def rows(model, mb: MicroBatch, split_size: int = 1) -> Rows:
         raise ValueError("split rows do not carry images: parallel.sequence_parallel > 1 with a vision-language model "
                          "(grpo.vision.check_config refuses it)")
     carry_KBL = vision.packing_carry(b, config) if vlm else None  # M-RoPE positions, image slots
+    routes = b.routes_BLMK
+    if routes is not None and (whole or vlm):
+        raise ValueError("routed experts are not carried into split rows or a vision-language model's rows "
+                         "(rollout.routing_replay with parallel.sequence_parallel > 1, or a VLM, is refused by validate)")
     T = b.completion_ids_BT.shape[1]
     if mb.layout == "shared":
         support = support_of(model)
@@ -468,16 +499,21 @@ def rows(model, mb: MicroBatch, split_size: int = 1) -> Rows:
             raise ValueError("a shared-prompt micro-batch for a model that cannot share prompts: plan the micro-batches "
                              "with grpo.update.layouts.plan")
         packed = pack_shared(b.input_ids_BL, b.attention_mask_BL, b.prompt_width, mb.groups,
-                             torch.bool if whole else support.mask_dtype, multiple=multiple)
+                             torch.bool if whole else support.mask_dtype, multiple=multiple,
+                             carry_KBL=None if routes is None else routes_carry(routes))
         ids_RW, pos_RW, mask, carried = packed.input_ids_RW, packed.position_ids_RW, packed.mask_R1WW, None
-        hidden_at, token_at = packed.hidden_at, packed.token_at
+        hidden_at, token_at, real_RW = packed.hidden_at, packed.token_at, packed.real_RW
+        routes_RW = None if routes is None else routes_back(packed.carried_KRW, *routes.shape[2:])
     elif mb.layout == "packed":
         packed = pack(b.input_ids_BL, b.attention_mask_BL, b.prompt_width, mb.groups, multiple=multiple,
-                      carry_KBL=carry_KBL)
+                      carry_KBL=carry_KBL if routes is None else routes_carry(routes))
         ids_RW, pos_RW, carried = packed.input_ids_RW, packed.position_ids_RW, packed.carried_KRW
+        routes_RW = None
+        if routes is not None:  # (a VLM's carry is refused above)
+            routes_RW, carried = routes_back(carried, *routes.shape[2:]), None
         # whole rows: a row of one sequence is one causal run (its padding's positions run on from it)
         mask = packed_mask(pos_RW) if whole and any(n > 1 for n in mb.groups) else None
-        hidden_at, token_at = packed.hidden_at, packed.token_at
+        hidden_at, token_at, real_RW = packed.hidden_at, packed.token_at, packed.real_RW
     else:
         # rows right-padded to the width: padding after every real token, which causality keeps out of
         # their attention; positions repeat the row's last one, as collate's do past a completion's end
@@ -490,15 +526,18 @@ def rows(model, mb: MicroBatch, split_size: int = 1) -> Rows:
         ids_RW, mask_RW = F.pad(ids_RW, (0, extra)), F.pad(mask_RW, (0, extra))
         pos_RW = torch.cat([pos_RW, pos_RW[:, -1:].expand(-1, extra)], dim=1)
         mask = mask_RW if not whole else None if bool(keep_RW.all()) else causal_mask(keep_RW)
+        real_RW = mask_RW.bool()
         carried = None
         if carry_KBL is not None:
             carried = torch.cat([carry_KBL, carry_KBL[:, :, -1:].expand(-1, -1, extra)], dim=2).to(device)
             carried[3, :, L:] = 0  # no image slot in the padding
+        routes_RW = None if routes is None else F.pad(routes, (0, 0, 0, 0, 0, extra), value=-1)
         b_N, t_N = torch.meshgrid(torch.arange(b.size, device=device), torch.arange(T, device=device), indexing="ij")
         token_at = (b_N.reshape(-1), t_N.reshape(-1))
         hidden_at = (token_at[0], L - T - 1 + token_at[1])  # position p predicts token p + 1
     out = Rows(mb.layout, ids_RW, pos_RW, mask, hidden_at, token_at, b.completion_ids_BT[token_at],
-               tuple(b.completion_ids_BT.shape), has_plain_head(model))
+               tuple(b.completion_ids_BT.shape), has_plain_head(model), routes_RWMK=routes_RW,
+               real_RW=real_RW)
     if carried is not None:
         out.rope_3RW, out.image_slots_RW, out.images = carried[:3], carried[3].bool(), b.vision
     return out

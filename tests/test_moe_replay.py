@@ -1,0 +1,126 @@
+"""Rollout routing replay from sampler to update: the hf backend records the experts `generate` routed
+each token to, `collate` lays them out with the tokens, every layout (padded, packed, shared prompts)
+moves them with the tokens, and the update's forwards replay them."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers as T
+
+from grpo.batch import collate
+from grpo.errors import ConfigError
+from grpo.moe import routing
+from grpo.rollout import Sampling
+from grpo.rollout.hf import HFBackend
+from grpo.tiny.text import build_char_tokenizer
+from grpo.update import layouts, score_tokens
+
+REPLAY = SimpleNamespace(routing_replay=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe():
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    config = T.Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=3, num_attention_heads=2,
+                              num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=32, intermediate_size=64, pad_token_id=tok.pad_token_id,
+                              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    return T.Qwen3MoeForCausalLM(config).eval(), tok
+
+
+def sample(model, tok, n: int):
+    prompts = [tok("1+2=").input_ids, tok("12+34=").input_ids, tok("7=").input_ids]
+    out = HFBackend(REPLAY, model, tok).generate(prompts, n=n, sampling=Sampling(max_new_tokens=6, temperature=1.0))
+    return [p for p in prompts for _ in range(n)], out
+
+
+@pytest.mark.parametrize("n", [1, 4], ids=["one_sample", "shared_prefill"])
+def test_hf_generate_returns_each_completions_routing_as_one_forward_routes_it(tiny_moe, n):
+    model, tok = tiny_moe
+    prompts, out = sample(model, tok, n)
+    assert len(out.routed_experts) == len(prompts)
+    for p, c, routes in zip(prompts, out.completion_ids, out.routed_experts):
+        assert routes.shape == (len(p) + len(c) - 1, 3, 2)
+        with routing.record(model) as rec, torch.no_grad():
+            model(torch.tensor([p + c[:-1]]))
+        assert torch.equal(routes, rec.routes(1)[0])  # fp32: the cached steps route as the whole forward
+
+
+def test_collate_lays_routes_out_with_the_tokens(tiny_moe):
+    model, tok = tiny_moe
+    prompts, out = sample(model, tok, 2)
+    batch = collate(prompts, out, torch.zeros(len(prompts)), tok.pad_token_id, False)
+    P = batch.prompt_width
+    for i, (p, c, r) in enumerate(zip(prompts, out.completion_ids, out.routed_experts)):
+        row = batch.routes_BLMK[i]
+        assert (row[: P - len(p)] == -1).all() and (row[P + len(c) - 1:] == -1).all()  # padding, the last token
+        assert torch.equal(row[P - len(p): P + len(c) - 1], r)
+
+
+def test_every_layout_carries_each_tokens_routes(tiny_moe):
+    """Routes equal to their token's id (unique per completion position, equal on a group's prompt):
+    wherever a layout puts a real token, its routes must come along; elsewhere -1."""
+    P, T_, G = 3, 4, 2
+    prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]]
+    completions = [[10, 11, 12, 13], [14, 15], [16, 17, 18], [19]]
+    out = SimpleNamespace(completion_ids=completions, logprobs=[[0.0] * len(c) for c in completions],
+                          finish_reasons=["length"] * 4, loss_masks=None, episodes=None,
+                          routed_experts=[torch.tensor(p + c[:-1]).view(-1, 1, 1).expand(-1, 2, 2) for p, c in zip(prompts, completions)])
+    batch = collate(prompts, out, torch.zeros(4), 0, False)
+    for layout in ("padded", "packed", "shared"):
+        if layout == "shared":  # (a MoE model with its load-balancing loss runs no shared rows: the layout alone)
+            packed = layouts.pack_shared(batch.input_ids_BL, batch.attention_mask_BL, batch.prompt_width, [[2, 2]],
+                                         carry_KBL=layouts.routes_carry(batch.routes_BLMK))
+            ids, routes = packed.input_ids_RW, layouts.routes_back(packed.carried_KRW, 2, 2)
+        else:
+            [mb] = layouts.micro_batches(batch, 100, layout)
+            rows = layouts.rows(tiny_moe[0], mb)
+            ids, routes = rows.input_ids_RW, rows.routes_RWMK
+        assert routes.shape == (*ids.shape, 2, 2), layout
+        given = routes[..., 0, 0]
+        assert ((given == ids) | (given == -1)).all(), layout  # a token's own routes, or none
+        last = {c[-1] for c in completions}  # never forwarded by the sampler: no routes
+        for token in range(5, 20):
+            n = int((ids == token).sum())
+            expected = 0 if token in last else n  # every copy of a routed token carries them
+            assert int(((ids == token) & (given == token)).sum()) == expected, (layout, token)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_update_replays_the_samplers_routes_in_every_layout(tiny_moe, layout):
+    model, tok = tiny_moe
+    prompts, out = sample(model, tok, 2)
+    batch = collate(prompts, out, torch.zeros(len(prompts)), tok.pad_token_id, False)
+    plain = collate(prompts, type(out)(**{**vars(out), "routed_experts": None}), torch.zeros(len(prompts)),
+                    tok.pad_token_id, False)
+    own = score_tokens(model, batch, 1.0, 10_000, layout=layout)
+    assert ((own - plain_scores(model, plain, layout)).abs() * batch.mask_BT).max() < 1e-5  # own routes: the same
+    assert ((own - batch.sampler_logprobs_BT).abs() * batch.mask_BT).max() < 1e-4
+    moved = routing_moved(batch)
+    forced = score_tokens(model, moved, 1.0, 10_000, layout=layout)
+    assert ((forced - own).abs() * batch.mask_BT).max() > 1e-3  # the forward used the given experts
+
+
+def plain_scores(model, batch, layout):
+    return score_tokens(model, batch, 1.0, 10_000, layout=layout)
+
+
+def routing_moved(batch):
+    routes = batch.routes_BLMK
+    moved = torch.where(routes >= 0, (routes + 1) % 8, routes)
+    return type(batch)(**{**vars(batch), "routes_BLMK": moved})
+
+
+def test_routing_replay_is_refused_where_it_cannot_work(tiny_lm):
+    model, tok = tiny_lm
+    with pytest.raises(ConfigError, match="needs a Mixture-of-Experts policy"):
+        HFBackend(REPLAY, model, tok)
+    from grpo.rollout import backend_class  # noqa: the registry's classes
+    cfg = SimpleNamespace(routing_replay=True, backend="colocated")
+    with pytest.raises(ConfigError, match="rollout=colocated: this backend does not return"):
+        backend_class("colocated").check_routing(cfg, "none")
+    cfg.backend = "hf"
+    with pytest.raises(ConfigError, match="env=calculator"):
+        backend_class("hf").check_routing(cfg, "calculator")
