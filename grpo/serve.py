@@ -11,7 +11,8 @@ It is vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`) started wi
   - on CPU, an explicit KV-cache size (`--kv-cache-gb`, grpo/rollout/engine_memory.py);
   - with `--lora-rank R`, vLLM's LoRA support and its adapter routes (/v1/load_lora_adapter, ...);
   - `--enable-scale-out`: vLLM's token-in-token-out route /inference/v1/generate, which takes token ids
-    with images (the trainer's image prompts; /v1/completions takes none); for a vision-language
+    with images (the trainer's image prompts; /v1/completions takes none; vLLM before 0.30 mounts it
+    without the flag, and refuses the flag: grpo/rollout/vllm_api.py); for a vision-language
     model's folder, `--limit-mm-per-prompt` from `--images-per-prompt` (images only, no video);
   - `require_token` as middleware: every route but the read-only probes in OPEN_ROUTES (health,
     version, metrics) needs `Authorization: Bearer <token>`, the /v1 routes included. It is an
@@ -45,7 +46,7 @@ import torch
 
 from grpo import dist
 from grpo.dist import node_name
-from grpo.errors import TokenError
+from grpo.errors import ConfigError, TokenError
 from grpo.auth import TOKEN_ENV, is_loopback, load_token, token_ok
 from grpo.lora import vllm_max_rank
 from grpo.packaged import PACKAGED
@@ -53,6 +54,7 @@ from grpo.rollout.engine_memory import (check_setting, chunked_prefill, engine_c
                                         read_model_config)
 from grpo.rollout.reaper import die_with_parent
 from grpo.rollout.servers import TRANSFERS, reserve_port, transfer_backend
+from grpo.rollout.vllm_api import VllmApi, installed
 
 # Read-only probes anyone who can reach the port may call; everything else needs the token.
 OPEN_ROUTES = ("/health", "/version", "/metrics")
@@ -71,8 +73,11 @@ async def require_token(request, call_next):
     return await call_next(request)
 
 
-def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None = None) -> list[str]:
-    """vLLM's command line; it never holds the token (vLLM's middleware reads it from the environment)."""
+def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None = None,
+              api: VllmApi | None = None) -> list[str]:
+    """vLLM's command line; it never holds the token (vLLM's middleware reads it from the environment).
+    `api`: the vLLM it is for (grpo/rollout/vllm_api.py); default this environment's, which `main` execs."""
+    api = installed() if api is None else api
     argv = [
         "--model", args.model, "--host", args.host, "--port", str(args.port),
         "--dtype", args.dtype,
@@ -89,8 +94,9 @@ def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None =
             "--logprobs-mode", "processed_logprobs",
             "--generation-config", "vllm",  # a request's unset sampling fields are vLLM's neutral ones, not the folder's
             "--enable-prefix-caching",
-            "--enable-scale-out",  # /inference/v1/generate: token ids plus images, for image prompts (behind the token)
         ]
+        if api.scale_out_flag:  # /inference/v1/generate: token ids plus images, for image prompts (behind the token)
+            argv.append("--enable-scale-out")
         if getattr(args, "vision", False):  # a VLM: images only, at most this many per prompt
             argv += ["--limit-mm-per-prompt", json.dumps({"image": args.images_per_prompt, "video": 0})]
     if args.max_model_len:
@@ -221,6 +227,10 @@ def main(argv: list[str] | None = None) -> None:
                    "which the token guards like every route")
     args, extra = p.parse_known_args(argv)
     tie_to_parent(args.parent_pid, args.cpus)
+    try:
+        installed()  # a vLLM in the supported range, before anything is resolved or bound
+    except ConfigError as e:
+        p.error(str(e))
     if args.reward_model and args.lora_rank:
         p.error("--lora-rank serves policy adapters; a --reward-model server takes no LoRA.")
     try:

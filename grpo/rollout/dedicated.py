@@ -40,6 +40,7 @@ from grpo.weights import WeightBuckets
 from grpo.rollout.trajectories import episode_driver
 from grpo.rollout.servers import (TRANSFERS, ServerPool, TurnGate, in_thread, push_adapter_from_one_rank, push_from_one_rank,
                                   reserve_port, transfer_backend)
+from grpo.rollout.vllm_api import installed
 
 
 def pick_devices(spec, training_per_node: int) -> list[str]:
@@ -299,6 +300,7 @@ class DedicatedBackend(RolloutBackend):
         self.adapter_dir = os.path.join(os.path.abspath(run_dir), "adapters", f"node{self.main}")
         lora_rank = lora.adapter_rank(model) if self.lora_model is not None else 0
         if self.is_owner:
+            installed()  # the engines run this environment's vLLM: one in the supported range, before any starts
             shares = plan_engines(devices, cfg.dedicated.num_engines, *model_heads(model_path))
             k = len(shares)
             # ports held from here until the engines listen on them (reserve_port), not picked and bound later

@@ -110,6 +110,11 @@ class GlooSender:
         """The bucket's bytes, packed once and sent to every server."""
         return flatten(bucket)
 
+    @staticmethod
+    def update_info(bucket: list[tuple[str, torch.Tensor]]) -> dict:
+        """What the server's /update_weights is told about the bucket (the same in every vLLM release)."""
+        return update_info(bucket)
+
     def send(self, flat: torch.Tensor) -> None:
         _broadcast(self.group, flat)
 
@@ -195,6 +200,12 @@ def _engine_classes():
 
         def shutdown(self) -> None:
             self.group = self.join = None
+
+        @staticmethod
+        def trainer_send_weights(iterator, trainer_args) -> None:
+            """Abstract on vLLM 0.26-0.27's engine base (distributed/weight_transfer/base.py:321-326 in 0.26;
+            gone from 0.28), so defined in every release: grpo_gloo's trainer half is GlooSender."""
+            raise NotImplementedError("grpo_gloo sends from the trainer through grpo.rollout.gloo_transfer.GlooSender")
 
     return GlooWeightTransferEngine
 

@@ -6,42 +6,49 @@ of a NCCL group with one server's workers (ranks 1..tp), made by vLLM's own comm
 rendezvous, in vLLM's unpacked mode: for each `/update_weights` call, which names the
 bucket's tensors, one broadcast per tensor in that order, straight from GPU memory. It plugs into
 the same client (grpo/rollout/servers.py) as `grpo_gloo`, so everything but the bytes' path is what
-the CPU tests run. Written against vLLM 0.33.0's source; not yet run on a GPU (docs/gpu.md).
+the CPU tests run. Written against vLLM 0.33.0's source, and 0.26.0-0.32.0's where they differ
+(grpo/rollout/vllm_api.py: the server's release decides the init and update info's fields); not
+yet run on a GPU (docs/gpu.md).
 
-The rendezvous (docs/security.md): where vLLM takes one (`nccl_unique_id_b64`, read from the
-installed vLLM by `takes_unique_id`), the trainer mints the NCCL unique id and the server is told it
-only inside `init_info`, through its token-guarded init route, so no TCP store listens at all; a
-peer without the id cannot find the group. An older vLLM joins over its own TCP store, bound to the
-transfer host by vLLM but unauthenticated: a warning says so.
+The rendezvous (docs/security.md): where the server's vLLM takes a unique id (`nccl_unique_id_b64`,
+0.30+) and the trainer's can join by one (`vllm_api.takes_unique_id`), the trainer mints the NCCL
+unique id and the server is told it only inside `init_info`, through its token-guarded init route,
+so no TCP store listens at all; a peer without the id cannot find the group. An older vLLM joins
+over its own TCP store, bound to the transfer host by vLLM but unauthenticated: a warning says so.
 """
 
 from __future__ import annotations
 
 import base64
-import dataclasses
 import logging
 import threading
 import time
 
 import torch
 
+from grpo.rollout.gloo_transfer import update_info as bucket_update_info
+from grpo.rollout.vllm_api import VllmApi
+
 log = logging.getLogger("grpo")
 
-
-def takes_unique_id() -> bool:
-    """Whether the installed vLLM's NCCL init info takes a unique id minted by the trainer."""
-    # vllm: optional, engine installs only
-    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
-
-    return "nccl_unique_id_b64" in {f.name for f in dataclasses.fields(NCCLWeightTransferInitInfo)}
+# The sender broadcasts tensor by tensor (vLLM's unpacked mode). Both ends must agree, so it is said
+# explicitly: vLLM's trainer-side default is packed (nccl_engine.py:79 in 0.33), its worker's unpacked.
+UNPACKED = {"packed": False}
 
 
-def init_info(world_size: int, unique_id: bytes | None, host: str, port: int | None) -> dict:
-    """vLLM's NCCLWeightTransferInitInfo, field for field (it rejects unknown keys): the unique id
-    when there is one (no address: nothing listens), else the TCP store's address."""
+def init_info(world_size: int, unique_id: bytes | None, host: str, port: int | None, api: VllmApi) -> dict:
+    """The server's NCCLWeightTransferInitInfo (`api`: the server's vLLM), field for field: it refuses
+    unknown keys (vLLM 0.26-0.27 have no `packed` there). The unique id when there is one (no
+    address: nothing listens), else the TCP store's address."""
     where = ({"nccl_unique_id_b64": base64.b64encode(unique_id).decode()} if unique_id is not None
              else {"master_address": host, "master_port": port})
-    return {**where, "rank_offset": 1, "world_size": world_size, "packed": False}
+    return {**where, "rank_offset": 1, "world_size": world_size, **(UNPACKED if api.packed_in_init_info else {})}
+
+
+def update_info(bucket: list[tuple[str, torch.Tensor]], api: VllmApi) -> dict:
+    """The server's NCCLWeightTransferUpdateInfo for one bucket: names, dtypes and shapes in order,
+    and where the server's vLLM takes the wire mode per update (0.26-0.27), `packed` too."""
+    return {**bucket_update_info(bucket), **({} if api.packed_in_init_info else UNPACKED)}
 
 
 def mint_unique_id() -> bytes:
@@ -67,10 +74,11 @@ def wait_until_done(done, timeout_s: float, aborted=lambda: False, poll_s: float
 
 
 class NcclSender:
-    """`port` None: the unique-id rendezvous (this sender mints the id); else vLLM's TCP store on it."""
+    """`port` None: the unique-id rendezvous (this sender mints the id); else vLLM's TCP store on it.
+    `api`: the server's vLLM, whose init and update info this sender speaks."""
 
-    def __init__(self, host: str, port: int | None, world_size: int, timeout_s: float):
-        self.host, self.port, self.world_size, self.timeout_s = host, port, world_size, timeout_s
+    def __init__(self, host: str, port: int | None, world_size: int, timeout_s: float, api: VllmApi):
+        self.host, self.port, self.world_size, self.timeout_s, self.api = host, port, world_size, timeout_s, api
         self.comm = None
         self.aborted = False
         # this rank's GPU, fixed now (the main thread): connect and send run in transfer threads, where
@@ -89,7 +97,10 @@ class NcclSender:
                         "vLLM's TCP store at %s:%d, which has no authentication (docs/security.md)", host, port)
 
     def init_info(self) -> dict:
-        return init_info(self.world_size, self.unique_id, self.host, self.port)
+        return init_info(self.world_size, self.unique_id, self.host, self.port, self.api)
+
+    def update_info(self, bucket: list[tuple[str, torch.Tensor]]) -> dict:
+        return update_info(bucket, self.api)
 
     def connect(self) -> None:
         """Blocks until every worker joined; call while the server's init request is in flight."""

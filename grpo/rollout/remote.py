@@ -13,6 +13,8 @@
   adapter version into `RUN_DIR/adapters/remote/v<version>` and every server loads it from there
   through vLLM's /v1/load_lora_adapter, so the servers must see the run folder at the same path (a
   shared file system, as multi-node runs need for checkpoints anyway).
+- The servers may run any vLLM from 0.26.0 to 0.33.x, each its own: what differs between releases is
+  decided from each server's /version (grpo/rollout/vllm_api.py, servers.py `ServerPool.vllm`).
 - Every request carries `Authorization: Bearer <token>` when a token is set ($GRPO_SERVE_TOKEN or
   rollout.remote.token_file); plain http to a host other than loopback carries it only with
   `rollout.remote.allow_plain_http=true` (grpo/auth.py).

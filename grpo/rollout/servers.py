@@ -20,6 +20,10 @@ pushes over the grpo_gloo transport.
   the decoupled loss has no single behaviour logprob for; on one engine, waiting out the request
   costs no more than finishing it later.) Each batch records the version the servers report
   (/weight_info) before and after it; if they differ it is an error, not a silent mix.
+- Each server's vLLM release is read from its /version once (grpo/rollout/vllm_api.py, 0.26.0 to
+  0.33.x), and what differs between releases is decided from it: the NCCL init and update info's
+  fields, whether the server keeps a weight version (vLLM 0.26 does not: `served_version`), whether
+  it takes images on /inference/v1/generate and has /shutdown_weight_transfer_engine.
 - Partial rollouts (`algo.partial_rollouts`, multi-turn episodes scheduled per trajectory): a push
   waits only for the turns in flight (`TurnGate`), not for the batch; the episodes' later turns are
   sampled by the new weights, and every token records the version that sampled it.
@@ -42,8 +46,9 @@ from grpo.errors import ConfigError, ServerError
 from grpo.endpoints import Server, parallel_map, split_by_load
 from grpo.progress import say
 from grpo.rollout.base import Rollouts, Sampling, sampling_fields
-from grpo.rollout.gloo_transfer import BACKEND as GLOO, GlooSender, update_info
-from grpo.rollout.nccl_transfer import NcclSender, takes_unique_id
+from grpo.rollout.gloo_transfer import BACKEND as GLOO, GlooSender
+from grpo.rollout.nccl_transfer import NcclSender
+from grpo.rollout.vllm_api import VllmApi, installed, of_server, takes_unique_id
 from grpo.vision import server_prompt, vision_of
 from grpo.weights import WeightBuckets
 
@@ -62,13 +67,15 @@ def transfer_backend(setting: str, cuda: bool) -> str:
     return setting
 
 
-def make_sender(transfer: str, host: str, world_size: int, timeout_s: float):
-    """The trainer's end of one server's transfer group, joined on `host` (grpo/rollout/rendezvous.py).
-    grpo_gloo binds its rendezvous port here (port 0, read back), so no other process can take it
-    between picking and binding; nccl needs no port where vLLM takes a unique id, else vLLM's
-    trainer_init binds the port it is given, picked just before."""
+def make_sender(transfer: str, host: str, world_size: int, timeout_s: float, api: VllmApi):
+    """The trainer's end of one server's transfer group, joined on `host` (grpo/rollout/rendezvous.py);
+    `api`: the server's vLLM. grpo_gloo binds its rendezvous port here (port 0, read back), so no other
+    process can take it between picking and binding; nccl needs no port where the server's vLLM takes
+    a unique id and this one can join by it, else vLLM's trainer_init binds the port it is given,
+    picked just before."""
     if transfer == "nccl":
-        return NcclSender(host, None if takes_unique_id() else free_port(host), world_size, timeout_s)
+        port = None if takes_unique_id(api, installed()) else free_port(host)
+        return NcclSender(host, port, world_size, timeout_s, api)
     return GlooSender(host, world_size, timeout_s)
 
 
@@ -309,6 +316,13 @@ class ServerPool:
         notes = [f"log: {p}" for p in logs] if logs else [""] * len(urls)
         exited = exited or [None] * len(urls)
         parallel_map(lambda i: self.servers[i].wait_healthy(deadline, log, notes[i], exited[i]), range(len(self.servers)))
+        # each server's vLLM release (an open route in every one), by URL: what its API takes (vllm_api.py)
+        self.vllm = {s.url: of_server(s.request("/version").get("version"), s.url) for s in self.servers}
+        for url, api in self.vllm.items():
+            if not api.weight_version and log is not None:
+                log(f"{url} runs vLLM {api.version}, which keeps no weight version (/weight_info came in 0.27): each "
+                    "batch's version is the trainer's own count, and that weights change only between requests "
+                    "rests on ServerPool.drain alone")
         lens = [s.max_model_len for s in self.servers if s.max_model_len]
         self.max_context = min(lens) if lens else None  # prompt + completion, as the servers allow
         self.generator = DaemonWorker("grpo-generate")  # one batch at a time, in order
@@ -318,7 +332,7 @@ class ServerPool:
             for server in self.servers:
                 url = urlparse(server.url)
                 host = transfer_host or dist.route_address(url.hostname)
-                sender = make_sender(transfer, host, 1 + server.world_size(), request_timeout_s)
+                sender = make_sender(transfer, host, 1 + server.world_size(), request_timeout_s, self.vllm[server.url])
                 try:
                     self._alongside(server, "/init_weight_transfer_engine", {"init_info": sender.init_info()},
                                     sender.connect, sender.abort)
@@ -384,7 +398,12 @@ class ServerPool:
 
     def served_version(self, server: Server, fallback: int) -> int:
         """The weight version `server` holds (set by our pushes); `fallback` before the first push
-        (vLLM reports None or "default" then)."""
+        (vLLM reports None or "default" then). A vLLM without weight versions (0.26: no /weight_info)
+        cannot be asked: `fallback`, the trainer's own count, stands in (said once at the pool's start),
+        so the before/after check of `generate` cannot fire there and `drain` alone keeps pushes
+        between requests."""
+        if not self.vllm[server.url].weight_version:
+            return fallback
         v = str(server.request("/weight_info").get("weight_version"))
         return int(v) if v.isdigit() else fallback
 
@@ -467,6 +486,9 @@ class ServerPool:
         is checked against the trainer's (`check_echo`), as the colocated engine's is."""
         if len(prompts) != 1:
             raise ValueError(f"an image request carries one prompt, got {len(prompts)} (prompt_requests(one_each=True))")
+        if not (api := self.vllm[server.url]).generate_takes_images:
+            raise ServerError(f"{server.url} runs vLLM {api.version}, whose /inference/v1/generate takes no images "
+                              "(content_parts came in 0.28): serve an image model from vLLM 0.28 or newer")
         params = {"n": n, "max_tokens": sampling.max_new_tokens, **sampling_fields(sampling), "logprobs": 0}
         if seed is not None:
             params["seed"] = seed
@@ -498,15 +520,18 @@ class ServerPool:
         self.drain()
         for server in self.servers:
             server.request("/start_weight_update", {})
-        def send(pair, flat, info):
-            server, sender = pair
-            self._alongside(server, "/update_weights", {"update_info": info}, lambda: sender.send(flat), sender.abort)
+        def send(pair, flat, bucket):
+            server, sender = pair  # the update info as this server's vLLM takes it (NCCL's `packed`)
+            self._alongside(server, "/update_weights", {"update_info": sender.update_info(bucket)},
+                            lambda: sender.send(flat), sender.abort)
 
         for bucket in buckets:  # all servers at once, bucket by bucket
-            payload, info = self.senders[0].prepare(bucket), update_info(bucket)
-            parallel_map(lambda pair: send(pair, payload, info), zip(self.servers, self.senders))
+            payload = self.senders[0].prepare(bucket)
+            parallel_map(lambda pair: send(pair, payload, bucket), zip(self.servers, self.senders))
         for server in self.servers:
-            server.request("/finish_weight_update", {"weight_version": str(version)})
+            # the version it reports from then on (/weight_info); a vLLM without versions takes no body
+            versioned = self.vllm[server.url].weight_version
+            server.request("/finish_weight_update", {"weight_version": str(version)} if versioned else {})
             self.reset_caches(server)  # cached KV (and image features) belong to the old weights
 
     def load_adapter(self, folder: str, version: int) -> None:
@@ -536,10 +561,12 @@ class ServerPool:
             self.gate.close()
         self.generator.shutdown()  # a request in flight ends with its server, and never holds the exit
         for server, sender in zip(self.servers, self.senders):
-            try:
-                server.request("/shutdown_weight_transfer_engine", {}, timeout=10)
-            except ServerError:
-                pass  # the server may already be gone; nothing to release then
+            # vLLM 0.26-0.31 have no route to release the server's end: a later trainer's init replaces it
+            if self.vllm[server.url].shutdown_route:
+                try:
+                    server.request("/shutdown_weight_transfer_engine", {}, timeout=10)
+                except ServerError:
+                    pass  # the server may already be gone; nothing to release then
             sender.close()
         self.senders = []
 
