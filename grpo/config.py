@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-from grpo import algorithm, envs, lora, vision
+from grpo import algorithm, envs, lora, moe_model, vision
 from grpo.dist import dist_info
 from grpo.errors import ConfigError
 from grpo.packaged import PACKAGED, packaged_model_dir
@@ -33,7 +33,18 @@ from grpo.rollout_config import RolloutConfig  # the rollout group's (sampling, 
 from grpo.tasks import TASKS
 from grpo.tiny import folders
 from grpo.tiny.text import TINY_CONTEXT
+from grpo.tiny.warm_start import TINY_KINDS
 from grpo.update.layouts import SHARED_PROMPT_SETTINGS
+
+
+@dataclass
+class TinyMoeConfig:
+    """The tiny MoE's own sizes (`model.path=tiny_moe`, grpo/tiny/moe.py); its width is TinyModelConfig's."""
+
+    experts: int = 8
+    top_k: int = 2  # experts per token
+    moe_intermediate_size: int = 256  # each expert's; top-2 x 256 is the dense model's 512 active
+    layers: int = 4  # 4, not 2: a routing flip has layers to reach the completion's logprobs through
 
 
 @dataclass
@@ -58,6 +69,7 @@ class TinyModelConfig:
     warm_start_clip: float = 1.0  # max gradient norm; 0 = no clipping
     warm_start_batch: int = 128
     warm_start_check_every: int = 25  # supervised steps between greedy checks of the target
+    moe: TinyMoeConfig = field(default_factory=TinyMoeConfig)  # model.path=tiny_moe only
 
 
 @dataclass
@@ -198,6 +210,9 @@ class AlgoConfig:
     # the clip band of trust_region=behaviour, both sides: [1 - b, 1 + b] around the sampler (None:
     # clip_eps / clip_eps_high); tighter than clip_eps, why and measured: algorithm.decoupled_loss
     behaviour_clip_eps: Optional[float] = 0.1
+    # a MoE policy's router load-balancing loss, added to the loss with this weight (grpo/moe_model.py):
+    # null = the model config's router_aux_loss_coef (Qwen3-MoE: 0.001), 0 = off (slime's RL setting)
+    router_aux_loss_coef: Optional[float] = None
 
 
 @dataclass
@@ -326,6 +341,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
         )
     world = world_size or dist_info().world_size
     algorithm.check(a, r, world)  # batch shape, loss, clip, importance weights, trust region, staleness
+    moe_model.check(a)  # algo.router_aux_loss_coef
     if a.shared_prompt not in SHARED_PROMPT_SETTINGS or not isinstance(a.shared_prompt, (bool, str)):
         raise ConfigError(f"algo.shared_prompt={a.shared_prompt!r}: use true, false or auto (on for the CPU, off on "
                           f"CUDA until measured on a GPU).")
@@ -366,7 +382,7 @@ def known_model_config(model) -> dict:
     """What validate can know of the model's config.json without building anything: the tiny model's
     context (set in code), a packaged model's or a local folder's config.json once it is on disk, a
     hub id's config as transformers cached it; {} where none is known yet."""
-    if model.path in ("tiny", "tiny_vlm"):
+    if model.path in TINY_KINDS:
         return {"max_position_embeddings": TINY_CONTEXT}
     if model.path in PACKAGED:
         return read_model_config(packaged_model_dir(model.path, model.cache_dir))

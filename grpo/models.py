@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from grpo import lora, vision
+from grpo import lora, moe_model, vision
 from grpo.dist import cuda_device_index
 from grpo.errors import ConfigError
 from grpo.prompts import format_prompt
@@ -85,6 +85,7 @@ def load_model(path: str, dtype: str = "float32", log=None):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     finally:
         hf_logging.disable_progress_bar()
+    moe_model.pin_experts_kernel(model, policy_device(0).type)  # a MoE's expert kernel for where policies run
     return model, tokenizer
 
 
@@ -102,6 +103,7 @@ def build_policy(cfg, path: str, info, log=print, loading=contextlib.nullcontext
     `.to` finds only empty placeholders to move."""
     with loading:
         model, tokenizer = load_model(path, cfg.model.dtype, log=log if info.is_main else None)
+        moe_model.check_model(model, cfg.algo.router_aux_loss_coef)  # a load-balancing loss to weigh
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         if cfg.model.freeze_vision and getattr(model.config, "vision_config", None) is not None:

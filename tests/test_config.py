@@ -7,7 +7,7 @@ from grpo.config import GROUPS, ConfigError, validate
 from tests.conftest import CONF, ROOT, compose_cfg
 
 EXPECTED_OPTIONS = {  # update when adding a config file: the count guards against silently skipped files
-    "model": 4,
+    "model": 5,
     "task": 8,
     "reward": 6,
     "rollout": 4,
@@ -25,7 +25,7 @@ def group_files():
 def test_every_group_has_its_expected_options():
     found = {g: len(list((CONF / g).glob("*.yaml"))) for g in GROUPS}
     assert found == EXPECTED_OPTIONS
-    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 41
+    assert len(group_files()) == sum(EXPECTED_OPTIONS.values()) == 42
 
 
 def is_subset(values, composed) -> bool:
@@ -67,16 +67,16 @@ def test_every_config_file_composes(group, option, tmp_path):
         validate(cfg)
 
 
-MODEL_ROLLOUT = ["tiny_colocated", "tiny_dedicated"]  # update when adding one: conf/model/rollout/<model>_<rollout>.yaml
+MODEL_ROLLOUT = ["tiny_colocated", "tiny_dedicated", "tiny_moe_colocated", "tiny_moe_dedicated"]  # update when adding one: conf/model/rollout/<model>_<rollout>.yaml
 
 
 def test_every_model_rollout_file_composes_with_its_model_and_backend():
     from omegaconf import OmegaConf
 
     found = sorted(p.stem for p in (CONF / "model" / "rollout").glob("*.yaml"))
-    assert found == MODEL_ROLLOUT and len(found) == 2
+    assert found == MODEL_ROLLOUT and len(found) == 4
     for name in found:
-        model, rollout = name.split("_", 1)
+        model, rollout = name.rsplit("_", 1)
         assert (CONF / "model" / f"{model}.yaml").exists() and (CONF / "rollout" / f"{rollout}.yaml").exists(), name
         cfg = compose_cfg(f"model={model}", f"rollout={rollout}")
         values = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "rollout" / f"{name}.yaml"))

@@ -1,6 +1,6 @@
 """The local folder `model.path` names, for the trainer, `grpo.serve`, `grpo.launch` and the bench
-alike: `tiny`/`tiny_vlm` built and warm-started, a packaged model (smollm2-135m) converted, both once
-into the cache; anything else (a folder, a hub id) as given.
+alike: `tiny`/`tiny_vlm`/`tiny_moe` built and warm-started, a packaged model (smollm2-135m)
+converted, both once into the cache; anything else (a folder, a hub id) as given.
 
 The one place that knows both the task and the model: it builds the task the tiny model's warm start
 trains on, and the check a multi-turn task is warm-started to pass (`PLAYS`: it plays episodes, so
@@ -25,8 +25,8 @@ PLAYS = {"guess": solve_rate}  # task.name -> its warm start's greedy check (els
 
 
 def ensure_model_folder(cfg, task_cfg, max_new_tokens: int, log=print) -> str:
-    """The local folder of `model.path=tiny` (built and warm-started on `task_cfg`'s task) or of a
-    packaged model (converted), made once and cached. `cfg` is model."""
+    """The local folder of `model.path=tiny` (tiny_vlm, tiny_moe: built and warm-started on `task_cfg`'s
+    task) or of a packaged model (converted), made once and cached. `cfg` is model."""
     if cfg.path in TINY_KINDS:
         return ensure_tiny_model(cfg, task_cfg, build_task(task_cfg), max_new_tokens, log, play=PLAYS.get(task_cfg.name))
     return ensure_packaged_model(cfg.path, cfg.cache_dir, log)

@@ -1,9 +1,9 @@
-"""The tiny models' warm start and cache: the model built (grpo/tiny/text.py, or the VLM of
-grpo/tiny/vlm.py) and trained by a short supervised run on the task's training split until its greedy
-accuracy on training prompts reaches `warm_start_accuracy`. GRPO learns nothing from a policy that
-never gets a reward, so the warm start is part of building the model, not of the run. It is saved as
-a normal HF folder (config, safetensors, tokenizer) under `model.cache_dir`, keyed by a hash of
-everything that shaped it, so vLLM can load the same folder.
+"""The tiny models' warm start and cache: the model built (grpo/tiny/text.py, the VLM of
+grpo/tiny/vlm.py, the MoE of grpo/tiny/moe.py) and trained by a short supervised run on the task's
+training split until its greedy accuracy on training prompts reaches `warm_start_accuracy`. GRPO
+learns nothing from a policy that never gets a reward, so the warm start is part of building the
+model, not of the run. It is saved as a normal HF folder (config, safetensors, tokenizer) under
+`model.cache_dir`, keyed by a hash of everything that shaped it, so vLLM can load the same folder.
 
 The task (and a multi-turn task's `play`) is handed in: this module knows no task and no rollout
 engine; grpo/tiny/folders.py, which knows both, builds them.
@@ -22,9 +22,10 @@ from omegaconf import OmegaConf
 from grpo import vision
 from grpo.errors import WarmStartError
 from grpo.packaged import publish_model_folder
-from grpo.tiny import text, vlm
+from grpo.tiny import moe, text, vlm
 
-TINY_KINDS = ("tiny", "tiny_vlm")  # model.path values built in code: the text model, the vision-language one
+# model.path values built in code: the text model, the vision-language one, the mixture of experts
+TINY_KINDS = ("tiny", "tiny_vlm", "tiny_moe")
 TINY_FORMAT = 2  # bump when the tiny model's recipe changes, so old cache entries are not reused
 
 
@@ -88,10 +89,14 @@ def warm_start(model, tokenizer, task, cfg, max_new_tokens: int, log=print, play
 
 def tiny_model_dir(cfg, task_cfg, max_new_tokens: int) -> str:
     """Cache folder of the tiny model: a hash of its recipe, the task it was warm-started on."""
+    tiny = OmegaConf.to_container(cfg.tiny, resolve=True) if not isinstance(cfg.tiny, dict) else dict(cfg.tiny)
+    if cfg.path != "tiny_moe":  # the MoE's block shapes no other kind: their folders keep the key they had
+        tiny.pop("moe", None)
+    kind_format = {"tiny_vlm": {"vlm_format": vlm.TINY_VLM_FORMAT}, "tiny_moe": {"moe_format": moe.TINY_MOE_FORMAT}}
     recipe = {
         "format": TINY_FORMAT,
-        **({"kind": cfg.path, "vlm_format": vlm.TINY_VLM_FORMAT} if cfg.path != "tiny" else {}),  # the vision-language one
-        "tiny": OmegaConf.to_container(cfg.tiny, resolve=True) if not isinstance(cfg.tiny, dict) else cfg.tiny,
+        **({"kind": cfg.path, **kind_format[cfg.path]} if cfg.path != "tiny" else {}),
+        "tiny": tiny,
         "task": {k: task_cfg[k] for k in ("name", "seed", "digits", "eval_size", "path", "size") if k in task_cfg},
         "max_new_tokens": max_new_tokens,  # the warm start's greedy checks decode this far
     }
@@ -103,11 +108,13 @@ def build_warm_tiny(tiny, task, max_new_tokens: int, log=print, kind: str = "tin
     """(model, tokenizer, info): the tiny model built from `tiny` (model.tiny) and warm-started on
     `task` (checked by `play` where one is given) unless `tiny.warm_start_accuracy` is 0; raises
     WarmStartError on a miss. `kind` tiny_vlm: the vision-language one (grpo/tiny/vlm.py), its
-    tokenizer carrying its image processor."""
+    tokenizer carrying its image processor; tiny_moe: the mixture of experts (grpo/tiny/moe.py)."""
     tokenizer = text.build_char_tokenizer()
     if kind == "tiny_vlm":
         model = vlm.build_tiny_vlm(tiny, tokenizer)
         tokenizer.vision = vision.ImageReader(vlm.tiny_image_processor(), model.config)
+    elif kind == "tiny_moe":
+        model = moe.build_tiny_moe(tiny, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
     else:
         model = text.build_tiny_model(tiny, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
     info = {"parameters": sum(p.numel() for p in model.parameters())}

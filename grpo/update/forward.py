@@ -28,6 +28,10 @@ sum (`split.gather`, differentiable) gives every rank the whole micro-batch's lo
 the graph through its model forward, even with no token of its own, so every rank's backward joins
 the attention's all-to-alls.
 
+A MoE policy's training forward (`routed_logprobs` with its `experts`) also returns the router's
+logits, from which grpo/moe_model.py computes the load-balancing loss and the expert load over the
+rows' real tokens (`Rows.real_RW`): the statistics of a packed row are its sequences', not its padding's.
+
 Attention kernels (REVIEW G1): on H100/H200 with torch >= 2.11 cuDNN's SDPA backward returns NaN in
 grad_q when an explicit attention mask is passed (bool or float, even all-True), the key length is 64
 mod 128, and a query row's logsumexp is below about -88.7 (attention-sink heads, as Qwen2.5's; fully
@@ -51,7 +55,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from grpo import vision
+from grpo import moe_model, vision
 from grpo.modeling import precision, unwrapped
 from grpo.update import layouts
 
@@ -155,6 +159,15 @@ def logprobs(model, rows, temperature: float, with_entropy: bool = False, max_to
     B x T layout (0 where no completion token is). `rows` must be on the model's device. `max_tokens`:
     the micro-batch cap, which sets the number of the head's pieces alike on every rank (0: this
     micro-batch's own count). `split`: a group's column split and gather (see the top), or None."""
+    logp_BT, ent_BT, _ = routed_logprobs(model, rows, temperature, with_entropy, max_tokens, split)
+    return logp_BT, ent_BT
+
+
+def routed_logprobs(model, rows, temperature: float, with_entropy: bool = False, max_tokens: int = 0, split=None,
+                    experts: moe_model.Experts | None = None):
+    """`logprobs`, and with a MoE model's `experts` the forward's routing (grpo/moe_model.py `Routing`:
+    the router's load-balancing loss and per-expert load over the rows' real tokens; with `split`,
+    this rank's columns'), else None: (logprobs_BT, entropy_BT or None, Routing or None)."""
     W = rows.input_ids_RW.shape[1]
     cols = slice(0, W) if split is None else split.columns(W)
     ids_RW, pos_RW = rows.input_ids_RW[:, cols], rows.position_ids_RW[:, cols]
@@ -167,20 +180,24 @@ def logprobs(model, rows, temperature: float, with_entropy: bool = False, max_to
         inputs["attention_mask"] = rows.mask
     if split is not None or rows.layout != "padded":  # a cache would make transformers build a plain causal mask
         inputs["use_cache"] = False
+    if experts is not None:  # one [rows x columns, E] tensor per MoE layer in the output (grpo/moe_model.py)
+        inputs["output_router_logits"] = True
     at, tokens_n, mine_N = rows.hidden_at, rows.tokens_N, None
     if split is not None:  # the tokens predicted from this rank's columns
         mine_N = (at[1] >= cols.start) & (at[1] < cols.stop)
         at, tokens_n = (at[0][mine_N], at[1][mine_N] - cols.start), tokens_n[mine_N]
     with training_attention(ids_RW.device):
         if rows.plain_head:
-            hidden_RWH = model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
+            out = model(**inputs, logits_to_keep=1, output_hidden_states=True)
+            hidden_RWH = out.hidden_states[-1]
             pieces = pieces_for(max_tokens or rows.tokens_N.shape[0], vocab_size_of(model))
             logp_n, ent_n = head_logprobs(model, hidden_RWH[at][None], tokens_n[None], temperature, pieces, with_entropy)
             logp_n, ent_n = logp_n[0], ent_n[0] if with_entropy else None
         else:  # a head of its own: the model's logits from the first position read on
             width = ids_RW.shape[1]
             keep = width - int(at[1].min()) if at[1].numel() else 1
-            logits_nV = model(**inputs, logits_to_keep=keep).logits[at[0], at[1] - (width - keep)]
+            out = model(**inputs, logits_to_keep=keep)
+            logits_nV = out.logits[at[0], at[1] - (width - keep)]
             logp_n = token_logprobs(logits_nV[None], tokens_n[None], temperature)[0]
             with torch.no_grad():
                 ent_n = entropy(logits_nV[:, None].detach() / max(temperature, 1e-6))[:, 0] if with_entropy else None
@@ -189,8 +206,10 @@ def logprobs(model, rows, temperature: float, with_entropy: bool = False, max_to
         zeros_N = torch.zeros(rows.tokens_N.shape, device=logp_n.device)
         logp_n = split.gather(zeros_N.index_put(where, logp_n))
         ent_n = split.gather(zeros_N.index_put(where, ent_n.detach())) if with_entropy else None
+    routing = None if experts is None else moe_model.routing_of(out.router_logits, rows.real_RW[:, cols], experts)
     zeros_BT = torch.zeros(rows.shape_BT, device=logp_n.device)
-    return zeros_BT.index_put(rows.token_at, logp_n), (zeros_BT.index_put(rows.token_at, ent_n) if with_entropy else None)
+    return (zeros_BT.index_put(rows.token_at, logp_n), (zeros_BT.index_put(rows.token_at, ent_n) if with_entropy else None),
+            routing)
 
 
 def batch_logprobs(model, mb, temperature: float, with_entropy: bool = False, max_tokens: int = 0):

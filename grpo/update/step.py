@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from grpo import dist
+from grpo import dist, moe_model
 from grpo.algorithm import LossNorm, decoupled_loss, sampled_kl
 from grpo.batch import Batch
 from grpo.update import forward, layouts
@@ -52,14 +52,16 @@ def work(strategy, model, batch: Batch, asked: str, max_tokens: int) -> tuple[la
 
 @contextlib.contextmanager
 def forwarding(strategy, model, mb: layouts.MicroBatch, temperature: float, with_entropy: bool = False,
-               max_tokens: int = 0):
-    """(logprobs_BT, entropy_BT) of micro-batch `mb` (on the model's device) under `model`; with
+               max_tokens: int = 0, experts: moe_model.Experts | None = None):
+    """(logprobs_BT, entropy_BT, routing) of micro-batch `mb` (on the model's device) under `model`
+    (routing: with a MoE's `experts`, the forward's load-balancing loss and expert load, grpo/moe_model.py;
+    else None); with
     sequence parallelism its rows split across the group, the split kept until the block ends so the
     caller's backward runs there too."""
     split = split_of(strategy)
     rows = layouts.rows(model, mb, 1 if split is None else split.size)
     with contextlib.nullcontext() if split is None else split.running(rows):
-        yield forward.logprobs(model, rows, temperature, with_entropy, max_tokens, split)
+        yield forward.routed_logprobs(model, rows, temperature, with_entropy, max_tokens, split, experts)
 
 
 @torch.no_grad()
@@ -73,7 +75,7 @@ def score_tokens(model, batch: Batch, temperature: float, max_tokens: int, strat
     _, runs = work(strategy, model, batch, layout, max_tokens)
     out_BT = torch.zeros_like(batch.sampler_logprobs_BT)
     for mb, mine in runs:
-        with forwarding(strategy, model, mb.to(device), temperature, max_tokens=max_tokens) as (logp_BT, _):
+        with forwarding(strategy, model, mb.to(device), temperature, max_tokens=max_tokens) as (logp_BT, _, _):
             if mine:
                 out_BT[mb.index] = logp_BT.cpu()
     model.train(was_training)
@@ -89,15 +91,24 @@ def loss_norm(batch: Batch, max_len: int, gen_tokens_per_step: float) -> LossNor
     )
 
 
-SUMS = ("loss", "clipped_tokens", "kl_sum", "entropy_sum", "sampler_diff_max", "sampler_kl_sum", "sampler_kl_tokens")
+SUMS = ("loss", "clipped_tokens", "kl_sum", "entropy_sum", "sampler_diff_max", "sampler_kl_sum", "sampler_kl_tokens",
+        "aux_loss_sum", "routed_forwards")
 
 
 def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperature: float) -> tuple[dict, layouts.Plan]:
     """Forward + backward over micro-batches of `batch`; gradients add up to the full batch's. Returns
-    the statistics, on the device (0-dim tensors: the step reads them once, not per micro-batch), and
-    the plan the micro-batches ran in."""
+    the statistics, on the device (0-dim tensors: the step reads them once, not per micro-batch; a
+    MoE's `load_E` too), and the plan the micro-batches ran in.
+
+    A MoE with a load-balancing loss (grpo/moe_model.py) adds coef x its aux loss to each micro-batch's
+    loss, weighted by the micro-batch's share of the loss's tokens (the shares of every rank's
+    micro-batches sum to 1, so the weight does not grow with the number of micro-batches)."""
     device = next(strategy.model.parameters()).device
     sums = {k: torch.zeros((), device=device) for k in SUMS}
+    experts = moe_model.routed_experts(strategy.forward_model)
+    coef = moe_model.aux_coef(algo.router_aux_loss_coef, strategy.forward_model)
+    if experts is not None:
+        sums["load_E"] = torch.zeros(experts.num_experts, device=device)
     plan, runs = work(strategy, strategy.forward_model, batch, layouts.layout_of(algo, device.type == "cuda"),
                       algo.micro_batch_tokens)
     # a micro-batch split across S ranks: each computes its whole loss and backs off 1/S of it
@@ -106,11 +117,14 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
     for planned, mine in runs:
         planned = planned.to(device)
         mb = planned.batch
-        with forwarding(strategy, strategy.forward_model, planned, temperature, True, algo.micro_batch_tokens) as (logp_BT, ent_BT):
+        with forwarding(strategy, strategy.forward_model, planned, temperature, True, algo.micro_batch_tokens,
+                        experts) as (logp_BT, ent_BT, routed):
             # proximal policy: the trainer before this update (decoupled loss, grpo/algorithm.py)
             old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else logp_BT.detach()
             loss, stats = decoupled_loss(logp_BT, old_BT, mb.sampler_logprobs_BT, mb.advantages_B, mb.mask_BT, norm,
                                          algo, ref_logprobs_BT=mb.ref_logprobs_BT)
+            if routed is not None and coef > 0:  # the router's load-balancing loss, this micro-batch's share
+                loss = loss + coef * routed.aux_loss * (mb.mask_BT.sum() / max(norm.num_tokens, 1))
             # the backward under the forward's kernels too: gradient checkpointing recomputes layers there
             with forward.training_attention(device):
                 strategy.backward(loss / share if share > 1 else loss)
@@ -126,6 +140,10 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
         sums["clipped_tokens"] += stats["clipped_tokens"]
         sums["kl_sum"] += stats.get("kl_sum", 0.0)
         sums["entropy_sum"] += (ent_BT * mb.mask_BT).sum()
+        if routed is not None:
+            sums["aux_loss_sum"] += routed.aux_loss.detach()
+            sums["routed_forwards"] += 1
+            sums["load_E"] += routed.load_E
     return sums, plan
 
 
@@ -158,6 +176,8 @@ def policy_update(
     gen_tokens_per_step = strategy.reduce_counts([float(batch.mask_BT.sum())])[0] / algo.num_minibatches
     group_chunks = torch.arange(batch.size // G).tensor_split(algo.num_minibatches)
     totals = {k: 0.0 for k in SUMS}  # 0-dim tensors on the device once a micro-batch ran
+    experts = moe_model.routed_experts(strategy.forward_model)  # a MoE's routing is logged (grpo/moe_model.py)
+    load_E = torch.zeros(experts.num_experts) if experts is not None else None  # top-k assignments per expert
     tokens, norms = 0.0, []
     for _ in range(algo.num_iterations):
         for groups in group_chunks:
@@ -169,8 +189,10 @@ def policy_update(
             if rows.numel() or lockstep:
                 sums, plan = accumulate_gradients(strategy, mb, algo, norm, temperature)
                 ran = plan.layout
-                for k in ("loss", "clipped_tokens", "kl_sum", "entropy_sum"):
+                for k in ("loss", "clipped_tokens", "kl_sum", "entropy_sum", "aux_loss_sum", "routed_forwards"):
                     totals[k] = totals[k] + sums[k]
+                if experts is not None:
+                    load_E = sums["load_E"] + load_E.to(sums["load_E"].device)
                 if not norms:  # before any optimizer step the trainer holds the weights that sampled
                     totals["sampler_diff_max"] = sums["sampler_diff_max"]
                 if len(norms) < algo.num_minibatches:  # the first pass: each token once
@@ -184,6 +206,8 @@ def policy_update(
     # a step with a non-finite norm was skipped (grpo/guards.py); with num_minibatches > 1 the others
     # were applied, so grad_norm is their mean (inf for the whole update read "the step was skipped")
     applied = [n for n in norms if math.isfinite(n)]
+    moe_metrics = {} if experts is None else moe_model.routing_metrics(
+        totals["aux_loss_sum"] / max(totals["routed_forwards"], 1.0), load_E.cpu())
     return {
         "loss": totals["loss"] / len(norms),
         "grad_norm": sum(applied) / len(applied) if applied else sum(norms) / len(norms),
@@ -201,4 +225,5 @@ def policy_update(
         # the weights before each minibatch's step: with a stale batch (algo.max_staleness), how far
         # the policy moved since the batch was sampled
         "sampler_kl": totals["sampler_kl_sum"] / max(totals["sampler_kl_tokens"], 1.0),
+        **moe_metrics,  # moe/aux_loss, moe/expert_load_max, moe/routing_entropy: a MoE's only
     }

@@ -7,7 +7,8 @@
                   no mask): algo.packing; a model that does not is refused, never trained on
                   attention mixed across sequences
     mask_dtype    the 4D mask it takes (bool for sdpa, its float dtype for eager), None if none
-                  (flash attention); with `shares` the shared-prompt layout (algo.shared_prompt)
+                  (flash attention); with `shares` the shared-prompt layout (algo.shared_prompt),
+                  which a MoE asked for its router logits does not take (grpo/moe_model.py)
     window        its sliding window, if any: a 4D mask replaces the window transformers builds, so a
                   batch shares prompts only while its longest sequence is within the window
 
@@ -28,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from grpo import moe_model
 from grpo.errors import ConfigError
 from grpo.modeling import attention_of, compute_dtype, precision, sliding_window_of, unwrapped
 
@@ -190,7 +192,10 @@ def runnable_layout(model, layout: str, longest: int = 0) -> tuple[str, str | No
     if layout == "packed":
         return layout, None
     if support.shares is None:
-        if support.mask_dtype is None:
+        if moe_model.routed_experts(model) is not None:  # the update asks it for router logits (grpo/moe_model.py)
+            support.why_not_shared = (f"{name} returns its router logits only with its load-balancing loss, which "
+                                      "transformers computes over a 2D attention mask (a shared-prompt row's is 4D)")
+        elif support.mask_dtype is None:
             support.why_not_shared = (f"{name} runs {support.attention!r} attention, which takes no custom 4D mask "
                                       "(sdpa and eager do)")
         elif not probe_shares(model, support.mask_dtype):
