@@ -13,6 +13,8 @@ and checks every equivalence the loss relies on, one PASS / FAIL / SKIP line eac
                    layout the model really runs (a fallback is named); on rank 0, one fresh copy of
                    the model at a time, the gradients kept on the CPU
   micro-batches    one micro-batch and several give the same gradients
+  routing          with rollout.routing_replay (a MoE policy): the update's forward routes every token to
+                   the experts it is given; and how often the trainer's own routing differs from the sampler's
   ranks            ranks hold equal weights after an optimizer step (gathered, fingerprinted)
   split            with parallel.sequence_parallel > 1: rows split across a group of ranks give the
                    logprobs the same rows give unsplit (grpo/parallel/sequence.py)
@@ -42,7 +44,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from omegaconf import OmegaConf
@@ -55,9 +57,11 @@ from grpo.cpus import configure_threads
 from grpo.guards import parity_bound, ranks_fingerprints, weight_fingerprint
 from grpo.library_logs import quiet_library_logs
 from grpo.models import build_reference, load_model
+from grpo.moe import routing
 from grpo.parallel.single import SingleStrategy
 from grpo.train import setup
-from grpo.update import accumulate_gradients, loss_norm, policy_update, score_tokens
+from grpo.update import accumulate_gradients, layouts, loss_norm, policy_update, score_tokens
+from grpo.update.step import forwarding
 from grpo.update.layouts import layout_of
 
 # (logprob, relative gradient) tolerances by the model's dtype
@@ -192,8 +196,10 @@ def layout_checks(r, batch, tol_logp: float, tol_grad: float) -> list[Check]:
     algo, configured = r.cfg.algo, layout_of(r.cfg.algo)
 
     def settings(layout: str, micro_batch_tokens: int = 1 << 20):
+        # no router load-balancing loss: a MoE's is a statistic of each forward's tokens (expert fractions
+        # times mean scores), which no split into micro-batches adds up to exactly (grpo/moe_model.py)
         return OmegaConf.merge(algo, {"packing": layout != "padded", "shared_prompt": layout == "shared",
-                                      "micro_batch_tokens": micro_batch_tokens, "beta": 0.0})
+                                      "micro_batch_tokens": micro_batch_tokens, "beta": 0.0, "router_aux_loss_coef": 0.0})
 
     one = gradients(r, sub, settings(configured))
     width = int(sub.attention_mask_BL.sum(1).max()) if configured != "padded" else sub.input_ids_BL.shape[1]
@@ -215,6 +221,41 @@ def layout_checks(r, batch, tol_logp: float, tol_grad: float) -> list[Check]:
                              f"(tol {tol_grad:g}); the model ran {run.ran}" + ("" if run.ran == layout else " (a fallback)"))
         del run
     return [rows["packed"], rows["shared"], several]
+
+
+def routing_check(r, batch) -> Check:
+    """rollout.routing_replay, on rank 0 with a local copy: the update's forward routes every token as it
+    is told. The sampler's routes moved to other experts (so a forward that ignored them would route
+    differently even where trainer and sampler agree) go through the run's layout; the experts the
+    routers then used must be the given ones at every routed token. Also reports how often the trainer's
+    own routing differs from the sampler's (what replay corrects)."""
+    if batch.routes_BLMK is None:
+        return Check("routing", "SKIP", "rollout.routing_replay=false (or a dense policy): nothing is replayed")
+    model = local_copy(r).eval()
+    experts = routing.moe_layers(model)[0][1].num_experts
+    with torch.no_grad(), routing.record(model) as own:
+        model(input_ids=batch.input_ids_BL.to(next(model.parameters()).device),
+              attention_mask=batch.attention_mask_BL.to(next(model.parameters()).device),
+              position_ids=batch.position_ids_BL.to(next(model.parameters()).device))
+    flips = routing.flip_fraction(own.routes(batch.size), batch.routes_BLMK, batch.attention_mask_BL)
+    routes = batch.routes_BLMK
+    moved = replace(batch, routes_BLMK=torch.where(routes >= 0, (routes + 1) % experts, routes))
+    plan = layouts.plan(model, moved, layout_of(r.cfg.algo), 1 << 30)
+    wrong = total = 0
+    device = next(model.parameters()).device
+    for mb in plan.micro_batches:
+        mb = mb.to(device)
+        given = layouts.rows(model, mb).routes_RWMK.cpu()
+        with torch.no_grad(), routing.record(model) as rec, forwarding(None, model, mb, r.sampling.temperature):
+            pass
+        used = rec.calls[0].reshape(given.shape)
+        valid = (given >= 0).all(dim=-1)
+        total += int(valid.sum())
+        wrong += int(((used.sort(-1).values != given.sort(-1).values).any(-1) & valid).sum())
+    del model
+    return check("routing", total > 0 and wrong == 0,
+                 f"{plan.layout}: {wrong} of {total} token-layers routed otherwise than told; the trainer's own routing "
+                 f"differs from the sampler's on {flips:.2%} of them")
 
 
 def split_check(r, batch, tol: float) -> Check:
@@ -340,6 +381,7 @@ def run_checks(cfg, overrides: list[str]) -> list[Check]:
         results.append(split_check(r, batch, tol_logp))
         if info.is_main:
             results += layout_checks(r, batch, tol_logp, tol_grad)
+            results.append(routing_check(r, batch))
         dist.barrier()
         policy_update(r.strategy, batch, cfg.algo, batch.completion_ids_BT.shape[1], r.sampling.temperature)
         results.append(ranks_check(r))

@@ -138,3 +138,15 @@ def test_flip_fraction_by_value():
     assert routing.flip_fraction(own, sampled) == pytest.approx(2 / 3)
     assert routing.flip_fraction(own, sampled, mask=torch.tensor([[1, 1, 1, 0]])) == pytest.approx(1 / 2)
     assert routing.flip_fraction(own, own) == 0.0
+
+
+def test_a_recording_opened_before_the_replay_sees_the_replayed_experts():
+    """What the experts used, whichever block was entered first (grpo.verify records around the update's
+    replaying forward)."""
+    model = tiny("qwen3_moe")
+    ids = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(5))
+    _, routes = own_routes(model, ids)
+    forced = other_experts(routes)
+    with torch.no_grad(), routing.record(model) as rec, routing.replay(model, forced):
+        model(ids)
+    assert torch.equal(rec.routes(2), forced)

@@ -269,3 +269,23 @@ def test_the_resume_check_names_a_resume_that_loses_the_optimizer_state(tmp_path
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
     row = resume_check([*FAST, f"model.cache_dir={cache_dir}"], world_size=1)
     assert row.status == "FAIL" and "at step 4" in row.detail, row
+
+
+def test_verify_names_a_routing_replay_that_does_not_reach_the_update(cache_dir, capsys, monkeypatch):
+    """A MoE run with rollout.routing_replay whose update forgets to replay: the routing row fails (the
+    sampler row cannot tell: in fp32 trainer and sampler route alike on the tiny MoE)."""
+    import contextlib
+
+    from grpo.moe import routing
+
+    @contextlib.contextmanager
+    def ignored(model, routes):
+        yield routing.Replayed()
+
+    monkeypatch.setattr(routing, "replay", ignored)
+    monkeypatch.setattr(grpo.verify, "layout_checks", lambda *a: [])  # not under test (and slow)
+    skip_resume(monkeypatch)
+    assert verify([*FAST, "model=tiny_moe", "rollout.routing_replay=true", f"model.cache_dir={cache_dir}"]) == 1
+    status, out = lines(capsys)
+    assert status["routing"] == "FAIL" and status["sampler"] == "PASS", out
+    assert "routed otherwise than told" in out

@@ -195,7 +195,8 @@ def replay(model, routes: torch.Tensor | None):
             return logits, WEIGHTS[type(module).__name__](module, logits, given), given
         return forced
 
-    handles = [r.register_forward_hook(hook(i, layer)) for i, (layer, r) in enumerate(layers)]
+    # first among the router's hooks: a `record` entered before (verify's) records what the experts used
+    handles = [r.register_forward_hook(hook(i, layer), prepend=True) for i, (layer, r) in enumerate(layers)]
     try:
         yield done
     finally:
