@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig
 from grpo import algorithm, envs, lora, moe_model, vision
 from grpo.dist import dist_info
 from grpo.errors import ConfigError
+from grpo.moe import routing
 from grpo.packaged import PACKAGED, packaged_model_dir
 from grpo.parallel import STRATEGIES, strategy_class
 from grpo.parallel.sequence import check_heads, check_size
@@ -350,6 +351,8 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     backend.check(r, world)  # each backend its own settings (grpo/rollout/)
     backend.check_staleness(r, a.max_staleness)  # engines elsewhere overlap; in-process ones warn
     backend.check_schedule(r, a, cfg.env.name)  # rollout.schedule, algo.partial_rollouts
+    backend.check_routing(r, cfg.env.name)  # rollout.routing_replay: a backend that returns routes, single-turn
+    routing.check(cfg)  # rollout.routing_replay against sequence parallelism and VLMs
     strategy.check(cfg.parallel, world)  # each strategy its own (grpo/parallel/)
     check_sequence_parallel(cfg, world)
     lora.check(cfg, backend, strategy, world, cuda)  # model.lora, and whether backend and strategy take it

@@ -19,6 +19,7 @@ import torch
 from grpo import dist, moe_model
 from grpo.algorithm import LossNorm, decoupled_loss, sampled_kl
 from grpo.batch import Batch
+from grpo.moe import routing
 from grpo.update import forward, layouts
 
 
@@ -57,10 +58,12 @@ def forwarding(strategy, model, mb: layouts.MicroBatch, temperature: float, with
     (routing: with a MoE's `experts`, the forward's load-balancing loss and expert load, grpo/moe_model.py;
     else None); with
     sequence parallelism its rows split across the group, the split kept until the block ends so the
-    caller's backward runs there too."""
+    caller's backward runs there too. With the sampler's routed experts (rollout.routing_replay) every
+    MoE layer routes as the sampler did, through the block: gradient checkpointing's recompute in the
+    caller's backward replays them too (grpo/moe/routing.py)."""
     split = split_of(strategy)
     rows = layouts.rows(model, mb, 1 if split is None else split.size)
-    with contextlib.nullcontext() if split is None else split.running(rows):
+    with contextlib.nullcontext() if split is None else split.running(rows), routing.replay(model, rows.routes_RWMK):
         yield forward.routed_logprobs(model, rows, temperature, with_entropy, max_tokens, split, experts)
 
 
