@@ -55,7 +55,8 @@ def test_replaying_a_models_own_routing_gives_its_logits_bitwise(family, dtype):
     with routing.replay(model, routes) as done, torch.no_grad():
         replayed = model(ids).logits
     assert torch.equal(replayed, logits)
-    assert (done.fallback, done.total) == (0, 3 * 9 * len(routing.moe_layers(model)))
+    assert (int(done.fallback), done.total) == (0, 3 * 9 * len(routing.moe_layers(model)))
+    assert int(done.given) == done.total and done.flip_fraction == 0.0  # the router agrees with itself
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -64,10 +65,11 @@ def test_other_experts_change_the_logits_and_the_router_still_learns(family):
     ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(2))
     logits, routes = own_routes(model, ids)
     forced = other_experts(routes)
-    with routing.replay(model, forced):
+    with routing.replay(model, forced) as done:
         out = model(ids).logits
         with routing.record(model) as rec:  # the replayed forward's routers report the forced experts
             model(ids)
+    assert done.flip_fraction == 1.0  # every token-layer was sent elsewhere than its router chose
     assert torch.equal(rec.routes(2), forced)
     assert (out.detach() - logits).abs().max() > 1e-3
     out.logsumexp(-1).mean().backward()
@@ -88,7 +90,8 @@ def test_a_missing_route_keeps_the_routers_own_choice():
             model(ids)
     used = rec.routes(2)
     assert torch.equal(used[0, :3], routes[0, :3]) and torch.equal(used[0, 3:], forced[0, 3:])
-    assert done.fallback == 2 * 3 * 2  # two forwards x three tokens x two layers
+    assert int(done.fallback) == 2 * 3 * 2  # two forwards x three tokens x two layers
+    assert int(done.given) == int(done.flips) == 2 * (2 * 6 - 3) * 2  # flips count given routes only
 
 
 def test_routes_laid_out_unlike_the_input_are_refused():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -154,19 +155,28 @@ def record(model):
 
 @dataclass
 class Replayed:
-    """What a replay did: token-layers that fell back to the trainer's own router (-1 in the routes),
-    out of the token-layers replayed; counted over every forward inside the block."""
+    """What a replay did, counted over every forward inside the block (0-dim tensors once counted: read
+    them once, after the step): token-layers that fell back to the trainer's own router (-1 in the
+    routes) out of those replayed; and of the token-layers given a route, how many the router, left to
+    itself on the same input, would have sent elsewhere (`flips`: the sampler/trainer disagreement that
+    replay corrects, R3's "routers that disagree per forward")."""
 
-    fallback: int = 0
-    total: int = 0
+    fallback: Any = 0
+    total: Any = 0
+    flips: Any = 0
+    given: Any = 0
+
+    @property
+    def flip_fraction(self) -> float:
+        return float(self.flips) / float(self.given) if float(self.given) else 0.0
 
 
 @contextlib.contextmanager
-def replay(model, routes: torch.Tensor | None):
+def replay(model, routes: torch.Tensor | None, done: Replayed | None = None):
     """Every forward of `model` inside the block routes token t of MoE layer l to `routes[.., t, l, :]`
     (`[B, T, L, K]` laid out like the forward's input ids). None replays nothing (a dense model, or
-    replay off). Yields a `Replayed` count."""
-    done = Replayed()
+    replay off). Yields its `Replayed` counts (added to `done` where given)."""
+    done = Replayed() if done is None else done
     if routes is None:
         yield done
         return
@@ -188,10 +198,12 @@ def replay(model, routes: torch.Tensor | None):
                     f"each; the routes give {given.shape[0]} x {given.shape[1]}. Routes must be laid out like input_ids."
                 )
             missing = (given < 0).any(dim=-1, keepdim=True)
-            if missing.any():
-                given = torch.where(missing, own, given)
-                done.fallback += int(missing.sum())
+            differs = (own.sort(dim=-1).values != given.sort(dim=-1).values).any(dim=-1, keepdim=True) & ~missing
+            done.flips = done.flips + differs.sum()  # on the device: no host sync per layer
+            done.given = done.given + (~missing).sum()
+            done.fallback = done.fallback + missing.sum()
             done.total += given.shape[0]
+            given = torch.where(missing, own, given)
             return logits, WEIGHTS[type(module).__name__](module, logits, given), given
         return forced
 

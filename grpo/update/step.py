@@ -53,17 +53,17 @@ def work(strategy, model, batch: Batch, asked: str, max_tokens: int) -> tuple[la
 
 @contextlib.contextmanager
 def forwarding(strategy, model, mb: layouts.MicroBatch, temperature: float, with_entropy: bool = False,
-               max_tokens: int = 0, experts: moe_model.Experts | None = None):
+               max_tokens: int = 0, experts: moe_model.Experts | None = None, replayed: routing.Replayed | None = None):
     """(logprobs_BT, entropy_BT, routing) of micro-batch `mb` (on the model's device) under `model`
     (routing: with a MoE's `experts`, the forward's load-balancing loss and expert load, grpo/moe_model.py;
     else None); with
     sequence parallelism its rows split across the group, the split kept until the block ends so the
     caller's backward runs there too. With the sampler's routed experts (rollout.routing_replay) every
     MoE layer routes as the sampler did, through the block: gradient checkpointing's recompute in the
-    caller's backward replays them too (grpo/moe/routing.py)."""
+    caller's backward replays them too (grpo/moe/routing.py); `replayed` counts what the replay did."""
     split = split_of(strategy)
     rows = layouts.rows(model, mb, 1 if split is None else split.size)
-    with contextlib.nullcontext() if split is None else split.running(rows), routing.replay(model, rows.routes_RWMK):
+    with contextlib.nullcontext() if split is None else split.running(rows), routing.replay(model, rows.routes_RWMK, replayed):
         yield forward.routed_logprobs(model, rows, temperature, with_entropy, max_tokens, split, experts)
 
 
@@ -94,8 +94,8 @@ def loss_norm(batch: Batch, max_len: int, gen_tokens_per_step: float) -> LossNor
     )
 
 
-SUMS = ("loss", "clipped_tokens", "kl_sum", "entropy_sum", "sampler_diff_max", "sampler_kl_sum", "sampler_kl_tokens",
-        "aux_loss_sum", "routed_forwards")
+SUMS = ("loss", "clipped_tokens", "kl_sum", "entropy_sum", "sampler_diff_max", "sampler_diff_sum", "sampler_kl_sum",
+        "sampler_kl_tokens", "sampler_diff_tokens", "aux_loss_sum", "routed_forwards", "routing_flips", "routing_given")
 
 
 def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperature: float) -> tuple[dict, layouts.Plan]:
@@ -120,8 +120,9 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
     for planned, mine in runs:
         planned = planned.to(device)
         mb = planned.batch
+        replayed = routing.Replayed()  # rollout.routing_replay: the trainer's own routers against the sampler's
         with forwarding(strategy, strategy.forward_model, planned, temperature, True, algo.micro_batch_tokens,
-                        experts) as (logp_BT, ent_BT, routed):
+                        experts, replayed) as (logp_BT, ent_BT, routed):
             # proximal policy: the trainer before this update (decoupled loss, grpo/algorithm.py)
             old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else logp_BT.detach()
             loss, stats = decoupled_loss(logp_BT, old_BT, mb.sampler_logprobs_BT, mb.advantages_B, mb.mask_BT, norm,
@@ -136,6 +137,7 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
         if mb.size:  # |trainer - sampler| logprob on the sampled tokens (see policy_update)
             diff_BT = (logp_BT.detach() - mb.sampler_logprobs_BT).abs() * mb.mask_BT
             sums["sampler_diff_max"] = torch.maximum(sums["sampler_diff_max"], diff_BT.max())
+            sums["sampler_diff_sum"] += diff_BT.sum()
             kl_sum, kl_tokens = sampled_kl(mb.sampler_logprobs_BT, logp_BT, mb.mask_BT)
             sums["sampler_kl_sum"] += kl_sum
             sums["sampler_kl_tokens"] += kl_tokens
@@ -143,6 +145,8 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
         sums["clipped_tokens"] += stats["clipped_tokens"]
         sums["kl_sum"] += stats.get("kl_sum", 0.0)
         sums["entropy_sum"] += (ent_BT * mb.mask_BT).sum()
+        sums["routing_flips"] += replayed.flips  # the first forward's (a gradient checkpointing recompute adds again)
+        sums["routing_given"] += replayed.given
         if routed is not None:
             sums["aux_loss_sum"] += routed.aux_loss.detach()
             sums["routed_forwards"] += 1
@@ -197,7 +201,9 @@ def policy_update(
                 if experts is not None:
                     load_E = sums["load_E"] + load_E.to(sums["load_E"].device)
                 if not norms:  # before any optimizer step the trainer holds the weights that sampled
-                    totals["sampler_diff_max"] = sums["sampler_diff_max"]
+                    totals["sampler_diff_max"], totals["sampler_diff_tokens"] = sums["sampler_diff_max"], sums["sampler_kl_tokens"]
+                    for k in ("sampler_diff_sum", "routing_flips", "routing_given"):
+                        totals[k] = sums[k]
                 if len(norms) < algo.num_minibatches:  # the first pass: each token once
                     totals["sampler_kl_sum"] = totals["sampler_kl_sum"] + sums["sampler_kl_sum"]
                     totals["sampler_kl_tokens"] = totals["sampler_kl_tokens"] + sums["sampler_kl_tokens"]
@@ -224,9 +230,14 @@ def policy_update(
         # max |trainer - sampler| logprob of a sampled token, with the weights that sampled: ~1e-5
         # when the engine got the last sync (fp32), far larger when it still runs older weights
         "sampler_diff": totals["sampler_diff_max"],
+        # its mean over the sampled tokens of the first minibatch (the same weights)
+        "sampler_diff_mean": totals["sampler_diff_sum"] / max(totals["sampler_diff_tokens"], 1.0),
         # KL(sampler || trainer) on the sampled tokens, k3, over the first pass; the trainer's side is
         # the weights before each minibatch's step: with a stale batch (algo.max_staleness), how far
         # the policy moved since the batch was sampled
         "sampler_kl": totals["sampler_kl_sum"] / max(totals["sampler_kl_tokens"], 1.0),
         **moe_metrics,  # moe/aux_loss, moe/expert_load_max, moe/routing_entropy: a MoE's only
+        # rollout.routing_replay: of the token-layers given the sampler's experts (first minibatch), the
+        # fraction the trainer's own router would have sent elsewhere, on the same input
+        **({"routing/flip_fraction": totals["routing_flips"] / totals["routing_given"]} if totals["routing_given"] else {}),
     }
