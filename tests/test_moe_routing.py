@@ -153,3 +153,36 @@ def test_a_recording_opened_before_the_replay_sees_the_replayed_experts():
     with torch.no_grad(), routing.record(model) as rec, routing.replay(model, forced):
         model(ids)
     assert torch.equal(rec.routes(2), forced)
+
+
+@pytest.mark.parametrize("backward_inside", [True, False], ids=["backward_in_the_block", "backward_after_it"])
+def test_gradient_checkpointings_recompute_replays_only_inside_the_block(backward_inside):
+    """The recompute in backward runs the routers again: inside `replay` (as grpo/update/step.py's
+    `forwarding` keeps it open through the caller's backward) the gradients are those without
+    checkpointing; after the block the recompute routes on its own, which torch's checkpoint refuses."""
+    import copy
+
+    base = tiny("qwen3_moe").train()
+    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(6))
+    _, routes = own_routes(base, ids)
+    forced = other_experts(routes)
+
+    def grads(checkpointing: bool, inside: bool):
+        model = copy.deepcopy(base)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        with routing.replay(model, forced):
+            loss = model(ids).logits.logsumexp(-1).mean()
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = grads(False, True)
+    if not backward_inside:
+        with pytest.raises(torch.utils.checkpoint.CheckpointError):
+            grads(True, False)
+        return
+    checkpointed = grads(True, True)
+    assert max(float((plain[n] - checkpointed[n]).abs().max()) for n in plain) < 1e-6
