@@ -263,6 +263,10 @@ def test_every_colocated_engine_call_runs_inside_the_stream_guard(tiny_lm, monke
         def reset_prefix_cache(self):
             inside.append(("reset_prefix_cache", cuda.current.name))
 
+        def apply_model(self, fn):  # the MoE repack after a reload (grpo/moe/vllm_reload.py)
+            inside.append(("apply_model", cuda.current.name))
+            return []
+
     def build_llm(*args, **kwargs):
         cuda.set_stream(FakeStream("vllm", cuda.log))  # CUDA graph capture, in this thread
         inside.append(("start", cuda.current.name))
@@ -277,4 +281,5 @@ def test_every_colocated_engine_call_runs_inside_the_stream_guard(tiny_lm, monke
     assert cuda.current.name == "default"
     backend.update_weights([], 1)
     assert cuda.current.name == "default"
-    assert inside == [("start", "vllm"), ("generate", "vllm"), ("reload_weights", "vllm"), ("reset_prefix_cache", "vllm")]
+    assert inside == [("start", "vllm"), ("generate", "vllm"), ("reload_weights", "vllm"), ("apply_model", "vllm"),
+                      ("reset_prefix_cache", "vllm")]

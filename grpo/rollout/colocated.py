@@ -34,7 +34,7 @@ import torch
 import torch.distributed as tdist
 
 from grpo import dist, lora, vision
-from grpo.moe import routing, vllm_capture
+from grpo.moe import routing, vllm_capture, vllm_reload
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, sampling_fields
 from grpo.weights import WeightBuckets
 from grpo.errors import ConfigError, EngineStartError
@@ -348,8 +348,7 @@ class ColocatedBackend(RolloutBackend):
             "empty_device_cache": lambda _: empty_device_cache(),
             "wake_up": lambda tags: self.llm.wake_up(tags=list(tags)),
             # lazy: one bucket alive at a time
-            "reload_weights": lambda _: self.llm.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": (pair for bucket in buckets for pair in bucket)}),
+            "reload_weights": lambda _: self._reload(buckets),
             "load_adapter": lambda _: self._load_adapter(buckets, version),
             "reset_prefix_cache": lambda _: self.llm.reset_prefix_cache(),  # cached KV belongs to the old weights
             "reset_encoder_cache": lambda _: self.llm.llm_engine.reset_encoder_cache(),  # so do image embeddings
@@ -358,6 +357,10 @@ class ColocatedBackend(RolloutBackend):
             with self.engine_stream:
                 run[op](arg)
             self.sleep_state = state_after(self.sleep_state, [(op, arg)])
+
+    def _reload(self, buckets: WeightBuckets) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": (pair for bucket in buckets for pair in bucket)})
+        self.llm.apply_model(vllm_reload.repack_cpu_experts)  # a MoE on the CPU: its experts back in the kernel's layout
 
     def _load_adapter(self, buckets: WeightBuckets, version: int) -> None:
         """The adapter (the strategy's buckets hold nothing else) into a new folder, asked for under a

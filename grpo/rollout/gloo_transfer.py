@@ -22,6 +22,7 @@ import torch
 
 from grpo import listeners
 from grpo.library_logs import explain_engine_logs
+from grpo.moe import vllm_reload
 from grpo.rollout import no_torchvision, rendezvous
 
 BACKEND = "grpo_gloo"
@@ -182,6 +183,7 @@ def _engine_classes():
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload  # vllm: only inside a server
 
             finalize_layerwise_reload(self.model, self.model_config)
+            vllm_reload.repack_cpu_experts(self.model)  # a MoE on a CPU server: its experts back in the kernel's layout
 
         def receive_weights(self, update_info) -> None:
             nbytes = sum(
