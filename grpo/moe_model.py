@@ -42,7 +42,7 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # 
 # the expert kernel (transformers' `experts_implementation`) the trainer runs, by device type.
 # cpu: grouped_mm. Measured on the tiny MoE (4 layers, 8 experts, top-2; forward + backward of 64 x 16
 # tokens, 1 thread, fp32): eager 220 ms, grouped_mm 184 ms, batched_mm 6,428 ms (35x; bf16: 20x);
-# ../shared/MOE.md measured 40-55x on a 2-layer one. cuda: grouped_mm, transformers' own default for a
+# 40-55x on a 2-layer one (docs/moe.md). cuda: grouped_mm, transformers' own default for a
 # forward over many tokens; batched_mm gathers every token's expert weights (tokens x top-k x expert
 # size of memory), which transformers' `generate` switches to by itself for decoding on a GPU. Not yet
 # measured on a GPU (docs/moe.md).

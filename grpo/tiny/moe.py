@@ -3,8 +3,7 @@ width (grpo/tiny/text.py: hidden size, heads, head dim 32, the character tokeniz
 whose every layer routes each token to `top_k` of `experts` feed-forward experts (`model.tiny.moe`).
 
 Sizes, and why: 4 layers, not the dense model's 2, so a routing flip between sampler and trainer has
-layers to reach the completion's logprobs through (the routing replay's subject, ../shared/MOE.md
-section 5); 8 experts, top-2, each expert's intermediate size 256, so a token's active feed-forward
+layers to reach the completion's logprobs through (routing replay's subject, grpo/moe/); 8 experts, top-2, each expert's intermediate size 256, so a token's active feed-forward
 (2 x 256) is the dense model's 512. Warm-started like the dense one (grpo/tiny/warm_start.py), built
 deterministically from `model.tiny.seed`. Imports nothing of grpo but the tiny context.
 """
