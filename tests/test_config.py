@@ -116,6 +116,7 @@ EXPERIMENTS = [  # update when adding an experiment: the count guards against si
     "addition_smollm2_judge",
     "addition_tiny",
     "addition_tiny_colocated",
+    "addition_tiny_moe",
     "addition_tiny_rm",
     "countdown_tinyzero",
     "deepseekmath7b_math_remote",
@@ -130,7 +131,7 @@ EXPERIMENTS = [  # update when adding an experiment: the count guards against si
 
 def test_experiments_are_all_counted():
     assert sorted(p.stem for p in (ROOT / "experiments").glob("*.yaml")) == EXPERIMENTS
-    assert len(EXPERIMENTS) == 12
+    assert len(EXPERIMENTS) == 13
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
@@ -143,7 +144,7 @@ def test_every_experiment_composes_and_validates(name, monkeypatch):
     monkeypatch.setattr(grpo.tiny.folders, "check_hub_model", looked_up.append)
     cfg = compose_cfg(f"experiment={name}")
     validate(cfg)
-    assert looked_up == ([] if cfg.model.path in ("tiny", "tiny_vlm", "smollm2-135m") else [cfg.model.path])
+    assert looked_up == ([] if cfg.model.path in ("tiny", "tiny_vlm", "tiny_moe", "smollm2-135m") else [cfg.model.path])
     header = (ROOT / "experiments" / f"{name}.yaml").read_text()
     assert "# Reproduces:" in header and "Resources:" in header, "every experiment names its target and resources"
 
