@@ -156,6 +156,7 @@ class Server:
         self.batches = 0
         self.model = None
         self.max_model_len = None  # as the server reports it (/v1/models)
+        self.vllm = None  # a vLLM server's release, what its API takes (grpo/rollout/vllm_api.py): asked once
         self.prompt_checks = 0  # choices whose echoed prompt ids were compared with the ids sent
         self.occupancy = Occupancy()  # generation requests in flight (grpo/rollout/servers.py ServerPool.complete)
 

@@ -526,7 +526,7 @@ def test_a_generation_requests_timeout_grows_with_the_work_the_server_holds():
 
     pool = ServerPool.__new__(ServerPool)  # no health checks: the generation path alone
     pool.servers, pool.clients, pool.idle_since = [Recorded("http://127.0.0.1:1", None, 10.0)], 2, None
-    pool.vllm = {"http://127.0.0.1:1": vllm_api("0.32.0")}  # what /version would have said
+    pool.servers[0].vllm = vllm_api("0.32.0")  # what /version would have said
     pool.servers[0].timeouts = []
     prompts = [[1, 2]] * 100
     out = pool.generate(prompts, 2, Sampling(max_new_tokens=50), version=3)

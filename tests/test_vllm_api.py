@@ -189,9 +189,10 @@ def pool_for(version: str) -> tuple[ServerPool, Recording, NcclSender]:
     """A pool of one recording server of vLLM `version` with an NCCL sender whose bytes go nowhere."""
     server = Recording("http://127.0.0.1:1")
     pool = ServerPool.__new__(ServerPool)  # no health checks, no rendezvous: the routes alone
-    pool.servers, pool.vllm, pool.gate, pool.sent_images = [server], {server.url: vllm_api(version)}, None, False
+    server.vllm = vllm_api(version)
+    pool.servers, pool.gate, pool.sent_images = [server], None, False
     pool.generator, pool.stopped = DaemonWorker("test-generate"), threading.Event()
-    sender = NcclSender("127.0.0.1", 29500, 2, 10, pool.vllm[server.url])
+    sender = NcclSender("127.0.0.1", 29500, 2, 10, server.vllm)
     sender.prepare = lambda bucket: None  # no GPU here: nothing to move, nothing to broadcast
     sender.send = lambda payload: None
     pool.senders = [sender]
@@ -252,7 +253,7 @@ def test_a_pool_reads_each_servers_release_and_refuses_one_outside_the_range():
         lines = []
         try:
             pool = ServerPool([url], None, 10, 10, can_push=False, log=lines.append)
-            assert pool.vllm[url] == vllm_api(version)
+            assert pool.servers[0].vllm == vllm_api(version)
             assert any("keeps no weight version" in line for line in lines) is said, lines
             pool.close()
         finally:

@@ -316,11 +316,11 @@ class ServerPool:
         notes = [f"log: {p}" for p in logs] if logs else [""] * len(urls)
         exited = exited or [None] * len(urls)
         parallel_map(lambda i: self.servers[i].wait_healthy(deadline, log, notes[i], exited[i]), range(len(self.servers)))
-        # each server's vLLM release (an open route in every one), by URL: what its API takes (vllm_api.py)
-        self.vllm = {s.url: of_server(s.request("/version").get("version"), s.url) for s in self.servers}
-        for url, api in self.vllm.items():
-            if not api.weight_version and log is not None:
-                log(f"{url} runs vLLM {api.version}, which keeps no weight version (/weight_info came in 0.27): each "
+        # each server's vLLM release (an open route in every one): what its API takes (vllm_api.py)
+        for s in self.servers:
+            s.vllm = of_server(s.request("/version").get("version"), s.url)
+            if not s.vllm.weight_version and log is not None:
+                log(f"{s.url} runs vLLM {s.vllm.version}, which keeps no weight version (/weight_info came in 0.27): each "
                     "batch's version is the trainer's own count, and that weights change only between requests "
                     "rests on ServerPool.drain alone")
         lens = [s.max_model_len for s in self.servers if s.max_model_len]
@@ -332,7 +332,7 @@ class ServerPool:
             for server in self.servers:
                 url = urlparse(server.url)
                 host = transfer_host or dist.route_address(url.hostname)
-                sender = make_sender(transfer, host, 1 + server.world_size(), request_timeout_s, self.vllm[server.url])
+                sender = make_sender(transfer, host, 1 + server.world_size(), request_timeout_s, server.vllm)
                 try:
                     self._alongside(server, "/init_weight_transfer_engine", {"init_info": sender.init_info()},
                                     sender.connect, sender.abort)
@@ -402,7 +402,7 @@ class ServerPool:
         cannot be asked: `fallback`, the trainer's own count, stands in (said once at the pool's start),
         so the before/after check of `generate` cannot fire there and `drain` alone keeps pushes
         between requests."""
-        if not self.vllm[server.url].weight_version:
+        if not server.vllm.weight_version:
             return fallback
         v = str(server.request("/weight_info").get("weight_version"))
         return int(v) if v.isdigit() else fallback
@@ -486,7 +486,7 @@ class ServerPool:
         is checked against the trainer's (`check_echo`), as the colocated engine's is."""
         if len(prompts) != 1:
             raise ValueError(f"an image request carries one prompt, got {len(prompts)} (prompt_requests(one_each=True))")
-        if not (api := self.vllm[server.url]).generate_takes_images:
+        if not (api := server.vllm).generate_takes_images:
             raise ServerError(f"{server.url} runs vLLM {api.version}, whose /inference/v1/generate takes no images "
                               "(content_parts came in 0.28): serve an image model from vLLM 0.28 or newer")
         params = {"n": n, "max_tokens": sampling.max_new_tokens, **sampling_fields(sampling), "logprobs": 0}
@@ -530,7 +530,7 @@ class ServerPool:
             parallel_map(lambda pair: send(pair, payload, bucket), zip(self.servers, self.senders))
         for server in self.servers:
             # the version it reports from then on (/weight_info); a vLLM without versions takes no body
-            versioned = self.vllm[server.url].weight_version
+            versioned = server.vllm.weight_version
             server.request("/finish_weight_update", {"weight_version": str(version)} if versioned else {})
             self.reset_caches(server)  # cached KV (and image features) belong to the old weights
 
@@ -562,7 +562,7 @@ class ServerPool:
         self.generator.shutdown()  # a request in flight ends with its server, and never holds the exit
         for server, sender in zip(self.servers, self.senders):
             # vLLM 0.26-0.31 have no route to release the server's end: a later trainer's init replaces it
-            if self.vllm[server.url].shutdown_route:
+            if server.vllm.shutdown_route:
                 try:
                     server.request("/shutdown_weight_transfer_engine", {}, timeout=10)
                 except ServerError:
