@@ -14,6 +14,7 @@ from tests.test_config import EXPERIMENTS
 CPU_EXPERIMENTS = {  # name -> pytest marks: the SmolLM2 ones convert a 135M model (slow tier)
     "addition_tiny": [],
     "addition_tiny_colocated": [],
+    "addition_tiny_moe": [pytest.mark.slow],  # warm-starts the tiny MoE (~2.5 min); tests/test_moe_model.py runs it
     "addition_tiny_rm": [pytest.mark.slow],  # builds the full tiny RM (~2 min); the default tier runs it in test_reward_model.py
     "addition_smollm2_judge": [pytest.mark.slow],  # its judge server (SmolLM2-135M) is started below
     "guess_tiny": [],
