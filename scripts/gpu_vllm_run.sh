@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 49 item 3, the last bundle call's command (after gpu_bundle_go.sh staged vLLM 0.26.0):
+#   bash scripts/gpu_bundle_go.sh dist/gpu_bundle/call2 bash scripts/gpu_vllm_run.sh
+# In order of value, each step under its own timeout and skipped once BUDGET_S is spent:
+#   1. vLLM alone: the smoke's bf16 eager setting (a random 2-layer Qwen2, sleep and wake);
+#   2. the design-card command, python -m grpo.train parallel=zero3 rollout=colocated (tiny model, STEPS);
+#   3. grpo.verify with the same overrides;
+#   4. the smoke's fp32 eager and bf16 CUDA-graph settings;
+#   5. colocated with sleep mode under training; 6. grpo.doctor.
+# The trainer's pure-Python wheels (hydra-core, omegaconf, antlr4, deepspeed, hjson, peft) come in the
+# bundle as trainer_wheels/, the tiny models' cache as grpo_cache/; torch and transformers are the image's.
+# Back in $OUT (beside go.log and the go script's files): steps.tsv and runs.tgz (every log, metrics.jsonl,
+# summary, smoke json), rewritten after each step so a kill keeps what finished.
+set -u -o pipefail
+OUT=${OUT:-/tmp/gpu_out}; SITE=${GPU_SITE:-/tmp/gpu_site}; WORK=${WORK:-/tmp/gpu_vllm_run}
+BUDGET_S=${BUDGET_S:-400}; STEPS=${STEPS:-40}
+rm -rf "$WORK"; mkdir -p "$WORK/logs" "$WORK/runs" "$WORK/smoke" /tmp/trainer_site
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/trainer_site "$SITE"/trainer_wheels/*.whl || echo "trainer wheels: install failed"
+export PYTHONPATH=$PYTHONPATH:/tmp/trainer_site:$PWD GRPO_CACHE=$SITE/grpo_cache PYTHONUNBUFFERED=1 \
+       HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+printf 'step\trc\tseconds\n' > "$OUT/steps.tsv"
+python3 -c 'import transformers, deepspeed, hydra; from grpo.rollout import vllm_api; print("transformers", transformers.__version__, "deepspeed", deepspeed.__version__, "hydra", hydra.__version__, "api", vllm_api.installed())' 2>&1 | tail -3
+
+pack() { tar -czf "$OUT/runs.tgz.tmp" -C "$WORK" . && mv "$OUT/runs.tgz.tmp" "$OUT/runs.tgz"; }
+step() {  # step NAME LIMIT CMD...: its output in logs/NAME.log, its tail here
+    local name=$1 limit=$2; shift 2
+    if (( SECONDS + 30 > BUDGET_S )); then echo "== SKIP $name at ${SECONDS}s"; printf '%s\tskipped\t0\n' "$name" >> "$OUT/steps.tsv"; return; fi
+    (( SECONDS + limit > BUDGET_S )) && limit=$(( BUDGET_S - SECONDS ))
+    local t0=$SECONDS rc
+    echo "== $name (limit ${limit}s, at ${SECONDS}s): $*"
+    timeout -k 5 "$limit" "$@" > "$WORK/logs/$name.log" 2>&1; rc=$?
+    tail -n 15 "$WORK/logs/$name.log"
+    echo "== $name: rc=$rc in $((SECONDS - t0))s"
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$OUT/steps.tsv"
+    pack
+}
+CARD="parallel=zero3 rollout=colocated"
+step smoke_bf16_eager 150 env OUT="$WORK/smoke" python3 scripts/gpu_vllm_smoke.py only bfloat16:eager
+step card 200 python3 -m grpo.train $CARD steps=$STEPS run_dir="$WORK/runs/card"
+step verify 150 python3 -m grpo.verify $CARD
+step smoke_rest 200 env OUT="$WORK/smoke" python3 scripts/gpu_vllm_smoke.py only float32:eager bfloat16:graphs
+step sleep 120 python3 -m grpo.train $CARD rollout.vllm.sleep=true steps=10 run_dir="$WORK/runs/sleep"
+step doctor 150 python3 -m grpo.doctor
+nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$WORK/logs/nvidia_end.txt" 2>&1; pack
+echo "== done at ${SECONDS}s"
