@@ -8,11 +8,12 @@ there into about 100-110 MiB of `.tar.xz`: two calls. On this machine, with an i
 
     python -m grpo.gpu_bundle build dist/gpu_bundle [--add dist/wheels dist/grpo_cache] [--keep-moe]
 
-    1. download  `pip download --no-deps` of vLLM 0.26.0, the 77 lean wheels and 11 insurance wheels
+    1. download  `pip download --no-deps` of vLLM 0.26.0, the 78 lean wheels and 11 insurance wheels
                  it needs beyond the image (cp312, manylinux_2_35 and older tags)
     2. trim      vLLM's wheel without FA2 (H100/H200 run FA3), the Rust frontend, deep_gemm for other
                  Pythons and, unless --keep-moe, the MoE kernels (a dense model never loads them)
-    3. install   `pip install --no-index --no-deps --target site/` of every wheel: nothing to resolve there
+    3. install   `pip install --no-index --no-deps --target site/` of every wheel: nothing to resolve there;
+                 then `missing`: every requirement is in site/, on the image (IMAGE) or in LEFT_OUT
     4. pack      site/ (and each --add folder, under its own name) as one payload.tar.xz
     5. split     the payload into parts of at most PART_BYTES, one carry folder per call
                  (call1/, call2/, ...), each at most CARRY_BYTES, with SHA256SUMS and manifest.json in
@@ -72,12 +73,79 @@ pydantic_core==2.50.5 PyJWT==2.15.1 python-dotenv==1.2.4 python-json-logger==4.2
 pyzmq==27.3.0 referencing==0.37.0 rich-toolkit==0.20.6 rpds-py==2026.9.1 setproctitle==1.3.8 sniffio==1.3.1
 sse-starlette==3.7.0 starlette==1.10.0 supervisor==4.3.0 truststore==0.10.5 typing-inspection==0.4.5
 uvicorn==0.54.0 watchfiles==1.3.0 websockets==17.4 xgrammar==0.2.7
-""".split()
+apache-tvm-ffi==0.1.15.post2
+""".split()  # apache-tvm-ffi: xgrammar 0.2.7 imports it (missed until the first GPU call, 2026-11-28; `missing` now checks)
 # On the image by name at unknown versions, below floors vLLM or pydantic set: cheap to bring (4.7 MiB).
 INSURANCE = """
 typing_extensions==4.16.0 aiohttp==3.14.5 multidict==7.2.1 yarl==1.25.1 propcache==0.5.4 frozenlist==1.8.0
 aiosignal==1.4.0 aiohappyeyeballs==2.7.1 protobuf==6.33.6 anyio==4.16.0 filelock==4.3.1
 """.split()
+
+
+# The image's packages by name, from `pip list` on the lent H200 (2026-11-28, gpu_bundle_go.sh's piplist.txt,
+# less the bundle's own): what the bundle's requirements may rely on being there.
+IMAGE = frozenset("""
+absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
+charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder
+cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers flax fonttools
+formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx huggingface-hub humanize hypothesis idna
+imageio iniconfig interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib kiwisolver
+lazy-loader lightning lightning-utilities linear-operator lineax llvmlite lxml markdown markdown-it-py markupsafe
+matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack multidict multipledispatch mypy-extensions nanobind narwhals
+networkx ninja numba numba-cuda numpy numpyro nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-cuda-runtime
+nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13
+nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir onnxruntime onnxscript
+opencv-python-headless opt-einsum opt-einsum-fx optax optimistix orbax-checkpoint packaging pandas pathspec patsy
+peft pillow pip pluggy portalocker prometheus-client propcache protobuf psutil py-cpuinfo pyarrow pybind11 pygments
+pyparsing pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout pytest-xdist
+python-dateutil pytorch-lightning pyyaml regex requests rich sacrebleu safetensors scikit-build-core scikit-image
+scikit-learn scipy seaborn sentence-transformers sentencepiece setuptools shellingham simplejson six sortedcontainers
+statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm
+tokenizers toolz torch torch-geometric torchaudio torchdiffeq torchmetrics torchvision tqdm transformers treescope
+triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
+""".split())
+# vLLM 0.26.0 requirements the bundle leaves out on purpose (size), each with what stands in for it. Only
+# flashinfer-python is known to be reached by a dense model: gpu_bundle_go.sh sets VLLM_USE_FLASHINFER_SAMPLER=0
+# (the sampler's probe imports it otherwise, topk_topp_sampler.py:44); attention is FA3 (bf16) or TRITON_ATTN
+# (fp32) on sm90. The rest serve quantized, MLA, video or other kernels' models, or tracing (not seen imported).
+LEFT_OUT = {
+    "flashinfer-python": "VLLM_USE_FLASHINFER_SAMPLER=0 (gpu_bundle_go.sh)",
+    "fastsafetensors": "load_format=fastsafetensors only",
+    "humming-kernels": "other models' kernels", "quack-kernels": "other models' kernels",
+    "tilelang": "other models' kernels", "tokenspeed-mla": "MLA models (DeepSeek)",
+    "nvidia-cutlass-dsl": "other models' kernels", "nvidia-cudnn-frontend": "other models' kernels",
+    "nvtx": "layer-wise NVTX tracing only", "pynvvideocodec": "video inputs", "torchcodec": "video inputs",
+}
+TARGET_ENV = {"python_version": PYTHON_VERSION, "python_full_version": PYTHON_VERSION + ".3", "sys_platform": "linux",
+              "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
+              "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def missing(site: Path, image: frozenset[str] = IMAGE, left_out: dict[str, str] = LEFT_OUT) -> list[str]:
+    """Every requirement of a distribution installed in `site` (its METADATA's Requires-Dist, markers
+    evaluated for the lent machine, extras skipped) that neither `site`, the image nor `left_out` holds,
+    as "requirer needs requirement". The build stops on any: `pip install --no-deps` would not say."""
+    from pip._vendor.packaging.requirements import Requirement
+
+    metas = sorted(site.glob("*.dist-info/METADATA"))
+    have = {norm(m.parent.name.split("-")[0]) for m in metas} | {norm(n) for n in image} | {norm(n) for n in left_out}
+    out = []
+    for meta in metas:
+        text = meta.read_text(errors="replace").split("\n\n")[0]  # the headers, not the description
+        requirer = meta.parent.name.removesuffix(".dist-info")
+        for line in text.splitlines():
+            if not line.startswith("Requires-Dist:"):
+                continue
+            req = Requirement(line.split(":", 1)[1].strip())
+            if req.marker is not None and not req.marker.evaluate(TARGET_ENV):
+                continue
+            if norm(req.name) not in have:
+                out.append(f"{requirer} needs {req}")
+    return out
 
 
 def dropped(member: str, keep_moe: bool = False) -> bool:
@@ -168,7 +236,7 @@ def split(payload: Path, out: Path, part_bytes: int = PART_BYTES, carry_bytes: i
     return manifest
 
 
-def bundle_calls(manifest: dict, root: str, command: str = "python scripts/gpu_vllm_smoke.py") -> list[dict]:
+def bundle_calls(manifest: dict, root: str, command: str = "bash scripts/gpu_vllm_run.sh") -> list[dict]:
     """The `run` calls that bring the bundle over, in order: `carry` (relative to the checkout) and the
     command; the last one checks, unpacks and runs `command` on the unpacked site."""
     calls = manifest["calls"]
@@ -194,6 +262,10 @@ def build(out: Path, adds: list[Path], keep_moe: bool, python_version: str, plat
     vllm_wheel.unlink()
     print(f"trimmed {vllm_wheel.name}: {len(gone)} members dropped, {trimmed.stat().st_size / MiB:.1f} MiB left")
     subprocess.run(install_command(site, [*sorted(wheels.glob("*.whl")), trimmed], python_version, plat), check=True)
+    lacking = missing(site)
+    if lacking:
+        raise SystemExit("the bundle lacks what its packages need (add each to LEAN in grpo/gpu_bundle.py, or to "
+                         "LEFT_OUT with what stands in for it):\n  " + "\n  ".join(lacking))
     folders = {"site": site, **{a.name: a for a in adds}}
     payload = work / "payload.tar.xz"
     pack(folders, payload)

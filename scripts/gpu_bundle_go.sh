@@ -21,6 +21,9 @@ if [ ! -d "$SITE/site" ]; then
 fi
 echo "staged and unpacked in $(( $(date +%s) - t0 )) s"
 export PYTHONPATH=$SITE/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# The bundle leaves flashinfer out (grpo/gpu_bundle.py LEFT_OUT); vLLM 0.26's sampler imports it unless told not to.
+[ -d "$SITE/site/flashinfer" ] || export VLLM_USE_FLASHINFER_SAMPLER=0
+export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1  # the machine reaches nothing outside
 cp "$CARRY/manifest.json" "$OUT/" 2>/dev/null
 python3 -m pip list --format=freeze > "$OUT/piplist.txt" 2>&1
 python3 -m pip check > "$OUT/pipcheck.txt" 2>&1

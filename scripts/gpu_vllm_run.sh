@@ -16,7 +16,7 @@ OUT=${OUT:-/tmp/gpu_out}; SITE=${GPU_SITE:-/tmp/gpu_site}; WORK=${WORK:-/tmp/gpu
 BUDGET_S=${BUDGET_S:-400}; STEPS=${STEPS:-40}
 rm -rf "$WORK"; mkdir -p "$WORK/logs" "$WORK/runs" "$WORK/smoke" /tmp/trainer_site
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/trainer_site "$SITE"/trainer_wheels/*.whl || echo "trainer wheels: install failed"
-export PYTHONPATH=$PYTHONPATH:/tmp/trainer_site:$PWD GRPO_CACHE=$SITE/grpo_cache PYTHONUNBUFFERED=1 \
+export PYTHONPATH=$PYTHONPATH:/tmp/trainer_site:$PWD GRPO_CACHE=$SITE/grpo_cache PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 \
        HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 printf 'step\trc\tseconds\n' > "$OUT/steps.tsv"
 python3 -c 'import transformers, deepspeed, hydra; from grpo.rollout import vllm_api; print("transformers", transformers.__version__, "deepspeed", deepspeed.__version__, "hydra", hydra.__version__, "api", vllm_api.installed())' 2>&1 | tail -3
@@ -28,7 +28,7 @@ step() {  # step NAME LIMIT CMD...: its output in logs/NAME.log, its tail here
     (( SECONDS + limit > BUDGET_S )) && limit=$(( BUDGET_S - SECONDS ))
     local t0=$SECONDS rc
     echo "== $name (limit ${limit}s, at ${SECONDS}s): $*"
-    timeout -k 5 "$limit" "$@" > "$WORK/logs/$name.log" 2>&1; rc=$?
+    timeout -s ABRT -k 10 "$limit" "$@" > "$WORK/logs/$name.log" 2>&1; rc=$?  # ABRT: every Python in the group dumps its stacks
     tail -n 15 "$WORK/logs/$name.log"
     echo "== $name: rc=$rc in $((SECONDS - t0))s"
     printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$OUT/steps.tsv"
@@ -36,9 +36,9 @@ step() {  # step NAME LIMIT CMD...: its output in logs/NAME.log, its tail here
 }
 CARD="parallel=zero3 rollout=colocated"
 step smoke_bf16_eager 150 env OUT="$WORK/smoke" python3 scripts/gpu_vllm_smoke.py only bfloat16:eager
-step card 200 python3 -m grpo.train $CARD steps=$STEPS run_dir="$WORK/runs/card"
-step verify 150 python3 -m grpo.verify $CARD
-step smoke_rest 200 env OUT="$WORK/smoke" python3 scripts/gpu_vllm_smoke.py only float32:eager bfloat16:graphs
+step card 150 python3 -m grpo.train $CARD steps=$STEPS run_dir="$WORK/runs/card"
+step verify 120 python3 -m grpo.verify $CARD
+step smoke_rest 150 env OUT="$WORK/smoke" python3 scripts/gpu_vllm_smoke.py only float32:eager bfloat16:graphs
 step sleep 120 python3 -m grpo.train $CARD rollout.vllm.sleep=true steps=10 run_dir="$WORK/runs/sleep"
 step doctor 150 python3 -m grpo.doctor
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$WORK/logs/nvidia_end.txt" 2>&1; pack

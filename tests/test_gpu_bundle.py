@@ -85,8 +85,8 @@ def test_a_call_fits_the_machines_limit_with_the_checkout_beside_it():
 
 
 def test_the_pins_and_pips_options_name_the_lent_machine():
-    assert len(LEAN) == 77 and len(INSURANCE) == 11
-    assert all("==" in pin for pin in [*LEAN, *INSURANCE]) and len({p.split("==")[0].lower() for p in LEAN + INSURANCE}) == 88
+    assert len(LEAN) == 78 and len(INSURANCE) == 11
+    assert all("==" in pin for pin in [*LEAN, *INSURANCE]) and len({p.split("==")[0].lower() for p in LEAN + INSURANCE}) == 89
     cmd = download_command(Path("w"), [gpu_bundle.VLLM, *LEAN])
     assert cmd[cmd.index("--python-version") + 1] == "3.12" and "--no-deps" in cmd and "vllm==0.26.0" in cmd
     platforms = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--platform"]
@@ -97,12 +97,41 @@ def test_the_pins_and_pips_options_name_the_lent_machine():
     assert {"--no-index", "--no-deps", "--target"} <= set(install) and install[-1] == "a.whl"
 
 
+def dist_info(site: Path, name: str, *requires: str) -> None:
+    folder = site / f"{name}-1.0.dist-info"
+    folder.mkdir(parents=True)
+    headers = "".join(f"Requires-Dist: {r}\n" for r in requires)
+    (folder / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n{headers}\n"
+                                     "Requires-Dist: in-the-description\n")
+
+
+def test_missing_names_each_requirement_nothing_in_the_bundle_or_on_the_machine_meets(tmp_path):
+    """The first GPU call (2026-11-28) stopped on `No module named 'tvm_ffi'`: xgrammar's requirement
+    apache-tvm-ffi was neither bundled nor on the image, and `pip install --no-deps` said nothing."""
+    site = tmp_path / "site"
+    dist_info(site, "xgrammar", "apache-tvm-ffi>=0.1.10", "pydantic", "torch>=1.10.0",
+              'triton; platform_system == "Linux" and platform_machine == "x86_64"')
+    dist_info(site, "pydantic")
+    dist_info(site, "vllm", "flashinfer-python==0.6.11", "Typing_Extensions>=4.9", 'xformers; extra == "xf"',
+              'tomli; python_version < "3.11"', 'pywin32; sys_platform == "win32"', 'numba==0.65.0; python_version == "3.12"')
+    image = frozenset({"torch", "triton", "typing-extensions", "numba"})
+    assert gpu_bundle.missing(site, image, {"flashinfer-python": "off"}) == ["xgrammar-1.0 needs apache-tvm-ffi>=0.1.10"]
+    assert gpu_bundle.missing(site, image, {}) == ["vllm-1.0 needs flashinfer-python==0.6.11",
+                                                   "xgrammar-1.0 needs apache-tvm-ffi>=0.1.10"]
+    dist_info(site, "apache_tvm_ffi", "typing-extensions>=4.13")
+    assert gpu_bundle.missing(site, image, {"flashinfer-python": "off"}) == []
+    assert gpu_bundle.missing(site, frozenset(), {"flashinfer-python": "off"}) == [  # the image's part, by name
+        "apache_tvm_ffi-1.0 needs typing-extensions>=4.13", "vllm-1.0 needs Typing_Extensions>=4.9",
+        'vllm-1.0 needs numba==0.65.0; python_version == "3.12"', "xgrammar-1.0 needs torch>=1.10.0",
+        'xgrammar-1.0 needs triton; platform_system == "Linux" and platform_machine == "x86_64"']
+
+
 def test_the_calls_stage_then_unpack_and_run():
     manifest = {"calls": [{"folder": "call1", "parts": []}, {"folder": "call2", "parts": []}]}
     first, last = bundle_calls(manifest, "dist/gpu_bundle")
     assert first["carry"] == ["dist/gpu_bundle/call1"] and "cp dist/gpu_bundle/call1/part.* /tmp/gpu_stage/" in first["command"]
     assert last["carry"] == ["dist/gpu_bundle/call2"]
-    assert last["command"].startswith("bash scripts/gpu_bundle_go.sh dist/gpu_bundle/call2 python scripts/gpu_vllm_smoke.py")
+    assert last["command"].startswith("bash scripts/gpu_bundle_go.sh dist/gpu_bundle/call2 bash scripts/gpu_vllm_run.sh")
 
 
 def test_the_packed_folders_unpack_under_their_names(tmp_path, monkeypatch):
