@@ -129,7 +129,7 @@ def missing(site: Path, image: frozenset[str] = IMAGE, left_out: dict[str, str] 
     """Every requirement of a distribution installed in `site` (its METADATA's Requires-Dist, markers
     evaluated for the lent machine, extras skipped) that neither `site`, the image nor `left_out` holds,
     as "requirer needs requirement". The build stops on any: `pip install --no-deps` would not say."""
-    from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.requirements import Requirement  # local: pip's vendored packaging, for the build only
 
     metas = sorted(site.glob("*.dist-info/METADATA"))
     have = {norm(m.parent.name.split("-")[0]) for m in metas} | {norm(n) for n in image} | {norm(n) for n in left_out}

@@ -7,7 +7,9 @@ STRATEGY is single, ddp, zero2 or zero3; ddp reduces in 10 KB buckets, so in man
 groups and rank 1 one, so the ranks run different numbers of micro-batches; with `padded`, algo.packing=false (default: packed
 micro-batches); with `shared`, algo.shared_prompt=true; with `grouped` (implied by `shared`), each prompt serves a group of
 2 completions; with `spS`, parallel.sequence_parallel=S (groups of S ranks share every micro-batch, each on 1/S of its
-columns); with `long`, completions of up to 16 tokens (2 ranks' packed rows then hold several sequences); with `lora`, a rank-4 LoRA adapter trains (OUT/<loss_type>_init.pt: its weights before the step). Writes
+columns); with `long`, completions of up to 16 tokens (2 ranks' packed rows then hold several sequences); with `lora`, a rank-4 LoRA adapter trains (OUT/<loss_type>_init.pt: its weights before the step); with `moe`, the
+policy is the tiny Qwen3-MoE (random init; OUT/init.pt) and the batch carries sampler routes drawn at random, which every
+forward replays (rollout.routing_replay), the load-balancing loss off. Writes
 OUT/<loss_type>.pt with the full updated weights (rank 0; with `lora`, the adapter's), for every loss type,
 OUT/<loss_type>_loss.json with the loss summed over ranks, and OUT/micro_batches.json with each rank's count of micro-batches.
 """
@@ -30,6 +32,7 @@ import grpo.parallel.zero  # noqa: E402
 from grpo import lora  # noqa: E402
 from grpo.config import AlgoConfig, LoraConfig, ParallelConfig, TinyModelConfig  # noqa: E402
 from grpo.dist import all_reduce_sum, dist_info, init_distributed, shutdown  # noqa: E402
+from grpo.tiny.moe import build_tiny_moe  # noqa: E402
 from grpo.tiny.text import build_char_tokenizer, build_tiny_model  # noqa: E402
 from grpo.parallel import strategy_class  # noqa: E402
 from grpo.update.layouts import micro_batches  # noqa: E402
@@ -45,15 +48,23 @@ def sgd(model, algo, total_steps):
 
 
 def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = "packed", grouped: bool = False,
-         split: int = 1, adapter: bool = False, long: bool = False) -> None:
+         split: int = 1, adapter: bool = False, long: bool = False, moe: bool = False) -> None:
     grpo.parallel.single.build_optimizer = grpo.parallel.zero.build_optimizer = sgd
     info = dist_info()
     init_distributed(info)
     tok = build_char_tokenizer()
     torch.manual_seed(0)
-    base = build_tiny_model(TinyModelConfig(), len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    build = build_tiny_moe if moe else build_tiny_model
+    base = build(TinyModelConfig(), len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
     T = 16 if long else 6
     batch = make_batch(tok, B=8, group=2 if grouped or layout == "shared" else 1, T=T)
+    if moe:  # K distinct experts of E per token and MoE layer, the same draw on every rank
+        B, L = batch.input_ids_BL.shape
+        cfg = base.config
+        draw = torch.rand(B, L, cfg.num_hidden_layers, cfg.num_experts, generator=torch.Generator().manual_seed(5))
+        batch.routes_BLMK = draw.argsort(dim=-1)[..., :cfg.num_experts_per_tok]
+        if info.rank == 0:
+            torch.save(base.state_dict(), os.path.join(out, "init.pt"))
     rows = batch.size // info.world_size
     local = batch.select(slice(info.rank * rows, (info.rank + 1) * rows))
     if uneven and info.world_size == 2:
@@ -67,7 +78,8 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
     for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
         algo = OmegaConf.structured(AlgoConfig(loss_type=loss_type, group_size=2, batch_size=8, lr=1e-2, warmup_steps=0,
                                                max_grad_norm=1e9, num_iterations=2, beta=0.05,
-                                               packing=layout != "padded", shared_prompt=layout == "shared"))
+                                               packing=layout != "padded", shared_prompt=layout == "shared",
+                                               router_aux_loss_coef=0.0 if moe else None))
         algo.micro_batch_tokens = local.input_ids_BL.shape[1] * rows // n_micro
         model = copy.deepcopy(base)
         if adapter:  # a LoRA adapter (the same on every rank): only it trains, and only it is compared
@@ -111,5 +123,5 @@ if __name__ == "__main__":
     flags = sys.argv[4:]
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3], "uneven" in flags,
          next((f for f in ("padded", "shared") if f in flags), "packed"), "grouped" in flags,
-         next((int(f[2:]) for f in flags if f.startswith("sp")), 1), "lora" in flags, "long" in flags)
+         next((int(f[2:]) for f in flags if f.startswith("sp")), 1), "lora" in flags, "long" in flags, "moe" in flags)
     exit_process(0)

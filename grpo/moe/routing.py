@@ -231,13 +231,10 @@ def flip_fraction(own: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor |
 
 def check(cfg) -> None:
     """rollout.routing_replay against the rest of the config (called by grpo.config.validate; the backend
-    checks its own part, RolloutBackend.check_routing): routes are not carried into a sequence-parallel
-    group's split rows nor a vision-language model's rows yet."""
+    checks its own part, RolloutBackend.check_routing): routes are not carried into a vision-language
+    model's rows yet."""
     if not cfg.rollout.routing_replay:
         return
-    if cfg.parallel.sequence_parallel > 1:
-        raise ConfigError(f"rollout.routing_replay=true with parallel.sequence_parallel={cfg.parallel.sequence_parallel}: "
-                          "routed experts are not split across a sequence-parallel group yet; set one of them off.")
     if cfg.model.path == "tiny_vlm":
         raise ConfigError("rollout.routing_replay=true with a vision-language model: not supported yet; set it false.")
 

@@ -489,9 +489,9 @@ def rows(model, mb: MicroBatch, split_size: int = 1) -> Rows:
                          "(grpo.vision.check_config refuses it)")
     carry_KBL = vision.packing_carry(b, config) if vlm else None  # M-RoPE positions, image slots
     routes = b.routes_BLMK
-    if routes is not None and (whole or vlm):
-        raise ValueError("routed experts are not carried into split rows or a vision-language model's rows "
-                         "(rollout.routing_replay with parallel.sequence_parallel > 1, or a VLM, is refused by validate)")
+    if routes is not None and vlm:
+        raise ValueError("routed experts are not carried into a vision-language model's rows "
+                         "(rollout.routing_replay with a VLM is refused by validate)")
     T = b.completion_ids_BT.shape[1]
     if mb.layout == "shared":
         support = support_of(model)

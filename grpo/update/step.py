@@ -63,7 +63,10 @@ def forwarding(strategy, model, mb: layouts.MicroBatch, temperature: float, with
     caller's backward replays them too (grpo/moe/routing.py); `replayed` counts what the replay did."""
     split = split_of(strategy)
     rows = layouts.rows(model, mb, 1 if split is None else split.size)
-    with contextlib.nullcontext() if split is None else split.running(rows), routing.replay(model, rows.routes_RWMK, replayed):
+    routes = rows.routes_RWMK  # a split rank's MoE layers run its own columns' tokens: their routes
+    if split is not None and routes is not None:
+        routes = routes[:, split.columns(routes.shape[1])]
+    with contextlib.nullcontext() if split is None else split.running(rows), routing.replay(model, routes, replayed):
         yield forward.routed_logprobs(model, rows, temperature, with_entropy, max_tokens, split, experts)
 
 
