@@ -38,6 +38,7 @@ class Batch:
     # rollout.routing_replay: the experts the sampler routed each token to, B x L x MoE layers x top_k,
     # laid out as input_ids_BL; -1 where none was given (padding, the last token: the router decides)
     routes_BLMK: Optional[torch.Tensor] = None
+    replay_routes: bool = True  # False (rollout.routing_observe): the routers keep their choice, flips are counted
 
     @property
     def size(self) -> int:

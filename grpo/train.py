@@ -408,6 +408,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
             [p for p in prompt_ids for _ in range(G)], rollouts, advantages,
             r.tokenizer.pad_token_id, algo.mask_truncated, excluded_B=torch.isnan(rewards_PG).flatten(),
         )
+        batch.replay_routes = cfg.rollout.routing_replay  # routes only observed: rollout.routing_observe
         if algo.zero_std_groups == "drop":
             batch = batch.select((~flat_P).repeat_interleave(G))
 

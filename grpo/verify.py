@@ -97,6 +97,7 @@ def first_batch(r, step: int = 1):
     batch = collate([p for p in scored.prompt_ids for _ in range(G)], scored.rollouts, advantages_PG.flatten(),
                     r.tokenizer.pad_token_id, r.cfg.algo.mask_truncated,
                     excluded_B=torch.isnan(scored.rewards_PG).flatten())
+    batch.replay_routes = r.cfg.rollout.routing_replay  # as the loop sets it (rollout.routing_observe: compared only)
     if not batch.advantages_B.abs().sum():
         batch.advantages_B = torch.tensor([1.0 if i % 2 else -1.0 for i in range(batch.size)])
     return batch
@@ -238,6 +239,10 @@ def routing_check(r, batch) -> Check:
               attention_mask=batch.attention_mask_BL.to(next(model.parameters()).device),
               position_ids=batch.position_ids_BL.to(next(model.parameters()).device))
     flips = routing.flip_fraction(own.routes(batch.size), batch.routes_BLMK, batch.attention_mask_BL)
+    if not batch.replay_routes:
+        del model
+        return Check("routing", "SKIP", f"rollout.routing_observe: routes compared, not replayed; the trainer's own "
+                                        f"routing differs from the sampler's on {flips:.2%} of the token-layers")
     routes = batch.routes_BLMK
     moved = replace(batch, routes_BLMK=torch.where(routes >= 0, (routes + 1) % experts, routes))
     plan = layouts.plan(model, moved, layout_of(r.cfg.algo), 1 << 30)

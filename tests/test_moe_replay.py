@@ -16,8 +16,11 @@ from grpo.rollout import Sampling
 from grpo.rollout.hf import HFBackend
 from grpo.tiny.text import build_char_tokenizer
 from grpo.update import layouts, score_tokens
+from grpo.update.forward import batch_logprobs
+from grpo.update.layouts import MicroBatch
+from grpo.update.step import forwarding
 
-REPLAY = SimpleNamespace(routing_replay=True)
+REPLAY = SimpleNamespace(routing_replay=True, routing_observe=False)
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +107,31 @@ def test_the_update_replays_the_samplers_routes_in_every_layout(tiny_moe, layout
     assert ((forced - own).abs() * batch.mask_BT).max() > 1e-3  # the forward used the given experts
 
 
+def test_observed_routes_count_the_flips_and_leave_the_forward_alone(tiny_moe):
+    """rollout.routing_observe: the batch's routes are compared, not replayed. The sampler's own routes
+    moved to other experts: the observed forward scores as the plain one (bitwise) and counts every
+    given token-layer as a flip, where the replayed forward moves the scores."""
+    model, tok = tiny_moe
+    prompts, out = sample(model, tok, 1)
+    batch = routing_moved(collate(prompts, out, torch.zeros(len(prompts)), tok.pad_token_id, False))
+    plain = type(batch)(**{**vars(batch), "routes_BLMK": None})
+    observed = type(batch)(**{**vars(batch), "replay_routes": False})
+    rows = MicroBatch(observed, "padded", None)
+    given = int((batch.routes_BLMK[..., 0] >= 0).sum())
+    with torch.no_grad():
+        want = batch_logprobs(model, MicroBatch(plain, "padded", None), 1.0)[0]
+        counts = routing.Replayed()
+        with forwarding(None, model, rows, 1.0, replayed=counts) as (got, _, _):
+            pass
+        assert torch.equal(got, want)
+        assert int(counts.given) == given and int(counts.flips) == given  # every route moved: every one differs
+        replayed = routing.Replayed()
+        with forwarding(None, model, MicroBatch(batch, "padded", None), 1.0, replayed=replayed) as (forced, _, _):
+            pass
+    assert int(replayed.given) == given and int(replayed.flips) > 0
+    assert ((forced - want).abs() * batch.mask_BT).max() > 1e-3
+
+
 def plain_scores(model, batch, layout):
     return score_tokens(model, batch, 1.0, 10_000, layout=layout)
 
@@ -118,19 +146,24 @@ def test_routing_replay_is_refused_where_it_cannot_work(tiny_lm):
     model, tok = tiny_lm
     with pytest.raises(ConfigError, match="needs a Mixture-of-Experts policy"):
         HFBackend(REPLAY, model, tok)
-    cfg = SimpleNamespace(routing_replay=True, backend="dedicated")
+    cfg = SimpleNamespace(routing_replay=True, routing_observe=False, backend="dedicated")
     with pytest.raises(ConfigError, match="rollout=dedicated: this backend does not return"):
         backend_class("dedicated").check_routing(cfg, "none")
     cfg.backend = "hf"
     with pytest.raises(ConfigError, match="env=calculator"):
         backend_class("hf").check_routing(cfg, "calculator")
-    cfg = SimpleNamespace(routing_replay=True, backend="colocated", vllm=SimpleNamespace(enforce_eager=False,
+    cfg = SimpleNamespace(routing_replay=True, routing_observe=False, backend="colocated", vllm=SimpleNamespace(enforce_eager=False,
                                                                                        tensor_parallel_size=1))
     with pytest.raises(ConfigError, match="CUDA graphs skip: set rollout.vllm.enforce_eager=true"):
         backend_class("colocated").check_routing(cfg, "none")
     cfg.vllm.enforce_eager, cfg.vllm.tensor_parallel_size = True, 2
     with pytest.raises(ConfigError, match="tensor_parallel_size > 1"):
         backend_class("colocated").check_routing(cfg, "none")
+    observe = SimpleNamespace(routing_replay=False, routing_observe=True, backend="remote")  # routes only observed
+    with pytest.raises(ConfigError, match="rollout.routing_observe=true with rollout=remote: .* or rollout.routing_observe=false"):
+        backend_class("remote").check_routing(observe, "none")
+    with pytest.raises(ConfigError, match="rollout.routing_observe=true needs a Mixture-of-Experts policy"):
+        HFBackend(observe, model, tok)
 
 
 def test_engine_request_ids_map_to_their_prompt_and_completion():

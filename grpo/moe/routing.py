@@ -171,11 +171,23 @@ class Replayed:
         return float(self.flips) / float(self.given) if float(self.given) else 0.0
 
 
+def wants_routes(rollout) -> bool:
+    """Whether the sampler returns its routed experts: to replay them (rollout.routing_replay) or to
+    count how often the trainer's routers disagree with them (rollout.routing_observe)."""
+    return bool(rollout.routing_replay or rollout.routing_observe)
+
+
+def setting(rollout) -> str:
+    """The setting that asked for routes, as a user writes it (for messages)."""
+    return "rollout.routing_replay=true" if rollout.routing_replay else "rollout.routing_observe=true"
+
+
 @contextlib.contextmanager
-def replay(model, routes: torch.Tensor | None, done: Replayed | None = None):
+def replay(model, routes: torch.Tensor | None, done: Replayed | None = None, force: bool = True):
     """Every forward of `model` inside the block routes token t of MoE layer l to `routes[.., t, l, :]`
     (`[B, T, L, K]` laid out like the forward's input ids). None replays nothing (a dense model, or
-    replay off). Yields its `Replayed` counts (added to `done` where given)."""
+    replay off). Yields its `Replayed` counts (added to `done` where given). `force` False
+    (rollout.routing_observe): the routers keep their own choice and only the counts are taken."""
     done = Replayed() if done is None else done
     if routes is None:
         yield done
@@ -203,6 +215,8 @@ def replay(model, routes: torch.Tensor | None, done: Replayed | None = None):
             done.given = done.given + (~missing).sum()
             done.fallback = done.fallback + missing.sum()
             done.total += given.shape[0]
+            if not force:
+                return None  # the router's own output: observed, not replayed
             given = torch.where(missing, own, given)
             return logits, WEIGHTS[type(module).__name__](module, logits, given), given
         return forced
@@ -233,16 +247,19 @@ def check(cfg) -> None:
     """rollout.routing_replay against the rest of the config (called by grpo.config.validate; the backend
     checks its own part, RolloutBackend.check_routing): routes are not carried into a vision-language
     model's rows yet."""
-    if not cfg.rollout.routing_replay:
+    if not wants_routes(cfg.rollout):
         return
     if cfg.model.path == "tiny_vlm":
-        raise ConfigError("rollout.routing_replay=true with a vision-language model: not supported yet; set it false.")
+        raise ConfigError(f"{setting(cfg.rollout)} with a vision-language model: not supported yet; set it false.")
 
 
-def check_policy(model, replay: bool) -> None:
-    """rollout.routing_replay against the loaded policy (the backends ask before starting an engine)."""
-    if replay and not is_moe(model):
-        raise ConfigError("rollout.routing_replay=true needs a Mixture-of-Experts policy; this model has no MoE layers "
-                          f"that grpo/moe/routing.py knows (routers: {', '.join(WEIGHTS)}). Set rollout.routing_replay=false.")
-    if replay:
-        _check_supported([r for _, r in moe_layers(model)])
+def check_policy(model, rollout) -> None:
+    """rollout.routing_replay / routing_observe against the loaded policy (the backends ask before
+    starting an engine)."""
+    if rollout is None or not wants_routes(rollout):
+        return
+    if not is_moe(model):
+        name = setting(rollout)
+        raise ConfigError(f"{name} needs a Mixture-of-Experts policy; this model has no MoE layers "
+                          f"that grpo/moe/routing.py knows (routers: {', '.join(WEIGHTS)}). Set {name.replace('true', 'false')}.")
+    _check_supported([r for _, r in moe_layers(model)])

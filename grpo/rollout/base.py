@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 from grpo import dist
 from grpo.errors import ConfigError
+from grpo.moe import routing
 from grpo.weights import WeightBuckets
 
 
@@ -120,16 +121,18 @@ class RolloutBackend(ABC):
 
     @classmethod
     def check_routing(cls, cfg, env: str) -> None:
-        """rollout.routing_replay needs a backend that returns the routed experts, and single-turn rollouts
-        (an episode's observation tokens are not sampled, so no sampler routed them)."""
-        if not cfg.routing_replay:
+        """rollout.routing_replay (or routing_observe) needs a backend that returns the routed experts, and
+        single-turn rollouts (an episode's observation tokens are not sampled, so no sampler routed them)."""
+        if not routing.wants_routes(cfg):
             return
+        name = routing.setting(cfg)
+        off = name.replace("true", "false")
         if not cls.returns_routes:
-            raise ConfigError(f"rollout.routing_replay=true with rollout={cfg.backend}: this backend does not return the "
-                              "experts it routed each token to yet; use rollout=hf, or rollout.routing_replay=false.")
+            raise ConfigError(f"{name} with rollout={cfg.backend}: this backend does not return the "
+                              f"experts it routed each token to yet; use rollout=hf, or {off}.")
         if env != "none":
-            raise ConfigError(f"rollout.routing_replay=true with env={env}: routing replay covers single-turn rollouts "
-                              "only; set env=none or rollout.routing_replay=false.")
+            raise ConfigError(f"{name} with env={env}: routing replay covers single-turn rollouts "
+                              f"only; set env=none or {off}.")
 
     @classmethod
     def check_staleness(cls, cfg, max_staleness: int) -> None:

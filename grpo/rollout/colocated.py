@@ -253,13 +253,13 @@ class ColocatedBackend(RolloutBackend):
     @classmethod
     def check_routing(cls, cfg, env: str) -> None:
         super().check_routing(cfg, env)
-        if not cfg.routing_replay:
+        if not routing.wants_routes(cfg):
             return
         if not cfg.vllm.enforce_eager:
-            raise ConfigError("rollout.routing_replay=true with rollout=colocated captures the routing in Python hooks, "
+            raise ConfigError(f"{routing.setting(cfg)} with rollout=colocated captures the routing in Python hooks, "
                               "which CUDA graphs skip: set rollout.vllm.enforce_eager=true.")
         if cfg.vllm.tensor_parallel_size > 1:
-            raise ConfigError("rollout.routing_replay=true with rollout.vllm.tensor_parallel_size > 1 has not been built: "
+            raise ConfigError(f"{routing.setting(cfg)} with rollout.vllm.tensor_parallel_size > 1 has not been built: "
                               "use tensor_parallel_size=1 (one engine per rank).")
 
     @classmethod
@@ -285,7 +285,7 @@ class ColocatedBackend(RolloutBackend):
 
     def __init__(self, cfg, model, tokenizer, model_path: str, dtype: str = "float32", seed: int = 0,
                  run_dir: str = ".", **_):
-        routing.check_policy(model, cfg.routing_replay)  # before an engine starts
+        routing.check_policy(model, cfg)  # before an engine starts
         if cfg.vllm.sleep and not torch.cuda.is_available():  # a hardware check: here, where the hardware is
             raise ConfigError("rollout.vllm.sleep=true needs a GPU: vLLM's CPU build has no sleep mode. Set rollout.vllm.sleep=false.")
         world, self.tp = dist.world_size(), cfg.vllm.tensor_parallel_size
@@ -306,7 +306,7 @@ class ColocatedBackend(RolloutBackend):
         self.sleep_enabled = cfg.vllm.sleep
         self.weight_version = 0
         self.max_context = engine_max_model_len(self.llm)  # rollout.vllm.max_model_len, or the model's shorter context
-        self.routing = vllm_capture.EngineRouting(self.llm) if cfg.routing_replay else None
+        self.routing = vllm_capture.EngineRouting(self.llm) if routing.wants_routes(cfg) else None
         self.generate_is_collective = self.tp_group is not None  # tensor-parallel ranks pool their prompts
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:

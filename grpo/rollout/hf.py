@@ -154,8 +154,8 @@ class HFBackend(RolloutBackend):
     def __init__(self, cfg, model: torch.nn.Module, tokenizer, model_path: str | None = None, lockstep: bool = False,
                  dtype: str = "float32", **_):
         self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
-        self.routing_replay = cfg is not None and cfg.routing_replay
-        routing.check_policy(base_model(model), self.routing_replay)
+        self.routing_replay = cfg is not None and routing.wants_routes(cfg)  # the routes recorded: replayed or observed
+        routing.check_policy(base_model(model), cfg)
         self.lockstep = lockstep
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = stop_token_ids(tokenizer.eos_token_id, base_model(model).generation_config)

@@ -66,7 +66,7 @@ def forwarding(strategy, model, mb: layouts.MicroBatch, temperature: float, with
     routes = rows.routes_RWMK  # a split rank's MoE layers run its own columns' tokens: their routes
     if split is not None and routes is not None:
         routes = routes[:, split.columns(routes.shape[1])]
-    with contextlib.nullcontext() if split is None else split.running(rows), routing.replay(model, routes, replayed):
+    with contextlib.nullcontext() if split is None else split.running(rows), routing.replay(model, routes, replayed, mb.batch.replay_routes):
         yield forward.routed_logprobs(model, rows, temperature, with_entropy, max_tokens, split, experts)
 
 
