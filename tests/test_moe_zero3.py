@@ -38,10 +38,10 @@ def test_the_leaves_deepspeed_does_not_list_are_added_by_family(family):
     block, listed = BLOCKS[family]
     assert [c.__name__ for c in zero3.moe_blocks(model)] == [block]
     assert [c.__name__ for c in zero3.missing_leaves(model)] == ([] if listed else [block])
-    marked = zero3.mark_leaves(model)
-    assert [c.__name__ for c in marked] == ([] if listed else [block])
+    marked = zero3.mark_leaves(model)  # the listed ones too: a user's leaf_module.classes replaces DeepSpeed's list
+    assert [c.__name__ for c in marked] == [block]
     # both MoE layers' blocks flagged, nothing else (deepseek_v3: 3 layers, the first dense)
-    assert [type(m).__name__ for m in get_z3_leaf_modules(model)] == ([] if listed else [block] * 2)
+    assert [type(m).__name__ for m in get_z3_leaf_modules(model)] == [block] * 2
 
 
 def test_deepspeeds_default_leaves_still_hold_qwen3_moe():

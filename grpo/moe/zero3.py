@@ -9,7 +9,8 @@ whatever the routing (DeepSpeed's `set_z3_leaf_modules`).
 
 DeepSpeed 0.19.8 marks the sparse blocks of Mixtral, Qwen2-MoE and Qwen3-MoE by default (its ZeRO
 config's `leaf_module.classes`, applied inside `deepspeed.initialize`); `mark_leaves` adds the block of
-every other family grpo/moe/routing.py finds a router in (OLMoE, gpt-oss, DeepSeek-V3, ...). With
+every other family grpo/moe/routing.py finds a router in (OLMoE, gpt-oss, DeepSeek-V3, ...), and marks
+the listed ones again, so a user's `leaf_module.classes` (which replaces DeepSpeed's list) drops none. With
 transformers 5.x's fused experts (one module holds every expert) a missing leaf costs hooks, not
 correctness; the leaf keeps the families that do loop over per-expert modules safe. A block is the
 router's parent module, so a family whose router routing.py does not recognise gets no leaf here.
@@ -54,9 +55,11 @@ def missing_leaves(model: torch.nn.Module) -> list[type]:
 
 
 def mark_leaves(model: torch.nn.Module) -> list[type]:
-    """Mark `model`'s MoE blocks that DeepSpeed does not list as ZeRO-3 leaves; call it before
-    `deepspeed.initialize` (which installs the gather hooks). Returns the classes marked."""
-    classes = missing_leaves(model)
+    """Mark every MoE block of `model` as a ZeRO-3 leaf, those DeepSpeed lists too: a
+    `leaf_module.classes` in parallel.deepspeed_config replaces DeepSpeed's default list, and marking
+    twice is harmless. Call it before `deepspeed.initialize` (which installs the gather hooks).
+    Returns the classes marked."""
+    classes = moe_blocks(model)
     if classes:
         from deepspeed.utils import set_z3_leaf_modules  # local: as above
 
