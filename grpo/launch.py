@@ -209,7 +209,8 @@ class ServeJob:
         # defaults (0.9 on GPU), not the colocated engine's share; the dtype is the trainer's
         # bound to this node's cluster address (its SLURM name, which its URL names), never 0.0.0.0 (every interface)
         serve(["--model", model, "--host", node_name(), "--port", "0", "--url-dir", servers_dir(self.run_dir), "--dtype", cfg.model.dtype,
-               "--tensor-parallel-size", str(tp), "--weight-transfer", cfg.rollout.vllm.weight_transfer, *self.extra_args])
+               "--tensor-parallel-size", str(tp), "--weight-transfer", cfg.rollout.vllm.weight_transfer,
+               *(["--routed-experts"] if cfg.rollout.routing_replay or cfg.rollout.routing_observe else []), *self.extra_args])
 
 
 @dataclass

@@ -49,6 +49,7 @@ from grpo.dist import node_name
 from grpo.errors import ConfigError, TokenError
 from grpo.auth import TOKEN_ENV, is_loopback, load_token, token_ok
 from grpo.lora import vllm_max_rank
+from grpo.moe import served_routes
 from grpo.packaged import PACKAGED
 from grpo.rollout.engine_memory import (check_setting, chunked_prefill, engine_context, kv_cache_bytes, model_config_of,
                                         read_model_config)
@@ -97,6 +98,8 @@ def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None =
         ]
         if api.scale_out_flag:  # /inference/v1/generate: token ids plus images, for image prompts (behind the token)
             argv.append("--enable-scale-out")
+        if getattr(args, "routed_experts", False):  # each choice carries its routed experts (grpo/moe/served_routes.py)
+            argv.append(served_routes.SERVER_FLAG)
         if getattr(args, "vision", False):  # a VLM: images only, at most this many per prompt
             argv += ["--limit-mm-per-prompt", json.dumps({"image": args.images_per_prompt, "video": 0})]
     if args.max_model_len:
@@ -222,6 +225,9 @@ def main(argv: list[str] | None = None) -> None:
                    "generate from: no weight transfer, LoRA or generation flags")
     p.add_argument("--images-per-prompt", type=int, default=1, help="a vision-language model's folder: the most "
                    "images a prompt may carry (vLLM's --limit-mm-per-prompt; the trainer's rollout.vllm.images_per_prompt)")
+    p.add_argument("--routed-experts", action="store_true", help="a Mixture-of-Experts policy: each completion "
+                   "carries the experts every token was routed to (vLLM's --enable-return-routed-experts; a GPU), for "
+                   "the trainer's rollout.routing_replay or routing_observe")
     p.add_argument("--lora-rank", type=int, default=0, help="> 0: serve LoRA adapters up to this rank (the trainer's "
                    "model.lora.rank); each sync loads the new adapter from a folder through /v1/load_lora_adapter, "
                    "which the token guards like every route")

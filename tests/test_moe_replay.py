@@ -146,9 +146,12 @@ def test_routing_replay_is_refused_where_it_cannot_work(tiny_lm):
     model, tok = tiny_lm
     with pytest.raises(ConfigError, match="needs a Mixture-of-Experts policy"):
         HFBackend(REPLAY, model, tok)
-    cfg = SimpleNamespace(routing_replay=True, routing_observe=False, backend="dedicated")
-    with pytest.raises(ConfigError, match="rollout=dedicated: this backend does not return"):
-        backend_class("dedicated").check_routing(cfg, "none")
+    class NoRoutes(backend_class("hf")):
+        returns_routes = False
+
+    cfg = SimpleNamespace(routing_replay=True, routing_observe=False, backend="mine")
+    with pytest.raises(ConfigError, match="rollout=mine: this backend does not return"):
+        NoRoutes.check_routing(cfg, "none")
     cfg.backend = "hf"
     with pytest.raises(ConfigError, match="env=calculator"):
         backend_class("hf").check_routing(cfg, "calculator")
@@ -159,9 +162,10 @@ def test_routing_replay_is_refused_where_it_cannot_work(tiny_lm):
     cfg.vllm.enforce_eager, cfg.vllm.tensor_parallel_size = True, 2
     with pytest.raises(ConfigError, match="tensor_parallel_size > 1"):
         backend_class("colocated").check_routing(cfg, "none")
-    observe = SimpleNamespace(routing_replay=False, routing_observe=True, backend="remote")  # routes only observed
-    with pytest.raises(ConfigError, match="rollout.routing_observe=true with rollout=remote: .* or rollout.routing_observe=false"):
-        backend_class("remote").check_routing(observe, "none")
+    observe = SimpleNamespace(routing_replay=False, routing_observe=True, backend="mine")  # routes only observed
+    with pytest.raises(ConfigError, match="rollout.routing_observe=true with rollout=mine: .* or rollout.routing_observe=false"):
+        NoRoutes.check_routing(observe, "none")
+    backend_class("remote").check_routing(observe, "none")  # servers return them (grpo/moe/served_routes.py)
     with pytest.raises(ConfigError, match="rollout.routing_observe=true needs a Mixture-of-Experts policy"):
         HFBackend(observe, model, tok)
 

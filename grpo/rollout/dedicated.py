@@ -35,6 +35,7 @@ from grpo.errors import ConfigError, DeviceError
 from grpo.rollout.engine_memory import check_vllm, engine_context, model_config_of, read_model_config
 
 from grpo import dist, listeners, lora
+from grpo.moe import routing, served_routes
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.weights import WeightBuckets
 from grpo.rollout.trajectories import episode_driver
@@ -155,7 +156,7 @@ def pinned_engine_env(cpus: list[int] | None) -> dict[str, str]:
 
 def launch_engine(model_path: str, devices: list[str], port: int, token: str, vllm_cfg, dtype: str, log_path: str,
                   transfer: str = "grpo_gloo", cpus: list[int] | None = None, lora_rank: int = 0,
-                  max_model_len: int | None = None):
+                  max_model_len: int | None = None, routed_experts: bool = False):
     """One `grpo.serve` process on `devices`, bound to 127.0.0.1, logging to `log_path`; on CPU,
     pinned to `cpus` when given (its vLLM threads bound to them); with `lora_rank`, serving LoRA
     adapters up to that rank. `max_model_len`: the engine's context as fitted to the model
@@ -173,6 +174,8 @@ def launch_engine(model_path: str, devices: list[str], port: int, token: str, vl
         argv.append("--no-enforce-eager")
     if lora_rank:
         argv += ["--lora-rank", str(lora_rank)]
+    if routed_experts:  # rollout.routing_replay / routing_observe (grpo/moe/served_routes.py)
+        argv.append("--routed-experts")
     # the parent-death signal and the CPU pinning are set by grpo.serve itself: no preexec_fn, which is
     # unsafe in this multi-threaded process (a child can deadlock between fork and exec)
     argv += ["--parent-pid", str(os.getpid())]
@@ -261,6 +264,7 @@ class NodeShare:
 
 class DedicatedBackend(RolloutBackend):
     overlaps_training = True  # the engines are other processes: they generate while the trainer updates
+    returns_routes = True  # engines on GPUs, started with --routed-experts (grpo/moe/served_routes.py; not yet run)
     schedules_trajectories = True  # generation is no collective: episodes can run per trajectory
 
     @classmethod
@@ -299,6 +303,10 @@ class DedicatedBackend(RolloutBackend):
         self.lora_model = model if lora.is_lora(model) else None
         self.adapter_dir = os.path.join(os.path.abspath(run_dir), "adapters", f"node{self.main}")
         lora_rank = lora.adapter_rank(model) if self.lora_model is not None else 0
+        routed = routing.wants_routes(cfg)
+        routing.check_policy(model, cfg)
+        if routed:
+            served_routes.check_engines([devices], routing.setting(cfg))
         if self.is_owner:
             installed()  # the engines run this environment's vLLM: one in the supported range, before any starts
             shares = plan_engines(devices, cfg.dedicated.num_engines, *model_heads(model_path))
@@ -313,7 +321,7 @@ class DedicatedBackend(RolloutBackend):
             try:
                 for share, port, log in zip(shares, ports, logs):
                     engine, reaper = launch_engine(model_path, share, port, token, cfg.vllm, dtype, log, transfer,
-                                                   engine_cpus, lora_rank, self.max_context)
+                                                   engine_cpus, lora_rank, self.max_context, routed)
                     self.procs.append(engine)
                     self.reapers.append(reaper)
                     name = f"dedicated engine {len(self.procs) - 1}"
@@ -324,6 +332,7 @@ class DedicatedBackend(RolloutBackend):
                 self.pool = ServerPool([f"http://127.0.0.1:{p}" for p in ports], token, cfg.dedicated.start_timeout_s,
                                        cfg.dedicated.request_timeout_s, "127.0.0.1", transfer=transfer, logs=logs,
                                        exited=exited)
+                self.pool.routes = routed
             except BaseException:  # an engine that never got healthy: stop the ones already started
                 self.close()
                 raise

@@ -31,6 +31,7 @@ from grpo import dist, lora
 from grpo.errors import ConfigError, ServerError
 from grpo.progress import say
 from grpo.auth import TOKEN_ENV, client_token
+from grpo.moe import routing
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.rollout.trajectories import episode_driver
 from grpo.rollout.servers import (TRANSFERS, ServerPool, TurnGate, in_thread, push_adapter_from_one_rank,
@@ -45,6 +46,7 @@ def servers_token(rc) -> str | None:
 
 class RemoteBackend(RolloutBackend):
     overlaps_training = True  # the servers generate while the trainer updates (algo.max_staleness)
+    returns_routes = True  # servers started with --routed-experts, on GPUs (grpo/moe/served_routes.py; not yet run)
     schedules_trajectories = True  # generation is no collective: episodes can run per trajectory
 
     @classmethod
@@ -68,6 +70,8 @@ class RemoteBackend(RolloutBackend):
                                transfer=transfer_backend(cfg.vllm.weight_transfer, torch.cuda.is_available()),
                                log=say if dist.rank() == 0 else None,  # every rank waits; rank 0 says so
                                clients=dist.world_size())  # every rank sends its own batch to the same servers
+        routing.check_policy(model, cfg)
+        self.pool.routes = routing.wants_routes(cfg)  # each choice's routed experts (grpo/moe/served_routes.py)
         self.weight_version = 0
         self.lora_model = model if lora.is_lora(model) else None
         self.adapter_dir = os.path.join(os.path.abspath(run_dir), "adapters", "remote")

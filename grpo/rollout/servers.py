@@ -44,6 +44,7 @@ from urllib.parse import urlparse
 from grpo import dist, lora
 from grpo.errors import ConfigError, ServerError
 from grpo.endpoints import Server, parallel_map, split_by_load
+from grpo.moe import served_routes
 from grpo.progress import say
 from grpo.rollout.base import Rollouts, Sampling, sampling_fields
 from grpo.rollout.gloo_transfer import BACKEND as GLOO, GlooSender
@@ -306,6 +307,7 @@ class ServerPool:
         `clients`: the trainer processes that send their batches to these servers at once (the
         remote backend's ranks), for the generation timeout (`generation_timeout`)."""
         self.servers = [Server(u, token, request_timeout_s) for u in urls]
+        self.routes = False  # rollout.routing_replay / routing_observe: each choice's routed experts, read
         self.clients = clients
         self.gate: TurnGate | None = None  # partial rollouts: weights change between turns (TurnGate)
         self.sent_images = False  # an image prompt went out: pushes reset the encoder caches too
@@ -448,6 +450,7 @@ class ServerPool:
         if len(versions) > 1:
             raise ServerError(f"the servers hold different weight versions {sorted(versions)}; a push reached only some")
         ids, logprobs, reasons = [None] * (len(prompt_ids) * n), [None] * (len(prompt_ids) * n), [None] * (len(prompt_ids) * n)
+        routes = [None] * (len(prompt_ids) * n) if self.routes else None
         returned = 0
         for choices, _, mine in parts:
             if len(choices) != len(mine) * n:
@@ -457,10 +460,14 @@ class ServerPool:
                 ids[at] = list(choice["token_ids"])
                 logprobs[at] = [float(x) for x in choice["logprobs"]["token_logprobs"]]
                 reasons[at] = "length" if choice["finish_reason"] == "length" else "stop"
+                if routes is not None:
+                    routes[at] = served_routes.completion_routes(choice, len(prompt_ids[mine[j // n]]), len(ids[at]),
+                                                                 self.servers[route[mine[0]]].url)
                 returned += 1
         if returned != len(prompt_ids) * n:
             raise ServerError(f"asked for {len(prompt_ids) * n} completions, the servers returned {returned}")
-        return Rollouts(ids, logprobs, reasons, versions.pop() if versions else version, engine_wait_s=waited)
+        return Rollouts(ids, logprobs, reasons, versions.pop() if versions else version, engine_wait_s=waited,
+                        routed_experts=routes)
 
     def complete(self, server: Server, prompts: list[list[int]], n: int, sampling: Sampling, seed: int | None,
                  timeout: float | None = None) -> list[dict]:
