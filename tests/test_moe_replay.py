@@ -4,6 +4,7 @@ moves them with the tokens, and the update's forwards replay them."""
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import transformers as T
@@ -132,6 +133,25 @@ def test_observed_routes_count_the_flips_and_leave_the_forward_alone(tiny_moe):
     assert ((forced - want).abs() * batch.mask_BT).max() > 1e-3
 
 
+def test_colocated_takes_the_engines_own_routes_on_a_gpu_and_captures_them_on_the_cpu():
+    from grpo.moe import served_routes
+    from grpo.rollout.colocated import routes_from_engine
+
+    replay, observe, off = (SimpleNamespace(routing_replay=r, routing_observe=o) for r, o in ((True, False), (False, True),
+                                                                                             (False, False)))
+    assert [routes_from_engine(c, True) for c in (replay, observe, off)] == [True, True, False]
+    assert [routes_from_engine(c, False) for c in (replay, observe, off)] == [False, False, False]
+    # vLLM's RequestOutput / CompletionOutput (vllm/outputs.py: routed_experts [seq_len, layers, top_k])
+    done = lambda ids, routes: SimpleNamespace(token_ids=ids, routed_experts=routes)
+    outputs = [SimpleNamespace(prompt_token_ids=[1, 2], outputs=[done([5], np.full((2, 3, 2), 7)),
+                                                                  done([5, 6, 7], np.full((4, 3, 2), 8))])]
+    got = served_routes.engine_routes(outputs)
+    assert [tuple(r.shape) for r in got] == [(2, 3, 2), (4, 3, 2)] and got[1].dtype == torch.long and int(got[1][0, 0, 0]) == 8
+    outputs[0].outputs[0].routed_experts = np.zeros((3, 3, 2))  # a row too many
+    with pytest.raises(ConfigError, match=r"expected \[2, MoE layers, top_k\]"):
+        served_routes.engine_routes(outputs)
+
+
 def plain_scores(model, batch, layout):
     return score_tokens(model, batch, 1.0, 10_000, layout=layout)
 
@@ -142,7 +162,7 @@ def routing_moved(batch):
     return type(batch)(**{**vars(batch), "routes_BLMK": moved})
 
 
-def test_routing_replay_is_refused_where_it_cannot_work(tiny_lm):
+def test_routing_replay_is_refused_where_it_cannot_work(tiny_lm, tiny_moe):
     model, tok = tiny_lm
     with pytest.raises(ConfigError, match="needs a Mixture-of-Experts policy"):
         HFBackend(REPLAY, model, tok)
@@ -157,8 +177,10 @@ def test_routing_replay_is_refused_where_it_cannot_work(tiny_lm):
         backend_class("hf").check_routing(cfg, "calculator")
     cfg = SimpleNamespace(routing_replay=True, routing_observe=False, backend="colocated", vllm=SimpleNamespace(enforce_eager=False,
                                                                                        tensor_parallel_size=1))
-    with pytest.raises(ConfigError, match="CUDA graphs skip: set rollout.vllm.enforce_eager=true"):
-        backend_class("colocated").check_routing(cfg, "none")
+    backend_class("colocated").check_routing(cfg, "none")  # a GPU takes vLLM's own output: CUDA graphs allowed
+    with pytest.raises(ConfigError, match="on the CPU captures the routing in Python hooks, which CUDA graphs skip: "
+                                          "set rollout.vllm.enforce_eager=true"):
+        backend_class("colocated")(cfg, tiny_moe[0], tok, "never-started")  # the CPU: refused before an engine starts
     cfg.vllm.enforce_eager, cfg.vllm.tensor_parallel_size = True, 2
     with pytest.raises(ConfigError, match="tensor_parallel_size > 1"):
         backend_class("colocated").check_routing(cfg, "none")

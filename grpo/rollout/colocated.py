@@ -34,7 +34,7 @@ import torch
 import torch.distributed as tdist
 
 from grpo import dist, lora, vision
-from grpo.moe import routing, vllm_capture, vllm_reload
+from grpo.moe import routing, served_routes, vllm_capture, vllm_reload
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, sampling_fields
 from grpo.weights import WeightBuckets
 from grpo.errors import ConfigError, EngineStartError
@@ -86,6 +86,13 @@ class EngineStream:
             self.cuda.set_stream(caller)
 
 
+def routes_from_engine(cfg, cuda: bool) -> bool:
+    """Where a colocated engine's routed experts come from (rollout.routing_replay / routing_observe):
+    vLLM's own output on a GPU (`enable_return_routed_experts`, its GPU model runner; CUDA graphs
+    allowed), the Python capture of grpo/moe/vllm_capture.py on the CPU (eager only)."""
+    return routing.wants_routes(cfg) and cuda
+
+
 def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1, lora_rank: int = 0):
     """`world_size` > 1: the engine is one of several in the trainer's process group. A start that
     fails (most often for memory) tears down what vLLM set up, so the next engine in this process
@@ -106,6 +113,8 @@ def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1, lora_r
         kwargs["limit_mm_per_prompt"] = {"image": v.images_per_prompt, "video": 0}
     if lora_rank:  # one adapter at a time: each sync replaces the last
         kwargs.update(enable_lora=True, max_lora_rank=lora.vllm_max_rank(lora_rank), max_loras=1)
+    if routes_from_engine(cfg, torch.cuda.is_available()):  # each completion's routed experts (not yet run)
+        kwargs["enable_return_routed_experts"] = True
     had_group = torch.distributed.is_initialized()
     try:
         return LLM(
@@ -255,9 +264,6 @@ class ColocatedBackend(RolloutBackend):
         super().check_routing(cfg, env)
         if not routing.wants_routes(cfg):
             return
-        if not cfg.vllm.enforce_eager:
-            raise ConfigError(f"{routing.setting(cfg)} with rollout=colocated captures the routing in Python hooks, "
-                              "which CUDA graphs skip: set rollout.vllm.enforce_eager=true.")
         if cfg.vllm.tensor_parallel_size > 1:
             raise ConfigError(f"{routing.setting(cfg)} with rollout.vllm.tensor_parallel_size > 1 has not been built: "
                               "use tensor_parallel_size=1 (one engine per rank).")
@@ -286,6 +292,10 @@ class ColocatedBackend(RolloutBackend):
     def __init__(self, cfg, model, tokenizer, model_path: str, dtype: str = "float32", seed: int = 0,
                  run_dir: str = ".", **_):
         routing.check_policy(model, cfg)  # before an engine starts
+        self.engine_routes = routes_from_engine(cfg, torch.cuda.is_available())
+        if routing.wants_routes(cfg) and not self.engine_routes and not cfg.vllm.enforce_eager:  # a hardware check
+            raise ConfigError(f"{routing.setting(cfg)} with rollout=colocated on the CPU captures the routing in Python "
+                              "hooks, which CUDA graphs skip: set rollout.vllm.enforce_eager=true.")
         if cfg.vllm.sleep and not torch.cuda.is_available():  # a hardware check: here, where the hardware is
             raise ConfigError("rollout.vllm.sleep=true needs a GPU: vLLM's CPU build has no sleep mode. Set rollout.vllm.sleep=false.")
         world, self.tp = dist.world_size(), cfg.vllm.tensor_parallel_size
@@ -306,7 +316,7 @@ class ColocatedBackend(RolloutBackend):
         self.sleep_enabled = cfg.vllm.sleep
         self.weight_version = 0
         self.max_context = engine_max_model_len(self.llm)  # rollout.vllm.max_model_len, or the model's shorter context
-        self.routing = vllm_capture.EngineRouting(self.llm) if routing.wants_routes(cfg) else None
+        self.routing = vllm_capture.EngineRouting(self.llm) if routing.wants_routes(cfg) and not self.engine_routes else None
         self.generate_is_collective = self.tp_group is not None  # tensor-parallel ranks pool their prompts
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
@@ -335,6 +345,8 @@ class ColocatedBackend(RolloutBackend):
         out = to_rollouts(outputs, self.weight_version)
         if self.routing is not None:
             out.routed_experts = self.routing.routes(outputs)
+        elif self.engine_routes:
+            out.routed_experts = served_routes.engine_routes(outputs)
         return out
 
     def update_weights(self, buckets: WeightBuckets, version: int) -> None:
