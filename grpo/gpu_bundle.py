@@ -23,7 +23,7 @@ On the GPU machine (scripts/gpu_bundle_go.sh): each call but the last copies its
 the last checks every checksum, unpacks into /tmp/gpu_site and runs the command it is given with
 PYTHONPATH=/tmp/gpu_site. The calls must follow each other within the machine's 30 s idle window.
 
-Standard library only (with pip and, if present, the `xz` tool for a two-thread compression).
+Standard library only (with pip, `packaging` and, if present, the `xz` tool for a two-thread compression).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def missing(site: Path, image: frozenset[str] = IMAGE, left_out: dict[str, str] 
     """Every requirement of a distribution installed in `site` (its METADATA's Requires-Dist, markers
     evaluated for the lent machine, extras skipped) that neither `site`, the image nor `left_out` holds,
     as "requirer needs requirement". The build stops on any: `pip install --no-deps` would not say."""
-    from pip._vendor.packaging.requirements import Requirement  # local: pip's vendored packaging, for the build only
+    from packaging.requirements import Requirement  # local: for the build only (never pip's vendored copy: importing pip turns setuptools' distutils shim off for the process)
 
     metas = sorted(site.glob("*.dist-info/METADATA"))
     have = {norm(m.parent.name.split("-")[0]) for m in metas} | {norm(n) for n in image} | {norm(n) for n in left_out}

@@ -279,7 +279,7 @@ def test_verify_names_a_routing_replay_that_does_not_reach_the_update(cache_dir,
     from grpo.moe import routing
 
     @contextlib.contextmanager
-    def ignored(model, routes, done=None):
+    def ignored(model, routes, done=None, force=True):
         yield routing.Replayed()
 
     monkeypatch.setattr(routing, "replay", ignored)

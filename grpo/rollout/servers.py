@@ -296,6 +296,8 @@ class ServerPool:
     """vLLM servers driven together: health checks, weight-transfer setup, load-split generation,
     weight pushes. Shared by the remote and dedicated backends."""
 
+    routes = False  # rollout.routing_replay / routing_observe: each choice's routed experts are read
+
     def __init__(self, urls: list[str], token: str | None, health_timeout_s: float, request_timeout_s: float,
                  transfer_host: str | None = None, can_push: bool = True,
                  transfer: str = GLOO, log=say, logs: list[str] | None = None, exited: list | None = None,
@@ -307,7 +309,6 @@ class ServerPool:
         `clients`: the trainer processes that send their batches to these servers at once (the
         remote backend's ranks), for the generation timeout (`generation_timeout`)."""
         self.servers = [Server(u, token, request_timeout_s) for u in urls]
-        self.routes = False  # rollout.routing_replay / routing_observe: each choice's routed experts, read
         self.clients = clients
         self.gate: TurnGate | None = None  # partial rollouts: weights change between turns (TurnGate)
         self.sent_images = False  # an image prompt went out: pushes reset the encoder caches too
