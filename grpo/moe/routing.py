@@ -109,7 +109,7 @@ def _check_supported(routers) -> None:
     if unknown:
         raise NotImplementedError(
             f"routing replay does not know the router {', '.join(unknown)}: supported are {', '.join(WEIGHTS)}. "
-            "Set rollout.routing_replay=false, or add the family's rule to grpo/moe/routing.py WEIGHTS."
+            "Set rollout.routing_replay=false and routing_observe=false, or add the family's rule to grpo/moe/routing.py WEIGHTS."
         )
 
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as tdist
 
 from grpo import dist, lora
-from grpo.moe import routing, zero3
+from grpo.moe import zero3
 from grpo.parallel import sequence
 from grpo.errors import ConfigError
 from grpo.weights import engine_parameters, group_by_size
@@ -181,7 +181,7 @@ class ZeroStrategy(Strategy):
         dtype = next(model.parameters()).dtype
         config = deepspeed_config(cfg, algo, self.stage, dtype)
         optimizer, scheduler = build_optimizer(model, algo, total_steps)
-        if self.stage == 3 and routing.is_moe(model):  # every rank gathers each MoE block whole, whatever its routing
+        if self.stage == 3:  # every rank gathers each MoE block whole, whatever its routing (a dense model: none)
             zero3.mark_leaves(model)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
@@ -197,7 +197,7 @@ class ZeroStrategy(Strategy):
         every rank must score the reference in lockstep, as it does the policy."""
         import deepspeed  # deepspeed: heavy, only with parallel=zero2/3
 
-        if self.stage == 3 and routing.is_moe(ref):
+        if self.stage == 3:
             zero3.mark_leaves(ref)
         engine, _, _, _ = deepspeed.initialize(model=ref, config=reference_config(self.config))
         engine.eval()  # DeepSpeed's eval() returns None, not the module

@@ -154,7 +154,7 @@ class HFBackend(RolloutBackend):
     def __init__(self, cfg, model: torch.nn.Module, tokenizer, model_path: str | None = None, lockstep: bool = False,
                  dtype: str = "float32", **_):
         self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
-        self.routing_replay = cfg is not None and routing.wants_routes(cfg)  # the routes recorded: replayed or observed
+        self.record_routes = cfg is not None and routing.wants_routes(cfg)  # replayed or only observed by the update
         routing.check_policy(base_model(model), cfg)
         self.lockstep = lockstep
         self.pad_id = tokenizer.pad_token_id
@@ -191,7 +191,7 @@ class HFBackend(RolloutBackend):
             check_images_on_every_rank(bool(images))
         if images:
             images["mm_token_type_ids"] = (ids_BL == vision.image_token_id(base_model(self.model).config)).int()
-        record = routing.record(base_model(self.model)) if self.routing_replay else contextlib.nullcontext()
+        record = routing.record(base_model(self.model)) if self.record_routes else contextlib.nullcontext()
         with folder_defaults_off(self.model), compute_precision(self.model, self.dtype), record as rec:
             cache = (shared_prefill(self.model, ids_BL[::n].to(device), mask_BL[::n].to(device), n)
                      if n > 1 and not images else None)
