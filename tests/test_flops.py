@@ -1,0 +1,102 @@
+"""FLOPs per phase (grpo/flops.py): by hand, and against torch's own counter on real models."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from grpo import flops
+from grpo.batch import collate
+from grpo.flops import Shape, Work
+from grpo.rollout.base import Rollouts
+from grpo.update import layouts
+
+
+def test_forward_and_backward_by_hand():
+    shape = Shape(body=10, body_trained=10, head=4, head_trained=True, attention=3)
+    work = Work(tokens=5, computed=8, head=2, pairs=15)
+    # 2 x (10 x 5 + 4 x 2) + 4 x 3 x 15
+    assert flops.forward_flops(shape, work) == 116 + 180
+    # inputs' gradients 116, weights' 116, attention 2 x 180
+    assert flops.backward_flops(shape, work) == 116 + 116 + 360
+    lora = Shape(body=10, body_trained=1, head=4, head_trained=False, attention=3)
+    assert flops.backward_flops(lora, work) == 116 + 2 * 5 + 360  # frozen weights get no gradient
+    assert work + Work(1, 2, 3, 4) == Work(6, 10, 5, 19)
+
+
+def test_generation_work_by_hand():
+    # one prompt of 3 tokens, two completions: [4, 5] (5 is sampled last, never forwarded) and [6]
+    work = flops.generation_work([[1, 2, 3]], [[4, 5], [6]], sampled=[2, 1], G=2)
+    # prefill 3 tokens with 1 + 2 + 3 keys; token 4 at position 3 attends to 4 keys
+    assert work == Work(tokens=4, computed=4, head=3, pairs=10)
+
+
+def qwen2(layers=2, hidden=64, heads=4, kv=2, inter=128, vocab=97, tied=True):
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                        num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
+                                        tie_word_embeddings=tied))
+
+
+def test_shape_counts_the_weights_a_token_multiplies_by():
+    model = qwen2(tied=False)
+    h, kv_dim, inter, v = 64, 2 * 16, 128, 97
+    per_layer = h * h + 2 * h * kv_dim + h * h + 3 * h * inter  # q, k and v, o, gate, up and down
+    shape = flops.shape_of(model)
+    assert shape == Shape(body=2 * per_layer, body_trained=2 * per_layer, head=h * v, head_trained=True,
+                          attention=2 * 4 * 16)
+    assert flops.shape_of(qwen2(tied=True)).head == h * v  # the tied head still multiplies
+
+
+def counted(model, ids, backward=False) -> int:
+    with FlopCounterMode(display=False) as counter:
+        out = model(input_ids=ids, use_cache=False)
+        if backward:
+            out.logits.float().pow(2).mean().backward()
+    return counter.get_total_flops()
+
+
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+               intermediate_size=1536, tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "smollm2", "moe"])
+def test_forward_and_backward_match_torchs_counter(name):
+    """torch's counter sees every matmul; eager attention multiplies the full T x T square (the causal
+    mask is applied after), so the comparison asks for T x T pairs, and every position's logits."""
+    torch.manual_seed(0)
+    if name == "qwen2":
+        model = qwen2()
+    elif name == "smollm2":
+        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2))
+    else:  # the experts' own loop (eager), which the counter sees; 8 experts, top-2
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2,
+                                                   num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                                                   moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                                   tie_word_embeddings=True))
+        model.set_experts_implementation("eager")
+    model.set_attn_implementation("eager")  # matmuls the counter sees (it misses the CPU's fused SDPA)
+    T = 24
+    ids = torch.randint(0, model.config.vocab_size, (1, T))
+    shape = flops.shape_of(model)
+    work = Work(tokens=T, computed=T, head=T, pairs=T * T)
+    forward = flops.forward_flops(shape, work)
+    assert counted(model, ids) == pytest.approx(forward, rel=2e-3)  # rotary's small matmul aside
+    total = forward + flops.backward_flops(shape, work)
+    assert counted(model, ids, backward=True) == pytest.approx(total, rel=5e-3)
+
+
+def test_rows_work_counts_real_tokens_and_their_causal_keys():
+    """Three sequences of 2 + 3, 1 + 1 and 1 + 2 tokens: padded, 3 rows of 5; packed, rows as wide as
+    the longest, [5] and [2 + 3]; either way 10 real tokens with 1+..+5, 1+2 and 1+2+3 causal keys."""
+    rollouts = Rollouts(completion_ids=[[5, 6, 7], [8], [9, 10]], logprobs=[[-1.0] * 3, [-1.0], [-1.0] * 2],
+                        finish_reasons=["stop"] * 3, weight_version=0)
+    batch = collate([[1, 2], [3], [4]], rollouts, torch.ones(3), pad_id=0, mask_truncated=False)
+    model = qwen2()
+    got = {}
+    for layout in ("padded", "packed"):
+        plan = layouts.plan(model, batch, layout, max_tokens=64)
+        (mb,) = plan.micro_batches
+        got[layout] = flops.rows_work(layouts.rows(model, mb), head_tokens=6)
+    assert got["padded"] == Work(tokens=10, computed=3 * 5, head=6, pairs=15 + 3 + 6)
+    assert got["packed"] == Work(tokens=10, computed=2 * 5, head=6, pairs=15 + 3 + 6)
