@@ -3,6 +3,8 @@ fix for each failure, and a non-zero exit on any. The same checks run on a CPU m
 
   versions      python, torch, vLLM, DeepSpeed, transformers; the NVIDIA driver where there is one
   device        CUDA and NCCL as torch sees them (CPU only is a pass on a machine without GPUs)
+  peak          the device's dense matmul throughput, fp32 and bf16 (a GPU's: TF32 too), with the
+                datasheet's where known: what every run's mfu/ metrics are measured against (grpo/peak.py)
   all-reduce    2 ranks through grpo.dist's own process group (gloo, and NCCL between 2 GPUs)
   <backend>     2 training steps on the tiny model through each rollout backend; after the first
                 sync the engine's logprobs of the sampled tokens must match the trainer's, within
@@ -40,7 +42,7 @@ from grpo.tasks import build_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKENDS = ("hf", "colocated", "dedicated", "remote")
-CHECKS = ("versions", "device", "all-reduce", *BACKENDS, "weight-sync", "judge")
+CHECKS = ("versions", "device", "peak", "all-reduce", *BACKENDS, "weight-sync", "judge")
 TWO_STEPS = ["steps=2", "algo.batch_size=16", "algo.group_size=4", "algo.warmup_steps=0", "eval_every=0",
              "task.eval_size=16", "logger.log_every=1", "logger.sample_every=0", "checkpoint_every=0",
              "rollout.vllm.max_model_len=128"]
@@ -101,6 +103,26 @@ def check_device() -> Result:
     if not tdist.is_nccl_available():
         return Result("device", False, f"{len(names)} GPU(s) but torch has no NCCL", "install a CUDA build of torch (make setup)")
     return Result("device", True, f"{len(names)} x {names[0]}, CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+
+
+def check_peak() -> Result:
+    import torch  # torch: in the check, as above
+    from grpo.peak import measured_peak, nominal_peak  # loads torch: in the check, as torch is
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    figures = []
+    for label, dtype, tf32 in (("fp32", torch.float32, False), ("tf32", torch.float32, True), ("bf16", torch.bfloat16, False)):
+        if tf32 and device.type != "cuda":
+            continue
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        try:
+            got, sheet = measured_peak(device, dtype), nominal_peak(device, dtype)
+        finally:
+            torch.set_float32_matmul_precision(before)
+        figures.append(f"{label} {got / 1e12:.3g}" + ("" if sheet is None else f" (datasheet {sheet / 1e12:.0f}: {got / sheet:.0%})"))
+    where = f"{torch.cuda.get_device_name(device)}" if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    return Result("peak", True, f"{where}: " + ", ".join(figures) + " TFLOP/s dense matmul")
 
 
 def allreduce_worker() -> None:
@@ -293,7 +315,7 @@ def run_checks(only: list[str], work: str, judge: list[str] | None = None) -> li
         print(f"doctor: {name} {'PASS' if results[-1].ok else 'FAIL'} in {time.perf_counter() - t0:.0f} s "
               f"({time.perf_counter() - start:.0f} s so far)", flush=True)
 
-    simple = {"versions": check_versions, "device": check_device, "all-reduce": check_allreduce}
+    simple = {"versions": check_versions, "device": check_device, "peak": check_peak, "all-reduce": check_allreduce}
     for name in (c for c in CHECKS if c in only and c in simple):
         guarded(name, simple[name])
     import torch  # torch: in the check, so a broken install fails its row only

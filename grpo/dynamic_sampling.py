@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from grpo.algorithm import zero_std_groups
+from grpo.flops import Work
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Scored:
     generate_s: float = 0.0  # seconds generating (waiting for) the rollouts
     score_s: float = 0.0  # seconds decoding and scoring them
     generated_tokens: int = 0  # tokens generated for this batch (every draw's)
+    generation: Work = field(default_factory=Work)  # what the engines computed for it (grpo/flops.py), every draw's
     reward_stats: dict = field(default_factory=dict)  # each reward's seconds and counts (grpo.rewards.score), every draw's
 
     @property
@@ -76,6 +78,7 @@ def take(batches: list[Scored], picks: list[tuple[int, int]], G: int) -> Scored:
         generate_s=sum(b.generate_s for b in batches),
         score_s=sum(b.score_s for b in batches),
         generated_tokens=sum(b.generated_tokens for b in batches),
+        generation=sum((b.generation for b in batches), Work()),
         reward_stats={k: sum(b.reward_stats.get(k, 0.0) for b in batches) for k in first.reward_stats},
     )
 

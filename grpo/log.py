@@ -23,6 +23,7 @@ def format_line(step: int, total: int, m: dict) -> str:
         ("lr", "lr", "{:.1e}"),
         ("tokens_per_s", "tok/s", "{:,.0f}"),
         ("step_s", "s/step", "{:.3f}"),
+        ("mfu/update", "mfu upd", "{:.1%}"),
         ("eval/accuracy", "eval_acc", "{:.3f}"),
     ):
         if key in m and m[key] is not None and not (isinstance(m[key], float) and math.isnan(m[key])):

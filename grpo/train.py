@@ -68,10 +68,12 @@ from grpo.dist import DistInfo, all_reduce_max, all_reduce_sum, barrier, broadca
 from grpo.dynamic_sampling import Scored, refill
 from grpo.eval import evaluate
 from grpo.export import export_hf
+from grpo.flops import generation_work
 from grpo.guards import RunGuards
 from grpo.library_logs import quiet_library_logs
 from grpo.listeners import log_listeners
 from grpo.log import RunLogger
+from grpo import mfu
 from grpo.models import DTYPES, build_policy, build_reference, encode_prompts, policy_device
 from grpo.parallel import build_strategy, strategy_class
 from grpo.preempt import StopSignal, stop
@@ -96,7 +98,7 @@ def reduce_metrics(metrics: dict[str, float | str], info: DistInfo) -> dict[str,
     # sharing servers count their overlap once each)
     summed = {"tokens_per_s", "gen_tokens_per_s", "trained_completions", "time/engine_busy_s"}
     names = {k: v for k, v in metrics.items() if isinstance(v, str)}
-    return {**names, **{k: v if k in summed else v / info.world_size for k, v in zip(keys, sums)}}
+    return {**names, **{k: v if k in summed or mfu.is_summed(k) else v / info.world_size for k, v in zip(keys, sums)}}
 
 
 STREAM_BITS = 32  # sequences a run can sample before streams repeat: 2**32 (seeds stay below 2**63)
@@ -237,7 +239,8 @@ class Run:
         by_name = {name: values for (name, _, _), values in zip(self.reward_fns, rewards_FB)}
         return Scored(batch.samples, batch.prompt_ids, rollouts, completions, rewards_PG, by_name,
                       generate_s=t_gen - t0, score_s=time.perf_counter() - t_gen,
-                      generated_tokens=sum(rollouts.sampled_lengths()), reward_stats=reward_stats)
+                      generated_tokens=sum(rollouts.sampled_lengths()), reward_stats=reward_stats,
+                      generation=generation_work(batch.prompt_ids, rollouts.completion_ids, rollouts.sampled_lengths(), self.G))
 
     def draw_more(self, step: int, k: int) -> Scored:
         """The step's k-th extra batch (algo.dynamic_sampling), drawn, generated and scored now."""
@@ -375,6 +378,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         logger.log(0, before, console=True)
 
     gen_tokens_total, gen_time_total = 0, 0.0
+    meter = mfu.meter(r.strategy.forward_model, cfg.rollout.backend, cfg.model.gradient_checkpointing)  # peak measured
     guards = RunGuards(r.strategy, r.bucket_bytes, cfg.model.dtype, cfg.parallel.check_ranks_every, info.world_size)
     for step in range(r.start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
@@ -416,6 +420,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         r.rollout.sleep()
         budget = r.rollout.sampled_budget(cfg.rollout.max_new_tokens)  # Dr. GRPO's constant (episodes: every turn's)
         stats = policy_update(r.strategy, batch, algo, budget, r.sampling.temperature, r.ref_model)
+        work = stats.pop("work")  # what its forwards processed: FLOPs and MFU below (grpo/mfu.py)
         # a non-finite step was skipped (a run of them stops); ranks' weights compared; a drifting sampler warned
         stats.update(guards.after_update(step, stats, staleness(step - 1, rollouts.weight_version)))
         t_update = time.perf_counter()
@@ -432,6 +437,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         if (busy := r.rollout.engine_busy_s()) is not None:  # servers: seconds with a request in flight, this step
             times["time/engine_busy_s"], r.engine_busy_s = busy - r.engine_busy_s, busy
         metrics = step_metrics(scored, {**stats, **draw_metrics}, step, r.strategy.lr, times)
+        metrics.update(meter.metrics(scored.generation, work, times))  # flops/, mfu/ per phase
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
             metrics.update(evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.reward_fns))
         logger.log(step, reduce_metrics(metrics, info))
@@ -468,6 +474,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         "wall_s": time.perf_counter() - t_start,
         "gen_tokens_per_s": gen_tokens_total / gen_time_total if gen_time_total else None,
         "peak_memory_gb": peak_memory_gb(),
+        **meter.summary(),  # the device's dense matmul peak the mfu/ metrics are measured against
         "model_path": r.model_path,
         "git_revision": git_revision(),
     }

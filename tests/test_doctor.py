@@ -6,15 +6,16 @@ import pytest
 from grpo import doctor
 
 
-def test_versions_and_device_pass_here(capsys):
-    assert doctor.main(["--only", "versions,device"]) == 0
+def test_versions_device_and_peak_pass_here(capsys):
+    assert doctor.main(["--only", "versions,device,peak"]) == 0
     out = capsys.readouterr().out
     assert "versions" in out and "torch" in out and "PASS" in out and "FAIL" not in out
-    assert "2 passed, 0 failed" in out
+    assert "3 passed, 0 failed" in out
     import torch
 
     # what ran where: the CPU model, torch's kernel set and the threads (float rounding differs by CPU)
     assert f"torch kernels {torch.backends.cpu.get_cpu_capability()}" in out and "threads" in out
+    assert "TFLOP/s dense matmul" in out and "fp32" in out and "bf16" in out
 
 
 @pytest.mark.starts_process

@@ -100,3 +100,26 @@ def test_rows_work_counts_real_tokens_and_their_causal_keys():
         got[layout] = flops.rows_work(layouts.rows(model, mb), head_tokens=6)
     assert got["padded"] == Work(tokens=10, computed=3 * 5, head=6, pairs=15 + 3 + 6)
     assert got["packed"] == Work(tokens=10, computed=2 * 5, head=6, pairs=15 + 3 + 6)
+
+
+def test_a_vlms_shape_is_its_language_models_and_loras_trains_the_adapters():
+    """A Qwen2-VL counts its language model only (the vision tower is left out, said in grpo/flops.py);
+    LoRA keeps every weight's forward and input gradients, and trains only the adapters' weights."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from omegaconf import OmegaConf
+
+    from grpo import lora
+    from grpo.config import LoraConfig
+
+    text = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, tie_word_embeddings=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vlm = Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=dict(depth=1, embed_dim=32, hidden_size=64,
+                                                                                            num_heads=2)))
+    assert flops.shape_of(vlm) == flops.shape_of(qwen2(tied=True))  # the same text sizes, no vision
+
+    model = qwen2()
+    dense = flops.shape_of(model)
+    adapted = flops.shape_of(lora.wrap(model, OmegaConf.structured(LoraConfig(rank=8))))
+    adapters = adapted.body - dense.body
+    assert adapters > 0 and adapted.body_trained == adapters and not adapted.head_trained

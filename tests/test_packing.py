@@ -207,6 +207,16 @@ def test_packed_policy_update_gives_the_same_metrics_and_weights(tiny_lm, monkey
     (padded, w_padded), (packed, w_packed) = runs
     assert padded.keys() == packed.keys() and padded["kl"] > 0
     assert (padded.pop("layout"), packed.pop("layout")) == ("padded", layout)  # the layout that ran, named
+    # the same work in every layout, the padding aside (grpo/flops.py): real tokens, the head's, causal
+    # pairs; a shared tree holds each prompt once, so it computes fewer of each
+    work_padded, work_packed = padded.pop("work"), packed.pop("work")
+    for part in ("old", "reference", "train"):
+        a, b = work_padded[part], work_packed[part]
+        assert a.tokens > 0 and b.computed < a.computed and b.head == a.head, (part, a, b)
+        if layout == "packed":
+            assert (b.tokens, b.pairs) == (a.tokens, a.pairs) and b.tokens <= b.computed, (part, a, b)
+        else:
+            assert b.tokens < a.tokens and b.pairs < a.pairs, (part, a, b)
     for k in padded:
         assert packed[k] == pytest.approx(padded[k], rel=1e-4, abs=1e-6), k
     moved = max((w_padded[k] - base.state_dict()[k]).abs().max().item() for k in w_padded)

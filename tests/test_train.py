@@ -44,6 +44,13 @@ def test_short_run_writes_its_run_folder(make_cfg, tmp_path, hub_like_policy):
     # min-p, top-k...: with them the sampler's logprobs were 1.77 from the trainer's, without 1e-6
     assert all(r["sampler_diff"] < 1e-3 for r in steps), [r["sampler_diff"] for r in steps]
     assert os.path.isdir(run / "checkpoints" / "step_00000003")
+    # each phase's FLOPs and MFU against the peak measured at the start (grpo/mfu.py); hf generates on
+    # the trainer's device, so generation has an MFU too; a trained step's padding is counted apart
+    assert on_disk["peak_tflops_measured"] > 0 and on_disk["peak_tflops_nominal"] is None  # a CPU
+    for r in steps:
+        assert r["flops/generate"] > 0 and 0 < r["mfu/generate"] < 5 and 0 < r["mfu/step"] < 5, r  # a unit slip: 1e3
+        assert (r["flops/update"] > 0) == (r["trained_completions"] > 0) and 0 <= r["mfu/update"] < 5, r
+        assert 0 < r["update/real_token_frac"] <= 1 or r["trained_completions"] == 0, r
 
 
 @pytest.mark.starts_process

@@ -6,7 +6,7 @@ bench_results/COMMAND.json; the default `run`'s is bench_results/bench.json). Wi
 Each command's code is its own module of this package: steps.py (run, with sync.py), asynchronous.py,
 lora.py, shared_cores.py, warm_start.py, memory.py (update-memory, hf-scores), zero3.py (zero3-memory),
 packing.py (update-packing), vs_trl.py (vs-trl), env_calls.py (env-calls), episodes.py (episodes), sequence.py
-(sequence-memory); runs.py holds what their
+(sequence-memory), mfu.py (mfu); runs.py holds what their
 trainings share and report.py their tables and JSON. This file is the dispatcher and imports no benchmark.
 """
 
@@ -17,7 +17,7 @@ import os
 import sys
 
 COMMANDS = ("run", "async", "lora", "shared-cores", "warm-start", "update-memory", "hf-scores", "zero3-memory", "update-packing",
-            "vs-trl", "env-calls", "episodes", "sequence-memory")
+            "vs-trl", "env-calls", "episodes", "sequence-memory", "mfu")
 # the flags that chose a benchmark before the commands, and the command each is now
 OLD_FLAGS = {"--async": "async", "--lora": "lora", "--shared-cores": "shared-cores", "--warm-start": "warm-start",
              "--update-memory": "update-memory", "--hf-scores": "hf-scores", "--zero3-memory": "zero3-memory",
@@ -108,6 +108,12 @@ def run_sequence_memory(args):
     return report_sequence_memory(csv(args.sizes, int), args.layers, args.tokens)
 
 
+def run_mfu(args):
+    from grpo.bench.mfu import report_mfu  # lazy: a command imports its own deps
+
+    return report_mfu(csv(args.workloads), args.steps, args.run_dir, args.overrides)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m grpo.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -192,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sizes", default="1,2,4", help="values of S, each a torchrun of S processes (default: %(default)s)")
     c.add_argument("--layers", type=int, default=4, help="layers of SmolLM2's body (of 30; default: %(default)s)")
     c.add_argument("--tokens", type=int, default=8192, help="completion tokens of the sequence (default: %(default)s)")
+
+    c = command("mfu", run_mfu, "each phase's seconds, FLOPs, tokens/s and MFU against the measured matmul peak, for "
+                "short trainings side by side (default run, SmolLM2) and any --run-dir", steps=6, overrides=True)
+    c.add_argument("--workloads", default="default,smollm2", help="of default, smollm2 ('' for none; default: %(default)s)")
+    c.add_argument("--run-dir", action="append", default=[], help="a finished run folder to report too (repeatable)")
     return p
 
 

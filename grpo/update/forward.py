@@ -6,15 +6,19 @@ The LM head runs here a chunk of tokens at a time.
 
 The model's forward returns its last hidden states (`output_hidden_states`, with `logits_to_keep=1`
 so its own head runs on one position), and the head runs here on pieces of at most about
-`LOGIT_CHUNK_BYTES` of fp32 logits. With gradients, each piece is recomputed in the backward pass
-(non-reentrant `torch.utils.checkpoint`), so no tokens x vocabulary tensor is kept for backward:
-at 8,192 tokens and a 152k vocabulary the whole batch's fp32 logits are 5 GB, and the logit - logsumexp
-that replaced log_softmax kept them (and their gradient) all the same. The price is the head's
-forward run twice in training (measured in `python -m grpo.bench update-memory`).
+`LOGIT_CHUNK_BYTES` of fp32 logits. With gradients and more than one piece, each piece is recomputed
+in the backward pass (non-reentrant `torch.utils.checkpoint`), so no tokens x vocabulary tensor is
+kept for backward: at 8,192 tokens and a 152k vocabulary the whole batch's fp32 logits are 5 GB, and
+the logit - logsumexp that replaced log_softmax kept them (and their gradient) all the same. The
+price is the head's forward run twice in training (measured in `python -m grpo.bench update-memory`).
+A micro-batch whose logits fit in one piece keeps them and runs the head once: on SmolLM2 (2 CPU
+cores, 160 completion tokens) three pieces of 53 tokens with their recompute took a fifth of the
+update's matmul time, the head's matmuls at 53 rows running at a third of the machine's rate
+(docs/results/mfu.md).
 
 Under ZeRO-3 every call of the head gathers its weight, a collective: the number of pieces comes
 from the micro-batch cap (`algo.micro_batch_tokens`), the same on every rank, never from this
-rank's own token count. A piece is not recomputed there: DeepSpeed does not gather the weight again
+rank's own token count (elsewhere from the micro-batch's own count). A piece is not recomputed there: DeepSpeed does not gather the weight again
 for checkpointing's recompute (it came back as its empty placeholder, shape [0], and torch refused
 it), so under ZeRO-3 each piece's logits are kept for backward, as the whole batch's were before.
 
@@ -112,6 +116,14 @@ def entropy(logits_BTV: torch.Tensor, rows_per_chunk: int = 8) -> torch.Tensor:
     return torch.cat(out) if out else logits_BTV.new_zeros(logits_BTV.shape[:2]).float()
 
 
+def head_pieces(model, max_tokens: int, tokens: int) -> int:
+    """How many pieces the head runs on for a micro-batch of `tokens` completion positions: under
+    ZeRO-3 from the micro-batch cap `max_tokens` (each piece's call gathers the head's weight, a
+    collective every rank must make alike), otherwise from `tokens` (0 cap: `tokens` everywhere)."""
+    sharded = hasattr(unwrapped(model).get_output_embeddings().weight, "ds_id")
+    return pieces_for(max_tokens if sharded and max_tokens else tokens, vocab_size_of(model))
+
+
 def pieces_for(max_tokens: int, vocab_size: int) -> int:
     """How many pieces the head runs on for a micro-batch of at most `max_tokens` positions."""
     per_piece = max(1, LOGIT_CHUNK_BYTES // (4 * vocab_size))
@@ -130,11 +142,11 @@ def _piece(head, hidden_NH, tokens_N, temperature: float, with_entropy: bool):
 def head_logprobs(model, hidden_BTH: torch.Tensor, tokens_BT: torch.Tensor, temperature: float, pieces: int,
                   with_entropy: bool = False):
     """logprobs_BT (and entropy_BT) of `tokens_BT` from the final hidden states, in `pieces` calls
-    of the head (some may be empty)."""
+    of the head (some may be empty); with gradients and several pieces, each recomputed in backward."""
     head = unwrapped(model).get_output_embeddings()
     B, T, H = hidden_BTH.shape
     grad = torch.is_grad_enabled() and hidden_BTH.requires_grad
-    recompute = grad and not hasattr(head.weight, "ds_id")  # not a ZeRO-3 parameter (see the top)
+    recompute = grad and pieces > 1 and not hasattr(head.weight, "ds_id")  # not a ZeRO-3 parameter (see the top)
     logps, ents = [], []
     with precision(model):
         for h_NH, t_N in zip(hidden_BTH.reshape(B * T, H).tensor_split(pieces), tokens_BT.reshape(-1).tensor_split(pieces)):
@@ -190,7 +202,7 @@ def routed_logprobs(model, rows, temperature: float, with_entropy: bool = False,
         if rows.plain_head:
             out = model(**inputs, logits_to_keep=1, output_hidden_states=True)
             hidden_RWH = out.hidden_states[-1]
-            pieces = pieces_for(max_tokens or rows.tokens_N.shape[0], vocab_size_of(model))
+            pieces = head_pieces(model, max_tokens, tokens_n.shape[0])
             logp_n, ent_n = head_logprobs(model, hidden_RWH[at][None], tokens_n[None], temperature, pieces, with_entropy)
             logp_n, ent_n = logp_n[0], ent_n[0] if with_entropy else None
         else:  # a head of its own: the model's logits from the first position read on

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from grpo import dist, moe_model
+from grpo import dist, flops, moe_model
 from grpo.algorithm import LossNorm, decoupled_loss, sampled_kl
 from grpo.batch import Batch
 from grpo.moe import routing
@@ -53,16 +53,22 @@ def work(strategy, model, batch: Batch, asked: str, max_tokens: int) -> tuple[la
 
 @contextlib.contextmanager
 def forwarding(strategy, model, mb: layouts.MicroBatch, temperature: float, with_entropy: bool = False,
-               max_tokens: int = 0, experts: moe_model.Experts | None = None, replayed: routing.Replayed | None = None):
+               max_tokens: int = 0, experts: moe_model.Experts | None = None, replayed: routing.Replayed | None = None,
+               tally: dict | None = None, part: str = ""):
     """(logprobs_BT, entropy_BT, routing) of micro-batch `mb` (on the model's device) under `model`
     (routing: with a MoE's `experts`, the forward's load-balancing loss and expert load, grpo/moe_model.py;
     else None); with
     sequence parallelism its rows split across the group, the split kept until the block ends so the
     caller's backward runs there too. With the sampler's routed experts (rollout.routing_replay) every
     MoE layer routes as the sampler did, through the block: gradient checkpointing's recompute in the
-    caller's backward replays them too (grpo/moe/routing.py); `replayed` counts what the replay did."""
+    caller's backward replays them too (grpo/moe/routing.py); `replayed` counts what the replay did.
+    `tally[part]` adds the forward's work (grpo/flops.py; a split rank's: its share of the columns)."""
     split = split_of(strategy)
     rows = layouts.rows(model, mb, 1 if split is None else split.size)
+    if tally is not None:
+        b = mb.batch
+        work = flops.rows_work(rows, int(b.attention_mask_BL[:, b.prompt_width:].sum()))
+        tally[part] = tally[part] + (work if split is None else work.scaled(1 / split.size))
     routes = rows.routes_RWMK  # a split rank's MoE layers run its own columns' tokens: their routes
     if split is not None and routes is not None:
         routes = routes[:, split.columns(routes.shape[1])]
@@ -72,16 +78,19 @@ def forwarding(strategy, model, mb: layouts.MicroBatch, temperature: float, with
 
 @torch.no_grad()
 def score_tokens(model, batch: Batch, temperature: float, max_tokens: int, strategy=None,
-                 layout: str = "padded", training_mode: bool = False) -> torch.Tensor:
+                 layout: str = "padded", training_mode: bool = False, tally: dict | None = None,
+                 part: str = "") -> torch.Tensor:
     """logprobs_BT of the whole batch (no gradient), in micro-batches; in eval mode unless
-    `training_mode` (the mode the loss's forward runs in: grpo.verify compares the two)."""
+    `training_mode` (the mode the loss's forward runs in: grpo.verify compares the two). `tally[part]`
+    adds the forwards' work."""
     was_training = model.training
     model.train(training_mode)
     device = next(model.parameters()).device
     _, runs = work(strategy, model, batch, layout, max_tokens)
     out_BT = torch.zeros_like(batch.sampler_logprobs_BT)
     for mb, mine in runs:
-        with forwarding(strategy, model, mb.to(device), temperature, max_tokens=max_tokens) as (logp_BT, _, _):
+        with forwarding(strategy, model, mb.to(device), temperature, max_tokens=max_tokens, tally=tally,
+                        part=part) as (logp_BT, _, _):
             if mine:
                 out_BT[mb.index] = logp_BT.cpu()
     model.train(was_training)
@@ -101,10 +110,11 @@ SUMS = ("loss", "clipped_tokens", "kl_sum", "entropy_sum", "sampler_diff_max", "
         "sampler_kl_tokens", "sampler_diff_tokens", "aux_loss_sum", "routed_forwards", "routing_flips", "routing_given")
 
 
-def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperature: float) -> tuple[dict, layouts.Plan]:
+def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperature: float,
+                         tally: dict | None = None) -> tuple[dict, layouts.Plan]:
     """Forward + backward over micro-batches of `batch`; gradients add up to the full batch's. Returns
     the statistics, on the device (0-dim tensors: the step reads them once, not per micro-batch; a
-    MoE's `load_E` too), and the plan the micro-batches ran in.
+    MoE's `load_E` too), and the plan the micro-batches ran in; `tally["train"]` adds the forwards' work.
 
     A MoE with a load-balancing loss (grpo/moe_model.py) adds coef x its aux loss to each micro-batch's
     loss, weighted by the micro-batch's share of the loss's tokens (the shares of every rank's
@@ -125,7 +135,7 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
         mb = planned.batch
         replayed = routing.Replayed()  # rollout.routing_replay: the trainer's own routers against the sampler's
         with forwarding(strategy, strategy.forward_model, planned, temperature, True, algo.micro_batch_tokens,
-                        experts, replayed) as (logp_BT, ent_BT, routed):
+                        experts, replayed, tally, "train") as (logp_BT, ent_BT, routed):
             # proximal policy: the trainer before this update (decoupled loss, grpo/algorithm.py)
             old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else logp_BT.detach()
             loss, stats = decoupled_loss(logp_BT, old_BT, mb.sampler_logprobs_BT, mb.advantages_B, mb.mask_BT, norm,
@@ -161,7 +171,8 @@ def policy_update(
     strategy, batch: Batch, algo, max_len: int, temperature: float, ref_model=None
 ) -> dict[str, float | str]:
     """num_iterations passes over the batch, each cut into num_minibatches optimizer steps. Returns
-    the update's statistics and the layout its micro-batches ran in (`layout`).
+    the update's statistics, the layout its micro-batches ran in (`layout`) and the work of its
+    forwards (`work`: grpo/flops.py `Work` for "old" logprobs, the "reference" and "train").
 
     The batch holds whole groups of G consecutive rows (zero-std groups may have been dropped);
     minibatches are cut between groups. On-policy (one pass, one step) the old logprobs are the
@@ -175,11 +186,14 @@ def policy_update(
     lockstep = strategy.lockstep or split_of(strategy) is not None
     layout = layouts.layout_of(algo, next(strategy.model.parameters()).device.type == "cuda")
     ran = layout  # what the model ran: the asked layout, or its fallback (`layouts.plan`)
+    tally = {"old": flops.Work(), "reference": flops.Work(), "train": flops.Work()}
     if (batch.size or lockstep) and (algo.num_iterations > 1 or algo.num_minibatches > 1):
-        old_BT = score_tokens(strategy.forward_model, batch, temperature, algo.micro_batch_tokens, strategy, layout)
+        old_BT = score_tokens(strategy.forward_model, batch, temperature, algo.micro_batch_tokens, strategy, layout,
+                              tally=tally, part="old")
         batch = replace(batch, old_logprobs_BT=old_BT)
     if (batch.size or lockstep) and algo.beta > 0:  # a sharded reference (ZeRO-3) needs every rank too
-        ref_BT = score_tokens(ref_model, batch, temperature, algo.micro_batch_tokens, strategy, layout)
+        ref_BT = score_tokens(ref_model, batch, temperature, algo.micro_batch_tokens, strategy, layout,
+                              tally=tally, part="reference")
         batch = replace(batch, ref_logprobs_BT=ref_BT)
     # normalisers count the whole optimizer batch on every rank; each rank joins every reduction,
     # also with an empty minibatch
@@ -197,7 +211,7 @@ def policy_update(
             num_seqs, num_tokens = strategy.reduce_counts([local.num_seqs, local.num_tokens])
             norm = replace(local, num_seqs=int(num_seqs), num_tokens=int(num_tokens))
             if rows.numel() or lockstep:
-                sums, plan = accumulate_gradients(strategy, mb, algo, norm, temperature)
+                sums, plan = accumulate_gradients(strategy, mb, algo, norm, temperature, tally)
                 ran = plan.layout
                 for k in ("loss", "clipped_tokens", "kl_sum", "entropy_sum", "aux_loss_sum", "routed_forwards"):
                     totals[k] = totals[k] + sums[k]
@@ -230,6 +244,7 @@ def policy_update(
         "entropy": totals["entropy_sum"] / tokens,
         "trained_completions": batch.size,
         "layout": ran,  # the micro-batches' layout: padded, packed or shared (grpo/update/layouts.py)
+        "work": tally,  # what the forwards processed (grpo/flops.py); the loop turns it into FLOPs and MFU
         # max |trainer - sampler| logprob of a sampled token, with the weights that sampled: ~1e-5
         # when the engine got the last sync (fp32), far larger when it still runs older weights
         "sampler_diff": totals["sampler_diff_max"],

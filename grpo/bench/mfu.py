@@ -1,0 +1,76 @@
+"""`python -m grpo.bench mfu`: each phase's seconds, FLOPs, tokens/s and model FLOPs utilisation (MFU)
+for short trainings side by side (the default run and SmolLM2 on arithmetic, or any run folders given
+with `--run-dir`), from the step metrics every run logs (grpo/mfu.py), and what bounds the step: its
+counted FLOPs over the measured peak (the arithmetic bound) against its seconds.
+
+Means over the steps after the first (it carries warm-ups); MFU of a phase = its FLOPs over its
+seconds over the peak the run measured at its start (grpo/peak.py: on shared 2-core machines it
+varies by about +-25% between processes, so compare runs as ratios, measured in one command).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+
+from grpo.bench.runs import QUIET, compose, metrics_rows
+
+WORKLOADS = {
+    "default": [],  # the tiny model on the default task
+    # SmolLM2-135M (fp32) on one-digit arithmetic; the held-out evaluation cut to 8 questions
+    "smollm2": ["experiment=smollm2_arithmetic_cpu", "eval_every=0", "task.eval_size=8", "logger.sample_every=0"],
+}
+PHASES = ("generate", "score", "update", "sync")
+
+
+def phase_rows(run_dir: str) -> tuple[list[dict], dict]:
+    """(one row per phase, the step's row) for a finished run folder."""
+    rows = metrics_rows(run_dir)
+    if not rows:
+        raise ValueError(f"{run_dir}: no timed step in metrics.jsonl (the first step is not timed: run 2 or more)")
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    peak = summary["peak_tflops_measured"] * 1e12
+    mean = lambda k: statistics.mean(r.get(k, 0.0) for r in rows)  # noqa: E731
+    out = []
+    for phase in PHASES:
+        seconds, flops = mean(f"time/{phase}_s"), mean(f"flops/{phase}")
+        row = {"phase": phase, "seconds": seconds, "share": seconds / mean("step_s"), "gflop": flops / 1e9,
+               "tflops": flops / seconds / 1e12 if seconds and flops else None,
+               "mfu": flops / seconds / peak if seconds and flops else None}
+        if phase == "generate":
+            row["tokens_per_s"] = mean("gen_tokens_per_s")
+            if not any("mfu/generate" in r for r in rows):
+                row["mfu"] = None  # the engines ran elsewhere (dedicated, remote): not this device's
+        if phase == "update":
+            row["tokens_per_s"] = mean("update_tokens_per_s")
+            row["real_token_frac"] = mean("update/real_token_frac")
+        out.append(row)
+    counted = mean("flops/update") + (mean("flops/generate") if any("mfu/generate" in r for r in rows) else 0.0)
+    step = {"step_s": mean("step_s"), "bound_s": counted / peak, "peak_tflops": peak / 1e12,
+            "mfu_step": mean("mfu/step"), "steps_timed": len(rows), "layout": rows[-1].get("layout")}
+    step["step_over_bound"] = step["step_s"] / step["bound_s"] if step["bound_s"] else None
+    return out, step
+
+
+def report_mfu(workloads: list[str], steps: int, run_dirs: list[str], overrides: list[str]) -> tuple[dict, list]:
+    from grpo.train import train  # lazy: heavy
+
+    folders = [(os.path.basename(os.path.normpath(d)), d) for d in run_dirs]
+    for name in workloads:
+        if name not in WORKLOADS:
+            raise SystemExit(f"unknown workload {name!r}: choose from {', '.join(WORKLOADS)}")
+        run_dir = tempfile.mkdtemp(prefix=f"bench-mfu-{name}-")
+        print(f"bench: mfu of {name}, {steps} steps ({run_dir})", flush=True)
+        train(compose([*WORKLOADS[name], f"steps={steps}", *QUIET, f"run_dir={run_dir}", "export_model=false", *overrides]))
+        folders.append((name, run_dir))
+    report, sections = {"runs": []}, []
+    for name, run_dir in folders:
+        phases, step = phase_rows(run_dir)
+        report["runs"].append({"name": name, "run_dir": run_dir, "phases": phases, **step})
+        sections.append((f"{name}: {step['steps_timed']} steps timed, layout {step['layout']}, peak {step['peak_tflops']:.3g} "
+                         f"TFLOP/s measured; step {step['step_s']:.3f} s against its arithmetic bound {step['bound_s']:.3f} s "
+                         f"({step['step_over_bound']:.1f}x), step MFU {step['mfu_step']:.1%}", phases,
+                         ["phase", "seconds", "share", "gflop", "tflops", "mfu", "tokens_per_s", "real_token_frac"]))
+    return report, sections

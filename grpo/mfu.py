@@ -1,0 +1,79 @@
+"""Model FLOPs utilisation per phase of a step: the FLOPs each phase needed (grpo/flops.py) over its
+seconds, against the device's measured dense matmul peak (grpo/peak.py).
+
+What a step logs (metrics.jsonl, wandb; the console line shows `mfu/update`):
+
+    flops/generate            the engines' work for the step's batches (every draw's)
+    flops/update              old logprobs + reference + the training forwards and backwards
+    flops/update_recompute    gradient checkpointing's second forward: hardware work, not in the MFU
+    mfu/update                flops/update / time/update_s / peak
+    mfu/generate              flops/generate / time/generate_s / peak, where the engines run on the
+                              trainer's device (hf, colocated); a dedicated or remote engine's device
+                              and its share of it are not the trainer's to measure
+    mfu/step                  the step's counted FLOPs (generation where local) / step_s / peak
+    update/real_token_frac    real tokens over the tokens the training forwards computed: the padding
+                              waste of the layout (padded, packed, shared)
+    update_tokens_per_s       real tokens through the training forwards per second of the update
+
+Scoring runs reward functions (rules, a reward model's own forward, a judge's requests) and the sync
+moves bytes: their seconds are in time/score_s and time/sync_s, and neither gets an MFU. On several
+ranks flops/* are summed and mfu/* averaged (each rank against its own device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from grpo import flops, peak
+from grpo.flops import Shape, Work
+
+LOCAL_ENGINES = ("hf", "colocated")  # backends whose engines run on the trainer's own device
+
+
+@dataclass(frozen=True)
+class Meter:
+    shape: Shape
+    peak: float  # FLOP/s, measured on the trainer's device in its dtype
+    nominal: float | None  # the datasheet's, where known
+    local_generation: bool
+    recompute: bool  # gradient checkpointing
+
+    def metrics(self, generation: Work, update: dict[str, Work], times: dict[str, float]) -> dict[str, float]:
+        train = update["train"]
+        update_flops = (flops.forward_flops(self.shape, update["old"] + update["reference"] + train)
+                        + flops.backward_flops(self.shape, train))
+        gen_flops = flops.forward_flops(self.shape, generation)
+        update_s, gen_s, step_s = times["time/update_s"], times["time/generate_s"], times["step_s"]
+        out = {
+            "flops/generate": gen_flops,
+            "flops/update": update_flops,
+            "mfu/update": update_flops / update_s / self.peak if update_s > 0 else 0.0,
+            "update/real_token_frac": train.tokens / train.computed if train.computed else 1.0,
+            "update_tokens_per_s": train.tokens / update_s if update_s > 0 else 0.0,
+        }
+        if self.recompute:
+            out["flops/update_recompute"] = flops.forward_flops(self.shape, train)
+        local = update_flops
+        if self.local_generation:
+            out["mfu/generate"] = gen_flops / gen_s / self.peak if gen_s > 0 else 0.0
+            local += gen_flops
+        out["mfu/step"] = local / step_s / self.peak if step_s > 0 else 0.0
+        return out
+
+    def summary(self) -> dict:
+        return {"peak_tflops_measured": self.peak / 1e12,
+                "peak_tflops_nominal": None if self.nominal is None else self.nominal / 1e12}
+
+
+def meter(model, backend: str, gradient_checkpointing: bool) -> Meter:
+    """The run's meter: `model`'s shape, its device's peak in its parameters' dtype (measured now)."""
+    param = next(model.parameters())
+    return Meter(flops.shape_of(model), peak.measured_peak(param.device, param.dtype),
+                 peak.nominal_peak(param.device, param.dtype), backend in LOCAL_ENGINES, gradient_checkpointing)
+
+
+SUMMED = ("flops/",)  # metric prefixes a multi-rank step sums (the rest are averaged)
+
+
+def is_summed(key: str) -> bool:
+    return key.startswith(SUMMED)
