@@ -60,8 +60,12 @@ class Meter:
         out["mfu/step"] = local / step_s / self.peak if step_s > 0 else 0.0
         return out
 
-    def summary(self) -> dict:
+    def summary(self, model) -> dict:
+        """The peak the steps were measured against, the same measured again now (a shared machine's
+        cores give more or less over a run: the two bracket it), and the datasheet's."""
+        param = next(model.parameters())
         return {"peak_tflops_measured": self.peak / 1e12,
+                "peak_tflops_at_end": peak.measured_peak(param.device, param.dtype, fresh=True) / 1e12,
                 "peak_tflops_nominal": None if self.nominal is None else self.nominal / 1e12}
 
 

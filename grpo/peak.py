@@ -61,10 +61,12 @@ def _measured(device: str, dtype: torch.dtype, threads: int, repeats: int, preci
     return best
 
 
-def measured_peak(device: torch.device | str, dtype: torch.dtype, repeats: int = 10) -> float:
+def measured_peak(device: torch.device | str, dtype: torch.dtype, repeats: int = 10, fresh: bool = False) -> float:
     """The best FLOP/s of a dense matmul in `dtype` on `device` with this process's threads; measured
     once per process for each (device, dtype, threads): about 0.1-0.2 s on 2 CPU cores in fp32. On the
     shared 2-core machines of this project the figure varies by about +-25% between processes (another
-    tenant on the cores): compare MFU within one run, or across runs as ratios."""
+    tenant on the cores): compare MFU within one run, or across runs as ratios. `fresh`: measure again."""
+    if fresh:
+        _measured.cache_clear()
     return _measured(str(torch.device(device)), dtype, torch.get_num_threads(), repeats,
                      torch.get_float32_matmul_precision())  # TF32 or not: a key of its own

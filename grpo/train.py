@@ -474,7 +474,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         "wall_s": time.perf_counter() - t_start,
         "gen_tokens_per_s": gen_tokens_total / gen_time_total if gen_time_total else None,
         "peak_memory_gb": peak_memory_gb(),
-        **meter.summary(),  # the device's dense matmul peak the mfu/ metrics are measured against
+        **meter.summary(r.strategy.forward_model),  # the device's matmul peak the mfu/ metrics are measured against
         "model_path": r.model_path,
         "git_revision": git_revision(),
     }

@@ -4,8 +4,9 @@ with `--run-dir`), from the step metrics every run logs (grpo/mfu.py), and what 
 counted FLOPs over the measured peak (the arithmetic bound) against its seconds.
 
 Means over the steps after the first (it carries warm-ups); MFU of a phase = its FLOPs over its
-seconds over the peak the run measured at its start (grpo/peak.py: on shared 2-core machines it
-varies by about +-25% between processes, so compare runs as ratios, measured in one command).
+seconds over the better of the peaks the run measured at its start and its end (grpo/peak.py: on
+shared 2-core machines it varies by about +-25% between processes and over minutes, so compare runs
+as ratios, measured in one command).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def phase_rows(run_dir: str) -> tuple[list[dict], dict]:
     if not rows:
         raise ValueError(f"{run_dir}: no timed step in metrics.jsonl (the first step is not timed: run 2 or more)")
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
-    peak = summary["peak_tflops_measured"] * 1e12
+    # the best of the run's two measurements (its start and its end): the machine's cores, less what
+    # another tenant took at either moment; the steps' own mfu/ are against the start's alone
+    peak = max(summary["peak_tflops_measured"], summary.get("peak_tflops_at_end") or 0.0) * 1e12
     mean = lambda k: statistics.mean(r.get(k, 0.0) for r in rows)  # noqa: E731
     out = []
     for phase in PHASES:
