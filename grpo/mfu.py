@@ -17,7 +17,7 @@ What a step logs (metrics.jsonl, wandb; the console line shows `mfu/update`):
 
 Scoring runs reward functions (rules, a reward model's own forward, a judge's requests) and the sync
 moves bytes: their seconds are in time/score_s and time/sync_s, and neither gets an MFU. On several
-ranks flops/* are summed and mfu/* averaged (each rank against its own device).
+ranks flops/* and update_tokens_per_s are summed, mfu/* averaged (each rank against its own device).
 """
 
 from __future__ import annotations
@@ -76,8 +76,6 @@ def meter(model, backend: str, gradient_checkpointing: bool) -> Meter:
                  peak.nominal_peak(param.device, param.dtype), backend in LOCAL_ENGINES, gradient_checkpointing)
 
 
-SUMMED = ("flops/",)  # metric prefixes a multi-rank step sums (the rest are averaged)
-
-
 def is_summed(key: str) -> bool:
-    return key.startswith(SUMMED)
+    """Whether a multi-rank step sums this metric over ranks (work and throughput) or averages it."""
+    return key.startswith("flops/") or key == "update_tokens_per_s"
