@@ -10,7 +10,8 @@
 # The trainer's pure-Python wheels (hydra-core, omegaconf, antlr4, deepspeed, hjson, peft) come in the
 # bundle as trainer_wheels/, the tiny models' cache as grpo_cache/; torch and transformers are the image's.
 # Back in $OUT (beside go.log and the go script's files): steps.tsv and runs.tgz (every log, metrics.jsonl,
-# summary, smoke json), rewritten after each step so a kill keeps what finished.
+# summary, smoke json), rewritten after each step so a kill keeps what finished. The card's metrics.jsonl has
+# each phase's FLOPs and MFU (docs/mfu.md): `python -m grpo.bench mfu --workloads '' --run-dir runs/card`.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gpu_out}; SITE=${GPU_SITE:-/tmp/gpu_site}; WORK=${WORK:-/tmp/gpu_vllm_run}
 BUDGET_S=${BUDGET_S:-400}; STEPS=${STEPS:-40}
