@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from grpo import flops, peak
 from grpo.flops import Shape, Work
 
@@ -33,7 +35,8 @@ LOCAL_ENGINES = ("hf", "colocated")  # backends whose engines run on the trainer
 @dataclass(frozen=True)
 class Meter:
     shape: Shape
-    peak: float  # FLOP/s, measured on the trainer's device in its dtype
+    peak: float  # FLOP/s, measured on the trainer's device in the run's compute dtype
+    dtype: torch.dtype
     nominal: float | None  # the datasheet's, where known
     local_generation: bool
     recompute: bool  # gradient checkpointing
@@ -63,17 +66,18 @@ class Meter:
     def summary(self, model) -> dict:
         """The peak the steps were measured against, the same measured again now (a shared machine's
         cores give more or less over a run: the two bracket it), and the datasheet's."""
-        param = next(model.parameters())
+        device = next(model.parameters()).device
         return {"peak_tflops_measured": self.peak / 1e12,
-                "peak_tflops_at_end": peak.measured_peak(param.device, param.dtype, fresh=True) / 1e12,
+                "peak_tflops_at_end": peak.measured_peak(device, self.dtype, fresh=True) / 1e12,
                 "peak_tflops_nominal": None if self.nominal is None else self.nominal / 1e12}
 
 
-def meter(model, backend: str, gradient_checkpointing: bool) -> Meter:
-    """The run's meter: `model`'s shape, its device's peak in its parameters' dtype (measured now)."""
-    param = next(model.parameters())
-    return Meter(flops.shape_of(model), peak.measured_peak(param.device, param.dtype),
-                 peak.nominal_peak(param.device, param.dtype), backend in LOCAL_ENGINES, gradient_checkpointing)
+def meter(model, dtype: torch.dtype, backend: str, gradient_checkpointing: bool) -> Meter:
+    """The run's meter: `model`'s shape, its device's peak in the run's `dtype` (model.dtype: the
+    matmuls' dtype, also where fp32 master weights run under bf16 autocast), measured now."""
+    device = next(model.parameters()).device
+    return Meter(flops.shape_of(model), peak.measured_peak(device, dtype), dtype, peak.nominal_peak(device, dtype),
+                 backend in LOCAL_ENGINES, gradient_checkpointing)
 
 
 def is_summed(key: str) -> bool:

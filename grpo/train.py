@@ -378,7 +378,8 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         logger.log(0, before, console=True)
 
     gen_tokens_total, gen_time_total = 0, 0.0
-    meter = mfu.meter(r.strategy.forward_model, cfg.rollout.backend, cfg.model.gradient_checkpointing)  # peak measured
+    meter = mfu.meter(r.strategy.forward_model, DTYPES[cfg.model.dtype], cfg.rollout.backend,
+                      cfg.model.gradient_checkpointing)  # the device's peak, measured now
     guards = RunGuards(r.strategy, r.bucket_bytes, cfg.model.dtype, cfg.parallel.check_ranks_every, info.world_size)
     for step in range(r.start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
