@@ -144,3 +144,33 @@ def test_a_steps_mfu_by_hand():
     served = Meter(shape, 10.0, torch.float32, None, local_generation=False, recompute=False).metrics(generation, update, times)
     assert "mfu/generate" not in served and "flops/update_recompute" not in served
     assert served["mfu/step"] == pytest.approx(464 / 8 / 10)  # the engines' FLOPs ran elsewhere
+
+
+def test_the_datasheet_peak_by_device_name_and_tf32(monkeypatch):
+    """The nominal dense peak a GPU's measured one is shown against: by the device's name, TF32 where
+    torch runs fp32 matmuls as TF32; none for a CPU or an unknown GPU."""
+    from grpo import peak
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert peak.nominal_peak(cuda, torch.bfloat16) == 989e12
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert peak.nominal_peak(cuda, torch.float32) == 67e12
+        torch.set_float32_matmul_precision("high")  # TF32
+        assert peak.nominal_peak(cuda, torch.float32) == 494.5e12
+        assert peak.nominal_peak(torch.device("cpu"), torch.float32) is None  # a CPU: measured only
+    finally:
+        torch.set_float32_matmul_precision(before)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L4")
+    assert peak.nominal_peak(cuda, torch.bfloat16) is None
+
+
+def test_the_measured_peak_is_kept_per_dtype_and_measured_again_when_asked():
+    from grpo import peak
+
+    fp32 = peak.measured_peak("cpu", torch.float32, repeats=2)
+    assert fp32 > 1e9 and peak.measured_peak("cpu", torch.float32, repeats=2) == fp32  # once per process
+    assert peak.measured_peak("cpu", torch.bfloat16, repeats=2) != fp32  # a key of its own
+    assert peak.measured_peak("cpu", torch.float32, repeats=2, fresh=True) > 1e9
