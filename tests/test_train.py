@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from grpo.bench.mfu import phase_rows
 from grpo.train import train
 from tests.conftest import FAST, ROOT, assert_rewards_vary
 from tests.listener_watch import ListenerWatch
@@ -52,6 +53,12 @@ def test_short_run_writes_its_run_folder(make_cfg, tmp_path, hub_like_policy):
         assert r["flops/generate"] > 0 and 0 < r["mfu/generate"] < 5 and 0 < r["mfu/step"] < 5, r  # a unit slip: 1e3
         assert (r["flops/update"] > 0) == (r["trained_completions"] > 0) and 0 <= r["mfu/update"] < 5, r
         assert 0 < r["update/real_token_frac"] <= 1 or r["trained_completions"] == 0, r
+    phases, step = phase_rows(str(run))  # `grpo.bench mfu --run-dir`'s table of this folder
+    assert [p["phase"] for p in phases] == ["generate", "score", "update", "sync"] and step["steps_timed"] == 2
+    update = phases[2]
+    assert update["gflop"] == pytest.approx(sum(r["flops/update"] for r in steps[1:]) / 2 / 1e9)
+    assert update["mfu"] == pytest.approx(update["gflop"] * 1e9 / update["seconds"] / (step["peak_tflops"] * 1e12))
+    assert step["bound_s"] > 0 and step["step_over_bound"] > 1
 
 
 @pytest.mark.starts_process
