@@ -19,8 +19,9 @@ update's matmul time, the head's matmuls at 53 rows running at a third of the ma
 Under ZeRO-3 every call of the head gathers its weight, a collective: the number of pieces comes
 from the micro-batch cap (`algo.micro_batch_tokens`), the same on every rank, never from this
 rank's own token count (elsewhere it comes from the micro-batch's own count). A piece is not
-recomputed there: DeepSpeed does not gather the weight again for checkpointing's recompute (it came back as its empty placeholder, shape [0], and torch refused
-it), so under ZeRO-3 each piece's logits are kept for backward, as the whole batch's were before.
+recomputed there: DeepSpeed does not gather the weight again for checkpointing's recompute (it came
+back as its empty placeholder, shape [0], and torch refused it), so under ZeRO-3 each piece's logits
+are kept for backward, as the whole batch's were before.
 
 Heads that are not `lm_head(hidden)` (Gemma's logit soft-capping, Cohere's logit scale, ...) are
 found once per model (grpo/update/support.py); those models take their own logits, from the first
