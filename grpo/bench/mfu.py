@@ -54,7 +54,7 @@ def phase_rows(run_dir: str) -> tuple[list[dict], dict]:
         out.append(row)
     counted = mean("flops/update") + (mean("flops/generate") if any("mfu/generate" in r for r in rows) else 0.0)
     step = {"step_s": mean("step_s"), "bound_s": counted / peak, "peak_tflops": peak / 1e12,
-            "mfu_step": mean("mfu/step"), "steps_timed": len(rows), "layout": rows[-1].get("layout")}
+            "mfu_step": counted / mean("step_s") / peak, "steps_timed": len(rows), "layout": rows[-1].get("layout")}
     step["step_over_bound"] = step["step_s"] / step["bound_s"] if step["bound_s"] else None
     return out, step
 
