@@ -51,7 +51,9 @@ class Shape:
 
 @dataclass
 class Work:
-    """Tokens a phase processed; they add up over micro-batches, draws and ranks."""
+    """Tokens a phase processed; they add up over micro-batches, draws and ranks. The update's are
+    0-dim tensors on the model's device while it runs (no device read per micro-batch), read once at
+    its end (`resolved`)."""
 
     tokens: int = 0  # real tokens through the body
     computed: int = 0  # tokens laid out (real + padding)
@@ -63,7 +65,11 @@ class Work:
 
     def scaled(self, share: float) -> "Work":
         """This rank's share of a micro-batch split across a sequence-parallel group."""
-        return Work(*(round(getattr(self, f.name) * share) for f in fields(self)))
+        return Work(*(getattr(self, f.name) * share for f in fields(self)))
+
+    def resolved(self) -> "Work":
+        """Plain integers, read from the device once."""
+        return Work(*(round(float(getattr(self, f.name))) for f in fields(self)))
 
 
 def full_numel(p: torch.nn.Parameter) -> int:
@@ -110,12 +116,13 @@ def backward_flops(shape: Shape, work: Work) -> float:
     return inputs + weights + 8.0 * shape.attention * work.pairs
 
 
-def rows_work(rows, head_tokens: int) -> Work:
+def rows_work(rows, head_tokens) -> Work:
     """The work of one forward over `rows` (grpo/update/layouts.py `Rows`, whose `real_RW` marks the
-    sequences' tokens) reading the logits of `head_tokens` completion tokens."""
+    sequences' tokens) reading the logits of `head_tokens` completion tokens; counts left on the
+    rows' device (`Work.resolved` reads them)."""
     real = rows.real_RW
-    return Work(tokens=int(real.sum()), computed=int(rows.input_ids_RW.numel()), head=head_tokens,
-                pairs=int(((rows.position_ids_RW + 1) * real).sum()))
+    return Work(tokens=real.sum(), computed=rows.input_ids_RW.numel(), head=head_tokens,
+                pairs=((rows.position_ids_RW + 1) * real).sum())
 
 
 def generation_work(prompt_ids: list[list[int]], completion_ids: list[list[int]], sampled: list[int], G: int) -> Work:

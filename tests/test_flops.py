@@ -97,7 +97,7 @@ def test_rows_work_counts_real_tokens_and_their_causal_keys():
     for layout in ("padded", "packed"):
         plan = layouts.plan(model, batch, layout, max_tokens=64)
         (mb,) = plan.micro_batches
-        got[layout] = flops.rows_work(layouts.rows(model, mb), head_tokens=6)
+        got[layout] = flops.rows_work(layouts.rows(model, mb), head_tokens=6).resolved()
     assert got["padded"] == Work(tokens=10, computed=3 * 5, head=6, pairs=15 + 3 + 6)
     assert got["packed"] == Work(tokens=10, computed=2 * 5, head=6, pairs=15 + 3 + 6)
 

@@ -67,7 +67,7 @@ def forwarding(strategy, model, mb: layouts.MicroBatch, temperature: float, with
     rows = layouts.rows(model, mb, 1 if split is None else split.size)
     if tally is not None:
         b = mb.batch
-        work = flops.rows_work(rows, int(b.attention_mask_BL[:, b.prompt_width:].sum()))
+        work = flops.rows_work(rows, b.attention_mask_BL[:, b.prompt_width:].sum())  # read once, at the update's end
         tally[part] = tally[part] + (work if split is None else work.scaled(1 / split.size))
     routes = rows.routes_RWMK  # a split rank's MoE layers run its own columns' tokens: their routes
     if split is not None and routes is not None:
@@ -244,7 +244,8 @@ def policy_update(
         "entropy": totals["entropy_sum"] / tokens,
         "trained_completions": batch.size,
         "layout": ran,  # the micro-batches' layout: padded, packed or shared (grpo/update/layouts.py)
-        "work": tally,  # what the forwards processed (grpo/flops.py); the loop turns it into FLOPs and MFU
+        # what the forwards processed (grpo/flops.py); the loop turns it into FLOPs and MFU
+        "work": {part: work.resolved() for part, work in tally.items()},
         # max |trainer - sampler| logprob of a sampled token, with the weights that sampled: ~1e-5
         # when the engine got the last sync (fp32), far larger when it still runs older weights
         "sampler_diff": totals["sampler_diff_max"],
