@@ -142,8 +142,16 @@ def pytest_runtest_call(item):
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> str:
-    """One tiny-model cache for the session (GRPO_CACHE wins if set, to reuse builds across runs)."""
-    return os.environ.get("GRPO_CACHE") or str(tmp_path_factory.mktemp("grpo-cache"))
+    """One tiny-model cache for the session (GRPO_CACHE wins if set, to reuse builds across runs). Under
+    pytest-xdist (`make test-all`'s workers) the workers share one: a folder is published by an atomic
+    rename (grpo/packaged.py), so two workers that build the same model at once keep the first."""
+    if os.environ.get("GRPO_CACHE"):
+        return os.environ["GRPO_CACHE"]
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return str(tmp_path_factory.mktemp("grpo-cache"))
+    shared = tmp_path_factory.getbasetemp().parent / "grpo-cache"  # the run's root, above each worker's own
+    shared.mkdir(exist_ok=True)
+    return str(shared)
 
 
 def compose_cfg(*overrides: str, run_dir: str | None = None, cache: str | None = None):
