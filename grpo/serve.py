@@ -54,7 +54,8 @@ from grpo.packaged import PACKAGED
 from grpo.rollout.engine_memory import (check_setting, chunked_prefill, engine_context, kv_cache_bytes, model_config_of,
                                         read_model_config)
 from grpo.rollout.reaper import die_with_parent
-from grpo.rollout.servers import TRANSFERS, reserve_port, transfer_backend
+from grpo.rollout.push import TRANSFERS, transfer_backend
+from grpo.rollout.servers import reserve_port
 from grpo.rollout.vllm_api import VllmApi, installed
 
 # Read-only probes anyone who can reach the port may call; everything else needs the token.

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import multiprocessing.process
 import os
+import signal
 import subprocess
+import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -138,6 +141,24 @@ def pytest_runtest_call(item):
     if item.get_closest_marker("starts_process"):
         return (yield)
     return (yield from watched(item, "call"))
+
+
+@pytest.fixture(autouse=True)
+def python_ctrl_c(request):
+    """Each test starts with Python's own Ctrl-C (SIGINT raises KeyboardInterrupt), as a user's process
+    has it, whatever ran before it in this process (under `make test-all`'s workers the files share
+    processes in another order than alone). A test that leaves another handler behind is named in a
+    warning, and the default is put back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    left = signal.getsignal(signal.SIGINT)
+    if left is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        warnings.warn(f"{request.node.nodeid} left SIGINT handled by {left!r}; put Python's default back")
 
 
 @pytest.fixture(scope="session")
@@ -328,8 +349,6 @@ def serve_tiny(model_dir: str, log_path, token: str, *extra_args: str, max_model
 
 def stop_served(proc) -> None:
     """Ctrl-C to the server's process group, as a user stops it."""
-    import signal
-
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)

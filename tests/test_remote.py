@@ -339,7 +339,7 @@ def test_two_process_training_run_through_remote(server, tmp_path, cache_dir, pa
 
 def test_transfer_backend_per_device_and_setting():
     from grpo.errors import ConfigError
-    from grpo.rollout.servers import transfer_backend
+    from grpo.rollout.push import transfer_backend
 
     assert transfer_backend("auto", cuda=True) == "nccl"
     assert transfer_backend("auto", cuda=False) == "grpo_gloo"

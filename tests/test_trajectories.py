@@ -22,7 +22,8 @@ from grpo.errors import ConfigError, ServerError
 from grpo.rollout import Sampling
 from grpo.rollout.episodes import Budget, EpisodeRunner
 from grpo.rollout.render import RawRender
-from grpo.rollout.servers import PoolClosed, TurnGate, adapter_name, prompt_requests, push_adapter_from_one_rank
+from grpo.rollout.push import push_adapter_from_one_rank
+from grpo.rollout.servers import PoolClosed, TurnGate, adapter_name, prompt_requests
 from grpo.rollout.trajectories import episode_driver
 from grpo.tasks.base import Sample
 from grpo.weights import group_by_size

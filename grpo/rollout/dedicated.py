@@ -39,8 +39,8 @@ from grpo.moe import routing, served_routes
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.weights import WeightBuckets
 from grpo.rollout.trajectories import episode_driver
-from grpo.rollout.servers import (TRANSFERS, ServerPool, TurnGate, in_thread, push_adapter_from_one_rank, push_from_one_rank,
-                                  reserve_port, transfer_backend)
+from grpo.rollout.push import TRANSFERS, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
+from grpo.rollout.servers import ServerPool, TurnGate, in_thread, reserve_port
 from grpo.rollout.vllm_api import installed
 
 

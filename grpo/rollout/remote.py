@@ -34,8 +34,8 @@ from grpo.auth import TOKEN_ENV, client_token
 from grpo.moe import routing
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.rollout.trajectories import episode_driver
-from grpo.rollout.servers import (TRANSFERS, ServerPool, TurnGate, in_thread, push_adapter_from_one_rank,
-                                  push_from_one_rank, transfer_backend)
+from grpo.rollout.push import TRANSFERS, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
+from grpo.rollout.servers import ServerPool, TurnGate, in_thread
 from grpo.weights import WeightBuckets
 
 

@@ -8,7 +8,7 @@ pushes over the grpo_gloo transport.
   prompts proportional to the throughput it showed on earlier batches (equal at first), and all
   G completions of a prompt go to the same server. The shares are requested in parallel.
 - Weights go to every server through vLLM's RL routes: one /update_weights call per bucket, its
-  bytes carried by the weight-transfer engine both sides chose (`transfer_backend`): `grpo_gloo`
+  bytes carried by the weight-transfer engine both sides chose (`transfer_backend`, push.py): `grpo_gloo`
   (gloo_transfer.py: one gloo broadcast of the packed bucket, CPU or GPU) or, between GPUs, vLLM's
   own `nccl` (nccl_transfer.py: one NCCL broadcast per tensor from GPU memory). The two senders
   share this client: handshake, per-bucket calls, versions, concurrency.
@@ -32,17 +32,15 @@ pushes over the grpo_gloo transport.
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
-import shutil
 import socket
 import threading
 import time
 from concurrent.futures import Future
 from urllib.parse import urlparse
 
-from grpo import dist, lora
-from grpo.errors import ConfigError, ServerError
+from grpo import dist
+from grpo.errors import ServerError
 from grpo.endpoints import Server, parallel_map, split_by_load
 from grpo.moe import served_routes
 from grpo.progress import say
@@ -52,21 +50,6 @@ from grpo.rollout.nccl_transfer import NcclSender
 from grpo.rollout.vllm_api import VllmApi, installed, of_server, takes_unique_id
 from grpo.vision import server_prompt, vision_of
 from grpo.weights import WeightBuckets
-
-TRANSFERS = ("auto", GLOO, "nccl")
-
-
-def transfer_backend(setting: str, cuda: bool) -> str:
-    """The weight-transfer engine a server runs and its trainer drives (`rollout.vllm.weight_transfer`,
-    `grpo.serve --weight-transfer`): auto = vLLM's `nccl` where CUDA is, else `grpo_gloo`."""
-    if setting not in TRANSFERS:
-        raise ConfigError(f"weight_transfer={setting!r}: choose one of {', '.join(TRANSFERS)}.")
-    if setting == "nccl" and not cuda:
-        raise ConfigError("weight_transfer=nccl needs a CUDA device here; use auto or grpo_gloo on CPU.")
-    if setting == "auto":
-        return "nccl" if cuda else GLOO
-    return setting
-
 
 def make_sender(transfer: str, host: str, world_size: int, timeout_s: float, api: VllmApi):
     """The trainer's end of one server's transfer group, joined on `host` (grpo/rollout/rendezvous.py);
@@ -577,49 +560,3 @@ class ServerPool:
                     pass  # the server may already be gone; nothing to release then
             sender.close()
         self.senders = []
-
-
-def push_adapter_from_one_rank(pool: ServerPool | None, model, buckets: WeightBuckets, version: int, folder: str,
-                               own: ServerPool | None = None) -> None:
-    """LoRA: the buckets hold the adapter alone. The rank holding `pool` writes it into
-    `folder/v<version>` and has every server load it (then deletes the previous version's folder);
-    the others walk the buckets (collectives under ZeRO-3) and all wait until it is loaded. Batches
-    in flight finish first, as for full weights (`push_from_one_rank`). Every rank names the new
-    adapter in its own pool (`use_adapter`) before its turns resume: a turn sent earlier would ask
-    for the adapter rank 0 has just unloaded (a 404, its trajectory ended as "error")."""
-    if own is not None:
-        own.drain()
-    dist.barrier()
-    tensors = [(n, t.detach().to("cpu", copy=True)) for bucket in buckets for n, t in bucket]
-    if pool is not None:
-        path = lora.write_adapter(model, tensors, os.path.join(folder, f"v{version}"))
-        pool.load_adapter(path, version)
-        for old in os.listdir(folder):
-            if old != f"v{version}" and old.startswith("v"):
-                shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
-    dist.barrier()
-    if own is not None:
-        own.use_adapter(version)
-        own.resume(version)
-
-
-def push_from_one_rank(pool: ServerPool | None, buckets: WeightBuckets, version: int, own: ServerPool | None = None) -> None:
-    """Replicas are identical: the rank holding `pool` pushes; the others walk the buckets (under
-    ZeRO-3 each is gathered by a collective every rank joins) and all wait until the push is done.
-    First every rank lets its own batches in flight finish (`own`: the pool it generates through)
-    and all meet, so no server is generating for any rank while its weights change."""
-    if own is not None:
-        own.drain()
-    dist.barrier()
-    try:
-        if pool is not None:
-            pool.push(buckets, version)
-        else:
-            for _ in buckets:
-                pass
-        dist.barrier()
-    finally:
-        if own is not None:
-            own.resume(version)
-
-
