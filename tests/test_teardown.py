@@ -25,8 +25,12 @@ def shm_files() -> set[str]:
 
 
 def orphaned(names: set[str]) -> set[str]:
-    """Those of `names` no live process maps: left behind, not in use by another program that
-    happens to run vLLM on this machine at the same time (/dev/shm is shared by all of them)."""
+    """Those of `names` no live process maps, and still there a moment later: left behind, not in use
+    by another program that happens to run vLLM on this machine at the same time (/dev/shm is shared
+    by all of them; multiprocessing's `sem.mp-*` of another process live for an instant between its
+    sem_open and unlink, as under `make test-all`'s second worker)."""
+    time.sleep(2)
+    names = {n for n in names if (Path("/dev/shm") / n).exists()}
     mapped = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
