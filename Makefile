@@ -96,14 +96,16 @@ train: $(STAMP)
 # or a training run (`starts_process`, marked by tests/conftest.py); `make test-all` runs all of them
 # (setup.cfg's default selection: not slow, not slurm); `make test-slow` the learning bar and SmolLM2.
 FAST_TIER := not slow and not slurm and (not starts_process or e2e_smoke)
-test: $(STAMP)
-	$(PY) -m pytest -q -m "$(FAST_TIER)" $(ARGS)
-
-# TEST_WORKERS pytest-xdist processes, a test file to each (--dist loadfile keeps a module's server to one):
-# the tier's runs leave a core idle about half the time (load 1.1-1.3 on 2 cores with one worker).
+# TEST_WORKERS pytest-xdist processes, a test file to each (--dist loadfile keeps a module's server to one
+# process): with one, the runs of test-all left a core idle about half the time (load 1.1-1.3 on 2 cores).
+# TEST_WORKERS=0: one process, as plain pytest.
 TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile
+test: $(STAMP)
+	$(PY) -m pytest -q $(XDIST) -m "$(FAST_TIER)" $(ARGS)
+
 test-all: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(PY) -m pytest -q $(XDIST) $(ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(ARGS)
