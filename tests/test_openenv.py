@@ -176,8 +176,11 @@ def test_a_guess_training_run_through_the_openenv_server_equals_env_guess(server
     from grpo.train import train
 
     def run(name, *env):
+        # threads pinned: threads=auto counts the CPUs idle at each run's start, and two runs compared
+        # bit for bit must not differ in that (under make test-all the other worker's runs keep a core busy)
         cfg = compose_cfg(*FAST, "experiment=guess_tiny", *env, "env.max_observation_tokens=4", "algo.batch_size=64",
-                          "steps=2", "eval_every=0", "checkpoint_every=0", run_dir=str(tmp_path / name), cache=cache_dir)
+                          "steps=2", "eval_every=0", "checkpoint_every=0", "threads=1", run_dir=str(tmp_path / name),
+                          cache=cache_dir)
         train(cfg)
         rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
         return [{k: v for k, v in r.items() if k.startswith(("episode/", "reward/", "loss", "sampler_diff", "kl"))
