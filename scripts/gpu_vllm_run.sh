@@ -2,16 +2,13 @@
 # Issue 49 item 3, the last bundle call's command (after gpu_bundle_go.sh staged vLLM 0.26.0):
 #   bash scripts/gpu_bundle_go.sh dist/gpu_bundle/call2 bash scripts/gpu_vllm_run.sh
 # In order of value, each step under its own timeout and skipped once BUDGET_S is spent:
-#   1. vLLM alone: the smoke's bf16 eager setting (a random 2-layer Qwen2, sleep and wake);
-#   2. the design-card command, python -m grpo.train parallel=zero3 rollout=colocated (tiny model, STEPS);
-#   3. grpo.verify with the same overrides;
+#   1. the design-card command, python -m grpo.train parallel=zero3 rollout=colocated (tiny model in fp32, STEPS);
+#      if it fails, again on vLLM's Model Runner V1 (VLLM_USE_V2_MODEL_RUNNER=0): attempt 1's engines failed in V2;
+#   2. vLLM alone: the smoke's bf16 eager setting (a random 2-layer Qwen2, sleep and wake); if it fails (attempt 1:
+#      it hung after "Using V2 Model Runner"), the same on Model Runner V1, so one call tells which part hangs;
+#   3. grpo.verify with the card's overrides (and the runner that worked);
 #   4. the smoke's fp32 eager and bf16 CUDA-graph settings;
 #   5. colocated with sleep mode under training; 6. grpo.doctor.
-# The trainer's pure-Python wheels (hydra-core, omegaconf, antlr4, deepspeed, hjson, peft) come in the
-# bundle as trainer_wheels/, the tiny models' cache as grpo_cache/; torch and transformers are the image's.
-# Back in $OUT (beside go.log and the go script's files): steps.tsv and runs.tgz (every log, metrics.jsonl,
-# summary, smoke json), rewritten after each step so a kill keeps what finished. The card's metrics.jsonl has
-# each phase's FLOPs and MFU (docs/mfu.md): `python -m grpo.bench mfu --workloads '' --run-dir runs/card`.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gpu_out}; SITE=${GPU_SITE:-/tmp/gpu_site}; WORK=${WORK:-/tmp/gpu_vllm_run}
 BUDGET_S=${BUDGET_S:-400}; STEPS=${STEPS:-40}
@@ -35,9 +32,17 @@ step() {  # step NAME LIMIT CMD...: its output in logs/NAME.log, its tail here
     printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$OUT/steps.tsv"
     pack
 }
+failed() { awk -v n="$1" '$1 == n && $2 != "0" {f=1} END {exit !f}' "$OUT/steps.tsv"; }
 CARD="parallel=zero3 rollout=colocated"
-step smoke_bf16_eager 150 env OUT="$WORK/smoke" python3 scripts/gpu_vllm_smoke.py only bfloat16:eager
 step card 150 python3 -m grpo.train $CARD steps=$STEPS run_dir="$WORK/runs/card"
+if failed card; then
+    step card_v1 150 env VLLM_USE_V2_MODEL_RUNNER=0 python3 -m grpo.train $CARD steps=$STEPS run_dir="$WORK/runs/card_v1"
+    failed card_v1 || export VLLM_USE_V2_MODEL_RUNNER=0  # the later steps on the runner that worked
+fi
+step smoke_bf16_eager 110 env OUT="$WORK/smoke" SMOKE_EAGER_S=95 python3 scripts/gpu_vllm_smoke.py only bfloat16:eager
+if failed smoke_bf16_eager && [ -z "${VLLM_USE_V2_MODEL_RUNNER:-}" ]; then
+    step smoke_bf16_v1 85 env OUT="$WORK/smoke" SMOKE_EAGER_S=75 python3 scripts/gpu_vllm_smoke.py only bfloat16:eager:v1
+fi
 step verify 120 python3 -m grpo.verify $CARD
 step smoke_rest 150 env OUT="$WORK/smoke" python3 scripts/gpu_vllm_smoke.py only float32:eager bfloat16:graphs
 step sleep 120 python3 -m grpo.train $CARD rollout.vllm.sleep=true steps=10 run_dir="$WORK/runs/sleep"

