@@ -377,15 +377,17 @@ def main(argv: list[str] | None = None) -> int:
     if only == ["judge"] and not args.judge:
         p.error("--only judge checks the judge --judge configures: add --judge reward.judge.urls=[http://host:port] ...")
     work = tempfile.mkdtemp(prefix="grpo-doctor-")
+    results = None
     try:
         results = run_checks(only, work, args.judge)
-    finally:
-        if not args.keep:
+    finally:  # a failed check's fix points into its folder (a server's log, a run's output): kept then
+        keep = args.keep or results is None or not all(r.ok for r in results)
+        if not keep:
             shutil.rmtree(work, ignore_errors=True)
     print(table(results))
     failed = [r.check for r in results if not r.ok]
     print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else "")
-          + (f"; run folders in {work}" if args.keep else ""))
+          + (f"; run folders in {work}" if keep else ""))
     return 1 if failed else 0
 
 

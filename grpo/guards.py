@@ -25,6 +25,7 @@ import torch
 
 from grpo import dist
 from grpo.errors import ConfigError
+from grpo.rollout import precision
 
 
 class NonFiniteSteps(ConfigError):
@@ -136,24 +137,28 @@ class RankCheck:
 # doctor's tiny model one step (lr 1e-3) past its engine scores the same tokens up to 4.4 apart (median
 # 0.07; measured on CPU).
 #   float32, CPU   1e-3: engines and trainer both compute in fp32 (1.4e-6 to 2.1e-6 measured, doctor).
-#   float32, CUDA  2e-2: vLLM 0.33 runs an fp32 engine's attention in its Triton kernel (FLASH_ATTN and
-#                  FLASHINFER take fp16/bf16 only), whose fp32 `tl.dot` defaults to TF32 on NVIDIA tensor
-#                  cores: Q, K, P and V rounded to a 10-bit mantissa, 2^-11 = 4.9e-4 relative, 8,192 times
-#                  fp32's 2^-24. An attention score of size 10 moves by about 5e-3 and the layers after carry
-#                  such errors into the logits; the largest over a batch's tokens is a few of those, so 2e-2,
-#                  the bound fp16 (the same 10-bit mantissa, everywhere, not in attention only) has in
-#                  grpo.verify (an estimate: not yet measured on a GPU). The trainer's fp32 SDPA is not
-#                  TF32 (torch keeps matmuls at "highest").
+#   float32, CUDA  2e-2: an fp32 engine's attention runs in vLLM's Triton kernel (FLASH_ATTN and FLASHINFER
+#                  take fp16/bf16 only), whose fp32 `tl.dot` would default to TF32; grpo starts it with
+#                  TRITON_F32_DEFAULT=ieee (grpo/rollout/precision.py), so both sides compute in fp32. 2e-2 is
+#                  the bound fp16 (a 10-bit mantissa) has: a margin, not yet measured with ieee on a GPU.
+#   float32, CUDA, TF32 (a TRITON_F32_DEFAULT=tf32 the user set)  0.1: measured on an H200 (vLLM 0.26.0,
+#                  the default tiny run, 40 steps; docs/results/gpu_vllm.md): the largest per step 5e-3 to
+#                  7.6e-2, verify's sync row 3.9e-2. The trainer's fp32 SDPA is not TF32 (torch keeps
+#                  matmuls at "highest").
 #   bfloat16       0.1: a 7-bit mantissa (a logit step of 0.0625 in [8, 16)); engine and trainer kernels and
 #                  layouts round apart (docs/verify.md).
 #   float16        2e-2: TF32's 10-bit mantissa.
-PARITY_BOUNDS = {("float32", "cpu"): 1e-3, ("float32", "cuda"): 2e-2, "bfloat16": 0.1, "float16": 2e-2}
+PARITY_BOUNDS = {("float32", "cpu"): 1e-3, ("float32", "cuda"): 2e-2, ("float32", "cuda", "tf32"): 0.1, "bfloat16": 0.1,
+                 "float16": 2e-2}
 
 
-def parity_bound(dtype: str, device_type: str) -> float:
-    """The bound above (`PARITY_BOUNDS`) for an engine in `dtype` on `device_type` ("cpu", "cuda")."""
+def parity_bound(dtype: str, device_type: str, environ=None) -> float:
+    """The bound above (`PARITY_BOUNDS`) for an engine in `dtype` on `device_type` ("cpu", "cuda"), whose
+    environment is `environ` (default os.environ: where TRITON_F32_DEFAULT says whether fp32 dots are TF32)."""
     if dtype == "float32":
-        return PARITY_BOUNDS[("float32", "cuda" if device_type == "cuda" else "cpu")]
+        if device_type != "cuda":
+            return PARITY_BOUNDS[("float32", "cpu")]
+        return PARITY_BOUNDS[("float32", "cuda", "tf32")] if precision.triton_tf32(environ) else PARITY_BOUNDS[("float32", "cuda")]
     if dtype not in PARITY_BOUNDS:
         raise ValueError(f"no parity bound for model.dtype={dtype!r}; one of float32, bfloat16, float16")
     return PARITY_BOUNDS[dtype]

@@ -53,6 +53,8 @@ from grpo.moe import served_routes
 from grpo.packaged import PACKAGED
 from grpo.rollout.engine_memory import (check_setting, chunked_prefill, engine_context, kv_cache_bytes, model_config_of,
                                         read_model_config)
+from grpo.rollout import precision
+from grpo.rollout.gloo_transfer import BACKEND as GLOO, not_installed as gloo_not_installed
 from grpo.rollout.reaper import die_with_parent
 from grpo.rollout.push import TRANSFERS, transfer_backend
 from grpo.rollout.servers import reserve_port
@@ -244,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
         args.weight_transfer = transfer_backend(args.weight_transfer, torch.cuda.is_available())
     except ValueError as e:
         p.error(str(e))
+    if args.weight_transfer == GLOO and not args.reward_model and (problem := gloo_not_installed()):
+        p.error(f"--weight-transfer {GLOO}: {problem}")
     if any(a == "--token" or a.startswith("--token=") or a == "--api-key" or a.startswith("--api-key=") for a in extra):
         p.error(f"a token on the command line is visible to every user of this machine (ps); set {TOKEN_ENV} "
                 "or give --token-file FILE (chmod 600).")
@@ -280,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     # the route to 8.8.8.8) and every gloo group it makes (else on the hostname's address) are loopback
     for key, value in dist.loopback_env().items():
         os.environ.setdefault(key, value)
+    precision.apply_engine_env(args.dtype, torch.cuda.is_available())  # an fp32 engine's Triton attention in fp32
     # vLLM's server, run through grpo.library_logs: its expected lines once, with what they mean
     argv_out = [sys.executable, "-m", "grpo.library_logs", "vllm.entrypoints.openai.api_server",
                 *vllm_argv(args, extra, server_kv_bytes(args))]

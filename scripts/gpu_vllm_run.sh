@@ -3,18 +3,21 @@
 #   bash scripts/gpu_bundle_go.sh dist/gpu_bundle/call2 bash scripts/gpu_vllm_run.sh
 # In order of value, each step under its own timeout and skipped once BUDGET_S is spent:
 #   1. the design-card command, python -m grpo.train parallel=zero3 rollout=colocated (tiny model in fp32, STEPS);
-#      if it fails, again on vLLM's Model Runner V1 (VLLM_USE_V2_MODEL_RUNNER=0): attempt 1's engines failed in V2;
-#   2. vLLM alone: the smoke's bf16 eager setting (a random 2-layer Qwen2, sleep and wake); if it fails (attempt 1:
-#      it hung after "Using V2 Model Runner"), the same on Model Runner V1, so one call tells which part hangs;
-#   3. grpo.verify with the card's overrides (and the runner that worked);
-#   4. the smoke's fp32 eager and bf16 CUDA-graph settings;
-#   5. colocated with sleep mode under training; 6. grpo.doctor.
+#      if it fails, again on vLLM's Model Runner V1 (VLLM_USE_V2_MODEL_RUNNER=0), and the later steps on it;
+#   2. grpo.verify with the card's overrides (attempt 2: its sync row failed on TF32 attention, fixed since);
+#   3. grpo.doctor's remote and weight-sync rows (attempt 2: the server's engine process lacked grpo's entry point);
+#   4. colocated with sleep mode under training; 5. vLLM alone (scripts/gpu_vllm_smoke.py: bf16 and fp32, eager and
+#      CUDA graphs, sleep and wake; all passed in attempt 2); 6. the doctor's other rows.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gpu_out}; SITE=${GPU_SITE:-/tmp/gpu_site}; WORK=${WORK:-/tmp/gpu_vllm_run}
 BUDGET_S=${BUDGET_S:-400}; STEPS=${STEPS:-40}
 rm -rf "$WORK"; mkdir -p "$WORK/logs" "$WORK/runs" "$WORK/smoke" /tmp/trainer_site
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/trainer_site "$SITE"/trainer_wheels/*.whl || echo "trainer wheels: install failed"
-export PYTHONPATH=$PYTHONPATH:/tmp/trainer_site:$PWD GRPO_CACHE=$SITE/grpo_cache PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 \
+# grpo's entry points, as make setup installs them: vLLM's engine process loads the grpo_gloo weight transfer from an
+# installed vllm.general_plugins entry point only. The dist-info alone: the code stays the checkout's.
+rm -rf /tmp/grpo_dist && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/grpo_dist . \
+    && rm -rf /tmp/grpo_dist/grpo build || echo "grpo entry points: install failed"
+export PYTHONPATH=$PYTHONPATH:/tmp/trainer_site:$PWD:/tmp/grpo_dist GRPO_CACHE=$SITE/grpo_cache PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 \
        HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 printf 'step\trc\tseconds\n' > "$OUT/steps.tsv"
 python3 -c 'import transformers, deepspeed, hydra; from grpo.rollout import vllm_api; print("transformers", transformers.__version__, "deepspeed", deepspeed.__version__, "hydra", hydra.__version__, "api", vllm_api.installed())' 2>&1 | tail -3
@@ -39,13 +42,10 @@ if failed card; then
     step card_v1 150 env VLLM_USE_V2_MODEL_RUNNER=0 python3 -m grpo.train $CARD steps=$STEPS run_dir="$WORK/runs/card_v1"
     failed card_v1 || export VLLM_USE_V2_MODEL_RUNNER=0  # the later steps on the runner that worked
 fi
-step smoke_bf16_eager 110 env OUT="$WORK/smoke" SMOKE_EAGER_S=95 python3 scripts/gpu_vllm_smoke.py only bfloat16:eager
-if failed smoke_bf16_eager && [ -z "${VLLM_USE_V2_MODEL_RUNNER:-}" ]; then
-    step smoke_bf16_v1 85 env OUT="$WORK/smoke" SMOKE_EAGER_S=75 python3 scripts/gpu_vllm_smoke.py only bfloat16:eager:v1
-fi
-step verify 120 python3 -m grpo.verify $CARD
-step smoke_rest 150 env OUT="$WORK/smoke" python3 scripts/gpu_vllm_smoke.py only float32:eager bfloat16:graphs
-step sleep 120 python3 -m grpo.train $CARD rollout.vllm.sleep=true steps=10 run_dir="$WORK/runs/sleep"
-step doctor 150 python3 -m grpo.doctor
+step verify 180 python3 -m grpo.verify $CARD
+step doctor_remote 150 python3 -m grpo.doctor --only remote,weight-sync
+step sleep 90 python3 -m grpo.train $CARD rollout.vllm.sleep=true steps=10 run_dir="$WORK/runs/sleep"
+step smoke 180 env OUT="$WORK/smoke" python3 scripts/gpu_vllm_smoke.py
+step doctor 150 python3 -m grpo.doctor --only versions,device,peak,all-reduce,hf,colocated,dedicated
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$WORK/logs/nvidia_end.txt" 2>&1; pack
 echo "== done at ${SECONDS}s"

@@ -49,7 +49,8 @@ def test_the_doctors_server_never_shares_a_gpu_with_the_trainer_over_nccl():
 
 def test_the_parity_bound_follows_the_dtype_and_the_device_by_value():
     """One bound for the doctor, grpo.verify's sampler/sync rows and the `gpu` tier: fp32 1e-3 on the
-    CPU; on CUDA 2e-2, since vLLM's fp32 attention runs in TF32 (a 10-bit mantissa, as fp16's); bf16 0.1.
+    CPU; on CUDA 2e-2 (a margin over fp32 Triton attention; 0.1 under a TF32 the user chose: test_precision.py);
+    bf16 0.1.
     A missed sync (4.4 on the doctor's tiny model) is outside every one."""
     import pytest
 
@@ -58,7 +59,6 @@ def test_the_parity_bound_follows_the_dtype_and_the_device_by_value():
     assert parity_bound("float32", "cpu") == 1e-3 and parity_bound("float32", "cuda") == 2e-2
     assert parity_bound("bfloat16", "cpu") == parity_bound("bfloat16", "cuda") == 0.1
     assert parity_bound("float16", "cuda") == 2e-2
-    assert parity_bound("float32", "cuda") > 2**-11 * 10  # a TF32-rounded attention score of size 10
     assert all(parity_bound(d, dev) < min(SAMPLER_DIFF_BOUND[d], 4.4) for d in SAMPLER_DIFF_BOUND for dev in ("cpu", "cuda"))
     with pytest.raises(ValueError, match="no parity bound"):
         parity_bound("int8", "cuda")
@@ -90,3 +90,28 @@ def test_a_backend_row_passes_within_its_devices_bound(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     on_cuda = doctor.check_backend("hf", str(tmp_path / "cuda"), [])
     assert on_cuda.ok and "bound 0.02" in on_cuda.detail
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_failed_checks_folder_is_kept_for_the_log_its_fix_names(ok, monkeypatch, capsys):
+    """The first GPU run's remote row said "see /tmp/grpo-doctor-.../server.log", and the doctor had
+    deleted that folder on exit. A failed check keeps it (and says where); a clean run leaves nothing."""
+    import os
+
+    seen = {}
+
+    def run_checks(only, work, judge=None):
+        seen["work"] = work
+        with open(os.path.join(work, "server.log"), "w") as f:
+            f.write("the engine's error\n")
+        return [doctor.Result("remote", ok, "server did not start", "see " + os.path.join(work, "server.log"))]
+
+    monkeypatch.setattr(doctor, "run_checks", run_checks)
+    assert doctor.main(["--only", "remote"]) == (0 if ok else 1)
+    out = capsys.readouterr().out
+    assert os.path.exists(os.path.join(seen["work"], "server.log")) is (not ok)
+    assert (f"run folders in {seen['work']}" in out) is (not ok), out
+    if not ok:
+        import shutil
+
+        shutil.rmtree(seen["work"])

@@ -35,6 +35,7 @@ import torch.distributed as tdist
 
 from grpo import dist, lora, vision
 from grpo.moe import routing, served_routes, vllm_capture, vllm_reload
+from grpo.rollout import precision
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, sampling_fields
 from grpo.weights import WeightBuckets
 from grpo.errors import ConfigError, EngineStartError
@@ -98,6 +99,7 @@ def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1, lora_r
     fails (most often for memory) tears down what vLLM set up, so the next engine in this process
     starts cleanly, and raises EngineStartError saying what to change."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    precision.apply_engine_env(dtype, torch.cuda.is_available())  # an fp32 engine's Triton attention in fp32, not TF32
     installed()  # a vLLM in the supported range (else what to install); its API is the same for all this uses
     from vllm import LLM  # vllm: optional, engine installs only
 

