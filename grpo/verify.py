@@ -30,7 +30,7 @@ and checks every equivalence the loss relies on, one PASS / FAIL / SKIP line eac
 Tolerances follow the dtype: fp32 compares to 1e-4 (logprobs) and 1e-4 of the gradient's size;
 bf16/fp16 to what their rounding gives (docs/algorithm.md: one bf16 step of a logit is 0.0625 in
 [8, 16)); the sampler and sync rows, which compare an engine, to grpo.guards.parity_bound (fp32: 1e-3
-on CPU, 2e-2 on CUDA, where vLLM's fp32 attention is TF32), as grpo.doctor does. Exit status 1 if any
+on CPU, 2e-2 on CUDA: grpo/rollout/precision.py), as grpo.doctor does. Exit status 1 if any
 check fails: paste the table into a bug report.
 """
 
@@ -378,7 +378,7 @@ def run_checks(cfg, overrides: list[str]) -> list[Check]:
         cleanup.enter_context(dist.process_group(info, cfg.parallel.collective_timeout_s, cfg.parallel.peer_timeout_s))
         r = setup(cfg, info, cleanup)
         batch = first_batch(r)
-        # the doctor's and the `gpu` tier's bound: fp32 engines' attention is TF32 on a GPU (grpo.guards)
+        # the doctor's and the `gpu` tier's bound: by dtype and device (grpo.guards.PARITY_BOUNDS)
         tol_sampler = parity_bound(cfg.model.dtype, "cuda" if torch.cuda.is_available() else "cpu")
         results.append(sampler_check(r, batch, "sampler", tol_sampler))
         results.append(ratio_check(r, batch, tol_logp))

@@ -66,7 +66,7 @@ def test_the_parity_bound_follows_the_dtype_and_the_device_by_value():
 
 def test_a_backend_row_passes_within_its_devices_bound(tmp_path, monkeypatch):
     """The doctor's row takes the run's model.dtype and this machine's device: an fp32 run whose
-    engine is 5e-3 off fails on the CPU and passes on CUDA (TF32 attention), as the `gpu` tier's
+    engine is 5e-3 off fails on the CPU and passes on CUDA (its fp32 bound's margin), as the `gpu` tier's
     runs do (tests/test_gpu.py reads the same `run_parity_bound`)."""
     import json
     import os
