@@ -57,3 +57,31 @@ def test_serve_refuses_grpo_gloo_when_the_engine_process_could_not_load_it(monke
         serve.main(["--model", "tiny", "--weight-transfer", "grpo_gloo"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "vllm.general_plugins entry point grpo_gloo" in err and "pip install" in err, err
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_serve_starts_an_fp32_engine_on_cuda_with_full_fp32_dots(cuda, monkeypatch):
+    """grpo.serve (the server of rollout=remote, and of each dedicated engine) up to its exec into vLLM, on a
+    machine that has CUDA (as torch answers) and one that has not: the tiny model's fp32 checkpoint is served
+    in fp32, with TRITON_F32_DEFAULT=ieee in the environment vLLM inherits on CUDA only."""
+    import os
+
+    import torch
+
+    from grpo import serve
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != precision.TRITON_F32})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+
+    class Exec(Exception):
+        pass
+
+    def execv(path, argv):
+        raise Exec(argv)
+
+    monkeypatch.setattr(serve.os, "execv", execv)
+    with pytest.raises(Exec) as e:
+        serve.main(["--model", "tiny"])
+    argv = e.value.args[0]
+    assert argv[argv.index("--dtype") + 1] == "float32"
+    assert os.environ.get(precision.TRITON_F32) == ("ieee" if cuda else None)
