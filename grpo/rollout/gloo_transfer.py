@@ -15,6 +15,7 @@ know the backend.
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import os
 from dataclasses import dataclass, field
 
@@ -220,10 +221,8 @@ def not_installed() -> str | None:
     core in a new process that loads plugins from installed entry points only, so grpo must be installed
     (`make setup`, `pip install -e .`), not only importable from a folder on PYTHONPATH: run that way, the
     first GPU run's server failed at start with vLLM's "Invalid weight transfer backend: grpo_gloo"."""
-    from importlib.metadata import entry_points
-
     group, name, value = ENTRY_POINT
-    if any(ep.name == name and ep.value == value for ep in entry_points(group=group)):
+    if any(ep.name == name and ep.value == value for ep in importlib.metadata.entry_points(group=group)):
         return None
     return (f"no {group} entry point {name} = {value} is installed in this environment, so vLLM's engine process "
             f"cannot load the {BACKEND} weight transfer (grpo runs from a folder on PYTHONPATH?). Install grpo "
