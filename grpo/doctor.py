@@ -8,7 +8,7 @@ fix for each failure, and a non-zero exit on any. The same checks run on a CPU m
   all-reduce    2 ranks through grpo.dist's own process group (gloo, and NCCL between 2 GPUs)
   <backend>     2 training steps on the tiny model through each rollout backend; after the first
                 sync the engine's logprobs of the sampled tokens must match the trainer's, within
-                grpo.guards.parity_bound (fp32: 1e-3 on CPU, 2e-2 on CUDA, where vLLM's attention is TF32)
+                grpo.guards.parity (fp32: the largest 1e-3 on CPU, 2e-2 on CUDA; bf16: the mean 0.03)
   weight sync   seconds per sync into a `grpo.serve` server, per bucket size
   judge         with --judge: a configured judge (reward=judge) answers a right and a wrong answer
                 with scores, and how long it took (token from $GRPO_JUDGE_TOKEN or reward.judge.token_file)
@@ -215,17 +215,18 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def run_parity_bound(run_dir: str) -> float:
-    """The sampler-trainer bound for a run the doctor made: grpo.guards.parity_bound of its model.dtype
-    (its config.yaml) on this machine's device, the one the `gpu` test tier and grpo.verify use."""
+def run_parity(run_dir: str):
+    """The sampler-trainer parity (grpo.guards.Parity: a statistic of the step's metrics and its bound)
+    for a run the doctor made: grpo.guards.parity of its model.dtype (its config.yaml) on this machine's
+    device, the one the `gpu` test tier and grpo.verify use."""
     # torch, omegaconf: in the check, so a broken install fails its row only
     import torch
     from omegaconf import OmegaConf
 
-    from grpo.guards import parity_bound  # loads torch: in the check, as torch is
+    from grpo.guards import parity  # loads torch: in the check, as torch is
 
     dtype = OmegaConf.load(os.path.join(run_dir, "config.yaml")).model.dtype
-    return parity_bound(dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    return parity(dtype, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def check_backend(backend: str, work: str, extra: list[str]) -> Result:
@@ -241,12 +242,12 @@ def check_backend(backend: str, work: str, extra: list[str]) -> Result:
         return Result(backend, False, last_error(out.stderr), f"see the log: python -m grpo.train rollout={backend} {' '.join(TWO_STEPS)}")
     steps = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"sampler_diff"' in line]
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
-    diff = steps[-1]["sampler_diff"]
-    bound = run_parity_bound(run_dir)
-    detail = (f"2 steps in {time.perf_counter() - t0:.0f} s, sampler-trainer logprob diff {diff:.1e} after a sync "
-              f"(bound {bound:g}), peak memory {summary['peak_memory_gb']:.2f} GB")
-    if not diff <= bound:
-        return Result(backend, False, detail, f"the engine does not serve the trainer's weights (> {bound:g}): "
+    par = run_parity(run_dir)
+    diff = steps[-1][par.metric]
+    detail = (f"2 steps in {time.perf_counter() - t0:.0f} s, sampler-trainer logprob diff ({par.statistic}) {diff:.1e} "
+              f"after a sync (bound {par.bound:g}), peak memory {summary['peak_memory_gb']:.2f} GB")
+    if not par.holds(diff):
+        return Result(backend, False, detail, f"the engine does not serve the trainer's weights (> {par.bound:g}): "
                       "check model.dtype against the engine's dtype, and the weight sync")
     return Result(backend, True, detail)
 

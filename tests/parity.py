@@ -7,12 +7,12 @@ from grpo.weights import group_by_size
 from grpo.rollout import Sampling
 from grpo.batch import collate
 from grpo.update import score_tokens
-from grpo.guards import parity_bound
+from grpo.guards import parity
 
 # fp32, max |sampler - trainer| logprob over all sampled tokens: on the CPU tighter than the doctor's
 # 1e-3 (measured 5e-6); with a GPU the engine is vLLM's CUDA build, whose fp32 attention is TF32: the
-# bound the doctor and the `gpu` tier use (grpo.guards.parity_bound)
-PARITY_TOL = parity_bound("float32", "cuda") if torch.cuda.is_available() else 1e-4
+# bound the doctor and the `gpu` tier use (grpo.guards.parity)
+PARITY_TOL = parity("float32", "cuda").bound if torch.cuda.is_available() else 1e-4
 
 
 def max_logprob_diff(backend, model, tok, prompts, n=4, seed=1) -> tuple[float, object]:
@@ -116,6 +116,6 @@ def assert_guess_run_scores_the_samplers_tokens(run_dir) -> None:
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     trained = [r for r in rows if "loss" in r]
     assert [r["weight_version"] for r in trained] == [0, 1, 2]
-    bound = parity_bound("float32", "cuda" if torch.cuda.is_available() else "cpu")
+    bound = parity("float32", "cuda" if torch.cuda.is_available() else "cpu").bound
     assert all(r["sampler_diff"] <= bound for r in trained), [r["sampler_diff"] for r in trained]
     assert max(r["episode/turns_max"] for r in trained) > 1

