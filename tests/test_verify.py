@@ -19,7 +19,8 @@ import grpo.train
 import grpo.update.step
 import grpo.verify
 from grpo.rollout.render import ChatRender
-from grpo.verify import Check, render_check, resume_check, verify
+from grpo.guards import Parity
+from grpo.verify import Check, Gap, render_check, resume_check, sync_verdict, verify
 from tests.conftest import FAST
 from tests.test_parallel import TORCHRUN
 from tests.test_render import CHATML, chat_tokenizer
@@ -213,6 +214,7 @@ def test_verify_judges_a_bf16_engine_by_the_mean_and_sees_a_missed_push(tmp_path
     script = tmp_path / "bf16_engine.py"
     script.write_text(BF16_ENGINE)
     out = subprocess.run([sys.executable, str(script), push, *FAST, "rollout=colocated", "model.dtype=bfloat16",
+                          "algo.warmup_steps=20",  # the default: verify's step must take algo.lr whatever it says
                           "rollout.vllm.memory_fraction=0.1", f"model.cache_dir={cache_dir}"],
                          capture_output=True, text=True, timeout=600)
     status = {ln.split()[1]: ln[:4] for ln in out.stdout.splitlines() if ln[:4] in ("PASS", "FAIL", "SKIP") and ln[4:6] == "  "}
@@ -220,6 +222,20 @@ def test_verify_judges_a_bf16_engine_by_the_mean_and_sees_a_missed_push(tmp_path
     assert out.returncode == (push == "missed") and status["sampler"] == "PASS", out.stdout + out.stderr[-3000:]
     assert status["sync"] == ("FAIL" if push == "missed" else "PASS"), out.stdout
     assert "mean |trainer - sampler| logprob" in rows["sync"] and "the largest" in rows["sync"], rows["sync"]
+
+
+def test_the_sync_row_fails_a_stale_engine_and_skips_a_step_it_cannot_see():
+    """By value: the statistic the parity names (the largest in fp32, the mean in bf16); a step whose
+    own movement is within the bound is a SKIP (a missed push would pass), not a PASS."""
+    fp32, bf16 = Parity("max", 1e-3), Parity("mean", 0.03)
+    healthy, stale = Gap(largest=0.38, mean=7e-3, tokens=2044), Gap(largest=6.5, mean=0.6, tokens=2043)
+    assert sync_verdict(healthy, stale, bf16, "bfloat16").status == "PASS"
+    assert sync_verdict(stale, stale, bf16, "bfloat16").status == "FAIL"  # the push missed
+    small = sync_verdict(healthy, Gap(largest=0.19, mean=0.018, tokens=2043), bf16, "bfloat16")
+    assert small.status == "SKIP" and "moved the batch sampled before it by 1.80e-02 (mean)" in small.detail, small
+    assert sync_verdict(healthy, stale, fp32, "float32").status == "FAIL"  # 0.38 is far outside fp32's 1e-3
+    exact = sync_verdict(Gap(4e-6, 5e-7, 2043), Gap(0.28, 0.027, 2043), fp32, "float32")
+    assert exact.status == "PASS" and exact.detail.startswith("max |trainer - sampler| logprob 4.00e-06"), exact
 
 
 def test_the_render_row_fails_when_observations_join_unlike_the_template(monkeypatch):
