@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from grpo import listeners
+from grpo.auth import is_loopback
 from grpo.errors import DeviceError
 
 
@@ -81,13 +82,18 @@ def cuda_device_index(local_rank: int, device_count: int) -> int:
                       "GPUs (one per local rank) or exactly one.")
 
 
+def master_addr(info: DistInfo) -> str:
+    """Where this process's groups meet: MASTER_ADDR under a launcher, this node for one process."""
+    return "127.0.0.1" if info.world_size == 1 else os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+
 def init_distributed(info: DistInfo, timeout_s: float = 600, force: bool = False) -> None:
     """gloo on CPU, NCCL on GPU. A peer that never arrives fails after `timeout_s` with its rank.
     One process gets no group unless `force` (DeepSpeed needs one even then). Every gloo group this
     process makes (the run's, vLLM's, DeepSpeed's) listens on this node's address towards MASTER_ADDR
     (loopback for one process: `bind_gloo`), and a store this process hosts on MASTER_ADDR only."""
     if (info.world_size == 1 and not force) or dist.is_initialized():
-        bind_gloo("127.0.0.1" if info.world_size == 1 else os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        bind_gloo(master_addr(info))
         return
     if info.world_size == 1 and "MASTER_PORT" not in os.environ:  # one process (DeepSpeed's group): its own
         # store on a port bound here (0: the kernel's choice), not one picked free and bound later
@@ -189,6 +195,42 @@ def bind_gloo(master_addr: str) -> None:
             if a.family in (socket.AF_INET, socket.AF_INET6):
                 listeners.expect_process(os.getpid(), a.address.split("%")[0],
                                          f"gloo pairs of this process's groups ({interface})")
+
+
+NCCL_IFNAME = "NCCL_SOCKET_IFNAME"
+
+
+def nccl_on_loopback(peer_hosts: list[str], route=None) -> bool:
+    """Whether every NCCL peer of this process is on this node (`peer_hosts`: MASTER_ADDR and the hosts
+    of the servers it transfers weights to over NCCL), reached through loopback. NCCL picks one
+    interface per process for its bootstrap and proxy sockets, at its first use, and listens there for
+    the run: by default a non-loopback one (the host's address, reachable from the cluster), which
+    only a peer on another node needs."""
+    route = route_address if route is None else route
+    return all(is_loopback(route(host)) for host in peer_hosts)
+
+
+def bind_nccl(peer_hosts: list[str], cuda: bool) -> None:
+    """NCCL's sockets on loopback (NCCL_SOCKET_IFNAME) where every peer is on this node: a one-node run
+    with colocated or dedicated engines, remote servers at a loopback URL. A peer on another node
+    leaves NCCL its own choice (it must be reachable there; NCCL prefers InfiniBand's IP interfaces,
+    which forcing the route to MASTER_ADDR could trade for a slower one). A NCCL_SOCKET_IFNAME the
+    user set is kept."""
+    if NCCL_IFNAME in os.environ or not nccl_on_loopback(peer_hosts):
+        return
+    os.environ[NCCL_IFNAME] = interface_of("127.0.0.1") or "lo"
+    if cuda:
+        for a in psutil.net_if_addrs().get(os.environ[NCCL_IFNAME], []):
+            if a.family in (socket.AF_INET, socket.AF_INET6):
+                listeners.expect_process(os.getpid(), a.address.split("%")[0],
+                                         f"NCCL bootstrap and proxy sockets ({os.environ[NCCL_IFNAME]})")
+
+
+def server_nccl_env(host: str) -> dict[str, str]:
+    """A `grpo.serve` bound to loopback (`host`) has its NCCL peers on this node (the trainer pushing
+    weights, its own tensor-parallel workers): NCCL's sockets there too. One reached from other nodes
+    leaves NCCL its own choice."""
+    return {NCCL_IFNAME: interface_of("127.0.0.1") or "lo"} if is_loopback(host) else {}
 
 
 def node_name() -> str:
@@ -357,9 +399,13 @@ class PeerWatchdog:
 
 
 @contextlib.contextmanager
-def process_group(info: DistInfo, timeout_s: float = 600, peer_timeout_s: float = 60):
+def process_group(info: DistInfo, timeout_s: float = 600, peer_timeout_s: float = 60, nccl_peers: tuple[str, ...] = ()):
     """The run's process group, left on every way out: together (a barrier) when the run ends,
-    alone when it fails, so no rank waits on a dead one; a `PeerWatchdog` names a lost peer."""
+    alone when it fails, so no rank waits on a dead one; a `PeerWatchdog` names a lost peer.
+    NCCL listens on loopback where MASTER_ADDR and `nccl_peers` (the hosts of the servers the run
+    pushes weights to over NCCL) are all on this node (`bind_nccl`): set before NCCL's first use, which
+    reads it once for the process (the training group's, vLLM's, a weight-transfer group's)."""
+    bind_nccl([master_addr(info), *nccl_peers], torch.cuda.is_available())
     init_distributed(info, timeout_s)
     watchdog = PeerWatchdog(info, peer_timeout_s) if dist.is_initialized() and info.world_size > 1 else None
     try:

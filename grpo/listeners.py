@@ -69,7 +69,7 @@ def expect_served(pid: int, url: str, name: str = "grpo.serve") -> None:
     """What a loopback `grpo.serve` this process started (pid `pid`, at `url`) listens on: its API, and
     its vLLM processes' internals (gloo groups, the weight-transfer pairs) on loopback."""
     expect("127.0.0.1", int(url.rsplit(":", 1)[1]), f"{name} API")
-    expect_process(pid, "127.0.0.1", f"{name}'s vLLM internals: gloo groups, weight-transfer pairs", tree=True)
+    expect_process(pid, "127.0.0.1", f"{name}'s vLLM internals: gloo groups, weight-transfer pairs, NCCL's sockets", tree=True)
 
 
 def forget(port: int | None = None, pid: int | None = None) -> None:

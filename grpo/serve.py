@@ -281,8 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.token:
         os.environ[TOKEN_ENV] = args.token  # the middleware reads it there, in the exec'd server
     # vLLM's internals stay on this node, whatever --host the API takes: its own address (get_ip(), else
-    # the route to 8.8.8.8) and every gloo group it makes (else on the hostname's address) are loopback
-    for key, value in dist.loopback_env().items():
+    # the route to 8.8.8.8) and every gloo group it makes (else on the hostname's address) are loopback;
+    # NCCL's sockets too where the API is (a trainer pushing over NCCL is then on this node)
+    for key, value in {**dist.loopback_env(), **dist.server_nccl_env(args.host)}.items():
         os.environ.setdefault(key, value)
     precision.apply_engine_env(args.dtype, torch.cuda.is_available())  # an fp32 engine's Triton attention in fp32
     # vLLM's server, run through grpo.library_logs: its expected lines once, with what they mean

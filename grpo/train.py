@@ -79,6 +79,7 @@ from grpo.parallel import build_strategy, strategy_class
 from grpo.preempt import StopSignal, stop
 from grpo.rewards import build_rewards, score
 from grpo.rollout import build_rollout, sampling_from
+from grpo.rollout.push import nccl_peers
 from grpo.tasks import TrainSampler, build_task
 from grpo.tiny.folders import resolve_on_node
 from grpo.batch import collate, step_advantages
@@ -174,7 +175,8 @@ def train(cfg: DictConfig) -> dict:
     quiet_library_logs(info.rank)  # a library's repeating warning once per run; other ranks: grpo's warnings, errors
     threads = configure_threads(cfg.threads)
     with contextlib.ExitStack() as cleanup:
-        cleanup.enter_context(process_group(info, cfg.parallel.collective_timeout_s, cfg.parallel.peer_timeout_s))
+        cleanup.enter_context(process_group(info, cfg.parallel.collective_timeout_s, cfg.parallel.peer_timeout_s,
+                                            nccl_peers(cfg.rollout, torch.cuda.is_available())))
         return run(cfg, info, threads, cleanup)
 
 

@@ -145,3 +145,41 @@ def test_the_process_groups_store_and_gloo_pairs_listen_on_master_addr_only(mast
     assert [problem for *_, problem in seen if problem] == [], seen
     purposes = sorted(purpose.split(" (")[0] for address, _, purpose, _ in seen if address == host)
     assert purposes == ["gloo pairs of this process's groups", "torch.distributed rendezvous store"], seen
+
+
+def test_nccl_listens_on_loopback_only_where_every_peer_is_on_this_node(monkeypatch):
+    """On the H200 (docs/results/gpu_vllm.md) every colocated run left 4 NCCL bootstrap and proxy
+    listeners on the host's address, reachable from the cluster, where loopback was all it needed.
+    NCCL reads NCCL_SOCKET_IFNAME once a process, so the process group sets it before any NCCL use:
+    loopback where MASTER_ADDR and the servers the run pushes to over NCCL are all on this node, NCCL's
+    own choice otherwise (a peer elsewhere must reach it), and a user's value untouched."""
+    from omegaconf import OmegaConf
+
+    from grpo import dist
+    from grpo.rollout.push import nccl_peers
+
+    routes = {"127.0.0.1": "127.0.0.1", "localhost": "127.0.0.1", "node7": "10.0.0.7", "10.0.0.1": "10.0.0.1"}
+    assert dist.nccl_on_loopback(["127.0.0.1"], routes.get) and dist.nccl_on_loopback(["127.0.0.1", "localhost"], routes.get)
+    assert not dist.nccl_on_loopback(["127.0.0.1", "node7"], routes.get)  # a remote server on another node
+    assert not dist.nccl_on_loopback(["10.0.0.1"], routes.get)  # a multi-node run's MASTER_ADDR
+
+    def rollout(backend, transfer="auto", urls=()):
+        return OmegaConf.create({"backend": backend, "vllm": {"weight_transfer": transfer}, "remote": {"urls": list(urls)}})
+
+    urls = ["http://node7:8000", "https://10.0.0.8:8443"]
+    assert nccl_peers(rollout("remote", "auto", urls), cuda=True) == ("node7", "10.0.0.8")
+    assert nccl_peers(rollout("remote", "grpo_gloo", urls), cuda=True) == ()  # gloo pairs bind as rendezvous.py says
+    assert nccl_peers(rollout("remote", "auto", urls), cuda=False) == ()  # auto is grpo_gloo on CPU
+    assert nccl_peers(rollout("colocated"), cuda=True) == nccl_peers(rollout("dedicated"), cuda=True) == ()
+
+    lo = dist.interface_of("127.0.0.1")
+    monkeypatch.delenv(dist.NCCL_IFNAME, raising=False)
+    monkeypatch.setattr(dist, "route_address", lambda host: routes.get(host, host))
+    dist.bind_nccl(["10.0.0.1", "127.0.0.1"], cuda=False)
+    assert dist.NCCL_IFNAME not in os.environ
+    with dist.process_group(dist.DistInfo(), nccl_peers=("localhost",)):  # one process: no group, NCCL still bound
+        assert os.environ[dist.NCCL_IFNAME] == lo
+    monkeypatch.setenv(dist.NCCL_IFNAME, "ib0")
+    dist.bind_nccl(["127.0.0.1"], cuda=False)
+    assert os.environ[dist.NCCL_IFNAME] == "ib0"
+    assert dist.server_nccl_env("127.0.0.1") == {dist.NCCL_IFNAME: lo} and dist.server_nccl_env("10.0.0.5") == {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from grpo import dist
 from grpo.guards import Parity, parity
 from grpo.rollout import precision
 
@@ -30,7 +31,7 @@ def test_the_switch_is_the_one_triton_reads(monkeypatch):
     assert triton.knobs.language.fp32_default == "ieee"
 
 
-def test_the_parity_bound_follows_a_tf32_the_user_set():
+def test_the_parity_follows_a_tf32_the_user_set():
     """With full fp32 dots the fp32 CUDA bound stays 2e-2; a user's TF32 gets 0.1, above the 7.6e-2 that
     TF32 attention reached on an H200 in 40 steps of the default run (verify's sync row: 3.9e-2)."""
     assert parity("float32", "cuda", {}) == parity("float32", "cuda", {"TRITON_F32_DEFAULT": "ieee"}) == Parity("max", 2e-2)
@@ -65,14 +66,15 @@ def test_serve_refuses_grpo_gloo_when_the_engine_process_could_not_load_it(monke
 def test_serve_starts_an_fp32_engine_on_cuda_with_full_fp32_dots(cuda, monkeypatch):
     """grpo.serve (the server of rollout=remote, and of each dedicated engine) up to its exec into vLLM, on a
     machine that has CUDA (as torch answers) and one that has not: the tiny model's fp32 checkpoint is served
-    in fp32, with TRITON_F32_DEFAULT=ieee in the environment vLLM inherits on CUDA only."""
+    in fp32, with TRITON_F32_DEFAULT=ieee in the environment vLLM inherits on CUDA only; bound to loopback,
+    its NCCL sockets are on loopback too (tests/test_listeners.py)."""
     import os
 
     import torch
 
     from grpo import serve
 
-    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != precision.TRITON_F32})
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in (precision.TRITON_F32, dist.NCCL_IFNAME)})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
 
     class Exec(Exception):
@@ -87,3 +89,4 @@ def test_serve_starts_an_fp32_engine_on_cuda_with_full_fp32_dots(cuda, monkeypat
     argv = e.value.args[0]
     assert argv[argv.index("--dtype") + 1] == "float32"
     assert os.environ.get(precision.TRITON_F32) == ("ieee" if cuda else None)
+    assert os.environ[dist.NCCL_IFNAME] == dist.interface_of("127.0.0.1")

@@ -10,7 +10,7 @@ tiny run, 40 steps; docs/results/gpu_vllm.md) the largest |trainer - sampler| lo
 `TRITON_F32_DEFAULT=ieee` (Triton's own switch, read when a kernel compiles and part of its cache key)
 makes every fp32 `tl.dot` full fp32, so an fp32 run samples from the fp32 model it trains. A value the
 user set is kept: `tf32` on purpose trades that for speed, and the parity checks' bound follows it
-(`grpo.guards.parity_bound`). bf16 and fp16 dots are untouched by the switch.
+(`grpo.guards.parity`). bf16 and fp16 dots are untouched by the switch.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from urllib.parse import urlparse
 
 from grpo import dist, lora
 from grpo.errors import ConfigError
@@ -28,6 +29,15 @@ def transfer_backend(setting: str, cuda: bool) -> str:
     if setting == "auto":
         return "nccl" if cuda else GLOO
     return setting
+
+
+def nccl_peers(rollout_cfg, cuda: bool) -> tuple[str, ...]:
+    """The hosts a run's trainer pushes weights to over NCCL: rollout=remote's servers, when their
+    transfer is `nccl` (grpo.dist.process_group keeps NCCL on loopback when these and MASTER_ADDR are
+    all on this node). Dedicated engines are on this node, colocated ones in the process."""
+    if rollout_cfg.backend != "remote" or transfer_backend(rollout_cfg.vllm.weight_transfer, cuda) != "nccl":
+        return ()
+    return tuple(urlparse(url).hostname or url for url in rollout_cfg.remote.urls)
 
 
 def push_adapter_from_one_rank(pool: ServerPool | None, model, buckets: WeightBuckets, version: int, folder: str,
