@@ -7,9 +7,10 @@
 #   2. grpo.verify with the card's overrides (attempt 2: its sync row failed on TF32 attention, fixed since);
 #   3. grpo.doctor's remote and weight-sync rows (attempt 2: the server's engine process lacked grpo's entry point);
 #   4. the card with CUDA graphs (rollout=colocated's default is eager everywhere): do synced weights reach the graphs?
-#   5. the `gpu` test tier (make test-gpu: the doctor, then 2 steps per backend and strategy), as far as BUDGET_S goes;
-#   6. colocated with sleep mode under training; 7. vLLM alone (scripts/gpu_vllm_smoke.py: bf16 and fp32, eager and
-#      CUDA graphs, sleep and wake; all passed in attempt 2); 8. the doctor's other rows.
+#   5. grpo.verify of the card in bf16 (the parity rows judge the mean there since session 16: CPU only so far);
+#   6. the `gpu` test tier (make test-gpu: the doctor, then 2 steps per backend and strategy), as far as BUDGET_S goes;
+#   7. colocated with sleep mode under training; 8. vLLM alone (scripts/gpu_vllm_smoke.py: bf16 and fp32, eager and
+#      CUDA graphs, sleep and wake; all passed in attempt 2); 9. the doctor's other rows.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gpu_out}; SITE=${GPU_SITE:-/tmp/gpu_site}; WORK=${WORK:-/tmp/gpu_vllm_run}
 BUDGET_S=${BUDGET_S:-400}; STEPS=${STEPS:-40}
@@ -47,6 +48,7 @@ fi
 step verify 180 python3 -m grpo.verify $CARD
 step doctor_remote 150 python3 -m grpo.doctor --only remote,weight-sync
 step card_graphs 120 python3 -m grpo.train $CARD rollout.vllm.enforce_eager=false steps=20 run_dir="$WORK/runs/card_graphs"
+step verify_bf16 150 python3 -m grpo.verify $CARD model.dtype=bfloat16
 step gpu_tier 420 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gpu.py  # what fits the budget left
 step sleep 90 python3 -m grpo.train $CARD rollout.vllm.sleep=true steps=10 run_dir="$WORK/runs/sleep"
 step smoke 180 env OUT="$WORK/smoke" python3 scripts/gpu_vllm_smoke.py
