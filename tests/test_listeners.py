@@ -162,6 +162,7 @@ def test_nccl_listens_on_loopback_only_where_every_peer_is_on_this_node(monkeypa
     assert dist.nccl_on_loopback(["127.0.0.1"], routes.get) and dist.nccl_on_loopback(["127.0.0.1", "localhost"], routes.get)
     assert not dist.nccl_on_loopback(["127.0.0.1", "node7"], routes.get)  # a remote server on another node
     assert not dist.nccl_on_loopback(["10.0.0.1"], routes.get)  # a multi-node run's MASTER_ADDR
+    assert not dist.nccl_on_loopback(["127.0.0.1", "no-such-host.invalid"])  # unresolvable: not known to be here
 
     def rollout(backend, transfer="auto", urls=()):
         return OmegaConf.create({"backend": backend, "vllm": {"weight_transfer": transfer}, "remote": {"urls": list(urls)}})
