@@ -207,5 +207,6 @@ def test_a_stopped_run_exits_without_waiting_for_a_remote_request_in_flight(tmp_
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     elapsed = time.time() - t0
     httpd.shutdown()
+    httpd.server_close()  # shutdown() stops serving; the listening socket stays open until this
     assert out.returncode == 0 and "closed" in out.stdout, out.stderr
     assert elapsed < 30, f"exit waited {elapsed:.0f} s for the request in flight"

@@ -258,6 +258,7 @@ def test_a_pool_reads_each_servers_release_and_refuses_one_outside_the_range():
             pool.close()
         finally:
             httpd.shutdown()
+            httpd.server_close()  # shutdown() stops serving; the listening socket stays open until this
     httpd = fake_vllm("0.25.1")
     url = f"http://127.0.0.1:{httpd.server_address[1]}"
     try:
@@ -265,3 +266,4 @@ def test_a_pool_reads_each_servers_release_and_refuses_one_outside_the_range():
             ServerPool([url], None, 10, 10, can_push=False, log=None)
     finally:
         httpd.shutdown()
+        httpd.server_close()  # shutdown() stops serving; the listening socket stays open until this
