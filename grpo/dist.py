@@ -171,11 +171,26 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+def loopback_interface() -> str:
+    """The interface holding 127.0.0.1 (lo on Linux)."""
+    return interface_of("127.0.0.1") or "lo"
+
+
+def expect_on_interfaces(names: str, purpose: str) -> None:
+    """This process's listeners of `purpose` on the IP addresses of the interfaces `names` (a
+    comma-separated *_SOCKET_IFNAME value), for the listener audit."""
+    interfaces = psutil.net_if_addrs()
+    for interface in names.split(","):
+        for a in interfaces.get(interface, []):
+            if a.family in (socket.AF_INET, socket.AF_INET6):
+                listeners.expect_process(os.getpid(), a.address.split("%")[0], f"{purpose} ({interface})")
+
+
 def loopback_env() -> dict[str, str]:
     """For a process that talks to this node only (a dedicated engine, a grpo.serve's vLLM internals):
     vLLM's own address (VLLM_HOST_IP, its get_ip()) and the interface of every gloo group it makes
     (GLOO_SOCKET_IFNAME; the default resolves the machine's hostname) are loopback."""
-    return {"VLLM_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": interface_of("127.0.0.1") or "lo"}
+    return {"VLLM_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": loopback_interface()}
 
 
 def bind_gloo(master_addr: str) -> None:
@@ -189,12 +204,7 @@ def bind_gloo(master_addr: str) -> None:
         if (interface := interface_of(address)) is None:
             return
         os.environ["GLOO_SOCKET_IFNAME"] = interface
-    interfaces = psutil.net_if_addrs()
-    for interface in os.environ["GLOO_SOCKET_IFNAME"].split(","):
-        for a in interfaces.get(interface, []):
-            if a.family in (socket.AF_INET, socket.AF_INET6):
-                listeners.expect_process(os.getpid(), a.address.split("%")[0],
-                                         f"gloo pairs of this process's groups ({interface})")
+    expect_on_interfaces(os.environ["GLOO_SOCKET_IFNAME"], "gloo pairs of this process's groups")
 
 
 NCCL_IFNAME = "NCCL_SOCKET_IFNAME"
@@ -221,19 +231,16 @@ def bind_nccl(peer_hosts: list[str], cuda: bool) -> None:
     user set is kept."""
     if NCCL_IFNAME in os.environ or not nccl_on_loopback(peer_hosts):
         return
-    os.environ[NCCL_IFNAME] = interface_of("127.0.0.1") or "lo"
+    os.environ[NCCL_IFNAME] = loopback_interface()
     if cuda:
-        for a in psutil.net_if_addrs().get(os.environ[NCCL_IFNAME], []):
-            if a.family in (socket.AF_INET, socket.AF_INET6):
-                listeners.expect_process(os.getpid(), a.address.split("%")[0],
-                                         f"NCCL bootstrap and proxy sockets ({os.environ[NCCL_IFNAME]})")
+        expect_on_interfaces(os.environ[NCCL_IFNAME], "NCCL bootstrap and proxy sockets")
 
 
 def server_nccl_env(host: str) -> dict[str, str]:
     """A `grpo.serve` bound to loopback (`host`) has its NCCL peers on this node (the trainer pushing
     weights, its own tensor-parallel workers): NCCL's sockets there too. One reached from other nodes
     leaves NCCL its own choice."""
-    return {NCCL_IFNAME: interface_of("127.0.0.1") or "lo"} if is_loopback(host) else {}
+    return {NCCL_IFNAME: loopback_interface()} if is_loopback(host) else {}
 
 
 def node_name() -> str:

@@ -167,6 +167,13 @@ def write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def run_process_group(cfg: DictConfig, info: DistInfo):
+    """The run's process group (grpo.dist.process_group) with its timeouts, and NCCL kept on loopback
+    where the servers it pushes to over NCCL are on this node too."""
+    return process_group(info, cfg.parallel.collective_timeout_s, cfg.parallel.peer_timeout_s,
+                         nccl_peers(cfg.rollout, torch.cuda.is_available()))
+
+
 def train(cfg: DictConfig) -> dict:
     """One run. Every way out (the end, an error, a stop signal, a lost peer) leaves through one
     ExitStack, which closes the engines or servers, the logger and the process group."""
@@ -175,8 +182,7 @@ def train(cfg: DictConfig) -> dict:
     quiet_library_logs(info.rank)  # a library's repeating warning once per run; other ranks: grpo's warnings, errors
     threads = configure_threads(cfg.threads)
     with contextlib.ExitStack() as cleanup:
-        cleanup.enter_context(process_group(info, cfg.parallel.collective_timeout_s, cfg.parallel.peer_timeout_s,
-                                            nccl_peers(cfg.rollout, torch.cuda.is_available())))
+        cleanup.enter_context(run_process_group(cfg, info))
         return run(cfg, info, threads, cleanup)
 
 

@@ -61,9 +61,8 @@ from grpo.guards import Parity, parity, ranks_fingerprints, weight_fingerprint
 from grpo.library_logs import quiet_library_logs
 from grpo.models import build_reference, load_model
 from grpo.moe import routing
-from grpo.rollout.push import nccl_peers
 from grpo.parallel.single import SingleStrategy
-from grpo.train import setup
+from grpo.train import run_process_group, setup
 from grpo.update import accumulate_gradients, layouts, loss_norm, policy_update, score_tokens
 from grpo.update.step import forwarding
 from grpo.update.layouts import layout_of
@@ -433,8 +432,7 @@ def run_checks(cfg, overrides: list[str]) -> list[Check]:
     tol_logp, tol_grad = TOLERANCES.get(cfg.model.dtype, TOLERANCES["float32"])
     results = []
     with contextlib.ExitStack() as cleanup:
-        cleanup.enter_context(dist.process_group(info, cfg.parallel.collective_timeout_s, cfg.parallel.peer_timeout_s,
-                                                 nccl_peers(cfg.rollout, torch.cuda.is_available())))
+        cleanup.enter_context(run_process_group(cfg, info))
         r = setup(cfg, info, cleanup)
         batch = first_batch(r)
         # the doctor's and the `gpu` tier's parity: by dtype and device (grpo.guards.PARITY)
