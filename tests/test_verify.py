@@ -20,7 +20,7 @@ import grpo.update.step
 import grpo.verify
 from grpo.rollout.render import ChatRender
 from grpo.guards import Parity
-from grpo.verify import Check, Gap, render_check, resume_check, sync_verdict, verify
+from grpo.verify import Check, Gap, gap, render_check, resume_check, sync_verdict, verify
 from tests.conftest import FAST
 from tests.test_parallel import TORCHRUN
 from tests.test_render import CHATML, chat_tokenizer
@@ -222,6 +222,17 @@ def test_verify_judges_a_bf16_engine_by_the_mean_and_sees_a_missed_push(tmp_path
     assert out.returncode == (push == "missed") and status["sampler"] == "PASS", out.stdout + out.stderr[-3000:]
     assert status["sync"] == ("FAIL" if push == "missed" else "PASS"), out.stdout
     assert "mean |trainer - sampler| logprob" in rows["sync"] and "the largest" in rows["sync"], rows["sync"]
+
+
+def test_the_gap_is_over_the_sampled_tokens_alone():
+    """By hand: |trainer - sampler| at the 3 masked-in tokens is 0.1, 0.3 and 0.2 (the padded ones,
+    4.0 apart, do not count): the largest 0.3, the mean 0.2 over 3 tokens (not over 2 rows)."""
+    trainer = torch.tensor([[-1.0, -2.0, -5.0], [-0.5, -9.0, -1.0]])
+    sampler = torch.tensor([[-1.1, -1.7, -1.0], [-0.7, -9.0, -5.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    g = gap(trainer, sampler, mask)
+    assert g.tokens == 3 and g.largest == pytest.approx(0.3) and g.mean == pytest.approx(0.2)
+    assert g.of(Parity("max", 1e-3)) == g.largest and g.of(Parity("mean", 0.1)) == g.mean
 
 
 def test_the_sync_row_fails_a_stale_engine_and_skips_a_step_it_cannot_see():
