@@ -69,7 +69,7 @@ from grpo.dynamic_sampling import Scored, refill
 from grpo.eval import evaluate
 from grpo.export import export_hf
 from grpo.flops import generation_work
-from grpo.guards import RunGuards
+from grpo.guards import RunGuards, healthy
 from grpo.library_logs import quiet_library_logs
 from grpo.listeners import log_listeners
 from grpo.log import RunLogger
@@ -388,7 +388,8 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     gen_tokens_total, gen_time_total = 0, 0.0
     meter = mfu.meter(r.strategy.forward_model, DTYPES[cfg.model.dtype], cfg.rollout.backend,
                       cfg.model.gradient_checkpointing)  # the device's peak, measured now
-    guards = RunGuards(r.strategy, r.bucket_bytes, cfg.model.dtype, cfg.parallel.check_ranks_every, info.world_size)
+    watch = healthy(cfg.model.dtype, policy_device(info.local_rank).type)  # the engines' environment is this one's
+    guards = RunGuards(r.strategy, r.bucket_bytes, watch, cfg.parallel.check_ranks_every, info.world_size)
     for step in range(r.start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
 

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import grpo.train
 import grpo.update.step
 from grpo.config import AlgoConfig
-from grpo.guards import NonFiniteSteps, RankCheck, RunGuards, SamplerWatch, StepGuard, weight_fingerprint
+from grpo.guards import NonFiniteSteps, RankCheck, RunGuards, SamplerWatch, StepGuard, healthy, weight_fingerprint
 from grpo.parallel.single import SingleStrategy
 from grpo.update import policy_update
 from tests.test_packing import spread_batch
@@ -115,7 +115,7 @@ def test_the_weight_fingerprint_sees_a_swap_and_a_shift():
 
 
 def test_the_sampler_watch_warns_once_after_three_on_policy_steps_above_the_bound():
-    watch = SamplerWatch("float32")  # the largest difference, 0.05
+    watch = SamplerWatch(healthy("float32", "cpu", {}))  # the largest difference, 0.05
 
     def step(diff):
         return {"sampler_diff": diff, "sampler_diff_mean": diff / 100}
@@ -139,7 +139,7 @@ def test_the_sampler_watch_judges_the_mean_in_bf16():
     apart (above 0.5 at 18 steps, 3 in a row by step 58) while the mean stays 0.004-0.021: judged by the
     largest it warned that the engines sample something else. The mean is judged (0.2); a missed sync
     gives 0.48-0.70."""
-    watch = SamplerWatch("bfloat16")
+    watch = SamplerWatch(healthy("bfloat16", "cpu", {}))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for n in range(1, 6):
@@ -148,6 +148,24 @@ def test_the_sampler_watch_judges_the_mean_in_bf16():
         watch.check(n, {"sampler_diff": 6.0, "sampler_diff_mean": 0.5}, 0)
     with pytest.warns(UserWarning, match="step 8: sampler_diff_mean 0.5 > 0.2 for 3 on-policy steps"):
         watch.check(8, {"sampler_diff": 6.0, "sampler_diff_mean": 0.5}, 0)
+
+
+def test_the_sampler_watch_follows_a_users_tf32():
+    """On the H200 (vLLM 0.26.0, the tiny fp32 run with Triton's TF32, docs/results/gpu_vllm.md) the
+    largest difference per step was 5.3e-3 to 7.6e-2, one step above 0.05: a fixed fp32 watch of 0.05
+    sits inside that spread, and three such steps in a row (constructed below from that range) would
+    warn on a healthy run. Under a user's TRITON_F32_DEFAULT=tf32 the watch is twice its parity, 0.2;
+    with ieee (grpo's default for an fp32 engine) it stays 0.05."""
+    h200 = [1.4e-2, 5.3e-2, 6.1e-2, 7.6e-2, 5.5e-2, 2.0e-2]
+    tf32 = SamplerWatch(healthy("float32", "cuda", {"TRITON_F32_DEFAULT": "tf32"}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n, diff in enumerate(h200, 1):
+            tf32.check(n, {"sampler_diff": diff}, 0)
+    ieee = SamplerWatch(healthy("float32", "cuda", {"TRITON_F32_DEFAULT": "ieee"}))
+    with pytest.warns(UserWarning, match="step 4: sampler_diff 0.076 > 0.05 for 3"):
+        for n, diff in enumerate(h200, 1):
+            ieee.check(n, {"sampler_diff": diff}, 0)
 
 
 def test_the_fingerprint_in_chunks_is_the_whole_tensors_value():
@@ -248,7 +266,7 @@ def test_a_drifting_sampler_through_the_loop_is_logged_and_warned(make_cfg, monk
 def test_a_step_that_trained_nothing_does_not_reset_the_sampler_watch():
     """A step whose groups were all dropped (zero std) scores no token: its sampler_diff is 0 for want
     of tokens, not a sign of a healthy sampler. Three drifted steps around it still warn."""
-    guards = RunGuards(None, 0, "float32", check_ranks_every=50, world=1)
+    guards = RunGuards(None, 0, healthy("float32", "cpu", {}), check_ranks_every=50, world=1)
     drifted, empty = {"loss": 0.1, "grad_norm": 1.0, "sampler_diff": 0.9, "trained_completions": 8}, {
         "loss": 0.0, "grad_norm": 0.0, "sampler_diff": 0.0, "trained_completions": 0}
     guards.after_update(1, drifted, 0)
