@@ -89,15 +89,16 @@ register_configs()
 
 
 def reduce_metrics(metrics: dict[str, float | str], info: DistInfo) -> dict[str, float | str]:
-    """Mean over ranks (every rank holds the same number of prompts); throughputs are summed; names
-    (the update's `layout`, the same on every rank) as they are."""
+    """Mean over ranks (every rank holds the same number of prompts); throughputs are summed, and so is
+    `loss` (each rank's is its share of the one global loss: grpo/algorithm.py's `LossNorm` counts are
+    the whole batch's); names (the update's `layout`, the same on every rank) as they are."""
     if info.world_size == 1:
         return metrics
     keys = sorted(k for k, v in metrics.items() if not isinstance(v, str))
     sums = all_reduce_sum([float(metrics[k]) for k in keys])
     # engine_busy_s: the servers' busy seconds, summed over the ranks' own requests (several remote ranks
     # sharing servers count their overlap once each)
-    summed = {"tokens_per_s", "gen_tokens_per_s", "trained_completions", "time/engine_busy_s"}
+    summed = {"loss", "tokens_per_s", "gen_tokens_per_s", "trained_completions", "time/engine_busy_s"}
     names = {k: v for k, v in metrics.items() if isinstance(v, str)}
     return {**names, **{k: v if k in summed or mfu.is_summed(k) else v / info.world_size for k, v in zip(keys, sums)}}
 

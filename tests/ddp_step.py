@@ -11,7 +11,7 @@ columns); with `long`, completions of up to 16 tokens (2 ranks' packed rows then
 policy is the tiny Qwen3-MoE (random init; OUT/init.pt) and the batch carries sampler routes drawn at random, which every
 forward replays (rollout.routing_replay), the load-balancing loss off. Writes
 OUT/<loss_type>.pt with the full updated weights (rank 0; with `lora`, the adapter's), for every loss type,
-OUT/<loss_type>_loss.json with the loss summed over ranks, and OUT/micro_batches.json with each rank's count of micro-batches.
+OUT/<loss_type>_loss.json with the loss the run logs (grpo.train.reduce_metrics over the ranks), and OUT/micro_batches.json with each rank's count of micro-batches.
 """
 
 import collections
@@ -37,6 +37,7 @@ from grpo.tiny.text import build_char_tokenizer, build_tiny_model  # noqa: E402
 from grpo.parallel import strategy_class  # noqa: E402
 from grpo.update.layouts import micro_batches  # noqa: E402
 from grpo.update import policy_update  # noqa: E402
+from grpo.train import reduce_metrics  # noqa: E402
 from tests.test_gradient_invariance import make_batch  # noqa: E402
 
 
@@ -92,7 +93,7 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
                                                                                      sequence_parallel=split)), model, algo, total_steps=10)
         ref = copy.deepcopy(base).eval()
         stats = policy_update(strategy, local, algo, max_len=T, temperature=1.0, ref_model=ref)
-        losses = all_reduce_sum([stats["loss"]])
+        losses = [reduce_metrics({"loss": stats["loss"]}, info)["loss"]]  # the loss the run logs
         counts = all_reduce_sum([len(micro_batches(local, algo.micro_batch_tokens, layout)) * (r == info.rank)
                                  for r in range(info.world_size)])
         full = {n: t.clone() for bucket in strategy.weight_buckets(2**20) for n, t in bucket}  # gathered under ZeRO-3

@@ -27,6 +27,11 @@ def updated_weights(out, n_procs: int, n_micro: int, strategy: str, *extra: str)
     return {lt: torch.load(out / f"{lt}.pt", weights_only=True) for lt in LOSS_TYPES}
 
 
+def logged_losses(out) -> dict[str, float]:
+    """The loss each loss type's step logged (grpo.train.reduce_metrics over the ranks)."""
+    return {lt: json.load(open(out / f"{lt}_loss.json"))[0] for lt in LOSS_TYPES}
+
+
 def initial_weights() -> dict:
     from grpo.config import TinyModelConfig
     from grpo.tiny.text import build_char_tokenizer, build_tiny_model
@@ -57,6 +62,9 @@ def test_one_process_four_micro_equals_two_processes_two_micro(tmp_path, strateg
     one = updated_weights(tmp_path / "one", 1, 4, "single" if strategy == "ddp" else strategy)
     two = updated_weights(tmp_path / "two", 2, 2, strategy)
     assert_same_update(one, two, initial_weights(), f"{strategy} 1x4 vs 2x2")
+    # each rank's loss is its share of the one global loss: the run logs their sum, the one process's
+    # (averaged over ranks, 2 ranks logged half of it)
+    assert logged_losses(tmp_path / "two") == pytest.approx(logged_losses(tmp_path / "one"), rel=1e-5, abs=1e-7)
 
 
 @pytest.mark.starts_process
