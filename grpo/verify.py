@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -227,12 +228,21 @@ def gradients(r, batch, algo) -> Gradients:
 
 
 def grad_gap(a: dict, b: dict) -> float:
-    """max |a - b| over every gradient, relative to the largest |b| (inf when b is all zero: nothing
-    would be compared)."""
+    """max |a - b| over every gradient, relative to the largest |b|; inf when b is all zero (nothing
+    would be compared) or any gradient is not finite (Python's max skips a NaN that is not first)."""
     size = max((float(g.abs().max()) for g in b.values()), default=0.0)
-    if size == 0:
+    gaps = [float((a[n] - b[n]).abs().max()) for n in b]
+    if size == 0 or not all(math.isfinite(g) for g in [size, *gaps]):
         return float("inf")
-    return max(float((a[n] - b[n]).abs().max()) for n in b) / size
+    return max(gaps) / size
+
+
+def metric_gap(a: float, b: float) -> float:
+    """|a - b| relative to max(1, |a|); 0 where both are the same non-finite value (a NaN the resumed
+    run reproduced), inf where only one is."""
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return 0.0 if (a == b or (math.isnan(a) and math.isnan(b))) else float("inf")
+    return abs(a - b) / max(1.0, abs(a))
 
 
 def few_groups(batch, G: int):
@@ -417,7 +427,7 @@ def resume_check(overrides: list[str], world_size: int) -> Check:
         gaps = {}
         for step in (3, 4):
             at = {k: next(x for x in v if x.get("step") == step and "loss" in x) for k, v in rows.items()}
-            gaps |= {(step, k): abs(at["unbroken"][k] - at["resumed"][k]) / max(1.0, abs(at["unbroken"][k]))
+            gaps |= {(step, k): metric_gap(at["unbroken"][k], at["resumed"].get(k, math.nan))
                      for k in COMPARED if k in at["unbroken"]}
         worst = max(gaps, key=gaps.get)
         return check("resume", gaps[worst] <= 1e-5, f"steps 3 and 4 of an unbroken run against one stopped after step 2 "

@@ -3,6 +3,7 @@ that covers it, named: each row's planted defect is listed in docs/verify.md."""
 
 import copy
 import gc
+import math
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import grpo.update.step
 import grpo.verify
 from grpo.rollout.render import ChatRender
 from grpo.guards import Parity
-from grpo.verify import Check, Gap, gap, render_check, resume_check, sync_verdict, verify
+from grpo.verify import Check, Gap, gap, grad_gap, metric_gap, render_check, resume_check, sync_verdict, verify
 from tests.conftest import FAST
 from tests.test_parallel import TORCHRUN
 from tests.test_render import CHATML, chat_tokenizer
@@ -233,6 +234,20 @@ def test_the_gap_is_over_the_sampled_tokens_alone():
     g = gap(trainer, sampler, mask)
     assert g.tokens == 3 and g.largest == pytest.approx(0.3) and g.mean == pytest.approx(0.2)
     assert g.of(Parity("max", 1e-3)) == g.largest and g.of(Parity("mean", 0.1)) == g.mean
+
+
+def test_a_nan_fails_the_gradient_and_resume_gaps_wherever_it_sits():
+    """Python's max skips a NaN that is not first: a NaN gradient in any parameter but the first, or a
+    metric that only the resumed run made NaN, passed. By value: gaps of 0.1 and 0.2 of a largest 2."""
+    b = {"a": torch.tensor([2.0, 1.0]), "q": torch.tensor([0.5])}
+    assert grad_gap({"a": torch.tensor([2.1, 1.0]), "q": torch.tensor([0.3])}, b) == pytest.approx(0.1)
+    for name in ("a", "q"):
+        broken = {**b, name: torch.tensor([math.nan] * len(b[name]))}
+        assert grad_gap(broken, b) == math.inf and grad_gap(b, broken) == math.inf, name
+    assert grad_gap(b, {"a": torch.zeros(2)}) == math.inf  # nothing to compare with
+    assert metric_gap(4.0, 3.0) == pytest.approx(0.25) and metric_gap(0.5, 0.25) == pytest.approx(0.25)
+    assert metric_gap(math.nan, math.nan) == 0.0 and metric_gap(math.inf, math.inf) == 0.0  # reproduced
+    assert metric_gap(0.3, math.nan) == math.inf and metric_gap(math.nan, 0.3) == math.inf
 
 
 def test_the_sync_row_fails_a_stale_engine_and_skips_a_step_it_cannot_see():
