@@ -79,7 +79,8 @@ def take(batches: list[Scored], picks: list[tuple[int, int]], G: int) -> Scored:
         score_s=sum(b.score_s for b in batches),
         generated_tokens=sum(b.generated_tokens for b in batches),
         generation=sum((b.generation for b in batches), Work()),
-        reward_stats={k: sum(b.reward_stats.get(k, 0.0) for b in batches) for k in first.reward_stats},
+        # every draw's counts, also those a reward reports only when they happen (a judge's retries)
+        reward_stats={k: sum(b.reward_stats.get(k, 0.0) for b in batches) for k in sorted({k for b in batches for k in b.reward_stats})},
     )
 
 

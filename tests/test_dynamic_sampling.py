@@ -61,6 +61,16 @@ def test_refill_takes_the_first_p_informative_groups_in_draw_order():
     assert out.reward_means == {"reward/f": pytest.approx(3 / 6)}
 
 
+def test_every_draws_reward_counts_add_up_even_those_the_first_lacks():
+    """A judge reports `retries` only in a batch that retried: the second draw's 6 retries count though
+    the first draw had none (only the first draw's keys were summed), as its requests and failures do."""
+    first, second = scored("a", [[1, 1], [0, 0]]), scored("b", [[1, 0], [0, 1]])
+    first.reward_stats = {"judge/requests": 4.0, "judge/failed": 0.0}
+    second.reward_stats = {"judge/requests": 4.0, "judge/failed": 2.0, "judge/retries": 6.0}
+    out, _ = refill(first, lambda k: second, max_draws=4, still_short=lambda n: n)
+    assert out.reward_stats == {"judge/requests": 8.0, "judge/failed": 2.0, "judge/retries": 6.0}
+
+
 def test_refill_stops_at_max_draws_and_fills_with_the_first_batchs_flat_groups():
     # only a1 is informative in 2 draws (the bound): train a1, then a0 and a2 (flat, advantage 0)
     first = scored("a", [[1, 1], [0, 1], [0, 0]])
