@@ -21,15 +21,18 @@ from grpo.errors import ConfigError
 
 
 def combine_rewards(rewards_FB: list[list[float | None]], weights_F: list[float]) -> torch.Tensor:
-    """Weighted sum over F reward functions -> rewards_B; NaN where every function returned None.
+    """Weighted sum over F reward functions -> rewards_B; NaN (excluded from the advantage statistics)
+    where every function abstained or any one failed.
 
     A function that returns None for a completion abstains (it does not apply); the others still
-    count. A completion no function scores is excluded from the advantage statistics.
+    count. NaN is a function that failed on it (grpo.rewards.FAILED: it raised, hung, was not
+    answered): the others' partial sum is not the reward asked for, so the completion is excluded.
     """
-    r_FB = torch.tensor([[float("nan") if v is None else float(v) for v in row] for row in rewards_FB], dtype=torch.float64)
+    abstained_FB = torch.tensor([[v is None for v in row] for row in rewards_FB], dtype=torch.bool)
+    r_FB = torch.tensor([[0.0 if v is None else float(v) for v in row] for row in rewards_FB], dtype=torch.float64)
     w_F1 = torch.tensor(weights_F, dtype=torch.float64)[:, None]
-    scored_B = ~torch.isnan(r_FB).all(dim=0)
-    total_B = torch.nansum(r_FB * w_F1, dim=0)
+    scored_B = ~abstained_FB.all(dim=0) & ~torch.isnan(r_FB).any(dim=0)
+    total_B = (r_FB * w_F1).sum(dim=0)
     return torch.where(scored_B, total_B, torch.nan).float()
 
 

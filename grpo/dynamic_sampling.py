@@ -16,6 +16,7 @@ trains on what it has.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 
@@ -34,7 +35,7 @@ class Scored:
     rollouts: object  # grpo.rollout.base.Rollouts, B = P x G completions, grouped by prompt
     completions: list[str]  # B decoded completions
     rewards_PG: torch.Tensor
-    rewards_FB: dict[str, list[float | None]]  # each reward function's value per completion (None: unscored)
+    rewards_FB: dict[str, list[float | None]]  # each reward function's value per completion (None: abstained, NaN: failed)
     generate_s: float = 0.0  # seconds generating (waiting for) the rollouts
     score_s: float = 0.0  # seconds decoding and scoring them
     generated_tokens: int = 0  # tokens generated for this batch (every draw's)
@@ -43,11 +44,11 @@ class Scored:
 
     @property
     def reward_means(self) -> dict[str, float]:
-        """reward/<function>: its mean over this batch's scored completions (after `refill`, the trained
-        groups', as reward/mean is)."""
+        """reward/<function>: its mean over the completions it scored in this batch (after `refill`, the
+        trained groups', as reward/mean is): neither abstained (None) nor failed (NaN)."""
         means = {}
         for name, values in self.rewards_FB.items():
-            scored = [v for v in values if v is not None]
+            scored = [v for v in values if v is not None and not math.isnan(v)]
             means[f"reward/{name}"] = sum(scored) / len(scored) if scored else float("nan")
         return means
 

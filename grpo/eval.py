@@ -23,7 +23,7 @@ from grpo.cli import exit_on_user_error
 from grpo.config import register_configs, validate
 from grpo.dist import DistInfo, all_gather, all_reduce_sum, dist_info, init_distributed, shutdown
 from grpo.models import build_policy, encode_prompts
-from grpo.rewards import MODEL_REWARDS, score
+from grpo.rewards import MODEL_REWARDS, is_scored, score
 from grpo.rollout import build_rollout, sampling_from
 from grpo.tasks import build_task
 from grpo.tiny.folders import resolve_on_node
@@ -42,11 +42,11 @@ def agreement(name: str, scores: list, correct: list[bool]) -> dict[str, float]:
     """How a model reward's scores agree with the task's rule on the same completions:
     `eval/<name>_auc`, the probability that a correct completion scores above a wrong one (ties count
     half; 0.5 is chance, 1 a perfect ranking; NaN when every completion is right or every one wrong),
-    and the mean score of the correct and of the wrong ones. Unscored completions (None) are left out.
+    and the mean score of the correct and of the wrong ones. Unscored completions (failed: NaN) are left out.
     A policy that learns to please the reward model and not the rule shows here first: its reward
     rises while the AUC falls."""
-    right = [v for v, ok in zip(scores, correct) if v is not None and ok]
-    wrong = [v for v, ok in zip(scores, correct) if v is not None and not ok]
+    right = [v for v, ok in zip(scores, correct) if is_scored(v) and ok]
+    wrong = [v for v, ok in zip(scores, correct) if is_scored(v) and not ok]
     pairs = len(right) * len(wrong)
     above = sum((r > w) + 0.5 * (r == w) for r in right for w in wrong)
     nan = float("nan")

@@ -330,6 +330,8 @@ def step_metrics(scored: Scored, stats: dict, step: int, lr: float, times: dict[
     return {
         "reward/mean": float(valid.mean()) if valid.numel() else float("nan"),
         "reward/std": float(valid.std()) if valid.numel() > 1 else 0.0,
+        # completions with no reward (a function failed on it, or every one abstained): out of the loss
+        "reward/excluded_frac": 1.0 - valid.numel() / max(rewards_PG.numel(), 1),
         "reward/zero_std_frac": float(zero_std_groups(rewards_PG).float().mean()),
         **scored.reward_means,  # reward/<function>, over the same trained groups
         **scored.reward_stats,  # time/reward_<function>_s, a judge's requests, failures and garbage answers

@@ -81,6 +81,9 @@ def test_combine_rewards_weights_and_none():
     # -> [1 + 2 * 0.5, all None -> NaN, 0 (f2 abstains)]
     r = combine_rewards([[1.0, None, 0.0], [0.5, None, None]], [1.0, 2.0])
     assert r[0].item() == 2.0 and math.isnan(r[1].item()) and r[2].item() == 0.0
+    # a NaN (the function failed on it) excludes the completion whatever the other gave: [NaN, 3, NaN]
+    r = combine_rewards([[math.nan, 1.0, math.nan], [0.5, 1.0, None]], [1.0, 2.0])
+    assert math.isnan(r[0].item()) and r[1].item() == 3.0 and math.isnan(r[2].item())
 
 
 def one_token(logp: float, old: float = 0.0):

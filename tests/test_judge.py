@@ -98,8 +98,9 @@ def test_pattern_gets_room_for_the_largest_choice_and_a_cut_answer_is_garbage():
 
 
 def test_agreement_by_hand():
-    # correct scores 0.9, 0.4; wrong 0.5, 0.4, None: pairs (0.9>0.5) 1, (0.9>0.4) 1, (0.4<0.5) 0, (0.4=0.4) 0.5 -> 2.5/4
-    m = agreement("judge", [0.9, 0.4, 0.5, 0.4, None], [True, True, False, False, False])
+    # correct scores 0.9, 0.4, NaN; wrong 0.5, 0.4, None: pairs (0.9>0.5) 1, (0.9>0.4) 1, (0.4<0.5) 0,
+    # (0.4=0.4) 0.5 -> 2.5/4; the unscored (NaN: a failed request, as grpo.rewards.score gives it) left out
+    m = agreement("judge", [0.9, 0.4, math.nan, 0.5, 0.4, None], [True, True, True, False, False, False])
     assert m == {"eval/judge_auc": 0.625, "eval/judge_mean_correct": pytest.approx(0.65), "eval/judge_mean_wrong": 0.45}
     assert math.isnan(agreement("rm", [1.0, 2.0], [True, True])["eval/rm_auc"])  # no wrong one: no pair
 

@@ -44,6 +44,14 @@ def test_a_text_without_a_score_stays_none_and_counts_in_no_statistic():
     # running over the scored [1, 3] only: mean 2, std 1 -> -1, 1; None stays None
     assert ScoreNormaliser("running")([1.0, None, 3.0]) == [-1.0, None, 1.0]
     assert ScoreNormaliser("fixed", offset=1.0, scale=2.0)([None, 5.0]) == [None, 2.0]
+    # a NaN or inf score (a forward that overflowed) counts in no statistic: one NaN made the running
+    # mean NaN for the rest of the run (and its checkpoints); it comes back as it was, and
+    # grpo.rewards fails its completion
+    running = ScoreNormaliser("running")
+    out = running([1.0, math.nan, 3.0, math.inf])
+    assert out[0] == -1.0 and math.isnan(out[1]) and out[2] == 1.0 and out[3] == math.inf
+    assert running.state_dict() == {"count": 2, "mean": 2.0, "m2": 2.0}
+    assert running([2.0], update=False) == [0.0]
 
 
 def test_token_batches_by_hand():

@@ -1,15 +1,22 @@
 """Reward functions against hand-checked cases, and a reward that raises or hangs not stopping the run."""
 
+import math
 import threading
 import time
 
 import pytest
 
+from grpo.algorithm import combine_rewards
 from grpo.rewards import REWARDS, score
 from grpo.rewards.countdown import NotAnEquation, countdown, evaluate
 from grpo.rewards.format import answer_format, extract_answer, overlong_penalty
 from grpo.rewards.math_answer import math_verify
 from grpo.tasks import Sample
+
+
+def marked(rewards_FB: list[list]) -> list[list]:
+    """rewards_FB with each FAILED (NaN, which equals nothing) written "failed"."""
+    return [["failed" if v is not None and math.isnan(v) else v for v in row] for row in rewards_FB]
 
 
 def cd(numbers, target):
@@ -58,16 +65,48 @@ def test_a_reward_that_raises_on_one_completion_excludes_only_it():
 
     with pytest.warns(UserWarning, match="'picky' failed on completion 1 'boom' .*RuntimeError: cannot parse"):
         rewards, stats = score([("picky", picky, 1.0)], ["ok", "boom", "ok"], [None] * 3, timeout_s=5)
-    assert rewards == [[1.0, None, 1.0]] and stats["time/reward_picky_s"] > 0
+    assert marked(rewards) == [[1.0, "failed", 1.0]] and stats["time/reward_picky_s"] > 0
 
 
 def test_a_reward_that_returns_a_non_number_excludes_only_that_completion():
     def sloppy(completions, samples, **_):
         return ["1.0" if c == "text" else 0.5 for c in completions]  # a string where a number belongs
 
-    with pytest.warns(UserWarning, match="'sloppy' failed on completion 1 'text' .*returned '1.0', not a number or None"):
+    with pytest.warns(UserWarning, match="'sloppy' failed on completion 1 'text' .*returned '1.0', not a finite number or None"):
         rewards, _ = score([("sloppy", sloppy, 1.0)], ["a", "text", "b"], [None] * 3, timeout_s=5)
-    assert rewards == [[0.5, None, 0.5]]
+    assert marked(rewards) == [[0.5, "failed", 0.5]]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_reward_that_is_not_finite_fails_that_completion_with_a_warning(bad):
+    """A NaN was taken as "no function scored" without a word, and an inf turned its whole group's
+    advantages into NaN (the step guard then stopped the run blaming the learning rate)."""
+    def overflows(completions, samples, **_):
+        return [bad if c == "big" else 1.0 for c in completions]
+
+    with pytest.warns(UserWarning, match=f"'overflows' failed on completion 1 'big' .*returned {bad!r}, not a finite"):
+        rewards, _ = score([("overflows", overflows, 1.0)], ["a", "big", "b"], [None] * 3, timeout_s=5)
+    assert marked(rewards) == [[1.0, "failed", 1.0]]
+
+
+def test_a_completion_one_function_failed_on_is_not_scored_by_the_others():
+    """With reward=[judge-like, format]: the first fails on completion 0 (raises), the second gives
+    every completion 1. Scored by `format` alone, completion 0 got 0.1 against its group's 1.1 and a
+    strongly negative advantage; it is excluded (NaN), as documented. An abstaining function (None)
+    still lets the others count: completion 3."""
+    def flaky(completions, samples, **_):
+        if "a" in completions:
+            raise RuntimeError("boom")
+        return [None if c == "d" else 1.0 for c in completions]
+
+    def fmt(completions, samples, **_):
+        return [1.0] * len(completions)
+
+    with pytest.warns(UserWarning, match="'flaky' failed on completion 0 'a'"):
+        rewards, _ = score([("flaky", flaky, 1.0), ("format", fmt, 0.1)], list("abcd"), [None] * 4, timeout_s=5)
+    assert marked(rewards) == [["failed", 1.0, 1.0, None], [1.0] * 4]
+    r = combine_rewards(rewards, [1.0, 0.1])
+    assert math.isnan(r[0]) and r[1:].tolist() == pytest.approx([1.1, 1.1, 0.1])
 
 
 def test_a_reward_that_hangs_is_cut_off():
@@ -80,7 +119,7 @@ def test_a_reward_that_hangs_is_cut_off():
     with pytest.warns(UserWarning, match="no answer within reward.timeout_s=0.5s"):
         rewards, _ = score([("hangs", hangs_on_slow, 1.0)], ["a", "slow", "b"], [None] * 3, timeout_s=0.5)
     assert time.monotonic() - t0 < 5
-    assert rewards == [[0.5, None, 0.5]]
+    assert marked(rewards) == [[0.5, "failed", 0.5]]
 
 
 def test_a_model_reward_is_called_once_in_the_callers_thread_and_not_retried():
@@ -95,7 +134,20 @@ def test_a_model_reward_is_called_once_in_the_callers_thread_and_not_retried():
 
     with pytest.warns(UserWarning, match="'judge' failed on the batch \\(RuntimeError: server gone\\); its 3 completions"):
         rewards, _ = score([("judge", judge, 1.0)], ["a", "b", "c"], [None] * 3, timeout_s=5)
-    assert rewards == [[None, None, None]] and calls == [(3, threading.get_ident())]
+    assert marked(rewards) == [["failed"] * 3] and calls == [(3, threading.get_ident())]
+
+
+def test_a_model_rewards_unscored_and_non_finite_completions_fail_alone():
+    """A model reward never abstains: its None (a judge's failed request, a text past a reward
+    model's context: the function warns and counts them) fails that completion; a score that is not
+    finite (an RM forward that overflowed in bf16) fails it with a warning here. The batch's others
+    keep their scores."""
+    def rm(completions, samples, **_):
+        return [None, math.inf, 0.5, math.nan]
+
+    with pytest.warns(UserWarning, match="'rm' gave 2 of 4 completions a score that is not finite \(inf for completion 1\)"):
+        rewards, _ = score([("rm", rm, 1.0)], list("abcd"), [None] * 4, timeout_s=5)
+    assert marked(rewards) == [["failed", "failed", 0.5, "failed"]]
 
 
 # per registered reward: (a completion it should score higher, its token count; one it should score lower, its count)

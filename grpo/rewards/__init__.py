@@ -1,6 +1,9 @@
 """Reward functions: `fn(completions: list[str], samples: list[Sample], **info) -> list[float | None]`.
 
-None means the function does not apply to that completion. `info` holds `completion_ids` (token
+A finite number is a score. None means the function does not apply to that completion (it abstains:
+the other functions still count). A completion a function failed on is `FAILED` (NaN) in the
+scores `score` returns: excluded from the statistics (advantage 0, its tokens out of the loss),
+whatever the other functions gave it, because their partial sum is not the reward the run asked for. `info` holds `completion_ids` (token
 ids per completion) and `max_new_tokens`; a function takes what it needs and ignores the rest.
 With an environment (env=...), `completions` are each episode's final turn and `completion_ids` its
 ids, and `info` adds `transcripts` (every turn and observation as text), `turns`, `finish_reasons`
@@ -12,8 +15,8 @@ loaded once when the run is built); it is called like any other.
 
 A rule function that raises or runs past `reward.timeout_s` on a batch is retried one completion at
 a time (each with the same timeout; after 3 timeouts the batch's remaining completions are skipped);
-each completion it still fails on gets None (excluded from the statistics, advantage 0), with a
-warning naming the function, the completion and the error. The run goes on. A hung call's thread
+each completion it still fails on is FAILED, with a warning naming the function, the completion and
+the error. A value that is not a finite number (NaN, inf, a string) is a failure too. The run goes on. A hung call's thread
 cannot be killed in Python; it is abandoned (a daemon thread) and the run moves past it.
 
 A model reward (`MODEL_REWARDS`) is called once per batch in the caller's thread, with no
@@ -21,12 +24,15 @@ A model reward (`MODEL_REWARDS`) is called once per batch in the caller's thread
 or a judge's request timeouts). An abandoned call would keep its forwards running on the trainer's
 device beside the one-at-a-time retries and the next update (and, under sequence parallelism, enter
 the split's attention from another thread), and a retry would score every completion again. If it
-raises, the batch's completions get None, with a warning.
+raises, the batch's completions are FAILED, with a warning. A model reward never abstains: its None
+(a judge's failed or garbage answer, a text past a reward model's context or budget: each warned and
+counted by the function) is FAILED, and so is a score that is not finite (warned here).
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import time
 import warnings
 from typing import Callable
@@ -96,35 +102,48 @@ def build_rewards(cfg, device="cpu") -> list[tuple[str, RewardFn, float]]:
 
 
 MAX_HANGS = 3  # per function and batch, in the one-at-a-time retry
+FAILED = math.nan  # a completion the function could not score: excluded, whatever the others gave it
 
 
 def is_score(value) -> bool:
-    """A reward is a real number, or None (the function abstains)."""
-    return value is None or (isinstance(value, (int, float)) and not isinstance(value, complex))
+    """A reward is a finite real number, or None (the function abstains)."""
+    return value is None or (isinstance(value, (int, float)) and math.isfinite(value))
 
 
-def batch_problem(values: list, n: int) -> str | None:
-    """What is wrong with a function's answer for n completions (None: one score each)."""
+def is_scored(value) -> bool:
+    """Whether a value of `score`'s rewards_FB counts: a number, not None (abstained) nor FAILED."""
+    return value is not None and not math.isnan(value)
+
+
+def batch_problem(values: list, n: int, finite: bool = True) -> str | None:
+    """What is wrong with a function's answer for n completions (None: one score each). `finite=False`:
+    NaN and inf pass (a model reward's, handled per completion)."""
     if len(values) != n:
         return f"returned {len(values)} values for {n} completion{'s' * (n != 1)}"
-    bad = next((v for v in values if not is_score(v)), "ok")
-    return None if bad == "ok" else f"returned {bad!r}, not a number or None"
+    number = is_score if finite else (lambda v: v is None or isinstance(v, (int, float)))
+    bad = next((v for v in values if not number(v)), "ok")
+    return None if bad == "ok" else f"returned {bad!r}, not a finite number or None"
 
 
 def run_model_reward(name: str, fn, completions: list[str], samples: list, info: dict) -> list:
     """A model reward's scores: once, in this thread (see the module's docstring)."""
     try:
         values = list(fn(completions, samples, **info))
-        error = batch_problem(values, len(completions))
+        error = batch_problem(values, len(completions), finite=False)
     except RewardStop:
         raise
     except Exception as e:  # noqa: BLE001 - the batch is excluded and the run goes on, as for a rule reward
         error = f"{type(e).__name__}: {e}"
-    if error is None:
-        return values
-    warnings.warn(f"reward {name!r} failed on the batch ({error}); its {len(completions)} completions are excluded",
-                  stacklevel=3)
-    return [None] * len(completions)
+    if error is not None:
+        warnings.warn(f"reward {name!r} failed on the batch ({error}); its {len(completions)} completions are excluded",
+                      stacklevel=3)
+        return [FAILED] * len(completions)
+    infinite = [i for i, v in enumerate(values) if v is not None and not math.isfinite(v)]
+    if infinite:
+        warnings.warn(f"reward {name!r} gave {len(infinite)} of {len(values)} completions a score that is not finite "
+                      f"({values[infinite[0]]!r} for completion {infinite[0]}); they are excluded. A reward model in "
+                      f"bf16 or fp16 can overflow: try reward.rm.dtype=float32.", stacklevel=3)
+    return [v if v is not None and math.isfinite(v) else FAILED for v in values]
 
 
 def run_reward(name: str, fn, completions: list[str], samples: list, info: dict, timeout_s: float) -> list:
@@ -148,13 +167,14 @@ def run_reward(name: str, fn, completions: list[str], samples: list, info: dict,
             err = batch_problem(value, 1)
         if err is not None:
             warnings.warn(f"reward {name!r} failed on completion {i} {c[:60]!r} ({err}); it is excluded", stacklevel=2)
-        out.append(None if err is not None else value[0])
+        out.append(FAILED if err is not None else value[0])
     return out
 
 
 def score(reward_fns, completions: list[str], samples: list, timeout_s: float = 30.0,
           **info) -> tuple[list[list[float | None]], dict[str, float]]:
-    """Run every reward function -> (rewards_FB, stats): each function's seconds
+    """Run every reward function -> (rewards_FB, stats): rewards_FB a score, None (abstained) or FAILED
+    per function and completion (`combine_rewards` sums them); each function's seconds
     (`time/reward_<name>_s`) and the counts a function keeps in its `stats` attribute (a judge's
     requests, failures, garbage answers, retries) as `<name>/<count>`; all of them add up over draws."""
     rewards_FB, stats = [], {}

@@ -71,9 +71,12 @@ class ScoreNormaliser:
         self.count, self.mean, self.m2 = state["count"], state["mean"], state["m2"]
 
     def __call__(self, values: list[float | None], update: bool = True) -> list[float | None]:
-        """None (a text a model could not score) stays None and counts in no statistic; `update=False`
-        maps by the running statistics without adding `values` to them."""
-        scored = [x for x in values if x is not None]
+        """None (a text a model could not score) and a score that is not finite (a forward that
+        overflowed) stay as they are and count in no statistic (one NaN would make the running mean NaN
+        for the rest of the run, and its checkpoints); `update=False` maps by the running statistics
+        without adding `values` to them."""
+        counted = [x is not None and math.isfinite(x) for x in values]
+        scored = [x for x, c in zip(values, counted) if c]
         if self.mode == "fixed":
             scored = [(x - self.offset) / self.scale for x in scored]
         elif self.mode == "running":
@@ -82,7 +85,7 @@ class ScoreNormaliser:
             std = self.std or 1.0
             scored = [(x - self.mean) / std for x in scored]
         it = iter(scored)
-        return [None if x is None else next(it) for x in values]
+        return [next(it) if c else x for x, c in zip(values, counted)]
 
 
 def token_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
