@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from grpo.config import validate
+from grpo.reward_config import JudgeConfig
 from grpo.errors import ConfigError, RewardStop
 from grpo.eval import agreement
 from grpo.tiny.text import build_char_tokenizer
@@ -47,12 +48,27 @@ def test_expected_score_by_hand():
     # a 1..3 scale: p(1) = 0.5, p(3) = 0.25 -> (0.5 * 1 + 0.25 * 3) / 0.75 = 1.6667
     assert expected_score({"1": math.log(0.5), "3": math.log(0.25)}, {"1": 1, "2": 2, "3": 3}) == pytest.approx(5 / 3)
     assert expected_score({"maybe": 0.0}, {"yes": 1.0, "no": 0.0}) is None  # no choice among the top: garbage
+    # a judge that answers "The ..." (0.98) with 0.12% of its mass on a choice: no score at the default
+    # min_choice_mass 0.5 (the noise read 0.17 before), a score where the choices hold the mass
+    noise = {"The": math.log(0.98), "yes": math.log(0.0002), "no": math.log(0.001)}
+    assert expected_score(noise, {"yes": 1.0, "no": 0.0}) == pytest.approx(1 / 6)
+    assert expected_score(noise, {"yes": 1.0, "no": 0.0}, JudgeConfig.min_choice_mass) is None
+    assert expected_score(top, {"yes": 1.0, "no": 0.0}, JudgeConfig.min_choice_mass) == pytest.approx(0.7 / 0.9)
 
 
 def test_pattern_score_and_the_prompt():
-    number = re.compile(r"(-?\d+(?:\.\d+)?)")
-    assert pattern_score("Score: 7.5 out of 10", number, {}) == 7.5
+    number = re.compile(JudgeConfig.pattern)  # the default
+    assert pattern_score("Score: 7.5", number, {}) == 7.5 and pattern_score("7.5, so 7.5.", number, {}) == 7.5
+    assert pattern_score("Score: .5", number, {}) == 0.5 and pattern_score("-2", number, {}) == -2.0  # read "5" before
     assert pattern_score("I cannot say", number, {}) is None
+    # matches that disagree are no score: the first number read 0, 0 and 1 here (the judge meant 8, 7, 9)
+    for said in ("On a scale of 0 to 9, I give it 8.", "Score (0-9): 7", "1. Correct final answer. Rating: 9/9"):
+        assert pattern_score(said, number, {}, rating=[0, 9]) is None, said
+    assert pattern_score("Score: 7.5 out of 10", number, {}) is None  # 7.5 or 10: ask for one number
+    assert pattern_score("Score: 7 out of 10", number, {}, rating=[0, 9]) == 7.0  # 10 is outside the rating
+    anchored = re.compile(r"(?:Score|Rating):\s*(\d+)")
+    assert pattern_score("On a scale of 0 to 9... Score: 8", anchored, {}) == 8.0
+    assert pattern_score("Score: 1", number, {}, cut=True) is None  # "1" of a cut "10"
     verdict = re.compile(r"\b(yes|no)\b", re.I)
     assert pattern_score("Verdict: YES.", verdict, {"yes": 1.0, "no": 0.0}) == 1.0
     assert pattern_score("nan", re.compile(r"(\w+)"), {}) is None  # a number that is not finite is garbage
@@ -135,8 +151,12 @@ def server(model_dir, tmp_path_factory):
 
 
 def judge_cfg(urls, *overrides):
+    """The random tiny judge puts little of its first token's probability on any choice (no answer
+    of the default min_choice_mass 0.5 would score: `test_a_judge_unsure_of_its_choices_scores_nothing`),
+    so these tests, of the transport and the arithmetic, read whatever mass there is."""
     return compose_cfg("task=addition", "reward=judge", f"reward.judge.urls=[{','.join(urls)}]", "reward.judge.api=completions",
-                       f"reward.judge.template='{TEMPLATE}'", "reward.judge.retries=1", *overrides)
+                       f"reward.judge.template='{TEMPLATE}'", "reward.judge.retries=1", "reward.judge.min_choice_mass=0",
+                       *overrides)
 
 
 def make_judge(urls, *overrides, token=TOKEN, healthy=True, choices=None) -> Judge:
@@ -226,6 +246,18 @@ def test_a_two_digit_rating_through_chat_is_refused_at_start(server):
         warnings.simplefilter("ignore")  # the random tiny model may write no number: garbage, counted
         values = judge(completions, samples)
     assert all(v is None or 1 <= v <= 10 for v in values) and judge.stats["failed"] == 0, (values, judge.stats)
+
+
+def test_a_judge_unsure_of_its_choices_scores_nothing(server):
+    """The random tiny judge, asked for a digit 0-9, answers "?": the digits hold less than the default
+    min_choice_mass (0.5) of its first token's probability, so no answer scores (before, the digits'
+    crumbs were renormalised into a confident score), with a warning that says why."""
+    completions, samples = batch(3)
+    judge = make_judge([server["url"]], "reward.judge.rating=[0,9]", "reward.judge.min_choice_mass=0.5",
+                       "reward.judge.min_scored=0")
+    with pytest.warns(UserWarning, match="3 of 3 answers had no score .*less than reward.judge.min_choice_mass=0.5"):
+        values = judge(completions, samples)
+    assert values == [None] * 3 and judge.stats == {"requests": 3, "failed": 0, "garbage": 3}
 
 
 def test_identical_pairs_are_asked_once(server):
@@ -379,7 +411,8 @@ def test_doctor_checks_a_configured_judge(server, monkeypatch):
     from grpo.doctor import check_judge, main
 
     monkeypatch.setenv(JUDGE_TOKEN_ENV, TOKEN)
-    common = ["reward.judge.api=completions", f"reward.judge.template='{TEMPLATE}'", "reward.judge.rating=[0,9]"]
+    common = ["reward.judge.api=completions", f"reward.judge.template='{TEMPLATE}'", "reward.judge.rating=[0,9]",
+              "reward.judge.min_choice_mass=0"]  # the random judge's mass on the digits is small
     result = check_judge([f"reward.judge.urls=[{server['url']}]", *common])
     assert result.ok and re.search(r"13\+54=067 scored \d\.\d{3}, 13\+54=068 scored \d\.\d{3}", result.detail), result.detail
     dead = f"http://127.0.0.1:{free_port()}"
@@ -393,7 +426,7 @@ def test_a_run_on_the_judge_logs_it_and_stops_when_the_judge_dies(server, tmp_pa
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "grpo.train", *FAST, "steps=50", "task=addition", "reward=judge",
            f"reward.judge.urls=[{server['url']}]", "reward.judge.api=completions", f"reward.judge.template='{TEMPLATE}'",
-           "reward.judge.rating=[0,9]",
+           "reward.judge.rating=[0,9]", "reward.judge.min_choice_mass=0",  # the random judge's mass is small
            "reward.judge.retries=1", f"hydra.run.dir={run}", f"model.cache_dir={cache_dir}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, JUDGE_TOKEN_ENV: TOKEN})

@@ -11,14 +11,18 @@ The score (`reward.judge.score`):
     sum_c p(c) v(c) / sum_c p(c) over the `choices` (token -> value, e.g. yes: 1, no: 0; or with
     `rating: [0, 9]` the tokens "0".."9" valued as those numbers)
     found among the top `top_logprobs` tokens (a token matches a choice by its text with spaces
-    stripped, case ignored; the probabilities of tokens that match one choice add up). None found is
-    a garbage answer. Only one token is read, so at start every choice must be one token of the
+    stripped, case ignored; the probabilities of tokens that match one choice add up). Less than
+    `min_choice_mass` (0.5) of the probability on the choices is a garbage answer: a judge that
+    starts "The ..." at 0.98 would otherwise be scored from the noise of the other 0.02. Only one token is read, so at start every choice must be one token of the
     judge's tokenizer (vLLM's /tokenize): digit-splitting tokenizers (Qwen2, SmolLM2, Llama-2,
     Mistral) write "10" as "1" "0", and a judge sure of 10 would score 1.
-  - `pattern`: the first match of `pattern` in the judge's text (its first group if it has one),
-    looked up in `choices` (case ignored) or read as a number (within `rating` when one is given).
-    No match is a garbage answer, and so is a match at the end of an answer cut at `max_tokens`
-    (the number may be cut short: "1" of "10"). The answer is 16 tokens unless `max_tokens` says,
+  - `pattern`: every match of `pattern` in the judge's text (its first group if it has one), each
+    looked up in `choices` (case ignored) or read as a number (those outside `rating`, when one is
+    given, left out). They must agree on one value: no match is a garbage answer, and so are matches
+    that disagree ("On a scale of 0 to 9, I give it 8" under the default number pattern: the first
+    number would read 0) and a match at the end of an answer cut at `max_tokens` (the number may be
+    cut short: "1" of "10"). Anchor the pattern to the form the template asks for
+    (`Score: (\d+)`) where the judge writes other numbers. The answer is 16 tokens unless `max_tokens` says,
     and at start `max_tokens` must hold the longest choice.
 
 A batch is sent at once: identical judge prompts are asked once, at most `max_concurrency` requests
@@ -61,27 +65,22 @@ def choice_of(token: str, choices: dict[str, float]) -> str | None:
     return next((c for c in choices if c.strip().lower() == key), None) if key else None
 
 
-def expected_score(top: dict[str, float], choices: dict[str, float]) -> float | None:
-    """sum_c p(c) v(c) / sum_c p(c) over the choices among `top` (token text -> logprob); None if none is."""
+def expected_score(top: dict[str, float], choices: dict[str, float], min_mass: float = 0.0) -> float | None:
+    """sum_c p(c) v(c) / sum_c p(c) over the choices among `top` (token text -> logprob); None if none
+    is, or if their probability sum_c p(c) is below `min_mass`."""
     mass: dict[str, float] = {}
     for token, logprob in top.items():
         c = choice_of(token, choices)
         if c is not None:
             mass[c] = mass.get(c, 0.0) + math.exp(logprob)
     total = sum(mass.values())
-    if total <= 0:
+    if total <= 0 or total < min_mass:
         return None
     return sum(p * float(choices[c]) for c, p in mass.items()) / total
 
 
-def pattern_score(text: str, pattern: re.Pattern, choices: dict[str, float], rating=None, cut: bool = False) -> float | None:
-    """The first match of `pattern` (its first group if any): a choice's value, else a number (within
-    `rating` [low, high] if given); else None. `cut`: the answer stopped at max_tokens, so a match
-    that reaches its end may be cut short ("1" of "10") and is no score."""
-    m = pattern.search(text)
-    if m is None or (cut and m.end() == len(text)):
-        return None
-    found = m.group(1) if m.groups() else m.group(0)
+def match_value(found: str, choices: dict[str, float], rating=None) -> float | None:
+    """One match's value: a choice's, else a finite number (within `rating` [low, high] if given)."""
     c = choice_of(found, choices)
     if c is not None:
         return float(choices[c])
@@ -89,9 +88,20 @@ def pattern_score(text: str, pattern: re.Pattern, choices: dict[str, float], rat
         value = float(found)
     except ValueError:
         return None
-    if rating and not rating[0] <= value <= rating[1]:
+    if not math.isfinite(value) or (rating and not rating[0] <= value <= rating[1]):
         return None
-    return value if math.isfinite(value) else None
+    return value
+
+
+def pattern_score(text: str, pattern: re.Pattern, choices: dict[str, float], rating=None, cut: bool = False) -> float | None:
+    """The one value every match of `pattern` (its first group if any) reads (`match_value`; those that
+    read none left out); None when none does, or when they disagree. `cut`: the answer stopped at
+    max_tokens, so a match that reaches its end may be cut short ("1" of "10") and is no score."""
+    matches = list(pattern.finditer(text))
+    if not matches or (cut and matches[-1].end() == len(text)):
+        return None
+    values = {match_value(m.group(1) if m.groups() else m.group(0), choices, rating) for m in matches} - {None}
+    return values.pop() if len(values) == 1 else None
 
 
 FIELDS = re.compile(r"\{(prompt|completion|answer)\}")
@@ -228,12 +238,12 @@ class Judge:
             if self.jc.score == "logprobs":
                 content = (choice.get("logprobs") or {}).get("content") or []
                 top = {t["token"]: t["logprob"] for t in content[0]["top_logprobs"]} if content else {}
-                return expected_score(top, self.choices), text
+                return expected_score(top, self.choices, self.jc.min_choice_mass), text
         else:
             text = choice.get("text") or ""
             if self.jc.score == "logprobs":
                 tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
-                return expected_score(tops[0] if tops else {}, self.choices), text
+                return expected_score(tops[0] if tops else {}, self.choices, self.jc.min_choice_mass), text
         cut = choice.get("finish_reason") == "length"
         return pattern_score(text, self.pattern, self.choices, self.jc.rating, cut), text
 
@@ -308,8 +318,12 @@ class Judge:
             warnings.warn(f"reward `judge`: {len(failed)} of {len(unique)} requests failed after "
                           f"{self.jc.retries} retries; their completions are excluded. First: {failed[0][1]}", stacklevel=2)
         if garbage:
+            how = (f"less than reward.judge.min_choice_mass={self.jc.min_choice_mass:g} of the first token's probability "
+                   f"on the choices" if self.jc.score == "logprobs" else
+                   f"no match of reward.judge.pattern, or matches that disagree: anchor it to the form the template asks "
+                   f"for, e.g. 'Score: (\\d+)'")
             warnings.warn(f"reward `judge`: {len(garbage)} of {len(unique)} answers had no score "
-                          f"(reward.judge.score={self.jc.score}); their completions are excluded. First answer: "
+                          f"(reward.judge.score={self.jc.score}: {how}); their completions are excluded. First answer: "
                           f"{garbage[0][1]!r}", stacklevel=2)
         if values and scored < self.jc.min_scored * len(values):
             why = failed[0][1] if failed else f"the judge's answers had no score, e.g. {garbage[0][1]!r}"
@@ -354,6 +368,8 @@ def check(cfg) -> None:
         raise ConfigError("reward.judge needs max_tokens >= 1 (or null), top_logprobs >= 1, max_concurrency >= 1 and retries >= 0.")
     if not 0 <= jc.min_scored <= 1:
         raise ConfigError(f"reward.judge.min_scored={jc.min_scored} is a fraction of a batch: 0 to 1.")
+    if not 0 <= jc.min_choice_mass <= 1:
+        raise ConfigError(f"reward.judge.min_choice_mass={jc.min_choice_mass} is a probability: 0 to 1.")
     if jc.request_timeout_s <= 0 or jc.batch_timeout_s <= 0:
         raise ConfigError("reward.judge.request_timeout_s and batch_timeout_s must be > 0.")
     judge_token(jc)
