@@ -12,7 +12,7 @@ import time
 import pytest
 
 from grpo.errors import DeviceError
-from grpo.rollout.dedicated import pick_devices
+from grpo.rollout.dedicated import engine_argv, pick_devices
 from tests.conftest import FAST, ROOT
 from tests.listener_watch import ListenerWatch
 from tests.test_parallel import TORCHRUN
@@ -216,3 +216,18 @@ def test_each_nodes_ranks_must_be_consecutive():
         check_node_layout(["n1", "n2", "n1", "n2"], 2)
     with pytest.raises(DeviceError):
         check_node_layout(["n1", "n1", "n1", "n1"], 2)
+
+
+@pytest.mark.parametrize("devices", [["cuda:0", "cuda:1"], ["cpu"]])
+def test_an_engines_command_says_eager_or_graphs_whatever_the_device(devices):
+    """rollout.vllm.enforce_eager=true (the default) was left unsaid, and grpo.serve's default on a GPU is
+    CUDA graphs: a user who asked for eager got graphs. Both ways are passed now."""
+    from types import SimpleNamespace
+
+    for eager, flag in ((True, "--enforce-eager"), (False, "--no-enforce-eager")):
+        cfg = SimpleNamespace(max_model_len=256, kv_cache_gb="auto", images_per_prompt=1, memory_fraction=0.3,
+                              enforce_eager=eager)
+        argv = engine_argv("/m", devices, 8000, cfg, "float32", "nccl")
+        assert [a for a in argv if a.endswith("enforce-eager")] == [flag], argv
+    gpus = engine_argv("/m", ["cuda:0", "cuda:1"], 8000, cfg, "bfloat16")
+    assert gpus[gpus.index("--tensor-parallel-size") + 1] == "2" and gpus[gpus.index("--dtype") + 1] == "bfloat16"

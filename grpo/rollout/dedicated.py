@@ -154,24 +154,20 @@ def pinned_engine_env(cpus: list[int] | None) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "OMP_NUM_THREADS": str(len(cpus))}
 
 
-def launch_engine(model_path: str, devices: list[str], port: int, token: str, vllm_cfg, dtype: str, log_path: str,
-                  transfer: str = "grpo_gloo", cpus: list[int] | None = None, lora_rank: int = 0,
-                  max_model_len: int | None = None, routed_experts: bool = False):
-    """One `grpo.serve` process on `devices`, bound to 127.0.0.1, logging to `log_path`; on CPU,
-    pinned to `cpus` when given (its vLLM threads bound to them); with `lora_rank`, serving LoRA
-    adapters up to that rank. `max_model_len`: the engine's context as fitted to the model
-    (engine_memory.engine_context); default rollout.vllm.max_model_len."""
-    env = {**os.environ, "GRPO_SERVE_TOKEN": token, **pinned_engine_env(cpus), **dist.loopback_env()}
+def engine_argv(model_path: str, devices: list[str], port: int, vllm_cfg, dtype: str, transfer: str = "grpo_gloo",
+                cpus: list[int] | None = None, lora_rank: int = 0, max_model_len: int | None = None,
+                routed_experts: bool = False) -> list[str]:
+    """The `grpo.serve` command of one dedicated engine (`launch_engine`). Every engine setting is
+    passed, none left to grpo.serve's device defaults: rollout.vllm.enforce_eager=true, unsaid, was CUDA
+    graphs on a GPU (serve's default there)."""
     argv = [sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", str(port),
             "--max-model-len", str(max_model_len or vllm_cfg.max_model_len), "--dtype", dtype, "--kv-cache-gb", str(vllm_cfg.kv_cache_gb),
             "--weight-transfer", transfer, "--images-per-prompt", str(vllm_cfg.images_per_prompt)]
     if devices == ["cpu"]:
         argv += ["--memory-fraction", str(vllm_cfg.memory_fraction)]
     else:  # the engine owns these GPUs
-        env["CUDA_VISIBLE_DEVICES"] = child_visible_devices(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
         argv += ["--tensor-parallel-size", str(len(devices)), "--memory-fraction", "0.9"]
-    if not vllm_cfg.enforce_eager:
-        argv.append("--no-enforce-eager")
+    argv.append("--enforce-eager" if vllm_cfg.enforce_eager else "--no-enforce-eager")
     if lora_rank:
         argv += ["--lora-rank", str(lora_rank)]
     if routed_experts:  # rollout.routing_replay / routing_observe (grpo/moe/served_routes.py)
@@ -181,6 +177,20 @@ def launch_engine(model_path: str, devices: list[str], port: int, token: str, vl
     argv += ["--parent-pid", str(os.getpid())]
     if cpus:
         argv += ["--cpus", ",".join(map(str, cpus))]
+    return argv
+
+
+def launch_engine(model_path: str, devices: list[str], port: int, token: str, vllm_cfg, dtype: str, log_path: str,
+                  transfer: str = "grpo_gloo", cpus: list[int] | None = None, lora_rank: int = 0,
+                  max_model_len: int | None = None, routed_experts: bool = False):
+    """One `grpo.serve` process on `devices`, bound to 127.0.0.1, logging to `log_path`; on CPU,
+    pinned to `cpus` when given (its vLLM threads bound to them); with `lora_rank`, serving LoRA
+    adapters up to that rank. `max_model_len`: the engine's context as fitted to the model
+    (engine_memory.engine_context); default rollout.vllm.max_model_len."""
+    env = {**os.environ, "GRPO_SERVE_TOKEN": token, **pinned_engine_env(cpus), **dist.loopback_env()}
+    if devices != ["cpu"]:  # the engine owns these GPUs
+        env["CUDA_VISIBLE_DEVICES"] = child_visible_devices(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    argv = engine_argv(model_path, devices, port, vllm_cfg, dtype, transfer, cpus, lora_rank, max_model_len, routed_experts)
     with open(log_path, "w") as log:  # the child keeps its own copy
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     # ends the engine's group if the trainer dies and the server's own SIGTERM does not (grpo/rollout/reaper.py)
