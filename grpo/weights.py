@@ -22,7 +22,16 @@ def is_vision_parameter(name: str) -> bool:
 def engine_parameters(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The (name, parameter) pairs a weight sync sends: all but a frozen vision tower's
     (model.freeze_vision), which the engines keep as they loaded it."""
-    return ((n, p) for n, p in named if p.requires_grad or not is_vision_parameter(n))
+    return ((n, p) for n, p in named if sent(n, p))
+
+
+def sent(name: str, p: torch.Tensor) -> bool:
+    return p.requires_grad or not is_vision_parameter(name)
+
+
+def unsent_parameters(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names `engine_parameters` leaves out: weights the engines must keep as they loaded them."""
+    return [n for n, p in named if not sent(n, p)]
 
 
 def full_nbytes(t: torch.Tensor) -> int:

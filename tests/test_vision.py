@@ -470,3 +470,25 @@ def test_an_empty_or_non_rgb_image_is_refused_or_converted_once(tiny_vlm, sample
         prompt = encode([other])
         assert [im.mode for im in prompt.vision.images] == ["RGB"]
         torch.testing.assert_close(prompt.vision.pixel_values, encode([other.convert("RGB")]).vision.pixel_values)
+
+
+def test_a_frozen_tower_is_never_sent_so_a_sleeping_engine_keeps_it(tiny_vlm):
+    """model.freeze_vision (the default) leaves the tower out of every sync: the engine keeps what it
+    loaded. Sleep at level 2 discarded it (vLLM wakes weights as uninitialised memory and its reload
+    keeps a layer no weight reached, with a log line), so every image after the first sync was encoded
+    by garbage. The colocated engine sleeps at level 1 where `unsent_parameters` names any."""
+    import copy
+
+    from grpo.rollout.colocated import SleepState, sleep_plan
+    from grpo.weights import engine_parameters, unsent_parameters
+
+    model = copy.deepcopy(tiny_vlm[0])
+    for p in model.parameters():
+        p.requires_grad_(True)
+    assert unsent_parameters(model.named_parameters()) == []  # the tower trains: every weight is sent
+    vision.freeze_vision(model)
+    unsent = unsent_parameters(model.named_parameters())
+    assert unsent and all(vision.is_vision_parameter(n) for n in unsent)
+    sent = [n for n, _ in engine_parameters(model.named_parameters())]
+    assert sorted(sent + unsent) == sorted(n for n, _ in model.named_parameters())
+    assert sleep_plan(SleepState(), enabled=True, unsent=bool(unsent)) == [("sleep", 1)]

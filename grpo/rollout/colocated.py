@@ -37,7 +37,7 @@ from grpo import dist, lora, vision
 from grpo.moe import routing, served_routes, vllm_capture, vllm_reload
 from grpo.rollout import precision
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, sampling_fields
-from grpo.weights import WeightBuckets
+from grpo.weights import WeightBuckets, unsent_parameters
 from grpo.errors import ConfigError, EngineStartError
 from grpo.rollout.engine_memory import (chunked_prefill, check_vllm, engine_context, kv_cache_bytes, model_config_of,
                                         read_model_config, start_failure_message)
@@ -204,12 +204,15 @@ class SleepState:
     weights_discarded: bool = False  # level 2: the weights are gone until a reload refills them
 
 
-def sleep_plan(state: SleepState, enabled: bool, lora: bool) -> list[tuple]:
-    """Level 2 discards weights and KV cache outright; with LoRA the base weights are never sent
-    again, so level 1 keeps them (on the host). Nothing when sleep is off or already asleep."""
+def sleep_plan(state: SleepState, enabled: bool, unsent: bool) -> list[tuple]:
+    """Level 2 discards weights and KV cache outright, for a reload to refill. Where some weights are
+    never sent again (`unsent`: LoRA's base, a frozen vision tower, `weights.unsent_parameters`), level 1
+    keeps them (on the host): at level 2 vLLM woke them as uninitialised memory, which its reload keeps
+    with only a log line, and a VLM then encoded every image with garbage. Nothing when sleep is off or
+    already asleep."""
     if not enabled or state.asleep:
         return []
-    return [("sleep", 1 if lora else 2)]
+    return [("sleep", 1 if unsent else 2)]
 
 
 def wake_plan(state: SleepState, tags=ALL_TAGS) -> list[tuple]:
@@ -308,6 +311,8 @@ class ColocatedBackend(RolloutBackend):
         # LoRA: the trainer's module is a peft model; the engine gets its adapter, never the base again
         self.lora_model = model if lora.is_lora(model) else None
         self.images = vision.is_vision_model(getattr(model, "config", None))  # a VLM: its encoder cache reset per sync
+        # weights a sync never sends (LoRA's base, a frozen vision tower): sleep must keep them (sleep_plan)
+        self.unsent = self.lora_model is not None or bool(unsent_parameters(model.named_parameters()))
         self.lora_request, self.adapter_dir = None, os.path.join(run_dir, "adapters", f"rank{dist.rank()}")
         rank = lora.adapter_rank(model) if self.lora_model is not None else 0
         empty_device_cache()  # the trainer's cached blocks, so vLLM's memory profile sees them free
@@ -392,7 +397,7 @@ class ColocatedBackend(RolloutBackend):
                 shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def sleep(self) -> None:
-        self._apply(sleep_plan(self.sleep_state, self.sleep_enabled, lora=self.lora_model is not None))
+        self._apply(sleep_plan(self.sleep_state, self.sleep_enabled, unsent=self.unsent))
 
     def wake(self) -> None:
         """Wake everything asleep; before the reload refills discarded weights this is an error."""
