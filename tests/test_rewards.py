@@ -145,7 +145,7 @@ def test_a_model_rewards_unscored_and_non_finite_completions_fail_alone():
     def rm(completions, samples, **_):
         return [None, math.inf, 0.5, math.nan]
 
-    with pytest.warns(UserWarning, match="'rm' gave 2 of 4 completions a score that is not finite \(inf for completion 1\)"):
+    with pytest.warns(UserWarning, match=r"'rm' gave 2 of 4 completions a score that is not finite \(inf for completion 1\)"):
         rewards, _ = score([("rm", rm, 1.0)], list("abcd"), [None] * 4, timeout_s=5)
     assert marked(rewards) == [["failed", "failed", 0.5, "failed"]]
 

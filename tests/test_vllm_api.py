@@ -13,6 +13,8 @@ import http.server
 import json
 import threading
 
+import warnings
+
 import pytest
 import torch
 
@@ -22,7 +24,7 @@ from grpo.rollout import gloo_transfer, nccl_transfer
 from grpo.rollout.base import Sampling
 from grpo.rollout.nccl_transfer import NcclSender
 from grpo.rollout.servers import DaemonWorker, ServerPool
-from grpo.rollout.vllm_api import installed, release, takes_unique_id, vllm_api
+from grpo.rollout.vllm_api import installed, release, reset_prefix_cache, takes_unique_id, vllm_api
 from grpo.serve import vllm_argv
 
 # Read from each release's source (paths under vllm/):
@@ -267,3 +269,49 @@ def test_a_pool_reads_each_servers_release_and_refuses_one_outside_the_range():
     finally:
         httpd.shutdown()
         httpd.server_close()  # shutdown() stops serving; the listening socket stays open until this
+
+
+def test_a_refused_prefix_cache_reset_is_retried_then_an_error(monkeypatch):
+    """vLLM answers {"success": false} (the route) or False (LLM.reset_prefix_cache) while blocks are
+    held, and only logs it: the next completions would reuse KV of the old weights. The answer was
+    dropped; now a refusal is tried again and, refused every time, stops the run saying why."""
+    import grpo.rollout.vllm_api as api
+
+    monkeypatch.setattr(api, "RESET_PAUSE_S", 0.0)
+    answers = iter([{"success": False}, False, {"success": True}])
+    reset_prefix_cache(lambda: next(answers), "the server at http://x")  # the third try passes
+    assert next(answers, "spent") == "spent"
+    for refused in ({"success": False}, False):
+        calls = []
+        with pytest.raises(RuntimeError, match="the server at http://x refused to reset its prefix cache.*5 times.*old weights"):
+            reset_prefix_cache(lambda: calls.append(1) or refused, "the server at http://x")
+        assert len(calls) == api.RESET_TRIES
+    reset_prefix_cache(lambda: True, "the colocated engine")
+
+
+def test_a_server_that_refuses_to_release_the_transfer_is_warned_of_and_a_gone_one_is_not():
+    """ServerPool.close swallowed every error of /shutdown_weight_transfer_engine as "the server may
+    already be gone"; vLLM 0.33 also refuses during a weight update (a push that failed halfway)."""
+    from grpo.errors import ServerError
+    from grpo.rollout.servers import release_transfer
+
+    class Answers:
+        url = "http://127.0.0.1:9"
+
+        def __init__(self, error):
+            self.error = error
+
+        def request(self, path, body=None, timeout=None):
+            assert path == "/shutdown_weight_transfer_engine"
+            if self.error is not None:
+                raise self.error
+            return {}
+
+    refused = ServerError("http://127.0.0.1:9/shutdown_weight_transfer_engine answered 500: Cannot release a trainer "
+                          "connection during a weight update", 500)
+    with pytest.warns(UserWarning, match="http://127.0.0.1:9 did not release .*answered 500: Cannot release"):
+        release_transfer(Answers(refused))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        release_transfer(Answers(ServerError("http://127.0.0.1:9/shutdown_weight_transfer_engine is unreachable")))
+        release_transfer(Answers(None))

@@ -22,7 +22,7 @@ The score (`reward.judge.score`):
     that disagree ("On a scale of 0 to 9, I give it 8" under the default number pattern: the first
     number would read 0) and a match at the end of an answer cut at `max_tokens` (the number may be
     cut short: "1" of "10"). Anchor the pattern to the form the template asks for
-    (`Score: (\d+)`) where the judge writes other numbers. The answer is 16 tokens unless `max_tokens` says,
+    (`Score: (\\d+)`) where the judge writes other numbers. The answer is 16 tokens unless `max_tokens` says,
     and at start `max_tokens` must hold the longest choice.
 
 A batch is sent at once: identical judge prompts are asked once, at most `max_concurrency` requests

@@ -41,7 +41,7 @@ from grpo.weights import WeightBuckets, unsent_parameters
 from grpo.errors import ConfigError, EngineStartError
 from grpo.rollout.engine_memory import (chunked_prefill, check_vllm, engine_context, kv_cache_bytes, model_config_of,
                                         read_model_config, start_failure_message)
-from grpo.rollout.vllm_api import installed
+from grpo.rollout.vllm_api import installed, reset_prefix_cache
 
 
 def empty_device_cache() -> None:
@@ -369,7 +369,8 @@ class ColocatedBackend(RolloutBackend):
             # lazy: one bucket alive at a time
             "reload_weights": lambda _: self._reload(buckets),
             "load_adapter": lambda _: self._load_adapter(buckets, version),
-            "reset_prefix_cache": lambda _: self.llm.reset_prefix_cache(),  # cached KV belongs to the old weights
+            # cached KV belongs to the old weights
+            "reset_prefix_cache": lambda _: reset_prefix_cache(self.llm.reset_prefix_cache, "the colocated engine"),
             "reset_encoder_cache": lambda _: self.llm.llm_engine.reset_encoder_cache(),  # so do image embeddings
         }
         for op, arg in ops:

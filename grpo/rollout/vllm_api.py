@@ -44,7 +44,9 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import re
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 from grpo.errors import ConfigError
 
@@ -134,3 +136,24 @@ def takes_unique_id(server: VllmApi, trainer: VllmApi) -> bool:
     """The NCCL unique-id rendezvous (no TCP store listens; docs/security.md): the server's init info
     must take the id and the trainer's vLLM must join a group by it; else vLLM's TCP store."""
     return server.nccl_unique_id and trainer.nccl_unique_id
+
+
+RESET_TRIES, RESET_PAUSE_S = 5, 0.2
+
+
+def reset_prefix_cache(reset: Callable[[], object], where: str) -> None:
+    """Drop an engine's prefix cache after new weights. `reset()` is vLLM's own: `LLM.reset_prefix_cache()`'s
+    bool, or the route's {"success": bool} (0.26 and 0.33: entrypoints/serve/dev/cache/api_router.py).
+    vLLM refuses while blocks are held (a request still running, an async KV transfer) and only logs a
+    warning; the next completions would then reuse KV computed under the old weights. Tried a few
+    times, then an error saying so."""
+    for attempt in range(RESET_TRIES):
+        answer = reset()
+        if (answer.get("success") if isinstance(answer, dict) else answer) is not False:
+            return
+        if attempt + 1 < RESET_TRIES:
+            time.sleep(RESET_PAUSE_S)
+    raise RuntimeError(f"{where} refused to reset its prefix cache after new weights, {RESET_TRIES} times in "
+                       f"{RESET_TRIES * RESET_PAUSE_S:g} s (vLLM does while blocks are held by running requests): its next "
+                       f"completions would reuse KV computed under the old weights. Something still generates on it "
+                       f"during the weight sync: another trainer sharing the server, or requests left running.")
