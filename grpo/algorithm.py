@@ -512,6 +512,9 @@ def check(algo, rollout, world: int) -> None:
     # CISPO's two bounds are independent (its lower one is usually off: clip_eps=1); PPO's clip-higher raises the upper
     if a.lr <= 0 or a.clip_eps <= 0 or (a.pg_loss == "ppo" and a.clip_eps_high is not None and a.clip_eps_high < a.clip_eps):
         raise ConfigError("algo.lr and algo.clip_eps must be > 0, and algo.clip_eps_high (if set) >= algo.clip_eps.")
+    if not a.max_grad_norm > 0:  # single/ddp clip to it (0: no step at all, below 0: gradients flipped); DeepSpeed reads <= 0 as off
+        raise ConfigError(f"algo.max_grad_norm={a.max_grad_norm} must be > 0 (the gradient norm is clipped to it); for "
+                          f"practically no clipping give a large value, e.g. algo.max_grad_norm=1e9.")
     if a.adv_estimator != "grpo" and a.adv_scale != "none":
         raise ConfigError(
             f"algo.adv_estimator={a.adv_estimator} sets its own scale (rloo: none; reinforce_pp: the batch std of "

@@ -31,7 +31,7 @@ from grpo.rollout import BACKENDS, backend_class
 from grpo.rollout.engine_memory import model_config_of, read_model_config
 from grpo.rollout.render import RENDERERS
 from grpo.rollout_config import RolloutConfig  # the rollout group's (sampling, vLLM, servers, scheduling)
-from grpo.tasks import TASKS
+from grpo.tasks import TASKS, check_task
 from grpo.tiny import folders
 from grpo.tiny.text import TINY_CONTEXT
 from grpo.tiny.warm_start import TINY_KINDS
@@ -349,6 +349,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     algorithm.check_turn_rewards(a, cfg.env.name, [f.name for f in cfg.reward.funcs])  # per-turn credit
     backend, strategy = backend_class(r.backend), strategy_class(cfg.parallel.strategy)
     backend.check(r, world)  # each backend its own settings (grpo/rollout/)
+    backend.check_unread(r)  # a rollout.vllm.* setting the backend never reads
     backend.check_staleness(r, a.max_staleness)  # engines elsewhere overlap; in-process ones warn
     backend.check_schedule(r, a, cfg.env.name)  # rollout.schedule, algo.partial_rollouts
     backend.check_routing(r, cfg.env.name)  # rollout.routing_replay: a backend that returns routes, single-turn
@@ -363,6 +364,12 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
         raise ConfigError(f"threads={cfg.threads!r}: use auto or a positive number of threads per process.")
     if cfg.steps < 0 or cfg.task.eval_size < 1 or cfg.eval_samples < 1:
         raise ConfigError("steps must be >= 0, task.eval_size >= 1 and eval_samples >= 1.")
+    every = {"eval_every": cfg.eval_every, "checkpoint_every": cfg.checkpoint_every, "logger.sample_every": cfg.logger.sample_every}
+    if cfg.logger.log_every < 1 or cfg.keep_checkpoints < 1 or min(every.values()) < 0:
+        raise ConfigError(f"logger.log_every={cfg.logger.log_every} and keep_checkpoints={cfg.keep_checkpoints} must be "
+                          f">= 1; {', '.join(f'{k}={v}' for k, v in every.items())} must be >= 0 (0: never, or only at "
+                          f"the start and end).")
+    check_task(cfg.task)  # the data fields the chosen task reads
     check_rewards(cfg)  # each name resolves; a reward that holds a model checks its settings (grpo/rewards/)
     envs.check(cfg)  # env.*: the environment can be found, its budgets leave room for a turn
     folders.check_path(cfg.model.path)  # tiny, packaged, a local folder, or a hub id whose config loads

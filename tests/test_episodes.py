@@ -423,6 +423,41 @@ def test_tool_env_calls_the_tool_and_ends_on_an_answer():
     assert step.done and not step.info["tool_call"]
 
 
+class Opens(GuessEnv):
+    """An opening observation whose length depends on the reset's seed (0-4 characters)."""
+
+    def reset(self, sample, seed):
+        super().reset(sample, seed)
+        return "<" * (seed % 5)
+
+
+def test_a_trajectory_with_no_room_for_its_first_turn_is_an_error_not_an_empty_answer(tiny_lm):
+    """The prompt (12 tokens) and its opening observation leave no room for a 3-token turn within a
+    context of 17 for the trajectories whose observation is 3 or 4 long: they never sampled a token.
+    Ended as "length", their empty final answer was scored beside the group's real ones; now they end
+    as "error" (withheld from the rewards) with a warning, and the others play."""
+    _, tok = tiny_lm
+    prompts = prompts_of(tok, GUESS[:1])
+    with pytest.warns(UserWarning, match="budget failed .*leave no room for a turn of rollout.max_new_tokens=3"):
+        out = runner(tok, make_env=Opens, context=17).run(Scripted(tok, lambda p: "8", max_context=17), prompts,
+                                                          GUESS[:1], 8, Sampling(3, seed=5))
+    opening = [reset_seed(5, i) % 5 for i in range(8)]  # each trajectory's observation length
+    assert len(prompts[0]) == 12 and {3, 4} & set(opening) and set(opening) - {3, 4}, opening
+    for e, obs, ids in zip(out.episodes, opening, out.completion_ids):
+        if len(prompts[0]) + obs + 3 > 17:
+            assert (e.finish, e.turns, e.env_reward) == ("error", 0, None) and "no room" in e.error, e
+        else:
+            assert e.finish != "error" and e.turns >= 1, e
+
+
+def test_a_guess_in_other_digits_is_an_invalid_guess_not_an_environment_error():
+    """"²".isdigit() is true and int("²") raises: the driver ended the episode as an environment error."""
+    env = GuessEnv()
+    env.reset(Sample("Guess 1-15:", "7"), 0)
+    assert env.step("²").info == {"invalid": True} and env.step("٣").info == {"invalid": True}
+    assert env.step("7").done
+
+
 def test_binary_search_solves_every_secret_in_four_guesses():
     lengths = [len(binary_search_turns(s)) for s in range(1, 16)]
     assert max(lengths) == 4 and sum(lengths) == 49
@@ -442,6 +477,12 @@ def test_env_config_is_checked(make_cfg):
         validate(make_cfg("experiment=guess_tiny", "env.max_concurrency=0"))
     validate(make_cfg("experiment=guess_tiny", "env.max_concurrency=1"))
     validate(make_cfg("experiment=guess_tiny"))
+    # env.kwargs bound to the environment now, not at its first episode after the model and engines load
+    with pytest.raises(ConfigError, match=r"env.kwargs=\{'max_guess': 9\} do not fit env.name='guess'.*max_guess"):
+        validate(make_cfg("experiment=guess_tiny", "+env.kwargs.max_guess=9"))
+    validate(make_cfg("experiment=guess_tiny", "+env.kwargs.high=9"))
+    with pytest.raises(ConfigError, match="env.kwargs=.* with env=none"):
+        validate(make_cfg("+env.kwargs.high=9"))
 
 
 class BreaksOnOdd(GuessEnv):

@@ -35,6 +35,19 @@ def test_jsonl_task_loads_rows(tmp_path):
     assert {"level"} == set(task.train[0].meta)
 
 
+def test_jsonl_task_holds_out_its_eval_file(tmp_path):
+    """task.eval_path was never read by task=jsonl: evaluation ran on rows of the train file. Now the
+    train file trains whole, and eval_size rows of the eval file (seeded) are held out."""
+    train = write(tmp_path / "train.jsonl", [json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(10)])
+    held = write(tmp_path / "test.jsonl", [json.dumps({"prompt": f"t{i}", "answer": str(i)}) for i in range(5)])
+    task = build_task(task_cfg(name="jsonl", path=train, eval_path=held, eval_size=3))
+    assert len(task.train) == 10 and len(task.eval) == 3 and {s.prompt[0] for s in task.eval} == {"t"}
+    again = build_task(task_cfg(name="jsonl", path=train, eval_path=held, eval_size=3))
+    assert [s.prompt for s in again.eval] == [s.prompt for s in task.eval]
+    with pytest.raises(DatasetError, match="task.eval_path=.*nope.jsonl' does not exist"):
+        build_task(task_cfg(name="jsonl", path=train, eval_path=str(tmp_path / "nope.jsonl"), eval_size=3))
+
+
 @pytest.mark.parametrize(
     "lines, message",
     [

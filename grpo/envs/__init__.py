@@ -55,8 +55,11 @@ def check(cfg) -> None:
         if any(f.name == "env" for f in cfg.reward.funcs):
             raise ConfigError("reward `env` scores an environment's episodes, but env=none; pick an env (env=guess) "
                               "or drop the env reward.")
+        if e.kwargs:
+            raise ConfigError(f"env.kwargs={dict(e.kwargs)} with env=none: no environment takes them; pick an env "
+                              f"(env=guess) or drop them.")
         return
-    resolve_env(e.name)
+    check_kwargs(e.name, resolve_env(e.name), dict(e.kwargs or {}))
     if e.max_turns < 1 or e.max_observation_tokens < 1 or e.step_timeout_s <= 0:
         raise ConfigError("env.max_turns and env.max_observation_tokens must be >= 1 and env.step_timeout_s > 0.")
     if e.max_concurrency < 1:
@@ -66,6 +69,21 @@ def check(cfg) -> None:
         raise ConfigError(f"env.max_total_tokens={e.max_total_tokens} leaves no room for one turn of "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}; raise it (or 0 for max_turns x "
                           f"(max_new_tokens + max_observation_tokens)).")
+
+
+def check_kwargs(name: str, factory, kwargs: dict) -> None:
+    """env.kwargs bound to the factory's signature now (a misspelt one failed at the first episode, after
+    the model and the engines were built); `task` is the driver's to pass."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin or C factory: nothing to check here
+        return
+    if "task" in kwargs and "task" in signature.parameters:
+        raise ConfigError(f"env.kwargs.task: the environment {name!r} is given the run's task; drop it from env.kwargs.")
+    try:
+        signature.bind_partial(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"env.kwargs={kwargs} do not fit env.name={name!r}{signature}: {e}. Fix the names.") from e
 
 
 def env_factory(cfg, task) -> Callable[[], Env]:

@@ -22,7 +22,7 @@ LOWER, HIGHER = "<", ">"  # one character each: the tiny model's tokenizer is ch
 
 def parse_guess(action: str) -> int | None:
     text = action.strip()
-    return int(text) if text.isdigit() and len(text) <= 4 else None
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 4 else None  # "²".isdigit() too
 
 
 class GuessEnv(TextEnv):

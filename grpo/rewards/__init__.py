@@ -83,6 +83,11 @@ def check_rewards(cfg) -> None:
     reward that holds a model checks its own settings without loading anything."""
     if not cfg.reward.funcs:
         raise ConfigError("reward.funcs is empty: list at least one reward function (e.g. reward=exact_match).")
+    weights = {f.name: f.weight for f in cfg.reward.funcs}
+    if any(w == 0 for w in weights.values()) or max(weights.values()) <= 0:
+        raise ConfigError(f"reward.funcs weights {weights}: a weight of 0 changes nothing (drop that function), and "
+                          f"at least one must be > 0; with none the run learns to lower every reward (a function that "
+                          f"measures a cost can return it negated).")
     for f in cfg.reward.funcs:
         if f.name in MODEL_REWARDS:
             importlib.import_module(MODEL_REWARDS[f.name]).check(cfg)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import warnings
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 
 from grpo import dist
 from grpo.errors import ConfigError
 from grpo.moe import routing
+from grpo.rollout_config import VLLMConfig
 from grpo.weights import WeightBuckets
 
 
@@ -107,6 +108,19 @@ class RolloutBackend(ABC):
     schedules_trajectories: bool = False
     # the run's environment: a grpo.rollout.episodes.EpisodeRunner (env=...; `build_rollout` sets it), else None
     episodes = None
+    # the rollout.vllm.* fields this backend reads (`check_unread`)
+    reads_vllm: frozenset = frozenset()
+
+    @classmethod
+    def check_unread(cls, cfg) -> None:
+        """A rollout.vllm.* setting this backend never reads, set to other than its default, is refused:
+        it would change nothing, without a word (rollout.vllm.max_model_len=4096 under rollout=hf)."""
+        for f in fields(VLLMConfig):
+            value = cfg.vllm.get(f.name)
+            if f.name not in cls.reads_vllm and f.default is not MISSING and value != f.default:
+                readers = [name for name, reads in VLLM_READERS.items() if f.name in reads]
+                raise ConfigError(f"rollout.vllm.{f.name}={value!r} has no effect under rollout={cfg.backend} (it is read "
+                                  f"by rollout={' and '.join(readers) or 'none'}): remove it, or pick a backend that reads it.")
 
     @classmethod
     def check(cls, cfg, world: int) -> None:
@@ -235,3 +249,12 @@ class RolloutBackend(ABC):
 
     def close(self) -> None:
         """Release engines, servers and processes."""
+
+
+VLLM_FIELDS = frozenset(f.name for f in fields(VLLMConfig))
+# which backend reads which rollout.vllm.* field (each backend's `reads_vllm`)
+VLLM_READERS = {
+    "colocated": VLLM_FIELDS - {"weight_transfer"},  # weights handed over in memory
+    "dedicated": VLLM_FIELDS - {"tensor_parallel_size", "sleep"},  # plan_engines sizes the engines; they never sleep
+    "remote": frozenset({"weight_transfer"}),  # the servers were started with their own settings
+}

@@ -36,7 +36,7 @@ import torch.distributed as tdist
 from grpo import dist, lora, vision
 from grpo.moe import routing, served_routes, vllm_capture, vllm_reload
 from grpo.rollout import precision
-from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, sampling_fields
+from grpo.rollout.base import VLLM_READERS, RolloutBackend, Rollouts, Sampling, sampling_fields
 from grpo.weights import WeightBuckets, unsent_parameters
 from grpo.errors import ConfigError, EngineStartError
 from grpo.rollout.engine_memory import (chunked_prefill, check_vllm, engine_context, kv_cache_bytes, model_config_of,
@@ -262,6 +262,7 @@ def tensor_parallel_group(tp: int):
 
 
 class ColocatedBackend(RolloutBackend):
+    reads_vllm = VLLM_READERS["colocated"]
     returns_routes = True  # captured from the in-process engine's routers (grpo/moe/vllm_capture.py)
 
     @classmethod

@@ -36,7 +36,7 @@ from grpo.rollout.engine_memory import check_vllm, engine_context, model_config_
 
 from grpo import dist, listeners, lora
 from grpo.moe import routing, served_routes
-from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
+from grpo.rollout.base import VLLM_READERS, RolloutBackend, Rollouts, Sampling
 from grpo.weights import WeightBuckets
 from grpo.rollout.trajectories import episode_driver
 from grpo.rollout.push import TRANSFERS, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
@@ -273,6 +273,7 @@ class NodeShare:
 
 
 class DedicatedBackend(RolloutBackend):
+    reads_vllm = VLLM_READERS["dedicated"]
     overlaps_training = True  # the engines are other processes: they generate while the trainer updates
     returns_routes = True  # engines on GPUs, started with --routed-experts (grpo/moe/served_routes.py; not yet run)
     schedules_trajectories = True  # generation is no collective: episodes can run per trajectory

@@ -92,6 +92,12 @@ def engine_context(model_config: dict, max_model_len: int | None, max_new_tokens
     ConfigError saying what to change. Unknown model context or None (the model's own): `max_model_len`
     as given."""
     context = model_context(model_config)
+    if max_new_tokens and max_model_len is not None and max_model_len < MIN_PROMPT_TOKENS + max_new_tokens:
+        raise ConfigError(
+            f"rollout.max_new_tokens={max_new_tokens} does not fit {key}={max_model_len} beside a prompt: vLLM ends a "
+            f"completion where prompt + completion reach {key}, so every completion would stop short of "
+            f"max_new_tokens, marked as truncated. Set {key} to the longest prompt + {max_new_tokens} (or more), or "
+            f"lower rollout.max_new_tokens.")
     if context is None or max_model_len is None or context >= max_model_len:
         return max_model_len
     if max_new_tokens and context < MIN_PROMPT_TOKENS + max_new_tokens:
@@ -128,6 +134,9 @@ def kv_cache_bytes(setting, model_config: dict, dtype: str, max_model_len: int |
 
 def check_vllm(cfg) -> None:
     """The engine settings every vLLM backend shares (rollout.vllm.*)."""
+    if cfg.vllm.tensor_parallel_size < 1 or cfg.vllm.max_model_len < 1:
+        raise ConfigError(f"rollout.vllm.tensor_parallel_size={cfg.vllm.tensor_parallel_size} and max_model_len="
+                          f"{cfg.vllm.max_model_len} must be >= 1.")
     if not 0 < cfg.vllm.memory_fraction < 1:
         raise ConfigError(f"rollout.vllm.memory_fraction={cfg.vllm.memory_fraction} must be between 0 and 1.")
     try:

@@ -334,10 +334,18 @@ class EpisodeRunner:
 
     def room(self, t: Trajectory) -> bool:
         """Whether a whole next turn fits the span budget and the engine's context; if not, the episode
-        ends here ("length")."""
+        ends here ("length"). Before its first turn that is no episode of the policy's at all (the prompt
+        and the opening observation fill the budget): it ends as "error", excluded from the rewards,
+        where "length" had its empty answer scored beside its group's real ones."""
         b = self.budget
         if len(t.span) + b.max_new_tokens > b.max_total_tokens or (
                 b.max_context is not None and len(t.prompt_ids) + len(t.span) + b.max_new_tokens > b.max_context):
+            if t.episode.turns == 0:
+                self.fail(t, f"the prompt ({len(t.prompt_ids)} tokens) and the opening observation ({len(t.span)}) "
+                             f"leave no room for a turn of rollout.max_new_tokens={b.max_new_tokens} within "
+                             f"env.max_total_tokens={b.max_total_tokens} and the engine's context {b.max_context}",
+                          "budget")
+                return False
             t.episode.out_of_budget = True
             t.end("length")
             return False

@@ -10,7 +10,9 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from grpo import dist, vision
 from grpo.moe import routing
+from grpo.errors import ConfigError
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
+from grpo.rollout.engine_memory import MIN_PROMPT_TOKENS, model_context
 from grpo.weights import WeightBuckets
 
 
@@ -150,6 +152,15 @@ def generated_routes(rec: "routing.Recording", rows: int, prefill_rows: int, wid
 
 class HFBackend(RolloutBackend):
     returns_routes = True
+
+    @classmethod
+    def check_context(cls, cfg, model_config: dict) -> None:
+        """transformers generates past the model's context without a word (positions it never trained)."""
+        context = model_context(model_config)
+        if context is not None and context < MIN_PROMPT_TOKENS + cfg.max_new_tokens:
+            raise ConfigError(f"rollout.max_new_tokens={cfg.max_new_tokens} does not fit the model's context of {context} "
+                              f"tokens (max_position_embeddings in its config.json) beside a prompt: set it to at most "
+                              f"{context - MIN_PROMPT_TOKENS} less the prompt's tokens.")
 
     def __init__(self, cfg, model: torch.nn.Module, tokenizer, model_path: str | None = None, lockstep: bool = False,
                  dtype: str = "float32", **_):

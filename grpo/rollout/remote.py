@@ -32,7 +32,7 @@ from grpo.errors import ConfigError, ServerError
 from grpo.progress import say
 from grpo.auth import TOKEN_ENV, client_token
 from grpo.moe import routing
-from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
+from grpo.rollout.base import VLLM_READERS, RolloutBackend, Rollouts, Sampling
 from grpo.rollout.trajectories import episode_driver
 from grpo.rollout.push import TRANSFERS, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
 from grpo.rollout.servers import ServerPool, TurnGate, in_thread
@@ -45,6 +45,7 @@ def servers_token(rc) -> str | None:
 
 
 class RemoteBackend(RolloutBackend):
+    reads_vllm = VLLM_READERS["remote"]
     overlaps_training = True  # the servers generate while the trainer updates (algo.max_staleness)
     returns_routes = True  # servers started with --routed-experts, on GPUs (grpo/moe/served_routes.py; not yet run)
     schedules_trajectories = True  # generation is no collective: episodes can run per trajectory

@@ -1,9 +1,11 @@
-"""A local JSON-lines file of {"prompt": ..., "answer": ...} rows; the last `eval_size` rows after
-a seeded shuffle are held out. Every row is checked: a bad one is an error naming file and line."""
+"""A local JSON-lines file of {"prompt": ..., "answer": ...} rows (`task.path`); the held-out prompts
+are `eval_size` rows of `task.eval_path` after a seeded shuffle, or, without one, `eval_size` rows of
+the train file. Every row is checked: a bad one is an error naming file and line."""
 
 from __future__ import annotations
 
 import os
+import random
 
 from grpo.errors import DatasetError
 from grpo.tasks.base import Sample, Task, hold_out
@@ -12,10 +14,10 @@ from grpo.tasks.rows import read_jsonl_rows
 __all__ = ["DatasetError", "build_jsonl", "read_jsonl"]
 
 
-def read_jsonl(path: str) -> list[Sample]:
+def read_jsonl(path: str, key: str = "task.path") -> list[Sample]:
     path = os.path.expanduser(path)
     if not os.path.isfile(path):
-        raise DatasetError(f"task.path={path!r} does not exist; point it at a .jsonl file.")
+        raise DatasetError(f"{key}={path!r} does not exist; point it at a .jsonl file.")
     samples = []
     for where, row in read_jsonl_rows(path):
         for key in ("prompt", "answer"):
@@ -32,6 +34,11 @@ def build_jsonl(cfg) -> Task:
     if not cfg.path:
         raise DatasetError("task=jsonl needs task.path=/path/to/file.jsonl.")
     samples = read_jsonl(cfg.path)
-    train, held_out = hold_out(samples, cfg.eval_size, cfg.seed, DatasetError, f"{cfg.path}: ")
+    if cfg.eval_path:  # a seeded eval_size of the held-out file, as a data set's eval split
+        train, held_out = samples, read_jsonl(cfg.eval_path, "task.eval_path")
+        random.Random(cfg.seed).shuffle(held_out)
+        held_out = held_out[: cfg.eval_size]
+    else:
+        train, held_out = hold_out(samples, cfg.eval_size, cfg.seed, DatasetError, f"{cfg.path}: ")
     return Task("jsonl", train=train, eval=held_out,
                 chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)
