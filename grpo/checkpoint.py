@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from grpo import dist
 
@@ -133,6 +134,46 @@ def set_aside_checkpoints(run_dir: str) -> str | None:
     for name in present:
         os.rename(os.path.join(run_dir, name), os.path.join(aside, name))
     return aside
+
+
+# what a resumed run may change without training differently from an unbroken one
+RESUME_MAY_CHANGE = ("steps", "resume", "run_dir", "threads", "logger", "eval_every", "eval_samples", "checkpoint_every",
+                     "keep_checkpoints", "export_model", "launcher", "hydra")
+
+
+def config_changes(old, new, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two resolved configs (nested dicts compared key by
+    key, a key on one side only counted), leaving out `RESUME_MAY_CHANGE`'s top-level keys."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [] if old == new else [prefix or "(root)"]
+    changed = []
+    for key in sorted(set(old) | set(new), key=str):
+        if not prefix and key in RESUME_MAY_CHANGE:
+            continue
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if key not in old or key not in new:
+            changed.append(name)
+        else:
+            changed += config_changes(old[key], new[key], name)
+    return changed
+
+
+def record_config(run_dir: str, resolved: dict, resuming: bool) -> list[str]:
+    """Write the run's resolved config to `config.yaml`. Resuming in a folder whose earlier config says
+    otherwise (algo.lr, a model, model.lora.alpha: anything a checkpoint does not hold), the earlier file
+    is kept as `config-<time>.yaml` beside it, and the keys that changed are returned (and warned of by
+    the caller): such a run does not train as the unbroken one would have."""
+    path = os.path.join(run_dir, "config.yaml")
+    changed = []
+    if resuming and os.path.isfile(path):
+        changed = config_changes(OmegaConf.to_container(OmegaConf.load(path), resolve=False), resolved)
+        if changed:
+            os.replace(path, os.path.join(run_dir, f"config-{time.strftime('%Y%m%d-%H%M%S')}.yaml"))
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(OmegaConf.to_yaml(resolved))
+    os.replace(tmp, path)
+    return changed
 
 
 def reward_states(reward_fns) -> dict:

@@ -49,6 +49,7 @@ import random
 import resource
 import subprocess
 import time
+import warnings
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -59,8 +60,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from grpo.algorithm import batches_to_submit, combine_rewards, staleness, token_staleness, zero_std_groups
-from grpo.checkpoint import (latest_checkpoint, load_checkpoint, load_reward_states, reward_states, save_checkpoint,
-                             set_aside_checkpoints)
+from grpo.checkpoint import (latest_checkpoint, load_checkpoint, load_reward_states, record_config, reward_states,
+                             save_checkpoint, set_aside_checkpoints)
 from grpo.cli import exit_on_user_error
 from grpo.config import register_configs, validate
 from grpo.cpus import configure_threads, machine_info
@@ -273,8 +274,11 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
     if not cfg.resume and info.is_main and (aside := set_aside_checkpoints(run_dir)):
         print(f"resume=false: the folder's earlier run (checkpoints, metrics, config) was moved to {aside}")
     if info.is_main:  # after the set-aside: an earlier run's config.yaml is kept with its records
-        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-            f.write(OmegaConf.to_yaml(resolved_config(cfg, run_dir)))
+        if changed := record_config(run_dir, resolved_config(cfg, run_dir), cfg.resume):
+            warnings.warn(f"resuming in {run_dir} with a config that differs from its earlier run's in {len(changed)} "
+                          f"key(s): {', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}. The run goes on, but "
+                          f"it does not train as the unbroken one would have; the earlier config is kept beside "
+                          f"config.yaml (config-<time>.yaml). resume=false starts afresh.", stacklevel=2)
     seed_everything(cfg.seed)  # model init and anything else in setup
 
     algo, G = cfg.algo, cfg.algo.group_size

@@ -126,7 +126,7 @@ def test_killed_run_resumes_to_the_same_results(tmp_path, cache_dir):
     resumed = run_train(tmp_path / "killed", cache_dir, *args)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out
-    assert "resumed from" in out
+    assert "resumed from" in out and "differs from its earlier run's" not in out  # the same config: no warning
 
     a, b = metrics(tmp_path / "uninterrupted"), metrics(tmp_path / "killed")
     assert [s for s, _ in b] == [s for s, _ in a]  # no step lost, none logged twice
@@ -139,3 +139,24 @@ def test_killed_run_resumes_to_the_same_results(tmp_path, cache_dir):
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
     summary = json.load(open(tmp_path / "killed" / "summary.json"))
     assert summary["resumed_from"] == killed_at and summary["steps"] == 30
+
+
+def test_a_resume_with_another_config_keeps_the_earlier_one_and_names_what_changed(tmp_path):
+    """config.yaml was overwritten on every start: a resumed run with another algo.lr or LoRA alpha (which
+    no checkpoint holds) trained on without a word, and the earlier config was gone. Keys a resume may
+    change (steps, logging, checkpoint cadence) are not counted."""
+    from omegaconf import OmegaConf
+
+    from grpo.checkpoint import config_changes, record_config
+
+    first = {"algo": {"lr": 1e-3, "beta": 0.0}, "model": {"lora": {"alpha": 16}}, "steps": 100, "logger": {"log_every": 10}}
+    assert record_config(str(tmp_path), first, resuming=True) == []  # nothing earlier
+    same = {**first, "steps": 300, "logger": {"log_every": 1}}
+    assert record_config(str(tmp_path), same, resuming=True) == [] and len(os.listdir(tmp_path)) == 1
+    other = {**same, "algo": {"lr": 5e-4, "beta": 0.0}, "model": {"lora": {"alpha": 32}}, "seed": 1}
+    assert record_config(str(tmp_path), other, resuming=True) == ["algo.lr", "model.lora.alpha", "seed"]
+    kept = [f for f in os.listdir(tmp_path) if f.startswith("config-")]
+    assert len(kept) == 1 and OmegaConf.to_container(OmegaConf.load(tmp_path / kept[0]))["algo"]["lr"] == 1e-3
+    assert OmegaConf.to_container(OmegaConf.load(tmp_path / "config.yaml"))["algo"]["lr"] == 5e-4
+    assert record_config(str(tmp_path), first, resuming=False) == []  # resume=false: nothing compared
+    assert config_changes({"a": [1, 2]}, {"a": [1, 3]}) == ["a"] and config_changes({"a": {"b": 1}}, {"a": 2}) == ["a"]
