@@ -8,6 +8,7 @@ equality fails: ids sent without the BOS, 8.5e-2 apart; vLLM's default sigmoid l
 """
 
 import argparse
+import math
 import os
 import urllib.error
 import urllib.request
@@ -92,7 +93,8 @@ def test_the_server_refuses_a_request_without_the_token(rm_server, rm_dir, monke
 
 def test_a_dead_server_scores_its_share_none_with_a_warning(rm_server, rm_dir, monkeypatch):
     """Two servers, the second gone after the build: its half of the batch scores None with a warning
-    naming it; the first half keeps its scores; the reward wrapper passes the Nones on, no retry."""
+    naming it; the first half keeps its scores; the reward wrapper fails those completions (a model
+    reward never abstains: NaN, excluded whatever the other functions say), no retry."""
     from grpo.rewards import run_reward
 
     monkeypatch.setenv(RM_TOKEN_ENV, TOKEN)
@@ -103,7 +105,7 @@ def test_a_dead_server_scores_its_share_none_with_a_warning(rm_server, rm_dir, m
     samples = [Sample(prompt=p, answer="") for p, _ in PAIRS]
     with pytest.warns(UserWarning, match=rf"server {dead} failed on its 8 texts \({dead}/classify is unreachable") as seen:
         values = run_reward("rm", served, [c for _, c in PAIRS], samples, {}, timeout_s=30.0)
-    assert values[:8] == pytest.approx(alone[:8], abs=TOLERANCE) and values[8:] == [None] * 8
+    assert values[:8] == pytest.approx(alone[:8], abs=TOLERANCE) and all(math.isnan(v) for v in values[8:])
     assert not any("one at a time" in str(w.message) for w in seen)  # no per-completion retries
     assert served.stats == {"too_long": 0, "failed": 8}
 
