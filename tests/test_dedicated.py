@@ -64,7 +64,7 @@ def test_parity_and_generations_change_after_sync(tiny_lm, tmp_path):
     model, tok = copy.deepcopy(tiny_lm[0]), tiny_lm[1]
     model.save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
-    cfg = OmegaConf.structured(RolloutConfig(backend="dedicated"))
+    cfg = OmegaConf.structured(RolloutConfig(backend="dedicated", max_new_tokens=32))
     cfg.vllm.memory_fraction, cfg.vllm.max_model_len = 0.1, 128
     backend = DedicatedBackend(cfg, model, tok, str(tmp_path / "model"), run_dir=str(tmp_path))
     try:

@@ -78,7 +78,11 @@ def test_validate_refuses_a_context_the_completion_cannot_fit_in_and_accepts_one
             warnings.simplefilter("error", UserWarning)
             validate(compose_cfg("model=hub", f"model.path={folder}", f"rollout={rollout}", "rollout.max_new_tokens=128"),
                      world_size=1, cuda=False)
-    validate(compose_cfg("model=hub", f"model.path={folder}", "rollout=hf"), world_size=1, cuda=False)  # no vLLM engine
+    # no vLLM engine, but transformers would generate past the model's context without a word
+    with pytest.raises(ConfigError, match="rollout.max_new_tokens=512 does not fit the model's context of 256 tokens"):
+        validate(compose_cfg("model=hub", f"model.path={folder}", "rollout=hf"), world_size=1, cuda=False)
+    validate(compose_cfg("model=hub", f"model.path={folder}", "rollout=hf", "rollout.max_new_tokens=128"),
+             world_size=1, cuda=False)
     # the tiny model (256 positions, set in code) with a 1024-token engine and its 4 new tokens: fitted, not refused
     validate(compose_cfg("rollout=colocated", "rollout.vllm.max_model_len=1024"), world_size=1, cuda=False)
     with pytest.raises(ConfigError, match="256 tokens"):

@@ -114,7 +114,7 @@ def test_colocated_adapter_sync_parity(peft_lm, model_dir, tmp_path):
     from grpo.rollout.colocated import ColocatedBackend
 
     model, tok = peft_lm
-    cfg = OmegaConf.structured(RolloutConfig(backend="colocated"))
+    cfg = OmegaConf.structured(RolloutConfig(backend="colocated", max_new_tokens=32))
     cfg.vllm.max_model_len = 128
     backend = ColocatedBackend(cfg, model, tok, model_dir, run_dir=str(tmp_path))
     try:
@@ -144,7 +144,7 @@ def test_dedicated_adapter_sync_parity(model_dir, tmp_path):
     from grpo.rollout.dedicated import DedicatedBackend
 
     model, tok = lora_lm_from(model_dir)
-    cfg = OmegaConf.structured(RolloutConfig(backend="dedicated"))
+    cfg = OmegaConf.structured(RolloutConfig(backend="dedicated", max_new_tokens=32))
     cfg.vllm.memory_fraction, cfg.vllm.max_model_len = 0.1, 128
     backend = DedicatedBackend(cfg, model, tok, model_dir, run_dir=str(tmp_path))
     try:

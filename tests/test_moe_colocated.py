@@ -22,7 +22,7 @@ PROMPTS = ["1+2=", "12+34=", "7=", "45+45=", "3+3=", "99+1=", "10+20=", "5+8="]
 
 
 def colocated_cfg(routing_replay: bool = True, **vllm):
-    cfg = OmegaConf.structured(RolloutConfig(backend="colocated", routing_replay=routing_replay))
+    cfg = OmegaConf.structured(RolloutConfig(backend="colocated", routing_replay=routing_replay, max_new_tokens=32))
     cfg.vllm.max_model_len = 128
     for k, v in vllm.items():
         cfg.vllm[k] = v

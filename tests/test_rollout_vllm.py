@@ -16,7 +16,7 @@ from tests.parity import assert_round_trip, assert_turn_one_is_generate, sync_ro
 
 
 def colocated_cfg(**vllm):
-    cfg = OmegaConf.structured(RolloutConfig(backend="colocated"))
+    cfg = OmegaConf.structured(RolloutConfig(backend="colocated", max_new_tokens=32))
     cfg.vllm.max_model_len = 128
     for k, v in vllm.items():
         cfg.vllm[k] = v

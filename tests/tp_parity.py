@@ -29,7 +29,7 @@ def main(out: str) -> None:
         model.save_pretrained(path)
         tok.save_pretrained(path)
     dist.barrier()
-    cfg = OmegaConf.structured(RolloutConfig(backend="colocated"))
+    cfg = OmegaConf.structured(RolloutConfig(backend="colocated", max_new_tokens=32))
     cfg.vllm.memory_fraction, cfg.vllm.max_model_len, cfg.vllm.tensor_parallel_size = 0.1, 128, 2
     backend = ColocatedBackend(cfg, model, tok, path)
     result = sync_round_trip(backend, model, tok)
