@@ -38,14 +38,21 @@ from dataclasses import dataclass
 
 from grpo.progress import WaitProgress
 from grpo.rewards.judge import build
+from grpo.rollout_config import VLLM_READERS
 from grpo.tasks import build_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKENDS = ("hf", "colocated", "dedicated", "remote")
 CHECKS = ("versions", "device", "peak", "all-reduce", *BACKENDS, "weight-sync", "judge")
 TWO_STEPS = ["steps=2", "algo.batch_size=16", "algo.group_size=4", "algo.warmup_steps=0", "eval_every=0",
-             "task.eval_size=16", "logger.log_every=1", "logger.sample_every=0", "checkpoint_every=0",
-             "rollout.vllm.max_model_len=128"]
+             "task.eval_size=16", "logger.log_every=1", "logger.sample_every=0", "checkpoint_every=0"]
+
+
+def two_steps(backend: str) -> list[str]:
+    """`TWO_STEPS` through `backend`, its engines 128 tokens long where it starts any (validate refuses a
+    rollout.vllm.* setting the backend never reads: grpo.rollout.base.VLLM_READERS)."""
+    engine = ["rollout.vllm.max_model_len=128"] if "max_model_len" in VLLM_READERS.get(backend, ()) else []
+    return [*TWO_STEPS, f"rollout={backend}", *engine]
 
 
 @dataclass
@@ -237,9 +244,9 @@ def check_backend(backend: str, work: str, extra: list[str]) -> Result:
         return Result(backend, True, "skipped: needs a second GPU for its engine (training takes the first)")
     run_dir = os.path.join(work, backend)
     t0 = time.perf_counter()
-    out = run_child([sys.executable, "-m", "grpo.train", *TWO_STEPS, f"rollout={backend}", f"run_dir={run_dir}", *extra], 900)
+    out = run_child([sys.executable, "-m", "grpo.train", *two_steps(backend), f"run_dir={run_dir}", *extra], 900)
     if out.returncode != 0:
-        return Result(backend, False, last_error(out.stderr), f"see the log: python -m grpo.train rollout={backend} {' '.join(TWO_STEPS)}")
+        return Result(backend, False, last_error(out.stderr), f"see the log: python -m grpo.train {' '.join(two_steps(backend))}")
     steps = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"sampler_diff"' in line]
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     par = run_parity(run_dir)

@@ -5,7 +5,7 @@ engines and remote servers, and how multi-turn episodes are scheduled. Part of t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from omegaconf import MISSING
@@ -28,6 +28,15 @@ class VLLMConfig:
     weight_transfer: str = "auto"
     # a vision-language model: the most images one prompt may carry (vLLM's limit_mm_per_prompt; no video)
     images_per_prompt: int = 1
+
+
+VLLM_FIELDS = frozenset(f.name for f in fields(VLLMConfig))
+# which backend reads which rollout.vllm.* field (each backend's `reads_vllm`; validate refuses the others)
+VLLM_READERS = {
+    "colocated": VLLM_FIELDS - {"weight_transfer"},  # weights handed over in memory
+    "dedicated": VLLM_FIELDS - {"tensor_parallel_size", "sleep"},  # plan_engines sizes the engines; they never sleep
+    "remote": frozenset({"weight_transfer"}),  # the servers were started with their own settings
+}
 
 
 @dataclass

@@ -134,3 +134,15 @@ def test_a_failed_checks_folder_is_kept_for_the_log_its_fix_names(ok, monkeypatc
         import shutil
 
         shutil.rmtree(seen["work"])
+
+
+@pytest.mark.parametrize("backend", ["hf", "colocated", "dedicated", "remote"])
+def test_the_doctors_two_steps_validate_for_every_backend(backend):
+    """The doctor's runs (and the `gpu` tier's) pass validate: its 128-token engines were set for every
+    backend, which validate refuses where the backend starts no engine (hf, remote)."""
+    from grpo.config import validate
+    from grpo.doctor import two_steps
+    from tests.conftest import compose_cfg
+
+    servers = ["rollout.remote.urls=[http://127.0.0.1:8000]"] if backend == "remote" else []
+    validate(compose_cfg(*two_steps(backend), *servers), world_size=1, cuda=False)

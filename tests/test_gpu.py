@@ -19,16 +19,16 @@ import sys
 import pytest
 import torch
 
-from grpo.doctor import TWO_STEPS, run_parity
+from grpo.doctor import run_parity, two_steps
 from tests.conftest import ROOT
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU")]
 
 
-def train(tmp_path, *overrides, launcher=(sys.executable,), timeout=900) -> dict:
+def train(tmp_path, backend: str, *overrides, launcher=(sys.executable,), timeout=900) -> dict:
     run_dir = tmp_path / "run"
-    out = subprocess.run([*launcher, "-m", "grpo.train", *TWO_STEPS, f"run_dir={run_dir}", *overrides], cwd=ROOT,
+    out = subprocess.run([*launcher, "-m", "grpo.train", *two_steps(backend), f"run_dir={run_dir}", *overrides], cwd=ROOT,
                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
@@ -57,21 +57,21 @@ def test_the_doctor_passes_every_row():
     ("hf", "zero3", []),
 ])
 def test_a_short_run_on_one_gpu(tmp_path, backend, parallel, extra):
-    summary = train(tmp_path, f"rollout={backend}", f"parallel={parallel}", *extra)
+    summary = train(tmp_path, backend, f"parallel={parallel}", *extra)
     assert summary["steps"] == 2 and summary["peak_memory_gb"] > 0
 
 
 @pytest.mark.skipif(GPUS < 2, reason="the engine needs a GPU training does not use")
 @pytest.mark.parametrize("transfer", ["nccl", "grpo_gloo"])
 def test_a_short_dedicated_run_on_a_second_gpu(tmp_path, transfer):
-    train(tmp_path, "rollout=dedicated", "rollout.dedicated.devices=[cuda:1]", f"rollout.vllm.weight_transfer={transfer}")
+    train(tmp_path, "dedicated", "rollout.dedicated.devices=[cuda:1]", f"rollout.vllm.weight_transfer={transfer}")
 
 
 @pytest.mark.skipif(GPUS < 2, reason="two NCCL ranks need two GPUs (NCCL refuses two ranks on one device)")
 @pytest.mark.parametrize("parallel", ["ddp", "zero3"])
 def test_a_short_two_rank_run(tmp_path, parallel):
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
-    summary = train(tmp_path, "rollout=colocated", f"parallel={parallel}", "model.dtype=bfloat16", launcher=torchrun)
+    summary = train(tmp_path, "colocated", f"parallel={parallel}", "model.dtype=bfloat16", launcher=torchrun)
     assert summary["world_size"] == 2
 
 
@@ -87,6 +87,6 @@ def test_a_short_remote_run_against_a_grpo_serve_on_this_machine(tmp_path, monke
     server, url = start_server("tiny", token, str(tmp_path / "server.log"), transfer=transfer, env=env)
     monkeypatch.setenv("GRPO_SERVE_TOKEN", token)
     try:
-        train(tmp_path, "rollout=remote", f"rollout.remote.urls=[{url}]", f"rollout.vllm.weight_transfer={transfer}")
+        train(tmp_path, "remote", f"rollout.remote.urls=[{url}]", f"rollout.vllm.weight_transfer={transfer}")
     finally:
         stop_server(server)

@@ -15,7 +15,7 @@ from dataclasses import MISSING, dataclass, fields
 from grpo import dist
 from grpo.errors import ConfigError
 from grpo.moe import routing
-from grpo.rollout_config import VLLMConfig
+from grpo.rollout_config import VLLM_READERS, VLLMConfig
 from grpo.weights import WeightBuckets
 
 
@@ -249,12 +249,3 @@ class RolloutBackend(ABC):
 
     def close(self) -> None:
         """Release engines, servers and processes."""
-
-
-VLLM_FIELDS = frozenset(f.name for f in fields(VLLMConfig))
-# which backend reads which rollout.vllm.* field (each backend's `reads_vllm`)
-VLLM_READERS = {
-    "colocated": VLLM_FIELDS - {"weight_transfer"},  # weights handed over in memory
-    "dedicated": VLLM_FIELDS - {"tensor_parallel_size", "sleep"},  # plan_engines sizes the engines; they never sleep
-    "remote": frozenset({"weight_transfer"}),  # the servers were started with their own settings
-}

@@ -36,9 +36,10 @@ import torch.distributed as tdist
 from grpo import dist, lora, vision
 from grpo.moe import routing, served_routes, vllm_capture, vllm_reload
 from grpo.rollout import precision
-from grpo.rollout.base import VLLM_READERS, RolloutBackend, Rollouts, Sampling, sampling_fields
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, sampling_fields
 from grpo.weights import WeightBuckets, unsent_parameters
 from grpo.errors import ConfigError, EngineStartError
+from grpo.rollout_config import VLLM_READERS
 from grpo.rollout.engine_memory import (chunked_prefill, check_vllm, engine_context, kv_cache_bytes, model_config_of,
                                         read_model_config, start_failure_message)
 from grpo.rollout.vllm_api import installed, reset_prefix_cache

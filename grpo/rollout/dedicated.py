@@ -32,11 +32,12 @@ import torch.distributed as tdist
 
 from grpo.cpus import set_num_threads
 from grpo.errors import ConfigError, DeviceError
+from grpo.rollout_config import VLLM_READERS
 from grpo.rollout.engine_memory import check_vllm, engine_context, model_config_of, read_model_config
 
 from grpo import dist, listeners, lora
 from grpo.moe import routing, served_routes
-from grpo.rollout.base import VLLM_READERS, RolloutBackend, Rollouts, Sampling
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
 from grpo.weights import WeightBuckets
 from grpo.rollout.trajectories import episode_driver
 from grpo.rollout.push import TRANSFERS, push_adapter_from_one_rank, push_from_one_rank, transfer_backend

@@ -32,7 +32,8 @@ from grpo.errors import ConfigError, ServerError
 from grpo.progress import say
 from grpo.auth import TOKEN_ENV, client_token
 from grpo.moe import routing
-from grpo.rollout.base import VLLM_READERS, RolloutBackend, Rollouts, Sampling
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
+from grpo.rollout_config import VLLM_READERS
 from grpo.rollout.trajectories import episode_driver
 from grpo.rollout.push import TRANSFERS, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
 from grpo.rollout.servers import ServerPool, TurnGate, in_thread
