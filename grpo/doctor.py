@@ -52,7 +52,7 @@ def two_steps(backend: str) -> list[str]:
     """`TWO_STEPS` through `backend`, its engines 128 tokens long where it starts any (validate refuses a
     rollout.vllm.* setting the backend never reads: grpo.rollout.base.VLLM_READERS)."""
     engine = ["rollout.vllm.max_model_len=128"] if "max_model_len" in VLLM_READERS.get(backend, ()) else []
-    return [*TWO_STEPS, f"rollout={backend}", *engine]
+    return [f"rollout={backend}", *TWO_STEPS, *engine]
 
 
 @dataclass
