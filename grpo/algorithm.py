@@ -13,6 +13,7 @@ part: batch shape, loss, clip, importance weights, trust region, staleness) and 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -556,3 +557,36 @@ def check(algo, rollout, world: int) -> None:
             f"(or sequence) so the decoupled loss weights them by trainer/sampler, or algo.trust_region=behaviour "
             f"(or auto) to clip around the sampler."
         )
+
+
+def inert_settings(algo, defaults) -> list[str]:
+    """The algo.* settings given (other than `defaults`', the schema's) to a feature that is off, each
+    with what would turn it on: they would change nothing, without a word (algo.is_cap=4 with
+    is_level=none). A preset's None for behaviour_clip_eps (algo=cispo) is not counted."""
+    region = trust_region(algo.trust_region, algo.max_staleness, algo.is_level)
+    off = {
+        "max_draws": (not algo.dynamic_sampling, "algo.dynamic_sampling=true"),
+        "is_mode": (algo.is_level == "none", "algo.is_level=token (or sequence)"),
+        "is_cap": (algo.is_level == "none", "algo.is_level=token (or sequence)"),
+        "behaviour_clip_eps": (region != "behaviour" and algo.behaviour_clip_eps is not None,
+                               "algo.max_staleness >= 1 with algo.is_level=none (trust_region=auto), or "
+                               "algo.trust_region=behaviour"),
+        "shared_prompt": (not algo.packing and algo.shared_prompt is True, "algo.packing=true"),
+    }
+    return [f"algo.{key}={getattr(algo, key)!r} (read only with {needs})"
+            for key, (is_off, needs) in off.items() if is_off and getattr(algo, key) != getattr(defaults, key)]
+
+
+def check_inert(algo, defaults, steps: int) -> None:
+    """validate's part: `inert_settings` refused; a warm-up as long as the run warned of (algo.lr is never
+    reached: warm-up and decay count optimizer steps, steps x num_iterations x num_minibatches, and the
+    last one's lr is total / (warmup_steps + 1) of it: grpo.parallel.base.build_optimizer)."""
+    inert = inert_settings(algo, defaults)
+    if inert:
+        raise ConfigError(f"{'; '.join(inert)}: the feature is off, so the setting has no effect. Turn the feature on, "
+                          f"or remove the setting.")
+    total = steps * algo.num_iterations * algo.num_minibatches
+    if 0 < total <= algo.warmup_steps:
+        warnings.warn(f"algo.warmup_steps={algo.warmup_steps} is as long as the run's {total} optimizer steps (steps x "
+                      f"num_iterations x num_minibatches): the learning rate only reaches {total / (algo.warmup_steps + 1):.2g}"
+                      f" x algo.lr={algo.lr:g}. Set algo.warmup_steps below {total} (0: no warm-up).", stacklevel=2)

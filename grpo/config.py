@@ -151,7 +151,7 @@ class AlgoConfig:
     batch_size: int = 512  # B: completions generated per step (P x G)
     group_size: int = 16  # G: completions per prompt; P = batch_size / group_size prompts per step
     lr: float = 1e-6  # DeepSeekMath's and verl's policy rate for full fine-tuning; the tiny model sets 1e-3
-    warmup_steps: int = 20
+    warmup_steps: int = 20  # optimizer steps of linear warm-up (grpo.parallel.base.build_optimizer)
     lr_schedule: str = "linear"  # linear (decay to 0 at the last step) | constant
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -342,6 +342,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
         )
     world = world_size or dist_info().world_size
     algorithm.check(a, r, world)  # batch shape, loss, clip, importance weights, trust region, staleness
+    algorithm.check_inert(a, AlgoConfig(), cfg.steps)  # a setting of a feature that is off; a warm-up past the run
     moe_model.check(a)  # algo.router_aux_loss_coef
     if a.shared_prompt not in SHARED_PROMPT_SETTINGS or not isinstance(a.shared_prompt, (bool, str)):
         raise ConfigError(f"algo.shared_prompt={a.shared_prompt!r}: use true, false or auto (on for the CPU, off on "

@@ -217,6 +217,12 @@ def test_unknown_option_is_an_error():
         ("eval_every=-5", "eval_every=-5"),
         ("reward.funcs.0.weight=0", "a weight of 0 changes nothing"),
         ("reward.funcs.0.weight=-1", "at least one must be > 0"),
+        # a setting of a feature that is off (session 18): it changed nothing
+        ("algo.max_draws=8", "algo.max_draws=8 (read only with algo.dynamic_sampling=true)"),
+        ("algo.is_cap=4", "algo.is_cap=4.0 (read only with algo.is_level=token (or sequence))"),
+        ("algo.is_mode=mask", "algo.is_mode='mask' (read only with algo.is_level=token"),
+        ("algo.behaviour_clip_eps=0.2", "algo.behaviour_clip_eps=0.2 (read only with algo.max_staleness >= 1"),
+        ("algo.packing=false|algo.shared_prompt=true", "algo.shared_prompt=True (read only with algo.packing=true)"),
         ("task=guess|env=guess|env.max_turns=0",
          "env.max_turns and env.max_observation_tokens must be >= 1 and env.step_timeout_s > 0."),
         ("task=guess|env=guess|reward=env|algo.turn_rewards=per_turn|algo.ratio_level=sequence",
@@ -229,6 +235,17 @@ def test_bad_values_say_what_to_change(override, message):
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     assert message in str(e.value)
+
+
+def test_settings_of_a_feature_that_is_on_validate_and_a_warm_up_past_the_run_warns(recwarn):
+    """The same settings pass where their feature is on; algo=cispo's behaviour_clip_eps=null passes off."""
+    for overrides in (["algo.dynamic_sampling=true", "algo.max_draws=8"], ["algo.is_level=token", "algo.is_cap=4"],
+                      ["algo.max_staleness=1", "algo.behaviour_clip_eps=0.2"], ["algo=cispo"]):
+        validate(compose_cfg(*overrides))
+    assert not [w for w in recwarn if "warmup_steps" in str(w.message)]
+    # warm-up counts optimizer steps: 5 steps x 2 iterations = 10 of 20, the last at 10 / 21 of algo.lr
+    validate(compose_cfg("steps=5", "algo.warmup_steps=20", "algo.num_iterations=2"))
+    assert any("the run's 10 optimizer steps" in str(w.message) and "only reaches 0.48 x" in str(w.message) for w in recwarn)
 
 
 def test_prompts_are_shared_evenly_by_the_processes():
