@@ -13,6 +13,7 @@ part: batch shape, loss, clip, importance weights, trust region, staleness) and 
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -240,14 +241,16 @@ def importance_weights(
         log_w_BT = log_w_BT.sum(dim=1, keepdim=True).expand_as(log_w_BT)
     elif level != "token":
         raise ValueError(f"unknown importance-sampling level {level!r}")
-    w_BT = log_w_BT.exp()
-    in_band_BT = ((w_BT <= cap) & (w_BT >= 1.0 / cap)).float()
+    # the band decided in log space, and w only taken inside it: a stale sequence's summed log-ratio
+    # past ~88.7 makes exp() inf in fp32, and inf x 0 (outside the band) a NaN loss
+    log_cap = torch.tensor(math.log(cap), dtype=log_w_BT.dtype)  # in the weights' dtype: w = cap is inside
+    in_band_BT = log_w_BT.abs() <= log_cap
     if mode == "truncate":
-        return w_BT.clamp(max=cap)
+        return log_w_BT.clamp(max=log_cap).exp()
     if mode == "mask":
-        return w_BT * in_band_BT
+        return torch.where(in_band_BT, log_w_BT.exp(), 0.0)
     if mode == "reject":
-        return in_band_BT
+        return in_band_BT.float()
     raise ValueError(f"unknown importance-sampling mode {mode!r}")
 
 

@@ -185,6 +185,14 @@ def test_importance_weights_token_and_sequence():
     torch.testing.assert_close(importance_weights(old, sampler, mask, "sequence", "mask", 2.0), torch.tensor([[1.5, 1.5]]))
     torch.testing.assert_close(importance_weights(old, sampler, mask, "sequence", "reject", 2.0), torch.tensor([[1.0, 1.0]]))
     assert torch.equal(importance_weights(old, sampler, mask, "none", "truncate", 2.0), torch.ones(1, 2))
+    # a stale sequence far outside the band: sum log w = 1000 x 0.09 = 90 nats, past fp32's exp (inf);
+    # mask and reject drop it (0, never inf x 0 = NaN), truncate caps it; the in-band row is kept
+    far = torch.tensor([[0.09] * 1000, [0.0] * 1000])
+    ones = torch.ones_like(far)
+    for mode, row0 in (("truncate", 2.0), ("mask", 0.0), ("reject", 0.0)):
+        w = importance_weights(far, torch.zeros_like(far), ones, "sequence", mode, 2.0)
+        assert torch.isfinite(w).all(), mode
+        torch.testing.assert_close(w[:, 0], torch.tensor([row0, 1.0]))
 
 
 def test_importance_weights_scale_the_loss():
