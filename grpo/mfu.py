@@ -7,7 +7,7 @@ What a step logs (metrics.jsonl, wandb; the console line shows `mfu/update`):
     flops/update              old logprobs + reference + the training forwards and backwards
     flops/update_recompute    gradient checkpointing's second forward: hardware work, not in the MFU
     mfu/update                flops/update / time/update_s / peak
-    mfu/generate              flops/generate / time/generate_s / peak, where the engines run on the
+    mfu/generate              flops/generate / time/batch_generate_s / peak, where the engines run on the
                               trainer's device (hf, colocated); a dedicated or remote engine's device
                               and its share of it are not the trainer's to measure
     mfu/step                  the step's counted FLOPs (generation where local) / step_s / peak
@@ -46,7 +46,7 @@ class Meter:
         update_flops = (flops.forward_flops(self.shape, update["old"] + update["reference"] + train)
                         + flops.backward_flops(self.shape, train))
         gen_flops = flops.forward_flops(self.shape, generation)
-        update_s, gen_s, step_s = times["time/update_s"], times["time/generate_s"], times["step_s"]
+        update_s, gen_s, step_s = times["time/update_s"], times["time/batch_generate_s"], times["step_s"]
         out = {
             "flops/generate": gen_flops,
             "flops/update": update_flops,

@@ -50,6 +50,7 @@ import resource
 import subprocess
 import time
 import warnings
+import zlib
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -65,7 +66,8 @@ from grpo.checkpoint import (latest_checkpoint, load_checkpoint, load_reward_sta
 from grpo.cli import exit_on_user_error
 from grpo.config import register_configs, validate
 from grpo.cpus import configure_threads, machine_info
-from grpo.dist import DistInfo, all_reduce_max, all_reduce_sum, barrier, broadcast_object, dist_info, node_names, process_group
+from grpo.dist import (DistInfo, all_gather, all_reduce_max, all_reduce_sum, barrier, broadcast_object, dist_info, node_names,
+                       process_group)
 from grpo.dynamic_sampling import Scored, refill
 from grpo.eval import evaluate
 from grpo.export import export_hf
@@ -92,16 +94,33 @@ register_configs()
 def reduce_metrics(metrics: dict[str, float | str], info: DistInfo) -> dict[str, float | str]:
     """Mean over ranks (every rank holds the same number of prompts); throughputs are summed, and so is
     `loss` (each rank's is its share of the one global loss: grpo/algorithm.py's `LossNorm` counts are
-    the whole batch's); names (the update's `layout`, the same on every rank) as they are."""
+    the whole batch's); a `*_max` is the largest of the ranks'; names (the update's `layout`, the same
+    on every rank) as they are. The ranks must log the same keys (`same_keys`)."""
     if info.world_size == 1:
         return metrics
     keys = sorted(k for k, v in metrics.items() if not isinstance(v, str))
+    same_keys(keys)
     sums = all_reduce_sum([float(metrics[k]) for k in keys])
+    largest = [k for k in keys if k.endswith("_max")]
+    maxima = dict(zip(largest, all_reduce_max([float(metrics[k]) for k in largest])))
     # engine_busy_s: the servers' busy seconds, summed over the ranks' own requests (several remote ranks
     # sharing servers count their overlap once each)
     summed = {"loss", "tokens_per_s", "gen_tokens_per_s", "trained_completions", "time/engine_busy_s"}
     names = {k: v for k, v in metrics.items() if isinstance(v, str)}
-    return {**names, **{k: v if k in summed or mfu.is_summed(k) else v / info.world_size for k, v in zip(keys, sums)}}
+    return {**names, **{k: maxima[k] if k in maxima else v if k in summed or mfu.is_summed(k) else v / info.world_size
+                        for k, v in zip(keys, sums)}}
+
+
+def same_keys(keys: list[str]) -> None:
+    """Every rank's metric names are the same, or an error naming the difference: a key only some ranks
+    log would make the all-reduce of their values pair other metrics (or, of other lengths, abort it)."""
+    crc = zlib.crc32("\n".join(keys).encode())
+    high, low = all_reduce_max([crc, -crc])
+    if high != -low:
+        every = all_gather(keys)
+        differ = sorted(set().union(*map(set, every)) - set.intersection(*map(set, every)))
+        raise RuntimeError(f"the ranks log different metrics this step: {differ} only on some ranks (a metric a "
+                           f"rank leaves out when it has no rows, for example); every rank must log every key.")
 
 
 STREAM_BITS = 32  # sequences a run can sample before streams repeat: 2**32 (seeds stay below 2**63)
@@ -137,7 +156,27 @@ class InFlight:
     samples: list  # this rank's P prompts (with what the reward needs)
     prompt_ids: list[list[int]]
     sampler_state: dict  # the sampler before this batch was drawn: what a checkpoint before `step` saves
-    rollouts: Future  # .result(): the Rollouts
+    rollouts: Future  # .result(): (the Rollouts, the time.perf_counter() they were done: `finished_at`)
+    submitted_at: float  # time.perf_counter() when it was handed over
+
+
+def finished_at(future: Future) -> Future:
+    """`future` as a Future of (its result, the time.perf_counter() it completed): when the engines were
+    done, not when the trainer came to wait (with algo.max_staleness a batch is done steps earlier). The
+    time is taken before the result is handed on, so a waiter always finds it."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        t = time.perf_counter()
+        if f.cancelled():
+            out.cancel()
+        elif f.exception() is not None:
+            out.set_exception(f.exception())
+        else:
+            out.set_result((f.result(), t))
+
+    future.add_done_callback(done)
+    return out
 
 
 def seed_everything(seed: int) -> None:
@@ -231,13 +270,14 @@ class Run:
         prompt_ids = encode_prompts(self.tokenizer, samples, self.task.chat_template, self.task.system_prompt)
         batch = step * self.cfg.algo.max_draws + draw if self.cfg.algo.dynamic_sampling else step
         seeded = replace(self.sampling, seed=sampling_seed(self.cfg.seed, batch, rank, self.info.world_size, P, self.G))
-        return InFlight(step, samples, prompt_ids, before, self.rollout.submit(prompt_ids, samples, self.G, seeded))
+        t0 = time.perf_counter()
+        return InFlight(step, samples, prompt_ids, before, finished_at(self.rollout.submit(prompt_ids, samples, self.G, seeded)), t0)
 
     def score(self, batch: InFlight) -> Scored:
         """Wait for a batch's rollouts, then every reward function on every completion, weighted sum per
         completion."""
         t0 = time.perf_counter()
-        rollouts = batch.rollouts.result()
+        rollouts, done_at = batch.rollouts.result()
         t_gen = time.perf_counter()
         completions = rollouts.texts(self.tokenizer)  # an episode's: its final turn
         rewards_FB, reward_stats = score(
@@ -248,7 +288,7 @@ class Run:
         rewards_PG = combine_rewards(rewards_FB, [w for _, _, w in self.reward_fns]).view(self.P, self.G)
         by_name = {name: values for (name, _, _), values in zip(self.reward_fns, rewards_FB)}
         return Scored(batch.samples, batch.prompt_ids, rollouts, completions, rewards_PG, by_name,
-                      generate_s=t_gen - t0, score_s=time.perf_counter() - t_gen,
+                      generate_s=t_gen - t0, score_s=time.perf_counter() - t_gen, batch_generate_s=done_at - batch.submitted_at,
                       generated_tokens=sum(rollouts.sampled_lengths()), reward_stats=reward_stats,
                       generation=generation_work(batch.prompt_ids, rollouts.completion_ids, rollouts.sampled_lengths(), self.G))
 
@@ -352,7 +392,8 @@ def step_metrics(scored: Scored, stats: dict, step: int, lr: float, times: dict[
         "time/engine_wait_s": rollouts.engine_wait_s,  # the engines, idle before it (waiting for weights)
         "lr": lr,
         "tokens_per_s": n_tokens / times["step_s"],
-        "gen_tokens_per_s": n_tokens / times["time/generate_s"],
+        # over the seconds the engines took over the batch (with algo.max_staleness, not the trainer's wait)
+        "gen_tokens_per_s": n_tokens / times["time/batch_generate_s"] if times["time/batch_generate_s"] > 0 else 0.0,
         **times,
     }
 
@@ -391,6 +432,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         before = evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.reward_fns)
         r.eval_before = before["eval/accuracy"]
         logger.log(0, before, console=True)
+    r.engine_busy_s = r.rollout.engine_busy_s() or 0.0  # from here: the evaluation's busy seconds are no step's
 
     gen_tokens_total, gen_time_total = 0, 0.0
     meter = mfu.meter(r.strategy.forward_model, DTYPES[cfg.model.dtype], cfg.rollout.backend,
@@ -435,6 +477,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
 
         # 4-6. logprobs, loss, backward and optimizer step(s); a colocated engine may sleep meanwhile
         r.rollout.sleep()
+        lr = r.strategy.lr  # the rate this step's update takes (after it, the scheduler holds the next one's)
         budget = r.rollout.sampled_budget(cfg.rollout.max_new_tokens)  # Dr. GRPO's constant (episodes: every turn's)
         stats = policy_update(r.strategy, batch, algo, budget, r.sampling.temperature, r.ref_model)
         work = stats.pop("work")  # what its forwards processed: FLOPs and MFU below (grpo/mfu.py)
@@ -448,23 +491,27 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
 
         # 8. metrics, samples, evaluation, checkpoint
         gen_tokens_total += scored.generated_tokens  # every draw's sampled tokens (an episode's observations aside)
-        gen_time_total += generate_s
-        times = {"time/wait_for_data_s": wait_s, "time/generate_s": generate_s, "time/score_s": scored.score_s,
+        gen_time_total += scored.batch_generate_s
+        times = {"time/wait_for_data_s": wait_s, "time/generate_s": generate_s,
+                 "time/batch_generate_s": scored.batch_generate_s, "time/score_s": scored.score_s,
                  "time/update_s": t_update - t_score, "time/sync_s": t_end - t_update, "step_s": t_end - t0}
         if (busy := r.rollout.engine_busy_s()) is not None:  # servers: seconds with a request in flight, this step
             times["time/engine_busy_s"], r.engine_busy_s = busy - r.engine_busy_s, busy
-        metrics = step_metrics(scored, {**stats, **draw_metrics}, step, r.strategy.lr, times)
+        metrics = step_metrics(scored, {**stats, **draw_metrics}, step, lr, times)
         metrics.update(meter.metrics(scored.generation, work, times))  # flops/, mfu/ per phase
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
             metrics.update(evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.reward_fns))
+            r.engine_busy_s = r.rollout.engine_busy_s() or 0.0  # the evaluation's busy seconds are no step's
         logger.log(step, reduce_metrics(metrics, info))
         if cfg.logger.sample_every and step % cfg.logger.sample_every == 0:
             rows = [(samples_BG[i].prompt, completions[i], float(rewards_PG.flatten()[i])) for i in range(0, len(completions), G)]
             logger.samples(step, rows[: cfg.logger.num_samples])
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != cfg.steps:
+        saved = bool(cfg.checkpoint_every) and step % cfg.checkpoint_every == 0 and step != cfg.steps
+        if saved:
             r.checkpoint(step)
         if step < cfg.steps and stop_signal.requested():
-            r.checkpoint(step)
+            if not saved:  # once: the grace period before SIGKILL is short
+                r.checkpoint(step)
             stop_after(r, step, stop_signal)
 
     # ---- end: checkpoint, final evaluation, summary, export ----
@@ -488,6 +535,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         "nodes": node_names(),  # each rank's node, in rank order
         "threads_per_process": threads,
         "machine": machine_info(),  # CPU model, torch's kernel set (cpu_capability), threads
+        # this process's: a resumed run's cover steps resumed_from + 1 to steps
         "wall_s": time.perf_counter() - t_start,
         "gen_tokens_per_s": gen_tokens_total / gen_time_total if gen_time_total else None,
         "peak_memory_gb": peak_memory_gb(),
@@ -503,7 +551,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         export_hf(r.strategy, r.tokenizer, os.path.join(r.run_dir, "model"), r.bucket_bytes)
     logger.info(
         f"eval accuracy {r.eval_before:.3f} -> {eval_after:.3f} ({summary['eval_gain']:+.3f}) in {cfg.steps} steps, "
-        f"{summary['wall_s']:.1f}s wall; run folder {r.run_dir}"
+        f"{summary['wall_s']:.1f}s wall{f' for steps {r.start + 1}-{cfg.steps} (resumed)' if r.start else ''}; run folder {r.run_dir}"
     )
     return summary
 

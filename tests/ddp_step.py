@@ -4,14 +4,15 @@
     torchrun --nproc_per_node 2 tests/ddp_step.py OUT N_MICRO STRATEGY  # each rank half the rows
 
 STRATEGY is single, ddp, zero2 or zero3; ddp reduces in 10 KB buckets, so in many. With an argument `uneven`, rank 0 takes 3 of the 4
-groups and rank 1 one, so the ranks run different numbers of micro-batches; with `padded`, algo.packing=false (default: packed
+groups and rank 1 one, so the ranks run different numbers of micro-batches (`empty`: rank 0 all 4, rank 1 none); with `padded`, algo.packing=false (default: packed
 micro-batches); with `shared`, algo.shared_prompt=true; with `grouped` (implied by `shared`), each prompt serves a group of
 2 completions; with `spS`, parallel.sequence_parallel=S (groups of S ranks share every micro-batch, each on 1/S of its
 columns); with `long`, completions of up to 16 tokens (2 ranks' packed rows then hold several sequences); with `lora`, a rank-4 LoRA adapter trains (OUT/<loss_type>_init.pt: its weights before the step); with `moe`, the
 policy is the tiny Qwen3-MoE (random init; OUT/init.pt) and the batch carries sampler routes drawn at random, which every
 forward replays (rollout.routing_replay), the load-balancing loss off. Writes
 OUT/<loss_type>.pt with the full updated weights (rank 0; with `lora`, the adapter's), for every loss type,
-OUT/<loss_type>_loss.json with the loss the run logs (grpo.train.reduce_metrics over the ranks), and OUT/micro_batches.json with each rank's count of micro-batches.
+OUT/<loss_type>_loss.json with the loss the run logs (grpo.train.reduce_metrics over the ranks), OUT/<loss_type>_metrics.json
+with every number the update logs (the same reduction), and OUT/micro_batches.json with each rank's count of micro-batches.
 """
 
 import collections
@@ -49,7 +50,7 @@ def sgd(model, algo, total_steps):
 
 
 def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = "packed", grouped: bool = False,
-         split: int = 1, adapter: bool = False, long: bool = False, moe: bool = False) -> None:
+         split: int = 1, adapter: bool = False, long: bool = False, moe: bool = False, empty: bool = False) -> None:
     grpo.parallel.single.build_optimizer = grpo.parallel.zero.build_optimizer = sgd
     info = dist_info()
     init_distributed(info)
@@ -70,6 +71,8 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
     local = batch.select(slice(info.rank * rows, (info.rank + 1) * rows))
     if uneven and info.world_size == 2:
         local = batch.select(slice(0, 6) if info.rank == 0 else slice(6, 8))
+    if empty and info.world_size == 2:
+        local = batch.select(slice(0, 8) if info.rank == 0 else slice(8, 8))
     ran = collections.Counter()  # the forwards each layout ran (a shared-prompt fallback packs: the same numbers)
     for fn, name_ in (("pack", "packed"), ("pack_shared", "shared")):
         real = getattr(grpo.update.layouts, fn)
@@ -94,6 +97,7 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
         ref = copy.deepcopy(base).eval()
         stats = policy_update(strategy, local, algo, max_len=T, temperature=1.0, ref_model=ref)
         losses = [reduce_metrics({"loss": stats["loss"]}, info)["loss"]]  # the loss the run logs
+        logged = reduce_metrics({k: v for k, v in stats.items() if isinstance(v, (int, float))}, info)
         counts = all_reduce_sum([len(micro_batches(local, algo.micro_batch_tokens, layout)) * (r == info.rank)
                                  for r in range(info.world_size)])
         full = {n: t.clone() for bucket in strategy.weight_buckets(2**20) for n, t in bucket}  # gathered under ZeRO-3
@@ -101,7 +105,12 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
             torch.save(full, os.path.join(out, f"{loss_type}.pt"))
             json.dump(counts, open(os.path.join(out, "micro_batches.json"), "w"))
             json.dump(losses, open(os.path.join(out, f"{loss_type}_loss.json"), "w"))
+            json.dump(logged, open(os.path.join(out, f"{loss_type}_metrics.json"), "w"))
     json.dump(ran, open(os.path.join(out, f"layouts_rank{info.rank}.json"), "w"))
+    # reduce_metrics itself: a `*_max` is the largest rank's, any other number their mean
+    probe = reduce_metrics({"probe_max": float(info.rank), "probe": float(info.rank)}, info)
+    if info.rank == 0:
+        json.dump(probe, open(os.path.join(out, "reduce_probe.json"), "w"))
     shutdown()
 
 
@@ -124,5 +133,6 @@ if __name__ == "__main__":
     flags = sys.argv[4:]
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3], "uneven" in flags,
          next((f for f in ("padded", "shared") if f in flags), "packed"), "grouped" in flags,
-         next((int(f[2:]) for f in flags if f.startswith("sp")), 1), "lora" in flags, "long" in flags, "moe" in flags)
+         next((int(f[2:]) for f in flags if f.startswith("sp")), 1), "lora" in flags, "long" in flags, "moe" in flags,
+         "empty" in flags)
     exit_process(0)

@@ -80,6 +80,13 @@ def test_in_process_backend_trains_on_batches_k_versions_old_without_the_overlap
     # .result() would sample with the trainer's own weights and leave ~0 here)
     assert rows[0]["sampler_diff"] < 1e-4 and rows[0]["sampler_kl"] < 1e-8
     assert_stale_batches_disagree(rows)
+    # the last step generates nothing (its batch came at step 3): the trainer's seconds in generation are
+    # next to none, the batch's own are its generation's, and the rate divides by those (it divided by
+    # the trainer's: 3.3 million tokens/s at the last step, and step 1 timed two batches for one)
+    last = rows[-1]
+    assert last["time/generate_s"] < last["time/batch_generate_s"], last
+    assert all(r["gen_tokens_per_s"] == pytest.approx(r["completion_len"] * 32 / r["time/batch_generate_s"], rel=1e-6)
+               for r in rows), rows
 
 
 def expected_prompts(steps: int, per_step: int) -> list[str]:

@@ -608,6 +608,31 @@ def test_weights_that_change_between_turns_are_an_error(tiny_lm):
         runner(tok).run(drifting, prompts_of(tok, GUESS[:1]), GUESS[:1], 1, Sampling(3))
 
 
+class ResetFails(GuessEnv):
+    def reset(self, sample, seed):
+        raise RuntimeError("env down")
+
+
+def test_a_batch_without_a_turn_reports_the_version_the_backend_holds(tiny_lm):
+    """Every reset failed, so no turn was sampled: the batch reports the weight version the backend
+    holds (9, passed in), not 0, which the loop logged as step - 1 versions stale (at step 10,
+    staleness 9 for a fresh batch). Where a turn was sampled, its own version (Scripted's 7) wins."""
+    _, tok = tiny_lm
+    gen = Scripted(tok, lambda p: "8")
+    with pytest.warns(UserWarning, match="reset failed"):
+        out = runner(tok, make_env=ResetFails).run(gen, prompts_of(tok, GUESS[:2]), GUESS[:2], 2, Sampling(3), version=9)
+    assert out.finish_reasons == ["error"] * 4 and gen.requests == []
+    assert out.weight_version == 9
+    out = runner(tok).run(gen, prompts_of(tok, GUESS[:2]), GUESS[:2], 2, Sampling(3), version=9)
+    assert gen.requests and out.weight_version == 7
+    # hf and colocated: the backend's own version goes in (RolloutBackend.submit_episodes)
+    backend = SimpleNamespace(generate=Scripted(tok, lambda p: "8"), generate_is_collective=False, weight_version=9)
+    with pytest.warns(UserWarning, match="reset failed"):
+        out = RolloutBackend.submit_episodes(backend, prompts_of(tok, GUESS[:2]), GUESS[:2], 2, Sampling(3),
+                                             runner(tok, make_env=ResetFails)).result()
+    assert out.weight_version == 9
+
+
 def test_a_tool_episode_calls_the_calculator_then_answers(tiny_lm):
     """A policy that asks `calc: a+b`, reads ` = sum` from its prompt and answers it: two turns, the
     tool's result in the sequence (masked), one call and no failure in the metrics; one that asks

@@ -32,6 +32,21 @@ def logged_losses(out) -> dict[str, float]:
     return {lt: json.load(open(out / f"{lt}_loss.json"))[0] for lt in LOSS_TYPES}
 
 
+def logged_metrics(out) -> dict[str, dict]:
+    """Every number each loss type's update logged (grpo.train.reduce_metrics over the ranks)."""
+    return {lt: json.load(open(out / f"{lt}_metrics.json")) for lt in LOSS_TYPES}
+
+
+# the update's ratios and statistics, which must be the whole batch's whatever the ranks hold
+BATCH_METRICS = ("clip_frac", "kl", "entropy", "sampler_diff", "sampler_diff_mean", "sampler_kl")
+
+
+def assert_same_metrics(one: dict, two: dict, keys=BATCH_METRICS) -> None:
+    for lt in LOSS_TYPES:
+        for key in keys:
+            assert two[lt][key] == pytest.approx(one[lt][key], rel=1e-4, abs=1e-6), (lt, key, one[lt][key], two[lt][key])
+
+
 def initial_weights() -> dict:
     from grpo.config import TinyModelConfig
     from grpo.tiny.text import build_char_tokenizer, build_tiny_model
@@ -83,6 +98,23 @@ def test_zero3_ranks_with_different_micro_batch_counts(tmp_path, layout):
         ran = json.load(open(tmp_path / "two" / f"layouts_rank{rank}.json"))
         assert ran.get(layout, 0) > 0 and (layout == "packed" or "packed" not in ran), (rank, ran)
     assert_same_update(one, two, initial_weights(), f"zero3 uneven {layout} 2x vs single padded")
+    # the logged ratios are the batch's: rank 0's 3 groups and rank 1's one, summed before dividing
+    assert_same_metrics(logged_metrics(tmp_path / "one"), logged_metrics(tmp_path / "two"))
+
+
+@pytest.mark.starts_process
+def test_a_rank_with_no_rows_logs_the_batchs_metrics_and_routing(tmp_path):
+    """Rank 1 holds nothing (its groups all dropped, say): the logged statistics are still the whole
+    batch's (a rank's 0 averaged in halved them), and under routing replay both ranks log
+    routing/flip_fraction (one rank without it made the metrics' all-reduce mismatch and abort)."""
+    one = updated_weights(tmp_path / "one", 1, 4, "single", "moe")
+    two = updated_weights(tmp_path / "two", 2, 2, "ddp", "moe", "empty")
+    init = torch.load(tmp_path / "one" / "init.pt", weights_only=True)
+    assert_same_update(one, two, init, "ddp, rank 1 empty, vs single")
+    assert_same_metrics(logged_metrics(tmp_path / "one"), logged_metrics(tmp_path / "two"),
+                        (*BATCH_METRICS, "routing/flip_fraction", "moe/expert_load_max", "moe/routing_entropy"))
+    # the episode/turns_max, async/staleness_max ... of the ranks: the largest (averaged, 4 and 1 logged 2.5)
+    assert json.load(open(tmp_path / "two" / "reduce_probe.json")) == {"probe_max": 1.0, "probe": 0.5}
 
 
 @pytest.mark.starts_process

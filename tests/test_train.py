@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from omegaconf import OmegaConf
 
 from grpo.bench.mfu import phase_rows
 from grpo.train import train
@@ -44,6 +45,12 @@ def test_short_run_writes_its_run_folder(make_cfg, tmp_path, hub_like_policy):
     # the hf sampler is the trainer's module, but generate would take the folder's repetition penalty,
     # min-p, top-k...: with them the sampler's logprobs were 1.77 from the trainer's, without 1e-6
     assert all(r["sampler_diff"] < 1e-3 for r in steps), [r["sampler_diff"] for r in steps]
+    # the rate each step's update took (read after it, the scheduler's next: [1, 1/2, 0] x lr): a warm-up
+    # of 1 of the 3 optimizer steps, then linear decay, [1/2, 1, 1/2] x lr
+    lr = OmegaConf.load(run / "config.yaml").algo.lr
+    assert [r["lr"] for r in steps] == pytest.approx([lr / 2, lr, lr / 2])
+    # the engines' seconds over the batch, inside the trainer's for it (k = 0: generated right there)
+    assert all(0 < r["time/batch_generate_s"] <= r["time/generate_s"] for r in steps), steps
     assert os.path.isdir(run / "checkpoints" / "step_00000003")
     # each phase's FLOPs and MFU against the peak measured at the start (grpo/mfu.py); hf generates on
     # the trainer's device, so generation has an MFU too; a trained step's padding is counted apart
@@ -141,3 +148,38 @@ def test_bf16_reference_runs_as_the_policy_so_the_first_kl_is_zero(make_cfg, lea
     rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl")) if '"loss"' in line]
     assert rows[0]["trained_completions"] > 0  # precondition: some tokens entered the KL
     assert rows[0]["kl"] < 1e-6, rows[0]["kl"]
+
+
+@pytest.mark.starts_process
+def test_evaluation_is_no_steps_engine_time_and_a_stop_at_a_checkpoint_step_saves_once(make_cfg, monkeypatch):
+    """rollout=hf given a server's busy counter (seconds inside generate): the evaluations before step 1
+    and after steps 2 and 4 are in no step's `time/engine_busy_s` (they were in the next step's: busy
+    0.09 s in a step of 0.04 s). A stop signal during step 4, a checkpoint_every step, writes that
+    checkpoint once (twice before: the grace period before SIGKILL spent on a copy)."""
+    import time
+
+    import grpo.train as train_module
+    from grpo.rollout.hf import HFBackend
+
+    busy, generate = [0.0], HFBackend.generate
+
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return generate(self, *args, **kwargs)
+        finally:
+            busy[0] += time.perf_counter() - t0
+
+    monkeypatch.setattr(HFBackend, "generate", timed)
+    monkeypatch.setattr(HFBackend, "engine_busy_s", lambda self: busy[0])
+    saves, save = [], train_module.save_checkpoint
+    monkeypatch.setattr(train_module, "save_checkpoint", lambda run_dir, step, *a, **k: (saves.append(step), save(run_dir, step, *a, **k))[1])
+    cfg = make_cfg("steps=6", "eval_every=2", "checkpoint_every=2")
+    stop_at = os.path.join(cfg.run_dir, "checkpoints", "step_00000004")
+    monkeypatch.setattr(train_module.StopSignal, "requested", lambda self: os.path.exists(stop_at))  # during step 4
+    with pytest.raises(SystemExit):
+        train_module.train(cfg)
+    assert saves == [2, 4]
+    rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl")) if '"step_s"' in line]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(0 < r["time/engine_busy_s"] <= r["step_s"] for r in rows), rows

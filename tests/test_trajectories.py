@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from grpo.rollout import Sampling
 from grpo.rollout.episodes import Budget, EpisodeRunner
 from grpo.rollout.render import RawRender
 from grpo.rollout.push import push_adapter_from_one_rank
-from grpo.rollout.servers import PoolClosed, TurnGate, adapter_name, prompt_requests
+from grpo.rollout.servers import PoolClosed, TurnGate, adapter_name, in_thread, prompt_requests
 from grpo.rollout.trajectories import episode_driver
 from grpo.tasks.base import Sample
 from grpo.weights import group_by_size
@@ -198,6 +199,74 @@ def test_the_turn_gate_lets_a_push_wait_only_for_the_turns_in_flight():
     gate.resume(4)
     second.join(5)
     assert log[2:] == [("start", 4), ("end", 4)]
+
+
+class HeldPool:
+    """A pool of one fake server for the drivers' bookkeeping, with partial rollouts' gate: a request
+    for a prompt in `held` waits until its event is set (the engine busy on it), then guesses 7."""
+
+    def __init__(self, tok, held: dict | None = None):
+        self.servers = [SimpleNamespace(url="fake", speed=1.0, timeout_s=60.0, batches=0)]
+        self.clients, self.gate, self.idle_since, self.stopped = 1, TurnGate(0), None, threading.Event()
+        self.tok, self.held, self.entered = tok, held or {}, set()
+
+    def complete(self, server, prompts, n, sampling, seed, timeout):
+        key = tuple(prompts[0][:4])
+        self.entered.add(key)
+        assert self.held[key].wait(30)
+        ids = self.tok("7", add_special_tokens=False).input_ids + [self.tok.eos_token_id]
+        return [{"token_ids": ids, "logprobs": {"token_logprobs": [-1.0] * len(ids)}, "finish_reason": "stop"}] * (len(prompts) * n)
+
+
+def test_partial_rollouts_count_engine_wait_only_while_no_batch_is_in_flight(tiny_lm):
+    """Partial rollouts overlap episode batches on the servers (`in_thread`). The engines stood idle
+    100 s before batch A; B starts while A's turn is being sampled, so B waited 0 s (it had the wait
+    since the batch before A: 100 s). A ends first: the pool is not idle while B runs, so its
+    `idle_since` moves only when B, the last batch in flight, ends."""
+    _, tok = tiny_lm
+    prompt_a, prompt_b = tok("12+34=").input_ids, tok("7+1=").input_ids
+    assert prompt_a[:4] != prompt_b[:4]
+    release = {tuple(prompt_a[:4]): threading.Event(), tuple(prompt_b[:4]): threading.Event()}
+    pool = HeldPool(tok, release)
+    runner = EpisodeRunner(GuessEnv, tok, RawRender(tok), Budget(1, 4, 64, 4), 10.0, [tok.eos_token_id], "guess", 4)
+    drive = episode_driver("trajectories", runner, pool, 0)
+    sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=1)
+    idle_since = pool.idle_since = time.perf_counter() - 100.0
+
+    def started(prompt):
+        while tuple(prompt[:4]) not in pool.entered:
+            time.sleep(0.01)
+
+    a = in_thread(drive, [prompt_a], [Sample("12+34=", "3")], 2, sampling)
+    started(prompt_a)
+    b = in_thread(drive, [prompt_b], [Sample("7+1=", "3")], 2, sampling)
+    started(prompt_b)
+    release[tuple(prompt_a[:4])].set()
+    out_a = a.result(30)
+    assert pool.idle_since == idle_since  # B is in flight: the engines are not idle
+    release[tuple(prompt_b[:4])].set()
+    out_b = b.result(30)
+    assert out_a.finish_reasons == out_b.finish_reasons == ["turns"] * 2
+    assert out_a.engine_wait_s >= 100.0 and out_b.engine_wait_s == 0.0
+    assert pool.idle_since > idle_since + 100.0  # set when B ended
+
+
+class ResetFails(GuessEnv):
+    def reset(self, sample, seed):
+        raise RuntimeError("env down")
+
+
+@pytest.mark.parametrize("schedule", ["trajectories", "turns"])
+def test_a_batch_without_a_turn_reports_the_version_the_servers_hold(tiny_lm, schedule):
+    """Every reset failed, so no turn was sampled: the batch reports the version the driver was given
+    (what the trainer last pushed, 9), not 0, which the loop logged as step - 1 versions stale."""
+    _, tok = tiny_lm
+    runner = EpisodeRunner(ResetFails, tok, RawRender(tok), Budget(1, 4, 64, 4), 10.0, [tok.eos_token_id], "broken", 4)
+    pool = HeldPool(tok)
+    with pytest.warns(UserWarning, match="reset failed"):
+        out = episode_driver(schedule, runner, pool, 9)([tok("7+1=").input_ids], [Sample("7+1=", "3")], 2, Sampling(4))
+    assert out.finish_reasons == ["error"] * 2 and not pool.entered
+    assert out.weight_version == 9
 
 
 def test_later_turn_seeds_follow_the_trajectory_not_its_place_in_the_batch():

@@ -223,7 +223,7 @@ class RolloutBackend(ABC):
         between batches."""
         lockstep = (lambda active: dist.all_reduce_max([active])[0] > 0) if self.generate_is_collective else None
         done: Future = Future()
-        done.set_result(runner.run(self.generate, prompt_ids, samples, n, sampling, lockstep))
+        done.set_result(runner.run(self.generate, prompt_ids, samples, n, sampling, lockstep, version=self.weight_version))
         return done
 
     def sampled_budget(self, max_new_tokens: int) -> int:

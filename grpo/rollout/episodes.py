@@ -233,11 +233,13 @@ class EpisodeRunner:
         self.max_concurrency = max_concurrency
 
     def run(self, generate: Callable, prompt_ids: list[list[int]], samples: list, n: int, sampling: Sampling,
-            lockstep: Optional[Callable[[int], bool]] = None) -> Rollouts:
+            lockstep: Optional[Callable[[int], bool]] = None, version: int = 0) -> Rollouts:
         """`generate(prompt_ids, n, sampling) -> Rollouts` is the backend's; `lockstep(active)`, where
-        generation is a collective, says whether any rank still has an active trajectory."""
+        generation is a collective, says whether any rank still has an active trajectory. `version`: the
+        weight version the backend holds, which a batch without a single turn (every reset failed)
+        reports; a turn's own version wins (as the trajectory driver's `self.version`)."""
         return self.drive(prompt_ids, samples, n, sampling, lambda calls, trajectories, sampling: self.episodes(
-            calls, trajectories, generate, prompt_ids, n, sampling, lockstep))
+            calls, trajectories, generate, prompt_ids, n, sampling, lockstep, version))
 
     def drive(self, prompt_ids: list[list[int]], samples: list, n: int, sampling: Sampling, episodes: Callable) -> Rollouts:
         """The batch's trajectories (completion k of prompt i is trajectory i * n + k), each with its own
@@ -257,8 +259,8 @@ class EpisodeRunner:
                         warnings.warn(f"{self.env_name}.close() raised {error}", stacklevel=2)
 
     def episodes(self, calls: EnvCalls, trajectories: list[Trajectory], generate: Callable, prompt_ids: list[list[int]],
-                 n: int, sampling: Sampling, lockstep: Optional[Callable[[int], bool]]) -> Rollouts:
-        """`run`'s turns, with every trajectory's environment built."""
+                 n: int, sampling: Sampling, lockstep: Optional[Callable[[int], bool]], held: int) -> Rollouts:
+        """`run`'s turns, with every trajectory's environment built; `held`: `run`'s version."""
         first = []
         for t, (text, error) in zip(trajectories, calls.map(lambda t: self.env_reset(t, sampling.seed), trajectories)):
             if error:
@@ -302,7 +304,7 @@ class EpisodeRunner:
             stepped = [(t, text) for t, text in zip(active, texts) if text is not None]
             for (t, text), (step, error, seconds) in zip(stepped, calls.map(self.env_step, stepped)):
                 self.take_step(t, step, error, seconds)
-        return self.rollouts(trajectories, version, wait_s)
+        return self.rollouts(trajectories, held if version is None else version, wait_s)
 
     def env_reset(self, t: Trajectory, seed: Optional[int]) -> tuple[Optional[str], Optional[str]]:
         """(the opening text, None) or (None, what went wrong): on an `EnvCalls` thread."""
@@ -408,10 +410,10 @@ class EpisodeRunner:
                       stacklevel=3)
 
     @staticmethod
-    def rollouts(trajectories: list[Trajectory], version: int | None, wait: float) -> EpisodeRollouts:
+    def rollouts(trajectories: list[Trajectory], version: int, wait: float) -> EpisodeRollouts:
         return EpisodeRollouts(
             [t.span for t in trajectories], [t.logprobs for t in trajectories], [t.episode.finish for t in trajectories],
-            version or 0, engine_wait_s=wait, loss_masks=[t.mask for t in trajectories],
+            version, engine_wait_s=wait, loss_masks=[t.mask for t in trajectories],
             episodes=[t.episode for t in trajectories], token_turns=[t.turns for t in trajectories],
             token_versions=[t.versions for t in trajectories],
         )

@@ -35,6 +35,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+import weakref
 from typing import Optional
 
 from grpo.endpoints import parallel_map, split_by_load
@@ -50,8 +51,37 @@ def episode_driver(schedule: str, runner: EpisodeRunner, pool, version: int):
     trajectory at its own pace (rollout.schedule auto or trajectories: `TrajectoryDriver`) or turn by
     turn (turns: the runner's own driver, each trajectory kept on its server by `StickyRoutes`)."""
     if schedule == "turns":
-        return lambda prompt_ids, samples, n, sampling: runner.run(StickyRoutes(pool, version), prompt_ids, samples, n, sampling)
+        return lambda prompt_ids, samples, n, sampling: runner.run(StickyRoutes(pool, version), prompt_ids, samples, n, sampling,
+                                                                   version=version)
     return lambda prompt_ids, samples, n, sampling: TrajectoryDriver(runner, pool, version).run(prompt_ids, samples, n, sampling)
+
+
+class Overlaps:
+    """When a pool's engines stood idle (`time/engine_wait_s`). With partial rollouts a pool's episode
+    batches overlap (each on a thread of its own, `in_thread`), so the engines are idle only while none
+    is in flight: a batch that starts while another runs waited 0 s, and the pool's `idle_since` is set
+    when the last one in flight ends, not when each does. Per pool, since this driver's batches are the
+    ones that overlap; the pool's own (`ServerPool.generate`) take turns on its generator thread."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.running: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool -> its batches in flight
+
+    def start(self, pool) -> float:
+        """A batch starts on `pool`: the seconds its engines stood idle before it."""
+        with self.lock:
+            others = self.running.get(pool, 0)
+            self.running[pool] = others + 1
+            return 0.0 if others or pool.idle_since is None else time.perf_counter() - pool.idle_since
+
+    def end(self, pool) -> None:
+        with self.lock:
+            self.running[pool] -= 1
+            if self.running[pool] == 0:
+                pool.idle_since = time.perf_counter()
+
+
+OVERLAPS = Overlaps()  # the process's: every pool's batches in flight
 
 
 class Stop(Exception):
@@ -86,7 +116,6 @@ class TrajectoryDriver:
                                            min(c, MAX_REQUESTS_IN_FLIGHT * n) * pool.clients)
                         for s, c in zip(servers, per_server)]
         t_start = time.perf_counter()
-        self.wait_s = 0.0 if pool.idle_since is None else t_start - pool.idle_since
         used = [i for i, c in enumerate(per_server) if c]
         before = None if pool.gate else self.served_versions(used)
         if before:  # what the servers hold (the trainer's last push, or an earlier trainer's), as a turn-synchronous batch says
@@ -94,6 +123,7 @@ class TrajectoryDriver:
         threads = min(len(trajectories), MAX_REQUESTS_IN_FLIGHT * len(servers) + max(1, self.runner.max_concurrency))
         self.workers = DaemonWorker("grpo-trajectory", max(1, threads))
         self.pending, self.done = 0, threading.Condition()
+        self.wait_s = OVERLAPS.start(pool)
         try:
             for p in range(len(prompt_ids)):
                 self.spawn(self.group, trajectories[p * n:(p + 1) * n], p, n, sampling)
@@ -101,7 +131,7 @@ class TrajectoryDriver:
                 self.done.wait_for(lambda: self.pending == 0)
         finally:
             self.workers.shutdown()
-            pool.idle_since = time.perf_counter()
+            OVERLAPS.end(pool)
         if self.errors:
             raise self.errors[0]
         elapsed = max(time.perf_counter() - t_start, 1e-6)

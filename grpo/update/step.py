@@ -108,6 +108,8 @@ def loss_norm(batch: Batch, max_len: int, gen_tokens_per_step: float) -> LossNor
 
 SUMS = ("loss", "clipped_tokens", "kl_sum", "entropy_sum", "sampler_diff_max", "sampler_diff_sum", "sampler_kl_sum",
         "sampler_kl_tokens", "sampler_diff_tokens", "aux_loss_sum", "routed_forwards", "routing_flips", "routing_given")
+# summed over ranks before the update's ratios are taken (the loss stays each rank's share: summed by the loop)
+RANK_SUMS = tuple(k for k in SUMS if k not in ("loss", "sampler_diff_max"))
 
 
 def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperature: float,
@@ -228,12 +230,20 @@ def policy_update(
             norms.append(strategy.step())
     # the one read of the statistics from the device
     totals = dict(zip(SUMS, torch.stack([torch.as_tensor(totals[k], dtype=torch.float32).cpu() for k in SUMS]).tolist()))
-    tokens = max(tokens, 1.0)
+    # every rank's share summed, so each ratio below is the whole batch's and the same on every rank (a
+    # ratio per rank, averaged over ranks, was wrong wherever ranks hold unequal tokens: a rank with no
+    # rows halved clip_frac, kl, entropy); the largest difference is the largest of every rank's
+    load = load_E.cpu().tolist() if experts is not None else []
+    summed = strategy.reduce_counts([totals[k] for k in RANK_SUMS] + [tokens, *load])
+    totals.update(zip(RANK_SUMS, summed))
+    tokens = max(summed[len(RANK_SUMS)], 1.0)
+    load_E = torch.tensor(summed[len(RANK_SUMS) + 1:]) if experts is not None else None
+    totals["sampler_diff_max"] = dist.all_reduce_max([totals["sampler_diff_max"]])[0]
     # a step with a non-finite norm was skipped (grpo/guards.py); with num_minibatches > 1 the others
     # were applied, so grad_norm is their mean (inf for the whole update read "the step was skipped")
     applied = [n for n in norms if math.isfinite(n)]
     moe_metrics = {} if experts is None else moe_model.routing_metrics(
-        totals["aux_loss_sum"] / max(totals["routed_forwards"], 1.0), load_E.cpu())
+        totals["aux_loss_sum"] / max(totals["routed_forwards"], 1.0), load_E)
     return {
         "loss": totals["loss"] / len(norms),
         "grad_norm": sum(applied) / len(applied) if applied else sum(norms) / len(norms),
