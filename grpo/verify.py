@@ -424,6 +424,12 @@ def resume_check(overrides: list[str], world_size: int) -> Check:
                 if out.returncode:
                     return Check("resume", "FAIL", f"{' '.join(cmd[2:])} exited {out.returncode}: {out.stderr.strip()[-400:]}")
             rows[name] = [json.loads(x) for x in open(os.path.join(folder, "metrics.jsonl"))]
+            # a run that found no checkpoint starts over at step 1 and, seeded alike, logs the unbroken
+            # run's numbers: the comparison alone would pass a resume that loaded nothing
+            started = json.load(open(os.path.join(folder, "summary.json")))["resumed_from"]
+            if started != (2 if name == "resumed" else 0):
+                return Check("resume", "FAIL", f"the {name} run started after step {started}, not {2 if name == 'resumed' else 0} "
+                                               f"(summary.json's resumed_from): the checkpoint of step 2 was not found or not loaded")
         gaps = {}
         for step in (3, 4):
             at = {k: next(x for x in v if x.get("step") == step and "loss" in x) for k, v in rows.items()}

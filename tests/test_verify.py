@@ -340,14 +340,27 @@ SingleStrategy.load = load
 """
 
 
+# the same: resume=true never finds the checkpoint, so the run starts afresh (seeded alike, it logs the
+# unbroken run's numbers: the metrics alone passed it, a gap of 0)
+FINDS_NO_CHECKPOINT = """
+import grpo.checkpoint
+
+grpo.checkpoint.latest_checkpoint = lambda run_dir: None
+"""
+
+
 @pytest.mark.slow
-def test_the_resume_check_names_a_resume_that_loses_the_optimizer_state(tmp_path, cache_dir, monkeypatch):
+@pytest.mark.parametrize("plant, said", [(LOSES_OPTIMIZER_STATE, "at step 4"),
+                                         (FINDS_NO_CHECKPOINT, "the resumed run started after step 0, not 2")])
+def test_the_resume_check_names_a_resume_that_loses_the_optimizer_state_or_starts_afresh(tmp_path, cache_dir, monkeypatch,
+                                                                                        plant, said):
     """A resume that restores the weights but not AdamW's moments: step 3's metrics come before its
-    optimizer step and still agree, step 4's cannot (step 1 trains nothing in this run)."""
-    (tmp_path / "sitecustomize.py").write_text(LOSES_OPTIMIZER_STATE)
+    optimizer step and still agree, step 4's cannot (step 1 trains nothing in this run). One that
+    finds no checkpoint: summary.json's resumed_from says so."""
+    (tmp_path / "sitecustomize.py").write_text(plant)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
     row = resume_check([*FAST, f"model.cache_dir={cache_dir}"], world_size=1)
-    assert row.status == "FAIL" and "at step 4" in row.detail, row
+    assert row.status == "FAIL" and said in row.detail, row
 
 
 def test_verify_names_a_routing_replay_that_does_not_reach_the_update(cache_dir, capsys, monkeypatch):
