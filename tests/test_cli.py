@@ -71,3 +71,14 @@ def test_the_old_bench_flags_name_their_command(capsys):
         bench.main(["--warm-start", "--seeds", "0"])
     assert e.value.code == 2
     assert "python -m grpo.bench warm-start" in capsys.readouterr().err
+
+
+def test_a_bench_too_short_to_time_is_refused_before_it_trains(capsys):
+    """A run's first step is not timed (an episode run's last neither): `--steps 1` trained to the end and
+    then failed on an empty mean (statistics.StatisticsError); now the usage error says why."""
+    for argv, low in ((["run", "--steps", "1"], 2), (["episodes", "--steps", "2"], 3), (["mfu", "--steps", "1"], 2)):
+        with pytest.raises(SystemExit) as e:
+            bench.build_parser().parse_args(argv)
+        assert e.value.code == 2
+        assert f"argument --steps: {argv[-1]} is below {low}: the first" in capsys.readouterr().err
+    assert bench.build_parser().parse_args(["episodes", "--steps", "3"]).steps == 3

@@ -174,3 +174,25 @@ def test_the_measured_peak_is_kept_per_dtype_and_measured_again_when_asked():
     assert fp32 > 1e9 and peak.measured_peak("cpu", torch.float32, repeats=2) == fp32  # once per process
     assert peak.measured_peak("cpu", torch.bfloat16, repeats=2) != fp32  # a key of its own
     assert peak.measured_peak("cpu", torch.float32, repeats=2, fresh=True) > 1e9
+
+
+def test_the_mfu_bench_takes_every_ranks_device_and_generation_its_own_seconds(tmp_path):
+    """A 2-rank run's folder: its flops/* are summed over the ranks (grpo.train.reduce_metrics), so the
+    bench's MFU is against both devices' peak (rank 0's alone gave twice the run's own mfu/update), and
+    generation's against the batch's own seconds (time/batch_generate_s; with algo.max_staleness the
+    trainer's wait, time/generate_s, is next to none). By value: 2 ranks x 2 TFLOP/s; 1 TFLOP each of
+    update in 0.5 s and of generation in 0.5 s of the engines: MFU 0.5 each, the step's 2 TFLOP in 1 s too."""
+    import json
+
+    from grpo.bench.mfu import phase_rows
+
+    row = {"step_s": 1.0, "time/generate_s": 0.01, "time/batch_generate_s": 0.5, "time/score_s": 0.1, "time/update_s": 0.5,
+           "time/sync_s": 0.1, "flops/generate": 1e12, "flops/update": 1e12, "mfu/generate": 0.0, "gen_tokens_per_s": 1.0,
+           "update_tokens_per_s": 1.0, "update/real_token_frac": 1.0}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, **row}) + "\n" for s in (1, 2, 3)))
+    (tmp_path / "summary.json").write_text(json.dumps({"peak_tflops_measured": 2.0, "peak_tflops_at_end": 1.5, "world_size": 2}))
+    phases, step = phase_rows(str(tmp_path))
+    by = {p["phase"]: p for p in phases}
+    assert by["update"]["mfu"] == pytest.approx(0.5) and by["generate"]["mfu"] == pytest.approx(0.5)
+    assert by["generate"]["seconds"] == pytest.approx(0.01)  # the phase's share of the step stays the trainer's
+    assert step["mfu_step"] == pytest.approx(0.5) and step["bound_s"] == pytest.approx(0.5) and step["ranks"] == 2

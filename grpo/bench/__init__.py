@@ -114,18 +114,34 @@ def run_mfu(args):
     return report_mfu(csv(args.workloads), args.steps, args.run_dir, args.overrides)
 
 
+def at_least(low: int, why: str):
+    """An argparse type: an int >= `low`, else a usage error saying `why` (a shorter run trained to the end
+    and then failed on an empty mean)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}: {why}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its message for a non-number
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m grpo.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    def command(name: str, fn, text: str, steps: int | None = None, overrides: bool = False, out: str | None = None):
+    def command(name: str, fn, text: str, steps: int | None = None, overrides: bool = False, out: str | None = None,
+                untimed: int = 1):
         c = commands.add_parser(name, help=text, description=text)
         c.set_defaults(fn=fn)
         c.add_argument("--out", default=f"bench_results/{out or name}.json", help="the JSON report (default: %(default)s)")
         if steps is not None:
-            c.add_argument("--steps", type=int, default=steps, help="steps of each training run; the first is not "
-                           "timed (default: %(default)s)")
+            untimed_steps = "the first step is" if untimed == 1 else "the first and the last steps are"
+            c.add_argument("--steps", type=at_least(untimed + 1, f"{untimed_steps} not timed"), default=steps,
+                           help=f"steps of each training run; {untimed_steps} not timed (default: %(default)s)")
         if overrides:
             c.add_argument("overrides", nargs="*", help="Hydra overrides applied to every training run")
         return c
@@ -185,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = command("episodes", run_episodes, "multi-turn training on long-tailed guess episodes with a tool latency, "
                 "rollout=remote on two local servers: turn-synchronous, per trajectory, and per trajectory with "
-                "partial rollouts (episodes/s, engine idle fraction, the trainer's wait)", steps=10, overrides=True)
+                "partial rollouts (episodes/s, engine idle fraction, the trainer's wait)", steps=10, overrides=True, untimed=2)
     c.add_argument("--batch", type=int, default=128, help="episodes per step, 16 per prompt (default: %(default)s)")
     c.add_argument("--latency-ms", type=float, default=50.0, help="each environment step's tool latency (default: %(default)s)")
     c.add_argument("--settings", default="turns,trajectories,partial", help="which schedules (default: %(default)s)")

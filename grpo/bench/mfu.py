@@ -36,14 +36,18 @@ def phase_rows(run_dir: str) -> tuple[list[dict], dict]:
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     # the best of the run's two measurements (its start and its end): the machine's cores, less what
     # another tenant took at either moment; the steps' own mfu/ are against the start's alone
-    peak = max(summary["peak_tflops_measured"], summary.get("peak_tflops_at_end") or 0.0) * 1e12
+    # rank 0's device; the ranks' flops/* are summed (grpo.train.reduce_metrics), so against every rank's device
+    peak = max(summary["peak_tflops_measured"], summary.get("peak_tflops_at_end") or 0.0) * 1e12 * summary.get("world_size", 1)
     mean = lambda k: statistics.mean(r.get(k, 0.0) for r in rows)  # noqa: E731
     out = []
     for phase in PHASES:
         seconds, flops = mean(f"time/{phase}_s"), mean(f"flops/{phase}")
+        # generation's work over the engines' seconds on the batch (with algo.max_staleness the trainer's
+        # wait for it is not its generation)
+        busy = mean("time/batch_generate_s") if phase == "generate" and "time/batch_generate_s" in rows[0] else seconds
         row = {"phase": phase, "seconds": seconds, "share": seconds / mean("step_s"), "gflop": flops / 1e9,
-               "tflops": flops / seconds / 1e12 if seconds and flops else None,
-               "mfu": flops / seconds / peak if seconds and flops else None}
+               "tflops": flops / busy / 1e12 if busy and flops else None,
+               "mfu": flops / busy / peak if busy and flops else None}
         if phase == "generate":
             row["tokens_per_s"] = mean("gen_tokens_per_s")
             if not any("mfu/generate" in r for r in rows):
@@ -53,7 +57,7 @@ def phase_rows(run_dir: str) -> tuple[list[dict], dict]:
             row["real_token_frac"] = mean("update/real_token_frac")
         out.append(row)
     counted = mean("flops/update") + (mean("flops/generate") if any("mfu/generate" in r for r in rows) else 0.0)
-    step = {"step_s": mean("step_s"), "bound_s": counted / peak, "peak_tflops": peak / 1e12,
+    step = {"step_s": mean("step_s"), "bound_s": counted / peak, "peak_tflops": peak / 1e12, "ranks": summary.get("world_size", 1),
             "mfu_step": counted / mean("step_s") / peak, "steps_timed": len(rows), "layout": rows[-1].get("layout")}
     step["step_over_bound"] = step["step_s"] / step["bound_s"] if step["bound_s"] else None
     return out, step
@@ -75,8 +79,9 @@ def report_mfu(workloads: list[str], steps: int, run_dirs: list[str], overrides:
     for name, run_dir in folders:
         phases, step = phase_rows(run_dir)
         report["runs"].append({"name": name, "run_dir": run_dir, "phases": phases, **step})
+        summed = f" (summed over {step['ranks']} ranks)" if step["ranks"] > 1 else ""
         sections.append((f"{name}: {step['steps_timed']} steps timed, layout {step['layout']}, peak {step['peak_tflops']:.3g} "
-                         f"TFLOP/s measured; step {step['step_s']:.3f} s against its arithmetic bound {step['bound_s']:.3f} s "
+                         f"TFLOP/s measured{summed}; step {step['step_s']:.3f} s against its arithmetic bound {step['bound_s']:.3f} s "
                          f"({step['step_over_bound']:.1f}x), step MFU {step['mfu_step']:.1%}", phases,
                          ["phase", "seconds", "share", "gflop", "tflops", "mfu", "tokens_per_s", "real_token_frac"]))
     return report, sections
