@@ -61,6 +61,11 @@ class Result:
     ok: bool
     detail: str
     fix: str = ""
+    skipped: bool = False  # ran nothing here (ok, but no PASS: counted apart)
+
+    @property
+    def status(self) -> str:
+        return "SKIP" if self.skipped else "PASS" if self.ok else "FAIL"
 
 
 def run_child(cmd: list[str], timeout_s: float, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -241,7 +246,7 @@ def check_backend(backend: str, work: str, extra: list[str]) -> Result:
     import torch  # torch: in the check, so a broken install fails its row only
 
     if backend == "dedicated" and torch.cuda.is_available() and torch.cuda.device_count() < 2:
-        return Result(backend, True, "skipped: needs a second GPU for its engine (training takes the first)")
+        return Result(backend, True, "needs a second GPU for its engine (training takes the first)", skipped=True)
     run_dir = os.path.join(work, backend)
     t0 = time.perf_counter()
     out = run_child([sys.executable, "-m", "grpo.train", *two_steps(backend), f"run_dir={run_dir}", *extra], 900)
@@ -320,7 +325,7 @@ def run_checks(only: list[str], work: str, judge: list[str] | None = None) -> li
             results.append(fn())
         except Exception as e:  # noqa: BLE001 - a check that crashes is a failed check, with its error
             results.append(Result(name, False, f"{type(e).__name__}: {e}"[:300], "see the error; rerun with --only " + name))
-        print(f"doctor: {name} {'PASS' if results[-1].ok else 'FAIL'} in {time.perf_counter() - t0:.0f} s "
+        print(f"doctor: {name} {results[-1].status} in {time.perf_counter() - t0:.0f} s "
               f"({time.perf_counter() - start:.0f} s so far)", flush=True)
 
     simple = {"versions": check_versions, "device": check_device, "peak": check_peak, "all-reduce": check_allreduce}
@@ -361,7 +366,7 @@ def table(results: list[Result]) -> str:
     width = max(len(r.check) for r in results)
     lines = [f"{'check':<{width}}  result  detail"]
     for r in results:
-        lines.append(f"{r.check:<{width}}  {'PASS' if r.ok else 'FAIL':<6}  {r.detail}")
+        lines.append(f"{r.check:<{width}}  {r.status:<6}  {r.detail}")
         if not r.ok and r.fix:
             lines.append(f"{'':<{width}}  {'fix':<6}  {r.fix}")
     return "\n".join(lines)
@@ -394,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     print(table(results))
     failed = [r.check for r in results if not r.ok]
-    print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else "")
+    skipped = sum(r.skipped for r in results)
+    print(f"\n{len(results) - len(failed) - skipped} passed, {skipped} skipped, {len(failed)} failed"
+          + (f": {', '.join(failed)}" if failed else "")
           + (f"; run folders in {work}" if keep else ""))
     return 1 if failed else 0
 

@@ -10,7 +10,7 @@ def test_versions_device_and_peak_pass_here(capsys):
     assert doctor.main(["--only", "versions,device,peak"]) == 0
     out = capsys.readouterr().out
     assert "versions" in out and "torch" in out and "PASS" in out and "FAIL" not in out
-    assert "3 passed, 0 failed" in out
+    assert "3 passed, 0 skipped, 0 failed" in out
     import torch
 
     # what ran where: the CPU model, torch's kernel set and the threads (float rounding differs by CPU)
@@ -25,6 +25,17 @@ def test_a_failing_run_is_a_fail_row_with_its_fix(tmp_path):
     assert not result.ok and "no_such_key" in result.detail and "python -m grpo.train rollout=hf" in result.fix
     text = doctor.table([result, doctor.Result("device", True, "CPU only")])
     assert "hf      FAIL" in text and "fix" in text and "device  PASS" in text
+
+
+def test_a_row_that_ran_nothing_is_a_skip_not_a_pass(tmp_path, monkeypatch):
+    """dedicated on a machine with one GPU runs nothing: SKIP, counted apart (it read PASS and counted as passed)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    row = doctor.check_backend("dedicated", str(tmp_path), [])
+    assert row.ok and row.skipped and row.status == "SKIP"
+    assert "dedicated  SKIP" in doctor.table([row, doctor.Result("device", True, "CPU only")])
 
 
 def test_unknown_check_is_refused(capsys):
