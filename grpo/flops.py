@@ -8,7 +8,8 @@ causal layer attends, QK^T and AV cost 2 x heads x head_dim FLOPs each, so 4 x `
 (layers x heads x head_dim) per pair. A backward costs twice its forward on the same work, less the
 weight gradients of frozen weights (LoRA trains its adapters only): input gradients 1x, weight
 gradients 1x for trainable weights, the attention 2x. Gradient checkpointing recomputes each
-layer's forward once more: counted apart (`recompute`), for model FLOPs (MFU) count the work the
+decoder layer's forward once more (not the LM head, outside the checkpointed layers; nor, under
+non-reentrant checkpointing, each layer's last matmul: an upper bound): counted apart (`recompute`), for model FLOPs (MFU) count the work the
 model needs, not what a memory trade-off adds (PaLM's convention; with it the hardware FLOPs).
 
 What is counted as work (`Work`, additive), so that padding is waste and not work:

@@ -5,7 +5,8 @@ What a step logs (metrics.jsonl, wandb; the console line shows `mfu/update`):
 
     flops/generate            the engines' work for the step's batches (every draw's)
     flops/update              old logprobs + reference + the training forwards and backwards
-    flops/update_recompute    gradient checkpointing's second forward: hardware work, not in the MFU
+    flops/update_recompute    gradient checkpointing's second forward of the decoder layers (an upper
+                              bound: their last matmuls are not redone): hardware work, not in the MFU
     mfu/update                flops/update / time/update_s / peak
     mfu/generate              flops/generate / time/batch_generate_s / peak, where the engines run on the
                               trainer's device (hf, colocated); a dedicated or remote engine's device
@@ -22,7 +23,7 @@ ranks flops/* and update_tokens_per_s are summed, mfu/* averaged (each rank agai
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -55,7 +56,10 @@ class Meter:
             "update_tokens_per_s": train.tokens / update_s if update_s > 0 else 0.0,
         }
         if self.recompute:
-            out["flops/update_recompute"] = flops.forward_flops(self.shape, train)
+            # the decoder layers' forward again (the LM head is outside what transformers checkpoints); an
+            # upper bound: non-reentrant checkpointing stops before each layer's last matmul, whose output
+            # the backward does not need (1.25x the recompute counted by torch's FlopCounter on the tiny model)
+            out["flops/update_recompute"] = flops.forward_flops(self.shape, replace(train, head=0))
         local = update_flops
         if self.local_generation:
             out["mfu/generate"] = gen_flops / gen_s / self.peak if gen_s > 0 else 0.0

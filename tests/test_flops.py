@@ -126,20 +126,22 @@ def test_a_vlms_shape_is_its_language_models_and_loras_trains_the_adapters():
 
 
 def test_a_steps_mfu_by_hand():
-    """Each phase's FLOPs over its own seconds over the peak; generation's MFU only where the engines
-    run on the trainer's device; gradient checkpointing's recompute apart from the MFU."""
+    """Each phase's FLOPs over its own seconds over the peak (generation's: the engines' seconds on the
+    batch, not the trainer's wait for it); generation's MFU only where the engines run on the trainer's
+    device; gradient checkpointing's recompute apart from the MFU, the decoder layers' alone (2 x 50:
+    the LM head is outside the checkpointed layers)."""
     from grpo.mfu import Meter
 
     shape = Shape(body=10, body_trained=10, head=4, head_trained=True, attention=0)
     train = Work(tokens=5, computed=8, head=2, pairs=0)  # forward 2 x (50 + 8) = 116, backward 232
     update = {"old": Work(tokens=5, computed=8, head=2), "reference": Work(), "train": train}
     generation = Work(tokens=20, computed=20, head=5)  # 2 x (200 + 20) = 440
-    times = {"time/update_s": 2.0, "time/generate_s": 4.0, "step_s": 8.0}
+    times = {"time/update_s": 2.0, "time/generate_s": 0.5, "time/batch_generate_s": 4.0, "step_s": 8.0}
     local = Meter(shape, peak=10.0, dtype=torch.float32, nominal=None, local_generation=True, recompute=True)
     m = local.metrics(generation, update, times)
     assert m["flops/update"] == 116 + 116 + 232 and m["flops/generate"] == 440
     assert m["mfu/update"] == pytest.approx(464 / 2 / 10) and m["mfu/generate"] == pytest.approx(440 / 4 / 10)
-    assert m["mfu/step"] == pytest.approx((464 + 440) / 8 / 10) and m["flops/update_recompute"] == 116
+    assert m["mfu/step"] == pytest.approx((464 + 440) / 8 / 10) and m["flops/update_recompute"] == 100
     assert m["update/real_token_frac"] == 5 / 8 and m["update_tokens_per_s"] == 5 / 2
     served = Meter(shape, 10.0, torch.float32, None, local_generation=False, recompute=False).metrics(generation, update, times)
     assert "mfu/generate" not in served and "flops/update_recompute" not in served
