@@ -9,6 +9,7 @@ model under the final name.
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 
@@ -42,6 +43,11 @@ def export_hf(strategy, tokenizer, folder: str, bucket_bytes: int = 256 * 2**20,
         # transformers' Auto classes: as above
         from transformers import AutoModelForImageTextToText as AutoModelForCausalLM  # noqa: N814
     model = AutoModelForCausalLM.from_config(config, dtype=next(iter(state.values())).dtype)
+    # the policy's own generation_config.json (its folder's: a second EOS such as Qwen2.5-Instruct's
+    # <|endoftext|>, sampling defaults), not one from_config derives from config.json alone
+    policy = strategy.model.get_base_model() if hasattr(strategy.model, "get_base_model") else strategy.model
+    if getattr(policy, "generation_config", None) is not None:
+        model.generation_config = copy.deepcopy(policy.generation_config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:

@@ -66,10 +66,21 @@ def wrap(model: torch.nn.Module, cfg) -> torch.nn.Module:
     """The policy with a fresh LoRA adapter on `cfg.target_modules` (B = 0: it starts as the base)."""
     # peft: heavy, only with model.lora.rank > 0; grpo.config imports this module
     from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import ParamWrapper
 
     config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                         target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    wrapped = get_peft_model(model, config)
+    # a MoE's fused experts (transformers 5: one `experts` module holding every expert's gate_up_proj and
+    # down_proj as parameters) are wrapped by parameter, not as Linear layers: the merge for the export
+    # and the engines' adapter names do not handle them (the run trained, then died in its export)
+    fused = sorted({name for name, m in wrapped.named_modules() if isinstance(m, ParamWrapper)})
+    if fused:
+        raise ConfigError(f"model.lora.target_modules={list(cfg.target_modules)} reach a MoE's fused experts ({fused[0]}"
+                          f"{f' and {len(fused) - 1} more' if len(fused) > 1 else ''}), which LoRA here does not support "
+                          f"(neither the export's merge nor the engines' adapter names handle them): target the "
+                          f"attention only, e.g. model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj].")
+    return wrapped
 
 
 def is_lora(model: torch.nn.Module) -> bool:

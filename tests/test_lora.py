@@ -10,7 +10,9 @@ import torch
 from omegaconf import OmegaConf
 
 from grpo import lora
-from grpo.config import ConfigError, LoraConfig, RolloutConfig, validate
+from grpo.config import ConfigError, LoraConfig, RolloutConfig, TinyModelConfig, validate
+from grpo.tiny.moe import build_tiny_moe
+from grpo.tiny.text import build_char_tokenizer
 from grpo.train import train
 from tests.conftest import assert_rewards_vary, compose_cfg
 from tests.parity import assert_round_trip, lora_round_trip
@@ -279,3 +281,18 @@ def test_bf16_lora_keeps_the_base_in_bf16_and_the_adapter_in_fp32(tiny_lm):
     strategy.step()
     assert any(not torch.equal(p, before[n]) for n, p in lora.adapter_parameters(strategy.model))
     assert all(t.dtype == torch.bfloat16 for b in strategy.weight_buckets(2**20) for _, t in b)  # the engine's dtype
+
+
+def test_lora_on_a_moes_fused_experts_is_refused_when_it_wraps():
+    """transformers 5 fuses a MoE's experts into parameters, which peft wraps by parameter: the run
+    trained and then died in its export (`'ParamWrapper' object has no attribute 'weight'`). The wrap
+    refuses them, naming the setting that works; the attention alone wraps."""
+    tok = build_char_tokenizer()
+
+    def moe():
+        return build_tiny_moe(TinyModelConfig(), len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+
+    with pytest.raises(ConfigError, match=r"reach a MoE's fused experts .*model.lora.target_modules=\[q_proj,k_proj,v_proj,o_proj\]"):
+        lora.wrap(moe(), OmegaConf.structured(LoraConfig(rank=4)))
+    attention = lora.wrap(moe(), OmegaConf.structured(LoraConfig(rank=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])))
+    assert lora.is_lora(attention)
