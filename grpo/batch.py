@@ -185,4 +185,22 @@ def routes_batch(prompt_ids: list[list[int]], rollouts, P: int, T: int) -> torch
             raise ValueError(f"completion {i}: {r.shape[0]} rows of routed experts for {len(p)} prompt and {len(c)} "
                              f"completion tokens; expected {len(p) + len(c) - 1} (every token but the last sampled)")
         routes[i, P - len(p): P + len(c) - 1] = r
+    share_prompt_routes(routes, prompt_ids, P)
     return routes
+
+
+def share_prompt_routes(routes: torch.Tensor, prompt_ids: list[list[int]], P: int) -> None:
+    """A prompt's routes where a completion has none, taken from a sibling of the same prompt that has
+    them, in place. vLLM's prefix cache serves a prompt's blocks to every completion but the first, whose
+    rows for them come back -1 (grpo/moe/vllm_capture.py); the same tokens route alike, and a layout
+    that reads the prompt from one sibling (the shared rows' tree, a packed copy) then replayed none."""
+    by_prompt: dict[tuple, list[int]] = {}
+    for i, p in enumerate(prompt_ids):
+        by_prompt.setdefault(tuple(p), []).append(i)
+    for rows in (r for r in by_prompt.values() if len(r) > 1):
+        n = len(prompt_ids[rows[0]])
+        block = routes[rows, P - n: P]  # siblings x n x M x K
+        known = block[..., 0] >= 0  # siblings x n x M
+        first = known.to(torch.uint8).argmax(dim=0)  # n x M: the first sibling that has it (0 where none does)
+        donor = block.gather(0, first[None, :, :, None].expand(1, *block.shape[1:]))
+        routes[rows, P - n: P] = torch.where(known[..., None], block, donor)

@@ -93,6 +93,25 @@ def test_every_layout_carries_each_tokens_routes(tiny_moe):
             assert int(((ids == token) & (given == token)).sum()) == expected, (layout, token)
 
 
+def test_a_completions_prompt_routes_the_prefix_cache_left_out_come_from_its_sibling():
+    """vLLM's prefix cache served the prompt to the second completion, whose rows for it came back -1:
+    collate gives it the first's (the same tokens route alike), where a sibling has them; the
+    completion's own rows and another prompt's stay as they were. Shared rows read a tree's prompt
+    from one sibling and replayed none of it (0 of 20 tokens) where that sibling was the second."""
+    prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]]
+    completions = [[10, 11], [12, 13], [14, 15], [16, 17]]
+    routed = [torch.tensor(p + c[:-1]).view(-1, 1, 1).expand(-1, 2, 2).clone() for p, c in zip(prompts, completions)]
+    routed[1][:2] = -1  # its first two prompt tokens came from the cache
+    routed[2][0, 1] = -1  # one token-layer of the other prompt, which no sibling has either
+    routed[3][0, 1] = -1
+    out = SimpleNamespace(completion_ids=completions, logprobs=[[0.0] * 2] * 4, finish_reasons=["length"] * 4,
+                          loss_masks=None, episodes=None, routed_experts=routed)
+    routes = collate(prompts, out, torch.zeros(4), 0, False).routes_BLMK  # prompt width 3
+    assert torch.equal(routes[1, :3], routes[0, :3]) and (routes[1, :3, :, 0] == torch.tensor([5, 6, 7])[:, None]).all()
+    assert routes[1, 3, 0, 0] == 12  # its own completion's
+    assert (routes[2:, 1, 1] == -1).all() and (routes[2:, 1, 0] == 8).all()  # none had it: still none
+
+
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_the_update_replays_the_samplers_routes_in_every_layout(tiny_moe, layout):
     model, tok = tiny_moe
