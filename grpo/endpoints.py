@@ -11,6 +11,7 @@ the server, its status and where it pointed (grpo/auth.py says which token goes 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import threading
 import time
@@ -25,6 +26,11 @@ REFUSED = {401: "the token is not the server's: give the client the token the se
                 "(rollout servers: GRPO_SERVE_TOKEN or rollout.remote.token_file; judges: GRPO_JUDGE_TOKEN or "
                 "reward.judge.token_file; reward model servers: GRPO_RM_TOKEN or reward.rm.token_file)",
            403: "the server refuses this client"}
+
+
+class NotJson(ServerError):
+    """A server answered, but not with JSON: a proxy's page, or not the server the URL should name.
+    Waiting for it cannot change that (`wait_until` fails at once)."""
 
 
 def is_redirect(status: int | None) -> bool:
@@ -61,7 +67,7 @@ def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it", l
         except ServerError as e:
             if e.status in REFUSED:
                 raise ServerError(f"{what} is up but refused the request: {e} ({REFUSED[e.status]}).", e.status) from e
-            if is_redirect(e.status):
+            if is_redirect(e.status) or isinstance(e, NotJson):
                 raise
             last = e
         except OSError as e:
@@ -159,10 +165,13 @@ class Server:
         self.vllm = None  # a vLLM server's release, what its API takes (grpo/rollout/vllm_api.py): asked once
         self.prompt_checks = 0  # choices whose echoed prompt ids were compared with the ids sent
         self.occupancy = Occupancy()  # generation requests in flight (grpo/rollout/servers.py ServerPool.complete)
+        self.lost = None  # why a pool sends it no more requests: it restarted (grpo/rollout/servers.py served_version)
 
     def request(self, path: str, body: dict | None = None, timeout: float | None = None, text: bool = False):
         """POST `body` (GET without one) and return the JSON answer, or the plain text with text=True
-        (vLLM's adapter routes answer in words)."""
+        (vLLM's adapter routes answer in words). Whatever goes wrong is a ServerError naming the URL and
+        the path: an error status, no connection, an answer cut off (http.client's IncompleteRead: a
+        server stopped mid-answer, a proxy's idle timeout), a body that is not JSON (`NotJson`)."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method="GET" if body is None else "POST")
         req.add_header("Content-Type", "application/json")
@@ -179,9 +188,14 @@ class Server:
             raise ServerError(f"{self.url}{path} answered {e.code}: {e.read()[:500].decode(errors='replace')}", e.code) from e
         except (urllib.error.URLError, OSError) as e:
             raise ServerError(f"{self.url}{path} is unreachable ({e}); is `python -m grpo.serve` running there?") from e
+        except http.client.HTTPException as e:  # IncompleteRead, BadStatusLine: the answer broke off or is no HTTP
+            raise ServerError(f"{self.url}{path} broke off its answer ({e!r}); was the server stopped while answering?") from e
         if text:
             return raw.decode(errors="replace")
-        return json.loads(raw) if raw else {}
+        try:
+            return json.loads(raw) if raw else {}
+        except ValueError as e:  # json's error (JSONDecodeError), or bytes that are not UTF-8
+            raise NotJson(f"{self.url}{path} answered with no JSON ({e}): {raw[:200]!r}") from e
 
     def wait_healthy(self, deadline: float, log=say, note: str = "", exited=None, kind: str = "rollout server") -> None:
         def ready():

@@ -24,10 +24,12 @@ Topologies:
   - remote: servers=S submits a companion job first: S nodes, each running one `grpo.serve`
     (`ServeJob`) per tensor-parallel group of its server_gpus (8 GPUs at
     rollout.remote.tensor_parallel_size=2: 4 servers, 2 GPUs each; one on a node without GPUs), each
-    on a port it found free and writing its URL into <run_dir>/servers/. The trainer job waits
-    for the S URLs, then for every server's health check (rollout.remote.health_timeout_s), with a
-    fresh random token guarding the weight routes (in <run_dir>/servers/token, mode 600, read by
-    both jobs), and cancels the servers when training ends.
+    on a port it found free and writing its URL into <run_dir>/servers/, with a fresh random token
+    guarding the weight routes (in <run_dir>/servers/token, mode 600, read by both jobs). The
+    trainer job waits for S URLs whose servers answer /health (a URL file outlives its server:
+    `wait_for_urls`), failing at once, saying what to do, if the server job has ended (a requeued
+    trainer whose servers it cancelled when it was preempted: docs/slurm.md, a known gap), and
+    cancels the servers when training ends.
   - judges (reward=judge): judges=J judge_model=M submits another companion job: J nodes, each running
     one `grpo.serve --model M` (`JudgeJob`; tensor parallel over the node's judge_gpus, or on CPU),
     writing its URL into <run_dir>/judges/. The trainer waits for the J URLs and trains with
@@ -57,7 +59,8 @@ from omegaconf import OmegaConf
 from grpo.cli import exit_on_user_error
 from grpo.config import compose_config, validate
 from grpo.dist import node_name
-from grpo.errors import ConfigError
+from grpo.endpoints import Server
+from grpo.errors import ConfigError, ServerError
 from grpo.progress import WaitProgress
 from grpo.rollout.dedicated import child_visible_devices
 from grpo.serve import main as serve, resolve_model
@@ -104,10 +107,12 @@ class TrainJob:
         overrides = [*self.overrides, f"run_dir={self.run_dir}"]
         try:
             if self.num_servers:
-                urls = wait_for_urls(servers_dir(self.run_dir), self.num_servers, self.server_wait_s, "rollout server", self.run_dir)
+                urls = wait_for_urls(servers_dir(self.run_dir), self.num_servers, self.server_wait_s, "rollout server",
+                                     self.run_dir, self.server_job)
                 overrides.append(f"rollout.remote.urls=[{','.join(urls)}]")
             if self.num_judges:
-                urls = wait_for_urls(judges_dir(self.run_dir), self.num_judges, self.server_wait_s, "judge server", self.run_dir)
+                urls = wait_for_urls(judges_dir(self.run_dir), self.num_judges, self.server_wait_s, "judge server",
+                                     self.run_dir, self.judge_job)
                 overrides.append(f"reward.judge.urls=[{','.join(urls)}]")
             return train(compose_config(overrides))
         finally:  # every way out: an error, scancel or preemption (SystemExit), the watchdog (KeyboardInterrupt)
@@ -147,20 +152,45 @@ def write_token_file(run_dir: str, token: str) -> str:
     return path
 
 
-def wait_for_urls(folder: str, count: int, timeout_s: float, what: str, run_dir: str) -> list[str]:
-    """The URLs a companion job's servers (`what`: rollout or judge servers) wrote into `folder`, once
-    all `count` of them have."""
+def answers(url: str) -> bool:
+    """Whether a server listens at `url` and answers /health (an open route): a URL file outlives its server."""
+    try:
+        Server(url, None, 5).request("/health")
+    except ServerError:
+        return False
+    return True
+
+
+def job_gone(job_id: str) -> bool:
+    """Whether SLURM says the job has ended: squeue lists it no more, or no longer knows its id (after the
+    cluster's MinJobAge). A squeue that fails otherwise says nothing: False."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+    return (out.returncode == 0 and not out.stdout.strip()) or "Invalid job id" in out.stderr
+
+
+def wait_for_urls(folder: str, count: int, timeout_s: float, what: str, run_dir: str, job: str | None = None) -> list[str]:
+    """The URLs of `count` servers of a companion job (`what`: rollout or judge servers) that wrote them
+    into `folder` and answer /health. A URL file whose server is gone (a server job requeued onto other
+    ports, a server that died) is passed over, never handed to the trainer. `job`: the companion job's id;
+    once SLURM has ended it, the wait is an error at once, saying what to do: a training job requeued
+    after a preemption finds the servers it cancelled as it stopped (docs/slurm.md, a known gap)."""
     deadline = time.time() + timeout_s
-    progress = WaitProgress(f"{count} {what}(s) to write their URL into {folder}", timeout_s,
+    progress = WaitProgress(f"{count} {what}(s) to write their URL into {folder} and answer /health", timeout_s,
                             note=f"server job log under {run_dir}/slurm/")
     while True:
-        urls = sorted(Path(p).read_text().strip() for p in glob.glob(os.path.join(folder, "*.url")))
+        urls = [u for u in sorted(Path(p).read_text().strip() for p in glob.glob(os.path.join(folder, "*.url"))) if answers(u)]
         if len(urls) >= count:
             return urls[:count]
+        if job and job_gone(job):
+            raise ServerError(f"the {what} job {job} has ended (squeue no longer lists it) with {len(urls)} of {count} "
+                              f"{what}(s) answering: a training job requeued after a preemption or its time limit finds the "
+                              f"servers that it cancelled as it stopped, or that reached their own time limit. Submit the run "
+                              f"again with run_dir={run_dir} (python -m grpo.launch ...): it starts new servers and resumes "
+                              f"from its last checkpoint.")
         progress()
         if time.time() > deadline:
-            raise RuntimeError(f"only {len(urls)} of {count} {what}s wrote their URL into {folder} within {timeout_s:.0f} s; "
-                               f"is the server job running (squeue)? Its log is under {run_dir}/slurm/.")
+            raise RuntimeError(f"only {len(urls)} of {count} {what}s wrote their URL into {folder} and answered /health "
+                               f"within {timeout_s:.0f} s; is the server job running (squeue)? Its log is under {run_dir}/slurm/.")
         time.sleep(2)
 
 
@@ -210,7 +240,9 @@ class ServeJob:
         # bound to this node's cluster address (its SLURM name, which its URL names), never 0.0.0.0 (every interface)
         serve(["--model", model, "--host", node_name(), "--port", "0", "--url-dir", servers_dir(self.run_dir), "--dtype", cfg.model.dtype,
                "--tensor-parallel-size", str(tp), "--weight-transfer", cfg.rollout.vllm.weight_transfer,
-               *(["--routed-experts"] if cfg.rollout.routing_replay or cfg.rollout.routing_observe else []), *self.extra_args])
+               *(["--routed-experts"] if cfg.rollout.routing_replay or cfg.rollout.routing_observe else []),
+               # LoRA: the servers load each sync's adapter (/v1/load_lora_adapter, mounted by --lora-rank only)
+               *(["--lora-rank", str(cfg.model.lora.rank)] if cfg.model.lora.rank > 0 else []), *self.extra_args])
 
 
 @dataclass

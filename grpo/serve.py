@@ -18,7 +18,11 @@ It is vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`) started wi
     version, metrics) needs `Authorization: Bearer <token>`, the /v1 routes included. It is an
     allow-list: a route a later vLLM adds, or a flag mounts (LoRA loading, profiling), is guarded
     without anyone listing it. A token is required whenever the server binds to anything but the
-    loopback interface.
+    loopback interface; on loopback without one, a warning says that every user of the machine can
+    push weights into it.
+
+SLURM's time-limit warnings (SIGUSR1, SIGUSR2) are ignored (`ignore_time_limit_warnings`): they are
+the trainer's to act on, and their default action would end the server.
 
 The token comes from $GRPO_SERVE_TOKEN or `--token-file` (a file only its owner can read), never
 from the command line, where every user of the machine can read it (grpo/auth.py).
@@ -40,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -198,6 +203,17 @@ def tie_to_parent(parent_pid: int | None, cpus: str | None) -> None:
         os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
 
 
+def ignore_time_limit_warnings() -> None:
+    """SIGUSR1 and SIGUSR2 ignored, from here through the exec into vLLM (an ignored signal stays ignored
+    across exec) and in the engine processes vLLM starts. They are SLURM's time-limit warnings
+    (`--signal=USR1@120` of the sbatch files, which signal every process of a step; submitit's
+    `--signal=USR2@<signal_delay_s>`, which grpo.launch's server and judge jobs get too): the trainer's to
+    act on (grpo/preempt.py). vLLM handles neither, so their default action ended the server at once and
+    left its EngineCore and worker processes behind; the job's end still stops it (SIGTERM)."""
+    for s in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(s, signal.SIG_IGN)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF folder or hub id (the trainer's model.path); `tiny` or a "
@@ -235,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
                    "model.lora.rank); each sync loads the new adapter from a folder through /v1/load_lora_adapter, "
                    "which the token guards like every route")
     args, extra = p.parse_known_args(argv)
+    ignore_time_limit_warnings()  # before anything slow: a warning may come while the model resolves
     tie_to_parent(args.parent_pid, args.cpus)
     try:
         installed()  # a vLLM in the supported range, before anything is resolved or bound
@@ -258,6 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     if not is_loopback(args.host) and not args.token:
         p.error(f"--host {args.host} is reachable from other machines: set {TOKEN_ENV} or give --token-file so no "
                 "one else can push weights into this server.")
+    if not args.token:  # allowed on loopback, for one user's machine; docs/security.md "Known gaps"
+        print(f"grpo.serve: warning: no token ({TOKEN_ENV} or --token-file): every user of this machine can call its "
+              "routes, a policy server's weight pushes included. On a shared machine give it a token.", file=sys.stderr)
     args.model = resolve_model(args.model)
     if args.reward_model and (problem := not_a_reward_model(model_config_of(args.model))):
         p.error(f"--reward-model {args.model}: {problem}")

@@ -300,9 +300,14 @@ def test_garbage_answers_are_counted_and_warned(server, in_process):
     never = {t: 1.0 for t in in_process(texts[0]) if t.strip() and t.strip().lower() not in seen}
     assert len(never) >= 2
     judge = make_judge([server["url"]], "reward.judge.min_scored=0", choices=never)
-    with pytest.warns(UserWarning, match="6 of 6 answers had no score"):
+    with pytest.warns(UserWarning, match="6 of 6 answers had no score .*none of the choices among the first token.s reward.judge.top_logprobs=20"):
         assert judge(completions, samples) == [None] * 6
     assert judge.stats["garbage"] == 6
+
+
+class Cut(bytes):
+    """An answer whose connection closes before the Content-Length it declares (a server stopped while
+    answering, a proxy's idle timeout): http.client's IncompleteRead."""
 
 
 class Garbage(BaseHTTPRequestHandler):
@@ -313,6 +318,8 @@ class Garbage(BaseHTTPRequestHandler):
     def reply(self) -> None:
         body = self.answers.get(self.path)
         self.send_response(200 if body is not None else 404)
+        if isinstance(body, Cut):
+            self.send_header("Content-Length", str(len(body) + 100))
         self.end_headers()
         self.wfile.write(body or b"")
 
@@ -347,10 +354,12 @@ def chat_answer(content, logprobs=None) -> bytes:
 @pytest.mark.parametrize("answer, what", [
     (b"<html>502 Bad Gateway</html>", "answered with no JSON"),
     (json.dumps({"object": "error", "message": "overloaded"}).encode(), "in a shape not understood"),
+    (Cut(chat_answer("7")[:20]), "/v1/chat/completions broke off its answer"),
 ])
 def test_a_judge_that_answers_garbage_is_counted_and_warned(garbage, answer, what):
-    """Non-JSON, or JSON without choices: each request failed (counted, warned, its completion None), no
-    exception from the JSON parser; below min_scored the run stops saying why."""
+    """Non-JSON, JSON without choices, or an answer cut off: each request failed (counted, warned, its
+    completion None), no exception from the JSON parser or http.client (IncompleteRead ended the reward
+    call); below min_scored the run stops saying why."""
     url, answers = garbage
     answers["/v1/chat/completions"] = answer
     judge = make_judge([url], "reward.judge.api=chat", "reward.judge.min_scored=0", "reward.judge.retries=0")
@@ -361,6 +370,21 @@ def test_a_judge_that_answers_garbage_is_counted_and_warned(garbage, answer, wha
     judge.jc.min_scored = 0.5
     with pytest.raises(RewardStop, match=f"scored 0 of 3.*{what}"), pytest.warns(UserWarning):
         judge(completions, samples)
+
+
+def test_a_judge_answer_cut_off_is_retried_as_a_failed_request(garbage, monkeypatch):
+    """A cut answer is a failed request like an unreachable server's: tried again (counted), then its
+    completion None, counted as failed."""
+    import grpo.rewards.judge as judge_module
+
+    monkeypatch.setattr(judge_module, "RETRY_PAUSE_S", 0.0)
+    url, answers = garbage
+    answers["/v1/chat/completions"] = Cut(chat_answer("7")[:20])
+    judge = make_judge([url], "reward.judge.api=chat", "reward.judge.min_scored=0", "reward.judge.retries=1")
+    completions, samples = batch(2)
+    with pytest.warns(UserWarning, match=f"2 of 2 requests failed after 1 retries.*{re.escape(url)}/v1/chat/completions broke off"):
+        assert judge(completions, samples) == [None] * 2
+    assert judge.stats["failed"] == 2 and judge.stats["retries"] == 2, judge.stats
 
 
 def test_an_empty_judge_answer_is_garbage_not_zero(garbage):

@@ -8,7 +8,9 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -108,16 +110,77 @@ def test_the_trainer_waits_for_its_judges_urls_and_cancels_them_with_the_servers
     from grpo.launch import TrainJob, judges_dir
 
     calls = tmp_path / "calls"
-    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", {"scancel": recording(calls), "squeue": recording(calls)}))
+    # squeue: the jobs run until scancel is called
+    listed = recording(calls) + f'\nprint("" if "scancel" in open({str(calls)!r}).read() else "RUNNING")'
+    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", {"scancel": recording(calls), "squeue": listed}))
     monkeypatch.setenv("SLURM_PROCID", "0")
     run_dir = tmp_path / "run"
     os.makedirs(judges_dir(str(run_dir)))
-    (run_dir / "judges" / "n2-8100.url").write_text("http://n2:8100\n")
-    seen = []
-    monkeypatch.setattr(grpo.launch, "train", lambda cfg: seen.append(list(cfg.reward.judge.urls)) or {"ok": 1})  # TrainJob's
-    job = TrainJob(["reward=judge"], str(run_dir), server_job="11", num_judges=1, judge_job="12", server_wait_s=5)
-    assert job() == {"ok": 1} and seen == [["http://n2:8100"]]
+    with healthy_server() as url:
+        (run_dir / "judges" / "n2-8100.url").write_text(url + "\n")
+        seen = []
+        monkeypatch.setattr(grpo.launch, "train", lambda cfg: seen.append(list(cfg.reward.judge.urls)) or {"ok": 1})  # TrainJob's
+        job = TrainJob(["reward=judge"], str(run_dir), server_job="11", num_judges=1, judge_job="12", server_wait_s=5)
+        assert job() == {"ok": 1} and seen == [[url]]
     assert "scancel --signal=INT 11 12" in calls.read_text()
+
+
+@contextlib.contextmanager
+def healthy_server():
+    """A server on loopback answering /health, as a started grpo.serve does; yields its URL."""
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_port}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_the_trainer_takes_only_urls_of_servers_that_answer_and_stops_when_the_server_job_has_ended(tmp_path, monkeypatch):
+    """A preempted trainer cancels its servers as it stops; SLURM requeues it, and the requeued trainer
+    took the dead server's URL file at once (/tmp/s18 requeue_repro). Now a URL whose server does not
+    answer /health is passed over, and once squeue no longer lists the server job the wait ends at once
+    with what to do, instead of waiting for servers that will never come."""
+    import grpo.launch
+    from grpo.errors import ServerError
+    from grpo.launch import wait_for_urls
+    from grpo.rollout.servers import free_port
+
+    folder = tmp_path / "servers"
+    folder.mkdir()
+    (folder / "n1-1.url").write_text(f"http://127.0.0.1:{free_port('127.0.0.1')}\n")  # its server is gone
+    monkeypatch.setattr(grpo.launch, "job_gone", lambda job: False)
+    with healthy_server() as url:
+        (folder / "n2-2.url").write_text(url + "\n")
+        assert wait_for_urls(str(folder), 1, 5, "rollout server", str(tmp_path), job="77") == [url]
+    monkeypatch.setattr(grpo.launch, "job_gone", lambda job: job == "77")
+    t0 = time.time()
+    with pytest.raises(ServerError, match=r"the rollout server job 77 has ended .* 0 of 1 .*Submit the run again with "
+                                          rf"run_dir={re.escape(str(tmp_path))}.*resumes from its last checkpoint"):
+        wait_for_urls(str(folder), 1, 60, "rollout server", str(tmp_path), job="77")
+    assert time.time() - t0 < 10
+
+
+@pytest.mark.parametrize("code, out, err, gone", [
+    (0, "RUNNING\n", "", False), (0, "", "", True),  # listed; no longer listed
+    (1, "", "slurm_load_jobs error: Invalid job id specified", True),  # forgotten (MinJobAge)
+    (1, "", "slurm_load_jobs error: Socket timed out", False),  # squeue failed: nothing is known
+])
+def test_a_job_is_gone_only_when_squeue_says_so(monkeypatch, code, out, err, gone):
+    import grpo.launch
+
+    monkeypatch.setattr(grpo.launch.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, code, out, err))
+    assert grpo.launch.job_gone("77") is gone
 
 
 def test_serve_and_launch_resolve_model_names_as_the_trainer_does(cache_dir, monkeypatch):
@@ -134,6 +197,21 @@ def test_serve_and_launch_resolve_model_names_as_the_trainer_does(cache_dir, mon
     assert resolve_model("tiny") == trainer and os.path.isfile(os.path.join(trainer, "config.json"))
     assert resolve_model("/some/folder") == "/some/folder" and resolve_model("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
     assert "smollm2-135m" in PACKAGED  # resolved by the same function, not passed on as a name
+
+
+def test_a_lora_policys_servers_are_started_with_its_rank(monkeypatch, tmp_path):
+    """`grpo.launch servers=N` with model.lora.rank=8: each server gets --lora-rank 8, which mounts
+    /v1/load_lora_adapter (before, none did, and the first sync failed on a bare 404); a full-weight
+    policy's server gets none."""
+    import grpo.launch
+    from grpo.launch import ServeJob
+
+    monkeypatch.setattr(grpo.launch, "resolve_model_folder", lambda cfg: "/models/policy")  # no model built
+    seen = []
+    monkeypatch.setattr(grpo.launch, "serve", seen.append)  # ServeJob's call: the argv grpo.serve gets
+    ServeJob(["rollout=remote", "model.lora.rank=8"], str(tmp_path))()
+    ServeJob(["rollout=remote"], str(tmp_path))()
+    assert seen[0][seen[0].index("--lora-rank") + 1] == "8" and "--lora-rank" not in seen[1]
 
 
 def test_a_gpu_server_serves_the_checkpoints_own_dtype():
@@ -357,7 +435,7 @@ elif "--job-name=grpo-judge" in args:
 
 
 @pytest.mark.starts_process
-@pytest.mark.parametrize("case", ["gpu-nodes", "cpu-one-node", "gpu-one-node-judge"])
+@pytest.mark.parametrize("case", ["gpu-nodes", "cpu-one-node", "gpu-one-node-judge", "cpu-one-node-lora"])
 def test_train_remote_sbatch_starts_every_server_of_the_layout_and_trains_against_them(tmp_path, case):
     """The sbatch's own lines, run by bash with SLURM's commands faked (the real cluster runs it in the
     `slurm` tier): it passes MODEL to the layout, starts each server node's servers on their GPUs
@@ -381,7 +459,8 @@ def test_train_remote_sbatch_starts_every_server_of_the_layout_and_trains_agains
         env.update(FAKE_NODES="n1", SLURM_NTASKS_PER_NODE="1")
         for key in ("SERVERS", "MODEL", "SLURM_GPUS_ON_NODE", "SLURM_CPUS_PER_TASK"):
             env.pop(key, None)
-    out = subprocess.run(["bash", "slurm/train_remote.sbatch", "steps=1"], cwd=ROOT, env=env, capture_output=True,
+    lora = ["model.lora.rank=8"] if case == "cpu-one-node-lora" else []
+    out = subprocess.run(["bash", "slurm/train_remote.sbatch", "steps=1", *lora], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     steps = [json.loads(line) for line in calls.read_text().splitlines()]
@@ -412,6 +491,8 @@ def test_train_remote_sbatch_starts_every_server_of_the_layout_and_trains_agains
         assert serve[serve.index("--groups") + 1] == "" and serve_args[serve_args.index("--model") + 1] == "tiny"
         assert serve_args[serve_args.index("--weight-transfer") + 1] == "grpo_gloo"
         assert urls == ["http://node0:8000"] and "rollout.vllm.weight_transfer=grpo_gloo" in train
+    # LoRA: the servers mount the adapter routes (before, the first sync failed on a bare 404)
+    assert serve_args[serve_args.index("--lora-rank") + 1 :][:1] == ["8"] if lora else "--lora-rank" not in serve_args
 
 
 FAKE_SERVER = """

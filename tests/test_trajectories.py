@@ -24,7 +24,7 @@ from grpo.rollout import Sampling
 from grpo.rollout.episodes import Budget, EpisodeRunner
 from grpo.rollout.render import RawRender
 from grpo.rollout.push import push_adapter_from_one_rank
-from grpo.rollout.servers import PoolClosed, TurnGate, adapter_name, in_thread, prompt_requests
+from grpo.rollout.servers import PoolClosed, ServerRestarted, TurnGate, adapter_name, in_thread, prompt_requests
 from grpo.rollout.trajectories import episode_driver
 from grpo.tasks.base import Sample
 from grpo.weights import group_by_size
@@ -267,6 +267,24 @@ def test_a_batch_without_a_turn_reports_the_version_the_servers_hold(tiny_lm, sc
         out = episode_driver(schedule, runner, pool, 9)([tok("7+1=").input_ids], [Sample("7+1=", "3")], 2, Sampling(4))
     assert out.finish_reasons == ["error"] * 2 and not pool.entered
     assert out.weight_version == 9
+
+
+def test_a_server_that_restarted_stops_the_episode_batch_before_any_turn(tiny_lm):
+    """A server that lost the pushed weights (ServerPool.served_version's ServerRestarted) stops the
+    episode batch, as a turn-synchronous batch does: it was read as a server that did not answer, and
+    the batch went on (its trajectories ending as errors until the next push failed)."""
+    _, tok = tiny_lm
+    pool = HeldPool(tok)
+    pool.gate = None  # no partial rollouts: the batch reads the servers' versions first
+
+    def restarted(server, fallback):
+        raise ServerRestarted(f"{server.url} restarted and lost the pushed weights")
+
+    pool.served_version = restarted
+    runner = EpisodeRunner(GuessEnv, tok, RawRender(tok), Budget(1, 4, 64, 4), 10.0, [tok.eos_token_id], "guess", 4)
+    with pytest.raises(ServerRestarted, match="fake restarted"):
+        episode_driver("trajectories", runner, pool, 3)([tok("7+1=").input_ids], [Sample("7+1=", "8")], 2, Sampling(4))
+    assert not pool.entered
 
 
 def test_later_turn_seeds_follow_the_trajectory_not_its_place_in_the_batch():

@@ -50,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 from grpo.auth import JUDGE_TOKEN_ENV, client_token
 from grpo.errors import ConfigError, RewardStop, ServerError
-from grpo.endpoints import Server, is_redirect, parallel_map
+from grpo.endpoints import NotJson, Server, is_redirect, parallel_map
 
 SCORES = ("logprobs", "pattern")
 APIS = ("chat", "completions")
@@ -176,9 +176,9 @@ class Judge:
         for s in self.servers:
             try:
                 s.wait_healthy(deadline, note="(reward.judge.urls)", kind="judge server")
-            except ValueError as e:  # json's error: an HTML page, a proxy's answer
-                raise ConfigError(f"reward.judge.urls: {s.url}/v1/models answered with no JSON ({e}): is it an "
-                                  f"OpenAI-compatible server (`python -m grpo.serve`, `vllm serve`)?") from e
+            except NotJson as e:  # an HTML page, a proxy's answer
+                raise ConfigError(f"reward.judge.urls: {e}: is it an OpenAI-compatible server (`python -m grpo.serve`, "
+                                  f"`vllm serve`)?") from e
             except (KeyError, IndexError, TypeError) as e:
                 raise ConfigError(f"reward.judge.urls: {s.url}/v1/models lists no model ({type(e).__name__}: {e}): is "
                                   f"the URL an OpenAI-compatible server? Set reward.judge.model to the model's name.") from e
@@ -204,12 +204,12 @@ class Judge:
 
         try:
             return dict(zip(self.choices, parallel_map(tokenize, list(self.choices), workers=8)))
+        except (NotJson, KeyError, TypeError, AttributeError):  # an answer that is no vLLM tokenization
+            return None
         except ServerError as e:
             if e.status in NO_TOKENIZE:
                 return None
             raise
-        except (ValueError, KeyError, TypeError, AttributeError):  # an answer that is no vLLM tokenization
-            return None
 
     def pick(self, avoid: int | None) -> int:
         with self.lock:
@@ -267,10 +267,7 @@ class Judge:
                 if e.status in FATAL:
                     raise RewardStop(f"reward `judge`: {e}. Check reward.judge.token_file (or ${JUDGE_TOKEN_ENV}) and "
                                      f"reward.judge.model against the server.") from e
-                error, last = str(e), i
-                continue
-            except ValueError as e:  # json's error: a proxy's page, a server that is not what was meant
-                error, last = f"{self.servers[i].url}{path} answered with no JSON ({e})", i
+                error, last = str(e), i  # unreachable, an error status, an answer cut off or not JSON: retried
                 continue
             finally:
                 with self.lock:
@@ -318,8 +315,9 @@ class Judge:
             warnings.warn(f"reward `judge`: {len(failed)} of {len(unique)} requests failed after "
                           f"{self.jc.retries} retries; their completions are excluded. First: {failed[0][1]}", stacklevel=2)
         if garbage:
-            how = (f"less than reward.judge.min_choice_mass={self.jc.min_choice_mass:g} of the first token's probability "
-                   f"on the choices" if self.jc.score == "logprobs" else
+            how = ((f"less than reward.judge.min_choice_mass={self.jc.min_choice_mass:g} of the first token's probability "
+                    f"on the choices" if self.jc.min_choice_mass > 0 else f"none of the choices among the first token's "
+                    f"reward.judge.top_logprobs={self.jc.top_logprobs}") if self.jc.score == "logprobs" else
                    f"no match of reward.judge.pattern, or matches that disagree: anchor it to the form the template asks "
                    f"for, e.g. 'Score: (\\d+)'")
             warnings.warn(f"reward `judge`: {len(garbage)} of {len(unique)} answers had no score "

@@ -10,11 +10,12 @@
   one-label head through a sigmoid), the number the in-process model returns.
 - The batch is split in equal contiguous shares, one request per server, sent in parallel.
 - A server that fails on its share (down, refusing, slower than `reward.rm.request_timeout_s`, an answer
-  of the wrong shape) leaves that share's scores None, with a warning naming the server and its answer
-  (counted, `rm/failed`): the run goes on, and the other shares keep their scores. A text longer than
-  the server's context (its max_model_len) scores None, with a warning (`rm/too_long`), by the
-  in-process model's check (`within_context`). The call returns when every share has its answer or
-  its request timeout: no reward.timeout_s, and no one-at-a-time retry (grpo/rewards/__init__.py).
+  cut off, not JSON or of the wrong shape) leaves that share's scores None, with a warning naming the
+  server and its answer (counted, `rm/failed`): the run goes on, and the other shares keep their
+  scores. A text longer than the server's context (its max_model_len) scores None, with a warning
+  (`rm/too_long`), by the in-process model's check (`within_context`). The call returns when every
+  share has its answer or its request timeout: no reward.timeout_s, and no one-at-a-time retry
+  (grpo/rewards/__init__.py).
 - At build, every server must answer /health within `reward.rm.health_timeout_s`, then one /classify
   probe: a wrong token (401), a server of a policy (no /classify) or a model with several labels is
   an error then, not None at every step.
@@ -108,7 +109,7 @@ class ServedRewardModel(RewardModel):
             server = self.servers[i]
             try:
                 values = classify(server, [ids[k] for k in fits[i]])
-            except (ServerError, OSError) as e:
+            except ServerError as e:  # whatever the request met (endpoints.Server.request), or an answer of the wrong shape
                 return f"server {server.url} failed on its {len(fits[i])} texts ({e}); they score None"
             for k, v in zip(fits[i], values):
                 out[k] = v

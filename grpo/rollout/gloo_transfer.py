@@ -35,6 +35,18 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], opts).wait()
 
 
+def joined(group):
+    """The weight-transfer group a server's worker joined, or an error saying why it has none: vLLM
+    answers an /update_weights before any /init_weight_transfer_engine (a server restarted under a
+    running trainer) with this message and a 500."""
+    if group is None:
+        raise RuntimeError(f"this server has no {BACKEND} weight-transfer group: no trainer joined it since it started "
+                           "(/init_weight_transfer_engine), or it was released. A server that restarted under a running "
+                           "trainer lost the group and the pushed weights: restart the run, which resumes from its last "
+                           "checkpoint and joins the servers again.")
+    return group
+
+
 def update_info(bucket: list[tuple[str, torch.Tensor]]) -> dict:
     """What a server's /update_weights is told about one bucket: names, dtypes and shapes in order,
     the fields of both `grpo_gloo`'s and vLLM's `nccl` update info."""
@@ -161,6 +173,7 @@ def _engine_classes():
     class GlooWeightTransferEngine(WeightTransferEngine):
         init_info_cls = GlooInitInfo
         update_info_cls = GlooUpdateInfo
+        group = join = None  # until a trainer joins (init_transfer_engine)
 
         def init_transfer_engine(self, init_info) -> None:
             """Join the trainer's group from this worker, on the address this node reaches it from,
@@ -187,12 +200,13 @@ def _engine_classes():
             vllm_reload.repack_cpu_experts(self.model)  # a MoE on a CPU server: its experts back in the kernel's layout
 
         def receive_weights(self, update_info) -> None:
+            group = joined(self.group)
             nbytes = sum(
                 torch.Size(s).numel() * torch.empty((), dtype=getattr(torch, d)).element_size()
                 for d, s in zip(update_info.dtype_names, update_info.shapes)
             )
             flat = torch.empty(nbytes, dtype=torch.uint8)
-            _broadcast(self.group, flat)
+            _broadcast(group, flat)
             weights = unpack(flat, update_info.names, update_info.dtype_names, update_info.shapes)
             self.model.load_weights([(n, t.to(self.device)) for n, t in weights])
 

@@ -79,6 +79,8 @@ def push_from_one_rank(pool: ServerPool | None, buckets: WeightBuckets, version:
             for _ in buckets:
                 pass
         dist.barrier()
+        if own is not None:  # every rank's pool: what the servers hold now (ServerPool.served_version)
+            own.pushed = version
     finally:
         if own is not None:
             own.resume(version)

@@ -261,6 +261,12 @@ class EchoMismatch(ServerError):
     """A server continued other prompt ids than it was sent: a bug to stop at, never one trajectory's bad luck."""
 
 
+class ServerRestarted(ServerError):
+    """A server that holds none of the weights this trainer pushed into it: it restarted (a requeue, a
+    supervisor, an out-of-memory restart) at the same URL and serves its base weights, without the
+    weight-transfer group the trainer joined."""
+
+
 def check_echo(server: Server, prompts: list[list[int]], n: int, choices: list[dict]) -> None:
     """The prompt ids each choice says it continued (vLLM's `return_token_ids` echo) against the ids
     sent: a server that re-tokenized or cut a prompt is an error, never a silent mismatch."""
@@ -294,6 +300,9 @@ class ServerPool:
     weight pushes. Shared by the remote and dedicated backends."""
 
     routes = False  # rollout.routing_replay / routing_observe: each choice's routed experts are read
+    # the last weight version pushed into these servers, by this pool or by the rank that holds them
+    # (push_from_one_rank); None before the first push (`served_version`)
+    pushed: int | None = None
 
     def __init__(self, urls: list[str], token: str | None, health_timeout_s: float, request_timeout_s: float,
                  transfer_host: str | None = None, can_push: bool = True,
@@ -401,10 +410,25 @@ class ServerPool:
         (vLLM reports None or "default" then). A vLLM without weight versions (0.26: no /weight_info)
         cannot be asked: `fallback`, the trainer's own count, stands in (said once at the pool's start),
         so the before/after check of `generate` cannot fire there and `drain` alone keeps pushes
-        between requests."""
+        between requests.
+
+        Once weights were pushed (`pushed`), a server that reports "default" or an older version has
+        restarted and lost them: ServerRestarted, here for every path that reads a version (`generate`
+        before and after each batch, an episode batch's start in grpo/rollout/trajectories.py), and
+        every later request to it is refused (`complete`), so none is sampled from its base weights
+        under the trainer's version. (A partial-rollout batch reads no version: its next push fails on
+        the server's missing transfer group, gloo_transfer.py.)"""
+        if server.lost:
+            raise ServerRestarted(server.lost)
         if not server.vllm.weight_version:
             return fallback
         v = str(server.request("/weight_info").get("weight_version"))
+        if self.pushed is not None and not (v.isdigit() and int(v) >= self.pushed):
+            server.lost = (f"{server.url} reports weight version {v!r}, but this trainer pushed version {self.pushed} "
+                           "into it: the server restarted and lost the pushed weights (and its weight-transfer group), "
+                           "so it would generate from its base weights. Restart the run: it resumes from its last "
+                           "checkpoint, joins the server again and pushes its weights.")
+            raise ServerRestarted(server.lost)
         return int(v) if v.isdigit() else fallback
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling, version: int,
@@ -471,6 +495,8 @@ class ServerPool:
                  timeout: float | None = None) -> list[dict]:
         """One /v1/completions request; its choices in order (prompt by prompt, n each). `timeout`: how long
         its answer may take (`generation_timeout`; default the server's request timeout)."""
+        if server.lost:  # it restarted without the pushed weights (`served_version`)
+            raise ServerRestarted(server.lost)
         if any(vision_of(p) is not None for p in prompts):
             return self.complete_images(server, prompts, n, sampling, seed, timeout)
         body = {"model": server.adapter or server.model, "prompt": prompts, "n": n, "max_tokens": sampling.max_new_tokens,
@@ -538,6 +564,7 @@ class ServerPool:
             versioned = server.vllm.weight_version
             server.request("/finish_weight_update", {"weight_version": str(version)} if versioned else {})
             self.reset_caches(server)  # cached KV (and image features) belong to the old weights
+        self.pushed = version
 
     def load_adapter(self, folder: str, version: int) -> None:
         """LoRA: every server loads the adapter in `folder` (a path it can read: the same machine, or a
@@ -547,7 +574,16 @@ class ServerPool:
 
         def load(server: Server) -> None:
             old = server.adapter  # in place: a name an earlier run left loaded is replaced, not refused
-            server.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder, "load_inplace": True}, text=True)
+            try:
+                server.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder, "load_inplace": True},
+                               text=True)
+            except ServerError as e:
+                if e.status != 404 or "No adapter found" in str(e):  # vLLM's own 404: no adapter in `folder`
+                    raise
+                raise ServerError(f"{server.url} has no /v1/load_lora_adapter (404): the server was started without "
+                                  "--lora-rank, so it serves no adapters. Start it with `python -m grpo.serve ... "
+                                  "--lora-rank R` (R at least model.lora.rank; grpo.launch servers=N and "
+                                  "slurm/train_remote.sbatch pass model.lora.rank).", 404) from e
             server.adapter = name
             if old is not None and old != name:
                 server.request("/v1/unload_lora_adapter", {"lora_name": old}, text=True)

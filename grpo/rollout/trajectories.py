@@ -42,8 +42,8 @@ from grpo.endpoints import parallel_map, split_by_load
 from grpo.errors import ServerError
 from grpo.rollout.base import Rollouts, Sampling
 from grpo.rollout.episodes import EnvCalls, EpisodeRunner, Trajectory, turn_seed
-from grpo.rollout.servers import (MAX_REQUESTS_IN_FLIGHT, DaemonWorker, EchoMismatch, PoolClosed, StickyRoutes,
-                                  generation_timeout)
+from grpo.rollout.servers import (MAX_REQUESTS_IN_FLIGHT, DaemonWorker, EchoMismatch, PoolClosed, ServerRestarted,
+                                  StickyRoutes, generation_timeout)
 
 
 def episode_driver(schedule: str, runner: EpisodeRunner, pool, version: int):
@@ -157,10 +157,13 @@ class TrajectoryDriver:
 
     def served_versions(self, used: list[int]) -> dict[int, int]:
         """Server index -> the weight version it holds, for the servers that answer (one that does not
-        fails its trajectories' requests, each ending as "error")."""
+        fails its trajectories' requests, each ending as "error"). A server that restarted and lost the
+        pushed weights stops the batch (ServerRestarted: the run must join it again), as `generate` does."""
         def ask(i):
             try:
                 return self.pool.served_version(self.pool.servers[i], self.version)
+            except ServerRestarted:
+                raise
             except ServerError:
                 return None
 

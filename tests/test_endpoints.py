@@ -1,0 +1,90 @@
+"""grpo/endpoints.py against plain HTTP servers on loopback: whatever a request meets is a ServerError
+naming the URL and the path, so every caller's `except ServerError` (a served reward model's share, a
+judge's retry, a trajectory's request) sees it; a served reward model's share cut off scores None."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import warnings
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from grpo.endpoints import NotJson, Server, wait_until
+from grpo.errors import ServerError
+from grpo.rewards.served_rm import ServedRewardModel
+from grpo.tiny.text import build_char_tokenizer
+
+
+class Answers(BaseHTTPRequestHandler):
+    """Answers every request 200 with `body`; `declared`: the Content-Length sent (more than the body:
+    the connection closes early, http.client's IncompleteRead)."""
+
+    body, declared = b"", None
+
+    def do_GET(self):
+        self.answer()
+
+    def do_POST(self):
+        asked = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.body == b"scores":  # a reward model: one score per input
+            body = json.dumps({"data": [{"index": i, "probs": [0.5]} for i in range(len(asked["input"]))]}).encode()
+            self.body, self.declared = body, len(body)
+        self.answer()
+
+    def answer(self):
+        self.send_response(200)
+        self.send_header("Content-Length", str(self.declared if self.declared is not None else len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+        self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def serve():
+    """serve(body, declared=None) -> the URL of a server answering so."""
+    started = []
+
+    def start(body: bytes, declared: int | None = None) -> str:
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), type("H", (Answers,), {"body": body, "declared": declared}))
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        started.append(httpd)
+        return f"http://127.0.0.1:{httpd.server_port}"
+
+    yield start
+    for httpd in started:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_an_answer_cut_off_or_not_json_is_a_server_error_naming_the_url_and_path(serve):
+    """Before, http.client's IncompleteRead and json's JSONDecodeError passed through Server.request:
+    neither a ServerError nor an OSError."""
+    cut = serve(b'{"data": [{"index": 0, "pro', declared=400)
+    with pytest.raises(ServerError, match=re.escape(f"{cut}/classify broke off its answer") + ".*IncompleteRead"):
+        Server(cut, None, 5).request("/classify", {"input": [[1, 2]]})
+    html = serve(b"<html>gateway</html>")
+    with pytest.raises(NotJson, match=re.escape(f"{html}/classify answered with no JSON") + ".*gateway"):
+        Server(html, None, 5).request("/classify", {"input": [[1, 2]]})
+    assert Server(html, None, 5).request("/classify", {"input": []}, text=True) == "<html>gateway</html>"
+    # a health wait: a server that answers, but not JSON, will not answer JSON later: at once, not after the timeout
+    with pytest.raises(NotJson, match="answered with no JSON"):
+        wait_until(lambda: Server(html, None, 5).request("/v1/models"), timeout_s=60, poll_s=30, log=None)
+
+
+def test_a_served_reward_model_share_cut_off_or_not_json_scores_none_the_others_kept(serve):
+    """One server fine, the other's answer cut off (or not JSON): its share scores None with a warning,
+    counted as failed; before, the batch's whole scoring raised."""
+    good = serve(b"scores")
+    for bad in (serve(b'{"data": [{"index": 0, "pro', declared=400), serve(b"<html>gateway</html>")):
+        rm = ServedRewardModel([Server(good, None, 5), Server(bad, None, 5)], build_char_tokenizer())
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert rm.scores(["1+1=2", "2+2=4", "3+3=6", "4+4=8"]) == [0.5, 0.5, None, None]
+        assert rm.stats["failed"] == 2
+        assert any(f"server {bad} failed on its 2 texts" in str(w.message) for w in seen), [str(w.message) for w in seen]

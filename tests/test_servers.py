@@ -1,0 +1,121 @@
+"""grpo/rollout/servers.py against fake servers: a server that restarted under the trainer (its pushed
+weights and transfer group gone) is an error naming it, on every path that reads its version, never a
+batch sampled from its base weights under the trainer's version; the server's side of the same event
+(grpo/rollout/gloo_transfer.py: a push with no transfer group) says so too."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpo.endpoints import Server
+from grpo.errors import ServerError
+from grpo.rollout import gloo_transfer
+from grpo.rollout.base import Sampling
+from grpo.rollout.push import push_from_one_rank
+from grpo.rollout.servers import DaemonWorker, ServerPool, ServerRestarted
+from grpo.rollout.vllm_api import vllm_api
+
+BUCKET = [("w", torch.zeros(2))]
+
+
+class Restartable(Server):
+    """A vLLM 0.32 server answering at once: /weight_info says `version` (what the test sets: "default"
+    after a restart, as vLLM says before any push), each completion is token 5."""
+
+    def __init__(self, url: str):
+        super().__init__(url, None, 5.0)
+        self.vllm, self.version, self.generated = vllm_api("0.32.0"), "default", 0
+
+    def request(self, path, body=None, timeout=None, text=False):
+        if path == "/weight_info":
+            return {"weight_version": self.version}
+        if path == "/finish_weight_update":
+            self.version = body["weight_version"]
+        if path == "/v1/completions":
+            self.generated += 1
+            return {"choices": [{"index": k, "token_ids": [5], "logprobs": {"token_logprobs": [-0.1]},
+                                 "finish_reason": "length", "prompt_token_ids": body["prompt"][k // body["n"]]}
+                                for k in range(len(body["prompt"]) * body["n"])]}
+        return {}
+
+
+class NoBytes:
+    """A transfer sender whose bytes go nowhere (the routes are what is tested)."""
+
+    prepare = update_info = staticmethod(lambda bucket: {})
+    send = abort = close = staticmethod(lambda *_: None)
+
+
+def pool_of(*servers: Server) -> ServerPool:
+    pool = ServerPool.__new__(ServerPool)  # no health checks, no rendezvous
+    pool.servers, pool.clients, pool.idle_since, pool.gate, pool.sent_images = list(servers), 1, None, None, False
+    pool.generator, pool.stopped, pool.senders = DaemonWorker("test-generate"), threading.Event(), [NoBytes()] * len(servers)
+    return pool
+
+
+def test_a_restarted_server_is_an_error_naming_it_not_its_base_weights_under_the_trainers_version():
+    """The restarted server says "default" (or an older version than pushed). Before, `served_version`
+    read "default" as the trainer's own version, the before/after check passed, and the batch came from
+    the base weights labelled as version 1. Before any push, "default" is what every server says."""
+    server = Restartable("http://127.0.0.1:1")
+    pool = pool_of(server)
+    greedy = Sampling(max_new_tokens=1, temperature=0.0)
+    assert pool.generate([[1, 2]], 1, greedy, version=0).weight_version == 0  # no push yet: "default" is fine
+    pool.push([BUCKET], version=1)
+    assert pool.generate([[1, 2]], 1, greedy, version=1).weight_version == 1
+    for restarted in ("default", "0"):  # vLLM's own word after a restart; a version below the last push
+        server.version, server.lost = restarted, None
+        with pytest.raises(ServerRestarted, match=r"http://127\.0\.0\.1:1 reports weight version .* pushed version 1 "
+                                                  r"into it: the server restarted.*Restart the run.*resumes from"):
+            pool.generate([[1, 2]], 1, greedy, version=1)
+    generated = server.generated
+    # an episode batch reads versions but goes on without a server whose version it cannot read
+    # (grpo/rollout/trajectories.py): its requests are refused from then on, none reaches the server
+    with pytest.raises(ServerRestarted, match="restarted"):
+        pool.complete(server, [[1, 2]], 1, greedy, None)
+    assert server.generated == generated
+    pool.close()
+
+
+def test_every_ranks_pool_knows_the_push_another_rank_made():
+    """rollout=remote: rank 0 pushes; the other ranks' pools learn the version through
+    push_from_one_rank, so their batches detect a restarted server too."""
+    server = Restartable("http://127.0.0.1:2")
+    pool = pool_of(server)
+    push_from_one_rank(None, [BUCKET], 3, own=pool)  # this rank holds no pusher: the buckets are walked
+    assert pool.pushed == 3
+    with pytest.raises(ServerRestarted, match="pushed version 3"):
+        pool.served_version(server, fallback=3)
+    pool.close()
+
+
+def test_a_server_with_no_transfer_group_says_it_restarted_not_a_missing_attribute():
+    """A server restarted under a running trainer answers its next /update_weights with a 500; its words
+    were "'GlooWeightTransferEngine' object has no attribute 'group'"."""
+    engine_cls = gloo_transfer._engine_classes()
+    engine = engine_cls.__new__(engine_cls)  # as vLLM builds it, before any /init_weight_transfer_engine
+    info = SimpleNamespace(names=["w"], dtype_names=["float32"], shapes=[[2]])
+    with pytest.raises(RuntimeError, match="no grpo_gloo weight-transfer group.*restarted.*restart the run"):
+        engine.receive_weights(info)
+
+
+class NoLora(Restartable):
+    """A server started without --lora-rank: vLLM mounts no adapter routes, FastAPI answers 404."""
+
+    def request(self, path, body=None, timeout=None, text=False):
+        if path == "/v1/load_lora_adapter":
+            raise ServerError(f'{self.url}{path} answered 404: {{"detail":"Not Found"}}', 404)
+        return super().request(path, body, timeout, text)
+
+
+def test_an_adapter_sync_to_a_server_without_lora_says_to_start_it_with_lora_rank():
+    """Before, the first LoRA sync failed on the bare 404 of a route the server never mounted."""
+    pool = pool_of(NoLora("http://127.0.0.1:3"))
+    with pytest.raises(ServerError, match=r"http://127\.0\.0\.1:3 has no /v1/load_lora_adapter \(404\): the server was "
+                                          r"started without --lora-rank.*--lora-rank R"):
+        pool.load_adapter("/run/adapters/v1", version=1)
+    pool.close()
