@@ -52,7 +52,6 @@ import time
 import warnings
 import zlib
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 import hydra
@@ -82,6 +81,7 @@ from grpo.parallel import build_strategy, strategy_class
 from grpo.preempt import StopSignal, stop
 from grpo.rewards import build_rewards, score
 from grpo.rollout import build_rollout, sampling_from
+from grpo.rollout.base import finished_at
 from grpo.rollout.push import nccl_peers
 from grpo.tasks import TrainSampler, build_task
 from grpo.tiny.folders import resolve_on_node
@@ -156,27 +156,8 @@ class InFlight:
     samples: list  # this rank's P prompts (with what the reward needs)
     prompt_ids: list[list[int]]
     sampler_state: dict  # the sampler before this batch was drawn: what a checkpoint before `step` saves
-    rollouts: Future  # .result(): (the Rollouts, the time.perf_counter() they were done: `finished_at`)
+    rollouts: object  # .result(): (the Rollouts, the time.perf_counter() they were done): grpo.rollout.base.finished_at
     submitted_at: float  # time.perf_counter() when it was handed over
-
-
-def finished_at(future: Future) -> Future:
-    """`future` as a Future of (its result, the time.perf_counter() it completed): when the engines were
-    done, not when the trainer came to wait (with algo.max_staleness a batch is done steps earlier). The
-    time is taken before the result is handed on, so a waiter always finds it."""
-    out: Future = Future()
-
-    def done(f: Future) -> None:
-        t = time.perf_counter()
-        if f.cancelled():
-            out.cancel()
-        elif f.exception() is not None:
-            out.set_exception(f.exception())
-        else:
-            out.set_result((f.result(), t))
-
-    future.add_done_callback(done)
-    return out
 
 
 def seed_everything(seed: int) -> None:

@@ -411,10 +411,15 @@ FAKE_SLURM = {  # the SLURM commands train_remote.sbatch calls (tests/fake_slurm
     "squeue": "pass",
     "scancel": "pass",
     "srun": """
-with open(os.environ["FAKE_CALLS"], "a") as f:
-    f.write(json.dumps(sys.argv[1:]) + "\\n")
-with open(os.environ["FAKE_CALLS"] + ".tokens", "a") as f:  # the tokens each step was handed
-    f.write(json.dumps({"serve": os.environ.get("GRPO_SERVE_TOKEN"), "judge": os.environ.get("GRPO_JUDGE_TOKEN")}) + "\\n")
+import fcntl
+# the servers' and the judges' sruns run at once (in the background): a step's two lines are written under
+# one lock, or another step's may come between them and the files' lines no longer pair
+with open(os.environ["FAKE_CALLS"] + ".lock", "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    with open(os.environ["FAKE_CALLS"], "a") as f:
+        f.write(json.dumps(sys.argv[1:]) + "\\n")
+    with open(os.environ["FAKE_CALLS"] + ".tokens", "a") as f:  # the tokens each step was handed
+        f.write(json.dumps({"serve": os.environ.get("GRPO_SERVE_TOKEN"), "judge": os.environ.get("GRPO_JUDGE_TOKEN")}) + "\\n")
 args = sys.argv[1:]
 if any("socket.socket()" in a for a in args):  # the free port on the first trainer node
     print(29512)

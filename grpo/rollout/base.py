@@ -7,6 +7,7 @@ prompt p sits at index p * n + k.
 
 from __future__ import annotations
 
+import time
 import warnings
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
@@ -91,6 +92,40 @@ class Rollouts:
     def metrics(self) -> dict[str, float]:
         """This kind of rollout's own statistics for the step's log (none here)."""
         return {}
+
+
+def finished_at(handle):
+    """What `RolloutBackend.submit` returned, as something whose `.result()` gives (the Rollouts, the
+    time.perf_counter() the engines were done with them): the time they finished, not when the trainer
+    came to wait (with algo.max_staleness a batch is done steps earlier). A Future's time is taken in its
+    done-callback before the result is handed on, so a waiter always finds it. Another handle (dedicated's
+    `NodeShare`, whose `.result()` is a collective and so stays in the caller's thread) gives its own
+    `done_at` after its result, else the moment the result came. perf_counter is the system's monotonic
+    clock on Linux: one clock for the processes of a node."""
+    if not isinstance(handle, Future):
+        return _Finished(handle)
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        t = time.perf_counter()
+        if f.cancelled():
+            out.cancel()
+        elif f.exception() is not None:
+            out.set_exception(f.exception())
+        else:
+            out.set_result((f.result(), t))
+
+    handle.add_done_callback(done)
+    return out
+
+
+@dataclass
+class _Finished:
+    handle: object  # anything with .result()
+
+    def result(self) -> tuple:
+        rollouts = self.handle.result()
+        return rollouts, getattr(self.handle, "done_at", None) or time.perf_counter()
 
 
 class RolloutBackend(ABC):

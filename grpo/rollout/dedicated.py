@@ -37,7 +37,7 @@ from grpo.rollout.engine_memory import check_vllm, engine_context, model_config_
 
 from grpo import dist, listeners, lora
 from grpo.moe import routing, served_routes
-from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, finished_at
 from grpo.weights import WeightBuckets
 from grpo.rollout.trajectories import episode_driver
 from grpo.rollout.push import TRANSFERS, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
@@ -258,19 +258,23 @@ class NodeShare:
     rank its own completions (each rank calls it, in the order the batches were submitted)."""
 
     def __init__(self, backend: "DedicatedBackend", future: Future | None, counts: list[int] | None, n: int):
-        self.backend, self.future, self.counts, self.n = backend, future, counts, n
+        # the main's: (the node's Rollouts, when its engines finished them: grpo.rollout.base.finished_at)
+        self.future = finished_at(future) if future is not None else None
+        self.backend, self.counts, self.n = backend, counts, n
+        self.done_at = None  # the engines' finish, as the main saw it (one monotonic clock for the node)
 
     def result(self) -> Rollouts:
         parts = None
         if self.future is not None:
-            out, parts, start = self.future.result(), [], 0
+            (out, done_at), parts, start = self.future.result(), [], 0
             for count in self.counts:
                 end = start + count * self.n
-                parts.append(out.slice(start, end))
+                parts.append((out.slice(start, end), done_at))
                 start = end
         mine = [None]
         tdist.scatter_object_list(mine, parts, src=self.backend.main, group=self.backend.group)
-        return mine[0]
+        share, self.done_at = mine[0]
+        return share
 
 
 class DedicatedBackend(RolloutBackend):
