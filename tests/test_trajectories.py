@@ -208,6 +208,7 @@ class HeldPool:
     def __init__(self, tok, held: dict | None = None):
         self.servers = [SimpleNamespace(url="fake", speed=1.0, timeout_s=60.0, batches=0)]
         self.clients, self.gate, self.idle_since, self.stopped = 1, TurnGate(0), None, threading.Event()
+        self.episode_batches = 0  # as ServerPool's
         self.tok, self.held, self.entered = tok, held or {}, set()
 
     def complete(self, server, prompts, n, sampling, seed, timeout):

@@ -303,6 +303,7 @@ class ServerPool:
     # the last weight version pushed into these servers, by this pool or by the rank that holds them
     # (push_from_one_rank); None before the first push (`served_version`)
     pushed: int | None = None
+    episode_batches = 0  # the trajectory driver's batches in flight (grpo/rollout/trajectories.py batch_started)
 
     def __init__(self, urls: list[str], token: str | None, health_timeout_s: float, request_timeout_s: float,
                  transfer_host: str | None = None, can_push: bool = True,

@@ -35,7 +35,6 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-import weakref
 from typing import Optional
 
 from grpo.endpoints import parallel_map, split_by_load
@@ -56,32 +55,24 @@ def episode_driver(schedule: str, runner: EpisodeRunner, pool, version: int):
     return lambda prompt_ids, samples, n, sampling: TrajectoryDriver(runner, pool, version).run(prompt_ids, samples, n, sampling)
 
 
-class Overlaps:
-    """When a pool's engines stood idle (`time/engine_wait_s`). With partial rollouts a pool's episode
-    batches overlap (each on a thread of its own, `in_thread`), so the engines are idle only while none
-    is in flight: a batch that starts while another runs waited 0 s, and the pool's `idle_since` is set
-    when the last one in flight ends, not when each does. Per pool, since this driver's batches are the
-    ones that overlap; the pool's own (`ServerPool.generate`) take turns on its generator thread."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.running: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool -> its batches in flight
-
-    def start(self, pool) -> float:
-        """A batch starts on `pool`: the seconds its engines stood idle before it."""
-        with self.lock:
-            others = self.running.get(pool, 0)
-            self.running[pool] = others + 1
-            return 0.0 if others or pool.idle_since is None else time.perf_counter() - pool.idle_since
-
-    def end(self, pool) -> None:
-        with self.lock:
-            self.running[pool] -= 1
-            if self.running[pool] == 0:
-                pool.idle_since = time.perf_counter()
+OVERLAP_LOCK = threading.Lock()  # guards every pool's `episode_batches` (the drivers' threads)
 
 
-OVERLAPS = Overlaps()  # the process's: every pool's batches in flight
+def batch_started(pool) -> float:
+    """An episode batch starts on `pool`: the seconds its engines stood idle before it (`time/engine_wait_s`).
+    With partial rollouts a pool's episode batches overlap (each on a thread of its own, `in_thread`), so
+    the engines are idle only while none is in flight: a batch that starts while another runs waited 0 s,
+    and `idle_since` is set when the last one in flight ends (`batch_ended`), not when each does."""
+    with OVERLAP_LOCK:
+        others, pool.episode_batches = pool.episode_batches, pool.episode_batches + 1
+        return 0.0 if others or pool.idle_since is None else time.perf_counter() - pool.idle_since
+
+
+def batch_ended(pool) -> None:
+    with OVERLAP_LOCK:
+        pool.episode_batches -= 1
+        if pool.episode_batches == 0:
+            pool.idle_since = time.perf_counter()
 
 
 class Stop(Exception):
@@ -123,7 +114,7 @@ class TrajectoryDriver:
         threads = min(len(trajectories), MAX_REQUESTS_IN_FLIGHT * len(servers) + max(1, self.runner.max_concurrency))
         self.workers = DaemonWorker("grpo-trajectory", max(1, threads))
         self.pending, self.done = 0, threading.Condition()
-        self.wait_s = OVERLAPS.start(pool)
+        self.wait_s = batch_started(pool)
         try:
             for p in range(len(prompt_ids)):
                 self.spawn(self.group, trajectories[p * n:(p + 1) * n], p, n, sampling)
@@ -131,7 +122,7 @@ class TrajectoryDriver:
                 self.done.wait_for(lambda: self.pending == 0)
         finally:
             self.workers.shutdown()
-            OVERLAPS.end(pool)
+            batch_ended(pool)
         if self.errors:
             raise self.errors[0]
         elapsed = max(time.perf_counter() - t_start, 1e-6)
