@@ -202,14 +202,16 @@ def test_an_env_that_hangs_or_raises_ends_its_episode_as_error_within_its_timeou
 
 class WrongTypes(GuessEnv):
     """The guess game answering by secret: 1 an int observation, 2 a dict, 3 None (allowed: nothing
-    shown), 4 a bare string instead of a Step; 5 opens its episode with an int at reset."""
+    shown), 4 a bare string instead of a Step; 5 opens its episode with an int at reset; 7 a reward
+    that is text, 8 an info that is None; 9 a 0-d tensor reward (allowed: a number)."""
 
     def reset(self, sample, seed):
         text = super().reset(sample, seed)
         return 7 if self.secret == 5 else text
 
     def step(self, action):
-        bad = {1: Step(42, 0.0, False), 2: Step({"board": "<"}, 0.0, False), 3: Step(None, 0.0, False), 4: "<"}
+        bad = {1: Step(42, 0.0, False), 2: Step({"board": "<"}, 0.0, False), 3: Step(None, 0.0, False), 4: "<",
+               7: Step("<", "miss", False), 8: Step("<", 0.0, False, None), 9: Step("<", torch.tensor(0.25), False)}
         return bad.get(self.secret) or super().step(action)
 
 
@@ -222,12 +224,15 @@ def test_an_env_answering_with_a_non_string_ends_its_episode_as_a_counted_error_
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = runner(tok, make_env=WrongTypes, max_turns=2).run(Scripted(tok, binary_search_policy(tok)),
-                                                                prompts_of(tok, GUESS[:6]), GUESS[:6], 1, Sampling(3))
-    assert [e.finish for e in out.episodes] == ["error", "error", "turns", "error", "error", "turns"]
-    assert all(out.episodes[i].env_reward is None for i in (0, 1, 3, 4))
+                                                                prompts_of(tok, GUESS[:9]), GUESS[:9], 1, Sampling(3))
+    assert [e.finish for e in out.episodes] == ["error", "error", "turns", "error", "error", "turns",
+                                                "error", "error", "turns"]
+    assert all(out.episodes[i].env_reward is None for i in (0, 1, 3, 4, 6, 7))
     assert "int" in out.episodes[0].error and "dict" in out.episodes[1].error and "str" in out.episodes[3].error
+    assert "Step.reward=a str ('miss')" in out.episodes[6].error and "Step.info=a NoneType" in out.episodes[7].error
+    assert out.episodes[8].env_reward == 0.5  # two 0-d tensor rewards of 0.25
     messages = [str(w.message) for w in caught if "'test-env'" in str(w.message)]
-    assert len(messages) == 4 and all("str or None" in m or "a Step" in m for m in messages), messages
+    assert len(messages) == 6 and all("str or None" in m or "a Step" in m or "must be a" in m for m in messages), messages
     assert "reset failed" in messages[0] and "int" in messages[0]  # the resets come before any turn
 
 
@@ -245,6 +250,45 @@ def test_lockstep_keeps_calling_generate_while_another_rank_is_active(tiny_lm):
     assert [len(r[0]) for r in gen.requests[1:]] == [1, 1, 1]  # throwaway requests: one prompt each,
     assert [r[2] for r in gen.requests] == [3, 3, 3, 3]  # with the others' sampling (one engine schedule under TP)
     assert [e.turns for e in out.episodes] == [1, 1]
+
+
+def test_a_rank_with_no_prompts_joins_the_others_turns(tiny_lm):
+    """Evaluation gives ranks task.eval[rank::world]: with fewer prompts than ranks one has none, while
+    another plays its episodes on. The empty rank joins each of their turns with an empty request
+    (hf's synced generate turns [] into its dummy forward), never an IndexError on prompt_ids[0]."""
+    _, tok = tiny_lm
+    gen, calls = Scripted(tok, lambda p: "8"), []
+
+    def lockstep(value):  # the other rank: active at turns 1-3 (call 2 is turn 1's request shape: shared)
+        calls.append(value)
+        return len(calls) != 2 and len(calls) <= 4
+
+    out = runner(tok).run(gen, [], [], 1, Sampling(3), lockstep)
+    assert out.completion_ids == [] and calls == [0, 0, 0, 0, 0]
+    assert [r[0] for r in gen.requests] == [[], [], []]  # turn 1's generate(prompts, n), then two throwaways
+
+
+def test_an_opening_observation_under_chat_rendering_is_refused(smollm2_tokenizer):
+    """The prompt ends with the chat template's generation prompt (an open assistant turn); an opening
+    observation rendered after it as a user message makes a conversation no template renders, on
+    which the policy would be sampled and trained. It is a ConfigError naming what to change."""
+    tok = smollm2_tokenizer
+
+    class Opening(RetryEnv):
+        def reset(self, sample, seed):
+            super().reset(sample, seed)
+            return "The board: X.O"
+
+    sample = Sample("Play tic-tac-toe.", "x")
+    prompt = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    run = runner(tok, make_env=lambda: Opening(lambda a, s: True), max_turns=2, max_new=10, obs=64,
+                 render=ChatRender(tok))
+    with pytest.raises(ConfigError, match=r"env.render=chat: environment 'test-env' opened the episode .*env.render=raw"):
+        run.run(Scripted(tok, lambda p: "B2"), [prompt], [sample], 1, Sampling(10))
+    out = runner(tok, make_env=lambda: Opening(lambda a, s: True), max_turns=2, max_new=10, obs=64).run(
+        Scripted(tok, lambda p: "B2"), [prompt], [sample], 1, Sampling(10))  # raw: the text as it is
+    assert tok.decode(out.completion_ids[0]).startswith("The board: X.O")
 
 
 def test_the_turn_one_request_shape_is_collective(tiny_lm):
@@ -483,6 +527,11 @@ def test_env_config_is_checked(make_cfg):
     validate(make_cfg("experiment=guess_tiny", "+env.kwargs.high=9"))
     with pytest.raises(ConfigError, match="env.kwargs=.* with env=none"):
         validate(make_cfg("+env.kwargs.high=9"))
+    with pytest.raises(ConfigError, match=r"env.kwargs=\{'mesage': ' no: '\} do not fit env.name='retry'"):
+        validate(make_cfg("task=arithmetic", "env=guess", "env.name=retry", "+env.kwargs.mesage=' no: '"))
+    validate(make_cfg("task=arithmetic", "env=guess", "env.name=retry", "+env.kwargs.message=' no: '"))
+    with pytest.raises(ConfigError, match=r"do not fit env.name='openenv'.*base_ur"):
+        validate(make_cfg("task=guess", "env=guess", "env.name=openenv", "+env.kwargs.base_ur=http://x"))
 
 
 class BreaksOnOdd(GuessEnv):

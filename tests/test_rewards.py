@@ -174,6 +174,20 @@ def test_every_registered_reward_takes_the_trainer_call_and_tells_right_from_wro
         assert values[0] > values[1], (name, values)
 
 
+def test_env_reward_scores_an_unfinished_episode_the_environment_never_rewarded_as_0():
+    """reward=env alone: a first turn cut at max_new_tokens (or the token budget, or the turn cap)
+    never reached the environment, so no step rewarded it. It is a failure like a cut after a miss
+    (0.0), not an abstention, which `combine_rewards` turns into NaN and the batch excludes (a policy
+    rambling past its first turn would never be penalised). A finished episode without a step reward
+    still abstains; an error's None is the trainer's to withhold."""
+    env_rewards = [None, None, None, 0.5, None, -0.1]
+    finishes = ["length", "turns", "stop", "length", "error", "turns"]
+    values = REWARDS["env"](["x"] * 6, [None] * 6, env_rewards=env_rewards, finish_reasons=finishes)
+    assert values == [0.0, 0.0, None, 0.5, None, -0.1]
+    rewards_B = combine_rewards([values], [1.0])
+    assert rewards_B[:2].tolist() == [0.0, 0.0] and rewards_B[2:3].isnan().all()
+
+
 @pytest.mark.parametrize(
     "completion, answer, value",
     [

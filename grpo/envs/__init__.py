@@ -11,24 +11,22 @@ from typing import Callable
 
 from grpo.envs.base import Env, Step, TextEnv
 from grpo.envs.guess import GuessEnv
+from grpo.envs.openenv import OpenEnvAdapter
 from grpo.envs.retry import RetryEnv
 from grpo.envs.tools import CalcEnv, ToolEnv, calculator
 from grpo.errors import ConfigError
 
 
-def openenv_adapter(**kwargs) -> Env:
-    """env=openenv: an OpenEnv server's environment (grpo/envs/openenv.py), imported here on first use so
-    that importing grpo.envs never imports openenv-core (the optional extra `grpo[openenv]`)."""
-    from grpo.envs.openenv import OpenEnvAdapter  # openenv: optional; importing grpo.envs loads no openenv-core
-
-    return OpenEnvAdapter(**kwargs)
+def retry_env(task, message: str = " wrong, try again: ") -> Env:
+    """env=retry: the task's own answer check (`task.is_correct`), another turn after a wrong answer."""
+    return RetryEnv(task.is_correct, message)
 
 
 ENVS: dict[str, Callable] = {
     "guess": GuessEnv,
     "calc": CalcEnv,
-    "retry": lambda task, **kw: RetryEnv(task.is_correct, **kw),
-    "openenv": openenv_adapter,
+    "retry": retry_env,
+    "openenv": OpenEnvAdapter,  # imports openenv-core only when an environment is built
 }
 
 

@@ -266,7 +266,7 @@ class EpisodeRunner:
             if error:
                 self.fail(t, error, "reset")
             elif text:
-                self.observe(t, text, after_eos=False)
+                self.open(t, text)
             first.append(bool(text))
         shared = not any(first)  # no opening observation: turn 1 is generate(prompts, n), as without an environment
         turn, wait_s, version = 0, 0.0, None
@@ -289,8 +289,9 @@ class EpisodeRunner:
                 keys = {"keys": [t.index for t in active]} if getattr(generate, "takes_keys", False) else {}
                 out = generate([t.prompt_ids + t.span for t in active], 1, seeded, **keys)
             else:  # a collective this rank must join with nothing to do: one throwaway request, with the
-                # same sampling as the others' (tensor-parallel ranks run one engine schedule together)
-                generate([prompt_ids[0]], 1, seeded)
+                # same sampling as the others' (tensor-parallel ranks run one engine schedule together); a
+                # rank with no prompts (evaluation: fewer prompts than ranks) sends [], which hf joins with
+                generate(prompt_ids[:1], 1, seeded)
                 continue
             version = out.weight_version if version is None else version
             if out.weight_version != version:
@@ -392,8 +393,12 @@ class EpisodeRunner:
             ids = ep.last_turn_ids
             self.observe(t, step.observation or "", after_eos=bool(ids) and ids[-1] in self.stop_ids)
 
-    def observe(self, t: Trajectory, text: str, after_eos: bool) -> None:
-        ids = self.render(text, after_eos)
+    def open(self, t: Trajectory, text: str) -> None:
+        """The opening observation `reset` returned, before turn 1."""
+        self.observe(t, text, ids=self.render.opening(text, self.env_name))
+
+    def observe(self, t: Trajectory, text: str, after_eos: bool = False, ids: Optional[list[int]] = None) -> None:
+        ids = self.render(text, after_eos) if ids is None else ids
         limit = self.budget.max_observation_tokens
         if len(ids) > limit:
             ids = cut_middle(ids, limit, self.render.marker)
@@ -423,6 +428,17 @@ def describe(value) -> str:
     return f"a {type(value).__name__} ({str(value)[:40]!r})"
 
 
+def is_number(value) -> bool:
+    """A reward `float()` takes as a number (int, float, numpy or 0-d torch scalars), not text or a bool."""
+    if isinstance(value, (str, bytes, bool)):
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def step_error(step) -> Optional[str]:
     """What is wrong with what an environment's step returned, None if nothing: an observation that is
     not text would otherwise fail deep in the tokenizer and end the run, not the episode."""
@@ -430,6 +446,10 @@ def step_error(step) -> Optional[str]:
         return f"step returned {describe(step)}, not a Step(observation=str | None, reward, done, info)"
     if not isinstance(step.observation, (str, type(None))):
         return f"step returned Step.observation={describe(step.observation)}; it must be a str or None"
+    if step.reward is not None and not is_number(step.reward):
+        return f"step returned Step.reward={describe(step.reward)}; it must be a number or None"
+    if not isinstance(step.info, dict):
+        return f"step returned Step.info={describe(step.info)}; it must be a dict"
     return None
 
 

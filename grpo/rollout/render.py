@@ -12,6 +12,8 @@
   assistant turn that is no longer the last) is an error, not a silent fallback: the trainer must see
   what the sampler saw. It is found at setup by rendering a probe observation (a ConfigError); one
   that rewrites earlier turns only for some observation texts is a ValueError at that observation.
+  An opening observation (`reset`'s text, before turn 1) is refused (a ConfigError): the prompt ends with
+  the generation prompt, and a message after it renders no conversation the template would.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ class RawRender:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def __call__(self, text: str, after_eos: bool) -> list[int]:
+        return self.encode(text)
+
+    def opening(self, text: str, env_name: str) -> list[int]:
+        """An observation `reset` returned, shown after the prompt before turn 1."""
         return self.encode(text)
 
 
@@ -86,6 +92,15 @@ class ChatRender(RawRender):
         return ok, (f"2 turns and 2 observations joined as tokens decode to the template's rendering ({len(ids)} tokens)"
                     if ok else f"joined tokens and the template's rendering part at character {at}: "
                                f"{joined[at:at + 40]!r} against {whole[at:at + 40]!r}")
+
+    def opening(self, text: str, env_name: str) -> list[int]:
+        """Refused: the prompt already ends with the template's generation prompt (an open assistant
+        turn), so a user message after it is a conversation no chat template renders, and the policy
+        would be sampled and trained on it."""
+        raise ConfigError(f"env.render=chat: environment {env_name!r} opened the episode with an observation "
+                          f"({text[:40]!r}...), but the prompt already ends with the chat template's generation prompt, "
+                          f"so it cannot follow as a {self.role} message. Put the opening in the task's prompt (reset "
+                          f"returning None), or use env.render=raw.")
 
     def __call__(self, text: str, after_eos: bool) -> list[int]:
         base, full = self.render(text)

@@ -189,7 +189,7 @@ class TrajectoryDriver:
                 if error:
                     r.fail(t, error, "reset")
                 elif text:
-                    r.observe(t, text, after_eos=False)
+                    r.open(t, text)
                 opened |= bool(text) or bool(error)
         if not opened and all(r.room(t) for t in group):
             turn = self.request(self.server_of[p], [group[0].prompt_ids], n, sampling.seed if sampling.seed is None
