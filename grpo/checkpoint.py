@@ -117,12 +117,13 @@ def latest_checkpoint(run_dir: str) -> str | None:
     return os.path.join(root, complete[-1]) if complete else None
 
 
-RUN_RECORDS = ("checkpoints", "metrics.jsonl", "summary.json", "wandb_id", "config.yaml")  # what a run leaves that a fresh start must not reuse
+# what a run leaves that a fresh start must not reuse (an earlier run's export must not stand as this one's)
+RUN_RECORDS = ("checkpoints", "metrics.jsonl", "summary.json", "wandb_id", "config.yaml", "model", "adapter")
 
 
 def set_aside_checkpoints(run_dir: str) -> str | None:
     """`resume=false` in a folder an earlier run used: its checkpoints, `metrics.jsonl`, `summary.json`,
-    wandb run id and `config.yaml` move together into `replaced-<time>-<n>/`, kept but where a resume won't look, so
+    wandb run id, `config.yaml` and exported `model/` and `adapter/` move together into `replaced-<time>-<n>/`, kept but where a resume won't look, so
     the new run neither resumes from them nor truncates or appends to the earlier run's metrics."""
     present = [name for name in RUN_RECORDS if os.path.exists(os.path.join(run_dir, name))]
     if not present:

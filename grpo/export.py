@@ -10,6 +10,7 @@ model under the final name.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 
@@ -18,9 +19,24 @@ import torch
 from grpo import dist, lora
 
 
+EXPORTED = "grpo_export.json"  # in an exported folder: the training step its weights are
+
+
+def exported_step(folder: str) -> int | None:
+    """The step an export in `folder` holds (its `EXPORTED` record), None where there is none: a folder
+    exported before the record existed, by another run, or not at all."""
+    try:
+        with open(os.path.join(folder, EXPORTED)) as f:
+            return json.load(f)["step"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def export_hf(strategy, tokenizer, folder: str, bucket_bytes: int = 256 * 2**20,
-              adapter_folder: str | None = None) -> str | None:
-    """Write the policy to `folder` (rank 0); returns the folder on rank 0, None elsewhere."""
+              adapter_folder: str | None = None, step: int | None = None) -> str | None:
+    """Write the policy to `folder` (rank 0); returns the folder on rank 0, None elsewhere. `step`: the
+    training step the weights are, recorded in the folder (`exported_step`), so a finished run can tell
+    its own export from an earlier one's (a run continued to more steps, stopped before its export)."""
     from transformers import AutoModelForCausalLM  # transformers' Auto classes: seconds to import; only when exporting
 
     keep = dist.rank() == 0
@@ -58,6 +74,9 @@ def export_hf(strategy, tokenizer, folder: str, bucket_bytes: int = 256 * 2**20,
     tokenizer.save_pretrained(tmp)
     if getattr(tokenizer, "vision", None) is not None:  # a VLM's image processor, as the model folder had it
         tokenizer.vision.image_processor.save_pretrained(tmp)
+    if step is not None:
+        with open(os.path.join(tmp, EXPORTED), "w") as f:
+            json.dump({"step": step}, f)
     if os.path.exists(folder):
         shutil.rmtree(folder)
     os.rename(tmp, folder)

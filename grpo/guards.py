@@ -233,6 +233,16 @@ class RunGuards:
         self.strategy, self.bucket_bytes = strategy, bucket_bytes
         self.steps, self.ranks, self.sampler = StepGuard(), RankCheck(check_ranks_every, world), SamplerWatch(watch)
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: `guard/skipped_steps` is a running total, and a run of non-finite
+        steps or of off-parity steps goes on across a resume as in the unbroken run."""
+        return {"skipped": self.steps.skipped, "in_a_row": self.steps.in_a_row, "sampler_count": self.sampler.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps.skipped = state.get("skipped", 0)
+        self.steps.in_a_row = state.get("in_a_row", 0)
+        self.sampler.count = state.get("sampler_count", 0)  # its warning is once per process: this log's
+
     def after_update(self, step: int, stats: dict, behind: int) -> dict[str, float]:
         metrics = self.steps.check(step, stats)
         if self.ranks.due(step):

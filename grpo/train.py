@@ -55,6 +55,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -69,7 +71,8 @@ from grpo.dist import (DistInfo, all_gather, all_reduce_max, all_reduce_sum, bar
                        process_group)
 from grpo.dynamic_sampling import Scored, refill
 from grpo.eval import evaluate
-from grpo.export import export_hf
+from grpo.errors import ConfigError
+from grpo.export import export_hf, exported_step
 from grpo.flops import generation_work
 from grpo.guards import RunGuards, healthy
 from grpo.library_logs import quiet_library_logs
@@ -78,6 +81,7 @@ from grpo.log import RunLogger
 from grpo import mfu
 from grpo.models import DTYPES, build_policy, build_reference, encode_prompts, policy_device
 from grpo.parallel import build_strategy, strategy_class
+from grpo.parallel.base import resume_schedule
 from grpo.preempt import StopSignal, stop
 from grpo.rewards import build_rewards, score
 from grpo.rollout import build_rollout, sampling_from
@@ -233,6 +237,8 @@ class Run:
     in_flight: deque = field(default_factory=deque)  # batches the engines work on, oldest first
     submitted: int = 0  # the last step whose batch was handed over
     engine_busy_s: float = 0.0  # the servers' busy seconds so far (RolloutBackend.engine_busy_s)
+    guards: object = None  # grpo.guards.RunGuards: their counts go into each checkpoint
+    guard_state: dict = field(default_factory=dict)  # the counts resumed from
 
     @property
     def bucket_bytes(self) -> int:
@@ -283,7 +289,8 @@ class Run:
         # the sampler as of the batches trained: batches still in flight are drawn again on resume
         drawn = self.in_flight[0].sampler_state if self.in_flight else self.sampler.state_dict()
         save_checkpoint(self.run_dir, step, self.strategy, {"sampler": drawn, "eval_before": self.eval_before,
-                                                            "rewards": reward_states(self.reward_fns)},
+                                                            "rewards": reward_states(self.reward_fns),
+                                                            "guards": self.guards.state_dict() if self.guards else {}},
                         self.cfg.keep_checkpoints)
 
 
@@ -324,6 +331,12 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
         r.start, r.eval_before = state["step"], state["eval_before"]
         r.sampler.load_state_dict(state["sampler"])
         load_reward_states(r.reward_fns, state.get("rewards", {}))
+        r.guard_state = state.get("guards", {})
+        resume_schedule(strategy.scheduler, algo)  # this run's lr, weight decay and schedule, not the checkpoint's
+        if r.start > cfg.steps and not os.path.exists(os.path.join(run_dir, "summary.json")):
+            raise ConfigError(f"{r.checkpoint_path} is at step {r.start}, past steps={cfg.steps}: the run would finish "
+                              f"as a {cfg.steps}-step run holding {r.start} steps of training. Raise steps to at "
+                              f"least {r.start}, or start afresh with resume=false.")
     r.submitted = r.start
     # The engines serve exactly the trainer's weights from the first batch (and the first evaluation)
     # on: a server started on another folder, or left with an earlier run's weights, sampled step 1
@@ -338,8 +351,8 @@ def finished(r: Run) -> dict:
     that, and return the summary."""
     if r.info.is_main:
         print(f"{r.run_dir} already finished {r.start} steps; raise `steps` to train further.")
-    if r.cfg.export_model and not os.path.exists(os.path.join(r.run_dir, "model", "config.json")):
-        export_hf(r.strategy, r.tokenizer, os.path.join(r.run_dir, "model"), r.bucket_bytes)  # stopped before it
+    if r.cfg.export_model and exported_step(os.path.join(r.run_dir, "model")) != r.start:  # stopped before it
+        export_hf(r.strategy, r.tokenizer, os.path.join(r.run_dir, "model"), r.bucket_bytes, step=r.start)
     with open(os.path.join(r.run_dir, "summary.json")) as f:
         return json.load(f)
 
@@ -419,7 +432,8 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     meter = mfu.meter(r.strategy.forward_model, DTYPES[cfg.model.dtype], cfg.rollout.backend,
                       cfg.model.gradient_checkpointing)  # the device's peak, measured now
     watch = healthy(cfg.model.dtype, policy_device(info.local_rank).type)  # the engines' environment is this one's
-    guards = RunGuards(r.strategy, r.bucket_bytes, watch, cfg.parallel.check_ranks_every, info.world_size)
+    r.guards = guards = RunGuards(r.strategy, r.bucket_bytes, watch, cfg.parallel.check_ranks_every, info.world_size)
+    guards.load_state_dict(r.guard_state)  # skipped steps so far, and a run of them, across a resume
     for step in range(r.start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
 
@@ -529,7 +543,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     if cfg.export_model:  # after the summary: a stop or a failure here keeps the finished run's record
         if stop_signal.requested():
             stop_after(r, cfg.steps, stop_signal)  # the resumed run exports
-        export_hf(r.strategy, r.tokenizer, os.path.join(r.run_dir, "model"), r.bucket_bytes)
+        export_hf(r.strategy, r.tokenizer, os.path.join(r.run_dir, "model"), r.bucket_bytes, step=cfg.steps)
     logger.info(
         f"eval accuracy {r.eval_before:.3f} -> {eval_after:.3f} ({summary['eval_gain']:+.3f}) in {cfg.steps} steps, "
         f"{summary['wall_s']:.1f}s wall{f' for steps {r.start + 1}-{cfg.steps} (resumed)' if r.start else ''}; run folder {r.run_dir}"
@@ -537,9 +551,27 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     return summary
 
 
+def check_sweep_folder(cfg: DictConfig, multirun: bool) -> None:
+    """A Hydra multirun's jobs each need their own folder. A `run_dir` fixed for the sweep sent every job
+    to one: the first trained, and each later one resumed it, said "already finished" and returned the
+    first job's summary (exit 0), its config.yaml now the last job's; run at once (hydra/launcher=slurm)
+    they would write one folder's checkpoints together. Per job: the default (the job's own output
+    folder) or a value that names the job through Hydra (`${hydra:job.num}`, `${hydra:job.override_dirname}`)."""
+    raw = OmegaConf.to_container(cfg, resolve=False).get("run_dir")
+    if multirun and "${hydra:" not in str(raw):
+        raise ConfigError(f"run_dir={raw} is one folder for every job of this sweep (-m): the first job would "
+                          f"train and the others resume it. Drop run_dir and set hydra.sweep.dir={raw} (each job "
+                          f"gets <dir>/<job number>), or name the job in it: run_dir={raw}/${{hydra:job.num}}.")
+
+
+def train_from_command_line(cfg: DictConfig) -> dict:
+    check_sweep_folder(cfg, HydraConfig.get().mode == RunMode.MULTIRUN)
+    return train(cfg)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    exit_on_user_error(train, cfg)
+    exit_on_user_error(train_from_command_line, cfg)
 
 
 if __name__ == "__main__":

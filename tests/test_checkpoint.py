@@ -160,3 +160,95 @@ def test_a_resume_with_another_config_keeps_the_earlier_one_and_names_what_chang
     assert OmegaConf.to_container(OmegaConf.load(tmp_path / "config.yaml"))["algo"]["lr"] == 5e-4
     assert record_config(str(tmp_path), first, resuming=False) == []  # resume=false: nothing compared
     assert config_changes({"a": [1, 2]}, {"a": [1, 3]}) == ["a"] and config_changes({"a": {"b": 1}}, {"a": 2}) == ["a"]
+
+
+def test_a_resumed_schedule_is_the_resumed_runs_own(tiny_lm):
+    """torch's load_state_dict puts back the saved param groups' lr and weight decay and LambdaLR's
+    base_lrs: a resume asked for a lower lr trained on at the old one, and a finished 4-step run
+    continued to 8 took the old schedule's last lr (0) for step 5, then jumped to 4.3e-4.
+    `resume_schedule` gives the run its own lr, weight decay and schedule at the checkpoint's step:
+    from there on, the lrs of a straight run of the new config."""
+    from grpo.parallel.base import build_optimizer, resume_schedule
+
+    model, _ = tiny_lm
+    algo = lambda lr, wd: OmegaConf.structured(AlgoConfig(lr=lr, weight_decay=wd, warmup_steps=1))  # noqa: E731
+    old_opt, old_sched = build_optimizer(model, algo(1e-3, 0.0), total_steps=4)
+    for _ in range(4):
+        old_opt.step()
+        old_sched.step()
+    assert old_sched.get_last_lr() == [0.0]  # the 4-step run's end
+    opt, sched = build_optimizer(model, algo(5e-4, 0.1), total_steps=8)
+    opt.load_state_dict(old_opt.state_dict())
+    sched.load_state_dict(old_sched.state_dict())
+    assert opt.param_groups[0]["lr"] == 0.0 and opt.param_groups[0]["weight_decay"] == 0.0  # what load leaves
+    resume_schedule(sched, algo(5e-4, 0.1))
+    straight_opt, straight = build_optimizer(model, algo(5e-4, 0.1), total_steps=8)
+    lrs, expected = [], []
+    for _ in range(4):  # steps 5-8
+        lrs.append(opt.param_groups[0]["lr"])
+        assert sched.get_last_lr() == [lrs[-1]]
+        opt.step()
+        sched.step()
+    for step in range(8):
+        expected.append(straight_opt.param_groups[0]["lr"])
+        straight_opt.step()
+        straight.step()
+    assert lrs == pytest.approx(expected[4:]) and lrs[0] == pytest.approx(5e-4 * 4 / 7)
+    assert opt.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_guard_counts_go_on_across_a_resume():
+    """guard/skipped_steps is a running total, and 3 non-finite steps in a row stop the run: both
+    restarted from 0 on every resume (a requeue between the 2nd and 3rd such step never stopped)."""
+    from grpo.guards import NonFiniteSteps, Parity, RunGuards
+
+    before = RunGuards(None, 0, Parity("max", 0.05), 0, 1)
+    for step in (1, 2):
+        with pytest.warns(UserWarning, match="non-finite"):
+            before.after_update(step, {"loss": float("nan"), "grad_norm": 1.0}, 0)
+    saved = before.state_dict()
+    after = RunGuards(None, 0, Parity("max", 0.05), 0, 1)
+    after.load_state_dict(saved)
+    assert after.after_update(3, {"loss": 1.0, "grad_norm": 1.0}, 0) == {"guard/skipped_steps": 2}
+    after.load_state_dict(saved)
+    with pytest.raises(NonFiniteSteps, match="3 steps in a row"):
+        after.after_update(3, {"loss": float("nan"), "grad_norm": 1.0}, 0)
+    RunGuards(None, 0, Parity("max", 0.05), 0, 1).load_state_dict({})  # a checkpoint from before the counts
+
+
+def test_a_fresh_start_sets_an_earlier_runs_export_aside(tmp_path):
+    """resume=false moved the earlier run's checkpoints and metrics but left its model/: a new run that
+    stopped before its own export then stood on the earlier run's weights as its result."""
+    from grpo.checkpoint import set_aside_checkpoints
+
+    for name in ("checkpoints", "model", "adapter"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "summary.json").write_text("{}")
+    aside = set_aside_checkpoints(str(tmp_path))
+    assert sorted(os.listdir(aside)) == ["adapter", "checkpoints", "model", "summary.json"]
+    assert not (tmp_path / "model").exists()
+
+
+@pytest.mark.starts_process
+def test_a_resume_trains_at_its_new_lr_and_a_finished_run_exports_its_own_step(make_cfg, tmp_path):
+    """A run of 2 steps at lr 1e-3, resumed to 4 at 5e-4, trains steps 3-4 at 5e-4 (it stayed at 1e-3).
+    The export records its step: a finished run whose model/ is an earlier step's (stopped before its
+    export, after a shorter run's) exports again. A checkpoint past `steps` in a run that never finished
+    is refused: it would finish as a shorter run holding more training."""
+    from grpo.errors import ConfigError
+    from grpo.export import exported_step
+    from grpo.train import train
+
+    run, fixed = tmp_path / "run", ("algo.warmup_steps=0", "algo.lr_schedule=constant")
+    train(make_cfg("steps=2", "algo.lr=1e-3", *fixed))
+    assert exported_step(str(run / "model")) == 2
+    train(make_cfg("steps=4", "algo.lr=5e-4", *fixed))
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [(r["step"], r["lr"]) for r in rows if "lr" in r] == [(1, 1e-3), (2, 1e-3), (3, 5e-4), (4, 5e-4)]
+    assert exported_step(str(run / "model")) == 4
+    (run / "model" / "grpo_export.json").write_text('{"step": 2}')  # as if the export of step 4 never came
+    train(make_cfg("steps=4", "algo.lr=5e-4", *fixed))
+    assert exported_step(str(run / "model")) == 4
+    os.remove(run / "summary.json")
+    with pytest.raises(ConfigError, match=r"is at step 4, past steps=3.*Raise steps to at least 4"):
+        train(make_cfg("steps=3", "algo.lr=5e-4", *fixed))

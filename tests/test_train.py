@@ -183,3 +183,25 @@ def test_evaluation_is_no_steps_engine_time_and_a_stop_at_a_checkpoint_step_save
     rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl")) if '"step_s"' in line]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(0 < r["time/engine_busy_s"] <= r["step_s"] for r in rows), rows
+
+
+def test_a_sweep_with_one_run_dir_for_every_job_is_refused():
+    """`-m ... run_dir=X`: every job in one folder; the first trained and each later one resumed it,
+    printed "already finished" and exited 0 with the first job's summary. Per-job values pass."""
+    from grpo.errors import ConfigError
+    from grpo.train import check_sweep_folder
+
+    with pytest.raises(ConfigError, match=r"run_dir=/runs/lr is one folder for every job .*hydra.sweep.dir=/runs/lr"):
+        check_sweep_folder(OmegaConf.create({"run_dir": "/runs/lr"}), multirun=True)
+    for per_job in ("${hydra:runtime.output_dir}", "/runs/lr/${hydra:job.num}"):
+        check_sweep_folder(OmegaConf.create({"run_dir": per_job}), multirun=True)
+    check_sweep_folder(OmegaConf.create({"run_dir": "/runs/lr"}), multirun=False)
+
+
+@pytest.mark.starts_process
+def test_the_command_line_refuses_a_sweep_into_one_folder(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "grpo.train", "-m", f"run_dir={tmp_path / 'one'}", "algo.lr=1e-3,2e-3",
+                          f"hydra.sweep.dir={tmp_path / 'sweep'}", *FAST], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0 and "is one folder for every job of this sweep" in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "one").exists()  # refused before anything was written

@@ -38,10 +38,27 @@ def build_optimizer(model: torch.nn.Module, algo, total_steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
+def resume_schedule(scheduler, algo) -> None:
+    """After a resume's load: this run's own algo.lr and algo.weight_decay, and its schedule at the
+    optimizer step the checkpoint reached. torch's `load_state_dict` puts back the saved param groups'
+    lr and weight_decay and LambdaLR's base_lrs, so a resume asked for a lower lr trained on at the
+    old one, and a finished run continued to more steps took the old schedule's last lr (0 under the
+    linear decay) for its next step. LambdaLR saves no function: its factor is already this run's
+    (`build_optimizer`, over this run's optimizer steps); its last_epoch, the steps taken, is the
+    checkpoint's. `scheduler.optimizer` is the torch optimizer DeepSpeed's ZeRO wraps too."""
+    groups = scheduler.optimizer.param_groups
+    scheduler.base_lrs = [float(algo.lr) for _ in groups]
+    lrs = [float(algo.lr) * factor(scheduler.last_epoch) for factor in scheduler.lr_lambdas]
+    for group, lr in zip(groups, lrs, strict=True):
+        group.update(initial_lr=float(algo.lr), weight_decay=float(algo.weight_decay), lr=lr)
+    scheduler._last_lr = lrs  # what get_last_lr() (the logged lr) reads
+
+
 class Strategy(ABC):
     model: torch.nn.Module  # the unwrapped module: forward passes and rollout backends use it
     lockstep = False  # True: every rank must make the same forward/backward calls (sharded parameters)
     sequence = None  # parallel.sequence_parallel > 1: this rank's group sharing rows (grpo/parallel/sequence.py)
+    scheduler: torch.optim.lr_scheduler.LambdaLR  # build_optimizer's schedule (ZeRO: the engine's)
 
     @classmethod
     def check(cls, cfg, world: int) -> None:

@@ -266,6 +266,10 @@ class ZeroStrategy(Strategy):
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {folder}/deepspeed")
 
     @property
+    def scheduler(self):
+        return self.engine.lr_scheduler
+
+    @property
     def lr(self) -> float:
         return self.engine.lr_scheduler.get_last_lr()[0]
 
