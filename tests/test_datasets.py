@@ -132,6 +132,31 @@ def test_math_row_without_ground_truth_is_an_error(tmp_path):
         build_task(task_cfg(name="math", path=path, eval_size=1))
 
 
+def test_math_ground_truth_with_an_escaped_dollar_is_compared(tmp_path):
+    """MATH's `\\boxed{\\$18.90}`: the `\\$` was taken for a LaTeX delimiter, the ground truth read as
+    nothing, and the evaluation before step 1 raised."""
+    rows = [{"problem": f"{i}+{i}?", "solution": f"$\\boxed{{{2 * i}}}$"} for i in range(3)]
+    rows.append({"problem": "Three shirts at $\\$6.30$ each cost?", "solution": "$3\\cdot 6.30=\\boxed{\\$18.90}$."})
+    task = build_task(task_cfg(name="math", path=write_jsonl(tmp_path / "m.jsonl", rows[:2]),
+                               eval_path=write_jsonl(tmp_path / "e.jsonl", rows[2:]), eval_size=2))
+    shirts = next(s for s in task.eval if s.prompt.startswith("Three shirts"))
+    assert shirts.answer == "\\$18.90"
+    assert task.is_correct("The total is \\boxed{18.90}", shirts) and task.is_correct("\\boxed{\\$18.90}", shirts)
+    assert not task.is_correct("\\boxed{7}", shirts)
+
+
+def test_a_held_out_ground_truth_math_verify_cannot_read_names_its_row(tmp_path):
+    """Checked when the task is built, not at the first evaluation (which stopped the run)."""
+    train = write_jsonl(tmp_path / "m.jsonl", [{"problem": "p", "solution": "\\boxed{1}"}])
+    held = write_jsonl(tmp_path / "e.jsonl", [{"problem": "p", "solution": "\\boxed{2}"},
+                                              {"problem": "q", "solution": "\\boxed{\\text{}}"}])
+    with pytest.raises(DatasetError, match=r"e\.jsonl:2: math-verify could not parse the ground truth '\\\\text\{\}'"):
+        build_task(task_cfg(name="math", path=train, eval_path=held, eval_size=2))
+    held = write_jsonl(tmp_path / "g.jsonl", [GSM8K[0], {"question": "q", "answer": "#### \\text{}"}])
+    with pytest.raises(DatasetError, match=r"g\.jsonl:2: math-verify could not parse the ground truth"):
+        build_task(task_cfg(name="gsm8k", path=write_jsonl(tmp_path / "d.jsonl", GSM8K), eval_path=held, eval_size=2))
+
+
 def test_countdown_task_holds_out_rows_and_checks_equations(tmp_path):
     rows = [{"nums": [3, 5, 2], "target": 13}, {"nums": [4, 6], "target": 24}, {"nums": [10, 2, 1], "target": 4}]
     task = build_task(task_cfg(name="countdown", path=write_jsonl(tmp_path / "c.jsonl", rows), eval_size=1))
@@ -155,6 +180,11 @@ def test_arithmetic_task():
     s = next(x for x in task.train + task.eval if x.prompt.startswith("What is 7 + 5?"))
     assert s.prompt == "What is 7 + 5? Answer with just the number." and s.answer == "12"
     assert task.is_correct("The answer is 12.", s) and not task.is_correct("7 + 5 = 13", s)
+    # restating the question's sum is not answering it: a policy copying "a + b" scored every eval prompt
+    for echo in ("7 + 5", "\\boxed{7+5}", "To find 7 + 5, we", "The sum of 7 + 5", "7 + 5 ="):
+        assert not task.is_correct(echo, s), echo
+    assert task.is_correct("7 + 5 = 12", s) and task.is_correct("\\boxed{12}", s)
+    assert not any(task.is_correct(e.prompt.split("What is ")[1].split("?")[0], e) for e in task.eval)
     two = build_task(task_cfg(name="arithmetic", digits=2, eval_size=100))
     assert len(two.train) + len(two.eval) == 90 * 90  # operands 10..99, no leading zeros
 

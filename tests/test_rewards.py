@@ -3,15 +3,20 @@
 import math
 import threading
 import time
+import warnings
 
+import numpy as np
 import pytest
+import torch
 
 from grpo.algorithm import combine_rewards
-from grpo.rewards import REWARDS, score
+from grpo.errors import ConfigError
+from grpo.rewards import REWARDS, check_rewards, score
 from grpo.rewards.countdown import NotAnEquation, countdown, evaluate
 from grpo.rewards.format import answer_format, extract_answer, overlong_penalty
-from grpo.rewards.math_answer import math_verify
+from grpo.rewards.math_answer import is_equivalent, math_verify
 from grpo.tasks import Sample
+from tests.conftest import compose_cfg
 
 
 def marked(rewards_FB: list[list]) -> list[list]:
@@ -87,6 +92,31 @@ def test_a_reward_that_is_not_finite_fails_that_completion_with_a_warning(bad):
     with pytest.warns(UserWarning, match=f"'overflows' failed on completion 1 'big' .*returned {bad!r}, not a finite"):
         rewards, _ = score([("overflows", overflows, 1.0)], ["a", "big", "b"], [None] * 3, timeout_s=5)
     assert marked(rewards) == [[1.0, "failed", 1.0]]
+
+
+@pytest.mark.parametrize("kind", ["numpy float32", "numpy int64", "0-d torch tensor", "bool"])
+def test_numpy_and_torch_scalars_are_scores(kind):
+    """A rule reward built on numpy or torch (np.mean over a float32 array, a tensor's entries) was
+    FAILED on every completion: its values were not Python ints or floats. They count, as floats."""
+    make = {"numpy float32": np.float32, "numpy int64": np.int64, "0-d torch tensor": torch.tensor, "bool": bool}[kind]
+
+    def right(completions, samples, **_):
+        return [make(c == s.answer) for c, s in zip(completions, samples)]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not one completion retried or excluded
+        rewards, _ = score([("right", right, 1.0)], ["2", "3"], [Sample("1+1=", "2")] * 2, timeout_s=5)
+    assert rewards == [[1.0, 0.0]] and all(type(v) is float for v in rewards[0])
+
+
+@pytest.mark.parametrize("bad", [np.float32("nan"), torch.tensor(float("inf")), torch.tensor([1.0]), "1.0"])
+def test_a_numpy_or_torch_value_that_is_not_one_finite_number_still_fails(bad):
+    def odd(completions, samples, **_):
+        return [bad if c == "odd" else 1.0 for c in completions]
+
+    with pytest.warns(UserWarning, match="'odd' failed on completion 1 'odd' .*not a finite number or None"):
+        rewards, _ = score([("odd", odd, 1.0)], ["a", "odd"], [None] * 2, timeout_s=5)
+    assert marked(rewards) == [[1.0, "failed"]]
 
 
 def test_a_completion_one_function_failed_on_is_not_scored_by_the_others():
@@ -198,10 +228,61 @@ def test_env_reward_scores_an_unfinished_episode_the_environment_never_rewarded_
         ("step 1: 3 + 4 = 7. #### 72", "72", 1.0),  # gsm8k's style
         ("\\boxed{x^2}", "x^{2}", 1.0),
         ("no answer here", "3", 0.0),
+        ("#### 72", "72", 1.0),
+        ("The answer is 1,000.", "1000", 1.0),
+        # the answer must be written: math-verify evaluates what it reads, so restating the question's sum
+        # (arithmetic: "What is 7 + 1?") or a gsm8k solution cut off before its result scored 1
+        ("7 + 1", "8", 0.0),
+        ("7+1", "8", 0.0),
+        ("\\boxed{7+1}", "8", 0.0),
+        ("To find 7 + 1, we", "8", 0.0),
+        ("The sum of 7 + 1", "8", 0.0),
+        ("7 + 1 =", "8", 0.0),
+        ("\\boxed{x = 7+1}", "8", 0.0),
+        ("\\boxed{9 - 1}", "8", 0.0),
+        ("\\boxed{3 \\cdot 6}", "18", 0.0),
+        ("\\boxed{2^{10}}", "1024", 0.0),  # a whole power
+        ("In May she sold 48/2 = 24 clips. Altogether she sold 48 + 24", "72", 0.0),
+        ("In May she sold 48/2", "24", 0.0),  # a division that comes out whole
+        ("7 + 1 = 8", "8", 1.0),  # the result after the working counts
+        ("\\boxed{-3}", "-3", 1.0),  # a sign, a fraction, a root, pi, scientific notation: values as written
+        ("1/2", "0.5", 1.0),
+        ("\\boxed{-\\frac{1}{2}}", "-0.5", 1.0),
+        ("\\boxed{2\\sqrt{3}+5}", "5+2\\sqrt{3}", 1.0),
+        ("\\boxed{3\\pi}", "3\\pi", 1.0),
+        ("\\boxed{3 \\times 10^5}", "300000", 1.0),
+        ("\\boxed{-x^2-2x+1}", "-x^2-2x+1", 1.0),  # an expression in a variable is the answer itself
+        ("\\boxed{2^{10}}", "2^{10}", 1.0),  # written as the ground truth writes it
+        # a MATH ground truth with an escaped dollar (last \boxed{} of "... = \boxed{\$18.90}$.") raised
+        ("The total is \\boxed{18.90}", "\\$18.90", 1.0),
+        ("\\boxed{\\$18.90}", "\\$18.90", 1.0),
+        ("\\boxed{7}", "\\$18.90", 0.0),
+        ("18", "$18$", 1.0),
     ],
 )
 def test_math_verify(completion, answer, value):
     assert math_verify([completion], [Sample(prompt="", answer=answer)]) == [value]
+    assert is_equivalent(completion, answer) == bool(value)  # the tasks' eval check: the same rule
+
+
+def test_math_verify_refuses_a_ground_truth_it_cannot_read():
+    with pytest.raises(ValueError, match=r"could not parse the ground truth '\\\\text\{\}'"):
+        is_equivalent("\\boxed{3}", "\\text{}")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("reward.rm.path=tiny_rm", "reward.rm.path='tiny_rm': reward.funcs has no rm, so nothing reads the setting"),
+    ("reward.rm.tiny.steps=5", "reward.rm.tiny.steps=5: reward.funcs has no rm"),
+    ("reward.judge.urls=[http://127.0.0.1:8100]", "reward.judge.urls=['http://127.0.0.1:8100']: reward.funcs has no judge"),
+])
+def test_a_model_rewards_setting_without_that_reward_is_refused(override, message):
+    """reward.rm.* and reward.judge.* with no rm (judge) in reward.funcs: validate passed and the run
+    was scored by exact_match alone."""
+    with pytest.raises(ConfigError) as e:
+        check_rewards(compose_cfg(override))
+    assert message in str(e.value) and "Add the reward (reward=" in str(e.value)
+    reader = ["reward=rm", "reward.rm.path=tiny_rm"] if ".rm." in override else ["reward=judge"]
+    check_rewards(compose_cfg(*reader, override))  # read there: accepted
 
 
 def test_math_verify_runs_in_the_reward_thread():

@@ -6,8 +6,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from grpo.config import TaskConfig
-from grpo.tasks import TrainSampler, build_task
+from grpo.errors import ConfigError
+from grpo.tasks import TrainSampler, build_task, check_task
 from grpo.tasks.jsonl import DatasetError
+from tests.conftest import CONF, compose_cfg
 
 
 def task_cfg(**kw):
@@ -89,3 +91,58 @@ def test_sampler_resumes_exactly_across_epochs():
     # every epoch is a permutation: each sample once
     one_epoch = TrainSampler(task.train, seed=3).next(90)
     assert sorted(s.prompt for s in one_epoch) == sorted(s.prompt for s in task.train)
+
+
+def test_a_file_given_as_both_train_and_eval_is_refused(tmp_path):
+    """task.eval_path naming task.path (here through another spelling of the same file) evaluated on
+    prompts it also trained on: eval accuracy measured memory."""
+    path = write(tmp_path / "d.jsonl", [json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(10)])
+    (tmp_path / "sub").mkdir()
+    for name in ("jsonl", "gsm8k"):
+        with pytest.raises(ConfigError, match=r"task.eval_path=.*sub/\.\./d.jsonl' is task.path .*every held-out prompt "
+                                              r"would also be trained on. Drop task.eval_path"):
+            check_task(task_cfg(name=name, path=path, eval_path=str(tmp_path / "sub" / ".." / "d.jsonl")))
+    check_task(task_cfg(name="jsonl", path=path))  # eval_size rows of the file held out instead
+
+
+def test_a_hub_eval_split_that_is_the_train_split_is_refused():
+    """MATH-500 as docs/data.md gave it, without task.eval_split=null (default 'test'): the test split
+    was loaded twice, and every eval prompt trained on."""
+    math500 = ["task=math", "task.hub_id=HuggingFaceH4/MATH-500", "task.hub_config=null", "task.train_split=test"]
+    with pytest.raises(ConfigError, match="task.eval_split='test' is task.train_split: every held-out prompt of "
+                                          "HuggingFaceH4/MATH-500 would also be trained on. Set task.eval_split=null"):
+        check_task(compose_cfg(*math500).task)
+    check_task(compose_cfg(*math500, "task.eval_split=null").task)
+    check_task(compose_cfg("task=gsm8k").task)  # train / test
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"name": "guess", "seed": 7}, "task.seed=7 is not read by task=guess"),
+    ({"name": "jsonl", "path": "d.jsonl", "answer_format": "Be short."}, "task.answer_format='Be short.' is not read by task=jsonl"),
+    ({"name": "addition", "answer_format": "Be short."}, "task.answer_format='Be short.' is not read by task=addition: it is "
+                                                         "read by task=arithmetic, task=countdown, task=gsm8k, task=math"),
+    ({"name": "shapes", "answer_format": "Be short."}, "task.answer_format='Be short.' is not read by task=shapes"),
+    ({"name": "jsonl", "path": "d.jsonl", "size": 10}, "task.size=10 is not read by task=jsonl: it is read by task=shapes"),
+    ({"name": "addition", "size": 10}, "task.size=10 is not read by task=addition"),
+    ({"name": "jsonl", "path": "d.jsonl", "digits": 3}, "task.digits=3 is not read by task=jsonl: it is read by "
+                                                        "task=addition, task=arithmetic. Drop it"),
+    ({"name": "math", "digits": 3}, "task.digits=3 is not read by task=math"),
+    ({"name": "addition", "train_split": "validation"}, "task.train_split='validation' is not read by task=addition"),
+    ({"name": "guess", "eval_size": 4}, "task.eval_size=4: task=guess evaluates each of its 15 secrets once, so it takes "
+                                        "task.eval_size=15 only"),
+])
+def test_a_task_setting_the_task_never_reads_is_refused(fields, message):
+    """Each was accepted and changed nothing (guess's eval played 15 secrets when 4 were asked for)."""
+    with pytest.raises(ConfigError) as e:
+        check_task(task_cfg(**{"eval_size": 15, **fields}))
+    assert message in str(e.value)
+
+
+def test_every_task_file_passes_with_its_own_settings():
+    """conf/task/*.yaml set only what their task reads (guess: eval_size 15)."""
+    names = sorted(p.stem for p in (CONF / "task").glob("*.yaml"))
+    assert len(names) == 8
+    for name in names:
+        check_task(compose_cfg(f"task={name}").task)
+    check_task(compose_cfg("task=shapes", "task.size=256", "task.eval_size=16").task)
+    check_task(compose_cfg("task=arithmetic", "task.digits=1", "task.answer_format=Reply.").task)

@@ -1,12 +1,14 @@
 """The tiny model's warm start: it reaches its target on any CPU's rounding, and a miss stops the run
 with a clear error instead of a silent run that cannot learn."""
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from omegaconf import OmegaConf
 
 from grpo.cli import exit_on_user_error
 from grpo.errors import WarmStartError
@@ -28,6 +30,37 @@ def test_a_warm_start_below_its_target_raises_and_caches_nothing(tmp_path):
     assert not os.path.exists(path) and os.listdir(tmp_path) == [], "a missed warm start must leave no model"
     with pytest.raises(SystemExit, match="^error: the tiny model's warm start reached"):  # one line on the command line
         exit_on_user_error(lambda: (_ for _ in ()).throw(e.value))
+
+
+def test_the_cache_key_holds_whatever_shapes_the_training_prompts(tmp_path):
+    """The key held six task fields: a model warm-started with task.eval_path set (on every row of
+    task.path) was reused by a run holding eval rows out of path, whose eval prompts it had trained
+    on; an edited file, answer_format or system_prompt kept the key too."""
+    def write(name, rows):
+        (tmp_path / name).write_text("".join(json.dumps({"prompt": f"{i:02d}+{i:02d}=", "answer": f"{2 * i:03d}"}) + "\n"
+                                             for i in rows))
+        return str(tmp_path / name)
+
+    train, held = write("a.jsonl", range(100)), write("b.jsonl", range(100, 164))
+
+    def folder(*overrides):
+        cfg = compose_cfg(*overrides, cache=str(tmp_path))
+        return tiny_model_dir(cfg.model, cfg.task, cfg.rollout.max_new_tokens)
+
+    on_file = folder("task=jsonl", f"task.path={train}")
+    assert folder("task=jsonl", f"task.path={train}", f"task.eval_path={held}") != on_file
+    assert folder("task=jsonl", f"task.path={train}", "task.system_prompt=Add.") != on_file
+    assert folder("task=arithmetic", "task.answer_format=Digits.") != folder("task=arithmetic")
+    write("a.jsonl", range(1, 101))  # the same file name, other rows
+    assert folder("task=jsonl", f"task.path={train}") != on_file
+    # the default run's folder keeps its key (the cache CI keeps under ~/.cache/grpo): the recipe before
+    cfg = compose_cfg(cache=str(tmp_path))
+    tiny = OmegaConf.to_container(cfg.model.tiny, resolve=True)
+    tiny.pop("moe")
+    before = {"format": 2, "tiny": tiny, "max_new_tokens": cfg.rollout.max_new_tokens,
+              "task": {k: cfg.task[k] for k in ("name", "seed", "digits", "eval_size", "path", "size")}}
+    key = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:12]
+    assert folder() == str(tmp_path / f"tiny-{key}")
 
 
 @pytest.mark.starts_process

@@ -31,13 +31,18 @@ counted by the function) is FAILED, and so is a score that is not finite (warned
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
+import numbers
 import time
 import warnings
 from typing import Callable
 
+from omegaconf import OmegaConf
+
 from grpo.errors import ConfigError, RewardStop
+from grpo.reward_config import JudgeConfig, RewardModelConfig
 from grpo.rewards.countdown import countdown
 from grpo.timeouts import call_with_timeout
 from grpo.rewards.env import env_reward
@@ -60,6 +65,7 @@ MODEL_REWARDS: dict[str, str] = {
     "rm": "grpo.rewards.rm",
     "judge": "grpo.rewards.judge",
 }
+MODEL_SETTINGS = {"rm": RewardModelConfig, "judge": JudgeConfig}  # reward.<name>.*: read only by that reward
 
 
 def resolve_reward(name: str) -> RewardFn:
@@ -93,6 +99,35 @@ def check_rewards(cfg) -> None:
             importlib.import_module(MODEL_REWARDS[f.name]).check(cfg)
         else:
             resolve_reward(f.name)  # raises a ConfigError naming the function
+    unread = unread_model_settings(cfg)
+    if unread:
+        names = sorted({key.split(".")[1] for key in unread})
+        raise ConfigError(f"{'; '.join(unread)}: reward.funcs has no {' nor '.join(names)}, so nothing reads "
+                          f"{'these settings' if len(unread) > 1 else 'the setting'}. Add the reward (reward="
+                          f"{names[0]}, or an entry `{names[0]}` in reward.funcs), or remove the setting.")
+
+
+def changed(given, default, prefix: str) -> list[str]:
+    """`prefix.key=value` for every leaf of the dict `given` that differs from `default`'s."""
+    out = []
+    for key, value in given.items():
+        if isinstance(value, dict) and isinstance(default.get(key), dict):
+            out += changed(value, default[key], f"{prefix}.{key}")
+        elif value != default.get(key):
+            out.append(f"{prefix}.{key}={value!r}")
+    return out
+
+
+def unread_model_settings(cfg) -> list[str]:
+    """reward.rm.* and reward.judge.* given (other than the schema's defaults) while reward.funcs holds
+    no `rm` (`judge`): no function reads them (reward.rm.path=tiny_rm beside reward=exact_match)."""
+    used = {f.name for f in cfg.reward.funcs}
+    out = []
+    for name, schema in MODEL_SETTINGS.items():
+        if name not in used and name in cfg.reward:
+            given = OmegaConf.to_container(cfg.reward[name], resolve=True)
+            out += changed(given, dataclasses.asdict(schema()), f"reward.{name}")
+    return out
 
 
 def build_rewards(cfg, device="cpu") -> list[tuple[str, RewardFn, float]]:
@@ -110,9 +145,26 @@ MAX_HANGS = 3  # per function and batch, in the one-at-a-time retry
 FAILED = math.nan  # a completion the function could not score: excluded, whatever the others gave it
 
 
+def as_number(value) -> float | None:
+    """A reward function's value as a float where it is a real number: a Python int, float or bool (as
+    before: `c == s.answer` is 1 or 0), a numpy scalar (np.float32 from np.mean, np.int64) or a 0-d
+    tensor; None for anything else (a string, a tensor of several values), which is not a score."""
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d tensor or array: not numbers.Real
+        item = value.item()
+        return float(item) if isinstance(item, (int, float)) else None
+    return None
+
+
 def is_score(value) -> bool:
     """A reward is a finite real number, or None (the function abstains)."""
-    return value is None or (isinstance(value, (int, float)) and math.isfinite(value))
+    return value is None or ((number := as_number(value)) is not None and math.isfinite(number))
+
+
+def as_scores(values: list) -> list[float | None]:
+    """A function's values, each checked by `batch_problem`, as Python floats (None kept)."""
+    return [None if v is None else as_number(v) for v in values]
 
 
 def is_scored(value) -> bool:
@@ -125,7 +177,7 @@ def batch_problem(values: list, n: int, finite: bool = True) -> str | None:
     NaN and inf pass (a model reward's, handled per completion)."""
     if len(values) != n:
         return f"returned {len(values)} values for {n} completion{'s' * (n != 1)}"
-    number = is_score if finite else (lambda v: v is None or isinstance(v, (int, float)))
+    number = is_score if finite else (lambda v: v is None or as_number(v) is not None)
     bad = next((v for v in values if not number(v)), "ok")
     return None if bad == "ok" else f"returned {bad!r}, not a finite number or None"
 
@@ -143,6 +195,7 @@ def run_model_reward(name: str, fn, completions: list[str], samples: list, info:
         warnings.warn(f"reward {name!r} failed on the batch ({error}); its {len(completions)} completions are excluded",
                       stacklevel=3)
         return [FAILED] * len(completions)
+    values = as_scores(values)
     infinite = [i for i, v in enumerate(values) if v is not None and not math.isfinite(v)]
     if infinite:
         warnings.warn(f"reward {name!r} gave {len(infinite)} of {len(values)} completions a score that is not finite "
@@ -157,7 +210,7 @@ def run_reward(name: str, fn, completions: list[str], samples: list, info: dict,
     setting = "reward.timeout_s"
     values, error = call_with_timeout(lambda: list(fn(completions, samples, **info)), timeout_s, setting, (RewardStop,))
     if error is None and (error := batch_problem(values, len(completions))) is None:
-        return values
+        return as_scores(values)
     warnings.warn(f"reward {name!r} failed on the batch ({error}); scoring its completions one at a time", stacklevel=2)
     out, hangs = [], 0
     for i, (c, s) in enumerate(zip(completions, samples)):
@@ -172,7 +225,7 @@ def run_reward(name: str, fn, completions: list[str], samples: list, info: dict,
             err = batch_problem(value, 1)
         if err is not None:
             warnings.warn(f"reward {name!r} failed on completion {i} {c[:60]!r} ({err}); it is excluded", stacklevel=2)
-        out.append(FAILED if err is not None else value[0])
+        out.append(FAILED if err is not None else as_scores(value)[0])
     return out
 
 

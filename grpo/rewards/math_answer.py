@@ -2,6 +2,14 @@
 `\\boxed{}`, a LaTeX expression, or the last number) is parsed to sympy and compared with the
 ground truth by value, so `\\frac{1}{2}`, `1/2` and `0.5` all match `0.5`.
 
+The answer must be written, not left to compute: math-verify evaluates what it reads, so `7 + 1`,
+`\\boxed{7+1}` or a completion cut off at "she sold 48 + 24" would equal 8 or 72, and a policy could
+earn the reward by copying the question's operands. A final answer that combines written numbers by
++, -, x, a whole power (2^{10}) or a division that comes out whole (48/2) is wrong unless the ground
+truth is written that way too (`written_arithmetic`). A sign, a fraction (1/2, \\frac{7}{2}), a root,
+pi, scientific notation (3 \\times 10^5) and expressions in variables (x^2+2x) are values as written.
+(\\frac{14}{2} is an exception: math-verify hands it back as 7 already.)
+
 math-verify's own timeouts use SIGALRM, which works only in the main thread. Rewards run in a
 worker thread (grpo.rewards cuts them off with `reward.timeout_s`), so there its timeouts are off;
 evaluation (`Task.is_correct`) runs in the main thread and keeps them (5 s per parse or compare).
@@ -9,10 +17,14 @@ evaluation (`Task.is_correct`) runs in the main thread and keeps them (5 s per p
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
 import threading
 
 TIMEOUT_S = 5  # math-verify's own limit, main thread only
+# a `$` that opens LaTeX math; `\$` is a dollar sign (MATH's `\$18.90`), not a delimiter
+MATH_DELIMITER = re.compile(r"(?<!\\)\$")
 
 
 class _NoTimeoutNotice(logging.Filter):
@@ -36,15 +48,68 @@ def _parse(text: str):
     return parse(text, parsing_timeout=_timeout())
 
 
+@functools.lru_cache(maxsize=65536)  # each ground truth is compared with G completions per step
+def _parse_gold(answer: str) -> tuple:
+    delimited = MATH_DELIMITER.search(answer) or "\\boxed" in answer
+    gold = _parse(answer if delimited else f"${answer}$")
+    if not gold:  # raised, so not cached: a parse that ran out of time is tried again
+        raise ValueError(f"math-verify could not parse the ground truth {answer!r}")
+    return tuple(gold)
+
+
+def parse_gold(answer: str) -> list:
+    """The ground truth `answer` (plain, `$`-delimited or `\\boxed{}` LaTeX) as math-verify reads it;
+    ValueError when it reads nothing (a task checks its held-out answers with this when it is built)."""
+    return list(_parse_gold(answer))
+
+
+def _nodes(expr):
+    """Every sub-expression of a parsed answer, a matrix's entries included (a matrix is not a sympy tree)."""
+    if hasattr(expr, "tolist") and not hasattr(expr, "args"):
+        for row in expr.tolist():
+            for entry in row:
+                yield from _nodes(entry)
+        return
+    yield expr
+    for arg in getattr(expr, "args", ()):
+        yield from _nodes(arg)
+
+
+def _computes(node) -> bool:
+    """Whether one node joins written numbers by an operation: 7 + 1, 3 \\cdot 6, 2^{10}, 48/2."""
+    if node.is_Add or node.is_Mul:
+        numbers = [a for a in node.args if a.is_Number and not (node.is_Mul and a == -1)]  # -1 x: a sign
+        if len(numbers) >= 2:
+            return True
+        divisors = [a.base for a in node.args if a.is_Pow and a.base.is_Number and a.exp == -1]
+        if node.is_Mul and numbers and divisors:  # a/b: a fraction, unless it comes out whole
+            quotient = numbers[0]
+            for d in divisors:
+                quotient = quotient / d
+            return quotient.is_Integer
+        return False
+    if node.is_Pow:  # 10^k is scientific notation; a root or 1/b is a value
+        return node.base.is_Number and node.exp.is_Integer and node.exp > 1 and node.base != 10
+    return False
+
+
+def written_arithmetic(parsed: list) -> bool:
+    """Whether math-verify's reading of an answer ([sympy value, matched text], or text alone) is an
+    operation on written numbers rather than a value (this module's docstring)."""
+    return any(_computes(node) for value in parsed if not isinstance(value, str)
+               for node in _nodes(value) if hasattr(node, "is_Add"))
+
+
 def is_equivalent(completion: str, answer: str) -> bool:
-    """True when math-verify finds the completion's final answer equal to `answer` (plain or LaTeX)."""
+    """True when math-verify finds the completion's final answer equal to `answer` (plain or LaTeX),
+    written as a value (not `7 + 1` for 8, unless `answer` is written so)."""
     from math_verify import verify  # local: as in _parse
 
-    gold = _parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
-    if not gold:
-        raise ValueError(f"math-verify could not parse the ground truth {answer!r}")
+    gold = parse_gold(answer)
     pred = _parse(completion)
-    return bool(pred) and verify(gold, pred, timeout_seconds=_timeout())
+    if not pred or (written_arithmetic(pred) and not written_arithmetic(gold)):
+        return False
+    return verify(gold, pred, timeout_seconds=_timeout())
 
 
 def math_verify(completions: list[str], samples: list, **_) -> list[float]:

@@ -1,7 +1,8 @@
 """Arithmetic word questions generated in code, for instruction-tuned models on CPU:
 "What is 37 + 48? Answer with just the number." -> `85`. Unlike `addition` (a bare `07+45=` for a
 model trained from scratch), the prompt is a question for a chat template and the answer is
-checked by value (math-verify finds the final number), so "The answer is 85." counts."""
+checked by value (math-verify finds the final number), so "The answer is 85." counts; "37 + 48",
+the question restated, does not (grpo/rewards/math_answer.py: the answer must be written)."""
 
 from __future__ import annotations
 

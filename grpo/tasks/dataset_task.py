@@ -49,14 +49,25 @@ def read_splits(cfg, columns: list[str]) -> tuple[list[Row], list[Row] | None]:
     return train, held_out
 
 
-def build_dataset_task(cfg, columns: list[str], to_sample: Callable[[dict], Sample], is_correct) -> Task:
+def build_dataset_task(cfg, columns: list[str], to_sample: Callable[[dict], Sample], is_correct,
+                       check_answer: Callable[[Sample], None] | None = None) -> Task:
+    """The task from `cfg`'s rows. `check_answer(sample)` (RowError: the ground truth cannot be
+    compared) runs on the held-out prompts only: an unreadable one would stop the evaluation, before
+    step 1, while a training prompt's fails its completions' reward with a warning, and checking every
+    row (math-verify, milliseconds each) would add a minute to building MATH."""
     train_rows, eval_rows = read_splits(cfg, columns)
-    train = convert_rows(train_rows, columns, to_sample)
+    # (where, sample) pairs: a seeded shuffle moves both alike, and a held-out row keeps its place for errors
+    train = list(zip([where for where, _ in train_rows], convert_rows(train_rows, columns, to_sample)))
     if eval_rows is None:  # hold out rows of the train split
         train, held_out = hold_out(train, cfg.eval_size, cfg.seed, DatasetError, "no eval split: ")
     else:  # a seeded eval_size of the eval split
-        held_out = convert_rows(eval_rows, columns, to_sample)
+        held_out = list(zip([where for where, _ in eval_rows], convert_rows(eval_rows, columns, to_sample)))
         random.Random(cfg.seed).shuffle(held_out)
         held_out = held_out[: cfg.eval_size]
-    return Task(cfg.name, train=train, eval=held_out, is_correct=is_correct,
+    for where, sample in held_out if check_answer is not None else ():
+        try:
+            check_answer(sample)
+        except RowError as e:
+            raise DatasetError(f"{where}: {e}") from e
+    return Task(cfg.name, train=[s for _, s in train], eval=[s for _, s in held_out], is_correct=is_correct,
                 chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from grpo.rewards.math_answer import is_equivalent
 from grpo.tasks.base import Sample, Task
 from grpo.tasks.dataset_task import RowError, build_dataset_task
+from grpo.tasks.math_problems import check_ground_truth
 
 COLUMNS = ["question", "answer"]
 ANSWER_FORMAT = 'Let\'s think step by step and output the final answer after "####".'  # verl's prompt
@@ -34,4 +35,5 @@ def build_gsm8k(cfg) -> Task:
         prompt = f"{question.strip()} {instruction}".strip()
         return Sample(prompt=prompt, answer=final_answer(row["answer"]), meta={"solution": row["answer"]})
 
-    return build_dataset_task(cfg, COLUMNS, to_sample, lambda completion, s: is_equivalent(completion, s.answer))
+    return build_dataset_task(cfg, COLUMNS, to_sample, lambda completion, s: is_equivalent(completion, s.answer),
+                              check_ground_truth)

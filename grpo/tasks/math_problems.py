@@ -4,7 +4,7 @@ is correct when math-verify judges its final answer equivalent (`1/2` = `\frac{1
 
 from __future__ import annotations
 
-from grpo.rewards.math_answer import is_equivalent
+from grpo.rewards.math_answer import is_equivalent, parse_gold
 from grpo.tasks.base import Sample, Task
 from grpo.tasks.dataset_task import RowError, build_dataset_task
 
@@ -25,6 +25,15 @@ def last_boxed(text: str) -> str | None:
     return text[i : j - 1].strip() if depth == 0 else None
 
 
+def check_ground_truth(sample: Sample) -> None:
+    """RowError when math-verify cannot read the sample's ground truth: every comparison with it would
+    raise (gsm8k's too)."""
+    try:
+        parse_gold(sample.answer)
+    except ValueError as e:
+        raise RowError(f"{e}: no completion could be compared with it. Fix or drop the row.") from e
+
+
 def build_math(cfg) -> Task:
     instruction = ANSWER_FORMAT if cfg.answer_format is None else cfg.answer_format
 
@@ -40,4 +49,5 @@ def build_math(cfg) -> Task:
         meta = {k: row[k] for k in ("level", "type", "subject") if k in row}
         return Sample(prompt=f"{problem.strip()} {instruction}".strip(), answer=str(answer).strip(), meta=meta)
 
-    return build_dataset_task(cfg, COLUMNS, to_sample, lambda completion, s: is_equivalent(completion, s.answer))
+    return build_dataset_task(cfg, COLUMNS, to_sample, lambda completion, s: is_equivalent(completion, s.answer),
+                              check_ground_truth)

@@ -11,6 +11,7 @@ engine; grpo/tiny/folders.py, which knows both, builds them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -27,6 +28,9 @@ from grpo.tiny import moe, text, vlm
 # model.path values built in code: the text model, the vision-language one, the mixture of experts
 TINY_KINDS = ("tiny", "tiny_vlm", "tiny_moe")
 TINY_FORMAT = 2  # bump when the tiny model's recipe changes, so old cache entries are not reused
+# the task fields the key always held; the others join it only away from their defaults, so the
+# folders cached before them (the default run's, task=addition) keep their keys
+KEYED_TASK_FIELDS = ("name", "seed", "digits", "eval_size", "path", "size")
 
 
 def warm_start(model, tokenizer, task, cfg, max_new_tokens: int, log=print, play=None) -> dict:
@@ -87,6 +91,31 @@ def warm_start(model, tokenizer, task, cfg, max_new_tokens: int, log=print, play
     return info
 
 
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def task_recipe(task_cfg) -> dict:
+    """What of the task shapes the prompts and answers the warm start trains on: every task.* field
+    (answer_format, system_prompt, eval_path and hub_id move rows in or out of the train split, or
+    change their text), and the contents of task.path and task.eval_path (a file edited in place keeps
+    its name). A field at its schema default is left out (KEYED_TASK_FIELDS aside)."""
+    given = dict(task_cfg) if isinstance(task_cfg, dict) else OmegaConf.to_container(task_cfg, resolve=True)
+    schema = OmegaConf.get_type(task_cfg)
+    defaults = {f.name: f.default for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else {}
+    recipe = {k: v for k, v in given.items()
+              if k in KEYED_TASK_FIELDS or k not in defaults or v != defaults[k]}
+    for key in ("path", "eval_path"):
+        path = os.path.expanduser(given.get(key) or "")
+        if os.path.isfile(path):  # a missing one: building the task says so
+            recipe[f"{key}_sha256"] = file_sha256(path)
+    return recipe
+
+
 def tiny_model_dir(cfg, task_cfg, max_new_tokens: int) -> str:
     """Cache folder of the tiny model: a hash of its recipe, the task it was warm-started on."""
     tiny = OmegaConf.to_container(cfg.tiny, resolve=True) if not isinstance(cfg.tiny, dict) else dict(cfg.tiny)
@@ -97,7 +126,7 @@ def tiny_model_dir(cfg, task_cfg, max_new_tokens: int) -> str:
         "format": TINY_FORMAT,
         **({"kind": cfg.path, **kind_format[cfg.path]} if cfg.path != "tiny" else {}),
         "tiny": tiny,
-        "task": {k: task_cfg[k] for k in ("name", "seed", "digits", "eval_size", "path", "size") if k in task_cfg},
+        "task": task_recipe(task_cfg),
         "max_new_tokens": max_new_tokens,  # the warm start's greedy checks decode this far
     }
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
