@@ -150,12 +150,19 @@ def collate(
         count it in the loss normalisers and, with a reference, in the KL;
       - with `mask_truncated` (DAPO), every token of a completion cut off mid-turn ("length"). An
         episode that ended because a whole next turn no longer fit its budget (`out_of_budget`) was
-        not cut: it keeps its tokens, as one that reached the turn cap does."""
+        not cut: it keeps its tokens, as one that reached the turn cap does.
+
+    A completion with an empty prompt is refused (ValueError): its first token's logprob has no
+    position to be read from."""
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(c) for c in rollouts.completion_ids))
     episodes = rollouts.episodes
     ids, attn, logps, masks = [], [], [], []
     for i, (p, c, lp) in enumerate(zip(prompt_ids, rollouts.completion_ids, rollouts.logprobs)):
+        if not len(p) and len(c):  # the logprob of token t is read at position t - 1 of the row
+            raise ValueError(f"completion {i} has an empty prompt: no position predicts its first token (every layout "
+                             "would read it from another sequence's token or a pad); give the task a prompt, a "
+                             "system prompt or a BOS token")
         pad_p, pad_c = P - len(p), T - len(c)
         ids.append([pad_id] * pad_p + list(p) + list(c) + [pad_id] * pad_c)
         attn.append([0] * pad_p + [1] * (len(p) + len(c)) + [0] * pad_c)

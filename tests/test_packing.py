@@ -530,3 +530,25 @@ def test_the_packing_probe_bound_follows_the_compute_dtype(tiny_lm):
     assert probe_packs(copy.deepcopy(base)) and probe_packs(Autocast(copy.deepcopy(base), torch.bfloat16))
     assert probe_packs(as_bf16)
     assert not probe_packs(Across(copy.deepcopy(base))) and not probe_packs(Across(as_bf16))
+
+
+def test_a_completion_with_an_empty_prompt_is_refused_and_a_bos_prompt_scores(tiny_lm):
+    """No position predicts the first token of a completion whose prompt is empty: the padded rows read
+    it from a pad (or column -1), the packed ones from the previous sequence's last token. collate
+    refuses it, naming the completion and what to change; an empty prompt with nothing sampled stays
+    (nothing is read), and a prompt of the BOS token alone scores the first token from the BOS, in
+    every layout."""
+    model, tok = tiny_lm
+    b = tok.bos_token_id
+    comps = [[10, 11], [12, 13, 14]]
+    rollouts = Rollouts(comps, [[-1.0] * 2, [-1.0] * 3], ["stop"] * 2, 0)
+    with pytest.raises(ValueError, match="completion 1 has an empty prompt.*a system prompt or a BOS token"):
+        collate([[b, 5, 6], []], rollouts, torch.zeros(2), tok.pad_token_id, False)
+    collate([[b, 5, 6], []], Rollouts([[10], []], [[-1.0], []], ["stop"] * 2, 0), torch.zeros(2), tok.pad_token_id, False)
+    batch = collate([[b, 5, 6], [b]], rollouts, torch.zeros(2), tok.pad_token_id, False)
+    with torch.no_grad():
+        want = torch.log_softmax(model(input_ids=torch.tensor([[b]])).logits[0, -1].float(), -1)[12].item()
+    for layout in ("padded", "packed"):
+        assert plan(model, batch, layout, 10_000).layout == layout
+        got_BT = score_tokens(model, batch, 1.0, 10_000, layout=layout)
+        assert got_BT[1, 0].item() == pytest.approx(want, abs=1e-5), layout

@@ -15,7 +15,8 @@ from grpo.errors import ConfigError
 from grpo.parallel import sequence
 from grpo.update.layouts import split_multiple
 from tests.conftest import FAST, compose_cfg
-from tests.test_parallel import LOSS_TYPES, TORCHRUN, assert_same_update, initial_weights, run, updated_weights
+from tests.test_parallel import (LOSS_TYPES, TORCHRUN, assert_same_metrics, assert_same_update, initial_weights,
+                                 logged_metrics, run, updated_weights)
 
 
 def test_groups_are_consecutive_ranks():
@@ -143,12 +144,16 @@ def test_split_rows_replay_each_ranks_own_routes(tmp_path):
     group runs its own columns' tokens through the MoE layers, so it replays those columns' routes.
     The tiny Qwen3-MoE, random routes (not its own choice), zero3 with S = 2 on 2 ranks: one process's
     weights and loss, for every loss type (measured: largest update 0.65-1.6, max difference 5e-7 to
-    4.7e-6). Every rank replaying the first columns' routes instead: 0.72 off."""
+    4.7e-6). Every rank replaying the first columns' routes instead: 0.72 off. The logged routing
+    (routing/flip_fraction, the expert load) counts every rank's columns: one process's (the owner's
+    columns alone logged a flip fraction of the first ~2/3 of the tokens)."""
     one = updated_weights(tmp_path / "one", 1, 1, "single", "moe", "long") | {"dir": tmp_path / "one"}
     got = updated_weights(tmp_path / "split", 2, 1, "zero3", "sp2", "moe", "long")
     assert_same_update(one, got, torch.load(tmp_path / "one" / "init.pt", weights_only=True), "zero3 x2 S=2 moe")
     for lt, value in losses(tmp_path / "split").items():
         assert value == pytest.approx(losses(tmp_path / "one")[lt], abs=1e-5, rel=1e-5), lt
+    assert_same_metrics(logged_metrics(tmp_path / "one"), logged_metrics(tmp_path / "split"),
+                        ("routing/flip_fraction", "moe/expert_load_max", "moe/routing_entropy"))
     for rank in range(2):
         assert json.load(open(tmp_path / "split" / f"layouts_rank{rank}.json")).get("attention_split", 0) > 0, rank
 
@@ -229,3 +234,80 @@ def test_a_row_of_one_sequence_attends_with_no_mask_at_all(tiny_lm):
     assert rows(model, MicroBatch(padded, "packed", [1, 1]), 4).mask is None
     two = rows(model, MicroBatch(padded, "packed", [2]), 4).mask[0, 0]
     assert not two[5, :4].any() and two[5, 4:6].all()  # the second sequence sees itself only
+
+
+def split_worker(tmp_path, check: str, procs: int = 2) -> list[dict]:
+    """tests/split_worker.py `check` on `procs` ranks (S = 2): each rank's JSON."""
+    run([*TORCHRUN, "--standalone", "--nproc_per_node", str(procs), "tests/split_worker.py", check, str(tmp_path)])
+    name = {"kv_heads": "kv_heads", "moe_routing": "moe"}[check]
+    return [json.load(open(tmp_path / f"{name}_rank{r}.json")) for r in range(procs)]
+
+
+@pytest.mark.starts_process
+def test_a_split_with_fewer_key_value_heads_than_ranks_leaves_the_model_whole(tmp_path):
+    """4 heads, 1 key/value head, S = 2 (each rank a copy of it): DeepSpeed's wrapper sets every
+    attention's num_key_value_groups to the split's (2) and left it there, so the model's next unsplit
+    forward failed on a shape (grpo.verify's split row, hf generation). After a split forward and a
+    backward whose checkpointed layers recompute through the split (4 split attention calls: 2 layers,
+    run and recomputed), the attentions hold 4 again and the unsplit logprobs are the ones before; the
+    split's logprobs and the group's gradient are the unsplit ones."""
+    for rank, got in enumerate(split_worker(tmp_path, "kv_heads")):
+        assert got["before"] == got["after"] == [4, 4], (rank, got)
+        assert got.get("error") is None and got["unsplit_diff"] == 0.0, (rank, got)
+        assert got["split_calls"] == 4 and got["split_diff"] < 1e-5, (rank, got)
+        assert got["grad_max"] > 1.0 and got["grad_diff"] < 1e-5 * got["grad_max"], (rank, got)
+
+
+def column_aux_losses(model, batch, procs: int, layout: str, max_tokens: int) -> list[float]:
+    """The load-balancing loss of each split rank's forward in a group of 2, computed without a split: each
+    rank's micro-batches as whole rows (S = 2), run unsplit, their router logits cut at the columns. A
+    token's router logits are its hidden state's, which the split attention leaves as they are."""
+    from grpo import moe_model
+    from grpo.update.layouts import plan, rows
+
+    experts = moe_model.routed_experts(model)
+    per = batch.size // procs
+    out = []
+    for r in range(procs):
+        for mb in plan(model, batch.select(slice(r * per, (r + 1) * per)), layout, max_tokens).micro_batches:
+            whole = rows(model, mb, split_size=2)
+            assert whole.mask is None or layout == "packed"  # packed rows: block-causal from the position ids
+            with torch.no_grad():
+                logits = model(input_ids=whole.input_ids_RW, position_ids=whole.position_ids_RW, use_cache=False,
+                               output_router_logits=True).router_logits
+            R, W = whole.input_ids_RW.shape
+            for cols in (slice(0, W // 2), slice(W // 2, W)):
+                mine = [l.reshape(R, W, -1)[:, cols].reshape(-1, l.shape[-1]) for l in logits]
+                out.append(moe_model.routing_of(mine, whole.real_RW[:, cols], experts).aux_loss.item())
+    return out
+
+
+@pytest.mark.starts_process
+@pytest.mark.parametrize("procs", [2, 4])
+def test_a_split_moe_update_logs_the_whole_batchs_routing(tmp_path, procs):
+    """The tiny MoE's update under S = 2, on one group (2 ranks) and on two (4 ranks: data parallel 2),
+    each rank a share of the batch. Each split rank's MoE layers route its own columns only; the logged
+    expert load counted the micro-batch's owner's columns alone (496 of 776 token-layer assignments, the
+    prompt-heavy first half): moe/expert_load_max 0.2722 against one process's 0.2758. Now it is one
+    process's, to 1e-6, on every rank; moe/aux_loss is the mean over the split ranks' forwards of the
+    loss each trained on (its own columns', docs/moe.md), worked out here without a split."""
+    from grpo.config import AlgoConfig, ParallelConfig, TinyModelConfig
+    from grpo.parallel.single import SingleStrategy
+    from grpo.tiny.moe import build_tiny_moe
+    from grpo.tiny.text import build_char_tokenizer
+    from grpo.update import policy_update
+    from tests.test_gradient_invariance import make_batch
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)  # the worker's model and batch
+    model = build_tiny_moe(TinyModelConfig(), len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    batch = make_batch(tok, B=8, group=2, T=16)
+    want_aux = column_aux_losses(model, batch, procs, "packed", 10_000)
+    algo = OmegaConf.structured(AlgoConfig(group_size=2, batch_size=8, lr=1e-6, warmup_steps=0, packing=True,
+                                           shared_prompt=False, micro_batch_tokens=10_000, router_aux_loss_coef=0.01))
+    one = policy_update(SingleStrategy(OmegaConf.structured(ParallelConfig(strategy="single")), model, algo, 10),
+                        batch, algo, 16, 1.0)
+    for rank, got in enumerate(split_worker(tmp_path, "moe_routing", procs)):
+        for key in ("moe/expert_load_max", "moe/routing_entropy"):
+            assert got[key] == pytest.approx(one[key], abs=1e-6), (rank, key, got[key], one[key])
+        assert got["moe/aux_loss"] == pytest.approx(sum(want_aux) / len(want_aux), abs=1e-5), (rank, got, want_aux)

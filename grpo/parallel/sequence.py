@@ -235,9 +235,27 @@ def install() -> None:
         if split is None:
             return own(module, query, key, value, attention_mask, *args, **kwargs)
         # the model's mask covers this rank's columns only; the whole row's (None: causal) goes to DeepSpeed's
-        return split.ulysses(query.shape[0])(module, query, key, value, _ACTIVE["mask"], *args, **kwargs)
+        with own_key_value_groups(module):
+            return split.ulysses(query.shape[0])(module, query, key, value, _ACTIVE["mask"], *args, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS["sdpa"] = split_attention
+
+
+@contextlib.contextmanager
+def own_key_value_groups(module):
+    """Give the attention `module` back its own `num_key_value_groups` when the block ends. With fewer
+    key/value heads than S (check_heads allows it) DeepSpeed's wrapper sets it to the split's
+    (query heads per copied key/value head on this rank) on every call and never restores it, so the
+    model's next unsplit forward (grpo.verify's split row, in-process generation, a layout probe)
+    repeated its key/value heads too few times and failed on a shape. The split's value is needed
+    only inside the call: the attention's backward is autograd's, and a checkpointed layer's
+    recompute comes through this wrapper again."""
+    own = getattr(module, "num_key_value_groups", None)
+    try:
+        yield
+    finally:
+        if own is not None:
+            module.num_key_value_groups = own
 
 
 def build(size: int, model) -> SequenceParallel | None:

@@ -38,9 +38,9 @@ def split_of(strategy):
 
 
 def work(strategy, model, batch: Batch, asked: str, max_tokens: int) -> tuple[layouts.Plan, list]:
-    """(the batch's plan, what this rank runs forwards on): each micro-batch with whether it is this
-    rank's own, then the padding micro-batches that keep the ranks in step. With sequence parallelism
-    every micro-batch of the rank's group, in rank order (its statistics and outputs are kept by its
+    """(the batch's plan, what this rank runs forwards on): (micro-batch, whether it is this rank's own,
+    whether it is padding) for each micro-batch, then for the padding micro-batches that keep the ranks
+    in step. With sequence parallelism every micro-batch of the rank's group, in rank order (its statistics and outputs are kept by its
     own rank alone). The padding is counted before any forward: under ZeRO-3 a forward is a collective
     (parameter gathers, and DeepSpeed's trace check at its start), so a rank with fewer micro-batches
     must not reach this all-reduce while another is still in a forward."""
@@ -48,7 +48,7 @@ def work(strategy, model, batch: Batch, asked: str, max_tokens: int) -> tuple[la
     split = split_of(strategy)
     mine = [(mb, True) for mb in plan.micro_batches] if split is None else split.exchange(plan.micro_batches)
     extra = lockstep_padding(strategy, len(mine))
-    return plan, mine + ([(layouts.padding(plan.layout), False)] * extra if extra else [])
+    return plan, [(mb, own, False) for mb, own in mine] + [(layouts.padding(plan.layout), False, True)] * extra
 
 
 @contextlib.contextmanager
@@ -88,7 +88,7 @@ def score_tokens(model, batch: Batch, temperature: float, max_tokens: int, strat
     device = next(model.parameters()).device
     _, runs = work(strategy, model, batch, layout, max_tokens)
     out_BT = torch.zeros_like(batch.sampler_logprobs_BT)
-    for mb, mine in runs:
+    for mb, mine, _ in runs:
         with forwarding(strategy, model, mb.to(device), temperature, max_tokens=max_tokens, tally=tally,
                         part=part) as (logp_BT, _, _):
             if mine:
@@ -130,9 +130,11 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
     plan, runs = work(strategy, strategy.forward_model, batch, layouts.layout_of(algo, device.type == "cuda"),
                       algo.micro_batch_tokens)
     # a micro-batch split across S ranks: each computes its whole loss and backs off 1/S of it
-    # (grpo/parallel/sequence.py); its statistics count on its own rank alone
-    share = 1 if split_of(strategy) is None else split_of(strategy).size
-    for planned, mine in runs:
+    # (grpo/parallel/sequence.py); its statistics count on its own rank alone, but its routing on
+    # every rank of the group (`counts_routing`)
+    split = split_of(strategy)
+    share = 1 if split is None else split.size
+    for planned, mine, padding in runs:
         planned = planned.to(device)
         mb = planned.batch
         replayed = routing.Replayed()  # rollout.routing_replay: the trainer's own routers against the sampler's
@@ -147,6 +149,13 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
             # the backward under the forward's kernels too: gradient checkpointing recomputes layers there
             with forward.training_attention(device):
                 strategy.backward(loss / share if share > 1 else loss)
+        if counts_routing(split, mine, padding):
+            sums["routing_flips"] += replayed.flips  # the first forward's (a gradient checkpointing recompute adds again)
+            sums["routing_given"] += replayed.given
+            if routed is not None:
+                sums["aux_loss_sum"] += routed.aux_loss.detach()
+                sums["routed_forwards"] += 1
+                sums["load_E"] += routed.load_E
         if not mine:
             continue
         if mb.size:  # |trainer - sampler| logprob on the sampled tokens (see policy_update)
@@ -160,13 +169,17 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
         sums["clipped_tokens"] += stats["clipped_tokens"]
         sums["kl_sum"] += stats.get("kl_sum", 0.0)
         sums["entropy_sum"] += (ent_BT * mb.mask_BT).sum()
-        sums["routing_flips"] += replayed.flips  # the first forward's (a gradient checkpointing recompute adds again)
-        sums["routing_given"] += replayed.given
-        if routed is not None:
-            sums["aux_loss_sum"] += routed.aux_loss.detach()
-            sums["routed_forwards"] += 1
-            sums["load_E"] += routed.load_E
     return sums, plan
+
+
+def counts_routing(split, mine: bool, padding: bool) -> bool:
+    """Whether this rank's forward of a micro-batch adds to the logged routing (a MoE's expert load and
+    aux loss, routing replay's flips). Unsplit: its own rank's. Split: every rank of the group's, for each of the group's
+    micro-batches (not the lockstep padding): a split rank's MoE layers route its own columns' tokens
+    only, the columns do not overlap, so the group's sum is the micro-batch's load (its owner's alone
+    was about 2/3 of it, the prompt-heavy first columns); each rank's aux loss, the one it trained
+    on, is one forward of the mean. Summed over all ranks (`RANK_SUMS`), every token counts once."""
+    return mine if split is None else not padding
 
 
 def policy_update(
