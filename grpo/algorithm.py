@@ -537,6 +537,17 @@ def check(algo, rollout, world: int) -> None:
             "algo.is_level needs rollout.top_p=1 and rollout.top_k=0: with truncated sampling the sampler's "
             "logprobs come from a renormalised distribution the trainer does not compute."
         )
+    # the behaviour trust region's ratio is pi_trainer / mu: with truncation mu is renormalised over the kept
+    # tokens and the trainer's full softmax never equals it (top_k=2, a fresh batch: clip_frac 0.29, not 0)
+    if (trust_region(a.trust_region, a.max_staleness, a.is_level) == "behaviour"
+            and (rollout.top_p < 1 or rollout.top_k > 0)):
+        raise ConfigError(
+            f"rollout.top_k={rollout.top_k} / rollout.top_p={rollout.top_p} with the behaviour trust region "
+            f"(algo.trust_region={a.trust_region}, algo.max_staleness={a.max_staleness}): its ratio divides by the "
+            f"sampler's logprobs, which come from a truncated, renormalised distribution the trainer does not "
+            f"compute, so even a fresh batch is clipped. Set rollout.top_k=0 and rollout.top_p=1.0, or "
+            f"algo.max_staleness=0 with algo.trust_region=auto (or proximal), whose ratio is the trainer's own."
+        )
     if a.max_staleness < 0:
         raise ConfigError(f"algo.max_staleness={a.max_staleness} must be >= 0 (0: synchronous; k: batches up to k versions old).")
     if a.trust_region == "behaviour" and a.is_level != "none":

@@ -14,6 +14,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
@@ -350,7 +351,8 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     algorithm.check_turn_rewards(a, cfg.env.name, [f.name for f in cfg.reward.funcs])  # per-turn credit
     backend, strategy = backend_class(r.backend), strategy_class(cfg.parallel.strategy)
     backend.check(r, world)  # each backend its own settings (grpo/rollout/)
-    backend.check_unread(r)  # a rollout.vllm.* setting the backend never reads
+    backend.check_unread(r)  # a rollout.vllm.*, remote.* or dedicated.* setting the backend never reads
+    backend.check_hardware(r, cuda if cuda is not None else torch.cuda.is_available())  # CPU engines' settings on GPUs
     backend.check_staleness(r, a.max_staleness)  # engines elsewhere overlap; in-process ones warn
     backend.check_schedule(r, a, cfg.env.name)  # rollout.schedule, algo.partial_rollouts
     backend.check_routing(r, cfg.env.name)  # rollout.routing_replay: a backend that returns routes, single-turn

@@ -58,10 +58,15 @@ class DedicatedConfig:
     devices: Any = "auto"  # auto (the node's GPUs training does not use; CPU without GPUs) or [cuda:4, ...]
     num_engines: int = 0  # engines per node, the reserved devices split evenly; 0 = auto (plan_engines)
     # CPU nodes: cores reserved for the engines (the last ones of the node's affinity mask), the rest
-    # for training, as GPUs are reserved on GPU nodes; 0 = engines and trainers share every core
+    # for training, as GPUs are reserved on GPU nodes (where it is refused); 0 = engines and trainers share every core
     cpu_cores: int = 0
     start_timeout_s: float = 600.0  # engines must answer /health within this
     request_timeout_s: float = 600.0  # one generation or weight-sync request
+
+
+# the rollout.* groups of one backend alone: rollout.<name>.* is read by rollout=<name> and by nothing else
+# (`RolloutBackend.check_unread` refuses a setting of one under another backend)
+OWN_GROUPS = {"remote": RemoteConfig, "dedicated": DedicatedConfig}
 
 
 @dataclass

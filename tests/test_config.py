@@ -207,6 +207,14 @@ def test_unknown_option_is_an_error():
          "rollout.vllm.memory_fraction=0.9 has no effect under rollout=remote"),
         ("rollout=dedicated|rollout.vllm.sleep=true", "rollout.vllm.sleep=True has no effect under rollout=dedicated"),
         ("rollout=colocated|rollout.vllm.tensor_parallel_size=0", "rollout.vllm.tensor_parallel_size=0 and max_model_len"),
+        # rollout.<backend>.* under another backend (session 19's review): read by nothing
+        ("rollout=colocated|rollout.dedicated.num_engines=4", "rollout.dedicated.num_engines=4 has no effect under "
+         "rollout=colocated (it is read by rollout=dedicated only): remove it, or use rollout=dedicated."),
+        ("rollout.dedicated.cpu_cores=1", "rollout.dedicated.cpu_cores=1 has no effect under rollout=hf"),
+        ("rollout.remote.urls=[http://127.0.0.1:8000]", "rollout.remote.urls=['http://127.0.0.1:8000'] has no effect "
+         "under rollout=hf (it is read by rollout=remote only): remove it, or use rollout=remote."),
+        ("rollout=dedicated|rollout.remote.allow_plain_http=true", "rollout.remote.allow_plain_http=True has no effect "
+         "under rollout=dedicated"),
         ("task.path=train.jsonl", "task.path='train.jsonl' is not read by task=addition"),
         ("task=jsonl|task.hub_id=gsm8k", "task.hub_id='gsm8k' is not read by task=jsonl"),
         ("algo.max_grad_norm=0", "algo.max_grad_norm=0.0 must be > 0"),
@@ -246,6 +254,35 @@ def test_settings_of_a_feature_that_is_on_validate_and_a_warm_up_past_the_run_wa
     # warm-up counts optimizer steps: 5 steps x 2 iterations = 10 of 20, the last at 10 / 21 of algo.lr
     validate(compose_cfg("steps=5", "algo.warmup_steps=20", "algo.num_iterations=2"))
     assert any("the run's 10 optimizer steps" in str(w.message) and "only reaches 0.48 x" in str(w.message) for w in recwarn)
+
+
+@pytest.mark.parametrize(
+    "overrides, refused",
+    [  # (the settings, whether the sampler's logprobs enter the loss: behaviour trust region or is_level)
+        (["rollout.top_k=2"], False),  # synchronous, auto: proximal, the trainer's own ratio
+        (["rollout.top_p=0.9", "algo.trust_region=proximal"], False),
+        (["rollout.top_k=2", "algo.max_staleness=1"], True),  # auto resolves to behaviour: pi_trainer / mu
+        (["rollout.top_p=0.9", "algo.max_staleness=1"], True),
+        (["rollout.top_k=2", "algo.trust_region=behaviour"], True),  # fresh batches, but still divided by mu
+        (["rollout.top_k=0", "rollout.top_p=1.0", "algo.max_staleness=1"], False),  # untruncated: mu is pi
+    ],
+)
+def test_truncated_sampling_is_refused_where_the_samplers_logprobs_enter_the_loss(overrides, refused):
+    """The behaviour trust region's ratio divides by the sampler's logprobs; with top-k / top-p those are
+    of the renormalised distribution the trainer never computes (a fresh top_k=2 batch: clip_frac 0.29)."""
+    cfg = compose_cfg("rollout=dedicated", *overrides)
+    if not refused:
+        validate(cfg)
+        return
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    a, r = cfg.algo, cfg.rollout
+    assert str(e.value) == (
+        f"rollout.top_k={r.top_k} / rollout.top_p={r.top_p} with the behaviour trust region (algo.trust_region="
+        f"{a.trust_region}, algo.max_staleness={a.max_staleness}): its ratio divides by the sampler's logprobs, which "
+        f"come from a truncated, renormalised distribution the trainer does not compute, so even a fresh batch is "
+        f"clipped. Set rollout.top_k=0 and rollout.top_p=1.0, or algo.max_staleness=0 with algo.trust_region=auto (or "
+        f"proximal), whose ratio is the trainer's own.")
 
 
 def test_prompts_are_shared_evenly_by_the_processes():

@@ -11,9 +11,10 @@ import time
 
 import pytest
 
-from grpo.errors import DeviceError
-from grpo.rollout.dedicated import engine_argv, pick_devices
-from tests.conftest import FAST, ROOT
+from grpo.errors import ConfigError, DeviceError
+from grpo.rollout.dedicated import (CPU_MEMORY_FRACTION, GPU_MEMORY_FRACTION, DedicatedBackend, check_engine_settings,
+                                    engine_argv, pick_devices)
+from tests.conftest import FAST, ROOT, compose_cfg
 from tests.listener_watch import ListenerWatch
 from tests.test_parallel import TORCHRUN
 
@@ -231,3 +232,34 @@ def test_an_engines_command_says_eager_or_graphs_whatever_the_device(devices):
         assert [a for a in argv if a.endswith("enforce-eager")] == [flag], argv
     gpus = engine_argv("/m", ["cuda:0", "cuda:1"], 8000, cfg, "bfloat16")
     assert gpus[gpus.index("--tensor-parallel-size") + 1] == "2" and gpus[gpus.index("--dtype") + 1] == "bfloat16"
+
+
+def test_engine_settings_of_cpu_engines_are_refused_on_gpus_not_ignored():
+    """A GPU engine owns its devices and takes 0.9 of each; rollout.vllm.memory_fraction and
+    rollout.dedicated.cpu_cores size and pin CPU engines only. Set on GPUs they were passed over without
+    a word (--memory-fraction 0.9 whatever the config said); rollout=dedicated's own values pass."""
+    preset = compose_cfg("rollout=dedicated").rollout
+    assert preset.vllm.memory_fraction == CPU_MEMORY_FRACTION == 0.1 and preset.dedicated.cpu_cores == 0
+    check_engine_settings(preset, ["cuda:1"])
+    argv = engine_argv("/m", ["cuda:1"], 8000, preset.vllm, "bfloat16")
+    assert argv[argv.index("--memory-fraction") + 1] == str(GPU_MEMORY_FRACTION) == "0.9"
+    argv = engine_argv("/m", ["cpu"], 8000, preset.vllm, "float32")
+    assert argv[argv.index("--memory-fraction") + 1] == "0.1"
+
+    mine = compose_cfg("rollout=dedicated", "rollout.vllm.memory_fraction=0.5", "rollout.dedicated.cpu_cores=1").rollout
+    check_engine_settings(mine, ["cpu"])  # read there
+    with pytest.raises(ConfigError) as e:
+        check_engine_settings(mine, ["cuda:1", "cuda:2"])
+    assert str(e.value) == (
+        "rollout.vllm.memory_fraction=0.5 and rollout.dedicated.cpu_cores=1 with rollout=dedicated on ['cuda:1', "
+        "'cuda:2']: engines on GPUs own their devices and take 0.9 of each, and no CPU cores are reserved for them; "
+        "these settings size and pin CPU engines only. Remove them (rollout.vllm.kv_cache_gb=N gives a GPU engine's "
+        "KV cache an explicit size in GiB).")
+    with pytest.raises(ConfigError, match=r"^rollout.dedicated.cpu_cores=2 with rollout=dedicated on \['cuda:0'\]"):
+        check_engine_settings(compose_cfg("rollout=dedicated", "rollout.dedicated.cpu_cores=2").rollout, ["cuda:0"])
+    # validate's hook, told whether the run has GPUs (grpo.launch: the job's, on a login node)
+    DedicatedBackend.check_hardware(mine, cuda=False)
+    DedicatedBackend.check_hardware(preset, cuda=True)
+    with pytest.raises(ConfigError, match=r"^rollout.vllm.memory_fraction=0.5 and rollout.dedicated.cpu_cores=1 with "
+                                          r"rollout=dedicated on \['cuda'\]"):
+        DedicatedBackend.check_hardware(mine, cuda=True)

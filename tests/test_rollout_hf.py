@@ -1,9 +1,10 @@
 """The hf backend: the batch contract, and parity of its sampler logprobs with the trainer's."""
 
+import pytest
 import torch
 
 from grpo.rollout import Sampling
-from grpo.rollout.hf import HFBackend
+from grpo.rollout.hf import HFBackend, completion_budgets
 from grpo.batch import collate
 from grpo.update import score_tokens
 from grpo.verify import TOLERANCES
@@ -163,3 +164,24 @@ def test_a_rank_with_no_prompts_generates_nothing(tiny_lm):
     model, tok = tiny_lm
     out = HFBackend(None, model, tok).generate([], 4, Sampling(max_new_tokens=3))
     assert (out.completion_ids, out.logprobs, out.finish_reasons) == ([], [], [])
+
+
+def test_completions_stop_at_the_models_context_and_say_length(tiny_lm):
+    """vLLM stops a sequence at max_model_len and marks it 'length'; transformers generated on past the
+    tiny model's 256 positions. A 252-token prompt leaves 4 of them: its rows are cut there, the short
+    prompt's keep rollout.max_new_tokens (12)."""
+    model, tok = tiny_lm
+    assert model.config.max_position_embeddings == 256
+    long, short = tok("12+" * 83 + "1=").input_ids, tok("7=").input_ids
+    assert (len(long), len(short)) == (252, 3)
+    assert completion_budgets([252, 3], 12, 256) == [4, 12] and completion_budgets([252], 12, None) == [12]
+    torch.manual_seed(0)
+    out = HFBackend(None, model, tok).generate([long, short], 4, Sampling(max_new_tokens=12, temperature=1.0))
+    for i, (ids, reason) in enumerate(zip(out.completion_ids, out.finish_reasons)):
+        budget = 4 if i < 4 else 12
+        assert len(out.logprobs[i]) == len(ids) <= budget
+        assert (reason, len(ids)) == (("stop", len(ids)) if ids[-1] == tok.eos_token_id else ("length", budget))
+    assert [len(c) for c in out.completion_ids[:4]] == [4, 4, 4, 4]  # no EOS in 4 draws here: 252 + 4 = 256
+    with pytest.raises(ValueError, match="a prompt of 256 tokens leaves no room for a completion in the model's context "
+                                         "of 256 tokens"):
+        completion_budgets([3, 256], 12, 256)

@@ -16,7 +16,7 @@ from dataclasses import MISSING, dataclass, fields
 from grpo import dist
 from grpo.errors import ConfigError
 from grpo.moe import routing
-from grpo.rollout_config import VLLM_READERS, VLLMConfig
+from grpo.rollout_config import OWN_GROUPS, VLLM_READERS, VLLMConfig
 from grpo.weights import WeightBuckets
 
 
@@ -36,6 +36,11 @@ def sampling_fields(s: Sampling) -> dict:
     generation_config.json by a server started without `--generation-config vllm`."""
     return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": 0.0,
             "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def schema_default(f):
+    """A config dataclass field's default (a list field's from its factory: [])."""
+    return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
 @dataclass
@@ -149,18 +154,32 @@ class RolloutBackend(ABC):
     @classmethod
     def check_unread(cls, cfg) -> None:
         """A rollout.vllm.* setting this backend never reads, set to other than its default, is refused:
-        it would change nothing, without a word (rollout.vllm.max_model_len=4096 under rollout=hf)."""
+        it would change nothing, without a word (rollout.vllm.max_model_len=4096 under rollout=hf). So is a
+        rollout.remote.* or rollout.dedicated.* setting under another backend than its own (OWN_GROUPS)."""
         for f in fields(VLLMConfig):
             value = cfg.vllm.get(f.name)
             if f.name not in cls.reads_vllm and f.default is not MISSING and value != f.default:
                 readers = [name for name, reads in VLLM_READERS.items() if f.name in reads]
                 raise ConfigError(f"rollout.vllm.{f.name}={value!r} has no effect under rollout={cfg.backend} (it is read "
                                   f"by rollout={' and '.join(readers) or 'none'}): remove it, or pick a backend that reads it.")
+        for group, schema in OWN_GROUPS.items():
+            if group == cfg.backend:
+                continue
+            for f in fields(schema):
+                value = cfg[group].get(f.name)
+                if value != schema_default(f):
+                    raise ConfigError(f"rollout.{group}.{f.name}={value!r} has no effect under rollout={cfg.backend} (it "
+                                      f"is read by rollout={group} only): remove it, or use rollout={group}.")
 
     @classmethod
     def check(cls, cfg, world: int) -> None:
         """Raise ConfigError for settings of this backend that cannot work with `world` processes
         (called by grpo.config.validate before anything is built; no hardware is asked here)."""
+
+    @classmethod
+    def check_hardware(cls, cfg, cuda: bool) -> None:
+        """Raise ConfigError for settings the run's hardware would leave unread (`cuda`: whether the run
+        will have GPUs, as validate is told; grpo.launch checks a GPU job on a login node without any)."""
 
     @classmethod
     def check_context(cls, cfg, model_config: dict) -> None:

@@ -147,6 +147,33 @@ def child_visible_devices(devices: list[str], parent_visible: str | None) -> str
     return ",".join(parent[i] for i in logical)
 
 
+# An engine on GPUs owns them (pick_devices keeps training off them), so it takes vLLM's own default share of
+# each, as a standalone grpo.serve does on a GPU (a smaller KV cache: rollout.vllm.kv_cache_gb). CPU engines share
+# the node's memory with the trainers: rollout.vllm.memory_fraction sizes them, and rollout=dedicated sets it to
+# CPU_MEMORY_FRACTION (conf/rollout/dedicated.yaml; tests/test_dedicated.py holds the two equal).
+GPU_MEMORY_FRACTION = 0.9
+CPU_MEMORY_FRACTION = 0.1
+
+
+def check_engine_settings(cfg, devices: list[str]) -> None:
+    """rollout.vllm.memory_fraction and rollout.dedicated.cpu_cores size and pin CPU engines only: on GPUs
+    an engine takes GPU_MEMORY_FRACTION of its devices and no cores are reserved. Either set there (other
+    than rollout=dedicated's own) is refused, not ignored. Called on the node, where `devices` are known,
+    and before that by validate when told the run has GPUs (`DedicatedBackend.check_hardware`)."""
+    if devices == ["cpu"]:
+        return
+    unread = []
+    if cfg.vllm.memory_fraction != CPU_MEMORY_FRACTION:
+        unread.append(f"rollout.vllm.memory_fraction={cfg.vllm.memory_fraction}")
+    if cfg.dedicated.cpu_cores:
+        unread.append(f"rollout.dedicated.cpu_cores={cfg.dedicated.cpu_cores}")
+    if unread:
+        raise ConfigError(f"{' and '.join(unread)} with rollout=dedicated on {devices}: engines on GPUs own their "
+                          f"devices and take {GPU_MEMORY_FRACTION} of each, and no CPU cores are reserved for them; these "
+                          f"settings size and pin CPU engines only. Remove them (rollout.vllm.kv_cache_gb=N gives a GPU "
+                          f"engine's KV cache an explicit size in GiB).")
+
+
 def pinned_engine_env(cpus: list[int] | None) -> dict[str, str]:
     """The environment that binds a CPU vLLM engine's threads to `cpus` (nothing without them); the
     process itself is pinned by sched_setaffinity before exec."""
@@ -167,7 +194,7 @@ def engine_argv(model_path: str, devices: list[str], port: int, vllm_cfg, dtype:
     if devices == ["cpu"]:
         argv += ["--memory-fraction", str(vllm_cfg.memory_fraction)]
     else:  # the engine owns these GPUs
-        argv += ["--tensor-parallel-size", str(len(devices)), "--memory-fraction", "0.9"]
+        argv += ["--tensor-parallel-size", str(len(devices)), "--memory-fraction", str(GPU_MEMORY_FRACTION)]
     argv.append("--enforce-eager" if vllm_cfg.enforce_eager else "--no-enforce-eager")
     if lora_rank:
         argv += ["--lora-rank", str(lora_rank)]
@@ -288,6 +315,12 @@ class DedicatedBackend(RolloutBackend):
         engine_context(model_config, cfg.vllm.max_model_len, cfg.max_new_tokens, warn=False)  # the engine start warns
 
     @classmethod
+    def check_hardware(cls, cfg, cuda: bool) -> None:
+        """With GPUs the engines are on GPUs (pick_devices takes "cpu" only where none is visible)."""
+        if cuda:
+            check_engine_settings(cfg, ["cuda"])
+
+    @classmethod
     def check(cls, cfg, world: int) -> None:
         check_vllm(cfg)  # devices are picked on the node, where they are (pick_devices)
         if cfg.dedicated.num_engines < 0:
@@ -309,6 +342,7 @@ class DedicatedBackend(RolloutBackend):
         self.max_context = engine_context(model_config_of(model_path), cfg.vllm.max_model_len, cfg.max_new_tokens)
         per_node = tdist.get_world_size(self.group) if self.group is not None else 1
         devices = pick_devices(cfg.dedicated.devices, per_node)
+        check_engine_settings(cfg, devices)  # every rank alike, before anything starts
         engine_cpus, self.restore_cpus = None, None
         if devices == ["cpu"] and cfg.dedicated.cpu_cores:  # every rank of the node keeps to the training CPUs
             training_cpus, engine_cpus = split_cpus(sorted(os.sched_getaffinity(0)), cfg.dedicated.cpu_cores)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
@@ -83,6 +84,20 @@ def logits_processors(sampling: Sampling, recorder: SampledLogprobs) -> LogitsPr
         if sampling.top_p < 1.0:
             chain.append(TopPLogitsWarper(top_p=sampling.top_p))
     return LogitsProcessorList(chain + [recorder])
+
+
+def completion_budgets(prompt_lens: list[int], max_new_tokens: int, max_context: int | None) -> list[int]:
+    """Each prompt's most completion tokens: `max_new_tokens`, or what the model's context (its
+    max_position_embeddings) leaves after the prompt where that is less. vLLM stops a sequence at
+    max_model_len and marks it 'length'; transformers would generate on at positions the model never
+    trained. A prompt that leaves no room is refused, as vLLM refuses it."""
+    if max_context is None:
+        return [max_new_tokens] * len(prompt_lens)
+    too_long = [n for n in prompt_lens if n >= max_context]
+    if too_long:
+        raise ValueError(f"a prompt of {too_long[0]} tokens leaves no room for a completion in the model's context of "
+                         f"{max_context} tokens (max_position_embeddings); shorten the task's prompts.")
+    return [min(max_new_tokens, max_context - n) for n in prompt_lens]
 
 
 def compute_precision(model: torch.nn.Module, dtype: str):
@@ -185,6 +200,8 @@ class HFBackend(RolloutBackend):
             return Rollouts([], [], [], self.weight_version)
         width = max(2, max(len(p) for p in prompt_ids))
         rows = [p for p in prompt_ids for _ in range(n)]
+        budgets = completion_budgets([len(p) for p in rows], sampling.max_new_tokens, self.max_context)
+        sampling = dataclasses.replace(sampling, max_new_tokens=max(budgets))  # no row runs longer
         ids_BL = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in rows])
         mask_BL = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
         was_training = self.model.training
@@ -214,7 +231,8 @@ class HFBackend(RolloutBackend):
         new_BT = out.sequences[:, width:].cpu()
         logprobs_BT = recorder.logprobs(new_BT)
         completions, logprobs, reasons = [], [], []
-        for tokens, lps in zip(new_BT.tolist(), logprobs_BT.tolist()):
+        for tokens, lps, budget in zip(new_BT.tolist(), logprobs_BT.tolist(), budgets):
+            tokens, lps = tokens[:budget], lps[:budget]  # a row whose prompt leaves less of the context
             end = next((t + 1 for t, token in enumerate(tokens) if token in self.stop_ids), None)
             if end is not None:
                 completions.append(tokens[:end])
