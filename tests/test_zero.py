@@ -74,8 +74,22 @@ def test_user_json_is_merged_and_conflicts_are_reported(tmp_path):
 
 
 def test_deepspeed_options_need_a_zero_strategy(tmp_path):
-    with pytest.raises(ConfigError, match="parallel.offload_optimizer is a DeepSpeed setting"):
+    """A parallel.* setting only other strategies read changes nothing: refused, naming who reads it."""
+    from grpo.config import ParallelConfig
+    from grpo.parallel.base import OWN_SETTINGS
+
+    with pytest.raises(ConfigError, match=r"parallel.offload_optimizer=True is read by parallel=zero2\|zero3\|zero3_offload "
+                                          r"only; parallel=ddp ignores it"):
         validate(compose_cfg("parallel=ddp", "parallel.offload_optimizer=true"))
+    with pytest.raises(ConfigError, match="parallel.cpu_shm_allreduce=True is read by parallel=zero2"):
+        validate(compose_cfg("parallel=single", "parallel.cpu_shm_allreduce=true"))
+    for strategy in ("single", "zero2"):
+        with pytest.raises(ConfigError, match=f"parallel.allreduce_bucket_mb=200.0 is read by parallel=ddp only; "
+                                              f"parallel={strategy} ignores it"):
+            validate(compose_cfg(f"parallel={strategy}", "parallel.allreduce_bucket_mb=200"))
+    validate(compose_cfg("parallel=zero2", "parallel.cpu_shm_allreduce=true"))
+    assert {key: getattr(ParallelConfig(strategy="x"), key) for key in OWN_SETTINGS} == \
+        {key: default for key, (default, _) in OWN_SETTINGS.items()}  # the table's defaults are the schema's
     with pytest.raises(ConfigError, match="is not a file"):
         validate(compose_cfg("parallel=zero3", f"parallel.deepspeed_config={tmp_path}/missing.json"))
     cfg = compose_cfg("parallel=zero3_offload")
@@ -133,8 +147,11 @@ def test_design_card_command_as_two_torchrun_processes(tmp_path, cache_dir):
 @pytest.mark.starts_process
 def test_zero3_two_process_resume_matches_an_uninterrupted_run(tmp_path, cache_dir):
     """2 ranks, ZeRO-3: stop after 2 steps, resume to 4 in the same folder; metrics and final
-    weights equal a straight 4-step run's."""
-    common = [*FAST, "parallel=zero3", "algo.lr_schedule=constant", f"model.cache_dir={cache_dir}"]
+    weights equal a straight 4-step run's. Under the linear schedule (a warm-up of 1) the 2-step run's
+    steps are the 4-step run's (lr/2, lr), and its end is lr 0: the resumed steps 3-4 must take the
+    4-step schedule's 2/3 and 1/3 of lr through DeepSpeed's own optimizer and scheduler load
+    (`resume_schedule`), not the checkpoint's 0."""
+    common = [*FAST, "parallel=zero3", f"model.cache_dir={cache_dir}"]
     launch = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run([*launch, *common, "steps=4", f"hydra.run.dir={straight}"])
@@ -144,7 +161,7 @@ def test_zero3_two_process_resume_matches_an_uninterrupted_run(tmp_path, cache_d
 
     def trained(folder):
         rows = [json.loads(line) for line in open(folder / "metrics.jsonl")]
-        return {r["step"]: (r["loss"], r["reward/mean"], r["grad_norm"]) for r in rows if "loss" in r}
+        return {r["step"]: (r["loss"], r["reward/mean"], r["grad_norm"], r["lr"]) for r in rows if "loss" in r}
 
     a, b = trained(straight), trained(resumed)
     assert sorted(b) == [1, 2, 3, 4]

@@ -54,19 +54,32 @@ def resume_schedule(scheduler, algo) -> None:
     scheduler._last_lr = lrs  # what get_last_lr() (the logged lr) reads
 
 
+# parallel.* settings only some strategies read: (the schema's default, the strategies that read it)
+OWN_SETTINGS = {
+    "offload_optimizer": (False, "parallel=zero2|zero3|zero3_offload"),
+    "deepspeed_config": (None, "parallel=zero2|zero3|zero3_offload"),
+    "cpu_shm_allreduce": (False, "parallel=zero2|zero3|zero3_offload"),
+    "allreduce_bucket_mb": (25.0, "parallel=ddp"),
+}
+
+
 class Strategy(ABC):
     model: torch.nn.Module  # the unwrapped module: forward passes and rollout backends use it
     lockstep = False  # True: every rank must make the same forward/backward calls (sharded parameters)
     sequence = None  # parallel.sequence_parallel > 1: this rank's group sharing rows (grpo/parallel/sequence.py)
     scheduler: torch.optim.lr_scheduler.LambdaLR  # build_optimizer's schedule (ZeRO: the engine's)
 
+    reads: tuple[str, ...] = ()  # the keys of `OWN_SETTINGS` this strategy reads
+
     @classmethod
     def check(cls, cfg, world: int) -> None:
         """Raise ConfigError for parallel.* settings this strategy cannot honour with `world` processes
-        (called by grpo.config.validate). The DeepSpeed keys belong to the ZeRO strategies alone."""
-        for key in ("offload_optimizer", "deepspeed_config"):
-            if cfg[key]:
-                raise ConfigError(f"parallel.{key} is a DeepSpeed setting; use it with parallel=zero2|zero3|zero3_offload.")
+        (called by grpo.config.validate), and for one that only other strategies read, set away from
+        its default (it would change nothing: `parallel.cpu_shm_allreduce=true` under ddp)."""
+        for key, (default, where) in OWN_SETTINGS.items():
+            if key not in cls.reads and cfg[key] != default:
+                raise ConfigError(f"parallel.{key}={cfg[key]} is read by {where} only; parallel={cfg.strategy} "
+                                  f"ignores it. Use {where}, or drop the setting.")
 
     @classmethod
     def check_lora(cls, cfg, lora, world: int) -> None:

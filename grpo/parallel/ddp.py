@@ -36,6 +36,7 @@ def gradient_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> lis
 
 
 class DDPStrategy(SingleStrategy):
+    reads = ("allreduce_bucket_mb",)
     def __init__(self, cfg, model: torch.nn.Module, algo, total_steps: int):
         if not tdist.is_initialized():
             raise RuntimeError(

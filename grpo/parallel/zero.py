@@ -164,11 +164,13 @@ def init_deepspeed_comm(cpu_shm_allreduce: bool) -> None:
 class ZeroStrategy(Strategy):
     @classmethod
     def check(cls, cfg, world: int) -> None:
+        super().check(cfg, world)
         if cfg.deepspeed_config and not os.path.isfile(os.path.expanduser(cfg.deepspeed_config)):
             raise ConfigError(f"parallel.deepspeed_config={cfg.deepspeed_config!r} is not a file.")
 
     lockstep = True
     stage = 3
+    reads = ("offload_optimizer", "deepspeed_config", "cpu_shm_allreduce")
 
     @classmethod
     def loading(cls, cfg, algo, dtype: torch.dtype):
