@@ -516,6 +516,14 @@ def check(algo, rollout, world: int) -> None:
     # CISPO's two bounds are independent (its lower one is usually off: clip_eps=1); PPO's clip-higher raises the upper
     if a.lr <= 0 or a.clip_eps <= 0 or (a.pg_loss == "ppo" and a.clip_eps_high is not None and a.clip_eps_high < a.clip_eps):
         raise ConfigError("algo.lr and algo.clip_eps must be > 0, and algo.clip_eps_high (if set) >= algo.clip_eps.")
+    if a.zero_std_groups == "drop" and a.beta > 0:
+        raise ConfigError(f"algo.zero_std_groups=drop skips the groups whose rewards are all equal, whose advantage "
+                          f"is 0; with algo.beta={a.beta} their tokens still carry the KL term's gradient, so skipping "
+                          f"them would change the update. Set algo.zero_std_groups=keep (or algo.beta=0).")
+    if a.pg_loss == "cispo" and a.clip_eps_high is not None and a.clip_eps_high <= 0:
+        raise ConfigError(f"algo.pg_loss=cispo caps the importance weight to [1 - clip_eps, 1 + clip_eps_high] = "
+                          f"[{1 - a.clip_eps:g}, {1 + a.clip_eps_high:g}]: an on-policy token (weight 1) would be capped "
+                          f"below 1, at 0 or under no policy gradient at all. algo.clip_eps_high must be > 0.")
     if not a.max_grad_norm > 0:  # single/ddp clip to it (0: no step at all, below 0: gradients flipped); DeepSpeed reads <= 0 as off
         raise ConfigError(f"algo.max_grad_norm={a.max_grad_norm} must be > 0 (the gradient norm is clipped to it); for "
                           f"practically no clipping give a large value, e.g. algo.max_grad_norm=1e9.")

@@ -467,14 +467,13 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
             r.tokenizer.pad_token_id, algo.mask_truncated, excluded_B=torch.isnan(rewards_PG).flatten(),
         )
         batch.replay_routes = cfg.rollout.routing_replay  # routes only observed: rollout.routing_observe
-        if algo.zero_std_groups == "drop":
-            batch = batch.select((~flat_P).repeat_interleave(G))
 
         # 4-6. logprobs, loss, backward and optimizer step(s); a colocated engine may sleep meanwhile
         r.rollout.sleep()
         lr = r.strategy.lr  # the rate this step's update takes (after it, the scheduler holds the next one's)
         budget = r.rollout.sampled_budget(cfg.rollout.max_new_tokens)  # Dr. GRPO's constant (episodes: every turn's)
-        stats = policy_update(r.strategy, batch, algo, budget, r.sampling.temperature, r.ref_model)
+        stats = policy_update(r.strategy, batch, algo, budget, r.sampling.temperature, r.ref_model,
+                              skip_P=flat_P if algo.zero_std_groups == "drop" else None)  # flat groups: no forward
         work = stats.pop("work")  # what its forwards processed: FLOPs and MFU below (grpo/mfu.py)
         # a non-finite step was skipped (a run of them stops); ranks' weights compared; a drifting sampler warned
         stats.update(guards.after_update(step, stats, staleness(step - 1, rollouts.weight_version)))

@@ -97,7 +97,7 @@ printf '%s\n' \
     "bf16_lora8 parallel=single model.dtype=bfloat16 model.lora.rank=8" \
     "zero2_bf16 parallel=zero2 model.dtype=bfloat16" \
     "zero3_bf16 parallel=zero3 model.dtype=bfloat16" \
-    "zero3_bf16_beta parallel=zero3 model.dtype=bfloat16 algo.beta=0.04" \
+    "zero3_bf16_beta parallel=zero3 model.dtype=bfloat16 algo.beta=0.04 algo.zero_std_groups=keep" \
     "zero3_offload_bf16 parallel=zero3_offload model.dtype=bfloat16" \
     "zero3_fp32 parallel=zero3" > "$WORK/configs.txt"
 [ -n "${ONLY:-}" ] && grep -wE "^($ONLY)" "$WORK/configs.txt" > "$WORK/c" && mv "$WORK/c" "$WORK/configs.txt"

@@ -231,6 +231,10 @@ def test_unknown_option_is_an_error():
         ("algo.is_mode=mask", "algo.is_mode='mask' (read only with algo.is_level=token"),
         ("algo.behaviour_clip_eps=0.2", "algo.behaviour_clip_eps=0.2 (read only with algo.max_staleness >= 1"),
         ("algo.packing=false|algo.shared_prompt=true", "algo.shared_prompt=True (read only with algo.packing=true)"),
+        ("algo=grpo|algo.beta=0.04", "with algo.beta=0.04 their tokens still carry the KL term's gradient, so skipping "
+         "them would change the update. Set algo.zero_std_groups=keep (or algo.beta=0)."),
+        ("algo=cispo|algo.clip_eps_high=-0.5", "[0, 0.5]: an on-policy token (weight 1) would be capped below 1, at 0 "
+         "or under no policy gradient at all. algo.clip_eps_high must be > 0."),
         ("task=guess|env=guess|env.max_turns=0",
          "env.max_turns and env.max_observation_tokens must be >= 1 and env.step_timeout_s > 0."),
         ("task=guess|env=guess|reward=env|algo.turn_rewards=per_turn|algo.ratio_level=sequence",

@@ -73,3 +73,31 @@ def test_micro_batch_normaliser_would_break_invariance(tiny_lm):
             accumulate_gradients(strategy, mb, algo, loss_norm(mb, 6, 1.0), temperature=1.0)
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
     assert not torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_skipping_flat_groups_leaves_the_update_as_it_was(tiny_lm, loss_type, minibatches):
+    """algo.zero_std_groups=drop leaves the groups whose rewards are all equal (advantage 0; beta 0) out of
+    every forward. It must only save their compute: their sequences and tokens still count in the
+    loss's normalisers, so loss and gradient norm are those of the whole batch. Counted after the drop,
+    the gradient was 1 / (1 - zero_std_frac) times larger (2x with half the groups flat), a step size
+    that followed the batch's share of informative groups."""
+    from grpo.update import policy_update
+
+    model, tok = tiny_lm
+    G = 2
+    batch = make_batch(tok, seed=3, B=8, T=6, group=G)
+    flat_P = torch.tensor([False, True, False, True])
+    batch.advantages_B = torch.where(flat_P.repeat_interleave(G), 0.0, batch.advantages_B)  # as step_advantages gives
+    algo = OmegaConf.structured(AlgoConfig(loss_type=loss_type, batch_size=8, group_size=G, beta=0.0,
+                                           num_minibatches=minibatches, warmup_steps=0))
+    stats = []
+    for skip in (None, flat_P):
+        strategy = SingleStrategy(None, copy.deepcopy(model), algo, total_steps=2)
+        stats.append(policy_update(strategy, batch, algo, max_len=6, temperature=1.0, skip_P=skip))
+    kept, skipped = stats
+    assert kept["trained_completions"] == 8 and skipped["trained_completions"] == 4
+    assert kept["grad_norm"] > 0
+    assert skipped["grad_norm"] == pytest.approx(kept["grad_norm"], rel=1e-4)
+    assert skipped["loss"] == pytest.approx(kept["loss"], rel=1e-4, abs=1e-7)

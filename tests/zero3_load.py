@@ -37,7 +37,7 @@ def main(folder: str, out: str) -> None:
 
     info = dist_info()
     init_distributed(info)
-    cfg = compose_cfg("parallel=zero3", f"model.path={folder}", "model.dtype=bfloat16", "algo.beta=0.04",
+    cfg = compose_cfg("parallel=zero3", f"model.path={folder}", "model.dtype=bfloat16", "algo.beta=0.04", "algo.zero_std_groups=keep",
                       "algo.batch_size=8", "algo.group_size=2", "algo.warmup_steps=0")
     path = resolve_on_node(cfg, info, log=lambda *_: None)
     model, _ = build_policy(cfg, path, info, log=lambda *_: None,

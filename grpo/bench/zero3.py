@@ -65,6 +65,7 @@ def worker(folder: str, mode: str, beta: float, out: str, rows: int, tokens: int
     """One case on this rank (under torchrun): load, then one update step; rank 0 writes both ranks' rows."""
     info = dist.dist_info()
     cfg = compose_config(["parallel=zero3", f"model.path={folder}", "run_dir=unused", f"algo.beta={beta}",
+                          f"algo.zero_std_groups={'keep' if beta > 0 else 'drop'}",
                           f"algo.batch_size={rows * info.world_size}", "algo.group_size=4", "algo.warmup_steps=0",
                           f"algo.micro_batch_tokens={rows * 2 * tokens}"])
     dist.init_distributed(info)  # torchrun's world; DeepSpeed's comm joins it

@@ -183,20 +183,28 @@ def counts_routing(split, mine: bool, padding: bool) -> bool:
 
 
 def policy_update(
-    strategy, batch: Batch, algo, max_len: int, temperature: float, ref_model=None
+    strategy, batch: Batch, algo, max_len: int, temperature: float, ref_model=None, skip_P: torch.Tensor | None = None
 ) -> dict[str, float | str]:
     """num_iterations passes over the batch, each cut into num_minibatches optimizer steps. Returns
     the update's statistics, the layout its micro-batches ran in (`layout`) and the work of its
     forwards (`work`: grpo/flops.py `Work` for "old" logprobs, the "reference" and "train").
 
-    The batch holds whole groups of G consecutive rows (zero-std groups may have been dropped);
-    minibatches are cut between groups. On-policy (one pass, one step) the old logprobs are the
-    current ones, detached; otherwise they are computed once before any update, so every step's
+    The batch holds whole groups of G consecutive rows; minibatches are cut between groups. `skip_P`:
+    groups left out of every forward (algo.zero_std_groups=drop: their advantages are 0, and with
+    beta 0 so is their gradient), yet counted in the loss's normalisers as if trained, so the
+    gradient is the whole batch's, not 1 / (1 - zero_std_frac) times it (minibatches are cut over
+    every group, then the skipped ones left out). On-policy (one pass, one step) the old logprobs are
+    the current ones, detached; otherwise they are computed once before any update, so every step's
     ratio is against the sampling policy. Every optimizer step is taken even when its minibatch is
-    empty (all its groups dropped), so the LR schedule and, across ranks, the collectives stay in
+    empty (all its groups skipped), so the LR schedule and, across ranks, the collectives stay in
     step.
     """
     G = algo.group_size
+    whole, P = batch, batch.size // G  # the normalisers' batch, every group in it
+    skip_P = torch.zeros(P, dtype=torch.bool) if skip_P is None else skip_P.cpu()
+    kept_at_P = torch.cumsum(~skip_P, 0) - 1  # a kept group's place in the trained batch
+    if skip_P.any():
+        batch = batch.select((~skip_P).repeat_interleave(G))
     # every rank joins every forward, even with no rows (a rank's group shares its forwards: the same)
     lockstep = strategy.lockstep or split_of(strategy) is not None
     layout = layouts.layout_of(algo, next(strategy.model.parameters()).device.type == "cuda")
@@ -212,17 +220,17 @@ def policy_update(
         batch = replace(batch, ref_logprobs_BT=ref_BT)
     # normalisers count the whole optimizer batch on every rank; each rank joins every reduction,
     # also with an empty minibatch
-    gen_tokens_per_step = strategy.reduce_counts([float(batch.mask_BT.sum())])[0] / algo.num_minibatches
-    group_chunks = torch.arange(batch.size // G).tensor_split(algo.num_minibatches)
+    gen_tokens_per_step = strategy.reduce_counts([float(whole.mask_BT.sum())])[0] / algo.num_minibatches
+    group_chunks = torch.arange(P).tensor_split(algo.num_minibatches)
     totals = {k: 0.0 for k in SUMS}  # 0-dim tensors on the device once a micro-batch ran
     experts = moe_model.routed_experts(strategy.forward_model)  # a MoE's routing is logged (grpo/moe_model.py)
     load_E = torch.zeros(experts.num_experts) if experts is not None else None  # top-k assignments per expert
     tokens, norms = 0.0, []
     for _ in range(algo.num_iterations):
         for groups in group_chunks:
-            rows = (groups[:, None] * G + torch.arange(G)).flatten()
+            local = loss_norm(whole.select((groups[:, None] * G + torch.arange(G)).flatten()), max_len, gen_tokens_per_step)
+            rows = (kept_at_P[groups[~skip_P[groups]]][:, None] * G + torch.arange(G)).flatten()
             mb = batch.select(rows)
-            local = loss_norm(mb, max_len, gen_tokens_per_step)
             num_seqs, num_tokens = strategy.reduce_counts([local.num_seqs, local.num_tokens])
             norm = replace(local, num_seqs=int(num_seqs), num_tokens=int(num_tokens))
             if rows.numel() or lockstep:
@@ -239,7 +247,7 @@ def policy_update(
                 if len(norms) < algo.num_minibatches:  # the first pass: each token once
                     totals["sampler_kl_sum"] = totals["sampler_kl_sum"] + sums["sampler_kl_sum"]
                     totals["sampler_kl_tokens"] = totals["sampler_kl_tokens"] + sums["sampler_kl_tokens"]
-                tokens += local.num_tokens
+                tokens += float(mb.mask_BT.sum())  # the trained tokens: the statistics' denominator
             norms.append(strategy.step())
     # the one read of the statistics from the device
     totals = dict(zip(SUMS, torch.stack([torch.as_tensor(totals[k], dtype=torch.float32).cpu() for k in SUMS]).tolist()))
