@@ -298,16 +298,25 @@ class ImageReader:
     config: object  # the model's config: image token id, merge size
 
 
+def processor_backend(torchvision: bool) -> dict:
+    """The image processor's `from_pretrained` arguments: the one vLLM loads. vLLM passes no backend,
+    so transformers picks the torchvision processor wherever torchvision imports (a GPU install); its
+    resize differs from the PIL one (20% of a resized image's uint8 pixels, up to 22 apart), so the
+    trainer must take the same. PIL only where torchvision is missing (the CPU here), as vLLM does then."""
+    return {} if torchvision else {"backend": "pil"}
+
+
 def attach(tokenizer, path: str, config) -> None:
-    """Give a VLM's tokenizer its folder's image processor (transformers' PIL one where torchvision
-    is missing, as on the CPU here)."""
-    from transformers import AutoImageProcessor  # transformers: heavy; grpo.config imports this module
+    """Give a VLM's tokenizer its folder's image processor, the one vLLM's engines load (`processor_backend`)."""
+    # transformers: heavy; grpo.config imports this module
+    from transformers import AutoImageProcessor
+    from transformers.utils import is_torchvision_available
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            processor = AutoImageProcessor.from_pretrained(path, backend="pil")
-        except (TypeError, ValueError):
+            processor = AutoImageProcessor.from_pretrained(path, **processor_backend(is_torchvision_available()))
+        except (TypeError, ValueError):  # a transformers without the backend argument
             processor = AutoImageProcessor.from_pretrained(path)
     tokenizer.vision = ImageReader(processor, config)
 

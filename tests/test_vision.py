@@ -492,3 +492,12 @@ def test_a_frozen_tower_is_never_sent_so_a_sleeping_engine_keeps_it(tiny_vlm):
     sent = [n for n, _ in engine_parameters(model.named_parameters())]
     assert sorted(sent + unsent) == sorted(n for n, _ in model.named_parameters())
     assert sleep_plan(SleepState(), enabled=True, unsent=bool(unsent)) == [("sleep", 1)]
+
+
+def test_the_trainer_loads_the_image_processor_vllm_loads():
+    """vLLM loads a VLM's processor with no backend: transformers' torchvision one wherever torchvision
+    imports (a GPU install), whose resize differs from PIL's. The trainer took PIL always, so on a GPU
+    the two would see different pixels for any image that needs resizing; PIL only without torchvision."""
+    from grpo.vision import processor_backend
+
+    assert processor_backend(torchvision=True) == {} and processor_backend(torchvision=False) == {"backend": "pil"}
