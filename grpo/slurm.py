@@ -14,6 +14,7 @@ slurm/ and conf/hydra/launcher/slurm.yaml carry those two lines.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -25,6 +26,10 @@ import sys
 import time
 from dataclasses import dataclass
 
+from hydra import compose
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 
 from grpo.errors import ClusterError, ConfigError, DeviceError
@@ -56,10 +61,12 @@ class Node:
 
 
 def gpu_count(gres: str) -> int:
-    """`gpu:8`, `gpu:a100:4(S:0-1)`, `gpu:a100:4,gpu:v100:2` -> 8, 4, 6; `(null)` -> 0."""
+    """`gpu:8`, `gpu:a100:4(S:0-1)`, `gpu:a100:4,gpu:v100:2` -> 8, 4, 6; `(null)` -> 0. The socket
+    list in parentheses is dropped before splitting on commas: it has commas of its own when the GPUs
+    sit on sockets that are not adjacent (`gpu:mi250:8(S:0,2)` -> 8)."""
     total = 0
-    for item in gres.split(","):
-        item = re.sub(r"\(.*?\)", "", item).strip()
+    for item in re.sub(r"\([^)]*\)", "", gres).split(","):
+        item = item.strip()
         if item.startswith("gpu"):
             last = item.split(":")[-1]
             total += int(last) if last.isdigit() else 0
@@ -121,11 +128,26 @@ def check_request(req: Request, nodes: list[Node] | None = None) -> str:
         raise ClusterError(
             f"the job asks for {want} each, but partition {partition!r} has {len(members)} node(s), "
             f"{len(fits)} of them big enough (the largest: {largest.cpus} CPUs, {largest.gpus} GPUs, "
-            f"{largest.mem_mb // 1024} GB). Ask for fewer nodes, tasks, CPUs or GPUs, or another partition."
+            f"{largest.mem_mb // 1024} GB).{short_of(req, members)} Ask for fewer nodes, tasks, CPUs or GPUs"
+            f"{', less memory (mem_gb)' if req.mem_gb else ''}, or another partition."
         )
     if problem := gpu_task_cpus_problem(req):
         raise ClusterError(problem)
     return partition
+
+
+def short_of(req: Request, members: list[Node]) -> str:
+    """What no node of the partition has (` No node has 600 GB of memory (mem_gb).`), so the message
+    names the setting to lower; '' when each alone fits some node (their combination does not)."""
+    cpus = req.tasks_per_node * req.cpus_per_task
+    short = []
+    if all(n.cpus < cpus for n in members):
+        short.append(f"{cpus} CPUs (tasks_per_node x cpus_per_task)")
+    if all(n.gpus < req.gpus_per_node for n in members):
+        short.append(f"{req.gpus_per_node} GPUs (gpus_per_node)")
+    if req.mem_gb and all(n.mem_mb < req.mem_gb * 1024 for n in members):
+        short.append(f"{req.mem_gb:g} GB of memory (mem_gb)")
+    return f" No node has {' or '.join(short)}." if short else ""
 
 
 MIN_GPU_TASK_CPUS = 4
@@ -151,18 +173,77 @@ def request_from(launcher) -> Request:
     )
 
 
+def sweep_jobs(overrides: list[str]) -> list[list[str]] | None:
+    """Each job's overrides in a multirun, expanded as Hydra's basic sweeper does: the product of each
+    key's values, a later override of a key replacing an earlier one (`algo.lr=1e-3,3e-3 parallel=ddp,zero2`:
+    4 jobs). None when a sweep is not a list of values (an Optuna `interval`), which only its sweeper expands."""
+    axes: dict[str, list[str]] = {}
+    for override in OverridesParser.create().parse_overrides(overrides):
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            axes[key] = [override.input_line]
+        elif override.is_discrete_sweep():
+            axes[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:
+            return None
+    return [list(job) for job in itertools.product(*axes.values())]
+
+
+def check_sweep_jobs(config) -> None:
+    """`validate` each job of a SLURM sweep for the processes its job will have (nodes x tasks_per_node),
+    before any is submitted: 2-task jobs with parallel=single fit the cluster (`check_request`) and then
+    every one is refused on its node. The callback's config holds no swept value (Hydra composes it
+    without them), so each job's config is composed from its own overrides, as the sweeper will."""
+    # grpo.config: Hydra's schema and the checks of every part (torch, the tasks), already loaded in the
+    # grpo.train process this callback runs in; a top-level import would weigh on `python -m grpo.slurm`
+    from grpo.config import compose_config, validate
+
+    launcher = config.hydra.launcher
+    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    jobs = sweep_jobs([*params, *config.hydra.overrides.task])
+    world = int(launcher.nodes) * int(launcher.tasks_per_node)
+    for number, job in enumerate(jobs or []):
+        try:
+            # inside `grpo.train -m` Hydra's app is initialized (its search path is ours): compose through it,
+            # since a second initialization is refused; called on its own (tests), compose as grpo.launch does
+            cfg = compose(config.hydra.job.config_name, job) if GlobalHydra.instance().is_initialized() else compose_config(job)
+            validate(cfg, world_size=world, cuda=bool(launcher.gpus_per_node) or None)
+        except (ConfigError, HydraException) as e:
+            message = " ".join(str(e).split())  # Hydra's messages run over several lines
+            raise ConfigError(f"job {number} of the sweep ({' '.join(job) or 'no overrides'}), run as {launcher.nodes} "
+                              f"node(s) x {launcher.tasks_per_node} task(s): {message}") from None
+
+
 class SlurmCheck(Callback):
-    """Hydra callback (conf/config.yaml): before a multirun goes to SLURM, check that it can run there.
-    Other launchers pass untouched."""
+    """Hydra callback (conf/config.yaml): before a multirun goes to SLURM, check that it can run there:
+    the cluster can hold a job of this size, and each job's config validates for the processes it will
+    have. Other launchers pass untouched."""
 
     def on_multirun_start(self, config, **kwargs) -> None:
         launcher = config.hydra.launcher
         if not str(launcher.get("_target_", "")).endswith("SlurmLauncher"):
             return
+        # SystemExit, not the error: Hydra turns any Exception a callback raises into a warning and submits
         try:
             check_request(request_from(launcher))
-        except ClusterError as e:
+            check_sweep_jobs(config)
+        except (ClusterError, ConfigError) as e:
             raise SystemExit(f"error: {e}") from None
+
+
+def check_tensor_parallel(setting: str, tp: int, gpus_text: str, gpus: int, heads: int | None, kv_heads: int | None,
+                          fix: str) -> None:
+    """ConfigError unless vLLM accepts a server of `tp` GPUs (of the `gpus` it may use) for a model of
+    `heads` attention heads (`kv_heads` KV heads): the one message for the sbatch's SERVER_TP_OVERRIDE
+    and grpo.launch's rollout.remote.tensor_parallel_size and judge_gpus, before anything starts, not
+    a vLLM error on a compute node after the job waited in the queue. Unknown heads: any size."""
+    # torch via grpo.rollout: slurm stays light (Hydra's callback, sbatch scripts)
+    from grpo.rollout.dedicated import vllm_tensor_parallel_sizes
+
+    accepted = vllm_tensor_parallel_sizes(heads, kv_heads, gpus)
+    if tp not in accepted:
+        raise ConfigError(f"{setting}={tp}: the server may use {gpus_text} and the model has {heads} attention heads "
+                          f"({kv_heads} KV heads); vLLM accepts a tensor-parallel size in {accepted}. {fix}")
 
 
 def server_groups(free: list[int], heads: int | None, kv_heads: int | None, tp: int = 0) -> list[list[int]]:
@@ -173,17 +254,14 @@ def server_groups(free: list[int], heads: int | None, kv_heads: int | None, tp: 
     sbatch's SERVER_TP_OVERRIDE): servers of that size, as many as fit, checked against the heads.
     Unknown heads: powers of two, the sizes common models' head counts take."""
     # torch via grpo.rollout: slurm stays light (Hydra's callback, sbatch scripts)
-    from grpo.rollout.dedicated import plan_engines, vllm_tensor_parallel_sizes
+    from grpo.rollout.dedicated import plan_engines
 
     if heads is None and not tp:
         heads = kv_heads = 1 << (len(free) - 1).bit_length()  # the smallest power of two >= the GPUs
     devices = [f"cuda:{i}" for i in free]
     if tp:
-        accepted = vllm_tensor_parallel_sizes(heads, kv_heads, len(free))
-        if tp not in accepted:
-            raise ConfigError(f"SERVER_TP_OVERRIDE={tp}: the server may use {len(free)} GPU(s) ({free}) and the model has "
-                              f"{heads} attention heads ({kv_heads} KV heads); vLLM accepts a tensor-parallel size in "
-                              f"{accepted}. Unset it to let the layout choose.")
+        check_tensor_parallel("SERVER_TP_OVERRIDE", tp, f"{len(free)} GPU(s) ({free})", len(free), heads, kv_heads,
+                              "Unset it to let the layout choose.")
         devices = devices[: len(devices) // tp * tp]
         shares = plan_engines(devices, len(devices) // tp, heads, kv_heads)
     else:

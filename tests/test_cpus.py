@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from grpo.cpus import choose_threads, configure_threads, idle_cpus, local_processes, usable_cpus
+from grpo.cpus import cgroup_cpu_limit, choose_threads, configure_threads, idle_cpus, local_processes, usable_cpus
 
 
 def test_auto_is_this_process_share_and_no_more_than_the_idle_cpus():
@@ -30,6 +30,58 @@ def test_slurm_and_torchrun_variables():
     # with SLURM_CPUS_PER_TASK the mask already is this task's share: do not divide it again
     assert local_processes({"SLURM_NTASKS_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "1"}) == 1
     assert local_processes({}) == 1
+
+
+def test_each_node_counts_its_own_slurm_tasks():
+    """sbatch --ntasks=5 --nodes=2 runs 3 tasks on node 0 and 2 on node 1 (SLURM writes `3,2`); --ntasks=7
+    --nodes=3 writes `3(x2),1`. Each node's ranks and threads follow its own entry (SLURM_NODEID), not node 0's."""
+    from grpo.dist import dist_info, expand_tasks_per_node
+
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert expand_tasks_per_node("3,2") == [3, 2] and expand_tasks_per_node("4") == [4]
+    assert expand_tasks_per_node("") == [] and expand_tasks_per_node("2(x") == []
+    for tpn, node, count in [("3,2", 0, 3), ("3,2", 1, 2), ("3(x2),1", 1, 3), ("3(x2),1", 2, 1)]:
+        srun = {"SLURM_PROCID": "4", "SLURM_NTASKS": "7", "SLURM_NODEID": str(node), "SLURM_LOCALID": "0",
+                "SLURM_STEP_TASKS_PER_NODE": tpn, "SLURM_TASKS_PER_NODE": tpn}
+        assert dist_info(srun).local_world_size == count
+        assert local_processes(srun) == count
+        # the thread share on a 32-CPU node: 32 // 3 = 10 on node 0, 32 // 2 = 16 on node 1 of `3,2`
+        assert choose_threads("auto", 32, local_processes(srun), None) == 32 // count
+    # the step's own layout first: the job's (SLURM_TASKS_PER_NODE) may differ from the training step's
+    assert local_processes({"SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "4,1", "SLURM_TASKS_PER_NODE": "8(x2)"}) == 1
+    assert local_processes({"SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "3,2"}) == 2
+
+
+def write_tree(root, files: dict[str, str]) -> str:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return str(root)
+
+
+@pytest.mark.parametrize("files, cpus", [
+    # docker --cpus=0.5 on a cgroup-v1 host: the cpu controller's cfs quota over its period
+    ({"sys/fs/cgroup/cpu/cpu.cfs_quota_us": "50000\n", "sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000\n",
+      "proc/self/cgroup": "4:cpu,cpuacct:/\n"}, 0.5),
+    # v1, quota -1 (none) on the process's cgroup, 2 CPUs on its parent: the parent's limits it
+    ({"sys/fs/cgroup/cpu/a/cpu.cfs_quota_us": "200000\n", "sys/fs/cgroup/cpu/a/cpu.cfs_period_us": "100000\n",
+      "sys/fs/cgroup/cpu/a/b/cpu.cfs_quota_us": "-1\n", "sys/fs/cgroup/cpu/a/b/cpu.cfs_period_us": "100000\n",
+      "proc/self/cgroup": "4:cpu,cpuacct:/a/b\n"}, 2.0),
+    # v2, systemd-run -p CPUQuota=100%: the quota sits on the process's own cgroup, not the root
+    ({"sys/fs/cgroup/cpu.max": "max 100000\n", "sys/fs/cgroup/system.slice/run-x.scope/cpu.max": "100000 100000\n",
+      "proc/self/cgroup": "0::/system.slice/run-x.scope\n"}, 1.0),
+    # v2, 3 CPUs on the slice above a 4-CPU scope: the smallest of the chain
+    ({"sys/fs/cgroup/s.slice/cpu.max": "300000 100000\n", "sys/fs/cgroup/s.slice/x.scope/cpu.max": "400000 100000\n",
+      "proc/self/cgroup": "0::/s.slice/x.scope\n"}, 3.0),
+    # v2 at the root of a cgroup namespace (a container)
+    ({"sys/fs/cgroup/cpu.max": "150000 100000\n", "proc/self/cgroup": "0::/\n"}, 1.5),
+    # no quota anywhere (v2 `max`, v1 -1)
+    ({"sys/fs/cgroup/cpu.max": "max 100000\n", "sys/fs/cgroup/cpu/cpu.cfs_quota_us": "-1\n",
+      "sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000\n", "proc/self/cgroup": "0::/\n4:cpu,cpuacct:/\n"}, None),
+    ({}, None),  # no /proc/self/cgroup, no /sys/fs/cgroup
+])
+def test_the_cgroup_quota_is_read_from_this_processs_own_cgroup_v1_or_v2(tmp_path, files, cpus):
+    assert cgroup_cpu_limit(write_tree(tmp_path, files)) == cpus
 
 
 @pytest.mark.starts_process

@@ -30,7 +30,38 @@ def test_launch_keys_are_split_from_train_overrides():
     assert train == ["algo.lr=1e-3", "-m"]
 
 
-@pytest.mark.parametrize("gres, n", [("(null)", 0), ("gpu:8", 8), ("gpu:a100:4(S:0-1)", 4), ("gpu:a100:4,gpu:v100:2", 6)])
+@pytest.mark.parametrize("time, minutes", [("30", 30), ("90:30", 91), ("02:00:00", 120), ("1-12", 2160), ("1-12:30", 2190),
+                                           ("1-00:00:30", 1441)])
+def test_time_takes_slurms_formats_as_whole_minutes(time, minutes):
+    assert parse_args([f"time={time}"])[0] == [f"hydra.launcher.timeout_min={minutes}"]
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("wait=yes1", "wait=yes1: give true or false."),  # was quietly false: the launch did not wait
+    ("servers=two", "servers=two: give a whole number, 0 or more."),  # was a ValueError traceback
+    ("judge_gpus=-1", "judge_gpus=-1: give a whole number"),
+    ("time=02:00:00:00", "time=02:00:00:00: give minutes (time=120) or one of SLURM's formats"),
+    ("time=0", "time=0 is under a minute"),
+])
+def test_launch_keys_are_parsed_strictly(arg, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_args([arg])
+    assert parse_args(["wait=No"])[1]["wait"] is False and parse_args(["wait=YES"])[1]["wait"] is True
+
+
+@pytest.mark.starts_process
+def test_an_override_hydra_cannot_apply_is_one_error_line(tmp_path):
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable)}
+    out = subprocess.run([sys.executable, "-m", "grpo.launch", "algo.lrr=1", f"run_dir={tmp_path / 'run'}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith("error: Could not override 'algo.lrr'")
+    assert "Key 'lrr' not in 'AlgoConfig'" in out.stderr
+
+
+@pytest.mark.parametrize("gres, n", [("(null)", 0), ("gpu:8", 8), ("gpu:a100:4(S:0-1)", 4), ("gpu:a100:4,gpu:v100:2", 6),
+    # GPUs on sockets that are not adjacent: the socket list has commas of its own
+    ("gpu:mi250:8(S:0,2)", 8), ("gpu:mi250x:8(S:0,2,4,6)", 8), ("gpu:h100:4(S:0,2),gpu:l4:2(S:1)", 6)])
 def test_gpu_count_from_sinfo_gres(gres, n):
     assert gpu_count(gres) == n
 
@@ -53,6 +84,10 @@ def test_requests_that_fit():
     (Request(nodes=5, gpus_per_node=8, partition="gpu"), "asks for 5 node(s) with 1 task(s) x 1 CPU(s), 8 GPU(s) each, but partition 'gpu' has 4 node(s)"),
     (Request(gpus_per_node=1), "partition 'cpu' has 1 node(s), 0 of them big enough"),
     (Request(tasks_per_node=8, cpus_per_task=16, partition="gpu"), "0 of them big enough (the largest: 64 CPUs, 8 GPUs"),
+    (Request(tasks_per_node=8, cpus_per_task=16, partition="gpu"), "No node has 128 CPUs (tasks_per_node x cpus_per_task)."),
+    # memory is named as what to lower (the nodes have 500 GB)
+    (Request(mem_gb=600, partition="gpu"), "No node has 600 GB of memory (mem_gb). Ask for fewer nodes, tasks, CPUs or GPUs, "
+                                           "less memory (mem_gb), or another partition."),
 ])
 def test_requests_bigger_than_the_cluster_are_clear_errors(request_, message):
     with pytest.raises(ClusterError) as e:
@@ -93,12 +128,61 @@ def test_train_config_is_validated_for_the_whole_job():
     (["judges=1", "judge_model=smollm2-135m"], "judges=1 starts judge servers for reward `judge`; add reward=judge"),
     (["judges=1", "reward=judge"], "judges=N needs judge_model=M"),
     (["judge_model=smollm2-135m"], "judge_model and judge_gpus go with judges=N"),
+    (["server_gpus=8"], "server_gpus goes with servers=N"),  # was accepted and ignored
+    # the tiny model's 4 heads: vLLM takes 1, 2 or 4 GPUs per server, not 8 (the sbatch path's message)
+    (["servers=1", "server_gpus=8", "rollout=remote", "rollout.remote.tensor_parallel_size=8"],
+     "rollout.remote.tensor_parallel_size=8: the server may use 8 GPU(s) per server node (server_gpus) and the model has "
+     "4 attention heads (4 KV heads); vLLM accepts a tensor-parallel size in [1, 2, 4]"),
+    (["judges=1", "judge_model=tiny", "judge_gpus=8", "reward=judge"],
+     "judge_gpus=8: the server may use 8 GPU(s) per judge node (judge_gpus) and the model has 4 attention heads"),
 ])
-def test_judges_are_checked_before_anything_is_submitted(args, message):
+def test_companion_jobs_are_checked_before_anything_is_submitted(args, message):
     from grpo.launch import launch
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         launch(["nodes=1", *args, "run_dir=/nonexistent/never-made"])
+
+
+def test_a_sweep_is_expanded_into_its_jobs_as_hydras_basic_sweeper_does():
+    from grpo.slurm import sweep_jobs
+
+    assert sweep_jobs(["algo.lr=1e-3,3e-3", "parallel=ddp,zero2", "steps=3"]) == [
+        ["algo.lr=0.001", "parallel=ddp", "steps=3"], ["algo.lr=0.001", "parallel=zero2", "steps=3"],
+        ["algo.lr=0.003", "parallel=ddp", "steps=3"], ["algo.lr=0.003", "parallel=zero2", "steps=3"]]
+    assert sweep_jobs(["steps=3", "steps=4,5"]) == [["steps=4"], ["steps=5"]]  # a later override of a key replaces it
+    assert sweep_jobs(["steps=3"]) == [["steps=3"]] and sweep_jobs([]) == [[]]
+    assert sweep_jobs(["algo.lr=interval(0,1)"]) is None  # only its sweeper (Optuna) can expand it
+
+
+def test_a_slurm_sweep_is_validated_for_the_processes_each_job_will_have(tmp_path, monkeypatch):
+    """2-task jobs with parallel=single fit the cluster, and every one would then be refused on its node
+    ("2 processes were launched but parallel=single"): SlurmCheck validates each job for nodes x tasks_per_node."""
+    from grpo.config import compose_config
+    from grpo.slurm import SlurmCheck
+
+    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", {"sinfo": 'print("n1|debug*|8|16000|(null)|idle")'}))
+    launcher = ["hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2", "steps=3", "algo.warmup_steps=0"]
+    with pytest.raises(SystemExit) as e:
+        SlurmCheck().on_multirun_start(compose_config([*launcher, "parallel=single"], hydra_config=True))
+    assert str(e.value) == ("error: job 0 of the sweep (steps=3 algo.warmup_steps=0 parallel=single), run as 1 node(s) x 2 "
+                            "task(s): 2 processes were launched but parallel=single; use parallel=ddp.")
+    SlurmCheck().on_multirun_start(compose_config([*launcher, "parallel=ddp"], hydra_config=True))
+
+
+@pytest.mark.starts_process
+def test_a_slurm_sweep_with_one_job_that_cannot_run_is_refused_before_submitting(tmp_path):
+    """The real `grpo.train -m`: the callback's config holds no swept value, and Hydra's app is already
+    initialized there, so each job is composed through it. Job 1 (parallel=single) is refused; sbatch is
+    never called (the fake one fails loudly if it is)."""
+    calls = tmp_path / "calls"
+    path = fake_slurm(tmp_path / "bin", {"sinfo": 'print("n1|debug*|8|16000|(null)|idle")',
+                                         "sbatch": recording(calls) + "; sys.exit('sbatch: not expected here')"})
+    out = subprocess.run([sys.executable, "-m", "grpo.train", "-m", "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2",
+                          "parallel=ddp,single", "steps=3", "algo.warmup_steps=0", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                         cwd=ROOT, env={**os.environ, "PATH": path}, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and not calls.exists(), out.stderr[-2000:]
+    assert ("error: job 1 of the sweep (parallel=single steps=3 algo.warmup_steps=0), run as 1 node(s) x 2 task(s): "
+            "2 processes were launched but parallel=single") in out.stderr
 
 
 @pytest.mark.starts_process
@@ -498,6 +582,23 @@ def test_train_remote_sbatch_starts_every_server_of_the_layout_and_trains_agains
         assert urls == ["http://node0:8000"] and "rollout.vllm.weight_transfer=grpo_gloo" in train
     # LoRA: the servers mount the adapter routes (before, the first sync failed on a bare 404)
     assert serve_args[serve_args.index("--lora-rank") + 1 :][:1] == ["8"] if lora else "--lora-rank" not in serve_args
+
+
+@pytest.mark.starts_process
+@pytest.mark.parametrize("nodes, extra, need", [("n1 n2", {"SERVERS": "2"}, 3),
+                                                ("n1 n2 n3", {"SERVERS": "2", "JUDGES": "1", "JUDGE_MODEL": "j"}, 4)])
+def test_train_remote_sbatch_refuses_a_job_of_too_few_nodes_for_its_servers(tmp_path, nodes, extra, need):
+    """Two nodes for SERVERS=2 (2 server nodes + 1 trainer's): refused, saying --nodes=3, before any step
+    starts, not run on the first node alone while the others idle. Only a one-node job shares its node."""
+    path = fake_slurm(tmp_path / "bin", FAKE_SLURM)
+    calls = tmp_path / "calls"
+    env = {**os.environ, "PATH": path, "FAKE_CALLS": str(calls), "RUN_DIR": str(tmp_path / "run"), "PYTHON": sys.executable,
+           "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "unused", "GRPO_SERVE_TOKEN": "t", "FAKE_NODES": nodes,
+           "SLURM_NTASKS_PER_NODE": "1", **extra}
+    out = subprocess.run(["bash", "slurm/train_remote.sbatch", "steps=1"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and f"submit with sbatch --nodes={need}" in out.stderr, out.stderr
+    assert not calls.exists()  # no srun: neither servers nor trainers were started
 
 
 FAKE_SERVER = """

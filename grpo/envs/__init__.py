@@ -5,9 +5,12 @@ docs/environments.md for writing one."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 from typing import Callable
+
+from omegaconf import OmegaConf
 
 from grpo.envs.base import Env, Step, TextEnv
 from grpo.envs.guess import GuessEnv
@@ -56,6 +59,9 @@ def check(cfg) -> None:
         if e.kwargs:
             raise ConfigError(f"env.kwargs={dict(e.kwargs)} with env=none: no environment takes them; pick an env "
                               f"(env=guess) or drop them.")
+        if inert := inert_settings(e, OmegaConf.get_type(e)()):
+            raise ConfigError(f"{'; '.join(inert)} with env=none: single completions play no episode, so the setting has "
+                              f"no effect. Pick an environment (env=guess, or env.name=<module.Class>), or remove the setting.")
         return
     check_kwargs(e.name, resolve_env(e.name), dict(e.kwargs or {}))
     if e.max_turns < 1 or e.max_observation_tokens < 1 or e.step_timeout_s <= 0:
@@ -67,6 +73,13 @@ def check(cfg) -> None:
         raise ConfigError(f"env.max_total_tokens={e.max_total_tokens} leaves no room for one turn of "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}; raise it (or 0 for max_turns x "
                           f"(max_new_tokens + max_observation_tokens)).")
+
+
+def inert_settings(env_cfg, defaults) -> list[str]:
+    """The env.* settings given (other than `defaults`', the schema's) with env=none, which reads none of
+    them (env.max_turns=8 would change nothing, without a word); name and kwargs are `check`'s own."""
+    keys = [f.name for f in dataclasses.fields(defaults) if f.name not in ("name", "kwargs")]
+    return [f"env.{key}={getattr(env_cfg, key)!r}" for key in keys if getattr(env_cfg, key) != getattr(defaults, key)]
 
 
 def check_kwargs(name: str, factory, kwargs: dict) -> None:
