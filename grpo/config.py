@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-from grpo import algorithm, envs, lora, moe_model, vision
+from grpo import algorithm, envs, lora, models, moe_model, vision
 from grpo.dist import dist_info
 from grpo.errors import ConfigError
 from grpo.moe import routing
@@ -380,6 +380,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     # the engines' context against the model's own: fitted with a warning, or refused (engine_memory.engine_context)
     backend.check_context(r, model_config)
     vision.check_config(cfg, model_config)  # a vision-language model's refusals
+    models.check_freeze_vision(cfg, model_config)  # model.freeze_vision=false where no tower would train
 
 
 def check_sequence_parallel(cfg, world: int) -> None:

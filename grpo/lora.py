@@ -20,6 +20,7 @@ import shutil
 from typing import Iterable, Iterator
 
 import torch
+from omegaconf import ListConfig, OmegaConf
 from safetensors.torch import save_file
 
 from grpo.errors import ConfigError
@@ -37,6 +38,9 @@ def check(cfg, backend, strategy, world: int, cuda: bool | None = None) -> None:
     if lo.rank < 0:
         raise ConfigError(f"model.lora.rank={lo.rank} must be >= 0 (0 trains every weight, > 0 a LoRA adapter of that rank).")
     if lo.rank == 0:
+        if inert := inert_settings(lo, OmegaConf.get_type(lo)()):
+            raise ConfigError(f"{'; '.join(inert)}: model.lora.rank=0 trains every weight, with no adapter, so the setting "
+                              f"has no effect. Set model.lora.rank (e.g. 16) to train a LoRA adapter, or remove the setting.")
         return
     if lo.alpha <= 0 or not 0 <= lo.dropout < 1 or not lo.target_modules:
         raise ConfigError("model.lora needs alpha > 0, 0 <= dropout < 1 and at least one entry in target_modules "
@@ -52,6 +56,20 @@ def check(cfg, backend, strategy, world: int, cuda: bool | None = None) -> None:
     strategy.check_lora(cfg.parallel, lo, world)  # grpo/parallel/: can it train one?
 
 
+def inert_settings(lora_cfg, defaults) -> list[str]:
+    """The model.lora.* settings given (other than `defaults`', the schema's) while the rank is 0: a
+    user who set alpha or target_modules and forgot the rank would train every weight of the model,
+    without a word (grpo/algorithm.py's `inert_settings` does the same for algo.*)."""
+    keys = ("alpha", "dropout", "target_modules")
+    return [f"model.lora.{key}={plain(getattr(lora_cfg, key))!r}" for key in keys
+            if plain(getattr(lora_cfg, key)) != plain(getattr(defaults, key))]
+
+
+def plain(value):
+    """A list setting as a plain list (an OmegaConf ListConfig compares and prints as one)."""
+    return list(value) if isinstance(value, (list, tuple, ListConfig)) else value
+
+
 def dtype_problem(backend: str, dtype: str, cuda: bool) -> str | None:
     """vLLM's CUDA LoRA kernels take fp16/bf16 only (vllm/lora/ops/triton_ops/lora_shrink_op.py asserts
     it; the adapter's dtype follows the model's), so an fp32 engine with LoRA fails at its first
@@ -62,14 +80,34 @@ def dtype_problem(backend: str, dtype: str, cuda: bool) -> str | None:
     return None
 
 
+TIED_NAMES = ("lm_head", "embed_tokens")
+VISION_MODULES = r"(.*\.)?visual(\..*)?"  # peft's exclude_modules: a regex over module names
+
+
+def tied_embeddings(model: torch.nn.Module) -> bool:
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+
+
 def wrap(model: torch.nn.Module, cfg) -> torch.nn.Module:
     """The policy with a fresh LoRA adapter on `cfg.target_modules` (B = 0: it starts as the base)."""
     # peft: heavy, only with model.lora.rank > 0; grpo.config imports this module
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import ParamWrapper
 
+    tied = [m for m in cfg.target_modules if m in TIED_NAMES]
+    if tied and tied_embeddings(model):
+        raise ConfigError(f"model.lora.target_modules={list(cfg.target_modules)} include {tied[0]}, which this model ties "
+                          f"to its {'embed_tokens' if tied[0] == 'lm_head' else 'lm_head'} (tie_word_embeddings): the "
+                          f"merged export holds one tensor for both, so it would not be the model trained (logits 1.7 "
+                          f"apart on the tiny model). Drop {tied[0]} from model.lora.target_modules.")
+    # a VLM's vision tower (`visual`): frozen or not, no adapter (Qwen2.5-VL's vision MLP is named
+    # gate_proj/up_proj/down_proj, the default targets: those adapters trained a "frozen" tower, and vLLM
+    # engines started without tower LoRA ignore them, so sampler and trainer drifted apart)
     config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                        target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
+                        target_modules=list(cfg.target_modules), exclude_modules=VISION_MODULES, bias="none",
+                        task_type="CAUSAL_LM")
     wrapped = get_peft_model(model, config)
     # a MoE's fused experts (transformers 5: one `experts` module holding every expert's gate_up_proj and
     # down_proj as parameters) are wrapped by parameter, not as Linear layers: the merge for the export

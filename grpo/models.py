@@ -16,6 +16,7 @@ from grpo import lora, moe_model, vision
 from grpo.dist import cuda_device_index
 from grpo.errors import ConfigError
 from grpo.prompts import format_prompt
+from grpo.tiny.warm_start import TINY_KINDS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # what a hub id looks like: owner/name
@@ -51,6 +52,26 @@ def check_hub_model(path: str) -> None:
             f"model.path={path!r} could not be loaded ({type(e).__name__}: {e}). Check the hub id, "
             f"your network or HF_HOME cache, or point model.path at a local folder."
         ) from e
+
+
+def check_freeze_vision(cfg, model_config: dict) -> None:
+    """model.freeze_vision=false (train the vision tower) on a model known to have none: the tiny text
+    models, a config.json without a vision_config. It would change nothing, without a word. `model_config`:
+    what validate knows of config.json (grpo.config.known_model_config); {} (a hub id not cached): unknown,
+    passes. Called by grpo.config.validate."""
+    if cfg.model.freeze_vision:
+        return
+    if cfg.model.lora.rank > 0:
+        raise ConfigError(f"model.freeze_vision=false with model.lora.rank={cfg.model.lora.rank}: only the adapter trains "
+                          f"(peft freezes every base weight, the vision tower's too, and the adapter leaves the tower "
+                          f"out), so the tower would not train. Remove model.freeze_vision=false, or set "
+                          f"model.lora.rank=0 to train the tower with the whole model.")
+    vlm = cfg.model.path == "tiny_vlm" or bool(model_config.get("vision_config"))  # as vision.check_config tells one
+    known = cfg.model.path in TINY_KINDS or bool(model_config)
+    if known and not vlm:
+        raise ConfigError(f"model.freeze_vision=false with model.path={cfg.model.path}, a text model: there is no vision "
+                          f"tower to train, so the setting has no effect. Use a vision-language model (model=tiny_vlm, "
+                          f"or a folder whose config.json has a vision_config), or remove the setting.")
 
 
 def load_model(path: str, dtype: str = "float32", log=None):

@@ -231,6 +231,9 @@ def test_unknown_option_is_an_error():
         ("algo.is_mode=mask", "algo.is_mode='mask' (read only with algo.is_level=token"),
         ("algo.behaviour_clip_eps=0.2", "algo.behaviour_clip_eps=0.2 (read only with algo.max_staleness >= 1"),
         ("algo.packing=false|algo.shared_prompt=true", "algo.shared_prompt=True (read only with algo.packing=true)"),
+        ("model=tiny_vlm|model.freeze_vision=false|model.lora.rank=4", "model.freeze_vision=false with "
+         "model.lora.rank=4: only the adapter trains"),
+        ("model.freeze_vision=false", "model.freeze_vision=false with model.path=tiny, a text model"),
         ("algo=grpo|algo.beta=0.04", "with algo.beta=0.04 their tokens still carry the KL term's gradient, so skipping "
          "them would change the update. Set algo.zero_std_groups=keep (or algo.beta=0)."),
         ("algo=cispo|algo.clip_eps_high=-0.5", "[0, 0.5]: an on-policy token (weight 1) would be capped below 1, at 0 "

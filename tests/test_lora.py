@@ -4,6 +4,7 @@ it, and every engine generates with it after an adapter-only sync (parity to 1e-
 import copy
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -56,6 +57,18 @@ def test_lora_settings_are_checked():
     cfg = compose_cfg("model.lora.rank=8", "rollout=colocated", "rollout.vllm.tensor_parallel_size=2", "parallel=ddp")
     with pytest.raises(ConfigError, match="tensor_parallel_size > 1 has not been tested"):
         validate(cfg, world_size=2)
+
+
+@pytest.mark.parametrize("override, shown", [("model.lora.alpha=64", "model.lora.alpha=64.0"),
+                                             ("model.lora.dropout=0.1", "model.lora.dropout=0.1"),
+                                             ("model.lora.target_modules=[q_proj]", "model.lora.target_modules=['q_proj']")])
+def test_lora_settings_without_a_rank_are_refused(override, shown):
+    """At rank 0 (the default) no adapter is made and every weight trains: a user who set alpha or
+    target_modules and forgot the rank would get full fine-tuning, without a word."""
+    with pytest.raises(ConfigError, match=f"^{re.escape(shown)}: model.lora.rank=0 trains every weight, .* Set model.lora.rank"):
+        validate(compose_cfg(override))
+    validate(compose_cfg(override, "model.lora.rank=8", "rollout=hf"))  # with a rank they are the adapter's
+    validate(compose_cfg("model.lora.alpha=16", "model.lora.dropout=0"))  # the schema's own values: nothing given
 
 
 @pytest.mark.starts_process
@@ -296,3 +309,35 @@ def test_lora_on_a_moes_fused_experts_is_refused_when_it_wraps():
         lora.wrap(moe(), OmegaConf.structured(LoraConfig(rank=4)))
     attention = lora.wrap(moe(), OmegaConf.structured(LoraConfig(rank=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])))
     assert lora.is_lora(attention)
+
+
+def test_lora_on_a_tied_lm_head_is_refused_when_it_wraps(tiny_lm):
+    """With tie_word_embeddings, an adapter on lm_head trains the logits' side only; the merged export
+    holds one tensor for both and was another model (logits 1.66 apart). Refused, naming the fix."""
+    model, _ = tiny_lm
+    assert lora.tied_embeddings(model)
+    with pytest.raises(ConfigError, match=r"include lm_head, which this model ties to its embed_tokens .*Drop lm_head"):
+        lora.wrap(copy.deepcopy(model), OmegaConf.structured(LoraConfig(rank=4, target_modules=["q_proj", "lm_head"])))
+
+
+def test_lora_leaves_a_vlms_vision_tower_alone():
+    """Qwen2.5-VL names its vision MLP gate_proj/up_proj/down_proj, the default targets: the adapter
+    reached into the "frozen" tower, trained there, and vLLM engines (no tower LoRA) ignored it. The
+    tower gets no adapter; the language model's MLP and attention do."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from grpo import vision, weights
+
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 6, 6]}),
+        vision_config=dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0], window_size=56),
+        image_token_id=297, video_token_id=298, vision_start_token_id=296, vision_end_token_id=299)
+    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    vision.freeze_vision(model)
+    wrapped = lora.wrap(model, OmegaConf.structured(LoraConfig(rank=4)))
+    trainable = [n for n, p in wrapped.named_parameters() if p.requires_grad]
+    assert not [n for n in trainable if weights.is_vision_parameter(n)], trainable
+    assert any("mlp.gate_proj.lora_A" in n for n in trainable) and any("q_proj.lora_A" in n for n in trainable)
