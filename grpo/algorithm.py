@@ -262,6 +262,9 @@ class LossNorm:
     num_tokens: int  # tokens in the loss
     max_len: int  # rollout.max_new_tokens (Dr. GRPO's constant)
     gen_tokens_per_step: float  # dapo: tokens in the generated batch / optimizer steps per pass
+    # tokens the update runs forwards on (fewer than num_tokens where flat groups are skipped:
+    # algo.zero_std_groups=drop); a MoE's router loss is shared among them. 0: num_tokens
+    trained_tokens: int = 0
 
 
 def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, loss_type: str, norm: LossNorm) -> torch.Tensor:

@@ -10,6 +10,7 @@ environment, the model folder), beside the code they protect.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -17,7 +18,7 @@ from typing import Any, Optional
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from grpo import algorithm, envs, lora, models, moe_model, vision
 from grpo.dist import dist_info
@@ -305,6 +306,25 @@ def compose_config(overrides: list[str], hydra_config: bool = False) -> DictConf
 def _choices(key: str, value: str, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not one of {sorted(allowed)}; pick one of those.")
+
+
+PER_JOB = re.compile(r"\$\{hydra:(job\.num|job\.id|job\.override_dirname|runtime\.output_dir)\}|\$\{(?!hydra:)[^}]+\}")
+
+
+def check_sweep_folder(cfg, multirun: bool) -> None:
+    """A Hydra multirun's jobs each need their own folder. A `run_dir` fixed for the sweep sent every job
+    to one: the first trained, and each later one resumed it, said "already finished" and returned the
+    first job's summary (exit 0), its config.yaml now the last job's; run at once (hydra/launcher=slurm)
+    they would write one folder's checkpoints together. Per job: the default (the job's own output
+    folder), a value that names the job through Hydra (`${hydra:job.num}`, `${hydra:job.override_dirname}`)
+    or one that interpolates a setting (`/runs/lr${algo.lr}`, the swept value). `${hydra:runtime.cwd}`,
+    `${hydra:sweep.dir}` or a plain path are one folder for all. grpo.train checks it in each job, and the
+    SLURM launcher's callback before submitting (grpo/slurm.py `SlurmCheck`)."""
+    raw = str(OmegaConf.to_container(cfg, resolve=False).get("run_dir"))
+    if multirun and not PER_JOB.search(raw):
+        raise ConfigError(f"run_dir={raw} is one folder for every job of this sweep (-m): the first job would "
+                          f"train and the others resume it. Drop run_dir and set hydra.sweep.dir={raw} (each job "
+                          f"gets <dir>/<job number>), or name the job in it: run_dir={raw}/${{hydra:job.num}}.")
 
 
 def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool | None = None) -> None:

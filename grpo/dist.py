@@ -61,11 +61,12 @@ def slurm_tasks_on_node(env) -> int | None:
     may differ (sbatch --ntasks=5 --nodes=2: `3,2`), so never the first node's entry for every node.
     None outside SLURM. The one reading, for the ranks (`dist_info`) and the threads (grpo/cpus.py)."""
     node = int(env["SLURM_NODEID"]) if env.get("SLURM_NODEID", "").isdigit() else 0
-    for key in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+    for key in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         counts = expand_tasks_per_node(env.get(key, ""))
         if node < len(counts) and counts[node] > 0:
             return counts[node]
-    return None
+    uniform = env.get("SLURM_NTASKS_PER_NODE", "")  # --ntasks-per-node: every node's
+    return int(uniform) if uniform.isdigit() and int(uniform) > 0 else None
 
 
 def dist_info(env: dict | None = None) -> DistInfo:

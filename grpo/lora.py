@@ -105,9 +105,10 @@ def wrap(model: torch.nn.Module, cfg) -> torch.nn.Module:
     # a VLM's vision tower (`visual`): frozen or not, no adapter (Qwen2.5-VL's vision MLP is named
     # gate_proj/up_proj/down_proj, the default targets: those adapters trained a "frozen" tower, and vLLM
     # engines started without tower LoRA ignore them, so sampler and trainer drifted apart)
+    tower = any(".visual." in f".{name}." for name, _ in model.named_modules())  # peft warns at an exclusion that matches nothing
     config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                        target_modules=list(cfg.target_modules), exclude_modules=VISION_MODULES, bias="none",
-                        task_type="CAUSAL_LM")
+                        target_modules=list(cfg.target_modules), exclude_modules=VISION_MODULES if tower else None,
+                        bias="none", task_type="CAUSAL_LM")
     wrapped = get_peft_model(model, config)
     # a MoE's fused experts (transformers 5: one `experts` module holding every expert's gate_up_proj and
     # down_proj as parameters) are wrapped by parameter, not as Linear layers: the merge for the export

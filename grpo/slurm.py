@@ -196,8 +196,9 @@ def check_sweep_jobs(config) -> None:
     without them), so each job's config is composed from its own overrides, as the sweeper will."""
     # grpo.config: Hydra's schema and the checks of every part (torch, the tasks), already loaded in the
     # grpo.train process this callback runs in; a top-level import would weigh on `python -m grpo.slurm`
-    from grpo.config import compose_config, validate
+    from grpo.config import check_sweep_folder, compose_config, validate
 
+    check_sweep_folder(config, multirun=True)  # one run_dir for every job: refused here, not on each node
     launcher = config.hydra.launcher
     params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
     jobs = sweep_jobs([*params, *config.hydra.overrides.task])
@@ -229,6 +230,8 @@ class SlurmCheck(Callback):
             check_sweep_jobs(config)
         except (ClusterError, ConfigError) as e:
             raise SystemExit(f"error: {e}") from None
+        except Exception as e:  # anything else a check raised (a cut-off config.json): Hydra would warn and submit
+            raise SystemExit(f"error: the sweep could not be checked before submitting it: {type(e).__name__}: {e}") from None
 
 
 def check_tensor_parallel(setting: str, tp: int, gpus_text: str, gpus: int, heads: int | None, kv_heads: int | None,

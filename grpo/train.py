@@ -65,7 +65,7 @@ from grpo.algorithm import batches_to_submit, combine_rewards, staleness, token_
 from grpo.checkpoint import (latest_checkpoint, load_checkpoint, load_reward_states, record_config, reward_states,
                              save_checkpoint, set_aside_checkpoints)
 from grpo.cli import exit_on_user_error
-from grpo.config import register_configs, validate
+from grpo.config import check_sweep_folder, register_configs, validate
 from grpo.cpus import configure_threads, machine_info
 from grpo.dist import (DistInfo, all_gather, all_reduce_max, all_reduce_sum, barrier, broadcast_object, dist_info, node_names,
                        process_group)
@@ -301,6 +301,8 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
     os.makedirs(run_dir, exist_ok=True)
     if not cfg.resume and info.is_main and (aside := set_aside_checkpoints(run_dir)):
         print(f"resume=false: the folder's earlier run (checkpoints, metrics, config) was moved to {aside}")
+    if cfg.resume:  # before config.yaml is touched: a refused resume leaves the folder as it was
+        check_not_past(run_dir, cfg.steps)
     if info.is_main:  # after the set-aside: an earlier run's config.yaml is kept with its records
         if changed := record_config(run_dir, resolved_config(cfg, run_dir), cfg.resume):
             warnings.warn(f"resuming in {run_dir} with a config that differs from its earlier run's in {len(changed)} "
@@ -333,10 +335,6 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
         load_reward_states(r.reward_fns, state.get("rewards", {}))
         r.guard_state = state.get("guards", {})
         resume_schedule(strategy.scheduler, algo)  # this run's lr, weight decay and schedule, not the checkpoint's
-        if r.start > cfg.steps and not os.path.exists(os.path.join(run_dir, "summary.json")):
-            raise ConfigError(f"{r.checkpoint_path} is at step {r.start}, past steps={cfg.steps}: the run would finish "
-                              f"as a {cfg.steps}-step run holding {r.start} steps of training. Raise steps to at "
-                              f"least {r.start}, or start afresh with resume=false.")
     r.submitted = r.start
     # The engines serve exactly the trainer's weights from the first batch (and the first evaluation)
     # on: a server started on another folder, or left with an earlier run's weights, sampled step 1
@@ -344,6 +342,28 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
     r.push_weights(version=r.start)
     log_listeners(os.getpid())  # every socket this run listens on, with its purpose (grpo/listeners.py)
     return r
+
+
+def finished_steps(run_dir: str) -> int | None:
+    """The steps of the run that finished in `run_dir` (its summary.json), None where none did."""
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            return json.load(f).get("steps")
+    except (OSError, ValueError):
+        return None
+
+
+def check_not_past(run_dir: str, steps: int) -> None:
+    """A resume from a checkpoint past `steps` is refused, unless that checkpoint is a finished run's
+    last step: it would end as a `steps`-step run (its summary and export) holding more training (a
+    6-step checkpoint resumed with steps=4; a finished 2-step run continued to 3, stopped before its
+    own summary, then started again with steps=2)."""
+    latest = latest_checkpoint(run_dir)
+    at = int(os.path.basename(latest).split("_")[1]) if latest else 0
+    if at > steps and finished_steps(run_dir) != at:
+        raise ConfigError(f"{latest} is at step {at}, past steps={steps}: the run would finish as a {steps}-step run "
+                          f"holding {at} steps of training. Raise steps to at least {at}, or start afresh with "
+                          f"resume=false.")
 
 
 def finished(r: Run) -> dict:
@@ -415,7 +435,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     # ---- setup: task, model, rewards, strategy, rollout backend, resume ----
     r = setup(cfg, info, cleanup)
     algo, G = cfg.algo, r.G
-    if r.start >= cfg.steps and os.path.exists(os.path.join(r.run_dir, "summary.json")):
+    if r.start >= cfg.steps and finished_steps(r.run_dir) == r.start:  # that run's own summary, not an earlier one's
         return finished(r)
     r.logger = logger = RunLogger(cfg.logger, r.run_dir, cfg.steps, resolved_config(cfg, r.run_dir), enabled=info.is_main,
                                   resume_step=r.start if r.checkpoint_path else None)
@@ -548,19 +568,6 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         f"{summary['wall_s']:.1f}s wall{f' for steps {r.start + 1}-{cfg.steps} (resumed)' if r.start else ''}; run folder {r.run_dir}"
     )
     return summary
-
-
-def check_sweep_folder(cfg: DictConfig, multirun: bool) -> None:
-    """A Hydra multirun's jobs each need their own folder. A `run_dir` fixed for the sweep sent every job
-    to one: the first trained, and each later one resumed it, said "already finished" and returned the
-    first job's summary (exit 0), its config.yaml now the last job's; run at once (hydra/launcher=slurm)
-    they would write one folder's checkpoints together. Per job: the default (the job's own output
-    folder) or a value that names the job through Hydra (`${hydra:job.num}`, `${hydra:job.override_dirname}`)."""
-    raw = OmegaConf.to_container(cfg, resolve=False).get("run_dir")
-    if multirun and "${hydra:" not in str(raw):
-        raise ConfigError(f"run_dir={raw} is one folder for every job of this sweep (-m): the first job would "
-                          f"train and the others resume it. Drop run_dir and set hydra.sweep.dir={raw} (each job "
-                          f"gets <dir>/<job number>), or name the job in it: run_dir={raw}/${{hydra:job.num}}.")
 
 
 def train_from_command_line(cfg: DictConfig) -> dict:

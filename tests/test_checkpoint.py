@@ -249,6 +249,13 @@ def test_a_resume_trains_at_its_new_lr_and_a_finished_run_exports_its_own_step(m
     (run / "model" / "grpo_export.json").write_text('{"step": 2}')  # as if the export of step 4 never came
     train(make_cfg("steps=4", "algo.lr=5e-4", *fixed))
     assert exported_step(str(run / "model")) == 4
-    os.remove(run / "summary.json")
-    with pytest.raises(ConfigError, match=r"is at step 4, past steps=3.*Raise steps to at least 4"):
-        train(make_cfg("steps=3", "algo.lr=5e-4", *fixed))
+    state = torch.load(run / "checkpoints" / "step_00000004" / "state_rank0.pt", weights_only=False)
+    assert state["guards"] == {"skipped": 0, "in_a_row": 0, "sampler_count": 0}  # the guards' counts go along
+    # the finished 4-step run continued to 5 and stopped after its checkpoint, before its own summary
+    four = (run / "summary.json").read_text()
+    train(make_cfg("steps=5", "algo.lr=5e-4", *fixed))
+    (run / "summary.json").write_text(four)
+    config = (run / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"is at step 5, past steps=4.*Raise steps to at least 5"):
+        train(make_cfg("steps=4", "algo.lr=1e-4", *fixed))  # the 4-step summary is not step 5's
+    assert (run / "config.yaml").read_text() == config and exported_step(str(run / "model")) == 5

@@ -50,6 +50,8 @@ def test_each_node_counts_its_own_slurm_tasks():
     # the step's own layout first: the job's (SLURM_TASKS_PER_NODE) may differ from the training step's
     assert local_processes({"SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "4,1", "SLURM_TASKS_PER_NODE": "8(x2)"}) == 1
     assert local_processes({"SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "3,2"}) == 2
+    # --ntasks-per-node alone is every node's count, node 1's too
+    assert local_processes({"SLURM_NODEID": "1", "SLURM_NTASKS_PER_NODE": "4"}) == 4
 
 
 def write_tree(root, files: dict[str, str]) -> str:

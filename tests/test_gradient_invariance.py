@@ -5,6 +5,7 @@ makes the gradient depend on the split. Every normaliser here is a count over th
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -101,3 +102,48 @@ def test_skipping_flat_groups_leaves_the_update_as_it_was(tiny_lm, loss_type, mi
     assert kept["grad_norm"] > 0
     assert skipped["grad_norm"] == pytest.approx(kept["grad_norm"], rel=1e-4)
     assert skipped["loss"] == pytest.approx(kept["loss"], rel=1e-4, abs=1e-7)
+
+
+def test_a_first_minibatch_of_skipped_groups_leaves_the_sampler_difference_unmeasured_not_0(tiny_lm):
+    """Minibatches are cut over every group: where all of the first one's groups are flat (skipped), no
+    sampled token is scored before the first optimizer step, so |trainer - sampler| was not measured.
+    It read 0, which the sampler watch takes for perfect parity; it is NaN (the watch skips it)."""
+    from grpo.update import policy_update
+
+    model, tok = tiny_lm
+    G = 2
+    batch = make_batch(tok, seed=3, B=8, T=6, group=G)
+    flat_P = torch.tensor([True, True, False, False])
+    batch.advantages_B = torch.where(flat_P.repeat_interleave(G), 0.0, batch.advantages_B)
+    algo = OmegaConf.structured(AlgoConfig(batch_size=8, group_size=G, num_minibatches=2, warmup_steps=0))
+    kept = policy_update(SingleStrategy(None, copy.deepcopy(model), algo, total_steps=2), batch, algo, 6, 1.0)
+    skipped = policy_update(SingleStrategy(None, copy.deepcopy(model), algo, total_steps=2), batch, algo, 6, 1.0,
+                            skip_P=flat_P)
+    assert kept["sampler_diff"] > 0 and skipped["trained_completions"] == 4
+    assert math.isnan(skipped["sampler_diff"]) and math.isnan(skipped["sampler_diff_mean"])
+
+
+def test_a_moes_router_loss_is_shared_by_the_tokens_the_update_trains():
+    """A MoE's load-balancing loss is added per micro-batch, weighted by its share of the tokens. With
+    flat groups skipped the shares must still sum to 1 over the trained tokens: counted over the whole
+    batch they summed to the kept fraction, and the router loss shrank with it. Advantages 0 here, so
+    the router loss is the whole gradient: skipping half the groups equals training the other half."""
+    from grpo.config import TinyModelConfig
+    from grpo.tiny.moe import build_tiny_moe
+    from grpo.tiny.text import build_char_tokenizer
+    from grpo.update import policy_update
+
+    tok = build_char_tokenizer()
+    model = build_tiny_moe(TinyModelConfig(), len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    G = 2
+    batch = make_batch(tok, seed=3, B=8, T=6, group=G)
+    batch.advantages_B = torch.zeros(8)
+    skip_P = torch.tensor([False, True, False, True])
+    algo = OmegaConf.structured(AlgoConfig(batch_size=8, group_size=G, warmup_steps=0, router_aux_loss_coef=1.0))
+    grads = []
+    for b, skip in ((batch, skip_P), (batch.select((~skip_P).repeat_interleave(G)), None)):
+        m = copy.deepcopy(model)
+        algo.batch_size = b.size
+        stats = policy_update(SingleStrategy(None, m, algo, total_steps=2), b, algo, 6, 1.0, skip_P=skip)
+        grads.append(stats["grad_norm"])
+    assert grads[0] > 0 and grads[0] == pytest.approx(grads[1], rel=1e-4)

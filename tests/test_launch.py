@@ -167,6 +167,10 @@ def test_a_slurm_sweep_is_validated_for_the_processes_each_job_will_have(tmp_pat
     assert str(e.value) == ("error: job 0 of the sweep (steps=3 algo.warmup_steps=0 parallel=single), run as 1 node(s) x 2 "
                             "task(s): 2 processes were launched but parallel=single; use parallel=ddp.")
     SlurmCheck().on_multirun_start(compose_config([*launcher, "parallel=ddp"], hydra_config=True))
+    # one run_dir for every job: refused before submitting, not by each job on its node after the queue
+    with pytest.raises(SystemExit, match="run_dir=/shared/runs/one is one folder for every job of this sweep"):
+        SlurmCheck().on_multirun_start(compose_config([*launcher, "parallel=ddp", "run_dir=/shared/runs/one"],
+                                                      hydra_config=True))
 
 
 @pytest.mark.starts_process

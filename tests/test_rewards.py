@@ -245,6 +245,16 @@ def test_env_reward_scores_an_unfinished_episode_the_environment_never_rewarded_
         ("In May she sold 48/2 = 24 clips. Altogether she sold 48 + 24", "72", 0.0),
         ("In May she sold 48/2", "24", 0.0),  # a division that comes out whole
         ("7 + 1 = 8", "8", 1.0),  # the result after the working counts
+        ("The answer is $48 + 24 = 72$.", "72", 1.0),  # in LaTeX too: the last relation's right-hand side
+        ("Therefore the total is $\\boxed{48 + 24 = 72}$", "72", 1.0),
+        ("So the area is $\\frac{1}{2} \\cdot 6 \\cdot 4 = 12$.", "12", 1.0),
+        ("Thus $x = 2 + 3 = 5$.", "5", 1.0),
+        ("\\boxed{x = 7+1}", "8", 0.0),  # ... and what follows the last = must be written
+        ("In May she sold 48 - 24", "24", 0.0),  # a subtraction of written numbers
+        ("\\boxed{9 - 1}", "8", 0.0),
+        ("\\boxed{1 - \\sqrt{2}}", "1-\\sqrt{2}", 1.0),
+        ("\\boxed{3 - 4i}", "3-4i", 1.0),
+        ("\\boxed{(-1, 2)}", "(-1,2)", 1.0),
         ("\\boxed{-3}", "-3", 1.0),  # a sign, a fraction, a root, pi, scientific notation: values as written
         ("1/2", "0.5", 1.0),
         ("\\boxed{-\\frac{1}{2}}", "-0.5", 1.0),

@@ -190,11 +190,15 @@ def test_a_sweep_with_one_run_dir_for_every_job_is_refused():
     """`-m ... run_dir=X`: every job in one folder; the first trained and each later one resumed it,
     printed "already finished" and exited 0 with the first job's summary. Per-job values pass."""
     from grpo.errors import ConfigError
-    from grpo.train import check_sweep_folder
+    from grpo.config import check_sweep_folder
 
     with pytest.raises(ConfigError, match=r"run_dir=/runs/lr is one folder for every job .*hydra.sweep.dir=/runs/lr"):
         check_sweep_folder(OmegaConf.create({"run_dir": "/runs/lr"}), multirun=True)
-    for per_job in ("${hydra:runtime.output_dir}", "/runs/lr/${hydra:job.num}"):
+    for one in ("${hydra:runtime.cwd}/runs/one", "${hydra:sweep.dir}"):  # Hydra's, yet the same for every job
+        with pytest.raises(ConfigError, match="is one folder for every job"):
+            check_sweep_folder(OmegaConf.create({"run_dir": one}), multirun=True)
+    for per_job in ("${hydra:runtime.output_dir}", "/runs/lr/${hydra:job.num}", "/runs/lr${algo.lr}",
+                    "/runs/${hydra:job.override_dirname}"):
         check_sweep_folder(OmegaConf.create({"run_dir": per_job}), multirun=True)
     check_sweep_folder(OmegaConf.create({"run_dir": "/runs/lr"}), multirun=False)
 

@@ -8,7 +8,9 @@ earn the reward by copying the question's operands. A final answer that combines
 +, -, x, a whole power (2^{10}) or a division that comes out whole (48/2) is wrong unless the ground
 truth is written that way too (`written_arithmetic`). A sign, a fraction (1/2, \\frac{7}{2}), a root,
 pi, scientific notation (3 \\times 10^5) and expressions in variables (x^2+2x) are values as written.
-(\\frac{14}{2} is an exception: math-verify hands it back as 7 already.)
+A worked equation is judged by what follows its last `=` (`48 + 24 = 72` is 72), as math-verify
+compares it. (math-verify hands some divisions back evaluated already: \\frac{14}{2}, \\boxed{48/2} and
+48 \\div 2 in LaTeX read as 7 and 24 and pass; plain-text 48/2 is caught.)
 
 math-verify's own timeouts use SIGALRM, which works only in the main thread. Rewards run in a
 worker thread (grpo.rewards cuts them off with `reward.timeout_s`), so there its timeouts are off;
@@ -75,10 +77,18 @@ def _nodes(expr):
         yield from _nodes(arg)
 
 
+def _written_number(arg, node) -> bool:
+    """A number written as a term of `node`: 7, and in a sum a subtracted one (48 - 24 reads as
+    48 + (-1) x 24); the -1 of a product is a sign (-3), not a number written."""
+    if arg.is_Number:
+        return not (node.is_Mul and arg == -1)
+    return bool(node.is_Add and arg.is_Mul and len(arg.args) == 2 and arg.args[0] == -1 and arg.args[1].is_Number)
+
+
 def _computes(node) -> bool:
-    """Whether one node joins written numbers by an operation: 7 + 1, 3 \\cdot 6, 2^{10}, 48/2."""
+    """Whether one node joins written numbers by an operation: 7 + 1, 48 - 24, 3 \\cdot 6, 2^{10}, 48/2."""
     if node.is_Add or node.is_Mul:
-        numbers = [a for a in node.args if a.is_Number and not (node.is_Mul and a == -1)]  # -1 x: a sign
+        numbers = [a for a in node.args if _written_number(a, node)]
         if len(numbers) >= 2:
             return True
         divisors = [a.base for a in node.args if a.is_Pow and a.base.is_Number and a.exp == -1]
@@ -93,11 +103,22 @@ def _computes(node) -> bool:
     return False
 
 
+def answer_side(value):
+    """The part of a parsed answer math-verify compares: of a relation (`48 + 24 = 72`, read as
+    Eq(48 + 24, 72)) or a chain of them (`x = 2 + 3 = 5`), the last one's right-hand side; the working
+    on the left is not the answer."""
+    if type(value).__name__ == "And":
+        relations = getattr(value, "_unsorted_args", value.args)
+        if relations and all(getattr(r, "is_Relational", False) for r in relations):
+            value = relations[-1]
+    return value.rhs if getattr(value, "is_Relational", False) else value
+
+
 def written_arithmetic(parsed: list) -> bool:
     """Whether math-verify's reading of an answer ([sympy value, matched text], or text alone) is an
     operation on written numbers rather than a value (this module's docstring)."""
     return any(_computes(node) for value in parsed if not isinstance(value, str)
-               for node in _nodes(value) if hasattr(node, "is_Add"))
+               for node in _nodes(answer_side(value)) if hasattr(node, "is_Add"))
 
 
 def is_equivalent(completion: str, answer: str) -> bool:

@@ -429,8 +429,9 @@ def describe(value) -> str:
 
 
 def is_number(value) -> bool:
-    """A reward `float()` takes as a number (int, float, numpy or 0-d torch scalars), not text or a bool."""
-    if isinstance(value, (str, bytes, bool)):
+    """A reward `float()` takes as a number (int, float, a bool as 1 or 0, numpy or 0-d torch scalars),
+    as reward functions' values are taken (grpo.rewards `as_number`); not text."""
+    if isinstance(value, (str, bytes)):
         return False
     try:
         float(value)

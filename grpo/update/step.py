@@ -145,7 +145,7 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
             loss, stats = decoupled_loss(logp_BT, old_BT, mb.sampler_logprobs_BT, mb.advantages_B, mb.mask_BT, norm,
                                          algo, ref_logprobs_BT=mb.ref_logprobs_BT)
             if routed is not None and coef > 0:  # the router's load-balancing loss, this micro-batch's share
-                loss = loss + coef * routed.aux_loss * (mb.mask_BT.sum() / max(norm.num_tokens, 1))
+                loss = loss + coef * routed.aux_loss * (mb.mask_BT.sum() / max(norm.trained_tokens or norm.num_tokens, 1))
             # the backward under the forward's kernels too: gradient checkpointing recomputes layers there
             with forward.training_attention(device):
                 strategy.backward(loss / share if share > 1 else loss)
@@ -231,8 +231,9 @@ def policy_update(
             local = loss_norm(whole.select((groups[:, None] * G + torch.arange(G)).flatten()), max_len, gen_tokens_per_step)
             rows = (kept_at_P[groups[~skip_P[groups]]][:, None] * G + torch.arange(G)).flatten()
             mb = batch.select(rows)
-            num_seqs, num_tokens = strategy.reduce_counts([local.num_seqs, local.num_tokens])
-            norm = replace(local, num_seqs=int(num_seqs), num_tokens=int(num_tokens))
+            num_seqs, num_tokens, trained = strategy.reduce_counts([local.num_seqs, local.num_tokens,
+                                                                    float(mb.mask_BT.sum())])
+            norm = replace(local, num_seqs=int(num_seqs), num_tokens=int(num_tokens), trained_tokens=int(trained))
             if rows.numel() or lockstep:
                 sums, plan = accumulate_gradients(strategy, mb, algo, norm, temperature, tally)
                 ran = plan.layout
@@ -257,6 +258,9 @@ def policy_update(
     load = load_E.cpu().tolist() if experts is not None else []
     summed = strategy.reduce_counts([totals[k] for k in RANK_SUMS] + [tokens, *load])
     totals.update(zip(RANK_SUMS, summed))
+    # trained, yet no sampled token scored before the first optimizer step (skipped flat groups made up the
+    # first minibatch): the trainer-sampler difference was not measured this step, not 0
+    unmeasured = summed[len(RANK_SUMS)] > 0 and totals["sampler_diff_tokens"] == 0
     tokens = max(summed[len(RANK_SUMS)], 1.0)
     load_E = torch.tensor(summed[len(RANK_SUMS) + 1:]) if experts is not None else None
     totals["sampler_diff_max"] = dist.all_reduce_max([totals["sampler_diff_max"]])[0]
@@ -279,9 +283,9 @@ def policy_update(
         "work": {part: work.resolved() for part, work in tally.items()},
         # max |trainer - sampler| logprob of a sampled token, with the weights that sampled: ~1e-5
         # when the engine got the last sync (fp32), far larger when it still runs older weights
-        "sampler_diff": totals["sampler_diff_max"],
+        "sampler_diff": math.nan if unmeasured else totals["sampler_diff_max"],
         # its mean over the sampled tokens of the first minibatch (the same weights)
-        "sampler_diff_mean": totals["sampler_diff_sum"] / max(totals["sampler_diff_tokens"], 1.0),
+        "sampler_diff_mean": math.nan if unmeasured else totals["sampler_diff_sum"] / max(totals["sampler_diff_tokens"], 1.0),
         # KL(sampler || trainer) on the sampled tokens, k3, over the first pass; the trainer's side is
         # the weights before each minibatch's step: with a stale batch (algo.max_staleness), how far
         # the policy moved since the batch was sampled
