@@ -53,10 +53,19 @@ def _fsync_tree(path: str) -> None:
         _fsync_dir(folder)
 
 
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoint_step(path: str) -> int:
+    """The step a checkpoint folder (`checkpoint_name`) holds."""
+    return int(os.path.basename(os.path.normpath(path)).removeprefix("step_"))
+
+
 def save_checkpoint(run_dir: str, step: int, strategy, state: dict, keep: int = 2) -> str:
     """Every rank calls this. Rank 0 owns the folder; each rank adds its own RNG state."""
     root = os.path.join(run_dir, "checkpoints")
-    name = f"step_{step:08d}"
+    name = checkpoint_name(step)
     final, tmp = os.path.join(root, name), os.path.join(root, f".tmp-{name}")
     if dist.rank() == 0:
         os.makedirs(root, exist_ok=True)

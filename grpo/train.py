@@ -62,8 +62,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from grpo.algorithm import batches_to_submit, combine_rewards, staleness, token_staleness, zero_std_groups
-from grpo.checkpoint import (latest_checkpoint, load_checkpoint, load_reward_states, record_config, reward_states,
-                             save_checkpoint, set_aside_checkpoints)
+from grpo.checkpoint import (checkpoint_step, latest_checkpoint, load_checkpoint, load_reward_states, record_config,
+                             reward_states, save_checkpoint, set_aside_checkpoints)
 from grpo.cli import exit_on_user_error
 from grpo.config import check_sweep_folder, register_configs, validate
 from grpo.cpus import configure_threads, machine_info
@@ -359,7 +359,7 @@ def check_not_past(run_dir: str, steps: int) -> None:
     6-step checkpoint resumed with steps=4; a finished 2-step run continued to 3, stopped before its
     own summary, then started again with steps=2)."""
     latest = latest_checkpoint(run_dir)
-    at = int(os.path.basename(latest).split("_")[1]) if latest else 0
+    at = checkpoint_step(latest) if latest else 0
     if at > steps and finished_steps(run_dir) != at:
         raise ConfigError(f"{latest} is at step {at}, past steps={steps}: the run would finish as a {steps}-step run "
                           f"holding {at} steps of training. Raise steps to at least {at}, or start afresh with "

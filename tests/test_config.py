@@ -400,3 +400,12 @@ def test_collective_timeout_outlasts_what_a_dedicated_node_waits_for():
     check_collective_timeout(1800, rollout, world=2)
     check_collective_timeout(600, rollout, world=1)  # one rank waits for no one
     assert compose_cfg().parallel.collective_timeout_s == 1800
+
+
+def test_validate_refuses_cpu_engine_settings_for_a_gpu_run():
+    """validate(..., cuda=True), as grpo.launch checks a GPU job on a login node: dedicated's CPU-engine
+    settings are refused before submitting, not when the engines start on the node."""
+    with pytest.raises(ConfigError, match=r"rollout.vllm.memory_fraction=0.5 with rollout=dedicated on \['cuda'\]"):
+        validate(compose_cfg("rollout=dedicated", "rollout.vllm.memory_fraction=0.5"), cuda=True)
+    validate(compose_cfg("rollout=dedicated", "rollout.vllm.memory_fraction=0.5"), cuda=False)
+    validate(compose_cfg("rollout=dedicated"), cuda=True)

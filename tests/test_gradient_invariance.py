@@ -78,7 +78,8 @@ def test_micro_batch_normaliser_would_break_invariance(tiny_lm):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("minibatches", [1, 2])
-def test_skipping_flat_groups_leaves_the_update_as_it_was(tiny_lm, loss_type, minibatches):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skipping_flat_groups_leaves_the_update_as_it_was(tiny_lm, loss_type, minibatches, dtype):
     """algo.zero_std_groups=drop leaves the groups whose rewards are all equal (advantage 0; beta 0) out of
     every forward. It must only save their compute: their sequences and tokens still count in the
     loss's normalisers, so loss and gradient norm are those of the whole batch. Counted after the drop,
@@ -95,7 +96,7 @@ def test_skipping_flat_groups_leaves_the_update_as_it_was(tiny_lm, loss_type, mi
                                            num_minibatches=minibatches, warmup_steps=0))
     stats = []
     for skip in (None, flat_P):
-        strategy = SingleStrategy(None, copy.deepcopy(model), algo, total_steps=2)
+        strategy = SingleStrategy(None, copy.deepcopy(model).to(dtype), algo, total_steps=2)
         stats.append(policy_update(strategy, batch, algo, max_len=6, temperature=1.0, skip_P=skip))
     kept, skipped = stats
     assert kept["trained_completions"] == 8 and skipped["trained_completions"] == 4

@@ -45,6 +45,7 @@ from typing import Callable, Iterable, Optional
 from grpo.envs import env_factory
 from grpo.envs.base import Step
 from grpo.errors import ConfigError
+from grpo.rewards import as_number
 from grpo.rollout.base import Rollouts, Sampling
 from grpo.rollout.render import ChatRender, RawRender
 from grpo.rollout.servers import DaemonWorker
@@ -380,9 +381,9 @@ class EpisodeRunner:
             self.fail(t, error, "step")
             return
         if step.reward is not None:
-            t.rewards.append(float(step.reward))
+            t.rewards.append(as_number(step.reward))
             ep.env_reward = sum(t.rewards)
-            ep.step_rewards[-1] = float(step.reward)
+            ep.step_rewards[-1] = as_number(step.reward)
         ep.tool_calls += bool(step.info.get("tool_call"))
         ep.tool_errors += bool(step.info.get("tool_error"))
         if step.done:
@@ -428,18 +429,6 @@ def describe(value) -> str:
     return f"a {type(value).__name__} ({str(value)[:40]!r})"
 
 
-def is_number(value) -> bool:
-    """A reward `float()` takes as a number (int, float, a bool as 1 or 0, numpy or 0-d torch scalars),
-    as reward functions' values are taken (grpo.rewards `as_number`); not text."""
-    if isinstance(value, (str, bytes)):
-        return False
-    try:
-        float(value)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
 def step_error(step) -> Optional[str]:
     """What is wrong with what an environment's step returned, None if nothing: an observation that is
     not text would otherwise fail deep in the tokenizer and end the run, not the episode."""
@@ -447,7 +436,7 @@ def step_error(step) -> Optional[str]:
         return f"step returned {describe(step)}, not a Step(observation=str | None, reward, done, info)"
     if not isinstance(step.observation, (str, type(None))):
         return f"step returned Step.observation={describe(step.observation)}; it must be a str or None"
-    if step.reward is not None and not is_number(step.reward):
+    if step.reward is not None and as_number(step.reward) is None:  # scored as reward functions' values are
         return f"step returned Step.reward={describe(step.reward)}; it must be a number or None"
     if not isinstance(step.info, dict):
         return f"step returned Step.info={describe(step.info)}; it must be a dict"
