@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from grpo import algorithm, envs, lora, models, moe_model, vision
+from grpo import algorithm, envs, log, lora, models, moe_model, vision
 from grpo.dist import dist_info
 from grpo.errors import ConfigError
 from grpo.moe import routing
@@ -395,6 +395,8 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     check_task(cfg.task)  # the data fields the chosen task reads
     check_rewards(cfg)  # each name resolves; a reward that holds a model checks its settings (grpo/rewards/)
     envs.check(cfg)  # env.*: the environment can be found, its budgets leave room for a turn
+    log.check(cfg.logger, LoggerConfig())  # logger.project/entity without wandb
+    folders.check_tiny_settings(cfg.model, TinyModelConfig())  # model.tiny.* for a model not built in code
     folders.check_path(cfg.model.path)  # tiny, packaged, a local folder, or a hub id whose config loads
     model_config = known_model_config(cfg.model)
     # the engines' context against the model's own: fitted with a warning, or refused (engine_memory.engine_context)

@@ -9,6 +9,10 @@ import os
 import secrets
 import sys
 
+from grpo.errors import ConfigError
+
+WANDB_ONLY = ("project", "entity")  # logger settings only wandb reads
+
 
 def format_line(step: int, total: int, m: dict) -> str:
     parts = [f"step {step:>4}/{total}"]
@@ -29,6 +33,17 @@ def format_line(step: int, total: int, m: dict) -> str:
         if key in m and m[key] is not None and not (isinstance(m[key], float) and math.isnan(m[key])):
             parts.append(f"{label} {fmt.format(m[key])}")
     return " | ".join(parts)
+
+
+def check(cfg, defaults) -> None:
+    """logger.project and logger.entity name a wandb run: with the console logger nothing reads them, so a
+    setting there is refused rather than left to look as if it took effect. `defaults`: LoggerConfig()."""
+    if cfg.backend == "wandb":
+        return
+    given = [f"logger.{k}={cfg[k]!r}" for k in WANDB_ONLY if cfg[k] != getattr(defaults, k)]
+    if given:
+        raise ConfigError(f"{', '.join(given)}: only logger=wandb reads this; add logger=wandb or drop the setting "
+                          f"(logger.backend={cfg.backend} writes the console and metrics.jsonl).")
 
 
 class RunLogger:

@@ -409,3 +409,21 @@ def test_validate_refuses_cpu_engine_settings_for_a_gpu_run():
         validate(compose_cfg("rollout=dedicated", "rollout.vllm.memory_fraction=0.5"), cuda=True)
     validate(compose_cfg("rollout=dedicated", "rollout.vllm.memory_fraction=0.5"), cuda=False)
     validate(compose_cfg("rollout=dedicated"), cuda=True)
+
+
+def test_settings_of_a_logger_or_model_that_is_not_chosen_are_refused():
+    """logger.project/entity only name a wandb run; model.tiny.* only shapes a model built in code and
+    model.tiny.moe.* only tiny_moe: elsewhere each changed nothing, not even a cache key."""
+    with pytest.raises(ConfigError) as e:
+        validate(compose_cfg("logger.entity=me", "logger.project=p"))
+    assert str(e.value) == ("logger.project='p', logger.entity='me': only logger=wandb reads this; add logger=wandb or "
+                            "drop the setting (logger.backend=console writes the console and metrics.jsonl).")
+    with pytest.raises(ConfigError) as e:
+        validate(compose_cfg("model=hub", "model.tiny.hidden_size=64"))
+    assert str(e.value).startswith("model.tiny.hidden_size=64: only a model built in code (tiny, tiny_vlm, tiny_moe) "
+                                   "reads this, and model.path='Qwen/Qwen2.5-0.5B-Instruct'")
+    with pytest.raises(ConfigError, match=r"model.tiny.moe.experts=4: only model.path=tiny_moe reads this"):
+        validate(compose_cfg("model.tiny.moe.experts=4"))
+    validate(compose_cfg("model.tiny.hidden_size=64"))  # the tiny model reads it
+    validate(compose_cfg("model=tiny_moe", "model.tiny.moe.experts=4"))
+    validate(compose_cfg("logger=wandb", "logger.entity=me", "logger.project=p"))

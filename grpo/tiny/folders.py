@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+from omegaconf import OmegaConf
+
 from grpo.dist import barrier
 from grpo.errors import ConfigError
 from grpo.models import HUB_ID, check_hub_model
@@ -51,6 +53,30 @@ def check_path(path: str) -> None:
             f"folder, nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'. Fix the path."
         )
     check_hub_model(path)
+
+
+def check_tiny_settings(model, defaults) -> None:
+    """model.tiny.* shapes only the models built in code, and model.tiny.moe.* only tiny_moe: a setting
+    there for another model would change nothing (not even the cache key), so it is refused. `defaults`:
+    TinyModelConfig()."""
+    given, default = flat(OmegaConf.create(model.tiny)), flat(OmegaConf.create(defaults))
+    changed = [f"model.tiny.{k}={v!r}" for k, v in given.items() if v != default.get(k)
+               and (model.path not in TINY_KINDS or (k.startswith("moe.") and model.path != "tiny_moe"))]
+    if changed:
+        reads = "model.path=tiny_moe" if model.path in TINY_KINDS else f"a model built in code ({', '.join(TINY_KINDS)})"
+        raise ConfigError(f"{', '.join(changed)}: only {reads} reads this, and model.path={model.path!r}; drop the "
+                          f"setting or choose that model.")
+
+
+def flat(node, prefix: str = "") -> dict:
+    """A config node's leaves by dotted key."""
+    out = {}
+    for key, value in node.items():
+        if OmegaConf.is_config(value):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def uses_tiny_rm(cfg) -> bool:
