@@ -428,7 +428,9 @@ def decoupled_loss(
     nothing stops the trainer pushing those tokens again: on the default task, 1 version stale, that
     diverged (held-out accuracy 0.129 -> 0.098 in 600 steps, against 0.637 synchronous), where the
     behaviour-centred clip stops the second push and learned (0.566; docs/async.md).
-    With a fresh batch mu = pi_prox up to kernel noise and both are the synchronous loss."""
+    With a fresh batch mu = pi_prox up to kernel noise: the proximal loss is the synchronous one, and so is
+    the behaviour loss but with its band b (a set clip_eps / clip_eps_high with a set b is refused:
+    `check_behaviour_band`)."""
     clip_eps, clip_eps_high = algo.clip_eps, algo.clip_eps_high
     if trust_region(algo.trust_region, algo.max_staleness, algo.is_level) == "behaviour":
         proximal_logprobs_BT, w_BT = sampler_logprobs_BT, None
@@ -504,10 +506,12 @@ def check(algo, rollout, world: int) -> None:
             f"algo.batch_size / algo.group_size = {prompts} prompts per step cannot be shared evenly by {world} "
             f"processes; make it a multiple of {world}."
         )
-    if a.num_minibatches < 1 or prompts % a.num_minibatches:
+    mine = prompts // world  # each process cuts its own prompts into the minibatches (grpo/update/step.py)
+    if a.num_minibatches < 1 or mine % a.num_minibatches:
         raise ConfigError(
-            f"algo.num_minibatches={a.num_minibatches} must be >= 1 and divide the {prompts} prompts per step "
-            f"(batch_size / group_size), so no group is split across optimizer steps."
+            f"algo.num_minibatches={a.num_minibatches} must be >= 1 and divide each process's {mine} prompts per "
+            f"step (batch_size / group_size / {world} processes), so no group is split across optimizer steps and "
+            f"every step holds the same groups on every process; use a divisor of {mine}."
         )
     if a.dynamic_sampling and a.max_staleness > 0:
         raise ConfigError(f"algo.dynamic_sampling draws more prompts after scoring the step's batch, but with "
@@ -584,6 +588,21 @@ def check(algo, rollout, world: int) -> None:
         )
 
 
+def check_behaviour_band(algo, defaults) -> None:
+    """Under the behaviour trust region a set `behaviour_clip_eps` replaces clip_eps and clip_eps_high
+    (`decoupled_loss`): a band given there (GSPO's 3e-4 / 4e-4, DAPO's 0.2 / 0.28) would be read nowhere,
+    and GSPO's sequence ratio clipped 250 times wider. Refused; `defaults`: the schema's (AlgoConfig())."""
+    if trust_region(algo.trust_region, algo.max_staleness, algo.is_level) != "behaviour" or algo.behaviour_clip_eps is None:
+        return
+    given = [f"algo.{k}={getattr(algo, k)}" for k in ("clip_eps", "clip_eps_high") if getattr(algo, k) != getattr(defaults, k)]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} with the behaviour trust region (algo.trust_region={algo.trust_region}, "
+            f"algo.max_staleness={algo.max_staleness}): its band around the sampler is algo.behaviour_clip_eps="
+            f"{algo.behaviour_clip_eps}, which replaces {' and '.join(k.split('=')[0] for k in given)}. Set "
+            f"algo.behaviour_clip_eps=null to clip by your band around the sampler, or drop the clip_eps setting(s).")
+
+
 def inert_settings(algo, defaults) -> list[str]:
     """The algo.* settings given (other than `defaults`', the schema's) to a feature that is off, each
     with what would turn it on: they would change nothing, without a word (algo.is_cap=4 with
@@ -606,6 +625,7 @@ def check_inert(algo, defaults, steps: int) -> None:
     """validate's part: `inert_settings` refused; a warm-up as long as the run warned of (algo.lr is never
     reached: warm-up and decay count optimizer steps, steps x num_iterations x num_minibatches, and the
     last one's lr is total / (warmup_steps + 1) of it: grpo.parallel.base.build_optimizer)."""
+    check_behaviour_band(algo, defaults)
     inert = inert_settings(algo, defaults)
     if inert:
         raise ConfigError(f"{'; '.join(inert)}: the feature is off, so the setting has no effect. Turn the feature on, "

@@ -168,7 +168,7 @@ def test_unknown_option_is_an_error():
         ("algo.loss_type=ppo", "algo.loss_type='ppo' is not one of"),
         ("algo.batch_size=30", "algo.batch_size=30 is not a multiple of algo.group_size=16"),
         ("algo.group_size=1", "at least 2 completions"),
-        ("algo.num_minibatches=3", "algo.num_minibatches=3 must be >= 1 and divide the 32 prompts"),
+        ("algo.num_minibatches=3", "algo.num_minibatches=3 must be >= 1 and divide each process's 32 prompts"),
         ("algo.clip_eps_high=0.1", "clip_eps_high"),
         ("model.path=/does/not/exist", "model.path='/does/not/exist' is neither 'tiny', a packaged model ['smollm2-135m'], an existing local folder"),
         ("reward.funcs=[{name: nosuchreward}]", "reward 'nosuchreward' is not one of"),
@@ -186,6 +186,11 @@ def test_unknown_option_is_an_error():
         ("algo.behaviour_clip_eps=1.5", "algo.behaviour_clip_eps=1.5 must be in (0, 1), or null"),
         ("algo=cispo|algo.max_staleness=1|rollout=dedicated|algo.behaviour_clip_eps=0.1",
          "CISPO's weight is bounded by algo.clip_eps / clip_eps_high"),
+        ("algo=gspo|algo.max_staleness=1|rollout=dedicated|algo.behaviour_clip_eps=0.1",
+         "algo.clip_eps=0.0003, algo.clip_eps_high=0.0004 with the behaviour trust region (algo.trust_region=auto, "
+         "algo.max_staleness=1): its band around the sampler is algo.behaviour_clip_eps=0.1, which replaces "
+         "algo.clip_eps and algo.clip_eps_high. Set algo.behaviour_clip_eps=null"),
+        ("algo.trust_region=behaviour|algo.clip_eps=0.3", "algo.clip_eps=0.3 with the behaviour trust region"),
         ("algo.adv_estimator=rloo", "algo.adv_estimator=rloo sets its own scale"),
         ("algo.adv_estimator=gae", "algo.adv_estimator='gae' is not one of"),
         ("algo=cispo|algo.ratio_level=sequence", "algo.pg_loss=cispo weights each token's gradient"),
@@ -290,6 +295,22 @@ def test_truncated_sampling_is_refused_where_the_samplers_logprobs_enter_the_los
         f"come from a truncated, renormalised distribution the trainer does not compute, so even a fresh batch is "
         f"clipped. Set rollout.top_k=0 and rollout.top_p=1.0, or algo.max_staleness=0 with algo.trust_region=auto (or "
         f"proximal), whose ratio is the trainer's own.")
+
+
+def test_minibatches_cut_each_processs_own_prompts():
+    """Each process cuts its own prompts into algo.num_minibatches: 32 prompts over 2 processes and 32
+    minibatches left every other optimizer step empty on both (AdamW momentum alone, the schedule
+    advanced) and DAPO's steps weighted twice."""
+    with pytest.raises(ConfigError, match="divide each process's 16 prompts per step"):
+        validate(compose_cfg("parallel=ddp", "algo.num_minibatches=32"), world_size=2)
+    validate(compose_cfg("parallel=ddp", "algo.num_minibatches=16"), world_size=2)
+
+
+def test_the_presets_keep_their_own_band_around_a_stale_batchs_sampler():
+    for preset in ("gspo", "dapo", "cispo"):
+        cfg = compose_cfg(f"algo={preset}", "algo.max_staleness=1", "rollout=dedicated")
+        validate(cfg)
+        assert cfg.algo.behaviour_clip_eps is None
 
 
 def test_prompts_are_shared_evenly_by_the_processes():

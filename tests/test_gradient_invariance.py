@@ -148,3 +148,29 @@ def test_a_moes_router_loss_is_shared_by_the_tokens_the_update_trains():
         stats = policy_update(SingleStrategy(None, m, algo, total_steps=2), b, algo, 6, 1.0, skip_P=skip)
         grads.append(stats["grad_norm"])
     assert grads[0] > 0 and grads[0] == pytest.approx(grads[1], rel=1e-4)
+
+
+def test_a_step_of_only_flat_groups_moves_the_weights_as_keep_does(tiny_lm):
+    """zero_std_groups=drop skips an all-flat step's backward, so no parameter got a gradient and AdamW
+    (which skips a grad of None) took no momentum step; keep's zero gradients did (weights 6.7e-3 apart
+    after it, 2.2e-2 after the next step). The single strategy zero-fills, as DDP's ranks do."""
+    from grpo.update import policy_update
+
+    model, tok = tiny_lm
+    G = 2
+    informative = make_batch(tok, seed=3, B=8, T=6, group=G)
+    flat = make_batch(tok, seed=4, B=8, T=6, group=G)
+    flat.advantages_B = torch.zeros(8)
+    algo = OmegaConf.structured(AlgoConfig(batch_size=8, group_size=G, warmup_steps=0, lr=1e-2, lr_schedule="constant"))
+    weights = []
+    for skip in (None, torch.ones(4, dtype=torch.bool)):
+        m = copy.deepcopy(model)
+        strategy = SingleStrategy(None, m, algo, total_steps=3)
+        policy_update(strategy, informative, algo, 6, 1.0)
+        before = [p.detach().clone() for p in m.parameters()]
+        stats = policy_update(strategy, flat, algo, 6, 1.0, skip_P=skip)
+        assert stats["grad_norm"] == 0.0
+        assert max(float((p - q).abs().max()) for p, q in zip(m.parameters(), before)) > 1e-3  # momentum moved them
+        weights.append([p.detach().clone() for p in m.parameters()])
+    for kept, skipped in zip(*weights):
+        torch.testing.assert_close(skipped, kept, atol=1e-6, rtol=1e-5)

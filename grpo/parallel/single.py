@@ -75,7 +75,13 @@ class SingleStrategy(Strategy):
         loss.backward()
 
     def reduce_gradients(self) -> None:
-        """Nothing to combine with one replica."""
+        """Nothing to combine with one replica. A trainable parameter no micro-batch reached (a step whose
+        groups were all flat, skipped under zero_std_groups=drop; an expert no token chose) gets a zero
+        gradient, as DDP's ranks give it: AdamW skips a parameter whose grad is None, so its momentum
+        would not move and drop's update would differ from keep's, and one process's from two."""
+        for p in self.model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
 
     def step(self) -> float:
         self.reduce_gradients()
