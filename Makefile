@@ -48,7 +48,7 @@ wheelhouse:
 
 # The lent GPU machine (no index, 64 MiB a call): vLLM 0.26.0 trimmed for Hopper and the wheels it lacks
 # there, packed and split into dist/gpu_bundle/call1, call2, ... (grpo/gpu_bundle.py; docs/gpu.md). ADD:
-# folders to bring too (e.g. ADD="dist/wheels dist/grpo_cache").
+# folders to bring too: ADD="dist/trainer_wheels dist/grpo_cache" (build refuses without trainer_wheels, and prints its command).
 gpu-bundle:
 	$(PY_CHECK)
 	$(PYTHON) -m grpo.gpu_bundle build $(or $(BUNDLE),dist/gpu_bundle) $(if $(ADD),--add $(ADD)) $(if $(filter 1,$(KEEP_MOE)),--keep-moe)

@@ -44,8 +44,11 @@ from grpo.tasks import build_task
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKENDS = ("hf", "colocated", "dedicated", "remote")
 CHECKS = ("versions", "device", "peak", "all-reduce", *BACKENDS, "weight-sync", "judge")
+# zero_std_groups=keep: under drop a step whose groups are all flat trains no token, so its sampler_diff is
+# unmeasured (NaN); with keep every sampled token is scored after the sync
 TWO_STEPS = ["steps=2", "algo.batch_size=16", "algo.group_size=4", "algo.warmup_steps=0", "eval_every=0",
-             "task.eval_size=16", "logger.log_every=1", "logger.sample_every=0", "checkpoint_every=0"]
+             "task.eval_size=16", "logger.log_every=1", "logger.sample_every=0", "checkpoint_every=0",
+             "algo.zero_std_groups=keep"]
 
 
 def two_steps(backend: str) -> list[str]:
@@ -256,12 +259,21 @@ def check_backend(backend: str, work: str, extra: list[str]) -> Result:
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     par = run_parity(run_dir)
     diff = steps[-1][par.metric]
+    if not moved_weights(steps[0]):
+        return Result(backend, False, f"step 1 trained nothing (grad_norm {steps[0]['grad_norm']}), so the sync sent the "
+                      f"weights the engine already held and step 2's parity proves nothing", "run it again with seed=1")
     detail = (f"2 steps in {time.perf_counter() - t0:.0f} s, sampler-trainer logprob diff ({par.statistic}) {diff:.1e} "
               f"after a sync (bound {par.bound:g}), peak memory {summary['peak_memory_gb']:.2f} GB")
     if not par.holds(diff):
         return Result(backend, False, detail, f"the engine does not serve the trainer's weights (> {par.bound:g}): "
                       "check model.dtype against the engine's dtype, and the weight sync")
     return Result(backend, True, detail)
+
+
+def moved_weights(step: dict) -> bool:
+    """Whether a step's update changed the weights: a parity check after its sync means something only
+    then (a first step of flat groups has grad_norm 0, and a sync that sends nothing would pass)."""
+    return step.get("grad_norm", 0.0) > 0
 
 
 def check_weight_sync(url: str, token: str, bucket_mbs: list[float], transfer: str) -> Result:

@@ -6,7 +6,8 @@ files per call (the checkout's own about 2 MB included). vLLM 0.26.0 is the newe
 exactly that torch and is a CUDA 13 build; trimmed for Hopper it packs with the small wheels it lacks
 there into about 100-110 MiB of `.tar.xz`: two calls. On this machine, with an index:
 
-    python -m grpo.gpu_bundle build dist/gpu_bundle [--add dist/wheels dist/grpo_cache] [--keep-moe]
+    pip wheel --no-deps -w dist/trainer_wheels <TRAINER at this checkout's versions>  # printed by build
+    python -m grpo.gpu_bundle build dist/gpu_bundle --add dist/trainer_wheels dist/grpo_cache [--keep-moe]
 
     1. download  `pip download --no-deps` of vLLM 0.26.0, the 78 lean wheels and 11 insurance wheels
                  it needs beyond the image (cp312, manylinux_2_35 and older tags)
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
 import json
 import re
 import shutil
@@ -276,6 +278,25 @@ def build(out: Path, adds: list[Path], keep_moe: bool, python_version: str, plat
     return manifest
 
 
+# the trainer's own packages the lent machine's image lacks (torch and transformers are the image's):
+# scripts/gpu_vllm_run.sh installs them from the bundle's trainer_wheels/, and every step needs them
+TRAINER = ("hydra-core", "omegaconf", "antlr4-python3-runtime", "deepspeed", "hjson", "peft")
+
+
+def check_trainer_wheels(adds: list[Path]) -> None:
+    """A bundle for scripts/gpu_vllm_run.sh carries a `trainer_wheels` folder with a wheel of each of
+    TRAINER; without it the run's install fails and every grpo step on the GPU with it. Refused here,
+    with the command that builds the folder at this checkout's versions."""
+    found = next((a for a in adds if a.name == "trainer_wheels"), None)
+    names = {re.sub(r"[-_.]+", "-", w.name.split("-")[0]).lower() for w in found.glob("*.whl")} if found else set()
+    lacking = [n for n in TRAINER if n not in names]
+    if lacking:
+        pins = " ".join(f"{n}=={importlib.metadata.version(n)}" for n in TRAINER)
+        where = f"{found} has no wheel of {', '.join(lacking)}" if found else "no --add folder is named trainer_wheels"
+        raise SystemExit(f"--add: {where}; scripts/gpu_vllm_run.sh installs the trainer's packages from it. Build it "
+                         f"with `pip wheel --no-deps -w dist/trainer_wheels {pins}` and pass --add dist/trainer_wheels.")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m grpo.gpu_bundle", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -283,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="download, trim, install, pack and split into OUT/call1, call2, ... (needs an index)")
     b.add_argument("out", type=Path)
     b.add_argument("--add", type=Path, nargs="*", default=[], help="folders to bring too, unpacked beside site/ "
-                   "(e.g. dist/wheels from `make wheelhouse ... TORCH_VERSION=2.11.0`, dist/grpo_cache with the tiny models)")
+                   "(dist/trainer_wheels: the trainer's packages, needed; dist/grpo_cache: the tiny models)")
     b.add_argument("--keep-moe", action="store_true", help="keep vLLM's MoE kernels (about 37 MiB more: a third call)")
     b.add_argument("--python-version", default=PYTHON_VERSION)
     b.add_argument("--platform", default=PLATFORM)
@@ -294,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         for a in args.add:
             if not a.is_dir():
                 parser.error(f"--add {a}: no such folder")
+        check_trainer_wheels(args.add)
         manifest = build(args.out, args.add, args.keep_moe, args.python_version, args.platform)
     else:
         found = sorted(args.out.glob("call*/manifest.json"))

@@ -162,7 +162,10 @@ def routing_metrics(aux_loss: float, load_E: torch.Tensor) -> dict[str, float]:
     """A step's routing in its log: `moe/aux_loss` (the load-balancing loss, mean over the forwards;
     k when balanced), `moe/expert_load_max` (the busiest expert's fraction of the top-k assignments;
     1/E when balanced, 1/k at worst with distinct experts per token) and `moe/routing_entropy` (the
-    entropy of the assignments' distribution over experts, divided by log E: 1 when balanced)."""
+    entropy of the assignments' distribution over experts, divided by log E: 1 when balanced). NaN each
+    where no token was routed (every group skipped as flat): 0 would read as a collapsed router."""
+    if not load_E.sum() > 0:
+        return {"moe/aux_loss": math.nan, "moe/expert_load_max": math.nan, "moe/routing_entropy": math.nan}
     frac_E = load_E.double() / load_E.double().sum().clamp(min=1.0)
     entropy = -(frac_E * frac_E.clamp(min=1e-30).log()).sum() / math.log(len(frac_E))
     return {"moe/aux_loss": float(aux_loss), "moe/expert_load_max": float(frac_E.max()),

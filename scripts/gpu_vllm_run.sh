@@ -8,14 +8,16 @@
 #   3. grpo.doctor's remote and weight-sync rows (attempt 2: the server's engine process lacked grpo's entry point);
 #   4. the card with CUDA graphs (rollout=colocated's default is eager everywhere): do synced weights reach the graphs?
 #   5. grpo.verify of the card in bf16 (the parity rows judge the mean there since session 16: CPU only so far);
-#   6. the `gpu` test tier (make test-gpu: the doctor, then 2 steps per backend and strategy), as far as BUDGET_S goes;
+#   6. the `gpu` test tier (make test-gpu without its doctor test: 2 steps per backend and strategy), as far as BUDGET_S goes;
 #   7. colocated with sleep mode under training; 8. vLLM alone (scripts/gpu_vllm_smoke.py: bf16 and fp32, eager and
 #      CUDA graphs, sleep and wake; all passed in attempt 2); 9. the doctor's other rows.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gpu_out}; SITE=${GPU_SITE:-/tmp/gpu_site}; WORK=${WORK:-/tmp/gpu_vllm_run}
 BUDGET_S=${BUDGET_S:-400}; STEPS=${STEPS:-40}
 rm -rf "$WORK"; mkdir -p "$WORK/logs" "$WORK/runs" "$WORK/smoke" /tmp/trainer_site
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/trainer_site "$SITE"/trainer_wheels/*.whl || echo "trainer wheels: install failed"
+# without them (hydra, omegaconf, deepspeed, peft: not in the image) every step below fails: stop at once
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/trainer_site "$SITE"/trainer_wheels/*.whl \
+    || { echo "trainer wheels: install failed (the bundle needs --add dist/trainer_wheels)"; exit 3; }
 # grpo's entry points, as make setup installs them: vLLM's engine process loads the grpo_gloo weight transfer from an
 # installed vllm.general_plugins entry point only. The dist-info alone: the code stays the checkout's.
 rm -rf /tmp/grpo_dist && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/grpo_dist . \
@@ -49,7 +51,8 @@ step verify 180 python3 -m grpo.verify $CARD
 step doctor_remote 150 python3 -m grpo.doctor --only remote,weight-sync
 step card_graphs 120 python3 -m grpo.train $CARD rollout.vllm.enforce_eager=false steps=20 run_dir="$WORK/runs/card_graphs"
 step verify_bf16 150 python3 -m grpo.verify $CARD model.dtype=bfloat16
-step gpu_tier 420 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gpu.py  # what fits the budget left
+# not the doctor's test: its rows ran above and below; the short runs get the time
+step gpu_tier 420 python3 -m pytest -q -x -p no:cacheprovider -m gpu -k "not doctor" tests/test_gpu.py  # what fits the budget left
 step sleep 90 python3 -m grpo.train $CARD rollout.vllm.sleep=true steps=10 run_dir="$WORK/runs/sleep"
 step smoke 180 env OUT="$WORK/smoke" python3 scripts/gpu_vllm_smoke.py
 step doctor 150 python3 -m grpo.doctor --only versions,device,peak,all-reduce,hf,colocated,dedicated

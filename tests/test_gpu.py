@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from grpo.doctor import run_parity, two_steps
+from grpo.doctor import moved_weights, run_parity, two_steps
 from tests.conftest import ROOT
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -36,6 +36,7 @@ def train(tmp_path, backend: str, *overrides, launcher=(sys.executable,), timeou
     # CUDA, the mean 0.1 in bf16
     par = run_parity(str(run_dir))
     diffs = [r[par.metric] for r in rows if par.metric in r]
+    assert moved_weights(next(r for r in rows if par.metric in r)), rows  # else the sync sent nothing new
     assert len(diffs) == 2 and par.holds(diffs[-1]), (par, diffs)  # after a sync, the engine serves the trainer's weights
     return json.loads((run_dir / "summary.json").read_text())
 

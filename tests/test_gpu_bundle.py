@@ -171,3 +171,22 @@ def test_the_last_call_checks_unpacks_and_runs_with_the_bundle_on_the_path(tmp_p
     (stage / "part.00").write_bytes(b"corrupt")
     again = subprocess.run(["bash", *go], env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 3 and "STAGE LOST" in again.stdout
+
+
+def test_a_bundle_without_the_trainers_wheels_is_refused_with_the_command_that_builds_them(tmp_path):
+    """scripts/gpu_vllm_run.sh installs hydra, omegaconf, deepspeed and peft from the bundle's
+    trainer_wheels/ (the image lacks them): a bundle built with `--add dist/wheels`, as the docs once
+    said, failed every grpo step on the lent GPU."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with pytest.raises(SystemExit, match=r"no --add folder is named trainer_wheels.*pip wheel --no-deps -w "
+                                         r"dist/trainer_wheels hydra-core==\S+ omegaconf==\S+ .*peft==\S+`"):
+        gpu_bundle.check_trainer_wheels([wheels])
+    trainer = tmp_path / "trainer_wheels"
+    trainer.mkdir()
+    for name in ("hydra_core-1.3.8", "omegaconf-2.3.1", "antlr4_python3_runtime-4.9.3", "deepspeed-0.19.8", "hjson-3.1.0"):
+        (trainer / f"{name}-py3-none-any.whl").write_bytes(b"")
+    with pytest.raises(SystemExit, match="has no wheel of peft"):
+        gpu_bundle.check_trainer_wheels([trainer, wheels])
+    (trainer / "peft-0.21.2-py3-none-any.whl").write_bytes(b"")
+    gpu_bundle.check_trainer_wheels([trainer, wheels])

@@ -174,3 +174,29 @@ def test_a_step_of_only_flat_groups_moves_the_weights_as_keep_does(tiny_lm):
         weights.append([p.detach().clone() for p in m.parameters()])
     for kept, skipped in zip(*weights):
         torch.testing.assert_close(skipped, kept, atol=1e-6, rtol=1e-5)
+
+
+def test_a_step_that_trains_no_token_logs_its_statistics_as_unknown_not_0(tiny_lm):
+    """Every group flat and skipped: no forward ran, so sampler_diff, clip_frac, kl and entropy were not
+    measured (0 read as perfect parity, no clipping, zero entropy), and a MoE's routing entropy 0 and
+    aux loss 0 read as a collapsed router. Each is NaN; loss and grad_norm stay 0."""
+    from grpo.config import TinyModelConfig
+    from grpo.tiny.moe import build_tiny_moe
+    from grpo.update import policy_update
+
+    model, tok = tiny_lm
+    moe = build_tiny_moe(TinyModelConfig(), len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    G = 2
+    batch = make_batch(tok, seed=3, B=8, T=6, group=G)
+    batch.advantages_B = torch.zeros(8)
+    algo = OmegaConf.structured(AlgoConfig(batch_size=8, group_size=G, warmup_steps=0))
+    for m in (model, moe):
+        stats = policy_update(SingleStrategy(None, copy.deepcopy(m), algo, total_steps=1), batch, algo, 6, 1.0,
+                              skip_P=torch.ones(4, dtype=torch.bool))
+        unknown = ["sampler_diff", "sampler_diff_mean", "clip_frac", "kl", "entropy"]
+        if m is moe:
+            unknown += ["moe/aux_loss", "moe/expert_load_max", "moe/routing_entropy"]
+        assert all(math.isnan(stats[k]) for k in unknown), {k: stats[k] for k in unknown}
+        assert stats["loss"] == 0.0 and stats["grad_norm"] == 0.0
+        kept = policy_update(SingleStrategy(None, copy.deepcopy(m), algo, total_steps=1), batch, algo, 6, 1.0)
+        assert all(math.isfinite(kept[k]) for k in unknown)

@@ -258,9 +258,11 @@ def policy_update(
     load = load_E.cpu().tolist() if experts is not None else []
     summed = strategy.reduce_counts([totals[k] for k in RANK_SUMS] + [tokens, *load])
     totals.update(zip(RANK_SUMS, summed))
-    # trained, yet no sampled token scored before the first optimizer step (skipped flat groups made up the
-    # first minibatch): the trainer-sampler difference was not measured this step, not 0
-    unmeasured = summed[len(RANK_SUMS)] > 0 and totals["sampler_diff_tokens"] == 0
+    # no sampled token scored before the first optimizer step (skipped flat groups made up the first
+    # minibatch, or the whole step): the trainer-sampler difference was not measured this step, not 0
+    unmeasured = totals["sampler_diff_tokens"] == 0
+    # no token trained at all (every group skipped as flat): clip_frac, kl and entropy are not 0 but unknown
+    untrained = summed[len(RANK_SUMS)] == 0
     tokens = max(summed[len(RANK_SUMS)], 1.0)
     load_E = torch.tensor(summed[len(RANK_SUMS) + 1:]) if experts is not None else None
     totals["sampler_diff_max"] = dist.all_reduce_max([totals["sampler_diff_max"]])[0]
@@ -274,9 +276,9 @@ def policy_update(
         "grad_norm": sum(applied) / len(applied) if applied else sum(norms) / len(norms),
         "optimizer_steps": len(norms),
         "skipped_optimizer_steps": len(norms) - len(applied),
-        "clip_frac": totals["clipped_tokens"] / tokens,
-        "kl": totals["kl_sum"] / tokens,
-        "entropy": totals["entropy_sum"] / tokens,
+        "clip_frac": math.nan if untrained else totals["clipped_tokens"] / tokens,
+        "kl": math.nan if untrained else totals["kl_sum"] / tokens,
+        "entropy": math.nan if untrained else totals["entropy_sum"] / tokens,
         "trained_completions": batch.size,
         "layout": ran,  # the micro-batches' layout: padded, packed or shared (grpo/update/layouts.py)
         # what the forwards processed (grpo/flops.py); the loop turns it into FLOPs and MFU
