@@ -103,10 +103,14 @@ def stop(step: int, log=print, requeue: bool = False) -> None:
         # Said before the requeue: SLURM cancels this step as it requeues the job, and srun can drop
         # output still on its way (CI, 2026-11-28: the line printed after `scontrol requeue` was lost).
         log(f"stopped after step {step} before the time limit; checkpoint written, requeueing job {job}: it resumes from step {step}.")
-        out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-        if out.returncode:
+        try:
+            out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+            failure = out.stderr.strip() if out.returncode else None
+        except OSError as e:  # a container (pyxis, enroot) without SLURM's tools, though SLURM_JOB_ID is set
+            failure = f"{type(e).__name__}: {e}"
+        if failure is not None:
             log(
-                f"`scontrol requeue {job}` failed: {out.stderr.strip()}. The job is NOT requeued; its checkpoint "
+                f"`scontrol requeue {job}` failed: {failure}. The job is NOT requeued; its checkpoint "
                 f"of step {step} is written. Submit the job again with the same run folder to resume "
                 "(and give it `--requeue` if the cluster sets JobRequeue=0)."
             )

@@ -19,6 +19,8 @@ def call_with_timeout(fn: Callable, timeout_s: float, setting: str, reraise: tup
             box["fatal"] = e
         except Exception as e:  # noqa: BLE001 - reported to the caller, who decides what it costs
             box["error"] = f"{type(e).__name__}: {e}"
+        except BaseException as e:  # noqa: BLE001 - sys.exit() in user code: its thread ends, not the run; an error, not a None result
+            box["error"] = f"{type(e).__name__}({e!r}) raised: user code must return or raise an Exception"
 
     t = threading.Thread(target=target, daemon=True)
     t.start()

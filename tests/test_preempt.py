@@ -94,3 +94,19 @@ def test_an_array_task_requeues_its_own_id_not_the_array():
     assert own_job_id({"SLURM_JOB_ID": "13", "SLURM_ARRAY_JOB_ID": "12", "SLURM_ARRAY_TASK_ID": "1"}) == "12_1"
     assert own_job_id({"SLURM_JOB_ID": "7"}) == "7"
     assert own_job_id({}) is None
+
+
+def test_a_requeue_without_scontrol_says_the_job_is_not_requeued(monkeypatch, tmp_path):
+    """A container (pyxis, enroot) often lacks SLURM's tools while SLURM_JOB_ID is set: the missing
+    scontrol was a FileNotFoundError traceback, not the message that says to submit again."""
+    from grpo.preempt import stop
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol on it
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    for key in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(key, raising=False)
+    said = []
+    with pytest.raises(SystemExit) as e:
+        stop(7, log=said.append, requeue=True)
+    assert e.value.code == 1
+    assert said[-1].startswith("`scontrol requeue 41` failed: FileNotFoundError: ") and "The job is NOT requeued" in said[-1]

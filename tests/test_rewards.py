@@ -299,3 +299,17 @@ def test_math_verify_runs_in_the_reward_thread():
     """math-verify's own timeouts use SIGALRM (main thread only); score() calls it in a worker thread."""
     rewards_FB, stats = score([("math_verify", math_verify, 1.0)], ["\\boxed{3}", "4"], [Sample("", "3")] * 2, timeout_s=30)
     assert rewards_FB == [[1.0, 0.0]] and list(stats) == ["time/reward_math_verify_s"]
+
+
+def test_user_code_that_calls_sys_exit_is_an_error_not_a_none_result():
+    """call_with_timeout ran user code (rewards, env steps, tools) catching Exception only: sys.exit() or
+    KeyboardInterrupt ended its thread with no value and no error, read as a None result (an env reset
+    with no opening observation, a tool's ' = None')."""
+    import sys
+
+    from grpo.timeouts import call_with_timeout
+
+    assert call_with_timeout(lambda: 3, 5.0, "reward.timeout_s") == (3, None)
+    for fn in (lambda: sys.exit(0), lambda: (_ for _ in ()).throw(KeyboardInterrupt())):
+        value, error = call_with_timeout(fn, 5.0, "reward.timeout_s")
+        assert value is None and error is not None and "user code must return or raise an Exception" in error
