@@ -197,17 +197,48 @@ def routes_batch(prompt_ids: list[list[int]], rollouts, P: int, T: int) -> torch
 
 
 def share_prompt_routes(routes: torch.Tensor, prompt_ids: list[list[int]], P: int) -> None:
-    """A prompt's routes where a completion has none, taken from a sibling of the same prompt that has
-    them, in place. vLLM's prefix cache serves a prompt's blocks to every completion but the first, whose
-    rows for them come back -1 (grpo/moe/vllm_capture.py); the same tokens route alike, and a layout
-    that reads the prompt from one sibling (the shared rows' tree, a packed copy) then replayed none."""
-    by_prompt: dict[tuple, list[int]] = {}
-    for i, p in enumerate(prompt_ids):
-        by_prompt.setdefault(tuple(p), []).append(i)
-    for rows in (r for r in by_prompt.values() if len(r) > 1):
-        n = len(prompt_ids[rows[0]])
-        block = routes[rows, P - n: P]  # siblings x n x M x K
-        known = block[..., 0] >= 0  # siblings x n x M
-        first = known.to(torch.uint8).argmax(dim=0)  # n x M: the first sibling that has it (0 where none does)
-        donor = block.gather(0, first[None, :, :, None].expand(1, *block.shape[1:]))
-        routes[rows, P - n: P] = torch.where(known[..., None], block, donor)
+    """A prompt's routes where a completion has none, taken from any row whose prompt starts with the
+    same tokens up to that one, in place. vLLM's prefix cache serves a prompt's leading blocks from
+    whichever request computed them: a sibling of the same prompt, or another prompt with the same
+    start (a system prompt, a few-shot block); those rows come back -1 (grpo/moe/vllm_capture.py). Token
+    t's route depends on tokens 0..t alone (causal attention, positions from the prompt's start), so
+    every prompt sharing them routes it alike, and a layout that reads the prompt from one sibling (the
+    shared rows' tree, a packed copy) replays it too. What no row has stays -1 (`routing.unrouted`
+    counts it for the step's routing/unrouted_fraction).
+
+    How: the distinct prompts sorted, so those sharing their first t + 1 tokens stand together; at
+    position t a new run starts at a prompt whose common prefix with the one before is t tokens or
+    fewer; a token with a layer missing takes those layers from a token of its run that has every one."""
+    B = routes.shape[0]
+    lens_B = torch.tensor([len(p) for p in prompt_ids])
+    t_BP = torch.arange(P)[None, :] - (P - lens_B)[:, None]  # each column's place in its row's prompt
+    valid_BP = t_BP >= 0
+    complete_BP = (routes[:, :P, :, 0] >= 0).all(dim=-1)  # a route on every MoE layer
+    missing_BP = ~complete_BP & valid_BP
+    if not missing_BP.any():
+        return
+    distinct = sorted({tuple(p) for p in prompt_ids})
+    place = {p: u for u, p in enumerate(distinct)}
+    lens_U = torch.tensor([len(p) for p in distinct])
+    tokens_UP = torch.full((len(distinct), P), -1, dtype=torch.long)
+    for u, p in enumerate(distinct):
+        tokens_UP[u, : len(p)] = torch.tensor(p, dtype=torch.long)
+    # common prefix with the prompt before, in sorted order (no more than either's length)
+    same = (tokens_UP[1:] == tokens_UP[:-1]).long().cumprod(dim=1).sum(dim=1)
+    common = torch.minimum(same, torch.minimum(lens_U[1:], lens_U[:-1]))
+    starts_UP = torch.ones(len(distinct), P, dtype=torch.long)
+    starts_UP[1:] = (common[:, None] <= torch.arange(P)[None, :]).long()
+    run_UP = starts_UP.cumsum(dim=0)  # prompts in one run at t share tokens 0..t
+    u_B = torch.tensor([place[tuple(p)] for p in prompt_ids])
+    t_BP = t_BP.clamp(min=0)
+    key_BP = torch.where(valid_BP, run_UP[u_B[:, None], t_BP] * P + t_BP, -1)  # rows alike at (run, position)
+    keys, key_BP = torch.unique(key_BP, return_inverse=True)
+    cell_BP = torch.arange(B)[:, None] * P + torch.arange(P)[None, :]  # a donor, as row * P + column
+    offer_BP = torch.where(complete_BP & valid_BP, cell_BP, -1)
+    donor_K = torch.full((len(keys),), -1, dtype=torch.long).scatter_reduce(0, key_BP.flatten(), offer_BP.flatten(),
+                                                                            "amax")
+    row, col = missing_BP.nonzero(as_tuple=True)
+    donor = donor_K[key_BP[row, col]]
+    row, col, donor = row[donor >= 0], col[donor >= 0], donor[donor >= 0]
+    given = routes[row, col]  # tokens x M x K: keep the layers the token has
+    routes[row, col] = torch.where(given[..., :1] >= 0, given, routes[donor // P, donor % P])

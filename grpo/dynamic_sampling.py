@@ -24,6 +24,7 @@ import torch
 
 from grpo.algorithm import zero_std_groups
 from grpo.flops import Work
+from grpo.metrics import Count, Ratio
 
 
 @dataclass
@@ -51,7 +52,7 @@ class Scored:
         means = {}
         for name, values in self.rewards_FB.items():
             scored = [v for v in values if v is not None and not math.isnan(v)]
-            means[f"reward/{name}"] = sum(scored) / len(scored) if scored else float("nan")
+            means[f"reward/{name}"] = Ratio(sum(scored), len(scored))  # ranks score unequal numbers (grpo/metrics.py)
         return means
 
 
@@ -110,8 +111,8 @@ def refill(first: Scored, draw: Callable[[int], Scored], max_draws: int, still_s
     metrics = {
         "dynamic/draws": float(len(batches)),
         "dynamic/informative_frac": len(informative) / drawn,  # of every group drawn this step
-        "dynamic/trained_informative": float(min(len(informative), P)),
+        "dynamic/trained_informative": Count(min(len(informative), P)),  # the whole step's, over ranks
         # the policy's reward over every completion drawn: reward/mean is the trained groups'
-        "dynamic/reward_mean_drawn": float(valid.mean()) if valid.numel() else float("nan"),
+        "dynamic/reward_mean_drawn": Ratio(float(valid.sum()), valid.numel()),
     }
     return take(batches, picks, G), metrics

@@ -29,6 +29,7 @@ import torch
 
 from grpo import flops, peak
 from grpo.flops import Shape, Work
+from grpo.metrics import Count, Ratio
 
 LOCAL_ENGINES = ("hf", "colocated")  # backends whose engines run on the trainer's own device
 
@@ -48,18 +49,20 @@ class Meter:
                         + flops.backward_flops(self.shape, train))
         gen_flops = flops.forward_flops(self.shape, generation)
         update_s, gen_s, step_s = times["time/update_s"], times["time/batch_generate_s"], times["step_s"]
+        # work and throughput are summed over ranks, the padding share is the whole batch's (grpo/metrics.py);
+        # an MFU is each rank's against its own device: the ranks' mean
         out = {
-            "flops/generate": gen_flops,
-            "flops/update": update_flops,
+            "flops/generate": Count(gen_flops),
+            "flops/update": Count(update_flops),
             "mfu/update": update_flops / update_s / self.peak if update_s > 0 else 0.0,
-            "update/real_token_frac": train.tokens / train.computed if train.computed else 1.0,
-            "update_tokens_per_s": train.tokens / update_s if update_s > 0 else 0.0,
+            "update/real_token_frac": Ratio(train.tokens, train.computed),
+            "update_tokens_per_s": Count(train.tokens / update_s if update_s > 0 else 0.0),
         }
         if self.recompute:
             # the decoder layers' forward again (the LM head is outside what transformers checkpoints); an
             # upper bound: non-reentrant checkpointing stops before each layer's last matmul, whose output
             # the backward does not need (1.25x the recompute counted by torch's FlopCounter on the tiny model)
-            out["flops/update_recompute"] = flops.forward_flops(self.shape, replace(train, head=0))
+            out["flops/update_recompute"] = Count(flops.forward_flops(self.shape, replace(train, head=0)))
         local = update_flops
         if self.local_generation:
             out["mfu/generate"] = gen_flops / gen_s / self.peak if gen_s > 0 else 0.0
@@ -83,7 +86,3 @@ def meter(model, dtype: torch.dtype, backend: str, gradient_checkpointing: bool)
     return Meter(flops.shape_of(model), peak.measured_peak(device, dtype), dtype, peak.nominal_peak(device, dtype),
                  backend in LOCAL_ENGINES, gradient_checkpointing)
 
-
-def is_summed(key: str) -> bool:
-    """Whether a multi-rank step sums this metric over ranks (work and throughput) or averages it."""
-    return key.startswith("flops/") or key == "update_tokens_per_s"

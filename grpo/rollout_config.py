@@ -83,8 +83,8 @@ class RolloutConfig:
     # a Mixture-of-Experts policy: the sampler returns the experts it routed every token to, and every
     # trainer forward of the policy uses them (rollout routing replay, R3; grpo/moe/routing.py)
     routing_replay: bool = False
-    # with replay off: the sampler still returns its experts, and the step logs how often the trainer's
-    # routers disagree with them (routing/flip_fraction) without replaying them (the cost of running without)
+    # instead of replay (refused beside it): the sampler still returns its experts, and the step logs how often
+    # the trainer's routers disagree with them (routing/flip_fraction) without replaying them (the cost of running without)
     routing_observe: bool = False
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)

@@ -14,8 +14,8 @@ It is vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`) started wi
     with images (the trainer's image prompts; /v1/completions takes none; vLLM before 0.30 mounts it
     without the flag, and refuses the flag: grpo/rollout/vllm_api.py); for a vision-language
     model's folder, `--limit-mm-per-prompt` from `--images-per-prompt` (images only, no video);
-  - `require_token` as middleware: every route but the read-only probes in OPEN_ROUTES (health,
-    version, metrics) needs `Authorization: Bearer <token>`, the /v1 routes included. It is an
+  - `RequireToken` as middleware: every route but the read-only probes in OPEN_ROUTES (health,
+    version, metrics) needs `Authorization: Bearer <token>`, the /v1 routes and websockets included. It is an
     allow-list: a route a later vLLM adds, or a flag mounts (LoRA loading, profiling), is guarded
     without anyone listing it. A token is required whenever the server binds to anything but the
     loopback interface; on loopback without one, a warning says that every user of the machine can
@@ -36,7 +36,7 @@ RL routes); the token middleware, the CPU defaults and the explicit KV size as f
 Any further arguments go to vLLM unchanged. The plain equivalent, for `vllm serve` users:
   VLLM_SERVER_DEV_MODE=1 GRPO_SERVE_TOKEN=T python -m vllm.entrypoints.openai.api_server --model DIR \
     --weight-transfer-config '{"backend": "grpo_gloo"}' --logprobs-mode processed_logprobs --generation-config vllm \
-    --enable-scale-out --middleware grpo.serve.require_token
+    --enable-scale-out --middleware grpo.serve.RequireToken
 """
 
 from __future__ import annotations
@@ -73,13 +73,28 @@ def is_open(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in OPEN_ROUTES)
 
 
-async def require_token(request, call_next):
-    """ASGI middleware (vLLM `--middleware`): 401 for any route outside OPEN_ROUTES without the token."""
-    if not is_open(request.url.path) and not token_ok(request.headers.get("authorization"), os.environ.get(TOKEN_ENV)):
-        from fastapi.responses import JSONResponse  # fastapi: vLLM's; only inside the server
+class RequireToken:
+    """ASGI middleware (vLLM `--middleware grpo.serve.RequireToken`; a class, so vLLM registers it with
+    `app.add_middleware` and it sees every connection): a 401 for any HTTP route outside OPEN_ROUTES
+    without the token, and a websocket (vLLM mounts /v1/realtime for realtime models) closed with
+    1008, policy violation, before it is accepted. A coroutine middleware (`app.middleware("http")`)
+    never sees websockets."""
 
-        return JSONResponse({"error": f"{request.url.path} needs 'Authorization: Bearer <{TOKEN_ENV}>'"}, status_code=401)
-    return await call_next(request)
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket") or is_open(scope["path"]):
+            return await self.app(scope, receive, send)
+        header = next((value.decode("latin-1") for name, value in scope["headers"] if name.lower() == b"authorization"), None)
+        if token_ok(header, os.environ.get(TOKEN_ENV)):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008})
+        body = json.dumps({"error": f"{scope['path']} needs 'Authorization: Bearer <{TOKEN_ENV}>'"}).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None = None,
@@ -91,7 +106,7 @@ def vllm_argv(args: argparse.Namespace, extra: list[str], kv_bytes: int | None =
         "--model", args.model, "--host", args.host, "--port", str(args.port),
         "--dtype", args.dtype,
         "--gpu-memory-utilization", str(args.memory_fraction),
-        "--middleware", "grpo.serve.require_token",
+        "--middleware", "grpo.serve.RequireToken",
     ]
     if getattr(args, "reward_model", False):
         # the pooling runner with the folder's score head: /classify answers one logit per label at each
@@ -161,7 +176,7 @@ def not_a_reward_model(model_config: dict) -> str | None:
 def resolve_model(name: str) -> str:
     """The folder to serve: `tiny` and packaged models (smollm2-135m) resolve as the trainer resolves
     them (the same cache folder, built or converted once); a folder or hub id goes to vLLM as given."""
-    # grpo.config, grpo.tiny.folders: heavy (Hydra, transformers): vLLM's server imports this module for require_token
+    # grpo.config, grpo.tiny.folders: heavy (Hydra, transformers): vLLM's server imports this module for RequireToken
     from grpo.config import compose_config
     from grpo.tiny.folders import resolve_model_folder
 

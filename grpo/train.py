@@ -50,7 +50,6 @@ import resource
 import subprocess
 import time
 import warnings
-import zlib
 from collections import deque
 from dataclasses import dataclass, field, replace
 
@@ -67,12 +66,13 @@ from grpo.checkpoint import (checkpoint_step, latest_checkpoint, load_checkpoint
 from grpo.cli import exit_on_user_error
 from grpo.config import check_sweep_folder, register_configs, validate
 from grpo.cpus import configure_threads, machine_info
-from grpo.dist import (DistInfo, all_gather, all_reduce_max, all_reduce_sum, barrier, broadcast_object, dist_info, node_names,
+from grpo.dist import (DistInfo, all_reduce_max, barrier, broadcast_object, dist_info, node_names,
                        process_group)
 from grpo.dynamic_sampling import Scored, refill
 from grpo.eval import evaluate
 from grpo.errors import ConfigError
 from grpo.export import export_hf, exported_step
+from grpo.metrics import Count, Ratio, Spread, reduce_metrics
 from grpo.flops import generation_work
 from grpo.guards import RunGuards, healthy
 from grpo.library_logs import quiet_library_logs
@@ -93,38 +93,6 @@ from grpo.batch import collate, step_advantages
 from grpo.update import policy_update
 
 register_configs()
-
-
-def reduce_metrics(metrics: dict[str, float | str], info: DistInfo) -> dict[str, float | str]:
-    """Mean over ranks (every rank holds the same number of prompts); throughputs are summed, and so is
-    `loss` (each rank's is its share of the one global loss: grpo/algorithm.py's `LossNorm` counts are
-    the whole batch's); a `*_max` is the largest of the ranks'; names (the update's `layout`, the same
-    on every rank) as they are. The ranks must log the same keys (`same_keys`)."""
-    if info.world_size == 1:
-        return metrics
-    keys = sorted(k for k, v in metrics.items() if not isinstance(v, str))
-    same_keys(keys)
-    sums = all_reduce_sum([float(metrics[k]) for k in keys])
-    largest = [k for k in keys if k.endswith("_max")]
-    maxima = dict(zip(largest, all_reduce_max([float(metrics[k]) for k in largest])))
-    # engine_busy_s: the servers' busy seconds, summed over the ranks' own requests (several remote ranks
-    # sharing servers count their overlap once each)
-    summed = {"loss", "tokens_per_s", "gen_tokens_per_s", "trained_completions", "time/engine_busy_s"}
-    names = {k: v for k, v in metrics.items() if isinstance(v, str)}
-    return {**names, **{k: maxima[k] if k in maxima else v if k in summed or mfu.is_summed(k) else v / info.world_size
-                        for k, v in zip(keys, sums)}}
-
-
-def same_keys(keys: list[str]) -> None:
-    """Every rank's metric names are the same, or an error naming the difference: a key only some ranks
-    log would make the all-reduce of their values pair other metrics (or, of other lengths, abort it)."""
-    crc = zlib.crc32("\n".join(keys).encode())
-    high, low = all_reduce_max([crc, -crc])
-    if high != -low:
-        every = all_gather(keys)
-        differ = sorted(set().union(*map(set, every)) - set.intersection(*map(set, every)))
-        raise RuntimeError(f"the ranks log different metrics this step: {differ} only on some ranks (a metric a "
-                           f"rank leaves out when it has no rows, for example); every rank must log every key.")
 
 
 STREAM_BITS = 32  # sequences a run can sample before streams repeat: 2**32 (seeds stay below 2**63)
@@ -386,13 +354,15 @@ def step_metrics(scored: Scored, stats: dict, step: int, lr: float, times: dict[
     n_tokens = scored.generated_tokens  # every draw's sampled tokens (an episode's observations aside)
     lengths = rollouts.sampled_lengths()
     return {
-        "reward/mean": float(valid.mean()) if valid.numel() else float("nan"),
-        "reward/std": float(valid.std()) if valid.numel() > 1 else 0.0,
+        # over the completions with a reward, which ranks hold unequal numbers of: parts summed over ranks (grpo/metrics.py)
+        "reward/mean": Ratio(float(valid.sum()), valid.numel()),
+        "reward/std": Spread.of(valid),
         # completions with no reward (a function failed on it, or every one abstained): out of the loss
         "reward/excluded_frac": 1.0 - valid.numel() / max(rewards_PG.numel(), 1),
         "reward/zero_std_frac": float(zero_std_groups(rewards_PG).float().mean()),
         **scored.reward_means,  # reward/<function>, over the same trained groups
-        **scored.reward_stats,  # time/reward_<function>_s, a judge's requests, failures and garbage answers
+        # time/reward_<function>_s; a judge's requests, failures and garbage answers: counts, summed over ranks
+        **{k: v if k.startswith("time/") else Count(v) for k, v in scored.reward_stats.items()},
         **stats,
         "completion_len": sum(lengths) / len(lengths),
         **rollouts.metrics(),  # an episode's turns, tool calls, finish reasons

@@ -11,7 +11,7 @@ columns); with `long`, completions of up to 16 tokens (2 ranks' packed rows then
 policy is the tiny Qwen3-MoE (random init; OUT/init.pt) and the batch carries sampler routes drawn at random, which every
 forward replays (rollout.routing_replay), the load-balancing loss off. Writes
 OUT/<loss_type>.pt with the full updated weights (rank 0; with `lora`, the adapter's), for every loss type,
-OUT/<loss_type>_loss.json with the loss the run logs (grpo.train.reduce_metrics over the ranks), OUT/<loss_type>_metrics.json
+OUT/<loss_type>_loss.json with the loss the run logs (grpo.metrics.reduce_metrics over the ranks), OUT/<loss_type>_metrics.json
 with every number the update logs (the same reduction), and OUT/micro_batches.json with each rank's count of micro-batches.
 """
 
@@ -38,7 +38,7 @@ from grpo.tiny.text import build_char_tokenizer, build_tiny_model  # noqa: E402
 from grpo.parallel import strategy_class  # noqa: E402
 from grpo.update.layouts import micro_batches  # noqa: E402
 from grpo.update import policy_update  # noqa: E402
-from grpo.train import reduce_metrics  # noqa: E402
+from grpo.metrics import Count, Ratio, Spread, reduce_metrics  # noqa: E402
 from tests.test_gradient_invariance import make_batch  # noqa: E402
 
 
@@ -107,8 +107,13 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
             json.dump(losses, open(os.path.join(out, f"{loss_type}_loss.json"), "w"))
             json.dump(logged, open(os.path.join(out, f"{loss_type}_metrics.json"), "w"))
     json.dump(ran, open(os.path.join(out, f"layouts_rank{info.rank}.json"), "w"))
-    # reduce_metrics itself: a `*_max` is the largest rank's, any other number their mean
-    probe = reduce_metrics({"probe_max": float(info.rank), "probe": float(info.rank)}, info)
+    # reduce_metrics itself: a `*_max` is the largest rank's, any other number their mean; a Ratio, Spread
+    # or Count from its parts summed over ranks. Rank 0 scored rewards [0, 0], rank 1 [1, 1, 1, 0] of 4 each
+    # (a function abstained on 2 of rank 0's), rank 1's judge failed 3 requests, rank 0's none
+    rewards = torch.tensor([[0.0, 0.0], [1.0, 1.0, 1.0, 0.0]][info.rank])
+    probe = reduce_metrics({"probe_max": float(info.rank), "probe": float(info.rank),
+                            "reward/mean": Ratio(float(rewards.sum()), rewards.numel()), "reward/std": Spread.of(rewards),
+                            "judge/failed": Count(3.0 * info.rank), "reward/f": Ratio(info.rank * 1.0, info.rank * 2)}, info)
     if info.rank == 0:
         json.dump(probe, open(os.path.join(out, "reduce_probe.json"), "w"))
     shutdown()

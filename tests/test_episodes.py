@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from grpo.metrics import resolve
 from grpo.envs import CalcEnv, GuessEnv, RetryEnv, Step, calculator
 from grpo.errors import ConfigError
 from grpo.envs.guess import binary_search_turns
@@ -702,7 +703,7 @@ def test_a_tool_episode_calls_the_calculator_then_answers(tiny_lm):
     assert (first.final_text, first.turns, first.finish, first.tool_calls, first.tool_errors) == ("579", 2, "stop", 1, 0)
     assert first.transcript == "calc: 123+456 = 579579"
     assert (second.tool_calls, second.tool_errors, second.final_text) == (1, 1, "0")
-    metrics = out.metrics()
+    metrics = resolve(out.metrics())
     assert metrics["episode/tool_calls"] == 1.0 and metrics["episode/tool_failure_rate"] == 0.5
     assert metrics["episode/finish_stop"] == 1.0 and metrics["episode/turns_mean"] == 2.0
     # what the loop reads: the final turn as text, and so does a rank's share (`slice`, as dedicated and

@@ -6,6 +6,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from grpo import flops
+from grpo.metrics import resolve
 from grpo.batch import collate
 from grpo.flops import Shape, Work
 from grpo.rollout.base import Rollouts
@@ -138,12 +139,12 @@ def test_a_steps_mfu_by_hand():
     generation = Work(tokens=20, computed=20, head=5)  # 2 x (200 + 20) = 440
     times = {"time/update_s": 2.0, "time/generate_s": 0.5, "time/batch_generate_s": 4.0, "step_s": 8.0}
     local = Meter(shape, peak=10.0, dtype=torch.float32, nominal=None, local_generation=True, recompute=True)
-    m = local.metrics(generation, update, times)
+    m = resolve(local.metrics(generation, update, times))  # as one process logs them (grpo/metrics.py)
     assert m["flops/update"] == 116 + 116 + 232 and m["flops/generate"] == 440
     assert m["mfu/update"] == pytest.approx(464 / 2 / 10) and m["mfu/generate"] == pytest.approx(440 / 4 / 10)
     assert m["mfu/step"] == pytest.approx((464 + 440) / 8 / 10) and m["flops/update_recompute"] == 100
     assert m["update/real_token_frac"] == 5 / 8 and m["update_tokens_per_s"] == 5 / 2
-    served = Meter(shape, 10.0, torch.float32, None, local_generation=False, recompute=False).metrics(generation, update, times)
+    served = resolve(Meter(shape, 10.0, torch.float32, None, local_generation=False, recompute=False).metrics(generation, update, times))
     assert "mfu/generate" not in served and "flops/update_recompute" not in served
     assert served["mfu/step"] == pytest.approx(464 / 8 / 10)  # the engines' FLOPs ran elsewhere
 
@@ -179,7 +180,7 @@ def test_the_measured_peak_is_kept_per_dtype_and_measured_again_when_asked():
 
 
 def test_the_mfu_bench_takes_every_ranks_device_and_generation_its_own_seconds(tmp_path):
-    """A 2-rank run's folder: its flops/* are summed over the ranks (grpo.train.reduce_metrics), so the
+    """A 2-rank run's folder: its flops/* are summed over the ranks (grpo.metrics.reduce_metrics), so the
     bench's MFU is against both devices' peak (rank 0's alone gave twice the run's own mfu/update), and
     generation's against the batch's own seconds (time/batch_generate_s; with algo.max_staleness the
     trainer's wait, time/generate_s, is next to none). By value: 2 ranks x 2 TFLOP/s; 1 TFLOP each of

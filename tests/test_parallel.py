@@ -28,12 +28,12 @@ def updated_weights(out, n_procs: int, n_micro: int, strategy: str, *extra: str)
 
 
 def logged_losses(out) -> dict[str, float]:
-    """The loss each loss type's step logged (grpo.train.reduce_metrics over the ranks)."""
+    """The loss each loss type's step logged (grpo.metrics.reduce_metrics over the ranks)."""
     return {lt: json.load(open(out / f"{lt}_loss.json"))[0] for lt in LOSS_TYPES}
 
 
 def logged_metrics(out) -> dict[str, dict]:
-    """Every number each loss type's update logged (grpo.train.reduce_metrics over the ranks)."""
+    """Every number each loss type's update logged (grpo.metrics.reduce_metrics over the ranks)."""
     return {lt: json.load(open(out / f"{lt}_metrics.json")) for lt in LOSS_TYPES}
 
 
@@ -114,7 +114,11 @@ def test_a_rank_with_no_rows_logs_the_batchs_metrics_and_routing(tmp_path):
     assert_same_metrics(logged_metrics(tmp_path / "one"), logged_metrics(tmp_path / "two"),
                         (*BATCH_METRICS, "routing/flip_fraction", "moe/expert_load_max", "moe/routing_entropy"))
     # the episode/turns_max, async/staleness_max ... of the ranks: the largest (averaged, 4 and 1 logged 2.5)
-    assert json.load(open(tmp_path / "two" / "reduce_probe.json")) == {"probe_max": 1.0, "probe": 0.5}
+    # over the 6 rewards [0, 0, 1, 1, 1, 0]: mean 1/2, std sqrt(1.5 / 5) (the ranks' means averaged: 3/8, their
+    # stds 0.25; a rank that scored nothing made reward/f NaN; the judge's 3 failures read 1.5)
+    probe = json.load(open(tmp_path / "two" / "reduce_probe.json"))
+    assert probe == {"probe_max": 1.0, "probe": 0.5, "reward/mean": 0.5, "reward/std": pytest.approx((1.5 / 5) ** 0.5),
+                     "judge/failed": 3.0, "reward/f": 0.5}
 
 
 @pytest.mark.starts_process

@@ -36,7 +36,7 @@ def phase_rows(run_dir: str) -> tuple[list[dict], dict]:
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     # the best of the run's two measurements (its start and its end): the machine's cores, less what
     # another tenant took at either moment; the steps' own mfu/ are against the start's alone
-    # rank 0's device; the ranks' flops/* are summed (grpo.train.reduce_metrics), so against every rank's device
+    # rank 0's device; the ranks' flops/* are summed (grpo.metrics.reduce_metrics), so against every rank's device
     peak = max(summary["peak_tflops_measured"], summary.get("peak_tflops_at_end") or 0.0) * 1e12 * summary.get("world_size", 1)
     mean = lambda k: statistics.mean(r.get(k, 0.0) for r in rows)  # noqa: E731
     out = []

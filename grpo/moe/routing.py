@@ -157,9 +157,10 @@ def record(model):
 class Replayed:
     """What a replay did, counted over every forward inside the block (0-dim tensors once counted: read
     them once, after the step): token-layers that fell back to the trainer's own router (-1 in the
-    routes) out of those replayed; and of the token-layers given a route, how many the router, left to
-    itself on the same input, would have sent elsewhere (`flips`: the sampler/trainer disagreement that
-    replay corrects, R3's "routers that disagree per forward")."""
+    routes: padding and each row's last token too, so not a measure of what the sampler left out; that
+    is `unrouted`, over the batch) out of those replayed; and of the token-layers given a route, how
+    many the router, left to itself on the same input, would have sent elsewhere (`flips`: the
+    sampler/trainer disagreement that replay corrects, R3's "routers that disagree per forward")."""
 
     fallback: Any = 0
     total: Any = 0
@@ -198,6 +199,7 @@ def replay(model, routes: torch.Tensor | None, done: Replayed | None = None, for
     if routes.dim() != 4 or routes.shape[2] != len(routers):
         raise ValueError(f"routing replay: routes of shape {tuple(routes.shape)} for a model with {len(routers)} MoE "
                          f"layers; expected [batch, tokens, {len(routers)}, top_k].")
+    check_routes(routes, [r.num_experts for r in routers])
     flat = routes.reshape(-1, routes.shape[2], routes.shape[3])
 
     def hook(i, layer):
@@ -230,6 +232,49 @@ def replay(model, routes: torch.Tensor | None, done: Replayed | None = None, for
             h.remove()
 
 
+def check_routes(routes: torch.Tensor, experts: list[int]) -> None:
+    """Refuse routes `[B, T, L, K]` that no router of the model can take (ValueError, naming what was
+    found): an expert id outside [0, experts[l]) other than -1, a row mixing -1 with ids, or an expert
+    twice in one row. Unchecked, an id >= E fails deep in the experts' gather (on CUDA a device assert),
+    and the others replay silently wrong: -2 or a half row fall back to the trainer's router, a
+    duplicate weighs one expert twice. Vectorised, with one host read per replay call."""
+    limit = torch.tensor(experts, device=routes.device)[None, None, :, None]
+    outside = ((routes < -1) | (routes >= limit)).any(dim=-1)  # [B, T, L]
+    given = routes >= 0
+    mixed = given.any(dim=-1) & ~given.all(dim=-1)
+    ordered = routes.sort(dim=-1).values
+    twice = ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any(dim=-1)
+    if not bool((outside | mixed | twice).any()):
+        return
+    found = []
+    for name, bad in (("an expert id outside [0, num_experts) and not -1", outside),
+                      ("-1 beside expert ids (a row is all -1, not given, or all ids)", mixed),
+                      ("an expert twice", twice)):
+        if bad.any():
+            b, t, layer = (int(i) for i in bad.nonzero()[0])
+            found.append(f"{int(bad.sum())} with {name} (first: batch row {b}, token {t}, MoE layer {layer}: "
+                         f"{routes[b, t, layer].tolist()})")
+    raise ValueError(f"routing replay: the sampler's routes have token-layer rows no router can take: "
+                     f"{'; '.join(found)}. Each row lists top_k distinct experts in [0, {max(experts)}) or is all -1. "
+                     "The sampler routed with another model than the trainer's (check the engine's model and the "
+                     "weight sync), or its routes were read wrong (grpo/moe/vllm_capture.py, served_routes.py); "
+                     "rollout.routing_replay=false trains without them.")
+
+
+def unrouted(routes_BLMK: torch.Tensor | None, attention_mask_BL: torch.Tensor) -> tuple[float, float]:
+    """(token-layers the sampler gave no route, token-layers it forwarded) over a batch's real tokens
+    but each row's last (sampled, never forwarded: no route by design); (0, 0) without routes. The
+    first over the second is `routing/unrouted_fraction`: what replay left to the trainer's own router,
+    chiefly prompt blocks the prefix cache served with no row in the batch to take them from
+    (`grpo.batch.share_prompt_routes`)."""
+    if routes_BLMK is None:
+        return 0.0, 0.0
+    real = attention_mask_BL.bool()
+    forwarded = real & F.pad(real[:, 1:], (0, 1), value=False)  # a real token followed by one: not the last
+    missing = (routes_BLMK[..., 0] < 0) & forwarded[..., None]  # [B, L, M]
+    return float(missing.sum()), float(forwarded.sum()) * routes_BLMK.shape[2]
+
+
 def flip_fraction(own: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor | None = None) -> float:
     """The fraction of token-layers whose set of experts differs between `own` and `sampled` (both
     `[B, T, L, K]`; the order within a row does not count), over the tokens where `mask` `[B, T]` is
@@ -244,11 +289,17 @@ def flip_fraction(own: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor |
 
 
 def check(cfg) -> None:
-    """rollout.routing_replay against the rest of the config (called by grpo.config.validate; the backend
-    checks its own part, RolloutBackend.check_routing): routes are not carried into a vision-language
-    model's rows yet."""
+    """rollout.routing_replay / routing_observe against the rest of the config (called by
+    grpo.config.validate; the backend checks its own part, RolloutBackend.check_routing): routes are not
+    carried into a vision-language model's rows yet; routing_observe beside routing_replay would be
+    ignored (the forwards replay)."""
     if not wants_routes(cfg.rollout):
         return
+    if cfg.rollout.routing_replay and cfg.rollout.routing_observe:
+        raise ConfigError("rollout.routing_observe=true beside rollout.routing_replay=true: the forwards replay the "
+                          "sampler's routes and observe would change nothing (replay logs routing/flip_fraction too). "
+                          "Keep rollout.routing_replay=true to train with the sampler's experts, or set it false to "
+                          "only measure how often the routers disagree (routing_observe=true); not both.")
     if cfg.model.path == "tiny_vlm":
         raise ConfigError(f"{setting(cfg.rollout)} with a vision-language model: not supported yet; set it false.")
 

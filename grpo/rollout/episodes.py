@@ -45,6 +45,7 @@ from typing import Callable, Iterable, Optional
 from grpo.envs import env_factory
 from grpo.envs.base import Step
 from grpo.errors import ConfigError
+from grpo.metrics import Count, Ratio
 from grpo.rewards import as_number
 from grpo.rollout.base import Rollouts, Sampling
 from grpo.rollout.render import ChatRender, RawRender
@@ -205,11 +206,11 @@ class EpisodeRollouts(Rollouts):
             "episode/turns_max": max((e.turns for e in eps), default=0),
             "episode/sampled_tokens": sum(e.sampled_tokens for e in eps) / n,
             "episode/observation_tokens": sum(e.observation_tokens for e in eps) / n,
-            "episode/env_s": sum(e.env_s for e in eps),
-            "episode/errors": sum(e.finish == "error" for e in eps),
+            "episode/env_s": Count(sum(e.env_s for e in eps)),  # totals: summed over ranks too (grpo/metrics.py)
+            "episode/errors": Count(sum(e.finish == "error" for e in eps)),
             "episode/out_of_budget": sum(e.out_of_budget for e in eps) / n,  # of finish_length: no room for a turn
             "episode/tool_calls": calls / n,
-            "episode/tool_failure_rate": sum(e.tool_errors for e in eps) / calls if calls else 0.0,
+            "episode/tool_failure_rate": Ratio(sum(e.tool_errors for e in eps), calls),  # NaN: no call anywhere
         }
         metrics.update({f"episode/finish_{r}": sum(e.finish == r for e in eps) / n for r in FINISH})
         if self.token_versions is not None:  # partial rollouts: the weight versions within a trajectory
@@ -218,7 +219,7 @@ class EpisodeRollouts(Rollouts):
             sampled = [v for vs in self.token_versions for v in vs if v >= 0]
             metrics["episode/versions_max"] = max((len(s) for s in spans), default=0)
             metrics["episode/mixed_versions"] = sum(len(s) > 1 for s in spans) / n  # of trajectories
-            metrics["episode/tokens_behind"] = sum(v < newest for v in sampled) / max(len(sampled), 1)
+            metrics["episode/tokens_behind"] = Ratio(sum(v < newest for v in sampled), len(sampled))
         return metrics
 
 
