@@ -19,6 +19,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
+import re
 import stat
 from urllib.parse import urlparse
 
@@ -27,6 +28,20 @@ from grpo.errors import TokenError
 TOKEN_ENV = "GRPO_SERVE_TOKEN"  # the rollout servers' (and `grpo.serve`'s own)
 JUDGE_TOKEN_ENV = "GRPO_JUDGE_TOKEN"
 RM_TOKEN_ENV = "GRPO_RM_TOKEN"
+
+# RFC 6750's b64token, what an `Authorization: Bearer` header may carry: a token with other characters
+# (non-ASCII, a space, a CRLF file's \r) was accepted at start, then no request could ever match it.
+BEARER_TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+
+
+def check_token(token: str, where: str) -> str:
+    """`token`, if a Bearer header can carry it (BEARER_TOKEN); else a TokenError naming `where` it came
+    from and never the token itself."""
+    if not BEARER_TOKEN.fullmatch(token):
+        raise TokenError(f"the token in {where} has characters an 'Authorization: Bearer' header cannot carry (it may "
+                         "hold letters, digits and - . _ ~ + / with trailing =; no spaces, no non-ASCII). Make a new "
+                         "one, e.g. python -c 'import secrets; print(secrets.token_hex(32))'.")
+    return token
 
 
 def read_token_file(path: str) -> str:
@@ -42,7 +57,7 @@ def read_token_file(path: str) -> str:
         token = f.read().strip()
     if not token:
         raise TokenError(f"token file {path} is empty.")
-    return token
+    return check_token(token, f"token file {path}")
 
 
 def load_token(token_file: str | None = None, env_var: str = TOKEN_ENV, env: dict | None = None) -> str | None:
@@ -51,7 +66,8 @@ def load_token(token_file: str | None = None, env_var: str = TOKEN_ENV, env: dic
     if token_file:
         return read_token_file(token_file)
     env = os.environ if env is None else env
-    return env.get(env_var) or None
+    token = env.get(env_var) or None
+    return None if token is None else check_token(token, f"${env_var}")
 
 
 def is_loopback(host: str) -> bool:
@@ -94,7 +110,9 @@ def client_token(token_file: str | None, env_var: str, urls, allow_plain_http: b
 
 
 def token_ok(header: str | None, token: str | None) -> bool:
-    """With no token configured (loopback only) every local caller may; otherwise an exact Bearer."""
+    """With no token configured (loopback only) every local caller may; otherwise an exact Bearer.
+    Compared as bytes: compare_digest raises a TypeError on a non-ASCII str (a header any client can send)."""
     if not token:
         return True
-    return bool(header) and header.startswith("Bearer ") and hmac.compare_digest(header[7:], token)
+    return bool(header) and header.startswith("Bearer ") and hmac.compare_digest(
+        header[7:].encode("utf-8", "surrogatepass"), token.encode())

@@ -8,6 +8,7 @@ a complete checkpoint.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -18,6 +19,7 @@ import torch
 from omegaconf import OmegaConf
 
 from grpo import dist
+from grpo.errors import ConfigError
 
 DONE = "COMPLETE"
 
@@ -62,8 +64,13 @@ def checkpoint_step(path: str) -> int:
     return int(os.path.basename(os.path.normpath(path)).removeprefix("step_"))
 
 
-def save_checkpoint(run_dir: str, step: int, strategy, state: dict, keep: int = 2) -> str:
-    """Every rank calls this. Rank 0 owns the folder; each rank adds its own RNG state."""
+LAYOUT = "grpo_layout.json"  # what wrote a checkpoint: {"strategy": parallel.strategy, "world_size": processes}
+REPLICAS = ("single", "ddp")  # a full copy of the weights and AdamW in trainer.pt: either reads the other's
+
+
+def save_checkpoint(run_dir: str, step: int, strategy, state: dict, keep: int = 2, layout: dict | None = None) -> str:
+    """Every rank calls this. Rank 0 owns the folder and writes `layout` (LAYOUT); each rank adds its own
+    RNG state."""
     root = os.path.join(run_dir, "checkpoints")
     name = checkpoint_name(step)
     final, tmp = os.path.join(root, name), os.path.join(root, f".tmp-{name}")
@@ -74,6 +81,9 @@ def save_checkpoint(run_dir: str, step: int, strategy, state: dict, keep: int = 
     dist.barrier()
     strategy.save(tmp)
     torch.save({**state, "step": step, "rng": rng_state()}, os.path.join(tmp, f"state_rank{dist.rank()}.pt"))
+    if dist.rank() == 0 and layout is not None:
+        with open(os.path.join(tmp, LAYOUT), "w") as f:
+            json.dump(layout, f)
     dist.barrier()
     if dist.rank() == 0:
         _publish(root, name, tmp, final, keep)
@@ -197,6 +207,37 @@ def load_reward_states(reward_fns, states: dict) -> None:
     for name, fn, _ in reward_fns:
         if name in states:
             fn.load_state_dict(states[name])
+
+
+def written_by(path: str) -> dict:
+    """A checkpoint's layout: its LAYOUT file, or for one written before it existed what its files say
+    (a DeepSpeed folder: some ZeRO stage, processes unknown; trainer.pt: a replica)."""
+    if os.path.exists(os.path.join(path, LAYOUT)):
+        with open(os.path.join(path, LAYOUT)) as f:
+            return json.load(f)
+    return {"strategy": "zero" if os.path.isdir(os.path.join(path, "deepspeed")) else "ddp", "world_size": None}
+
+
+def check_layout(path: str, strategy: str, world_size: int) -> None:
+    """A resume reads the checkpoint as its strategy wrote it: single and ddp share trainer.pt (any
+    number of processes); ZeRO's shards are read only by the same stage on as many processes (DeepSpeed:
+    "automatic adjustment of ZeRO's optimizer state partitioning ... not currently supported"). Refused
+    before anything is built or config.yaml is touched, naming the launch that reads it; it was a
+    FileNotFoundError of trainer.pt (or DeepSpeed's message) after the model was built."""
+    was = written_by(path)
+    if was["strategy"] in REPLICAS:
+        fits = strategy in REPLICAS
+    else:  # "zero": a DeepSpeed folder from before LAYOUT, its stage and processes unrecorded
+        fits = strategy.startswith("zero") and was["strategy"] in ("zero", strategy) and was["world_size"] in (None, world_size)
+    if not fits:
+        processes = f" on {was['world_size']} process(es)" if was["world_size"] else ""
+        need = ("parallel=single or parallel=ddp" if was["strategy"] in REPLICAS
+                else f"parallel={was['strategy'] if was['strategy'] != 'zero' else 'zero2 or zero3 (as it was written)'}"
+                     f"{processes}")
+        writer = "a ZeRO strategy (its stage unrecorded)" if was["strategy"] == "zero" else f"parallel={was['strategy']}"
+        raise ConfigError(f"{path} was written by {writer}{processes}; this run is parallel={strategy} on "
+                          f"{world_size} process(es), which cannot read it. Resume with {need}, or start afresh with "
+                          f"resume=false (or another run_dir).")
 
 
 def load_checkpoint(path: str, strategy) -> dict:

@@ -5,7 +5,10 @@ map whose first error is raised at once. It knows nothing of rollouts or rewards
 
 Every request goes through `OPENER`, which follows no redirect: urllib's default opener would resend
 the Authorization header to whatever host a 301/302/303/307/308 names, so a 3xx is an error naming
-the server, its status and where it pointed (grpo/auth.py says which token goes where).
+the server, its status and where it pointed (grpo/auth.py says which token goes where). Nor does it
+send plain http through a proxy: urllib's default takes $http_proxy (clusters set it for pip) for
+every http:// URL, loopback included, and the proxy would read each request's Authorization header.
+https goes through $https_proxy where one is set: a CONNECT tunnel, whose TLS the proxy cannot read.
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ def is_redirect(status: int | None) -> bool:
 
 def build_opener() -> urllib.request.OpenerDirector:
     """urllib's default handlers but HTTPRedirectHandler: a 3xx reaches HTTPDefaultErrorHandler and is
-    raised as an HTTPError, its Location unvisited and the Authorization header sent to no one else."""
+    raised as an HTTPError, its Location unvisited and the Authorization header sent to no one else.
+    Proxies from the environment for https only (the module docstring says why)."""
+    https_only = {scheme: url for scheme, url in urllib.request.getproxies().items() if scheme == "https"}
     opener = urllib.request.OpenerDirector()
-    for handler in (urllib.request.ProxyHandler(), urllib.request.UnknownHandler(), urllib.request.HTTPHandler(),
+    for handler in (urllib.request.ProxyHandler(https_only), urllib.request.UnknownHandler(), urllib.request.HTTPHandler(),
                     urllib.request.HTTPSHandler(), urllib.request.HTTPDefaultErrorHandler(),
                     urllib.request.HTTPErrorProcessor()):
         opener.add_handler(handler)
@@ -167,15 +172,17 @@ class Server:
         self.occupancy = Occupancy()  # generation requests in flight (grpo/rollout/servers.py ServerPool.complete)
         self.lost = None  # why a pool sends it no more requests: it restarted (grpo/rollout/servers.py served_version)
 
-    def request(self, path: str, body: dict | None = None, timeout: float | None = None, text: bool = False):
+    def request(self, path: str, body: dict | None = None, timeout: float | None = None, text: bool = False,
+                send_token: bool = True):
         """POST `body` (GET without one) and return the JSON answer, or the plain text with text=True
-        (vLLM's adapter routes answer in words). Whatever goes wrong is a ServerError naming the URL and
-        the path: an error status, no connection, an answer cut off (http.client's IncompleteRead: a
-        server stopped mid-answer, a proxy's idle timeout), a body that is not JSON (`NotJson`)."""
+        (vLLM's adapter routes answer in words); `send_token=False`: no Authorization header (the open
+        probe /health). Whatever goes wrong is a ServerError naming the URL and the path: an error
+        status, no connection, an answer cut off (http.client's IncompleteRead: a server stopped
+        mid-answer, a proxy's idle timeout), a body that is not JSON (`NotJson`)."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method="GET" if body is None else "POST")
         req.add_header("Content-Type", "application/json")
-        if self.token:
+        if self.token and send_token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
             with OPENER.open(req, timeout=timeout or self.timeout_s) as r:
@@ -199,7 +206,7 @@ class Server:
 
     def wait_healthy(self, deadline: float, log=say, note: str = "", exited=None, kind: str = "rollout server") -> None:
         def ready():
-            self.request("/health", timeout=5)
+            self.request("/health", timeout=5, send_token=False)  # open to all (grpo/serve.py OPEN_ROUTES)
             card = self.request("/v1/models")["data"][0]
             self.model, self.max_model_len = card["id"], card.get("max_model_len")
 

@@ -1,7 +1,9 @@
 """`python -m grpo.serve --model DIR [--port P] [--token-file F]`: a vLLM server that `rollout=remote`
 can train against.
 
-It is vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`) started with:
+It is vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`, run by `run_vllm`) started with:
+  - its port listening from the moment it is named (`listen_socket`), before the model loads: vLLM
+    alone would hold it bound but not listening for that time, free for another user to take;
   - the RL routes mounted (`VLLM_SERVER_DEV_MODE=1`): /init_weight_transfer_engine, /update_weights...;
   - the `grpo_gloo` weight-transfer backend (`--weight-transfer-config`; works on CPU and GPU
     servers, staging each bucket through host memory);
@@ -45,6 +47,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 
 import torch
@@ -62,7 +65,6 @@ from grpo.rollout import precision
 from grpo.rollout.gloo_transfer import BACKEND as GLOO, not_installed as gloo_not_installed
 from grpo.rollout.reaper import die_with_parent
 from grpo.rollout.push import TRANSFERS, transfer_backend
-from grpo.rollout.servers import reserve_port
 from grpo.rollout.vllm_api import VllmApi, installed
 
 # Read-only probes anyone who can reach the port may call; everything else needs the token.
@@ -195,6 +197,62 @@ def server_kv_bytes(args: argparse.Namespace) -> int | None:
                           torch.cuda.is_available())
 
 
+LISTEN_FD = "--vllm-on-fd"  # `python -m grpo.serve --vllm-on-fd FD VLLM_ARGS...`: what main() execs (run_vllm)
+LISTEN_BACKLOG = 128  # connections the kernel queues while the model loads (health polls); uvicorn's own default is 2048
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening from the moment its port is named (`--port 0`: a free
+    one) until the exec'd vLLM serves on it (`run_vllm`). vLLM's own socket is bound with SO_REUSEADDR
+    and listens only once its engine has loaded (~90 s): meanwhile another user of the machine could
+    bind the port with SO_REUSEADDR, listen first and receive the trainer's requests and token. The
+    kernel refuses any bind beside a listening socket. Requests that arrive before vLLM serves wait
+    in the queue. SO_REUSEADDR here too, so a port in TIME_WAIT, or one a launcher holds unlistened
+    (grpo.rollout.servers.reserve_port), can still be taken."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        raise
+    s.listen(LISTEN_BACKLOG)
+    return s
+
+
+def run_vllm(sock: socket.socket, argv: list[str]) -> None:
+    """The exec'd server: what vLLM's `python -m vllm.entrypoints.openai.api_server` does (its `main`
+    and `run_server`), but on `sock`, grpo.serve's listening socket, where vLLM's `setup_server` would
+    bind its own (`listen_socket` says why). vLLM's per-socket half, `run_server_worker(listen_address,
+    sock, args)`, takes a socket from 0.26 to 0.33. Left out of `setup_server`: the tool- and
+    reasoning-parser checks (`validate_api_server_args`; grpo's routes use neither) and its log of
+    the version and flags (the flags are in grpo.serve's exec line)."""
+    # vLLM: heavy, and only in the exec'd server. Each name is at this path in every release 0.26-0.33:
+    # the parser's functions as `vllm serve` imports them (entrypoints/cli/serve.py:14; 0.33 :13-16),
+    # run_server_worker defined (0.26: openai/api_server.py:762) or re-exported (0.32, 0.33)
+    import uvloop
+    import vllm.logger
+    from vllm.entrypoints.cli.serve import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.openai.api_server import run_server_worker
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.utils.system_utils import decorate_logs, set_ulimit
+
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # vLLM's cli_env_setup, whose module moved in 0.33
+    args = make_arg_parser(FlexibleArgumentParser(description="vLLM's OpenAI-compatible server (grpo.serve)")).parse_args(argv)
+    if hasattr(vllm.logger, "configure_logging_from_args"):  # main's since 0.32 (--log-level; absent in 0.26)
+        vllm.logger.configure_logging_from_args(args)
+    validate_parsed_serve_args(args)
+    decorate_logs("APIServer", skip_if_decorated=True)
+
+    def interrupt_init(*_) -> None:  # run_server's: a SIGTERM during the engine's load stops it cleanly
+        raise KeyboardInterrupt("terminated")
+
+    signal.signal(signal.SIGTERM, interrupt_init)  # uvicorn replaces it once it serves
+    set_ulimit()
+    host, port = sock.getsockname()[:2]
+    uvloop.run(run_server_worker(f"http://{f'[{host}]' if ':' in host else host}:{port}", sock, args))
+
+
 def write_url(folder: str, host: str, port: int) -> str:
     """Atomically, so a trainer polling the folder never reads half a URL."""
     name = node_name() if host in ("0.0.0.0", "::") else host
@@ -229,8 +287,25 @@ def ignore_time_limit_warnings() -> None:
         signal.signal(s, signal.SIG_IGN)
 
 
+def token_flag(argv: list[str]) -> str | None:
+    """The first argument that would put a token on the command line, by name: `--token` or vLLM's
+    `--api-key`, with `=VALUE` or not, '_' for '-', or an abbreviation vLLM's parser expands to
+    `--api-key` (`--api-k`). Checked before any parsing, whose errors may repeat the value."""
+    for arg in argv:
+        name = arg.split("=", 1)[0].replace("_", "-")
+        if name == "--token" or (len(name) >= len("--api-k") and "--api-key".startswith(name)):
+            return name
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    argv = sys.argv[1:] if argv is None else argv
+    # no abbreviations: `--token SECRET` once parsed as --token-file SECRET, and the error printed the secret
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    if flag := token_flag(argv):
+        p.error(f"{flag}: a token on the command line is visible to every user of this machine (ps); it was not "
+                f"read. Set {TOKEN_ENV} or give --token-file FILE (chmod 600).")
     p.add_argument("--model", required=True, help="HF folder or hub id (the trainer's model.path); `tiny` or a "
                    "packaged model (smollm2-135m): the trainer's own cache folder, built or converted if missing")
     p.add_argument("--host", default="127.0.0.1", help=f"bind address; anything but loopback needs a token (${TOKEN_ENV} or --token-file)")
@@ -280,9 +355,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     if args.weight_transfer == GLOO and not args.reward_model and (problem := gloo_not_installed()):
         p.error(f"--weight-transfer {GLOO}: {problem}")
-    if any(a == "--token" or a.startswith("--token=") or a == "--api-key" or a.startswith("--api-key=") for a in extra):
-        p.error(f"a token on the command line is visible to every user of this machine (ps); set {TOKEN_ENV} "
-                "or give --token-file FILE (chmod 600).")
+    if args.token_file and not os.path.exists(os.path.expanduser(args.token_file)):
+        p.error("--token-file: the path given does not exist (not repeated here: it may be a token typed in place of a "
+                "path). Give the path of a file holding the token, readable only by you (chmod 600).")
     try:
         args.token = load_token(args.token_file)
     except TokenError as e:
@@ -303,10 +378,13 @@ def main(argv: list[str] | None = None) -> None:
             setattr(args, key, value)
     # a --max-model-len longer than the model's context: the model's, with a warning (vLLM refuses a longer one)
     args.max_model_len = engine_context(model_config_of(args.model), args.max_model_len, key="--max-model-len")
-    if args.port == 0:  # bound here and held across the exec until vLLM binds it too (reserve_port), so the
-        held = reserve_port(args.host)  # URL written below names a port no other process can take meanwhile
-        os.set_inheritable(held.fileno(), True)
-        args.port = held.getsockname()[1]
+    try:  # listening from here, across the exec, until vLLM serves on it (listen_socket says why)
+        sock = listen_socket(args.host, args.port)
+    except OSError as e:
+        p.error(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror}); another process holds the "
+                "port: give another --port, or --port 0 for a free one.")
+    os.set_inheritable(sock.fileno(), True)
+    args.port = sock.getsockname()[1]
     if args.url_dir:
         write_url(args.url_dir, args.host, args.port)
     if not args.reward_model:  # the RL routes (weight pushes); a reward model's weights never change
@@ -322,11 +400,14 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault(key, value)
     precision.apply_engine_env(args.dtype, torch.cuda.is_available())  # an fp32 engine's Triton attention in fp32
     # vLLM's server, run through grpo.library_logs: its expected lines once, with what they mean
-    argv_out = [sys.executable, "-m", "grpo.library_logs", "vllm.entrypoints.openai.api_server",
+    argv_out = [sys.executable, "-m", "grpo.library_logs", "grpo.serve", LISTEN_FD, str(sock.fileno()),
                 *vllm_argv(args, extra, server_kv_bytes(args))]
     sys.stdout.flush()
     os.execv(sys.executable, argv_out)  # become the server: signals and exit codes are vLLM's own
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == [LISTEN_FD]:  # the exec'd stage: vLLM's server on the socket main() listens on
+        run_vllm(socket.socket(fileno=int(sys.argv[2])), sys.argv[3:])
+    else:
+        main()

@@ -61,12 +61,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from grpo.algorithm import batches_to_submit, combine_rewards, staleness, token_staleness, zero_std_groups
-from grpo.checkpoint import (checkpoint_step, latest_checkpoint, load_checkpoint, load_reward_states, record_config,
+from grpo.checkpoint import (check_layout, checkpoint_step, latest_checkpoint, load_checkpoint, load_reward_states, record_config,
                              reward_states, save_checkpoint, set_aside_checkpoints)
 from grpo.cli import exit_on_user_error
 from grpo.config import check_sweep_folder, register_configs, validate
 from grpo.cpus import configure_threads, machine_info
-from grpo.dist import (DistInfo, all_reduce_max, barrier, broadcast_object, dist_info, node_names,
+from grpo.dist import (DistInfo, all_reduce_max, all_reduce_sum, barrier, broadcast_object, dist_info, node_names,
                        process_group)
 from grpo.dynamic_sampling import Scored, refill
 from grpo.eval import evaluate
@@ -259,7 +259,7 @@ class Run:
         save_checkpoint(self.run_dir, step, self.strategy, {"sampler": drawn, "eval_before": self.eval_before,
                                                             "rewards": reward_states(self.reward_fns),
                                                             "guards": self.guards.state_dict() if self.guards else {}},
-                        self.cfg.keep_checkpoints)
+                        self.cfg.keep_checkpoints, {"strategy": self.cfg.parallel.strategy, "world_size": self.info.world_size})
 
 
 def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run:
@@ -271,6 +271,8 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
         print(f"resume=false: the folder's earlier run (checkpoints, metrics, config) was moved to {aside}")
     if cfg.resume:  # before config.yaml is touched: a refused resume leaves the folder as it was
         check_not_past(run_dir, cfg.steps)
+        if latest := latest_checkpoint(run_dir):
+            check_layout(latest, cfg.parallel.strategy, info.world_size)  # the strategy and processes that read it
     if info.is_main:  # after the set-aside: an earlier run's config.yaml is kept with its records
         if changed := record_config(run_dir, resolved_config(cfg, run_dir), cfg.resume):
             warnings.warn(f"resuming in {run_dir} with a config that differs from its earlier run's in {len(changed)} "
@@ -508,6 +510,8 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     after = evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.reward_fns)
     eval_after = after["eval/accuracy"]
     logger.log(cfg.steps, after, console=True)
+    # each rank's sampled tokens over its engines' seconds, summed over ranks as the step metric is
+    gen_rate = all_reduce_sum([gen_tokens_total / gen_time_total if gen_time_total else 0.0])[0]
     summary = {
         "eval_before": r.eval_before,
         "eval_after": eval_after,
@@ -521,7 +525,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         "machine": machine_info(),  # CPU model, torch's kernel set (cpu_capability), threads
         # this process's: a resumed run's cover steps resumed_from + 1 to steps
         "wall_s": time.perf_counter() - t_start,
-        "gen_tokens_per_s": gen_tokens_total / gen_time_total if gen_time_total else None,
+        "gen_tokens_per_s": gen_rate if gen_time_total else None,
         "peak_memory_gb": peak_memory_gb(),
         **meter.summary(r.strategy.forward_model),  # the device's matmul peak the mfu/ metrics are measured against
         "model_path": r.model_path,

@@ -259,3 +259,32 @@ def test_a_resume_trains_at_its_new_lr_and_a_finished_run_exports_its_own_step(m
     with pytest.raises(ConfigError, match=r"is at step 5, past steps=4.*Raise steps to at least 5"):
         train(make_cfg("steps=4", "algo.lr=1e-4", *fixed))  # the 4-step summary is not step 5's
     assert (run / "config.yaml").read_text() == config and exported_step(str(run / "model")) == 5
+
+
+def test_a_checkpoint_is_resumed_only_by_the_strategy_and_processes_that_can_read_it(tmp_path, tiny_lm):
+    """single and ddp share trainer.pt at any number of processes; ZeRO's shards need the same stage on as
+    many processes. A ZeRO-2 checkpoint resumed with parallel=single failed after the model was built
+    (trainer.pt: FileNotFoundError), with config.yaml already rewritten to say single."""
+    import copy
+
+    from grpo.checkpoint import check_layout
+    from grpo.errors import ConfigError
+
+    path = save_checkpoint(str(tmp_path / "a"), 1, strategy_for(copy.deepcopy(tiny_lm[0])), {},
+                           layout={"strategy": "single", "world_size": 1})
+    for strategy, world in (("single", 1), ("ddp", 4)):
+        check_layout(path, strategy, world)
+    with pytest.raises(ConfigError, match=r"written by parallel=single on 1 process\(es\); this run is parallel=zero2 on 2 "
+                                          r"process\(es\), which cannot read it. Resume with parallel=single or parallel=ddp"):
+        check_layout(path, "zero2", 2)
+    zero = tmp_path / "z"
+    (zero / "deepspeed").mkdir(parents=True)
+    (zero / "grpo_layout.json").write_text(json.dumps({"strategy": "zero2", "world_size": 2}))
+    check_layout(str(zero), "zero2", 2)
+    for strategy, world in (("zero2", 1), ("zero3", 2), ("single", 1), ("ddp", 2)):
+        with pytest.raises(ConfigError, match=r"Resume with parallel=zero2 on 2 process\(es\)"):
+            check_layout(str(zero), strategy, world)
+    (zero / "grpo_layout.json").unlink()  # written before the layout was recorded: the files tell the kind only
+    check_layout(str(zero), "zero3", 1)
+    with pytest.raises(ConfigError, match="Resume with parallel=zero2 or zero3"):
+        check_layout(str(zero), "ddp", 2)

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from grpo import moe_model
 from grpo.config import AlgoConfig, ConfigError, TinyModelConfig, validate
 from grpo.parallel.single import SingleStrategy
+from grpo.tiny import moe
 from grpo.tiny.moe import build_tiny_moe
 from grpo.tiny.text import build_char_tokenizer
 from grpo.tiny.warm_start import tiny_model_dir
@@ -63,6 +64,25 @@ def test_the_moe_block_keys_only_the_tiny_moe_folder():
     old.pop("moe")
     plain = OmegaConf.create({"path": "tiny", "cache_dir": cfg.model.cache_dir, "tiny": old})
     assert folder("tiny") == tiny_model_dir(plain, cfg.task, cfg.rollout.max_new_tokens)
+
+
+def test_the_dense_layers_settings_neither_key_nor_build_the_tiny_moe_and_are_refused(tiny_moe):
+    """model.tiny.num_layers and intermediate_size shape the dense tiny model alone: for tiny_moe they
+    built the same model into a fresh folder (a 156 s warm start), so they leave its key and are refused
+    (grpo/tiny/moe.py `check_unread`); the dense model's key still holds them."""
+    def folder(path, *overrides):
+        cfg = compose_cfg(f"model={path}", *overrides)
+        return tiny_model_dir(cfg.model, cfg.task, cfg.rollout.max_new_tokens)
+
+    for setting in ("model.tiny.num_layers=6", "model.tiny.intermediate_size=64"):
+        assert folder("tiny_moe", setting) == folder("tiny_moe") and folder("tiny", setting) != folder("tiny")
+        with pytest.raises(ConfigError, match=f"{setting} with model.path=tiny_moe: the tiny MoE does not read this"):
+            moe.check_unread(compose_cfg("model=tiny_moe", setting).model.tiny, TinyModelConfig())
+    moe.check_unread(compose_cfg("model=tiny_moe", "model.tiny.moe.layers=2").model.tiny, TinyModelConfig())
+    model, tok = tiny_moe
+    other = build_tiny_moe(TinyModelConfig(intermediate_size=64), len(tok), tok.pad_token_id, tok.bos_token_id,
+                           tok.eos_token_id)
+    assert other.config.to_dict() == model.config.to_dict() and model.config.intermediate_size == 512  # 2 x 256
 
 
 def test_expert_kernel_by_device(tiny_moe, tiny_lm):

@@ -10,6 +10,7 @@ import torch
 import transformers as T
 
 from grpo.batch import collate
+from grpo.config import validate
 from grpo.errors import ConfigError
 from grpo.moe import routing, vllm_capture
 from grpo.rollout import backend_class
@@ -20,6 +21,7 @@ from grpo.update import layouts, score_tokens
 from grpo.update.forward import batch_logprobs
 from grpo.update.layouts import MicroBatch
 from grpo.update.step import forwarding
+from tests.conftest import compose_cfg
 
 REPLAY = SimpleNamespace(routing_replay=True, routing_observe=False)
 
@@ -110,6 +112,38 @@ def test_a_completions_prompt_routes_the_prefix_cache_left_out_come_from_its_sib
     assert torch.equal(routes[1, :3], routes[0, :3]) and (routes[1, :3, :, 0] == torch.tensor([5, 6, 7])[:, None]).all()
     assert routes[1, 3, 0, 0] == 12  # its own completion's
     assert (routes[2:, 1, 1] == -1).all() and (routes[2:, 1, 0] == 8).all()  # none had it: still none
+
+
+def test_prompt_rows_a_prefix_cache_served_from_another_prompt_come_from_any_row_with_that_prefix():
+    """Prompts A and B share their first 3 tokens (a system prompt): vLLM's cache served that block to
+    B's completions from A's request, so B's rows for it came back -1. Token t routes on tokens 0..t
+    alone, so A's rows give them; B's 4th token (its own) and C's tokens after a shorter common start
+    are not taken from A. Before, only a sibling of the identical prompt gave rows: B kept 3 of 4 -1."""
+    A, B, C = [5, 6, 7, 1], [5, 6, 7, 2], [5, 9, 3]
+    prompts = [A, B, B, C]
+    completions = [[10, 11]] * 4
+    routed = [torch.tensor(p + c[:-1]).view(-1, 1, 1).expand(-1, 2, 2).clone() for p, c in zip(prompts, completions)]
+    routed[0][:, 0] += 20  # A's own routes, told apart from B's by value: 25, 26, 27 on layer 0
+    routed[1][:3] = -1  # B's first block, from the cache
+    routed[2][:4] = -1  # the other completion of B: its whole prompt from the cache (B's 4th from its sibling)
+    routed[3][:3] = -1  # C: only its first token is A's and B's
+    out = SimpleNamespace(completion_ids=completions, logprobs=[[0.0] * 2] * 4, finish_reasons=["length"] * 4,
+                          loss_masks=None, episodes=None, routed_experts=routed)
+    batch = collate(prompts, out, torch.zeros(4), 0, False)
+    routes = batch.routes_BLMK  # prompt width 4
+    assert routes[1, :4, 0, 0].tolist() == [25, 26, 27, 2] and routes[1, :4, 1, 0].tolist() == [5, 6, 7, 2]
+    assert torch.equal(routes[2, :4], routes[1, :4])
+    assert routes[3, 1:4, 0, 0].tolist() == [25, -1, -1]  # C (left-padded by one): token 0 from A, 9 and 3 from none
+    # what is left: C's tokens 9 and 3 on both layers, of every row's forwarded tokens (4 + 1 each, 3 + 1 for C)
+    assert routing.unrouted(batch.routes_BLMK, batch.attention_mask_BL) == (4.0, (5 + 5 + 5 + 4) * 2.0)
+
+
+def test_observe_beside_replay_is_refused_naming_which_to_keep():
+    """The forwards replay when both are on: observe was silently ignored."""
+    validate(compose_cfg("model=tiny_moe", "rollout.routing_replay=true"))
+    with pytest.raises(ConfigError, match="rollout.routing_observe=true beside rollout.routing_replay=true.*Keep "
+                                          "rollout.routing_replay=true .* or set it false"):
+        validate(compose_cfg("model=tiny_moe", "rollout.routing_replay=true", "rollout.routing_observe=true"))
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])

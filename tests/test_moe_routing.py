@@ -104,6 +104,41 @@ def test_routes_laid_out_unlike_the_input_are_refused():
         pass
 
 
+@pytest.mark.parametrize("bad, found", [
+    ([8, 1], r"1 with an expert id outside \[0, num_experts\) and not -1 \(first: batch row 1, token 2, MoE layer 1: \[8, 1\]\)"),
+    ([-2, -2], r"1 with an expert id outside .*\[-2, -2\]"),  # -1 alone marks a route not given
+    ([3, -1], r"1 with -1 beside expert ids .*\[3, -1\]"),  # half a row would fall back whole
+    ([3, 3], r"1 with an expert twice .*\[3, 3\]"),  # would weigh one expert twice
+], ids=["id_E", "minus_2", "half_given", "duplicate"])
+def test_routes_no_router_can_take_are_refused_naming_what_was_found(bad, found):
+    """Checked once, as the replay opens: before, an id of E failed deep in the experts' gather (a
+    device assert on CUDA) and the others replayed silently wrong."""
+    model = tiny("qwen3_moe")  # 8 experts, top-2, 2 MoE layers
+    ids = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(7))
+    _, routes = own_routes(model, ids)
+    routes[0, 1] = -1  # a token not given on both layers: fine
+    routes[1, 2, 1] = torch.tensor(bad)
+    with pytest.raises(ValueError, match=r"the sampler's routes have token-layer rows no router can take: " + found):
+        with routing.replay(model, routes):
+            pass
+    with pytest.raises(ValueError, match=found), routing.replay(model, routes, force=False):  # observed too
+        pass
+
+
+def test_unrouted_counts_the_forwarded_token_layers_left_without_a_route():
+    """Row 0: left pad, 4 real tokens; row 1: 5 real tokens, right pad. Each row's last real token is
+    never forwarded by the sampler (no route by design), so 3 + 4 = 7 tokens x 2 layers = 14 count;
+    of them row 0's token 1 (both layers) and row 1's token 0 (layer 1) have none: 3 of 14."""
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    routes = torch.tensor([0, 1]).expand(2, 5, 2, 2).clone()
+    routes[0, 0] = -1  # padding: not counted
+    routes[0, 4] = -1  # the last token: not counted
+    routes[0, 1] = -1
+    routes[1, 0, 1] = -1
+    assert routing.unrouted(routes, mask) == (3.0, 14.0)
+    assert routing.unrouted(None, mask) == (0.0, 0.0)
+
+
 def test_an_unknown_router_family_is_refused_by_name():
     model = tiny("qwen3_moe")
     router = routing.moe_layers(model)[0][1]

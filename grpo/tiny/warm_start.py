@@ -121,6 +121,9 @@ def tiny_model_dir(cfg, task_cfg, max_new_tokens: int) -> str:
     tiny = OmegaConf.to_container(cfg.tiny, resolve=True) if not isinstance(cfg.tiny, dict) else dict(cfg.tiny)
     if cfg.path != "tiny_moe":  # the MoE's block shapes no other kind: their folders keep the key they had
         tiny.pop("moe", None)
+    else:  # and the dense model's layers shape no MoE (a setting of them is refused: grpo/tiny/moe.py)
+        for k in moe.DENSE_ONLY:
+            tiny.pop(k, None)
     kind_format = {"tiny_vlm": {"vlm_format": vlm.TINY_VLM_FORMAT}, "tiny_moe": {"moe_format": moe.TINY_MOE_FORMAT}}
     recipe = {
         "format": TINY_FORMAT,
