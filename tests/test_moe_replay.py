@@ -2,22 +2,26 @@
 each token to, `collate` lays them out with the tokens, every layout (padded, packed, shared prompts)
 moves them with the tokens, and the update's forwards replay them."""
 
+import copy
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import transformers as T
+from omegaconf import OmegaConf
 
 from grpo.batch import collate
-from grpo.config import validate
+from grpo.config import AlgoConfig, validate
 from grpo.errors import ConfigError
 from grpo.moe import routing, vllm_capture
+from grpo.parallel.single import SingleStrategy
 from grpo.rollout import backend_class
 from grpo.rollout import Sampling
 from grpo.rollout.hf import HFBackend
 from grpo.tiny.text import build_char_tokenizer
-from grpo.update import layouts, score_tokens
+from grpo.update import layouts, policy_update, score_tokens
 from grpo.update.forward import batch_logprobs
 from grpo.update.layouts import MicroBatch
 from grpo.update.step import forwarding
@@ -252,3 +256,20 @@ def test_engine_request_ids_map_to_their_prompt_and_completion():
     assert vllm_capture.engine_request("12-8c724950", fanned_out=False) == ("12", 0)
     with pytest.raises(RuntimeError, match="cannot read the engine request id"):
         vllm_capture.engine_request("req", fanned_out=False)
+
+
+def test_the_update_logs_the_token_layers_left_without_a_route(tiny_moe):
+    """routing/unrouted_fraction: prompt "7=" (both completions) reached the update without a route for
+    its first token, on each of 3 MoE layers: 2 x 3 token-layers of every forwarded one (each row's
+    tokens but its last); absent where the sampler gave routes for all, and without routes."""
+    model, tok = tiny_moe
+    prompts, out = sample(model, tok, 2)
+    batch = collate(prompts, out, torch.zeros(len(prompts)), tok.pad_token_id, False)
+    algo = OmegaConf.structured(AlgoConfig(group_size=2, batch_size=3, loss_type="bnpo", shared_prompt=False))
+    update = lambda b: policy_update(SingleStrategy(None, copy.deepcopy(model), algo, total_steps=1), b, algo, 6, 1.0)
+    assert update(batch)["routing/unrouted_fraction"] == 0.0
+    P = batch.prompt_width
+    batch.routes_BLMK[4:6, P - 2] = -1  # rows 4, 5: "7=", left-padded to P; its first token
+    forwarded = int(batch.attention_mask_BL.sum()) - batch.size
+    assert update(batch)["routing/unrouted_fraction"] == pytest.approx(2 * 3 / (forwarded * 3))
+    assert "routing/unrouted_fraction" not in update(replace(batch, routes_BLMK=None))

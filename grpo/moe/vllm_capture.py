@@ -8,7 +8,9 @@ logical top-k ids to a capture function (`BaseRouter.set_capture_fn`, what vLLM'
 and a wrapper on the model runner's `execute_model` splits each step's rows by request, in the order
 and counts the step scheduled them. A request's rows, joined over its steps, are its computed tokens:
 prompt then completion but the last token sampled (never forwarded), P + C - 1, less any prompt
-blocks the prefix cache served (those rows are -1: the trainer's router decides them).
+blocks the prefix cache served, from this prompt's request or another's with the same start (those
+rows are -1: `grpo.batch.share_prompt_routes` fills them from a row of the batch with the same prefix;
+what no row has, the trainer's router decides, counted in routing/unrouted_fraction).
 
 Python hooks run only in eager mode (CUDA graphs replay kernels without them): the colocated backend
 refuses rollout.routing_replay without rollout.vllm.enforce_eager. Every vLLM internal used is in the

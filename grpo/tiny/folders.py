@@ -19,6 +19,7 @@ from grpo.models import HUB_ID, check_hub_model
 from grpo.packaged import PACKAGED, ensure_packaged_model
 from grpo.rewards.reward_model import TINY_RM
 from grpo.tasks import build_task
+from grpo.tiny import moe
 from grpo.tiny.guess import solve_rate
 from grpo.tiny.rm import ensure_tiny_rm
 from grpo.tiny.warm_start import TINY_KINDS, ensure_tiny_model
@@ -66,6 +67,8 @@ def check_tiny_settings(model, defaults) -> None:
         reads = "model.path=tiny_moe" if model.path in TINY_KINDS else f"a model built in code ({', '.join(TINY_KINDS)})"
         raise ConfigError(f"{', '.join(changed)}: only {reads} reads this, and model.path={model.path!r}; drop the "
                           f"setting or choose that model.")
+    if model.path == "tiny_moe":
+        moe.check_unread(model.tiny, defaults)  # the dense model's num_layers, intermediate_size: the MoE reads neither
 
 
 def flat(node, prefix: str = "") -> dict:

@@ -256,7 +256,11 @@ def policy_update(
     # ratio per rank, averaged over ranks, was wrong wherever ranks hold unequal tokens: a rank with no
     # rows halved clip_frac, kl, entropy); the largest difference is the largest of every rank's
     load = load_E.cpu().tolist() if experts is not None else []
-    summed = strategy.reduce_counts([totals[k] for k in RANK_SUMS] + [tokens, *load])
+    # the sampler's routes: token-layers it forwarded that reached the update without one, every rank's
+    # rows (grpo/moe/routing.py `unrouted`; (0, 0) without routes)
+    unrouted = routing.unrouted(whole.routes_BLMK, whole.attention_mask_BL)
+    summed = strategy.reduce_counts([totals[k] for k in RANK_SUMS] + [tokens, *load, *unrouted])
+    (missing_routes, forwarded_routes), summed = summed[-2:], summed[:-2]
     totals.update(zip(RANK_SUMS, summed))
     # no sampled token scored before the first optimizer step (skipped flat groups made up the first
     # minibatch, or the whole step): the trainer-sampler difference was not measured this step, not 0
@@ -296,4 +300,7 @@ def policy_update(
         # rollout.routing_replay: of the token-layers given the sampler's experts (first minibatch), the
         # fraction the trainer's own router would have sent elsewhere, on the same input
         **({"routing/flip_fraction": totals["routing_flips"] / totals["routing_given"]} if totals["routing_given"] else {}),
+        # of the token-layers the sampler forwarded, those that reached the update without its route (a
+        # prefix cache's block no row of the batch had): the trainer's own router chose them
+        **({"routing/unrouted_fraction": missing_routes / forwarded_routes} if forwarded_routes else {}),
     }
