@@ -34,7 +34,9 @@ bf16/fp16 to what their rounding gives (docs/algorithm.md: one bf16 step of a lo
 does: in fp32 the largest difference over the sampled tokens (1e-3 on CPU, 2e-2 on CUDA:
 grpo/rollout/precision.py), in bf16 the mean (0.1), as single tokens round 0.1-0.4 apart right after
 a healthy sync. The run's one optimizer step takes algo.lr without warmup, so that a missed push is
-visible in bf16 too. Exit status 1 if any check fails: paste the table into a bug report.
+visible in bf16 too. Every row compares every sampled completion token, whichever the loss keeps
+(`first_batch`), and one that compared none is a SKIP. Exit status 1 if any check fails: paste the
+table into a bug report.
 """
 
 from __future__ import annotations
@@ -90,20 +92,29 @@ def check(name: str, ok: bool, detail: str) -> Check:
     return Check(name, "PASS" if ok else "FAIL", detail)
 
 
-def max_diff(a_BT: torch.Tensor, b_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
-    real = mask_BT.bool()
-    return float((a_BT - b_BT)[real].abs().max()) if real.any() else 0.0
+def max_diff(a_BT: torch.Tensor, b_BT: torch.Tensor, mask_BT: torch.Tensor) -> tuple[float, int]:
+    """The largest |a - b| over the tokens `mask_BT` marks, and how many it marks. On this process
+    alone (the layout checks run on rank 0). A 0.0 over 0 tokens measured nothing: the row says so
+    (`bounded`) instead of passing on it."""
+    d = (a_BT - b_BT)[mask_BT.bool()].abs()
+    return (float(d.max()) if d.numel() else 0.0), int(d.numel())
 
 
 def first_batch(r, step: int = 1):
-    """Step `step`'s batch as the loop builds it (every group kept), and whether its advantages carry
-    a signal; without one (every group flat), ±1 advantages stand in for the gradient checks."""
+    """Step `step`'s batch as the loop draws it (every group kept), with every sampled completion token
+    in its mask (multi-turn: not the environment's observations, `collate` reads them from the
+    episodes' loss masks), and ±1 advantages standing in for the gradient checks where no group
+    carries a signal. The run's loss mask would drop every token of a completion cut at
+    max_new_tokens (algo.mask_truncated, DAPO's default) or whose reward failed; with all of them
+    dropped, the rows compared 0 tokens and passed, and the layouts' gradients were all zero. What
+    verify checks (the logprobs, the gradients' layouts, the step's push) holds token by token
+    whatever the loss keeps, so it is checked on every token the sampler drew; the step verify takes
+    trains them too (a step that trained nothing would let a missed push pass)."""
     scored = r.score(r.submit(step))
     G = r.G
     advantages_PG = batch_advantages(scored.rewards_PG, r.cfg.algo.adv_scale, r.cfg.algo.adv_estimator)
     batch = collate([p for p in scored.prompt_ids for _ in range(G)], scored.rollouts, advantages_PG.flatten(),
-                    r.tokenizer.pad_token_id, r.cfg.algo.mask_truncated,
-                    excluded_B=torch.isnan(scored.rewards_PG).flatten())
+                    r.tokenizer.pad_token_id, mask_truncated=False)
     batch.replay_routes = r.cfg.rollout.routing_replay  # as the loop sets it (rollout.routing_observe: compared only)
     if not batch.advantages_B.abs().sum():
         batch.advantages_B = torch.tensor([1.0 if i % 2 else -1.0 for i in range(batch.size)])
@@ -121,6 +132,12 @@ class Gap:
     def of(self, par: Parity) -> float:
         return self.largest if par.statistic == "max" else self.mean
 
+    def judged(self, name: str, par: Parity, dtype: str) -> Check:
+        """The sampler row: by the parity's statistic, a SKIP when no token was compared."""
+        if not self.tokens:
+            return nothing_compared(name, "|trainer - sampler| logprob")
+        return check(name, par.holds(self.of(par)), self.line(par, dtype))
+
     def line(self, par: Parity, dtype: str) -> str:
         if par.statistic == "max":
             return f"max |trainer - sampler| logprob {self.largest:.2e} over {self.tokens} sampled tokens (tol {par.bound:g})"
@@ -129,10 +146,26 @@ class Gap:
 
 
 def gap(trainer_BT: torch.Tensor, sampler_BT: torch.Tensor, mask_BT: torch.Tensor) -> Gap:
+    """|trainer - sampler| over the tokens `mask_BT` marks, on every rank (a collective: every rank
+    calls it), with how many were compared."""
     d = (trainer_BT - sampler_BT)[mask_BT.bool()].abs().double()
     (largest,) = dist.all_reduce_max([float(d.max()) if d.numel() else 0.0])
     total, tokens = dist.all_reduce_sum([float(d.sum()), float(d.numel())])
     return Gap(largest, total / max(tokens, 1.0), int(tokens))
+
+
+def nothing_compared(name: str, what: str) -> Check:
+    """A row over 0 tokens: it measured nothing, so it neither passes nor fails."""
+    return Check(name, "SKIP", f"{what} over 0 tokens: no sampled completion token to compare (every completion "
+                               f"empty), so this row could not tell; a larger rollout.max_new_tokens, or "
+                               f"prompts the model answers, give it tokens")
+
+
+def bounded(name: str, g: Gap, tol: float, what: str) -> Check:
+    """A row judged by the largest difference, `g`, against `tol`; a SKIP when no token was compared."""
+    if not g.tokens:
+        return nothing_compared(name, what)
+    return check(name, g.largest <= tol, f"{what}: {g.largest:.2e} over {g.tokens} sampled tokens (tol {tol:g})")
 
 
 def trainer_logprobs(r, batch) -> torch.Tensor:
@@ -143,13 +176,15 @@ def trainer_logprobs(r, batch) -> torch.Tensor:
 
 def sampler_check(r, batch, par: Parity) -> Check:
     g = gap(trainer_logprobs(r, batch), batch.sampler_logprobs_BT, batch.mask_BT)
-    return check("sampler", par.holds(g.of(par)), g.line(par, r.cfg.model.dtype))
+    return g.judged("sampler", par, r.cfg.model.dtype)
 
 
 def sync_verdict(after: Gap, stale: Gap, par: Parity, dtype: str) -> Check:
     """`after`: a batch sampled after the step and the push; `stale`: the batch sampled before the step,
     scored by the trainer after it (what an engine that missed the push gives). A step within the
     bound would let a missed push pass: SKIP, with what to change."""
+    if not after.tokens or not stale.tokens:
+        return nothing_compared("sync", "|trainer - sampler| logprob after the step")
     line = f"{after.line(par, dtype)}; the step moved the batch sampled before it by {stale.of(par):.2e} ({par.statistic})"
     if not par.holds(after.of(par)):
         return check("sync", False, line)
@@ -174,9 +209,8 @@ def ratio_check(r, batch, tol: float) -> Check:
     args = (batch, r.sampling.temperature, algo.micro_batch_tokens, r.strategy, layout_of(algo))
     old = score_tokens(model, *args)
     new = score_tokens(model, *args, training_mode=True)
-    ratio = max(dist.all_reduce_max([max_diff(torch.exp(new - old), torch.ones_like(old), batch.mask_BT)]))
-    return check("ratio", ratio <= tol, f"max |ratio - 1| at the first step {ratio:.2e} (training-mode forward against "
-                                        f"the old-logprob pass; tol {tol:g})")
+    return bounded("ratio", gap(torch.exp(new - old), torch.ones_like(old), batch.mask_BT), tol,
+                   "max |ratio - 1| at the first step (training-mode forward against the old-logprob pass)")
 
 
 def reference_check(r, batch, tol: float) -> Check:
@@ -186,10 +220,9 @@ def reference_check(r, batch, tol: float) -> Check:
     ref = build_reference(cfg, r.model_path, r.strategy)
     algo = r.cfg.algo
     args = (batch, r.sampling.temperature, algo.micro_batch_tokens, r.strategy, layout_of(algo))
-    kl = max(dist.all_reduce_max([max_diff(score_tokens(ref, *args), score_tokens(r.strategy.forward_model, *args),
-                                           batch.mask_BT)]))
+    kl = gap(score_tokens(ref, *args), score_tokens(r.strategy.forward_model, *args), batch.mask_BT)
     del ref
-    return check("reference", kl <= tol, f"max |policy - reference| logprob at the first step {kl:.2e} (KL 0; tol {tol:g})")
+    return bounded("reference", kl, tol, "max |policy - reference| logprob at the first step (KL 0)")
 
 
 def local_copy(r):
@@ -262,6 +295,9 @@ def layout_checks(r, batch, tol_logp: float, tol_grad: float) -> list[Check]:
     before the other layout runs."""
     sub = few_groups(batch, r.G)
     algo, configured = r.cfg.algo, layout_of(r.cfg.algo)
+    names = ("layout/packed", "layout/shared", "micro-batches")
+    if not sub.mask_BT.any():  # `first_batch` marks every sampled token: only a batch of empty completions
+        return [nothing_compared(name, "logprobs and gradients against padded") for name in names]
 
     def settings(layout: str, micro_batch_tokens: int = 1 << 20):
         # no router load-balancing loss: a MoE's is a statistic of each forward's tokens (expert fractions
@@ -276,16 +312,21 @@ def layout_checks(r, batch, tol_logp: float, tol_grad: float) -> list[Check]:
                                                      f"per {width} tokens: gradients {g:.2e} of their size "
                                                      f"(tol {tol_grad:g})")
     padded = one if configured == "padded" else gradients(r, sub, settings("padded"))
+    if not any(g.any() for g in padded.by_name.values()):  # the reference layout's: a layout that lost them fails
+        return [Check(name, "SKIP", f"{sub.size} sequences, {int(sub.mask_BT.sum())} tokens: every gradient of the "
+                                    f"padded layout is 0 (|advantages| {float(sub.advantages_B.abs().sum()):.2g} in "
+                                    f"all): nothing to compare") for name in names]
     rows = {}
     for layout in sorted(("packed", "shared"), key=lambda layout: layout != configured):  # the configured one first
         if layout == configured:
             run, one = one, None  # compared once, then freed
         else:
             run = gradients(r, sub, settings(layout))
-        d = max_diff(run.logprobs_BT, padded.logprobs_BT, sub.mask_BT)
+        d, tokens = max_diff(run.logprobs_BT, padded.logprobs_BT, sub.mask_BT)
         g = grad_gap(run.by_name, padded.by_name)
         rows[layout] = check(f"layout/{layout}", d <= tol_logp and g <= tol_grad,
-                             f"against padded: logprobs {d:.2e} (tol {tol_logp:g}), gradients {g:.2e} of their size "
+                             f"against padded: logprobs {d:.2e} over {tokens} tokens (tol {tol_logp:g}), gradients "
+                             f"{g:.2e} of their size "
                              f"(tol {tol_grad:g}); the model ran {run.ran}" + ("" if run.ran == layout else " (a fallback)"))
         del run
     return [rows["packed"], rows["shared"], several]
@@ -342,9 +383,8 @@ def split_check(r, batch, tol: float) -> Check:
     whole.sequence = None
     split_BT = score_tokens(r.strategy.forward_model, *args, r.strategy, layout_of(algo))
     whole_BT = score_tokens(r.strategy.forward_model, *args, whole, layout_of(algo))
-    diff = max(dist.all_reduce_max([max_diff(split_BT, whole_BT, batch.mask_BT)]))
-    return check("split", diff <= tol, f"rows split across {split.size} ranks against unsplit: max logprob difference "
-                                       f"{diff:.2e} (tol {tol:g})")
+    return bounded("split", gap(split_BT, whole_BT, batch.mask_BT), tol,
+                   f"rows split across {split.size} ranks against unsplit: max logprob difference")
 
 
 def ranks_check(r) -> Check:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import weakref
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -141,6 +142,47 @@ def test_verify_names_planted_ratio_reference_micro_batch_and_sync_defects(cache
     status, out = lines(capsys)
     assert {k for k, v in status.items() if v == "FAIL"} == {"ratio", "reference", "micro-batches", "sync"}, out
     assert {k for k, v in status.items() if v == "PASS"} == {"sampler", "layout/packed", "layout/shared"}, out
+
+
+def test_verify_checks_every_sampled_token_when_the_loss_masks_them_all(cache_dir, capsys, monkeypatch):
+    """algo.mask_truncated=true with every completion cut at max_new_tokens: the loss's mask is empty.
+    The rows compared 0 tokens: a sampler 3 nats off passed ("over 0 sampled tokens"), ratio and
+    reference passed, sync skipped, and the layouts failed on all-zero gradients ("inf of their size").
+    On every sampled token: the planted sampler defect fails sampler and sync, the rest pass."""
+    real_score = grpo.train.Run.score
+
+    def cut_and_off(self, batch):
+        scored = real_score(self, batch)
+        rollouts = replace(scored.rollouts, finish_reasons=["length"] * len(scored.rollouts.finish_reasons),
+                           logprobs=[[lp - 3.0 for lp in row] for row in scored.rollouts.logprobs])
+        return replace(scored, rollouts=rollouts)
+
+    monkeypatch.setattr(grpo.train.Run, "score", cut_and_off)
+    skip_resume(monkeypatch)
+    assert verify([*FAST, f"model.cache_dir={cache_dir}", "algo.mask_truncated=true"]) == 1
+    status, out = lines(capsys)
+    assert {k for k, v in status.items() if v == "FAIL"} == {"sampler", "sync"}, out
+    assert {"ratio", "reference", "layout/packed", "layout/shared", "micro-batches"} <= {
+        k for k, v in status.items() if v == "PASS"}, out
+    sampler = next(ln for ln in out.splitlines() if ln.split()[1:2] == ["sampler"])
+    assert "logprob 3.00e+00 over" in sampler and " 0 sampled tokens" not in sampler, sampler
+
+
+def test_a_row_that_compared_no_token_is_a_skip():
+    """By value: max_diff and gap count the tokens they compare; over 0 tokens a row measured nothing
+    and says so (a SKIP), where it passed on a 0.0; and the gradients of no token are no inf."""
+    a, b = torch.tensor([[0.0, 1.0, 5.0]]), torch.tensor([[0.5, 0.8, 0.0]])
+    assert grpo.verify.max_diff(a, b, torch.tensor([[1, 1, 0]])) == (0.5, 2)
+    assert grpo.verify.max_diff(a, b, torch.zeros(1, 3)) == (0.0, 0)
+    none, some = gap(a, b, torch.zeros(1, 3)), gap(a, b, torch.tensor([[1, 1, 0]]))
+    assert none.tokens == 0 and some.tokens == 2 and some.largest == pytest.approx(0.5)
+    fp32 = Parity("max", 1e-3)
+    for row in (none.judged("sampler", fp32, "float32"), grpo.verify.bounded("ratio", none, 1e-4, "max |ratio - 1|"),
+                sync_verdict(none, some, fp32, "float32"), sync_verdict(some, none, fp32, "float32")):
+        assert row.status == "SKIP" and "over 0 tokens" in row.detail, row
+    assert grpo.verify.bounded("ratio", some, 1.0, "max |ratio - 1|").status == "PASS"
+    assert grpo.verify.bounded("ratio", some, 0.1, "max |ratio - 1|").detail == (
+        "max |ratio - 1|: 5.00e-01 over 2 sampled tokens (tol 0.1)")
 
 
 def test_verify_names_a_planted_sampler_defect(cache_dir, capsys, monkeypatch):
