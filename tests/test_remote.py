@@ -7,6 +7,7 @@ Parity tolerance as for colocated: 1e-4 (fp32; measured 4.8e-7 before a sync and
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -349,6 +350,22 @@ def test_transfer_backend_per_device_and_setting():
         transfer_backend("nccl", cuda=False)
     with pytest.raises(ConfigError, match="choose one of auto, grpo_gloo, nccl"):
         transfer_backend("ipc", cuda=True)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", "0:0::0"])
+def test_a_wildcard_transfer_host_is_refused_at_validate(host):
+    """rollout.remote.transfer_host=0.0.0.0 made the weight-transfer rendezvous listen on every interface
+    of the trainer's node and told the servers an address they cannot use; validate said nothing."""
+    from grpo.config import validate
+    from grpo.errors import ConfigError
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg("rollout=remote", "rollout.remote.urls=[http://127.0.0.1:8000]", f"rollout.remote.transfer_host='{host}'")
+    with pytest.raises(ConfigError, match=re.escape(f"rollout.remote.transfer_host={host!r} is a wildcard: give the "
+                                                    "trainer's own address as the servers reach it")):
+        validate(cfg, world_size=1)
+    cfg.rollout.remote.transfer_host = "10.1.2.3"
+    validate(cfg, world_size=1)
 
 
 def test_transfer_address_is_the_route_to_the_server():

@@ -142,7 +142,7 @@ def test_vllms_parser_takes_the_reward_model_command_line():
     args = parse_server_args(vllm_argv(ours, [], kv_bytes=1 << 26))
     engine = AsyncEngineArgs.from_cli_args(args)
     assert (engine.runner, engine.convert, engine.dtype, engine.kv_cache_memory_bytes) == ("pooling", "classify", "float32", 1 << 26)
-    assert args.middleware == ["grpo.serve.require_token"]
+    assert args.middleware == ["grpo.serve.RequireToken"]
     assert engine.weight_transfer_config is None and engine.logprobs_mode != "processed_logprobs"
     # a folder the flag would serve wrongly: a causal LM (vLLM would invent its score head), several labels
     assert "no *ForSequenceClassification" in not_a_reward_model({"architectures": ["Qwen2ForCausalLM"]})

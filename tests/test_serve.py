@@ -1,30 +1,60 @@
-"""grpo.serve up to its exec into vLLM (os.execv replaced): what the exec'd server inherits from it,
-the signals it ignores and what it says about a missing token."""
+"""grpo.serve up to its exec into vLLM (os.execv replaced): what the exec'd server inherits from it
+(the signals it ignores, its listening socket), what it refuses before parsing and what it says
+about a missing token; and its token middleware, served by uvicorn as vLLM serves it."""
 
 from __future__ import annotations
 
+import errno
+import http.client
 import os
 import signal
+import socket
+import threading
+import time
 
 import pytest
+import uvicorn
+import websockets.exceptions
+import websockets.sync.client
+from fastapi import FastAPI, WebSocket
 
 from grpo import serve
 from grpo.auth import TOKEN_ENV
 
 
 class Exec(Exception):
-    """Raised where grpo.serve would have become vLLM's server."""
+    """Raised where grpo.serve would have become vLLM's server: args[0] the signal dispositions, args[1]
+    what happened to a squatter on the server's port then (`squat`), args[2] the exec's argv."""
+
+
+def squat(port: int) -> str:
+    """What another process that binds `port` with SO_REUSEADDR and listens (as vLLM's own socket, or
+    a rival user's, would) meets: 'listening' if it got the port, else the error's name."""
+    rival = socket.socket()
+    rival.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        rival.bind(("127.0.0.1", port))
+        rival.listen()
+        return "listening"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+    finally:
+        rival.close()
 
 
 @pytest.fixture
 def exec_state(monkeypatch):
-    """serve.main(argv) -> (the signal dispositions at the exec, what it printed), the process's
-    dispositions and environment restored after."""
+    """serve.main(argv) raises Exec at the exec (see Exec); the socket it hands on is closed, the
+    process's dispositions and environment restored after."""
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != TOKEN_ENV})  # main writes into it
     before = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2)}
 
     def execv(path, argv):
-        raise Exec({s: signal.getsignal(s) for s in before})
+        sock = socket.socket(fileno=int(argv[argv.index(serve.LISTEN_FD) + 1]))  # as the exec'd stage takes it
+        try:
+            raise Exec({s: signal.getsignal(s) for s in before}, squat(sock.getsockname()[1]), argv)
+        finally:
+            sock.close()
 
     monkeypatch.setattr(serve.os, "execv", execv)
     yield
@@ -41,7 +71,7 @@ def test_the_server_ignores_slurms_time_limit_warnings(exec_state, model_dir):
         signal.signal(s, signal.SIG_DFL)
     os.environ[TOKEN_ENV] = "a-token"
     with pytest.raises(Exec) as e:
-        serve.main(["--model", model_dir, "--max-model-len", "64"])
+        serve.main(["--model", model_dir, "--max-model-len", "64", "--port", "0"])
     assert e.value.args[0] == {signal.SIGUSR1: signal.SIG_IGN, signal.SIGUSR2: signal.SIG_IGN}
 
 
@@ -49,10 +79,133 @@ def test_a_loopback_server_without_a_token_warns_that_every_local_user_can_push_
     """Loopback without a token is allowed (one user's machine), but on a shared node every user of it
     could push weights (docs/security.md, Known gaps): said at start. With a token, nothing is said."""
     with pytest.raises(Exec):
-        serve.main(["--model", model_dir, "--max-model-len", "64"])
+        serve.main(["--model", model_dir, "--max-model-len", "64", "--port", "0"])
     assert "no token (GRPO_SERVE_TOKEN or --token-file): every user of this machine can call its routes, a policy " \
            "server's weight pushes included" in capsys.readouterr().err
     os.environ[TOKEN_ENV] = "a-token"
     with pytest.raises(Exec):
-        serve.main(["--model", model_dir, "--max-model-len", "64"])
+        serve.main(["--model", model_dir, "--max-model-len", "64", "--port", "0"])
     assert "no token" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("port", ["0", "free"])
+def test_the_port_listens_from_the_moment_it_is_named_so_no_one_can_take_it(exec_state, model_dir, tmp_path, port):
+    """vLLM binds its port with SO_REUSEADDR and listens only once its engine has loaded (~90 s), and
+    `--port 0` once held its port bound but not listening: another user could bind it with SO_REUSEADDR
+    and listen first, and the trainer's health wait then sent its token to them. The socket is now
+    grpo.serve's, listening before the URL file names it, handed across the exec to vLLM: a rival's
+    bind is refused (EADDRINUSE), for a port found free and a given one alike."""
+    if port == "free":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+    os.environ[TOKEN_ENV] = "a-token"
+    with pytest.raises(Exec) as e:
+        serve.main(["--model", model_dir, "--max-model-len", "64", "--port", port, "--url-dir", str(tmp_path)])
+    _, squatter, argv = e.value.args
+    assert squatter == "EADDRINUSE"
+    served = argv[argv.index("--port") + 1]
+    assert port in ("0", served) and served != "0"
+    assert [p.read_text() for p in tmp_path.glob("*.url")] == [f"http://127.0.0.1:{served}\n"]
+    assert argv[3:5] == ["grpo.serve", serve.LISTEN_FD]  # the exec'd stage: vLLM's server on that socket (run_vllm)
+
+
+@pytest.mark.parametrize("argv", [["--token", "S3CRET"], ["--token=S3CRET"], ["--api-key", "S3CRET"],
+                                  ["--api-k=S3CRET"], ["--api_key", "S3CRET"]])
+def test_a_token_on_the_command_line_is_refused_without_repeating_it(exec_state, argv, capsys):
+    """`--token S3CRET` once parsed as an abbreviation of --token-file, whose error printed the secret;
+    vLLM's own parser expands --api-k to --api-key. Refused before any parsing, by name only."""
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--model", "m", "--port", "0", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "S3CRET" not in err
+    assert f"{argv[0].split('=')[0].replace('_', '-')}: a token on the command line is visible to every user" in err
+
+
+def test_a_missing_token_file_is_named_by_its_flag_not_its_value(exec_state, capsys):
+    """The path may be a token pasted in its place: the error names the flag."""
+    with pytest.raises(SystemExit):
+        serve.main(["--model", "m", "--port", "0", "--token-file", "S3CRET"])
+    err = capsys.readouterr().err
+    assert "S3CRET" not in err and "--token-file: the path given does not exist" in err
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    """A FastAPI app behind serve.RequireToken, registered as vLLM registers a class --middleware
+    (app.add_middleware: vllm/entrypoints/serve/middleware/register.py), served by uvicorn on loopback
+    with the token "right-token": its port, and what its routes were reached by."""
+    reached = []
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.post("/update_weights")
+    async def update():
+        reached.append("/update_weights")
+        return {"ok": True}
+
+    @app.websocket("/v1/realtime")
+    async def realtime(ws: WebSocket):
+        reached.append("/v1/realtime")
+        await ws.accept()
+        await ws.send_text("accepted")
+        await ws.close()
+
+    app.add_middleware(serve.RequireToken)
+    sock = serve.listen_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    old = os.environ.get(TOKEN_ENV)
+    os.environ[TOKEN_ENV] = "right-token"  # where the middleware reads it, as in the exec'd server
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield sock.getsockname()[1], reached
+    server.should_exit = True
+    thread.join(10)
+    sock.close()
+    os.environ.pop(TOKEN_ENV) if old is None else os.environ.__setitem__(TOKEN_ENV, old)
+
+
+def post(port: int, path: str, authorization: bytes | None, method: str = "POST") -> int:
+    """The status of a request with this Authorization header, sent as raw bytes (a non-ASCII one urllib would refuse)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    c.putrequest(method, path)
+    if authorization is not None:
+        c.putheader("Authorization", authorization)
+    c.putheader("Content-Length", "0")
+    c.endheaders()
+    status = c.getresponse().status
+    c.close()
+    return status
+
+
+def test_the_token_middleware_guards_http_routes_and_a_non_ascii_header_is_a_plain_401(guarded):
+    """A non-ASCII Authorization header made hmac.compare_digest raise a TypeError (a 500, or a 400 with
+    the library's message) instead of the 401 any wrong token gets."""
+    port, reached = guarded
+    reached.clear()
+    assert post(port, "/update_weights", None) == 401
+    assert post(port, "/update_weights", b"Bearer wrong") == 401
+    assert post(port, "/update_weights", b"Bearer r\xe9ght-token") == 401
+    assert reached == []
+    assert post(port, "/update_weights", b"Bearer right-token") == 200
+    assert post(port, "/health", None, "GET") == 200
+    assert reached == ["/update_weights"]
+
+
+def test_a_websocket_without_the_token_is_closed_before_it_is_accepted(guarded):
+    """vLLM mounts /v1/realtime (a websocket) for realtime models; a coroutine middleware
+    (app.middleware("http")) never sees websockets, and one was accepted without a token."""
+    port, reached = guarded
+    reached.clear()
+    with pytest.raises(websockets.exceptions.InvalidStatus) as e:
+        websockets.sync.client.connect(f"ws://127.0.0.1:{port}/v1/realtime", open_timeout=5)
+    assert e.value.response.status_code == 403 and reached == []  # ASGI: a close before accept is a 403
+    with websockets.sync.client.connect(f"ws://127.0.0.1:{port}/v1/realtime", open_timeout=5,
+                                        additional_headers={"Authorization": "Bearer right-token"}) as ws:
+        assert ws.recv() == "accepted"
+    assert reached == ["/v1/realtime"]

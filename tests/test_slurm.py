@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -491,9 +492,10 @@ def test_launch_with_servers_runs_a_companion_server_job(tmp_path, slurm_env, mo
     assert {server_node, trainer_node} == set(cluster[0][:2]), (server_node, trainer_node)  # one node each
     assert refused == {"node": trainer_node, "health": 200, "update_weights": 401, "completions": 401, "wrong_token": 401}
     token_file = run_dir / "servers" / "token"
-    assert oct(token_file.stat().st_mode & 0o777) == "0o600" and f"token_file: {token_file}" in config
+    assert f"token_file: {token_file}" in config and not token_file.exists()  # removed with the servers it guarded
     logs = "".join(p.read_text() for p in (run_dir / "slurm").glob("*/*_log.*"))
-    assert token_file.read_text().strip() not in config + out.stdout + out.stderr + logs  # the token itself is nowhere else
+    # the token itself is nowhere else: launch's tokens are 64 hex digits (grpo.launch.write_token_file)
+    assert not re.findall(r"\b[0-9a-f]{64}\b", config + out.stdout + out.stderr + logs)
     assert steps_logged(run_dir) == [0, 1, 2, 3, 3]
     wait_gone(server_job, slurm_env, timeout=60)  # the trainer cancelled its servers at the end
     assert shm_files() - shm_before == set(), "the server was killed, not shut down: its shared memory leaked"
@@ -501,8 +503,8 @@ def test_launch_with_servers_runs_a_companion_server_job(tmp_path, slurm_env, mo
 
 def test_launch_with_judges_runs_a_companion_judge_job(tmp_path, slurm_env, model_cache, cluster):
     """judges=1 judge_model=tiny reward=judge: the judge job takes one whole node, the trainer (rollout=hf)
-    the other; the trainer finds the judge's URL in <run_dir>/judges/ and its token in the run's token
-    file, is scored by it every step, and cancels it at the end."""
+    the other; the trainer finds the judge's URL in <run_dir>/judges/ and the judges' own token in
+    <run_dir>/judges/token, is scored by it every step, and cancels it (and removes the token) at the end."""
     run_dir = tmp_path / "run"
     out = run([sys.executable, "-m", "grpo.launch", "nodes=1", "judges=1", "judge_model=tiny", f"cpus_per_task={cluster[1]}",
                "wait=true", "reward=judge", "reward.judge.api=completions", "reward.judge.rating=[0,9]",
@@ -516,8 +518,8 @@ def test_launch_with_judges_runs_a_companion_judge_job(tmp_path, slurm_env, mode
     trainer_node = json.load(open(run_dir / "summary.json"))["nodes"][0]
     judge_node = urls[0].split("//")[1].split(":")[0]
     assert {judge_node, trainer_node} == set(cluster[0][:2]), (judge_node, trainer_node)  # one node each
-    token_file = run_dir / "servers" / "token"
-    assert oct(token_file.stat().st_mode & 0o777) == "0o600" and f"token_file: {token_file}" in config
+    token_file = run_dir / "judges" / "token"
+    assert f"token_file: {token_file}" in config and not token_file.exists()
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     steps = [r for r in rows if "reward/judge" in r]
     assert [r["step"] for r in steps] == [1, 2, 3] and all(r["judge/failed"] == 0 and r["judge/requests"] >= 1 for r in steps)

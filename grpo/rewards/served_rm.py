@@ -9,10 +9,11 @@
   input's logits at its last token; `use_activation: false` keeps the raw logit (vLLM's default puts a
   one-label head through a sigmoid), the number the in-process model returns.
 - The batch is split in equal contiguous shares, one request per server, sent in parallel.
-- A server that fails on its share (down, refusing, slower than `reward.rm.request_timeout_s`, an answer
-  cut off, not JSON or of the wrong shape) leaves that share's scores None, with a warning naming the
-  server and its answer (counted, `rm/failed`): the run goes on, and the other shares keep their
-  scores. A text longer than the server's context (its max_model_len) scores None, with a warning
+- A server that fails on its share (down, an error status, slower than `reward.rm.request_timeout_s`, an
+  answer cut off, not JSON or of the wrong shape) leaves that share's scores None, with a warning naming
+  the server and its answer (counted, `rm/failed`): the run goes on, and the other shares keep their
+  scores. One that refuses the token or the route (401, 403, 404) or redirects stops the run
+  (RewardStop), as the judge does: every later batch would fail the same way. A text longer than the server's context (its max_model_len) scores None, with a warning
   (`rm/too_long`), by the in-process model's check (`within_context`). The call returns when every
   share has its answer or its request timeout: no reward.timeout_s, and no one-at-a-time retry
   (grpo/rewards/__init__.py).
@@ -31,10 +32,12 @@ import time
 import warnings
 from urllib.parse import urlparse
 
-from grpo.errors import ConfigError, ServerError
+from grpo.errors import ConfigError, RewardStop, ServerError
 from grpo.rewards.reward_model import RewardModel, ScoreNormaliser, within_context
 from grpo.auth import RM_TOKEN_ENV, client_token
-from grpo.endpoints import Server, parallel_map, split_by_load
+from grpo.endpoints import Server, is_redirect, parallel_map, split_by_load
+
+STOPS = (401, 403, 404)  # the token, or a server without /classify (restarted as another): no later batch would score
 
 
 def check_url(url: str) -> str | None:
@@ -110,6 +113,10 @@ class ServedRewardModel(RewardModel):
             try:
                 values = classify(server, [ids[k] for k in fits[i]])
             except ServerError as e:  # whatever the request met (endpoints.Server.request), or an answer of the wrong shape
+                if e.status in STOPS or is_redirect(e.status):
+                    raise RewardStop(f"reward 'rm': {str(e).rstrip('.')}. Every later batch would be refused the same way: check "
+                                     f"reward.rm.token_file (or ${RM_TOKEN_ENV}) and reward.rm.urls against the "
+                                     f"server.") from e
                 return f"server {server.url} failed on its {len(fits[i])} texts ({e}); they score None"
             for k, v in zip(fits[i], values):
                 out[k] = v

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from concurrent.futures import Future
 
@@ -45,6 +46,22 @@ def servers_token(rc) -> str | None:
     return client_token(rc.token_file, TOKEN_ENV, rc.urls, rc.allow_plain_http, "rollout.remote")
 
 
+def check_transfer_host(host: str | None) -> None:
+    """rollout.remote.transfer_host is the address the servers reach the trainer's weight-transfer
+    rendezvous at, and the one it listens on: a wildcard (0.0.0.0, ::) would listen on every interface
+    of the trainer's node, open to anyone who can reach it, and tell the servers no address they can use."""
+    if not host:  # unset: the route to the first server (servers.py ServerPool)
+        return
+    try:
+        wildcard = ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:  # a host name: resolved where it is used
+        wildcard = False
+    if wildcard:
+        raise ConfigError(f"rollout.remote.transfer_host={host!r} is a wildcard: give the trainer's own address as the "
+                          f"servers reach it (e.g. its IP on the cluster's network), or leave it unset to use the "
+                          f"route to the first server.")
+
+
 class RemoteBackend(RolloutBackend):
     reads_vllm = VLLM_READERS["remote"]
     overlaps_training = True  # the servers generate while the trainer updates (algo.max_staleness)
@@ -58,6 +75,7 @@ class RemoteBackend(RolloutBackend):
         if not cfg.remote.urls:
             raise ConfigError("rollout=remote needs rollout.remote.urls=[http://host:port,...]: start them with `python -m grpo.serve`.")
         servers_token(cfg.remote)
+        check_transfer_host(cfg.remote.transfer_host)
 
     def __init__(self, cfg, model, tokenizer, model_path: str | None = None, run_dir: str = ".",
                  partial_rollouts: bool = False, **_):
