@@ -237,6 +237,7 @@ def run_vllm(sock: socket.socket, argv: list[str]) -> None:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.utils.system_utils import decorate_logs, set_ulimit
 
+    sock.set_inheritable(False)  # inherited across the exec only: none of the engine's processes may hold it
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # vLLM's cli_env_setup, whose module moved in 0.33
     args = make_arg_parser(FlexibleArgumentParser(description="vLLM's OpenAI-compatible server (grpo.serve)")).parse_args(argv)
     if hasattr(vllm.logger, "configure_logging_from_args"):  # main's since 0.32 (--log-level; absent in 0.26)
