@@ -260,7 +260,7 @@ def check_backend(backend: str, work: str, extra: list[str]) -> Result:
     par = run_parity(run_dir)
     diff = steps[-1][par.metric]
     if not moved_weights(steps[0]):
-        return Result(backend, False, f"step 1 trained nothing (grad_norm {steps[0]['grad_norm']}), so the sync sent the "
+        return Result(backend, False, f"step 1 trained nothing (grad_norm {steps[0].get('grad_norm')}), so the sync sent the "
                       f"weights the engine already held and step 2's parity proves nothing", "run it again with seed=1")
     detail = (f"2 steps in {time.perf_counter() - t0:.0f} s, sampler-trainer logprob diff ({par.statistic}) {diff:.1e} "
               f"after a sync (bound {par.bound:g}), peak memory {summary['peak_memory_gb']:.2f} GB")

@@ -404,7 +404,10 @@ def main(argv: list[str] | None = None) -> None:
     argv_out = [sys.executable, "-m", "grpo.library_logs", "grpo.serve", LISTEN_FD, str(sock.fileno()),
                 *vllm_argv(args, extra, server_kv_bytes(args))]
     sys.stdout.flush()
-    os.execv(sys.executable, argv_out)  # become the server: signals and exit codes are vLLM's own
+    try:
+        os.execv(sys.executable, argv_out)  # become the server: signals and exit codes are vLLM's own
+    finally:  # reached only where the exec failed (or a test stands in for it): the port is given back
+        sock.close()
 
 
 if __name__ == "__main__":

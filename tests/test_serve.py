@@ -44,8 +44,8 @@ def squat(port: int) -> str:
 
 @pytest.fixture
 def exec_state(monkeypatch):
-    """serve.main(argv) raises Exec at the exec (see Exec); the socket it hands on is closed, the
-    process's dispositions and environment restored after."""
+    """serve.main(argv) raises Exec at the exec (see Exec), and main closes the socket it would have
+    handed on; the process's dispositions and environment restored after."""
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != TOKEN_ENV})  # main writes into it
     before = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2)}
 
@@ -54,7 +54,7 @@ def exec_state(monkeypatch):
         try:
             raise Exec({s: signal.getsignal(s) for s in before}, squat(sock.getsockname()[1]), argv)
         finally:
-            sock.close()
+            sock.detach()  # the fd stays main's, which closes it where the exec failed
 
     monkeypatch.setattr(serve.os, "execv", execv)
     yield
