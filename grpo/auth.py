@@ -31,7 +31,7 @@ RM_TOKEN_ENV = "GRPO_RM_TOKEN"
 
 # RFC 6750's b64token, what an `Authorization: Bearer` header may carry: a token with other characters
 # (non-ASCII, a space, a CRLF file's \r) was accepted at start, then no request could ever match it.
-BEARER_TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+BEARER_TOKEN = re.compile(r"[\x21-\x7e]+")  # visible ASCII: what a header carries unquoted and compares byte for byte
 
 
 def check_token(token: str, where: str) -> str:
@@ -39,7 +39,7 @@ def check_token(token: str, where: str) -> str:
     from and never the token itself."""
     if not BEARER_TOKEN.fullmatch(token):
         raise TokenError(f"the token in {where} has characters an 'Authorization: Bearer' header cannot carry (it may "
-                         "hold letters, digits and - . _ ~ + / with trailing =; no spaces, no non-ASCII). Make a new "
+                         "hold visible ASCII characters only: no spaces, control characters or non-ASCII). Make a new "
                          "one, e.g. python -c 'import secrets; print(secrets.token_hex(32))'.")
     return token
 

@@ -44,6 +44,7 @@ Any further arguments go to vLLM unchanged. The plain equivalent, for `vllm serv
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -220,6 +221,19 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return s
 
 
+def listen_advice(e: OSError) -> str:
+    """What to change when `listen_socket` fails, by its cause."""
+    if e.errno == errno.EADDRINUSE:
+        return "another process holds the port: give another --port, or --port 0 for a free one."
+    if e.errno == errno.EADDRNOTAVAIL:
+        return "--host is not an address of this machine: give one of its own (or 0.0.0.0 with a token)."
+    if e.errno == errno.EACCES:
+        return "ports below 1024 need privileges: give a higher --port, or --port 0."
+    if isinstance(e, socket.gaierror):
+        return "--host does not resolve to an address: give an IP address or a name this machine resolves."
+    return "check --host and --port."
+
+
 def run_vllm(sock: socket.socket, argv: list[str]) -> None:
     """The exec'd server: what vLLM's `python -m vllm.entrypoints.openai.api_server` does (its `main`
     and `run_server`), but on `sock`, grpo.serve's listening socket, where vLLM's `setup_server` would
@@ -260,7 +274,7 @@ def write_url(folder: str, host: str, port: int) -> str:
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{name}-{port}.url")
     with open(path + ".tmp", "w") as f:
-        f.write(f"http://{name}:{port}\n")
+        f.write(f"http://{f'[{name}]' if ':' in name else name}:{port}\n")  # an IPv6 address in brackets (RFC 3986)
     os.replace(path + ".tmp", path)
     return path
 
@@ -382,8 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     try:  # listening from here, across the exec, until vLLM serves on it (listen_socket says why)
         sock = listen_socket(args.host, args.port)
     except OSError as e:
-        p.error(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror}); another process holds the "
-                "port: give another --port, or --port 0 for a free one.")
+        p.error(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e}); {listen_advice(e)}")
     os.set_inheritable(sock.fileno(), True)
     args.port = sock.getsockname()[1]
     if args.url_dir:

@@ -193,7 +193,7 @@ def test_a_step_that_trains_no_token_logs_its_statistics_as_unknown_not_0(tiny_l
     for m in (model, moe):
         stats = policy_update(SingleStrategy(None, copy.deepcopy(m), algo, total_steps=1), batch, algo, 6, 1.0,
                               skip_P=torch.ones(4, dtype=torch.bool))
-        unknown = ["sampler_diff", "sampler_diff_mean", "clip_frac", "kl", "entropy"]
+        unknown = ["sampler_diff", "sampler_diff_mean", "sampler_kl", "clip_frac", "kl", "entropy"]
         if m is moe:
             unknown += ["moe/aux_loss", "moe/expert_load_max", "moe/routing_entropy"]
         assert all(math.isnan(stats[k]) for k in unknown), {k: stats[k] for k in unknown}

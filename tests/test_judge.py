@@ -209,7 +209,7 @@ def test_logprob_scores_equal_the_model_in_this_process(server, in_process):
     here = [expected_score(in_process(t, top=20), choices) for t in texts]  # the judge's top_logprobs
     assert None not in served and served == pytest.approx(here, abs=1e-4), (served, here)
     assert len(set(round(v, 4) for v in served)) > 1, served  # the scores tell completions apart
-    assert judge.stats == {"requests": 6, "failed": 0, "garbage": 0}
+    assert judge.stats == {"requests": 6, "retries": 0, "failed": 0, "garbage": 0}
 
 
 def test_the_default_chat_api_scores_as_the_model_in_this_process(server, in_process):
@@ -226,7 +226,7 @@ def test_the_default_chat_api_scores_as_the_model_in_this_process(server, in_pro
     served = judge(completions, samples)
     here = [expected_score(in_process(t, top=20), choices) for t in texts]
     assert None not in served and served == pytest.approx(here, abs=1e-4), (served, here)
-    assert judge.stats == {"requests": 6, "failed": 0, "garbage": 0}, judge.stats
+    assert judge.stats == {"requests": 6, "retries": 0, "failed": 0, "garbage": 0}, judge.stats
 
 
 def test_a_two_digit_rating_through_chat_is_refused_at_start(server):
@@ -257,7 +257,7 @@ def test_a_judge_unsure_of_its_choices_scores_nothing(server):
                        "reward.judge.min_scored=0")
     with pytest.warns(UserWarning, match="3 of 3 answers had no score .*less than reward.judge.min_choice_mass=0.5"):
         values = judge(completions, samples)
-    assert values == [None] * 3 and judge.stats == {"requests": 3, "failed": 0, "garbage": 3}
+    assert values == [None] * 3 and judge.stats == {"requests": 3, "retries": 0, "failed": 0, "garbage": 3}
 
 
 def test_identical_pairs_are_asked_once(server):

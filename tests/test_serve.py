@@ -209,3 +209,23 @@ def test_a_websocket_without_the_token_is_closed_before_it_is_accepted(guarded):
                                         additional_headers={"Authorization": "Bearer right-token"}) as ws:
         assert ws.recv() == "accepted"
     assert reached == ["/v1/realtime"]
+
+
+def test_a_listen_failure_says_what_to_change_by_its_cause():
+    """Every bind failure read "another process holds the port", also for an address not this machine's
+    or a name that does not resolve; and an IPv6 host's URL file lacked the brackets a URL needs."""
+    import errno
+
+    assert serve.listen_advice(OSError(errno.EADDRINUSE, "in use")).startswith("another process holds the port")
+    assert serve.listen_advice(OSError(errno.EADDRNOTAVAIL, "x")).startswith("--host is not an address of this machine")
+    assert serve.listen_advice(OSError(errno.EACCES, "x")).startswith("ports below 1024 need privileges")
+    assert serve.listen_advice(socket.gaierror(-2, "Name or service not known")).startswith("--host does not resolve")
+    with pytest.raises(OSError) as e:
+        serve.listen_socket("192.0.2.1", 0)  # TEST-NET-1: never this machine's
+    assert e.value.errno == errno.EADDRNOTAVAIL
+
+
+def test_an_ipv6_servers_url_file_holds_a_url(tmp_path):
+    path = serve.write_url(str(tmp_path), "::1", 45703)
+    assert open(path).read() == "http://[::1]:45703\n"
+    assert open(serve.write_url(str(tmp_path), "10.0.0.7", 8000)).read() == "http://10.0.0.7:8000\n"

@@ -13,6 +13,7 @@ it prints; their checkpoints (1.6 GB for SmolLM2 with AdamW's state) are deleted
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -38,7 +39,8 @@ def phase_rows(run_dir: str) -> tuple[list[dict], dict]:
     # another tenant took at either moment; the steps' own mfu/ are against the start's alone
     # rank 0's device; the ranks' flops/* are summed (grpo.metrics.reduce_metrics), so against every rank's device
     peak = max(summary["peak_tflops_measured"], summary.get("peak_tflops_at_end") or 0.0) * 1e12 * summary.get("world_size", 1)
-    mean = lambda k: statistics.mean(r.get(k, 0.0) for r in rows)  # noqa: E731
+    # over the steps that measured it: a step whose groups were all flat trained nothing, its update/real_token_frac is NaN
+    mean = lambda k: statistics.mean([v for r in rows if math.isfinite(v := r.get(k, 0.0))] or [math.nan])  # noqa: E731
     out = []
     for phase in PHASES:
         seconds, flops = mean(f"time/{phase}_s"), mean(f"flops/{phase}")

@@ -304,7 +304,7 @@ class Judge:
     def __call__(self, completions: list[str], samples: list, **_) -> list[float | None]:
         texts = [judge_prompt(self.jc.template, s.prompt, c, s.answer) for c, s in zip(completions, samples)]
         unique = list(dict.fromkeys(texts))  # identical (prompt, completion) pairs asked once
-        self.stats = {"requests": len(unique)}
+        self.stats = {"requests": len(unique), "retries": 0}  # every call the same keys: each rank logs each one
         asked = self.ask_all(unique)
         failed = [(t, e) for t, (_, _, e) in asked.items() if e is not None]
         garbage = [(t, said) for t, (v, said, e) in asked.items() if e is None and v is None]

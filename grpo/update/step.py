@@ -295,7 +295,7 @@ def policy_update(
         # KL(sampler || trainer) on the sampled tokens, k3, over the first pass; the trainer's side is
         # the weights before each minibatch's step: with a stale batch (algo.max_staleness), how far
         # the policy moved since the batch was sampled
-        "sampler_kl": totals["sampler_kl_sum"] / max(totals["sampler_kl_tokens"], 1.0),
+        "sampler_kl": totals["sampler_kl_sum"] / totals["sampler_kl_tokens"] if totals["sampler_kl_tokens"] else math.nan,
         **moe_metrics,  # moe/aux_loss, moe/expert_load_max, moe/routing_entropy: a MoE's only
         # rollout.routing_replay: of the token-layers given the sampler's experts (first minibatch), the
         # fraction the trainer's own router would have sent elsewhere, on the same input
