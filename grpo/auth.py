@@ -29,8 +29,8 @@ TOKEN_ENV = "GRPO_SERVE_TOKEN"  # the rollout servers' (and `grpo.serve`'s own)
 JUDGE_TOKEN_ENV = "GRPO_JUDGE_TOKEN"
 RM_TOKEN_ENV = "GRPO_RM_TOKEN"
 
-# RFC 6750's b64token, what an `Authorization: Bearer` header may carry: a token with other characters
-# (non-ASCII, a space, a CRLF file's \r) was accepted at start, then no request could ever match it.
+# what an `Authorization: Bearer` header carries as it is: a token with a space, a control character (a
+# CRLF file's \r) or non-ASCII was accepted at start, then no request could ever match it.
 BEARER_TOKEN = re.compile(r"[\x21-\x7e]+")  # visible ASCII: what a header carries unquoted and compares byte for byte
 
 
