@@ -9,6 +9,12 @@ the server, its status and where it pointed (grpo/auth.py says which token goes 
 send plain http through a proxy: urllib's default takes $http_proxy (clusters set it for pip) for
 every http:// URL, loopback included, and the proxy would read each request's Authorization header.
 https goes through $https_proxy where one is set: a CONNECT tunnel, whose TLS the proxy cannot read.
+
+A server can stop answering without closing its connections: vLLM whose engine core died (an OOM kill, a
+crash) keeps the API process up, holding every request in flight unanswered. A client that knows how to
+tell (`Server.watch`: the rollout pool's, grpo/rollout/servers.py engine_dead) asks it every WATCH_EVERY_S
+while a request waits, and after a failed request, and fails within seconds naming why (`ServerGone`),
+not after the request's timeout.
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import socket
 import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 
 from grpo.errors import ServerError
 from grpo.progress import WaitProgress, say
@@ -29,6 +37,17 @@ REFUSED = {401: "the token is not the server's: give the client the token the se
                 "(rollout servers: GRPO_SERVE_TOKEN or rollout.remote.token_file; judges: GRPO_JUDGE_TOKEN or "
                 "reward.judge.token_file; reward model servers: GRPO_RM_TOKEN or reward.rm.token_file)",
            403: "the server refuses this client"}
+
+
+# How long a short control request (a version, a weight update's start or end, a cache reset) may take: its
+# own bound, not request_timeout_s, which is sized for generation (600 s by default).
+CONTROL_TIMEOUT_S = 60.0
+WATCH_EVERY_S = 3.0  # while a watched request waits (`Server.watch`): how often to ask whether the server died
+
+
+class ServerGone(ServerError):
+    """A server that will never answer: its process exited, or its engine died behind an API that is
+    still up (`Server.watch` says which)."""
 
 
 class NotJson(ServerError):
@@ -81,6 +100,14 @@ def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it", l
             raise ServerError(f"{what} did not become healthy in time: {last}")
         progress()
         time.sleep(poll_s)
+
+
+def settle(future: Future, fn, *args) -> None:
+    """Run `fn(*args)` into a running `future`: its result, or what it raised."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - delivered through the future
+        future.set_exception(e)
 
 
 def parallel_map(fn, items, workers: int | None = None) -> list:
@@ -171,21 +198,64 @@ class Server:
         self.prompt_checks = 0  # choices whose echoed prompt ids were compared with the ids sent
         self.occupancy = Occupancy()  # generation requests in flight (grpo/rollout/servers.py ServerPool.complete)
         self.lost = None  # why a pool sends it no more requests: it restarted (grpo/rollout/servers.py served_version)
+        # a function saying why this server will never answer, or None while it may (`watched`); None: not asked
+        self.watch = None
+        self.dead = None  # what `watch` said once it said something: it stays dead
+        self.watch_lock, self.watched_at = threading.Lock(), 0.0
 
     def request(self, path: str, body: dict | None = None, timeout: float | None = None, text: bool = False,
                 send_token: bool = True):
         """POST `body` (GET without one) and return the JSON answer, or the plain text with text=True
         (vLLM's adapter routes answer in words); `send_token=False`: no Authorization header (the open
-        probe /health). Whatever goes wrong is a ServerError naming the URL and the path: an error
-        status, no connection, an answer cut off (http.client's IncompleteRead: a server stopped
-        mid-answer, a proxy's idle timeout), a body that is not JSON (`NotJson`)."""
+        probe /health). `timeout`: how long the answer may take (default the server's request timeout;
+        CONTROL_TIMEOUT_S for a short control route). Whatever goes wrong is a ServerError naming the URL
+        and the path (`send`). With a `watch`, a ServerGone as soon as it says the server died (`watched`)."""
+        timeout = timeout or self.timeout_s
+        if self.watch is None:
+            return self.send(path, body, timeout, text, send_token)
+        return self.watched(path, lambda: self.send(path, body, timeout, text, send_token))
+
+    def watched(self, path: str, call):
+        """`call()` (one request to `path`) on a daemon thread, asking `why_dead` every WATCH_EVERY_S while
+        it waits, and once more if it fails: a request to a server whose engine died is not answered
+        until its timeout (vLLM holds it open), nor does a refused or broken one say why. The request
+        left waiting ends with the connection (the daemon thread never holds the exit)."""
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        threading.Thread(target=settle, args=(future, call), daemon=True, name="grpo-watched").start()
+        while True:
+            try:
+                return future.result(timeout=WATCH_EVERY_S)
+            except FutureTimeout:
+                if why := self.why_dead():
+                    raise ServerGone(f"{self.url}{path} will never be answered: {why}") from None
+            except ServerError as e:
+                if e.status is not None and e.status < 500:  # the server answered: alive, the request was wrong
+                    raise
+                if why := self.why_dead(now=True):
+                    raise ServerGone(f"{self.url}{path} failed ({e}): {why}") from e
+                raise
+
+    def why_dead(self, now: bool = False) -> str | None:
+        """What `watch` says, asked at most every WATCH_EVERY_S whatever the requests in flight (`now`:
+        at once, after a failure), and remembered once it says the server died."""
+        with self.watch_lock:
+            if self.dead is None and (now or time.monotonic() - self.watched_at >= WATCH_EVERY_S):
+                self.watched_at = time.monotonic()
+                self.dead = self.watch()
+            return self.dead
+
+    def send(self, path: str, body: dict | None, timeout: float, text: bool = False, send_token: bool = True):
+        """One request, unwatched: an error status, no connection, no answer within `timeout`, an answer
+        cut off (http.client's IncompleteRead: a server stopped mid-answer, a proxy's idle timeout), a body
+        that is not JSON (`NotJson`) are ServerErrors naming the URL and the path."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method="GET" if body is None else "POST")
         req.add_header("Content-Type", "application/json")
         if self.token and send_token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with OPENER.open(req, timeout=timeout or self.timeout_s) as r:
+            with OPENER.open(req, timeout=timeout) as r:
                 raw = r.read()
         except urllib.error.HTTPError as e:
             if is_redirect(e.code):
@@ -194,6 +264,9 @@ class Server:
                                   f"host).", e.code) from e
             raise ServerError(f"{self.url}{path} answered {e.code}: {e.read()[:500].decode(errors='replace')}", e.code) from e
         except (urllib.error.URLError, OSError) as e:
+            if isinstance(e, socket.timeout) or isinstance(getattr(e, "reason", None), socket.timeout):
+                raise ServerError(f"{self.url}{path} did not answer within {timeout:g} s: the server (or the network "
+                                  "to it) is busy or stuck; its log says which") from e
             raise ServerError(f"{self.url}{path} is unreachable ({e}); is `python -m grpo.serve` running there?") from e
         except http.client.HTTPException as e:  # IncompleteRead, BadStatusLine: the answer broke off or is no HTTP
             raise ServerError(f"{self.url}{path} broke off its answer ({e!r}); was the server stopped while answering?") from e
@@ -207,7 +280,7 @@ class Server:
     def wait_healthy(self, deadline: float, log=say, note: str = "", exited=None, kind: str = "rollout server") -> None:
         def ready():
             self.request("/health", timeout=5, send_token=False)  # open to all (grpo/serve.py OPEN_ROUTES)
-            card = self.request("/v1/models")["data"][0]
+            card = self.request("/v1/models", timeout=CONTROL_TIMEOUT_S)["data"][0]
             self.model, self.max_model_len = card["id"], card.get("max_model_len")
 
         wait_until(ready, deadline - time.time(), what=f"{kind} {self.url}", log=log, note=note, exited=exited)
@@ -215,4 +288,4 @@ class Server:
     def world_size(self) -> int:
         """The server's own engine world (tensor x pipeline x data parallel): the ranks its transfer
         group needs beside the trainer's (vLLM's RL route /get_world_size, mounted with the others)."""
-        return int(self.request("/get_world_size")["world_size"])
+        return int(self.request("/get_world_size", timeout=CONTROL_TIMEOUT_S)["world_size"])

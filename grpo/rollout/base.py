@@ -182,6 +182,13 @@ class RolloutBackend(ABC):
         will have GPUs, as validate is told; grpo.launch checks a GPU job on a login node without any)."""
 
     @classmethod
+    def check_memory(cls, cfg, model_config: dict, cuda: bool) -> None:
+        """Raise ConfigError for a rollout.vllm.memory_fraction this backend's engines would not read: on CPU
+        with an explicit KV-cache size (engine_memory.check_memory_fraction; `model_config`: the engine's
+        config.json as validate knows it, `cuda`: whether the run has GPUs). Backends that start engines
+        with rollout.vllm.* check it."""
+
+    @classmethod
     def check_context(cls, cfg, model_config: dict) -> None:
         """Raise ConfigError where the model's context (its config.json, `model_config`; {} if unknown)
         cannot hold what this backend's engines are asked to (called by validate). Backends that start

@@ -40,8 +40,8 @@ from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, sampling_field
 from grpo.weights import WeightBuckets, unsent_parameters
 from grpo.errors import ConfigError, EngineStartError
 from grpo.rollout_config import VLLM_READERS
-from grpo.rollout.engine_memory import (chunked_prefill, check_vllm, engine_context, kv_cache_bytes, model_config_of,
-                                        read_model_config, start_failure_message)
+from grpo.rollout.engine_memory import (check_memory_fraction, chunked_prefill, check_vllm, engine_context, kv_cache_bytes,
+                                        model_config_of, start_failure_message)
 from grpo.rollout.vllm_api import installed, reset_prefix_cache
 
 
@@ -95,6 +95,41 @@ def routes_from_engine(cfg, cuda: bool) -> bool:
     return routing.wants_routes(cfg) and cuda
 
 
+def llm_args(path: str, cfg, dtype: str, seed: int, world_size: int = 1, lora_rank: int = 0) -> dict:
+    """The keyword arguments of the engine's `vllm.LLM` (`build_llm`). The model's config.json is a local
+    folder's or, for a hub id, the one transformers cached (validate loaded it; `model_config_of`): it
+    sizes the KV cache and says whether the model takes images."""
+    v, on_gpu = cfg.vllm, torch.cuda.is_available()
+    config = model_config_of(path)
+    max_len = engine_context(config, v.max_model_len, cfg.max_new_tokens)
+    args = dict(
+        model=path,
+        dtype=dtype,
+        seed=seed,
+        enforce_eager=v.enforce_eager,
+        gpu_memory_utilization=v.memory_fraction,  # unread on CPU beside an explicit KV size (check_memory)
+        max_model_len=max_len,  # the model's own context where rollout.vllm.max_model_len is longer
+        tensor_parallel_size=v.tensor_parallel_size,
+        enable_sleep_mode=v.sleep,
+        logprobs_mode="processed_logprobs",  # after temperature/top-k/top-p: what it sampled from
+        generation_config="vllm",  # neutral defaults, never the folder's generation_config.json
+        enable_prefix_caching=True,  # the G completions of a prompt share its prefix
+    )
+    if not chunked_prefill(on_gpu):
+        args["enable_chunked_prefill"] = False
+    if world_size > 1:
+        args["distributed_executor_backend"] = "external_launcher"
+    if (kv_bytes := kv_cache_bytes(v.kv_cache_gb, config, dtype, max_len, on_gpu)) is not None:
+        args["kv_cache_memory_bytes"] = kv_bytes
+    if config.get("vision_config"):  # a VLM: images only, at most this many per prompt
+        args["limit_mm_per_prompt"] = {"image": v.images_per_prompt, "video": 0}
+    if lora_rank:  # one adapter at a time: each sync replaces the last
+        args.update(enable_lora=True, max_lora_rank=lora.vllm_max_rank(lora_rank), max_loras=1)
+    if routes_from_engine(cfg, on_gpu):  # each completion's routed experts (not yet run)
+        args["enable_return_routed_experts"] = True
+    return args
+
+
 def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1, lora_rank: int = 0):
     """`world_size` > 1: the engine is one of several in the trainer's process group. A start that
     fails (most often for memory) tears down what vLLM set up, so the next engine in this process
@@ -104,39 +139,13 @@ def build_llm(path: str, cfg, dtype: str, seed: int, world_size: int = 1, lora_r
     installed()  # a vLLM in the supported range (else what to install); its API is the same for all this uses
     from vllm import LLM  # vllm: optional, engine installs only
 
-    v = cfg.vllm
-    max_len = engine_context(model_config_of(path), v.max_model_len, cfg.max_new_tokens)
-    kv_bytes = kv_cache_bytes(v.kv_cache_gb, read_model_config(path), dtype, max_len, torch.cuda.is_available())
-    kwargs = {} if chunked_prefill(torch.cuda.is_available()) else {"enable_chunked_prefill": False}
-    if world_size > 1:
-        kwargs["distributed_executor_backend"] = "external_launcher"
-    if kv_bytes is not None:
-        kwargs["kv_cache_memory_bytes"] = kv_bytes
-    if read_model_config(path).get("vision_config"):  # a VLM: images only, at most this many per prompt
-        kwargs["limit_mm_per_prompt"] = {"image": v.images_per_prompt, "video": 0}
-    if lora_rank:  # one adapter at a time: each sync replaces the last
-        kwargs.update(enable_lora=True, max_lora_rank=lora.vllm_max_rank(lora_rank), max_loras=1)
-    if routes_from_engine(cfg, torch.cuda.is_available()):  # each completion's routed experts (not yet run)
-        kwargs["enable_return_routed_experts"] = True
+    args = llm_args(path, cfg, dtype, seed, world_size, lora_rank)
     had_group = torch.distributed.is_initialized()
     try:
-        return LLM(
-            model=path,
-            dtype=dtype,
-            seed=seed,
-            enforce_eager=v.enforce_eager,
-            gpu_memory_utilization=v.memory_fraction,
-            max_model_len=max_len,  # the model's own context where rollout.vllm.max_model_len is longer
-            tensor_parallel_size=v.tensor_parallel_size,
-            enable_sleep_mode=v.sleep,
-            logprobs_mode="processed_logprobs",  # after temperature/top-k/top-p: what it sampled from
-            generation_config="vllm",  # neutral defaults, never the folder's generation_config.json
-            enable_prefix_caching=True,  # the G completions of a prompt share its prefix
-            **kwargs,
-        )
+        return LLM(**args)
     except Exception as e:
         release_engine_state(keep_process_group=had_group)
-        raise EngineStartError(start_failure_message(e, kv_bytes, v.memory_fraction)) from e
+        raise EngineStartError(start_failure_message(e, args.get("kv_cache_memory_bytes"), cfg.vllm.memory_fraction)) from e
 
 
 def release_engine_state(keep_process_group: bool) -> None:
@@ -262,6 +271,11 @@ def tensor_parallel_group(tp: int):
     return mine
 
 
+# rollout=colocated's memory_fraction (conf/rollout/colocated.yaml; tests/test_rollout_vllm.py holds the two equal):
+# what a GPU engine takes of its device beside training, and what a CPU engine sized by kv_cache_gb=fraction takes
+MEMORY_FRACTION = 0.2
+
+
 class ColocatedBackend(RolloutBackend):
     reads_vllm = VLLM_READERS["colocated"]
     returns_routes = True  # captured from the in-process engine's routers (grpo/moe/vllm_capture.py)
@@ -286,6 +300,10 @@ class ColocatedBackend(RolloutBackend):
     @classmethod
     def check_context(cls, cfg, model_config: dict) -> None:
         engine_context(model_config, cfg.vllm.max_model_len, cfg.max_new_tokens, warn=False)  # the engine start warns
+
+    @classmethod
+    def check_memory(cls, cfg, model_config: dict, cuda: bool) -> None:
+        check_memory_fraction(cfg.vllm, model_config, cuda, MEMORY_FRACTION, "colocated")
 
     @classmethod
     def check(cls, cfg, world: int) -> None:

