@@ -401,6 +401,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     model_config = known_model_config(cfg.model)
     # the engines' context against the model's own: fitted with a warning, or refused (engine_memory.engine_context)
     backend.check_context(r, model_config)
+    backend.check_memory(r, model_config, cuda if cuda is not None else torch.cuda.is_available())  # memory_fraction where read
     vision.check_config(cfg, model_config)  # a vision-language model's refusals
     models.check_freeze_vision(cfg, model_config)  # model.freeze_vision=false where no tower would train
 

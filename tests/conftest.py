@@ -175,6 +175,14 @@ def cache_dir(tmp_path_factory) -> str:
     return str(shared)
 
 
+def measured(rows: list[dict], key: str = "sampler_diff") -> list[float]:
+    """The steps' `key` where a step measured it: one whose groups were all flat (algo.zero_std_groups=drop,
+    the default) trains no token and logs NaN, not 0 (which read as parity). At least one step must."""
+    values = [r[key] for r in rows if r[key] == r[key]]
+    assert values, f"no step measured {key} (every step's groups were flat): {rows}"
+    return values
+
+
 def compose_cfg(*overrides: str, run_dir: str | None = None, cache: str | None = None):
     extra = [f"run_dir={run_dir}"] if run_dir else ["run_dir=unused"]
     if cache:

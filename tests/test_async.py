@@ -56,7 +56,8 @@ def test_two_processes_train_on_batches_at_most_k_versions_old(tmp_path, cache_d
     assert [r["async/staleness_max"] for r in rows] == behind
     assert all(r["async/staleness_max"] <= k for r in rows)
     # the stale batches really came from older weights: the trainer disagrees with the sampler
-    assert rows[0]["sampler_diff"] < 1e-3 and rows[0]["sampler_kl"] < 1e-6
+    # (a first batch of flat groups trains no token: nothing measured, NaN)
+    assert rows[0]["trained_completions"] == 0 or (rows[0]["sampler_diff"] < 1e-3 and rows[0]["sampler_kl"] < 1e-6)
     assert_stale_batches_disagree(rows)
     assert all(r["time/wait_for_data_s"] >= 0 and r["time/engine_wait_s"] >= 0 for r in rows)
     assert wait_gone(tmp_path) == [], "engine processes outlived the run"
@@ -78,7 +79,7 @@ def test_in_process_backend_trains_on_batches_k_versions_old_without_the_overlap
     assert [r["async/staleness_max"] for r in rows] == [0, 1, 1, 1]
     # fresh: the trainer holds the sampling weights; stale: they moved since (a lazy generate at
     # .result() would sample with the trainer's own weights and leave ~0 here)
-    assert rows[0]["sampler_diff"] < 1e-4 and rows[0]["sampler_kl"] < 1e-8
+    assert rows[0]["trained_completions"] == 0 or (rows[0]["sampler_diff"] < 1e-4 and rows[0]["sampler_kl"] < 1e-8)
     assert_stale_batches_disagree(rows)
     # the last step generates nothing (its batch came at step 3): the trainer's seconds in generation are
     # next to none, the batch's own are its generation's, and the rate divides by those (it divided by

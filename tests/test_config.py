@@ -428,7 +428,8 @@ def test_validate_refuses_cpu_engine_settings_for_a_gpu_run():
     settings are refused before submitting, not when the engines start on the node."""
     with pytest.raises(ConfigError, match=r"rollout.vllm.memory_fraction=0.5 with rollout=dedicated on \['cuda'\]"):
         validate(compose_cfg("rollout=dedicated", "rollout.vllm.memory_fraction=0.5"), cuda=True)
-    validate(compose_cfg("rollout=dedicated", "rollout.vllm.memory_fraction=0.5"), cuda=False)
+    # read on CPU only where the KV cache is sized by it (engine_memory.check_memory_fraction)
+    validate(compose_cfg("rollout=dedicated", "rollout.vllm.memory_fraction=0.5", "rollout.vllm.kv_cache_gb=fraction"), cuda=False)
     validate(compose_cfg("rollout=dedicated"), cuda=True)
 
 

@@ -338,7 +338,7 @@ def test_colocated_engine_samples_from_the_synced_moe(tmp_path, cache_dir):
     from tests.test_parallel import run
 
     run([sys.executable, "-m", "grpo.train", *FAST, "model=tiny_moe", "rollout=colocated",
-         "rollout.vllm.memory_fraction=0.1", "model.tiny.warm_start_accuracy=0", "algo.zero_std_groups=keep",
+         "model.tiny.warm_start_accuracy=0", "algo.zero_std_groups=keep",
          f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"loss"' in line]
     assert [r["weight_version"] for r in rows] == [0, 1, 2]

@@ -258,7 +258,7 @@ def test_verify_judges_a_bf16_engine_by_the_mean_and_sees_a_missed_push(tmp_path
     script.write_text(BF16_ENGINE)
     out = subprocess.run([sys.executable, str(script), push, *FAST, "rollout=colocated", "model.dtype=bfloat16",
                           "algo.warmup_steps=20",  # the default: verify's step must take algo.lr whatever it says
-                          "rollout.vllm.memory_fraction=0.1", f"model.cache_dir={cache_dir}"],
+                          f"model.cache_dir={cache_dir}"],
                          capture_output=True, text=True, timeout=600)
     status = {ln.split()[1]: ln[:4] for ln in out.stdout.splitlines() if ln[:4] in ("PASS", "FAIL", "SKIP") and ln[4:6] == "  "}
     rows = {ln.split()[1]: ln for ln in out.stdout.splitlines() if ln[4:6] == "  "}

@@ -22,7 +22,7 @@ from grpo.rollout.base import Sampling
 from grpo.rollout.hf import HFBackend
 from grpo.tasks.shapes import build_shapes
 from grpo.tiny import vlm
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, measured
 
 
 @pytest.fixture(scope="module")
@@ -264,6 +264,11 @@ def sampler_diffs(run_dir) -> list[float]:
     return [r["sampler_diff"] for r in map(json.loads, open(run_dir / "metrics.jsonl")) if "sampler_diff" in r]
 
 
+def worst(diffs: list[float]) -> float:
+    """The largest measured difference (a step of flat groups measured none: NaN); one step must have."""
+    return max(measured([{"sampler_diff": d} for d in diffs]))
+
+
 @pytest.mark.starts_process
 @pytest.mark.parametrize("lora", [0, 4])
 def test_a_short_run_trains_the_language_model_only(make_cfg, tmp_path, lora):
@@ -277,7 +282,7 @@ def test_a_short_run_trains_the_language_model_only(make_cfg, tmp_path, lora):
     cfg = short_run_cfg(make_cfg, f"model.lora.rank={lora}")
     train(cfg)
     diffs = sampler_diffs(tmp_path / "run")
-    assert len(diffs) == cfg.steps and max(diffs) < 1e-3, diffs
+    assert len(diffs) == cfg.steps and worst(diffs) < 1e-3, diffs
     exported, tok = load_model(str(tmp_path / "run" / "model"))
     assert vision.is_vision_model(exported) and tok.vision is not None
     base, _ = load_model(tiny_model_dir(cfg.model, cfg.task, cfg.rollout.max_new_tokens))
@@ -307,7 +312,7 @@ def test_two_ranks_under_zero_with_images(tmp_path, cache_dir, parallel, freeze)
     run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *overrides,
          f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
     diffs = sampler_diffs(tmp_path)
-    assert len(diffs) == 3 and max(diffs) < 1e-3, diffs
+    assert len(diffs) == 3 and worst(diffs) < 1e-3, diffs
     cfg = compose_cfg(*overrides, cache=cache_dir)
     before = load_file(os.path.join(tiny_model_dir(cfg.model, cfg.task, cfg.rollout.max_new_tokens), "model.safetensors"))
     after = load_file(tmp_path / "model" / "model.safetensors")
@@ -373,10 +378,10 @@ def test_a_short_run_through_colocated_vllm(make_cfg, tmp_path):
     cache reset with them)."""
     from grpo.train import train
 
-    cfg = short_run_cfg(make_cfg, "rollout=colocated", "rollout.vllm.memory_fraction=0.1")
+    cfg = short_run_cfg(make_cfg, "rollout=colocated")
     train(cfg)
     diffs = sampler_diffs(tmp_path / "run")
-    assert len(diffs) == cfg.steps and max(diffs) < 1e-3, diffs
+    assert len(diffs) == cfg.steps and worst(diffs) < 1e-3, diffs
     assert sum("eval/accuracy" in r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))) == 2
 
 
@@ -400,7 +405,7 @@ def test_a_short_run_through_a_dedicated_vllm_server(make_cfg, tmp_path, monkeyp
     assert after_images and all("/reset_encoder_cache" in sent[i:i + 3] for i in after_images), sent
     diffs = sampler_diffs(tmp_path / "run")
     records = list(map(json.loads, open(tmp_path / "run" / "metrics.jsonl")))
-    assert len(diffs) == cfg.steps and max(diffs) < 1e-3, diffs
+    assert len(diffs) == cfg.steps and worst(diffs) < 1e-3, diffs
     assert sum("eval/accuracy" in r for r in records) == 2
 
 
