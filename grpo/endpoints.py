@@ -258,11 +258,12 @@ class Server:
             with OPENER.open(req, timeout=timeout) as r:
                 raw = r.read()
         except urllib.error.HTTPError as e:
-            if is_redirect(e.code):
-                raise ServerError(f"{self.url}{path} answered {e.code} to {e.headers.get('Location')!r}; point the URL at "
-                                  f"the server itself (a redirect is not followed: it would carry the token to another "
-                                  f"host).", e.code) from e
-            raise ServerError(f"{self.url}{path} answered {e.code}: {e.read()[:500].decode(errors='replace')}", e.code) from e
+            with e:  # the error holds the answer's connection: closed here, not left to the garbage collector
+                if is_redirect(e.code):
+                    raise ServerError(f"{self.url}{path} answered {e.code} to {e.headers.get('Location')!r}; point the URL "
+                                      f"at the server itself (a redirect is not followed: it would carry the token to "
+                                      f"another host).", e.code) from e
+                raise ServerError(f"{self.url}{path} answered {e.code}: {e.read()[:500].decode(errors='replace')}", e.code) from e
         except (urllib.error.URLError, OSError) as e:
             if isinstance(e, socket.timeout) or isinstance(getattr(e, "reason", None), socket.timeout):
                 raise ServerError(f"{self.url}{path} did not answer within {timeout:g} s: the server (or the network "

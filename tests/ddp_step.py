@@ -110,7 +110,7 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
     # reduce_metrics itself: a `*_max` is the largest rank's, any other number their mean; a Ratio, Spread
     # or Count from its parts summed over ranks. Rank 0 scored rewards [0, 0], rank 1 [1, 1, 1, 0] of 4 each
     # (a function abstained on 2 of rank 0's), rank 1's judge failed 3 requests, rank 0's none
-    rewards = torch.tensor([[0.0, 0.0], [1.0, 1.0, 1.0, 0.0]][info.rank])
+    rewards = torch.tensor([[0.0, 0.0], [1.0, 1.0, 1.0, 0.0]][info.rank % 2])  # (4 ranks: two of each; not asserted)
     probe = reduce_metrics({"probe_max": float(info.rank), "probe": float(info.rank),
                             "reward/mean": Ratio(float(rewards.sum()), rewards.numel()), "reward/std": Spread.of(rewards),
                             "judge/failed": Count(3.0 * info.rank), "reward/f": Ratio(info.rank * 1.0, info.rank * 2)}, info)

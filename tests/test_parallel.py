@@ -131,7 +131,7 @@ def test_two_process_training_run(tmp_path, cache_dir):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]  # rank 0 alone writes the log
     assert sorted(os.listdir(tmp_path / "checkpoints" / "step_00000003")) == [
-        "COMPLETE", "state_rank0.pt", "state_rank1.pt", "trainer.pt"]
+        "COMPLETE", "grpo_layout.json", "state_rank0.pt", "state_rank1.pt", "trainer.pt"]
     assert out.stdout.count("eval accuracy") == 1
 
 
@@ -159,7 +159,8 @@ def test_two_processes_share_one_tensor_parallel_colocated_engine(tmp_path, cach
     cmd = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, "parallel=ddp",
            "rollout=colocated", "rollout.vllm.tensor_parallel_size=2",
            "experiment=guess_tiny", "env.name=tests.test_episodes.RankTurns", "eval_every=0", "checkpoint_every=0",
-           "rollout.max_new_tokens=2", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"]
+           "rollout.max_new_tokens=2", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}",
+           "algo.zero_std_groups=keep"]  # RankTurns' groups are all flat: kept, their tokens are scored after each sync
     run(cmd)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     trained = [r for r in rows if "loss" in r]

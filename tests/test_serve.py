@@ -11,6 +11,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import uvicorn
@@ -226,6 +227,5 @@ def test_a_listen_failure_says_what_to_change_by_its_cause():
 
 
 def test_an_ipv6_servers_url_file_holds_a_url(tmp_path):
-    path = serve.write_url(str(tmp_path), "::1", 45703)
-    assert open(path).read() == "http://[::1]:45703\n"
-    assert open(serve.write_url(str(tmp_path), "10.0.0.7", 8000)).read() == "http://10.0.0.7:8000\n"
+    assert Path(serve.write_url(str(tmp_path), "::1", 45703)).read_text() == "http://[::1]:45703\n"
+    assert Path(serve.write_url(str(tmp_path), "10.0.0.7", 8000)).read_text() == "http://10.0.0.7:8000\n"
