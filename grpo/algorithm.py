@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.errors import ConfigError
+from grpo.metrics import std_from_moments
 
 
 def combine_rewards(rewards_FB: list[list[float | None]], weights_F: list[float]) -> torch.Tensor:
@@ -205,14 +206,6 @@ def reward_moments(rewards_PG: torch.Tensor) -> list[float]:
     batch's std (`std_from_moments`) without gathering every reward."""
     r = rewards_PG.double()[~torch.isnan(rewards_PG)]
     return [float(r.numel()), float(r.sum()), float((r * r).sum())]
-
-
-def std_from_moments(count: float, total: float, squares: float) -> float:
-    """Sample std (n - 1) from summed moments; 0 for fewer than two rewards."""
-    if count < 2:
-        return 0.0
-    var = (squares - total * total / count) / (count - 1)
-    return max(var, 0.0) ** 0.5
 
 
 def zero_std_groups(rewards_PG: torch.Tensor, tol: float = 1e-6) -> torch.Tensor:

@@ -16,8 +16,9 @@ import torch
 from grpo import dist
 from grpo.algorithm import (
     centred_moments, combine_rewards, group_advantages, per_turn_advantages, process_advantages, reinforce_pp_advantages,
-    reward_moments, rloo_advantages, std_from_moments, zero_std_groups,
+    reward_moments, rloo_advantages, zero_std_groups,
 )
+from grpo.metrics import std_from_moments
 
 
 @dataclass

@@ -18,6 +18,15 @@ from dataclasses import dataclass
 from grpo.dist import DistInfo, all_gather, all_reduce_max, all_reduce_sum
 
 
+def std_from_moments(count: float, total: float, squares: float) -> float:
+    """Sample std (n - 1) from summed moments; 0 for fewer than two values (rewards: grpo/algorithm.py's
+    batch scale, and a logged `Spread`)."""
+    if count < 2:
+        return 0.0
+    var = (squares - total * total / count) / (count - 1)
+    return max(var, 0.0) ** 0.5
+
+
 @dataclass(frozen=True)
 class Ratio:
     """num / den over every rank's parts; NaN where no rank had a denominator."""
@@ -45,9 +54,7 @@ class Spread:
     def parts(self) -> list[float]:
         return [float(self.n), float(self.s), float(self.ss)]
 
-    @staticmethod
-    def value(n: float, s: float, ss: float) -> float:
-        return math.sqrt(max(ss - s * s / n, 0.0) / (n - 1)) if n > 1 else 0.0
+    value = staticmethod(std_from_moments)
 
     @classmethod
     def of(cls, values) -> "Spread":
