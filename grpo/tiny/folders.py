@@ -13,6 +13,7 @@ import os
 
 from omegaconf import OmegaConf
 
+from grpo.checkpoint import config_changes
 from grpo.dist import barrier
 from grpo.errors import ConfigError
 from grpo.models import HUB_ID, check_hub_model
@@ -60,26 +61,16 @@ def check_tiny_settings(model, defaults) -> None:
     """model.tiny.* shapes only the models built in code, and model.tiny.moe.* only tiny_moe: a setting
     there for another model would change nothing (not even the cache key), so it is refused. `defaults`:
     TinyModelConfig()."""
-    given, default = flat(OmegaConf.create(model.tiny)), flat(OmegaConf.create(defaults))
-    changed = [f"model.tiny.{k}={v!r}" for k, v in given.items() if v != default.get(k)
-               and (model.path not in TINY_KINDS or (k.startswith("moe.") and model.path != "tiny_moe"))]
+    given = OmegaConf.create(model.tiny)
+    differ = config_changes(OmegaConf.to_container(OmegaConf.create(defaults)), OmegaConf.to_container(given))
+    changed = [f"model.tiny.{k}={OmegaConf.select(given, k)!r}" for k in differ
+               if model.path not in TINY_KINDS or (k.startswith("moe.") and model.path != "tiny_moe")]
     if changed:
         reads = "model.path=tiny_moe" if model.path in TINY_KINDS else f"a model built in code ({', '.join(TINY_KINDS)})"
         raise ConfigError(f"{', '.join(changed)}: only {reads} reads this, and model.path={model.path!r}; drop the "
                           f"setting or choose that model.")
     if model.path == "tiny_moe":
         moe.check_unread(model.tiny, defaults)  # the dense model's num_layers, intermediate_size: the MoE reads neither
-
-
-def flat(node, prefix: str = "") -> dict:
-    """A config node's leaves by dotted key."""
-    out = {}
-    for key, value in node.items():
-        if OmegaConf.is_config(value):
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def uses_tiny_rm(cfg) -> bool:
