@@ -330,9 +330,10 @@ def test_a_guess_run_with_partial_rollouts_through_remote(server, make_cfg, monk
 
 
 def test_a_failed_request_ends_only_its_trajectories(server, remote):
-    """Two pool entries, the second pointed at a dead port after the health checks: the prompts routed
-    there end as 'error' (reward None, one warning for the batch), the others' episodes are whole. With
-    every server dead the batch fails, naming the first error."""
+    """Two pool entries, the second pointed at a closed port after the health checks, its watch saying
+    nothing of a death (a transient failure): the prompts routed there end as 'error' (reward None, one
+    warning for the batch), the others' episodes are whole. With every request failing the batch fails,
+    naming the first error. (A server known dead stops the batch at once: the test below.)"""
     from grpo.auth import load_token
     from grpo.rollout.servers import ServerPool, free_port
     from grpo.rollout.trajectories import TrajectoryDriver
@@ -341,6 +342,8 @@ def test_a_failed_request_ends_only_its_trajectories(server, remote):
     pool = ServerPool([server["url"], server["url"]], load_token(None), 60, 60, can_push=False, log=None)
     try:
         pool.servers[1].url = f"http://127.0.0.1:{free_port()}"
+        for s in pool.servers:  # a failure that does not say the server died (a refused connection is ServerGone)
+            s.watch = lambda: None
         prompts, samples = batch(tok)
         runner = runner_for(tok, pool)
         sampling = Sampling(max_new_tokens=6, temperature=1.0, seed=5)
@@ -351,6 +354,29 @@ def test_a_failed_request_ends_only_its_trajectories(server, remote):
         pool.servers[0].url = pool.servers[1].url
         with pytest.raises(ServerError, match="every trajectory of the episode batch"):
             TrajectoryDriver(runner, pool, 0).run(prompts, samples, 2, sampling)
+    finally:
+        pool.close()
+
+
+def test_a_dead_server_stops_the_episode_batch(server, remote):
+    """A server whose engine is known dead (its `watch` says so, as a dedicated engine's exit does)
+    fails the batch with ServerGone, naming why: its trajectories do not end as 'error' one by one while
+    the run goes on with half a batch, every later batch failing the same way."""
+    from grpo.auth import load_token
+    from grpo.endpoints import ServerGone
+    from grpo.rollout.servers import ServerPool, free_port
+    from grpo.rollout.trajectories import TrajectoryDriver
+
+    _, _, tok = remote
+    pool = ServerPool([server["url"], server["url"]], load_token(None), 60, 60, can_push=False, log=None)
+    try:
+        pool.servers[1].url = f"http://127.0.0.1:{free_port()}"
+        said = iter([None])  # the version check before the batch finds it silent; then its death is known
+        pool.servers[1].watch = lambda: next(said, "its process exited (exit code 1)")
+        prompts, samples = batch(tok)
+        with pytest.raises(ServerGone, match=r"/v1/completions failed .*: its process exited \(exit code 1\)"):
+            TrajectoryDriver(runner_for(tok, pool), pool, 0).run(prompts, samples, 2,
+                                                                  Sampling(max_new_tokens=6, temperature=1.0, seed=5))
     finally:
         pool.close()
 

@@ -13,7 +13,8 @@ so under the same seeds and weights the trained tokens are the same; what change
 sent. Budgets, masks, the echoed-prompt check and the environments' timeouts are the episode
 runner's own (`EpisodeRunner`: room, take_turn, take_step). A trajectory whose request fails ends as
 "error" (reward None, like an environment that failed), with one warning per batch; the others go on.
-If every trajectory failed that way, or a server echoes other prompt ids than it was sent, the batch
+If every trajectory failed that way, a server echoes other prompt ids than it was sent, or a request
+finds its server dead (`ServerGone`: its engine exited; no later turn could be answered), the batch
 fails. An environment's ConfigError stops the batch (the run's setup is wrong).
 
 Concurrency: up to `MAX_REQUESTS_IN_FLIGHT` requests per server and `env.max_concurrency`
@@ -37,7 +38,7 @@ import time
 import warnings
 from typing import Optional
 
-from grpo.endpoints import parallel_map, split_by_load
+from grpo.endpoints import ServerGone, parallel_map, split_by_load
 from grpo.errors import ServerError
 from grpo.rollout.base import Rollouts, Sampling
 from grpo.rollout.episodes import EnvCalls, EpisodeRunner, Trajectory, turn_seed
@@ -153,7 +154,7 @@ class TrajectoryDriver:
         def ask(i):
             try:
                 return self.pool.served_version(self.pool.servers[i], self.version)
-            except ServerRestarted:
+            except (ServerRestarted, ServerGone):
                 raise
             except ServerError:
                 return None
@@ -243,7 +244,7 @@ class TrajectoryDriver:
                     with gate.turn() as version:
                         self.check_stop()
                         choices = self.pool.complete(server, prompts, n, sampling, seed, self.timeout[i])
-            except (EchoMismatch, PoolClosed):
+            except (EchoMismatch, PoolClosed, ServerGone):  # a dead engine answers no trajectory: the batch stops
                 raise
             except ServerError as e:
                 with self.lock:
