@@ -4,8 +4,8 @@ YAML files under conf/ only set values: each starts with `defaults: [/base_<grou
 is not declared here is an error at compose time. The defaults here suit a real model (lr 1e-6, 512
 new tokens); the tiny model's own values are in conf/model/tiny.yaml. `validate` checks the rules that span fields
 before any model is built, and its messages say what to change: each group's choices here, each
-part's rules in that part's own `check` (the algorithm, a backend, a strategy, LoRA, the rewards, the
-environment, the model folder), beside the code they protect.
+part's rules in that part's own `check` (the algo group's in grpo/algo_config.py, a backend, a
+strategy, LoRA, the rewards, the environment, the model folder), beside the code they protect.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from grpo import algorithm, envs, log, lora, models, moe_model, vision
+from grpo import algo_config, envs, log, lora, models, moe_model, vision
+from grpo.algo_config import AlgoConfig  # the algo group's schema and rules (batch shape, loss, trust region)
 from grpo.dist import dist_info
 from grpo.errors import ConfigError
 from grpo.moe import routing
@@ -146,76 +147,6 @@ class ParallelConfig:
     # Ulysses: groups of this many consecutive ranks share each row of the update (its columns split
     # among them, DeepSpeed's all-to-all in the attention); rollouts unchanged; grpo/parallel/sequence.py
     sequence_parallel: int = 1
-
-
-@dataclass
-class AlgoConfig:
-    batch_size: int = 512  # B: completions generated per step (P x G)
-    group_size: int = 16  # G: completions per prompt; P = batch_size / group_size prompts per step
-    lr: float = 1e-6  # DeepSeekMath's and verl's policy rate for full fine-tuning; the tiny model sets 1e-3
-    warmup_steps: int = 20  # optimizer steps of linear warm-up (grpo.parallel.base.build_optimizer)
-    lr_schedule: str = "linear"  # linear (decay to 0 at the last step) | constant
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo
-    adv_scale: str = "group"  # group | batch | none (adv_estimator=grpo only)
-    # grpo: r - group mean, scaled by adv_scale | rloo: r - mean of the others (RLOO) |
-    # reinforce_pp: (r - group mean) / batch std of that (REINFORCE++-baseline); grpo/algorithm.py
-    adv_estimator: str = "grpo"
-    # credit per turn of a multi-turn episode (env=...; docs/algorithm.md): none (one reward per
-    # episode, the final-reward default) | per_turn (each turn's discounted return, normalised over
-    # the group's trajectories at the same turn index) | process (DeepSeekMath's process supervision:
-    # the group's turn rewards normalised together, a turn's advantage the discounted sum of its own
-    # and later normalised rewards). A turn's reward: its env step's x reward `env`'s weight; the other
-    # reward functions' weighted sum is added to the last turn's
-    turn_rewards: str = "none"
-    turn_discount: float = 1.0  # gamma of turn_rewards: R_t = sum over k >= t of gamma^(k - t) r_k
-    ratio_level: str = "token"  # token (PPO/GRPO) | sequence (GSPO: geometric-mean ratio, clipped per sequence)
-    pg_loss: str = "ppo"  # ppo (clipped surrogate) | cispo (clipped, detached weight x A x logp; clip_eps/clip_eps_high bound it)
-    clip_eps: float = 0.2
-    clip_eps_high: Optional[float] = None  # clip-higher (DAPO); None = clip_eps
-    beta: float = 0.0  # KL weight; the reference model is loaded only when > 0
-    num_iterations: int = 1  # optimisation passes over one generated batch
-    num_minibatches: int = 1  # optimizer steps per pass
-    micro_batch_tokens: int = 8192  # tokens per forward/backward, padding included
-    # micro-batches of whole sequences packed end to end in rows (no padding between them; attention
-    # kept inside each sequence by restarting position ids): grpo/update/layouts.py. false: padded rows
-    packing: bool = True
-    # packed rows that hold each prompt once for several of its completions, which attend to it
-    # through a 4D mask (grpo/update/layouts.py `pack_shared`). A model that cannot (flash attention, a
-    # sliding window) is packed without sharing, with a warning. No effect with packing=false.
-    # true | false | auto: on for the CPU (measured there), off on CUDA until measured on a GPU
-    # (grpo/update/layouts.py `shares_prompts`)
-    shared_prompt: Any = "auto"
-    # DAPO's dynamic sampling: keep drawing batches of P prompts until P groups have unequal rewards,
-    # at most max_draws batches per step (grpo/dynamic_sampling.py)
-    dynamic_sampling: bool = False
-    max_draws: int = 4
-    mask_truncated: bool = False  # drop completions that hit max_new_tokens from the loss
-    zero_std_groups: str = "keep"  # keep | drop (groups with equal rewards carry no signal)
-    is_level: str = "none"  # sampler/trainer mismatch correction: none | token | sequence
-    is_mode: str = "truncate"  # truncate (cap the weight) | mask (w inside [1/cap, cap], 0 outside) | reject (1 inside, 0 outside)
-    is_cap: float = 2.0
-    # asynchronous rollouts: batches generate up to this many weight versions ahead of the update
-    # that trains on them (0 = synchronous: generate, then update). Engines in other processes
-    # (rollout=dedicated/remote) overlap the two phases, in-process ones (hf/colocated) give the
-    # staleness without the overlap
-    max_staleness: int = 0
-    # with max_staleness >= 1 and episodes scheduled per trajectory: a weight push waits for the turns in
-    # flight, not for the episode batch; later turns use the new weights and every token records its
-    # version (grpo/rollout/trajectories.py). A batch spans at most max_staleness + 1 versions
-    partial_rollouts: bool = False
-    # what the clipped ratio is taken against (algorithm.decoupled_loss): proximal (the trainer before
-    # this update; with a stale batch times w = proximal / sampler from is_*: decoupled PPO) |
-    # behaviour (the sampler: PPO with the sampler as the old policy; is_level must be none) |
-    # auto: behaviour for max_staleness >= 1 with is_level=none, else proximal (k = 0: unchanged)
-    trust_region: str = "auto"
-    # the clip band of trust_region=behaviour, both sides: [1 - b, 1 + b] around the sampler (None:
-    # clip_eps / clip_eps_high); tighter than clip_eps, why and measured: algorithm.decoupled_loss
-    behaviour_clip_eps: Optional[float] = 0.1
-    # a MoE policy's router load-balancing loss, added to the loss with this weight (grpo/moe_model.py):
-    # null = the model config's router_aux_loss_coef (Qwen3-MoE: 0.001), 0 = off (slime's RL setting)
-    router_aux_loss_coef: Optional[float] = None
 
 
 @dataclass
@@ -362,13 +293,13 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
             "flat; evaluation is greedy anyway), 0 < rollout.top_p <= 1 and rollout.top_k >= 0."
         )
     world = world_size or dist_info().world_size
-    algorithm.check(a, r, world)  # batch shape, loss, clip, importance weights, trust region, staleness
-    algorithm.check_inert(a, AlgoConfig(), cfg.steps)  # a setting of a feature that is off; a warm-up past the run
+    algo_config.check(a, r, world)  # batch shape, loss, clip, importance weights, trust region, staleness
+    algo_config.check_inert(a, AlgoConfig(), cfg.steps)  # a setting of a feature that is off; a warm-up past the run
     moe_model.check(a)  # algo.router_aux_loss_coef
     if a.shared_prompt not in SHARED_PROMPT_SETTINGS or not isinstance(a.shared_prompt, (bool, str)):
         raise ConfigError(f"algo.shared_prompt={a.shared_prompt!r}: use true, false or auto (on for the CPU, off on "
                           f"CUDA until measured on a GPU).")
-    algorithm.check_turn_rewards(a, cfg.env.name, [f.name for f in cfg.reward.funcs])  # per-turn credit
+    algo_config.check_turn_rewards(a, cfg.env.name, [f.name for f in cfg.reward.funcs])  # per-turn credit
     backend, strategy = backend_class(r.backend), strategy_class(cfg.parallel.strategy)
     backend.check(r, world)  # each backend its own settings (grpo/rollout/)
     backend.check_unread(r)  # a rollout.vllm.*, remote.* or dedicated.* setting the backend never reads

@@ -59,7 +59,7 @@ def check(cfg, backend, strategy, world: int, cuda: bool | None = None) -> None:
 def inert_settings(lora_cfg, defaults) -> list[str]:
     """The model.lora.* settings given (other than `defaults`', the schema's) while the rank is 0: a
     user who set alpha or target_modules and forgot the rank would train every weight of the model,
-    without a word (grpo/algorithm.py's `inert_settings` does the same for algo.*)."""
+    without a word (grpo/algo_config.py's `inert_settings` does the same for algo.*)."""
     keys = ("alpha", "dropout", "target_modules")
     return [f"model.lora.{key}={plain(getattr(lora_cfg, key))!r}" for key in keys
             if plain(getattr(lora_cfg, key)) != plain(getattr(defaults, key))]

@@ -1,5 +1,5 @@
 """Settings of a feature that is off are refused, naming the setting that turns it on (as algo.*'s are,
-grpo/algorithm.py `inert_settings`): env.* with env=none (grpo/envs `check`) and model.freeze_vision=false
+grpo/algo_config.py `inert_settings`): env.* with env=none (grpo/envs `check`) and model.freeze_vision=false
 on a text model (grpo/models.py `check_freeze_vision`). model.lora.* at rank 0: tests/test_lora.py."""
 
 import json
