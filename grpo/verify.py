@@ -279,8 +279,9 @@ def metric_gap(a: float, b: float) -> float:
 
 
 def few_groups(batch, G: int):
-    """Two groups of `batch` with a learning signal (else ±1 advantages stand in)."""
-    signal_P = batch.advantages_B.abs().view(-1, G).sum(1)
+    """Two groups of `batch` with a learning signal (else ±1 advantages stand in); per-completion
+    advantages or, with algo.turn_rewards, per token (B x T): a group's signal is all of its rows'."""
+    signal_P = batch.advantages_B.abs().reshape(batch.size, -1).sum(1).view(-1, G).sum(1)
     groups = signal_P.argsort(descending=True)[:2]
     sub = batch.select((groups[:, None] * G + torch.arange(G)).flatten())
     if not sub.advantages_B.abs().sum():

@@ -278,6 +278,28 @@ def test_the_gap_is_over_the_sampled_tokens_alone():
     assert g.of(Parity("max", 1e-3)) == g.largest and g.of(Parity("mean", 0.1)) == g.mean
 
 
+def test_the_layout_rows_take_the_groups_with_the_most_signal_per_completion_or_per_token():
+    """P = 3 groups of G = 2: group 1 has the most |advantage|, group 2 the next, group 0 none. Per token
+    (algo.turn_rewards: B x T), a group's signal is every token's of its rows: before, the B x T tensor was
+    viewed as (B x T / G, G) rows of "groups", and an index past the batch was picked."""
+    from grpo.batch import Batch
+    from grpo.verify import few_groups
+
+    def batch_of(adv):
+        B, T = 6, 3
+        return Batch(torch.zeros(B, 5, dtype=torch.long), torch.ones(B, 5), torch.zeros(B, 5, dtype=torch.long),
+                     torch.zeros(B, T, dtype=torch.long), torch.ones(B, T), torch.zeros(B, T), adv, 2)
+
+    per_completion = torch.tensor([0.0, 0.0, 2.0, -2.0, 0.5, -0.5])
+    assert few_groups(batch_of(per_completion), 2).advantages_B.tolist() == [2.0, -2.0, 0.5, -0.5]
+    per_token = torch.zeros(6, 3)
+    per_token[2, :2] = torch.tensor([1.0, -1.5])  # group 1: 2.5 + 0.5 = 3.0
+    per_token[3, 2] = 0.5
+    per_token[5, :] = torch.tensor([0.25, 0.25, -0.5])  # group 2: 1.0
+    picked = few_groups(batch_of(per_token), 2).advantages_B
+    assert picked.shape == (4, 3) and torch.equal(picked, per_token[[2, 3, 4, 5]])
+
+
 def test_a_nan_fails_the_gradient_and_resume_gaps_wherever_it_sits():
     """Python's max skips a NaN that is not first: a NaN gradient in any parameter but the first, or a
     metric that only the resumed run made NaN, passed. By value: gaps of 0.1 and 0.2 of a largest 2."""
