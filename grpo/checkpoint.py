@@ -64,7 +64,8 @@ def checkpoint_step(path: str) -> int:
     return int(os.path.basename(os.path.normpath(path)).removeprefix("step_"))
 
 
-LAYOUT = "grpo_layout.json"  # what wrote a checkpoint: {"strategy": parallel.strategy, "world_size": processes}
+# what wrote a checkpoint: {"strategy": parallel.strategy, "world_size": processes, "adapter": grpo.lora.adapter_layout}
+LAYOUT = "grpo_layout.json"
 REPLICAS = ("single", "ddp")  # a full copy of the weights and AdamW in trainer.pt: either reads the other's
 
 
@@ -218,13 +219,22 @@ def written_by(path: str) -> dict:
     return {"strategy": "zero" if os.path.isdir(os.path.join(path, "deepspeed")) else "ddp", "world_size": None}
 
 
-def check_layout(path: str, strategy: str, world_size: int) -> None:
+def check_layout(path: str, strategy: str, world_size: int, adapter: dict | None = None) -> None:
     """A resume reads the checkpoint as its strategy wrote it: single and ddp share trainer.pt (any
     number of processes); ZeRO's shards are read only by the same stage on as many processes (DeepSpeed:
     "automatic adjustment of ZeRO's optimizer state partitioning ... not currently supported"). Refused
     before anything is built or config.yaml is touched, naming the launch that reads it; it was a
-    FileNotFoundError of trainer.pt (or DeepSpeed's message) after the model was built."""
+    FileNotFoundError of trainer.pt (or DeepSpeed's message) after the model was built. `adapter`: this
+    run's LoRA adapter (grpo.lora.adapter_layout; None: full fine-tuning), which must be the one written
+    (a checkpoint from before it was recorded is not asked)."""
     was = written_by(path)
+    if "adapter" in was and was["adapter"] != adapter:
+        def said(a):
+            return ("full fine-tuning (model.lora.rank=0)" if a is None else
+                    f"a LoRA adapter of model.lora.rank={a['rank']} on model.lora.target_modules=[{','.join(a['target_modules'])}]")
+        raise ConfigError(f"{path} holds {said(was['adapter'])}; this run asks for {said(adapter)}, whose parameters "
+                          f"are others, so the checkpoint cannot be read. Resume with the checkpoint's model.lora "
+                          f"settings, or start afresh with resume=false (or another run_dir).")
     if was["strategy"] in REPLICAS:
         fits = strategy in REPLICAS
     else:  # "zero": a DeepSpeed folder from before LAYOUT, its stage and processes unrecorded

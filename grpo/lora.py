@@ -191,6 +191,16 @@ def merged_tensors(model: torch.nn.Module, gathered=None, copy: bool = False) ->
                     yield f"{name}.{n}", p.detach().clone() if copy else p.detach()
 
 
+def adapter_layout(lora_cfg) -> dict | None:
+    """What decides a checkpoint's trainable parameters beyond the model: the adapter's rank and the
+    modules it wraps (None: full fine-tuning). Recorded with each checkpoint (grpo/checkpoint.py
+    `check_layout`): another rank or other modules cannot read it (DeepSpeed said only "parameter-
+    alignment layout does not match"; its module load was not strict)."""
+    if lora_cfg.rank == 0:
+        return None
+    return {"rank": int(lora_cfg.rank), "target_modules": sorted(str(m) for m in lora_cfg.target_modules)}
+
+
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What a checkpoint keeps of a LoRA policy: the adapter (the frozen base is the model folder's)."""
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}

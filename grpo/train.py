@@ -78,7 +78,7 @@ from grpo.guards import RunGuards, healthy
 from grpo.library_logs import quiet_library_logs
 from grpo.listeners import log_listeners
 from grpo.log import RunLogger
-from grpo import mfu
+from grpo import lora, mfu
 from grpo.models import DTYPES, build_policy, build_reference, encode_prompts, policy_device
 from grpo.parallel import build_strategy, strategy_class
 from grpo.parallel.base import resume_schedule
@@ -256,10 +256,12 @@ class Run:
     def checkpoint(self, step: int) -> None:
         # the sampler as of the batches trained: batches still in flight are drawn again on resume
         drawn = self.in_flight[0].sampler_state if self.in_flight else self.sampler.state_dict()
+        layout = {"strategy": self.cfg.parallel.strategy, "world_size": self.info.world_size,
+                  "adapter": lora.adapter_layout(self.cfg.model.lora)}
         save_checkpoint(self.run_dir, step, self.strategy, {"sampler": drawn, "eval_before": self.eval_before,
                                                             "rewards": reward_states(self.reward_fns),
                                                             "guards": self.guards.state_dict() if self.guards else {}},
-                        self.cfg.keep_checkpoints, {"strategy": self.cfg.parallel.strategy, "world_size": self.info.world_size})
+                        self.cfg.keep_checkpoints, layout)
 
 
 def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run:
@@ -272,7 +274,8 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
     if cfg.resume:  # before config.yaml is touched: a refused resume leaves the folder as it was
         check_not_past(run_dir, cfg.steps)
         if latest := latest_checkpoint(run_dir):
-            check_layout(latest, cfg.parallel.strategy, info.world_size)  # the strategy and processes that read it
+            # the strategy and processes that read it, and the adapter it holds
+            check_layout(latest, cfg.parallel.strategy, info.world_size, lora.adapter_layout(cfg.model.lora))
     if info.is_main:  # after the set-aside: an earlier run's config.yaml is kept with its records
         if changed := record_config(run_dir, resolved_config(cfg, run_dir), cfg.resume):
             warnings.warn(f"resuming in {run_dir} with a config that differs from its earlier run's in {len(changed)} "

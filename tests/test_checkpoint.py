@@ -261,7 +261,7 @@ def test_a_resume_trains_at_its_new_lr_and_a_finished_run_exports_its_own_step(m
     assert (run / "config.yaml").read_text() == config and exported_step(str(run / "model")) == 5
 
 
-def test_a_checkpoint_is_resumed_only_by_the_strategy_and_processes_that_can_read_it(tmp_path, tiny_lm):
+def test_a_checkpoint_is_resumed_only_by_the_strategy_processes_and_adapter_that_can_read_it(tmp_path, tiny_lm):
     """single and ddp share trainer.pt at any number of processes; ZeRO's shards need the same stage on as
     many processes. A ZeRO-2 checkpoint resumed with parallel=single failed after the model was built
     (trainer.pt: FileNotFoundError), with config.yaml already rewritten to say single."""
@@ -284,6 +284,22 @@ def test_a_checkpoint_is_resumed_only_by_the_strategy_and_processes_that_can_rea
     for strategy, world in (("zero2", 1), ("zero3", 2), ("single", 1), ("ddp", 2)):
         with pytest.raises(ConfigError, match=r"Resume with parallel=zero2 on 2 process\(es\)"):
             check_layout(str(zero), strategy, world)
+    # the adapter it holds: another rank or other modules are other parameters (DeepSpeed said "parameter-alignment
+    # layout does not match"; single "checkpoint does not match the LoRA adapter"), after the model was built
+    adapter = {"rank": 8, "target_modules": ["q_proj", "v_proj"]}
+    (zero / "grpo_layout.json").write_text(json.dumps({"strategy": "zero2", "world_size": 2, "adapter": adapter}))
+    check_layout(str(zero), "zero2", 2, {"rank": 8, "target_modules": ["q_proj", "v_proj"]})
+    for other, said in (({"rank": 16, "target_modules": ["q_proj", "v_proj"]}, r"a LoRA adapter of model.lora.rank=16 on model.lora.target_modules=\[q_proj,v_proj\]"),
+                        ({"rank": 8, "target_modules": ["q_proj"]}, r"a LoRA adapter of model.lora.rank=8 on model.lora.target_modules=\[q_proj\]"),
+                        (None, r"full fine-tuning \(model.lora.rank=0\)")):
+        with pytest.raises(ConfigError, match=rf"holds a LoRA adapter of model.lora.rank=8 on model.lora.target_modules=\[q_proj,"
+                                              rf"v_proj\]; this run asks for {said}, whose parameters are others"):
+            check_layout(str(zero), "zero2", 2, other)
+    (zero / "grpo_layout.json").write_text(json.dumps({"strategy": "zero2", "world_size": 2, "adapter": None}))
+    with pytest.raises(ConfigError, match=r"holds full fine-tuning \(model.lora.rank=0\); this run asks for a LoRA adapter"):
+        check_layout(str(zero), "zero2", 2, adapter)
+    (zero / "grpo_layout.json").write_text(json.dumps({"strategy": "zero2", "world_size": 2}))  # before the adapter was recorded
+    check_layout(str(zero), "zero2", 2, adapter)
     (zero / "grpo_layout.json").unlink()  # written before the layout was recorded: the files tell the kind only
     check_layout(str(zero), "zero3", 1)
     with pytest.raises(ConfigError, match="Resume with parallel=zero2 or zero3"):

@@ -256,6 +256,8 @@ def test_two_process_lora_runs(tmp_path, cache_dir, parallel):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "loss" in line]
     assert [r["step"] for r in rows] == [1, 2] and all(d < 1e-3 for d in measured(rows))
     ckpt = tmp_path / "checkpoints" / "step_00000002"
+    assert json.load(open(ckpt / "grpo_layout.json"))["adapter"] == {
+        "rank": 8, "target_modules": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]}
     if parallel == "ddp":
         assert all("lora_" in k for k in torch.load(ckpt / "trainer.pt", weights_only=True)["model"])
     else:  # DeepSpeed's module file holds the adapter (exclude_frozen_parameters), and the tied lm_head it
@@ -263,6 +265,11 @@ def test_two_process_lora_runs(tmp_path, cache_dir, parallel):
         module = torch.load(next((ckpt / "deepspeed").glob("*model_states.pt")), weights_only=False)["module"]
         assert [k for k in module if "lora_" not in k] == ["base_model.model.lm_head.weight"], list(module)
         assert len(module) == 29
+    if parallel == "zero3":  # a resume reads the adapter back through lora.load_trainable_state (every weight required)
+        out = subprocess.run([*cmd, "steps=3"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        assert json.load(open(tmp_path / "summary.json"))["resumed_from"] == 2
     summary = json.load(open(tmp_path / "summary.json"))
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(summary["model_path"]), tmp_path / "adapter")

@@ -261,9 +261,11 @@ class ZeroStrategy(Strategy):
                                     exclude_frozen_parameters=lora.is_lora(self.model))
 
     def load(self, folder: str) -> None:
+        # with LoRA the module file holds the adapter alone: loaded as single's trainer.pt is, every adapter
+        # weight required (DeepSpeed's non-strict load would leave a missing one as initialised)
+        adapter = (lambda src, dst: lora.load_trainable_state(dst, src)) if lora.is_lora(self.model) else None
         path, _ = self.engine.load_checkpoint(folder, tag="deepspeed", load_optimizer_states=True,
-                                              load_lr_scheduler_states=True,
-                                              load_module_strict=not lora.is_lora(self.model))
+                                              load_lr_scheduler_states=True, custom_load_fn=adapter)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {folder}/deepspeed")
 
