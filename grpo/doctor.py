@@ -193,30 +193,41 @@ def server_placement(gpus: int, parent_visible: str | None) -> tuple[dict, str]:
 
 def start_server(model: str, token: str, log_path: str, memory_fraction: float = 0.3,
                  transfer: str = "auto", env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """`grpo.serve` on a free local port; returns (process, url) once /health answers."""
-    from grpo.rollout.servers import reserve_port  # loads torch: in the check, as torch is
+    """`grpo.serve` on a port it finds free and listens on before it names it (`--port 0`, its URL read
+    from a folder of its own: server_watch.wait_for_url); returns (process, url) once /health answers."""
+    from grpo.rollout.server_watch import wait_for_url  # loads torch: in the check, as torch is
 
-    held = reserve_port("127.0.0.1")  # held until the server answers, so nothing else takes the port meanwhile
-    port = held.getsockname()[1]
+    folder = tempfile.mkdtemp(prefix="grpo-doctor-serve-")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", model, "--port", str(port), "--max-model-len", "128",
-                                 "--memory-fraction", str(memory_fraction), "--weight-transfer", transfer],
+        proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", model, "--port", "0", "--url-dir", folder,
+                                 "--max-model-len", "128", "--memory-fraction", str(memory_fraction), "--weight-transfer", transfer],
                                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "GRPO_SERVE_TOKEN": token, **(env or {})})
-    url, deadline = f"http://127.0.0.1:{port}", time.time() + 600
-    progress = WaitProgress(f"grpo.serve at {url} to answer /health", 600, note=f"log: {log_path}")
+
+    def exited() -> str | None:
+        if proc.poll() is None:
+            return None
+        with open(log_path) as log:
+            return f"exit code {proc.returncode}: {last_error(log.read())}"
+
+    deadline = time.time() + 600
     try:
+        url = wait_for_url(folder, 600, exited, "grpo.serve")
+        progress = WaitProgress(f"grpo.serve at {url} to answer /health", 600, note=f"log: {log_path}")
         while time.time() < deadline:
             progress()
-            if proc.poll() is not None:
-                raise RuntimeError(f"grpo.serve exited ({proc.returncode}): {last_error(open(log_path).read())}")
+            if gone := exited():
+                raise RuntimeError(f"grpo.serve exited before it answered /health: {gone}")
             try:
                 urllib.request.urlopen(url + "/health", timeout=2)
                 return proc, url
             except OSError:
                 time.sleep(1)
+    except BaseException:
+        stop_server(proc)
+        raise
     finally:
-        held.close()
+        shutil.rmtree(folder, ignore_errors=True)
     stop_server(proc)
     raise RuntimeError(f"grpo.serve did not answer /health in 600 s; see {log_path}")
 

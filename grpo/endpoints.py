@@ -12,7 +12,7 @@ https goes through $https_proxy where one is set: a CONNECT tunnel, whose TLS th
 
 A server can stop answering without closing its connections: vLLM whose engine core died (an OOM kill, a
 crash) keeps the API process up, holding every request in flight unanswered. A client that knows how to
-tell (`Server.watch`: the rollout pool's, grpo/rollout/servers.py engine_dead) asks it every WATCH_EVERY_S
+tell (`Server.watch`: the rollout pool's, grpo/rollout/server_watch.py engine_dead) asks it every WATCH_EVERY_S
 while a request waits, and after a failed request, and fails within seconds naming why (`ServerGone`),
 not after the request's timeout.
 """

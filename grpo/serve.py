@@ -208,8 +208,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
     and listens only once its engine has loaded (~90 s): meanwhile another user of the machine could
     bind the port with SO_REUSEADDR, listen first and receive the trainer's requests and token. The
     kernel refuses any bind beside a listening socket. Requests that arrive before vLLM serves wait
-    in the queue. SO_REUSEADDR here too, so a port in TIME_WAIT, or one a launcher holds unlistened
-    (grpo.rollout.servers.reserve_port), can still be taken."""
+    in the queue. SO_REUSEADDR here too, so a port in TIME_WAIT can still be taken. A launcher on this
+    machine passes `--port 0 --url-dir DIR` and reads the port back (grpo/rollout/server_watch.py
+    wait_for_url): a port it picked would be free for another user until this bind."""
     s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

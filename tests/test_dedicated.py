@@ -78,6 +78,42 @@ def test_parity_and_generations_change_after_sync(tiny_lm, tmp_path):
 
 
 @pytest.mark.starts_process
+def test_two_engines_each_serve_at_the_url_their_own_process_wrote(tiny_lm, tmp_path, monkeypatch):
+    """num_engines=2 on CPU: each engine binds a free port itself (grpo.serve --port 0) and names it in a
+    folder of its own, read and removed at start, so pool server i is the port engine process i listens
+    on, and its log is named by that port: no engine's URL read as another's."""
+    import tempfile
+
+    import psutil
+    from omegaconf import OmegaConf
+
+    from grpo.config import RolloutConfig
+    from grpo.dist import node_name
+
+    tiny_lm[0].save_pretrained(tmp_path / "model")
+    tiny_lm[1].save_pretrained(tmp_path / "model")
+    cfg = OmegaConf.structured(RolloutConfig(backend="dedicated", max_new_tokens=8))
+    cfg.vllm.memory_fraction, cfg.vllm.max_model_len, cfg.dedicated.num_engines = 0.1, 128, 2
+    made, mkdtemp = [], tempfile.mkdtemp  # the real folders, noted
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **kw: made.append(mkdtemp(**kw)) or made[-1])
+    backend = DedicatedBackend(cfg, tiny_lm[0], tiny_lm[1], str(tmp_path / "model"), run_dir=str(tmp_path))
+    try:
+        folders = [f for f in made if os.path.basename(f).startswith("grpo-engine-")]
+        assert len(folders) == 2 and not any(os.path.exists(f) for f in folders), folders
+        urls = [s.url for s in backend.pool.servers]
+        assert urls == [f"http://127.0.0.1:{p}" for p in backend.ports] and len(set(urls)) == 2
+        for url, proc in zip(urls, backend.procs):
+            listening = [f"http://{c.laddr.ip}:{c.laddr.port}" for c in psutil.Process(proc.pid).net_connections("tcp")
+                         if c.status == psutil.CONN_LISTEN]
+            assert url in listening, (url, listening)
+        assert sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "vllm-engine-*.log"))) == sorted(
+            f"vllm-engine-{node_name()}-{p}.log" for p in backend.ports)
+    finally:
+        backend.close()
+    assert wait_gone(tmp_path) == []
+
+
+@pytest.mark.starts_process
 def test_an_engine_whose_core_died_fails_the_weight_push_in_seconds_naming_its_log(tiny_lm, tmp_path):
     """vLLM keeps its API process when its EngineCore dies (killed for memory, crashed), and a request in
     flight then is never answered: the push waited out request_timeout_s (600 s) and said the server was
@@ -271,9 +307,11 @@ def test_an_engines_command_says_eager_or_graphs_whatever_the_device(devices):
     for eager, flag in ((True, "--enforce-eager"), (False, "--no-enforce-eager")):
         cfg = SimpleNamespace(max_model_len=256, kv_cache_gb="auto", images_per_prompt=1, memory_fraction=0.3,
                               enforce_eager=eager)
-        argv = engine_argv("/m", devices, 8000, cfg, "float32", "nccl")
+        argv = engine_argv("/m", devices, "/engine0", cfg, "float32", "nccl")
         assert [a for a in argv if a.endswith("enforce-eager")] == [flag], argv
-    gpus = engine_argv("/m", ["cuda:0", "cuda:1"], 8000, cfg, "bfloat16")
+    # no port picked for it: it binds a free one itself and names it in its own folder (server_watch.wait_for_url)
+    assert argv[argv.index("--port") + 1] == "0" and argv[argv.index("--url-dir") + 1] == "/engine0"
+    gpus = engine_argv("/m", ["cuda:0", "cuda:1"], "/engine0", cfg, "bfloat16")
     assert gpus[gpus.index("--tensor-parallel-size") + 1] == "2" and gpus[gpus.index("--dtype") + 1] == "bfloat16"
 
 
@@ -284,9 +322,9 @@ def test_engine_settings_of_cpu_engines_are_refused_on_gpus_not_ignored():
     preset = compose_cfg("rollout=dedicated").rollout
     assert preset.vllm.memory_fraction == CPU_MEMORY_FRACTION == 0.1 and preset.dedicated.cpu_cores == 0
     check_engine_settings(preset, ["cuda:1"])
-    argv = engine_argv("/m", ["cuda:1"], 8000, preset.vllm, "bfloat16")
+    argv = engine_argv("/m", ["cuda:1"], "/engine0", preset.vllm, "bfloat16")
     assert argv[argv.index("--memory-fraction") + 1] == str(GPU_MEMORY_FRACTION) == "0.9"
-    argv = engine_argv("/m", ["cpu"], 8000, preset.vllm, "float32")
+    argv = engine_argv("/m", ["cpu"], "/engine0", preset.vllm, "float32")
     assert argv[argv.index("--memory-fraction") + 1] == "0.1"
 
     mine = compose_cfg("rollout=dedicated", "rollout.vllm.memory_fraction=0.5", "rollout.dedicated.cpu_cores=1").rollout

@@ -1,6 +1,8 @@
 """`python -m grpo.doctor`: the table, a failing check's fix and the exit code. The full doctor (every
 backend on real engines) runs in CI (`.ci/run`), not in this tier."""
 
+import os
+
 import pytest
 
 from grpo import doctor
@@ -169,3 +171,22 @@ def test_the_doctors_two_steps_validate_for_every_backend(backend):
 
     servers = ["rollout.remote.urls=[http://127.0.0.1:8000]"] if backend == "remote" else []
     validate(compose_cfg(*two_steps(backend), *servers), world_size=1, cuda=False)
+
+
+@pytest.mark.starts_process
+def test_the_doctors_server_that_stops_before_it_listens_fails_its_start_at_once_naming_why(tmp_path, monkeypatch):
+    """The remote row's `grpo.serve` names its own port (--port 0) in a folder of its own; one that exits
+    first (here: a token a header cannot carry) fails the start at once with the line saying why, and
+    the folder is gone."""
+    import tempfile
+
+    from grpo.errors import ServerError
+
+    made, mkdtemp = [], tempfile.mkdtemp  # the real folders, noted
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **kw: made.append(mkdtemp(**kw)) or made[-1])
+    with pytest.raises(ServerError) as e:
+        doctor.start_server("tiny", "not a token", str(tmp_path / "server.log"))
+    (folder,) = made
+    assert str(e.value).startswith(f"grpo.serve exited before it wrote its URL into {folder}: exit code 2: serve.py: "
+                                   "error: the token in $GRPO_SERVE_TOKEN has characters"), e.value
+    assert not os.path.exists(folder)

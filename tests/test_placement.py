@@ -95,36 +95,6 @@ def test_an_nccl_broadcast_wait_is_bounded_and_ends_on_abort():
     assert time.time() - t0 < 5
 
 
-def test_a_reserved_port_is_nobody_elses_until_the_server_binds_it():
-    """`reserve_port`: bound, not picked. While held, no bind(0) anywhere on the machine is given the
-    port and a plain bind is refused, yet a server binding it as vLLM does (SO_REUSEADDR, then
-    listen) gets it; after that even such a binder is refused."""
-    import socket
-
-    from grpo.rollout.servers import reserve_port
-
-    held = reserve_port("127.0.0.1")
-    port = held.getsockname()[1]
-    picked = set()
-    for _ in range(500):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            picked.add(s.getsockname()[1])
-    assert port not in picked
-    with socket.socket() as plain, pytest.raises(OSError):
-        plain.bind(("127.0.0.1", port))
-    server = socket.socket()  # vllm/entrypoints/launchers/launcher.py create_server_socket
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    server.bind(("127.0.0.1", port))
-    server.listen()
-    late = socket.socket()
-    late.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    with pytest.raises(OSError):
-        late.bind(("127.0.0.1", port))
-    for s in (late, server, held):
-        s.close()
-
-
 @pytest.mark.starts_process
 def test_a_single_process_group_binds_its_own_store_port():
     """One process (DeepSpeed's group of one): the store listens on a port the kernel chose at bind

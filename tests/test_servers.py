@@ -1,17 +1,24 @@
 """grpo/rollout/servers.py against fake servers: a server that restarted under the trainer (its pushed
 weights and transfer group gone) is an error naming it, on every path that reads its version, never a
 batch sampled from its base weights under the trainer's version; the server's side of the same event
-(grpo/rollout/gloo_transfer.py: a push with no transfer group) says so too."""
+(grpo/rollout/gloo_transfer.py: a push with no transfer group) says so too. grpo/rollout/server_watch.py:
+a dead engine fails a request in seconds; a started server's URL is read from its own folder, and
+one that exits first, or never writes, is an error saying so."""
 
 from __future__ import annotations
 
 import contextlib
 import http.server
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 
@@ -20,9 +27,12 @@ from grpo.endpoints import CONTROL_TIMEOUT_S, Server, ServerGone
 from grpo.errors import ServerError
 from grpo.rollout import gloo_transfer
 from grpo.rollout.base import Sampling
+from grpo.rollout.dedicated import engine_exit
 from grpo.rollout.push import push_from_one_rank
-from grpo.rollout.servers import DaemonWorker, ServerPool, ServerRestarted, engine_dead
+from grpo.rollout.server_watch import engine_dead, wait_for_url
+from grpo.rollout.servers import DaemonWorker, ServerPool, ServerRestarted
 from grpo.rollout.vllm_api import vllm_api
+from tests.conftest import ROOT
 
 BUCKET = [("w", torch.zeros(2))]
 
@@ -207,7 +217,7 @@ class EngineDead(http.server.BaseHTTPRequestHandler):
 
 @pytest.mark.parametrize("death", ["health 503", "stopped listening"])
 def test_a_request_to_a_server_whose_engine_died_fails_in_seconds_saying_so(monkeypatch, death):
-    """The pool's watch (servers.engine_dead) asked while a request waits: a /health of 503, or a server that
+    """The pool's watch (server_watch.engine_dead) asked while a request waits: a /health of 503, or a server that
     stopped listening while it holds the request (both what vLLM 0.32 does on CPU when its EngineCore is
     killed), fails it within WATCH_EVERY_S, not after its 600 s timeout. tests/test_dedicated.py kills a real
     engine's core."""
@@ -233,3 +243,66 @@ def test_a_request_to_a_server_whose_engine_died_fails_in_seconds_saying_so(monk
             server.request("/v1/completions", {})
     if death == "health 503":
         httpd.shutdown()
+
+
+def test_each_servers_url_is_read_from_its_own_folder_once_written_and_two_in_one_are_refused(tmp_path):
+    """server_watch.wait_for_url against grpo.serve's own write_url, each URL written half a second into
+    the wait: each server's folder gives that server's URL, never another's; a folder holding two URL
+    files is an error naming them, not a guess."""
+    from grpo.serve import write_url
+
+    folders = [tmp_path / "engine0", tmp_path / "engine1"]
+    writers = [threading.Timer(0.5, write_url, (str(folder), "127.0.0.1", port)) for folder, port in zip(folders, (4101, 4202))]
+    for folder, writer in zip(folders, writers):
+        folder.mkdir()
+        writer.start()
+    assert [wait_for_url(str(f), 30) for f in folders] == ["http://127.0.0.1:4101", "http://127.0.0.1:4202"]
+    for writer in writers:
+        writer.join()
+    write_url(str(folders[0]), "127.0.0.1", 4303)
+    with pytest.raises(ServerError, match=rf"^engine 0: {folders[0]} holds 2 URL files \(127.0.0.1-4101.url, "
+                                          r"127.0.0.1-4303.url\), where one server writes one"):
+        wait_for_url(str(folders[0]), 30, what="engine 0")
+
+
+def test_a_server_that_never_writes_its_url_is_an_error_after_the_timeout_saying_it_still_runs(tmp_path):
+    with pytest.raises(ServerError, match=rf"^engine 0 wrote no URL into {tmp_path} within 0.3 s and still runs: it is "
+                                          r"stuck before it listens"):
+        wait_for_url(str(tmp_path), 0.3, lambda: None, "engine 0")
+
+
+def serve_cmd(url_dir, *args: str) -> list[str]:
+    return [sys.executable, "-m", "grpo.serve", "--model", "tiny", "--max-model-len", "64", "--port", "0",
+            "--url-dir", str(url_dir), *args]
+
+
+@pytest.mark.starts_process
+def test_a_real_servers_url_names_the_port_its_own_process_listens_on(tmp_path):
+    """A real `grpo.serve --port 0 --url-dir` (seconds of imports before it writes): the URL read is the
+    port that very process listens on, from before its model loads."""
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(serve_cmd(tmp_path / "url"), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        url = wait_for_url(str(tmp_path / "url"), 300, lambda: engine_exit(proc, str(log)))
+        listening = [c.laddr for c in psutil.Process(proc.pid).net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+        assert url in [f"http://{a.ip}:{a.port}" for a in listening], (url, listening)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.starts_process
+def test_a_server_that_exits_before_its_url_fails_the_wait_at_once_with_its_log(tmp_path):
+    """A real grpo.serve that stops before it listens (here: its token file is not there) fails the wait as
+    soon as it has exited, with its exit code and the end of its log, not after the wait's timeout."""
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(serve_cmd(tmp_path / "url", "--token-file", str(tmp_path / "missing")), cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT)
+    with pytest.raises(ServerError) as e:
+        wait_for_url(str(tmp_path / "url"), 60, lambda: engine_exit(proc, str(log)), "engine 0")
+    assert str(e.value).startswith(f"engine 0 exited before it wrote its URL into {tmp_path / 'url'}: exit code 2; "
+                                   f"the end of {log}:\n"), e.value
+    assert "--token-file: the path given does not exist" in str(e.value)

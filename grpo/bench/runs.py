@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
@@ -22,8 +23,8 @@ from grpo import listeners
 from grpo.config import compose_config
 from grpo.cpus import set_num_threads
 from grpo.progress import WaitProgress
-from grpo.rollout.dedicated import pinned_engine_env
-from grpo.rollout.servers import free_port
+from grpo.rollout.dedicated import engine_exit, pinned_engine_env
+from grpo.rollout.server_watch import wait_for_url
 from grpo.tiny.folders import resolve_model_folder
 from grpo.train import train
 
@@ -53,32 +54,39 @@ def metrics_rows(run_dir: str) -> list[dict]:
 
 @contextlib.contextmanager
 def served(model_path: str, timeout_s: float = 300, cpus: list[int] | None = None):
-    """A local `grpo.serve` on `model_path` for the remote backend; yields its URL. With `cpus`, the
-    server is pinned to them (its vLLM threads bound there), as `rollout.dedicated.cpu_cores` pins engines."""
-    port = free_port("127.0.0.1")
+    """A local `grpo.serve` on `model_path` for the remote backend, on a port it finds free and listens
+    on before it names it (its URL read from a folder of its own: server_watch.wait_for_url); yields its
+    URL. With `cpus`, the server is pinned to them (its vLLM threads bound there), as
+    `rollout.dedicated.cpu_cores` pins engines."""
+    folder = tempfile.mkdtemp(prefix="grpo-bench-serve-")  # its URL file and its log
+    log_path = os.path.join(folder, "serve.log")
     env = {**os.environ, **pinned_engine_env(cpus)}
-    proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", str(port),
-                             "--max-model-len", "256", "--memory-fraction", "0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env,
-                            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
-    url = f"http://127.0.0.1:{port}"
-    listeners.expect_served(proc.pid, url, "the bench's grpo.serve")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", "0", "--url-dir", folder,
+                                 "--max-model-len", "256", "--memory-fraction", "0.1"],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     try:
         deadline = time.time() + timeout_s
+        url = wait_for_url(folder, timeout_s, lambda: engine_exit(proc, log_path), f"grpo.serve on {model_path}")
+        listeners.expect_served(proc.pid, url, "the bench's grpo.serve")
         progress = WaitProgress(f"grpo.serve at {url} to answer /health", timeout_s)
         while True:
             try:
                 urllib.request.urlopen(url + "/health", timeout=2)
                 break
             except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"grpo.serve on {model_path} did not start") from None
+                if (gone := engine_exit(proc, log_path)) or time.time() > deadline:
+                    raise RuntimeError(f"grpo.serve on {model_path} did not start: "
+                                       f"{gone or f'no answer to /health within {timeout_s:.0f} s'}") from None
                 progress()
                 time.sleep(1)
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # its group, whose leader may have exited already
+            os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextlib.contextmanager

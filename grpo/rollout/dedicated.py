@@ -3,8 +3,9 @@
 Placement: training process i of a node uses cuda:i, so `rollout.dedicated.devices=auto` takes the
 node's remaining GPUs; an explicit list is checked against what is visible. The local main process
 starts `num_engines` engine servers (`python -m grpo.serve`, bound to 127.0.0.1 with a fresh
-random token), the devices split evenly between them (tensor parallel inside each). On a machine
-without GPUs the engines are CPU processes.
+random token, each on a port it finds free and listens on before it names it in its URL file), the
+devices split evenly between them (tensor parallel inside each). On a machine without GPUs the
+engines are CPU processes.
 
 Each step, the node's ranks hand their prompts to the local main process, which sends the node's
 whole batch at once, split across its engines by load, and hands every rank its own completions
@@ -22,10 +23,14 @@ from __future__ import annotations
 import atexit
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from concurrent.futures import Future
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as tdist
@@ -41,7 +46,8 @@ from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, finished_at
 from grpo.weights import WeightBuckets
 from grpo.rollout.trajectories import episode_driver
 from grpo.rollout.push import TRANSFERS, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
-from grpo.rollout.servers import ServerPool, TurnGate, in_thread, log_tail, reserve_port
+from grpo.rollout.server_watch import log_tail, wait_for_url
+from grpo.rollout.servers import ServerPool, TurnGate, in_thread
 from grpo.rollout.vllm_api import installed
 
 
@@ -184,13 +190,14 @@ def pinned_engine_env(cpus: list[int] | None) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "OMP_NUM_THREADS": str(len(cpus))}
 
 
-def engine_argv(model_path: str, devices: list[str], port: int, vllm_cfg, dtype: str, transfer: str = "grpo_gloo",
+def engine_argv(model_path: str, devices: list[str], url_dir: str, vllm_cfg, dtype: str, transfer: str = "grpo_gloo",
                 cpus: list[int] | None = None, lora_rank: int = 0, max_model_len: int | None = None,
                 routed_experts: bool = False) -> list[str]:
-    """The `grpo.serve` command of one dedicated engine (`launch_engine`). Every engine setting is
-    passed, none left to grpo.serve's device defaults: rollout.vllm.enforce_eager=true, unsaid, was CUDA
-    graphs on a GPU (serve's default there)."""
-    argv = [sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", str(port),
+    """The `grpo.serve` command of one dedicated engine (`launch_engine`): on a port it finds free and
+    listens on at once, its URL written into `url_dir` (server_watch.wait_for_url reads it). Every engine
+    setting is passed, none left to grpo.serve's device defaults: rollout.vllm.enforce_eager=true,
+    unsaid, was CUDA graphs on a GPU (serve's default there)."""
+    argv = [sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", "0", "--url-dir", url_dir,
             "--max-model-len", str(max_model_len or vllm_cfg.max_model_len), "--dtype", dtype, "--kv-cache-gb", str(vllm_cfg.kv_cache_gb),
             "--weight-transfer", transfer, "--images-per-prompt", str(vllm_cfg.images_per_prompt)]
     if devices == ["cpu"]:
@@ -210,17 +217,17 @@ def engine_argv(model_path: str, devices: list[str], port: int, vllm_cfg, dtype:
     return argv
 
 
-def launch_engine(model_path: str, devices: list[str], port: int, token: str, vllm_cfg, dtype: str, log_path: str,
+def launch_engine(model_path: str, devices: list[str], url_dir: str, token: str, vllm_cfg, dtype: str, log_path: str,
                   transfer: str = "grpo_gloo", cpus: list[int] | None = None, lora_rank: int = 0,
                   max_model_len: int | None = None, routed_experts: bool = False):
-    """One `grpo.serve` process on `devices`, bound to 127.0.0.1, logging to `log_path`; on CPU,
-    pinned to `cpus` when given (its vLLM threads bound to them); with `lora_rank`, serving LoRA
-    adapters up to that rank. `max_model_len`: the engine's context as fitted to the model
-    (engine_memory.engine_context); default rollout.vllm.max_model_len."""
+    """One `grpo.serve` process on `devices`, bound to 127.0.0.1 on a free port it names in `url_dir`
+    (`engine_argv`), logging to `log_path`; on CPU, pinned to `cpus` when given (its vLLM threads bound
+    to them); with `lora_rank`, serving LoRA adapters up to that rank. `max_model_len`: the engine's
+    context as fitted to the model (engine_memory.engine_context); default rollout.vllm.max_model_len."""
     env = {**os.environ, "GRPO_SERVE_TOKEN": token, **pinned_engine_env(cpus), **dist.loopback_env()}
     if devices != ["cpu"]:  # the engine owns these GPUs
         env["CUDA_VISIBLE_DEVICES"] = child_visible_devices(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    argv = engine_argv(model_path, devices, port, vllm_cfg, dtype, transfer, cpus, lora_rank, max_model_len, routed_experts)
+    argv = engine_argv(model_path, devices, url_dir, vllm_cfg, dtype, transfer, cpus, lora_rank, max_model_len, routed_experts)
     with open(log_path, "w") as log:  # the child keeps its own copy
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     # ends the engine's group if the trainer dies and the server's own SIGTERM does not (grpo/rollout/reaper.py)
@@ -336,7 +343,7 @@ class DedicatedBackend(RolloutBackend):
         self.schedule = cfg.schedule
         self.is_owner = dist.rank() == self.main
         self.procs: list[subprocess.Popen] = []
-        self.ports: list[int] = []  # each engine's API port, registered in grpo.listeners until close
+        self.ports: list[int] = []  # each engine's API port, once its URL is read; registered in grpo.listeners until close
         self.reapers: list[subprocess.Popen] = []  # one per engine (grpo/rollout/reaper.py)
         self.pool = None
         self.weight_version = 0
@@ -362,39 +369,48 @@ class DedicatedBackend(RolloutBackend):
         if self.is_owner:
             installed()  # the engines run this environment's vLLM: one in the supported range, before any starts
             shares = plan_engines(devices, cfg.dedicated.num_engines, *model_heads(model_path))
-            k = len(shares)
-            # ports held from here until the engines listen on them (reserve_port), not picked and bound later
-            held = [reserve_port("127.0.0.1") for _ in range(k)]
-            token, ports = secrets.token_hex(16), [h.getsockname()[1] for h in held]
-            self.ports = ports
+            token = secrets.token_hex(16)
             transfer = transfer_backend(cfg.vllm.weight_transfer, devices != ["cpu"] and torch.cuda.is_available())
             atexit.register(self.close)
-            logs = [os.path.join(run_dir, f"vllm-engine-{dist.node_name()}-{port}.log") for port in ports]
+            # each engine listens on a port it found free before it names it (grpo.serve --port 0), in a folder
+            # of its own (mkdtemp: private), so no other user can take the port between its pick and its bind
+            # and no engine's URL is read as another's (server_watch.wait_for_url)
+            folders = [tempfile.mkdtemp(prefix="grpo-engine-") for _ in shares]
+            logs = [os.path.join(run_dir, f"vllm-engine-{dist.node_name()}-starting{i}.log") for i in range(len(shares))]
+            deadline = time.time() + cfg.dedicated.start_timeout_s
             try:
-                for share, port, log in zip(shares, ports, logs):
-                    engine, reaper = launch_engine(model_path, share, port, token, cfg.vllm, dtype, log, transfer,
+                for share, folder, log in zip(shares, folders, logs):
+                    engine, reaper = launch_engine(model_path, share, folder, token, cfg.vllm, dtype, log, transfer,
                                                    engine_cpus, lora_rank, self.max_context, routed)
                     self.procs.append(engine)
                     self.reapers.append(reaper)
-                    name = f"dedicated engine {len(self.procs) - 1}"
+                urls = []
+                for i, (engine, folder, log) in enumerate(zip(self.procs, folders, logs)):
+                    name = f"dedicated engine {i}"
+                    urls.append(wait_for_url(folder, max(0.0, deadline - time.time()), lambda: engine_exit(engine, log),
+                                             f"{name} (log: {log})"))  # the lambda is called in this iteration only
+                    port = urlparse(urls[-1]).port
+                    self.ports.append(port)
+                    # its log named by its port from here on (the engine writes on into the renamed file)
+                    logs[i] = os.path.join(run_dir, f"vllm-engine-{dist.node_name()}-{port}.log")
+                    os.replace(log, logs[i])
                     listeners.expect("127.0.0.1", port, f"vLLM engine API ({name})")
                     listeners.expect_process(engine.pid, "127.0.0.1", f"vLLM engine internals: gloo groups, "
                                              f"weight-transfer pairs ({name})", tree=True)
                 exited = [lambda proc=proc, log=log: engine_exit(proc, log) for proc, log in zip(self.procs, logs)]
-                self.pool = ServerPool([f"http://127.0.0.1:{p}" for p in ports], token, cfg.dedicated.start_timeout_s,
-                                       cfg.dedicated.request_timeout_s, "127.0.0.1", transfer=transfer, logs=logs,
-                                       exited=exited)
+                self.pool = ServerPool(urls, token, max(0.0, deadline - time.time()), cfg.dedicated.request_timeout_s,
+                                       "127.0.0.1", transfer=transfer, logs=logs, exited=exited)
                 self.pool.routes = routed
             except BaseException:  # an engine that never got healthy: stop the ones already started
                 self.close()
                 raise
             finally:
-                for h in held:
-                    h.close()
+                for folder in folders:  # read, or never to be
+                    shutil.rmtree(folder, ignore_errors=True)
             if partial_rollouts:
                 self.pool.gate = TurnGate(self.weight_version)
             print(f"dedicated: node {dist.node_name()} (ranks {self.main}-{self.main + per_node - 1}) owns "
-                  f"{len(ports)} engine(s) on {devices}: {', '.join(f'127.0.0.1:{p}' for p in ports)}", flush=True)
+                  f"{len(urls)} engine(s) on {devices}: {', '.join(urls)}", flush=True)
         dist.barrier()
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
@@ -446,14 +462,17 @@ class DedicatedBackend(RolloutBackend):
 
     def close(self) -> None:
         atexit.unregister(self.close)  # registered at start: nothing keeps a closed backend alive
-        # an engine whose vLLM engine died (servers.engine_dead) never exits on SIGTERM while a request it
+        # an engine whose vLLM engine died (server_watch.engine_dead) never exits on SIGTERM while a request it
         # holds is unanswered: killed at once, not after the 60 s an engine gets to stop
         dead = [s.dead is not None for s in self.pool.servers] if self.pool is not None else [False] * len(self.procs)
         if self.pool is not None:
             self.pool.close()
             self.pool = None
-        for proc, port, gone in zip(self.procs, self.ports, dead):
-            listeners.forget(port, proc.pid)
+        for port in self.ports:
+            listeners.forget(port)
+        self.ports = []
+        for proc, gone in zip(self.procs, dead):
+            listeners.forget(pid=proc.pid)
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL if gone else signal.SIGTERM)
         for proc in self.procs:

@@ -1,6 +1,6 @@
 """vLLM servers driven together, shared by `dedicated` (engines this trainer starts), `remote`
-(servers by URL), `grpo.serve` and `grpo.launch`: free ports, health polling, the load split, weight
-pushes over the grpo_gloo transport.
+(servers by URL), `grpo.serve` and `grpo.launch`: health polling, the load split, weight pushes over
+the grpo_gloo transport.
 
 - Before use, every server's /health is polled until a deadline; one that never answers is an
   error naming it.
@@ -26,9 +26,8 @@ pushes over the grpo_gloo transport.
   it takes images on /inference/v1/generate and has /shutdown_weight_transfer_engine.
 - Control routes (/version, /weight_info, a weight update's start and end, the cache resets) answer
   within CONTROL_TIMEOUT_S (60 s), not request_timeout_s, which is sized for generation. Every request
-  is watched (`engine_dead`): a server whose vLLM engine died fails the request in flight within
-  seconds, naming why (and, for a dedicated engine, the end of its log), where vLLM would hold it
-  open until its timeout.
+  is watched (grpo/rollout/server_watch.py `engine_dead`): a server whose vLLM engine died fails the
+  request in flight within seconds, naming why.
 - Partial rollouts (`algo.partial_rollouts`, multi-turn episodes scheduled per trajectory): a push
   waits only for the turns in flight (`TurnGate`), not for the batch; the episodes' later turns are
   sampled by the new weights, and every token records the version that sampled it.
@@ -53,6 +52,7 @@ from grpo.progress import say
 from grpo.rollout.base import Rollouts, Sampling, sampling_fields
 from grpo.rollout.gloo_transfer import BACKEND as GLOO, GlooSender
 from grpo.rollout.nccl_transfer import NcclSender
+from grpo.rollout.server_watch import engine_dead
 from grpo.rollout.vllm_api import VllmApi, installed, of_server, reset_prefix_cache, takes_unique_id
 from grpo.vision import server_prompt, vision_of
 from grpo.weights import WeightBuckets
@@ -123,21 +123,10 @@ def in_thread(fn, *args) -> Future:
 
 
 def free_port(host: str = "") -> int:
-    """A port free now; another process may take it before it is bound again (prefer reserve_port)."""
+    """A port free now, which another process may take before it is bound (see server_watch.wait_for_url)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def reserve_port(host: str = "") -> socket.socket:
-    """A port bound now and held: a socket bound to (host, 0) with SO_REUSEADDR and never listening.
-    While it is open the kernel gives the port to no other bind(0) and refuses a plain bind, but a
-    server that binds it with SO_REUSEADDR (vLLM's create_server_socket, uvicorn) still can, since
-    none of them listens yet. Keep it open until the server listens; `.getsockname()[1]` is the port."""
-    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((host, 0))
-    return s
 
 
 MAX_REQUESTS_IN_FLIGHT = 64  # per server: concurrent /v1/completions requests of one batch
@@ -277,48 +266,6 @@ def check_echo(server: Server, prompts: list[list[int]], n: int, choices: list[d
                               f"{len(sent)} ids sent {list(sent)[:8]}...: the sampler and the trainer would see "
                               "different sequences")
         server.prompt_checks += 1
-
-
-def log_tail(path: str, lines: int = 15) -> str:
-    """The last `lines` lines of a log file (what vLLM said last), or why there are none."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, 2) - 64 * 1024))
-            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:]).strip()
-    except OSError as e:
-        return f"(no log: {e})"
-
-
-def refused(e: ServerError) -> bool:
-    """A request that found nothing listening at the server's address."""
-    cause = e.__cause__
-    return isinstance(getattr(cause, "reason", cause), ConnectionRefusedError)
-
-
-def engine_dead(server: Server, exited=None, log: str | None = None) -> str | None:
-    """Why `server` will never answer, or None while it may: each pool server's `watch` (endpoints.py
-    Server.watched). vLLM 0.32 whose engine core died (killed for memory, crashed) keeps its API process:
-    it answers /health with 503 (EngineDeadError), stops listening within 5 s (its watchdog), and holds
-    a request sent as the engine died open, unanswered, until the client gives up; its process exits
-    only then. So, in order: the process gone (`exited`, an engine this trainer started: its exit code
-    and log), its `log` saying EngineDeadError (a dedicated engine's), /health answering 503 or
-    refusing the connection (any server). A /health that is slow or times out says nothing: the
-    request's own timeout decides then."""
-    if exited is not None and (gone := exited()):
-        return f"its process exited ({gone})"
-    if log is not None and "EngineDeadError" in log_tail(log, lines=400):
-        return f"its vLLM engine died (EngineDeadError); the end of {log}:\n{log_tail(log)}"
-    try:
-        server.send("/health", None, timeout=5, send_token=False)  # open to all (grpo/serve.py OPEN_ROUTES)
-        return None
-    except ServerError as e:
-        if e.status == 503:
-            why = "it answers /health with 503: its vLLM engine died (EngineDeadError)"
-        elif refused(e):
-            why = "it no longer accepts connections (vLLM stops listening once its engine died)"
-        else:
-            return None
-    return why + (f"; the end of {log}:\n{log_tail(log)}" if log else "; its log says why")
 
 
 def release_transfer(server) -> None:
