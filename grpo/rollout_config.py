@@ -60,7 +60,7 @@ class DedicatedConfig:
     # CPU nodes: cores reserved for the engines (the last ones of the node's affinity mask), the rest
     # for training, as GPUs are reserved on GPU nodes (where it is refused); 0 = engines and trainers share every core
     cpu_cores: int = 0
-    start_timeout_s: float = 600.0  # engines must answer /health within this
+    start_timeout_s: float = 600.0  # engines must listen (their URL written) and answer /health within this
     request_timeout_s: float = 600.0  # one generation or weight-sync request
 
 
