@@ -30,9 +30,8 @@ Topologies:
     guarding the weight routes (in <run_dir>/servers/token, mode 600, read by both jobs, removed when
     the trainer cancels the servers; never the user's own $GRPO_SERVE_TOKEN). The
     trainer job waits for S URLs whose servers answer /health (a URL file outlives its server:
-    `wait_for_urls`), failing at once, saying what to do, if the server job has ended (a requeued
-    trainer whose servers it cancelled when it was preempted: docs/slurm.md, a known gap), and
-    cancels the servers when training ends.
+    `wait_for_urls`), failing at once, saying what to do, if the server job has ended before they
+    answered, and cancels the servers on every way out (an error, scancel, preemption).
   - judges (reward=judge): judges=J judge_model=M submits another companion job: J nodes, each running
     one `grpo.serve --model M` (`JudgeJob`; tensor parallel over the node's judge_gpus, or on CPU),
     writing its URL into <run_dir>/judges/. The trainer waits for the J URLs and trains with
@@ -40,6 +39,9 @@ Topologies:
     (<run_dir>/judges/token, mode 600), handed explicitly (the judge never falls back to the servers'
     token; grpo/auth.py); the judges are cancelled, and their token removed, with the servers. Any
     configuration can take judges: they only score.
+  A requeued trainer (a preemption, its time limit, `scontrol requeue`) starts its server and judge
+  jobs again, with the launch's settings and fresh tokens, before it waits for their URLs; so does a
+  trainer that finds one ended when it starts (grpo/companions.py: `agree_on_companions`).
 The servers a job starts write plain http:// URLs on the cluster's network, so the trainer is given
 rollout.remote.allow_plain_http=true (and reward.judge.allow_plain_http=true) for them, in the open in
 its config.yaml; servers given by URL get no such key.
@@ -49,25 +51,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import json
 import os
-import secrets
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from grpo.cli import exit_on_user_error
+from grpo.companions import (Companion, agree_on_companions, cancel_jobs, executor_for, executor_settings, job_listed,
+                             judges_dir, servers_dir, slurm_folder, token_path, wait_for_urls, write_companion_jobs)
 from grpo.config import compose_config, known_model_config, validate
 from grpo.dist import node_name
-from grpo.endpoints import Server
-from grpo.errors import ConfigError, ServerError
-from grpo.progress import WaitProgress
+from grpo.errors import ConfigError
 from grpo.rollout.dedicated import child_visible_devices, config_heads
 from grpo.serve import main as serve, resolve_model
 from grpo.slurm import check_request, check_tensor_parallel, request_from
@@ -141,107 +139,31 @@ class TrainJob:
 
     overrides: list[str]
     run_dir: str
-    num_servers: int = 0
-    server_job: str | None = None
+    companions: list[Companion] = field(default_factory=list)  # its server and judge jobs, started again on a requeue
     server_wait_s: float = 1800.0
-    num_judges: int = 0
-    judge_job: str | None = None
-    token_files: list[str] = field(default_factory=list)  # the companion jobs' tokens, removed with their servers
 
     def __call__(self) -> dict:
         overrides = [*self.overrides, f"run_dir={self.run_dir}"]
         try:
-            if self.num_servers:
-                urls = wait_for_urls(servers_dir(self.run_dir), self.num_servers, self.server_wait_s, "rollout server",
-                                     self.run_dir, self.server_job)
-                overrides.append(f"rollout.remote.urls=[{','.join(urls)}]")
-            if self.num_judges:
-                urls = wait_for_urls(judges_dir(self.run_dir), self.num_judges, self.server_wait_s, "judge server",
-                                     self.run_dir, self.judge_job)
-                overrides.append(f"reward.judge.urls=[{','.join(urls)}]")
+            if self.companions:
+                agree_on_companions(self.run_dir, self.companions, os.environ, self.server_wait_s)
+            for companion in self.companions:
+                urls = wait_for_urls(companion.folder, companion.count, self.server_wait_s, companion.what, self.run_dir,
+                                     companion.job_id)
+                overrides.append(f"{companion.urls_key}=[{','.join(urls)}]")
             return train(compose_config(overrides))
         finally:  # every way out: an error, scancel or preemption (SystemExit), the watchdog (KeyboardInterrupt)
             self.cancel_servers()
 
     def cancel_servers(self, grace_s: float = 60) -> None:
-        """SIGINT first, as Ctrl-C would (vLLM then shuts its engine down and frees its shared
-        memory); a plain scancel only for a server still there after `grace_s`. Rollout servers and
-        judges alike. Then their token files go: nothing is left that they guard."""
-        jobs = [j for j in (self.server_job, self.judge_job) if j]
-        if jobs and os.environ.get("SLURM_PROCID", "0") == "0":
-            subprocess.run(["scancel", "--signal=INT", *jobs], check=False)
-            deadline = time.time() + grace_s
-            while time.time() < deadline and any(job_listed(j) for j in jobs):
-                time.sleep(1)
-            subprocess.run(["scancel", *jobs], check=False)
-        if os.environ.get("SLURM_PROCID", "0") == "0":
-            for path in self.token_files:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
-
-
-def servers_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, "servers")
-
-
-def judges_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, "judges")
-
-
-def write_token_file(folder: str) -> str:
-    """A fresh random token in <folder>/token (the servers' or the judges' folder of the run), readable by
-    its owner only (chmod 600): the run folder is on a file system every node sees, and the token never
-    enters a command line, a config or the job's environment. Fresh per launch, never the user's own
-    $GRPO_SERVE_TOKEN (which may guard their other servers); removed by `TrainJob.cancel_servers`."""
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "token")
-    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
-    os.replace(path + ".tmp", path)
-    return path
-
-
-def answers(url: str) -> bool:
-    """Whether a server listens at `url` and answers /health (an open route): a URL file outlives its server."""
-    try:
-        Server(url, None, 5).request("/health")
-    except ServerError:
-        return False
-    return True
-
-
-def job_gone(job_id: str) -> bool:
-    """Whether SLURM says the job has ended: squeue lists it no more, or no longer knows its id (after the
-    cluster's MinJobAge). A squeue that fails otherwise says nothing: False."""
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
-    return (out.returncode == 0 and not out.stdout.strip()) or "Invalid job id" in out.stderr
-
-
-def wait_for_urls(folder: str, count: int, timeout_s: float, what: str, run_dir: str, job: str | None = None) -> list[str]:
-    """The URLs of `count` servers of a companion job (`what`: rollout or judge servers) that wrote them
-    into `folder` and answer /health. A URL file whose server is gone (a server job requeued onto other
-    ports, a server that died) is passed over, never handed to the trainer. `job`: the companion job's id;
-    once SLURM has ended it, the wait is an error at once, saying what to do: a training job requeued
-    after a preemption finds the servers it cancelled as it stopped (docs/slurm.md, a known gap)."""
-    deadline = time.time() + timeout_s
-    progress = WaitProgress(f"{count} {what}(s) to write their URL into {folder} and answer /health", timeout_s,
-                            note=f"server job log under {run_dir}/slurm/")
-    while True:
-        urls = [u for u in sorted(Path(p).read_text().strip() for p in glob.glob(os.path.join(folder, "*.url"))) if answers(u)]
-        if len(urls) >= count:
-            return urls[:count]
-        if job and job_gone(job):
-            raise ServerError(f"the {what} job {job} has ended (squeue no longer lists it) with {len(urls)} of {count} "
-                              f"{what}(s) answering: a training job requeued after a preemption or its time limit finds the "
-                              f"servers that it cancelled as it stopped, or that reached their own time limit. Submit the run "
-                              f"again with run_dir={run_dir} (python -m grpo.launch ...): it starts new servers and resumes "
-                              f"from its last checkpoint.")
-        progress()
-        if time.time() > deadline:
-            raise RuntimeError(f"only {len(urls)} of {count} {what}s wrote their URL into {folder} and answered /health "
-                               f"within {timeout_s:.0f} s; is the server job running (squeue)? Its log is under {run_dir}/slurm/.")
-        time.sleep(2)
+        """Rank 0 cancels the companion jobs (`cancel_jobs`), then removes their token files: nothing is
+        left that they guard. A preempted trainer too: its requeue starts new ones (`agree_on_companions`)."""
+        if os.environ.get("SLURM_PROCID", "0") != "0":
+            return
+        cancel_jobs([c.job_id for c in self.companions if c.job_id], grace_s)
+        for companion in self.companions:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(token_path(companion.folder))
 
 
 def servers_per_node(server_gpus: int, tensor_parallel_size: int) -> int:
@@ -336,30 +258,6 @@ def check_server_sizes(cfg, own: dict) -> None:
                               "Each judge is tensor parallel over all of its node's judge_gpus: set judge_gpus to one of those.")
 
 
-def executor_for(folder: str, launcher, name: str, **changes):
-    """A submitit SLURM executor with conf/hydra/launcher/slurm.yaml's values (and `changes`)."""
-    import submitit  # submitit: heavy, only when a job is submitted
-
-    keys = ("nodes", "tasks_per_node", "timeout_min", "gpus_per_node", "cpus_per_task", "mem_gb", "partition",
-            "account", "qos", "constraint", "signal_delay_s", "additional_parameters", "setup")
-    p = {k: launcher[k] for k in keys} | changes
-    p = {k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in p.items()}
-    executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
-    generic = {"name": name, "nodes": p["nodes"], "tasks_per_node": p["tasks_per_node"], "timeout_min": p["timeout_min"],
-               "gpus_per_node": p["gpus_per_node"], "cpus_per_task": p["cpus_per_task"], "mem_gb": p["mem_gb"]}
-    slurm = {"slurm_partition": p["partition"], "slurm_account": p["account"], "slurm_qos": p["qos"],
-             "slurm_constraint": p["constraint"], "slurm_signal_delay_s": p["signal_delay_s"],
-             "slurm_additional_parameters": p["additional_parameters"] or None, "slurm_setup": p["setup"]}
-    executor.update_parameters(**{k: v for k, v in {**generic, **slurm}.items() if v is not None})
-    return executor
-
-
-def job_listed(job_id: str) -> bool:
-    """Whether SLURM still lists the job (`sacct` may be off, so squeue)."""
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
-    return out.returncode == 0 and bool(out.stdout.strip())
-
-
 def wait_for_job(job_id: str, poll_s: float = 5) -> None:
     """Until SLURM no longer lists the job (through requeues)."""
     while job_listed(job_id):
@@ -406,31 +304,31 @@ def launch(argv: list[str]) -> str:
                                                               "gpus_per_node": own["judge_gpus"] or None})))
 
     os.makedirs(run_dir, exist_ok=True)
-    folder = os.path.join(run_dir, "slurm", "%j")
-    server_job = judge_job = None
-    token_files = []
-    if own["servers"] or own["judges"]:
-        for old in glob.glob(os.path.join(servers_dir(run_dir), "*.url")) + glob.glob(os.path.join(judges_dir(run_dir), "*.url")):
-            os.remove(old)  # from an earlier launch into this folder
+    companions = []  # each submitted with its URL files of an earlier launch into this folder removed and a fresh token
     if own["judges"]:  # a token of their own: the rollout servers' opens weight pushes, which a judge has no use for
-        token_files.append(token_file := write_token_file(judges_dir(run_dir)))
-        ex = executor_for(folder, launcher, "grpo-judge", nodes=own["judges"], tasks_per_node=1,
-                          gpus_per_node=own["judge_gpus"] or None)
-        judge_job = ex.submit(JudgeJob(own["judge_model"], run_dir, own["judge_gpus"], ["--token-file", token_file])).job_id
+        token_file = token_path(judges_dir(run_dir))
+        companions.append(judges := Companion(
+            "judge server", "grpo-judge", judges_dir(run_dir), own["judges"],
+            JudgeJob(own["judge_model"], run_dir, own["judge_gpus"], ["--token-file", token_file]),
+            executor_settings(launcher, nodes=own["judges"], tasks_per_node=1, gpus_per_node=own["judge_gpus"] or None),
+            "reward.judge.urls"))
         train_overrides = [*train_overrides, f"reward.judge.token_file={token_file}", "reward.judge.allow_plain_http=true"]
-        print(f"submitted judge servers: job {judge_job} ({own['judges']} node(s) of {own['judge_model']})")
+        print(f"submitted judge servers: job {judges.start(run_dir)} ({own['judges']} node(s) of {own['judge_model']})")
     if own["servers"]:
-        token_files.append(token_file := write_token_file(servers_dir(run_dir)))
-        ex = executor_for(folder, launcher, "grpo-serve", nodes=own["servers"], tasks_per_node=per_node,
-                          gpus_per_node=own["server_gpus"] or None)
-        server_job = ex.submit(ServeJob(train_overrides, run_dir, ["--token-file", token_file])).job_id
+        token_file = token_path(servers_dir(run_dir))
+        companions.append(servers := Companion(
+            "rollout server", "grpo-serve", servers_dir(run_dir), own["servers"] * per_node,
+            ServeJob(train_overrides, run_dir, ["--token-file", token_file]),
+            executor_settings(launcher, nodes=own["servers"], tasks_per_node=per_node, gpus_per_node=own["server_gpus"] or None),
+            "rollout.remote.urls"))
         train_overrides = [*train_overrides, f"rollout.remote.token_file={token_file}", "rollout.remote.allow_plain_http=true"]
-        print(f"submitted rollout servers: job {server_job} ({own['servers']} node(s) x {per_node} server(s))")
+        print(f"submitted rollout servers: job {servers.start(run_dir)} ({own['servers']} node(s) x {per_node} server(s))")
+    if companions:  # the trainer's first start takes these jobs (grpo/companions.py: agree_on_companions)
+        write_companion_jobs(run_dir, "launch", {c.what: c.job_id for c in companions})
     summary = os.path.join(run_dir, "summary.json")
     before = summary_mtime(summary)  # a reused run folder holds an earlier run's summary: wait=true must not print it
-    job = executor_for(folder, launcher, "grpo").submit(TrainJob(train_overrides, run_dir, own["servers"] * per_node, server_job,
-                                                                 num_judges=own["judges"], judge_job=judge_job,
-                                                                 token_files=token_files))
+    job = executor_for(slurm_folder(run_dir), executor_settings(launcher), "grpo").submit(
+        TrainJob(train_overrides, run_dir, companions))
     print(f"submitted training: job {job.job_id}, {launcher.nodes} node(s) x {launcher.tasks_per_node} task(s)\n"
           f"  run folder {run_dir}\n  logs {run_dir}/slurm/{job.job_id}/\n  squeue -j {job.job_id}; scancel {job.job_id}")
     if own["wait"]:

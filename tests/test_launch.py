@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -189,13 +190,25 @@ def test_a_slurm_sweep_with_one_job_that_cannot_run_is_refused_before_submitting
             "2 processes were launched but parallel=single") in out.stderr
 
 
+def companion(what: str, run_dir, job_id: str | None) -> "Companion":
+    """A Companion as grpo.launch makes one (1 server), its job `job_id`; `task` and settings never run here."""
+    from grpo.companions import Companion, judges_dir, servers_dir
+    from grpo.launch import JudgeJob, ServeJob
+
+    if what == "judge server":
+        return Companion(what, "grpo-judge", judges_dir(str(run_dir)), 1, JudgeJob("tiny", str(run_dir)), {"nodes": 1},
+                         "reward.judge.urls", job_id)
+    return Companion(what, "grpo-serve", servers_dir(str(run_dir)), 1, ServeJob([], str(run_dir)), {"nodes": 1},
+                     "rollout.remote.urls", job_id)
+
+
 @pytest.mark.starts_process
-def test_the_trainer_waits_for_its_judges_urls_and_cancels_them_with_the_servers(tmp_path, monkeypatch):
+def test_the_trainer_waits_for_its_companions_urls_and_cancels_them_at_the_end(tmp_path, monkeypatch):
     """The judge job's URL, written into <run_dir>/judges/, becomes reward.judge.urls of the training
-    config; both companion jobs are cancelled when training ends. `scancel` and `squeue` are stand-ins
-    on PATH that record their arguments (no SLURM here)."""
+    config (the server job's, rollout.remote.urls); both companion jobs are cancelled when training
+    ends. `scancel` and `squeue` are stand-ins on PATH that record their arguments (no SLURM here)."""
     import grpo.launch
-    from grpo.launch import TrainJob, judges_dir
+    from grpo.launch import TrainJob
 
     calls = tmp_path / "calls"
     # squeue: the jobs run until scancel is called
@@ -203,14 +216,17 @@ def test_the_trainer_waits_for_its_judges_urls_and_cancels_them_with_the_servers
     monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", {"scancel": recording(calls), "squeue": listed}))
     monkeypatch.setenv("SLURM_PROCID", "0")
     run_dir = tmp_path / "run"
-    os.makedirs(judges_dir(str(run_dir)))
+    companions = [companion("judge server", run_dir, "12"), companion("rollout server", run_dir, "11")]
     with healthy_server() as url:
-        (run_dir / "judges" / "n2-8100.url").write_text(url + "\n")
+        for c in companions:
+            os.makedirs(c.folder)
+            (Path(c.folder) / "n2-8100.url").write_text(url + "\n")
         seen = []
-        monkeypatch.setattr(grpo.launch, "train", lambda cfg: seen.append(list(cfg.reward.judge.urls)) or {"ok": 1})  # TrainJob's
-        job = TrainJob(["reward=judge"], str(run_dir), server_job="11", num_judges=1, judge_job="12", server_wait_s=5)
-        assert job() == {"ok": 1} and seen == [[url]]
-    assert "scancel --signal=INT 11 12" in calls.read_text()
+        urls = lambda cfg: (list(cfg.reward.judge.urls), list(cfg.rollout.remote.urls))
+        monkeypatch.setattr(grpo.launch, "train", lambda cfg: seen.append(urls(cfg)) or {"ok": 1})  # TrainJob's
+        job = TrainJob(["reward=judge", "rollout=remote"], str(run_dir), companions, server_wait_s=5)
+        assert job() == {"ok": 1} and seen == [([url], [url])]
+    assert "scancel --signal=INT 12 11" in calls.read_text()
 
 
 @contextlib.contextmanager
@@ -239,19 +255,19 @@ def test_the_trainer_takes_only_urls_of_servers_that_answer_and_stops_when_the_s
     took the dead server's URL file at once (/tmp/s18 requeue_repro). Now a URL whose server does not
     answer /health is passed over, and once squeue no longer lists the server job the wait ends at once
     with what to do, instead of waiting for servers that will never come."""
-    import grpo.launch
+    import grpo.companions
+    from grpo.companions import wait_for_urls
     from grpo.errors import ServerError
-    from grpo.launch import wait_for_urls
     from grpo.rollout.servers import free_port
 
     folder = tmp_path / "servers"
     folder.mkdir()
     (folder / "n1-1.url").write_text(f"http://127.0.0.1:{free_port('127.0.0.1')}\n")  # its server is gone
-    monkeypatch.setattr(grpo.launch, "job_gone", lambda job: False)
+    monkeypatch.setattr(grpo.companions, "job_gone", lambda job: False)
     with healthy_server() as url:
         (folder / "n2-2.url").write_text(url + "\n")
         assert wait_for_urls(str(folder), 1, 5, "rollout server", str(tmp_path), job="77") == [url]
-    monkeypatch.setattr(grpo.launch, "job_gone", lambda job: job == "77")
+    monkeypatch.setattr(grpo.companions, "job_gone", lambda job: job == "77")
     t0 = time.time()
     with pytest.raises(ServerError, match=r"the rollout server job 77 has ended .* 0 of 1 .*Submit the run again with "
                                           rf"run_dir={re.escape(str(tmp_path))}.*resumes from its last checkpoint"):
@@ -265,10 +281,10 @@ def test_the_trainer_takes_only_urls_of_servers_that_answer_and_stops_when_the_s
     (1, "", "slurm_load_jobs error: Socket timed out", False),  # squeue failed: nothing is known
 ])
 def test_a_job_is_gone_only_when_squeue_says_so(monkeypatch, code, out, err, gone):
-    import grpo.launch
+    import grpo.companions
 
-    monkeypatch.setattr(grpo.launch.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, code, out, err))
-    assert grpo.launch.job_gone("77") is gone
+    monkeypatch.setattr(grpo.companions.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, code, out, err))
+    assert grpo.companions.job_gone("77") is gone
 
 
 def test_serve_and_launch_resolve_model_names_as_the_trainer_does(cache_dir, monkeypatch):
@@ -397,16 +413,20 @@ def test_the_server_job_is_cancelled_on_every_way_out(tmp_path, monkeypatch, way
     from grpo.launch import TrainJob
 
     calls = tmp_path / "calls"
-    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", {"scancel": recording(calls), "squeue": recording(calls)}))
+    listed = recording(calls) + f'\nprint("" if "scancel" in open({str(calls)!r}).read() else "RUNNING")'
+    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", {"scancel": recording(calls), "squeue": listed}))
     monkeypatch.setenv("SLURM_PROCID", "0")
 
     def train(cfg):
         raise way_out
 
     monkeypatch.setattr(grpo.launch, "train", train)  # the name TrainJob calls
-    job = TrainJob(["steps=1"], str(tmp_path / "run"), server_job="4242")
-    with pytest.raises(type(way_out)):
-        job()
+    job = TrainJob(["steps=1", "rollout=remote"], str(tmp_path / "run"), [companion("rollout server", tmp_path / "run", "4242")])
+    with healthy_server() as url:
+        os.makedirs(job.companions[0].folder)
+        (tmp_path / "run" / "servers" / "n1-1.url").write_text(url)
+        with pytest.raises(type(way_out)):
+            job()
     assert "scancel --signal=INT 4242" in calls.read_text()
 
 
@@ -709,11 +729,13 @@ def test_launch_mints_fresh_tokens_for_servers_and_judges_and_removes_them_with_
     <run_dir>/servers/token and left there after the run, and the judges were given it too. Now each
     companion job gets a fresh token of its own (mode 600), and both files go when the trainer
     cancels the servers."""
+    import grpo.companions
     import grpo.launch
     from grpo.launch import JudgeJob, ServeJob, TrainJob
 
     executor = Submitted()
-    monkeypatch.setattr(grpo.launch, "executor_for", executor)
+    monkeypatch.setattr(grpo.launch, "executor_for", executor)  # the trainer's
+    monkeypatch.setattr(grpo.companions, "executor_for", executor)  # its companions' (Companion.start)
     monkeypatch.setattr(grpo.launch, "check_request", lambda request: None)
     monkeypatch.setenv("GRPO_SERVE_TOKEN", "users-own-token")
     run = tmp_path / "run"
@@ -731,7 +753,157 @@ def test_launch_mints_fresh_tokens_for_servers_and_judges_and_removes_them_with_
     monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", {"scancel": recording(calls), "squeue": recording(calls)}))
     monkeypatch.setenv("SLURM_PROCID", "0")
     trainer.cancel_servers()
-    assert "scancel --signal=INT 101 100" in calls.read_text() and not any(p.exists() for p in files.values())
+    assert "scancel --signal=INT 100 101" in calls.read_text() and not any(p.exists() for p in files.values())
+
+
+def test_the_trainer_carries_what_submits_its_companions_again(tmp_path, monkeypatch):
+    """A requeued trainer runs the TrainJob pickled at submission: it must carry each companion job's
+    own task and executor settings (plain values: it is pickled), and the launch's word on which jobs
+    it submitted (<run_dir>/companions.json) must be there for the trainer's first start."""
+    import pickle
+
+    import grpo.companions
+    import grpo.launch
+    from grpo.launch import ServeJob, TrainJob
+
+    executor = Submitted()
+    monkeypatch.setattr(grpo.launch, "executor_for", executor)
+    monkeypatch.setattr(grpo.companions, "executor_for", executor)
+    monkeypatch.setattr(grpo.launch, "check_request", lambda request: None)
+    run = tmp_path / "run"
+    grpo.launch.launch(["nodes=1", "servers=2", "server_gpus=4", "rollout=remote", "rollout.remote.tensor_parallel_size=2",
+                        "mem_gb=8", "time=90", f"run_dir={run}"])
+    server, trainer = (next(j for j in executor.jobs if isinstance(j, kind)) for kind in (ServeJob, TrainJob))
+    [servers] = pickle.loads(pickle.dumps(trainer)).companions
+    assert (servers.what, servers.name, servers.folder, servers.count, servers.urls_key, servers.job_id) == (
+        "rollout server", "grpo-serve", str(run / "servers"), 4, "rollout.remote.urls", "100")  # 2 nodes x 2 servers of TP 2
+    assert servers.task == server  # the very ServeJob the launch submitted
+    assert {k: servers.executor[k] for k in ("nodes", "tasks_per_node", "gpus_per_node", "mem_gb", "timeout_min")} == {
+        "nodes": 2, "tasks_per_node": 2, "gpus_per_node": 4, "mem_gb": 8, "timeout_min": 90}
+    assert servers.executor["additional_parameters"] == {"requeue": True} and type(servers.executor["setup"]) is list
+    assert json.loads((run / "companions.json").read_text()) == {"start": "launch", "jobs": {"rollout server": "100"}}
+
+
+@pytest.mark.parametrize("jobs, requeued, ended, again", [
+    ({"rollout server": "11", "judge server": "12"}, False, set(), []),  # a first start, both jobs running
+    ({"rollout server": "11", "judge server": "12"}, False, {"12"}, ["judge server"]),  # the judge job has ended
+    ({"rollout server": "11", "judge server": "12"}, True, set(), ["rollout server", "judge server"]),  # requeued: every one
+    ({"rollout server": None}, False, set(), ["rollout server"]),  # never submitted
+])
+def test_which_companion_jobs_are_started_again(jobs, requeued, ended, again):
+    from grpo.companions import companions_to_start
+
+    assert companions_to_start(jobs, requeued, ended) == again
+
+
+@pytest.mark.parametrize("env, start", [
+    ({}, ("local.0", False)),
+    ({"SLURM_JOB_ID": "7"}, ("7.0", False)),  # SLURM sets no SLURM_RESTART_COUNT before the first requeue
+    ({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "2"}, ("7.2", True)),
+    ({"SLURM_JOB_ID": "9", "SLURM_ARRAY_JOB_ID": "5", "SLURM_ARRAY_TASK_ID": "3", "SLURM_RESTART_COUNT": "1"}, ("5_3.1", True)),
+])
+def test_each_start_of_the_trainer_has_its_own_name(env, start):
+    from grpo.companions import trainer_start
+
+    assert trainer_start(env) == start
+
+
+def test_a_rank_takes_only_rank_0s_word_for_its_own_start():
+    from grpo.companions import jobs_of_start
+    from grpo.errors import ServerError
+
+    new = {"start": "7.1", "jobs": {"rollout server": "13"}}
+    assert jobs_of_start(None, "7.1") is None  # no word yet
+    assert jobs_of_start({"start": "launch", "jobs": {"rollout server": "11"}}, "7.1") is None  # the launch's: old jobs
+    assert jobs_of_start({"start": "7.0", "jobs": {"rollout server": "12"}}, "7.1") is None  # the start before the requeue
+    assert jobs_of_start(new, "7.1") == {"rollout server": "13"}
+    with pytest.raises(ServerError, match="rank 0 could not start the companion jobs: RuntimeError: sbatch failed"):
+        jobs_of_start({**new, "error": "RuntimeError: sbatch failed"}, "7.1")
+
+
+@pytest.fixture
+def requeued_run(tmp_path, monkeypatch):
+    """A run folder as a requeued trainer (job 7, first requeue) finds it: the word of its previous
+    start (server job 55), that job's URL file and token; SLURM (squeue, scancel) and submitit stood
+    in for: job 55 is listed until cancelled, new jobs get ids from 100. Yields (run_dir, env of rank
+    `r`, the jobs cancelled, the tasks submitted)."""
+    import grpo.companions
+    from grpo.companions import servers_dir, write_companion_jobs, write_token_file
+
+    run_dir = tmp_path / "run"
+    os.makedirs(servers_dir(str(run_dir)))
+    (run_dir / "servers" / "grpo-n2-8100.url").write_text("http://grpo-n2:8100\n")
+    write_token_file(servers_dir(str(run_dir)))
+    write_companion_jobs(str(run_dir), "7.0", {"rollout server": "55"})
+    cancelled, executor = [], Submitted()
+    monkeypatch.setattr(grpo.companions, "cancel_jobs", lambda jobs, grace_s=60: cancelled.extend(jobs))
+    monkeypatch.setattr(grpo.companions, "job_listed", lambda job: job == "55" and not cancelled)
+    monkeypatch.setattr(grpo.companions, "job_gone", lambda job: job == "55" and bool(cancelled))
+    monkeypatch.setattr(grpo.companions, "executor_for", executor)
+    yield run_dir, lambda r: {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1", "SLURM_PROCID": str(r)}, cancelled, executor.jobs
+
+
+def test_a_requeued_trainers_rank_0_starts_its_servers_again_and_every_rank_takes_the_new_ones(requeued_run):
+    """Rank 0 of the requeued trainer cancels the old server job (still listed: a time-limit requeue
+    leaves it), removes its URL file, writes a fresh token, submits the same ServeJob again and only
+    then writes its word; the other ranks wait for that word: before it they take nothing (not the
+    old job 55), after it they take job 100 and the new token."""
+    from grpo.companions import agree_on_companions
+
+    run_dir, env, cancelled, submitted = requeued_run
+    old_token = (run_dir / "servers" / "token").read_text()
+    rank1 = [companion("rollout server", run_dir, "55")]  # each rank unpickles its own TrainJob
+    with pytest.raises(RuntimeError, match=r"rank 0 wrote no companion jobs for this start of the training job \(7.1\)"):
+        agree_on_companions(str(run_dir), rank1, env(1), timeout_s=0)
+    assert rank1[0].job_id == "55" and not submitted
+
+    rank0 = [companion("rollout server", run_dir, "55")]
+    agree_on_companions(str(run_dir), rank0, env(0), timeout_s=0)
+    assert cancelled == ["55"] and submitted == [rank0[0].task] and rank0[0].job_id == "100"
+    assert list((run_dir / "servers").glob("*.url")) == []  # the old server's URL, gone before the word
+    new_token = (run_dir / "servers" / "token").read_text()
+    assert new_token != old_token and len(new_token.strip()) == 64
+    assert oct((run_dir / "servers" / "token").stat().st_mode & 0o777) == "0o600"
+    assert json.loads((run_dir / "companions.json").read_text()) == {"start": "7.1", "jobs": {"rollout server": "100"}}
+
+    agree_on_companions(str(run_dir), rank1, env(1), timeout_s=0)
+    assert rank1[0].job_id == "100" and len(submitted) == 1  # only rank 0 submits
+
+
+def test_a_first_start_keeps_running_companions_and_starts_an_ended_one_again(requeued_run):
+    """Not requeued (the trainer's first start, the launch's word): a companion job still running is
+    kept; one that has ended (it failed, or was cancelled by hand) is started again."""
+    from grpo.companions import agree_on_companions, write_companion_jobs
+
+    run_dir, env, cancelled, submitted = requeued_run
+    write_companion_jobs(str(run_dir), "launch", {"rollout server": "55"})
+    first = lambda r: {"SLURM_JOB_ID": "7", "SLURM_PROCID": str(r)}
+    agree_on_companions(str(run_dir), [c := companion("rollout server", run_dir, "55")], first(0), timeout_s=0)
+    assert c.job_id == "55" and not submitted and not cancelled and (run_dir / "servers" / "grpo-n2-8100.url").exists()
+    cancelled.append("55")  # the job ends (job_gone now says so)
+    write_companion_jobs(str(run_dir), "launch", {"rollout server": "55"})
+    agree_on_companions(str(run_dir), [c := companion("rollout server", run_dir, "55")], first(0), timeout_s=0)
+    assert c.job_id == "100" and len(submitted) == 1 and not list((run_dir / "servers").glob("*.url"))
+    assert json.loads((run_dir / "companions.json").read_text()) == {"start": "7.0", "jobs": {"rollout server": "100"}}
+
+
+def test_the_other_ranks_stop_at_once_when_rank_0_cannot_start_the_companions(requeued_run, monkeypatch):
+    """sbatch refuses rank 0's submission: its word says so, and the other ranks stop with rank 0's
+    error instead of waiting out server_wait_s (30 minutes) for a word that never comes."""
+    import grpo.companions
+    from grpo.companions import agree_on_companions
+    from grpo.errors import ServerError
+
+    run_dir, env, _, _ = requeued_run
+
+    def sbatch_fails(*args):
+        raise RuntimeError("sbatch: error: Batch job submission failed: Invalid partition name specified")
+
+    monkeypatch.setattr(grpo.companions, "executor_for", sbatch_fails)
+    with pytest.raises(RuntimeError, match="Invalid partition"):
+        agree_on_companions(str(run_dir), [companion("rollout server", run_dir, "55")], env(0), timeout_s=0)
+    with pytest.raises(ServerError, match="rank 0 could not start the companion jobs: RuntimeError: sbatch: .*partition"):
+        agree_on_companions(str(run_dir), [companion("rollout server", run_dir, "55")], env(1), timeout_s=5)
 
 
 @pytest.mark.parametrize("written", [None, 2, 4])

@@ -526,6 +526,50 @@ def test_launch_with_judges_runs_a_companion_judge_job(tmp_path, slurm_env, mode
     wait_gone(judge_job, slurm_env, timeout=60)  # the trainer cancelled its judge at the end
 
 
+def run_jobs(run_dir) -> list[str]:
+    """Every job submitted for the run (submitit keeps each one's pickle and logs in <run_dir>/slurm/<job>/)."""
+    return sorted(d.name for d in (run_dir / "slurm").iterdir() if d.name.isdigit())
+
+
+@pytest.mark.parametrize("requeue", ["scontrol requeue", "time-limit warning"])
+def test_a_requeued_trainer_starts_its_server_job_again_and_resumes(tmp_path, slurm_env, model_cache, cluster, requeue):
+    """servers=1 rollout=remote, the trainer 2 ranks (DDP) on one node, requeued once it trains:
+    `scontrol requeue` (SIGTERM, as a preemption: the trainer cancels its server job as it stops) or
+    the time-limit warning (SIGUSR2: the trainer requeues itself and leaves its server job running).
+    The requeued trainer's rank 0 submits a new server job (cancelling the old one where it still
+    runs), rank 1 takes the same new job from rank 0's word, both train against the new server, resume
+    from the checkpoint and finish; no job of the run is left afterwards. Before, the requeued trainer
+    failed at once: `the rollout server job N has ended ... Submit the run again`."""
+    run_dir, steps = tmp_path / "run", 60  # remote steps on CPU take about 0.5 s: the requeue lands well before the end
+    out = run([sys.executable, "-m", "grpo.launch", "nodes=1", "tasks_per_node=2", "parallel=ddp", "servers=1",
+               "rollout=remote", *FAST, f"steps={steps}", f"model.cache_dir={model_cache}", f"run_dir={run_dir}"], slurm_env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    first_server, job = out.stdout.split("submitted rollout servers: job ")[1].split(" ")[0], submitted_job(out)
+    wait_for_step(run_dir, 5, job, slurm_env)
+    signalled_at = max(steps_logged(run_dir))
+    assert signalled_at < steps, "the run finished before it was requeued; give it more steps"
+    command = ["scontrol", "requeue", job] if requeue == "scontrol requeue" else ["scancel", "--signal=USR2", job]
+    subprocess.run(command, env=slurm_env, check=True)
+    requeued_at = time.time()
+
+    wait_gone(job, slurm_env, timeout=480)
+    print(f"{requeue} at step {signalled_at}; the job ended {time.time() - requeued_at:.0f} s later")
+    logs = job_logs(run_dir, job)
+    assert (run_dir / "summary.json").exists(), logs[-4000:]
+    second_server = logs.split("started the rollout servers again: job ")[1].split(" ")[0]
+    assert f"(job {first_server} served the start before this requeue)" in logs and second_server != first_server
+    assert logs.count("started the rollout servers again") == 1  # rank 0 alone submitted it
+    word = json.loads((run_dir / "companions.json").read_text())  # rank 0's word to rank 1
+    assert word == {"start": f"{job}.1", "jobs": {"rollout server": second_server}}
+    assert "POST /update_weights" in job_logs(run_dir, second_server)  # the requeued trainer trained against it
+    assert_resumed_and_finished(run_dir, steps, 2, signalled_at)
+    assert sacct_states(job, slurm_env) == ["REQUEUED", "COMPLETED"]
+    assert run_jobs(run_dir) == sorted([first_server, job, second_server])
+    for server in (first_server, second_server):
+        wait_gone(server, slurm_env, timeout=90)  # cancelled: by the stopping trainer, its requeue or its end
+    assert not (run_dir / "servers" / "token").exists()
+
+
 def test_dedicated_engines_one_per_node_each_serving_its_own_node(tmp_path, slurm_env, model_cache, cluster):
     """nodes=2 tasks_per_node=2 rollout=dedicated: each node's local rank 0 starts one engine on the
     node's CPUs and sends it the prompts of its node's two ranks only; weights go to both engines."""
