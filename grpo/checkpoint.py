@@ -159,19 +159,21 @@ def set_aside_checkpoints(run_dir: str) -> str | None:
 
 # what a resumed run may change without training differently from an unbroken one
 RESUME_MAY_CHANGE = ("steps", "resume", "run_dir", "threads", "logger", "eval_every", "eval_samples", "checkpoint_every",
-                     "keep_checkpoints", "export_model", "launcher", "hydra")
+                     "keep_checkpoints", "export_model", "launcher", "hydra",
+                     # where the servers and judges are: a requeued grpo.launch trainer starts new ones (grpo/companions.py)
+                     "rollout.remote.urls", "reward.judge.urls")
 
 
 def config_changes(old, new, prefix: str = "") -> list[str]:
     """The dotted keys whose values differ between two resolved configs (nested dicts compared key by
-    key, a key on one side only counted), leaving out `RESUME_MAY_CHANGE`'s top-level keys."""
+    key, a key on one side only counted), leaving out `RESUME_MAY_CHANGE`'s keys."""
     if not (isinstance(old, dict) and isinstance(new, dict)):
         return [] if old == new else [prefix or "(root)"]
     changed = []
     for key in sorted(set(old) | set(new), key=str):
-        if not prefix and key in RESUME_MAY_CHANGE:
-            continue
         name = f"{prefix}.{key}" if prefix else str(key)
+        if name in RESUME_MAY_CHANGE:
+            continue
         if key not in old or key not in new:
             changed.append(name)
         else:

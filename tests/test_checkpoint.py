@@ -144,7 +144,7 @@ def test_killed_run_resumes_to_the_same_results(tmp_path, cache_dir):
 def test_a_resume_with_another_config_keeps_the_earlier_one_and_names_what_changed(tmp_path):
     """config.yaml was overwritten on every start: a resumed run with another algo.lr or LoRA alpha (which
     no checkpoint holds) trained on without a word, and the earlier config was gone. Keys a resume may
-    change (steps, logging, checkpoint cadence) are not counted."""
+    change (steps, logging, checkpoint cadence, the servers' URLs) are not counted."""
     from omegaconf import OmegaConf
 
     from grpo.checkpoint import config_changes, record_config
@@ -160,6 +160,12 @@ def test_a_resume_with_another_config_keeps_the_earlier_one_and_names_what_chang
     assert OmegaConf.to_container(OmegaConf.load(tmp_path / "config.yaml"))["algo"]["lr"] == 5e-4
     assert record_config(str(tmp_path), first, resuming=False) == []  # resume=false: nothing compared
     assert config_changes({"a": [1, 2]}, {"a": [1, 3]}) == ["a"] and config_changes({"a": {"b": 1}}, {"a": 2}) == ["a"]
+    # a requeued grpo.launch trainer's new servers and judges (grpo/companions.py); another key of theirs still counts
+    served = {"rollout": {"remote": {"urls": ["http://n1:4000"], "tensor_parallel_size": 1}}, "reward": {"judge": {"urls": ["http://n2:1"]}}}
+    moved = {"rollout": {"remote": {"urls": ["http://n3:5000"], "tensor_parallel_size": 1}}, "reward": {"judge": {"urls": ["http://n4:2"]}}}
+    assert config_changes(served, moved) == []
+    moved["rollout"]["remote"]["tensor_parallel_size"] = 2
+    assert config_changes(served, moved) == ["rollout.remote.tensor_parallel_size"]
 
 
 def test_a_resumed_schedule_is_the_resumed_runs_own(tiny_lm):
