@@ -268,7 +268,11 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
     """Run folder, task, model, rewards, strategy, rollout backend; the checkpoint to resume from;
     and the engines given the trainer's weights. Everything that must be closed joins `cleanup`."""
     run_dir = broadcast_object(os.path.abspath(cfg.run_dir))  # every rank uses rank 0's folder
-    os.makedirs(run_dir, exist_ok=True)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as e:  # a file of that name, a read-only or virtual file system (/proc), no permission
+        raise ConfigError(f"run_dir={run_dir}: cannot make that folder ({e.strerror or e}); give a folder this user can "
+                          f"write (run_dir=..., or hydra.run.dir=...).") from None
     if not cfg.resume and info.is_main and (aside := set_aside_checkpoints(run_dir)):
         print(f"resume=false: the folder's earlier run (checkpoints, metrics, config) was moved to {aside}")
     if cfg.resume:  # before config.yaml is touched: a refused resume leaves the folder as it was

@@ -222,6 +222,18 @@ def test_guard_counts_go_on_across_a_resume():
     RunGuards(None, 0, Parity("max", 0.05), 0, 1).load_state_dict({})  # a checkpoint from before the counts
 
 
+@pytest.mark.starts_process
+def test_a_run_folder_that_cannot_be_made_is_named_before_anything_is_built(make_cfg, tmp_path):
+    """run_dir naming a file (or a read-only place): os.makedirs' FileExistsError traceback before."""
+    from grpo.errors import ConfigError
+    from grpo.train import train
+
+    (tmp_path / "taken").write_text("a file")
+    for where in (tmp_path / "taken", tmp_path / "taken" / "run"):
+        with pytest.raises(ConfigError, match=rf"^run_dir={where}: cannot make that folder \(.+\); give a folder this user can write"):
+            train(make_cfg(f"run_dir={where}"))
+
+
 def test_a_fresh_start_sets_an_earlier_runs_export_aside(tmp_path):
     """resume=false moved the earlier run's checkpoints and metrics but left its model/: a new run that
     stopped before its own export then stood on the earlier run's weights as its result."""
