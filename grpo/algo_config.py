@@ -170,6 +170,10 @@ def check(algo, rollout, world: int) -> None:
                           "(sequence is GSPO's, for pg_loss=ppo).")
     if a.beta < 0:
         raise ConfigError(f"algo.beta={a.beta} must be >= 0 (0 disables the KL term and the reference model).")
+    if a.warmup_steps < 0:  # build_optimizer's decay runs over total - warmup steps: -1 gave a 1-step run half algo.lr
+        raise ConfigError(f"algo.warmup_steps={a.warmup_steps} must be >= 0 (0: the full algo.lr from the first step).")
+    if a.weight_decay < 0:  # AdamW would grow every weight instead of shrinking it
+        raise ConfigError(f"algo.weight_decay={a.weight_decay} must be >= 0 (0: no decay).")
     if a.is_cap <= 1.0:
         raise ConfigError(f"algo.is_cap={a.is_cap} must be > 1: it caps the sampler/trainer probability ratio.")
     if a.is_level != "none" and (rollout.top_p < 1 or rollout.top_k > 0):

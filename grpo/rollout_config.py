@@ -41,14 +41,14 @@ VLLM_READERS = {
 
 @dataclass
 class RemoteConfig:
-    urls: list[str] = field(default_factory=list)  # e.g. [http://node7:8000, http://node8:8000]
+    urls: list[str] = field(default_factory=list)  # http(s)://host:port each, e.g. [http://node7:8000, http://node8:8000]
     # The servers' shared secret comes from $GRPO_SERVE_TOKEN, or this file (chmod 600); never from
     # the config, which is written into the run folder (grpo/auth.py).
     token_file: Optional[str] = None
     # send the token over plain http:// to a host other than loopback (a network you trust); else https
     allow_plain_http: bool = False
-    health_timeout_s: float = 300.0  # wait this long for every server's /health before failing
-    request_timeout_s: float = 600.0
+    health_timeout_s: float = 300.0  # wait this long for every server's /health before failing (> 0)
+    request_timeout_s: float = 600.0  # one generation or weight-sync request (> 0)
     transfer_host: Optional[str] = None  # this trainer's address as the servers see it (auto)
     tensor_parallel_size: int = 1  # grpo.launch servers=N: GPUs per server it starts (the trainer asks each server its own size)
 

@@ -156,6 +156,31 @@ def test_unknown_key_is_an_error():
     assert "Key 'learning_rate' not in 'AlgoConfig'" in str(e.value.__cause__)
 
 
+@pytest.mark.parametrize("override, message", [
+    # Hydra's own advice for algo.learning_rate=... is the +, which added a key no code read
+    ("+algo.learning_rate=1e-3", "algo.learning_rate is not a setting of algo (did you mean algo.lr?); remove it (the + "
+                                 "adds keys no code reads)."),
+    ("+stepz=10", "stepz is not a setting of the config (did you mean steps?)"),
+    ("+model.tiny.moe.expert=3", "model.tiny.moe.expert is not a setting of model.tiny.moe (did you mean "
+                                 "model.tiny.moe.experts?)"),
+    ("+reward.funcs.0.wieght=2", "reward.funcs[0].wieght is not a setting of reward.funcs[0] (did you mean "
+                                 "reward.funcs[0].weight?)"),
+    ("+logger.zzz=1", "logger.zzz is not a setting of logger (its settings: backend, entity, log_every, mode, "
+                      "num_samples, project, sample_every)"),
+])
+def test_a_key_added_with_plus_that_no_schema_declares_is_refused(override, message):
+    with pytest.raises(ConfigError) as e:
+        validate(compose_cfg(override))
+    assert message in str(e.value)
+
+
+def test_open_dicts_and_hydras_own_settings_take_added_keys():
+    from grpo.config import check_declared, compose_config
+
+    check_declared(compose_cfg("+env.kwargs.secret=7", "+reward.judge.choices.maybe=0.5"))  # dict-typed: any key
+    check_declared(compose_config(["hydra/launcher=slurm"], hydra_config=True))  # `hydra` is no schema's
+
+
 def test_unknown_option_is_an_error():
     with pytest.raises(ConfigCompositionException, match="rollout"):
         compose_cfg("rollout=nonexistent")
@@ -199,6 +224,8 @@ def test_unknown_option_is_an_error():
         ("algo.shared_prompt=sometimes", "algo.shared_prompt='sometimes': use true, false or auto"),
         ("algo.shared_prompt=1", "algo.shared_prompt=1: use true, false or auto"),
         ("algo.beta=-0.1", "algo.beta=-0.1 must be >= 0 (0 disables the KL term and the reference model)."),
+        ("algo.warmup_steps=-1", "algo.warmup_steps=-1 must be >= 0 (0: the full algo.lr from the first step)."),
+        ("algo.weight_decay=-0.01", "algo.weight_decay=-0.01 must be >= 0 (0: no decay)."),
         ("algo.is_cap=1.0", "algo.is_cap=1.0 must be > 1: it caps the sampler/trainer probability ratio."),
         ("algo.lr=0", "algo.lr and algo.clip_eps must be > 0, and algo.clip_eps_high (if set) >= algo.clip_eps."),
         ("model.lora.rank=600", "model.lora.rank=600: vLLM serves adapters of rank 512 at most; use a smaller rank."),

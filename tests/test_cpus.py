@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from grpo.cpus import cgroup_cpu_limit, choose_threads, configure_threads, idle_cpus, local_processes, usable_cpus
+from grpo.cpus import (cgroup_cpu_limit, choose_threads, configure_threads, idle_cpus, local_processes, set_num_threads,
+                       usable_cpus)
 
 
 def test_auto_is_this_process_share_and_no_more_than_the_idle_cpus():
@@ -16,9 +17,22 @@ def test_auto_is_this_process_share_and_no_more_than_the_idle_cpus():
     assert choose_threads("auto", usable=16, local=4, idle=6.0) == 2  # 6 of 16 idle -> 1.5 each, rounded
     assert choose_threads("auto", usable=2, local=1, idle=0.1) == 1  # never 0
     assert choose_threads("auto", usable=1, local=3, idle=None) == 1
-    assert choose_threads(3, usable=2, local=1, idle=0.0) == 3  # an explicit count is kept
+    assert choose_threads(3, usable=4, local=1, idle=0.0) == 3  # an explicit count is kept, busy CPUs or not
+    assert choose_threads(2, usable=2, local=2, idle=None) == 2  # up to every usable CPU
     with pytest.raises(ValueError, match="positive number"):
         choose_threads(0, usable=2, local=1, idle=None)
+
+
+def test_more_threads_than_usable_cpus_is_refused():
+    """threads=10000 on 2 CPUs ran 20,002 threads; the count is refused, naming the CPUs and auto."""
+    from grpo.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        choose_threads(10000, usable=2, local=1, idle=None)
+    assert str(e.value) == ("threads=10000 is more than the 2 CPU(s) this process may use (its affinity mask, "
+                            "SLURM_CPUS_PER_TASK, a cgroup quota): give at most 2, or threads=auto.")
+    with pytest.raises(ConfigError, match=f"threads={usable_cpus() + 1} is more than the {usable_cpus()} CPU"):
+        configure_threads(usable_cpus() + 1)  # this process's own count
 
 
 def test_slurm_and_torchrun_variables():
@@ -108,7 +122,7 @@ def test_configure_threads_sets_torch_even_after_a_library_replaced_set_num_thre
     try:
         assert configure_threads(1) == 1 and torch.get_num_threads() == 1
     finally:
-        configure_threads(before)
+        set_num_threads(before)  # torch's own count, which may exceed what configure_threads takes
 
 
 def test_rank_variables_from_srun_and_torchrun():

@@ -225,6 +225,25 @@ def test_bf16_training_keeps_fp32_master_weights(tiny_lm):
     assert moved > 0.5 and moved_naive < 0.1
 
 
+@pytest.mark.parametrize("strategy", ["single", "ddp", "zero2", "zero3"])
+@pytest.mark.parametrize("override, message", [
+    ("parallel.check_ranks_every=-1", "parallel.check_ranks_every=-1 must be >= 0 (steps between the ranks' weight "
+                                      "comparisons; 0: never)."),
+    ("parallel.sync_bucket_mb=0", "parallel.sync_bucket_mb=0 must be > 0 (MB of weights sent to the engines per bucket; "
+                                  "the default is 64)."),
+])
+def test_every_strategy_refuses_a_negative_rank_check_and_an_empty_sync_bucket(strategy, override, message):
+    from grpo.config import validate
+    from grpo.errors import ConfigError
+    from tests.conftest import compose_cfg
+
+    with pytest.raises(ConfigError) as e:
+        validate(compose_cfg(f"parallel={strategy}", override), world_size=1 if strategy == "single" else 2)
+    assert str(e.value) == message
+    validate(compose_cfg(f"parallel={strategy}", "parallel.check_ranks_every=0", "parallel.sync_bucket_mb=0.5"),
+             world_size=1 if strategy == "single" else 2)  # 0: never compare; half a MB per bucket
+
+
 def test_ddp_gradient_buckets_cover_every_parameter_once_by_dtype():
     from grpo.parallel.ddp import gradient_buckets
 

@@ -368,6 +368,40 @@ def test_a_wildcard_transfer_host_is_refused_at_validate(host):
     validate(cfg, world_size=1)
 
 
+@pytest.mark.parametrize("override, message", [
+    # no scheme: the pool waited out health_timeout_s (300 s), then urllib's "unknown url type"
+    ("rollout.remote.urls=[localhost:8000]", "rollout.remote.urls: 'localhost:8000' is not an http(s)://host:port URL; "
+                                             "write http://localhost:8000 (https:// for TLS)."),
+    ("rollout.remote.urls=[ftp://node7:8000]", "'ftp://node7:8000' is not an http(s)://host:port URL"),
+    ("rollout.remote.urls=['http://node7:80000']", "'http://node7:80000' is not an http(s)://host:port URL; give http(s)://, "
+                                                   "a host and a port from 0 to 65535."),
+    ("rollout.remote.urls=['http://node7:8000','http://:8000']", "'http://:8000' is not an http(s)://host:port URL"),
+    # 0: a ZeroDivisionError in grpo.launch's servers_per_node
+    ("rollout.remote.tensor_parallel_size=0", "rollout.remote.tensor_parallel_size=0 must be >= 1 (GPUs per server)."),
+    ("rollout.remote.health_timeout_s=0", "rollout.remote.health_timeout_s=0.0 must be > 0 seconds."),
+    ("rollout.remote.request_timeout_s=-1", "rollout.remote.request_timeout_s=-1.0 must be > 0 seconds."),
+])
+def test_remote_urls_sizes_and_timeouts_are_checked_at_validate(override, message):
+    from grpo.config import validate
+    from grpo.errors import ConfigError
+    from tests.conftest import compose_cfg
+
+    urls = [] if override.startswith("rollout.remote.urls") else ["rollout.remote.urls=[http://127.0.0.1:8000]"]
+    with pytest.raises(ConfigError) as e:
+        validate(compose_cfg("rollout=remote", *urls, override), world_size=1)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("url", ["http://node7:8000", "https://node7:8000/", "http://[::1]:8000", "http://10.0.0.2:8000/vllm",
+                                 "http://found-when-the-job-starts:0"])  # the last: grpo.launch's stand-in
+def test_remote_urls_with_a_scheme_host_and_port_validate(url):
+    from grpo.config import validate
+    from tests.conftest import compose_cfg
+
+    validate(compose_cfg("rollout=remote", f"rollout.remote.urls=['{url}']", "rollout.remote.allow_plain_http=true"),
+             world_size=1)
+
+
 def test_transfer_address_is_the_route_to_the_server():
     """Not gethostbyname(gethostname()), often 127.0.1.1 in /etc/hosts: the address this machine
     uses to reach the server, loopback for a local server, a real interface's otherwise."""

@@ -80,6 +80,12 @@ class Strategy(ABC):
             if key not in cls.reads and cfg[key] != default:
                 raise ConfigError(f"parallel.{key}={cfg[key]} is read by {where} only; parallel={cfg.strategy} "
                                   f"ignores it. Use {where}, or drop the setting.")
+        if cfg.check_ranks_every < 0:
+            raise ConfigError(f"parallel.check_ranks_every={cfg.check_ranks_every} must be >= 0 (steps between the ranks' "
+                              f"weight comparisons; 0: never).")
+        if not cfg.sync_bucket_mb > 0:
+            raise ConfigError(f"parallel.sync_bucket_mb={cfg.sync_bucket_mb:g} must be > 0 (MB of weights sent to the engines "
+                              f"per bucket; the default is 64).")
 
     @classmethod
     def check_lora(cls, cfg, lora, world: int) -> None:

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from concurrent.futures import Future
+from urllib.parse import urlsplit
 
 import torch
 
@@ -62,6 +64,35 @@ def check_transfer_host(host: str | None) -> None:
                           f"route to the first server.")
 
 
+# the rule grpo/rewards/judge.py `check` writes inline for reward.judge.urls, which should call check_urls
+SERVER_URL = re.compile(r"^https?://[^/\s]+(/.*)?$")
+
+
+def check_urls(urls, key: str) -> None:
+    """Each of `key`'s URLs is http(s)://host[:port][/path]: `localhost:8000` (no scheme) waited out
+    health_timeout_s, then failed with urllib's "unknown url type"; a port beyond 65535 failed only when contacted."""
+    for url in map(str, urls):
+        try:
+            parts = urlsplit(url)
+            parts.port  # a port that is not a number, or beyond 65535: ValueError
+            ok = bool(SERVER_URL.match(url) and parts.hostname)  # http://:8000 names no host
+        except ValueError:
+            ok = False
+        if not ok:
+            fix = f"write http://{url} (https:// for TLS)" if "://" not in url else "give http(s)://, a host and a port from 0 to 65535"
+            raise ConfigError(f"{key}: {url!r} is not an http(s)://host:port URL; {fix}.")
+
+
+def check_positive(rc) -> None:
+    """rollout.remote's size and timeouts: a tensor-parallel size of 0 divided by zero in grpo.launch
+    (`servers_per_node`); a timeout <= 0 gives a server no time to answer."""
+    if rc.tensor_parallel_size < 1:
+        raise ConfigError(f"rollout.remote.tensor_parallel_size={rc.tensor_parallel_size} must be >= 1 (GPUs per server).")
+    for key in ("health_timeout_s", "request_timeout_s"):
+        if not rc[key] > 0:
+            raise ConfigError(f"rollout.remote.{key}={rc[key]} must be > 0 seconds.")
+
+
 class RemoteBackend(RolloutBackend):
     reads_vllm = VLLM_READERS["remote"]
     overlaps_training = True  # the servers generate while the trainer updates (algo.max_staleness)
@@ -74,6 +105,8 @@ class RemoteBackend(RolloutBackend):
             raise ConfigError(f"rollout.vllm.weight_transfer={cfg.vllm.weight_transfer!r}: choose one of {', '.join(TRANSFERS)}.")
         if not cfg.remote.urls:
             raise ConfigError("rollout=remote needs rollout.remote.urls=[http://host:port,...]: start them with `python -m grpo.serve`.")
+        check_urls(cfg.remote.urls, "rollout.remote.urls")
+        check_positive(cfg.remote)
         servers_token(cfg.remote)
         check_transfer_host(cfg.remote.transfer_host)
 
