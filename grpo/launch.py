@@ -68,7 +68,7 @@ from grpo.dist import node_name
 from grpo.errors import ConfigError
 from grpo.rollout.dedicated import child_visible_devices, config_heads
 from grpo.serve import main as serve, resolve_model
-from grpo.slurm import check_request, check_tensor_parallel, request_from
+from grpo.slurm import SIZE_MINIMUMS, check_request, check_size, check_tensor_parallel, request_from
 from grpo.tiny.folders import resolve_model_folder
 from grpo.tiny.warm_start import TINY_KINDS
 from grpo.train import train
@@ -118,6 +118,14 @@ def own_value(key: str, value: str):
     return int(value)
 
 
+def launch_number(key: str, value: str) -> float:
+    """A size given to this script (nodes=2, mem_gb=7.5) as a number, or an error naming the key."""
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{key}={value}: give a number{' (GB)' if key == 'mem_gb' else ''}.") from None
+
+
 def parse_args(argv: list[str]) -> tuple[list[str], dict, list[str]]:
     """Split the command line into launcher overrides, this script's own keys and train overrides."""
     launcher, own, train = [], dict(OWN_KEYS), []
@@ -125,6 +133,8 @@ def parse_args(argv: list[str]) -> tuple[list[str], dict, list[str]]:
         key, eq, value = arg.partition("=")
         if eq and key in LAUNCH_KEYS:
             value = str(slurm_minutes(value)) if key == "time" else value
+            if key in (*SIZE_MINIMUMS, "mem_gb") and value.lower() not in ("null", "none", ""):
+                check_size(key, launch_number(key, value))  # nodes=0: refused here, before validate counts 0 processes as 1
             launcher.append(f"hydra.launcher.{LAUNCH_KEYS[key]}={value}")
         elif eq and key in OWN_KEYS:
             own[key] = own_value(key, value)

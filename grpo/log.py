@@ -58,15 +58,21 @@ class RunLogger:
         if cfg.backend == "wandb":
             import wandb  # wandb: optional, only with logger.backend=wandb
 
-            self.wandb = wandb.init(
-                project=cfg.project,
-                entity=cfg.entity,
-                mode=cfg.mode,
-                dir=run_dir,
-                config=run_config,
-                name=os.path.basename(os.path.normpath(run_dir)),
-                **wandb_resume(run_dir, resume_step),
-            )
+            try:
+                self.wandb = wandb.init(
+                    project=cfg.project,
+                    entity=cfg.entity,
+                    mode=cfg.mode,
+                    dir=run_dir,
+                    config=run_config,
+                    name=os.path.basename(os.path.normpath(run_dir)),
+                    **wandb_resume(run_dir, resume_step),
+                )
+            except wandb.errors.UsageError as e:  # no API key found (wandb's own search), an unknown mode
+                self.file.close()
+                raise ConfigError(f"logger=wandb: wandb.init refused the run ({e}). logger=wandb needs WANDB_API_KEY or "
+                                  f"`wandb login`; or logger.mode=offline (logged here, `wandb sync` later), or "
+                                  f"logger=console.") from e
 
     def log(self, step: int, metrics: dict, console: bool | None = None) -> None:
         if not self.enabled:

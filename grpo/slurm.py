@@ -96,8 +96,26 @@ def slurm_nodes() -> list[Node]:
     return nodes
 
 
+SIZE_MINIMUMS = {"nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1, "gpus_per_node": 0}  # mem_gb: > 0, or null
+
+
+def check_size(key: str, value: float | None) -> None:
+    """One of a request's sizes (grpo.launch's `key=`, a sweep's hydra.launcher.<key>): nodes=0 was
+    taken as 1 process by validate, fit any cluster, and cpus_per_task=0 became 1 on the way to SLURM."""
+    if key == "mem_gb":
+        if value is not None and not value > 0:
+            raise ConfigError(f"mem_gb={value:g}: give the memory per node in GB, more than 0 (or leave it out: the "
+                              f"partition's default).")
+    elif key in SIZE_MINIMUMS and not value >= SIZE_MINIMUMS[key]:
+        raise ConfigError(f"{key}={value:g}: give {SIZE_MINIMUMS[key]} or more ({key}=... for grpo.launch, "
+                          f"hydra.launcher.{key}=... for a sweep).")
+
+
 def check_request(req: Request, nodes: list[Node] | None = None) -> str:
-    """Raise ClusterError unless `req` fits the cluster; returns the partition it will run in."""
+    """Raise ClusterError unless `req` fits the cluster; returns the partition it will run in. Its sizes
+    are checked first (`check_size`), before SLURM is asked."""
+    for key in (*SIZE_MINIMUMS, "mem_gb"):
+        check_size(key, getattr(req, key))
     nodes = slurm_nodes() if nodes is None else nodes
     partitions = sorted({n.partition for n in nodes})
     partition = req.partition or next((n.partition for n in nodes if n.default), None)
@@ -168,7 +186,8 @@ def request_from(launcher) -> Request:
     """The `Request` of a `hydra.launcher` node (conf/hydra/launcher/slurm.yaml's keys)."""
     return Request(
         nodes=int(launcher.nodes), tasks_per_node=int(launcher.tasks_per_node),
-        cpus_per_task=int(launcher.cpus_per_task or 1), gpus_per_node=int(launcher.gpus_per_node or 0),
+        cpus_per_task=1 if launcher.cpus_per_task is None else int(launcher.cpus_per_task),  # 0 stays 0: refused
+        gpus_per_node=int(launcher.gpus_per_node or 0),
         mem_gb=launcher.mem_gb, partition=launcher.partition,
     )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 import warnings
@@ -28,7 +29,7 @@ from grpo.rollout.episodes import Budget, EpisodeRunner, cut_middle, reset_seed,
 from grpo.rollout.render import ChatRender, RawRender
 from grpo.tasks.base import Sample
 from tests.parity import EndsAtTurnOne
-from tests.conftest import measured
+from tests.conftest import compose_cfg, measured
 
 GUESS = [Sample("Guess 1-15:", str(s)) for s in range(1, 16)]
 
@@ -535,6 +536,19 @@ def test_env_config_is_checked(make_cfg):
     validate(make_cfg("task=arithmetic", "env=guess", "env.name=retry", "+env.kwargs.message=' no: '"))
     with pytest.raises(ConfigError, match=r"do not fit env.name='openenv'.*base_ur"):
         validate(make_cfg("task=guess", "env=guess", "env.name=openenv", "+env.kwargs.base_ur=http://x"))
+
+
+@pytest.mark.parametrize("task", ["addition", "arithmetic", "countdown"])
+def test_an_env_that_plays_its_own_task_refuses_another(task):
+    """env=guess with the default task=addition played guess-the-number on addition prompts, the
+    secret read from an answer such as "85" (outside 1..15): episodes the prompts never asked for."""
+    from grpo import envs
+
+    with pytest.raises(ConfigError, match=re.escape(f"env=guess plays only task=guess's samples, not task={task}'s "
+                                                    f"(see grpo/envs/guess.py): use task=guess")):
+        envs.check(compose_cfg(f"task={task}", "env=guess", "reward=env"))
+    envs.check(compose_cfg("task=guess", "env=guess", "reward=env"))
+    envs.check(compose_cfg(f"task={task}", "env=retry"))  # an env that takes any task
 
 
 class BreaksOnOdd(GuessEnv):

@@ -126,6 +126,8 @@ def test_agreement_by_hand():
     (["reward.judge.urls=[localhost:8000]"], "is not an http(s)://host:port URL"),
     (["reward.judge.score=vibes"], "reward.judge.score='vibes' is not one of"),
     (["reward.judge.template=rate this"], "has no {completion}"),
+    (["reward.judge.template='{answr} {completion}'"], "reward.judge.template has {answr}, not one of its fields "
+                                                         "{prompt}, {completion}, {answer}"),
     (["reward.judge.min_scored=2"], "min_scored=2.0 is a fraction"),
     (["reward.judge.pattern='(unclosed'"], "is not a regular expression"),
     (["reward.judge.rating=[10,1]"], "reward.judge.rating=[10, 1] is backwards: give the low end first, "
@@ -136,6 +138,25 @@ def test_validate_says_what_to_change(override, message):
     cfg = compose_cfg("reward=judge", *urls, *override)
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(cfg)
+
+
+@pytest.mark.parametrize("template, unknown", [
+    ("{answr} {completion}", "{answr}"),  # went to the judge as written: the reference answer never shown
+    ("{Answer}: {completion}", "{Answer}"),
+    ("{ answer }: {completion}", "{ answer }"),  # filled only as written exactly
+    ('Reply as {"score": 1}. {completion} {prompt}', None),  # other braces are text, as judge_prompt keeps them
+    ("{completion} {", None),
+])
+def test_a_template_field_the_judge_does_not_fill_is_refused(template, unknown):
+    from grpo.rewards.judge import check
+
+    cfg = compose_cfg("reward=judge", "reward.judge.urls=[http://127.0.0.1:1]")
+    cfg.reward.judge.template = template  # set here: braces and quotes are no Hydra override
+    if unknown is None:
+        check(cfg)
+        return
+    with pytest.raises(ConfigError, match=re.escape(f"reward.judge.template has {unknown}, not one of its fields")):
+        check(cfg)
 
 
 @pytest.fixture(scope="module")

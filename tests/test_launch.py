@@ -14,10 +14,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from grpo.errors import ConfigError
 from grpo.launch import parse_args
-from grpo.slurm import ClusterError, Node, Request, check_request, gpu_count
+from grpo.slurm import ClusterError, Node, Request, check_request, gpu_count, request_from
 from tests.conftest import ROOT
 from tests.fake_slurm import fake_slurm, recording
 
@@ -58,6 +59,40 @@ def test_an_override_hydra_cannot_apply_is_one_error_line(tmp_path):
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith("error: Could not override 'algo.lrr'")
     assert "Key 'lrr' not in 'AlgoConfig'" in out.stderr
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("nodes=0", "nodes=0: give 1 or more"),  # validate took 0 x 1 processes for 1, and any cluster fit 0 nodes
+    ("tasks_per_node=0", "tasks_per_node=0: give 1 or more"),
+    ("cpus_per_task=0", "cpus_per_task=0: give 1 or more"),  # became 1 on the way to SLURM
+    ("gpus_per_node=-1", "gpus_per_node=-1: give 0 or more"),
+    ("mem_gb=-5", "mem_gb=-5: give the memory per node in GB, more than 0"),
+    ("mem_gb=0", "mem_gb=0: give the memory per node in GB, more than 0"),
+    ("nodes=two", "nodes=two: give a number."),
+])
+def test_a_job_size_below_one_is_refused_when_parsed(arg, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_args([arg])
+    assert parse_args(["nodes=2", "gpus_per_node=0", "mem_gb=7.5", "mem_gb=null"])[0][:3] == [
+        "hydra.launcher.nodes=2", "hydra.launcher.gpus_per_node=0", "hydra.launcher.mem_gb=7.5"]
+
+
+@pytest.mark.parametrize("request_, message", [
+    (Request(nodes=0), "nodes=0: give 1 or more (nodes=... for grpo.launch, hydra.launcher.nodes=... for a sweep)"),
+    (Request(tasks_per_node=0), "tasks_per_node=0: give 1 or more"),
+    (Request(cpus_per_task=0), "cpus_per_task=0: give 1 or more"),
+    (Request(gpus_per_node=-1), "gpus_per_node=-1: give 0 or more"),
+    (Request(mem_gb=-5), "mem_gb=-5: give the memory per node in GB, more than 0"),
+])
+def test_a_request_size_below_one_is_refused_before_the_cluster_is_asked(request_, message):
+    """A sweep's hydra.launcher.* reach check_request without grpo.launch's parsing: there nodes=0 fit
+    every cluster (0 nodes needed) and cpus_per_task=0 was sent as 1 (request_from's `or 1`)."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_request(request_, nodes=[])  # no cluster at all: refused before it is looked at
+    launcher = OmegaConf.create({"nodes": 1, "tasks_per_node": 1, "cpus_per_task": 0, "gpus_per_node": None,
+                                 "mem_gb": None, "partition": None})
+    assert request_from(launcher).cpus_per_task == 0
+    assert request_from(OmegaConf.merge(launcher, {"cpus_per_task": None})).cpus_per_task == 1
 
 
 @pytest.mark.parametrize("gres, n", [("(null)", 0), ("gpu:8", 8), ("gpu:a100:4(S:0-1)", 4), ("gpu:a100:4,gpu:v100:2", 6),

@@ -1,6 +1,7 @@
 """Reward functions against hand-checked cases, and a reward that raises or hangs not stopping the run."""
 
 import math
+import re
 import threading
 import time
 import warnings
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from grpo.algorithm import combine_rewards
-from grpo.errors import ConfigError
+from grpo.errors import ConfigError, RewardStop
 from grpo.rewards import REWARDS, check_rewards, score
 from grpo.rewards.countdown import NotAnEquation, countdown, evaluate
 from grpo.rewards.format import answer_format, extract_answer, overlong_penalty
@@ -313,3 +314,54 @@ def test_user_code_that_calls_sys_exit_is_an_error_not_a_none_result():
     for fn in (lambda: sys.exit(0), lambda: (_ for _ in ()).throw(KeyboardInterrupt())):
         value, error = call_with_timeout(fn, 5.0, "reward.timeout_s")
         assert value is None and error is not None and "user code must return or raise an Exception" in error
+
+
+def takes_no_samples(completions):  # the signature a user wrote: no samples, no **kwargs
+    return [1.0] * len(completions)
+
+
+def always_nan(completions, samples, **_):
+    return [math.nan] * len(completions)
+
+
+@pytest.mark.parametrize("fn, error", [
+    (takes_no_samples, r"TypeError: takes_no_samples\(\) takes 1 positional argument but 2 were given"),
+    (always_nan, r"returned nan, not a finite number or None"),
+    (countdown, r"KeyError: 'numbers'"),  # reward=countdown on task=addition's samples, which have no numbers
+])
+def test_a_reward_that_fails_on_every_completion_stops_the_run(fn, error):
+    """Before, each of the batch's completions was only warned about: every advantage 0, the run trained
+    nothing and exited 0. A function that scores none of a batch stops it (RewardStop), naming the error
+    and what a reward takes; one that fails on some completions only warns (the tests above)."""
+    addition = [Sample("What is 2 + 3?", "5")] * 4
+    with pytest.raises(RewardStop) as e, pytest.warns(UserWarning, match="one at a time"):
+        score([("mine", fn, 1.0)], ["5", "6", "5", "2 + 3"], addition, timeout_s=5)
+    assert re.search(rf"reward 'mine' failed on all 4 completions of the batch \({error}.*\): a reward takes "
+                     rf"\(completions, samples, \*\*kwargs\)", str(e.value)), str(e.value)
+
+
+def test_a_reward_that_abstains_on_every_completion_does_not_stop_the_run():
+    """None is no failure: a function that applies to none of this batch's completions lets the others count."""
+    def never_applies(completions, samples, **_):
+        return [None] * len(completions)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rewards, _ = score([("never", never_applies, 1.0)], ["a", "b"], [None] * 2, timeout_s=5)
+    assert rewards == [[None, None]]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("reward.funcs=[{weight:1}]", r"reward.funcs\[0\] has no name: give each entry one, e.g. reward.funcs=\[\{name: exact_match"),
+    ("reward.funcs=[{name:exact_match},{name:format},{name:exact_match}]",
+     "reward.funcs lists 'exact_match' twice, so its reward would count twice: list it once with weight: 2"),
+    ("reward.timeout_s=0", r"reward.timeout_s=0.0: give a number of seconds > 0"),
+    ("reward.timeout_s=-1", r"reward.timeout_s=-1.0: give a number of seconds > 0"),
+    ("reward.timeout_s=inf", r"reward.timeout_s=inf: give a number of seconds > 0"),
+])
+def test_reward_funcs_without_a_name_listed_twice_or_without_time_are_refused(override, message):
+    """A nameless entry raised OmegaConf's MissingMandatoryValue; a name listed twice silently doubled
+    its reward; reward.timeout_s=0 made every call time out at once (join(0)), so slow rewards dropped."""
+    with pytest.raises(ConfigError, match=message):
+        check_rewards(compose_cfg(override))
+    check_rewards(compose_cfg("reward.funcs=[{name:exact_match,weight:2}]", "reward.timeout_s=0.5"))  # accepted

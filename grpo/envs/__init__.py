@@ -31,6 +31,9 @@ ENVS: dict[str, Callable] = {
     "retry": retry_env,
     "openenv": OpenEnvAdapter,  # imports openenv-core only when an environment is built
 }
+# env -> the one task whose samples it plays: guess reads each sample's answer as its secret 1..15
+# (task=guess's); on another task's prompts and answers (addition's "85") it plays no game the prompt asks for
+ENV_TASKS: dict[str, str] = {"guess": "guess"}
 
 
 def resolve_env(name: str) -> Callable:
@@ -64,6 +67,10 @@ def check(cfg) -> None:
                               f"no effect. Pick an environment (env=guess, or env.name=<module.Class>), or remove the setting.")
         return
     check_kwargs(e.name, resolve_env(e.name), dict(e.kwargs or {}))
+    if e.name in ENV_TASKS and cfg.task.name != ENV_TASKS[e.name]:
+        raise ConfigError(f"env={e.name} plays only task={ENV_TASKS[e.name]}'s samples, not task={cfg.task.name}'s "
+                          f"(see grpo/envs/{e.name}.py): use task={ENV_TASKS[e.name]}, or an env that takes any task "
+                          f"(env=retry).")
     if e.max_turns < 1 or e.max_observation_tokens < 1 or e.step_timeout_s <= 0:
         raise ConfigError("env.max_turns and env.max_observation_tokens must be >= 1 and env.step_timeout_s > 0.")
     if e.max_concurrency < 1:

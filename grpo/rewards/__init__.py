@@ -16,8 +16,10 @@ loaded once when the run is built); it is called like any other.
 A rule function that raises or runs past `reward.timeout_s` on a batch is retried one completion at
 a time (each with the same timeout; after 3 timeouts the batch's remaining completions are skipped);
 each completion it still fails on is FAILED, with a warning naming the function, the completion and
-the error. A value that is not a finite number (NaN, inf, a string) is a failure too. The run goes on. A hung call's thread
-cannot be killed in Python; it is abandoned (a daemon thread) and the run moves past it.
+the error. A value that is not a finite number (NaN, inf, a string) is a failure too. The run goes on,
+unless the function failed on every completion of the batch (a wrong signature, a field the task's samples
+lack, NaN throughout): every advantage would be 0 and the run would train nothing, so it stops (RewardStop).
+A hung call's thread cannot be killed in Python; it is abandoned (a daemon thread) and the run moves past it.
 
 A model reward (`MODEL_REWARDS`) is called once per batch in the caller's thread, with no
 `reward.timeout_s` and no retry: it bounds its own time (a reward model's token budget, its servers'
@@ -84,11 +86,35 @@ def resolve_reward(name: str) -> RewardFn:
     return fn
 
 
+def reward_names(cfg) -> list[str]:
+    """reward.funcs' names in order; an entry without one (`reward.funcs=[{weight: 1}]`) is refused
+    here, before anything reads `name` (OmegaConf's MissingMandatoryValue), and so is a name listed
+    twice (its reward would count twice, silently)."""
+    names = []
+    for i, f in enumerate(cfg.reward.funcs):
+        if OmegaConf.is_missing(f, "name"):
+            raise ConfigError(f"reward.funcs[{i}] has no name: give each entry one, e.g. reward.funcs=[{{name: "
+                              f"exact_match, weight: 1.0}}] (one of {sorted(REWARDS) + sorted(MODEL_REWARDS)} or a "
+                              f"dotted path 'module.function').")
+        if f.name in names:
+            raise ConfigError(f"reward.funcs lists {f.name!r} twice, so its reward would count twice: list it once "
+                              f"with weight: 2 (or the sum of the weights you meant).")
+        names.append(f.name)
+    return names
+
+
 def check_rewards(cfg) -> None:
-    """validate's part (`cfg`: the run config): at least one function, every name resolves, and a
-    reward that holds a model checks its own settings without loading anything."""
+    """validate's part (`cfg`: the run config): at least one function, each named once, every name
+    resolves, a timeout that can pass, and a reward that holds a model checks its own settings
+    without loading anything."""
     if not cfg.reward.funcs:
         raise ConfigError("reward.funcs is empty: list at least one reward function (e.g. reward=exact_match).")
+    reward_names(cfg)
+    timeout_s = cfg.reward.timeout_s
+    if not 0 < timeout_s < math.inf:  # 0: every call "times out" at once; inf: threading cannot wait that long
+        raise ConfigError(f"reward.timeout_s={timeout_s}: give a number of seconds > 0 (a rule reward that runs past "
+                          f"it is retried one completion at a time; 0 or less would drop every slow call), e.g. "
+                          f"reward.timeout_s=30.")
     weights = {f.name: f.weight for f in cfg.reward.funcs}
     if any(w == 0 for w in weights.values()) or max(weights.values()) <= 0:
         raise ConfigError(f"reward.funcs weights {weights}: a weight of 0 changes nothing (drop that function), and "
@@ -212,7 +238,7 @@ def run_reward(name: str, fn, completions: list[str], samples: list, info: dict,
     if error is None and (error := batch_problem(values, len(completions))) is None:
         return as_scores(values)
     warnings.warn(f"reward {name!r} failed on the batch ({error}); scoring its completions one at a time", stacklevel=2)
-    out, hangs = [], 0
+    out, hangs, errors = [], 0, []
     for i, (c, s) in enumerate(zip(completions, samples)):
         one = {k: [v[i]] if isinstance(v, list) and len(v) == len(completions) else v for k, v in info.items()}
         if hangs < MAX_HANGS:
@@ -224,9 +250,19 @@ def run_reward(name: str, fn, completions: list[str], samples: list, info: dict,
         if err is None:
             err = batch_problem(value, 1)
         if err is not None:
+            errors.append(err)
             warnings.warn(f"reward {name!r} failed on completion {i} {c[:60]!r} ({err}); it is excluded", stacklevel=2)
         out.append(FAILED if err is not None else as_scores(value)[0])
+    if completions and len(errors) == len(completions):  # every advantage would be 0: the run would train on nothing, batch after batch
+        raise RewardStop(f"reward {name!r} failed on all {len(completions)} completions of the batch ({errors[0]}): "
+                         f"{SIGNATURE_ADVICE}")
     return out
+
+
+SIGNATURE_ADVICE = ("a reward takes (completions, samples, **kwargs) and returns one finite number or None per "
+                    "completion; check that it reads fields the task's samples have (task=...), return 0 or None "
+                    "for a completion it cannot read instead of raising, raise reward.timeout_s if it is slow, or "
+                    "drop it from reward.funcs.")
 
 
 def score(reward_fns, completions: list[str], samples: list, timeout_s: float = 30.0,

@@ -104,7 +104,10 @@ def pattern_score(text: str, pattern: re.Pattern, choices: dict[str, float], rat
     return values.pop() if len(values) == 1 else None
 
 
+TEMPLATE_FIELDS = ("prompt", "completion", "answer")
 FIELDS = re.compile(r"\{(prompt|completion|answer)\}")
+# a name in braces, as a field is written ({answr}, {Answer}); other braces ({"score": 1}, a lone {) stay text
+NAMED = re.compile(r"\{\s*([A-Za-z_]\w*)\s*\}")
 
 
 def answer_choices(jc) -> dict[str, float]:
@@ -362,6 +365,11 @@ def check(cfg) -> None:
         raise ConfigError(f"reward.judge.pattern={jc.pattern!r} is not a regular expression ({e}).") from e
     if "{completion}" not in jc.template:
         raise ConfigError("reward.judge.template has no {completion}: the judge would not see what it scores.")
+    fields = [f"{{{f}}}" for f in TEMPLATE_FIELDS]
+    unknown = sorted({m.group(0) for m in NAMED.finditer(jc.template)} - set(fields))
+    if unknown:
+        raise ConfigError(f"reward.judge.template has {', '.join(unknown)}, not one of its fields {', '.join(fields)} "
+                          f"(written exactly so): it would reach the judge as written. Spell the field as one of those.")
     if (jc.max_tokens is not None and jc.max_tokens < 1) or jc.top_logprobs < 1 or jc.max_concurrency < 1 or jc.retries < 0:
         raise ConfigError("reward.judge needs max_tokens >= 1 (or null), top_logprobs >= 1, max_concurrency >= 1 and retries >= 0.")
     if not 0 <= jc.min_scored <= 1:
