@@ -13,6 +13,9 @@ import argparse
 import json
 import math
 import os
+import warnings
+
+from grpo.errors import DatasetError
 
 # (metric key in metrics.jsonl, title); the keys are the ones grpo.train and grpo.update log
 PANELS = [
@@ -26,12 +29,26 @@ PANELS = [
 
 
 def load_metrics(run_dir: str) -> list[dict]:
-    """The rows of RUN_DIR/metrics.jsonl (one per step, plus evaluation rows)."""
+    """The rows of RUN_DIR/metrics.jsonl (one per step, plus evaluation rows). A last line that is not
+    JSON is the half-written row of a run that was killed (or is still writing): left out, with a
+    warning naming it. One anywhere else is a DatasetError naming the file and the line."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist: is {run_dir!r} a run folder of grpo.train?")
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for number, line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number == lines[-1][0]:
+                warnings.warn(f"{path}:{number}: the last line is not a whole JSON row (a run killed while writing "
+                              f"it?); plotting the {len(rows)} row(s) before it.", stacklevel=2)
+                break
+            raise DatasetError(f"{path}:{number}: not a JSON row ({e.msg}); metrics.jsonl holds one JSON object per "
+                               f"line: remove or repair that line.") from None
+    return rows
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -120,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         paths = write_plots(args.run_dirs, args.out or os.path.join(args.run_dirs[0], "plots"))
-    except FileNotFoundError as e:
+    except (FileNotFoundError, DatasetError) as e:
         raise SystemExit(f"error: {e}") from e
     print(f"wrote {len(paths)} plots to {os.path.dirname(paths[0])}")
 

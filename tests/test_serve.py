@@ -229,3 +229,51 @@ def test_a_listen_failure_says_what_to_change_by_its_cause():
 def test_an_ipv6_servers_url_file_holds_a_url(tmp_path):
     assert Path(serve.write_url(str(tmp_path), "::1", 45703)).read_text() == "http://[::1]:45703\n"
     assert Path(serve.write_url(str(tmp_path), "10.0.0.7", 8000)).read_text() == "http://10.0.0.7:8000\n"
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--port", "99999"], "argument --port: 99999: give a whole number from 0 to 65535"),  # was an OverflowError
+    (["--port", "-1"], "argument --port: -1: give a whole number from 0 to 65535"),
+    (["--memory-fraction", "2"], "argument --memory-fraction: 2.0: give a fraction of the device's memory, above 0 and at most 1"),
+    (["--dtype", "float17"], "argument --dtype: invalid choice: 'float17' (choose from 'auto', 'float32', 'bfloat16', 'float16')"),
+    (["--max-model-len", "0"], "argument --max-model-len: 0: give a whole number from 1 up"),  # was silently 256
+    (["--lora-rank", "-1"], "argument --lora-rank: -1: give a whole number from 0 up"),  # started a LoRA server
+    (["--cpus", "a,b"], "argument --cpus: 'a,b': give CPU numbers, comma-separated"),
+    (["--cpus", f"1,{os.cpu_count()}"], f"argument --cpus: CPU(s) {os.cpu_count()}: this machine has CPUs 0-{os.cpu_count() - 1}"),
+    (["--kv-cache-gb", "0"], "argument --kv-cache-gb: '0': give auto, fraction or a positive size in GiB"),  # named the trainer's key
+    (["--url-dir", "/proc/x"], "--url-dir /proc/x: cannot create the folder"),  # was a FileNotFoundError after the bind
+])
+def test_a_bad_flag_is_a_usage_error_naming_it(exec_state, model_dir, flags, says, capsys):
+    """Each of these was a traceback, a message naming a trainer key, or silently accepted."""
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--model", model_dir, "--port", "0", *flags])
+    assert e.value.code == 2
+    assert f"python -m grpo.serve: error: {says}" in capsys.readouterr().err
+
+
+def test_a_model_that_is_neither_a_folder_nor_a_hub_id_is_a_usage_error(exec_state, model_dir, tmp_path, capsys):
+    """`--model /nope` was transformers' "Repo id must use alphanumeric chars" traceback from vLLM's start, an
+    empty folder a vLLM error; a folder with config.json, a hub id, `tiny` (resolved first) pass."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": ')
+    for model, says in (("/nope", "no such folder (and not a hub id"), (str(tmp_path / "empty"), "the folder holds no config.json"),
+                        ("a/b/c", "no such folder"), (f"{model_dir}/config.json", "a file, not a folder"),
+                        (str(tmp_path / "broken"), f"{tmp_path / 'broken' / 'config.json'} is not valid JSON")):
+        with pytest.raises(SystemExit) as e:
+            serve.main(["--model", model, "--port", "0"])
+        assert e.value.code == 2
+        assert f"error: --model {model}: {says}" in capsys.readouterr().err
+    assert [serve.model_problem(m) for m in (model_dir, "HuggingFaceTB/SmolLM2-135M", "gpt2")] == [None, None, None]
+
+
+@pytest.mark.skipif(os.cpu_count() < 2, reason="needs two CPUs")
+def test_cpus_outside_the_parents_own_pinning_are_taken():
+    """A dedicated engine's trainer pins itself to the training CPUs, then starts `grpo.serve --cpus <the others>`,
+    which inherits the trainer's pinning: --cpus is checked against the machine's CPUs, not the process's own."""
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {0})
+        assert serve.cpu_list(f"{os.cpu_count() - 1}") == [os.cpu_count() - 1]
+    finally:
+        os.sched_setaffinity(0, before)

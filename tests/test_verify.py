@@ -445,3 +445,15 @@ def test_verify_names_a_routing_replay_that_does_not_reach_the_update(cache_dir,
     status, out = lines(capsys)
     assert status["routing"] == "FAIL" and status["sampler"] == "PASS", out
     assert "routed otherwise than told" in out
+
+
+@pytest.mark.parametrize("override", ["algo.lr=abc", "algo.lrr=1", "rollout=vllm"])
+def test_an_override_hydra_cannot_apply_ends_verify_with_one_line(override, tmp_path, monkeypatch):
+    """A 20-36 frame traceback whose last line was "Error merging override algo.lr=abc": now grpo.cli's one line,
+    and the scratch folder made before composing is gone (it was left in /tmp)."""
+    monkeypatch.setattr(grpo.verify.tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        grpo.verify.main([override])
+    assert e.value.code.startswith("error: ") and "\n" not in e.value.code, e.value.code
+    assert override.split("=")[0] in e.value.code
+    assert list(tmp_path.iterdir()) == []

@@ -15,7 +15,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
+from grpo.cli import exit_on_user_error
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the config groups' options, read without grpo.config (torch)
 COMMANDS = ("run", "async", "lora", "shared-cores", "warm-start", "update-memory", "hf-scores", "zero3-memory", "update-packing",
             "vs-trl", "env-calls", "episodes", "sequence-memory", "mfu")
 # the flags that chose a benchmark before the commands, and the command each is now
@@ -24,14 +28,36 @@ OLD_FLAGS = {"--async": "async", "--lora": "lora", "--shared-cores": "shared-cor
              "--vs": "vs-trl"}
 
 
-def csv(text: str, kind=str) -> list:
-    return [kind(x) for x in text.split(",") if x]
+def csv(kind=str, what: str = "names", options: list[str] | None = None):
+    """An argparse type: a comma-separated list ('' for none) of `kind`, each one of `options` when given;
+    else a usage error naming the item and what to give (`--zero3-buckets abc` was a ValueError traceback,
+    `--backends vlm` a Hydra error after the backends before it were timed)."""
+
+    def parse(text: str) -> list:
+        items = []
+        for x in (x.strip() for x in text.split(",") if x.strip()):
+            try:
+                items.append(kind(x))
+            except ValueError:
+                noun = "a whole number" if kind is int else "a number"
+                raise argparse.ArgumentTypeError(f"{x!r} is not {noun}: give {what}, comma-separated") from None
+            if options is not None and x not in options:
+                raise argparse.ArgumentTypeError(f"{x!r} is not one of {', '.join(options)}: give {what}, comma-separated")
+        return items
+
+    parse.__name__ = f"{kind.__name__} list"
+    return parse
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group (`rollout`: colocated, dedicated, hf, remote): its YAML files under conf/."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
 def run(args):
     from grpo.bench.steps import report_run  # lazy: a command imports its own deps
 
-    return report_run(csv(args.backends), args.steps, args.sync_repeats, csv(args.parallel), csv(args.zero3_buckets, float),
+    return report_run(args.backends, args.steps, args.sync_repeats, args.parallel, args.zero3_buckets,
                       args.overrides)
 
 
@@ -56,7 +82,7 @@ def run_shared_cores(args):
 def run_warm_start(args):
     from grpo.bench.warm_start import report_warm_start  # lazy: a command imports its own deps
 
-    return report_warm_start(csv(args.seeds, int), args.settings)
+    return report_warm_start(args.seeds, args.settings)
 
 
 def run_update_memory(args):
@@ -92,26 +118,26 @@ def run_vs_trl(args):
 def run_env_calls(args):
     from grpo.bench.env_calls import report_env_calls  # lazy: a command imports its own deps
 
-    return report_env_calls(args.trajectories, args.step_ms, csv(args.concurrency, int))
+    return report_env_calls(args.trajectories, args.step_ms, args.concurrency)
 
 
 def run_episodes(args):
     from grpo.bench.episodes import report_episodes  # lazy: a command imports its own deps
 
-    return report_episodes(args.steps, args.batch, args.latency_ms, csv(args.settings), args.overrides, args.learn_steps,
-                           csv(args.learn_settings))
+    return report_episodes(args.steps, args.batch, args.latency_ms, args.settings, args.overrides, args.learn_steps,
+                           args.learn_settings)
 
 
 def run_sequence_memory(args):
     from grpo.bench.sequence import report_sequence_memory  # lazy: a command imports its own deps
 
-    return report_sequence_memory(csv(args.sizes, int), args.layers, args.tokens)
+    return report_sequence_memory(args.sizes, args.layers, args.tokens)
 
 
 def run_mfu(args):
     from grpo.bench.mfu import report_mfu  # lazy: a command imports its own deps
 
-    return report_mfu(csv(args.workloads), args.steps, args.run_dir, args.overrides)
+    return report_mfu(args.workloads, args.steps, args.run_dir, args.overrides)
 
 
 def at_least(low: int, why: str):
@@ -148,10 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = command("run", run, "rollout throughput and step time per backend, weight-sync cost, step time per parallel "
                 "strategy, ZeRO-3's gather cost against bucket size (the default)", steps=12, overrides=True, out="bench")
-    c.add_argument("--backends", default="hf,colocated,dedicated,remote", help="backends to time ('' for none)")
+    backends, strategies = group_options("rollout"), group_options("parallel")
+    c.add_argument("--backends", type=csv(what="rollout backends", options=backends), default="hf,colocated,dedicated,remote",
+                   help=f"backends to time, of {', '.join(backends)} ('' for none)")
     c.add_argument("--sync-repeats", type=int, default=5, help="weight syncs per bucket size (the median is kept)")
-    c.add_argument("--parallel", default="single,ddp,zero2,zero3", help="strategies to time ('' for none)")
-    c.add_argument("--zero3-buckets", default="16,64,256,1024", help="ZeRO-3 gather bucket sizes in MB ('' for none)")
+    c.add_argument("--parallel", type=csv(what="parallel strategies", options=strategies), default="single,ddp,zero2,zero3",
+                   help=f"strategies to time, of {', '.join(strategies)} ('' for none)")
+    c.add_argument("--zero3-buckets", type=csv(float, "sizes in MB"), default="16,64,256,1024",
+                   help="ZeRO-3 gather bucket sizes in MB ('' for none)")
 
     c = command("async", run_async, "asynchronous rollouts: step time with algo.max_staleness=0, 1, 2 "
                 "(rollout=dedicated, then remote), then k=0 against k=1 learning the default task", steps=12, overrides=True)
@@ -166,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = command("warm-start", run_warm_start, "the tiny model's warm start: steps to its target for each of --seeds "
                 "under each of --settings")
-    c.add_argument("--seeds", default="0,1,2,3,4,5,6,7", help="model.tiny.seed values")
+    c.add_argument("--seeds", type=csv(int, "whole numbers"), default="0,1,2,3,4,5,6,7",
+                   help="model.tiny.seed values")
     c.add_argument("--settings", default=None, help="of default, avx2, 1-thread; default: default,avx2 where torch "
                    "runs AVX512 kernels, else default,1-thread")
 
@@ -197,27 +228,30 @@ def build_parser() -> argparse.ArgumentParser:
                 "environments called one after another (env.max_concurrency=1) and concurrently")
     c.add_argument("--trajectories", type=int, default=512, help="episodes, 8 per prompt (default: %(default)s)")
     c.add_argument("--step-ms", type=float, default=50.0, help="each environment step's time (default: %(default)s)")
-    c.add_argument("--concurrency", default="1,32", help="env.max_concurrency values (default: %(default)s)")
+    c.add_argument("--concurrency", type=csv(int, "whole numbers"), default="1,32",
+                   help="env.max_concurrency values (default: %(default)s)")
 
     c = command("episodes", run_episodes, "multi-turn training on long-tailed guess episodes with a tool latency, "
                 "rollout=remote on two local servers: turn-synchronous, per trajectory, and per trajectory with "
                 "partial rollouts (episodes/s, engine idle fraction, the trainer's wait)", steps=10, overrides=True, untimed=2)
     c.add_argument("--batch", type=int, default=128, help="episodes per step, 16 per prompt (default: %(default)s)")
     c.add_argument("--latency-ms", type=float, default=50.0, help="each environment step's tool latency (default: %(default)s)")
-    c.add_argument("--settings", default="turns,trajectories,partial", help="which schedules (default: %(default)s)")
+    c.add_argument("--settings", type=csv(), default="turns,trajectories,partial", help="which schedules (default: %(default)s)")
     c.add_argument("--learn-steps", type=int, default=0, help="then experiment=guess_tiny on remote for this many steps "
                    "per --learn-settings, its held-out solve rate before and after (default: %(default)s, none)")
-    c.add_argument("--learn-settings", default="turns,partial", help="the schedules that learn (default: %(default)s)")
+    c.add_argument("--learn-settings", type=csv(), default="turns,partial",
+                   help="the schedules that learn (default: %(default)s)")
 
     c = command("sequence-memory", run_sequence_memory, "one rank's peak memory in an update on one long sequence, "
                 "its rows split across S ranks (parallel.sequence_parallel)")
-    c.add_argument("--sizes", default="1,2,4", help="values of S, each a torchrun of S processes (default: %(default)s)")
+    c.add_argument("--sizes", type=csv(int, "whole numbers"), default="1,2,4",
+                   help="values of S, each a torchrun of S processes (default: %(default)s)")
     c.add_argument("--layers", type=int, default=4, help="layers of SmolLM2's body (of 30; default: %(default)s)")
     c.add_argument("--tokens", type=int, default=8192, help="completion tokens of the sequence (default: %(default)s)")
 
     c = command("mfu", run_mfu, "each phase's seconds, FLOPs, tokens/s and MFU against the measured matmul peak, for "
                 "short trainings side by side (default run, SmolLM2) and any --run-dir", steps=6, overrides=True)
-    c.add_argument("--workloads", default="default,smollm2", help="of default, smollm2 ('' for none; default: %(default)s)")
+    c.add_argument("--workloads", type=csv(), default="default,smollm2", help="of default, smollm2 ('' for none; default: %(default)s)")
     c.add_argument("--run-dir", action="append", default=[], help="a finished run folder to report too (repeatable)")
     return p
 
@@ -228,13 +262,19 @@ def main(argv: list[str] | None = None) -> None:
     for flag, name in OLD_FLAGS.items():
         if flag in argv:
             p.error(f"{flag} is now a command: python -m grpo.bench {name} [options] (see python -m grpo.bench --help)")
+    if argv and argv[0] not in COMMANDS and not argv[0].startswith(("-", "~", "+")) and "=" not in argv[0]:
+        p.error(f"unknown command {argv[0]!r}: choose from {', '.join(COMMANDS)}")  # `rnu` was taken for an override
     if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
         argv = ["run", *argv]  # no command: the default benchmark, with the options given
     args = p.parse_args(argv)
+    if getattr(args, "overrides", None):  # an override Hydra cannot apply fails here, before the first benchmark trains
+        from grpo.config import compose_config  # loads torch: only for a command given overrides
+
+        exit_on_user_error(compose_config, args.overrides)
     import torch  # torch: heavy; the dispatcher and --help load no torch
 
     from grpo.bench.report import publish  # loads torch (grpo.cpus): here, not at the top, for the same reason
 
     torch.manual_seed(0)
-    publish(args.out, *args.fn(args))
+    publish(args.out, *exit_on_user_error(args.fn, args))
 
