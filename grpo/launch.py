@@ -53,11 +53,9 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
-from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from grpo.cli import exit_on_user_error
@@ -378,11 +376,7 @@ def main() -> None:
                                      description=__doc__)
     parser.add_argument("args", nargs="*", metavar="KEY=VALUE",
                         help=f"launch keys ({keys}); every other argument is a grpo.train override")
-    try:
-        exit_on_user_error(launch, parser.parse_args().args)
-    except HydraException as e:  # an override Hydra cannot apply (algo.lrr=1, a value of the wrong type)
-        cause = f" ({' '.join(str(e.__cause__).split()[:40])})" if e.__cause__ else ""
-        sys.exit(f"error: {' '.join(str(e).split())}{cause}")
+    exit_on_user_error(launch, parser.parse_args().args)  # an override Hydra cannot apply too (cli.hydra_message)
 
 
 if __name__ == "__main__":
