@@ -32,7 +32,7 @@ from grpo.packaged import PACKAGED, packaged_model_dir
 from grpo.parallel import STRATEGIES, strategy_class
 from grpo.parallel.sequence import check_heads, check_size
 from grpo.reward_config import RewardConfig  # the reward group's schema (reward functions, `rm`, `judge`)
-from grpo.rewards import check_rewards
+from grpo.rewards import check_rewards, reward_names
 from grpo.rollout import BACKENDS, backend_class
 from grpo.rollout.engine_memory import model_config_of, read_model_config
 from grpo.rollout.render import RENDERERS
@@ -332,7 +332,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     if a.shared_prompt not in SHARED_PROMPT_SETTINGS or not isinstance(a.shared_prompt, (bool, str)):
         raise ConfigError(f"algo.shared_prompt={a.shared_prompt!r}: use true, false or auto (on for the CPU, off on "
                           f"CUDA until measured on a GPU).")
-    algo_config.check_turn_rewards(a, cfg.env.name, [f.name for f in cfg.reward.funcs])  # per-turn credit
+    algo_config.check_turn_rewards(a, cfg.env.name, reward_names(cfg))  # per-turn credit (reward_names: each named once)
     backend, strategy = backend_class(r.backend), strategy_class(cfg.parallel.strategy)
     backend.check(r, world)  # each backend its own settings (grpo/rollout/)
     backend.check_unread(r)  # a rollout.vllm.*, remote.* or dedicated.* setting the backend never reads

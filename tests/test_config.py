@@ -44,7 +44,8 @@ def test_every_config_file_composes(group, option, tmp_path):
     extra = {("task", "jsonl"): [f"task.path={tmp_path / 'x.jsonl'}"],
              ("model", "hub"): [f"model.path={tmp_path}"],  # a local folder: no hub lookup here
              ("rollout", "remote"): ["rollout.remote.urls=[http://127.0.0.1:9]"],
-             ("reward", "env"): ["env=guess"],
+             ("reward", "env"): ["env=guess", "task=guess"],
+             ("env", "guess"): ["task=guess"],  # it plays task=guess's secrets
              ("reward", "rm"): ["reward.rm.path=tiny_rm"],  # rm.yaml leaves the path to the user
              ("reward", "judge"): ["reward.judge.urls=[http://127.0.0.1:9]"]}.get((group, option), [])
     real_model = [] if group == "model" else ["model=hub", f"model.path={tmp_path}"]
@@ -257,6 +258,8 @@ def test_unknown_option_is_an_error():
         ("eval_every=-5", "eval_every=-5"),
         ("reward.funcs.0.weight=0", "a weight of 0 changes nothing"),
         ("reward.funcs.0.weight=-1", "at least one must be > 0"),
+        ("reward.funcs=[{weight:1}]", "reward.funcs[0] has no name: give each entry one"),  # was MissingMandatoryValue
+        ("reward.funcs=[{name:exact_match},{name:exact_match}]", "reward.funcs lists 'exact_match' twice"),
         # a setting of a feature that is off (session 18): it changed nothing
         ("algo.max_draws=8", "algo.max_draws=8 (read only with algo.dynamic_sampling=true)"),
         ("algo.is_cap=4", "algo.is_cap=4.0 (read only with algo.is_level=token (or sequence))"),

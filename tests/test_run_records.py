@@ -132,3 +132,17 @@ def test_grpo_eval_leaves_a_training_folders_metrics_alone(tmp_path):
     assert not is_training_folder(str(tmp_path))  # an eval-only folder: its metrics.jsonl gets the row
     (tmp_path / "summary.json").write_text("{}")
     assert is_training_folder(str(tmp_path))
+
+
+def test_wandb_without_a_key_is_a_config_error_with_the_advice(tmp_path, monkeypatch):
+    """logger=wandb online with no credentials: wandb's UsageError traceback ("No API key configured")
+    before; now one ConfigError saying what to set. No network: wandb refuses before it connects."""
+    from grpo.errors import ConfigError
+
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "NETRC"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path))
+    cfg = OmegaConf.merge(OmegaConf.structured(LoggerConfig), {"backend": "wandb", "mode": "online"})
+    with pytest.raises(ConfigError, match="logger=wandb needs WANDB_API_KEY or"):
+        RunLogger(cfg, str(tmp_path), 1, {})
