@@ -27,9 +27,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from urllib.parse import urlsplit
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 
-from grpo.errors import ServerError
+from grpo.errors import ConfigError, ServerError
 from grpo.progress import WaitProgress, say
 
 
@@ -290,3 +291,20 @@ class Server:
         """The server's own engine world (tensor x pipeline x data parallel): the ranks its transfer
         group needs beside the trainer's (vLLM's RL route /get_world_size, mounted with the others)."""
         return int(self.request("/get_world_size", timeout=CONTROL_TIMEOUT_S)["world_size"])
+
+
+def check_urls(urls, key: str, hint: str = "") -> None:
+    """validate's part for a list of server URLs (`key`: rollout.remote.urls, reward.judge.urls,
+    reward.rm.urls; nothing is contacted): each is http(s)://host[:port][/path]. `localhost:8000` (no
+    scheme) waited out the health timeout, then failed with urllib's "unknown url type"; a port beyond
+    65535 failed only when contacted. `hint`: what the key's servers are, said after the fix."""
+    for url in map(str, urls):
+        try:
+            parts = urlsplit(url)
+            parts.port  # a port that is not a number, or beyond 65535: ValueError
+            ok = parts.scheme in ("http", "https") and bool(parts.hostname) and not any(c.isspace() for c in url)
+        except ValueError:
+            ok = False
+        if not ok:
+            fix = f"write http://{url} (https:// for TLS)" if "://" not in url else "give http(s)://, a host and a port from 0 to 65535"
+            raise ConfigError(f"{key}: {url!r} is not an http(s)://host:port URL; {fix}.{' ' + hint if hint else ''}")

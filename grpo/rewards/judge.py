@@ -50,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 from grpo.auth import JUDGE_TOKEN_ENV, client_token
 from grpo.errors import ConfigError, RewardStop, ServerError
-from grpo.endpoints import NotJson, Server, is_redirect, parallel_map
+from grpo.endpoints import NotJson, Server, check_urls, is_redirect, parallel_map
 
 SCORES = ("logprobs", "pattern")
 APIS = ("chat", "completions")
@@ -341,9 +341,7 @@ def check(cfg) -> None:
     if not jc.urls:
         raise ConfigError("reward `judge` needs reward.judge.urls=[http://host:port,...]: OpenAI-compatible servers "
                           "(e.g. `python -m grpo.serve --model JUDGE --port 8100`).")
-    for url in jc.urls:
-        if not re.match(r"^https?://[^/\s]+(/.*)?$", str(url)):
-            raise ConfigError(f"reward.judge.urls: {url!r} is not an http(s)://host:port URL.")
+    check_urls(jc.urls, "reward.judge.urls")
     if jc.api not in APIS:
         raise ConfigError(f"reward.judge.api={jc.api!r} is not one of {list(APIS)}.")
     if jc.score not in SCORES:

@@ -30,34 +30,18 @@ from __future__ import annotations
 
 import time
 import warnings
-from urllib.parse import urlparse
 
 from grpo.errors import ConfigError, RewardStop, ServerError
 from grpo.rewards.reward_model import RewardModel, ScoreNormaliser, within_context
 from grpo.auth import RM_TOKEN_ENV, client_token
-from grpo.endpoints import Server, is_redirect, parallel_map, split_by_load
+from grpo.endpoints import Server, check_urls, is_redirect, parallel_map, split_by_load
 
 STOPS = (401, 403, 404)  # the token, or a server without /classify (restarted as another): no later batch would score
 
 
-def check_url(url: str) -> str | None:
-    """What is wrong with a server URL (None: it is http(s)://host:port)."""
-    try:
-        parts = urlparse(url)
-        port = parts.port
-    except ValueError as e:
-        return str(e)
-    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
-        return "not http(s)://host:port"
-    return None
-
-
 def check_served(rm) -> None:
     """validate's part for `reward.rm.urls` (nothing is contacted)."""
-    for url in rm.urls:
-        if problem := check_url(str(url)):
-            raise ConfigError(f"reward.rm.urls: {url!r} is {problem}; give each `grpo.serve --reward-model` server as "
-                              f"http://host:port.")
+    check_urls(rm.urls, "reward.rm.urls", "Each is a `grpo.serve --reward-model` server.")
     rm_token(rm)
     if rm.health_timeout_s <= 0:
         raise ConfigError(f"reward.rm.health_timeout_s={rm.health_timeout_s} must be > 0.")

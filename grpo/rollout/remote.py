@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import re
 from concurrent.futures import Future
-from urllib.parse import urlsplit
 
 import torch
 
 from grpo import dist, lora
+from grpo.endpoints import check_urls
 from grpo.errors import ConfigError, ServerError
 from grpo.progress import say
 from grpo.auth import TOKEN_ENV, client_token
@@ -62,25 +61,6 @@ def check_transfer_host(host: str | None) -> None:
         raise ConfigError(f"rollout.remote.transfer_host={host!r} is a wildcard: give the trainer's own address as the "
                           f"servers reach it (e.g. its IP on the cluster's network), or leave it unset to use the "
                           f"route to the first server.")
-
-
-# the rule grpo/rewards/judge.py `check` writes inline for reward.judge.urls, which should call check_urls
-SERVER_URL = re.compile(r"^https?://[^/\s]+(/.*)?$")
-
-
-def check_urls(urls, key: str) -> None:
-    """Each of `key`'s URLs is http(s)://host[:port][/path]: `localhost:8000` (no scheme) waited out
-    health_timeout_s, then failed with urllib's "unknown url type"; a port beyond 65535 failed only when contacted."""
-    for url in map(str, urls):
-        try:
-            parts = urlsplit(url)
-            parts.port  # a port that is not a number, or beyond 65535: ValueError
-            ok = bool(SERVER_URL.match(url) and parts.hostname)  # http://:8000 names no host
-        except ValueError:
-            ok = False
-        if not ok:
-            fix = f"write http://{url} (https:// for TLS)" if "://" not in url else "give http(s)://, a host and a port from 0 to 65535"
-            raise ConfigError(f"{key}: {url!r} is not an http(s)://host:port URL; {fix}.")
 
 
 def check_positive(rc) -> None:
