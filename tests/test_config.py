@@ -258,6 +258,9 @@ def test_unknown_option_is_an_error():
         ("eval_every=-5", "eval_every=-5"),
         ("reward.funcs.0.weight=0", "a weight of 0 changes nothing"),
         ("reward.funcs.0.weight=-1", "at least one must be > 0"),
+        ("rollout=dedicated|rollout.dedicated.start_timeout_s=0", "rollout.dedicated.start_timeout_s=0.0 must be > 0 seconds"),
+        ("rollout=dedicated|rollout.dedicated.request_timeout_s=-1", "rollout.dedicated.request_timeout_s=-1.0 must be > 0"),
+        ("rollout=dedicated|rollout.dedicated.cpu_cores=-1", "rollout.dedicated.cpu_cores=-1 must be 0 (no cores set aside)"),
         ("reward.funcs=[{weight:1}]", "reward.funcs[0] has no name: give each entry one"),  # was MissingMandatoryValue
         ("reward.funcs=[{name:exact_match},{name:exact_match}]", "reward.funcs lists 'exact_match' twice"),
         # a setting of a feature that is off (session 18): it changed nothing

@@ -334,6 +334,11 @@ class DedicatedBackend(RolloutBackend):
         check_vllm(cfg)  # devices are picked on the node, where they are (pick_devices)
         if cfg.dedicated.num_engines < 0:
             raise ConfigError(f"rollout.dedicated.num_engines={cfg.dedicated.num_engines} must be 0 (auto) or more.")
+        if cfg.dedicated.cpu_cores < 0:
+            raise ConfigError(f"rollout.dedicated.cpu_cores={cfg.dedicated.cpu_cores} must be 0 (no cores set aside) or more.")
+        for key in ("start_timeout_s", "request_timeout_s"):  # 0 gave an engine no time to start or answer
+            if not cfg.dedicated[key] > 0:
+                raise ConfigError(f"rollout.dedicated.{key}={cfg.dedicated[key]} must be > 0 seconds.")
         if cfg.vllm.weight_transfer not in TRANSFERS:
             raise ConfigError(f"rollout.vllm.weight_transfer={cfg.vllm.weight_transfer!r}: choose one of {', '.join(TRANSFERS)}.")
 
