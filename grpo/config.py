@@ -363,6 +363,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     folders.check_tiny_settings(cfg.model, TinyModelConfig())  # model.tiny.* for a model not built in code
     folders.check_path(cfg.model.path)  # tiny, packaged, a local folder, or a hub id whose config loads
     model_config = known_model_config(cfg.model)
+    folders.check_task_model(cfg, model_config)  # an image task, a system prompt, a chat template against the model
     # the engines' context against the model's own: fitted with a warning, or refused (engine_memory.engine_context)
     backend.check_context(r, model_config)
     backend.check_memory(r, model_config, cuda if cuda is not None else torch.cuda.is_available())  # memory_fraction where read

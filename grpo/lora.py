@@ -106,6 +106,10 @@ def wrap(model: torch.nn.Module, cfg) -> torch.nn.Module:
     # gate_proj/up_proj/down_proj, the default targets: those adapters trained a "frozen" tower, and vLLM
     # engines started without tower LoRA ignore them, so sampler and trainer drifted apart)
     tower = any(".visual." in f".{name}." for name, _ in model.named_modules())  # peft warns at an exclusion that matches nothing
+    unmatched = unmatched_targets(model, cfg.target_modules)
+    refusal = targets_error(model, cfg.target_modules, unmatched) if unmatched else None  # of the model before peft's wrap
+    if len(unmatched) == len(cfg.target_modules):  # peft would raise its NoMatchingPeftModuleError traceback
+        raise refusal
     config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                         target_modules=list(cfg.target_modules), exclude_modules=VISION_MODULES if tower else None,
                         bias="none", task_type="CAUSAL_LM")
@@ -119,7 +123,24 @@ def wrap(model: torch.nn.Module, cfg) -> torch.nn.Module:
                           f"{f' and {len(fused) - 1} more' if len(fused) > 1 else ''}), which LoRA here does not support "
                           f"(neither the export's merge nor the engines' adapter names handle them): target the "
                           f"attention only, e.g. model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj].")
+    if refusal:  # peft wrapped the others and dropped these without a word (a MoE's are refused above, by name)
+        raise refusal
     return wrapped
+
+
+def unmatched_targets(model: torch.nn.Module, targets) -> list[str]:
+    """The model.lora.target_modules entries that name no module of the language model as peft matches
+    them (the whole name, or its last dotted parts); the vision tower gets no adapter (`wrap`)."""
+    names = [name for name, _ in model.named_modules() if ".visual." not in f".{name}."]
+    return [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+
+
+def targets_error(model: torch.nn.Module, targets, unmatched: list[str]) -> ConfigError:
+    """The refusal of `unmatched` target_modules, listing the model's Linear layers to choose from."""
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear) and ".visual." not in f".{name}."})
+    return ConfigError(f"model.lora.target_modules={plain(targets)}: {', '.join(unmatched)} name(s) no module of this "
+                       f"model. Its Linear layers: {', '.join(linear)}; set model.lora.target_modules to some of them.")
 
 
 def is_lora(model: torch.nn.Module) -> bool:

@@ -66,7 +66,7 @@ def check_freeze_vision(cfg, model_config: dict) -> None:
                           f"(peft freezes every base weight, the vision tower's too, and the adapter leaves the tower "
                           f"out), so the tower would not train. Remove model.freeze_vision=false, or set "
                           f"model.lora.rank=0 to train the tower with the whole model.")
-    vlm = cfg.model.path == "tiny_vlm" or bool(model_config.get("vision_config"))  # as vision.check_config tells one
+    vlm = vision.is_vlm_setting(cfg.model.path, model_config)
     known = cfg.model.path in TINY_KINDS or bool(model_config)
     if known and not vlm:
         raise ConfigError(f"model.freeze_vision=false with model.path={cfg.model.path}, a text model: there is no vision "

@@ -3,6 +3,8 @@ or plain; with a placeholder per image for a vision-language model (grpo/vision.
 
 from __future__ import annotations
 
+from grpo.errors import ConfigError
+
 
 def format_prompt(tokenizer, prompt: str, chat_template: str = "auto", system_prompt: str | None = None,
                   images: int = 0, plain_image: str = "") -> tuple[str, bool]:
@@ -16,7 +18,8 @@ def format_prompt(tokenizer, prompt: str, chat_template: str = "auto", system_pr
     `plain_image` (the model's unexpanded placeholder) once per image in plain text."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if chat_template == "always" and not has_template:
-        raise ValueError("task.chat_template=always but the tokenizer has no chat template; use auto or never.")
+        raise ConfigError("task.chat_template=always but the tokenizer has no chat template; use task.chat_template=auto "
+                          "or never.")
     if chat_template == "never" or not has_template:
         text = plain_image * images + prompt
         return (f"{system_prompt}\n\n{text}" if system_prompt else text), False

@@ -143,10 +143,16 @@ def encode_image_prompt(tokenizer, image_processor, config, sample, chat_templat
     return ImagePrompt(expanded, VisionInputs(pixels["pixel_values"], grid, images, rope, image_id))
 
 
+def is_vlm_setting(path: str, model_config: dict) -> bool:
+    """Whether model.path names a vision-language model as validate knows it, before any load: the tiny
+    VLM, or a config.json with a vision_config (`model_config`: grpo.config.known_model_config)."""
+    return path == "tiny_vlm" or bool(model_config.get("vision_config"))
+
+
 def check_config(cfg, model_config: dict) -> None:
     """What a vision-language model (model=tiny_vlm, or a folder/hub id whose config.json has a
     vision_config) runs with: one-turn tasks, no sequence split (docs/vlm.md); called by grpo.config.validate."""
-    if cfg.model.path != "tiny_vlm" and not model_config.get("vision_config"):
+    if not is_vlm_setting(cfg.model.path, model_config):
         return
     why = None
     if cfg.env.name != "none":

@@ -35,20 +35,37 @@ def is_subset(values, composed) -> bool:
     return values == composed
 
 
+@pytest.fixture(scope="module")
+def hub_folder(model_dir, tmp_path_factory):
+    """A local model folder as validate sees a hub model's (config.json, weights, tokenizer): the tiny
+    model's files with a real model's context (32,768 positions), which the groups' 512-token
+    completions need. Only composed and validated here, never loaded."""
+    import json
+    import shutil
+
+    folder = tmp_path_factory.mktemp("hub-model")
+    shutil.copytree(model_dir, folder, dirs_exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32768}))
+    return folder
+
+
 @pytest.mark.parametrize("group, option", group_files())
-def test_every_config_file_composes(group, option, tmp_path):
+def test_every_config_file_composes(group, option, tmp_path, hub_folder):
     """Each file's values reach the composed config. Files of the other groups are composed with a real
     model (model=hub), since the tiny model sets some of their keys for itself (conf/model/tiny.yaml)."""
     from omegaconf import OmegaConf
 
     extra = {("task", "jsonl"): [f"task.path={tmp_path / 'x.jsonl'}"],
-             ("model", "hub"): [f"model.path={tmp_path}"],  # a local folder: no hub lookup here
+             ("model", "hub"): [f"model.path={hub_folder}"],  # a local folder: no hub lookup here
              ("rollout", "remote"): ["rollout.remote.urls=[http://127.0.0.1:9]"],
              ("reward", "env"): ["env=guess", "task=guess"],
              ("env", "guess"): ["task=guess"],  # it plays task=guess's secrets
              ("reward", "rm"): ["reward.rm.path=tiny_rm"],  # rm.yaml leaves the path to the user
              ("reward", "judge"): ["reward.judge.urls=[http://127.0.0.1:9]"]}.get((group, option), [])
-    real_model = [] if group == "model" else ["model=hub", f"model.path={tmp_path}"]
+    real_model = [] if group == "model" else ["model=hub", f"model.path={hub_folder}"]
+    if (group, option) == ("task", "shapes"):  # image prompts: a vision-language model
+        real_model = ["model=tiny_vlm"]
     cfg = compose_cfg(*real_model, f"{group}={option}", *extra)
     path = CONF / group / f"{option}.yaml"
     values = OmegaConf.to_container(OmegaConf.load(path))

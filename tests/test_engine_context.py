@@ -10,6 +10,7 @@ import json
 import warnings
 
 import pytest
+from safetensors import safe_open
 
 from grpo.errors import ConfigError
 from grpo.rollout.engine_memory import engine_context, model_context, start_failure_message
@@ -61,15 +62,21 @@ def test_a_longer_equal_or_unknown_model_context_leaves_max_model_len_as_it_is()
     assert model_context({"max_position_embeddings": 512, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}) == 512
 
 
-def model_folder(path, positions: int) -> str:
-    (path / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": positions}))
+def model_folder(tiny_lm, path, positions: int) -> str:
+    """`tiny_lm` saved into `path` (validate refuses a folder without weights or tokenizer), its
+    config.json saying max_position_embeddings=`positions`."""
+    model, tok = tiny_lm
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": positions}))
     return str(path)
 
 
-def test_validate_refuses_a_context_the_completion_cannot_fit_in_and_accepts_one_it_fits(tmp_path):
+def test_validate_refuses_a_context_the_completion_cannot_fit_in_and_accepts_one_it_fits(tiny_lm, tmp_path):
     from grpo.config import validate
 
-    folder = model_folder(tmp_path, 256)
+    folder = model_folder(tiny_lm, tmp_path, 256)
     for rollout in ("colocated", "dedicated"):  # 1024-token engines, 512 new tokens
         cfg = compose_cfg("model=hub", f"model.path={folder}", f"rollout={rollout}")
         with pytest.raises(ConfigError, match=r"rollout.vllm.max_model_len=1024.*256 tokens.*rollout.max_new_tokens=512"):
@@ -88,6 +95,43 @@ def test_validate_refuses_a_context_the_completion_cannot_fit_in_and_accepts_one
     with pytest.raises(ConfigError, match="256 tokens"):
         validate(compose_cfg("rollout=colocated", "rollout.vllm.max_model_len=1024", "rollout.max_new_tokens=300"),
                  world_size=1, cuda=False)
+
+
+def test_a_model_folder_without_what_load_model_reads_is_refused_by_validate_naming_the_file(tiny_lm, tmp_path):
+    """Each missing piece failed after setup: an empty folder in tokenizers, no weights in transformers
+    (OSError), a malformed config.json as a JSONDecodeError inside validate, and no tokenizer not at all
+    (eval 0.000, then "completion 0 has an empty prompt"). Validate names what is missing, in that order."""
+    from grpo.config import validate
+    from grpo.rollout.engine_memory import read_model_config
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+
+    def refused(match):
+        with pytest.raises(ConfigError, match=match):
+            validate(compose_cfg("model=hub", f"model.path={folder}", "rollout=hf", "rollout.max_new_tokens=128"),
+                     world_size=1, cuda=False)
+
+    refused(rf"^model.path={folder}: no config.json")
+    (folder / "config.json").write_text('{"model_type": "qwen2",\n "max_position_embeddings": 256,}')
+    refused(rf"^model.path={folder}: config.json is not valid JSON \(line 2: ")
+    with pytest.raises(ConfigError, match=r"config.json is not valid JSON \(line 2: "):  # grpo.serve reads it too
+        read_model_config(str(folder))
+    model, tok = tiny_lm
+    model.config.to_json_file(folder / "config.json")
+    refused(r"no weights \(model.safetensors, pytorch_model.bin, or their index")
+    model.save_pretrained(folder)
+    refused(r"no tokenizer \(tokenizer.json or tokenizer_config.json\): save the base model's tokenizer into it")
+    tok.save_pretrained(folder)
+    validate(compose_cfg("model=hub", f"model.path={folder}", "rollout=hf", "rollout.max_new_tokens=128"),
+             world_size=1, cuda=False)
+    # sharded weights, as save_pretrained writes a large model: the index names the shards
+    shard = folder / "model-00001-of-00001.safetensors"
+    (folder / "model.safetensors").rename(shard)
+    names = safe_open(str(shard), "pt").keys()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, shard.name)}))
+    validate(compose_cfg("model=hub", f"model.path={folder}", "rollout=hf", "rollout.max_new_tokens=128"),
+             world_size=1, cuda=False)
 
 
 def test_the_start_failure_message_keeps_every_line_of_vllms_message():

@@ -348,3 +348,17 @@ def test_lora_leaves_a_vlms_vision_tower_alone():
     trainable = [n for n, p in wrapped.named_parameters() if p.requires_grad]
     assert not [n for n in trainable if weights.is_vision_parameter(n)], trainable
     assert any("mlp.gate_proj.lora_A" in n for n in trainable) and any("q_proj.lora_A" in n for n in trainable)
+
+
+def test_lora_targets_that_name_no_module_are_refused_listing_the_models_linear_layers(tiny_lm):
+    """target_modules=[q_prj] stopped in peft's NoMatchingPeftModuleError traceback; [q_proj,q_prj] wrapped
+    q_proj and dropped q_prj without a word. Both are refused, naming the layers there are."""
+    model, _ = tiny_lm
+    layers = "Its Linear layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj;"
+    for targets in (["q_prj"], ["q_proj", "q_prj"]):
+        with pytest.raises(ConfigError, match=rf"target_modules={re.escape(str(targets))}: q_prj name\(s\) no module of "
+                                              rf"this model. {layers}"):
+            lora.wrap(copy.deepcopy(model), OmegaConf.structured(LoraConfig(rank=4, target_modules=targets)))
+    # a whole dotted name, or its last parts, is peft's match too
+    wrapped = lora.wrap(copy.deepcopy(model), OmegaConf.structured(LoraConfig(rank=4, target_modules=["self_attn.q_proj"])))
+    assert sum(name.endswith("q_proj.lora_A.default.weight") for name, _ in wrapped.named_parameters()) == 2  # 2 layers

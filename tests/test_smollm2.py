@@ -7,6 +7,7 @@ import os
 import pytest
 
 from grpo import models, packaged, serve
+from grpo.tiny.folders import check_path, has_chat_template
 
 
 def test_missing_package_says_how_to_install(monkeypatch, tmp_path):
@@ -28,6 +29,8 @@ def test_smollm2_converts_once_loads_and_trains_one_step(make_cfg, cache_dir, tm
     assert "quantization_config" not in config  # vLLM refuses a folder claiming GGUF quantization
     model, tokenizer = models.load_model(path)
     assert type(model).__name__ == "LlamaForCausalLM" and tokenizer.chat_template
+    check_path(path)  # the converted folder as model.path: validate finds its weights and tokenizer
+    assert has_chat_template(path)  # and its chat template (task.chat_template=always is taken)
     assert not [n for n in os.listdir(os.path.dirname(path)) if n.startswith(".smollm2")]  # no temporary left
     os.environ["GRPO_CACHE"] = cache_dir  # grpo.serve composes the default config, whose cache is $GRPO_CACHE
     try:  # the server loads the trainer's folder; it once passed the name to vLLM as a hub id

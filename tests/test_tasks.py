@@ -146,3 +146,33 @@ def test_every_task_file_passes_with_its_own_settings():
         check_task(compose_cfg(f"task={name}").task)
     check_task(compose_cfg("task=shapes", "task.size=256", "task.eval_size=16").task)
     check_task(compose_cfg("task=arithmetic", "task.digits=1", "task.answer_format=Reply.").task)
+
+
+def test_chat_template_always_without_one_is_refused_at_validate_where_the_tokenizer_is_known(tiny_lm, tmp_path):
+    """task.chat_template=always on a tokenizer without a template stopped in format_prompt with a ValueError
+    traceback at the first prompt. It is a ConfigError there, and the tiny models' character tokenizer or
+    a folder's saved tokenizer is known at validate, so it is refused before anything is built."""
+    from grpo.config import known_model_config
+    from grpo.prompts import format_prompt
+    from grpo.tiny.folders import check_task_model
+
+    _, tok = tiny_lm
+    with pytest.raises(ConfigError, match=r"^task.chat_template=always but the tokenizer has no chat template; use "
+                                          r"task.chat_template=auto or never."):
+        format_prompt(tok, "1+1=", "always")
+
+    def check(*overrides):
+        cfg = compose_cfg(*overrides, "task.chat_template=always")
+        check_task_model(cfg, known_model_config(cfg.model))
+
+    folder = tmp_path / "model"
+    tok.save_pretrained(folder)  # the character tokenizer: no chat template
+    for model in (["model=tiny"], ["model=tiny_moe"], ["model=hub", f"model.path={folder}"]):
+        with pytest.raises(ConfigError, match=rf"^task.chat_template=always but the tokenizer of model.path="
+                                              rf"{model[-1].split('=')[1]} has no chat template; use task.chat_template=auto"):
+            check(*model)
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    tok.save_pretrained(folder)  # transformers writes chat_template.jinja
+    check("model=hub", f"model.path={folder}")
+    check("model=hub", "model.path=some-org/not-cached")  # unknown until the load: format_prompt says so then
+    tok.chat_template = None

@@ -239,8 +239,34 @@ def test_a_text_model_on_an_image_task_is_refused(tiny_lm, samples):
         encode_prompts(tok, samples)
 
 
+def test_an_image_task_on_a_known_text_model_is_refused_before_any_build(tmp_path):
+    """task=shapes with the default model=tiny warm-started a text model on image prompts for over 14
+    minutes without an error. The run's check of task against model refuses it; a VLM, or a hub id whose
+    config is not known yet (the load refuses it: encode_prompts), passes."""
+    from grpo.config import known_model_config
+    from grpo.errors import ConfigError
+    from grpo.tiny.folders import check_task_model
+
+    def check(*overrides):
+        cfg = compose_cfg("task=shapes", *overrides)
+        check_task_model(cfg, known_model_config(cfg.model))
+
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_attention_heads": 4}))
+    for model in (["model=tiny"], ["model=tiny_moe"], ["model=smollm2-135m"], ["model=hub", f"model.path={text}"]):
+        with pytest.raises(ConfigError, match=r"^task=shapes draws image prompts: use a vision-language model "
+                                              r"\(model=tiny_vlm, or a hub VLM"):
+            check(*model)
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    (vlm / "config.json").write_text(json.dumps({"vision_config": {"depth": 1}, "text_config": {}}))
+    for model in (["model=tiny_vlm"], ["model=hub", f"model.path={vlm}"], ["model=hub", "model.path=some-org/not-cached"]):
+        check(*model)
+
+
 @pytest.mark.parametrize("override, match", [("parallel=zero2 parallel.sequence_parallel=2", "split rows"),
-                                             ("env=guess", "multi-turn")])
+                                             ("env=retry", "multi-turn")])
 def test_what_a_vlm_does_not_run_is_refused(make_cfg, override, match):
     from grpo.config import validate
     from grpo.errors import ConfigError

@@ -4,6 +4,7 @@ with a clear error instead of a silent run that cannot learn."""
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -11,9 +12,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from grpo.cli import exit_on_user_error
-from grpo.errors import WarmStartError
+from grpo.errors import ConfigError, WarmStartError
 from grpo.tasks import build_task
-from grpo.tiny.warm_start import ensure_tiny_model, tiny_model_dir
+from grpo.tiny.warm_start import TINY_KINDS, ensure_tiny_model, tiny_model_dir
 from tests.conftest import ROOT, compose_cfg
 
 
@@ -79,3 +80,52 @@ def test_the_warm_start_reaches_its_target_under_other_float_rounding(tmp_path):
     for r in rows:
         assert "error" not in r, r
         assert r["warm_start_train_accuracy"] >= target and r["warm_start_steps"] <= cap // 3, r
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("model.tiny.warm_start_batch=0", "model.tiny.warm_start_batch=0 must be a whole number >= 1."),
+    ("model.tiny.num_layers=0", "model.tiny.num_layers=0 must be a whole number >= 1."),
+    ("model.tiny.warm_start_check_every=0", "model.tiny.warm_start_check_every=0 must be a whole number >= 1."),
+    ("model.tiny.warm_start_accuracy=2", "model.tiny.warm_start_accuracy=2.0 must be between 0 and 1"),
+    ("model.tiny.warm_start_accuracy=-0.1", "model.tiny.warm_start_accuracy=-0.1 must be between 0 and 1"),
+    ("model.tiny.warm_start_lr=-1", "model.tiny.warm_start_lr=-1.0 must be > 0"),
+    ("model.tiny.warm_start_clip=-1", "model.tiny.warm_start_clip=-1.0 must be >= 0"),
+    ("model=tiny_moe model.tiny.moe.top_k=16", "model.tiny.moe.top_k=16 must be between 1 and model.tiny.moe.experts=8"),
+    ("model=tiny_moe model.tiny.moe.top_k=0", "model.tiny.moe.top_k=0 must be between 1 and model.tiny.moe.experts=8"),
+    ("model=tiny_vlm model.tiny.hidden_size=0", "model.tiny.hidden_size=0 must be a whole number >= 1."),
+])
+def test_a_tiny_setting_the_build_or_warm_start_cannot_take_is_refused_by_validate(setting, message):
+    """A batch of 0 (IndexError), 0 layers (3000 warm-start steps, then an error), top_k 16 of 8 experts
+    (torch, after the build), an accuracy of 2 or a negative lr: each failed late or never."""
+    from grpo.config import validate
+
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        validate(compose_cfg(*setting.split()), world_size=1, cuda=False)
+
+
+
+def test_the_tiny_settings_edges_are_taken():
+    from grpo.config import validate
+
+    for edge in (["model.tiny.warm_start_accuracy=0"], ["model.tiny.warm_start_accuracy=1", "model.tiny.warm_start_clip=0"],
+                 ["model=tiny_moe", "model.tiny.moe.top_k=8"], ["model=tiny_moe", "model.tiny.moe.top_k=1"]):
+        validate(compose_cfg(*edge), world_size=1, cuda=False)
+
+
+def test_a_system_prompt_for_a_tiny_model_is_refused():
+    """The tiny model is warm-started on the bare prompts: with task.system_prompt before them it scored
+    0.000 at eval and its reward stayed 0. A pretrained model takes one."""
+    from grpo.config import known_model_config
+    from grpo.tiny.folders import check_task_model
+
+    def check(*overrides):
+        cfg = compose_cfg(*overrides)
+        check_task_model(cfg, known_model_config(cfg.model))
+
+    for model in TINY_KINDS:
+        task = ["task=shapes"] if model == "tiny_vlm" else []
+        with pytest.raises(ConfigError, match=rf"^task.system_prompt='Be brief.' with model.path={model}: the tiny model "
+                                              rf"is warm-started on the bare prompts"):
+            check(f"model={model}", *task, "task.system_prompt=Be brief.")
+        check(f"model={model}", *task)
+    check("model=hub", "model.path=some-org/not-cached", "task.system_prompt=Be brief.")

@@ -48,7 +48,11 @@ def read_model_config(model_path: str) -> dict:
     if not os.path.isfile(path):
         return {}
     with open(path) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:  # validate says so first (grpo/tiny/folders.py check_folder); grpo.serve here
+            raise ConfigError(f"{path} is not valid JSON (line {e.lineno}: {e.msg}); fix the file or save the model "
+                              f"into its folder again.") from e
 
 
 def model_config_of(model_path: str) -> dict:

@@ -29,6 +29,8 @@ TASKS = {
     "shapes": build_shapes,
 }
 
+IMAGE_TASKS = ("shapes",)  # the tasks whose prompts carry images (Sample.meta["images"]): a VLM's (grpo/vision.py)
+
 # The task.* fields each task reads, besides name, chat_template and system_prompt (every task's):
 # any other one set away from its schema default would change nothing, so validate refuses it.
 SPLIT = ("eval_size", "seed")  # a seeded split holding eval_size prompts out
@@ -97,4 +99,4 @@ def build_task(cfg) -> Task:
     return TASKS[cfg.name](cfg)
 
 
-__all__ = ["TASKS", "Sample", "Task", "TrainSampler", "build_task", "check_task"]
+__all__ = ["IMAGE_TASKS", "TASKS", "Sample", "Task", "TrainSampler", "build_task", "check_task"]

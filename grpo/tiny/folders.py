@@ -9,17 +9,19 @@ it needs the rollout engine, which no task imports), and hands them to grpo/tiny
 
 from __future__ import annotations
 
+import json
 import os
 
 from omegaconf import OmegaConf
 
+from grpo import vision
 from grpo.checkpoint import config_changes
 from grpo.dist import barrier
 from grpo.errors import ConfigError
 from grpo.models import HUB_ID, check_hub_model
 from grpo.packaged import PACKAGED, ensure_packaged_model
 from grpo.rewards.reward_model import TINY_RM
-from grpo.tasks import build_task
+from grpo.tasks import IMAGE_TASKS, build_task
 from grpo.tiny import moe
 from grpo.tiny.guess import solve_rate
 from grpo.tiny.rm import ensure_tiny_rm
@@ -46,8 +48,11 @@ def resolve_model_folder(cfg, log=print) -> str:
 
 def check_path(path: str) -> None:
     """model.path (validate's part): one of the names `resolve_model_folder` makes a folder of, an existing
-    folder, or a hub id whose config loads (nothing else is downloaded)."""
-    if path in TINY_KINDS or path in PACKAGED or os.path.isdir(os.path.expanduser(path)):
+    folder holding a model (`check_folder`), or a hub id whose config loads (nothing else is downloaded)."""
+    if path in TINY_KINDS or path in PACKAGED:
+        return
+    if os.path.isdir(os.path.expanduser(path)):
+        check_folder(path)
         return
     if not HUB_ID.match(path):
         raise ConfigError(
@@ -55,6 +60,80 @@ def check_path(path: str) -> None:
             f"folder, nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'. Fix the path."
         )
     check_hub_model(path)
+
+
+# what transformers loads a folder's weights from (transformers/utils/__init__.py: SAFE_WEIGHTS_NAME,
+# WEIGHTS_NAME and their sharded indexes); a GGUF file needs gguf_file=, which only a packaged model gets
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# what AutoTokenizer builds a tokenizer from: a fast tokenizer's file, the config naming its class,
+# a sentencepiece model, or a BPE/WordPiece vocabulary
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_folder(path: str) -> None:
+    """A local model.path folder holds what load_model reads: a config.json that parses, weights and a
+    tokenizer. Without them the run failed after setup (an empty folder: a tokenizers traceback; no
+    weights: transformers' OSError) or, without a tokenizer, trained on empty prompts scoring 0."""
+    folder = os.path.expanduser(path)
+    has = set(os.listdir(folder))
+    if "config.json" not in has:
+        raise ConfigError(f"model.path={path}: no config.json, so this is not a saved model folder. Point model.path at "
+                          f"the folder save_pretrained wrote (config.json, weights, tokenizer), or use a hub id.")
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.path={path}: config.json is not valid JSON (line {e.lineno}: {e.msg}); fix the file "
+                          f"or save the model into the folder again.") from e
+    if not isinstance(config, dict):
+        raise ConfigError(f"model.path={path}: config.json holds a {type(config).__name__}, not a model config "
+                          f"(an object of fields); save the model into the folder again.")
+    if not has & set(WEIGHT_FILES):
+        raise ConfigError(f"model.path={path}: no weights (model.safetensors, pytorch_model.bin, or their index "
+                          f".index.json). Save the model into it (model.save_pretrained(path)).")
+    if not has & set(TOKENIZER_FILES):
+        raise ConfigError(f"model.path={path}: no tokenizer (tokenizer.json or tokenizer_config.json): save the base "
+                          f"model's tokenizer into it (AutoTokenizer.from_pretrained(base).save_pretrained(path)).")
+
+
+def check_task_model(cfg, model_config: dict) -> None:
+    """The task against the model (validate's part; `cfg`: the run config, `model_config`: what validate
+    knows of config.json, grpo.config.known_model_config): an image task needs a vision-language model
+    (a text model was warm-started on one for 14 minutes without an error); the tiny models, warm-started
+    on the bare prompts with a character vocabulary, take no system prompt (they saw no such text: reward 0
+    throughout) and have no chat template; nor has a local folder whose tokenizer carries none."""
+    model, task = cfg.model, cfg.task
+    known = model.path in TINY_KINDS or model.path in PACKAGED or bool(model_config)  # a hub id not cached: later
+    if task.name in IMAGE_TASKS and known and not vision.is_vlm_setting(model.path, model_config):
+        raise ConfigError(f"task={task.name} draws image prompts: use a vision-language model (model=tiny_vlm, or a hub "
+                          f"VLM such as model=hub model.path=Qwen/Qwen2-VL-2B-Instruct); model.path={model.path} is a "
+                          f"text model.")
+    if model.path in TINY_KINDS and task.system_prompt:
+        raise ConfigError(f"task.system_prompt={task.system_prompt!r} with model.path={model.path}: the tiny model is "
+                          f"warm-started on the bare prompts, with a character vocabulary, so a system prompt before them "
+                          f"is text it never saw: it earns no reward (eval 0.000). Drop task.system_prompt, or use a "
+                          f"pretrained model (model=hub model.path=...).")
+    if task.chat_template == "always" and not has_chat_template(model.path):
+        raise ConfigError(f"task.chat_template=always but the tokenizer of model.path={model.path} has no chat template; "
+                          f"use task.chat_template=auto or never.")
+
+
+def has_chat_template(path: str) -> bool:
+    """Whether model.path's tokenizer has a chat template, as far as its files tell (True where unknown: a
+    hub id, a packaged model before its conversion). The tiny models' character tokenizer has none;
+    transformers saves one as chat_template.jinja (older versions: in tokenizer_config.json)."""
+    if path in TINY_KINDS:
+        return False
+    folder = os.path.expanduser(path)
+    if not os.path.isdir(folder):
+        return True
+    if {"chat_template.jinja", "chat_template.json", "additional_chat_templates"} & set(os.listdir(folder)):
+        return True
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json")) as f:
+            return bool(json.load(f).get("chat_template"))
+    except (OSError, ValueError, AttributeError):  # none, or not a JSON object: the load says so, not this guess
+        return True
 
 
 def check_tiny_settings(model, defaults) -> None:
@@ -71,6 +150,34 @@ def check_tiny_settings(model, defaults) -> None:
                           f"setting or choose that model.")
     if model.path == "tiny_moe":
         moe.check_unread(model.tiny, defaults)  # the dense model's num_layers, intermediate_size: the MoE reads neither
+    if model.path in TINY_KINDS:
+        check_tiny_ranges(model.tiny)
+
+
+# model.tiny.* -> (the smallest value, the largest or None, the rule as the error says it). Outside them
+# the build or the warm start failed late: a batch of 0 (IndexError), 0 layers or a check every 0
+# steps (3000 steps, then an error), top_k above the experts (torch, after the build).
+TINY_RANGES = {
+    **{k: (1, None, "a whole number >= 1") for k in
+       ("hidden_size", "num_layers", "num_heads", "head_dim", "intermediate_size", "warm_start_max_steps",
+        "warm_start_batch", "warm_start_check_every", "moe.experts", "moe.moe_intermediate_size", "moe.layers")},
+    "warm_start_accuracy": (0, 1, "between 0 and 1 (a greedy accuracy; 0 skips the warm start)"),
+    "warm_start_warmup_steps": (0, None, ">= 0 steps"),
+    "warm_start_clip": (0, None, ">= 0 (0: no clipping)"),
+}
+
+
+def check_tiny_ranges(tiny) -> None:
+    """Each model.tiny.* value of a model built in code inside what the build and the warm start take."""
+    for key, (low, high, rule) in TINY_RANGES.items():
+        value = OmegaConf.select(tiny, key)
+        if value < low or (high is not None and value > high):
+            raise ConfigError(f"model.tiny.{key}={value!r} must be {rule}.")
+    if not tiny.warm_start_lr > 0:
+        raise ConfigError(f"model.tiny.warm_start_lr={tiny.warm_start_lr!r} must be > 0 (the default is 3e-3).")
+    if not 1 <= tiny.moe.top_k <= tiny.moe.experts:
+        raise ConfigError(f"model.tiny.moe.top_k={tiny.moe.top_k} must be between 1 and model.tiny.moe.experts="
+                          f"{tiny.moe.experts} (each token is routed to top_k of the experts).")
 
 
 def uses_tiny_rm(cfg) -> bool:
