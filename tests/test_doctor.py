@@ -187,6 +187,6 @@ def test_the_doctors_server_that_stops_before_it_listens_fails_its_start_at_once
     with pytest.raises(ServerError) as e:
         doctor.start_server("tiny", "not a token", str(tmp_path / "server.log"))
     (folder,) = made
-    assert str(e.value).startswith(f"grpo.serve exited before it wrote its URL into {folder}: exit code 2: serve.py: "
+    assert str(e.value).startswith(f"grpo.serve exited before it wrote its URL into {folder}: exit code 2: python -m grpo.serve: "
                                    "error: the token in $GRPO_SERVE_TOKEN has characters"), e.value
     assert not os.path.exists(folder)
