@@ -5,8 +5,8 @@ cancelled by the trainer's rank 0 on every way out (`cancel_jobs`), and submitte
 that SLURM requeued or whose companion job has ended (`agree_on_companions`).
 
 Why again: a trainer stopped by SIGTERM cannot tell a preemption (SLURM requeues it) from a `scancel`
-(final), so on either it cancels its companion jobs as it exits; after a time-limit requeue they are
-left to their own time limit, which comes first. The requeued trainer runs the same pickled
+(final), so on either it cancels its companion jobs as it exits; one that requeues itself on its
+time-limit warning cancels them before its requeue (`TrainJob.release_servers`). The requeued trainer runs the same pickled
 `grpo.launch.TrainJob`, which carries each `Companion` (what its tasks run, the executor's settings),
 and its rank 0 submits the jobs again as the launch did. The other ranks learn the new jobs from
 rank 0's word in <run_dir>/companions.json, marked with this start of the trainer (`<job id>.<restarts>`)
@@ -16,6 +16,7 @@ old URL or an old token.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -69,6 +70,30 @@ def write_token_file(folder: str) -> str:
     return path
 
 
+KEPT_JOB_VARS = ("SLURM_CONF",)  # where the cluster's config is: the launch's submission had it too
+
+
+def inherited_job_vars(env) -> list[str]:
+    """The variables of the SLURM job this process runs in that `sbatch` would carry into a job it
+    submits (it exports the whole environment), where SLURM reads them as that job's own settings: an
+    inherited SLURM_CPU_BIND pins the new job's tasks to this job's CPUs, silently; SLURM_CPUS_PER_TASK
+    or SLURM_MEM_PER_CPU beside the new job's own request stop its srun ("set by two different
+    environment variables", "mutually exclusive"). SLURM_*, PMI_* and PMIX_*, but `KEPT_JOB_VARS`."""
+    return sorted(k for k in env if k.startswith(("SLURM_", "PMI_", "PMIX_")) and k not in KEPT_JOB_VARS)
+
+
+@contextlib.contextmanager
+def outside_this_job():
+    """os.environ without `inherited_job_vars` for the block (a submission from inside a job: a requeued
+    trainer's rank 0, before training starts, on its main thread), so the job it submits is the one the
+    launch submitted from a login node; then as before."""
+    saved = {k: os.environ.pop(k) for k in inherited_job_vars(os.environ)}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 def executor_settings(launcher, **changes) -> dict:
     """conf/hydra/launcher/slurm.yaml's values that `executor_for` takes, with `changes`, as plain values
     (a `Companion` carries them: pickled with the trainer)."""
@@ -111,7 +136,8 @@ class Companion:
         for old in glob.glob(os.path.join(self.folder, "*.url")):
             os.remove(old)
         write_token_file(self.folder)
-        self.job_id = executor_for(slurm_folder(run_dir), self.executor, self.name).submit(self.task).job_id
+        with outside_this_job():  # a requeued trainer submits from inside its own job
+            self.job_id = executor_for(slurm_folder(run_dir), self.executor, self.name).submit(self.task).job_id
         return self.job_id
 
 
@@ -183,8 +209,8 @@ def trainer_start(env) -> tuple[str, bool]:
 
 def companions_to_start(jobs: dict[str, str | None], requeued: bool, ended: set[str]) -> list[str]:
     """Which companion jobs (`jobs`: what -> the job submitted last) rank 0 submits again: every one when
-    SLURM requeued the trainer (a preemption's SIGTERM cancelled them; a time-limit requeue left them to
-    their own limit, which comes first), else those that have ended (`ended`) or were never submitted."""
+    SLURM requeued the trainer (its stop cancelled them; one still listed, a cancel that did not finish,
+    is cancelled again), else those that have ended (`ended`) or were never submitted."""
     return [what for what, job in jobs.items() if requeued or job is None or job in ended]
 
 

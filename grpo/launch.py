@@ -39,7 +39,8 @@ Topologies:
     (<run_dir>/judges/token, mode 600), handed explicitly (the judge never falls back to the servers'
     token; grpo/auth.py); the judges are cancelled, and their token removed, with the servers. Any
     configuration can take judges: they only score.
-  A requeued trainer (a preemption, its time limit, `scontrol requeue`) starts its server and judge
+  A trainer that requeues itself on its time-limit warning cancels its server and judge jobs first. A
+  requeued trainer (a preemption, its time limit, `scontrol requeue`) starts its server and judge
   jobs again, with the launch's settings and fresh tokens, before it waits for their URLs; so does a
   trainer that finds one ended when it starts (grpo/companions.py: `agree_on_companions`).
 The servers a job starts write plain http:// URLs on the cluster's network, so the trainer is given
@@ -159,9 +160,16 @@ class TrainJob:
                 urls = wait_for_urls(companion.folder, companion.count, self.server_wait_s, companion.what, self.run_dir,
                                      companion.job_id)
                 overrides.append(f"{companion.urls_key}=[{','.join(urls)}]")
-            return train(compose_config(overrides))
+            return train(compose_config(overrides), before_requeue=self.release_servers)
         finally:  # every way out: an error, scancel or preemption (SystemExit), the watchdog (KeyboardInterrupt)
             self.cancel_servers()
+
+    def release_servers(self) -> None:
+        """Before the trainer requeues itself on the time-limit warning (grpo/preempt.py `stop`): its
+        requeue starts new companion jobs, so the old ones are cancelled now rather than holding their
+        nodes until the requeued trainer starts, which may wait long in the queue. A short grace: the
+        warning came `signal_delay_s` before the limit, and the step and checkpoint took part of it."""
+        self.cancel_servers(grace_s=15)
 
     def cancel_servers(self, grace_s: float = 60) -> None:
         """Rank 0 cancels the companion jobs (`cancel_jobs`), then removes their token files: nothing is

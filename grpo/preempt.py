@@ -15,9 +15,12 @@ What each event sends, and what the run does:
     `B:USR1` to the trainer step only) or SIGUSR2 (submitit's `--signal=USR2@<signal_delay_s>`, under
     `grpo.launch` and the Hydra SLURM launcher). The run finishes its step, checkpoints on every rank,
     and rank 0 requeues the job with `scontrol requeue` (the job's own id; an array task's own
-    `<array job>_<task>` id, never the whole array). SLURM then ends this allocation, and the
-    requeued job runs the same command in the same run folder, where `resume=true` (the default)
-    picks up the checkpoint. Nothing trained is lost and no step is logged twice.
+    `<array job>_<task>` id, never the whole array). Just before that it runs the caller's
+    `before_requeue` (`grpo.launch` cancels its server and judge jobs there: the requeued trainer
+    starts new ones, and the old ones would otherwise hold their nodes until it does). SLURM then ends
+    this allocation, and the requeued job runs the same command in the same run folder, where
+    `resume=true` (the default) picks up the checkpoint. Nothing trained is lost and no step is logged
+    twice.
 
 The handlers only record the signal; the training loop asks `requested()` once per step. All ranks
 agree through one tiny all-reduce, so ranks signalled at slightly different moments stop after the
@@ -39,6 +42,7 @@ import signal
 import subprocess
 import threading
 import time
+from typing import Callable
 
 from grpo import dist
 
@@ -87,9 +91,10 @@ def own_job_id(env=None) -> str | None:
     return env.get("SLURM_JOB_ID")
 
 
-def stop(step: int, log=print, requeue: bool = False) -> None:
+def stop(step: int, log=print, requeue: bool = False, before_requeue: Callable[[], None] | None = None) -> None:
     """After the checkpoint of `step` is written on every rank: exit, or with `requeue` (the
-    time-limit warning) requeue the SLURM job and wait for SLURM to end this allocation. Never returns."""
+    time-limit warning) requeue the SLURM job and wait for SLURM to end this allocation. Rank 0 runs
+    `before_requeue` first (a failure there is logged; the requeue goes on). Never returns."""
     job = own_job_id()
     if not job:
         log(f"stopped after step {step} on a signal; checkpoint written. Run again with the same run folder to resume.")
@@ -103,6 +108,11 @@ def stop(step: int, log=print, requeue: bool = False) -> None:
         # Said before the requeue: SLURM cancels this step as it requeues the job, and srun can drop
         # output still on its way (CI, 2026-11-28: the line printed after `scontrol requeue` was lost).
         log(f"stopped after step {step} before the time limit; checkpoint written, requeueing job {job}: it resumes from step {step}.")
+        if before_requeue is not None:
+            try:
+                before_requeue()
+            except Exception as e:  # the checkpoint is written: requeueing matters more
+                log(f"before requeueing job {job}: {type(e).__name__}: {e}")
         try:
             out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
             failure = out.stderr.strip() if out.returncode else None

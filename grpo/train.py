@@ -52,6 +52,7 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -83,7 +84,8 @@ from grpo.models import DTYPES, build_policy, build_reference, encode_prompts, p
 from grpo.parallel import build_strategy, strategy_class
 from grpo.parallel.base import resume_schedule
 from grpo.preempt import StopSignal, stop
-from grpo.rewards import build_rewards, score
+from grpo.rewards import MODEL_REWARDS, build_rewards, score
+from grpo.rewards.failure_streak import FailureStreak
 from grpo.rollout import build_rollout, sampling_from
 from grpo.rollout.base import finished_at
 from grpo.rollout.push import nccl_peers
@@ -168,16 +170,17 @@ def run_process_group(cfg: DictConfig, info: DistInfo):
                          nccl_peers(cfg.rollout, torch.cuda.is_available()))
 
 
-def train(cfg: DictConfig) -> dict:
+def train(cfg: DictConfig, before_requeue: Callable[[], None] | None = None) -> dict:
     """One run. Every way out (the end, an error, a stop signal, a lost peer) leaves through one
-    ExitStack, which closes the engines or servers, the logger and the process group."""
+    ExitStack, which closes the engines or servers, the logger and the process group. `before_requeue`:
+    what rank 0 does before the run requeues itself on the time-limit warning (grpo/preempt.py `stop`)."""
     validate(cfg)
     info = dist_info()
     quiet_library_logs(info.rank)  # a library's repeating warning once per run; other ranks: grpo's warnings, errors
     threads = configure_threads(cfg.threads)
     with contextlib.ExitStack() as cleanup:
         cleanup.enter_context(run_process_group(cfg, info))
-        return run(cfg, info, threads, cleanup)
+        return run(cfg, info, threads, cleanup, before_requeue)
 
 
 @dataclass
@@ -207,6 +210,10 @@ class Run:
     engine_busy_s: float = 0.0  # the servers' busy seconds so far (RolloutBackend.engine_busy_s)
     guards: object = None  # grpo.guards.RunGuards: their counts go into each checkpoint
     guard_state: dict = field(default_factory=dict)  # the counts resumed from
+    failure_streak: FailureStreak = field(init=False)  # stops a run whose rule reward fails throughout
+
+    def __post_init__(self):
+        self.failure_streak = FailureStreak([name for name, _, _ in self.reward_fns if name not in MODEL_REWARDS])
 
     @property
     def bucket_bytes(self) -> int:
@@ -239,6 +246,7 @@ class Run:
             self.reward_fns, completions, [s for s in batch.samples for _ in range(self.G)], self.cfg.reward.timeout_s,
             max_new_tokens=self.cfg.rollout.max_new_tokens, **rollouts.reward_info(),
         )
+        self.failure_streak.observe(reward_stats)  # every rank, every batch: RewardStop on all ranks at once
         withhold_errored(rewards_FB, rollouts.finish_reasons)
         rewards_PG = combine_rewards(rewards_FB, [w for _, _, w in self.reward_fns]).view(self.P, self.G)
         by_name = {name: values for (name, _, _), values in zip(self.reward_fns, rewards_FB)}
@@ -391,11 +399,11 @@ def step_metrics(scored: Scored, stats: dict, step: int, lr: float, times: dict[
     }
 
 
-def stop_after(r: Run, step: int, stop_signal: StopSignal) -> None:
+def stop_after(r: Run, step: int, stop_signal: StopSignal, before_requeue: Callable[[], None] | None) -> None:
     """A stop signal, once `step`'s checkpoint is written: close, then exit or requeue (grpo/preempt.py)."""
     r.logger.close()
     r.rollout.close()  # before stop(), which may wait for SLURM to end the allocation
-    stop(step, r.logger.info, requeue=stop_signal.requeue)  # raises SystemExit; the ExitStack does the rest
+    stop(step, r.logger.info, requeue=stop_signal.requeue, before_requeue=before_requeue)  # raises SystemExit; the ExitStack does the rest
 
 
 def resolved_config(cfg: DictConfig, run_dir: str) -> dict:
@@ -404,7 +412,8 @@ def resolved_config(cfg: DictConfig, run_dir: str) -> dict:
     return resolved
 
 
-def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitStack) -> dict:
+def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitStack,
+        before_requeue: Callable[[], None] | None = None) -> dict:
     t_start = time.perf_counter()
     # SIGTERM (scancel, preemption) or the time-limit warning, from here on: the loop checkpoints after
     # its step and stops (or requeues), grpo/preempt.py; one that comes during setup waits for step 1
@@ -505,7 +514,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         if step < cfg.steps and stop_signal.requested():
             if not saved:  # once: the grace period before SIGKILL is short
                 r.checkpoint(step)
-            stop_after(r, step, stop_signal)
+            stop_after(r, step, stop_signal, before_requeue)
 
     # ---- end: checkpoint, final evaluation, summary, export ----
     # The last step's checkpoint comes first, so a stop signal (honoured here too) or a failure in the
@@ -513,7 +522,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     if cfg.steps > r.start:
         r.checkpoint(cfg.steps)
     if stop_signal.requested():
-        stop_after(r, cfg.steps, stop_signal)
+        stop_after(r, cfg.steps, stop_signal, before_requeue)
     after = evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.reward_fns)
     eval_after = after["eval/accuracy"]
     logger.log(cfg.steps, after, console=True)
@@ -542,7 +551,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         write_json(os.path.join(r.run_dir, "summary.json"), summary)
     if cfg.export_model:  # after the summary: a stop or a failure here keeps the finished run's record
         if stop_signal.requested():
-            stop_after(r, cfg.steps, stop_signal)  # the resumed run exports
+            stop_after(r, cfg.steps, stop_signal, before_requeue)  # the resumed run exports
         export_hf(r.strategy, r.tokenizer, os.path.join(r.run_dir, "model"), r.bucket_bytes, step=cfg.steps)
     logger.info(
         f"eval accuracy {r.eval_before:.3f} -> {eval_after:.3f} ({summary['eval_gain']:+.3f}) in {cfg.steps} steps, "

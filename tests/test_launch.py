@@ -749,13 +749,14 @@ class Submitted:
     """A stand-in for submitit's executor (no SLURM here): records each job it is given, ids from 100."""
 
     def __init__(self):
-        self.jobs = []
+        self.jobs, self.environments = [], []
 
     def __call__(self, *args, **kwargs):  # executor_for(...)
         return self
 
     def submit(self, fn):
         self.jobs.append(fn)
+        self.environments.append(dict(os.environ))  # what sbatch would carry into the job
         return type("Job", (), {"job_id": str(99 + len(self.jobs))})()
 
 
@@ -972,3 +973,26 @@ def test_wait_prints_only_the_summary_the_job_wrote(tmp_path, monkeypatch, capsy
               f"logs in {run}/slurm/100/",
         2: f"error: job 100 ended with a {run}/summary.json of 2 steps, not steps=4; see its logs in {run}/slurm/100/",
     }[written]
+
+
+def test_a_companion_submitted_from_inside_the_trainers_job_carries_none_of_its_slurm_variables(tmp_path, monkeypatch):
+    """sbatch exports the submitter's environment and SLURM reads SLURM_* there as the new job's own
+    settings: a requeued trainer resubmitting its server job from inside its own job passed on its
+    SLURM_CPU_BIND (the servers pinned to the trainer's CPUs) and SLURM_CPUS_PER_TASK / SLURM_MEM_PER_CPU
+    (srun: "set by two different environment variables"). The submission sees none of them, SLURM_CONF
+    and the user's own variables (SBATCH_ACCOUNT) stay, and the trainer's environment is whole afterwards."""
+    import grpo.companions
+
+    job = {"SLURM_JOB_ID": "7", "SLURM_CPU_BIND": "quiet,mask_cpu:0x3", "SLURM_CPUS_PER_TASK": "2",
+           "SLURM_MEM_PER_CPU": "4000", "PMI_RANK": "0", "PMIX_RANK": "0", "SLURM_CONF": "/etc/slurm/slurm.conf",
+           "SBATCH_ACCOUNT": "mine"}
+    for k, v in job.items():
+        monkeypatch.setenv(k, v)
+    executor = Submitted()
+    monkeypatch.setattr(grpo.companions, "executor_for", executor)
+    before = dict(os.environ)
+    companion("rollout server", tmp_path / "run", None).start(str(tmp_path / "run"))
+    seen = executor.environments[0]
+    assert not [k for k in seen if k.startswith(("SLURM_", "PMI_", "PMIX_")) and k != "SLURM_CONF"]
+    assert seen["SLURM_CONF"] == "/etc/slurm/slurm.conf" and seen["SBATCH_ACCOUNT"] == "mine"
+    assert dict(os.environ) == before

@@ -2,6 +2,7 @@
 with every step logged once; which signal exits and which requeues. (Under SLURM: tests/test_slurm.py.)"""
 
 import json
+import os
 import signal
 import time
 
@@ -65,8 +66,6 @@ def test_sigterm_exits_and_the_time_limit_warning_requeues():
     """What each signal asks for, decided on (here: one) rank: SIGTERM (scancel, preemption) exits,
     SIGUSR1/SIGUSR2 (the time-limit warning of the sbatch templates / submitit) requeue, and a
     SIGTERM wins over a warning that came with it (a cancel is final)."""
-    import os
-
     from grpo.preempt import StopSignal
 
     before = signal.getsignal(signal.SIGUSR1)
@@ -110,3 +109,35 @@ def test_a_requeue_without_scontrol_says_the_job_is_not_requeued(monkeypatch, tm
         stop(7, log=said.append, requeue=True)
     assert e.value.code == 1
     assert said[-1].startswith("`scontrol requeue 41` failed: FileNotFoundError: ") and "The job is NOT requeued" in said[-1]
+
+
+def test_before_requeue_runs_on_rank_0_before_scontrol_and_a_failure_there_still_requeues(monkeypatch, tmp_path):
+    """grpo.launch cancels its server and judge jobs in `before_requeue`: that must come before
+    `scontrol requeue` (after it SLURM may end the allocation at once), and its failure must not keep
+    the job from being requeued (the checkpoint is written). A stand-in scontrol records its call and
+    fails, so `stop` returns (SystemExit 1) instead of waiting for SLURM to end the allocation."""
+    from grpo.preempt import stop
+
+    calls = tmp_path / "calls"
+    (tmp_path / "scontrol").write_text(f'#!/bin/sh\necho "scontrol $*" >> {calls}\nexit 1\n')
+    (tmp_path / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    for key in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(key, raising=False)
+
+    def cancel():
+        with open(calls, "a") as f:
+            f.write("cancel companions\n")
+
+    def broken():
+        cancel()
+        raise OSError("squeue: not found")
+
+    for before, extra in ((cancel, []), (broken, ["before requeueing job 41: OSError: squeue: not found"])):
+        calls.unlink(missing_ok=True)
+        said = []
+        with pytest.raises(SystemExit):
+            stop(7, log=said.append, requeue=True, before_requeue=before)
+        assert calls.read_text().splitlines() == ["cancel companions", "scontrol requeue 41"]
+        assert said[1:-1] == extra

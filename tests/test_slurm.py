@@ -526,6 +526,15 @@ def test_launch_with_judges_runs_a_companion_judge_job(tmp_path, slurm_env, mode
     wait_gone(judge_job, slurm_env, timeout=60)  # the trainer cancelled its judge at the end
 
 
+def sacct_times(job: str, env) -> list[tuple[str, str]]:
+    """(when it was submitted, when it ended) of each start of the job (--duplicates: a requeued job has
+    one record per start), oldest first, as sacct prints them (ISO 8601, so they sort)."""
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "--duplicates", "-j", job, "-o", "Submit,End"], env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, f"sacct does not answer (is slurmdbd up?): {out.stderr}"
+    return [tuple(line.split("|")) for line in out.stdout.splitlines() if line.strip()]
+
+
 def run_jobs(run_dir) -> list[str]:
     """Every job submitted for the run (submitit keeps each one's pickle and logs in <run_dir>/slurm/<job>/)."""
     return sorted(d.name for d in (run_dir / "slurm").iterdir() if d.name.isdigit())
@@ -535,9 +544,9 @@ def run_jobs(run_dir) -> list[str]:
 def test_a_requeued_trainer_starts_its_server_job_again_and_resumes(tmp_path, slurm_env, model_cache, cluster, requeue):
     """servers=1 rollout=remote, the trainer 2 ranks (DDP) on one node, requeued once it trains:
     `scontrol requeue` (SIGTERM, as a preemption: the trainer cancels its server job as it stops) or
-    the time-limit warning (SIGUSR2: the trainer requeues itself and leaves its server job running).
-    The requeued trainer's rank 0 submits a new server job (cancelling the old one where it still
-    runs), rank 1 takes the same new job from rank 0's word, both train against the new server, resume
+    the time-limit warning (SIGUSR2: the trainer cancels its server job, then requeues itself, so the
+    old job holds no node while the requeued trainer waits in the queue). The requeued trainer's rank 0
+    submits a new server job (cancelling the old one where it still runs), rank 1 takes the same new job from rank 0's word, both train against the new server, resume
     from the checkpoint and finish; no job of the run is left afterwards. Before, the requeued trainer
     failed at once: `the rollout server job N has ended ... Submit the run again`."""
     run_dir, steps = tmp_path / "run", 60  # remote steps on CPU take about 0.5 s: the requeue lands well before the end
@@ -568,6 +577,9 @@ def test_a_requeued_trainer_starts_its_server_job_again_and_resumes(tmp_path, sl
     for server in (first_server, second_server):
         wait_gone(server, slurm_env, timeout=90)  # cancelled: by the stopping trainer, its requeue or its end
     assert not (run_dir / "servers" / "token").exists()
+    if requeue == "time-limit warning":  # the stopping trainer cancelled its server job before its requeue
+        server_ended, requeued = sacct_times(first_server, slurm_env)[-1][1], sacct_times(job, slurm_env)[0][1]
+        assert server_ended <= requeued, (server_ended, requeued)  # not later, by the requeued trainer
 
 
 def test_dedicated_engines_one_per_node_each_serving_its_own_node(tmp_path, slurm_env, model_cache, cluster):
