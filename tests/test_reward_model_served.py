@@ -95,7 +95,7 @@ def test_a_dead_server_scores_its_share_none_with_a_warning(rm_server, rm_dir, m
     """Two servers, the second gone after the build: its half of the batch scores None with a warning
     naming it; the first half keeps its scores; the reward wrapper fails those completions (a model
     reward never abstains: NaN, excluded whatever the other functions say), no retry."""
-    from grpo.rewards import run_reward
+    from grpo.rewards import run_model_reward
 
     monkeypatch.setenv(RM_TOKEN_ENV, TOKEN)
     served = build(rm_cfg(rm_dir, f"reward.rm.urls=[{rm_server}]"))
@@ -104,7 +104,7 @@ def test_a_dead_server_scores_its_share_none_with_a_warning(rm_server, rm_dir, m
     served.servers.append(Server(dead, TOKEN, 5.0))
     samples = [Sample(prompt=p, answer="") for p, _ in PAIRS]
     with pytest.warns(UserWarning, match=rf"server {dead} failed on its 8 texts \({dead}/classify is unreachable") as seen:
-        values = run_reward("rm", served, [c for _, c in PAIRS], samples, {}, timeout_s=30.0)
+        values = run_model_reward("rm", served, [c for _, c in PAIRS], samples, {})
     assert values[:8] == pytest.approx(alone[:8], abs=TOLERANCE) and all(math.isnan(v) for v in values[8:])
     assert not any("one at a time" in str(w.message) for w in seen)  # no per-completion retries
     assert served.stats == {"too_long": 0, "failed": 8}

@@ -1,5 +1,6 @@
 """Reward functions against hand-checked cases, and a reward that raises or hangs not stopping the run."""
 
+import json
 import math
 import re
 import threading
@@ -299,7 +300,8 @@ def test_a_model_rewards_setting_without_that_reward_is_refused(override, messag
 def test_math_verify_runs_in_the_reward_thread():
     """math-verify's own timeouts use SIGALRM (main thread only); score() calls it in a worker thread."""
     rewards_FB, stats = score([("math_verify", math_verify, 1.0)], ["\\boxed{3}", "4"], [Sample("", "3")] * 2, timeout_s=30)
-    assert rewards_FB == [[1.0, 0.0]] and list(stats) == ["time/reward_math_verify_s"]
+    assert rewards_FB == [[1.0, 0.0]]
+    assert list(stats) == ["math_verify/completions_failed", "math_verify/completions_tried", "time/reward_math_verify_s"]
 
 
 def test_user_code_that_calls_sys_exit_is_an_error_not_a_none_result():
@@ -329,15 +331,81 @@ def always_nan(completions, samples, **_):
     (always_nan, r"returned nan, not a finite number or None"),
     (countdown, r"KeyError: 'numbers'"),  # reward=countdown on task=addition's samples, which have no numbers
 ])
-def test_a_reward_that_fails_on_every_completion_stops_the_run(fn, error):
-    """Before, each of the batch's completions was only warned about: every advantage 0, the run trained
-    nothing and exited 0. A function that scores none of a batch stops it (RewardStop), naming the error
-    and what a reward takes; one that fails on some completions only warns (the tests above)."""
+def test_a_reward_that_fails_on_every_completion_is_counted_and_warned_per_completion(fn, error):
+    """score() fails each completion (FAILED, with a warning naming the error) and counts them: all 4
+    tried, all 4 failed. Whether the run stops is FailureStreak's decision, over every rank (below)."""
     addition = [Sample("What is 2 + 3?", "5")] * 4
-    with pytest.raises(RewardStop) as e, pytest.warns(UserWarning, match="one at a time"):
-        score([("mine", fn, 1.0)], ["5", "6", "5", "2 + 3"], addition, timeout_s=5)
-    assert re.search(rf"reward 'mine' failed on all 4 completions of the batch \({error}.*\): a reward takes "
-                     rf"\(completions, samples, \*\*kwargs\)", str(e.value)), str(e.value)
+    with pytest.warns(UserWarning) as seen:
+        rewards, stats = score([("mine", fn, 1.0)], ["5", "6", "5", "2 + 3"], addition, timeout_s=5)
+    assert marked(rewards) == [["failed"] * 4]
+    assert (stats["mine/completions_failed"], stats["mine/completions_tried"]) == (4, 4)
+    assert any(re.search(rf"reward 'mine' failed on completion 0 '5' \({error}", str(w.message)) for w in seen)
+
+
+def other_rank(*counts: float):
+    """An all-reduce over this rank and another whose (failed, tried) counts per reward are `counts`."""
+    return lambda mine: [a + b for a, b in zip(mine, counts)]
+
+
+def stats_of(**counts):
+    return {f"{name}/completions_{key}": v for name, (failed, tried) in counts.items()
+            for key, v in (("failed", failed), ("tried", tried))}
+
+
+def test_a_rule_reward_failing_throughout_two_batches_in_a_row_on_every_rank_stops_the_run():
+    """By value, with two ranks (the other's counts added as the all-reduce would). Before, one rank's
+    batch decided alone: a rank whose share was one prompt with a malformed reference answer stopped the
+    run (and its resume, which draws that batch again), while the other ranks waited in a collective."""
+    from grpo.rewards.failure_streak import FailureStreak
+
+    # one bad row on this rank (8 of 8 failed), the other rank scored its 8: no stop, however often
+    streak = FailureStreak(["mine"], reduce=other_rank(0, 8))
+    for _ in range(3):
+        streak.observe(stats_of(mine=(8, 8)))
+    # both ranks failed throughout: the first batch may be one bad row each; the second in a row stops
+    streak = FailureStreak(["mine"], reduce=other_rank(8, 8))
+    streak.observe(stats_of(mine=(8, 8)))
+    with pytest.raises(RewardStop, match=r"reward 'mine' failed on every completion it was tried on in 2 batches in a "
+                                         r"row, on every rank \(16 of 16 in the last.*a reward takes \(completions, samples"):
+        streak.observe(stats_of(mine=(8, 8)))
+    # a batch it scored in between starts the count again
+    streak = FailureStreak(["mine"], reduce=other_rank(0, 0))
+    for counts in ((4, 4), (3, 4), (4, 4)):
+        streak.observe(stats_of(mine=counts))
+    # per reward: another reward failing elsewhere does not add up; untried (0 of 0) is no failure
+    streak = FailureStreak(["a", "b"], reduce=other_rank(0, 0, 0, 0))
+    for counts in (dict(a=(4, 4), b=(0, 4)), dict(a=(0, 4), b=(4, 4)), dict(a=(0, 0), b=(0, 0)), dict(a=(0, 0), b=(0, 0))):
+        streak.observe(stats_of(**counts))
+
+
+def test_completions_skipped_after_the_hang_limit_are_not_counted_as_failed():
+    """3 of 8 completions hang first; the other 5 are skipped (MAX_HANGS) and were never tried: 3 of 3
+    tried failed, not 8 of 8. Before, the skipped ones counted as failures, and the batch stopped the run."""
+    from grpo.rewards import MAX_HANGS
+
+    def hangs_on_loop(completions, samples, **_):
+        if any("loop" in c for c in completions):
+            time.sleep(30)
+        return [1.0] * len(completions)
+
+    with pytest.warns(UserWarning):
+        rewards, stats = score([("code", hangs_on_loop, 1.0)], ["loop"] * MAX_HANGS + ["ok"] * 5, [None] * 8, timeout_s=0.3)
+    assert marked(rewards) == [["failed"] * 8]
+    assert (stats["code/completions_failed"], stats["code/completions_tried"]) == (MAX_HANGS, MAX_HANGS)
+
+
+@pytest.mark.starts_process
+def test_a_run_whose_rule_reward_fails_throughout_stops_at_its_second_batch(make_cfg):
+    """A reward that takes no samples (a wrong signature): a RewardStop at step 2, after the first
+    batch's warnings, not a run that trains nothing and exits 0."""
+    from grpo.train import train
+
+    cfg = make_cfg("reward.funcs=[{name: tests.test_rewards.takes_no_samples, weight: 1.0}]", "steps=3", "checkpoint_every=0", "eval_every=0")
+    with pytest.raises(RewardStop, match="reward 'tests.test_rewards.takes_no_samples' failed on every completion it was tried on in 2 batches"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(cfg)
+    assert [json.loads(line)["step"] for line in open(f"{cfg.run_dir}/metrics.jsonl") if '"loss"' in line] == [1]
 
 
 def test_a_reward_that_abstains_on_every_completion_does_not_stop_the_run():

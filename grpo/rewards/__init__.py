@@ -16,9 +16,12 @@ loaded once when the run is built); it is called like any other.
 A rule function that raises or runs past `reward.timeout_s` on a batch is retried one completion at
 a time (each with the same timeout; after 3 timeouts the batch's remaining completions are skipped);
 each completion it still fails on is FAILED, with a warning naming the function, the completion and
-the error. A value that is not a finite number (NaN, inf, a string) is a failure too. The run goes on,
-unless the function failed on every completion of the batch (a wrong signature, a field the task's samples
-lack, NaN throughout): every advantage would be 0 and the run would train nothing, so it stops (RewardStop).
+the error. A value that is not a finite number (NaN, inf, a string) is a failure too. `score` counts,
+per rule function, the completions it was tried on and failed on (`<name>/completions_tried`,
+`<name>/completions_failed` in its stats, logged each step). The run goes on, unless the function failed
+on every completion it was tried on, over every rank, in two batches in a row (a wrong signature, a
+field the task's samples lack, NaN throughout): every advantage would be 0 and the run would train
+nothing, so it stops (RewardStop; grpo/rewards/failure_streak.py says why not on one batch).
 A hung call's thread cannot be killed in Python; it is abandoned (a daemon thread) and the run moves past it.
 
 A model reward (`MODEL_REWARDS`) is called once per batch in the caller's thread, with no
@@ -48,6 +51,7 @@ from grpo.reward_config import JudgeConfig, RewardModelConfig
 from grpo.rewards.countdown import countdown
 from grpo.timeouts import call_with_timeout
 from grpo.rewards.env import env_reward
+from grpo.rewards.failure_streak import FAILED_KEY, TRIED_KEY
 from grpo.rewards.exact_match import exact_match
 from grpo.rewards.format import answer_format, overlong_penalty
 from grpo.rewards.math_answer import math_verify
@@ -230,51 +234,50 @@ def run_model_reward(name: str, fn, completions: list[str], samples: list, info:
     return [v if v is not None and math.isfinite(v) else FAILED for v in values]
 
 
-def run_reward(name: str, fn, completions: list[str], samples: list, info: dict, timeout_s: float) -> list:
-    if name in MODEL_REWARDS:
-        return run_model_reward(name, fn, completions, samples, info)
+def run_rule_reward(name: str, fn, completions: list[str], samples: list, info: dict,
+                    timeout_s: float) -> tuple[list, int, int]:
+    """A rule reward's scores (FAILED where it failed), and how many completions it failed on and was
+    tried on (`failure_streak`): the whole batch at once, else one completion at a time."""
     setting = "reward.timeout_s"
     values, error = call_with_timeout(lambda: list(fn(completions, samples, **info)), timeout_s, setting, (RewardStop,))
     if error is None and (error := batch_problem(values, len(completions))) is None:
-        return as_scores(values)
-    warnings.warn(f"reward {name!r} failed on the batch ({error}); scoring its completions one at a time", stacklevel=2)
-    out, hangs, errors = [], 0, []
+        return as_scores(values), 0, len(completions)
+    warnings.warn(f"reward {name!r} failed on the batch ({error}); scoring its completions one at a time", stacklevel=3)
+    out, hangs, failed, tried = [], 0, 0, 0
     for i, (c, s) in enumerate(zip(completions, samples)):
         one = {k: [v[i]] if isinstance(v, list) and len(v) == len(completions) else v for k, v in info.items()}
         if hangs < MAX_HANGS:
             value, err = call_with_timeout(lambda c=c, s=s, one=one: list(fn([c], [s], **one)), timeout_s, setting,
                                            (RewardStop,))
             hangs += err is not None and err.startswith("no answer")
+            tried += 1
+            if err is None:
+                err = batch_problem(value, 1)
+            failed += err is not None
         else:  # bounded: a function that keeps hanging does not stall the step for B x timeout
             value, err = None, f"skipped after {MAX_HANGS} timeouts in this batch"
-        if err is None:
-            err = batch_problem(value, 1)
         if err is not None:
-            errors.append(err)
-            warnings.warn(f"reward {name!r} failed on completion {i} {c[:60]!r} ({err}); it is excluded", stacklevel=2)
+            warnings.warn(f"reward {name!r} failed on completion {i} {c[:60]!r} ({err}); it is excluded", stacklevel=3)
         out.append(FAILED if err is not None else as_scores(value)[0])
-    if completions and len(errors) == len(completions):  # every advantage would be 0: the run would train on nothing, batch after batch
-        raise RewardStop(f"reward {name!r} failed on all {len(completions)} completions of the batch ({errors[0]}): "
-                         f"{SIGNATURE_ADVICE}")
-    return out
-
-
-SIGNATURE_ADVICE = ("a reward takes (completions, samples, **kwargs) and returns one finite number or None per "
-                    "completion; check that it reads fields the task's samples have (task=...), return 0 or None "
-                    "for a completion it cannot read instead of raising, raise reward.timeout_s if it is slow, or "
-                    "drop it from reward.funcs.")
+    return out, failed, tried
 
 
 def score(reward_fns, completions: list[str], samples: list, timeout_s: float = 30.0,
           **info) -> tuple[list[list[float | None]], dict[str, float]]:
     """Run every reward function -> (rewards_FB, stats): rewards_FB a score, None (abstained) or FAILED
     per function and completion (`combine_rewards` sums them); each function's seconds
-    (`time/reward_<name>_s`) and the counts a function keeps in its `stats` attribute (a judge's
+    (`time/reward_<name>_s`), a rule function's completions failed and tried (`failure_streak`) and
+    the counts a function keeps in its `stats` attribute (a judge's
     requests, failures, garbage answers, retries) as `<name>/<count>`; all of them add up over draws."""
     rewards_FB, stats = [], {}
     for name, fn, _ in reward_fns:
         t0 = time.perf_counter()
-        rewards_FB.append(run_reward(name, fn, completions, samples, info, timeout_s))
+        if name in MODEL_REWARDS:
+            rewards_FB.append(run_model_reward(name, fn, completions, samples, info))
+        else:
+            values, stats[f"{name}/{FAILED_KEY}"], stats[f"{name}/{TRIED_KEY}"] = run_rule_reward(
+                name, fn, completions, samples, info, timeout_s)
+            rewards_FB.append(values)
         stats[f"time/reward_{name}_s"] = time.perf_counter() - t0
         stats.update({f"{name}/{k}": float(v) for k, v in (getattr(fn, "stats", None) or {}).items()})
     return rewards_FB, stats

@@ -1,0 +1,51 @@
+"""When a rule reward is broken, not unlucky: it failed on every completion it was tried on, over the
+whole step (every rank's share), in `STOP_AFTER` batches in a row. Then every advantage would be 0 batch
+after batch, and the run would train nothing and exit 0, so it stops (RewardStop) on every rank at once.
+
+Why not one batch: a rank's share can be a single prompt (batch_size = G x ranks), and one malformed
+row of the dataset (a reference answer the reward cannot parse) then fails all of its completions; the
+next batch draws other rows. A resume draws the failed batch again (the sampler is saved as of the
+batches trained), so stopping on it would stop the resumed run too. Why every rank: ranks see different
+rows, and a rank that stopped alone would leave the others waiting in their next collective.
+
+Completions a reward was never tried on (skipped after `MAX_HANGS` timeouts in the batch) count neither
+way: a few hanging completions say nothing about the rest. A model reward (a reward model, a judge)
+decides its own stop (its servers' answers, reward.judge.min_scored) and is not watched here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from grpo.dist import all_reduce_sum
+from grpo.errors import RewardStop
+
+STOP_AFTER = 2  # batches in a row
+FAILED_KEY, TRIED_KEY = "completions_failed", "completions_tried"  # each rule reward's counts in score()'s stats: <name>/<count>
+
+ADVICE = ("a reward takes (completions, samples, **kwargs) and returns one finite number or None per completion; "
+          "check that it reads fields the task's samples have (task=...), return 0 or None for a completion it "
+          "cannot read instead of raising, raise reward.timeout_s if it is slow, or drop it from reward.funcs.")
+
+
+class FailureStreak:
+    """Counts, per rule reward, the batches in a row it failed throughout (`observe`, once per scored
+    batch on every rank, with `grpo.rewards.score`'s stats)."""
+
+    def __init__(self, names: list[str], reduce: Callable[[list[float]], list[float]] = all_reduce_sum,
+                 stop_after: int = STOP_AFTER):
+        self.names, self.reduce, self.stop_after = names, reduce, stop_after
+        self.streak = {name: 0 for name in names}
+
+    def observe(self, stats: dict[str, float]) -> None:
+        if not self.names:  # the same on every rank (one config): no collective
+            return
+        counts = self.reduce([float(stats.get(f"{name}/{key}", 0.0)) for name in self.names for key in (FAILED_KEY, TRIED_KEY)])
+        for i, name in enumerate(self.names):
+            failed, tried = counts[2 * i], counts[2 * i + 1]
+            self.streak[name] = self.streak[name] + 1 if tried > 0 and failed == tried else 0
+            if self.streak[name] >= self.stop_after:
+                raise RewardStop(f"reward {name!r} failed on every completion it was tried on in {self.streak[name]} "
+                                 f"batches in a row, on every rank ({failed:.0f} of {tried:.0f} in the last; the warnings "
+                                 f"above name each error): every advantage would be 0 and the run would train nothing. "
+                                 + ADVICE)
