@@ -10,8 +10,10 @@ thread took its time alone. So `threads=auto` (the default) takes
     / the training processes on this node (LOCAL_WORLD_SIZE, SLURM's tasks on this node)
 
 and, when other processes keep some of those CPUs busy at start (measured over a quarter second
-from /proc/stat), no more threads than there are idle CPUs. `threads=N` sets N, no more than the
-CPUs this process may use (checked where it runs: grpo.launch validates on another machine).
+from /proc/stat), no more threads than there are idle CPUs. `threads=N` sets N where it runs (grpo.launch
+validates on another machine): more than this process may use is cut to that, with a warning
+(`threads=$(nproc)` under a cgroup quota: nproc counts the affinity mask only), and more than the
+machine has is refused (threads=10000 ran 20,002 threads on 2 cores).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 
 import torch
 
@@ -159,18 +162,23 @@ def idle_cpus(cpus: list[int] | None = None, sample_s: float = 0.25) -> float | 
     return len(cpus) * (idle1 - idle0) / (total1 - total0)
 
 
-def choose_threads(setting, usable: int, local: int, idle: float | None) -> int:
+def choose_threads(setting, usable: int, local: int, idle: float | None, machine: int | None = None) -> int:
     """The thread count for `threads=setting` (auto or N): a pure function, tested by value.
 
     auto: this process's share of the usable CPUs, and no more than the CPUs found idle (rounded,
-    at least 1), so a thread never waits on a core another process holds."""
+    at least 1), so a thread never waits on a core another process holds. N: N, cut to `usable` with
+    a warning; above `machine` (the machine's CPUs) it is refused."""
     if setting != "auto":
         n = int(setting)
         if n < 1:
             raise ValueError(f"threads={setting}: give a positive number of threads, or auto.")
-        if n > usable:  # threads=10000 on 2 CPUs: 20,002 threads, each waiting on the others' cores
-            raise ConfigError(f"threads={n} is more than the {usable} CPU(s) this process may use (its affinity mask, "
-                              f"SLURM_CPUS_PER_TASK, a cgroup quota): give at most {usable}, or threads=auto.")
+        if machine is not None and n > machine:  # threads=10000 on 2 CPUs: 20,002 threads, each waiting on the others' cores
+            raise ConfigError(f"threads={n} is more than the {machine} CPU(s) of this machine: give at most {usable} "
+                              "(the CPUs this process may use), or threads=auto.")
+        if n > usable:
+            warnings.warn(f"threads={n} is more than the {usable} CPU(s) this process may use (its affinity mask, "
+                          f"SLURM_CPUS_PER_TASK, a cgroup quota): using {usable}.", stacklevel=3)
+            return usable
         return n
     share = max(1, usable // max(1, local))
     if idle is not None:
@@ -188,7 +196,7 @@ def configure_threads(setting="auto") -> int:
     if setting == "auto":
         n = choose_threads("auto", usable_cpus(), local_processes(), idle_cpus())
     else:
-        n = choose_threads(setting, usable_cpus(), 1, None)
+        n = choose_threads(setting, usable_cpus(), 1, None, os.cpu_count())
     _set_num_threads(n)
     return n
 

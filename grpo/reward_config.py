@@ -71,7 +71,7 @@ class JudgeConfig:
     api: str = "chat"  # chat (/v1/chat/completions: the judge's chat template) | completions (the text as is)
     template: str = DEFAULT_JUDGE_TEMPLATE  # {prompt}, {completion}, {answer} (the task's reference)
     score: str = "logprobs"  # logprobs: expected value over `choices` at the first token | pattern: a match in the text
-    choices: dict[str, float] = field(default_factory=lambda: {"yes": 1.0, "no": 0.0})  # answer token -> score
+    choices: dict[str, float] = field(default_factory=dict)  # answer token -> score; empty: {yes: 1, no: 0}
     rating: Optional[list[int]] = None  # [low, high]: the numbers low..high as the choices, each its own value (not `choices`)
     pattern: str = r"(-?(?:\d+(?:\.\d+)?|\.\d+))"  # score=pattern: its first group, a choice's name or a number; every match must agree
     max_tokens: Optional[int] = None  # the judge's answer length; null: 1 under logprobs, 16 under pattern

@@ -152,13 +152,22 @@ def device_defaults(on_gpu: bool, model_config: dict | None = None) -> dict:
     return {"dtype": "float32", "memory_fraction": 0.2, "enforce_eager": True, "chunked_prefill": chunked_prefill(False)}
 
 
+DTYPE_ALIASES = {"float": "float32", "half": "float16", "bf16": "bfloat16"}  # vLLM's and PyTorch's other names
+
+
+def canonical_dtype(name: str) -> str:
+    """A dtype by the one name used here (DTYPE_BYTES's, or auto): vLLM's --dtype also takes half and
+    float, and config.json may say bf16."""
+    return DTYPE_ALIASES.get(name, name)
+
+
 def checkpoint_dtype(model_config: dict) -> str:
     """The dtype config.json records (`dtype`, or `torch_dtype` before transformers 5), by name.
     vLLM's own `--dtype auto` would serve an fp32 checkpoint in fp16/bf16 while a trainer that loaded
     it scores in fp32: the sampler's logprobs would not be the trainer's. `auto` only where the folder
     says nothing (a hub id: vLLM reads it)."""
     name = str(model_config.get("dtype") or model_config.get("torch_dtype") or "auto").removeprefix("torch.")
-    return {"float": "float32", "half": "float16", "bf16": "bfloat16"}.get(name, name)
+    return canonical_dtype(name)
 
 
 def not_a_reward_model(model_config: dict) -> str | None:
@@ -190,11 +199,14 @@ def resolve_model(name: str) -> str:
 
 def model_problem(model: str) -> str | None:
     """What keeps `model` (after `resolve_model`) from being served, said for `--model` (None: nothing).
-    A path that exists must be a model folder, one holding config.json; one that does not exist is
-    refused where it cannot be a hub id either (`namespace/name`: one '/' at most, not starting with
-    '/', '.' or '~'), which transformers would otherwise answer with "Repo id must use alphanumeric
-    chars" from deep in vLLM's start."""
+    A path that exists must be a model folder, one holding config.json, or a .gguf file (vLLM serves
+    one GGUF file; its tokenizer, where the file's own will not do, is vLLM's --tokenizer, passed
+    through); one that does not exist is refused where it cannot be a hub id either (`namespace/name`:
+    one '/' at most, not starting with '/', '.' or '~'), which transformers would otherwise answer with
+    "Repo id must use alphanumeric chars" from deep in vLLM's start."""
     path = os.path.expanduser(model)
+    if os.path.isfile(path) and path.lower().endswith(".gguf"):
+        return None
     if os.path.exists(path):
         if os.path.isfile(os.path.join(path, "config.json")):
             try:
@@ -202,9 +214,9 @@ def model_problem(model: str) -> str | None:
             except ConfigError as e:  # a config.json that is not JSON
                 return str(e)
             return None
-        return (f"{'the folder holds no config.json' if os.path.isdir(path) else 'a file, not a folder'}: give a "
-                f"model folder (one holding config.json, as save_pretrained writes it), a hub id, `tiny` or "
-                f"one of {', '.join(PACKAGED)}.")
+        what = "the folder holds no config.json" if os.path.isdir(path) else "a file, not a folder or a .gguf file"
+        return (f"{what}: give a model folder (one holding config.json, as save_pretrained writes it), a .gguf file, "
+                f"a hub id, `tiny` or one of {', '.join(PACKAGED)}.")
     if model.startswith(("/", ".", "~")) or model.count("/") > 1 or model.endswith("/"):
         return (f"no such folder (and not a hub id, which is namespace/name): give an existing model folder, a hub id, "
                 f"`tiny` or one of {', '.join(PACKAGED)}.")
@@ -399,16 +411,18 @@ def main(argv: list[str] | None = None) -> None:
     if flag := token_flag(argv):
         p.error(f"{flag}: a token on the command line is visible to every user of this machine (ps); it was not "
                 f"read. Set {TOKEN_ENV} or give --token-file FILE (chmod 600).")
-    p.add_argument("--model", required=True, help="HF folder or hub id (the trainer's model.path); `tiny` or a "
-                   "packaged model (smollm2-135m): the trainer's own cache folder, built or converted if missing")
+    p.add_argument("--model", required=True, help="HF folder or hub id (the trainer's model.path), or a .gguf "
+                   "file; `tiny` or a packaged model (smollm2-135m): the trainer's own cache folder, built or converted "
+                   "if missing")
     p.add_argument("--host", default="127.0.0.1", help=f"bind address; anything but loopback needs a token (${TOKEN_ENV} or --token-file)")
     p.add_argument("--port", type=whole_number(0, 65535), default=8000, help="0: a port found free on this machine")
     p.add_argument("--url-dir", help="write this server's URL (http://host:port) into DIR/<host>-<port>.url, "
                    "for trainers that discover their servers (slurm/train_remote.sbatch, grpo.launch servers=N)")
     p.add_argument("--token-file", help=f"a file holding the shared secret, readable only by its owner (chmod 600); "
                    f"default: ${TOKEN_ENV}. Never on the command line: `ps` shows it to every user")
-    p.add_argument("--dtype", choices=["auto", *DTYPE_BYTES], help="default: on GPU the dtype the checkpoint's config.json records (the trainer's "
-                   "model.dtype should match it), float32 on CPU")
+    p.add_argument("--dtype", type=canonical_dtype, choices=["auto", *DTYPE_BYTES], help="default: on GPU the "
+                   "dtype the checkpoint's config.json records (the trainer's model.dtype should match it), float32 "
+                   "on CPU; vLLM's half and float are float16 and float32")
     p.add_argument("--max-model-len", type=whole_number(1), default=None, help="default: the model's own maximum")
     p.add_argument("--memory-fraction", type=fraction, help="vLLM's --gpu-memory-utilization; default 0.9 on GPU, 0.2 on CPU")
     p.add_argument("--kv-cache-gb", type=kv_cache_setting, default="auto", help="auto (on CPU: derived from the model and --max-model-len; "

@@ -333,24 +333,28 @@ def answers(url: str) -> bool:
 
 def serve_tiny(model_dir: str, log_path, token: str, *extra_args: str, max_model_len: int = 128,
                start_timeout_s: float = 240):
-    """A real `python -m grpo.serve` of `model_dir` on a free port, its routes guarded by `token` (given in
-    the environment, never on a command line), `extra_args` after the common ones (`--lora-rank 8`,
-    `--reward-model`); returns (process, url) once /health answers. Stop it with `stop_served`. The one
-    start-and-wait of the tests' servers: remote, judge, per-trajectory, LoRA and reward-model tests."""
+    """A real `python -m grpo.serve` of `model_dir` on a port it finds free and listens on before it names
+    it (`--port 0 --url-dir`, read back by server_watch.wait_for_url, as the trainer's own servers are),
+    its routes guarded by `token` (given in the environment, never on a command line), `extra_args` after
+    the common ones (`--lora-rank 8`, `--reward-model`); returns (process, url) once /health answers. Stop
+    it with `stop_served`. The one start-and-wait of the tests' servers: remote, judge, per-trajectory,
+    LoRA and reward-model tests."""
     import sys
+    import tempfile
 
     from grpo.auth import TOKEN_ENV
-    from grpo.rollout.servers import free_port
+    from grpo.rollout.server_watch import wait_for_url
 
-    port = free_port()
+    url_dir = tempfile.mkdtemp(prefix="grpo-test-serve-", dir=os.path.dirname(str(log_path)))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "grpo.serve", "--model", model_dir, "--port", str(port),
+            [sys.executable, "-m", "grpo.serve", "--model", model_dir, "--port", "0", "--url-dir", url_dir,
              "--max-model-len", str(max_model_len), "--memory-fraction", "0.1", *extra_args],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, TOKEN_ENV: token},
         )
-    url = f"http://127.0.0.1:{port}"
+    exited = lambda: None if proc.poll() is None else f"exit code {proc.returncode}: {open(log_path).read()[-3000:]}"  # noqa: E731
+    url = wait_for_url(url_dir, start_timeout_s, exited, f"grpo.serve of {model_dir}")
     wait_for(lambda: answers(url + "/health"), proc, log_path, "grpo.serve to answer /health", start_timeout_s)
     return proc, url
 

@@ -1,6 +1,7 @@
 """Thread count per process (grpo/cpus.py): the choice by value, and the environment it reads."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -23,16 +24,22 @@ def test_auto_is_this_process_share_and_no_more_than_the_idle_cpus():
         choose_threads(0, usable=2, local=1, idle=None)
 
 
-def test_more_threads_than_usable_cpus_is_refused():
-    """threads=10000 on 2 CPUs ran 20,002 threads; the count is refused, naming the CPUs and auto."""
+def test_more_threads_than_usable_cpus_are_cut_with_a_warning_and_more_than_the_machine_refused():
+    """threads=10000 on 2 CPUs ran 20,002 threads: above the machine's CPUs it is refused, naming the
+    usable count and auto. Above the usable CPUs only (threads=$(nproc) under a cgroup quota or
+    SLURM_CPUS_PER_TASK; the bench's shared-cores run) it is cut to them, with a warning."""
     from grpo.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
-        choose_threads(10000, usable=2, local=1, idle=None)
-    assert str(e.value) == ("threads=10000 is more than the 2 CPU(s) this process may use (its affinity mask, "
-                            "SLURM_CPUS_PER_TASK, a cgroup quota): give at most 2, or threads=auto.")
-    with pytest.raises(ConfigError, match=f"threads={usable_cpus() + 1} is more than the {usable_cpus()} CPU"):
-        configure_threads(usable_cpus() + 1)  # this process's own count
+        choose_threads(10000, usable=2, local=1, idle=None, machine=64)
+    assert str(e.value) == "threads=10000 is more than the 64 CPU(s) of this machine: give at most 2 (the CPUs this process may use), or threads=auto."
+    with pytest.warns(UserWarning, match=r"threads=8 is more than the 2 CPU\(s\) this process may use .*: using 2\."):
+        assert choose_threads(8, usable=2, local=1, idle=None, machine=64) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert choose_threads(2, usable=2, local=1, idle=None, machine=64) == 2
+    with pytest.raises(ConfigError, match=f"threads={os.cpu_count() + 1} is more than the {os.cpu_count()} CPU"):
+        configure_threads(os.cpu_count() + 1)  # this process's own count
 
 
 def test_slurm_and_torchrun_variables():

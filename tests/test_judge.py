@@ -132,6 +132,8 @@ def test_agreement_by_hand():
     (["reward.judge.pattern='(unclosed'"], "is not a regular expression"),
     (["reward.judge.rating=[10,1]"], "reward.judge.rating=[10, 1] is backwards: give the low end first, "
                                      "reward.judge.rating=[1, 10]"),
+    (["+reward.judge.choices.maybe=0.5"], "reward.judge.choices={'maybe': 0.5} is one choice: under score=logprobs "
+                                          "every answer would score its value. Give two or more; they replace"),
 ])
 def test_validate_says_what_to_change(override, message):
     urls = [] if not override else ["reward.judge.urls=[http://127.0.0.1:1]"]
@@ -140,23 +142,64 @@ def test_validate_says_what_to_change(override, message):
         validate(cfg)
 
 
-@pytest.mark.parametrize("template, unknown", [
-    ("{answr} {completion}", "{answr}"),  # went to the judge as written: the reference answer never shown
-    ("{Answer}: {completion}", "{Answer}"),
-    ("{ answer }: {completion}", "{ answer }"),  # filled only as written exactly
-    ('Reply as {"score": 1}. {completion} {prompt}', None),  # other braces are text, as judge_prompt keeps them
-    ("{completion} {", None),
-])
-def test_a_template_field_the_judge_does_not_fill_is_refused(template, unknown):
-    from grpo.rewards.judge import check
+def test_choices_given_on_the_command_line_replace_yes_and_no():
+    """Hydra merges a dict given on the command line into the one in the config: with {yes: 1, no: 0}
+    there, `+reward.judge.choices={correct: 1.0, wrong: 0.0}` judged over four choices, yes and no among
+    them, and no override could take them out. The default is now empty, read as yes/no."""
+    assert answer_choices(compose_cfg("reward=judge").reward.judge) == {"yes": 1.0, "no": 0.0}
+    given = compose_cfg("reward=judge", "+reward.judge.choices={correct: 1.0, wrong: 0.0}").reward.judge
+    assert answer_choices(given) == {"correct": 1.0, "wrong": 0.0}
+    assert answer_choices(compose_cfg("reward=judge", "reward.judge.rating=[1,3]").reward.judge) == {"1": 1.0, "2": 2.0, "3": 3.0}
 
+
+@pytest.mark.parametrize("template, meant", [
+    # near-misses of a field went to the judge as written: the reference answer, or the completion, never shown
+    ("{answr} {completion}", {"{answr}": "answer"}),
+    ("{Answer}: {completion}", {"{Answer}": "answer"}),  # another case
+    ("{ answer }: {completion}", {"{ answer }": "answer"}),  # filled only as written exactly
+    ("{completion}\\n{prompts}", {"{prompts}": "prompt"}),  # a plural; "\\n" is Hydra's newline, no LaTeX command
+    ("{completion} {compleiton} {anwser}", {"{compleiton}": "completion", "{anwser}": "answer"}),  # 2 edits
+    # other braces are text, as judge_prompt keeps them: words no field is near, JSON, LaTeX arguments
+    ('Reply as {"score": 1}. {completion} {prompt}', {}),
+    ("{completion} {", {}),
+    ("{completion} Answer {yes} or {no}, {true}/{false}, with {score} and {reason}.", {}),
+    ("{completion} {prom} {swer}", {}),  # 2 edits from prompt, answer, but a word of 4 letters gets 4 // 3 = 1
+    ("{completion} End with \\boxed{yes} or \\boxed{no}; \\text{Answer}, \\frac{answers}{prompts}.", {}),
+])
+def test_a_template_field_the_judge_does_not_fill_is_refused(template, meant):
+    """Only a name near a field is refused (another case, a plural, up to 2 edits for a long word):
+    the review's template with \\boxed{yes} was refused as "has {no}, {yes}", though the judge fills
+    only the fields and keeps the rest."""
+    from grpo.rewards.judge import check, misspelled_fields
+
+    assert misspelled_fields(template) == meant
     cfg = compose_cfg("reward=judge", "reward.judge.urls=[http://127.0.0.1:1]")
     cfg.reward.judge.template = template  # set here: braces and quotes are no Hydra override
-    if unknown is None:
+    if not meant:
         check(cfg)
+        assert judge_prompt(template, "P", "C", "A") == template.replace("{completion}", "C").replace("{prompt}", "P")
         return
-    with pytest.raises(ConfigError, match=re.escape(f"reward.judge.template has {unknown}, not one of its fields")):
+    fixes = ", ".join(f"{{{f}}} for {name}" for name, f in sorted(meant.items()))
+    with pytest.raises(ConfigError, match=re.escape(f"reward.judge.template has {', '.join(sorted(meant))}, not one "
+                                                    f"of its fields {{prompt}}, {{completion}}, {{answer}} (written "
+                                                    f"exactly so): it would reach the judge as written, unfilled. "
+                                                    f"Write {fixes}.")):
         check(cfg)
+
+
+def test_the_reviews_boxed_template_is_accepted_and_filled():
+    """The review's repro: a pattern judge asked to end with \\boxed{yes} or \\boxed{no}."""
+    from grpo.rewards.judge import check
+
+    cfg = compose_cfg("reward=judge", "reward.judge.urls=[http://127.0.0.1:1]", "reward.judge.score=pattern")
+    cfg.reward.judge.pattern = r"\\boxed\{(yes|no)\}"
+    cfg.reward.judge.template = ("Question: {prompt}\nReference: {answer}\nProposed: {completion}\n"
+                                 "Is the proposed answer correct? Reason briefly, then end with \\boxed{yes} or "
+                                 "\\boxed{no}.")
+    check(cfg)
+    assert judge_prompt(cfg.reward.judge.template, "2+2", "5", "4") == (
+        "Question: 2+2\nReference: 4\nProposed: 5\nIs the proposed answer correct? Reason briefly, then end with "
+        "\\boxed{yes} or \\boxed{no}.")
 
 
 @pytest.fixture(scope="module")

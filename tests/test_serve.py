@@ -267,6 +267,22 @@ def test_a_model_that_is_neither_a_folder_nor_a_hub_id_is_a_usage_error(exec_sta
     assert [serve.model_problem(m) for m in (model_dir, "HuggingFaceTB/SmolLM2-135M", "gpt2")] == [None, None, None]
 
 
+def test_a_gguf_file_and_vllms_dtype_aliases_are_served(exec_state, model_dir, tmp_path):
+    """vLLM serves one .gguf file and takes --dtype half and float; grpo.serve refused all three (the file
+    as "a file, not a folder", the names as invalid choices). The names reach vLLM, the KV-cache size and
+    the precision settings as float16 and float32; a file of another suffix stays refused."""
+    gguf, weights = tmp_path / "judge-q8_0.gguf", tmp_path / "model.safetensors"
+    gguf.write_bytes(b"GGUF")
+    weights.write_bytes(b"")
+    assert serve.model_problem(str(gguf)) is None
+    assert serve.model_problem(str(weights)).startswith("a file, not a folder or a .gguf file: give a model folder")
+    for model, dtype, canonical in ((str(gguf), "half", "float16"), (model_dir, "float", "float32")):
+        with pytest.raises(Exec) as e:
+            serve.main(["--model", model, "--port", "0", "--dtype", dtype])
+        argv = e.value.args[2]
+        assert argv[argv.index("--model") + 1] == model and argv[argv.index("--dtype") + 1] == canonical
+
+
 @pytest.mark.skipif(os.cpu_count() < 2, reason="needs two CPUs")
 def test_cpus_outside_the_parents_own_pinning_are_taken():
     """A dedicated engine's trainer pins itself to the training CPUs, then starts `grpo.serve --cpus <the others>`,

@@ -62,10 +62,12 @@ def served(model_path: str, timeout_s: float = 300, cpus: list[int] | None = Non
     log_path = os.path.join(folder, "serve.log")
     env = {**os.environ, **pinned_engine_env(cpus)}
     with open(log_path, "w") as log:
+        # pinned by grpo.serve itself (--cpus), as dedicated's engines are: no preexec_fn, which is unsafe in
+        # this threaded process (a child can deadlock between fork and exec)
         proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", model_path, "--port", "0", "--url-dir", folder,
-                                 "--max-model-len", "256", "--memory-fraction", "0.1"],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
-                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+                                 "--max-model-len", "256", "--memory-fraction", "0.1",
+                                 *(["--cpus", ",".join(map(str, cpus))] if cpus else [])],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         deadline = time.time() + timeout_s
         url = wait_for_url(folder, timeout_s, lambda: engine_exit(proc, log_path), f"grpo.serve on {model_path}")

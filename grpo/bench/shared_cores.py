@@ -3,12 +3,12 @@ process, one thread per core against `threads=auto` (grpo/cpus.py)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 
 from grpo.bench.runs import bench_parallel
+from grpo.cpus import usable_cpus
 
 
 def bench_shared_cores(steps: int, extra: list[str]) -> list[dict]:
@@ -16,7 +16,7 @@ def bench_shared_cores(steps: int, extra: list[str]) -> list[dict]:
     with a thread per core (torch's default, what runs did before `threads=auto`) and with
     `threads=auto`. The ratio to the same setting alone is the slowdown a shared login node or CI
     runner causes."""
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cpus()  # the affinity mask, SLURM_CPUS_PER_TASK, a cgroup quota: threads=N takes no more
     rows, alone = [], {}
     for busy in (False, True):
         for setting in (str(cores), "auto"):

@@ -106,16 +106,52 @@ def pattern_score(text: str, pattern: re.Pattern, choices: dict[str, float], rat
 
 TEMPLATE_FIELDS = ("prompt", "completion", "answer")
 FIELDS = re.compile(r"\{(prompt|completion|answer)\}")
-# a name in braces, as a field is written ({answr}, {Answer}); other braces ({"score": 1}, a lone {) stay text
-NAMED = re.compile(r"\{\s*([A-Za-z_]\w*)\s*\}")
+# a name in braces, as a field is written ({answr}, {Answer}: group 2), unless a LaTeX command's argument
+# (\boxed{yes}, \frac{a}{b}: group 1; two letters at least, so "\n{answr}", a newline as Hydra keeps
+# it, is still read); other braces ({"score": 1}, a lone {) hold no name
+NAMED = re.compile(r"(\\[A-Za-z]{2,}\*?(?:\{[^{}]*\})*)|\{\s*([A-Za-z_]\w*)\s*\}")
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein: the fewest single-character insertions, deletions and substitutions from a to b."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        diagonal, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            diagonal, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, diagonal + (ca != cb))
+    return row[-1]
+
+
+def meant_field(name: str) -> str | None:
+    """The field a name in braces was likely meant to be (it reaches the judge unfilled): the same name
+    in another case or spacing, a plural, or up to len/3 edits away (at most 2, so {answr} and
+    {compleiton} are caught but no word of 2 letters is, and {yes}, {no} or {score} are text)."""
+    key = name.lower()
+    for field in TEMPLATE_FIELDS:
+        if key in (field, field + "s") or edit_distance(key, field) <= min(2, len(key) // 3):
+            return field
+    return None
+
+
+def misspelled_fields(template: str) -> dict[str, str]:
+    """Each `{name}` of the template that is not a field but looks meant as one (`meant_field`) -> that
+    field; judge_prompt fills only the fields as written, the rest stays text."""
+    exact = {f"{{{f}}}" for f in TEMPLATE_FIELDS}
+    return {m.group(0): field for m in NAMED.finditer(template)
+            if m.group(2) and m.group(0) not in exact and (field := meant_field(m.group(2)))}
+
+
+DEFAULT_CHOICES = {"yes": 1.0, "no": 0.0}
 
 
 def answer_choices(jc) -> dict[str, float]:
-    """reward.judge.rating [low, high]: "low".."high" valued as the numbers they are; else reward.judge.choices."""
+    """reward.judge.rating [low, high]: "low".."high" valued as the numbers they are; else reward.judge.choices,
+    or `DEFAULT_CHOICES` where it is empty. Empty by default, rather than {yes, no} in the schema: Hydra merges
+    a dict given on the command line into the one there, so yes and no could never be replaced, only added to."""
     if jc.rating:
         low, high = jc.rating
         return {str(i): float(i) for i in range(low, high + 1)}
-    return {str(k): float(v) for k, v in jc.choices.items()}
+    return {str(k): float(v) for k, v in (jc.choices or DEFAULT_CHOICES).items()}
 
 
 def answer_length(jc) -> int:
@@ -351,9 +387,10 @@ def check(cfg) -> None:
     if jc.rating is not None and jc.rating[0] > jc.rating[1]:
         raise ConfigError(f"reward.judge.rating={list(jc.rating)} is backwards: give the low end first, "
                           f"reward.judge.rating={sorted(jc.rating)}.")
-    if jc.score == "logprobs" and not (jc.choices or jc.rating):
-        raise ConfigError("reward.judge.score=logprobs reads the probabilities of reward.judge.choices: give at least "
-                          "one, e.g. reward.judge.choices={yes: 1.0, no: 0.0}, or reward.judge.rating=[0,9].")
+    if jc.score == "logprobs" and len(answer_choices(jc)) < 2:
+        raise ConfigError(f"reward.judge.choices={dict(jc.choices)} is one choice: under score=logprobs every answer "
+                          "would score its value. Give two or more; they replace the default yes/no, e.g. "
+                          "+reward.judge.choices={yes: 1.0, no: 0.0, maybe: 0.5}, or reward.judge.rating=[0,9].")
     for token, value in dict(jc.choices).items():
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ConfigError(f"reward.judge.choices[{token!r}]={value!r} must be a number.")
@@ -363,11 +400,11 @@ def check(cfg) -> None:
         raise ConfigError(f"reward.judge.pattern={jc.pattern!r} is not a regular expression ({e}).") from e
     if "{completion}" not in jc.template:
         raise ConfigError("reward.judge.template has no {completion}: the judge would not see what it scores.")
-    fields = [f"{{{f}}}" for f in TEMPLATE_FIELDS]
-    unknown = sorted({m.group(0) for m in NAMED.finditer(jc.template)} - set(fields))
-    if unknown:
-        raise ConfigError(f"reward.judge.template has {', '.join(unknown)}, not one of its fields {', '.join(fields)} "
-                          f"(written exactly so): it would reach the judge as written. Spell the field as one of those.")
+    if misspelled := misspelled_fields(jc.template):
+        fields = ", ".join(f"{{{f}}}" for f in TEMPLATE_FIELDS)
+        fixes = ", ".join(f"{{{f}}} for {name}" for name, f in sorted(misspelled.items()))
+        raise ConfigError(f"reward.judge.template has {', '.join(sorted(misspelled))}, not one of its fields {fields} "
+                          f"(written exactly so): it would reach the judge as written, unfilled. Write {fixes}.")
     if (jc.max_tokens is not None and jc.max_tokens < 1) or jc.top_logprobs < 1 or jc.max_concurrency < 1 or jc.retries < 0:
         raise ConfigError("reward.judge needs max_tokens >= 1 (or null), top_logprobs >= 1, max_concurrency >= 1 and retries >= 0.")
     if not 0 <= jc.min_scored <= 1:
