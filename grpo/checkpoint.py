@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from grpo import dist
 from grpo.errors import ConfigError
+from grpo.reward_config import DEFAULT_CHOICES
 
 DONE = "COMPLETE"
 
@@ -164,9 +165,16 @@ RESUME_MAY_CHANGE = ("steps", "resume", "run_dir", "threads", "logger", "eval_ev
                      "rollout.remote.urls", "reward.judge.urls")
 
 
+# values that mean the same, written differently by another version of grpo: no change on resume
+SAME_MEANING = {"reward.judge.choices": ({}, DEFAULT_CHOICES)}  # empty reads as yes/no (since 31a69dd; {yes, no} before)
+
+
 def config_changes(old, new, prefix: str = "") -> list[str]:
     """The dotted keys whose values differ between two resolved configs (nested dicts compared key by
-    key, a key on one side only counted), leaving out `RESUME_MAY_CHANGE`'s keys."""
+    key, a key on one side only counted), leaving out `RESUME_MAY_CHANGE`'s keys and values
+    `SAME_MEANING` says are the same."""
+    if prefix in SAME_MEANING and old in SAME_MEANING[prefix] and new in SAME_MEANING[prefix]:
+        return []
     if not (isinstance(old, dict) and isinstance(new, dict)):
         return [] if old == new else [prefix or "(root)"]
     changed = []

@@ -34,6 +34,7 @@ from grpo.errors import ServerError
 from grpo.preempt import own_job_id
 from grpo.progress import WaitProgress
 
+SLURM_CALL_S = 30  # squeue, scancel: a busy slurmctld answers late, never this late (TimeoutExpired then)
 COMPANION_JOBS = "companions.json"  # in the run folder: rank 0's word on which jobs serve this start of the trainer
 EXECUTOR_KEYS = ("nodes", "tasks_per_node", "timeout_min", "gpus_per_node", "cpus_per_task", "mem_gb", "partition",
                  "account", "qos", "constraint", "signal_delay_s", "additional_parameters", "setup")
@@ -70,7 +71,7 @@ def write_token_file(folder: str) -> str:
     return path
 
 
-KEPT_JOB_VARS = ("SLURM_CONF",)  # where the cluster's config is: the launch's submission had it too
+KEPT_JOB_VARS = ("SLURM_CONF", "SLURM_CLUSTERS")  # the user's own, for sbatch (SLURM sets neither in a job): the launch's too
 
 
 def inherited_job_vars(env) -> list[str]:
@@ -78,8 +79,9 @@ def inherited_job_vars(env) -> list[str]:
     submits (it exports the whole environment), where SLURM reads them as that job's own settings: an
     inherited SLURM_CPU_BIND pins the new job's tasks to this job's CPUs, silently; SLURM_CPUS_PER_TASK
     or SLURM_MEM_PER_CPU beside the new job's own request stop its srun ("set by two different
-    environment variables", "mutually exclusive"). SLURM_*, PMI_* and PMIX_*, but `KEPT_JOB_VARS`."""
-    return sorted(k for k in env if k.startswith(("SLURM_", "PMI_", "PMIX_")) and k not in KEPT_JOB_VARS)
+    environment variables", "mutually exclusive"), and so does SRUN_CPUS_PER_TASK (Slurm 22.05's sbatch
+    sets it in the job). SLURM_*, SRUN_*, PMI_* and PMIX_*, but `KEPT_JOB_VARS`."""
+    return sorted(k for k in env if k.startswith(("SLURM_", "SRUN_", "PMI_", "PMIX_")) and k not in KEPT_JOB_VARS)
 
 
 @contextlib.contextmanager
@@ -150,17 +152,25 @@ def answers(url: str) -> bool:
     return True
 
 
+def squeue_state(job_id: str) -> subprocess.CompletedProcess | None:
+    """`squeue` on the job (`sacct` may be off); None when it did not answer within SLURM_CALL_S."""
+    try:
+        return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=SLURM_CALL_S)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def job_listed(job_id: str) -> bool:
-    """Whether SLURM still lists the job (`sacct` may be off, so squeue)."""
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
-    return out.returncode == 0 and bool(out.stdout.strip())
+    """Whether SLURM still lists the job. A squeue that did not answer: listed (nothing is known to have ended)."""
+    out = squeue_state(job_id)
+    return out is None or (out.returncode == 0 and bool(out.stdout.strip()))
 
 
 def job_gone(job_id: str) -> bool:
     """Whether SLURM says the job has ended: squeue lists it no more, or no longer knows its id (after the
-    cluster's MinJobAge). A squeue that fails otherwise says nothing: False."""
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
-    return (out.returncode == 0 and not out.stdout.strip()) or "Invalid job id" in out.stderr
+    cluster's MinJobAge). A squeue that fails otherwise, or does not answer, says nothing: False."""
+    out = squeue_state(job_id)
+    return out is not None and ((out.returncode == 0 and not out.stdout.strip()) or "Invalid job id" in out.stderr)
 
 
 def wait_for_urls(folder: str, count: int, timeout_s: float, what: str, run_dir: str, job: str | None = None) -> list[str]:
@@ -193,11 +203,15 @@ def cancel_jobs(jobs: list[str], grace_s: float = 60) -> None:
     plain scancel only for a job still there after `grace_s`. Rollout servers and judges alike."""
     if not jobs:
         return
-    subprocess.run(["scancel", "--signal=INT", *jobs], check=False)
+    with contextlib.suppress(subprocess.TimeoutExpired):  # the plain scancel below, after the grace, still goes
+        subprocess.run(["scancel", "--signal=INT", *jobs], check=False, timeout=SLURM_CALL_S)
     deadline = time.time() + grace_s
     while time.time() < deadline and any(job_listed(j) for j in jobs):
         time.sleep(1)
-    subprocess.run(["scancel", *jobs], check=False)
+    try:
+        subprocess.run(["scancel", *jobs], check=False, timeout=SLURM_CALL_S)
+    except subprocess.TimeoutExpired:  # on every way out of the trainer: say so, never mask why it ended
+        print(f"scancel did not answer within {SLURM_CALL_S} s: cancel job(s) {' '.join(jobs)} by hand (scancel).", flush=True)
 
 
 def trainer_start(env) -> tuple[str, bool]:

@@ -60,6 +60,9 @@ DEFAULT_JUDGE_TEMPLATE = (
 )
 
 
+DEFAULT_CHOICES = {"yes": 1.0, "no": 0.0}  # reward.judge.choices when it is empty (grpo/rewards/judge.py answer_choices)
+
+
 @dataclass
 class JudgeConfig:
     """reward `judge`: an LLM judge on OpenAI-compatible servers (grpo/rewards/judge.py)."""

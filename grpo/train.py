@@ -519,6 +519,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     # ---- end: checkpoint, final evaluation, summary, export ----
     # The last step's checkpoint comes first, so a stop signal (honoured here too) or a failure in the
     # long final evaluation or the export loses no step; a resumed run then evaluates and exports.
+    r.failure_streak.finish()  # a run too short to see a broken reward twice: not an end as if it trained
     if cfg.steps > r.start:
         r.checkpoint(cfg.steps)
     if stop_signal.requested():

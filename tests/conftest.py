@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -354,8 +355,13 @@ def serve_tiny(model_dir: str, log_path, token: str, *extra_args: str, max_model
             env={**os.environ, TOKEN_ENV: token},
         )
     exited = lambda: None if proc.poll() is None else f"exit code {proc.returncode}: {open(log_path).read()[-3000:]}"  # noqa: E731
-    url = wait_for_url(url_dir, start_timeout_s, exited, f"grpo.serve of {model_dir}")
-    wait_for(lambda: answers(url + "/health"), proc, log_path, "grpo.serve to answer /health", start_timeout_s)
+    deadline = time.monotonic() + start_timeout_s  # one budget for the URL and /health
+    try:
+        url = wait_for_url(url_dir, start_timeout_s, exited, f"grpo.serve of {model_dir}")
+    except BaseException:  # not left running, as wait_for leaves nothing
+        stop_served(proc)
+        raise
+    wait_for(lambda: answers(url + "/health"), proc, log_path, "grpo.serve to answer /health", max(1.0, deadline - time.monotonic()))
     return proc, url
 
 

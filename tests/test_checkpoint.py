@@ -166,6 +166,11 @@ def test_a_resume_with_another_config_keeps_the_earlier_one_and_names_what_chang
     assert config_changes(served, moved) == []
     moved["rollout"]["remote"]["tensor_parallel_size"] = 2
     assert config_changes(served, moved) == ["rollout.remote.tensor_parallel_size"]
+    # a run folder of a grpo before 31a69dd wrote the judge's default choices out; now they are {} (read as yes/no)
+    judged = lambda choices: {"reward": {"judge": {"choices": choices}}}  # noqa: E731
+    assert config_changes(judged({"yes": 1.0, "no": 0.0}), judged({})) == []
+    assert config_changes(judged({"yes": 1.0, "no": 0.5}), judged({})) == ["reward.judge.choices.no", "reward.judge.choices.yes"]
+    assert config_changes(judged({}), judged({"correct": 1.0, "wrong": 0.0})) == ["reward.judge.choices.correct", "reward.judge.choices.wrong"]
 
 
 def test_a_resumed_schedule_is_the_resumed_runs_own(tiny_lm):

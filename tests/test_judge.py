@@ -134,6 +134,8 @@ def test_agreement_by_hand():
                                      "reward.judge.rating=[1, 10]"),
     (["+reward.judge.choices.maybe=0.5"], "reward.judge.choices={'maybe': 0.5} is one choice: under score=logprobs "
                                           "every answer would score its value. Give two or more; they replace"),
+    (["reward.judge.rating=[3,3]"], "reward.judge.rating=[3, 3] is one value: under score=logprobs every answer would "
+                                    "score 3. Give a range"),
 ])
 def test_validate_says_what_to_change(override, message):
     urls = [] if not override else ["reward.judge.urls=[http://127.0.0.1:1]"]

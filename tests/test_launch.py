@@ -258,9 +258,10 @@ def test_the_trainer_waits_for_its_companions_urls_and_cancels_them_at_the_end(t
             (Path(c.folder) / "n2-8100.url").write_text(url + "\n")
         seen = []
         urls = lambda cfg: (list(cfg.reward.judge.urls), list(cfg.rollout.remote.urls))
-        monkeypatch.setattr(grpo.launch, "train", lambda cfg: seen.append(urls(cfg)) or {"ok": 1})  # TrainJob's
+        # TrainJob's; before_requeue: what its rank 0 does before a time-limit requeue (grpo/preempt.py)
+        monkeypatch.setattr(grpo.launch, "train", lambda cfg, before_requeue: seen.append((urls(cfg), before_requeue)) or {"ok": 1})
         job = TrainJob(["reward=judge", "rollout=remote"], str(run_dir), companions, server_wait_s=5)
-        assert job() == {"ok": 1} and seen == [([url], [url])]
+        assert job() == {"ok": 1} and seen == [(([url], [url]), job.release_servers)]
     assert "scancel --signal=INT 12 11" in calls.read_text()
 
 
@@ -452,7 +453,7 @@ def test_the_server_job_is_cancelled_on_every_way_out(tmp_path, monkeypatch, way
     monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", {"scancel": recording(calls), "squeue": listed}))
     monkeypatch.setenv("SLURM_PROCID", "0")
 
-    def train(cfg):
+    def train(cfg, before_requeue):
         raise way_out
 
     monkeypatch.setattr(grpo.launch, "train", train)  # the name TrainJob calls
@@ -984,8 +985,8 @@ def test_a_companion_submitted_from_inside_the_trainers_job_carries_none_of_its_
     import grpo.companions
 
     job = {"SLURM_JOB_ID": "7", "SLURM_CPU_BIND": "quiet,mask_cpu:0x3", "SLURM_CPUS_PER_TASK": "2",
-           "SLURM_MEM_PER_CPU": "4000", "PMI_RANK": "0", "PMIX_RANK": "0", "SLURM_CONF": "/etc/slurm/slurm.conf",
-           "SBATCH_ACCOUNT": "mine"}
+           "SLURM_MEM_PER_CPU": "4000", "SRUN_CPUS_PER_TASK": "2", "PMI_RANK": "0", "PMIX_RANK": "0",
+           "SLURM_CONF": "/etc/slurm/slurm.conf", "SLURM_CLUSTERS": "east", "SBATCH_ACCOUNT": "mine"}
     for k, v in job.items():
         monkeypatch.setenv(k, v)
     executor = Submitted()
@@ -993,6 +994,6 @@ def test_a_companion_submitted_from_inside_the_trainers_job_carries_none_of_its_
     before = dict(os.environ)
     companion("rollout server", tmp_path / "run", None).start(str(tmp_path / "run"))
     seen = executor.environments[0]
-    assert not [k for k in seen if k.startswith(("SLURM_", "PMI_", "PMIX_")) and k != "SLURM_CONF"]
-    assert seen["SLURM_CONF"] == "/etc/slurm/slurm.conf" and seen["SBATCH_ACCOUNT"] == "mine"
+    assert not [k for k in seen if k.startswith(("SLURM_", "SRUN_", "PMI_", "PMIX_")) and k not in ("SLURM_CONF", "SLURM_CLUSTERS")]
+    assert (seen["SLURM_CONF"], seen["SLURM_CLUSTERS"], seen["SBATCH_ACCOUNT"]) == ("/etc/slurm/slurm.conf", "east", "mine")
     assert dict(os.environ) == before

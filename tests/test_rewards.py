@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import re
 import threading
 import time
@@ -365,13 +366,19 @@ def test_a_rule_reward_failing_throughout_two_batches_in_a_row_on_every_rank_sto
     # both ranks failed throughout: the first batch may be one bad row each; the second in a row stops
     streak = FailureStreak(["mine"], reduce=other_rank(8, 8))
     streak.observe(stats_of(mine=(8, 8)))
-    with pytest.raises(RewardStop, match=r"reward 'mine' failed on every completion it was tried on in 2 batches in a "
-                                         r"row, on every rank \(16 of 16 in the last.*a reward takes \(completions, samples"):
+    with pytest.raises(RewardStop, match=r"reward 'mine' failed on every completion it was tried on in 2 batch\(es\) in "
+                                         r"a row, on every rank \(16 of 16 in the last.*a reward takes \(completions, samples"):
         streak.observe(stats_of(mine=(8, 8)))
-    # a batch it scored in between starts the count again
+    # a batch it scored in between starts the count again, and the run's end finds a reward that scored
     streak = FailureStreak(["mine"], reduce=other_rank(0, 0))
     for counts in ((4, 4), (3, 4), (4, 4)):
         streak.observe(stats_of(mine=counts))
+    streak.finish()
+    # a run too short for two batches (steps=1) whose one batch failed throughout stops at its end
+    streak = FailureStreak(["mine"], reduce=other_rank(0, 0))
+    streak.observe(stats_of(mine=(4, 4)))
+    with pytest.raises(RewardStop, match=r"in 1 batch\(es\) in a row, on every rank \(every batch this run scored, 1;"):
+        streak.finish()
     # per reward: another reward failing elsewhere does not add up; untried (0 of 0) is no failure
     streak = FailureStreak(["a", "b"], reduce=other_rank(0, 0, 0, 0))
     for counts in (dict(a=(4, 4), b=(0, 4)), dict(a=(0, 4), b=(4, 4)), dict(a=(0, 0), b=(0, 0)), dict(a=(0, 0), b=(0, 0))):
@@ -395,17 +402,20 @@ def test_completions_skipped_after_the_hang_limit_are_not_counted_as_failed():
 
 
 @pytest.mark.starts_process
-def test_a_run_whose_rule_reward_fails_throughout_stops_at_its_second_batch(make_cfg):
+@pytest.mark.parametrize("steps, batches", [(3, 2), (1, 1)])
+def test_a_run_whose_rule_reward_fails_throughout_stops(make_cfg, steps, batches):
     """A reward that takes no samples (a wrong signature): a RewardStop at step 2, after the first
-    batch's warnings, not a run that trains nothing and exits 0."""
+    batch's warnings, or at the end of a one-step run, not a run that trains nothing and exits 0."""
     from grpo.train import train
 
-    cfg = make_cfg("reward.funcs=[{name: tests.test_rewards.takes_no_samples, weight: 1.0}]", "steps=3", "checkpoint_every=0", "eval_every=0")
-    with pytest.raises(RewardStop, match="reward 'tests.test_rewards.takes_no_samples' failed on every completion it was tried on in 2 batches"), \
-            warnings.catch_warnings():
+    cfg = make_cfg("reward.funcs=[{name: tests.test_rewards.takes_no_samples, weight: 1.0}]", f"steps={steps}",
+                   "checkpoint_every=0", "eval_every=0")
+    with pytest.raises(RewardStop, match=rf"reward 'tests.test_rewards.takes_no_samples' failed on every completion it "
+                                         rf"was tried on in {batches} batch\(es\)"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         train(cfg)
     assert [json.loads(line)["step"] for line in open(f"{cfg.run_dir}/metrics.jsonl") if '"loss"' in line] == [1]
+    assert not os.path.exists(f"{cfg.run_dir}/summary.json")
 
 
 def test_a_reward_that_abstains_on_every_completion_does_not_stop_the_run():

@@ -36,16 +36,29 @@ class FailureStreak:
                  stop_after: int = STOP_AFTER):
         self.names, self.reduce, self.stop_after = names, reduce, stop_after
         self.streak = {name: 0 for name in names}
+        self.observed = 0  # batches scored by this process
 
     def observe(self, stats: dict[str, float]) -> None:
         if not self.names:  # the same on every rank (one config): no collective
             return
         counts = self.reduce([float(stats.get(f"{name}/{key}", 0.0)) for name in self.names for key in (FAILED_KEY, TRIED_KEY)])
+        self.observed += 1
         for i, name in enumerate(self.names):
             failed, tried = counts[2 * i], counts[2 * i + 1]
             self.streak[name] = self.streak[name] + 1 if tried > 0 and failed == tried else 0
             if self.streak[name] >= self.stop_after:
-                raise RewardStop(f"reward {name!r} failed on every completion it was tried on in {self.streak[name]} "
-                                 f"batches in a row, on every rank ({failed:.0f} of {tried:.0f} in the last; the warnings "
-                                 f"above name each error): every advantage would be 0 and the run would train nothing. "
-                                 + ADVICE)
+                self.stop(name, f"{failed:.0f} of {tried:.0f} in the last")
+
+    def finish(self) -> None:
+        """At the run's end (every rank: the streaks are the same everywhere): a run too short for
+        `stop_after` batches (steps=1, a resume one step before the end) in which a reward failed
+        throughout every batch it scored stops too, rather than end as if it had trained."""
+        for name in self.names:
+            if self.observed and self.streak[name] == self.observed:
+                self.stop(name, f"every batch this run scored, {self.observed}")
+
+    def stop(self, name: str, which: str) -> None:
+        raise RewardStop(f"reward {name!r} failed on every completion it was tried on in {self.streak[name]} batch(es) in "
+                         f"a row, on every rank ({which}; the warnings above name each error): every advantage would be 0 "
+                         "and the run would train nothing. " + ADVICE + " (A single batch may also be one dataset row "
+                         "whose reference the reward cannot read.)")

@@ -51,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from grpo.auth import JUDGE_TOKEN_ENV, client_token
 from grpo.errors import ConfigError, RewardStop, ServerError
 from grpo.endpoints import NotJson, Server, check_urls, is_redirect, parallel_map
+from grpo.reward_config import DEFAULT_CHOICES
 
 SCORES = ("logprobs", "pattern")
 APIS = ("chat", "completions")
@@ -139,9 +140,6 @@ def misspelled_fields(template: str) -> dict[str, str]:
     exact = {f"{{{f}}}" for f in TEMPLATE_FIELDS}
     return {m.group(0): field for m in NAMED.finditer(template)
             if m.group(2) and m.group(0) not in exact and (field := meant_field(m.group(2)))}
-
-
-DEFAULT_CHOICES = {"yes": 1.0, "no": 0.0}
 
 
 def answer_choices(jc) -> dict[str, float]:
@@ -387,7 +385,10 @@ def check(cfg) -> None:
     if jc.rating is not None and jc.rating[0] > jc.rating[1]:
         raise ConfigError(f"reward.judge.rating={list(jc.rating)} is backwards: give the low end first, "
                           f"reward.judge.rating={sorted(jc.rating)}.")
-    if jc.score == "logprobs" and len(answer_choices(jc)) < 2:
+    if jc.score == "logprobs" and len(answer_choices(jc)) < 2:  # every answer would score the one value
+        if jc.rating:
+            raise ConfigError(f"reward.judge.rating={list(jc.rating)} is one value: under score=logprobs every answer "
+                              f"would score {jc.rating[0]}. Give a range, e.g. reward.judge.rating=[0,9].")
         raise ConfigError(f"reward.judge.choices={dict(jc.choices)} is one choice: under score=logprobs every answer "
                           "would score its value. Give two or more; they replace the default yes/no, e.g. "
                           "+reward.judge.choices={yes: 1.0, no: 0.0, maybe: 0.5}, or reward.judge.rating=[0,9].")
