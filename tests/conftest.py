@@ -344,6 +344,7 @@ def serve_tiny(model_dir: str, log_path, token: str, *extra_args: str, max_model
     import tempfile
 
     from grpo.auth import TOKEN_ENV
+    from grpo.rollout.dedicated import engine_exit
     from grpo.rollout.server_watch import wait_for_url
 
     url_dir = tempfile.mkdtemp(prefix="grpo-test-serve-", dir=os.path.dirname(str(log_path)))
@@ -354,10 +355,9 @@ def serve_tiny(model_dir: str, log_path, token: str, *extra_args: str, max_model
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, TOKEN_ENV: token},
         )
-    exited = lambda: None if proc.poll() is None else f"exit code {proc.returncode}: {open(log_path).read()[-3000:]}"  # noqa: E731
     deadline = time.monotonic() + start_timeout_s  # one budget for the URL and /health
     try:
-        url = wait_for_url(url_dir, start_timeout_s, exited, f"grpo.serve of {model_dir}")
+        url = wait_for_url(url_dir, start_timeout_s, lambda: engine_exit(proc, str(log_path)), f"grpo.serve of {model_dir}")
     except BaseException:  # not left running, as wait_for leaves nothing
         stop_served(proc)
         raise
