@@ -22,8 +22,10 @@ from omegaconf import DictConfig
 from grpo.cli import exit_on_user_error
 from grpo.config import register_configs, validate
 from grpo.dist import DistInfo, all_gather, all_reduce_sum, dist_info, init_distributed, shutdown
+from grpo.errors import RewardStop
 from grpo.models import build_policy, encode_prompts
 from grpo.rewards import MODEL_REWARDS, is_scored, score
+from grpo.rewards.failure_streak import stop_together
 from grpo.rollout import build_rollout, sampling_from
 from grpo.tasks import build_task
 from grpo.tiny.folders import resolve_on_node
@@ -89,7 +91,12 @@ def evaluate(rollout, tokenizer, task, cfg, info: DistInfo, reward_fns=()) -> di
         if name in MODEL_REWARDS:
             # a reward model's running normalisation learns from training batches only
             scorer = getattr(fn, "score_only", fn)
-            values, _ = score([(name, scorer, 1.0)], greedy, samples, cfg.reward.timeout_s)
+            stopped, values = None, [[]]
+            try:
+                values, _ = score([(name, scorer, 1.0)], greedy, samples, cfg.reward.timeout_s)
+            except RewardStop as e:  # raised on every rank, not here alone (the others would wait in all_gather)
+                stopped = e
+            stop_together(stopped, all_reduce_sum([float(stopped is not None)])[0])
             pairs = [p for rank_pairs in all_gather(list(zip(values[0], solved))) for p in rank_pairs]
             metrics.update(agreement(name, [v for v, _ in pairs], [ok for _, ok in pairs]))
     return metrics

@@ -71,7 +71,7 @@ from grpo.dist import (DistInfo, all_reduce_max, all_reduce_sum, barrier, broadc
                        process_group)
 from grpo.dynamic_sampling import Scored, refill
 from grpo.eval import evaluate
-from grpo.errors import ConfigError
+from grpo.errors import ConfigError, RewardStop
 from grpo.export import export_hf, exported_step
 from grpo.metrics import Count, Ratio, Spread, reduce_metrics
 from grpo.flops import generation_work
@@ -242,11 +242,16 @@ class Run:
         rollouts, done_at = batch.rollouts.result()
         t_gen = time.perf_counter()
         completions = rollouts.texts(self.tokenizer)  # an episode's: its final turn
-        rewards_FB, reward_stats = score(
-            self.reward_fns, completions, [s for s in batch.samples for _ in range(self.G)], self.cfg.reward.timeout_s,
-            max_new_tokens=self.cfg.rollout.max_new_tokens, **rollouts.reward_info(),
-        )
-        self.failure_streak.observe(reward_stats)  # every rank, every batch: RewardStop on all ranks at once
+        stopped, (rewards_FB, reward_stats) = None, ([], {})
+        try:
+            rewards_FB, reward_stats = score(
+                self.reward_fns, completions, [s for s in batch.samples for _ in range(self.G)], self.cfg.reward.timeout_s,
+                counted=[reason != "error" for reason in rollouts.finish_reasons],
+                max_new_tokens=self.cfg.rollout.max_new_tokens, **rollouts.reward_info(),
+            )
+        except RewardStop as e:  # a judge's min_scored, a refusing reward server: raised below, on every rank
+            stopped = e
+        self.failure_streak.observe(reward_stats, stopped)  # every rank, every batch: RewardStop on all ranks at once
         withhold_errored(rewards_FB, rollouts.finish_reasons)
         rewards_PG = combine_rewards(rewards_FB, [w for _, _, w in self.reward_fns]).view(self.P, self.G)
         by_name = {name: values for (name, _, _), values in zip(self.reward_fns, rewards_FB)}

@@ -343,9 +343,10 @@ def test_a_reward_that_fails_on_every_completion_is_counted_and_warned_per_compl
     assert any(re.search(rf"reward 'mine' failed on completion 0 '5' \({error}", str(w.message)) for w in seen)
 
 
-def other_rank(*counts: float):
-    """An all-reduce over this rank and another whose (failed, tried) counts per reward are `counts`."""
-    return lambda mine: [a + b for a, b in zip(mine, counts)]
+def other_rank(*counts: float, stopped: float = 0):
+    """An all-reduce over this rank and another whose (failed, tried) counts per reward are `counts`
+    (and which stopped, 1, or not, 0)."""
+    return lambda mine: [a + b for a, b in zip(mine, (stopped, *counts), strict=True)]
 
 
 def stats_of(**counts):
@@ -383,6 +384,79 @@ def test_a_rule_reward_failing_throughout_two_batches_in_a_row_on_every_rank_sto
     streak = FailureStreak(["a", "b"], reduce=other_rank(0, 0, 0, 0))
     for counts in (dict(a=(4, 4), b=(0, 4)), dict(a=(0, 4), b=(4, 4)), dict(a=(0, 0), b=(0, 0)), dict(a=(0, 0), b=(0, 0))):
         streak.observe(stats_of(**counts))
+
+
+def test_episodes_that_ended_in_error_are_not_counted_as_failed():
+    """A reward that cannot read an empty final turn fails on the 3 episodes whose environment failed
+    ("error"; `withhold_errored` gives them no reward anyway): 0 of 3 counted failed, not 3 of 6, and a
+    batch of nothing but errored episodes is 0 tried (no failure streak). Before, they counted, and two
+    such batches in a row stopped the run with advice about the reward."""
+    def needs_text(completions, samples, **_):
+        return [float(int(c)) for c in completions]
+
+    counted = [True, False, True, False, True, False]
+    with pytest.warns(UserWarning):
+        rewards, stats = score([("num", needs_text, 1.0)], ["1", "", "0", "", "1", ""], [None] * 6, counted=counted)
+    assert marked(rewards) == [[1.0, "failed", 0.0, "failed", 1.0, "failed"]]
+    assert (stats["num/completions_failed"], stats["num/completions_tried"]) == (0, 3)
+    with pytest.warns(UserWarning):
+        _, stats = score([("num", needs_text, 1.0)], ["", ""], [None] * 2, counted=[False, False])
+    assert (stats["num/completions_failed"], stats["num/completions_tried"]) == (0, 0)
+    # scored as a batch: only the counted ones are tried
+    _, stats = score([("num", needs_text, 1.0)], ["1", "2"], [None] * 2, counted=[True, False])
+    assert (stats["num/completions_failed"], stats["num/completions_tried"]) == (0, 1)
+
+
+def test_a_reward_stop_on_one_rank_stops_every_rank():
+    """A model reward's own stop (a judge's min_scored, a refusing server) raised on one rank: every
+    rank raises, the others with its reason, in the failure streak's all-reduce. Before, the rank
+    raised alone and the others waited in their next collective until the peer watchdog."""
+    from grpo.rewards.failure_streak import FailureStreak
+
+    asked = []
+
+    def gather(mine):
+        asked.append(mine)
+        return [mine, "reward `judge` scored 0 of 8 completions"]
+
+    streak = FailureStreak(["mine"], reduce=other_rank(0, 8, stopped=1), gather=gather)  # the other rank stopped
+    with pytest.raises(RewardStop, match=r"^rank 1 stopped the run: reward `judge` scored 0 of 8"):
+        streak.observe(stats_of(mine=(0, 8)))
+    assert asked == [None]
+    # this rank stopped: its own exception, not a copy
+    mine = RewardStop("reward 'rm': refused")
+    streak = FailureStreak([], reduce=other_rank(), gather=lambda m: [m, None])
+    with pytest.raises(RewardStop) as raised:
+        streak.observe({}, mine)
+    assert raised.value is mine
+    # no rank stopped: no gather (a collective only when one did)
+    FailureStreak(["mine"], reduce=other_rank(0, 8), gather=lambda m: pytest.fail("gathered")).observe(stats_of(mine=(0, 8)))
+
+
+def _stop_on_rank(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as tdist
+
+    from grpo.rewards.failure_streak import FailureStreak
+
+    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    stopped = RewardStop("reward `judge` scored 1 of 8 completions") if rank == 1 else None
+    try:
+        FailureStreak(["mine"]).observe(stats_of(mine=(0, 4)), stopped)
+        outcome = "went on"
+    except RewardStop as e:
+        outcome = str(e)
+    open(f"{out_dir}/rank{rank}", "w").write(outcome)
+    tdist.destroy_process_group()
+
+
+@pytest.mark.starts_process
+def test_a_reward_stop_on_one_of_two_real_ranks_stops_both(tmp_path):
+    """The same through a real gloo all-reduce and all_gather_object between two processes."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_stop_on_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    assert (tmp_path / "rank0").read_text() == "rank 1 stopped the run: reward `judge` scored 1 of 8 completions"
+    assert (tmp_path / "rank1").read_text() == "reward `judge` scored 1 of 8 completions"
 
 
 def test_completions_skipped_after_the_hang_limit_are_not_counted_as_failed():

@@ -235,13 +235,13 @@ def run_model_reward(name: str, fn, completions: list[str], samples: list, info:
 
 
 def run_rule_reward(name: str, fn, completions: list[str], samples: list, info: dict,
-                    timeout_s: float) -> tuple[list, int, int]:
-    """A rule reward's scores (FAILED where it failed), and how many completions it failed on and was
-    tried on (`failure_streak`): the whole batch at once, else one completion at a time."""
+                    timeout_s: float, counted: list[bool]) -> tuple[list, int, int]:
+    """A rule reward's scores (FAILED where it failed), and how many of the `counted` completions it
+    failed on and was tried on (`failure_streak`): the whole batch at once, else one completion at a time."""
     setting = "reward.timeout_s"
     values, error = call_with_timeout(lambda: list(fn(completions, samples, **info)), timeout_s, setting, (RewardStop,))
     if error is None and (error := batch_problem(values, len(completions))) is None:
-        return as_scores(values), 0, len(completions)
+        return as_scores(values), 0, sum(counted)
     warnings.warn(f"reward {name!r} failed on the batch ({error}); scoring its completions one at a time", stacklevel=3)
     out, hangs, failed, tried = [], 0, 0, 0
     for i, (c, s) in enumerate(zip(completions, samples)):
@@ -250,10 +250,10 @@ def run_rule_reward(name: str, fn, completions: list[str], samples: list, info: 
             value, err = call_with_timeout(lambda c=c, s=s, one=one: list(fn([c], [s], **one)), timeout_s, setting,
                                            (RewardStop,))
             hangs += err is not None and err.startswith("no answer")
-            tried += 1
             if err is None:
                 err = batch_problem(value, 1)
-            failed += err is not None
+            tried += counted[i]
+            failed += counted[i] and err is not None
         else:  # bounded: a function that keeps hanging does not stall the step for B x timeout
             value, err = None, f"skipped after {MAX_HANGS} timeouts in this batch"
         if err is not None:
@@ -263,20 +263,22 @@ def run_rule_reward(name: str, fn, completions: list[str], samples: list, info: 
 
 
 def score(reward_fns, completions: list[str], samples: list, timeout_s: float = 30.0,
-          **info) -> tuple[list[list[float | None]], dict[str, float]]:
+          counted: list[bool] | None = None, **info) -> tuple[list[list[float | None]], dict[str, float]]:
     """Run every reward function -> (rewards_FB, stats): rewards_FB a score, None (abstained) or FAILED
     per function and completion (`combine_rewards` sums them); each function's seconds
-    (`time/reward_<name>_s`), a rule function's completions failed and tried (`failure_streak`) and
-    the counts a function keeps in its `stats` attribute (a judge's
-    requests, failures, garbage answers, retries) as `<name>/<count>`; all of them add up over draws."""
+    (`time/reward_<name>_s`), a rule function's completions failed and tried (`failure_streak`) among
+    the `counted` ones (default all; an episode that ended in "error" is not) and the counts a function
+    keeps in its `stats` attribute (a judge's requests, failures, garbage answers, retries) as
+    `<name>/<count>`; all of them add up over draws."""
     rewards_FB, stats = [], {}
+    counted = [True] * len(completions) if counted is None else counted
     for name, fn, _ in reward_fns:
         t0 = time.perf_counter()
         if name in MODEL_REWARDS:
             rewards_FB.append(run_model_reward(name, fn, completions, samples, info))
         else:
             values, stats[f"{name}/{FAILED_KEY}"], stats[f"{name}/{TRIED_KEY}"] = run_rule_reward(
-                name, fn, completions, samples, info, timeout_s)
+                name, fn, completions, samples, info, timeout_s, counted)
             rewards_FB.append(values)
         stats[f"time/reward_{name}_s"] = time.perf_counter() - t0
         stats.update({f"{name}/{k}": float(v) for k, v in (getattr(fn, "stats", None) or {}).items()})

@@ -9,15 +9,19 @@ batches trained), so stopping on it would stop the resumed run too. Why every ra
 rows, and a rank that stopped alone would leave the others waiting in their next collective.
 
 Completions a reward was never tried on (skipped after `MAX_HANGS` timeouts in the batch) count neither
-way: a few hanging completions say nothing about the rest. A model reward (a reward model, a judge)
-decides its own stop (its servers' answers, reward.judge.min_scored) and is not watched here.
+way: a few hanging completions say nothing about the rest; nor do episodes that ended in "error" (their
+environment failed; `withhold_errored` gives them no reward anyway), so a reward that cannot read an
+empty or cut-off final turn is not blamed for the environment. A model reward (a reward model, a judge)
+decides its own stop (its servers' answers, reward.judge.min_scored), and so may a rule reward (by
+raising RewardStop): that stop is made on every rank too (`stop_together`), in the same all-reduce, since a
+rank that raised alone would leave the others waiting in their next collective until the peer watchdog.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from grpo.dist import all_reduce_sum
+from grpo.dist import all_gather, all_reduce_sum
 from grpo.errors import RewardStop
 
 STOP_AFTER = 2  # batches in a row
@@ -28,20 +32,36 @@ ADVICE = ("a reward takes (completions, samples, **kwargs) and returns one finit
           "cannot read instead of raising, raise reward.timeout_s if it is slow, or drop it from reward.funcs.")
 
 
+def stop_together(stopped: RewardStop | None, ranks_stopped: float,
+                  gather: Callable[[object], list] = all_gather) -> None:
+    """Every rank calls this with its own stop (None: none) and the number of ranks that stopped (an
+    all-reduced count): when any did, every rank raises, the others with the first stopped rank's reason
+    (a collective only then, so it costs nothing while no reward stops)."""
+    if not ranks_stopped:
+        return
+    reasons = gather(None if stopped is None else str(stopped))
+    if stopped is not None:
+        raise stopped
+    rank, reason = next((r, m) for r, m in enumerate(reasons) if m is not None)
+    raise RewardStop(f"rank {rank} stopped the run: {reason}")
+
+
 class FailureStreak:
     """Counts, per rule reward, the batches in a row it failed throughout (`observe`, once per scored
-    batch on every rank, with `grpo.rewards.score`'s stats)."""
+    batch on every rank, with `grpo.rewards.score`'s stats), and stops every rank when a reward stopped
+    on one."""
 
     def __init__(self, names: list[str], reduce: Callable[[list[float]], list[float]] = all_reduce_sum,
-                 stop_after: int = STOP_AFTER):
-        self.names, self.reduce, self.stop_after = names, reduce, stop_after
+                 stop_after: int = STOP_AFTER, gather: Callable[[object], list] = all_gather):
+        self.names, self.reduce, self.stop_after, self.gather = names, reduce, stop_after, gather
         self.streak = {name: 0 for name in names}
         self.observed = 0  # batches scored by this process
 
-    def observe(self, stats: dict[str, float]) -> None:
-        if not self.names:  # the same on every rank (one config): no collective
-            return
-        counts = self.reduce([float(stats.get(f"{name}/{key}", 0.0)) for name in self.names for key in (FAILED_KEY, TRIED_KEY)])
+    def observe(self, stats: dict[str, float], stopped: RewardStop | None = None) -> None:
+        """`stopped`: the RewardStop this rank's scoring raised (its stats are then empty)."""
+        ranks_stopped, *counts = self.reduce([float(stopped is not None)] + [
+            float(stats.get(f"{name}/{key}", 0.0)) for name in self.names for key in (FAILED_KEY, TRIED_KEY)])
+        stop_together(stopped, ranks_stopped, self.gather)
         self.observed += 1
         for i, name in enumerate(self.names):
             failed, tried = counts[2 * i], counts[2 * i + 1]
