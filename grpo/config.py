@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import warnings
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -129,6 +130,9 @@ class TaskConfig:
     chat_template: str = "auto"
     system_prompt: Optional[str] = None
     answer_format: Optional[str] = None
+    # jsonl: what eval counts as correct: exact (the completion, stripped, equals the answer) or
+    # math_verify (equal by value, as reward=math_verify scores it)
+    correct: str = "exact"
 
 
 @dataclass
@@ -313,6 +317,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     _choices("algo.is_mode", a.is_mode, {"truncate", "mask", "reject"})
     _choices("algo.trust_region", a.trust_region, {"auto", "proximal", "behaviour"})
     _choices("task.chat_template", cfg.task.chat_template, {"auto", "always", "never"})
+    _choices("task.correct", cfg.task.correct, {"exact", "math_verify"})
     _choices("model.dtype", cfg.model.dtype, {"float32", "bfloat16"})  # float16: no loss scaling anywhere (REVIEW L5)
     _choices("env.render", cfg.env.render, RENDERERS)
     _choices("logger.backend", cfg.logger.backend, {"console", "wandb"})
@@ -358,6 +363,10 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
                           f"the start and end).")
     check_task(cfg.task)  # the data fields the chosen task reads
     check_rewards(cfg)  # each name resolves; a reward that holds a model checks its settings (grpo/rewards/)
+    if cfg.task.name == "jsonl" and cfg.task.correct == "exact" and "math_verify" in reward_names(cfg):
+        warnings.warn("task=jsonl counts eval/accuracy by exact match (task.correct=exact) while reward math_verify "
+                      "trains on answers equal by value: '0.5' for '1/2' scores 1 and counts as wrong. Set "
+                      "task.correct=math_verify to evaluate what is trained.", stacklevel=2)
     envs.check(cfg)  # env.*: the environment can be found, its budgets leave room for a turn
     log.check(cfg.logger, LoggerConfig())  # logger.project/entity without wandb
     folders.check_tiny_settings(cfg.model, TinyModelConfig())  # model.tiny.* for a model not built in code

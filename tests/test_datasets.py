@@ -126,6 +126,16 @@ def test_math_task_answer_from_boxed_or_answer_column(tmp_path):
     assert not task.is_correct("\\boxed{2}", by_problem["Half of 1?"])
 
 
+def test_math_task_reads_a_set_with_answers_and_no_solutions(tmp_path):
+    """A Big-Math-style set (problem, answer; no solution column) was refused: "missing column(s) ['solution']"."""
+    rows = [{"problem": f"{i} + 1?", "answer": str(i + 1)} for i in range(4)]
+    task = build_task(task_cfg(name="math", path=write_jsonl(tmp_path / "pa.jsonl", rows), eval_size=1))
+    assert sorted(s.answer for s in task.train + task.eval) == ["1", "2", "3", "4"]
+    with pytest.raises(DatasetError, match=r"pa\.jsonl:1: missing column\(s\) \['problem'\]"):
+        build_task(task_cfg(name="math", path=write_jsonl(tmp_path / "pa.jsonl", [{"question": "q", "answer": "1"}]),
+                            eval_size=1))
+
+
 def test_math_row_without_ground_truth_is_an_error(tmp_path):
     path = write_jsonl(tmp_path / "m.jsonl", [{"problem": "p", "solution": "\\boxed{1}"}, {"problem": "p", "solution": "none"}])
     with pytest.raises(DatasetError, match=r"m\.jsonl:2: no ground truth"):

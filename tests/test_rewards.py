@@ -41,8 +41,10 @@ def test_countdown_checks_numbers_and_target():
         "<answer>7 * 5 - 3</answer>",  # 32 -> 0
         "<answer>7 / (5 - 5) + 3</answer>",  # division by zero -> 0, no crash
         "<answer>__import__('os').system('true')</answer>",  # never evaluated -> 0
+        "<answer>22 = 3 * 5 + 7</answer>",  # the target first: read as the equation, 22 alone -> 0 before
+        "<answer>22 = 7 * 5 - 3</answer>",  # 32 either way -> 0
     ]
-    assert countdown(completions, [s] * len(completions)) == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert countdown(completions, [s] * len(completions)) == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
 
 
 def test_safe_evaluation_refuses_everything_but_arithmetic():
@@ -271,6 +273,25 @@ def test_env_reward_scores_an_unfinished_episode_the_environment_never_rewarded_
         ("\\boxed{\\$18.90}", "\\$18.90", 1.0),
         ("\\boxed{7}", "\\$18.90", 0.0),
         ("18", "$18$", 1.0),
+        # gsm8k's "#### <number>" decides, not the last number written after it (the task's prompt asks for it)
+        ("Altogether she sold 48+24 = 72 clips.\n#### 72\nThat took her 2 months.", "72", 1.0),
+        ("#### 72 (over 2 months)", "72", 1.0),
+        ("Altogether she sold 70 clips.\n#### 70\nWith the bonus it would be 72.", "72", 0.0),
+        ("#### -1,234.", "-1234", 1.0),
+        # forms math-verify misreads, put in the forms it reads (math_answer.normalize)
+        ("The balance went from 20 to \u221215.", "-15", 1.0),  # a Unicode minus was skipped: 20 scored
+        ("The balance went from 20 to \u221215.", "20", 0.0),
+        ("\\boxed{50\\%}", "50", 1.0),  # not read at all
+        ("\\boxed{26\\%}", "25", 0.0),
+        ("\\boxed{10\\,000}", "10000", 1.0),  # 10 x 0
+        ("\\boxed{10 000}", "10000", 1.0),
+        ("The answer is 10\u202f000.", "10000", 1.0),
+        ("I have 3 100-dollar bills, so 300", "300", 1.0),  # a plain space in prose joins nothing
+        ("\\boxed{10000}", "10 000", 1.0),  # a ground truth's groups: it read as 10 x 0 = 0 ...
+        ("\\boxed{0}", "10 000", 0.0),  # ... so 0 scored
+        ("\\boxed{5.5}", "5 1/2", 1.0),  # a mixed number read as (5 + 1)/2 ...
+        ("\\boxed{3}", "5 1/2", 0.0),  # ... so 3 scored
+        ("It takes 5 1/2 cups", "5.5", 1.0),
     ],
 )
 def test_math_verify(completion, answer, value):

@@ -5,7 +5,7 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from grpo.config import TaskConfig
+from grpo.config import TaskConfig, validate
 from grpo.errors import ConfigError
 from grpo.tasks import TrainSampler, build_task, check_task
 from grpo.tasks.jsonl import DatasetError
@@ -48,6 +48,34 @@ def test_jsonl_task_holds_out_its_eval_file(tmp_path):
     assert [s.prompt for s in again.eval] == [s.prompt for s in task.eval]
     with pytest.raises(DatasetError, match="task.eval_path=.*nope.jsonl' does not exist"):
         build_task(task_cfg(name="jsonl", path=train, eval_path=str(tmp_path / "nope.jsonl"), eval_size=3))
+
+
+def test_jsonl_answers_may_be_numbers_and_eval_may_compare_by_value(tmp_path):
+    """{"answer": 4} was refused as "not a non-empty string"; it is the number as written. And eval
+    counted exact matches only, whatever the reward: with reward=math_verify, '0.5' for '1/2' scored 1
+    in training and counted as wrong in eval/accuracy. task.correct=math_verify compares by value, and
+    validate warns about the mismatch."""
+    import warnings
+
+    rows = [json.dumps({"prompt": f"q{i}", "answer": a}) for i, a in enumerate([4, 0.5, "1/2", 7, 8, 9])]
+    path = write(tmp_path / "d.jsonl", rows)
+    exact = build_task(task_cfg(name="jsonl", path=path, eval_size=1))
+    answers = {s.prompt: s.answer for s in exact.train + exact.eval}
+    assert answers["q0"] == "4" and answers["q1"] == "0.5"
+    half = next(s for s in exact.train + exact.eval if s.prompt == "q2")
+    assert not exact.is_correct("0.5", half) and exact.is_correct(" 1/2 ", half)
+    by_value = build_task(task_cfg(name="jsonl", path=path, eval_size=1, correct="math_verify"))
+    assert by_value.is_correct("The answer is 0.5.", half) and not by_value.is_correct("0.25", half)
+    with pytest.warns(UserWarning, match="task=jsonl counts eval/accuracy by exact match .* Set task.correct=math_verify"):
+        validate(compose_cfg("task=jsonl", f"task.path={path}", "task.eval_size=1", "reward=math_verify"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        validate(compose_cfg("task=jsonl", f"task.path={path}", "task.eval_size=1", "reward=math_verify",
+                             "task.correct=math_verify"))
+    with pytest.raises(ConfigError, match="task.correct"):
+        validate(compose_cfg("task=jsonl", f"task.path={path}", "task.correct=value"))
+    with pytest.raises(ConfigError, match="task.correct='math_verify' is not read by task=addition"):
+        check_task(compose_cfg("task.correct=math_verify").task)
 
 
 @pytest.mark.parametrize(

@@ -47,10 +47,15 @@ def countdown(completions: list[str], samples: list, **_) -> list[float]:
     for completion, sample in zip(completions, samples):
         expr = extract_answer(completion)
         expr = completion if expr is None else expr
-        try:
-            value, used = evaluate(expr.split("=")[0])
-            ok = Counter(used) == Counter(sample.meta["numbers"]) and abs(value - sample.meta["target"]) < 1e-6
-        except (NotAnEquation, ZeroDivisionError, OverflowError):
-            ok = False
-        out.append(float(ok))
+        out.append(float(any(solves(side, sample.meta["numbers"], sample.meta["target"]) for side in expr.split("="))))
     return out
+
+
+def solves(expr: str, numbers: list, target) -> bool:
+    """Whether one side of the answer (`3 * 5 + 7 = 22` and `22 = 3 * 5 + 7` alike: either side may be
+    the equation) uses exactly `numbers` and equals `target`."""
+    try:
+        value, used = evaluate(expr)
+    except (NotAnEquation, ZeroDivisionError, OverflowError):
+        return False
+    return Counter(used) == Counter(numbers) and abs(value - target) < 1e-6

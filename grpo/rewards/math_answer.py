@@ -12,6 +12,14 @@ A worked equation is judged by what follows its last `=` (`48 + 24 = 72` is 72),
 compares it. (math-verify hands some divisions back evaluated already: \\frac{14}{2}, \\boxed{48/2} and
 48 \\div 2 in LaTeX read as 7 and 24 and pass; plain-text 48/2 is caught.)
 
+Before math-verify reads them, the completion and the ground truth are put in the forms it reads
+(`normalize`): a Unicode minus (U+2212) as "-" (math-verify skipped it and took the number
+before), digit groups split by a thin space (`10\\,000`, U+202F, U+00A0; and a plain space in a ground
+truth or a `\\boxed{}`) joined (read as 10 x 0), a mixed number (`5 1/2`) as the fraction it is (11/2;
+read as (5+1)/2), and a `\\boxed{50\\%}` as `\\boxed{50}\\%` (not read at all). A completion with
+GSM8K's `#### <number>` (the task's prompt asks for it) is judged by the number after the last `####`,
+not by the last number it wrote (`#### 72 (over 2 months)` is 72, not 2).
+
 math-verify's own timeouts use SIGALRM, which works only in the main thread. Rewards run in a
 worker thread (grpo.rewards cuts them off with `reward.timeout_s`), so there its timeouts are off;
 evaluation (`Task.is_correct`) runs in the main thread and keeps them (5 s per parse or compare).
@@ -40,6 +48,38 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_NoTimeoutNotice())
 
 
+HASHES = re.compile(r"####\s*\\?\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")  # GSM8K's final answer (verl's pattern)
+_SEP = r"(?:\\,|\\!|\\ |~|\{,\}|[\u00a0\u2009\u202f])"  # LaTeX and Unicode thin spaces between digit groups
+THIN_GROUPS = re.compile(rf"(?<![\d.])\d{{1,3}}(?:{_SEP}\d{{3}})+(?![\d])")
+SPACED_GROUPS = re.compile(rf"(?<![\d.])\d{{1,3}}(?:(?:{_SEP}| )\d{{3}})+(?![\d])")
+MIXED = re.compile(r"(?<![\d./,])(\d+) (\d+)/(\d+)(?![\d./])")
+BOXED_PERCENT = re.compile(r"\\boxed\{([^{}]*?)\s*\\%\s*\}")
+BOXED_FLAT = re.compile(r"\\boxed\{([^{}]*)\}")  # a \boxed{} without nested braces
+
+
+def _join_groups(match: re.Match) -> str:
+    return re.sub(_SEP + "| ", "", match.group(0))
+
+
+def _mixed(match: re.Match) -> str:
+    whole, num, den = (int(g) for g in match.groups())
+    return f"{whole * den + num}/{den}" if 0 < num < den else match.group(0)
+
+
+def normalize(text: str, ground_truth: bool = False) -> str:
+    """The forms math-verify reads (the module's docstring). A plain space joins digit groups only in a
+    ground truth and inside a `\\boxed{}`: in a completion's prose "3 100-dollar bills" is two numbers."""
+    text = text.replace("\u2212", "-")
+    if not ground_truth and (hashes := HASHES.findall(text)):
+        return hashes[-1].replace(",", "")
+    groups = SPACED_GROUPS if ground_truth else THIN_GROUPS
+    text = groups.sub(_join_groups, text)
+    if not ground_truth:
+        text = BOXED_FLAT.sub(lambda m: "\\boxed{" + SPACED_GROUPS.sub(_join_groups, m.group(1)) + "}", text)
+    text = MIXED.sub(_mixed, text)
+    return BOXED_PERCENT.sub(r"\\boxed{\1}\\%", text)
+
+
 def _timeout() -> int | None:
     return TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
@@ -52,6 +92,7 @@ def _parse(text: str):
 
 @functools.lru_cache(maxsize=65536)  # each ground truth is compared with G completions per step
 def _parse_gold(answer: str) -> tuple:
+    answer = normalize(answer, ground_truth=True)
     delimited = MATH_DELIMITER.search(answer) or "\\boxed" in answer
     gold = _parse(answer if delimited else f"${answer}$")
     if not gold:  # raised, so not cached: a parse that ran out of time is tried again
@@ -127,7 +168,7 @@ def is_equivalent(completion: str, answer: str) -> bool:
     from math_verify import verify  # local: as in _parse
 
     gold = parse_gold(answer)
-    pred = _parse(completion)
+    pred = _parse(normalize(completion))
     if not pred or (written_arithmetic(pred) and not written_arithmetic(gold)):
         return False
     return verify(gold, pred, timeout_seconds=_timeout())

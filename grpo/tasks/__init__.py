@@ -39,7 +39,7 @@ HUB_DATA = ("gsm8k", "math", "countdown")
 READS = {
     "addition": (*SPLIT, "digits"),
     "arithmetic": (*SPLIT, "digits", "answer_format"),
-    "jsonl": (*SPLIT, "path", "eval_path"),  # the rows are the prompts as they are: no answer_format
+    "jsonl": (*SPLIT, "path", "eval_path", "correct"),  # the rows are the prompts as they are: no answer_format
     **{name: (*SPLIT, *DATA, "answer_format") for name in HUB_DATA},
     "guess": (),  # one prompt, the 15 secrets: nothing to size, split or seed
     "shapes": (*SPLIT, "size"),

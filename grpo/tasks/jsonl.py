@@ -4,11 +4,13 @@ the train file. Every row is checked: a bad one is an error naming file and line
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
 from grpo.errors import DatasetError
-from grpo.tasks.base import Sample, Task, hold_out
+from grpo.rewards.math_answer import is_equivalent
+from grpo.tasks.base import Sample, Task, exact_answer, hold_out
 from grpo.tasks.rows import read_jsonl_rows
 
 __all__ = ["DatasetError", "build_jsonl", "read_jsonl"]
@@ -20,9 +22,12 @@ def read_jsonl(path: str, key: str = "task.path") -> list[Sample]:
         raise DatasetError(f"{key}={path!r} does not exist; point it at a .jsonl file.")
     samples = []
     for where, row in read_jsonl_rows(path):
+        if type(row.get("answer")) in (int, float):  # {"answer": 4}: the number as written
+            row["answer"] = json.dumps(row["answer"])
         for key in ("prompt", "answer"):
             if not isinstance(row.get(key), str) or not row[key]:
-                raise DatasetError(f"{where}: field {key!r} is missing or not a non-empty string.")
+                raise DatasetError(f"{where}: field {key!r} is missing or not a non-empty string"
+                                   f"{' or a number' if key == 'answer' else ''}.")
         meta = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
         samples.append(Sample(prompt=row["prompt"], answer=row["answer"], meta=meta))
     if not samples:
@@ -40,5 +45,6 @@ def build_jsonl(cfg) -> Task:
         held_out = held_out[: cfg.eval_size]
     else:
         train, held_out = hold_out(samples, cfg.eval_size, cfg.seed, DatasetError, f"{cfg.path}: ")
-    return Task("jsonl", train=train, eval=held_out,
+    correct = {"exact": exact_answer, "math_verify": lambda completion, s: is_equivalent(completion, s.answer)}
+    return Task("jsonl", train=train, eval=held_out, is_correct=correct[cfg.get("correct", "exact")],
                 chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)

@@ -8,7 +8,7 @@ from grpo.rewards.math_answer import is_equivalent, parse_gold
 from grpo.tasks.base import Sample, Task
 from grpo.tasks.dataset_task import RowError, build_dataset_task
 
-COLUMNS = ["problem", "solution"]
+COLUMNS = ["problem"]  # and a ground truth: `answer`, else `solution`'s last \boxed{} (Big-Math-style sets have no solution)
 ANSWER_FORMAT = "Let's think step by step and output the final answer within \\boxed{}."
 
 
@@ -38,14 +38,14 @@ def build_math(cfg) -> Task:
     instruction = ANSWER_FORMAT if cfg.answer_format is None else cfg.answer_format
 
     def to_sample(row: dict) -> Sample:
-        problem, solution = row["problem"], row["solution"]
+        problem, solution = row["problem"], row.get("solution")
         if not isinstance(problem, str) or not problem.strip():
             raise RowError("column 'problem' is empty or not text.")
         answer = row.get("answer")
         if answer is None or not str(answer).strip():
             answer = last_boxed(solution) if isinstance(solution, str) else None
         if not answer:
-            raise RowError("no ground truth: column 'solution' has no complete \\boxed{...} and there is no 'answer' column.")
+            raise RowError("no ground truth: no 'answer' column, and no 'solution' column with a complete \\boxed{...}.")
         meta = {k: row[k] for k in ("level", "type", "subject") if k in row}
         return Sample(prompt=f"{problem.strip()} {instruction}".strip(), answer=str(answer).strip(), meta=meta)
 
