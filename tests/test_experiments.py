@@ -34,36 +34,22 @@ def test_cpu_experiments_are_those_without_a_gpu():
 
 
 @pytest.fixture
-def judge_url(request):
-    """For an experiment scored by a judge: `grpo.serve` of SmolLM2-135M on a free port (its URL), as
-    the experiment's header says to start it; None for the others."""
+def judge_url(request, tmp_path_factory, monkeypatch):
+    """For an experiment scored by a judge: `grpo.serve` of SmolLM2-135M (its URL), as the experiment's
+    header says to start it, on a port it finds free itself and guarded by a token the judge reads from
+    its environment; None for the others."""
     if request.node.callspec.params["name"] != "addition_smollm2_judge":
         yield None
         return
-    import signal
-    import subprocess
-    import sys
-    import time
-    import urllib.request
+    from grpo.auth import JUDGE_TOKEN_ENV
+    from tests.conftest import serve_tiny, stop_served
 
-    from grpo.rollout.servers import free_port
-    from tests.conftest import ROOT
-
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", "--model", "smollm2-135m", "--port", str(port),
-                             "--max-model-len", "512"], cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url, deadline = f"http://127.0.0.1:{port}", time.time() + 600
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            break
-        except OSError:
-            assert proc.poll() is None, "the judge server exited"
-            time.sleep(2)
+    token = "experiment-judge-token"
+    monkeypatch.setenv(JUDGE_TOKEN_ENV, token)
+    proc, url = serve_tiny("smollm2-135m", tmp_path_factory.mktemp("judge") / "serve.log", token,
+                           max_model_len=512, start_timeout_s=600)
     yield url
-    os.killpg(proc.pid, signal.SIGINT)
-    proc.wait(timeout=60)
+    stop_served(proc)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=m) for n, m in CPU_EXPERIMENTS.items()])
