@@ -57,6 +57,8 @@ def test_safe_evaluation_refuses_everything_but_arithmetic():
 def test_format_reward_and_answer_extraction():
     good = "<think>add the tens</think>\n<answer>52</answer>"
     assert answer_format([good, "<answer>52</answer>", good + " trailing", "<think>x</think><answer></answer>"], []) == [1.0, 0.0, 0.0, 1.0]
+    # a template that opens <think> itself (DeepSeek-R1-Distill): every completion scored 0
+    assert answer_format(["I add 3*5 and 7.</think>\n<answer>3 * 5 + 7</answer>", "I add.</think>"], []) == [1.0, 0.0]
     assert extract_answer("<answer>1</answer> then <answer> 2 </answer>") == "2"
     assert extract_answer("no tags") is None
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 
-FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+# the opening <think> may be the prompt's: chat templates of reasoning models (DeepSeek-R1-Distill, QwQ)
+# end the generation prompt with "<think>\n", and then no completion wrote it and every one scored 0
+FORMAT = re.compile(r"^\s*(?:<think>)?.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
@@ -15,7 +17,8 @@ def extract_answer(completion: str) -> str | None:
 
 
 def answer_format(completions: list[str], samples: list, **_) -> list[float]:
-    """1.0 for `<think>...</think> <answer>...</answer>` and nothing else, else 0.0."""
+    """1.0 for `<think>...</think> <answer>...</answer>` and nothing else (the opening `<think>` may be
+    the chat template's), else 0.0."""
     return [float(bool(FORMAT.match(c))) for c in completions]
 
 
