@@ -24,6 +24,10 @@ def read_jsonl(path: str, key: str = "task.path") -> list[Sample]:
     for where, row in read_jsonl_rows(path):
         if type(row.get("answer")) in (int, float):  # {"answer": 4}: the number as written
             row["answer"] = json.dumps(row["answer"])
+        if isinstance(row.get("prompt"), list):  # TRL's conversational rows
+            raise DatasetError(f"{where}: field 'prompt' is a list (chat messages); give the user's text as a string: "
+                               "the chat template is applied to it (task.chat_template), and task.system_prompt sets "
+                               "a system message.")
         for key in ("prompt", "answer"):
             if not isinstance(row.get(key), str) or not row[key]:
                 raise DatasetError(f"{where}: field {key!r} is missing or not a non-empty string"
