@@ -436,11 +436,12 @@ def staleness(trainer_version: int, sampler_version: int) -> int:
     return trainer_version - sampler_version
 
 
-def token_staleness(trainer_version: int, token_versions: list[list[int]]) -> float:
-    """Partial rollouts: the mean over sampled tokens (version >= 0; observations are -1) of the versions
-    each token's sampler is behind the trainer."""
+def token_staleness(trainer_version: int, token_versions: list[list[int]]) -> tuple[int, int]:
+    """Partial rollouts: (the versions each sampled token's sampler was behind the trainer, summed; the
+    sampled tokens) (version >= 0; observations are -1): the parts of their mean, which ranks that sample
+    unequal numbers of tokens add up before dividing (grpo/metrics.py `Ratio`)."""
     sampled = [v for vs in token_versions for v in vs if v >= 0]
-    return sum(trainer_version - v for v in sampled) / len(sampled) if sampled else 0.0
+    return sum(trainer_version - v for v in sampled), len(sampled)
 
 
 def batches_to_submit(step: int, submitted: int, max_staleness: int, last_step: int) -> range:

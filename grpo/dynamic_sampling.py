@@ -44,6 +44,10 @@ class Scored:
     generated_tokens: int = 0  # tokens generated for this batch (every draw's)
     generation: Work = field(default_factory=Work)  # what the engines computed for it (grpo/flops.py), every draw's
     reward_stats: dict = field(default_factory=dict)  # each reward's seconds and counts (grpo.rewards.score), every draw's
+    # after `refill`: the totals among every draw's rollout metrics (a Count or Ratio: an episode's errors,
+    # environment seconds, tool failures), which the trained groups' alone would undercount: a group
+    # whose every episode errored has no reward, is flat, and is never trained
+    drawn_totals: dict = field(default_factory=dict)
 
     @property
     def reward_means(self) -> dict[str, float]:
@@ -86,7 +90,18 @@ def take(batches: list[Scored], picks: list[tuple[int, int]], G: int) -> Scored:
         generation=sum((b.generation for b in batches), Work()),
         # every draw's counts, also those a reward reports only when they happen (a judge's retries)
         reward_stats={k: sum(b.reward_stats.get(k, 0.0) for b in batches) for k in sorted({k for b in batches for k in b.reward_stats})},
+        drawn_totals=drawn_totals(batches),
     )
+
+
+def drawn_totals(batches: list[Scored]) -> dict:
+    """The Count and Ratio metrics of every batch's rollouts, their parts summed over the batches."""
+    totals = {}
+    for b in batches:
+        for key, v in b.rollouts.metrics().items():
+            if isinstance(v, (Count, Ratio)):
+                totals[key] = type(v)(*[a + c for a, c in zip(totals[key].parts(), v.parts())]) if key in totals else v
+    return totals
 
 
 def refill(first: Scored, draw: Callable[[int], Scored], max_draws: int, still_short: Callable[[int], int]) -> tuple[Scored, dict]:

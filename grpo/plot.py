@@ -68,8 +68,23 @@ def run_label(run_dir: str) -> str:
     return "/".join(parts[-2:]) if parts[-1][:2].isdigit() else parts[-1]
 
 
+def run_labels(run_dirs: list[str]) -> list[str]:
+    """`run_label` of each, with parent folders added where two are the same (lr1e-6/seed0 and
+    lr3e-6/seed0, not seed0 twice: one run would vanish from every panel)."""
+    parts = [os.path.normpath(os.path.abspath(d)).split(os.sep) for d in run_dirs]
+    depth = [run_label(d).count("/") + 1 for d in run_dirs]
+    while True:
+        labels = ["/".join(p[-k:]) for p, k in zip(parts, depth)]
+        same = {label for label in labels if labels.count(label) > 1}
+        longer = [i for i, label in enumerate(labels) if label in same and depth[i] < len(parts[i])]
+        if not longer:  # unique, or one folder given twice
+            return labels
+        for i in longer:
+            depth[i] += 1
+
+
 def load_runs(run_dirs: list[str]) -> dict[str, list[dict]]:
-    return {run_label(d): load_metrics(d) for d in run_dirs}
+    return {label: load_metrics(d) for label, d in zip(run_labels(run_dirs), run_dirs)}
 
 
 def draw(ax, runs: dict[str, list[dict]], key: str, title: str) -> None:

@@ -78,7 +78,7 @@ from grpo.flops import generation_work
 from grpo.guards import RunGuards, healthy
 from grpo.library_logs import quiet_library_logs
 from grpo.listeners import log_listeners
-from grpo.log import RunLogger
+from grpo.log import RunLogger, json_text
 from grpo import lora, mfu
 from grpo.models import DTYPES, build_policy, build_reference, encode_prompts, policy_device
 from grpo.parallel import build_strategy, strategy_class
@@ -159,7 +159,7 @@ def git_revision() -> str:
 def write_json(path: str, data: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
+        f.write(json_text(data, indent=2))
     os.replace(tmp, path)
 
 
@@ -388,12 +388,13 @@ def step_metrics(scored: Scored, stats: dict, step: int, lr: float, times: dict[
         **stats,
         "completion_len": sum(lengths) / len(lengths),
         **rollouts.metrics(),  # an episode's turns, tool calls, finish reasons
+        **scored.drawn_totals,  # with dynamic sampling, its errors, env seconds and tool failures over every draw
         "truncated_frac": sum(reason == "length" for reason in rollouts.finish_reasons) / len(rollouts.finish_reasons),
         "weight_version": rollouts.weight_version,
         # versions the sampler was behind the trainer (one version per batch: mean = max per
         # rank; every rank's batch comes from the same push)
         "async/staleness_mean": (staleness(step - 1, rollouts.weight_version) if rollouts.token_versions is None
-                                 else token_staleness(step - 1, rollouts.token_versions)),
+                                 else Ratio(*token_staleness(step - 1, rollouts.token_versions))),
         "async/staleness_max": staleness(step - 1, rollouts.weight_version),
         "time/engine_wait_s": rollouts.engine_wait_s,  # the engines, idle before it (waiting for weights)
         "lr": lr,

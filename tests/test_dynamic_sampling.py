@@ -3,6 +3,7 @@ worked out by hand, the ranks' common stop, the config rules, and a resumed run 
 prompts as an uninterrupted one."""
 
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -71,6 +72,56 @@ def test_every_draws_reward_counts_add_up_even_those_the_first_lacks():
     second.reward_stats = {"judge/requests": 4.0, "judge/failed": 2.0, "judge/retries": 6.0}
     out, _ = refill(first, lambda k: second, max_draws=4, still_short=lambda n: n)
     assert out.reward_stats == {"judge/requests": 8.0, "judge/failed": 2.0, "judge/retries": 6.0}
+
+
+@dataclass
+class EpisodeRollouts(MaskedRollouts):
+    """Rollouts that report episode totals as multi-turn's do (grpo/rollout/episodes.py `metrics`)."""
+
+    errors: float = 0.0
+    env_s: float = 0.0
+    tool_errors: float = 0.0
+    calls: float = 0.0
+
+    def metrics(self):
+        from grpo.metrics import Count, Ratio
+
+        return {"episode/errors": Count(self.errors), "episode/env_s": Count(self.env_s),
+                "episode/tool_failure_rate": Ratio(self.tool_errors, self.calls), "episode/turns_mean": 2.0}
+
+
+def test_every_draws_episode_errors_and_env_seconds_count_not_only_the_trained_groups():
+    """Draw 0: a group whose every episode errored (no reward: flat, never trained; 10 s in the
+    environment, 6 of 6 tool calls failed) and a flat group; draw 1: informative. Before, the step
+    logged the trained groups' alone: 0 errors, 4 s, 0 of 4 tool calls failed."""
+    from dataclasses import replace as with_fields
+
+    first, second = scored("a", [[math.nan, math.nan], [1, 1]]), scored("b", [[0, 1], [1, 0]])
+    first = with_fields(first, rollouts=EpisodeRollouts(**vars(first.rollouts), errors=2, env_s=12, tool_errors=6, calls=6))
+    second = with_fields(second, rollouts=EpisodeRollouts(**vars(second.rollouts), errors=0, env_s=4, tool_errors=0, calls=4))
+    out, _ = refill(first, lambda k: second, max_draws=4, still_short=lambda n: n)
+    assert out.samples == ["b0", "b1"]
+    assert resolve(out.drawn_totals) == {"episode/errors": 2.0, "episode/env_s": 16.0,
+                                         "episode/tool_failure_rate": pytest.approx(0.6)}
+
+
+def test_a_steps_partial_rollout_staleness_is_the_mean_over_every_ranks_tokens():
+    """async/staleness_mean with partial rollouts: one rank's 10 tokens 2 versions behind, another's 90
+    tokens 0 behind is 20 / 100 = 0.2, not the mean of the ranks' means (1.0): the step logs the parts."""
+    from dataclasses import replace as with_fields
+
+    from grpo.metrics import Ratio
+    from grpo.train import step_metrics
+
+    def rank_metrics(versions):
+        s = scored("a", [[0, 1]])
+        s = with_fields(s, rollouts=with_fields(s.rollouts, token_versions=versions))
+        return step_metrics(s, {}, step=6, lr=0.1, times={"step_s": 1.0, "time/batch_generate_s": 1.0})
+
+    mine, other = rank_metrics([[3] * 5, [3] * 5]), rank_metrics([[5] * 45, [5] * 45])
+    assert mine["async/staleness_mean"] == Ratio(20, 10) and other["async/staleness_mean"] == Ratio(0, 90)
+    summed = [a + b for a, b in zip(mine["async/staleness_mean"].parts(), other["async/staleness_mean"].parts())]
+    assert Ratio.value(*summed) == pytest.approx(0.2)
 
 
 def test_refill_stops_at_max_draws_and_fills_with_the_first_batchs_flat_groups():

@@ -51,8 +51,8 @@ def test_kl_statistic_counts_only_the_loss_tokens():
 
 def test_token_staleness_is_the_mean_over_sampled_tokens_only():
     # trainer at 5; tokens sampled at versions [3, 3, 4], observations -1: (2 + 2 + 1) / 3 = 5 / 3
-    assert token_staleness(5, [[3, 3, -1, -1], [4]]) == pytest.approx(5 / 3)
-    assert token_staleness(5, [[-1, -1]]) == 0.0  # nothing sampled
+    assert token_staleness(5, [[3, 3, -1, -1], [4]]) == (5, 3)  # the parts of 5 / 3
+    assert token_staleness(5, [[-1, -1]]) == (0, 0)  # nothing sampled
 
 
 def test_loss_norm_counts_only_sequences_with_a_loss_token():

@@ -23,6 +23,17 @@ def write_run(folder, rows=ROWS):
     return str(folder)
 
 
+def test_run_files_are_strict_json_with_null_for_a_missing_value(tmp_path):
+    """Python's json wrote NaN and Infinity (a rate over 0 tool calls, a skipped step's grad_norm=inf):
+    JSON.parse refuses such a row, jq reads Infinity as 1.8e308. They are null now, and the plots skip them."""
+    from grpo.log import json_text
+
+    text = json_text({"step": 2, "episode/tool_failure_rate": math.nan, "grad_norm": math.inf, "nested": [1.0, -math.inf]})
+    assert text == '{"step": 2, "episode/tool_failure_rate": null, "grad_norm": null, "nested": [1.0, null]}'
+    rows = [json.loads(json_text(r)) for r in ROWS]
+    assert rows[2]["reward/mean"] is None and series(rows, "reward/mean") == ([1], [0.5])
+
+
 def test_series_keeps_the_rows_that_hold_a_number():
     assert series(ROWS, "eval/accuracy") == ([0, 2], [0.25, 0.5])
     assert series(ROWS, "reward/mean") == ([1], [0.5])  # NaN (no completion scored) is left out
@@ -32,6 +43,16 @@ def test_series_keeps_the_rows_that_hold_a_number():
 def test_run_label():
     assert run_label("/x/outputs/2026-11-22/17-03-13") == "2026-11-22/17-03-13"  # Hydra's date/time folders
     assert run_label("/x/outputs/smollm2/") == "smollm2"
+
+
+def test_runs_with_the_same_folder_name_are_all_plotted(tmp_path):
+    """lr1e-6/seed0 and lr3e-6/seed0 were both labelled seed0, and one of them vanished from every panel."""
+    from grpo.plot import load_runs
+
+    a, b = write_run(tmp_path / "lr1e-6" / "seed0"), write_run(tmp_path / "lr3e-6" / "seed0", ROWS[:2])
+    c = write_run(tmp_path / "other")
+    runs = load_runs([a, b, c])
+    assert list(runs) == ["lr1e-6/seed0", "lr3e-6/seed0", "other"] and len(runs["lr3e-6/seed0"]) == 2
 
 
 def test_plot_command_writes_one_png_per_metric_and_an_overview(tmp_path):
