@@ -12,6 +12,7 @@ rollout temperature; k runs over 1, 2, 4, ... up to n.
 
 from __future__ import annotations
 
+import json
 import os
 from math import comb
 
@@ -22,7 +23,6 @@ from grpo.cli import exit_on_user_error
 from grpo.config import register_configs, validate
 from grpo.dist import DistInfo, all_gather, all_reduce_sum, dist_info, init_distributed, shutdown
 from grpo.errors import RewardStop
-from grpo.log import json_text
 from grpo.models import build_policy, encode_prompts
 from grpo.rewards import MODEL_REWARDS, is_scored, score
 from grpo.rewards.failure_streak import stop_together
@@ -119,10 +119,10 @@ def run_eval(cfg: DictConfig) -> dict[str, float]:
         shutdown()
     if info.is_main:
         with open(os.path.join(run_dir, "eval.json"), "w") as f:
-            f.write(json_text({"model_path": path, "eval_size": len(task.eval), **metrics}, indent=2))
+            json.dump({"model_path": path, "eval_size": len(task.eval), **metrics}, f, indent=2)
         if not is_training_folder(run_dir):  # a training run's metrics stay in step order for grpo.plot
             with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-                f.write(json_text({"step": 0, **metrics}) + "\n")
+                f.write(json.dumps({"step": 0, **metrics}) + "\n")
         print(" | ".join(f"{k} {v:.3f}" for k, v in metrics.items()) + f"  ({path}, {len(task.eval)} prompts)")
     return metrics
 

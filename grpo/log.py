@@ -46,25 +46,6 @@ def check(cfg, defaults) -> None:
                           f"(logger.backend={cfg.backend} writes the console and metrics.jsonl).")
 
 
-
-def finite_or_null(value):
-    """`value` with every NaN and inf in it (nested in dicts and lists too) as None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: finite_or_null(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_or_null(v) for v in value]
-    return value
-
-
-def json_text(data, **kw) -> str:
-    """Strict JSON, NaN and inf written as null: Python's json writes `NaN` and `Infinity`, which
-    JSON.parse refuses (whole rows lost) and jq reads as null and 1.8e308 (a skipped step's grad_norm=inf
-    as a finite number). A metric with no value (a rate over 0 tool calls) is null in metrics.jsonl,
-    summary.json and eval.json; wandb gets the floats as they are."""
-    return json.dumps(finite_or_null(data), allow_nan=False, **kw)
-
 class RunLogger:
     def __init__(self, cfg, run_dir: str, total_steps: int, run_config: dict, enabled: bool = True, resume_step: int | None = None):
         self.cfg, self.total, self.enabled = cfg, total_steps, enabled
@@ -96,7 +77,7 @@ class RunLogger:
     def log(self, step: int, metrics: dict, console: bool | None = None) -> None:
         if not self.enabled:
             return
-        self.file.write(json_text({"step": step, **metrics}) + "\n")
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)

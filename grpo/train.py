@@ -78,7 +78,7 @@ from grpo.flops import generation_work
 from grpo.guards import RunGuards, healthy
 from grpo.library_logs import quiet_library_logs
 from grpo.listeners import log_listeners
-from grpo.log import RunLogger, json_text
+from grpo.log import RunLogger
 from grpo import lora, mfu
 from grpo.models import DTYPES, build_policy, build_reference, encode_prompts, policy_device
 from grpo.parallel import build_strategy, strategy_class
@@ -159,7 +159,7 @@ def git_revision() -> str:
 def write_json(path: str, data: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        f.write(json_text(data, indent=2))
+        json.dump(data, f, indent=2)
     os.replace(tmp, path)
 
 

@@ -23,17 +23,6 @@ def write_run(folder, rows=ROWS):
     return str(folder)
 
 
-def test_run_files_are_strict_json_with_null_for_a_missing_value(tmp_path):
-    """Python's json wrote NaN and Infinity (a rate over 0 tool calls, a skipped step's grad_norm=inf):
-    JSON.parse refuses such a row, jq reads Infinity as 1.8e308. They are null now, and the plots skip them."""
-    from grpo.log import json_text
-
-    text = json_text({"step": 2, "episode/tool_failure_rate": math.nan, "grad_norm": math.inf, "nested": [1.0, -math.inf]})
-    assert text == '{"step": 2, "episode/tool_failure_rate": null, "grad_norm": null, "nested": [1.0, null]}'
-    rows = [json.loads(json_text(r)) for r in ROWS]
-    assert rows[2]["reward/mean"] is None and series(rows, "reward/mean") == ([1], [0.5])
-
-
 def test_series_keeps_the_rows_that_hold_a_number():
     assert series(ROWS, "eval/accuracy") == ([0, 2], [0.25, 0.5])
     assert series(ROWS, "reward/mean") == ([1], [0.5])  # NaN (no completion scored) is left out
