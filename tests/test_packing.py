@@ -552,3 +552,29 @@ def test_a_completion_with_an_empty_prompt_is_refused_and_a_bos_prompt_scores(ti
         assert plan(model, batch, layout, 10_000).layout == layout
         got_BT = score_tokens(model, batch, 1.0, 10_000, layout=layout)
         assert got_BT[1, 0].item() == pytest.approx(want, abs=1e-5), layout
+
+
+def test_repeated_positions_are_read_with_a_backward_that_adds_in_index_order():
+    """The shared layout reads a prompt's last position once per completion. Read as x[at], the
+    backward (index_put, accumulating) adds those repeats with atomics on more than one CPU thread, in
+    arrival order: 2-thread runs of the default run drifted apart (1e-9 at first, then whole rewards)
+    while 1 thread repeated bit for bit. `positions` reads through index_select, whose backward adds
+    in index order: the same values, and the gradient one thread's index_put gives, bit for bit."""
+    from grpo.update.forward import positions
+
+    x_RWH = torch.randn(40, 43, 128, dtype=torch.float64).float().requires_grad_()
+    gen = torch.Generator().manual_seed(0)
+    at = (torch.randint(0, 40, (1277,), generator=gen), torch.randint(0, 43, (1277,), generator=gen))
+    at = (torch.cat([at[0], torch.full((16,), 3)]), torch.cat([at[1], torch.full((16,), 7)]))  # one position 16+ times
+    weights = torch.randn(at[0].shape[0], 128, generator=gen)
+    picked = positions(x_RWH, at)
+    assert picked.grad_fn.name() == "IndexSelectBackward0"
+    assert torch.equal(picked, x_RWH[at])
+    (grad,) = torch.autograd.grad((picked * weights).sum(), x_RWH)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # index_put's serial branch: the order one thread adds in
+        (serial,) = torch.autograd.grad((x_RWH[at] * weights).sum(), x_RWH)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(grad, serial)

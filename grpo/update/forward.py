@@ -161,6 +161,20 @@ def head_logprobs(model, hidden_BTH: torch.Tensor, tokens_BT: torch.Tensor, temp
     return logp_BT, (torch.cat(ents).reshape(B, T) if with_entropy else None)
 
 
+def positions(x_RW: torch.Tensor, at: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x_RW[at] (a [rows, columns, ...] tensor at (row, column) pairs) -> [N, ...]. The shared-prompt layout
+    reads a prompt's last position once per completion (16 times at G=16), and on the CPU the backward of
+    x[at] (index_put, accumulating) adds such repeats with atomics when torch has more than one thread, in
+    the order the threads arrive: 2-thread runs drifted apart, at 1e-9 first, where 1 thread repeats bit
+    for bit. On the CPU the positions are read through a flat index_select, whose backward (index_add_)
+    adds them in index order, the same sums as one thread's. On CUDA x[at] stays: its sort-based backward
+    is the deterministic one there."""
+    if x_RW.device.type != "cpu":
+        return x_RW[at]
+    W = x_RW.shape[1]
+    return x_RW.reshape(-1, *x_RW.shape[2:]).index_select(0, at[0] * W + at[1])
+
+
 def vocab_size_of(model) -> int:
     vocab = unwrapped(model).get_output_embeddings().weight
     return getattr(vocab, "ds_shape", vocab.shape)[0]  # ZeRO-3: the full shape, not the local shard
@@ -204,13 +218,13 @@ def routed_logprobs(model, rows, temperature: float, with_entropy: bool = False,
             out = model(**inputs, logits_to_keep=1, output_hidden_states=True)
             hidden_RWH = out.hidden_states[-1]
             pieces = head_pieces(model, max_tokens, tokens_n.shape[0])
-            logp_n, ent_n = head_logprobs(model, hidden_RWH[at][None], tokens_n[None], temperature, pieces, with_entropy)
+            logp_n, ent_n = head_logprobs(model, positions(hidden_RWH, at)[None], tokens_n[None], temperature, pieces, with_entropy)
             logp_n, ent_n = logp_n[0], ent_n[0] if with_entropy else None
         else:  # a head of its own: the model's logits from the first position read on
             width = ids_RW.shape[1]
             keep = width - int(at[1].min()) if at[1].numel() else 1
             out = model(**inputs, logits_to_keep=keep)
-            logits_nV = out.logits[at[0], at[1] - (width - keep)]
+            logits_nV = positions(out.logits, (at[0], at[1] - (width - keep)))
             logp_n = token_logprobs(logits_nV[None], tokens_n[None], temperature)[0]
             with torch.no_grad():
                 ent_n = entropy(logits_nV[:, None].detach() / max(temperature, 1e-6))[:, 0] if with_entropy else None
