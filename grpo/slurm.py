@@ -208,11 +208,12 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]] | None:
     return [list(job) for job in itertools.product(*axes.values())]
 
 
-def check_sweep_jobs(config) -> None:
-    """`validate` each job of a SLURM sweep for the processes its job will have (nodes x tasks_per_node),
-    before any is submitted: 2-task jobs with parallel=single fit the cluster (`check_request`) and then
-    every one is refused on its node. The callback's config holds no swept value (Hydra composes it
-    without them), so each job's config is composed from its own overrides, as the sweeper will."""
+def check_sweep_jobs(config, slurm: bool = True) -> None:
+    """`validate` each job of a sweep before any runs: on SLURM for the processes its job will have (nodes x
+    tasks_per_node; 2-task jobs with parallel=single fit the cluster (`check_request`) and then every one
+    is refused on its node), on another launcher for this process's. The callback's config holds no
+    swept value (Hydra composes it without them), so each job's config is composed from its own
+    overrides, as the sweeper will."""
     # grpo.config: Hydra's schema and the checks of every part (torch, the tasks), already loaded in the
     # grpo.train process this callback runs in; a top-level import would weigh on `python -m grpo.slurm`
     from grpo.config import check_sweep_folder, compose_config, validate
@@ -221,32 +222,34 @@ def check_sweep_jobs(config) -> None:
     launcher = config.hydra.launcher
     params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
     jobs = sweep_jobs([*params, *config.hydra.overrides.task])
-    world = int(launcher.nodes) * int(launcher.tasks_per_node)
+    world = int(launcher.nodes) * int(launcher.tasks_per_node) if slurm else None
+    where = f", run as {launcher.nodes} node(s) x {launcher.tasks_per_node} task(s)" if slurm else ""
     for number, job in enumerate(jobs or []):
         try:
             # inside `grpo.train -m` Hydra's app is initialized (its search path is ours): compose through it,
             # since a second initialization is refused; called on its own (tests), compose as grpo.launch does
             cfg = compose(config.hydra.job.config_name, job) if GlobalHydra.instance().is_initialized() else compose_config(job)
-            validate(cfg, world_size=world, cuda=bool(launcher.gpus_per_node) or None)
+            validate(cfg, world_size=world, cuda=(bool(launcher.gpus_per_node) or None) if slurm else None)
         except (ConfigError, HydraException) as e:
             message = " ".join(str(e).split())  # Hydra's messages run over several lines
-            raise ConfigError(f"job {number} of the sweep ({' '.join(job) or 'no overrides'}), run as {launcher.nodes} "
-                              f"node(s) x {launcher.tasks_per_node} task(s): {message}") from None
+            raise ConfigError(f"job {number} of the sweep ({' '.join(job) or 'no overrides'}){where}: {message}") from None
 
 
 class SlurmCheck(Callback):
     """Hydra callback (conf/config.yaml): before a multirun goes to SLURM, check that it can run there:
     the cluster can hold a job of this size, and each job's config validates for the processes it will
-    have. Other launchers pass untouched."""
+    have. On another launcher (Hydra's basic one, jobs one after another) each job's config validates
+    before the first runs: a batch size that does not divide in job 2 stopped the sweep after job 0
+    trained, and the jobs after it never ran."""
 
     def on_multirun_start(self, config, **kwargs) -> None:
         launcher = config.hydra.launcher
-        if not str(launcher.get("_target_", "")).endswith("SlurmLauncher"):
-            return
+        slurm = str(launcher.get("_target_", "")).endswith("SlurmLauncher")
         # SystemExit, not the error: Hydra turns any Exception a callback raises into a warning and submits
         try:
-            check_request(request_from(launcher))
-            check_sweep_jobs(config)
+            if slurm:
+                check_request(request_from(launcher))
+            check_sweep_jobs(config, slurm)
         except (ClusterError, ConfigError) as e:
             raise SystemExit(f"error: {e}") from None
         except Exception as e:  # anything else a check raised (a cut-off config.json): Hydra would warn and submit

@@ -210,6 +210,20 @@ def test_a_slurm_sweep_is_validated_for_the_processes_each_job_will_have(tmp_pat
 
 
 @pytest.mark.starts_process
+def test_a_local_sweep_with_one_job_that_cannot_run_is_refused_before_the_first_trains(tmp_path):
+    """Hydra's basic launcher runs the jobs one after another: job 1's batch size, which does not divide,
+    stopped the sweep only after job 0 had trained, and the jobs after it never ran. Now every job is
+    validated first: nothing trains."""
+    out = subprocess.run([sys.executable, "-m", "grpo.train", "-m", "algo.batch_size=8", "algo.group_size=4,3,2", "steps=1",
+                          "eval_every=0", "algo.warmup_steps=0", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert ("error: job 1 of the sweep (algo.batch_size=8 algo.group_size=3 steps=1 eval_every=0 algo.warmup_steps=0): "
+            "algo.batch_size=8 is not a multiple of algo.group_size=3") in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "sweep").exists() or not any((tmp_path / "sweep").rglob("metrics.jsonl"))
+
+
+@pytest.mark.starts_process
 def test_a_slurm_sweep_with_one_job_that_cannot_run_is_refused_before_submitting(tmp_path):
     """The real `grpo.train -m`: the callback's config holds no swept value, and Hydra's app is already
     initialized there, so each job is composed through it. Job 1 (parallel=single) is refused; sbatch is
