@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import sys
 
 from hydra.errors import HydraException
@@ -9,13 +11,53 @@ from hydra.errors import HydraException
 from grpo.errors import USER_ERRORS
 
 
+def did_you_mean(key: str, declared, prefix: str = "") -> str:
+    """The setting of `declared` a mistyped `key` most likely meant (learning_rate -> lr by initials), as a
+    hint for a message; else the settings there are."""
+    initials = "".join(word[:1] for word in str(key).split("_"))
+    close = difflib.get_close_matches(str(key), declared, n=1) or ([initials] if initials in declared else [])
+    return f" (did you mean {prefix}{close[0]}?)" if close else f" (its settings: {', '.join(sorted(declared))})"
+
+
+def override_advice(e: HydraException) -> str | None:
+    """What to change for the two override mistakes whose Hydra message misleads: a key the schema does
+    not have (Hydra advises `+key=value`, which validate then refuses: the key would be read by no code)
+    and one value given to a list (`rollout.remote.urls=http://node7:8000`: "str is not a ListConfig")."""
+    cause = e.__cause__
+    full_key, schema = str(getattr(cause, "full_key", "") or ""), getattr(cause, "object_type", None)
+    if full_key and "To append to your config use +" in str(e) and dataclasses.is_dataclass(schema):
+        key = str(getattr(cause, "key", None) or full_key.rsplit(".", 1)[-1])
+        prefix = full_key[: len(full_key) - len(key)]
+        declared = {f.name for f in dataclasses.fields(schema)}
+        return f"{full_key} is not a setting of {prefix.rstrip('.') or 'the config'}{did_you_mean(key, declared, prefix)}."
+    if full_key and "is not a ListConfig" in str(cause) and "override " in str(e):
+        value = str(e).split("override ", 1)[1].split("=", 1)[-1].strip()
+        return f"{full_key} takes a list: write {full_key}=[{value}] (several: [{value},...])."
+    return None
+
+
 def hydra_message(e: HydraException) -> str:
     """One line for an override Hydra cannot apply (`algo.lr=abc`, a typo'd key, an unknown group option):
-    Hydra's own words (which override; for a group, its options) and, after them, the cause it wraps
-    (which key and type), whitespace folded and cut at 40 words; an unknown option's list of Hydra's
-    search path, which names no fix, left off."""
+    `override_advice` where Hydra's own advice misleads, else Hydra's own words (which override; for a
+    group, its options) and, after them, the cause it wraps (which key and type), whitespace folded and
+    cut at 40 words; an unknown option's list of Hydra's search path, which names no fix, left off."""
+    advice = override_advice(e)
+    if advice:
+        return advice
     cause = f" ({' '.join(str(e.__cause__).split()[:40])})" if e.__cause__ else ""
     return f"{' '.join(str(e).split('Config search path:')[0].split())}{cause}"
+
+
+def compose_first(argv: list[str]) -> None:
+    """For `grpo.train` and `grpo.eval` (Hydra apps): compose the command line's overrides before
+    @hydra.main does, so that a mistake in one gets `hydra_message`'s answer (exit_on_user_error) rather
+    than the one Hydra prints itself (`+algo.lerning_rate=...`). A command line with a flag (-m, --help,
+    --cfg, -cn, ...) is left to Hydra."""
+    if any(arg.startswith("-") for arg in argv):
+        return
+    from grpo.config import compose_config  # torch and the schema: the app imports them anyway
+
+    compose_config(argv)
 
 
 def exit_on_user_error(fn, *args):

@@ -12,7 +12,6 @@ strategy, LoRA, the rewards, the environment, the model folder), beside the code
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 import warnings
 from pathlib import Path
@@ -26,6 +25,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from grpo import algo_config, envs, log, lora, models, moe_model, vision
 from grpo.algo_config import AlgoConfig  # the algo group's schema and rules (batch shape, loss, trust region)
+from grpo.cli import did_you_mean
 from grpo.dist import dist_info
 from grpo.errors import ConfigError
 from grpo.moe import routing
@@ -285,11 +285,8 @@ def check_declared(node, path: str = "") -> None:
         if key == "hydra" and not path:
             continue
         if declared is not None and key not in declared:
-            initials = "".join(word[:1] for word in str(key).split("_"))  # learning_rate -> lr
-            close = difflib.get_close_matches(str(key), declared, n=1) or ([initials] if initials in declared else [])
-            hint = f" (did you mean {prefix}{close[0]}?)" if close else f" (its settings: {', '.join(sorted(declared))})"
-            raise ConfigError(f"{prefix}{key} is not a setting of {path or 'the config'}{hint}; remove it (the + adds "
-                              f"keys no code reads).")
+            raise ConfigError(f"{prefix}{key} is not a setting of {path or 'the config'}{did_you_mean(key, declared, prefix)}; "
+                              f"remove it (the + adds keys no code reads).")
         if not (OmegaConf.is_missing(node, key) or OmegaConf.is_interpolation(node, key)):
             check_declared(node[key], f"{prefix}{key}")
 

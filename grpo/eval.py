@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from math import comb
 
 import hydra
 from omegaconf import DictConfig
 
-from grpo.cli import exit_on_user_error
+from grpo.cli import compose_first, exit_on_user_error
 from grpo.config import register_configs, validate
 from grpo.dist import DistInfo, all_gather, all_reduce_sum, dist_info, init_distributed, shutdown
 from grpo.errors import RewardStop
@@ -139,4 +140,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_user_error(compose_first, sys.argv[1:])  # Hydra's own answer to a typo'd key advises a `+`
     main()

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -59,10 +60,10 @@ from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 
-from grpo.cli import exit_on_user_error
+from grpo.cli import did_you_mean, exit_on_user_error
 from grpo.companions import (Companion, agree_on_companions, cancel_jobs, executor_for, executor_settings, job_listed,
                              judges_dir, servers_dir, slurm_folder, token_path, wait_for_urls, write_companion_jobs)
-from grpo.config import compose_config, known_model_config, validate
+from grpo.config import GROUPS, Config, compose_config, known_model_config, validate
 from grpo.dist import node_name
 from grpo.errors import ConfigError
 from grpo.rollout.dedicated import child_visible_devices, config_heads
@@ -137,9 +138,21 @@ def parse_args(argv: list[str]) -> tuple[list[str], dict, list[str]]:
             launcher.append(f"hydra.launcher.{LAUNCH_KEYS[key]}={value}")
         elif eq and key in OWN_KEYS:
             own[key] = own_value(key, value)
+        elif eq and (meant := launch_key_meant(key)):
+            raise ConfigError(f"{key}={value}: {key} is neither a key of grpo.launch nor a setting of grpo.train{meant}.")
         else:
             train.append(arg)
     return launcher, own, train
+
+
+def launch_key_meant(key: str) -> str:
+    """A did-you-mean hint when `key` is a top-level word that is no train setting or group but close
+    to one of this script's own keys (`nodse=2`: Hydra would advise `+nodse=2`), else ""."""
+    train_keys = {f.name for f in dataclasses.fields(Config)} | set(GROUPS) | {"experiment"}
+    if "." in key or "/" in key or key[:1] in "+~" or key in train_keys:
+        return ""
+    hint = did_you_mean(key, [*LAUNCH_KEYS, *OWN_KEYS])
+    return hint if "did you mean" in hint else ""
 
 
 @dataclass

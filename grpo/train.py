@@ -48,6 +48,7 @@ import os
 import random
 import resource
 import subprocess
+import sys
 import time
 import warnings
 from collections import deque
@@ -64,7 +65,7 @@ from omegaconf import DictConfig, OmegaConf
 from grpo.algorithm import batches_to_submit, combine_rewards, staleness, token_staleness, zero_std_groups
 from grpo.checkpoint import (check_layout, checkpoint_step, latest_checkpoint, load_checkpoint, load_reward_states, record_config,
                              reward_states, save_checkpoint, set_aside_checkpoints)
-from grpo.cli import exit_on_user_error
+from grpo.cli import compose_first, exit_on_user_error
 from grpo.config import check_sweep_folder, register_configs, validate
 from grpo.cpus import configure_threads, machine_info
 from grpo.dist import (DistInfo, all_reduce_max, all_reduce_sum, barrier, broadcast_object, dist_info, node_names,
@@ -578,4 +579,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_user_error(compose_first, sys.argv[1:])  # Hydra's own answer to a typo'd key advises a `+`
     main()

@@ -88,7 +88,12 @@ def test_a_bench_too_short_to_time_is_refused_before_it_trains(capsys):
 
 @pytest.mark.parametrize("override, says", [
     ("algo.lr=abc", "Error merging override algo.lr=abc (Value 'abc' of type 'str' could not be converted to Float"),
-    ("algo.lrr=1", "Could not override 'algo.lrr'. To append to your config use +algo.lrr=1 (Key 'lrr' not in 'AlgoConfig'"),
+    # Hydra's own advice for a typo'd key, `+algo.lrr=1`, is then refused by validate (a key no code reads)
+    ("algo.lrr=1", "algo.lrr is not a setting of algo (did you mean algo.lr?)."),
+    ("algo.lerning_rate=1e-6", "algo.lerning_rate is not a setting of algo (did you mean algo.lr?)."),
+    ("rollout.remote.nodes=2", "rollout.remote.nodes is not a setting of rollout.remote (its settings: "),
+    # one URL without brackets: "str is not a ListConfig"
+    ("rollout.remote.urls=http://node7:8000", "rollout.remote.urls takes a list: write rollout.remote.urls=[http://node7:8000]"),
     ("rollout=vllm", "Could not find 'rollout/vllm' Available options in 'rollout': colocated dedicated hf remote"),
 ])
 def test_an_override_hydra_cannot_apply_is_one_line(override, says):
@@ -99,6 +104,32 @@ def test_an_override_hydra_cannot_apply_is_one_line(override, says):
         exit_on_user_error(compose_config, [override])
     assert e.value.code.startswith(f"error: ") and says in e.value.code, e.value.code
     assert "\n" not in e.value.code and "search path" not in e.value.code
+
+
+@pytest.mark.starts_process
+@pytest.mark.parametrize("module", ["grpo.train", "grpo.eval"])
+def test_a_typod_key_on_a_hydra_apps_command_line_gets_the_setting_it_meant(module):
+    """Hydra composes inside @hydra.main and printed its own advice, `+algo.lerning_rate=1e-6`, which
+    validate then refuses: the overrides are composed first, and the mistake answered in one line."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = subprocess.run([sys.executable, "-m", module, "algo.lerning_rate=1e-6"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+        "error: algo.lerning_rate is not a setting of algo (did you mean algo.lr?)."), out.stderr[-1500:]
+
+
+def test_a_typod_launch_key_is_answered_before_hydra_advises_a_plus():
+    from grpo.errors import ConfigError
+    from grpo.launch import parse_args
+
+    with pytest.raises(ConfigError, match=r"^nodse=2: nodse is neither a key of grpo.launch nor a setting of grpo.train "
+                                          r"\(did you mean nodes\?\)\.$"):
+        parse_args(["nodse=2"])
+    assert parse_args(["nodes=2", "steps=3", "model=tiny", "seed=1"])[2] == ["steps=3", "model=tiny", "seed=1"]
 
 
 @pytest.mark.parametrize("argv, says", [
