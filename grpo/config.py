@@ -97,7 +97,7 @@ class ModelConfig:
     # "tiny" builds the embedded model; a key of grpo.packaged.PACKAGED (smollm2-135m) converts a model
     # shipped in a PyPI package once into the cache; anything else is a hub id or a local HF folder.
     path: str = "tiny"
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: str = "float32"  # float32 | bfloat16 (float16: refused, no loss scaling)
     # recompute each layer's activations in the backward pass instead of keeping them: for
     # SmolLM2-135M, one 8192-token micro-batch's peak falls from 15.4 GB to about a fifth (grpo.bench update-memory)
     gradient_checkpointing: bool = False
@@ -315,7 +315,10 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     _choices("algo.trust_region", a.trust_region, {"auto", "proximal", "behaviour"})
     _choices("task.chat_template", cfg.task.chat_template, {"auto", "always", "never"})
     _choices("task.correct", cfg.task.correct, {"exact", "math_verify"})
-    _choices("model.dtype", cfg.model.dtype, {"float32", "bfloat16"})  # float16: no loss scaling anywhere (REVIEW L5)
+    if cfg.model.dtype == "float16":  # no loss scaling anywhere (REVIEW L5)
+        raise ConfigError("model.dtype=float16 is not supported: nothing scales the loss, so small gradients underflow "
+                          "to 0; use model.dtype=bfloat16 (GPUs from Ampere on) or float32.")
+    _choices("model.dtype", cfg.model.dtype, {"float32", "bfloat16"})
     _choices("env.render", cfg.env.render, RENDERERS)
     _choices("logger.backend", cfg.logger.backend, {"console", "wandb"})
 
@@ -351,13 +354,14 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     check_collective_timeout(cfg.parallel.collective_timeout_s, cfg.rollout, world)
     if cfg.threads != "auto" and not (str(cfg.threads).isdigit() and int(cfg.threads) >= 1):
         raise ConfigError(f"threads={cfg.threads!r}: use auto or a positive number of threads per process.")
-    if cfg.steps < 0 or cfg.task.eval_size < 1 or cfg.eval_samples < 1:
-        raise ConfigError("steps must be >= 0, task.eval_size >= 1 and eval_samples >= 1.")
-    every = {"eval_every": cfg.eval_every, "checkpoint_every": cfg.checkpoint_every, "logger.sample_every": cfg.logger.sample_every}
-    if cfg.logger.log_every < 1 or cfg.keep_checkpoints < 1 or min(every.values()) < 0:
-        raise ConfigError(f"logger.log_every={cfg.logger.log_every} and keep_checkpoints={cfg.keep_checkpoints} must be "
-                          f">= 1; {', '.join(f'{k}={v}' for k, v in every.items())} must be >= 0 (0: never, or only at "
-                          f"the start and end).")
+    counts = {"steps": (cfg.steps, 0), "task.eval_size": (cfg.task.eval_size, 1), "eval_samples": (cfg.eval_samples, 1),
+              "logger.log_every": (cfg.logger.log_every, 1), "keep_checkpoints": (cfg.keep_checkpoints, 1),
+              "eval_every": (cfg.eval_every, 0), "checkpoint_every": (cfg.checkpoint_every, 0),
+              "logger.sample_every": (cfg.logger.sample_every, 0)}
+    for key, (value, low) in counts.items():
+        if value < low:
+            never = " (0: never, or only at the start and end)" if key.endswith("_every") and low == 0 else ""
+            raise ConfigError(f"{key}={value} must be >= {low}{never}.")
     check_task(cfg.task)  # the data fields the chosen task reads
     check_rewards(cfg)  # each name resolves; a reward that holds a model checks its settings (grpo/rewards/)
     if cfg.task.name == "jsonl" and cfg.task.correct == "exact" and "math_verify" in reward_names(cfg):

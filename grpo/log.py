@@ -35,10 +35,18 @@ def format_line(step: int, total: int, m: dict) -> str:
     return " | ".join(parts)
 
 
+WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # what wandb.init's settings take
+
+
 def check(cfg, defaults) -> None:
     """logger.project and logger.entity name a wandb run: with the console logger nothing reads them, so a
     setting there is refused rather than left to look as if it took effect. `defaults`: LoggerConfig()."""
     if cfg.backend == "wandb":
+        mode = cfg.get("mode") or os.environ.get("WANDB_MODE")
+        if mode is not None and mode not in WANDB_MODES:
+            where = "$WANDB_MODE" if os.environ.get("WANDB_MODE") == mode else "logger.mode"
+            raise ConfigError(f"{where}={mode!r}: use one of {', '.join(WANDB_MODES)} (wandb's own check ends in a "
+                              "traceback after the model is built).")
         return
     given = [f"logger.{k}={cfg[k]!r}" for k in WANDB_ONLY if cfg[k] != getattr(defaults, k)]
     if given:

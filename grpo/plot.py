@@ -48,6 +48,8 @@ def load_metrics(run_dir: str) -> list[dict]:
                 break
             raise DatasetError(f"{path}:{number}: not a JSON row ({e.msg}); metrics.jsonl holds one JSON object per "
                                f"line: remove or repair that line.") from None
+    if not rows:  # what a run that stopped before its first evaluation leaves: empty plots, exit 0, before
+        raise DatasetError(f"{path} has no rows: the run logged nothing yet (it stopped, or is still starting).")
     return rows
 
 
@@ -152,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         paths = write_plots(args.run_dirs, args.out or os.path.join(args.run_dirs[0], "plots"))
+    except FileExistsError as e:
+        raise SystemExit(f"error: --out {e.filename}: a file of that name exists; give a folder for the PNGs.") from e
     except (FileNotFoundError, DatasetError) as e:
         raise SystemExit(f"error: {e}") from e
     print(f"wrote {len(paths)} plots to {os.path.dirname(paths[0])}")

@@ -163,3 +163,12 @@ def test_a_bench_override_hydra_cannot_apply_fails_before_any_benchmark(capsys):
             bench.main(argv)
         assert e.value.code.startswith("error: Error merging override algo.lr=abc (Value 'abc'"), e.value.code
         assert "bench:" not in capsys.readouterr().out  # no training started
+
+
+def test_ddp_on_one_process_is_a_user_error_not_a_traceback():
+    """`python -m grpo.train parallel=ddp` without torchrun ended in a 26-line traceback around the right words."""
+    from grpo.errors import USER_ERRORS
+    from grpo.parallel.ddp import DDPStrategy
+
+    with pytest.raises(USER_ERRORS, match=r"parallel=ddp needs several processes: launch with `torchrun"):
+        DDPStrategy(None, None, None, 1)

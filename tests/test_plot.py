@@ -44,6 +44,19 @@ def test_runs_with_the_same_folder_name_are_all_plotted(tmp_path):
     assert list(runs) == ["lr1e-6/seed0", "lr3e-6/seed0", "other"] and len(runs["lr3e-6/seed0"]) == 2
 
 
+def test_an_empty_metrics_file_and_an_out_that_is_a_file_are_errors(tmp_path):
+    """An empty metrics.jsonl (a run stopped before its first evaluation) gave 7 empty plots and exit 0;
+    --out naming a file, a FileExistsError traceback."""
+    run = write_run(tmp_path / "run")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    with pytest.raises(SystemExit, match=r"metrics.jsonl has no rows: the run logged nothing yet"):
+        main([str(tmp_path / "empty")])
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(SystemExit, match=r"^error: --out .*a_file: a file of that name exists; give a folder"):
+        main([run, "--out", str(tmp_path / "a_file")])
+
+
 def test_plot_command_writes_one_png_per_metric_and_an_overview(tmp_path):
     a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b", ROWS[:2])
     main([a, b, "--out", str(tmp_path / "plots")])

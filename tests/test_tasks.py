@@ -98,6 +98,13 @@ def test_malformed_or_empty_dataset_names_file_and_line(tmp_path, lines, message
     assert message in str(e.value)
 
 
+def test_a_file_that_is_not_json_lines_is_named_as_such(tmp_path):
+    """A CSV given to task=jsonl was refused as "d.csv:1: not valid JSON ... fix or remove that line"."""
+    path = write(tmp_path / "d.csv", ["prompt,answer", "2+2,4"])
+    with pytest.raises(DatasetError, match=r"task.path='.*d.csv': task=jsonl reads JSON lines .* convert the file"):
+        build_task(task_cfg(name="jsonl", path=path, eval_size=1))
+
+
 def test_missing_dataset_file(tmp_path):
     with pytest.raises(DatasetError, match="does not exist"):
         build_task(task_cfg(name="jsonl", path=str(tmp_path / "nope.jsonl"), eval_size=1))

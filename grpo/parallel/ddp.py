@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
+from grpo.errors import ConfigError
 from grpo.parallel import sequence
 from grpo.parallel.single import SingleStrategy
 from grpo.parallel.zero import init_deepspeed_comm
@@ -39,7 +40,7 @@ class DDPStrategy(SingleStrategy):
     reads = ("allreduce_bucket_mb",)
     def __init__(self, cfg, model: torch.nn.Module, algo, total_steps: int):
         if not tdist.is_initialized():
-            raise RuntimeError(
+            raise ConfigError(
                 "parallel=ddp needs several processes: launch with `torchrun --nproc_per_node N -m grpo.train "
                 "parallel=ddp` (or srun), or use parallel=single."
             )

@@ -20,6 +20,9 @@ def read_jsonl(path: str, key: str = "task.path") -> list[Sample]:
     path = os.path.expanduser(path)
     if not os.path.isfile(path):
         raise DatasetError(f"{key}={path!r} does not exist; point it at a .jsonl file.")
+    if not path.endswith((".jsonl", ".json")):
+        raise DatasetError(f"{key}={path!r}: task=jsonl reads JSON lines (one {{\"prompt\": ..., \"answer\": ...}} object "
+                           "per line, a .jsonl file); convert the file (a .csv or .parquet is not read as one).")
     samples = []
     for where, row in read_jsonl_rows(path):
         if type(row.get("answer")) in (int, float):  # {"answer": 4}: the number as written
