@@ -189,15 +189,19 @@ def config_changes(old, new, prefix: str = "") -> list[str]:
     return changed
 
 
-def record_config(run_dir: str, resolved: dict, resuming: bool) -> list[str]:
+def record_config(run_dir: str, resolved: dict, resuming: bool, finished: bool = False) -> list[str]:
     """Write the run's resolved config to `config.yaml`. Resuming in a folder whose earlier config says
     otherwise (algo.lr, a model, model.lora.alpha: anything a checkpoint does not hold), the earlier file
     is kept as `config-<time>.yaml` beside it, and the keys that changed are returned (and warned of by
-    the caller): such a run does not train as the unbroken one would have."""
+    the caller): such a run does not train as the unbroken one would have. `finished`: the folder's run
+    already holds every step and its summary, and this one trains nothing: config.yaml stays that run's
+    (it was rewritten, and the folder claimed settings its model was never trained with)."""
     path = os.path.join(run_dir, "config.yaml")
     changed = []
     if resuming and os.path.isfile(path):
         changed = config_changes(OmegaConf.to_container(OmegaConf.load(path), resolve=False), resolved)
+        if finished:
+            return changed
         if changed:
             os.replace(path, os.path.join(run_dir, f"config-{time.strftime('%Y%m%d-%H%M%S')}.yaml"))
     tmp = path + ".tmp"

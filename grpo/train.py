@@ -289,13 +289,21 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
                           f"write (run_dir=..., or hydra.run.dir=...).") from None
     if not cfg.resume and info.is_main and (aside := set_aside_checkpoints(run_dir)):
         print(f"resume=false: the folder's earlier run (checkpoints, metrics, config) was moved to {aside}")
+    done = False  # the folder's run finished these steps already: `finished` returns its summary, trains nothing
     if cfg.resume:  # before config.yaml is touched: a refused resume leaves the folder as it was
         check_not_past(run_dir, cfg.steps)
         if latest := latest_checkpoint(run_dir):
             # the strategy and processes that read it, and the adapter it holds
             check_layout(latest, cfg.parallel.strategy, info.world_size, lora.adapter_layout(cfg.model.lora))
+            done = checkpoint_step(latest) >= cfg.steps and finished_steps(run_dir) == checkpoint_step(latest)
     if info.is_main:  # after the set-aside: an earlier run's config.yaml is kept with its records
-        if changed := record_config(run_dir, resolved_config(cfg, run_dir), cfg.resume):
+        changed = record_config(run_dir, resolved_config(cfg, run_dir), cfg.resume, finished=done)
+        if changed and done:
+            warnings.warn(f"{run_dir} already finished with a config that differs from this one in {len(changed)} key(s): "
+                          f"{', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}. Nothing is trained with them, and "
+                          f"config.yaml still holds the settings the run was trained with; raise steps to train further "
+                          f"with the new ones, or resume=false to start afresh.", stacklevel=2)
+        elif changed:
             warnings.warn(f"resuming in {run_dir} with a config that differs from its earlier run's in {len(changed)} "
                           f"key(s): {', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}. The run goes on, but "
                           f"it does not train as the unbroken one would have; the earlier config is kept beside "

@@ -158,6 +158,12 @@ def test_a_resume_with_another_config_keeps_the_earlier_one_and_names_what_chang
     kept = [f for f in os.listdir(tmp_path) if f.startswith("config-")]
     assert len(kept) == 1 and OmegaConf.to_container(OmegaConf.load(tmp_path / kept[0]))["algo"]["lr"] == 1e-3
     assert OmegaConf.to_container(OmegaConf.load(tmp_path / "config.yaml"))["algo"]["lr"] == 5e-4
+    # a finished run started again with another lr trains nothing: config.yaml stays the one it was trained with
+    # (it was rewritten, and the folder claimed lr 1e-3 for a model trained at 5e-4)
+    files = sorted(os.listdir(tmp_path))
+    assert record_config(str(tmp_path), first, resuming=True, finished=True) == ["algo.lr", "model.lora.alpha", "seed"]
+    assert sorted(os.listdir(tmp_path)) == files
+    assert OmegaConf.to_container(OmegaConf.load(tmp_path / "config.yaml"))["algo"]["lr"] == 5e-4
     assert record_config(str(tmp_path), first, resuming=False) == []  # resume=false: nothing compared
     assert config_changes({"a": [1, 2]}, {"a": [1, 3]}) == ["a"] and config_changes({"a": {"b": 1}}, {"a": 2}) == ["a"]
     # a requeued grpo.launch trainer's new servers and judges (grpo/companions.py); another key of theirs still counts
