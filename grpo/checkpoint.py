@@ -167,12 +167,14 @@ RESUME_MAY_CHANGE = ("steps", "resume", "run_dir", "threads", "logger", "eval_ev
 
 # values that mean the same, written differently by another version of grpo: no change on resume
 SAME_MEANING = {"reward.judge.choices": ({}, DEFAULT_CHOICES)}  # empty reads as yes/no (since 31a69dd; {yes, no} before)
+# settings added later, at a default that keeps what the version before did: absent on one side, the same
+ADDED = {"task.correct": "exact"}  # since 1db02ee
 
 
 def config_changes(old, new, prefix: str = "") -> list[str]:
     """The dotted keys whose values differ between two resolved configs (nested dicts compared key by
-    key, a key on one side only counted), leaving out `RESUME_MAY_CHANGE`'s keys and values
-    `SAME_MEANING` says are the same."""
+    key, a key on one side only counted unless `ADDED` gives it at that value), leaving out
+    `RESUME_MAY_CHANGE`'s keys and values `SAME_MEANING` says are the same."""
     if prefix in SAME_MEANING and old in SAME_MEANING[prefix] and new in SAME_MEANING[prefix]:
         return []
     if not (isinstance(old, dict) and isinstance(new, dict)):
@@ -183,7 +185,8 @@ def config_changes(old, new, prefix: str = "") -> list[str]:
         if name in RESUME_MAY_CHANGE:
             continue
         if key not in old or key not in new:
-            changed.append(name)
+            if not (name in ADDED and (old if key in old else new)[key] == ADDED[name]):
+                changed.append(name)
         else:
             changed += config_changes(old[key], new[key], name)
     return changed

@@ -55,8 +55,13 @@ def compose_first(argv: list[str]) -> None:
     --cfg, -cn, ...) is left to Hydra."""
     if any(arg.startswith("-") for arg in argv):
         return
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     from grpo.config import compose_config  # torch and the schema: the app imports them anyway
 
+    overrides = OverridesParser.create().parse_overrides(argv)
+    if any(o.is_sweep_override() or o.key_or_group == "hydra.mode" for o in overrides):  # a sweep: Hydra's (hydra.mode=MULTIRUN)
+        return
     compose_config(argv)
 
 

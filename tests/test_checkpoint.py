@@ -177,6 +177,9 @@ def test_a_resume_with_another_config_keeps_the_earlier_one_and_names_what_chang
     assert config_changes(judged({"yes": 1.0, "no": 0.0}), judged({})) == []
     assert config_changes(judged({"yes": 1.0, "no": 0.5}), judged({})) == ["reward.judge.choices.no", "reward.judge.choices.yes"]
     assert config_changes(judged({}), judged({"correct": 1.0, "wrong": 0.0})) == ["reward.judge.choices.correct", "reward.judge.choices.wrong"]
+    # a folder written before task.correct existed (1db02ee): absent is exact; another value is a change
+    assert config_changes({"task": {"name": "jsonl"}}, {"task": {"name": "jsonl", "correct": "exact"}}) == []
+    assert config_changes({"task": {"name": "jsonl"}}, {"task": {"name": "jsonl", "correct": "math_verify"}}) == ["task.correct"]
 
 
 def test_a_resumed_schedule_is_the_resumed_runs_own(tiny_lm):

@@ -122,6 +122,17 @@ def test_a_typod_key_on_a_hydra_apps_command_line_gets_the_setting_it_meant(modu
         "error: algo.lerning_rate is not a setting of algo (did you mean algo.lr?)."), out.stderr[-1500:]
 
 
+def test_a_sweep_without_the_flag_is_left_to_hydra():
+    """`hydra.mode=MULTIRUN algo.lr=1e-3,2e-3` is a sweep with no -m: composing it first refused it
+    ("Ambiguous value"); Hydra runs it."""
+    from grpo.cli import compose_first
+
+    assert exit_on_user_error(compose_first, ["hydra.mode=MULTIRUN", "algo.lr=1e-3,2e-3"]) is None
+    assert exit_on_user_error(compose_first, ["algo.lr=1e-3", "steps=3"]) is None
+    with pytest.raises(SystemExit, match="did you mean algo.lr"):
+        exit_on_user_error(compose_first, ["algo.lerning_rate=1e-3"])
+
+
 def test_a_typod_launch_key_is_answered_before_hydra_advises_a_plus():
     from grpo.errors import ConfigError
     from grpo.launch import parse_args

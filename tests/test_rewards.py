@@ -280,6 +280,12 @@ def test_env_reward_scores_an_unfinished_episode_the_environment_never_rewarded_
         ("#### 72 (over 2 months)", "72", 1.0),
         ("Altogether she sold 70 clips.\n#### 70\nWith the bonus it would be 72.", "72", 0.0),
         ("#### -1,234.", "-1234", 1.0),
+        # ... but not a markdown heading, a number written otherwise after it, or beside a \boxed{} (which wins)
+        ("#### 1. Set up\n#### 2. Solve\nx=42.\n\nThe answer is \\boxed{42}.", "42", 1.0),
+        ("#### 3. Compute the total\nSo she has 7 apples.", "3", 0.0),
+        ("#### 72\nWait, the total is 80.\nFinal answer: \\boxed{80}", "72", 0.0),
+        ("The answer is 1/2.\n#### 1/2", "1/2", 1.0),
+        ("#### 10^6", "1000000", 1.0),
         # forms math-verify misreads, put in the forms it reads (math_answer.normalize)
         ("The balance went from 20 to \u221215.", "-15", 1.0),  # a Unicode minus was skipped: 20 scored
         ("The balance went from 20 to \u221215.", "20", 0.0),

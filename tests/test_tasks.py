@@ -103,6 +103,9 @@ def test_a_file_that_is_not_json_lines_is_named_as_such(tmp_path):
     path = write(tmp_path / "d.csv", ["prompt,answer", "2+2,4"])
     with pytest.raises(DatasetError, match=r"task.path='.*d.csv': task=jsonl reads JSON lines .* convert the file"):
         build_task(task_cfg(name="jsonl", path=path, eval_size=1))
+    for name in ("d.ndjson", "d.JSONL", "d"):  # JSON lines by another name: read
+        rows = [json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(3)]
+        assert len(build_task(task_cfg(name="jsonl", path=write(tmp_path / name, rows), eval_size=1)).train) == 2
 
 
 def test_missing_dataset_file(tmp_path):

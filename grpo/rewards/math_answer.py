@@ -17,8 +17,9 @@ Before math-verify reads them, the completion and the ground truth are put in th
 before), digit groups split by a thin space (`10\\,000`, U+202F, U+00A0; and a plain space in a ground
 truth or a `\\boxed{}`) joined (read as 10 x 0), a mixed number (`5 1/2`) as the fraction it is (11/2;
 read as (5+1)/2), and a `\\boxed{50\\%}` as `\\boxed{50}\\%` (not read at all). A completion with
-GSM8K's `#### <number>` (the task's prompt asks for it) is judged by the number after the last `####`,
-not by the last number it wrote (`#### 72 (over 2 months)` is 72, not 2).
+GSM8K's `#### <number>` (the task's prompt asks for it) and no `\\boxed{}` is judged by the number after
+the last such `####`, not by the last number it wrote (`#### 72 (over 2 months)` is 72, not 2); a
+markdown heading (`#### 1. Setup`) is no answer.
 
 math-verify's own timeouts use SIGALRM, which works only in the main thread. Rewards run in a
 worker thread (grpo.rewards cuts them off with `reward.timeout_s`), so there its timeouts are off;
@@ -48,7 +49,9 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_NoTimeoutNotice())
 
 
-HASHES = re.compile(r"####\s*\\?\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")  # GSM8K's final answer (verl's pattern)
+# GSM8K's final answer (verl's pattern), not a markdown heading (`#### 1. Setup`, `#### 2) Solve`) nor the
+# start of a number written otherwise (`#### 1/2`, `#### 10^6`, `#### 1 000 000`): those are read whole
+HASHES = re.compile(r"####[ \t]*\\?\$?[ \t]*(-?[0-9][0-9,]*(?:\.[0-9]+)?)(?![0-9,.]*(?:\.[ \t]+[A-Za-z]|\)[ \t]+[A-Za-z]|[/^]| [0-9]))")
 _SEP = r"(?:\\,|\\!|\\ |~|\{,\}|[\u00a0\u2009\u202f])"  # LaTeX and Unicode thin spaces between digit groups
 THIN_GROUPS = re.compile(rf"(?<![\d.])\d{{1,3}}(?:{_SEP}\d{{3}})+(?![\d])")
 SPACED_GROUPS = re.compile(rf"(?<![\d.])\d{{1,3}}(?:(?:{_SEP}| )\d{{3}})+(?![\d])")
@@ -70,7 +73,7 @@ def normalize(text: str, ground_truth: bool = False) -> str:
     """The forms math-verify reads (the module's docstring). A plain space joins digit groups only in a
     ground truth and inside a `\\boxed{}`: in a completion's prose "3 100-dollar bills" is two numbers."""
     text = text.replace("\u2212", "-")
-    if not ground_truth and (hashes := HASHES.findall(text)):
+    if not ground_truth and "\\boxed" not in text and (hashes := HASHES.findall(text)):  # a \boxed{} wins
         return hashes[-1].replace(",", "")
     groups = SPACED_GROUPS if ground_truth else THIN_GROUPS
     text = groups.sub(_join_groups, text)

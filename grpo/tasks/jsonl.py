@@ -20,7 +20,7 @@ def read_jsonl(path: str, key: str = "task.path") -> list[Sample]:
     path = os.path.expanduser(path)
     if not os.path.isfile(path):
         raise DatasetError(f"{key}={path!r} does not exist; point it at a .jsonl file.")
-    if not path.endswith((".jsonl", ".json")):
+    if path.lower().endswith((".csv", ".tsv", ".parquet", ".xlsx", ".xls")):  # .ndjson, no suffix: JSON lines too
         raise DatasetError(f"{key}={path!r}: task=jsonl reads JSON lines (one {{\"prompt\": ..., \"answer\": ...}} object "
                            "per line, a .jsonl file); convert the file (a .csv or .parquet is not read as one).")
     samples = []
