@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import sys
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-from grpo.errors import USER_ERRORS
-
-
-def did_you_mean(key: str, declared, prefix: str = "") -> str:
-    """The setting of `declared` a mistyped `key` most likely meant (learning_rate -> lr by initials), as a
-    hint for a message; else the settings there are."""
-    initials = "".join(word[:1] for word in str(key).split("_"))
-    close = difflib.get_close_matches(str(key), declared, n=1) or ([initials] if initials in declared else [])
-    return f" (did you mean {prefix}{close[0]}?)" if close else f" (its settings: {', '.join(sorted(declared))})"
+from grpo.errors import USER_ERRORS, did_you_mean
 
 
 def override_advice(e: HydraException) -> str | None:
@@ -55,8 +47,6 @@ def compose_first(argv: list[str]) -> None:
     --cfg, -cn, ...) is left to Hydra."""
     if any(arg.startswith("-") for arg in argv):
         return
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     from grpo.config import compose_config  # torch and the schema: the app imports them anyway
 
     overrides = OverridesParser.create().parse_overrides(argv)

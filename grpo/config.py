@@ -25,9 +25,8 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from grpo import algo_config, envs, log, lora, models, moe_model, vision
 from grpo.algo_config import AlgoConfig  # the algo group's schema and rules (batch shape, loss, trust region)
-from grpo.cli import did_you_mean
 from grpo.dist import dist_info
-from grpo.errors import ConfigError
+from grpo.errors import ConfigError, did_you_mean
 from grpo.moe import routing
 from grpo.packaged import PACKAGED, packaged_model_dir
 from grpo.parallel import STRATEGIES, strategy_class

@@ -1,10 +1,13 @@
 """Every error a user can fix, in one leaf module: each message names what to change.
 
 Raised anywhere (configs, data, devices, servers, clusters), caught in one place: `grpo.cli`
-turns them into one `error: ...` line instead of a traceback.
+turns them into one `error: ...` line instead of a traceback. `did_you_mean` is the hint their
+messages share for a mistyped setting.
 """
 
 from __future__ import annotations
+
+import difflib
 
 
 class ConfigError(ValueError):
@@ -49,3 +52,11 @@ class WarmStartError(RuntimeError):
 
 
 USER_ERRORS = (ConfigError, DatasetError, ServerError, RewardStop, EngineStartError, WarmStartError)
+
+
+def did_you_mean(key: str, declared, prefix: str = "") -> str:
+    """The setting of `declared` a mistyped `key` most likely meant (learning_rate -> lr by initials), as a
+    hint for a message; else the settings there are."""
+    initials = "".join(word[:1] for word in str(key).split("_"))
+    close = difflib.get_close_matches(str(key), declared, n=1) or ([initials] if initials in declared else [])
+    return f" (did you mean {prefix}{close[0]}?)" if close else f" (its settings: {', '.join(sorted(declared))})"

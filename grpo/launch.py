@@ -60,12 +60,12 @@ from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 
-from grpo.cli import did_you_mean, exit_on_user_error
+from grpo.cli import exit_on_user_error
 from grpo.companions import (Companion, agree_on_companions, cancel_jobs, executor_for, executor_settings, job_listed,
                              judges_dir, servers_dir, slurm_folder, token_path, wait_for_urls, write_companion_jobs)
 from grpo.config import GROUPS, Config, compose_config, known_model_config, validate
 from grpo.dist import node_name
-from grpo.errors import ConfigError
+from grpo.errors import ConfigError, did_you_mean
 from grpo.rollout.dedicated import child_visible_devices, config_heads
 from grpo.serve import main as serve, resolve_model
 from grpo.slurm import SIZE_MINIMUMS, check_request, check_size, check_tensor_parallel, request_from
