@@ -52,11 +52,17 @@ REQUEUE = (signal.SIGUSR1, signal.SIGUSR2)  # time-limit warning (sbatch templat
 
 class StopSignal:
     """Catches SLURM's stop signals. `requested()` is True on every rank once any rank got one;
-    `requeue` then says whether the run should requeue itself (a time-limit warning and no SIGTERM)."""
+    `requeue` then says whether the run should requeue itself (a time-limit warning and no SIGTERM).
 
-    def __init__(self):
+    `in_setup`: until `training()` is called a SIGTERM ends the process at once (exit 143, through the
+    caller's cleanup, as Ctrl-C does): before the first step there is nothing to checkpoint, and setup
+    can wait minutes (a remote server's health, an engine's start, the first evaluation). A time-limit
+    warning during setup still waits for step 1, whose checkpoint the requeued job resumes from."""
+
+    def __init__(self, in_setup: bool = False):
         self.received: set[int] = set()
         self.requeue = False
+        self.in_setup = in_setup
         self.previous = {}
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
             self.previous = {s: signal.signal(s, self._handle) for s in (EXIT, *REQUEUE)}
@@ -69,8 +75,17 @@ class StopSignal:
             signal.signal(s, signal.SIG_IGN if s in REQUEUE and handler == signal.SIG_DFL else handler)
         self.previous = {}
 
+    def training(self) -> None:
+        """Setup is over: from now on a SIGTERM is honoured after the step, with its checkpoint."""
+        self.in_setup = False
+
     def _handle(self, signum, frame) -> None:
         self.received.add(signum)
+        if self.in_setup and signum == EXIT:
+            # os.write: a print could land inside the main thread's own write to stderr (a reentrant call)
+            os.write(2, b"stopped during setup on SIGTERM: nothing trained in this process, no checkpoint written. "
+                        b"Run again with the same run folder to start (or resume) there.\n")
+            raise SystemExit(143)
 
     def requested(self) -> bool:
         exits, requeues = dist.all_reduce_sum([

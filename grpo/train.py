@@ -430,9 +430,9 @@ def resolved_config(cfg: DictConfig, run_dir: str) -> dict:
 def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitStack,
         before_requeue: Callable[[], None] | None = None) -> dict:
     t_start = time.perf_counter()
-    # SIGTERM (scancel, preemption) or the time-limit warning, from here on: the loop checkpoints after
-    # its step and stops (or requeues), grpo/preempt.py; one that comes during setup waits for step 1
-    stop_signal = StopSignal()
+    # SIGTERM (scancel, preemption) or the time-limit warning: the loop checkpoints after its step and
+    # stops (or requeues), grpo/preempt.py; a SIGTERM during setup (nothing trained yet) exits at once
+    stop_signal = StopSignal(in_setup=True)
     cleanup.callback(stop_signal.close)
 
     # ---- setup: task, model, rewards, strategy, rollout backend, resume ----
@@ -457,6 +457,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     watch = healthy(cfg.model.dtype, policy_device(info.local_rank).type)  # the engines' environment is this one's
     r.guards = guards = RunGuards(r.strategy, r.bucket_bytes, watch, cfg.parallel.check_ranks_every, info.world_size)
     guards.load_state_dict(r.guard_state)  # skipped steps so far, and a run of them, across a resume
+    stop_signal.training()
     for step in range(r.start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
 

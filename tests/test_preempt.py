@@ -4,6 +4,8 @@ with every step logged once; which signal exits and which requeues. (Under SLURM
 import json
 import os
 import signal
+import socket
+import threading
 import time
 
 import pytest
@@ -83,6 +85,58 @@ def test_sigterm_exits_and_the_time_limit_warning_requeues():
     # after the run: a late warning must not end a finished job (SIGUSR1's default action would)
     assert signal.getsignal(signal.SIGUSR1) == (signal.SIG_IGN if before == signal.SIG_DFL else before)
     os.kill(os.getpid(), signal.SIGUSR1)  # with SIG_DFL this would end pytest
+
+
+def test_a_sigterm_during_setup_exits_at_once_and_a_warning_waits_for_step_1():
+    """Setup (a remote server's health wait, an engine's start, the first evaluation) can take minutes
+    with nothing to checkpoint: a SIGTERM then ends the process at once (143), while a time-limit warning
+    is kept for the loop, whose step 1 checkpoint the requeued job resumes from. Once training, a SIGTERM
+    is only recorded."""
+    from grpo.preempt import StopSignal
+
+    stop_signal = StopSignal(in_setup=True)
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop_signal.requested() and stop_signal.requeue  # kept, not raised
+        with pytest.raises(SystemExit) as e:
+            os.kill(os.getpid(), signal.SIGTERM)  # the real handler raises at once
+            time.sleep(5)  # not reached
+        assert e.value.code == 143
+        stop_signal.received.clear()
+        stop_signal.training()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop_signal.requested() and not stop_signal.requeue
+    finally:
+        stop_signal.close()
+
+
+@pytest.mark.starts_process
+def test_sigterm_while_waiting_for_a_dead_server_ends_the_run_at_once(tmp_path, cache_dir):
+    """A run whose remote server never answers waits up to health_timeout_s (300 s) before step 1;
+    `kill` (or scancel) then waited all of it. Now it ends within seconds, saying nothing was trained."""
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    victim = run_train(run_dir, cache_dir, "rollout=remote", f"rollout.remote.urls=[http://127.0.0.1:{port}]",
+                       "rollout.remote.health_timeout_s=300")
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(victim.stdout), daemon=True)
+    reader.start()
+    deadline = time.time() + 240
+    while time.time() < deadline and victim.poll() is None and not any("to answer /health" in x for x in lines):
+        time.sleep(0.2)  # the wait's first progress line comes 15 s in
+    assert victim.poll() is None, "".join(lines)
+    victim.send_signal(signal.SIGTERM)
+    try:
+        victim.wait(timeout=60)  # it waited the whole 300 s before
+    finally:
+        victim.kill()  # a no-op once it has exited
+    reader.join(timeout=10)
+    out = "".join(lines)
+    assert victim.returncode == 143, out
+    assert "stopped during setup on SIGTERM: nothing trained" in out
+    assert not (run_dir / "checkpoints").exists()
 
 
 def test_an_array_task_requeues_its_own_id_not_the_array():
