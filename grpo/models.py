@@ -48,9 +48,12 @@ def check_hub_model(path: str) -> None:
     try:
         AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - anything here means the id cannot be loaded
+        # owner/name reads as a hub id, and as a folder relative to the working directory: say both
+        folder = os.path.abspath(os.path.expanduser(path))
         raise ConfigError(
-            f"model.path={path!r} could not be loaded ({type(e).__name__}: {e}). Check the hub id, "
-            f"your network or HF_HOME cache, or point model.path at a local folder."
+            f"model.path={path!r} could not be loaded as a hub id ({type(e).__name__}: {e}), and no local "
+            f"folder {folder} exists either. Check the hub id, your network or HF_HOME cache, or point "
+            f"model.path at a local folder (an absolute path is safest)."
         ) from e
 
 

@@ -167,6 +167,21 @@ def test_every_experiment_composes_and_validates(name, monkeypatch):
     assert "# Reproduces:" in header and "Resources:" in header, "every experiment names its target and resources"
 
 
+def test_a_relative_folder_that_is_not_there_says_so_beside_the_hub_failure(monkeypatch, tmp_path):
+    """`model.path=runs/final` (one slash) reads as a hub id; when no such folder exists (a typo, or the
+    command run from another directory) the error said only to check the hub id and the network."""
+    import huggingface_hub.constants
+
+    from grpo.tiny.folders import check_path
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no hub here: fail without retries
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        check_path("runs/final")
+    assert "could not be loaded as a hub id" in str(e.value)
+    assert f"no local folder {tmp_path / 'runs' / 'final'} exists either" in str(e.value)
+
+
 def test_unknown_key_is_an_error():
     with pytest.raises(ConfigCompositionException) as e:
         compose_cfg("algo.learning_rate=1e-3")
