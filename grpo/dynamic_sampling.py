@@ -38,6 +38,7 @@ class Scored:
     rewards_PG: torch.Tensor
     rewards_FB: dict[str, list[float | None]]  # each reward function's value per completion (None: abstained, NaN: failed)
     generate_s: float = 0.0  # seconds the trainer spent generating (waiting for) the rollouts
+    wait_s: float = 0.0  # of those, seconds it waited for them once handed over (every draw's: time/wait_for_data_s)
     # seconds the engines took over it, from hand-over to done (with algo.max_staleness, during earlier steps)
     batch_generate_s: float = 0.0
     score_s: float = 0.0  # seconds decoding and scoring them
@@ -84,6 +85,7 @@ def take(batches: list[Scored], picks: list[tuple[int, int]], G: int) -> Scored:
         rewards_PG=torch.stack([batches[b].rewards_PG[p] for b, p in picks]),
         rewards_FB={name: [batches[b].rewards_FB[name][i] for b, i in rows] for name in first.rewards_FB},
         generate_s=sum(b.generate_s for b in batches),
+        wait_s=sum(b.wait_s for b in batches),
         batch_generate_s=sum(b.batch_generate_s for b in batches),
         score_s=sum(b.score_s for b in batches),
         generated_tokens=sum(b.generated_tokens for b in batches),

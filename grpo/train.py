@@ -257,7 +257,8 @@ class Run:
         rewards_PG = combine_rewards(rewards_FB, [w for _, _, w in self.reward_fns]).view(self.P, self.G)
         by_name = {name: values for (name, _, _), values in zip(self.reward_fns, rewards_FB)}
         return Scored(batch.samples, batch.prompt_ids, rollouts, completions, rewards_PG, by_name,
-                      generate_s=t_gen - t0, score_s=time.perf_counter() - t_gen, batch_generate_s=done_at - batch.submitted_at,
+                      generate_s=t_gen - t0, wait_s=t_gen - t0, score_s=time.perf_counter() - t_gen,
+                      batch_generate_s=done_at - batch.submitted_at,
                       generated_tokens=sum(rollouts.sampled_lengths()), reward_stats=reward_stats,
                       generation=generation_work(batch.prompt_ids, rollouts.completion_ids, rollouts.sampled_lengths(), self.G))
 
@@ -473,15 +474,14 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         # 2. score: every reward function on every completion, weighted sum per completion (an
         #    episode's: its final turn, with the transcript, turns and the environment's reward)
         scored = r.score(current)
-        wait_s = scored.generate_s  # the trainer, waiting for this batch
         draw_metrics = {}
         if algo.dynamic_sampling:  # DAPO: more batches of P prompts until P groups carry signal
             scored, draw_metrics = refill(scored, lambda k: r.draw_more(step, k), algo.max_draws,
                                           lambda short: int(all_reduce_max([short])[0]))
+        wait_s = scored.wait_s  # the trainer, waiting for this step's batches once handed over (every draw)
         samples, prompt_ids, rollouts, rewards_PG = scored.samples, scored.prompt_ids, scored.rollouts, scored.rewards_PG
         completions, samples_BG = scored.completions, [s for s in samples for _ in range(G)]
         generate_s = (t_wait - t0) + scored.generate_s  # submitting (hf: generating) and waiting, every draw
-        t_score = time.perf_counter()
 
         # 3. advantages per group (per completion; per token with algo.turn_rewards); groups with
         #    equal rewards carry no signal
@@ -493,11 +493,14 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         batch.replay_routes = cfg.rollout.routing_replay  # routes only observed: rollout.routing_observe
 
         # 4-6. logprobs, loss, backward and optimizer step(s); a colocated engine may sleep meanwhile
+        t_sleep = time.perf_counter()
         r.rollout.sleep()
         lr = r.strategy.lr  # the rate this step's update takes (after it, the scheduler holds the next one's)
         budget = r.rollout.sampled_budget(cfg.rollout.max_new_tokens)  # Dr. GRPO's constant (episodes: every turn's)
+        t_policy = time.perf_counter()
         stats = policy_update(r.strategy, batch, algo, budget, r.sampling.temperature, r.ref_model,
                               skip_P=flat_P if algo.zero_std_groups == "drop" else None)  # flat groups: no forward
+        update_s = time.perf_counter() - t_policy  # what flops/update was computed in (mfu/update)
         work = stats.pop("work")  # what its forwards processed: FLOPs and MFU below (grpo/mfu.py)
         # a non-finite step was skipped (a run of them stops); ranks' weights compared; a drifting sampler warned
         stats.update(guards.after_update(step, stats, staleness(step - 1, rollouts.weight_version)))
@@ -512,7 +515,8 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         gen_time_total += scored.batch_generate_s
         times = {"time/wait_for_data_s": wait_s, "time/generate_s": generate_s,
                  "time/batch_generate_s": scored.batch_generate_s, "time/score_s": scored.score_s,
-                 "time/update_s": t_update - t_score, "time/sync_s": t_end - t_update, "step_s": t_end - t0}
+                 "time/sleep_s": t_policy - t_sleep, "time/update_s": update_s, "time/sync_s": t_end - t_update,
+                 "step_s": t_end - t0}
         if (busy := r.rollout.engine_busy_s()) is not None:  # servers: seconds with a request in flight, this step
             times["time/engine_busy_s"], r.engine_busy_s = busy - r.engine_busy_s, busy
         metrics = step_metrics(scored, {**stats, **draw_metrics}, step, lr, times)
@@ -559,7 +563,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         # this process's: a resumed run's cover steps resumed_from + 1 to steps
         "wall_s": time.perf_counter() - t_start,
         "gen_tokens_per_s": gen_rate if gen_time_total else None,
-        "peak_memory_gb": peak_memory_gb(),
+        "peak_memory_gb": all_reduce_max([peak_memory_gb()])[0],  # the ranks' largest
         **meter.summary(r.strategy.forward_model),  # the device's matmul peak the mfu/ metrics are measured against
         "model_path": r.model_path,
         "git_revision": git_revision(),

@@ -34,7 +34,7 @@ def scored(tag: str, rewards_PG: list[list[float]], wait: float = 1.0) -> Scored
                               engine_wait_s=wait, loss_masks=[[1, 0, 1] if i % 2 else [1] for i in range(P * G)])
     rewards = torch.tensor(rewards_PG, dtype=torch.float32)
     return Scored([f"{tag}{p}" for p in range(P)], [[p] for p in range(P)], rollouts, names, rewards,
-                  {"f": rewards.flatten().tolist()}, generate_s=1.0, score_s=0.5, generated_tokens=P * G)
+                  {"f": rewards.flatten().tolist()}, generate_s=1.0, wait_s=0.25, score_s=0.5, generated_tokens=P * G)
 
 
 def never(_):
@@ -56,6 +56,7 @@ def test_refill_takes_the_first_p_informative_groups_in_draw_order():
     assert out.rollouts.loss_masks == [[1], [1, 0, 1], [1], [1, 0, 1], [1], [1, 0, 1]]
     assert out.rollouts.weight_version == 3 and out.rollouts.engine_wait_s == 2.0
     assert (out.generate_s, out.score_s, out.generated_tokens) == (2.0, 1.0, 12)
+    assert out.wait_s == 0.5  # time/wait_for_data_s: every draw's wait, not the first batch's alone
     # 3 informative of the 6 groups drawn; the reward over all 12 completions drawn: 3 + 4 ones / 12
     m = resolve(m)  # the parts a rank logs (grpo/metrics.py), as one process's run reads them
     assert m == {"dynamic/draws": 2.0, "dynamic/informative_frac": 0.5, "dynamic/trained_informative": 3.0,

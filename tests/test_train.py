@@ -51,6 +51,9 @@ def test_short_run_writes_its_run_folder(make_cfg, tmp_path, hub_like_policy):
     assert [r["lr"] for r in steps] == pytest.approx([lr / 2, lr, lr / 2])
     # the engines' seconds over the batch, inside the trainer's for it (k = 0: generated right there)
     assert all(0 < r["time/batch_generate_s"] <= r["time/generate_s"] for r in steps), steps
+    # the phases are disjoint parts of the step (the guards' checks and the metrics are the rest)
+    phases = ("time/generate_s", "time/score_s", "time/sleep_s", "time/update_s", "time/sync_s")
+    assert all(min(r[k] for k in phases) >= 0 and sum(r[k] for k in phases) <= r["step_s"] for r in steps), steps
     assert os.path.isdir(run / "checkpoints" / "step_00000003")
     # each phase's FLOPs and MFU against the peak measured at the start (grpo/mfu.py); hf generates on
     # the trainer's device, so generation has an MFU too; a trained step's padding is counted apart
