@@ -36,6 +36,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from grpo.log import read_metrics
 from grpo.progress import WaitProgress
 from grpo.rewards.judge import build
 from grpo.rollout_config import VLLM_READERS
@@ -268,7 +269,7 @@ def check_backend(backend: str, work: str, extra: list[str]) -> Result:
         out = run_child([sys.executable, "-m", "grpo.train", *two_steps(backend), f"run_dir={run_dir}", f"seed={seed}", *extra], 900)
         if out.returncode != 0:
             return Result(backend, False, last_error(out.stderr), f"see the log: python -m grpo.train {' '.join(two_steps(backend))}")
-        steps = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"sampler_diff"' in line]
+        steps = [row for row in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "sampler_diff" in row]
         if moved_weights(steps[0]):
             break
     else:

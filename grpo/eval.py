@@ -12,7 +12,6 @@ rollout temperature; k runs over 1, 2, 4, ... up to n.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from math import comb
@@ -24,6 +23,7 @@ from grpo.cli import compose_first, exit_on_user_error
 from grpo.config import register_configs, validate
 from grpo.dist import DistInfo, all_gather, all_reduce_sum, dist_info, init_distributed, shutdown
 from grpo.errors import RewardStop
+from grpo.log import dumps, write_json
 from grpo.models import build_policy, encode_prompts
 from grpo.rewards import MODEL_REWARDS, is_scored, score
 from grpo.rewards.failure_streak import stop_together
@@ -119,11 +119,10 @@ def run_eval(cfg: DictConfig) -> dict[str, float]:
         rollout.close()
         shutdown()
     if info.is_main:
-        with open(os.path.join(run_dir, "eval.json"), "w") as f:
-            json.dump({"model_path": path, "eval_size": len(task.eval), **metrics}, f, indent=2)
+        write_json(os.path.join(run_dir, "eval.json"), {"model_path": path, "eval_size": len(task.eval), **metrics})
         if not is_training_folder(run_dir):  # a training run's metrics stay in step order for grpo.plot
             with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps({"step": 0, **metrics}) + "\n")
+                f.write(dumps({"step": 0, **metrics}) + "\n")
         print(" | ".join(f"{k} {v:.3f}" for k, v in metrics.items()) + f"  ({path}, {len(task.eval)} prompts)")
     return metrics
 

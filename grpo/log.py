@@ -14,6 +14,42 @@ from grpo.errors import ConfigError
 WANDB_ONLY = ("project", "entity")  # logger settings only wandb reads
 
 
+# ---- run files (metrics.jsonl, summary.json, eval.json): strict JSON ----
+# Python's json writes NaN and Infinity, which JSON has not: JSON.parse refuses such a row and jq reads
+# Infinity as 1.8e308. A value a float cannot give (a rate over 0 tool calls, sampler_diff of a step that
+# trained nothing, a skipped step's overflowed grad_norm: guard/skipped_steps counts it) is written null.
+
+def strict(value):
+    """`value` with every non-finite float (NaN, +-inf) as None, through dicts and lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
+
+
+def dumps(value, **kwargs) -> str:
+    """Strict JSON of `value` (`strict`); a non-finite value left in some other type fails here, loudly."""
+    return json.dumps(strict(value), allow_nan=False, **kwargs)
+
+
+def write_json(path: str, data: dict) -> None:
+    """`data` as strict JSON at `path`, whole or not at all (a kill leaves the old file)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+def read_metrics(path: str) -> list[dict]:
+    """metrics.jsonl's rows, each null value back as NaN (a metric with no value, as the run computed
+    it), so a reader's arithmetic and comparisons see a float."""
+    with open(path, encoding="utf-8") as f:
+        return [{k: math.nan if v is None else v for k, v in json.loads(line).items()} for line in f if line.strip()]
+
+
 def format_line(step: int, total: int, m: dict) -> str:
     parts = [f"step {step:>4}/{total}"]
     for key, label, fmt in (
@@ -85,7 +121,7 @@ class RunLogger:
     def log(self, step: int, metrics: dict, console: bool | None = None) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.write(dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)

@@ -79,7 +79,7 @@ from grpo.flops import generation_work
 from grpo.guards import RunGuards, healthy
 from grpo.library_logs import quiet_library_logs
 from grpo.listeners import log_listeners
-from grpo.log import RunLogger
+from grpo.log import RunLogger, write_json
 from grpo import lora, mfu
 from grpo.models import DTYPES, build_policy, build_reference, encode_prompts, policy_device
 from grpo.parallel import build_strategy, strategy_class
@@ -155,13 +155,6 @@ def git_revision() -> str:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=here, text=True, stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-
-
-def write_json(path: str, data: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
 
 
 def run_process_group(cfg: DictConfig, info: DistInfo):

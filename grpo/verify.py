@@ -62,6 +62,7 @@ from grpo.config import compose_config, validate
 from grpo.cpus import configure_threads
 from grpo.guards import Parity, parity, ranks_fingerprints, weight_fingerprint
 from grpo.library_logs import quiet_library_logs
+from grpo.log import read_metrics
 from grpo.models import build_reference, load_model
 from grpo.moe import routing
 from grpo.parallel.single import SingleStrategy
@@ -464,7 +465,7 @@ def resume_check(overrides: list[str], world_size: int) -> Check:
                 out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(os.environ))
                 if out.returncode:
                     return Check("resume", "FAIL", f"{' '.join(cmd[2:])} exited {out.returncode}: {out.stderr.strip()[-400:]}")
-            rows[name] = [json.loads(x) for x in open(os.path.join(folder, "metrics.jsonl"))]
+            rows[name] = read_metrics(os.path.join(folder, "metrics.jsonl"))  # null: NaN, as the run computed it
             # a run that found no checkpoint starts over at step 1 and, seeded alike, logs the unbroken
             # run's numbers: the comparison alone would pass a resume that loaded nothing
             started = json.load(open(os.path.join(folder, "summary.json")))["resumed_from"]

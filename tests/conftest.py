@@ -178,8 +178,9 @@ def cache_dir(tmp_path_factory) -> str:
 
 def measured(rows: list[dict], key: str = "sampler_diff") -> list[float]:
     """The steps' `key` where a step measured it: one whose groups were all flat (algo.zero_std_groups=drop,
-    the default) trains no token and logs NaN, not 0 (which read as parity). At least one step must."""
-    values = [r[key] for r in rows if r[key] == r[key]]
+    the default) trains no token and logs null (NaN as read_metrics reads it back), not 0 (which read as
+    parity). At least one step must."""
+    values = [r[key] for r in rows if r[key] is not None and r[key] == r[key]]
     assert values, f"no step measured {key} (every step's groups were flat): {rows}"
     return values
 

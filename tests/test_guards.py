@@ -19,6 +19,7 @@ import grpo.train
 import grpo.update.step
 from grpo.config import AlgoConfig
 from grpo.guards import NonFiniteSteps, RankCheck, RunGuards, SamplerWatch, StepGuard, healthy, weight_fingerprint
+from grpo.log import read_metrics
 from grpo.parallel.single import SingleStrategy
 from grpo.update import policy_update
 from tests.test_packing import spread_batch
@@ -222,7 +223,7 @@ def plant_nan_loss(monkeypatch, steps: set[int]) -> None:
 
 
 def logged_steps(cfg) -> list[dict]:
-    return [r for r in map(json.loads, open(os.path.join(cfg.run_dir, "metrics.jsonl"))) if "loss" in r]
+    return [r for r in read_metrics(os.path.join(cfg.run_dir, "metrics.jsonl")) if "loss" in r]  # null: NaN
 
 
 SHORT = ("task.eval_size=8", "export_model=false")  # the guards act per step: the evaluations can be tiny

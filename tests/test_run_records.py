@@ -146,3 +146,29 @@ def test_wandb_without_a_key_is_a_config_error_with_the_advice(tmp_path, monkeyp
     cfg = OmegaConf.merge(OmegaConf.structured(LoggerConfig), {"backend": "wandb", "mode": "online"})
     with pytest.raises(ConfigError, match="logger=wandb needs WANDB_API_KEY or"):
         RunLogger(cfg, str(tmp_path), 1, {})
+
+
+def test_run_files_are_strict_json_and_read_back_as_nan(tmp_path):
+    """A metric with no value and a skipped step's overflowed grad_norm were written NaN and Infinity,
+    which JSON.parse refuses and jq reads as 1.8e308: now null, in metrics.jsonl and summary.json alike;
+    read_metrics gives NaN back to Python readers (grpo.verify, the doctor, the benches)."""
+    import math
+
+    from grpo.log import read_metrics, write_json
+
+    def strict(text: str):  # a JSON parser as strict as JSON.parse
+        def refuse(constant):
+            raise ValueError(f"not JSON: {constant}")
+        return json.loads(text, parse_constant=refuse)
+
+    cfg = OmegaConf.structured(LoggerConfig(backend="console", log_every=1000))
+    log = RunLogger(cfg, str(tmp_path), 2, {})
+    log.log(1, {"loss": 0.5, "grad_norm": math.inf, "sampler_diff": math.nan, "episode/rates": [1.0, -math.inf]})
+    log.close()
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert strict(line) == {"step": 1, "loss": 0.5, "grad_norm": None, "sampler_diff": None, "episode/rates": [1.0, None]}
+    [row] = read_metrics(tmp_path / "metrics.jsonl")
+    assert row["loss"] == 0.5 and math.isnan(row["grad_norm"]) and math.isnan(row["sampler_diff"])
+
+    write_json(str(tmp_path / "summary.json"), {"eval_gain": math.nan, "nested": {"peak": math.inf}, "steps": 2})
+    assert strict((tmp_path / "summary.json").read_text()) == {"eval_gain": None, "nested": {"peak": None}, "steps": 2}

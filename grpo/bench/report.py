@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from grpo.cpus import machine_info
+from grpo.log import write_json
 
 
 def write_report(path: str, report: dict) -> None:
     """The bench's JSON, with the machine it ran on (CPU model, torch's kernel set, threads)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({**report, "machine": machine_info()}, f, indent=2)
+    write_json(path, {**report, "machine": machine_info()})  # strict JSON: a NaN as null (grpo/log.py)
 
 
 def table(rows: list[dict], cols: list[str]) -> str:

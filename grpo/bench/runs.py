@@ -22,6 +22,7 @@ import torch
 from grpo import listeners
 from grpo.config import compose_config
 from grpo.cpus import set_num_threads
+from grpo.log import read_metrics
 from grpo.progress import WaitProgress
 from grpo.rollout.dedicated import engine_exit, pinned_engine_env
 from grpo.rollout.server_watch import wait_for_url
@@ -48,7 +49,7 @@ def backend_overrides(backend: str, url: str | None) -> list[str]:
 
 
 def metrics_rows(run_dir: str) -> list[dict]:
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     return [r for r in rows if "step_s" in r][1:]  # the first step carries warm-ups
 
 
