@@ -138,15 +138,33 @@ def test_a_steps_mfu_by_hand():
     update = {"old": Work(tokens=5, computed=8, head=2), "reference": Work(), "train": train}
     generation = Work(tokens=20, computed=20, head=5)  # 2 x (200 + 20) = 440
     times = {"time/update_s": 2.0, "time/generate_s": 0.5, "time/batch_generate_s": 4.0, "step_s": 8.0}
-    local = Meter(shape, peak=10.0, dtype=torch.float32, nominal=None, local_generation=True, recompute=True)
+    local = Meter(shape, peak=400.0, dtype=torch.float32, nominal=None, local_generation=True, recompute=True)
     m = resolve(local.metrics(generation, update, times))  # as one process logs them (grpo/metrics.py)
     assert m["flops/update"] == 116 + 116 + 232 and m["flops/generate"] == 440
-    assert m["mfu/update"] == pytest.approx(464 / 2 / 10) and m["mfu/generate"] == pytest.approx(440 / 4 / 10)
-    assert m["mfu/step"] == pytest.approx((464 + 440) / 8 / 10) and m["flops/update_recompute"] == 100
+    assert m["mfu/update"] == pytest.approx(464 / 2 / 400) and m["mfu/generate"] == pytest.approx(440 / 4 / 400)
+    assert m["mfu/step"] == pytest.approx((464 + 440) / 8 / 400) and m["flops/update_recompute"] == 100
     assert m["update/real_token_frac"] == 5 / 8 and m["update_tokens_per_s"] == 5 / 2
-    served = resolve(Meter(shape, 10.0, torch.float32, None, local_generation=False, recompute=False).metrics(generation, update, times))
+    served = resolve(Meter(shape, 400.0, torch.float32, None, local_generation=False, recompute=False).metrics(generation, update, times))
     assert "mfu/generate" not in served and "flops/update_recompute" not in served
-    assert served["mfu/step"] == pytest.approx(464 / 8 / 10)  # the engines' FLOPs ran elsewhere
+    assert served["mfu/step"] == pytest.approx(464 / 8 / 400)  # the engines' FLOPs ran elsewhere
+
+
+def test_a_phase_faster_than_the_measured_peak_raises_it_and_no_mfu_exceeds_1():
+    """The peak measured at the start under load (2.1x below the end's on a shared 2-core machine) gave
+    mfu/update 1.37: the update at 232 FLOP/s against a measured 100 is read as the peak, with a
+    warning; a later step at 116 FLOP/s is 0.5 of it, and the summary keeps both figures."""
+    from grpo.mfu import Meter
+
+    shape = Shape(body=10, body_trained=10, head=4, head_trained=True, attention=0)
+    train = Work(tokens=5, computed=8, head=2, pairs=0)
+    update = {"old": Work(tokens=5, computed=8, head=2), "reference": Work(), "train": train}  # 464 FLOPs
+    meter = Meter(shape, peak=100.0, dtype=torch.float32, nominal=None, local_generation=False, recompute=False)
+    with pytest.warns(UserWarning, match="above the matmul peak measured at the start"):
+        fast = resolve(meter.metrics(Work(), update, {"time/update_s": 2.0, "time/batch_generate_s": 0.0, "step_s": 4.0}))
+    assert fast["mfu/update"] == pytest.approx(1.0) and fast["mfu/step"] == pytest.approx(464 / 4 / 232)
+    slow = resolve(meter.metrics(Work(), update, {"time/update_s": 4.0, "time/batch_generate_s": 0.0, "step_s": 8.0}))
+    assert slow["mfu/update"] == pytest.approx(0.5)
+    assert (meter.measured, meter.achieved, meter.peak) == (100.0, 232.0, 232.0)
 
 
 def test_the_datasheet_peak_by_device_name_and_tf32(monkeypatch):

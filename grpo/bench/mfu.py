@@ -35,10 +35,11 @@ def phase_rows(run_dir: str) -> tuple[list[dict], dict]:
     if not rows:
         raise ValueError(f"{run_dir}: no timed step in metrics.jsonl (the first step is not timed: run 2 or more)")
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
-    # the best of the run's two measurements (its start and its end): the machine's cores, less what
-    # another tenant took at either moment; the steps' own mfu/ are against the start's alone
+    # the best of the run's measurements (its start, its end, its fastest phase): the machine's cores, less
+    # what another tenant took at either moment; the steps' own mfu/ are against the start's, raised by a faster phase
     # rank 0's device; the ranks' flops/* are summed (grpo.metrics.reduce_metrics), so against every rank's device
-    peak = max(summary["peak_tflops_measured"], summary.get("peak_tflops_at_end") or 0.0) * 1e12 * summary.get("world_size", 1)
+    peak = max(summary["peak_tflops_measured"], summary.get("peak_tflops_at_end") or 0.0,
+               summary.get("peak_tflops_achieved") or 0.0) * 1e12 * summary.get("world_size", 1)
     # over the steps that measured it: a step whose groups were all flat trained nothing, its update/real_token_frac is NaN
     mean = lambda k: statistics.mean([v for r in rows if math.isfinite(v := r.get(k, 0.0))] or [math.nan])  # noqa: E731
     out = []
