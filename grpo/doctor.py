@@ -266,7 +266,7 @@ def check_backend(backend: str, work: str, extra: list[str]) -> Result:
     t0 = time.perf_counter()
     for seed in SEEDS:  # a first step whose groups were all flat moved no weight: its sync proves nothing
         run_dir = os.path.join(work, f"{backend}-seed{seed}")
-        out = run_child([sys.executable, "-m", "grpo.train", *two_steps(backend), f"run_dir={run_dir}", f"seed={seed}", *extra], 900)
+        out = run_child([sys.executable, "-m", "grpo.train", *two_steps(backend), f"run_dir={run_dir}", f"hydra.run.dir={run_dir}", f"seed={seed}", *extra], 900)
         if out.returncode != 0:
             return Result(backend, False, last_error(out.stderr), f"see the log: python -m grpo.train {' '.join(two_steps(backend))}")
         steps = [row for row in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "sampler_diff" in row]
