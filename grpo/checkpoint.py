@@ -12,6 +12,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import time
 
 import numpy as np
@@ -122,6 +123,32 @@ def _prune(root: str, keep: int, newest: str) -> None:
     for d in os.listdir(root):  # leftovers of saves that were killed; this save has been renamed
         if d.startswith((".tmp-", ".old-")):
             shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+        elif d.startswith(".latest-"):  # a pointer a kill left unrenamed
+            os.remove(os.path.join(root, d))
+
+
+def check_writable(run_dir: str) -> None:
+    """Every rank writes its own state into each checkpoint: a checkpoints folder it cannot write failed
+    at the first save, as a PermissionError traceback, after every step up to it had trained."""
+    root = os.path.join(run_dir, "checkpoints")
+    where = root if os.path.isdir(root) else run_dir  # not made here: an empty checkpoints/ reads as an earlier run's
+    probe = os.path.join(where, f".probe-{socket.gethostname()}-{os.getpid()}")
+    try:
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"{where}: this process cannot write checkpoints there ({e.strerror or e}); make it writable, "
+                          "or give the run a folder it can write (hydra.run.dir=...).") from None
+
+
+def remove_leftovers(folder: str) -> None:
+    """`folder`.tmp-<pid> of any process: a write into place (an export, an adapter) that a kill ended
+    left a partial copy (a real model's: gigabytes) beside `folder`. One live run per run folder
+    (grpo/run_lock.py), so none is another's in progress."""
+    parent, name = os.path.split(os.path.abspath(folder))
+    for d in os.listdir(parent) if os.path.isdir(parent) else ():
+        if d.startswith(f"{name}.tmp-"):
+            shutil.rmtree(os.path.join(parent, d), ignore_errors=True)
 
 
 def latest_checkpoint(run_dir: str) -> str | None:

@@ -51,7 +51,11 @@ class WarmStartError(RuntimeError):
     """The tiny model's supervised warm start ended below its accuracy target; nothing was cached."""
 
 
-USER_ERRORS = (ConfigError, DatasetError, ServerError, RewardStop, EngineStartError, WarmStartError)
+class RunFolderError(RuntimeError):
+    """The run folder is another live run's, or was removed or replaced while this run wrote to it."""
+
+
+USER_ERRORS = (ConfigError, DatasetError, ServerError, RewardStop, EngineStartError, WarmStartError, RunFolderError)
 
 
 def did_you_mean(key: str, declared, prefix: str = "") -> str:

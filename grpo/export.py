@@ -17,6 +17,7 @@ import shutil
 import torch
 
 from grpo import dist, lora
+from grpo.checkpoint import remove_leftovers
 
 
 EXPORTED = "grpo_export.json"  # in an exported folder: the training step its weights are
@@ -69,7 +70,7 @@ def export_hf(strategy, tokenizer, folder: str, bucket_bytes: int = 256 * 2**20,
     if missing or unexpected:
         raise RuntimeError(f"export: weights do not match the model: missing {missing}, unexpected {unexpected}")
     tmp = f"{folder}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_leftovers(folder)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if getattr(tokenizer, "vision", None) is not None:  # a VLM's image processor, as the model folder had it

@@ -9,7 +9,7 @@ import os
 import secrets
 import sys
 
-from grpo.errors import ConfigError
+from grpo.errors import ConfigError, RunFolderError
 
 WANDB_ONLY = ("project", "entity")  # logger settings only wandb reads
 
@@ -97,7 +97,7 @@ class RunLogger:
         self.wandb = None
         if not enabled:
             return
-        _truncate_after(self.path, resume_step)  # steps past the checkpoint are redone on resume
+        _truncate_after(self.path, resume_step, resume_step == total_steps)  # steps past the checkpoint are redone on resume
         self.file = open(self.path, "a", encoding="utf-8")
         if cfg.backend == "wandb":
             import wandb  # wandb: optional, only with logger.backend=wandb
@@ -121,6 +121,10 @@ class RunLogger:
     def log(self, step: int, metrics: dict, console: bool | None = None) -> None:
         if not self.enabled:
             return
+        if os.fstat(self.file.fileno()).st_nlink == 0:  # rows written now would reach no file anyone can read
+            raise RunFolderError(f"{self.path} was deleted or replaced while this run wrote to it (its run folder removed, "
+                                 "or another run started in it): stopping rather than logging to a file no one can read. "
+                                 "The checkpoints that remain resume the run.")
         self.file.write(dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
         if self.wandb is not None:
@@ -154,12 +158,20 @@ def _step_of(line: str) -> int | None:
         return None
 
 
-def _truncate_after(path: str, step: int | None) -> None:
-    """Keep rows up to `step` (the checkpoint resumed from); None keeps nothing (a fresh start)."""
+def _truncate_after(path: str, step: int | None, final: bool = False) -> None:
+    """Keep rows up to `step` (the checkpoint resumed from); None keeps nothing (a fresh start). `final`
+    (`step` is the run's last): of `step` its first row only, the training row. The resumed run only
+    evaluates, and a final evaluation's row logged before a kill (its summary not yet written) would
+    be there twice."""
     if not os.path.exists(path):
         return
+    kept, seen = [], False
     with open(path, encoding="utf-8") as f:
-        kept = [] if step is None else [line for line in f if (s := _step_of(line)) is not None and s <= step]
+        for line in f if step is not None else ():
+            if (s := _step_of(line)) is None or s > step or (s == step and seen and final):
+                continue
+            seen = seen or s == step
+            kept.append(line)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(kept)

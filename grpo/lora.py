@@ -23,6 +23,7 @@ import torch
 from omegaconf import ListConfig, OmegaConf
 from safetensors.torch import save_file
 
+from grpo.checkpoint import remove_leftovers
 from grpo.errors import ConfigError
 
 ADAPTER = "default"  # peft's name for the one adapter
@@ -172,7 +173,7 @@ def write_adapter(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Ten
     """An adapter folder (adapter_model.safetensors + adapter_config.json) that peft and vLLM load,
     written under a temporary name and renamed into place."""
     tmp = f"{folder}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_leftovers(folder)
     os.makedirs(tmp)
     save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors}, os.path.join(tmp, "adapter_model.safetensors"))
     model.peft_config[ADAPTER].save_pretrained(tmp)

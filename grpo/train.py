@@ -64,7 +64,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo.algorithm import batches_to_submit, combine_rewards, staleness, token_staleness, zero_std_groups
 from grpo.checkpoint import (check_layout, checkpoint_step, latest_checkpoint, load_checkpoint, load_reward_states, record_config,
-                             reward_states, save_checkpoint, set_aside_checkpoints)
+                             check_writable, reward_states, save_checkpoint, set_aside_checkpoints)
 from grpo.cli import compose_first, exit_on_user_error
 from grpo.config import check_sweep_folder, register_configs, validate
 from grpo.cpus import configure_threads, machine_info
@@ -85,6 +85,7 @@ from grpo.models import DTYPES, build_policy, build_reference, encode_prompts, p
 from grpo.parallel import build_strategy, strategy_class
 from grpo.parallel.base import resume_schedule
 from grpo.preempt import StopSignal, stop
+from grpo.run_lock import hold_run_folder
 from grpo.rewards import MODEL_REWARDS, build_rewards, score
 from grpo.rewards.failure_streak import FailureStreak
 from grpo.rollout import build_rollout, sampling_from
@@ -281,6 +282,8 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
     except OSError as e:  # a file of that name, a read-only or virtual file system (/proc), no permission
         raise ConfigError(f"run_dir={run_dir}: cannot make that folder ({e.strerror or e}); give a folder this user can "
                           f"write (run_dir=..., or hydra.run.dir=...).") from None
+    cleanup.enter_context(hold_run_folder(run_dir, info.is_main))  # one live run per folder (grpo/run_lock.py)
+    check_writable(run_dir)  # before any step trains: every rank writes into each checkpoint
     if not cfg.resume and info.is_main and (aside := set_aside_checkpoints(run_dir)):
         print(f"resume=false: the folder's earlier run (checkpoints, metrics, config) was moved to {aside}")
     done = False  # the folder's run finished these steps already: `finished` returns its summary, trains nothing
@@ -569,9 +572,16 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         export_hf(r.strategy, r.tokenizer, os.path.join(r.run_dir, "model"), r.bucket_bytes, step=cfg.steps)
     logger.info(
         f"eval accuracy {r.eval_before:.3f} -> {eval_after:.3f} ({summary['eval_gain']:+.3f}) in {cfg.steps} steps, "
-        f"{summary['wall_s']:.1f}s wall{f' for steps {r.start + 1}-{cfg.steps} (resumed)' if r.start else ''}; run folder {r.run_dir}"
+        f"{summary['wall_s']:.1f}s wall{resumed_span(r.start, cfg.steps)}; run folder {r.run_dir}"
     )
     return summary
+
+
+def resumed_span(start: int, steps: int) -> str:
+    """What this process of a resumed run did, for its last line ('' for an unbroken run)."""
+    if not start:
+        return ""
+    return " (resumed: the final evaluation only)" if start >= steps else f" for steps {start + 1}-{steps} (resumed)"
 
 
 def train_from_command_line(cfg: DictConfig) -> dict:

@@ -336,3 +336,22 @@ def test_a_checkpoint_is_resumed_only_by_the_strategy_processes_and_adapter_that
     check_layout(str(zero), "zero3", 1)
     with pytest.raises(ConfigError, match="Resume with parallel=zero2 or zero3"):
         check_layout(str(zero), "ddp", 2)
+
+
+@pytest.mark.starts_process
+def test_a_run_in_a_folder_another_live_run_holds_is_refused_before_it_touches_it(tmp_path, cache_dir):
+    """Two runs on one folder: the second truncated the first's metrics.jsonl and removed its checkpoint
+    in progress (same temporary name); the first crashed in its next save. The second is now refused
+    at setup with one line naming the holder, and leaves the folder as it was."""
+    from grpo.run_lock import hold_run_folder
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    with hold_run_folder(str(run_dir), is_main=True):  # this test process: the live run
+        second = run_train(run_dir, cache_dir)
+        out, _ = second.communicate(timeout=300)
+    assert second.returncode == 1, out
+    assert f"error: {run_dir} is in use by another run (process {os.getpid()} on " in out
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "loss": 0.5}\n'
+    assert not (run_dir / "config.yaml").exists()

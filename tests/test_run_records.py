@@ -172,3 +172,79 @@ def test_run_files_are_strict_json_and_read_back_as_nan(tmp_path):
 
     write_json(str(tmp_path / "summary.json"), {"eval_gain": math.nan, "nested": {"peak": math.inf}, "steps": 2})
     assert strict((tmp_path / "summary.json").read_text()) == {"eval_gain": None, "nested": {"peak": None}, "steps": 2}
+
+
+def test_a_resume_at_the_last_step_keeps_one_final_evaluation_row(tmp_path):
+    """Killed between the final evaluation's row and summary.json: the resumed run (nothing left to
+    train) logs the evaluation again, and metrics.jsonl held it twice. Continued to more steps, an
+    earlier run's final row at its last step stays (it was that run's evaluation)."""
+    from grpo.log import _truncate_after
+
+    def rows(*steps):
+        return "".join(json.dumps({"step": s, "x": i}) + "\n" for i, s in enumerate(steps))
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(rows(0, 1, 2, 3, 4, 4))  # step 4's training row, then its final evaluation
+    _truncate_after(str(path), 4, final=True)
+    assert [json.loads(x)["x"] for x in path.read_text().splitlines()] == [0, 1, 2, 3, 4]
+    path.write_text(rows(0, 1, 2, 3, 4, 4, 5))
+    _truncate_after(str(path), 4, final=False)  # steps=8 now: the run goes on from 4
+    assert [json.loads(x)["x"] for x in path.read_text().splitlines()] == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_deleted_metrics_file_stops_the_run_instead_of_logging_into_it(tmp_path):
+    """`rm -rf` of the run folder mid-run: the logger kept writing to the unlinked file and the run
+    ended with exit 0, its metrics and config gone. Now the next row raises, naming the file."""
+    from grpo.errors import RunFolderError
+
+    cfg = OmegaConf.structured(LoggerConfig(backend="console", log_every=1000))
+    log = RunLogger(cfg, str(tmp_path), 4, {})
+    log.log(1, {"loss": 0.5})
+    os.remove(tmp_path / "metrics.jsonl")
+    with pytest.raises(RunFolderError, match="metrics.jsonl was deleted or replaced while this run wrote to it"):
+        log.log(2, {"loss": 0.4})
+    log.close()
+
+
+def test_one_live_run_per_folder(tmp_path):
+    """A second run in a folder a live run holds is refused, naming the holder; the lock goes with the
+    process (or the run's exit), so a later run, a resume, takes it."""
+    from grpo.errors import RunFolderError
+    from grpo.run_lock import hold_run_folder
+
+    with hold_run_folder(str(tmp_path), is_main=True):
+        assert (tmp_path / ".lock").read_text().startswith(f"{os.getpid()} on ")
+        with pytest.raises(RunFolderError, match=f"is in use by another run \\(process {os.getpid()} on "):
+            with hold_run_folder(str(tmp_path), is_main=True):
+                pass
+    with hold_run_folder(str(tmp_path), is_main=True):  # released: taken again
+        pass
+
+
+def test_leftovers_of_killed_writes_are_removed_and_an_unwritable_checkpoints_folder_is_named(tmp_path):
+    """A kill during an export left model.tmp-<pid> (a real model's partial copy: gigabytes) and during
+    a checkpoint's publish a .latest-<pid> pointer; no later run removed another pid's. A checkpoints
+    folder no process can write failed at the first save, after training up to it."""
+    from grpo.checkpoint import _prune, check_writable, remove_leftovers
+    from grpo.config import ConfigError
+    from grpo.train import resumed_span
+
+    (tmp_path / "model.tmp-12345").mkdir()
+    (tmp_path / "model.tmp-12345" / "model.safetensors").write_text("partial")
+    (tmp_path / "model").mkdir()
+    remove_leftovers(str(tmp_path / "model"))
+    assert sorted(os.listdir(tmp_path)) == ["model"]
+    root = tmp_path / "checkpoints"
+    for d in ("step_00000002", "step_00000004", ".tmp-step_00000006"):
+        (root / d).mkdir(parents=True)
+    (root / ".latest-777").write_text("step_00000004")
+    _prune(str(root), keep=2, newest="step_00000004")
+    assert sorted(os.listdir(root)) == ["step_00000002", "step_00000004"]
+
+    check_writable(str(tmp_path))
+    (tmp_path / "ro").mkdir()
+    os.symlink("/proc/1", tmp_path / "ro" / "checkpoints")  # a folder no one, root included, can add a file to
+    with pytest.raises(ConfigError, match="cannot write checkpoints there"):
+        check_writable(str(tmp_path / "ro"))
+    assert resumed_span(0, 8) == "" and resumed_span(4, 8) == " for steps 5-8 (resumed)"
+    assert resumed_span(8, 8) == " (resumed: the final evaluation only)"
