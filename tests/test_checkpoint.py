@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from grpo.config import AlgoConfig
+from grpo.log import read_metrics
 from grpo.parallel.single import SingleStrategy
 from tests.conftest import FAST, ROOT
 
@@ -90,7 +91,7 @@ def run_train(run_dir, cache_dir, *overrides):
 
 
 def metrics(run_dir):
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))  # null (a metric with no value): NaN
     keep = ("reward/mean", "reward/std", "loss", "grad_norm", "entropy", "eval/accuracy", "weight_version")
     return [(r["step"], {k: r[k] for k in keep if k in r}) for r in rows]
 
