@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from grpo.endpoints import NotJson, Server, wait_until
+from grpo.endpoints import NotJson, Server, parallel_map, wait_until
 from grpo.errors import RewardStop, ServerError
 from grpo.rewards.served_rm import ServedRewardModel
 from grpo.tiny.text import build_char_tokenizer
@@ -107,3 +108,40 @@ def test_a_served_reward_model_that_refuses_or_redirects_stops_the_run(serve, st
     with warnings.catch_warnings(record=True):  # a 5xx may pass: that share scores None and the run goes on
         warnings.simplefilter("always")
         assert rm.scores(["1+1=2", "2+2=4", "3+3=6", "4+4=8"]) == [0.5, 0.5, None, None]
+
+
+def test_a_health_wait_that_is_refused_fails_at_once():
+    """A server that answers 401 (403) to the health wait's request refuses this client's token: waiting
+    cannot change that, so the wait fails at once saying why, not after its whole timeout (here 30 s,
+    a start's default is minutes) with "did not become healthy"."""
+    calls = []
+
+    def refused():
+        calls.append(1)
+        raise ServerError("http://127.0.0.1:1/v1/models answered 401: no", 401)
+
+    with pytest.raises(ServerError, match=r"judge server is up but refused the request: .*answered 401.*GRPO_JUDGE_TOKEN"):
+        wait_until(refused, timeout_s=30, poll_s=0.1, what="judge server", log=None)
+    assert len(calls) == 1  # no second try: waiting cannot change a refusal
+
+
+def test_parallel_map_starts_no_item_after_an_error_with_several_workers():
+    """Two workers over ["fail", 0.3, 0.3, 0.3, 0.3]: the first item fails once item 1 has started, and
+    is raised; the other worker, busy with item 1 for 0.3 s, must then stop rather than take items 2, 3,
+    4 (requests a failed batch no longer needs, each holding a server for its whole time). With
+    workers=1 the one worker returns on its own error, so only several workers show it."""
+    started, one_started = [], threading.Event()
+
+    def item(x):
+        started.append(x)
+        if x == "fail":
+            one_started.wait(5)
+            raise ServerError("refused")
+        one_started.set()
+        time.sleep(x)
+        return x
+
+    with pytest.raises(ServerError, match="refused"):
+        parallel_map(item, ["fail", 0.3, 0.3, 0.3, 0.3], workers=2)
+    time.sleep(0.8)  # long enough for the busy worker to finish item 1 and (wrongly) start two more
+    assert sorted(map(str, started)) == ["0.3", "fail"]

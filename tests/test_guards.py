@@ -115,6 +115,26 @@ def test_the_weight_fingerprint_sees_a_swap_and_a_shift():
     assert weight_fingerprint([[("a", a)]]) == pytest.approx(26.0)
 
 
+def test_a_fingerprint_that_differs_beyond_summation_noise_names_the_rank(monkeypatch):
+    """Two ranks (the other's fingerprint put in as the all-reduce would): 1e-7 relative apart is far
+    beyond float64 summation order, so the weights differ: rank 1 is named, and the check stops the
+    run; 1e-12 apart is summation order, not reported. A tolerance of 1e-3 would let ranks whose
+    weights differ by a small update run on unnoticed."""
+    from grpo import guards
+    from grpo.guards import RanksDiverged, ranks_fingerprints
+
+    mine = 1234.5678
+    monkeypatch.setattr(guards.dist, "world_size", lambda: 2)
+    monkeypatch.setattr(guards.dist, "rank", lambda: 0)
+    for theirs, differ in ((mine * (1 + 1e-7), [1]), (mine * (1 + 1e-12), [])):
+        monkeypatch.setattr(guards.dist, "all_reduce_sum", lambda v, theirs=theirs: [v[0], v[1] + theirs])
+        assert ranks_fingerprints(mine) == ([mine, theirs], differ)
+    monkeypatch.setattr(guards.dist, "all_reduce_sum", lambda v: [v[0], v[1] + mine * (1 + 1e-7)])
+    monkeypatch.setattr(guards, "weight_fingerprint", lambda buckets: mine)
+    with pytest.raises(RanksDiverged, match=r"after step 3 ranks \[1\] hold weights that differ from rank 0's"):
+        RankCheck(every=1, world=2).check(3, [])
+
+
 def test_the_sampler_watch_warns_once_after_three_on_policy_steps_above_the_bound():
     watch = SamplerWatch(healthy("float32", "cpu", {}))  # the largest difference, 0.05
 

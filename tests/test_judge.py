@@ -113,6 +113,20 @@ def test_pattern_gets_room_for_the_largest_choice_and_a_cut_answer_is_garbage():
     assert judge.read(out_of_range) == (None, "Rating: 11")  # outside the rating: not a score
 
 
+def test_logprobs_read_the_first_answer_token_not_the_last():
+    """score=logprobs through chat with max_tokens=2: the judge's first token says "yes" (1), its second
+    "no" (0). The score is read at the first answer token, as documented: 1.0. Reading the last token's
+    top_logprobs would score 0.0, the verdict of whatever the judge wrote after its answer."""
+    cfg = compose_cfg("reward=judge", "reward.judge.urls=[http://127.0.0.1:1]", "reward.judge.api=chat",
+                      "reward.judge.score=logprobs", "reward.judge.max_tokens=2")
+    judge = Judge(cfg.reward.judge, None)
+    assert judge.choices == {"yes": 1.0, "no": 0.0}
+    content = [{"token": "yes", "logprob": 0.0, "top_logprobs": [{"token": "yes", "logprob": 0.0}]},
+               {"token": "no", "logprob": 0.0, "top_logprobs": [{"token": "no", "logprob": 0.0}]}]
+    said = {"choices": [{"message": {"content": "yes no"}, "logprobs": {"content": content}, "finish_reason": "length"}]}
+    assert judge.read(said) == (1.0, "yes no")
+
+
 def test_agreement_by_hand():
     # correct scores 0.9, 0.4, NaN; wrong 0.5, 0.4, None: pairs (0.9>0.5) 1, (0.9>0.4) 1, (0.4<0.5) 0,
     # (0.4=0.4) 0.5 -> 2.5/4; the unscored (NaN: a failed request, as grpo.rewards.score gives it) left out
@@ -562,3 +576,39 @@ def test_a_slow_batch_ends_at_the_judges_own_bound_and_leaves_nothing_running(ga
     assert values == [7.0, None, None, None]  # the one in flight answered; the rest were never sent
     assert judge.stats["failed"] == 3
     assert not [t for t in threading.enumerate() if t.name.startswith("judge")]
+
+
+def test_a_wrong_model_name_stops_at_once(garbage):
+    """A 404 from the judge's completions route (reward.judge.model names no model the server has):
+    every later request would be refused the same way, so the first one stops the run naming
+    reward.judge.model, with no retry. Retried as a passing failure instead, each batch would spend
+    its retries and then stop on min_scored without saying what to check."""
+    url, answers = garbage  # no /v1/completions there: 404
+    judge = make_judge([url], "reward.judge.retries=2")
+    sent = []
+    request = judge.servers[0].request
+    judge.servers[0].request = lambda *a, **k: sent.append(a[0]) or request(*a, **k)
+    completions, samples = batch(1)
+    with pytest.raises(RewardStop, match=r"answered 404.*reward.judge.model against the server"):
+        judge(completions, samples)
+    assert sent == ["/v1/completions"]
+
+
+def test_a_request_retrying_past_the_batchs_bound_stops_retrying(garbage, monkeypatch):
+    """A judge that fails slowly (0.4 s, then an answer that is not JSON: retried), with retries=5 and
+    reward.judge.batch_timeout_s=0.5: once the batch is past its bound, the request in flight makes no
+    further attempt (at most 1 retry: the one started before 0.5 s). Without the batch telling its
+    requests it is over, the call would wait for all 6 attempts (2.4 s here; minutes with a real
+    request_timeout_s), past the bound the user set."""
+    import grpo.rewards.judge as judge_module
+
+    monkeypatch.setattr(judge_module, "RETRY_PAUSE_S", 0.0)
+    url, answers = garbage
+    answers["/v1/completions"], answers["delay_s"] = b"<html>busy</html>", 0.4
+    judge = make_judge([url], "reward.judge.min_scored=0", "reward.judge.retries=5", "reward.judge.batch_timeout_s=0.5")
+    completions, samples = batch(1)
+    t0 = time.monotonic()
+    with pytest.warns(UserWarning, match="1 of 1 requests failed.*answered with no JSON"):
+        assert judge(completions, samples) == [None]
+    # 0.8 s here; 5 retries and 2.4 s without the stop
+    assert judge.stats["retries"] <= 1, (judge.stats, f"{time.monotonic() - t0:.1f} s")

@@ -336,3 +336,53 @@ def test_episode_metrics_by_hand():
     assert m["episode/tool_calls"] == 1.5
     assert m["episode/tokens_behind"] == pytest.approx(2 / 5)
     assert m["episode/mixed_versions"] == 0.5 and m["episode/versions_max"] == 2
+
+
+def test_a_latest_naming_a_missing_step_falls_back_to_the_newest_complete_one(tmp_path):
+    # steps 1 and 2 complete, `latest` naming step 3 (a kill before its folder was in place): the
+    # newest complete one, step 2, not the oldest (step 1 would retrain step 2 and drop its progress)
+    from grpo.checkpoint import DONE, latest_checkpoint
+
+    root = tmp_path / "checkpoints"
+    for step in ("step_00000001", "step_00000002"):
+        (root / step).mkdir(parents=True)
+        (root / step / DONE).write_text("")
+    (root / "step_00000004").mkdir()  # no DONE marker: incomplete, never chosen
+    (root / "latest").write_text("step_00000003")
+    assert latest_checkpoint(str(tmp_path)) == str(root / "step_00000002")
+
+
+def test_ranks_that_log_different_metric_names_are_stopped_naming_the_difference(monkeypatch):
+    # this rank logs [a, b], the other [a]: their names' checksums differ, so max(crc) != -max(-crc);
+    # the all-reduce would pair b's value with nothing (or another metric's): an error naming "b"
+    import zlib
+
+    import grpo.metrics
+    from grpo.metrics import same_keys
+
+    other = ["a"]
+    theirs = zlib.crc32("\n".join(other).encode())
+    monkeypatch.setattr(grpo.metrics, "all_reduce_max", lambda v: [max(v[0], theirs), max(v[1], -theirs)])
+    monkeypatch.setattr(grpo.metrics, "all_gather", lambda keys: [keys, other])
+    with pytest.raises(RuntimeError, match=r"the ranks log different metrics this step: \['b'\] only on some ranks"):
+        same_keys(["a", "b"])
+    same_keys(["a"])  # the same names: no error
+
+
+def test_two_ranks_metrics_are_averaged_summed_maxed_and_divided_by_value(monkeypatch):
+    # rank 0 and rank 1 (its values added as the all-reduce would): plain (1 + 3) / 2 = 2; loss summed
+    # 2 + 3 = 5 (SUMMED: each rank's share of one loss); steps_max max(5, 7) = 7 (not the mean 6 nor
+    # the sum 12); Ratio (1 + 3) / (2 + 2) = 1.0; Count 3 + 4 = 7; a name as it is
+    import grpo.metrics
+    from grpo.dist import DistInfo
+    from grpo.metrics import Count, Ratio, reduce_metrics
+
+    mine = {"plain": 1.0, "loss": 2.0, "steps_max": 5.0, "r": Ratio(1.0, 2.0), "n": Count(3.0), "layout": "padded"}
+    # the other rank's parts in reduce_metrics' order (keys sorted: loss, n, plain, r, steps_max)
+    other_sum = [3.0, 4.0, 3.0, 3.0, 2.0, 7.0]
+    maxima = iter([None, [7.0]])  # same_keys' checksum call first (the same keys: unchanged), then the *_max values
+    monkeypatch.setattr(grpo.metrics, "all_reduce_sum", lambda v: [a + b for a, b in zip(v, other_sum, strict=True)])
+    monkeypatch.setattr(grpo.metrics, "all_reduce_max",
+                        lambda v: v if (o := next(maxima)) is None else [max(a, b) for a, b in zip(v, o, strict=True)])
+    out = reduce_metrics(mine, DistInfo(rank=0, world_size=2))
+    assert out == {"plain": 2.0, "loss": 5.0, "steps_max": 7.0, "r": 1.0, "n": 7.0, "layout": "padded"}

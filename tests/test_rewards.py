@@ -546,3 +546,46 @@ def test_reward_funcs_without_a_name_listed_twice_or_without_time_are_refused(ov
     with pytest.raises(ConfigError, match=message):
         check_rewards(compose_cfg(override))
     check_rewards(compose_cfg("reward.funcs=[{name:exact_match,weight:2}]", "reward.timeout_s=0.5"))  # accepted
+
+
+def test_a_model_rewards_own_stop_stops_the_run_not_only_its_batch():
+    """A model reward (here under the name `judge`) that raises RewardStop (a refusing server, a batch
+    below min_scored) stops the run with its own reason. Were it caught with every other exception,
+    the batch would only be marked failed with a warning, and a judge whose token is wrong would fail
+    every batch of the run without stopping it."""
+    def judge(completions, samples, **_):
+        raise RewardStop("the judge refused the token")
+
+    with pytest.raises(RewardStop, match="the judge refused the token"):
+        score([("judge", judge, 1.0)], ["a"], [None], timeout_s=5)
+
+
+def test_a_rule_rewards_own_stop_is_raised_from_its_thread():
+    """A rule reward runs on a thread under reward.timeout_s; a RewardStop it raises there (a setup
+    mistake it detects itself) is raised again in the caller with its reason. Were it dropped in the
+    thread, the call would seem to return nothing, and scoring would fail on that with an unrelated
+    TypeError (len of None) instead of the reward's own stop."""
+    def rule(completions, samples, **_):
+        raise RewardStop("bad reference answers")
+
+    with pytest.raises(RewardStop, match="bad reference answers"):
+        score([("rule", rule, 1.0)], ["a", "b"], [None] * 2, timeout_s=5)
+
+
+def test_a_weight_of_0_beside_a_positive_one_is_refused():
+    """reward.funcs=[exact_match: 1, format: 0]: the 0 changes nothing, so the user who wrote it meant
+    something else (to drop the function, or a small weight). A check that refused only weights all
+    <= 0 would let it pass silently; a 0 is refused on its own."""
+    with pytest.raises(ConfigError, match="a weight of 0 changes nothing"):
+        check_rewards(compose_cfg("reward.funcs=[{name:exact_match,weight:1},{name:format,weight:0}]"))
+    check_rewards(compose_cfg("reward.funcs=[{name:exact_match,weight:1},{name:format,weight:0.1}]"))  # accepted
+
+
+def test_a_run_that_scored_nothing_does_not_stop_at_its_end():
+    """A resume of a finished run (or a run stopped before its first scored batch) calls `finish`
+    with no batch observed: every reward's streak is 0 of 0 batches, which is no failure. Compared
+    without the `observed` count, 0 == 0 would read as "failed throughout every batch" and raise a
+    false RewardStop at the end of a run that did nothing wrong."""
+    from grpo.rewards.failure_streak import FailureStreak
+
+    FailureStreak(["mine"], reduce=other_rank(0, 0)).finish()  # nothing observed: no stop
