@@ -82,6 +82,7 @@ class StopSignal:
     def _handle(self, signum, frame) -> None:
         self.received.add(signum)
         if self.in_setup and signum == EXIT:
+            self.in_setup = False  # a second SIGTERM (srun and torchrun both forward one) must not cut the cleanup short
             # os.write: a print could land inside the main thread's own write to stderr (a reentrant call)
             os.write(2, b"stopped during setup on SIGTERM: nothing trained in this process, no checkpoint written. "
                         b"Run again with the same run folder to start (or resume) there.\n")

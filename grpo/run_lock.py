@@ -25,7 +25,10 @@ LOCK = ".lock"
 def _take(run_dir: str):
     """(the open lock file or None, an error message or None) on this process."""
     path = os.path.join(run_dir, LOCK)
-    f = open(path, "a+", encoding="utf-8")
+    try:
+        f = open(path, "a+", encoding="utf-8")
+    except OSError as e:  # a read-only folder: said on every rank (the broadcast below), not a traceback on one
+        return None, f"{run_dir}: this process cannot write there ({e.strerror or e}); give the run a folder it can write (hydra.run.dir=...)."
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -283,9 +283,10 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
         raise ConfigError(f"run_dir={run_dir}: cannot make that folder ({e.strerror or e}); give a folder this user can "
                           f"write (run_dir=..., or hydra.run.dir=...).") from None
     cleanup.enter_context(hold_run_folder(run_dir, info.is_main))  # one live run per folder (grpo/run_lock.py)
-    check_writable(run_dir)  # before any step trains: every rank writes into each checkpoint
     if not cfg.resume and info.is_main and (aside := set_aside_checkpoints(run_dir)):
         print(f"resume=false: the folder's earlier run (checkpoints, metrics, config) was moved to {aside}")
+    barrier()  # rank 0 has moved checkpoints/ aside: the others probe what stays
+    check_writable(run_dir)  # before any step trains: every rank writes into each checkpoint
     done = False  # the folder's run finished these steps already: `finished` returns its summary, trains nothing
     if cfg.resume:  # before config.yaml is touched: a refused resume leaves the folder as it was
         check_not_past(run_dir, cfg.steps)

@@ -235,12 +235,14 @@ KEYS = ["loss", "grad_norm", "sampler_diff", "sampler_kl", "kl", "entropy", "cli
 
 
 def summarize(run_dirs: list[str]) -> int:
+    from grpo.log import read_metrics  # grpo: imported where used, as the probes above do
+
     rows = []
     for d in run_dirs:
         name = os.path.basename(d.rstrip("/"))
         row = {"run": name}
         try:
-            steps = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+            steps = read_metrics(os.path.join(d, "metrics.jsonl"))  # null (a NaN loss, an inf grad_norm): NaN
         except OSError as e:
             row["error"] = f"no metrics.jsonl ({e.strerror})"
             rows.append(row)

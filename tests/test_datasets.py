@@ -3,6 +3,7 @@ extraction, row-level errors naming file and line, the hub path's failure messag
 through a chat template."""
 
 import json
+import math
 
 import pytest
 from omegaconf import OmegaConf
@@ -238,4 +239,5 @@ def test_a_short_run_on_a_local_data_set(make_cfg, tmp_path, task, reward):
     assert summary["steps"] == 1 and summary["eval_after"] in (0.0, 0.5, 1.0)  # 2 held-out rows
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     step = next(r for r in rows if r["step"] == 1 and "reward/mean" in r)
-    assert step[f"reward/{reward}"] == step[f"reward/{reward}"]  # scored: a number, not NaN (no completion excluded)
+    value = step[f"reward/{reward}"]
+    assert isinstance(value, float) and math.isfinite(value)  # scored: a number, not null (no completion excluded)

@@ -102,6 +102,8 @@ def test_a_sigterm_during_setup_exits_at_once_and_a_warning_waits_for_step_1():
             os.kill(os.getpid(), signal.SIGTERM)  # the real handler raises at once
             time.sleep(5)  # not reached
         assert e.value.code == 143
+        os.kill(os.getpid(), signal.SIGTERM)  # a second one (srun and torchrun both forward it) during the cleanup:
+        assert stop_signal.received == {signal.SIGUSR1, signal.SIGTERM}  # recorded, not raised mid-cleanup
         stop_signal.received.clear()
         stop_signal.training()
         os.kill(os.getpid(), signal.SIGTERM)

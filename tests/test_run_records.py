@@ -219,6 +219,9 @@ def test_one_live_run_per_folder(tmp_path):
                 pass
     with hold_run_folder(str(tmp_path), is_main=True):  # released: taken again
         pass
+    with pytest.raises(RunFolderError, match="/proc/1: this process cannot write there"):  # not a traceback on rank 0
+        with hold_run_folder("/proc/1", is_main=True):
+            pass
 
 
 def test_leftovers_of_killed_writes_are_removed_and_an_unwritable_checkpoints_folder_is_named(tmp_path):

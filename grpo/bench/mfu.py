@@ -4,7 +4,7 @@ with `--run-dir`), from the step metrics every run logs (grpo/mfu.py), and what 
 counted FLOPs over the measured peak (the arithmetic bound) against its seconds.
 
 Means over the steps after the first (it carries warm-ups); MFU of a phase = its FLOPs over its
-seconds over the better of the peaks the run measured at its start and its end (grpo/peak.py: on
+seconds over the best of the peaks the run measured at its start and its end and its fastest phase (grpo/peak.py: on
 shared 2-core machines it varies by about +-25% between processes and over minutes, so compare runs
 as ratios, measured in one command). The runs it trains keep their metrics and summary in the folder
 it prints; their checkpoints (1.6 GB for SmolLM2 with AdamW's state) are deleted once read.
@@ -26,7 +26,7 @@ WORKLOADS = {
     # SmolLM2-135M (fp32) on one-digit arithmetic; the held-out evaluation cut to 8 questions
     "smollm2": ["experiment=smollm2_arithmetic_cpu", "eval_every=0", "task.eval_size=8", "logger.sample_every=0"],
 }
-PHASES = ("generate", "score", "update", "sync")
+PHASES = ("generate", "score", "sleep", "update", "sync")  # sleep: a colocated engine freeing its memory (GPU)
 
 
 def phase_rows(run_dir: str) -> tuple[list[dict], dict]:
