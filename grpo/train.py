@@ -88,8 +88,7 @@ from grpo.preempt import StopSignal, stop
 from grpo.run_lock import hold_run_folder
 from grpo.rewards import MODEL_REWARDS, build_rewards, score
 from grpo.rewards.failure_streak import FailureStreak
-from grpo.rollout import build_rollout, sampling_from
-from grpo.rollout.base import finished_at
+from grpo.rollout import build_rollout, finished_at, sampling_from
 from grpo.rollout.push import nccl_peers
 from grpo.tasks import TrainSampler, build_task
 from grpo.tiny.folders import resolve_on_node
@@ -246,9 +245,10 @@ class Run:
             )
         except RewardStop as e:  # a judge's min_scored, a refusing reward server: raised below, on every rank
             stopped = e
-        self.failure_streak.observe(reward_stats, stopped)  # every rank, every batch: RewardStop on all ranks at once
         withhold_errored(rewards_FB, rollouts.finish_reasons)
-        rewards_PG = combine_rewards(rewards_FB, [w for _, _, w in self.reward_fns]).view(self.P, self.G)
+        rewards_B = None if stopped else combine_rewards(rewards_FB, [w for _, _, w in self.reward_fns])
+        self.failure_streak.observe(reward_stats, stopped, rewards_B, rollouts.finish_reasons)  # every rank: stops at once
+        rewards_PG = rewards_B.view(self.P, self.G)
         by_name = {name: values for (name, _, _), values in zip(self.reward_fns, rewards_FB)}
         return Scored(batch.samples, batch.prompt_ids, rollouts, completions, rewards_PG, by_name,
                       generate_s=t_gen - t0, wait_s=t_gen - t0, score_s=time.perf_counter() - t_gen,

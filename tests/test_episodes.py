@@ -10,6 +10,7 @@ test_dedicated.py.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import threading
@@ -206,7 +207,9 @@ def test_an_env_that_hangs_or_raises_ends_its_episode_as_error_within_its_timeou
 class WrongTypes(GuessEnv):
     """The guess game answering by secret: 1 an int observation, 2 a dict, 3 None (allowed: nothing
     shown), 4 a bare string instead of a Step; 5 opens its episode with an int at reset; 7 a reward
-    that is text, 8 an info that is None; 9 a 0-d tensor reward, 10 a bool one (allowed: numbers)."""
+    that is text, 8 an info that is None; 9 a 0-d tensor reward, 10 a bool one (allowed: numbers); 11 a
+    NaN reward (the environment's fault, not the reward function's), 12 a done that is the text "False"
+    (truthy: it ended every episode as "stop", silently)."""
 
     def reset(self, sample, seed):
         text = super().reset(sample, seed)
@@ -215,7 +218,7 @@ class WrongTypes(GuessEnv):
     def step(self, action):
         bad = {1: Step(42, 0.0, False), 2: Step({"board": "<"}, 0.0, False), 3: Step(None, 0.0, False), 4: "<",
                7: Step("<", "miss", False), 8: Step("<", 0.0, False, None), 9: Step("<", torch.tensor(0.25), False),
-               10: Step("<", False, False)}
+               10: Step("<", False, False), 11: Step("<", math.nan, False), 12: Step("<", 0.0, "False")}
         return bad.get(self.secret) or super().step(action)
 
 
@@ -228,15 +231,17 @@ def test_an_env_answering_with_a_non_string_ends_its_episode_as_a_counted_error_
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = runner(tok, make_env=WrongTypes, max_turns=2).run(Scripted(tok, binary_search_policy(tok)),
-                                                                prompts_of(tok, GUESS[:10]), GUESS[:10], 1, Sampling(3))
+                                                                prompts_of(tok, GUESS[:12]), GUESS[:12], 1, Sampling(3))
     assert [e.finish for e in out.episodes] == ["error", "error", "turns", "error", "error", "turns",
-                                                "error", "error", "turns", "turns"]
+                                                "error", "error", "turns", "turns", "error", "error"]
     assert all(out.episodes[i].env_reward is None for i in (0, 1, 3, 4, 6, 7))
     assert "int" in out.episodes[0].error and "dict" in out.episodes[1].error and "str" in out.episodes[3].error
     assert "Step.reward=a str ('miss')" in out.episodes[6].error and "Step.info=a NoneType" in out.episodes[7].error
     assert out.episodes[8].env_reward == 0.5 and out.episodes[9].env_reward == 0.0  # two 0-d tensors of 0.25; False, False
+    assert "Step.reward=a float ('nan'); it must be a finite number or None" in out.episodes[10].error
+    assert "Step.done=a str ('False'); it must be a bool" in out.episodes[11].error
     messages = [str(w.message) for w in caught if "'test-env'" in str(w.message)]
-    assert len(messages) == 6 and all("str or None" in m or "a Step" in m or "must be a" in m for m in messages), messages
+    assert len(messages) == 8 and all("str or None" in m or "a Step" in m or "must be a" in m for m in messages), messages
     assert "reset failed" in messages[0] and "int" in messages[0]  # the resets come before any turn
 
 

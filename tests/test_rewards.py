@@ -126,6 +126,34 @@ def test_a_numpy_or_torch_value_that_is_not_one_finite_number_still_fails(bad):
     assert marked(rewards) == [[1.0, "failed"]]
 
 
+@pytest.mark.parametrize("container, kind", [(lambda v: dict(enumerate(v)), "dict"), (set, "set"),
+                                             (lambda v: "".join("1" if x else "0" for x in v), "str")])
+def test_a_reward_returning_a_dict_set_or_string_fails_not_read_as_its_keys_or_characters(container, kind):
+    """{i: score} was scored by its keys (0, 1, 2), a set in hash order (and fewer values), a string
+    "101" as its characters: each silently. Now the batch fails with what was returned, and one at a
+    time every completion fails too (excluded and counted)."""
+    def scores_in(completions, samples, **_):
+        return container([1.0 if c == "right" else 0.0 for c in completions])
+
+    with pytest.warns(UserWarning, match=rf"'boxed' failed on the batch \(TypeError: returned a {kind}, not a list of "
+                                         r"scores in the completions' order\)"):
+        rewards, stats = score([("boxed", scores_in, 1.0)], ["right", "wrong", "right"], [None] * 3, timeout_s=5)
+    assert marked(rewards) == [["failed"] * 3] and stats["boxed/completions_failed"] == 3
+
+
+def trl_style(prompts, completions, **_):
+    return [1.0] * len(completions)
+
+
+def test_a_reward_taking_prompts_first_is_refused_at_validate():
+    """TRL's reward signature, (prompts, completions, **kwargs), got the completions as `prompts` and the
+    samples as `completions`, and scored them silently (1.0 each here)."""
+    with pytest.raises(ConfigError, match=r"reward 'tests.test_rewards.trl_style' takes \(prompts, completions, \.\.\.\), "
+                                          r"but a reward is called as fn\(completions, samples, \*\*info\).*Reorder"):
+        check_rewards(compose_cfg("reward.funcs=[{name: tests.test_rewards.trl_style, weight: 1.0}]"))
+    check_rewards(compose_cfg("reward.funcs=[{name: tests.test_rewards.abstains, weight: 1.0}]"))  # (completions, samples)
+
+
 def test_a_completion_one_function_failed_on_is_not_scored_by_the_others():
     """With reward=[judge-like, format]: the first fails on completion 0 (raises), the second gives
     every completion 1. Scored by `format` alone, completion 0 got 0.1 against its group's 1.1 and a
@@ -372,10 +400,10 @@ def test_a_reward_that_fails_on_every_completion_is_counted_and_warned_per_compl
     assert any(re.search(rf"reward 'mine' failed on completion 0 '5' \({error}", str(w.message)) for w in seen)
 
 
-def other_rank(*counts: float, stopped: float = 0):
+def other_rank(*counts: float, stopped: float = 0, outcome=(0, 0, 0)):
     """An all-reduce over this rank and another whose (failed, tried) counts per reward are `counts`
-    (and which stopped, 1, or not, 0)."""
-    return lambda mine: [a + b for a, b in zip(mine, (stopped, *counts), strict=True)]
+    (and which stopped, 1, or not, 0; `outcome`: its completions rewarded, episodes errored, completions)."""
+    return lambda mine: [a + b for a, b in zip(mine, (stopped, *counts, *outcome), strict=True)]
 
 
 def stats_of(**counts):
@@ -413,6 +441,45 @@ def test_a_rule_reward_failing_throughout_two_batches_in_a_row_on_every_rank_sto
     streak = FailureStreak(["a", "b"], reduce=other_rank(0, 0, 0, 0))
     for counts in (dict(a=(4, 4), b=(0, 4)), dict(a=(0, 4), b=(4, 4)), dict(a=(0, 0), b=(0, 0)), dict(a=(0, 0), b=(0, 0))):
         streak.observe(stats_of(**counts))
+
+
+def test_a_step_where_no_completion_got_a_reward_two_batches_in_a_row_stops_the_run():
+    """By value, two ranks. Every episode's environment failed, or every function abstained (None
+    everywhere): every advantage is 0, and before, the run trained nothing and exited 0, since neither
+    counts as a rule reward's failure. One completion rewarded on either rank keeps it going."""
+    from grpo.rewards.failure_streak import FailureStreak
+
+    nan, none_of_4, errors = math.nan, [math.nan] * 4, ["error"] * 4
+    streak = FailureStreak([], reduce=other_rank(outcome=(1, 0, 4)))  # the other rank rewarded one of its 4
+    for _ in range(3):
+        streak.observe({}, None, none_of_4, errors)
+    streak = FailureStreak([], reduce=other_rank(outcome=(0, 4, 4)))
+    streak.observe({}, None, none_of_4, errors)
+    streak.observe({}, None, [nan, 1.0, nan, nan], errors[:1])  # one rewarded here: the count starts again
+    streak.observe({}, None, none_of_4, errors)
+    with pytest.raises(RewardStop, match=r"every episode ended in 'error' in 2 batch\(es\) in a row, on every rank \(8 "
+                                         r"of 8 episodes ended in error in the last\): its environment failed.*step\(action\)"):
+        streak.observe({}, None, none_of_4, errors)
+    # abstained (none errored on this rank): the message names the rewards, not the environment
+    streak = FailureStreak([], reduce=other_rank(outcome=(0, 4, 4)))
+    streak.observe({}, None, none_of_4, errors)
+    with pytest.raises(RewardStop, match=r"no completion got a reward in 2 batch\(es\) in a row, on every rank \(4 of 8 "
+                                         r"episodes ended in error in the last\): every reward function abstained"):
+        streak.observe({}, None, none_of_4, ["stop"] * 4)
+    # abstained first, then errored: not "every episode" (the environment is not the whole story)
+    streak = FailureStreak([], reduce=other_rank())
+    streak.observe({}, None, none_of_4, ["stop"] * 4)
+    with pytest.raises(RewardStop, match=r"^no completion got a reward in 2 batch\(es\) in a row, on every rank \(4 of 4 "):
+        streak.observe({}, None, none_of_4, errors)
+    # a one-step run that rewarded nothing stops at its end; one that rewarded something does not
+    streak = FailureStreak([], reduce=other_rank())
+    streak.observe({}, None, none_of_4, ["length"] * 4)
+    with pytest.raises(RewardStop, match=r"no completion got a reward in 1 batch\(es\) in a row, on every rank \(every "
+                                         r"batch this run scored, 1\)"):
+        streak.finish()
+    streak = FailureStreak([], reduce=other_rank())
+    streak.observe({}, None, [0.0, nan, nan, nan], ["stop"] * 4)  # a reward of 0 is a reward
+    streak.finish()
 
 
 def test_episodes_that_ended_in_error_are_not_counted_as_failed():
@@ -504,17 +571,25 @@ def test_completions_skipped_after_the_hang_limit_are_not_counted_as_failed():
     assert (stats["code/completions_failed"], stats["code/completions_tried"]) == (MAX_HANGS, MAX_HANGS)
 
 
+def abstains(completions, samples, **_):
+    return [None] * len(completions)
+
+
 @pytest.mark.starts_process
-@pytest.mark.parametrize("steps, batches", [(3, 2), (1, 1)])
-def test_a_run_whose_rule_reward_fails_throughout_stops(make_cfg, steps, batches):
+@pytest.mark.parametrize("fn, steps, stop", [
+    ("takes_no_samples", 3, r"reward 'tests.test_rewards.takes_no_samples' failed on every completion it was tried on in 2 "),
+    ("takes_no_samples", 1, r"reward 'tests.test_rewards.takes_no_samples' failed on every completion it was tried on in 1 "),
+    ("abstains", 3, r"no completion got a reward in 2 batch\(es\) in a row, on every rank \(0 of \d+ episodes ended in"),
+])
+def test_a_run_whose_rule_reward_fails_throughout_stops(make_cfg, fn, steps, stop):
     """A reward that takes no samples (a wrong signature): a RewardStop at step 2, after the first
-    batch's warnings, or at the end of a one-step run, not a run that trains nothing and exits 0."""
+    batch's warnings, or at the end of a one-step run, not a run that trains nothing and exits 0. The
+    same for one that abstains (None) on every completion, which is no failure of its own."""
     from grpo.train import train
 
-    cfg = make_cfg("reward.funcs=[{name: tests.test_rewards.takes_no_samples, weight: 1.0}]", f"steps={steps}",
+    cfg = make_cfg(f"reward.funcs=[{{name: tests.test_rewards.{fn}, weight: 1.0}}]", f"steps={steps}",
                    "checkpoint_every=0", "eval_every=0")
-    with pytest.raises(RewardStop, match=rf"reward 'tests.test_rewards.takes_no_samples' failed on every completion it "
-                                         rf"was tried on in {batches} batch\(es\)"), warnings.catch_warnings():
+    with pytest.raises(RewardStop, match=stop), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         train(cfg)
     assert [json.loads(line)["step"] for line in open(f"{cfg.run_dir}/metrics.jsonl") if '"loss"' in line] == [1]

@@ -38,10 +38,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import math
 import numbers
 import time
 import warnings
+from collections.abc import Mapping, Set as AbstractSet
 from typing import Callable
 
 from omegaconf import OmegaConf
@@ -87,7 +89,23 @@ def resolve_reward(name: str) -> RewardFn:
         raise ConfigError(f"reward {name!r} could not be imported ({e}); check the dotted path.") from e
     if not callable(fn):
         raise ConfigError(f"reward {name!r} is not callable.")
+    check_argument_order(name, fn)
     return fn
+
+
+def check_argument_order(name: str, fn) -> None:
+    """A reward is called as fn(completions, samples, **info); one written TRL's way, (prompts,
+    completions, **kwargs), would silently score the samples as completions."""
+    try:
+        params = [p.name for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to read
+        return
+    if params[:1] in (["prompts"], ["prompt"]) or "completions" in params[1:2]:
+        raise ConfigError(f"reward {name!r} takes ({', '.join(params)}, ...), but a reward is called as fn(completions, "
+                          f"samples, **info): the completions' texts first, then their samples (each with .prompt and "
+                          f".answer), so it would read the samples as completions. Reorder its parameters to "
+                          f"(completions, samples, **kwargs); docs/rewards.md.")
 
 
 def reward_names(cfg) -> list[str]:
@@ -212,10 +230,19 @@ def batch_problem(values: list, n: int, finite: bool = True) -> str | None:
     return None if bad == "ok" else f"returned {bad!r}, not a finite number or None"
 
 
+def as_values(returned) -> list:
+    """A reward function's answer as a list, one value per completion in their order: a list, tuple, 1-D
+    array or tensor, or any other ordered iterable (a generator). A dict, set or str is refused: its keys,
+    its hash order or its characters would be read as the scores."""
+    if isinstance(returned, (Mapping, AbstractSet, str, bytes)):
+        raise TypeError(f"returned a {type(returned).__name__}, not a list of scores in the completions' order")
+    return list(returned)
+
+
 def run_model_reward(name: str, fn, completions: list[str], samples: list, info: dict) -> list:
     """A model reward's scores: once, in this thread (see the module's docstring)."""
     try:
-        values = list(fn(completions, samples, **info))
+        values = as_values(fn(completions, samples, **info))
         error = batch_problem(values, len(completions), finite=False)
     except RewardStop:
         raise
@@ -239,7 +266,7 @@ def run_rule_reward(name: str, fn, completions: list[str], samples: list, info: 
     """A rule reward's scores (FAILED where it failed), and how many of the `counted` completions it
     failed on and was tried on (`failure_streak`): the whole batch at once, else one completion at a time."""
     setting = "reward.timeout_s"
-    values, error = call_with_timeout(lambda: list(fn(completions, samples, **info)), timeout_s, setting, (RewardStop,))
+    values, error = call_with_timeout(lambda: as_values(fn(completions, samples, **info)), timeout_s, setting, (RewardStop,))
     if error is None and (error := batch_problem(values, len(completions))) is None:
         return as_scores(values), 0, sum(counted)
     warnings.warn(f"reward {name!r} failed on the batch ({error}); scoring its completions one at a time", stacklevel=3)
@@ -247,7 +274,7 @@ def run_rule_reward(name: str, fn, completions: list[str], samples: list, info: 
     for i, (c, s) in enumerate(zip(completions, samples)):
         one = {k: [v[i]] if isinstance(v, list) and len(v) == len(completions) else v for k, v in info.items()}
         if hangs < MAX_HANGS:
-            value, err = call_with_timeout(lambda c=c, s=s, one=one: list(fn([c], [s], **one)), timeout_s, setting,
+            value, err = call_with_timeout(lambda c=c, s=s, one=one: as_values(fn([c], [s], **one)), timeout_s, setting,
                                            (RewardStop,))
             hangs += err is not None and err.startswith("no answer")
             if err is None:

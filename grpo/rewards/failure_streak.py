@@ -15,11 +15,17 @@ empty or cut-off final turn is not blamed for the environment. A model reward (a
 decides its own stop (its servers' answers, reward.judge.min_scored), and so may a rule reward (by
 raising RewardStop): that stop is made on every rank too (`stop_together`), in the same all-reduce, since a
 rank that raised alone would leave the others waiting in their next collective until the peer watchdog.
+
+The same holds for the whole reward, whatever the cause: when no completion of the step, on any rank,
+got a reward in `STOP_AFTER` batches in a row (every episode's environment failed, or every function
+abstained: None everywhere, e.g. a format regex that never matches), every advantage is 0 and the run
+would train nothing and exit 0 (`nothing_rewarded`), so it stops too, naming which of the two it was.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import math
+from typing import Callable, Sequence
 
 from grpo.dist import all_gather, all_reduce_sum
 from grpo.errors import RewardStop
@@ -56,11 +62,16 @@ class FailureStreak:
         self.names, self.reduce, self.stop_after, self.gather = names, reduce, stop_after, gather
         self.streak = {name: 0 for name in names}
         self.observed = 0  # batches scored by this process
+        self.unrewarded, self.errored_throughout = 0, True  # batches in a row where no completion got a reward
 
-    def observe(self, stats: dict[str, float], stopped: RewardStop | None = None) -> None:
-        """`stopped`: the RewardStop this rank's scoring raised (its stats are then empty)."""
-        ranks_stopped, *counts = self.reduce([float(stopped is not None)] + [
-            float(stats.get(f"{name}/{key}", 0.0)) for name in self.names for key in (FAILED_KEY, TRIED_KEY)])
+    def observe(self, stats: dict[str, float], stopped: RewardStop | None = None,
+                rewards: Sequence[float] | None = None, finish_reasons: Sequence[str] = ()) -> None:
+        """`stopped`: the RewardStop this rank's scoring raised (its stats are then empty); `rewards`:
+        this rank's combined reward per completion (NaN: none), `finish_reasons` its episodes' endings."""
+        rewards = [] if rewards is None else [float(r) for r in rewards]
+        mine = [sum(math.isfinite(r) for r in rewards), sum(f == "error" for f in finish_reasons), len(rewards)]
+        ranks_stopped, *counts, rewarded, errored, total = self.reduce([float(stopped is not None)] + [
+            float(stats.get(f"{name}/{key}", 0.0)) for name in self.names for key in (FAILED_KEY, TRIED_KEY)] + mine)
         stop_together(stopped, ranks_stopped, self.gather)
         self.observed += 1
         for i, name in enumerate(self.names):
@@ -68,6 +79,11 @@ class FailureStreak:
             self.streak[name] = self.streak[name] + 1 if tried > 0 and failed == tried else 0
             if self.streak[name] >= self.stop_after:
                 self.stop(name, f"{failed:.0f} of {tried:.0f} in the last")
+        nothing = total > 0 and rewarded == 0
+        self.errored_throughout = nothing and errored == total and (self.errored_throughout or not self.unrewarded)
+        self.unrewarded = self.unrewarded + 1 if nothing else 0
+        if self.unrewarded >= self.stop_after:
+            self.nothing_rewarded(f"{errored:.0f} of {total:.0f} episodes ended in error in the last")
 
     def finish(self) -> None:
         """At the run's end (every rank: the streaks are the same everywhere): a run too short for
@@ -76,9 +92,25 @@ class FailureStreak:
         for name in self.names:
             if self.observed and self.streak[name] == self.observed:
                 self.stop(name, f"every batch this run scored, {self.observed}")
+        if self.observed and self.unrewarded == self.observed:
+            self.nothing_rewarded(f"every batch this run scored, {self.observed}")
 
     def stop(self, name: str, which: str) -> None:
         raise RewardStop(f"reward {name!r} failed on every completion it was tried on in {self.streak[name]} batch(es) in "
                          f"a row, on every rank ({which}; the warnings above name each error): every advantage would be 0 "
                          "and the run would train nothing. " + ADVICE + " (A single batch may also be one dataset row "
                          "whose reference the reward cannot read.)")
+
+    def nothing_rewarded(self, which: str) -> None:
+        n = f"{self.unrewarded} batch(es) in a row, on every rank ({which})"
+        if self.errored_throughout:
+            raise RewardStop(f"every episode ended in 'error' in {n}: its environment failed (the warnings above name "
+                             "each error), so no completion got a reward and the run would train nothing. Check env.name's "
+                             "environment: reset(sample, seed) returns the opening text or None, and step(action) a "
+                             "Step(observation: str | None, reward: finite number | None, done: bool, info: dict); "
+                             "docs/environments.md.")
+        raise RewardStop(f"no completion got a reward in {n}: every reward function abstained on each (returned None), "
+                         "or one failed on it (the warnings above say why), or its episode ended in error, so every "
+                         "advantage would be 0 and the run would train nothing. A "
+                         "reward returns None only where it does not apply: check what it matches (a format or answer "
+                         "pattern the completions never contain) against a few completions, or reward.funcs.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 
-from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, finished_at  # noqa: F401 - train.py imports it from here
 from grpo.rollout.episodes import build_episodes
 
 BACKENDS = {

@@ -36,6 +36,7 @@ an idle rank with one throwaway request of the same sampling settings.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from concurrent.futures import wait
@@ -437,8 +438,10 @@ def step_error(step) -> Optional[str]:
         return f"step returned {describe(step)}, not a Step(observation=str | None, reward, done, info)"
     if not isinstance(step.observation, (str, type(None))):
         return f"step returned Step.observation={describe(step.observation)}; it must be a str or None"
-    if step.reward is not None and as_number(step.reward) is None:  # scored as reward functions' values are
-        return f"step returned Step.reward={describe(step.reward)}; it must be a number or None"
+    if step.reward is not None and ((n := as_number(step.reward)) is None or not math.isfinite(n)):  # as a reward's
+        return f"step returned Step.reward={describe(step.reward)}; it must be a finite number or None"
+    if not (isinstance(step.done, bool) or type(step.done).__name__ == "bool_"):  # "False" would end the episode
+        return f"step returned Step.done={describe(step.done)}; it must be a bool (True: the episode ends here)"
     if not isinstance(step.info, dict):
         return f"step returned Step.info={describe(step.info)}; it must be a dict"
     return None
