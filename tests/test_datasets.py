@@ -50,6 +50,21 @@ def test_gsm8k_from_local_files_extracts_the_number_after_hashes(tmp_path):
     assert not task.is_correct("#### 7", s)
 
 
+@pytest.mark.parametrize("name, rows, eval_file", [("gsm8k", GSM8K * 3, False), ("gsm8k", GSM8K, True),
+                                                   ("jsonl", [{"prompt": f"q{i}", "answer": str(i)} for i in range(6)] * 3, False)])
+def test_a_prompt_held_out_is_never_trained_on_when_the_data_repeats_it(tmp_path, name, rows, eval_file):
+    """Rows repeated in the file (or shared by the train and eval files): before, hold_out shuffled rows,
+    so 20 of 20 held-out prompts of a file with each row 3 times were trained on too. Now training leaves
+    them out, with a warning that counts them."""
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    evals = write_jsonl(tmp_path / "eval.jsonl", rows[:2]) if eval_file else None
+    with pytest.warns(UserWarning, match=r"training rows repeat a held-out prompt .*they are left out of training"):
+        task = build_task(task_cfg(name=name, path=train, eval_path=evals, eval_size=2))
+    held = {s.prompt for s in task.eval}
+    assert len(held) == 2 and not held & {s.prompt for s in task.train}
+    assert len(task.train) == len(rows) - (2 if eval_file else 6)  # each held-out prompt's 3 rows (1 in the files' case)
+
+
 def test_answer_format_and_system_prompt_are_configurable(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", GSM8K)
     task = build_task(task_cfg(name="gsm8k", path=path, eval_size=2, answer_format="Answer in one line.",

@@ -16,7 +16,7 @@ import random
 from typing import Callable
 
 from grpo.errors import DatasetError
-from grpo.tasks.base import Sample, Task, hold_out
+from grpo.tasks.base import Sample, Task, hold_out, without_held_out
 from grpo.tasks.rows import Row, load_hub_rows, read_local_rows
 
 
@@ -69,5 +69,6 @@ def build_dataset_task(cfg, columns: list[str], to_sample: Callable[[dict], Samp
             check_answer(sample)
         except RowError as e:
             raise DatasetError(f"{where}: {e}") from e
+    train = without_held_out(train, held_out, f"task={cfg.name}: ", prompt=lambda pair: pair[1].prompt)
     return Task(cfg.name, train=[s for _, s in train], eval=[s for _, s in held_out], is_correct=is_correct,
                 chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)

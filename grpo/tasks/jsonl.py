@@ -10,7 +10,7 @@ import random
 
 from grpo.errors import DatasetError
 from grpo.rewards.math_answer import is_equivalent
-from grpo.tasks.base import Sample, Task, exact_answer, hold_out
+from grpo.tasks.base import Sample, Task, exact_answer, hold_out, without_held_out
 from grpo.tasks.rows import read_jsonl_rows
 
 __all__ = ["DatasetError", "build_jsonl", "read_jsonl"]
@@ -52,6 +52,7 @@ def build_jsonl(cfg) -> Task:
         held_out = held_out[: cfg.eval_size]
     else:
         train, held_out = hold_out(samples, cfg.eval_size, cfg.seed, DatasetError, f"{cfg.path}: ")
+    train = without_held_out(train, held_out, f"{cfg.path}: ")
     correct = {"exact": exact_answer, "math_verify": lambda completion, s: is_equivalent(completion, s.answer)}
     return Task("jsonl", train=train, eval=held_out, is_correct=correct[cfg.get("correct", "exact")],
                 chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)
