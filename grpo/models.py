@@ -109,8 +109,25 @@ def load_model(path: str, dtype: str = "float32", log=None):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     finally:
         hf_logging.disable_progress_bar()
+    if rows := getattr(model.get_input_embeddings(), "num_embeddings", None):  # an nn.Embedding (ZeRO-3's too)
+        check_special_tokens(tokenizer, rows, path)
     moe_model.pin_experts_kernel(model, policy_device(0).type)  # a MoE's expert kernel for where policies run
     return model, tokenizer
+
+
+def check_special_tokens(tokenizer, rows: int, path: str) -> None:
+    """The end (eos), start (bos) and pad tokens' ids index the model's `rows` embeddings: a tokenizer
+    whose pad token it invented past them (transformers adds `<|endoftext|>` to a Qwen2 tokenizer
+    without one) failed step 1 with "index 99 is out of bounds" (on a GPU, a device-side assert)."""
+    if tokenizer.pad_token_id is not None and not 0 <= tokenizer.pad_token_id < rows:
+        tokenizer.pad_token = tokenizer.eos_token  # as for no pad token at all: padding is masked out
+    for name in ("eos", "bos", "pad"):
+        token_id = getattr(tokenizer, f"{name}_token_id")
+        if token_id is not None and not 0 <= token_id < rows:
+            raise ConfigError(f"model.path={path}: the tokenizer's {name} token {getattr(tokenizer, f'{name}_token')!r} "
+                              f"has id {token_id}, but the model has {rows} token embeddings (ids 0 to {rows - 1}). Set "
+                              f"{name}_token in the folder's tokenizer_config.json to a token the model has, or resize "
+                              f"the model's embeddings to the tokenizer (model.resize_token_embeddings) and save it.")
 
 
 def policy_device(local_rank: int) -> torch.device:

@@ -182,6 +182,25 @@ def test_a_relative_folder_that_is_not_there_says_so_beside_the_hub_failure(monk
     assert f"no local folder {tmp_path / 'runs' / 'final'} exists either" in str(e.value)
 
 
+def test_a_special_token_past_the_models_embeddings_is_named_and_a_pad_token_falls_back_to_eos():
+    """transformers gives a Qwen2 tokenizer without a pad token `<|endoftext|>`, at an id past a small
+    model's embeddings: step 1 failed with "index 99 is out of bounds for dimension 1 with size 99".
+    A pad token outside is replaced by the end token (as a missing one is); an end or start token
+    outside is an error naming it and the folder's file to fix."""
+    from grpo.models import check_special_tokens
+    from grpo.tiny.text import build_char_tokenizer
+
+    tok = build_char_tokenizer()  # <pad> 0, <bos> 1, <eos> 2, 99 tokens
+    tok.add_special_tokens({"pad_token": "<|endoftext|>"})
+    assert tok.pad_token_id == 99
+    check_special_tokens(tok, 99, "folder")
+    assert (tok.pad_token, tok.pad_token_id) == ("<eos>", 2)
+    with pytest.raises(ConfigError, match=r"model.path=folder: the tokenizer's eos token '<eos>' has id 2, but the model "
+                                          r"has 2 token embeddings \(ids 0 to 1\). Set eos_token in the folder's "
+                                          r"tokenizer_config.json"):
+        check_special_tokens(tok, 2, "folder")
+
+
 def test_unknown_key_is_an_error():
     with pytest.raises(ConfigCompositionException) as e:
         compose_cfg("algo.learning_rate=1e-3")

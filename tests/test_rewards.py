@@ -253,6 +253,20 @@ def test_env_reward_scores_an_unfinished_episode_the_environment_never_rewarded_
     assert rewards_B[:2].tolist() == [0.0, 0.0] and rewards_B[2:3].isnan().all()
 
 
+def test_an_environments_rewards_no_reward_reads_are_named():
+    """A custom environment that rewards its steps, run with the default reward.funcs (exact_match):
+    its rewards were dropped without a word. A warning says to add `env`; none when it is there, or
+    when the environment gave no reward."""
+    exact = [("exact_match", REWARDS["exact_match"], 1.0)]
+    with pytest.warns(UserWarning, match=r"the environment gives its episodes rewards \(Step.reward\), but reward.funcs "
+                                         r"has no `env`.*reward=env"):
+        score(exact, ["5", "6"], [Sample("2+3=", "5")] * 2, env_rewards=[None, 1.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        score(exact + [("env", REWARDS["env"], 1.0)], ["5", "6"], [Sample("2+3=", "5")] * 2, env_rewards=[None, 1.0])
+        score(exact, ["5", "6"], [Sample("2+3=", "5")] * 2, env_rewards=[None, None])
+
+
 @pytest.mark.parametrize(
     "completion, answer, value",
     [
