@@ -67,27 +67,29 @@ def evaluate(rollout, tokenizer, task, cfg, info: DistInfo, reward_fns=()) -> di
     samples = task.eval[info.rank :: info.world_size]
     prompt_ids = encode_prompts(tokenizer, samples, task.chat_template, task.system_prompt)
 
-    def play(n: int, sampling) -> tuple[list[str], list[int]]:
-        """Each completion's text (an episode's final turn) and its turns (1 without an environment)."""
+    def play(n: int, sampling) -> tuple[list[str], list[int], int]:
+        """Each completion's text (an episode's final turn), its turns (1 without an environment), and
+        how many episodes' environments failed ("error": judged as "", so counted wrong)."""
         out = rollout.submit(prompt_ids, samples, n, sampling).result()
         texts = [t if reason != "error" else "" for t, reason in zip(out.texts(tokenizer), out.finish_reasons)]
-        return texts, out.turns()
+        return texts, out.turns(), sum(reason == "error" for reason in out.finish_reasons)
 
-    texts, turns = play(1, sampling_from(cfg.rollout, greedy=True))
+    texts, turns, errors = play(1, sampling_from(cfg.rollout, greedy=True))
     greedy = texts
     solved = [task.is_correct(t, s) for t, s in zip(texts, samples)]
-    sums = [sum(solved), len(samples), sum(k for k, ok in zip(turns, solved) if ok)]
+    sums = [sum(solved), len(samples), sum(k for k, ok in zip(turns, solved) if ok), errors]
     n = cfg.eval_samples
     ks = [k for k in (2**i for i in range(10)) if k <= n] if n > 1 else []
     if ks:
-        texts, _ = play(n, sampling_from(cfg.rollout))
+        texts, _, _ = play(n, sampling_from(cfg.rollout))
         correct = [sum(task.is_correct(texts[p * n + j], s) for j in range(n)) for p, s in enumerate(samples)]
         sums += [sum(pass_at_k(n, c, k) for c in correct) for k in ks]
     total = all_reduce_sum(sums)
     metrics = {"eval/accuracy": total[0] / total[1]}
     if rollout.episodes is not None:  # turns per solved episode (guess: binary search takes 3.27)
         metrics["eval/turns_per_solve"] = total[2] / total[0] if total[0] else float("nan")
-    metrics.update({f"eval/pass@{k}": v / total[1] for k, v in zip(ks, total[3:])})
+        metrics["eval/episode_errors"] = total[3]  # counted wrong above: an environment that fails lowers accuracy
+    metrics.update({f"eval/pass@{k}": v / total[1] for k, v in zip(ks, total[4:])})
     for name, fn, _ in reward_fns:
         if name in MODEL_REWARDS:
             # a reward model's running normalisation learns from training batches only

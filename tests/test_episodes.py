@@ -16,6 +16,7 @@ import re
 import threading
 import time
 import warnings
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -142,6 +143,34 @@ def test_an_episode_ending_at_turn_one_is_exactly_generate_on_hf(tiny_lm):
     assert all(m == [1] * len(ids) for m, ids in zip(one.loss_masks, one.completion_ids))
 
 
+class FailsOnOdd(GuessEnv):
+    """Its sandbox is down for the odd secrets: reset raises."""
+
+    def reset(self, sample, seed):
+        if int(sample.answer) % 2:
+            raise RuntimeError("sandbox down")
+        return super().reset(sample, seed)
+
+
+def test_an_evaluation_counts_the_episodes_whose_environment_failed(tiny_lm):
+    """An episode whose environment failed is judged as "" (wrong): evaluation lowered accuracy without
+    a count, so a broken sandbox read as a worse policy. `eval/episode_errors` counts them (3 odd secrets
+    of 1-6), on the hf backend's real generate."""
+    from grpo.dist import DistInfo
+    from grpo.eval import evaluate
+    from grpo.rollout.hf import HFBackend
+    from grpo.tasks.base import Task
+
+    model, tok = tiny_lm
+    backend = HFBackend(None, model, tok)
+    backend.episodes = runner(tok, make_env=FailsOnOdd)
+    cfg = compose_cfg("task=guess", "env=guess", "eval_samples=1", "rollout.max_new_tokens=3")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # each failed reset's warning
+        metrics = evaluate(backend, tok, Task("guess", GUESS, GUESS[:6], chat_template="never"), cfg, DistInfo())
+    assert metrics["eval/episode_errors"] == 3 and 0 <= metrics["eval/accuracy"] <= 0.5
+
+
 class Recording(GuessEnv):
     seen: list = []
 
@@ -174,9 +203,24 @@ def test_budgets_end_episodes_as_length_and_a_cut_turn_never_reaches_the_env(tin
     assert out.episodes[0].finish == "turns" and out.episodes[0].turns == 2
 
 
-def test_long_observations_are_cut_in_the_middle():
+class Verbose(GuessEnv):
+    """Secret 1 answers with a 12-character observation, past the runner's 4 tokens."""
+
+    def step(self, action):
+        step = super().step(action)
+        return replace(step, observation="lower, lower") if self.secret == 1 and not step.done else step
+
+
+def test_long_observations_are_cut_in_the_middle_and_counted(tiny_lm):
+    """Cut to env.max_observation_tokens, as the docs say, and counted (`episode/observations_cut`): a
+    tool whose output is always cut read the same as one that fits, in every metric."""
     assert cut_middle(list(range(10)), 10, [99]) == list(range(10))
     assert cut_middle(list(range(10)), 5, [99]) == [0, 1, 99, 8, 9]
+    _, tok = tiny_lm
+    out = runner(tok, make_env=Verbose, max_turns=3).run(Scripted(tok, lambda p: "8"), prompts_of(tok, GUESS[:3]),
+                                                          GUESS[:3], 1, Sampling(3))
+    assert [e.observations_cut for e in out.episodes] == [2, 0, 0]  # turns 1 and 2 observed; turn 3 is the last
+    assert resolve(out.metrics())["episode/observations_cut"] == 2
 
 
 class Hangs(GuessEnv):

@@ -79,6 +79,7 @@ class Episode:
     step_rewards: list = field(default_factory=list)
     sampled_tokens: int = 0
     observation_tokens: int = 0
+    observations_cut: int = 0  # observations cut to env.max_observation_tokens (their middle dropped)
     env_s: float = 0.0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -210,6 +211,7 @@ class EpisodeRollouts(Rollouts):
             "episode/env_s": Count(sum(e.env_s for e in eps)),  # totals: summed over ranks too (grpo/metrics.py)
             "episode/errors": Count(sum(e.finish == "error" for e in eps)),
             "episode/out_of_budget": sum(e.out_of_budget for e in eps) / n,  # of finish_length: no room for a turn
+            "episode/observations_cut": Count(sum(e.observations_cut for e in eps)),
             "episode/tool_calls": calls / n,
             "episode/tool_failure_rate": Ratio(sum(e.tool_errors for e in eps), calls),  # NaN: no call anywhere
         }
@@ -405,6 +407,7 @@ class EpisodeRunner:
         limit = self.budget.max_observation_tokens
         if len(ids) > limit:
             ids = cut_middle(ids, limit, self.render.marker)
+            t.episode.observations_cut += 1
         t.add(ids, None)
         t.episode.observation_tokens += len(ids)
         t.episode.transcript += text
