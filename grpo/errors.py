@@ -55,7 +55,13 @@ class RunFolderError(RuntimeError):
     """The run folder is another live run's, or was removed or replaced while this run wrote to it."""
 
 
-USER_ERRORS = (ConfigError, DatasetError, ServerError, RewardStop, EngineStartError, WarmStartError, RunFolderError)
+class HungCallsError(RuntimeError):
+    """Too many calls of user code (rewards, environment steps, tools) still running past their timeout:
+    threads Python cannot stop, which would otherwise pile up until the process can start no more."""
+
+
+USER_ERRORS = (ConfigError, DatasetError, ServerError, RewardStop, EngineStartError, WarmStartError, RunFolderError,
+               HungCallsError)
 
 
 def did_you_mean(key: str, declared, prefix: str = "") -> str:

@@ -585,6 +585,38 @@ def test_completions_skipped_after_the_hang_limit_are_not_counted_as_failed():
     assert (stats["code/completions_failed"], stats["code/completions_tried"]) == (MAX_HANGS, MAX_HANGS)
 
 
+def test_a_reward_that_hangs_for_good_stops_the_run_before_its_threads_pile_up(monkeypatch):
+    """Each call past reward.timeout_s is abandoned on a thread Python cannot stop: a reward hanging for
+    good on some inputs kept 4 more a step (30 -> 222 threads in 60 steps), until the process could start
+    none. Past MAX_HUNG still running (6 here) the run stops naming the setting; calls that ended are
+    forgotten, so a function that only hung a while goes on."""
+    import grpo.timeouts
+
+    monkeypatch.setattr(grpo.timeouts, "MAX_HUNG", 6)
+    monkeypatch.setattr(grpo.timeouts, "_hung", [])  # not another test's sleepers
+    release = threading.Event()
+
+    def hangs_on_loop(completions, samples, **_):
+        if any("loop" in c for c in completions):
+            release.wait(60)
+        return [1.0] * len(completions)
+
+    fns, batch = [("code", hangs_on_loop, 1.0)], ["loop"] * 3 + ["ok"]
+    try:
+        with pytest.warns(UserWarning):
+            score(fns, batch, [None] * 4, timeout_s=0.2)  # the batch and 3 completions: 4 abandoned
+        with pytest.raises(RewardStop, match=r"^reward 'code': 6 calls of user code are still running past their "
+                                             r"timeout \(the latest: reward.timeout_s\).*or raise reward.timeout_s"), \
+                pytest.warns(UserWarning):
+            score(fns, batch, [None] * 4, timeout_s=0.2)
+    finally:
+        release.set()
+    for t in list(grpo.timeouts._hung):
+        t.join(10)
+    rewards, _ = score(fns, batch, [None] * 4, timeout_s=5)  # they ended: nothing held
+    assert marked(rewards) == [[1.0] * 4]
+
+
 def abstains(completions, samples, **_):
     return [None] * len(completions)
 

@@ -48,7 +48,7 @@ from typing import Callable
 
 from omegaconf import OmegaConf
 
-from grpo.errors import ConfigError, RewardStop
+from grpo.errors import ConfigError, HungCallsError, RewardStop
 from grpo.reward_config import JudgeConfig, RewardModelConfig
 from grpo.rewards.countdown import countdown
 from grpo.timeouts import call_with_timeout
@@ -304,8 +304,11 @@ def score(reward_fns, completions: list[str], samples: list, timeout_s: float = 
         if name in MODEL_REWARDS:
             rewards_FB.append(run_model_reward(name, fn, completions, samples, info))
         else:
-            values, stats[f"{name}/{FAILED_KEY}"], stats[f"{name}/{TRIED_KEY}"] = run_rule_reward(
-                name, fn, completions, samples, info, timeout_s, counted)
+            try:
+                values, stats[f"{name}/{FAILED_KEY}"], stats[f"{name}/{TRIED_KEY}"] = run_rule_reward(
+                    name, fn, completions, samples, info, timeout_s, counted)
+            except HungCallsError as e:  # as a RewardStop: every rank stops together (failure_streak.stop_together)
+                raise RewardStop(f"reward {name!r}: {e}") from e
             rewards_FB.append(values)
         stats[f"time/reward_{name}_s"] = time.perf_counter() - t0
         stats.update({f"{name}/{k}": float(v) for k, v in (getattr(fn, "stats", None) or {}).items()})
