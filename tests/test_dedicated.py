@@ -4,6 +4,7 @@ main process, with 1 and 2 training processes, that never outlive the trainer.""
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -260,6 +261,19 @@ def running(pid: int) -> bool:
 
 
 @pytest.mark.starts_process
+def test_the_reaper_runs_without_torch():
+    """Started beside every engine: by its file (reaper_argv), no package import pulls torch in (it
+    took 235 MB and 3 s as `python -m grpo.rollout.reaper`)."""
+    from grpo.rollout.reaper import reaper_argv
+
+    argv = reaper_argv(1, 1, 1)
+    out = subprocess.run([argv[0], "-X", "importtime", *argv[1:-3], "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "trainer that started the engine" in out.stdout
+    assert not re.search(r"\|\s+(torch|grpo)\b", out.stderr), [line for line in out.stderr.splitlines() if "torch" in line][:3]
+
+
+@pytest.mark.starts_process
 def test_the_reaper_ends_an_engine_that_ignores_sigterm_once_its_trainer_is_killed():
     """vLLM's server can hang in its shutdown with requests in flight when its trainer is SIGKILLed;
     the reaper started beside it (as launch_engine does) kills the group after its grace period."""
@@ -268,8 +282,8 @@ def test_the_reaper_ends_an_engine_that_ignores_sigterm_once_its_trainer_is_kill
         "import os, subprocess, sys, time\n"
         f"engine = subprocess.Popen([sys.executable, '-c', {stubborn!r}], start_new_session=True, stdout=subprocess.PIPE)\n"
         "engine.stdout.readline()\n"
-        "subprocess.Popen([sys.executable, '-m', 'grpo.rollout.reaper', str(engine.pid), '1', str(os.getpid())], "
-        "start_new_session=True)\n"
+        "from grpo.rollout.reaper import reaper_argv\n"
+        "subprocess.Popen(reaper_argv(engine.pid, 1, os.getpid()), start_new_session=True)\n"
         "print(engine.pid, flush=True)\n"
         "time.sleep(120)\n")
     parent = subprocess.Popen([sys.executable, "-c", trainer], cwd=ROOT, stdout=subprocess.PIPE, text=True)

@@ -44,6 +44,7 @@ from grpo import dist, listeners, lora
 from grpo.moe import routing, served_routes
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, finished_at
 from grpo.weights import WeightBuckets
+from grpo.rollout.reaper import reaper_argv
 from grpo.rollout.trajectories import episode_driver
 from grpo.rollout.push import TRANSFERS, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
 from grpo.rollout.server_watch import log_tail, wait_for_url
@@ -231,8 +232,8 @@ def launch_engine(model_path: str, devices: list[str], url_dir: str, token: str,
     with open(log_path, "w") as log:  # the child keeps its own copy
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     # ends the engine's group if the trainer dies and the server's own SIGTERM does not (grpo/rollout/reaper.py)
-    reaper = subprocess.Popen([sys.executable, "-m", "grpo.rollout.reaper", str(proc.pid), str(REAP_GRACE_S), str(os.getpid())],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    reaper = subprocess.Popen(reaper_argv(proc.pid, REAP_GRACE_S, os.getpid()), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
     return proc, reaper
 
 

@@ -1,4 +1,4 @@
-"""`python -m grpo.rollout.reaper PGID GRACE_S TRAINER_PID`: ends an engine's process group when
+"""`python grpo/rollout/reaper.py PGID GRACE_S TRAINER_PID` (`reaper_argv`): ends an engine's process group when
 the trainer that started it dies.
 
 The engine server gets SIGTERM from the kernel when its trainer dies (PR_SET_PDEATHSIG), but
@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import sys
 import time
 
 
@@ -48,6 +49,12 @@ def end_group(pgid: int, grace_s: float) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def reaper_argv(pgid: int, grace_s: float, trainer_pid: int) -> list[str]:
+    """The reaper's command: this file run by its path, not `-m grpo.rollout.reaper`, which would import the
+    grpo.rollout package, and torch with it (235 MB and 3 s beside every engine, for a loop of signals)."""
+    return [sys.executable, os.path.abspath(__file__), str(pgid), str(grace_s), str(trainer_pid)]
 
 
 def reap(pgid: int, grace_s: float, parent: int) -> None:
