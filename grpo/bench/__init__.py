@@ -273,8 +273,9 @@ def main(argv: list[str] | None = None) -> None:
         exit_on_user_error(compose_config, args.overrides)
     import torch  # torch: heavy; the dispatcher and --help load no torch
 
-    from grpo.bench.report import publish  # loads torch (grpo.cpus): here, not at the top, for the same reason
+    from grpo.bench.report import publish, scratch  # loads torch (grpo.cpus): here, not at the top, for the same reason
 
     torch.manual_seed(0)
-    publish(args.out, *exit_on_user_error(args.fn, args))
+    with scratch():
+        publish(args.out, *exit_on_user_error(args.fn, args))
 

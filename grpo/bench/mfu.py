@@ -19,6 +19,7 @@ import shutil
 import statistics
 import tempfile
 
+from grpo.bench.report import KEPT
 from grpo.bench.runs import QUIET, compose, metrics_rows
 
 WORKLOADS = {
@@ -73,7 +74,7 @@ def report_mfu(workloads: list[str], steps: int, run_dirs: list[str], overrides:
     for name in workloads:
         if name not in WORKLOADS:
             raise SystemExit(f"unknown workload {name!r}: choose from {', '.join(WORKLOADS)}")
-        run_dir = tempfile.mkdtemp(prefix=f"bench-mfu-{name}-")
+        run_dir = tempfile.mkdtemp(prefix=f"bench-mfu-{name}-", dir=(KEPT or [None])[0])  # named in the report: kept
         print(f"bench: mfu of {name}, {steps} steps ({run_dir})", flush=True)
         train(compose([*WORKLOADS[name], f"steps={steps}", *QUIET, f"run_dir={run_dir}", "export_model=false", *overrides]))
         shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)  # the last step's, never read here

@@ -2,10 +2,42 @@
 
 from __future__ import annotations
 
+import contextlib
+import getpass
 import os
+import shutil
+import tempfile
 
 from grpo.cpus import machine_info
 from grpo.log import write_json
+
+KEPT: list[str] = []  # the temporary folder outside `scratch` (where a bench keeps what its report names)
+
+
+@contextlib.contextmanager
+def scratch():
+    """One bench command's temporary files in one folder, removed at its end: its run folders (each with
+    a checkpoint and an exported model: gigabytes on a real model), servers' URL files and logs, and what
+    its children write to TMPDIR (vLLM's sockets and FileStore files, torchrun's). Before, every bench
+    left them all in /tmp. torch's compile cache stays where it was (it is reused across runs); a bench
+    that names a folder in its report makes it under `KEPT[0]`, outside."""
+    outer = tempfile.gettempdir()
+    folder = tempfile.mkdtemp(prefix="grpo-bench-")
+    saved = tempfile.tempdir, os.environ.get("TMPDIR"), os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(outer, f"torchinductor_{getpass.getuser()}"))
+    tempfile.tempdir, os.environ["TMPDIR"] = folder, folder
+    KEPT[:] = [outer]
+    try:
+        yield folder
+    finally:
+        tempfile.tempdir = saved[0]
+        for key, value in (("TMPDIR", saved[1]), ("TORCHINDUCTOR_CACHE_DIR", saved[2])):
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        KEPT.clear()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def write_report(path: str, report: dict) -> None:

@@ -1,0 +1,33 @@
+"""The benches' temporary files: one folder per bench command, removed at its end."""
+
+import getpass
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from grpo.bench.report import KEPT, scratch
+
+
+@pytest.mark.starts_process
+def test_a_bench_commands_temporary_files_and_its_childrens_go_in_one_folder_removed_at_its_end(tmp_path, monkeypatch):
+    """Every bench left its run folders (a checkpoint and an exported model each: gigabytes on a real
+    model) in /tmp, and its servers' vLLM sockets and FileStore files, 8 a start. Inside `scratch`
+    tempfile and the children's TMPDIR point into one folder, gone at the end with everything in it;
+    the compile cache and KEPT (where the MFU bench keeps the folders its report names) stay outside."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    with scratch() as folder:
+        assert os.path.dirname(folder) == str(tmp_path) and KEPT == [str(tmp_path)]
+        run_dir = tempfile.mkdtemp(prefix="bench-hf-")
+        open(os.path.join(run_dir, "model.safetensors"), "w").close()
+        child = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.mkdtemp(prefix='vllm_dist_'))"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        assert os.path.dirname(run_dir) == folder and os.path.dirname(child) == folder
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / f"torchinductor_{getpass.getuser()}")
+    assert not os.path.exists(folder) and os.listdir(tmp_path) == []
+    assert os.environ["TMPDIR"] == str(tmp_path) and "TORCHINDUCTOR_CACHE_DIR" not in os.environ and KEPT == []
+    assert tempfile.gettempdir() == str(tmp_path)
