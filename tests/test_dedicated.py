@@ -6,10 +6,13 @@ import json
 import os
 import re
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -70,12 +73,15 @@ def test_parity_and_generations_change_after_sync(tiny_lm, tmp_path):
     cfg = OmegaConf.structured(RolloutConfig(backend="dedicated", max_new_tokens=32))
     cfg.vllm.memory_fraction, cfg.vllm.max_model_len = 0.1, 128
     backend = DedicatedBackend(cfg, model, tok, str(tmp_path / "model"), run_dir=str(tmp_path))
+    folder = backend.folders[0]
     try:
         assert_round_trip(sync_round_trip(backend, model, tok), "dedicated")
         assert_turn_one_is_generate(backend, tok)  # episodes run on the node main's generator thread
+        assert any(name.startswith("vllm_dist_") for name in os.listdir(folder))  # vLLM's files: the engine's TMPDIR
     finally:
         backend.close()
     assert wait_gone(tmp_path) == []
+    assert not os.path.exists(folder)  # with vLLM's sockets and FileStore file, which vLLM leaves behind
 
 
 @pytest.mark.starts_process
@@ -228,18 +234,29 @@ def test_two_process_run_with_one_engine_per_node(tmp_path, cache_dir, hub_like_
 
 @pytest.mark.starts_process
 def test_engines_die_when_the_trainer_is_killed(tmp_path, cache_dir):
+    from grpo.scratch import inductor_cache_dir
+
     cmd = [sys.executable, "-m", "grpo.train", *FAST, "steps=500", "rollout=dedicated",
            f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"]
-    trainer = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tmp = Path(tempfile.mkdtemp(prefix="grpo-test-", dir="/tmp"))  # the trainer's TMPDIR (short: vLLM's sockets fit)
+    env = {**os.environ, "TMPDIR": str(tmp), "TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir()}  # the warm compile cache
+    trainer = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     log = tmp_path / "metrics.jsonl"
     deadline = time.time() + 300
     while not (log.exists() and log.read_text().count("\n") >= 2) and time.time() < deadline:
         assert trainer.poll() is None
         time.sleep(0.5)
     assert engine_pids(tmp_path), "the engine should be running mid-training"
+    engine_folders = lambda: [p.name for p in tmp.iterdir() if p.name.startswith(("grpo-engine-", "vllm_dist_"))]  # noqa: E731
+    assert engine_folders(), "the engine's folder (its URL file and TMPDIR) should be in the trainer's TMPDIR"
     trainer.send_signal(signal.SIGKILL)
     trainer.wait()
     assert wait_gone(tmp_path) == [], "engines were orphaned by a killed trainer"
+    deadline = time.time() + 30  # the reaper removes its engine's folder once the group is gone
+    while engine_folders() and time.time() < deadline:
+        time.sleep(0.5)
+    assert engine_folders() == []  # with vLLM's sockets and FileStore file in it
+    shutil.rmtree(tmp)
 
 
 def test_cpu_cores_reserve_the_last_cpus_for_the_engines():

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import getpass
 import os
 import shutil
 import tempfile
 
 from grpo.cpus import machine_info
 from grpo.log import write_json
+from grpo.scratch import scratch_env, scratch_folder
 
 KEPT: list[str] = []  # the temporary folder outside `scratch` (where a bench keeps what its report names)
 
@@ -22,10 +22,10 @@ def scratch():
     left them all in /tmp. torch's compile cache stays where it was (it is reused across runs); a bench
     that names a folder in its report makes it under `KEPT[0]`, outside."""
     outer = tempfile.gettempdir()
-    folder = tempfile.mkdtemp(prefix="grpo-bench-")
+    folder = scratch_folder("grpo-bench-")
     saved = tempfile.tempdir, os.environ.get("TMPDIR"), os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(outer, f"torchinductor_{getpass.getuser()}"))
-    tempfile.tempdir, os.environ["TMPDIR"] = folder, folder
+    os.environ.update(scratch_env(folder))
+    tempfile.tempdir = folder
     KEPT[:] = [outer]
     try:
         yield folder

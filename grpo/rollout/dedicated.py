@@ -27,7 +27,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import Future
 from urllib.parse import urlparse
@@ -45,6 +44,7 @@ from grpo.moe import routing, served_routes
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, finished_at
 from grpo.weights import WeightBuckets
 from grpo.rollout.reaper import reaper_argv
+from grpo.scratch import scratch_env, scratch_folder
 from grpo.rollout.trajectories import episode_driver
 from grpo.rollout.push import TRANSFERS, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
 from grpo.rollout.server_watch import log_tail, wait_for_url
@@ -225,14 +225,16 @@ def launch_engine(model_path: str, devices: list[str], url_dir: str, token: str,
     (`engine_argv`), logging to `log_path`; on CPU, pinned to `cpus` when given (its vLLM threads bound
     to them); with `lora_rank`, serving LoRA adapters up to that rank. `max_model_len`: the engine's
     context as fitted to the model (engine_memory.engine_context); default rollout.vllm.max_model_len."""
-    env = {**os.environ, "GRPO_SERVE_TOKEN": token, **pinned_engine_env(cpus), **dist.loopback_env()}
+    # TMPDIR: vLLM's sockets and FileStore files (8 a start, left behind by vLLM itself) land in url_dir, removed
+    # by close() or, when the trainer was killed, by the reaper once the engine's group is gone
+    env = {**os.environ, "GRPO_SERVE_TOKEN": token, **scratch_env(url_dir), **pinned_engine_env(cpus), **dist.loopback_env()}
     if devices != ["cpu"]:  # the engine owns these GPUs
         env["CUDA_VISIBLE_DEVICES"] = child_visible_devices(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
     argv = engine_argv(model_path, devices, url_dir, vllm_cfg, dtype, transfer, cpus, lora_rank, max_model_len, routed_experts)
     with open(log_path, "w") as log:  # the child keeps its own copy
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     # ends the engine's group if the trainer dies and the server's own SIGTERM does not (grpo/rollout/reaper.py)
-    reaper = subprocess.Popen(reaper_argv(proc.pid, REAP_GRACE_S, os.getpid()), stdout=subprocess.DEVNULL,
+    reaper = subprocess.Popen(reaper_argv(proc.pid, REAP_GRACE_S, os.getpid(), url_dir), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True)
     return proc, reaper
 
@@ -351,6 +353,7 @@ class DedicatedBackend(RolloutBackend):
         self.procs: list[subprocess.Popen] = []
         self.ports: list[int] = []  # each engine's API port, once its URL is read; registered in grpo.listeners until close
         self.reapers: list[subprocess.Popen] = []  # one per engine (grpo/rollout/reaper.py)
+        self.folders: list[str] = []  # each engine's URL file and TMPDIR (launch_engine), removed by close()
         self.pool = None
         self.weight_version = 0
         # rollout.vllm.max_model_len, or the model's own context where that is shorter (with a warning)
@@ -381,7 +384,7 @@ class DedicatedBackend(RolloutBackend):
             # each engine listens on a port it found free before it names it (grpo.serve --port 0), in a folder
             # of its own (mkdtemp: private), so no other user can take the port between its pick and its bind
             # and no engine's URL is read as another's (server_watch.wait_for_url)
-            folders = [tempfile.mkdtemp(prefix="grpo-engine-") for _ in shares]
+            folders = self.folders = [scratch_folder("grpo-engine-") for _ in shares]
             logs = [os.path.join(run_dir, f"vllm-engine-{dist.node_name()}-starting{i}.log") for i in range(len(shares))]
             deadline = time.time() + cfg.dedicated.start_timeout_s
             try:
@@ -410,9 +413,6 @@ class DedicatedBackend(RolloutBackend):
             except BaseException:  # an engine that never got healthy: stop the ones already started
                 self.close()
                 raise
-            finally:
-                for folder in folders:  # read, or never to be
-                    shutil.rmtree(folder, ignore_errors=True)
             if partial_rollouts:
                 self.pool.gate = TurnGate(self.weight_version)
             print(f"dedicated: node {dist.node_name()} (ranks {self.main}-{self.main + per_node - 1}) owns "
@@ -495,6 +495,9 @@ class DedicatedBackend(RolloutBackend):
                 reaper.kill()
                 reaper.wait()
         self.reapers = []
+        for folder in self.folders:  # the engines are gone: their URL files and vLLM's sockets
+            shutil.rmtree(folder, ignore_errors=True)
+        self.folders = []
         if getattr(self, "restore_cpus", None):  # the CPUs and threads this process had before
             cpus, threads = self.restore_cpus
             os.sched_setaffinity(0, cpus)

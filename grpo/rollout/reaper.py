@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import sys
 import time
@@ -51,22 +52,25 @@ def end_group(pgid: int, grace_s: float) -> None:
         pass
 
 
-def reaper_argv(pgid: int, grace_s: float, trainer_pid: int) -> list[str]:
+def reaper_argv(pgid: int, grace_s: float, trainer_pid: int, folder: str = "") -> list[str]:
     """The reaper's command: this file run by its path, not `-m grpo.rollout.reaper`, which would import the
     grpo.rollout package, and torch with it (235 MB and 3 s beside every engine, for a loop of signals)."""
-    return [sys.executable, os.path.abspath(__file__), str(pgid), str(grace_s), str(trainer_pid)]
+    return [sys.executable, os.path.abspath(__file__), str(pgid), str(grace_s), str(trainer_pid), *([folder] if folder else [])]
 
 
-def reap(pgid: int, grace_s: float, parent: int) -> None:
-    """Wait until the engine's group is gone, or `parent` (the trainer) dies: then end the group."""
+def reap(pgid: int, grace_s: float, parent: int, folder: str = "") -> None:
+    """Wait until the engine's group is gone, or `parent` (the trainer) dies: then end the group. Then
+    remove `folder` (the engine's TMPDIR and URL file), which a killed trainer's close() never did."""
     parent_died = []
     signal.signal(signal.SIGTERM, lambda *_: parent_died.append(True))
     die_with_parent()
     while group_alive(pgid):
         if parent_died or os.getppid() != parent:  # the second: it died before the signal was set up
             end_group(pgid, grace_s)
-            return
+            break
         time.sleep(0.5)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
@@ -77,5 +81,6 @@ if __name__ == "__main__":
     parser.add_argument("pgid", type=int, help="the engine's process group")
     parser.add_argument("grace_s", type=float, help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("trainer_pid", type=int, help="the trainer that started the engine")
+    parser.add_argument("folder", nargs="?", default="", help="removed once the group is gone (the engine's TMPDIR)")
     args = parser.parse_args()
-    reap(args.pgid, args.grace_s, args.trainer_pid)
+    reap(args.pgid, args.grace_s, args.trainer_pid, args.folder)
