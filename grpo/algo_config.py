@@ -147,7 +147,10 @@ def check(algo, rollout, world: int) -> None:
             raise ConfigError(f"algo.{key}={getattr(a, key)} must be at least 1.")
     # CISPO's two bounds are independent (its lower one is usually off: clip_eps=1); PPO's clip-higher raises the upper
     if a.lr <= 0 or a.clip_eps <= 0 or (a.pg_loss == "ppo" and a.clip_eps_high is not None and a.clip_eps_high < a.clip_eps):
-        raise ConfigError("algo.lr and algo.clip_eps must be > 0, and algo.clip_eps_high (if set) >= algo.clip_eps.")
+        raise ConfigError(f"algo.lr={a.lr}, algo.clip_eps={a.clip_eps}, algo.clip_eps_high={a.clip_eps_high} "
+                          f"(algo.pg_loss={a.pg_loss}): algo.lr and algo.clip_eps must be > 0, and with pg_loss=ppo "
+                          f"algo.clip_eps_high (if set) >= algo.clip_eps (a preset such as algo=cispo sets its own: "
+                          f"give both bounds when you change pg_loss).")
     if a.zero_std_groups == "drop" and a.beta > 0:
         raise ConfigError(f"algo.zero_std_groups=drop skips the groups whose rewards are all equal, whose advantage "
                           f"is 0; with algo.beta={a.beta} their tokens still carry the KL term's gradient, so skipping "

@@ -283,7 +283,9 @@ def test_unknown_option_is_an_error():
         ("algo.warmup_steps=-1", "algo.warmup_steps=-1 must be >= 0 (0: the full algo.lr from the first step)."),
         ("algo.weight_decay=-0.01", "algo.weight_decay=-0.01 must be >= 0 (0: no decay)."),
         ("algo.is_cap=1.0", "algo.is_cap=1.0 must be > 1: it caps the sampler/trainer probability ratio."),
-        ("algo.lr=0", "algo.lr and algo.clip_eps must be > 0, and algo.clip_eps_high (if set) >= algo.clip_eps."),
+        ("algo.lr=0", "algo.lr=0.0, algo.clip_eps=0.2, algo.clip_eps_high=None (algo.pg_loss=ppo): algo.lr and "
+                      "algo.clip_eps must be > 0"),
+        ("algo=cispo|algo.pg_loss=ppo", "algo.lr=0.001, algo.clip_eps=1.0, algo.clip_eps_high=0.28 (algo.pg_loss=ppo)"),
         ("model.lora.rank=600", "model.lora.rank=600: vLLM serves adapters of rank 512 at most; use a smaller rank."),
         # accepted without a word before (session 17's review): each changed nothing, or broke the run late
         ("model=smollm2-135m|rollout=colocated|rollout.max_new_tokens=2048",

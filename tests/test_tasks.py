@@ -1,6 +1,7 @@
 """Tasks: the synthetic split, local jsonl files with row-level errors, and a resumable sampler."""
 
 import json
+import re
 
 import pytest
 from omegaconf import OmegaConf
@@ -8,6 +9,7 @@ from omegaconf import OmegaConf
 from grpo.config import TaskConfig, validate
 from grpo.errors import ConfigError
 from grpo.tasks import TrainSampler, build_task, check_task
+from grpo.tasks.base import Sample, Task
 from grpo.tasks.jsonl import DatasetError
 from tests.conftest import CONF, compose_cfg
 
@@ -217,3 +219,13 @@ def test_chat_template_always_without_one_is_refused_at_validate_where_the_token
     check("model=hub", f"model.path={folder}")
     check("model=hub", "model.path=some-org/not-cached")  # unknown until the load: format_prompt says so then
     tok.chat_template = None
+
+
+@pytest.mark.parametrize("prompt, answer, named", [("", "5", "prompt=''"), ("   ", "5", "prompt='   '"),
+                                                  ("2+3=", 5, "answer='5' (int)"), ("2+3=", None, "answer='None' (NoneType)")])
+def test_a_custom_tasks_sample_without_text_is_refused_when_the_task_is_built(prompt, answer, named):
+    """A custom task's int or None answer failed deep in the first evaluation (`'int' object has no
+    attribute 'strip'`), after setup; an empty prompt trained on nothing but the template."""
+    with pytest.raises(DatasetError, match=rf"task 'mine': eval sample 1 has .*{re.escape(named)}.*a Sample's prompt is "
+                                           r"non-empty text and its answer text"):
+        Task("mine", train=[Sample("1+1=", "2")], eval=[Sample("1+2=", "3"), Sample(prompt, answer)])

@@ -7,6 +7,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from grpo.errors import DatasetError
+
 
 @dataclass
 class Sample:
@@ -62,6 +64,13 @@ class Task:
             raise ValueError(f"task {self.name!r} has no training samples; check its data source.")
         if not self.eval:
             raise ValueError(f"task {self.name!r} has no eval samples; lower task.eval_size or add data.")
+        for split, samples in (("train", self.train), ("eval", self.eval)):  # a custom task's, before any step
+            for i, s in enumerate(samples):
+                if not isinstance(s.prompt, str) or not s.prompt.strip() or not isinstance(s.answer, str):
+                    raise DatasetError(f"task {self.name!r}: {split} sample {i} has prompt={str(s.prompt)[:60]!r} "
+                                       f"({type(s.prompt).__name__}) and answer={str(s.answer)[:40]!r} "
+                                       f"({type(s.answer).__name__}): a Sample's prompt is non-empty text and its "
+                                       f"answer text (str(...) of a number).")
 
 
 class TrainSampler:
