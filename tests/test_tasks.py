@@ -229,3 +229,13 @@ def test_a_custom_tasks_sample_without_text_is_refused_when_the_task_is_built(pr
     with pytest.raises(DatasetError, match=rf"task 'mine': eval sample 1 has .*{re.escape(named)}.*a Sample's prompt is "
                                            r"non-empty text and its answer text"):
         Task("mine", train=[Sample("1+1=", "2")], eval=[Sample("1+2=", "3"), Sample(prompt, answer)])
+
+
+def test_a_task_registered_in_tasks_alone_is_told_to_add_its_fields_to_reads(monkeypatch):
+    """CONTRIBUTING's recipe (TASKS, conf/task/<name>.yaml) once missed READS: the new task's own yaml was
+    refused with "task.eval_size=64 is not read by task=reverse ... Drop it", the wrong advice."""
+    import grpo.tasks
+
+    monkeypatch.setitem(grpo.tasks.TASKS, "reverse", lambda cfg: None)
+    with pytest.raises(ConfigError, match=r"task=reverse is in TASKS but not in READS \(grpo/tasks/__init__.py\): add"):
+        check_task(OmegaConf.structured(TaskConfig(name="reverse", eval_size=64)))

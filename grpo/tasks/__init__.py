@@ -63,6 +63,10 @@ def check_task(cfg) -> None:
     """validate's part (`cfg`: task): a field the chosen task does not read is refused
     (task.path=train.jsonl without task=jsonl trained on addition without a word; task.digits=3 on a
     file changed nothing), and so is an eval split that is the train split."""
+    if cfg.name in TASKS and cfg.name not in READS:  # a new task registered in TASKS alone (CONTRIBUTING.md)
+        raise ConfigError(f"task={cfg.name} is in TASKS but not in READS (grpo/tasks/__init__.py): add the task.* fields "
+                          f"its builder reads there, e.g. {cfg.name!r}: (*SPLIT, \"path\"), so that a field it does not "
+                          f"read is refused.")
     unread = unread_settings(cfg)
     if unread:
         key, value = unread[0], cfg.get(unread[0])
