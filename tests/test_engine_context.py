@@ -118,6 +118,8 @@ def test_a_model_folder_without_what_load_model_reads_is_refused_by_validate_nam
     with pytest.raises(ConfigError, match=r"config.json is not valid JSON \(line 2: "):  # grpo.serve reads it too
         read_model_config(str(folder))
     model, tok = tiny_lm
+    (folder / "config.json").write_text('{"model_type": "qwen9", "max_position_embeddings": 256}')
+    refused(rf"^model.path={folder}: config.json's model_type 'qwen9' is not a model this transformers \(")  # KeyError
     model.config.to_json_file(folder / "config.json")
     refused(r"no weights \(model.safetensors, pytorch_model.bin, or their index")
     model.save_pretrained(folder)

@@ -88,6 +88,16 @@ def check_folder(path: str) -> None:
     if not isinstance(config, dict):
         raise ConfigError(f"model.path={path}: config.json holds a {type(config).__name__}, not a model config "
                           f"(an object of fields); save the model into the folder again.")
+    model_type = config.get("model_type")
+    if isinstance(model_type, str) and "auto_map" not in config:  # auto_map: the folder's own code names it
+        # transformers' registry of configs: heavy, and only a local folder's check reaches it
+        from transformers import __version__ as transformers_version
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        if model_type not in CONFIG_MAPPING:
+            raise ConfigError(f"model.path={path}: config.json's model_type {model_type!r} is not a model this "
+                              f"transformers ({transformers_version}) knows (it loaded as KeyError: {model_type!r}). Fix "
+                              f"the field (e.g. 'qwen2', 'llama'), or install the transformers that wrote the folder.")
     if not has & set(WEIGHT_FILES):
         raise ConfigError(f"model.path={path}: no weights (model.safetensors, pytorch_model.bin, or their index "
                           f".index.json). Save the model into it (model.save_pretrained(path)).")
