@@ -171,6 +171,32 @@ def test_an_evaluation_counts_the_episodes_whose_environment_failed(tiny_lm):
     assert metrics["eval/episode_errors"] == 3 and 0 <= metrics["eval/accuracy"] <= 0.5
 
 
+class InitRaises(GuessEnv):
+    def __init__(self, url: str = "http://sandbox"):
+        raise RuntimeError(f"cannot connect to {url}")
+
+
+def forgets_return(**_):
+    GuessEnv()
+
+
+@pytest.mark.parametrize("name, message", [
+    ("tests.test_episodes.InitRaises", r"env.name='tests.test_episodes.InitRaises' with env.kwargs=\{'url': 'x'\} raised "
+                                       r"when built: RuntimeError: cannot connect to x. Check env.kwargs"),
+    ("tests.test_episodes.forgets_return", r"env.name='tests.test_episodes.forgets_return' built NoneType 'None', which "
+                                           r"has no reset, step, close"),
+])
+def test_an_environment_that_cannot_be_built_stops_naming_it(name, message):
+    """A constructor that raised (a sandbox it cannot reach) was a bare traceback naming neither env.name nor
+    its kwargs; a factory that forgot its `return` failed every episode's reset with an AttributeError."""
+    from grpo.envs import env_factory
+
+    kwargs = {"url": "x"} if "InitRaises" in name else {}
+    make = env_factory(SimpleNamespace(name=name, kwargs=kwargs), task=None)
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
 class Recording(GuessEnv):
     seen: list = []
 

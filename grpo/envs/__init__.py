@@ -115,7 +115,24 @@ def env_factory(cfg, task) -> Callable[[], Env]:
         wants_task = False
     if wants_task:
         kwargs["task"] = task
-    return lambda: factory(**kwargs)
+    return lambda: build_env(cfg.name, factory, kwargs)
+
+
+def build_env(name: str, factory: Callable, kwargs: dict) -> Env:
+    """One environment, or a ConfigError naming env.name and its kwargs: a constructor that raised was a bare
+    traceback, and a factory that returned None failed every episode's reset with an AttributeError."""
+    shown = {k: v for k, v in kwargs.items() if k != "task"}
+    try:
+        env = factory(**kwargs)
+    except Exception as e:  # noqa: BLE001 - any failure to build is the same stop, with its cause
+        raise ConfigError(f"env.name={name!r} with env.kwargs={shown} raised when built: {type(e).__name__}: {e}. Check "
+                          f"env.kwargs and what the environment connects to (docs/environments.md).") from e
+    missing = [m for m in ("reset", "step", "close") if not callable(getattr(env, m, None))]
+    if missing:
+        raise ConfigError(f"env.name={name!r} built {type(env).__name__} {str(env)[:40]!r}, which has no "
+                          f"{', '.join(missing)}: an environment's factory returns an object with reset(sample, seed), "
+                          f"step(action) and close() (docs/environments.md).")
+    return env
 
 
 __all__ = ["ENVS", "CalcEnv", "Env", "GuessEnv", "RetryEnv", "Step", "TextEnv", "ToolEnv", "calculator", "check",
