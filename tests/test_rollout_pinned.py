@@ -7,6 +7,7 @@ train sampler, and Rollouts' counts. No servers, no subprocesses: scripted turns
 from __future__ import annotations
 
 import threading
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -113,11 +114,12 @@ def test_a_prompt_with_no_room_for_a_first_turn_sends_no_request_on_the_trajecto
     ready.set()
     pool = HeldPool(tok, {tuple(prompt[:4]): ready})
     r = runner(tok, max_turns=1, max_new=4, total=64, obs=4, context=len(prompt) + 3)
-    with pytest.warns(UserWarning, match="budget failed"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         out = episode_driver("trajectories", r, pool, 0)([prompt], [Sample("7+1=", "8")], 2, Sampling(4, seed=1))
-    assert out.finish_reasons == ["error", "error"]
     assert not pool.entered  # no request reached the server
-    assert all(e.turns == 0 for e in out.episodes)
+    assert out.finish_reasons == ["error", "error"] and [e.turns for e in out.episodes] == [0, 0]
+    assert sum("budget failed" in str(w.message) for w in caught) == 2
 
 
 def test_the_default_episode_span_counts_every_turn_and_observation():
