@@ -10,17 +10,21 @@ from grpo.errors import HungCallsError
 # Calls abandoned past their timeout and still running, in this process: a function that hangs for good
 # on some inputs (4 abandoned a step) held 8,000 threads after 2,000 steps, until "can't start new thread".
 MAX_HUNG = 256
-_hung: list[threading.Thread] = []
+_hung: list[tuple[threading.Thread, str]] = []  # each with the setting it ran past
 _hung_lock = threading.Lock()
 
 
-def check_hung(setting: str) -> None:
-    """Raises HungCallsError when MAX_HUNG abandoned calls are still running (those that ended are forgotten)."""
+def check_hung() -> None:
+    """Raises HungCallsError when MAX_HUNG abandoned calls are still running (those that ended are forgotten),
+    naming the setting most of them ran past."""
     with _hung_lock:
-        _hung[:] = [t for t in _hung if t.is_alive()]
+        _hung[:] = [(t, s) for t, s in _hung if t.is_alive()]
         if len(_hung) >= MAX_HUNG:
+            settings = [s for _, s in _hung]
+            setting = max(set(settings), key=settings.count)
             raise HungCallsError(
-                f"{len(_hung)} calls of user code are still running past their timeout (the latest: {setting}); "
+                f"{len(_hung)} calls of user code are still running past their timeout ({settings.count(setting)} of "
+                f"them past {setting}); "
                 f"Python cannot stop a thread, so each one hung for good is kept, and the run stops before the process "
                 f"runs out of threads. The warnings above name the inputs it hung on: fix the code that hangs there, "
                 f"or raise {setting} if it only needs longer.")
@@ -43,13 +47,13 @@ def call_with_timeout(fn: Callable, timeout_s: float, setting: str, reraise: tup
         except BaseException as e:  # noqa: BLE001 - sys.exit() in user code: its thread ends, not the run; an error, not a None result
             box["error"] = f"{type(e).__name__}({e!r}) raised: user code must return or raise an Exception"
 
-    check_hung(setting)
+    check_hung()
     t = threading.Thread(target=target, daemon=True)
     t.start()
     t.join(timeout_s)
     if t.is_alive():
         with _hung_lock:
-            _hung.append(t)
+            _hung.append((t, setting))
         return None, f"no answer within {setting}={timeout_s:g}s"
     if "fatal" in box:
         raise box["fatal"]

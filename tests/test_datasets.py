@@ -58,11 +58,21 @@ def test_a_prompt_held_out_is_never_trained_on_when_the_data_repeats_it(tmp_path
     them out, with a warning that counts them."""
     train = write_jsonl(tmp_path / "train.jsonl", rows)
     evals = write_jsonl(tmp_path / "eval.jsonl", rows[:2]) if eval_file else None
-    with pytest.warns(UserWarning, match=r"training rows repeat a held-out prompt .*they are left out of training"):
+    with pytest.warns(UserWarning, match=r"training rows repeat a held-out row .*they are left out of training"):
         task = build_task(task_cfg(name=name, path=train, eval_path=evals, eval_size=2))
     held = {s.prompt for s in task.eval}
     assert len(held) == 2 and not held & {s.prompt for s in task.train}
     assert len(task.train) == len(rows) - (2 if eval_file else 6)  # each held-out prompt's 3 rows (1 in the files' case)
+
+
+def test_rows_that_share_a_prompt_and_differ_in_answer_all_train():
+    """One prompt, many answers (a game's secrets, which its environment reads): different samples, not
+    repeats. Matched on the prompt alone, every training row was left out and the task had none."""
+    from grpo.tasks.base import Sample, without_held_out
+
+    rows = [Sample("Play wordle.", word) for word in ("crane", "slate", "pious", "crane")]
+    with pytest.warns(UserWarning, match=r"^1 of 3 training rows repeat a held-out row \(the first: 'Play wordle.'\)"):
+        assert without_held_out(rows[1:], rows[:1]) == rows[1:3]
 
 
 def test_answer_format_and_system_prompt_are_configurable(tmp_path):

@@ -19,6 +19,7 @@ import warnings
 from dataclasses import replace
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -279,7 +280,7 @@ class WrongTypes(GuessEnv):
     shown), 4 a bare string instead of a Step; 5 opens its episode with an int at reset; 7 a reward
     that is text, 8 an info that is None; 9 a 0-d tensor reward, 10 a bool one (allowed: numbers); 11 a
     NaN reward (the environment's fault, not the reward function's), 12 a done that is the text "False"
-    (truthy: it ended every episode as "stop", silently)."""
+    (truthy: it ended every episode as "stop", silently); 13 numpy's True (a gym-style done: allowed)."""
 
     def reset(self, sample, seed):
         text = super().reset(sample, seed)
@@ -288,7 +289,8 @@ class WrongTypes(GuessEnv):
     def step(self, action):
         bad = {1: Step(42, 0.0, False), 2: Step({"board": "<"}, 0.0, False), 3: Step(None, 0.0, False), 4: "<",
                7: Step("<", "miss", False), 8: Step("<", 0.0, False, None), 9: Step("<", torch.tensor(0.25), False),
-               10: Step("<", False, False), 11: Step("<", math.nan, False), 12: Step("<", 0.0, "False")}
+               10: Step("<", False, False), 11: Step("<", math.nan, False), 12: Step("<", 0.0, "False"),
+               13: Step("<", 0.0, np.True_)}
         return bad.get(self.secret) or super().step(action)
 
 
@@ -301,9 +303,9 @@ def test_an_env_answering_with_a_non_string_ends_its_episode_as_a_counted_error_
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = runner(tok, make_env=WrongTypes, max_turns=2).run(Scripted(tok, binary_search_policy(tok)),
-                                                                prompts_of(tok, GUESS[:12]), GUESS[:12], 1, Sampling(3))
+                                                                prompts_of(tok, GUESS[:13]), GUESS[:13], 1, Sampling(3))
     assert [e.finish for e in out.episodes] == ["error", "error", "turns", "error", "error", "turns",
-                                                "error", "error", "turns", "turns", "error", "error"]
+                                                "error", "error", "turns", "turns", "error", "error", "stop"]
     assert all(out.episodes[i].env_reward is None for i in (0, 1, 3, 4, 6, 7))
     assert "int" in out.episodes[0].error and "dict" in out.episodes[1].error and "str" in out.episodes[3].error
     assert "Step.reward=a str ('miss')" in out.episodes[6].error and "Step.info=a NoneType" in out.episodes[7].error

@@ -259,7 +259,7 @@ def test_an_environments_rewards_no_reward_reads_are_named():
     when the environment gave no reward."""
     exact = [("exact_match", REWARDS["exact_match"], 1.0)]
     with pytest.warns(UserWarning, match=r"the environment gives its episodes rewards \(Step.reward\), but reward.funcs "
-                                         r"has no `env`.*reward=env"):
+                                         r"has no `env`, so nothing trains on them.*reward=env"):
         score(exact, ["5", "6"], [Sample("2+3=", "5")] * 2, env_rewards=[None, 1.0])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -463,11 +463,13 @@ def test_a_step_where_no_completion_got_a_reward_two_batches_in_a_row_stops_the_
     counts as a rule reward's failure. One completion rewarded on either rank keeps it going."""
     from grpo.rewards.failure_streak import FailureStreak
 
+    # a rule reward "mine" that abstained, never failed (0 of 0 tried: its stats hold no count)
+
     nan, none_of_4, errors = math.nan, [math.nan] * 4, ["error"] * 4
-    streak = FailureStreak([], reduce=other_rank(outcome=(1, 0, 4)))  # the other rank rewarded one of its 4
+    streak = FailureStreak(["mine"], reduce=other_rank(0, 0, outcome=(1, 0, 4)))  # the other rank rewarded one of its 4
     for _ in range(3):
         streak.observe({}, None, none_of_4, errors)
-    streak = FailureStreak([], reduce=other_rank(outcome=(0, 4, 4)))
+    streak = FailureStreak(["mine"], reduce=other_rank(0, 0, outcome=(0, 4, 4)))
     streak.observe({}, None, none_of_4, errors)
     streak.observe({}, None, [nan, 1.0, nan, nan], errors[:1])  # one rewarded here: the count starts again
     streak.observe({}, None, none_of_4, errors)
@@ -475,25 +477,35 @@ def test_a_step_where_no_completion_got_a_reward_two_batches_in_a_row_stops_the_
                                          r"of 8 episodes ended in error in the last\): its environment failed.*step\(action\)"):
         streak.observe({}, None, none_of_4, errors)
     # abstained (none errored on this rank): the message names the rewards, not the environment
-    streak = FailureStreak([], reduce=other_rank(outcome=(0, 4, 4)))
+    streak = FailureStreak(["mine"], reduce=other_rank(0, 0, outcome=(0, 4, 4)))
     streak.observe({}, None, none_of_4, errors)
     with pytest.raises(RewardStop, match=r"no completion got a reward in 2 batch\(es\) in a row, on every rank \(4 of 8 "
                                          r"episodes ended in error in the last\): every reward function abstained"):
         streak.observe({}, None, none_of_4, ["stop"] * 4)
     # abstained first, then errored: not "every episode" (the environment is not the whole story)
-    streak = FailureStreak([], reduce=other_rank())
+    streak = FailureStreak(["mine"], reduce=other_rank(0, 0))
     streak.observe({}, None, none_of_4, ["stop"] * 4)
     with pytest.raises(RewardStop, match=r"^no completion got a reward in 2 batch\(es\) in a row, on every rank \(4 of 4 "):
         streak.observe({}, None, none_of_4, errors)
     # a one-step run that rewarded nothing stops at its end; one that rewarded something does not
-    streak = FailureStreak([], reduce=other_rank())
+    streak = FailureStreak(["mine"], reduce=other_rank(0, 0))
     streak.observe({}, None, none_of_4, ["length"] * 4)
     with pytest.raises(RewardStop, match=r"no completion got a reward in 1 batch\(es\) in a row, on every rank \(every "
                                          r"batch this run scored, 1\)"):
         streak.finish()
-    streak = FailureStreak([], reduce=other_rank())
+    streak = FailureStreak(["mine"], reduce=other_rank(0, 0))
     streak.observe({}, None, [0.0, nan, nan, nan], ["stop"] * 4)  # a reward of 0 is a reward
     streak.finish()
+    # model rewards alone (no rule reward's name) decide their own stop (reward.judge.min_scored=0: go on)...
+    streak = FailureStreak([], reduce=other_rank())
+    for _ in range(3):
+        streak.observe({}, None, none_of_4, ["stop"] * 4)
+    streak.finish()
+    # ...but not for an environment that failed every episode
+    streak = FailureStreak([], reduce=other_rank())
+    streak.observe({}, None, none_of_4, errors)
+    with pytest.raises(RewardStop, match=r"^every episode ended in 'error' in 2 batch"):
+        streak.observe({}, None, none_of_4, errors)
 
 
 def test_episodes_that_ended_in_error_are_not_counted_as_failed():
@@ -606,12 +618,12 @@ def test_a_reward_that_hangs_for_good_stops_the_run_before_its_threads_pile_up(m
         with pytest.warns(UserWarning):
             score(fns, batch, [None] * 4, timeout_s=0.2)  # the batch and 3 completions: 4 abandoned
         with pytest.raises(RewardStop, match=r"^reward 'code': 6 calls of user code are still running past their "
-                                             r"timeout \(the latest: reward.timeout_s\).*or raise reward.timeout_s"), \
+                                             r"timeout \(6 of them past reward.timeout_s\).*or raise reward.timeout_s"), \
                 pytest.warns(UserWarning):
             score(fns, batch, [None] * 4, timeout_s=0.2)
     finally:
         release.set()
-    for t in list(grpo.timeouts._hung):
+    for t, _ in list(grpo.timeouts._hung):
         t.join(10)
     rewards, _ = score(fns, batch, [None] * 4, timeout_s=5)  # they ended: nothing held
     assert marked(rewards) == [[1.0] * 4]

@@ -314,6 +314,7 @@ def score(reward_fns, completions: list[str], samples: list, timeout_s: float = 
         stats.update({f"{name}/{k}": float(v) for k, v in (getattr(fn, "stats", None) or {}).items()})
     if "env" not in [name for name, _, _ in reward_fns] and any(r is not None for r in info.get("env_rewards") or ()):
         warnings.warn("the environment gives its episodes rewards (Step.reward), but reward.funcs has no `env`, so "
-                      "nothing reads them: add it (reward=env, or an entry {name: env, weight: 1.0} beside the others) "
-                      "to train on them.", stacklevel=2)  # the same text each batch: Python shows it once
+                      "nothing trains on them: if they should, add it (reward=env, or an entry {name: env, weight: 1.0} "
+                      "beside the others); an environment whose final answer the task's own reward already scores "
+                      "(env=retry) can leave it out.", stacklevel=2)  # the same text each batch: Python shows it once
     return rewards_FB, stats

@@ -20,6 +20,8 @@ The same holds for the whole reward, whatever the cause: when no completion of t
 got a reward in `STOP_AFTER` batches in a row (every episode's environment failed, or every function
 abstained: None everywhere, e.g. a format regex that never matches), every advantage is 0 and the run
 would train nothing and exit 0 (`nothing_rewarded`), so it stops too, naming which of the two it was.
+Where every function is a model reward, only the first: a judge or reward model that scored nothing
+decides its own stop (reward.judge.min_scored=0 asks to go on).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class FailureStreak:
         nothing = total > 0 and rewarded == 0
         self.errored_throughout = nothing and errored == total and (self.errored_throughout or not self.unrewarded)
         self.unrewarded = self.unrewarded + 1 if nothing else 0
-        if self.unrewarded >= self.stop_after:
+        if self.unrewarded >= self.stop_after and (self.names or self.errored_throughout):
             self.nothing_rewarded(f"{errored:.0f} of {total:.0f} episodes ended in error in the last")
 
     def finish(self) -> None:
@@ -92,7 +94,7 @@ class FailureStreak:
         for name in self.names:
             if self.observed and self.streak[name] == self.observed:
                 self.stop(name, f"every batch this run scored, {self.observed}")
-        if self.observed and self.unrewarded == self.observed:
+        if self.observed and self.unrewarded == self.observed and (self.names or self.errored_throughout):
             self.nothing_rewarded(f"every batch this run scored, {self.observed}")
 
     def stop(self, name: str, which: str) -> None:

@@ -43,6 +43,8 @@ from concurrent.futures import wait
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Optional
 
+import numpy as np
+
 from grpo.envs import env_factory
 from grpo.envs.base import Step
 from grpo.errors import ConfigError
@@ -443,7 +445,7 @@ def step_error(step) -> Optional[str]:
         return f"step returned Step.observation={describe(step.observation)}; it must be a str or None"
     if step.reward is not None and ((n := as_number(step.reward)) is None or not math.isfinite(n)):  # as a reward's
         return f"step returned Step.reward={describe(step.reward)}; it must be a finite number or None"
-    if not (isinstance(step.done, bool) or type(step.done).__name__ == "bool_"):  # "False" would end the episode
+    if not isinstance(step.done, (bool, np.bool_)):  # "False" would end the episode
         return f"step returned Step.done={describe(step.done)}; it must be a bool (True: the episode ends here)"
     if not isinstance(step.info, dict):
         return f"step returned Step.info={describe(step.info)}; it must be a dict"

@@ -27,17 +27,19 @@ def hold_out(samples: list, eval_size: int, seed: int, error: type[Exception], w
     return samples[eval_size:], samples[:eval_size]
 
 
-def without_held_out(train: list, held_out: list, where: str = "", prompt: Callable = lambda s: s.prompt) -> list:
-    """The training samples whose prompt is no held-out one's (`prompt`: a sample's text). A data file
-    with repeated rows, or an eval file sharing rows with the train file, would otherwise train on the
-    prompts it evaluates; they are left out, with a warning that counts them."""
-    held = {prompt(s) for s in held_out}
-    repeats = [s for s in train if prompt(s) in held]
+def without_held_out(train: list, held_out: list, where: str = "", sample: Callable = lambda s: s) -> list:
+    """The training samples that are no held-out one (the same prompt and answer; `sample`: a row's
+    Sample). A data file with repeated rows, or an eval file sharing rows with the train file, would
+    otherwise train on what it evaluates; they are left out, with a warning that counts them. Rows that
+    share a prompt and differ in answer (a game's secrets: env reads the answer) are different samples."""
+    key = lambda row: (sample(row).prompt, sample(row).answer)  # noqa: E731
+    held = {key(s) for s in held_out}
+    repeats = [s for s in train if key(s) in held]
     if repeats:
-        warnings.warn(f"{where}{len(repeats)} of {len(train)} training rows repeat a held-out prompt (the first: "
-                      f"{prompt(repeats[0])[:80]!r}); they are left out of training, so no eval prompt is trained on. "
-                      "Remove the repeated rows from the data to keep the count of training rows.", stacklevel=2)
-    return [s for s in train if prompt(s) not in held]
+        warnings.warn(f"{where}{len(repeats)} of {len(train)} training rows repeat a held-out row (the first: "
+                      f"{sample(repeats[0]).prompt[:80]!r}); they are left out of training, so no eval sample is trained "
+                      "on. Remove the repeated rows from the data to keep the count of training rows.", stacklevel=2)
+    return [s for s in train if key(s) not in held]
 
 
 def exact_answer(completion: str, sample: Sample) -> bool:

@@ -69,6 +69,6 @@ def build_dataset_task(cfg, columns: list[str], to_sample: Callable[[dict], Samp
             check_answer(sample)
         except RowError as e:
             raise DatasetError(f"{where}: {e}") from e
-    train = without_held_out(train, held_out, f"task={cfg.name}: ", prompt=lambda pair: pair[1].prompt)
+    train = without_held_out(train, held_out, f"task={cfg.name}: ", sample=lambda pair: pair[1])
     return Task(cfg.name, train=[s for _, s in train], eval=[s for _, s in held_out], is_correct=is_correct,
                 chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)
