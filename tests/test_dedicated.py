@@ -87,8 +87,8 @@ def test_parity_and_generations_change_after_sync(tiny_lm, tmp_path):
 @pytest.mark.starts_process
 def test_two_engines_each_serve_at_the_url_their_own_process_wrote(tiny_lm, tmp_path, monkeypatch):
     """num_engines=2 on CPU: each engine binds a free port itself (grpo.serve --port 0) and names it in a
-    folder of its own, read and removed at start, so pool server i is the port engine process i listens
-    on, and its log is named by that port: no engine's URL read as another's."""
+    folder of its own (its TMPDIR too, removed on close), so pool server i is the port engine process i
+    listens on, and its log is named by that port: no engine's URL read as another's."""
     import tempfile
 
     import psutil
@@ -106,7 +106,7 @@ def test_two_engines_each_serve_at_the_url_their_own_process_wrote(tiny_lm, tmp_
     backend = DedicatedBackend(cfg, tiny_lm[0], tiny_lm[1], str(tmp_path / "model"), run_dir=str(tmp_path))
     try:
         folders = [f for f in made if os.path.basename(f).startswith("grpo-engine-")]
-        assert len(folders) == 2 and not any(os.path.exists(f) for f in folders), folders
+        assert len(folders) == 2 and folders == backend.folders, (folders, backend.folders)
         urls = [s.url for s in backend.pool.servers]
         assert urls == [f"http://127.0.0.1:{p}" for p in backend.ports] and len(set(urls)) == 2
         for url, proc in zip(urls, backend.procs):
@@ -117,7 +117,7 @@ def test_two_engines_each_serve_at_the_url_their_own_process_wrote(tiny_lm, tmp_
             f"vllm-engine-{node_name()}-{p}.log" for p in backend.ports)
     finally:
         backend.close()
-    assert wait_gone(tmp_path) == []
+    assert wait_gone(tmp_path) == [] and not any(os.path.exists(f) for f in folders), folders
 
 
 @pytest.mark.starts_process
