@@ -1,6 +1,7 @@
 """Tasks: the synthetic split, local jsonl files with row-level errors, and a resumable sampler."""
 
 import json
+import pickle
 import re
 
 import pytest
@@ -64,6 +65,14 @@ def test_jsonl_answers_may_be_numbers_and_eval_may_compare_by_value(tmp_path):
     exact = build_task(task_cfg(name="jsonl", path=path, eval_size=1))
     answers = {s.prompt: s.answer for s in exact.train + exact.eval}
     assert answers["q0"] == "4" and answers["q1"] == "0.5"
+    # as written in the file, not as Python prints the float: exact match judged "1.50" wrong for 1.50
+    raw = ['{"prompt": "a", "answer": 1.50}', '{"prompt": "b", "answer": 1e2}', '{"prompt": "c", "answer": -0.10}',
+           '{"prompt": "d", "answer": 12345678901234567890, "w": 2.50}']
+    written = build_task(task_cfg(name="jsonl", path=write(tmp_path / "w.jsonl", raw), eval_size=1))
+    samples = {s.prompt: s for s in written.train + written.eval}
+    assert {p: s.answer for p, s in samples.items()} == {"a": "1.50", "b": "1e2", "c": "-0.10", "d": "12345678901234567890"}
+    assert written.is_correct("1.50", samples["a"]) and samples["d"].meta["w"] == 2.5  # other numbers stay numbers
+    assert json.dumps(samples["d"].meta) == '{"w": 2.5}' and pickle.loads(pickle.dumps(samples["d"].meta))["w"] == 2.5
     half = next(s for s in exact.train + exact.eval if s.prompt == "q2")
     assert not exact.is_correct("0.5", half) and exact.is_correct(" 1/2 ", half)
     by_value = build_task(task_cfg(name="jsonl", path=path, eval_size=1, correct="math_verify"))
@@ -91,6 +100,8 @@ def test_jsonl_answers_may_be_numbers_and_eval_may_compare_by_value(tmp_path):
          "d.jsonl:1: field 'prompt' is a list (chat messages); give the user's text as a string"),
         (['{"prompt": "a", "answer": true}'], "d.jsonl:1: field 'answer' is missing or not a non-empty string or a number"),
         ([""], "the file has no rows"),
+        (['{"prompt": "a", "answer": NaN}'], "d.jsonl:1: field 'answer' is nan, which no completion can match"),
+        (['{"prompt": "a", "answer": -Infinity}'], "d.jsonl:1: field 'answer' is -inf"),
     ],
 )
 def test_malformed_or_empty_dataset_names_file_and_line(tmp_path, lines, message):

@@ -4,14 +4,14 @@ the train file. Every row is checked: a bad one is an error naming file and line
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import random
 
 from grpo.errors import DatasetError
 from grpo.rewards.math_answer import is_equivalent
 from grpo.tasks.base import Sample, Task, exact_answer, hold_out, without_held_out
-from grpo.tasks.rows import read_jsonl_rows
+from grpo.tasks.rows import WrittenFloat, read_jsonl_rows
 
 __all__ = ["DatasetError", "build_jsonl", "read_jsonl"]
 
@@ -25,8 +25,12 @@ def read_jsonl(path: str, key: str = "task.path") -> list[Sample]:
                            "per line, a .jsonl file); convert the file (a .csv or .parquet is not read as one).")
     samples = []
     for where, row in read_jsonl_rows(path):
-        if type(row.get("answer")) in (int, float):  # {"answer": 4}: the number as written
-            row["answer"] = json.dumps(row["answer"])
+        answer = row.get("answer")
+        if isinstance(answer, float) and not math.isfinite(answer):
+            raise DatasetError(f"{where}: field 'answer' is {answer}, which no completion can match; give the "
+                               "ground truth as a number or a string.")
+        if type(answer) is int or isinstance(answer, WrittenFloat):  # {"answer": 4}, 1.50: the number as written
+            row["answer"] = str(answer)
         if isinstance(row.get("prompt"), list):  # TRL's conversational rows
             raise DatasetError(f"{where}: field 'prompt' is a list (chat messages); give the user's text as a string: "
                                "the chat template is applied to it (task.chat_template), and task.system_prompt sets "

@@ -13,6 +13,22 @@ from grpo.errors import DatasetError
 Row = tuple[str, dict]  # (where it came from, the row)
 
 
+class WrittenFloat(float):
+    """A JSON number with a fraction or exponent, remembering its text: an answer written 1.50 or 1e2
+    is compared as written, not as Python prints the float ("1.5", "100.0")."""
+
+    def __new__(cls, text: str):
+        number = super().__new__(cls, text)
+        number.written = text
+        return number
+
+    def __str__(self) -> str:  # str(answer) in a task's converter; json.dumps still writes the float
+        return self.written
+
+    def __reduce__(self):  # pickled (a sample sent to a worker) with its text
+        return WrittenFloat, (self.written,)
+
+
 def read_jsonl_rows(path: str) -> list[Row]:
     """One JSON object per line; blank lines are allowed, anything else that is not an object is an error."""
     rows = []
@@ -21,7 +37,7 @@ def read_jsonl_rows(path: str) -> list[Row]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line, parse_float=WrittenFloat)
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove that line.") from e
             if not isinstance(row, dict):
