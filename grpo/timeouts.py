@@ -30,11 +30,13 @@ def check_hung() -> None:
                 f"or raise {setting} if it only needs longer.")
 
 
-def call_with_timeout(fn: Callable, timeout_s: float, setting: str, reraise: tuple = ()):
+def call_with_timeout(fn: Callable, timeout_s: float, setting: str, reraise: tuple = (), stop_if_hung: bool = True):
     """(fn(), None) or (None, "what went wrong"); a call past `timeout_s` is abandoned (a daemon thread:
     Python cannot kill it) and its error names `setting`. Exceptions of the types in `reraise` are
     raised here instead (a setup mistake that must stop the run), and HungCallsError when too many earlier
-    calls are still running past theirs (`check_hung`)."""
+    calls are still running past theirs (`check_hung`), unless `stop_if_hung` is False: an environment's
+    calls, made while the engines generate on one rank alone, are counted and stopped at scoring instead,
+    where every rank stops together (grpo.rewards.score)."""
     box: dict = {}
 
     def target():
@@ -47,7 +49,8 @@ def call_with_timeout(fn: Callable, timeout_s: float, setting: str, reraise: tup
         except BaseException as e:  # noqa: BLE001 - sys.exit() in user code: its thread ends, not the run; an error, not a None result
             box["error"] = f"{type(e).__name__}({e!r}) raised: user code must return or raise an Exception"
 
-    check_hung()
+    if stop_if_hung:
+        check_hung()
     t = threading.Thread(target=target, daemon=True)
     t.start()
     t.join(timeout_s)

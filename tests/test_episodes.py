@@ -275,6 +275,43 @@ def test_an_env_that_hangs_or_raises_ends_its_episode_as_error_within_its_timeou
     assert sum("'test-env'" in m and "error" in m for m in messages) == 2, messages
 
 
+class HangsForGood(GuessEnv):
+    release = threading.Event()
+
+    def step(self, action):
+        self.release.wait(60)
+        return super().step(action)
+
+
+def test_an_environment_hung_for_good_stops_the_run_at_scoring_where_every_rank_stops(tiny_lm, monkeypatch):
+    """Calls of an environment's code abandoned past env.step_timeout_s pile up as threads; past MAX_HUNG
+    (3 here) the run stops. It stopped inside the episode driver, on that rank alone, while the others
+    waited in their next collective for the peer watchdog. The episodes now end as errors, and the stop
+    comes at scoring, as a RewardStop that failure_streak.stop_together raises on every rank."""
+    import grpo.timeouts
+    from grpo.errors import RewardStop
+    from grpo.rewards import score
+
+    _, tok = tiny_lm
+    monkeypatch.setattr(grpo.timeouts, "MAX_HUNG", 3)
+    monkeypatch.setattr(grpo.timeouts, "_hung", [])  # not another test's sleepers
+    HangsForGood.release.clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(3):  # 6 hung calls, past MAX_HUNG, and the last batches still ran their episodes
+                out = runner(tok, make_env=HangsForGood, timeout=0.2).run(
+                    Scripted(tok, binary_search_policy(tok)), prompts_of(tok, GUESS[:2]), GUESS[:2], 1, Sampling(3))
+                assert [e.finish for e in out.episodes] == ["error", "error"]
+        with pytest.raises(RewardStop, match=r"^6 calls of user code are still running past their timeout \(6 of them "
+                                             r"past env.step_timeout_s\).*or raise env.step_timeout_s"):
+            score([("r", lambda completions, samples, **_: [1.0] * len(completions), 1.0)], ["a"], [GUESS[0]])
+    finally:
+        HangsForGood.release.set()
+    for t, _ in list(grpo.timeouts._hung):
+        t.join(10)
+
+
 class WrongTypes(GuessEnv):
     """The guess game answering by secret: 1 an int observation, 2 a dict, 3 None (allowed: nothing
     shown), 4 a bare string instead of a Step; 5 opens its episode with an int at reset; 7 a reward

@@ -61,7 +61,8 @@ class ToolEnv(TextEnv):
         if call is None:
             return Step(None, None, True, {"tool_call": False})
         name, arg = call
-        result, error = call_with_timeout(lambda: str(self.tools[name](arg)), self.tool_timeout_s, "tool_timeout_s")
+        result, error = call_with_timeout(lambda: str(self.tools[name](arg)), self.tool_timeout_s, "tool_timeout_s",
+                                            stop_if_hung=False)
         return Step(self.format_result(result, error), None, False, {"tool_call": True, "tool_error": error})
 
 

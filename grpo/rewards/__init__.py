@@ -51,7 +51,7 @@ from omegaconf import OmegaConf
 from grpo.errors import ConfigError, HungCallsError, RewardStop
 from grpo.reward_config import JudgeConfig, RewardModelConfig
 from grpo.rewards.countdown import countdown
-from grpo.timeouts import call_with_timeout
+from grpo.timeouts import call_with_timeout, check_hung
 from grpo.rewards.env import env_reward
 from grpo.rewards.failure_streak import FAILED_KEY, TRIED_KEY
 from grpo.rewards.exact_match import exact_match
@@ -298,6 +298,10 @@ def score(reward_fns, completions: list[str], samples: list, timeout_s: float = 
     keeps in its `stats` attribute (a judge's requests, failures, garbage answers, retries) as
     `<name>/<count>`; all of them add up over draws."""
     rewards_FB, stats = [], {}
+    try:  # the environment's calls abandoned while generating (timeouts.call_with_timeout): stopped here, with every rank
+        check_hung()
+    except HungCallsError as e:
+        raise RewardStop(str(e)) from e
     counted = [True] * len(completions) if counted is None else counted
     for name, fn, _ in reward_fns:
         t0 = time.perf_counter()

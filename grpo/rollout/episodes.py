@@ -317,7 +317,7 @@ class EpisodeRunner:
     def env_reset(self, t: Trajectory, seed: Optional[int]) -> tuple[Optional[str], Optional[str]]:
         """(the opening text, None) or (None, what went wrong): on an `EnvCalls` thread."""
         text, error = call_with_timeout(lambda: t.env.reset(t.sample, reset_seed(seed, t.index)), self.step_timeout_s,
-                                        "env.step_timeout_s", reraise=(ConfigError,))
+                                        "env.step_timeout_s", reraise=(ConfigError,), stop_if_hung=False)
         if error is None and not isinstance(text, (str, type(None))):
             return None, f"reset returned {describe(text)}; it must return the opening text, a str or None"
         return text, error
@@ -327,7 +327,7 @@ class EpisodeRunner:
         t, text = stepped
         t0 = time.perf_counter()
         step, error = call_with_timeout(lambda: t.env.step(text), self.step_timeout_s, "env.step_timeout_s",
-                                        reraise=(ConfigError,))
+                                        reraise=(ConfigError,), stop_if_hung=False)
         if error is None:
             error = step_error(step)
         return (None if error else step), error, time.perf_counter() - t0
