@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
+import typing
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -28,12 +30,46 @@ def override_advice(e: HydraException) -> str | None:
     return None
 
 
+FILE_KEY = re.compile(r"^In '([^']+)': ConfigKeyError raised while composing config:\s*Key '([^']+)' not in '[^']*'"
+                      r"\s*full_key: (\S+)")
+
+
+def schema_of(path: str):
+    """The dataclass that types the config node at `path` ("algo", "rollout.vllm"), or None."""
+    from grpo.config import Config  # local: the schema imports torch; a mistake in a file is rare
+
+    schema = Config
+    for part in path.split(".") if path else ():
+        hint = typing.get_type_hints(schema).get(part)
+        schema = next((t for t in typing.get_args(hint) if dataclasses.is_dataclass(t)), hint)  # Optional[X]: X
+        if not dataclasses.is_dataclass(schema):
+            return None
+    return schema
+
+
+def file_key_advice(e: HydraException) -> str | None:
+    """A key its schema does not declare, set in a config file (an experiment, a group's option): Hydra
+    names the file and the key but not the setting meant (`lerning_rate`), and no code reads the key."""
+    found = FILE_KEY.match(str(e))
+    if not found:
+        return None
+    where, key, full_key = found.groups()
+    path = full_key[: len(full_key) - len(key)].rstrip(".")
+    schema = schema_of(path)
+    if schema is None:
+        return None
+    declared = {f.name for f in dataclasses.fields(schema)}
+    return (f"{where!r} sets {full_key}, which is not a setting of {path or 'the config'}"
+            f"{did_you_mean(key, declared, path + '.' if path else '')}; fix that file (conf/{where}.yaml, or the "
+            f"same path under your hydra.searchpath).")
+
+
 def hydra_message(e: HydraException) -> str:
     """One line for an override Hydra cannot apply (`algo.lr=abc`, a typo'd key, an unknown group option):
     `override_advice` where Hydra's own advice misleads, else Hydra's own words (which override; for a
     group, its options) and, after them, the cause it wraps (which key and type), whitespace folded and
     cut at 40 words; an unknown option's list of Hydra's search path, which names no fix, left off."""
-    advice = override_advice(e)
+    advice = override_advice(e) or file_key_advice(e)
     if advice:
         return advice
     cause = f" ({' '.join(str(e.__cause__).split()[:40])})" if e.__cause__ else ""

@@ -106,6 +106,26 @@ def test_an_override_hydra_cannot_apply_is_one_line(override, says):
     assert "\n" not in e.value.code and "search path" not in e.value.code
 
 
+@pytest.mark.parametrize("option, text, says", [
+    ("experiment=mine", "# @package _global_\nalgo:\n  lerning_rate: 1e-6\n",
+     "'experiment/mine' sets algo.lerning_rate, which is not a setting of algo (did you mean algo.lr?); fix that file"),
+    ("experiment=mine", "# @package _global_\nrollout:\n  vllm:\n    memory_fracton: 0.5\n",
+     "sets rollout.vllm.memory_fracton, which is not a setting of rollout.vllm (did you mean rollout.vllm.memory_fraction?)"),
+    ("experiment=mine", "# @package _global_\nstepz: 2\n", "sets stepz, which is not a setting of the config (did you mean steps?)"),
+    ("algo=mine", "defaults:\n  - grpo\nlerning_rate: 1e-6\n", "'algo/mine' sets algo.lerning_rate"),
+])
+def test_a_typod_key_in_a_config_file_names_the_file_and_the_setting_it_meant(tmp_path, option, text, says):
+    """A typo inside one's own experiment or option file got Hydra's raw words ("ConfigKeyError raised while
+    composing config: Key 'lerning_rate' not in 'AlgoConfig' full_key: ... reference_type=AlgoConfig ..."), with
+    no hint of the setting meant, as the command line gets."""
+    group = option.split("=")[0]
+    (tmp_path / group).mkdir()
+    (tmp_path / group / "mine.yaml").write_text(text)
+    with pytest.raises(SystemExit) as e:
+        exit_on_user_error(compose_config, [option, f"hydra.searchpath=[file://{tmp_path}]"])
+    assert e.value.code.startswith("error: ") and says in e.value.code and "\n" not in e.value.code, e.value.code
+
+
 @pytest.mark.starts_process
 @pytest.mark.parametrize("module", ["grpo.train", "grpo.eval"])
 def test_a_typod_key_on_a_hydra_apps_command_line_gets_the_setting_it_meant(module):
