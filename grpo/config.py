@@ -175,13 +175,14 @@ class EnvConfig:
 
 @dataclass
 class LoggerConfig:
-    backend: str = "console"  # console | wandb (console and metrics.jsonl are always written)
+    backend: str = "console"  # console | wandb | module.Class of one's own (console and metrics.jsonl are always written)
     log_every: int = 10  # console line every N steps
     sample_every: int = 100  # print a few completions every N steps (0 = never)
     num_samples: int = 3
     project: str = "grpo"
     entity: Optional[str] = None
     mode: str = "${oc.env:WANDB_MODE,online}"
+    kwargs: dict[str, Any] = field(default_factory=dict)  # a backend of one's own: its keyword arguments
 
 
 @dataclass
@@ -319,7 +320,6 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
                           "to 0; use model.dtype=bfloat16 (GPUs from Ampere on) or float32.")
     _choices("model.dtype", cfg.model.dtype, {"float32", "bfloat16"})
     _choices("env.render", cfg.env.render, RENDERERS)
-    _choices("logger.backend", cfg.logger.backend, {"console", "wandb"})
 
     if not 0 <= cfg.seed < 2**31:
         raise ConfigError(f"seed={cfg.seed}: give a seed from 0 to 2147483647 (2**31 - 1); the engines' sampling "

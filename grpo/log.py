@@ -1,14 +1,19 @@
-"""Metrics to the console (a progress line every `log_every` steps), `metrics.jsonl` and wandb."""
+"""Metrics to the console (a progress line every `log_every` steps), `metrics.jsonl`, and one more sink
+chosen by `logger.backend`: `wandb`, or a dotted path to one's own (`mypkg.loggers.TensorBoard`), a class
+or function called as `sink(run_dir, run_config, resume_step, **logger.kwargs)` whose result has
+`log(metrics: dict, step: int)` and `finish()` (docs/logging.md)."""
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import os
 import secrets
 import sys
 
+from grpo.dotted import import_dotted
 from grpo.errors import ConfigError, RunFolderError
 
 WANDB_ONLY = ("project", "entity")  # logger settings only wandb reads
@@ -72,11 +77,45 @@ def format_line(step: int, total: int, m: dict) -> str:
 
 
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # what wandb.init's settings take
+SINK_METHODS = ("log", "finish")
+
+
+def resolve_sink(backend: str):
+    """None for `console` (metrics.jsonl and the console only), else the sink's factory: `wandb`'s or a dotted path's."""
+    if backend == "console":
+        return None
+    if backend == "wandb":
+        return WandbSink
+    if "." not in backend:
+        raise ConfigError(f"logger.backend={backend!r} is not console, wandb, nor a dotted path 'module.Class' to a "
+                          f"sink of one's own (docs/logging.md).")
+    factory = import_dotted(backend, f"logger.backend={backend!r}")
+    missing = [m for m in SINK_METHODS if isinstance(factory, type) and not callable(getattr(factory, m, None))]
+    if not callable(factory) or missing:
+        raise ConfigError(f"logger.backend={backend!r} must be a class or function whose result has log(metrics, step) "
+                          f"and finish(){f'; it has no {missing[0]}()' if missing else ''}.")
+    return factory
 
 
 def check(cfg, defaults) -> None:
     """logger.project and logger.entity name a wandb run: with the console logger nothing reads them, so a
-    setting there is refused rather than left to look as if it took effect. `defaults`: LoggerConfig()."""
+    setting there is refused rather than left to look as if it took effect; logger.kwargs go to a sink of
+    one's own only. `defaults`: LoggerConfig()."""
+    factory = resolve_sink(cfg.backend)
+    if cfg.get("kwargs") and factory in (None, WandbSink):
+        raise ConfigError(f"logger.kwargs={dict(cfg.kwargs)}: only a logger.backend of one's own (a dotted path) takes "
+                          f"them; logger.backend={cfg.backend} reads logger.project/entity/mode.")
+    if factory not in (None, WandbSink):  # the call RunLogger makes, bound now: a misfit failed after the model loaded
+        kwargs = dict(cfg.get("kwargs") or {})
+        try:
+            signature = inspect.signature(factory)
+        except (TypeError, ValueError):  # a builtin: nothing to check here
+            return
+        try:
+            signature.bind("run_dir", {}, None, **kwargs)
+        except TypeError as e:
+            raise ConfigError(f"logger.backend={cfg.backend!r}{signature} cannot be called as (run_dir, run_config, "
+                              f"resume_step, **logger.kwargs) with logger.kwargs={kwargs}: {e}.") from e
     if cfg.backend == "wandb":
         mode = cfg.get("mode") or os.environ.get("WANDB_MODE")
         if mode is not None and mode not in WANDB_MODES:
@@ -90,33 +129,45 @@ def check(cfg, defaults) -> None:
                           f"(logger.backend={cfg.backend} writes the console and metrics.jsonl).")
 
 
+class WandbSink:
+    """logger=wandb: the run's rows to Weights & Biases (logger.project, entity, mode), resumed with the run."""
+
+    def __init__(self, run_dir: str, run_config: dict, resume_step: int | None, cfg):
+        import wandb  # wandb: optional, only with logger.backend=wandb
+
+        try:
+            self.run = wandb.init(project=cfg.project, entity=cfg.entity, mode=cfg.mode, dir=run_dir, config=run_config,
+                                  name=os.path.basename(os.path.normpath(run_dir)), **wandb_resume(run_dir, resume_step))
+        except wandb.errors.UsageError as e:  # no API key found (wandb's own search), an unknown mode
+            raise ConfigError(f"logger=wandb: wandb.init refused the run ({e}). logger=wandb needs WANDB_API_KEY or "
+                              f"`wandb login`; or logger.mode=offline (logged here, `wandb sync` later), or "
+                              f"logger=console.") from e
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
 class RunLogger:
     def __init__(self, cfg, run_dir: str, total_steps: int, run_config: dict, enabled: bool = True, resume_step: int | None = None):
         self.cfg, self.total, self.enabled = cfg, total_steps, enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.wandb = None
+        self.sink = None
         if not enabled:
             return
         _truncate_after(self.path, resume_step, resume_step == total_steps)  # steps past the checkpoint are redone on resume
         self.file = open(self.path, "a", encoding="utf-8")
-        if cfg.backend == "wandb":
-            import wandb  # wandb: optional, only with logger.backend=wandb
-
-            try:
-                self.wandb = wandb.init(
-                    project=cfg.project,
-                    entity=cfg.entity,
-                    mode=cfg.mode,
-                    dir=run_dir,
-                    config=run_config,
-                    name=os.path.basename(os.path.normpath(run_dir)),
-                    **wandb_resume(run_dir, resume_step),
-                )
-            except wandb.errors.UsageError as e:  # no API key found (wandb's own search), an unknown mode
-                self.file.close()
-                raise ConfigError(f"logger=wandb: wandb.init refused the run ({e}). logger=wandb needs WANDB_API_KEY or "
-                                  f"`wandb login`; or logger.mode=offline (logged here, `wandb sync` later), or "
-                                  f"logger=console.") from e
+        factory = resolve_sink(cfg.backend)
+        try:
+            if factory is WandbSink:
+                self.sink = WandbSink(run_dir, run_config, resume_step, cfg)
+            elif factory is not None:  # one's own: it gets the rows as metrics.jsonl has them (NaN as None)
+                self.sink = factory(run_dir, run_config, resume_step, **dict(cfg.get("kwargs") or {}))
+        except BaseException:
+            self.file.close()
+            raise
 
     def log(self, step: int, metrics: dict, console: bool | None = None) -> None:
         if not self.enabled:
@@ -127,8 +178,8 @@ class RunLogger:
                                  "The checkpoints that remain resume the run.")
         self.file.write(dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
+        if self.sink is not None:
+            self.sink.log(metrics if isinstance(self.sink, WandbSink) else strict(metrics), step)
         if console or (console is None and (step % self.cfg.log_every == 0 or step == self.total)):
             print(format_line(step, self.total, metrics), flush=True)
 
@@ -147,8 +198,8 @@ class RunLogger:
         if not self.enabled or self.file.closed:
             return
         self.file.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        if self.sink is not None:
+            self.sink.finish()
 
 
 def _step_of(line: str) -> int | None:

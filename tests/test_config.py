@@ -217,7 +217,7 @@ def test_unknown_key_is_an_error():
                                  "model.tiny.moe.experts?)"),
     ("+reward.funcs.0.wieght=2", "reward.funcs[0].wieght is not a setting of reward.funcs[0] (did you mean "
                                  "reward.funcs[0].weight?)"),
-    ("+logger.zzz=1", "logger.zzz is not a setting of logger (its settings: backend, entity, log_every, mode, "
+    ("+logger.zzz=1", "logger.zzz is not a setting of logger (its settings: backend, entity, kwargs, log_every, mode, "
                       "num_samples, project, sample_every)"),
 ])
 def test_a_key_added_with_plus_that_no_schema_declares_is_refused(override, message):

@@ -251,3 +251,65 @@ def test_leftovers_of_killed_writes_are_removed_and_an_unwritable_checkpoints_fo
         check_writable(str(tmp_path / "ro"))
     assert resumed_span(0, 8) == "" and resumed_span(4, 8) == " for steps 5-8 (resumed)"
     assert resumed_span(8, 8) == " (resumed: the final evaluation only)"
+
+
+class RecordingSink:
+    """A logger.backend of one's own (a dotted path): what a TensorBoard or MLflow writer would be given."""
+
+    made: list = []
+
+    def __init__(self, run_dir, run_config, resume_step, prefix="x/"):
+        self.rows, self.finished, self.prefix = [], False, prefix
+        self.made.append((run_dir, run_config, resume_step, self))
+
+    def log(self, metrics, step):
+        self.rows.append((step, {self.prefix + k: v for k, v in metrics.items()}))
+
+    def finish(self):
+        self.finished = True
+
+
+class NoFinish:
+    def __init__(self, run_dir, run_config, resume_step):
+        pass
+
+    def log(self, metrics, step):
+        pass
+
+
+def test_a_sink_of_ones_own_gets_every_row_as_metrics_jsonl_has_it(tmp_path):
+    """logger.backend named only console or wandb: another writer meant editing grpo/log.py. A dotted path
+    is built with (run_dir, run_config, resume_step, **logger.kwargs), gets each row (NaN as None, as
+    metrics.jsonl writes it) and is finished on close; a misfit is refused at validate, naming it."""
+    import math
+
+    from grpo.config import validate
+    from grpo.errors import ConfigError
+    from tests.conftest import compose_cfg
+
+    RecordingSink.made.clear()
+    cfg = OmegaConf.merge(OmegaConf.structured(LoggerConfig), {"backend": "tests.test_run_records.RecordingSink",
+                                                               "kwargs": {"prefix": "run/"}, "log_every": 1000})
+    run = RunLogger(cfg, str(tmp_path), 2, {"seed": 3}, resume_step=None)
+    run.log(1, {"loss": 0.5, "sampler_diff": math.nan})
+    run.log(2, {"loss": 0.25})
+    run.close()
+    (run_dir, run_config, resume_step, sink), = RecordingSink.made
+    assert (run_dir, run_config, resume_step) == (str(tmp_path), {"seed": 3}, None) and sink.finished
+    assert sink.rows == [(1, {"run/loss": 0.5, "run/sampler_diff": None}), (2, {"run/loss": 0.25})]
+    assert [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] == [
+        {"step": 1, "loss": 0.5, "sampler_diff": None}, {"step": 2, "loss": 0.25}]
+    assert not RunLogger(cfg, str(tmp_path / "r1"), 2, {}, enabled=False).sink  # ranks but the first: no sink
+
+    validate(compose_cfg("logger.backend=tests.test_run_records.RecordingSink"))
+    for overrides, says in [
+        (["logger.backend=tensorboard"], "logger.backend='tensorboard' is not console, wandb, nor a dotted path"),
+        (["logger.backend=tests.test_run_records.Nope"], "logger.backend='tests.test_run_records.Nope' could not be imported"),
+        (["logger.backend=tests.test_run_records.NoFinish"], "whose result has log(metrics, step) and finish(); it has no finish()"),
+        (["logger.backend=tests.test_run_records.RecordingSink", "+logger.kwargs.prefx=a"],
+         "cannot be called as (run_dir, run_config, resume_step, **logger.kwargs) with logger.kwargs={'prefx': 'a'}"),
+        (["+logger.kwargs.prefix=a"], "logger.kwargs={'prefix': 'a'}: only a logger.backend of one's own"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            validate(compose_cfg(*overrides))
+        assert says in str(e.value), str(e.value)

@@ -6,7 +6,6 @@ docs/environments.md for writing one."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 from typing import Callable
 
@@ -17,6 +16,7 @@ from grpo.envs.guess import GuessEnv
 from grpo.envs.openenv import OpenEnvAdapter
 from grpo.envs.retry import RetryEnv
 from grpo.envs.tools import CalcEnv, ToolEnv, calculator
+from grpo.dotted import import_dotted
 from grpo.errors import ConfigError
 
 
@@ -39,13 +39,9 @@ ENV_TASKS: dict[str, str] = {"guess": "guess"}
 def resolve_env(name: str) -> Callable:
     if name in ENVS:
         return ENVS[name]
-    module_name, _, attr = name.rpartition(".")
-    if not module_name:
+    if "." not in name:
         raise ConfigError(f"env.name={name!r} is not none, one of {sorted(ENVS)}, nor a dotted path 'module.Class'.")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"env.name={name!r} could not be imported ({e}); check the dotted path.") from e
+    factory = import_dotted(name, f"env.name={name!r}")
     if not callable(factory):
         raise ConfigError(f"env.name={name!r} is not a class or function.")
     return factory

@@ -48,6 +48,7 @@ from typing import Callable
 
 from omegaconf import OmegaConf
 
+from grpo.dotted import import_dotted
 from grpo.errors import ConfigError, HungCallsError, RewardStop
 from grpo.reward_config import JudgeConfig, RewardModelConfig
 from grpo.rewards.countdown import countdown
@@ -79,14 +80,10 @@ MODEL_SETTINGS = {"rm": RewardModelConfig, "judge": JudgeConfig}  # reward.<name
 def resolve_reward(name: str) -> RewardFn:
     if name in REWARDS:
         return REWARDS[name]
-    module_name, _, attr = name.rpartition(".")
-    if not module_name:
+    if "." not in name:
         raise ConfigError(f"reward {name!r} is not one of {sorted(REWARDS) + sorted(MODEL_REWARDS)} nor a dotted path "
                           f"'module.function'.")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"reward {name!r} could not be imported ({e}); check the dotted path.") from e
+    fn = import_dotted(name, f"reward {name!r}")
     if not callable(fn):
         raise ConfigError(f"reward {name!r} is not callable.")
     check_argument_order(name, fn)
