@@ -105,7 +105,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "$(FAST_TIER)" $(ARGS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) $(ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=30 $(ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(ARGS)
