@@ -157,7 +157,7 @@ def collate(
     position to be read from."""
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(c) for c in rollouts.completion_ids))
-    episodes = rollouts.episodes
+    cut = rollouts.cut()
     ids, attn, logps, masks = [], [], [], []
     for i, (p, c, lp) in enumerate(zip(prompt_ids, rollouts.completion_ids, rollouts.logprobs)):
         if not len(p) and len(c):  # the logprob of token t is read at position t - 1 of the row
@@ -168,8 +168,7 @@ def collate(
         ids.append([pad_id] * pad_p + list(p) + list(c) + [pad_id] * pad_c)
         attn.append([0] * pad_p + [1] * (len(p) + len(c)) + [0] * pad_c)
         logps.append(list(lp) + [0.0] * pad_c)
-        cut = rollouts.finish_reasons[i] == "length" and not (episodes is not None and episodes[i].out_of_budget)
-        drop = (mask_truncated and cut) or (excluded_B is not None and bool(excluded_B[i]))
+        drop = (mask_truncated and cut[i]) or (excluded_B is not None and bool(excluded_B[i]))
         keep = [float(m) for m in rollouts.loss_masks[i]] if rollouts.loss_masks is not None else [1.0] * len(c)
         masks.append(([0.0] * len(c) if drop else keep) + [0.0] * pad_c)
     ids_BL, attn_BL = torch.tensor(ids, dtype=torch.long), torch.tensor(attn, dtype=torch.long)

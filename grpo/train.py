@@ -62,7 +62,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from grpo.algorithm import batches_to_submit, combine_rewards, staleness, token_staleness, zero_std_groups
+from grpo.algorithm import batches_to_submit, combine_rewards, staleness, token_staleness
 from grpo.checkpoint import (check_layout, checkpoint_step, latest_checkpoint, load_checkpoint, load_reward_states, record_config,
                              check_writable, reward_states, save_checkpoint, set_aside_checkpoints)
 from grpo.cli import compose_first, exit_on_user_error
@@ -374,7 +374,7 @@ def finished(r: Run) -> dict:
         return json.load(f)
 
 
-def step_metrics(scored: Scored, stats: dict, step: int, lr: float, times: dict[str, float]) -> dict[str, float]:
+def step_metrics(scored: Scored, stats: dict, step: int, lr: float, times: dict[str, float], flat_P) -> dict[str, float]:
     """What one step logs: the trained groups' rewards, the update's statistics (`stats`, with dynamic
     sampling's), lengths, staleness (with partial rollouts the mean over sampled tokens, the max the
     batch's oldest), throughput and the phases' seconds (`times`, with `step_s`)."""
@@ -388,7 +388,7 @@ def step_metrics(scored: Scored, stats: dict, step: int, lr: float, times: dict[
         "reward/std": Spread.of(valid),
         # completions with no reward (a function failed on it, or every one abstained): out of the loss
         "reward/excluded_frac": 1.0 - valid.numel() / max(rewards_PG.numel(), 1),
-        "reward/zero_std_frac": float(zero_std_groups(rewards_PG).float().mean()),
+        "reward/zero_std_frac": float(flat_P.float().mean()),  # the groups with no signal, as the update found them
         **scored.reward_means,  # reward/<function>, over the same trained groups
         # time/reward_<function>_s; a judge's requests, failures and garbage answers: counts, summed over ranks
         **{k: v if k.startswith("time/") else Count(v) for k, v in scored.reward_stats.items()},
@@ -396,7 +396,7 @@ def step_metrics(scored: Scored, stats: dict, step: int, lr: float, times: dict[
         "completion_len": sum(lengths) / len(lengths),
         **rollouts.metrics(),  # an episode's turns, tool calls, finish reasons
         **scored.drawn_totals,  # with dynamic sampling, its errors, env seconds and tool failures over every draw
-        "truncated_frac": sum(reason == "length" for reason in rollouts.finish_reasons) / len(rollouts.finish_reasons),
+        "truncated_frac": sum(rollouts.cut()) / len(rollouts.finish_reasons),  # cut mid-turn: what mask_truncated drops
         "weight_version": rollouts.weight_version,
         # versions the sampler was behind the trainer (one version per batch: mean = max per
         # rank; every rank's batch comes from the same push)
@@ -516,7 +516,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
                  "step_s": t_end - t0}
         if (busy := r.rollout.engine_busy_s()) is not None:  # servers: seconds with a request in flight, this step
             times["time/engine_busy_s"], r.engine_busy_s = busy - r.engine_busy_s, busy
-        metrics = step_metrics(scored, {**stats, **draw_metrics}, step, lr, times)
+        metrics = step_metrics(scored, {**stats, **draw_metrics}, step, lr, times, flat_P)
         metrics.update(meter.metrics(scored.generation, work, times))  # flops/, mfu/ per phase
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
             metrics.update(evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.reward_fns))

@@ -117,7 +117,8 @@ def test_a_steps_partial_rollout_staleness_is_the_mean_over_every_ranks_tokens()
     def rank_metrics(versions):
         s = scored("a", [[0, 1]])
         s = with_fields(s, rollouts=with_fields(s.rollouts, token_versions=versions))
-        return step_metrics(s, {}, step=6, lr=0.1, times={"step_s": 1.0, "time/batch_generate_s": 1.0})
+        return step_metrics(s, {}, step=6, lr=0.1, times={"step_s": 1.0, "time/batch_generate_s": 1.0},
+                            flat_P=torch.tensor([False]))
 
     mine, other = rank_metrics([[3] * 5, [3] * 5]), rank_metrics([[5] * 45, [5] * 45])
     assert mine["async/staleness_mean"] == Ratio(20, 10) and other["async/staleness_mean"] == Ratio(0, 90)
@@ -176,3 +177,23 @@ def test_dynamic_sampling_run_resumes_drawing_the_same_prompts(tmp_path, cache_d
     for k in ("dynamic/draws", "dynamic/informative_frac", "dynamic/reward_mean_drawn", "reward/mean", "loss",
               "trained_completions"):
         assert b[3][k] == pytest.approx(a[3][k], rel=1e-5, abs=1e-6), k
+
+
+def test_a_steps_flat_and_truncated_shares_are_the_updates_own():
+    """reward/zero_std_frac counted groups of equal final rewards, but with algo.turn_rewards the update
+    finds a group flat by its per-token advantages (episodes won at different turns carry signal): it
+    read 0.78 where the update dropped 0.69. truncated_frac counted every "length" episode, those ended
+    because no next turn fit (out_of_budget, never cut, kept by mask_truncated) too: 0.54 against 0.17."""
+    from dataclasses import replace as with_fields
+    from types import SimpleNamespace
+
+    from grpo.train import step_metrics
+
+    s = scored("a", [[1, 1], [0, 0]])  # both groups of equal rewards
+    episodes = [SimpleNamespace(out_of_budget=b) for b in (False, True, False, False)]
+    s = with_fields(s, rollouts=with_fields(s.rollouts, finish_reasons=["length", "length", "stop", "length"],
+                                            episodes=episodes))
+    assert s.rollouts.cut() == [True, False, False, True]
+    m = step_metrics(s, {}, step=1, lr=0.1, times={"step_s": 1.0, "time/batch_generate_s": 1.0},
+                     flat_P=torch.tensor([False, True]))  # group 0's turns carry signal
+    assert m["reward/zero_std_frac"] == 0.5 and m["truncated_frac"] == 0.5

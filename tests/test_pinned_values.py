@@ -108,6 +108,30 @@ def test_dapo_loss_with_minibatches_divides_by_the_generated_tokens_per_step(tin
     assert stats["loss"] == pytest.approx(-0.125, rel=1e-4)
 
 
+def test_trained_completions_counts_the_rows_with_a_token_in_the_loss(tiny_lm):
+    """A completion cut at max_new_tokens under algo.mask_truncated (or excluded for a failed reward in a
+    trained group) keeps its row with every token masked: it trains nothing, and was counted trained."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from grpo.batch import collate
+    from grpo.config import AlgoConfig
+    from grpo.parallel.single import SingleStrategy
+    from grpo.rollout.base import Rollouts
+    from grpo.update import policy_update
+
+    model, tok = tiny_lm
+    prompts = [[tok.bos_token_id, 5, 7]] * 2 + [[tok.bos_token_id, 6, 8]] * 2
+    batch = collate(prompts, Rollouts([[4, 5], [6, 7, 8], [9], [10, 11]], [[-0.5] * n for n in (2, 3, 1, 2)],
+                                      ["stop", "length", "stop", "stop"], 0),
+                    torch.tensor([1.0, -1.0, 2.0, -2.0]), tok.pad_token_id, mask_truncated=True,
+                    excluded_B=torch.tensor([False, False, True, False]))
+    algo = OmegaConf.structured(AlgoConfig(batch_size=4, group_size=2, warmup_steps=0, lr=1e-3, lr_schedule="constant"))
+    stats = policy_update(SingleStrategy(None, copy.deepcopy(model), algo, total_steps=1), batch, algo, 3, 1.0)
+    assert stats["trained_completions"] == 2
+
+
 def test_logged_kl_and_sampler_kl_are_means_over_tokens_of_the_first_pass(tiny_lm):
     # kl: k3 of the reference against the trainer before the update, its mean over the loss tokens
     # (not their sum); sampler_kl: k3 of the trainer against the sampler over the first pass only (with
@@ -134,6 +158,14 @@ def test_logged_kl_and_sampler_kl_are_means_over_tokens_of_the_first_pass(tiny_l
                           ref_model=ref)
     expected_sampler_kl = k3_mean(batch.sampler_logprobs_BT, trainer_BT, batch.mask_BT)
     assert expected_sampler_kl > 0.1
+    assert stats["sampler_kl"] == pytest.approx(expected_sampler_kl, rel=1e-4)
+    # with two minibatches the second runs after the first's optimizer step: it read 0.058 on a fresh
+    # batch (docs/async.md: the trainer before the update, ~0 there); the same KL as one pass
+    minibatches = OmegaConf.structured(AlgoConfig(batch_size=4, group_size=2, num_minibatches=2, warmup_steps=0,
+                                                  lr=1e-1, lr_schedule="constant"))
+    stats = policy_update(SingleStrategy(None, copy.deepcopy(model), minibatches, total_steps=1), batch, minibatches,
+                          4, 1.0)
+    assert stats["optimizer_steps"] == 2
     assert stats["sampler_kl"] == pytest.approx(expected_sampler_kl, rel=1e-4)
     # kl is over both passes' trained tokens; the first pass's is the one computable here, so check it
     # with one pass

@@ -94,6 +94,14 @@ class Rollouts:
             return [len(c) for c in self.completion_ids]
         return [sum(m) for m in self.loss_masks]
 
+    def cut(self) -> list[bool]:
+        """Per completion, whether it was cut at max_new_tokens ("length"): what `algo.mask_truncated` drops
+        and `truncated_frac` counts. An episode ended because a whole next turn no longer fit
+        (`out_of_budget`) is "length" too, but none of its turns was cut."""
+        episodes = self.episodes
+        return [reason == "length" and not (episodes is not None and episodes[i].out_of_budget)
+                for i, reason in enumerate(self.finish_reasons)]
+
     def metrics(self) -> dict[str, float]:
         """This kind of rollout's own statistics for the step's log (none here)."""
         return {}

@@ -162,7 +162,9 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
             diff_BT = (logp_BT.detach() - mb.sampler_logprobs_BT).abs() * mb.mask_BT
             sums["sampler_diff_max"] = torch.maximum(sums["sampler_diff_max"], diff_BT.max())
             sums["sampler_diff_sum"] += diff_BT.sum()
-            kl_sum, kl_tokens = sampled_kl(mb.sampler_logprobs_BT, logp_BT, mb.mask_BT)
+            # against the trainer before the update (old_BT): with minibatches, later ones run after a step,
+            # and the update's own movement read as a sampler mismatch (0.058 on a fresh batch)
+            kl_sum, kl_tokens = sampled_kl(mb.sampler_logprobs_BT, old_BT, mb.mask_BT)
             sums["sampler_kl_sum"] += kl_sum
             sums["sampler_kl_tokens"] += kl_tokens
         sums["loss"] += loss.detach()
@@ -283,7 +285,7 @@ def policy_update(
         "clip_frac": math.nan if untrained else totals["clipped_tokens"] / tokens,
         "kl": math.nan if untrained else totals["kl_sum"] / tokens,
         "entropy": math.nan if untrained else totals["entropy_sum"] / tokens,
-        "trained_completions": batch.size,
+        "trained_completions": int((batch.mask_BT.sum(1) > 0).sum()),  # with a token in the loss (a masked row trains nothing)
         "layout": ran,  # the micro-batches' layout: padded, packed or shared (grpo/update/layouts.py)
         # what the forwards processed (grpo/flops.py); the loop turns it into FLOPs and MFU
         "work": {part: work.resolved() for part, work in tally.items()},
@@ -292,9 +294,9 @@ def policy_update(
         "sampler_diff": math.nan if unmeasured else totals["sampler_diff_max"],
         # its mean over the sampled tokens of the first minibatch (the same weights)
         "sampler_diff_mean": math.nan if unmeasured else totals["sampler_diff_sum"] / max(totals["sampler_diff_tokens"], 1.0),
-        # KL(sampler || trainer) on the sampled tokens, k3, over the first pass; the trainer's side is
-        # the weights before each minibatch's step: with a stale batch (algo.max_staleness), how far
-        # the policy moved since the batch was sampled
+        # KL(sampler || trainer) on the sampled tokens, k3, each token once; the trainer's side is the
+        # weights before the update (the proximal policy): with a stale batch (algo.max_staleness), how
+        # far the policy moved since the batch was sampled, ~0 on a fresh one
         "sampler_kl": totals["sampler_kl_sum"] / totals["sampler_kl_tokens"] if totals["sampler_kl_tokens"] else math.nan,
         **moe_metrics,  # moe/aux_loss, moe/expert_load_max, moe/routing_entropy: a MoE's only
         # rollout.routing_replay: of the token-layers given the sampler's experts (first minibatch), the
