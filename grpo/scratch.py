@@ -4,7 +4,9 @@ it can be removed with the folder, while torch's compile cache stays where it wa
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
 
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sockaddr_un.sun_path, less its NUL)
@@ -34,3 +36,24 @@ def inductor_cache_dir() -> str:
 def scratch_env(folder: str) -> dict[str, str]:
     """The environment entries that send a child's temporary files to `folder`, keeping the compile cache."""
     return {"TMPDIR": folder, "TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir()}
+
+
+@contextlib.contextmanager
+def own_tmpdir(prefix: str):
+    """This process's temporary files, and its children's, in a new folder (`scratch_folder`) while the
+    block runs, removed after it: TMPDIR and tempfile's cached directory point there, the compile cache
+    stays (`scratch_env`). A SIGKILL leaves the folder (a dedicated engine's reaper removes the engine's)."""
+    folder = scratch_folder(prefix)
+    saved = tempfile.tempdir, {key: os.environ.get(key) for key in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")}
+    os.environ.update(scratch_env(folder))
+    tempfile.tempdir = folder
+    try:
+        yield folder
+    finally:
+        tempfile.tempdir = saved[0]
+        for key, value in saved[1].items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(folder, ignore_errors=True)

@@ -67,6 +67,7 @@ from grpo.rollout.gloo_transfer import BACKEND as GLOO, not_installed as gloo_no
 from grpo.rollout.reaper import die_with_parent
 from grpo.rollout.push import TRANSFERS, transfer_backend
 from grpo.rollout.vllm_api import VllmApi, installed
+from grpo.scratch import own_tmpdir
 
 # Read-only probes anyone who can reach the port may call; everything else needs the token.
 OPEN_ROUTES = ("/health", "/version", "/metrics")
@@ -525,6 +526,9 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == [LISTEN_FD]:  # the exec'd stage: vLLM's server on the socket main() listens on
-        run_vllm(socket.socket(fileno=int(sys.argv[2])), sys.argv[3:])
+        # vLLM's ZMQ sockets and FileStore file, 8 a start and left whatever the exit: in a folder of the
+        # server's own, removed once it stops (Ctrl-C, SIGTERM) or fails
+        with own_tmpdir("grpo-serve-"):
+            run_vllm(socket.socket(fileno=int(sys.argv[2])), sys.argv[3:])
     else:
         main()

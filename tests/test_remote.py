@@ -28,6 +28,7 @@ from grpo.endpoints import split_by_load
 from grpo.rollout.servers import ServerPool, free_port
 from grpo.rollout.vllm_api import installed, vllm_api
 from grpo.serve import is_open
+from grpo.scratch import inductor_cache_dir
 from tests.conftest import ROOT, measured, serve_tiny, stop_served
 from grpo.listeners import expect_served
 from tests.listener_watch import ListenerWatch
@@ -47,14 +48,21 @@ def process_group_alive(pgid: int) -> bool:
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    proc, url = serve_tiny(model_dir, log, TOKEN)
+    tmp = log.parent / "tmp"  # the server's TMPDIR: vLLM left 7 ZMQ sockets and a FileStore file there on every stop
+    tmp.mkdir()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TMPDIR", str(tmp))
+        env.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())  # the tests' warm cache, not a cold one in tmp
+        proc, url = serve_tiny(model_dir, log, TOKEN)
     expect_served(proc.pid, url)
+    assert [p.name[:11] for p in tmp.iterdir()] == ["grpo-serve-"]  # the server's own folder, and nothing beside it
     yield {"url": url, "path": model_dir, "proc": proc, "log": log}
     stop_served(proc)  # Ctrl-C: the server and its engine processes must all exit
     deadline = time.time() + 30
     while process_group_alive(proc.pid) and time.time() < deadline:
         time.sleep(0.5)
     assert not process_group_alive(proc.pid), "orphan processes left after Ctrl-C"
+    assert list(tmp.iterdir()) == [], "the server's files left in its TMPDIR"
 
 
 @pytest.fixture

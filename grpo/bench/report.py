@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import tempfile
 
 from grpo.cpus import machine_info
 from grpo.log import write_json
-from grpo.scratch import scratch_env, scratch_folder
+from grpo.scratch import own_tmpdir
 
 KEPT: list[str] = []  # the temporary folder outside `scratch` (where a bench keeps what its report names)
 
@@ -21,23 +20,12 @@ def scratch():
     its children write to TMPDIR (vLLM's sockets and FileStore files, torchrun's). Before, every bench
     left them all in /tmp. torch's compile cache stays where it was (it is reused across runs); a bench
     that names a folder in its report makes it under `KEPT[0]`, outside."""
-    outer = tempfile.gettempdir()
-    folder = scratch_folder("grpo-bench-")
-    saved = tempfile.tempdir, os.environ.get("TMPDIR"), os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ.update(scratch_env(folder))
-    tempfile.tempdir = folder
-    KEPT[:] = [outer]
+    KEPT[:] = [tempfile.gettempdir()]
     try:
-        yield folder
+        with own_tmpdir("grpo-bench-") as folder:
+            yield folder
     finally:
-        tempfile.tempdir = saved[0]
-        for key, value in (("TMPDIR", saved[1]), ("TORCHINDUCTOR_CACHE_DIR", saved[2])):
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         KEPT.clear()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def write_report(path: str, report: dict) -> None:
