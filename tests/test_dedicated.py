@@ -77,7 +77,8 @@ def test_parity_and_generations_change_after_sync(tiny_lm, tmp_path):
     try:
         assert_round_trip(sync_round_trip(backend, model, tok), "dedicated")
         assert_turn_one_is_generate(backend, tok)  # episodes run on the node main's generator thread
-        assert any(name.startswith("vllm_dist_") for name in os.listdir(folder))  # vLLM's files: the engine's TMPDIR
+        # vLLM's files: in the engine's TMPDIR (the server's own folder there, grpo.serve's own_tmpdir)
+        assert any(name.startswith("vllm_dist_") for _, _, names in os.walk(folder) for name in names)
     finally:
         backend.close()
     assert wait_gone(tmp_path) == []
