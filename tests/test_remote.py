@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -48,8 +49,9 @@ def process_group_alive(pgid: int) -> bool:
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    tmp = log.parent / "tmp"  # the server's TMPDIR: vLLM left 7 ZMQ sockets and a FileStore file there on every stop
-    tmp.mkdir()
+    # the server's TMPDIR, where vLLM left 7 ZMQ sockets and a FileStore file at every stop; short, so that its
+    # own folder is made there (under pytest-xdist's deeper tmp_path a socket would not fit: grpo/scratch.py)
+    tmp = Path(tempfile.mkdtemp(prefix="grpo-test-", dir="/tmp"))
     with pytest.MonkeyPatch.context() as env:
         env.setenv("TMPDIR", str(tmp))
         env.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())  # the tests' warm cache, not a cold one in tmp
@@ -63,6 +65,7 @@ def server(model_dir, tmp_path_factory):
         time.sleep(0.5)
     assert not process_group_alive(proc.pid), "orphan processes left after Ctrl-C"
     assert list(tmp.iterdir()) == [], "the server's files left in its TMPDIR"
+    tmp.rmdir()
 
 
 @pytest.fixture
