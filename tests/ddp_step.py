@@ -9,7 +9,8 @@ micro-batches); with `shared`, algo.shared_prompt=true; with `grouped` (implied 
 2 completions; with `spS`, parallel.sequence_parallel=S (groups of S ranks share every micro-batch, each on 1/S of its
 columns); with `long`, completions of up to 16 tokens (2 ranks' packed rows then hold several sequences); with `lora`, a rank-4 LoRA adapter trains (OUT/<loss_type>_init.pt: its weights before the step); with `moe`, the
 policy is the tiny Qwen3-MoE (random init; OUT/init.pt) and the batch carries sampler routes drawn at random, which every
-forward replays (rollout.routing_replay), the load-balancing loss off. Writes
+forward replays (rollout.routing_replay), the load-balancing loss off; with `clip`, one more step, the grpo loss with
+algo.max_grad_norm=0.05 (the gradient's norm is about 5, so it clips), written as loss type `grpo_clipped`. Writes
 OUT/<loss_type>.pt with the full updated weights (rank 0; with `lora`, the adapter's), for every loss type,
 OUT/<loss_type>_loss.json with the loss the run logs (grpo.metrics.reduce_metrics over the ranks), OUT/<loss_type>_metrics.json
 with every number the update logs (the same reduction), and OUT/micro_batches.json with each rank's count of micro-batches.
@@ -50,7 +51,8 @@ def sgd(model, algo, total_steps):
 
 
 def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = "packed", grouped: bool = False,
-         split: int = 1, adapter: bool = False, long: bool = False, moe: bool = False, empty: bool = False) -> None:
+         split: int = 1, adapter: bool = False, long: bool = False, moe: bool = False, empty: bool = False,
+         clip: bool = False) -> None:
     grpo.parallel.single.build_optimizer = grpo.parallel.zero.build_optimizer = sgd
     info = dist_info()
     init_distributed(info)
@@ -79,9 +81,10 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
         setattr(grpo.update.layouts, fn, lambda *a, _real=real, _name=name_, **k: (ran.update([_name]), _real(*a, **k))[1])
     real_routed = grpo.parallel.sequence.routed  # attention calls that went into the split ("attention_split")
     grpo.parallel.sequence.routed = lambda: (lambda s: (ran.update(["attention_split"] if s else []), s)[1])(real_routed())
-    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+    runs = [(lt, 1e9, lt) for lt in ("grpo", "bnpo", "dr_grpo", "dapo")] + ([("grpo", 0.05, "grpo_clipped")] if clip else [])
+    for loss_type, max_grad_norm, tag in runs:
         algo = OmegaConf.structured(AlgoConfig(loss_type=loss_type, group_size=2, batch_size=8, lr=1e-2, warmup_steps=0,
-                                               max_grad_norm=1e9, num_iterations=2, beta=0.05,
+                                               max_grad_norm=max_grad_norm, num_iterations=2, beta=0.05,
                                                packing=layout != "padded", shared_prompt=layout == "shared",
                                                router_aux_loss_coef=0.0 if moe else None))
         algo.micro_batch_tokens = local.input_ids_BL.shape[1] * rows // n_micro
@@ -91,7 +94,7 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
             model = lora.wrap(model, OmegaConf.structured(LoraConfig(rank=4)))
             if info.rank == 0:
                 torch.save({n: p.detach().clone() for n, p in lora.adapter_parameters(model)},
-                           os.path.join(out, f"{loss_type}_init.pt"))
+                           os.path.join(out, f"{tag}_init.pt"))
         strategy = strategy_class(name)(OmegaConf.structured(ParallelConfig(strategy=name, allreduce_bucket_mb=0.01,
                                                                                      sequence_parallel=split)), model, algo, total_steps=10)
         ref = copy.deepcopy(base).eval()
@@ -102,10 +105,10 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
                                  for r in range(info.world_size)])
         full = {n: t.clone() for bucket in strategy.weight_buckets(2**20) for n, t in bucket}  # gathered under ZeRO-3
         if info.rank == 0:
-            torch.save(full, os.path.join(out, f"{loss_type}.pt"))
+            torch.save(full, os.path.join(out, f"{tag}.pt"))
             json.dump(counts, open(os.path.join(out, "micro_batches.json"), "w"))
-            json.dump(losses, open(os.path.join(out, f"{loss_type}_loss.json"), "w"))
-            json.dump(logged, open(os.path.join(out, f"{loss_type}_metrics.json"), "w"))
+            json.dump(losses, open(os.path.join(out, f"{tag}_loss.json"), "w"))
+            json.dump(logged, open(os.path.join(out, f"{tag}_metrics.json"), "w"))
     json.dump(ran, open(os.path.join(out, f"layouts_rank{info.rank}.json"), "w"))
     # reduce_metrics itself: a `*_max` is the largest rank's, any other number their mean; a Ratio, Spread
     # or Count from its parts summed over ranks. Rank 0 scored rewards [0, 0], rank 1 [1, 1, 1, 0] of 4 each
@@ -139,5 +142,5 @@ if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3], "uneven" in flags,
          next((f for f in ("padded", "shared") if f in flags), "packed"), "grouped" in flags,
          next((int(f[2:]) for f in flags if f.startswith("sp")), 1), "lora" in flags, "long" in flags, "moe" in flags,
-         "empty" in flags)
+         "empty" in flags, "clip" in flags)
     exit_process(0)

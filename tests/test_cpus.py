@@ -141,6 +141,8 @@ def test_rank_variables_from_srun_and_torchrun():
     # exported for every strategy: vLLM's external_launcher reads RANK and LOCAL_RANK (srun sets neither)
     assert rank_env(info) == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
     assert dist_info({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}).local_world_size == 2
+    # without LOCAL_WORLD_SIZE, all ranks count as on this node, not 1 each (the dedicated backend groups ranks by node)
+    assert dist_info({"RANK": "1", "WORLD_SIZE": "2"}).local_world_size == 2
     assert dist_info({}) == DistInfo()
     # small collectives carry CPU float64 tensors: on GPU the group needs a CPU device too
     assert process_group_backend(cuda=True) == "cpu:gloo,cuda:nccl" and process_group_backend(cuda=False) == "gloo"

@@ -47,6 +47,32 @@ def test_merged_weights_equal_the_adapter_on_the_base(peft_lm):
         torch.testing.assert_close(target(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=1e-5)
 
 
+def test_lora_alpha_reaches_the_layers_and_the_written_adapter(tiny_lm, tmp_path):
+    """model.lora.alpha sets the adapter's scale (alpha / rank) and the adapter_config.json the engines
+    load. The wrap once passing the rank as alpha would go unseen: no other test sets alpha."""
+    model, _ = tiny_lm
+    wrapped = lora.wrap(copy.deepcopy(model), OmegaConf.structured(LoraConfig(rank=8, alpha=32)))
+    layers = [m for n, m in wrapped.named_modules() if n.endswith("self_attn.q_proj")]
+    assert {m.scaling["default"] for m in layers} == {4.0}  # 32 / 8, in both layers
+    folder = lora.write_adapter(wrapped, lora.adapter_parameters(wrapped), str(tmp_path / "adapter"))
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        written = json.load(f)
+    assert (written["r"], written["lora_alpha"]) == (8, 32)
+
+
+def test_a_lora_checkpoint_missing_an_adapter_tensor_is_refused(tiny_lm):
+    """A checkpoint without one of the adapter's tensors is refused, naming it: a non-strict load
+    would leave that tensor as initialised (B = 0) and resume a different policy without a word."""
+    model, _ = tiny_lm
+    trained = lora.wrap(copy.deepcopy(model), OmegaConf.structured(LoraConfig(rank=4)))
+    state = {k: v.clone() for k, v in lora.trainable_state(trained).items()}
+    dropped = next(k for k in state if "lora_B" in k)
+    del state[dropped]
+    fresh = lora.wrap(copy.deepcopy(model), OmegaConf.structured(LoraConfig(rank=4)))
+    with pytest.raises(RuntimeError, match=re.escape(dropped)):
+        lora.load_trainable_state(fresh, state)
+
+
 def test_lora_settings_are_checked():
     cfg = compose_cfg("model.lora.rank=-1")
     with pytest.raises(ConfigError, match="model.lora.rank=-1 must be >= 0"):

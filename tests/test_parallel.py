@@ -73,13 +73,23 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 def test_one_process_four_micro_equals_two_processes_two_micro(tmp_path, strategy):
     """Same global batch, same two optimizer steps (num_iterations=2, KL on): 1 process x 4
     micro-batches vs. 2 processes x 2 micro-batches give the same weights for every loss type.
-    DeepSpeed's strategies run as one process too; DDP's one-process reference is parallel=single."""
-    one = updated_weights(tmp_path / "one", 1, 4, "single" if strategy == "ddp" else strategy)
-    two = updated_weights(tmp_path / "two", 2, 2, strategy)
-    assert_same_update(one, two, initial_weights(), f"{strategy} 1x4 vs 2x2")
+    DeepSpeed's strategies run as one process too; DDP's one-process reference is parallel=single. And
+    one more step that clips (algo.max_grad_norm=0.05, the norm is about 5): the norm is the summed
+    gradient's, so the same weights and logged grad_norm (clipping each rank's half before the all-reduce
+    would not be: both differ)."""
+    one = updated_weights(tmp_path / "one", 1, 4, "single" if strategy == "ddp" else strategy, "clip")
+    two = updated_weights(tmp_path / "two", 2, 2, strategy, "clip")
+    init = initial_weights()
+    assert_same_update(one, two, init, f"{strategy} 1x4 vs 2x2")
     # each rank's loss is its share of the one global loss: the run logs their sum, the one process's
     # (averaged over ranks, 2 ranks logged half of it)
     assert logged_losses(tmp_path / "two") == pytest.approx(logged_losses(tmp_path / "one"), rel=1e-5, abs=1e-7)
+    clipped = [torch.load(tmp_path / out / "grpo_clipped.pt", weights_only=True) for out in ("one", "two")]
+    norms = [json.load(open(tmp_path / out / "grpo_clipped_metrics.json"))["grad_norm"] for out in ("one", "two")]
+    assert norms[0] > 1.0 and norms[1] == pytest.approx(norms[0], rel=1e-4), f"clipped step's grad_norm 1x4 vs 2x2: {norms}"
+    update = max((clipped[0][k] - init[k]).abs().max().item() for k in init)
+    diff = max((clipped[0][k] - clipped[1][k]).abs().max().item() for k in init)
+    assert update > 1e-3 and diff < 1e-5 * max(update, 1.0), f"clipped step 1x4 vs 2x2: max difference {diff:.2e}, largest update {update:.3g}"
 
 
 @pytest.mark.starts_process

@@ -87,6 +87,33 @@ def test_sigterm_exits_and_the_time_limit_warning_requeues():
     os.kill(os.getpid(), signal.SIGUSR1)  # with SIG_DFL this would end pytest
 
 
+@pytest.mark.starts_process
+def test_two_ranks_agree_on_a_signal_one_got_and_on_a_run_folder_in_use(tmp_path):
+    """Two ranks (torchrun, gloo), tests/rank_agreement.py: rank 1 alone gets the time-limit warning, and
+    both must stop and requeue after the step (one deciding alone would wait in the next collective for a
+    peer that saved and left); then another process holds the run folder's .lock, and both must refuse it
+    (rank 0 alone refusing would leave rank 1 going on without it)."""
+    import fcntl
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with open(run_dir / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another run's
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                              "tests/rank_agreement.py", str(tmp_path), str(run_dir)], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    stops = [(s["requested"], s["requeue"]) for s in seen]
+    assert stops == [(True, True)] * 2, f"(stop, requeue) on ranks 0 and 1: {stops}"
+    refused = ["in use by another run" in (s["refused"] or "") for s in seen]
+    assert refused == [True, True], f"ranks 0 and 1 refused the held folder: {refused}"
+
+
 def test_a_sigterm_during_setup_exits_at_once_and_a_warning_waits_for_step_1():
     """Setup (a remote server's health wait, an engine's start, the first evaluation) can take minutes
     with nothing to checkpoint: a SIGTERM then ends the process at once (143), while a time-limit warning

@@ -68,6 +68,29 @@ def test_a_run_that_fails_mid_step_leaves_no_engine_behind(make_cfg, backend):
         assert summary["steps"] == 1
 
 
+def test_a_rank_that_finished_is_never_reported_silent(monkeypatch):
+    """The peer watchdog reports a peer whose heartbeat stopped, but not one that closed as done: rank 1
+    finishing first must not interrupt rank 0 while it still exports or evaluates. The checks are called
+    by hand (the watchdogs' own threads never beat), so nothing here depends on timing."""
+    import torch.distributed as dist
+
+    from grpo.dist import DistInfo, PeerWatchdog
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    rank0, rank1 = (PeerWatchdog(DistInfo(rank, 2), timeout_s=0.0, interval_s=3600.0) for rank in (0, 1))
+    try:
+        assert rank0.silent_peers() == {}  # first sight of rank 1's heartbeat
+        assert list(rank0.silent_peers()) == [1]  # it has not moved since: reported
+        rank1.close(done=True)
+        assert rank0.silent_peers() == {}  # it changed (to done)
+        assert rank0.silent_peers() == {}, "rank 1 finished cleanly, yet rank 0's watchdog reported it silent"
+    finally:
+        rank0.close(done=True)
+        rank1.close(done=True)
+
+
 @pytest.mark.starts_process
 def test_a_killed_rank_is_named_and_the_other_stops(tmp_path, cache_dir):
     """Two ranks launched as srun would (rank variables, no torchrun agent to clean up after them);

@@ -1,0 +1,54 @@
+"""Two ranks save one checkpoint, rank 1 slow to write its state (a busy node, a slow file system), for
+tests/test_checkpoint.py.
+
+    torchrun --nproc_per_node 2 tests/checkpoint_race.py RUN_DIR
+
+Rank 1 starts writing only once rank 0's save has published the checkpoint, or 3 s after it began: the
+checkpoint published must still hold both ranks' states. Each rank writes RUN_DIR/returned_rank<r>.json
+(the folder save_checkpoint returned) once it has.
+"""
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from grpo import checkpoint, dist  # noqa: E402
+
+
+class Nothing:
+    """A strategy whose own files are not the point."""
+
+    def save(self, folder: str) -> None:
+        pass
+
+
+def slowed_rng_state(real=checkpoint.rng_state):
+    if dist.rank() == 1:
+        tmp = os.path.join(sys.argv[1], "checkpoints", f".tmp-{checkpoint.checkpoint_name(1)}")
+        deadline = time.monotonic() + 3.0
+        while os.path.isdir(tmp) and time.monotonic() < deadline:  # gone: rank 0 published without rank 1
+            time.sleep(0.05)
+    return real()
+
+
+def main(run_dir: str) -> None:
+    dist.init_distributed(dist.dist_info(), timeout_s=60)  # a rank left waiting in a barrier fails within a minute
+    checkpoint.rng_state = slowed_rng_state
+    path = checkpoint.save_checkpoint(run_dir, 1, Nothing(), {"data": dist.rank()})
+    with open(os.path.join(run_dir, f"returned_rank{dist.rank()}.json"), "w") as f:
+        json.dump(path, f)
+    dist.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    # as tests/ddp_step.py's exit_process: gloo on torch 2.13 sometimes aborts in C++ destructors at exit
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
