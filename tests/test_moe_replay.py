@@ -25,6 +25,7 @@ from grpo.update import layouts, policy_update, score_tokens
 from grpo.update.forward import batch_logprobs
 from grpo.update.layouts import MicroBatch
 from grpo.update.step import forwarding
+from grpo.rollout.base import Rollouts
 from tests.conftest import compose_cfg
 
 REPLAY = SimpleNamespace(routing_replay=True, routing_observe=False)
@@ -76,7 +77,7 @@ def test_every_layout_carries_each_tokens_routes(tiny_moe):
     P, T_, G = 3, 4, 2
     prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]]
     completions = [[10, 11, 12, 13], [14, 15], [16, 17, 18], [19]]
-    out = SimpleNamespace(completion_ids=completions, logprobs=[[0.0] * len(c) for c in completions],
+    out = Rollouts(weight_version=0, completion_ids=completions, logprobs=[[0.0] * len(c) for c in completions],
                           finish_reasons=["length"] * 4, loss_masks=None, episodes=None,
                           routed_experts=[torch.tensor(p + c[:-1]).view(-1, 1, 1).expand(-1, 2, 2) for p, c in zip(prompts, completions)])
     batch = collate(prompts, out, torch.zeros(4), 0, False)
@@ -110,7 +111,7 @@ def test_a_completions_prompt_routes_the_prefix_cache_left_out_come_from_its_sib
     routed[1][:2] = -1  # its first two prompt tokens came from the cache
     routed[2][0, 1] = -1  # one token-layer of the other prompt, which no sibling has either
     routed[3][0, 1] = -1
-    out = SimpleNamespace(completion_ids=completions, logprobs=[[0.0] * 2] * 4, finish_reasons=["length"] * 4,
+    out = Rollouts(weight_version=0, completion_ids=completions, logprobs=[[0.0] * 2] * 4, finish_reasons=["length"] * 4,
                           loss_masks=None, episodes=None, routed_experts=routed)
     routes = collate(prompts, out, torch.zeros(4), 0, False).routes_BLMK  # prompt width 3
     assert torch.equal(routes[1, :3], routes[0, :3]) and (routes[1, :3, :, 0] == torch.tensor([5, 6, 7])[:, None]).all()
@@ -131,7 +132,7 @@ def test_prompt_rows_a_prefix_cache_served_from_another_prompt_come_from_any_row
     routed[1][:3] = -1  # B's first block, from the cache
     routed[2][:4] = -1  # the other completion of B: its whole prompt from the cache (B's 4th from its sibling)
     routed[3][:3] = -1  # C: only its first token is A's and B's
-    out = SimpleNamespace(completion_ids=completions, logprobs=[[0.0] * 2] * 4, finish_reasons=["length"] * 4,
+    out = Rollouts(weight_version=0, completion_ids=completions, logprobs=[[0.0] * 2] * 4, finish_reasons=["length"] * 4,
                           loss_masks=None, episodes=None, routed_experts=routed)
     batch = collate(prompts, out, torch.zeros(4), 0, False)
     routes = batch.routes_BLMK  # prompt width 4
