@@ -56,8 +56,12 @@ def server(model_dir, tmp_path_factory):
         env.setenv("TMPDIR", str(tmp))
         env.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())  # the tests' warm cache, not a cold one in tmp
         proc, url = serve_tiny(model_dir, log, TOKEN)
-    expect_served(proc.pid, url)
-    assert [p.name[:11] for p in tmp.iterdir()] == ["grpo-serve-"]  # the server's own folder, and nothing beside it
+    try:  # a check failing here skips the teardown below: the server is stopped first (it was left running)
+        expect_served(proc.pid, url)
+        assert [p.name[:11] for p in tmp.iterdir()] == ["grpo-serve-"]  # the server's own folder, and nothing beside it
+    except BaseException:
+        stop_served(proc)
+        raise
     yield {"url": url, "path": model_dir, "proc": proc, "log": log}
     stop_served(proc)  # Ctrl-C: the server and its engine processes must all exit
     deadline = time.time() + 30
