@@ -6,14 +6,13 @@ or function called as `sink(run_dir, run_config, resume_step, **logger.kwargs)` 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import math
 import os
 import secrets
 import sys
 
-from grpo.dotted import import_dotted
+from grpo.dotted import bind_or_refuse, import_dotted
 from grpo.errors import ConfigError, RunFolderError
 
 WANDB_ONLY = ("project", "entity")  # logger settings only wandb reads
@@ -105,17 +104,11 @@ def check(cfg, defaults) -> None:
     if cfg.get("kwargs") and factory in (None, WandbSink):
         raise ConfigError(f"logger.kwargs={dict(cfg.kwargs)}: only a logger.backend of one's own (a dotted path) takes "
                           f"them; logger.backend={cfg.backend} reads logger.project/entity/mode.")
-    if factory not in (None, WandbSink):  # the call RunLogger makes, bound now: a misfit failed after the model loaded
-        kwargs = dict(cfg.get("kwargs") or {})
-        try:
-            signature = inspect.signature(factory)
-        except (TypeError, ValueError):  # a builtin: nothing to check here
-            return
-        try:
-            signature.bind("run_dir", {}, None, **kwargs)
-        except TypeError as e:
-            raise ConfigError(f"logger.backend={cfg.backend!r}{signature} cannot be called as (run_dir, run_config, "
-                              f"resume_step, **logger.kwargs) with logger.kwargs={kwargs}: {e}.") from e
+    if factory is not None:  # the call RunLogger makes, bound now: a misfit failed after the model loaded
+        kwargs = sink_kwargs(cfg)
+        bind_or_refuse(factory, ("run_dir", {}, None), kwargs, refusal=lambda signature, e: (
+            f"logger.backend={cfg.backend!r}{signature} cannot be called as (run_dir, run_config, resume_step, "
+            f"**logger.kwargs) with logger.kwargs={kwargs}: {e}."))
     if cfg.backend == "wandb":
         mode = cfg.get("mode") or os.environ.get("WANDB_MODE")
         if mode is not None and mode not in WANDB_MODES:
@@ -129,14 +122,26 @@ def check(cfg, defaults) -> None:
                           f"(logger.backend={cfg.backend} writes the console and metrics.jsonl).")
 
 
-class WandbSink:
-    """logger=wandb: the run's rows to Weights & Biases (logger.project, entity, mode), resumed with the run."""
+def sink_kwargs(cfg) -> dict:
+    """What the sink is called with after (run_dir, run_config, resume_step): logger.project, entity and mode
+    for wandb, logger.kwargs for one's own."""
+    if cfg.backend == "wandb":
+        return {k: cfg.get(k) for k in (*WANDB_ONLY, "mode")}
+    return dict(cfg.get("kwargs") or {})
 
-    def __init__(self, run_dir: str, run_config: dict, resume_step: int | None, cfg):
+
+class WandbSink:
+    """logger=wandb: the run's rows to Weights & Biases (logger.project, entity, mode), resumed with the run.
+    Called as every sink is; it takes NaN as it is (a sink of one's own gets None, as metrics.jsonl has it)."""
+
+    takes_nan = True
+
+    def __init__(self, run_dir: str, run_config: dict, resume_step: int | None, project: str | None = None,
+                 entity: str | None = None, mode: str | None = None):
         import wandb  # wandb: optional, only with logger.backend=wandb
 
         try:
-            self.run = wandb.init(project=cfg.project, entity=cfg.entity, mode=cfg.mode, dir=run_dir, config=run_config,
+            self.run = wandb.init(project=project, entity=entity, mode=mode, dir=run_dir, config=run_config,
                                   name=os.path.basename(os.path.normpath(run_dir)), **wandb_resume(run_dir, resume_step))
         except wandb.errors.UsageError as e:  # no API key found (wandb's own search), an unknown mode
             raise ConfigError(f"logger=wandb: wandb.init refused the run ({e}). logger=wandb needs WANDB_API_KEY or "
@@ -161,10 +166,8 @@ class RunLogger:
         self.file = open(self.path, "a", encoding="utf-8")
         factory = resolve_sink(cfg.backend)
         try:
-            if factory is WandbSink:
-                self.sink = WandbSink(run_dir, run_config, resume_step, cfg)
-            elif factory is not None:  # one's own: it gets the rows as metrics.jsonl has them (NaN as None)
-                self.sink = factory(run_dir, run_config, resume_step, **dict(cfg.get("kwargs") or {}))
+            if factory is not None:
+                self.sink = factory(run_dir, run_config, resume_step, **sink_kwargs(cfg))
         except BaseException:
             self.file.close()
             raise
@@ -179,7 +182,7 @@ class RunLogger:
         self.file.write(dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
         if self.sink is not None:
-            self.sink.log(metrics if isinstance(self.sink, WandbSink) else strict(metrics), step)
+            self.sink.log(metrics if getattr(self.sink, "takes_nan", False) else strict(metrics), step)
         if console or (console is None and (step % self.cfg.log_every == 0 or step == self.total)):
             print(format_line(step, self.total, metrics), flush=True)
 

@@ -71,8 +71,13 @@ def settled_history(run_dir, expected: dict, timeout_s: float = 60.0) -> dict[in
 
 
 def logger(run_dir, resume_step=None) -> RunLogger:
-    cfg = OmegaConf.structured(LoggerConfig(backend="wandb", mode="offline", log_every=1000))
+    cfg = OmegaConf.structured(LoggerConfig(backend="wandb", mode="offline", project="grpo-test", log_every=1000))
     return RunLogger(cfg, str(run_dir), 8, {}, resume_step=resume_step)
+
+
+def wandb_projects(run_dir) -> set[str]:
+    return {r.run.project for path in glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
+            for r in wandb_records(path) if r.WhichOneof("record_type") == "run"}
 
 
 def jsonl(run_dir) -> list[tuple[int, float]]:
@@ -96,6 +101,7 @@ def test_a_resumed_run_logs_every_step_once_to_metrics_and_wandb(tmp_path):
     expected = {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 50.0, 6: 60.0, 7: 70.0, 8: 80.0}
     assert jsonl(tmp_path) == sorted(expected.items())
     assert settled_history(tmp_path, expected) == expected
+    assert wandb_projects(tmp_path) == {"grpo-test"}  # logger.project reached wandb.init, in both attempts
 
 
 @pytest.mark.starts_process

@@ -6,7 +6,6 @@ docs/environments.md for writing one."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Callable
 
 from omegaconf import OmegaConf
@@ -16,7 +15,7 @@ from grpo.envs.guess import GuessEnv
 from grpo.envs.openenv import OpenEnvAdapter
 from grpo.envs.retry import RetryEnv
 from grpo.envs.tools import CalcEnv, ToolEnv, calculator
-from grpo.dotted import import_dotted
+from grpo.dotted import bind_or_refuse, import_dotted, signature_of
 from grpo.errors import ConfigError
 
 
@@ -88,16 +87,11 @@ def inert_settings(env_cfg, defaults) -> list[str]:
 def check_kwargs(name: str, factory, kwargs: dict) -> None:
     """env.kwargs bound to the factory's signature now (a misspelt one failed at the first episode, after
     the model and the engines were built); `task` is the driver's to pass."""
-    try:
-        signature = inspect.signature(factory)
-    except (TypeError, ValueError):  # a builtin or C factory: nothing to check here
-        return
-    if "task" in kwargs and "task" in signature.parameters:
+    signature = signature_of(factory)
+    if signature is not None and "task" in kwargs and "task" in signature.parameters:
         raise ConfigError(f"env.kwargs.task: the environment {name!r} is given the run's task; drop it from env.kwargs.")
-    try:
-        signature.bind_partial(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"env.kwargs={kwargs} do not fit env.name={name!r}{signature}: {e}. Fix the names.") from e
+    bind_or_refuse(factory, (), kwargs, partial=True, refusal=lambda signature, e: (
+        f"env.kwargs={kwargs} do not fit env.name={name!r}{signature}: {e}. Fix the names."))
 
 
 def env_factory(cfg, task) -> Callable[[], Env]:
@@ -105,11 +99,8 @@ def env_factory(cfg, task) -> Callable[[], Env]:
     is passed to factories that take a `task` argument (retry: its `is_correct`)."""
     factory = resolve_env(cfg.name)
     kwargs = dict(cfg.kwargs or {})
-    try:
-        wants_task = "task" in inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        wants_task = False
-    if wants_task:
+    signature = signature_of(factory)
+    if signature is not None and "task" in signature.parameters:
         kwargs["task"] = task
     return lambda: build_env(cfg.name, factory, kwargs)
 

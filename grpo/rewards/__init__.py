@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import inspect
 import math
 import numbers
 import time
@@ -48,7 +47,7 @@ from typing import Callable
 
 from omegaconf import OmegaConf
 
-from grpo.dotted import import_dotted
+from grpo.dotted import import_dotted, signature_of
 from grpo.errors import ConfigError, HungCallsError, RewardStop
 from grpo.reward_config import JudgeConfig, RewardModelConfig
 from grpo.rewards.countdown import countdown
@@ -93,11 +92,10 @@ def resolve_reward(name: str) -> RewardFn:
 def check_argument_order(name: str, fn) -> None:
     """A reward is called as fn(completions, samples, **info); one written TRL's way, (prompts,
     completions, **kwargs), would silently score the samples as completions."""
-    try:
-        params = [p.name for p in inspect.signature(fn).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):  # a builtin without a signature: nothing to read
+    signature = signature_of(fn)
+    if signature is None:
         return
+    params = [p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if params[:1] in (["prompts"], ["prompt"]) or "completions" in params[1:2]:
         raise ConfigError(f"reward {name!r} takes ({', '.join(params)}, ...), but a reward is called as fn(completions, "
                           f"samples, **info): the completions' texts first, then their samples (each with .prompt and "
