@@ -47,10 +47,18 @@ def live_copies(param_name: str) -> tuple[int, int]:
 
 
 @pytest.mark.starts_process
-def test_verify_passes_on_the_default_run(cache_dir, capsys, monkeypatch):
+def test_verify_passes_on_the_default_run(tmp_path, cache_dir, capsys, monkeypatch):
     """Every row passes; and the layout checks hold one model copy of their own and one kept gradient
     set at a time beside the one being computed (they kept three fp32 sets and two copies on rank 0's
-    device: 7B OOMs an 80 GB GPU). Counted at each of their backward passes."""
+    device: 7B OOMs an 80 GB GPU). Counted at each of their backward passes.
+
+    Given the user's run folder, as the guards tell users to run it (their run's overrides, run_dir=
+    among them), nothing is written there: the checks' runs and the resume check's two go to scratch
+    folders of their own (given the user's run_dir, they overwrote its config.yaml and resumed its
+    checkpoint)."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "config.yaml").write_text("the user's run\n")
     seen, before = [], {}
     real_checks, real_accumulate = grpo.verify.layout_checks, grpo.verify.accumulate_gradients
 
@@ -64,7 +72,8 @@ def test_verify_passes_on_the_default_run(cache_dir, capsys, monkeypatch):
 
     monkeypatch.setattr(grpo.verify, "layout_checks", counted_checks)
     monkeypatch.setattr(grpo.verify, "accumulate_gradients", counted_accumulate)
-    assert verify([*FAST, f"model.cache_dir={cache_dir}"]) == 0
+    assert verify([*FAST, f"model.cache_dir={cache_dir}", f"run_dir={user}", "++resume=false", f"hydra.run.dir={user}"]) == 0
+    assert os.listdir(user) == ["config.yaml"] and (user / "config.yaml").read_text() == "the user's run\n"
     status, out = lines(capsys)
     assert {k for k, v in status.items() if v == "PASS"} >= {
         "sampler", "ratio", "reference", "layout/packed", "layout/shared", "micro-batches", "sync", "resume"}, out
@@ -372,20 +381,6 @@ def test_the_resume_checks_runs_share_one_thread_count():
     from grpo.verify import resume_settings
 
     assert resume_settings(3)[-1] == "threads=3" and "resume=true" in resume_settings(3)
-
-
-@pytest.mark.starts_process
-def test_the_resume_check_never_runs_in_the_users_run_folder(tmp_path, cache_dir):
-    """The guards tell users to run grpo.verify with their run's overrides, run_dir= among them: the
-    resume check's runs go to their own scratch folders whatever the overrides say (given the user's
-    run_dir, they overwrote its config.yaml and resumed its checkpoint)."""
-    user = tmp_path / "user"
-    user.mkdir()
-    (user / "config.yaml").write_text("the user's run\n")
-    row = resume_check([*FAST, f"model.cache_dir={cache_dir}", f"run_dir={user}", "++resume=false",
-                        f"hydra.run.dir={user}"], world_size=1)
-    assert os.listdir(user) == ["config.yaml"] and (user / "config.yaml").read_text() == "the user's run\n"
-    assert row.status == "PASS", row
 
 
 # put on PYTHONPATH as sitecustomize.py, so the resume check's grpo.train runs load it
