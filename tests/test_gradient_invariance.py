@@ -105,22 +105,20 @@ def test_skipping_flat_groups_leaves_the_update_as_it_was(tiny_lm, loss_type, mi
     assert skipped["loss"] == pytest.approx(kept["loss"], rel=1e-4, abs=1e-7)
 
 
-def test_a_first_minibatch_of_skipped_groups_leaves_the_sampler_difference_unmeasured_not_0(tiny_lm):
-    """Minibatches are cut over every group: where all of the first one's groups are flat (skipped), no
-    sampled token is scored before the first optimizer step, so |trainer - sampler| was not measured.
-    It read 0, which the sampler watch takes for perfect parity; it is NaN (the watch skips it)."""
+def test_a_step_of_skipped_groups_leaves_the_sampler_difference_unmeasured_not_0(tiny_lm):
+    """Every group flat (skipped): no sampled token is scored, so |trainer - sampler| was not measured.
+    It read 0, which the sampler watch takes for perfect parity; it is NaN (the watch skips it). A
+    first minibatch of skipped groups alone is measured on the later ones (test_pinned_values)."""
     from grpo.update import policy_update
 
     model, tok = tiny_lm
     G = 2
     batch = make_batch(tok, seed=3, B=8, T=6, group=G)
-    flat_P = torch.tensor([True, True, False, False])
-    batch.advantages_B = torch.where(flat_P.repeat_interleave(G), 0.0, batch.advantages_B)
     algo = OmegaConf.structured(AlgoConfig(batch_size=8, group_size=G, num_minibatches=2, warmup_steps=0))
     kept = policy_update(SingleStrategy(None, copy.deepcopy(model), algo, total_steps=2), batch, algo, 6, 1.0)
     skipped = policy_update(SingleStrategy(None, copy.deepcopy(model), algo, total_steps=2), batch, algo, 6, 1.0,
-                            skip_P=flat_P)
-    assert kept["sampler_diff"] > 0 and skipped["trained_completions"] == 4
+                            skip_P=torch.ones(4, dtype=torch.bool))
+    assert kept["sampler_diff"] > 0 and skipped["trained_completions"] == 0
     assert math.isnan(skipped["sampler_diff"]) and math.isnan(skipped["sampler_diff_mean"])
 
 

@@ -274,9 +274,12 @@ def test_clip_frac_counts_every_pass_in_its_denominator(tiny_lm):
     assert clipped == pytest.approx(round(clipped), abs=1e-5) and 4 < round(clipped) <= 8
 
 
-def test_sampler_diff_mean_is_over_the_first_minibatchs_tokens(tiny_lm):
-    # num_minibatches=2: |trainer - sampler| is measured before the first optimizer step, on minibatch
-    # 1's tokens only (group 0: rows 0 and 1), and averaged over those tokens, not over the whole batch's
+def test_sampler_diff_is_over_every_trained_token_against_the_trainer_before_the_update(tiny_lm):
+    # num_minibatches=2: |trainer - sampler| over all 8 sampled tokens, the trainer's side its logprobs
+    # before the update (the proximal ones): the second minibatch runs after a step at lr 1e-1, and read
+    # there it would carry the update's own movement. Measured on the first minibatch alone, a step
+    # whose first minibatch held flat groups only (dropped) logged no sampler_diff though it trained:
+    # here group 0 is dropped, and the value is group 1's
     import copy
 
     from omegaconf import OmegaConf
@@ -289,10 +292,39 @@ def test_sampler_diff_mean_is_over_the_first_minibatchs_tokens(tiny_lm):
     batch = update_batch(tok, [1.0, -1.0, 2.0, -2.0], [1, 2, 3, 2])
     trainer_BT = score_tokens(model, batch, 1.0, 10_000, training_mode=True)
     diff_BT = (trainer_BT - batch.sampler_logprobs_BT).abs() * batch.mask_BT
-    algo = OmegaConf.structured(AlgoConfig(batch_size=4, group_size=2, num_minibatches=2, warmup_steps=0))
+    algo = OmegaConf.structured(AlgoConfig(batch_size=4, group_size=2, num_minibatches=2, warmup_steps=0, lr=1e-1,
+                                           lr_schedule="constant"))
     stats = policy_update(SingleStrategy(None, copy.deepcopy(model), algo, total_steps=1), batch, algo, 3, 1.0)
-    assert stats["sampler_diff_mean"] == pytest.approx(float(diff_BT[:2].sum() / 3), rel=1e-4)  # 1 + 2 tokens
-    assert stats["sampler_diff"] == pytest.approx(float(diff_BT[:2].max()), rel=1e-4)
+    assert stats["sampler_diff_mean"] == pytest.approx(float(diff_BT.sum() / 8), rel=1e-4)
+    assert stats["sampler_diff"] == pytest.approx(float(diff_BT.max()), rel=1e-4)
+    first_flat = policy_update(SingleStrategy(None, copy.deepcopy(model), algo, total_steps=1), batch, algo, 3, 1.0,
+                               skip_P=torch.tensor([True, False]))
+    assert first_flat["sampler_diff_mean"] == pytest.approx(float(diff_BT[2:].sum() / 5), rel=1e-4)
+    assert first_flat["sampler_diff"] == pytest.approx(float(diff_BT[2:].max()), rel=1e-4)
+
+
+def test_lockstep_padding_is_no_work(tiny_lm, monkeypatch):
+    # ZeRO-3 keeps a rank with fewer micro-batches in step with a padding micro-batch (one 2-token row,
+    # mask 0): it trains nothing, and a rank that trained nothing logged its 2 tokens as real tokens and
+    # as FLOPs (docs/mfu.md: padding is not work)
+    import copy
+
+    from omegaconf import OmegaConf
+
+    import grpo.update.step
+    from grpo.config import AlgoConfig
+    from grpo.parallel.single import SingleStrategy
+    from grpo.update import policy_update
+
+    model, tok = tiny_lm
+    batch = update_batch(tok, [1.0, -1.0, 2.0, -2.0], [1, 2, 3, 2])
+    algo = OmegaConf.structured(AlgoConfig(batch_size=4, group_size=2, num_iterations=2, warmup_steps=0, beta=0.1))
+    plain = policy_update(SingleStrategy(None, copy.deepcopy(model), algo, total_steps=1), batch, algo, 3, 1.0,
+                          ref_model=model)["work"]
+    monkeypatch.setattr(grpo.update.step, "lockstep_padding", lambda strategy, n: 2)
+    padded = policy_update(SingleStrategy(None, copy.deepcopy(model), algo, total_steps=1), batch, algo, 3, 1.0,
+                           ref_model=model)["work"]
+    assert padded == plain and plain["train"].head == 2 * 8 and plain["old"].head == plain["reference"].head == 8
 
 
 def test_a_process_group_with_only_negative_token_advantages_is_not_flat():

@@ -88,9 +88,9 @@ def score_tokens(model, batch: Batch, temperature: float, max_tokens: int, strat
     device = next(model.parameters()).device
     _, runs = work(strategy, model, batch, layout, max_tokens)
     out_BT = torch.zeros_like(batch.sampler_logprobs_BT)
-    for mb, mine, _ in runs:
-        with forwarding(strategy, model, mb.to(device), temperature, max_tokens=max_tokens, tally=tally,
-                        part=part) as (logp_BT, _, _):
+    for mb, mine, padding in runs:  # lockstep padding is no work (docs/mfu.md): its one row enters no loss
+        with forwarding(strategy, model, mb.to(device), temperature, max_tokens=max_tokens,
+                        tally=None if padding else tally, part=part) as (logp_BT, _, _):
             if mine:
                 out_BT[mb.index] = logp_BT.cpu()
     model.train(was_training)
@@ -139,7 +139,7 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
         mb = planned.batch
         replayed = routing.Replayed()  # rollout.routing_replay: the trainer's own routers against the sampler's
         with forwarding(strategy, strategy.forward_model, planned, temperature, True, algo.micro_batch_tokens,
-                        experts, replayed, tally, "train") as (logp_BT, ent_BT, routed):
+                        experts, replayed, None if padding else tally, "train") as (logp_BT, ent_BT, routed):
             # proximal policy: the trainer before this update (decoupled loss, grpo/algorithm.py)
             old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else logp_BT.detach()
             loss, stats = decoupled_loss(logp_BT, old_BT, mb.sampler_logprobs_BT, mb.advantages_B, mb.mask_BT, norm,
@@ -158,12 +158,12 @@ def accumulate_gradients(strategy, batch: Batch, algo, norm: LossNorm, temperatu
                 sums["load_E"] += routed.load_E
         if not mine:
             continue
-        if mb.size:  # |trainer - sampler| logprob on the sampled tokens (see policy_update)
-            diff_BT = (logp_BT.detach() - mb.sampler_logprobs_BT).abs() * mb.mask_BT
+        if mb.size:  # the sampler against the trainer before the update (old_BT: see policy_update)
+            # with minibatches, later ones run after a step, and the update's own movement read as a
+            # sampler mismatch (sampler_kl 0.058 on a fresh batch)
+            diff_BT = (old_BT - mb.sampler_logprobs_BT).abs() * mb.mask_BT
             sums["sampler_diff_max"] = torch.maximum(sums["sampler_diff_max"], diff_BT.max())
             sums["sampler_diff_sum"] += diff_BT.sum()
-            # against the trainer before the update (old_BT): with minibatches, later ones run after a step,
-            # and the update's own movement read as a sampler mismatch (0.058 on a fresh batch)
             kl_sum, kl_tokens = sampled_kl(mb.sampler_logprobs_BT, old_BT, mb.mask_BT)
             sums["sampler_kl_sum"] += kl_sum
             sums["sampler_kl_tokens"] += kl_tokens
@@ -243,13 +243,16 @@ def policy_update(
                     totals[k] = totals[k] + sums[k]
                 if experts is not None:
                     load_E = sums["load_E"] + load_E.to(sums["load_E"].device)
-                if not norms:  # before any optimizer step the trainer holds the weights that sampled
-                    totals["sampler_diff_max"], totals["sampler_diff_tokens"] = sums["sampler_diff_max"], sums["sampler_kl_tokens"]
-                    for k in ("sampler_diff_sum", "routing_flips", "routing_given"):
+                if not norms:  # routing replay's flips: the training forward before any optimizer step
+                    for k in ("routing_flips", "routing_given"):
                         totals[k] = sums[k]
-                if len(norms) < algo.num_minibatches:  # the first pass: each token once
-                    totals["sampler_kl_sum"] = totals["sampler_kl_sum"] + sums["sampler_kl_sum"]
-                    totals["sampler_kl_tokens"] = totals["sampler_kl_tokens"] + sums["sampler_kl_tokens"]
+                if len(norms) < algo.num_minibatches:  # the first pass, each token once, against the proximal
+                    # logprobs: a step whose first minibatch held flat groups alone measured no sampler_diff
+                    totals["sampler_diff_max"] = torch.maximum(torch.as_tensor(totals["sampler_diff_max"]).to(
+                        sums["sampler_diff_max"].device), sums["sampler_diff_max"])
+                    for k in ("sampler_diff_sum", "sampler_kl_sum", "sampler_kl_tokens"):
+                        totals[k] = totals[k] + sums[k]
+                    totals["sampler_diff_tokens"] = totals["sampler_diff_tokens"] + sums["sampler_kl_tokens"]
                 tokens += float(mb.mask_BT.sum())  # the trained tokens: the statistics' denominator
             norms.append(strategy.step())
     # the one read of the statistics from the device
@@ -264,8 +267,8 @@ def policy_update(
     summed = strategy.reduce_counts([totals[k] for k in RANK_SUMS] + [tokens, *load, *unrouted])
     (missing_routes, forwarded_routes), summed = summed[-2:], summed[:-2]
     totals.update(zip(RANK_SUMS, summed))
-    # no sampled token scored before the first optimizer step (skipped flat groups made up the first
-    # minibatch, or the whole step): the trainer-sampler difference was not measured this step, not 0
+    # no sampled token scored (every group skipped as flat): the trainer-sampler difference was not
+    # measured this step, not 0
     unmeasured = totals["sampler_diff_tokens"] == 0
     # no token trained at all (every group skipped as flat): clip_frac, kl and entropy are not 0 but unknown
     untrained = summed[len(RANK_SUMS)] == 0
@@ -289,10 +292,10 @@ def policy_update(
         "layout": ran,  # the micro-batches' layout: padded, packed or shared (grpo/update/layouts.py)
         # what the forwards processed (grpo/flops.py); the loop turns it into FLOPs and MFU
         "work": {part: work.resolved() for part, work in tally.items()},
-        # max |trainer - sampler| logprob of a sampled token, with the weights that sampled: ~1e-5
+        # max |trainer - sampler| logprob of a sampled token, the trainer's before the update: ~1e-5
         # when the engine got the last sync (fp32), far larger when it still runs older weights
         "sampler_diff": math.nan if unmeasured else totals["sampler_diff_max"],
-        # its mean over the sampled tokens of the first minibatch (the same weights)
+        # its mean over the trained sampled tokens
         "sampler_diff_mean": math.nan if unmeasured else totals["sampler_diff_sum"] / max(totals["sampler_diff_tokens"], 1.0),
         # KL(sampler || trainer) on the sampled tokens, k3, each token once; the trainer's side is the
         # weights before the update (the proximal policy): with a stale batch (algo.max_staleness), how
