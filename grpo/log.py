@@ -102,8 +102,9 @@ def check(cfg, defaults) -> None:
     one's own only. `defaults`: LoggerConfig()."""
     factory = resolve_sink(cfg.backend)
     if cfg.get("kwargs") and factory in (None, WandbSink):
+        reads = "logger.project/entity/mode" if factory is WandbSink else "logger.log_every/sample_every/num_samples"
         raise ConfigError(f"logger.kwargs={dict(cfg.kwargs)}: only a logger.backend of one's own (a dotted path) takes "
-                          f"them; logger.backend={cfg.backend} reads logger.project/entity/mode.")
+                          f"them; logger.backend={cfg.backend} reads {reads}.")
     if factory is not None:  # the call RunLogger makes, bound now: a misfit failed after the model loaded
         kwargs = sink_kwargs(cfg)
         bind_or_refuse(factory, ("run_dir", {}, None), kwargs, refusal=lambda signature, e: (

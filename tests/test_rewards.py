@@ -293,6 +293,11 @@ def test_an_environments_rewards_no_reward_reads_are_named():
         ("\\boxed{2^{10}}", "1024", 0.0),  # a whole power
         ("In May she sold 48/2 = 24 clips. Altogether she sold 48 + 24", "72", 0.0),
         ("In May she sold 48/2", "24", 0.0),  # a division that comes out whole
+        ("\\boxed{48/2}", "24", 0.0),  # ... in LaTeX too, which math-verify hands back evaluated (24): read from its text
+        ("\\boxed{\\dfrac{48}{2}}", "24", 0.0),
+        ("The answer is \\(48 \\div 2\\)", "24", 0.0),
+        ("\\boxed{\\frac{48}{2}}", "\\frac{48}{2}", 1.0),  # written as the ground truth writes it
+        ("\\boxed{\\frac{7}{2}}", "3.5", 1.0),  # a fraction that does not come out whole is a value
         ("7 + 1 = 8", "8", 1.0),  # the result after the working counts
         ("The answer is $48 + 24 = 72$.", "72", 1.0),  # in LaTeX too: the last relation's right-hand side
         ("Therefore the total is $\\boxed{48 + 24 = 72}$", "72", 1.0),

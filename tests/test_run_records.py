@@ -314,7 +314,9 @@ def test_a_sink_of_ones_own_gets_every_row_as_metrics_jsonl_has_it(tmp_path):
         (["logger.backend=tests.test_run_records.NoFinish"], "whose result has log(metrics, step) and finish(); it has no finish()"),
         (["logger.backend=tests.test_run_records.RecordingSink", "+logger.kwargs.prefx=a"],
          "cannot be called as (run_dir, run_config, resume_step, **logger.kwargs) with logger.kwargs={'prefx': 'a'}"),
-        (["+logger.kwargs.prefix=a"], "logger.kwargs={'prefix': 'a'}: only a logger.backend of one's own"),
+        (["+logger.kwargs.prefix=a"], "logger.kwargs={'prefix': 'a'}: only a logger.backend of one's own (a dotted "
+                                      "path) takes them; logger.backend=console reads logger.log_every/sample_every/num_samples."),
+        (["logger=wandb", "+logger.kwargs.prefix=a"], "logger.backend=wandb reads logger.project/entity/mode."),
     ]:
         with pytest.raises(ConfigError) as e:
             validate(compose_cfg(*overrides))

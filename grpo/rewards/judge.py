@@ -168,11 +168,12 @@ def check_choice_tokens(jc, tokens: dict[str, list], max_tokens: int) -> None:
         split = {c: t for c, t in tokens.items() if len(t) > 1}
         if split:
             c, t = next(iter(split.items()))
+            words = "" if {w.strip().lower() for w in split} & {"yes", "no"} else ", or words like yes/no"
             raise ConfigError(
                 f"reward.judge: the judge's tokenizer splits {c!r} into {t} ({len(split)} of {len(tokens)} choices are "
                 f"more than one token), and score=logprobs reads only the first answer token: a judge sure of {c!r} "
-                f"would score as {t[0]!r}. Use choices of one token each (e.g. reward.judge.rating=[0, 9], or words "
-                f"like yes/no), or reward.judge.score=pattern to read the judge's text.")
+                f"would score as {t[0]!r}. Use choices of one token each (e.g. reward.judge.rating=[0, 9]{words}), or "
+                f"reward.judge.score=pattern to read the judge's text.")
     longest = max(tokens, key=lambda c: len(tokens[c]), default=None)
     if jc.score == "pattern" and longest is not None and len(tokens[longest]) > max_tokens:
         raise ConfigError(

@@ -9,8 +9,8 @@ earn the reward by copying the question's operands. A final answer that combines
 truth is written that way too (`written_arithmetic`). A sign, a fraction (1/2, \\frac{7}{2}), a root,
 pi, scientific notation (3 \\times 10^5) and expressions in variables (x^2+2x) are values as written.
 A worked equation is judged by what follows its last `=` (`48 + 24 = 72` is 72), as math-verify
-compares it. (math-verify hands some divisions back evaluated already: \\frac{14}{2}, \\boxed{48/2} and
-48 \\div 2 in LaTeX read as 7 and 24 and pass; plain-text 48/2 is caught.)
+compares it. math-verify hands LaTeX divisions back evaluated (\\frac{48}{2}, \\boxed{48/2} and
+48 \\div 2 read as 24), so those are read from the text it matched (`WHOLE_DIVISION`).
 
 Before math-verify reads them, the completion and the ground truth are put in the forms it reads
 (`normalize`): a Unicode minus (U+2212) as "-" (math-verify skipped it and took the number
@@ -58,6 +58,9 @@ SPACED_GROUPS = re.compile(rf"(?<![\d.])\d{{1,3}}(?:(?:{_SEP}| )\d{{3}})+(?![\d]
 MIXED = re.compile(r"(?<![\d./,])(\d+) (\d+)/(\d+)(?![\d./])")
 BOXED_PERCENT = re.compile(r"\\boxed\{([^{}]*?)\s*\\%\s*\}")
 BOXED_FLAT = re.compile(r"\\boxed\{([^{}]*)\}")  # a \boxed{} without nested braces
+# a division of two whole numbers as math-verify's LaTeX reading matched it (\dfrac, \tfrac: \frac by then), which
+# it hands back evaluated (48/2 as 24): numerator, denominator
+WHOLE_DIVISION = re.compile(r"\\frac\{\s*(\d+)\s*\}\{\s*(\d+)\s*\}|(?<![\d.])(\d+)\s*(?:/|\\div)\s*(\d+)(?![\d.])")
 
 
 def _join_groups(match: re.Match) -> str:
@@ -158,11 +161,23 @@ def answer_side(value):
     return value.rhs if getattr(value, "is_Relational", False) else value
 
 
+def whole_division(text: str) -> bool:
+    """Whether the matched text divides a whole number by one that divides it (48/2, \\frac{48}{2},
+    48 \\div 2): an operation, where \\frac{7}{2} is a value. Of a relation, its last right-hand side."""
+    last = text.rsplit("=", 1)[-1]
+    for m in WHOLE_DIVISION.finditer(last):
+        a, b = (int(g) for g in (m.groups()[:2] if m.group(1) else m.groups()[2:]))
+        if b and a % b == 0:
+            return True
+    return False
+
+
 def written_arithmetic(parsed: list) -> bool:
     """Whether math-verify's reading of an answer ([sympy value, matched text], or text alone) is an
     operation on written numbers rather than a value (this module's docstring)."""
-    return any(_computes(node) for value in parsed if not isinstance(value, str)
-               for node in _nodes(answer_side(value)) if hasattr(node, "is_Add"))
+    return any(whole_division(value) if isinstance(value, str) else
+               any(_computes(node) for node in _nodes(answer_side(value)) if hasattr(node, "is_Add"))
+               for value in parsed)
 
 
 def is_equivalent(completion: str, answer: str) -> bool:

@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from grpo import vision
-from grpo.errors import WarmStartError
+from grpo.errors import ConfigError, WarmStartError
 from grpo.packaged import publish_model_folder
 from grpo.tiny import moe, text, vlm
 
@@ -48,7 +48,9 @@ def warm_start(model, tokenizer, task, cfg, max_new_tokens: int, log=print, play
     n_probe = min(256, len(task.train) // 2)
     probe, train = task.train[:n_probe], task.train[n_probe:]
     if not probe or not train:
-        raise ValueError(f"the warm start needs at least 2 training samples; the task has {len(task.train)}.")
+        raise ConfigError(f"the tiny model's warm start needs at least 2 training samples; the task has "
+                          f"{len(task.train)} (after its held-out rows). Give the task more distinct rows, or a smaller "
+                          f"task.eval_size.")
     images = getattr(tokenizer, "vision", None) is not None  # a VLM on image prompts (grpo/tiny/vlm.py)
 
     def accuracy() -> float:  # greedy: one-shot exact match, or a multi-turn task's own episodes
