@@ -312,6 +312,29 @@ def test_an_environment_hung_for_good_stops_the_run_at_scoring_where_every_rank_
         t.join(10)
 
 
+def test_a_tool_hung_for_good_ends_its_calls_as_errors_and_stops_the_run_at_scoring(monkeypatch):
+    """The same for a tool of a ToolEnv: its calls past tool_timeout_s return tool errors, also past
+    MAX_HUNG (raised from env.step, the stop came inside the episode driver on one rank); scoring stops."""
+    import grpo.timeouts
+    from grpo.envs.tools import ToolEnv
+    from grpo.errors import RewardStop
+    from grpo.rewards import score
+
+    monkeypatch.setattr(grpo.timeouts, "MAX_HUNG", 3)
+    monkeypatch.setattr(grpo.timeouts, "_hung", [])
+    release = threading.Event()
+    env = ToolEnv({"slow": lambda arg: release.wait(60)}, tool_timeout_s=0.1)
+    try:
+        for _ in range(5):
+            assert env.step("slow: x").info["tool_error"]
+        with pytest.raises(RewardStop, match=r"^5 calls of user code are still running past their timeout"):
+            score([("r", lambda completions, samples, **_: [1.0] * len(completions), 1.0)], ["a"], [None])
+    finally:
+        release.set()
+    for t, _ in list(grpo.timeouts._hung):
+        t.join(10)
+
+
 class WrongTypes(GuessEnv):
     """The guess game answering by secret: 1 an int observation, 2 a dict, 3 None (allowed: nothing
     shown), 4 a bare string instead of a Step; 5 opens its episode with an int at reset; 7 a reward

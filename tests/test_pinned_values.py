@@ -303,6 +303,52 @@ def test_sampler_diff_is_over_every_trained_token_against_the_trainer_before_the
     assert first_flat["sampler_diff"] == pytest.approx(float(diff_BT[2:].max()), rel=1e-4)
 
 
+@pytest.mark.parametrize("settings", [dict(num_iterations=2, num_minibatches=2), dict(num_iterations=2),
+                                      dict(num_minibatches=2), dict(micro_batch_tokens=6)])
+def test_sampler_statistics_count_each_trained_token_once_whatever_the_passes_and_cuts(tiny_lm, settings):
+    # seed 2 puts the largest |trainer - sampler| in group 0 (row 1): by hand from the trainer before the
+    # update, sampler_diff 4.668, its mean over the 8 tokens 4.105, sampler_kl 3.122. Every pass, minibatch
+    # and micro-batch cut must give these: a second pass counted again, a mean over both passes' tokens, the
+    # largest of the last minibatch or micro-batch alone each read otherwise
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from grpo.config import AlgoConfig
+    from grpo.parallel.single import SingleStrategy
+    from grpo.update import policy_update, score_tokens
+
+    model, tok = tiny_lm
+    batch = update_batch(tok, [1.0, -1.0, 2.0, -2.0], [1, 2, 3, 2], seed=2)
+    trainer_BT = score_tokens(model, batch, 1.0, 10_000, training_mode=True)
+    diff_BT = (trainer_BT - batch.sampler_logprobs_BT).abs() * batch.mask_BT
+    assert int(diff_BT.max(1).values.argmax()) == 1 and float(diff_BT.max()) > float(diff_BT[2:].max())
+    algo = OmegaConf.structured(AlgoConfig(batch_size=4, group_size=2, warmup_steps=0, lr=1e-1, lr_schedule="constant",
+                                           **settings))
+    stats = policy_update(SingleStrategy(None, copy.deepcopy(model), algo, total_steps=1), batch, algo, 3, 1.0)
+    assert stats["sampler_diff"] == pytest.approx(float(diff_BT.max()), rel=1e-4)
+    assert stats["sampler_diff_mean"] == pytest.approx(float(diff_BT.sum() / 8), rel=1e-4)
+    assert stats["sampler_kl"] == pytest.approx(k3_mean(batch.sampler_logprobs_BT, trainer_BT, batch.mask_BT), rel=1e-4)
+
+
+def test_a_sampler_that_agrees_exactly_is_a_difference_of_0_not_unmeasured(tiny_lm):
+    import copy
+    from dataclasses import replace
+
+    from omegaconf import OmegaConf
+
+    from grpo.config import AlgoConfig
+    from grpo.parallel.single import SingleStrategy
+    from grpo.update import policy_update, score_tokens
+
+    model, tok = tiny_lm
+    batch = update_batch(tok, [1.0, -1.0, 2.0, -2.0], [1, 2, 3, 2])
+    exact = replace(batch, sampler_logprobs_BT=score_tokens(model, batch, 1.0, 10_000, training_mode=True) * batch.mask_BT)
+    algo = OmegaConf.structured(AlgoConfig(batch_size=4, group_size=2, warmup_steps=0))
+    stats = policy_update(SingleStrategy(None, copy.deepcopy(model), algo, total_steps=1), exact, algo, 3, 1.0)
+    assert stats["sampler_diff"] == 0.0 and stats["sampler_diff_mean"] == 0.0
+
+
 def test_lockstep_padding_is_no_work(tiny_lm, monkeypatch):
     # ZeRO-3 keeps a rank with fewer micro-batches in step with a padding micro-batch (one 2-token row,
     # mask 0): it trains nothing, and a rank that trained nothing logged its 2 tokens as real tokens and

@@ -152,6 +152,8 @@ def test_a_reward_taking_prompts_first_is_refused_at_validate():
                                           r"but a reward is called as fn\(completions, samples, \*\*info\).*Reorder"):
         check_rewards(compose_cfg("reward.funcs=[{name: tests.test_rewards.trl_style, weight: 1.0}]"))
     check_rewards(compose_cfg("reward.funcs=[{name: tests.test_rewards.abstains, weight: 1.0}]"))  # (completions, samples)
+    # a C or pybind11 function has no signature to read: nothing to check, not inspect's ValueError
+    check_rewards(compose_cfg("reward.funcs=[{name: math.hypot, weight: 1.0}]"))
 
 
 def test_a_completion_one_function_failed_on_is_not_scored_by_the_others():

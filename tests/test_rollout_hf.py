@@ -156,6 +156,10 @@ def test_collate_keeps_rewardless_completions_out_of_the_loss_normalisers(tiny_l
     assert batch.mask_BT.tolist() == [[1, 1, 1], [0, 0, 0], [1, 1, 1], [0, 0, 0]]
     norm = loss_norm(batch, max_len=3, gen_tokens_per_step=6.0)
     assert (norm.num_seqs, norm.num_tokens) == (2, 6)
+    # an episode the turn cap ended was not cut either: only "length" is (truncated_frac, the mask)
+    capped = Rollouts([[5, 6, 2]] * 3, [[-1.0] * 3] * 3, ["turns", "error", "length"], 0,
+                      episodes=[Episode(finish=f) for f in ("turns", "error", "length")])
+    assert capped.cut() == [False, False, True]
 
 
 def test_a_rank_with_no_prompts_generates_nothing(tiny_lm):

@@ -6,6 +6,7 @@ files it writes, record by record, as `wandb sync` would upload them."""
 
 import glob
 import json
+import math
 import os
 import struct
 import time
@@ -75,6 +76,13 @@ def logger(run_dir, resume_step=None) -> RunLogger:
     return RunLogger(cfg, str(run_dir), 8, {}, resume_step=resume_step)
 
 
+def wandb_values(run_dir, key: str) -> list[str]:
+    """The value_json of `key` in every history record of the folder's runs."""
+    return [i.value_json for path in sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb")))
+            for r in wandb_records(path) if r.WhichOneof("record_type") == "history"
+            for i in r.history.item if (i.key or "/".join(i.nested_key)) == key]
+
+
 def wandb_projects(run_dir) -> set[str]:
     return {r.run.project for path in glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
             for r in wandb_records(path) if r.WhichOneof("record_type") == "run"}
@@ -91,7 +99,7 @@ def test_a_resumed_run_logs_every_step_once_to_metrics_and_wandb(tmp_path):
     (resume="allow" on one id kept the killed attempt's 5 and 6 in wandb and dropped the new ones)."""
     first = logger(tmp_path)
     for step in range(1, 7):
-        first.log(step, {"x": float(step)})
+        first.log(step, {"x": float(step), **({"g": math.inf, "d": math.nan} if step == 1 else {})})
     first.close()  # as the kill leaves it: the rows up to 6 are written
     time.sleep(1.1)  # wandb names an attempt's offline folder by the second it starts (and its id): a resume in the same second would replace it
     resumed = logger(tmp_path, resume_step=4)
@@ -102,6 +110,8 @@ def test_a_resumed_run_logs_every_step_once_to_metrics_and_wandb(tmp_path):
     assert jsonl(tmp_path) == sorted(expected.items())
     assert settled_history(tmp_path, expected) == expected
     assert wandb_projects(tmp_path) == {"grpo-test"}  # logger.project reached wandb.init, in both attempts
+    # wandb takes NaN and inf (a skipped step's grad_norm shows as a spike, not a gap); metrics.jsonl has None
+    assert (wandb_values(tmp_path, "g"), wandb_values(tmp_path, "d")) == (["Infinity"], ["NaN"])
 
 
 @pytest.mark.starts_process
@@ -183,19 +193,40 @@ def test_run_files_are_strict_json_and_read_back_as_nan(tmp_path):
 def test_a_resume_at_the_last_step_keeps_one_final_evaluation_row(tmp_path):
     """Killed between the final evaluation's row and summary.json: the resumed run (nothing left to
     train) logs the evaluation again, and metrics.jsonl held it twice. Continued to more steps, an
-    earlier run's final row at its last step stays (it was that run's evaluation)."""
-    from grpo.log import _truncate_after
-
+    earlier run's final row at its last step stays (it was that run's evaluation). As the run opens
+    its log: RunLogger, resumed at step 4 of 4, then of 8."""
     def rows(*steps):
         return "".join(json.dumps({"step": s, "x": i}) + "\n" for i, s in enumerate(steps))
 
+    cfg = OmegaConf.structured(LoggerConfig(log_every=1000))
     path = tmp_path / "metrics.jsonl"
     path.write_text(rows(0, 1, 2, 3, 4, 4))  # step 4's training row, then its final evaluation
-    _truncate_after(str(path), 4, final=True)
+    RunLogger(cfg, str(tmp_path), 4, {}, resume_step=4).close()
     assert [json.loads(x)["x"] for x in path.read_text().splitlines()] == [0, 1, 2, 3, 4]
     path.write_text(rows(0, 1, 2, 3, 4, 4, 5))
-    _truncate_after(str(path), 4, final=False)  # steps=8 now: the run goes on from 4
+    RunLogger(cfg, str(tmp_path), 8, {}, resume_step=4).close()  # steps=8 now: the run goes on from 4
     assert [json.loads(x)["x"] for x in path.read_text().splitlines()] == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_logged_row_is_on_disk_at_once_and_a_torn_one_is_dropped_on_resume(tmp_path):
+    """A row is in the file as soon as it is logged (a kill loses none, and `tail -f` and grpo.plot see it
+    mid-run); a kill mid-write leaves a torn last line, which the resume drops (appended to, it made the
+    next row unreadable: read_metrics, and so verify, doctor and plot, failed on the file)."""
+    from grpo.log import read_metrics
+
+    cfg = OmegaConf.structured(LoggerConfig(log_every=1000))
+    path = tmp_path / "metrics.jsonl"
+    run = RunLogger(cfg, str(tmp_path), 10, {})
+    for step in (1, 2, 3):
+        run.log(step, {"loss": 0.1 * step})
+        assert json.loads(path.read_text().splitlines()[-1]) == {"step": step, "loss": 0.1 * step}  # not closed yet
+    run.close()
+    with open(path, "a") as f:
+        f.write('{"step": 4, "lo')  # killed while writing step 4's row; its checkpoint is step 3's
+    resumed = RunLogger(cfg, str(tmp_path), 10, {}, resume_step=3)
+    resumed.log(4, {"loss": 0.4})
+    resumed.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(str(path))] == [(1, 0.1), (2, 0.2), (3, 0.1 * 3), (4, 0.4)]
 
 
 def test_a_deleted_metrics_file_stops_the_run_instead_of_logging_into_it(tmp_path):
@@ -275,6 +306,24 @@ class RecordingSink:
         self.finished = True
 
 
+def recording_sink(run_dir, run_config, resume_step, prefix="x/"):
+    """A sink made by a function (docs/logging.md: a class or a function)."""
+    return RecordingSink(run_dir, run_config, resume_step, prefix)
+
+
+class NeedsDir:
+    """A writer whose own argument has no default: logger.kwargs must give it."""
+
+    def __init__(self, run_dir, run_config, resume_step, log_dir):
+        pass
+
+    def log(self, metrics, step):
+        pass
+
+    def finish(self):
+        pass
+
+
 class NoFinish:
     def __init__(self, run_dir, run_config, resume_step):
         pass
@@ -308,7 +357,18 @@ def test_a_sink_of_ones_own_gets_every_row_as_metrics_jsonl_has_it(tmp_path):
     assert not RunLogger(cfg, str(tmp_path / "r1"), 2, {}, enabled=False).sink  # ranks but the first: no sink
 
     validate(compose_cfg("logger.backend=tests.test_run_records.RecordingSink"))
+    validate(compose_cfg("logger.backend=tests.test_run_records.NeedsDir", "+logger.kwargs.log_dir=tb"))
+    validate(compose_cfg("logger.backend=tests.test_run_records.recording_sink"))
+    RecordingSink.made.clear()
+    (tmp_path / "f").mkdir()
+    by_function = RunLogger(OmegaConf.merge(cfg, {"backend": "tests.test_run_records.recording_sink"}), str(tmp_path / "f"),
+                            1, {}, resume_step=None)
+    by_function.log(1, {"loss": 0.5})
+    by_function.close()
+    assert RecordingSink.made[0][3].rows == [(1, {"run/loss": 0.5})] and RecordingSink.made[0][3].finished
     for overrides, says in [
+        (["logger.backend=tests.test_run_records.NeedsDir"], "missing a required argument: 'log_dir'"),
+        (["logger.backend=.tests.test_run_records.RecordingSink"], "could not be imported"),
         (["logger.backend=tensorboard"], "logger.backend='tensorboard' is not console, wandb, nor a dotted path"),
         (["logger.backend=tests.test_run_records.Nope"], "logger.backend='tests.test_run_records.Nope' could not be imported"),
         (["logger.backend=tests.test_run_records.NoFinish"], "whose result has log(metrics, step) and finish(); it has no finish()"),
