@@ -30,7 +30,7 @@ def override_advice(e: HydraException) -> str | None:
     return None
 
 
-FILE_KEY = re.compile(r"^In '([^']+)': ConfigKeyError raised while composing config:\s*Key '([^']+)' not in '[^']*'"
+FILE_KEY = re.compile(r"^In '([^']+)': ConfigKeyError raised while composing config:\s*Key '([^']+)' not in '([^']*)'"
                       r"\s*full_key: (\S+)")
 
 
@@ -47,21 +47,45 @@ def schema_of(path: str):
     return schema
 
 
+def list_entry_schema(name: str) -> tuple[str, type] | None:
+    """(path, dataclass) of the list whose entries the dataclass called `name` types ("RewardFuncConfig":
+    reward.funcs), or None."""
+    from grpo.config import Config  # local: as in schema_of
+
+    todo = [("", Config)]
+    while todo:
+        path, schema = todo.pop()
+        for field, hint in typing.get_type_hints(schema).items():
+            inner = [t for t in typing.get_args(hint) if dataclasses.is_dataclass(t)]
+            if typing.get_origin(hint) is list and inner and inner[0].__name__ == name:
+                return f"{path}{field}", inner[0]
+            todo += [(f"{path}{field}.", t) for t in (hint, *inner) if dataclasses.is_dataclass(t)]
+    return None
+
+
 def file_key_advice(e: HydraException) -> str | None:
     """A key its schema does not declare, set in a config file (an experiment, a group's option): Hydra
-    names the file and the key but not the setting meant (`lerning_rate`), and no code reads the key."""
+    names the file and the key but not the setting meant (`lerning_rate`), and no code reads the key.
+    In a list's entry (reward.funcs) Hydra's full_key is the key alone: the entry's type names the list."""
     found = FILE_KEY.match(str(e))
     if not found:
         return None
-    where, key, full_key = found.groups()
+    where, key, type_name, full_key = found.groups()
     path = full_key[: len(full_key) - len(key)].rstrip(".")
     schema = schema_of(path)
+    fix = f"; fix that file (conf/{where}.yaml, or the same path under your hydra.searchpath)."
+    if schema is not None and schema.__name__ != type_name:
+        entry = list_entry_schema(type_name)
+        if entry is None:
+            return None
+        path, schema = entry
+        declared = {f.name for f in dataclasses.fields(schema)}
+        return f"{where!r} sets {key} in an entry of {path}, which has no such setting{did_you_mean(key, declared, '')}{fix}"
     if schema is None:
         return None
     declared = {f.name for f in dataclasses.fields(schema)}
     return (f"{where!r} sets {full_key}, which is not a setting of {path or 'the config'}"
-            f"{did_you_mean(key, declared, path + '.' if path else '')}; fix that file (conf/{where}.yaml, or the "
-            f"same path under your hydra.searchpath).")
+            f"{did_you_mean(key, declared, path + '.' if path else '')}{fix}")
 
 
 def hydra_message(e: HydraException) -> str:

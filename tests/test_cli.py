@@ -113,6 +113,10 @@ def test_an_override_hydra_cannot_apply_is_one_line(override, says):
      "sets rollout.vllm.memory_fracton, which is not a setting of rollout.vllm (did you mean rollout.vllm.memory_fraction?)"),
     ("experiment=mine", "# @package _global_\nstepz: 2\n", "sets stepz, which is not a setting of the config (did you mean steps?)"),
     ("algo=mine", "defaults:\n  - grpo\nlerning_rate: 1e-6\n", "'algo/mine' sets algo.lerning_rate"),
+    # in a list's entry Hydra's full_key is the key alone: the root's settings were listed, not the entry's
+    ("experiment=mine", "# @package _global_\nreward:\n  funcs:\n    - {name: exact_match, wieght: 1.0}\n",
+     "'experiment/mine' sets wieght in an entry of reward.funcs, which has no such setting (did you mean weight?); "
+     "fix that file"),
 ])
 def test_a_typod_key_in_a_config_file_names_the_file_and_the_setting_it_meant(tmp_path, option, text, says):
     """A typo inside one's own experiment or option file got Hydra's raw words ("ConfigKeyError raised while
