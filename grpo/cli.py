@@ -73,19 +73,15 @@ def file_key_advice(e: HydraException) -> str | None:
     where, key, type_name, full_key = found.groups()
     path = full_key[: len(full_key) - len(key)].rstrip(".")
     schema = schema_of(path)
-    fix = f"; fix that file (conf/{where}.yaml, or the same path under your hydra.searchpath)."
-    if schema is not None and schema.__name__ != type_name:
-        entry = list_entry_schema(type_name)
-        if entry is None:
-            return None
-        path, schema = entry
-        declared = {f.name for f in dataclasses.fields(schema)}
-        return f"{where!r} sets {key} in an entry of {path}, which has no such setting{did_you_mean(key, declared, '')}{fix}"
+    entry = schema is not None and schema.__name__ != type_name
+    if entry:
+        path, schema = list_entry_schema(type_name) or (path, None)
     if schema is None:
         return None
     declared = {f.name for f in dataclasses.fields(schema)}
-    return (f"{where!r} sets {full_key}, which is not a setting of {path or 'the config'}"
-            f"{did_you_mean(key, declared, path + '.' if path else '')}{fix}")
+    said = (f"{key} in an entry of {path}, which has no such setting{did_you_mean(key, declared, '')}" if entry else
+            f"{full_key}, which is not a setting of {path or 'the config'}{did_you_mean(key, declared, path + '.' if path else '')}")
+    return f"{where!r} sets {said}; fix that file (conf/{where}.yaml, or the same path under your hydra.searchpath)."
 
 
 def hydra_message(e: HydraException) -> str:

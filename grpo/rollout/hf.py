@@ -96,7 +96,7 @@ def completion_budgets(prompt_lens: list[int], max_new_tokens: int, max_context:
     too_long = [n for n in prompt_lens if n >= max_context]
     if too_long:
         raise ConfigError(f"a prompt of {too_long[0]} tokens leaves no room for a completion in the model's context of "
-                         f"{max_context} tokens (max_position_embeddings); shorten the task's prompts.")
+                          f"{max_context} tokens (max_position_embeddings); shorten the task's prompts.")
     return [min(max_new_tokens, max_context - n) for n in prompt_lens]
 
 

@@ -107,7 +107,7 @@ def loss_norm(batch: Batch, max_len: int, gen_tokens_per_step: float) -> LossNor
 
 
 SUMS = ("loss", "clipped_tokens", "kl_sum", "entropy_sum", "sampler_diff_max", "sampler_diff_sum", "sampler_kl_sum",
-        "sampler_kl_tokens", "sampler_diff_tokens", "aux_loss_sum", "routed_forwards", "routing_flips", "routing_given")
+        "sampler_kl_tokens", "aux_loss_sum", "routed_forwards", "routing_flips", "routing_given")
 # summed over ranks before the update's ratios are taken (the loss stays each rank's share: summed by the loop)
 RANK_SUMS = tuple(k for k in SUMS if k not in ("loss", "sampler_diff_max"))
 
@@ -250,9 +250,8 @@ def policy_update(
                     # logprobs: a step whose first minibatch held flat groups alone measured no sampler_diff
                     totals["sampler_diff_max"] = torch.maximum(torch.as_tensor(totals["sampler_diff_max"]).to(
                         sums["sampler_diff_max"].device), sums["sampler_diff_max"])
-                    for k in ("sampler_diff_sum", "sampler_kl_sum", "sampler_kl_tokens"):
+                    for k in ("sampler_diff_sum", "sampler_kl_sum", "sampler_kl_tokens"):  # the tokens: both statistics'
                         totals[k] = totals[k] + sums[k]
-                    totals["sampler_diff_tokens"] = totals["sampler_diff_tokens"] + sums["sampler_kl_tokens"]
                 tokens += float(mb.mask_BT.sum())  # the trained tokens: the statistics' denominator
             norms.append(strategy.step())
     # the one read of the statistics from the device
@@ -269,7 +268,7 @@ def policy_update(
     totals.update(zip(RANK_SUMS, summed))
     # no sampled token scored (every group skipped as flat): the trainer-sampler difference was not
     # measured this step, not 0
-    unmeasured = totals["sampler_diff_tokens"] == 0
+    unmeasured = totals["sampler_kl_tokens"] == 0
     # no token trained at all (every group skipped as flat): clip_frac, kl and entropy are not 0 but unknown
     untrained = summed[len(RANK_SUMS)] == 0
     tokens = max(summed[len(RANK_SUMS)], 1.0)
@@ -296,7 +295,7 @@ def policy_update(
         # when the engine got the last sync (fp32), far larger when it still runs older weights
         "sampler_diff": math.nan if unmeasured else totals["sampler_diff_max"],
         # its mean over the trained sampled tokens
-        "sampler_diff_mean": math.nan if unmeasured else totals["sampler_diff_sum"] / max(totals["sampler_diff_tokens"], 1.0),
+        "sampler_diff_mean": math.nan if unmeasured else totals["sampler_diff_sum"] / max(totals["sampler_kl_tokens"], 1.0),
         # KL(sampler || trainer) on the sampled tokens, k3, each token once; the trainer's side is the
         # weights before the update (the proximal policy): with a stale batch (algo.max_staleness), how
         # far the policy moved since the batch was sampled, ~0 on a fresh one
