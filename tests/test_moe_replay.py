@@ -274,3 +274,21 @@ def test_the_update_logs_the_token_layers_left_without_a_route(tiny_moe):
     forwarded = int(batch.attention_mask_BL.sum()) - batch.size
     assert update(batch)["routing/unrouted_fraction"] == pytest.approx(2 * 3 / (forwarded * 3))
     assert "routing/unrouted_fraction" not in update(replace(batch, routes_BLMK=None))
+
+
+@pytest.mark.parametrize("minibatches", [1, 3])
+def test_flip_fraction_counts_every_trained_row_before_the_update(tiny_moe, minibatches):
+    """routing/flip_fraction is over every trained row, whatever the minibatches: a step whose first
+    minibatch held a flat group alone (dropped) logged none, though two groups trained. Group 1's
+    routes moved (every given token-layer flips), group 2's the sampler's own (none does)."""
+    model, tok = tiny_moe
+    prompts, out = sample(model, tok, 2)  # 3 groups of 2
+    batch = collate(prompts, out, torch.tensor([0.0, 0.0, 1.0, -1.0, -1.0, 1.0]), tok.pad_token_id, False)
+    moved = routing_moved(batch).routes_BLMK
+    batch.routes_BLMK = torch.cat([batch.routes_BLMK[:2], moved[2:4], batch.routes_BLMK[4:]])
+    given = [int((batch.routes_BLMK[rows, ..., 0] >= 0).sum()) for rows in (slice(2, 4), slice(4, 6))]
+    algo = OmegaConf.structured(AlgoConfig(group_size=2, batch_size=6, num_minibatches=minibatches, loss_type="bnpo",
+                                           shared_prompt=False, packing=False))
+    stats = policy_update(SingleStrategy(None, copy.deepcopy(model), algo, total_steps=1), batch, algo,
+                          batch.mask_BT.shape[1], 1.0, skip_P=torch.tensor([True, False, False]))
+    assert stats["routing/flip_fraction"] == pytest.approx(given[0] / sum(given))

@@ -79,20 +79,23 @@ def forwarding(strategy, model, mb: layouts.MicroBatch, temperature: float, with
 @torch.no_grad()
 def score_tokens(model, batch: Batch, temperature: float, max_tokens: int, strategy=None,
                  layout: str = "padded", training_mode: bool = False, tally: dict | None = None,
-                 part: str = "") -> torch.Tensor:
+                 part: str = "", replayed: routing.Replayed | None = None) -> torch.Tensor:
     """logprobs_BT of the whole batch (no gradient), in micro-batches; in eval mode unless
     `training_mode` (the mode the loss's forward runs in: grpo.verify compares the two). `tally[part]`
-    adds the forwards' work."""
+    adds the forwards' work; `replayed` what routing replay did in the forwards this rank counts."""
     was_training = model.training
     model.train(training_mode)
     device = next(model.parameters()).device
     _, runs = work(strategy, model, batch, layout, max_tokens)
     out_BT = torch.zeros_like(batch.sampler_logprobs_BT)
     for mb, mine, padding in runs:  # lockstep padding is no work (docs/mfu.md): its one row enters no loss
-        with forwarding(strategy, model, mb.to(device), temperature, max_tokens=max_tokens,
+        done = routing.Replayed()
+        with forwarding(strategy, model, mb.to(device), temperature, max_tokens=max_tokens, replayed=done,
                         tally=None if padding else tally, part=part) as (logp_BT, _, _):
             if mine:
                 out_BT[mb.index] = logp_BT.cpu()
+        if replayed is not None and counts_routing(split_of(strategy), mine, padding):
+            replayed.flips, replayed.given = replayed.flips + done.flips, replayed.given + done.given
     model.train(was_training)
     return out_BT
 
@@ -212,9 +215,13 @@ def policy_update(
     layout = layouts.layout_of(algo, next(strategy.model.parameters()).device.type == "cuda")
     ran = layout  # what the model ran: the asked layout, or its fallback (`layouts.plan`)
     tally = {"old": flops.Work(), "reference": flops.Work(), "train": flops.Work()}
-    if (batch.size or lockstep) and (algo.num_iterations > 1 or algo.num_minibatches > 1):
+    # routing replay's flips, counted in the forwards before any optimizer step over every trained row:
+    # the proximal forward's where there is one, else the one training forward's
+    proximal = algo.num_iterations > 1 or algo.num_minibatches > 1
+    flipped = routing.Replayed()
+    if (batch.size or lockstep) and proximal:
         old_BT = score_tokens(strategy.forward_model, batch, temperature, algo.micro_batch_tokens, strategy, layout,
-                              tally=tally, part="old")
+                              tally=tally, part="old", replayed=flipped)
         batch = replace(batch, old_logprobs_BT=old_BT)
     if (batch.size or lockstep) and algo.beta > 0:  # a sharded reference (ZeRO-3) needs every rank too
         ref_BT = score_tokens(ref_model, batch, temperature, algo.micro_batch_tokens, strategy, layout,
@@ -243,9 +250,8 @@ def policy_update(
                     totals[k] = totals[k] + sums[k]
                 if experts is not None:
                     load_E = sums["load_E"] + load_E.to(sums["load_E"].device)
-                if not norms:  # routing replay's flips: the training forward before any optimizer step
-                    for k in ("routing_flips", "routing_given"):
-                        totals[k] = sums[k]
+                if not proximal:  # one minibatch, one pass: the forward before the step, every row
+                    flipped = routing.Replayed(flips=sums["routing_flips"], given=sums["routing_given"])
                 if len(norms) < algo.num_minibatches:  # the first pass, each token once, against the proximal
                     # logprobs: a step whose first minibatch held flat groups alone measured no sampler_diff
                     totals["sampler_diff_max"] = torch.maximum(torch.as_tensor(totals["sampler_diff_max"]).to(
@@ -254,6 +260,7 @@ def policy_update(
                         totals[k] = totals[k] + sums[k]
                 tokens += float(mb.mask_BT.sum())  # the trained tokens: the statistics' denominator
             norms.append(strategy.step())
+    totals["routing_flips"], totals["routing_given"] = flipped.flips, flipped.given
     # the one read of the statistics from the device
     totals = dict(zip(SUMS, torch.stack([torch.as_tensor(totals[k], dtype=torch.float32).cpu() for k in SUMS]).tolist()))
     # every rank's share summed, so each ratio below is the whole batch's and the same on every rank (a
@@ -301,8 +308,8 @@ def policy_update(
         # far the policy moved since the batch was sampled, ~0 on a fresh one
         "sampler_kl": totals["sampler_kl_sum"] / totals["sampler_kl_tokens"] if totals["sampler_kl_tokens"] else math.nan,
         **moe_metrics,  # moe/aux_loss, moe/expert_load_max, moe/routing_entropy: a MoE's only
-        # rollout.routing_replay: of the token-layers given the sampler's experts (first minibatch), the
-        # fraction the trainer's own router would have sent elsewhere, on the same input
+        # rollout.routing_replay: of the token-layers given the sampler's experts (every trained row,
+        # before the update), the fraction the trainer's own router would have sent elsewhere, on the same input
         **({"routing/flip_fraction": totals["routing_flips"] / totals["routing_given"]} if totals["routing_given"] else {}),
         # of the token-layers the sampler forwarded, those that reached the update without its route (a
         # prefix cache's block no row of the batch had): the trainer's own router chose them
