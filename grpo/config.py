@@ -241,6 +241,14 @@ def compose_config(overrides: list[str], hydra_config: bool = False) -> DictConf
         return compose("config", overrides=overrides, return_hydra_config=hydra_config)
 
 
+def task_preset(name: str) -> dict:
+    """The values conf/task/<name>.yaml sets (none for a task without one): what a run changed is told
+    from what the task's own file chose."""
+    path = Path(CONF_DIR) / "task" / f"{name}.yaml"
+    preset = OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}
+    return {k: v for k, v in preset.items() if k != "defaults"}
+
+
 def _choices(key: str, value: str, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not one of {sorted(allowed)}; pick one of those.")
@@ -361,7 +369,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
         if value < low:
             never = " (0: never, or only at the start and end)" if key.endswith("_every") and low == 0 else ""
             raise ConfigError(f"{key}={value} must be >= {low}{never}.")
-    check_task(cfg.task)  # the data fields the chosen task reads
+    check_task(cfg.task, task_preset(cfg.task.name))  # the data fields the chosen task reads
     check_rewards(cfg)  # each name resolves; a reward that holds a model checks its settings (grpo/rewards/)
     if cfg.task.name == "jsonl" and cfg.task.correct == "exact" and "math_verify" in reward_names(cfg):
         warnings.warn("task=jsonl counts eval/accuracy by exact match (task.correct=exact) while reward math_verify "

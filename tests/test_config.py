@@ -307,6 +307,11 @@ def test_unknown_option_is_an_error():
          "under rollout=dedicated"),
         ("task.path=train.jsonl", "task.path='train.jsonl' is not read by task=addition"),
         ("task=jsonl|task.hub_id=gsm8k", "task.hub_id='gsm8k' is not read by task=jsonl"),
+        # a hub setting beside task.path trained on the file without a word; the task file's own values are allowed
+        ("task=gsm8k|task.path=t.jsonl|task.hub_id=my/gsm8k", "task.hub_id='my/gsm8k' is not read: task.path='t.jsonl' "
+         "is set, so the rows come from that file"),
+        ("task=math|task.path=t.jsonl|task.eval_split=null", "task.eval_split=None is not read: task.path"),
+        ("task=countdown|task.path=t.jsonl|task.hub_config=x", "task.hub_config='x' is not read: task.path"),
         ("algo.max_grad_norm=0", "algo.max_grad_norm=0.0 must be > 0"),
         ("algo.max_grad_norm=-1", "algo.max_grad_norm=-1.0 must be > 0"),
         ("logger.log_every=0", "logger.log_every=0 must be >= 1."),

@@ -250,3 +250,10 @@ def test_a_task_registered_in_tasks_alone_is_told_to_add_its_fields_to_reads(mon
     monkeypatch.setitem(grpo.tasks.TASKS, "reverse", lambda cfg: None)
     with pytest.raises(ConfigError, match=r"task=reverse is in TASKS but not in READS \(grpo/tasks/__init__.py\): add"):
         check_task(OmegaConf.structured(TaskConfig(name="reverse", eval_size=64)))
+
+
+@pytest.mark.parametrize("name", ["gsm8k", "math", "countdown"])
+def test_a_hub_tasks_own_file_beside_task_path_is_no_change(name):
+    """The task's file sets hub_id, hub_config and the splits; with task.path they go unread, and
+    only a value changed from the file's is refused (test_config: test_bad_values_say_what_to_change)."""
+    validate(compose_cfg(f"task={name}", "task.path=t.jsonl"))

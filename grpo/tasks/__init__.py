@@ -59,10 +59,11 @@ def unread_settings(cfg) -> list[str]:
             if f.name not in reads and f.default is not dataclasses.MISSING and cfg.get(f.name) != f.default]
 
 
-def check_task(cfg) -> None:
+def check_task(cfg, preset: dict | None = None) -> None:
     """validate's part (`cfg`: task): a field the chosen task does not read is refused
     (task.path=train.jsonl without task=jsonl trained on addition without a word; task.digits=3 on a
-    file changed nothing), and so is an eval split that is the train split."""
+    file changed nothing), and so is an eval split that is the train split, and a hub setting changed
+    from the task's own file (`preset`: the values conf/task/<name>.yaml sets) beside task.path."""
     if cfg.name in TASKS and cfg.name not in READS:  # a new task registered in TASKS alone (CONTRIBUTING.md)
         raise ConfigError(f"task={cfg.name} is in TASKS but not in READS (grpo/tasks/__init__.py): add the task.* fields "
                           f"its builder reads there, e.g. {cfg.name!r}: (*SPLIT, \"path\"), so that a field it does not "
@@ -81,6 +82,25 @@ def check_task(cfg) -> None:
             raise ConfigError(f"task.{key}={cfg.get(key)!r}: task={cfg.name} evaluates each of its {value} secrets "
                               f"once, so it takes task.{key}={value} only; drop the setting.")
     check_overlap(cfg)
+    check_source(cfg, preset or {})
+
+
+HUB_SOURCE = ("hub_id", "hub_config", "train_split", "eval_split")  # the hub's rows: unread under task.path
+
+
+def check_source(cfg, preset: dict) -> None:
+    """task.path set: the rows are that file's (grpo/tasks/dataset_task.py), so a hub setting changed
+    from the task's file would change nothing (task.hub_id=my/gsm8k beside a path trained on the path
+    without a word). `preset`: what conf/task/<name>.yaml sets; the schema's default elsewhere."""
+    if cfg.name not in HUB_DATA or not cfg.get("path"):
+        return
+    schema = OmegaConf.get_type(cfg)
+    defaults = {f.name: f.default for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else {}
+    for key in HUB_SOURCE:
+        if key in {**defaults, **preset} and cfg.get(key) != {**defaults, **preset}[key]:
+            raise ConfigError(f"task.{key}={cfg.get(key)!r} is not read: task.path={cfg.path!r} is set, so the rows "
+                              f"come from that file (the eval prompts from task.eval_path, or task.eval_size rows of "
+                              f"it held out). Drop task.{key}, or drop task.path to load the hub data set.")
 
 
 def check_overlap(cfg) -> None:
