@@ -11,7 +11,9 @@ What a step logs (metrics.jsonl, wandb; the console line shows `mfu/update`):
     mfu/generate              flops/generate / time/batch_generate_s / peak, where the engines run on the
                               trainer's device (hf, colocated); a dedicated or remote engine's device
                               and its share of it are not the trainer's to measure
-    mfu/step                  the step's counted FLOPs (generation where local) / step_s / peak
+    mfu/step                  the step's counted FLOPs (generation where local) / step_s / peak (with
+                              local generation, NaN at an asynchronous run's first and last max_staleness
+                              steps: their seconds generate other than the one batch counted)
     update/real_token_frac    real tokens over the tokens the training forwards computed: the padding
                               waste of the layout (padded, packed, shared)
     update_tokens_per_s       real tokens through the training forwards per second of the update
@@ -28,6 +30,7 @@ against the raised figure (summary.json: `peak_tflops_measured`, `peak_tflops_ac
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field, replace
 
@@ -68,7 +71,9 @@ class Meter:
             self.peak = best
         return self.peak
 
-    def metrics(self, generation: Work, update: dict[str, Work], times: dict[str, float]) -> dict[str, float]:
+    def metrics(self, generation: Work, update: dict[str, Work], times: dict[str, float], handed: int = 1) -> dict[str, float]:
+        """`handed`: the batches the step handed to the engines; with local generation mfu/step needs one
+        (the step's seconds then generate one batch, whose FLOPs are counted), else it is NaN."""
         train = update["train"]
         update_flops = (flops.forward_flops(self.shape, update["old"] + update["reference"] + train)
                         + flops.backward_flops(self.shape, train))
@@ -94,7 +99,7 @@ class Meter:
         if self.local_generation:
             out["mfu/generate"] = rate(gen_flops, gen_s) / peak
             local += gen_flops
-        out["mfu/step"] = rate(local, step_s) / peak
+        out["mfu/step"] = rate(local, step_s) / peak if handed == 1 or not self.local_generation else math.nan
         return out
 
     def summary(self, model) -> dict:

@@ -44,10 +44,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import random
 import resource
-import subprocess
 import sys
 import time
 import warnings
@@ -85,6 +85,7 @@ from grpo.models import DTYPES, build_policy, build_reference, encode_prompts, p
 from grpo.parallel import build_strategy, strategy_class
 from grpo.parallel.base import resume_schedule
 from grpo.preempt import StopSignal, stop
+from grpo.provenance import git_revision
 from grpo.run_lock import hold_run_folder
 from grpo.rewards import MODEL_REWARDS, build_rewards, score
 from grpo.rewards.failure_streak import FailureStreak
@@ -142,19 +143,11 @@ def seed_everything(seed: int) -> None:
 
 
 def peak_memory_gb() -> float:
-    """This process's peak: CUDA memory allocated by torch on a GPU (vLLM's own pool aside), else the
-    resident set (an in-process engine's included)."""
+    """This process's peak in GiB (2**30 bytes): CUDA memory allocated by torch on a GPU (vLLM's own
+    pool aside), else the resident set (an in-process engine's included)."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
-def git_revision() -> str:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=here, text=True, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run_process_group(cfg: DictConfig, info: DistInfo):
@@ -252,7 +245,7 @@ class Run:
         by_name = {name: values for (name, _, _), values in zip(self.reward_fns, rewards_FB)}
         return Scored(batch.samples, batch.prompt_ids, rollouts, completions, rewards_PG, by_name,
                       generate_s=t_gen - t0, wait_s=t_gen - t0, score_s=time.perf_counter() - t_gen,
-                      batch_generate_s=done_at - batch.submitted_at,
+                      batch_generate_s=done_at - batch.submitted_at - rollouts.queued_s,  # from when the engines began it
                       generated_tokens=sum(rollouts.sampled_lengths()), reward_stats=reward_stats,
                       generation=generation_work(batch.prompt_ids, rollouts.completion_ids, rollouts.sampled_lengths(), self.G))
 
@@ -374,10 +367,12 @@ def finished(r: Run) -> dict:
         return json.load(f)
 
 
-def step_metrics(scored: Scored, stats: dict, step: int, lr: float, times: dict[str, float], flat_P) -> dict[str, float]:
+def step_metrics(scored: Scored, stats: dict, step: int, lr: float, times: dict[str, float], flat_P,
+                 handed: int = 1) -> dict[str, float]:
     """What one step logs: the trained groups' rewards, the update's statistics (`stats`, with dynamic
     sampling's), lengths, staleness (with partial rollouts the mean over sampled tokens, the max the
-    batch's oldest), throughput and the phases' seconds (`times`, with `step_s`)."""
+    batch's oldest), throughput and the phases' seconds (`times`, with `step_s`). `handed`: the batches
+    handed to the engines this step (algo.max_staleness k: k + 1 at the first, none at the last k)."""
     rollouts, rewards_PG = scored.rollouts, scored.rewards_PG
     valid = rewards_PG[~torch.isnan(rewards_PG)]
     n_tokens = scored.generated_tokens  # every draw's sampled tokens (an episode's observations aside)
@@ -405,7 +400,9 @@ def step_metrics(scored: Scored, stats: dict, step: int, lr: float, times: dict[
         "async/staleness_max": staleness(step - 1, rollouts.weight_version),
         "time/engine_wait_s": rollouts.engine_wait_s,  # the engines, idle before it (waiting for weights)
         "lr": lr,
-        "tokens_per_s": n_tokens / times["step_s"],
+        # the step's seconds cover one batch's generation only when it handed one over: at an asynchronous
+        # run's first step (k + 1 generated) and last k (none; the batch came from earlier) it is NaN
+        "tokens_per_s": n_tokens / times["step_s"] if handed == 1 else math.nan,
         # over the seconds the engines took over the batch (with algo.max_staleness, not the trainer's wait)
         "gen_tokens_per_s": n_tokens / times["time/batch_generate_s"] if times["time/batch_generate_s"] > 0 else 0.0,
         **times,
@@ -462,7 +459,8 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         # 1. sample: P prompts, G completions each, the whole batch handed over at once; with
         #    algo.max_staleness = k the engines get the batches up to step + k now, and generate
         #    them while this step trains (k = 0: this step's batch only, generated right here)
-        for ahead in batches_to_submit(step, r.submitted, algo.max_staleness, cfg.steps):
+        handed = batches_to_submit(step, r.submitted, algo.max_staleness, cfg.steps)
+        for ahead in handed:
             r.in_flight.append(r.submit(ahead))
             r.submitted = ahead
         current = r.in_flight.popleft()
@@ -516,8 +514,8 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
                  "step_s": t_end - t0}
         if (busy := r.rollout.engine_busy_s()) is not None:  # servers: seconds with a request in flight, this step
             times["time/engine_busy_s"], r.engine_busy_s = busy - r.engine_busy_s, busy
-        metrics = step_metrics(scored, {**stats, **draw_metrics}, step, lr, times, flat_P)
-        metrics.update(meter.metrics(scored.generation, work, times))  # flops/, mfu/ per phase
+        metrics = step_metrics(scored, {**stats, **draw_metrics}, step, lr, times, flat_P, len(handed))
+        metrics.update(meter.metrics(scored.generation, work, times, len(handed)))  # flops/, mfu/ per phase
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
             metrics.update(evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.reward_fns))
             r.engine_busy_s = r.rollout.engine_busy_s() or 0.0  # the evaluation's busy seconds are no step's

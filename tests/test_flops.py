@@ -1,5 +1,7 @@
 """FLOPs per phase (grpo/flops.py): by hand, and against torch's own counter on real models."""
 
+import math
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -147,6 +149,11 @@ def test_a_steps_mfu_by_hand():
     served = resolve(Meter(shape, 400.0, torch.float32, None, local_generation=False, recompute=False).metrics(generation, update, times))
     assert "mfu/generate" not in served and "flops/update_recompute" not in served
     assert served["mfu/step"] == pytest.approx(464 / 8 / 400)  # the engines' FLOPs ran elsewhere
+    # algo.max_staleness: a step that handed the engines two batches (or none) generated other than the one
+    # counted; the update's FLOPs alone (served) are still the step's own
+    assert math.isnan(resolve(local.metrics(generation, update, times, handed=2))["mfu/step"])
+    assert resolve(Meter(shape, 400.0, torch.float32, None, False, False).metrics(generation, update, times, handed=0))[
+        "mfu/step"] == pytest.approx(464 / 8 / 400)
 
 
 def test_a_phase_faster_than_the_measured_peak_raises_it_and_no_mfu_exceeds_1():

@@ -381,3 +381,25 @@ def test_a_sink_of_ones_own_gets_every_row_as_metrics_jsonl_has_it(tmp_path):
         with pytest.raises(ConfigError) as e:
             validate(compose_cfg(*overrides))
         assert says in str(e.value), str(e.value)
+
+
+def test_the_summarys_revision_says_when_the_tree_differs_from_its_commit(tmp_path):
+    """summary.json's git_revision names the code that ran: a run from an edited tree is not its commit's
+    (the results docs quote this field as a run's provenance). An untracked file changes no code that ran."""
+    import subprocess
+
+    from grpo.provenance import git_revision
+
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path,  # noqa: E731
+                                    check=True, capture_output=True, text=True).stdout.strip()
+    assert git_revision(str(tmp_path)) == "unknown"  # not a checkout
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "code.py")
+    git("commit", "-qm", "one")
+    commit = git("rev-parse", "HEAD")
+    (tmp_path / "notes.txt").write_text("untracked\n")
+    assert git_revision(str(tmp_path)) == commit
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert git_revision(str(tmp_path)) == f"{commit}-dirty"
+    assert not (tmp_path / ".git" / "index.lock").exists()

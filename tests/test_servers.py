@@ -26,7 +26,7 @@ from grpo import endpoints
 from grpo.endpoints import CONTROL_TIMEOUT_S, Server, ServerGone
 from grpo.errors import ServerError
 from grpo.rollout import gloo_transfer
-from grpo.rollout.base import Sampling
+from grpo.rollout.base import Rollouts, Sampling, queued
 from grpo.rollout.dedicated import engine_exit
 from grpo.rollout.push import push_from_one_rank
 from grpo.rollout.server_watch import engine_dead, wait_for_url
@@ -306,3 +306,22 @@ def test_a_server_that_exits_before_its_url_fails_the_wait_at_once_with_its_log(
     assert str(e.value).startswith(f"engine 0 exited before it wrote its URL into {tmp_path / 'url'}: exit code 2; "
                                    f"the end of {log}:\n"), e.value
     assert "--token-file: the path given does not exist" in str(e.value)
+
+
+def test_a_batch_queued_behind_another_counts_its_wait_apart_from_its_generation():
+    """algo.max_staleness: the first step hands k + 1 batches to the pool's one generator thread at once,
+    and each starts when the one before ends. Its `queued_s` is that wait, which time/batch_generate_s
+    leaves out (it read batch 1's generation as batch 2's too: gen_tokens_per_s 1,143 for about 3,100)."""
+    worker, gate, running = DaemonWorker("grpo-generate"), threading.Event(), threading.Event()
+    empty = lambda: Rollouts([], [], [], 0)  # noqa: E731
+    before_first = time.perf_counter()
+    first = queued(worker, lambda: (running.set(), gate.wait(), empty())[-1])
+    second = queued(worker, empty)
+    handed_by = time.perf_counter()  # the second was handed over before this
+    assert running.wait(60)
+    first_began_by = time.perf_counter()
+    released = time.perf_counter()
+    gate.set()
+    assert first.result(60).queued_s <= first_began_by - before_first  # it began at once
+    assert second.result(60).queued_s >= released - handed_by  # it waited at least until the first ended
+    worker.shutdown(wait=True)

@@ -11,7 +11,7 @@ import time
 import warnings
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 
 from grpo import dist
 from grpo.errors import ConfigError
@@ -52,6 +52,9 @@ class Rollouts:
     # seconds the engines sat without a request between the previous batch and this one (waiting for
     # the trainer's weights, or for the staleness bound to let the next batch in); 0 in-process
     engine_wait_s: float = 0.0
+    # seconds the batch waited on its pool's generator thread behind the batches handed over before it
+    # (`queued`): the engines' seconds over it start after them (time/batch_generate_s)
+    queued_s: float = 0.0
     # multi-turn episodes (grpo/rollout/episodes.py): completion_ids is the span after the prompt
     # (turn 1, observation 1, turn 2, ...); 1 on sampled tokens, 0 on observation tokens (logprob 0.0)
     loss_masks: list[list[int]] | None = None
@@ -130,6 +133,19 @@ def finished_at(handle):
 
     handle.add_done_callback(done)
     return out
+
+
+def queued(executor, fn, *args) -> Future:
+    """`fn(*args)` (its Rollouts) on `executor`'s thread, after the batches handed to it before: with
+    algo.max_staleness the first step hands k + 1 over at once, and each waits for the ones before;
+    the Rollouts' `queued_s` is that wait."""
+    handed = time.perf_counter()
+
+    def run() -> Rollouts:
+        started = time.perf_counter()
+        return replace(fn(*args), queued_s=started - handed)
+
+    return executor.submit(run)
 
 
 @dataclass

@@ -41,7 +41,7 @@ from grpo.rollout.engine_memory import check_memory_fraction, check_vllm, engine
 
 from grpo import dist, listeners, lora
 from grpo.moe import routing, served_routes
-from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, finished_at
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, finished_at, queued
 from grpo.weights import WeightBuckets
 from grpo.rollout.reaper import reaper_argv
 from grpo.scratch import scratch_env, scratch_folder
@@ -443,7 +443,7 @@ class DedicatedBackend(RolloutBackend):
             drive = episode_driver(self.schedule, runner, self.pool, version)
             if self.pool.gate is not None:
                 return in_thread(drive, prompts, rows, n, sampling)
-            return self.pool.generator.submit(drive, prompts, rows, n, sampling)
+            return queued(self.pool.generator, drive, prompts, rows, n, sampling)
 
         if self.group is None:
             return start(prompt_ids, samples)

@@ -34,7 +34,7 @@ from grpo.errors import ConfigError, ServerError
 from grpo.progress import say
 from grpo.auth import TOKEN_ENV, client_token
 from grpo.moe import routing
-from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
+from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, queued
 from grpo.rollout_config import VLLM_READERS
 from grpo.rollout.trajectories import episode_driver
 from grpo.rollout.push import TRANSFERS, push_adapter_from_one_rank, push_from_one_rank, transfer_backend
@@ -119,7 +119,7 @@ class RemoteBackend(RolloutBackend):
         drive = episode_driver(self.schedule, runner, self.pool, self.weight_version)
         if self.pool.gate is not None:
             return in_thread(drive, prompt_ids, samples, n, sampling)
-        return self.pool.generator.submit(drive, prompt_ids, samples, n, sampling)
+        return queued(self.pool.generator, drive, prompt_ids, samples, n, sampling)
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollouts:
         return self.submit_completions(prompt_ids, n, sampling).result()

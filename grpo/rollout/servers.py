@@ -49,7 +49,7 @@ from grpo.errors import ServerError
 from grpo.endpoints import CONTROL_TIMEOUT_S, Server, parallel_map, settle, split_by_load
 from grpo.moe import served_routes
 from grpo.progress import say
-from grpo.rollout.base import Rollouts, Sampling, sampling_fields
+from grpo.rollout.base import Rollouts, Sampling, queued, sampling_fields
 from grpo.rollout.gloo_transfer import BACKEND as GLOO, GlooSender
 from grpo.rollout.nccl_transfer import NcclSender
 from grpo.rollout.server_watch import engine_dead
@@ -379,7 +379,7 @@ class ServerPool:
 
     def submit(self, prompt_ids: list[list[int]], n: int, sampling: Sampling, version: int) -> Future:
         """Queue a batch on the generator thread; it starts when the batches before it are done."""
-        return self.generator.submit(self.generate, prompt_ids, n, sampling, version)
+        return queued(self.generator, self.generate, prompt_ids, n, sampling, version)
 
     def drain(self) -> None:
         """Wait until every batch submitted so far has finished (before weights change); with partial
