@@ -213,6 +213,38 @@ def test_a_non_ascii_header_is_a_wrong_token_not_an_error():
     assert token_ok("Bearer right", "right") is True
 
 
+def test_a_header_that_only_starts_with_the_token_is_a_wrong_token():
+    """The whole header is the token: one that merely begins with it (the token plus anything) is refused."""
+    assert token_ok("Bearer right-token", "right-token") is True
+    assert token_ok("Bearer right-token-and-more", "right-token") is False
+    assert token_ok("Bearer right-tokenX", "right-token") is False
+    assert token_ok("Bearer right-toke", "right-token") is False
+
+
+def test_the_token_is_compared_in_constant_time(monkeypatch):
+    """hmac.compare_digest, not ==, whose time leaks how many leading bytes of a guess are right."""
+    import hmac
+
+    compared = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: compared.append((a, b)) or real(a, b))
+    assert token_ok("Bearer right-token", "right-token") is True
+    assert token_ok("Bearer wrong-token", "right-token") is False
+    assert compared == [(b"right-token", b"right-token"), (b"wrong-token", b"right-token")]
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o620, 0o604, 0o602], ids=oct)
+def test_a_token_file_others_of_its_group_or_the_machine_can_use_is_refused(tmp_path, mode):
+    """chmod 600 or stricter: group read or write is as open as world read (a lab's shared group)."""
+    path = tmp_path / "token"
+    path.write_text("a-token\n")
+    path.chmod(mode)
+    with pytest.raises(TokenError, match=re.escape(f"token file {path} is readable by other users (mode {mode:o})")):
+        read_token_file(str(path))
+    path.chmod(0o400)
+    assert read_token_file(str(path)) == "a-token"
+
+
 def test_health_is_asked_without_the_token():
     """/health is open on every server (grpo/serve.py OPEN_ROUTES): the health wait, the first request
     to a URL, sends no token; /v1/models, which the token guards, does."""

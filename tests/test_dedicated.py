@@ -1,6 +1,7 @@
 """rollout=dedicated: device placement errors, and real engine processes owned by the node's local
 main process, with 1 and 2 training processes, that never outlive the trainer."""
 
+import contextlib
 import glob
 import json
 import os
@@ -314,6 +315,49 @@ def test_the_reaper_ends_an_engine_that_ignores_sigterm_once_its_trainer_is_kill
     while running(engine) and time.time() < deadline:
         time.sleep(0.2)
     assert not running(engine), "the engine outlived its killed trainer"
+
+
+@pytest.mark.starts_process
+def test_the_reaper_sends_sigterm_to_every_process_of_the_engines_group(tmp_path):
+    """vLLM's server and its EngineCore share the engine's process group; each must get the SIGTERM
+    (its chance to clean up, e.g. its /dev/shm queues) before the SIGKILL, not the group's leader alone."""
+    from grpo.rollout.reaper import end_group
+
+    child = ("import pathlib, signal, sys, time\n"
+             f"signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path({str(tmp_path / 'child')!r}).write_text('term'), sys.exit(0)))\n"
+             "print(flush=True)\n"
+             "time.sleep(120)\n")
+    leader = ("import subprocess, sys, time\n"
+              f"child = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE)\n"
+              "child.stdout.readline()\n"
+              "print(child.pid, flush=True)\n"
+              "time.sleep(120)\n")
+    engine = subprocess.Popen([sys.executable, "-c", leader], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    child_pid = int(engine.stdout.readline())
+    end_group(engine.pid, 10)
+    engine.wait(30)
+    assert (tmp_path / "child").read_text() == "term"
+    assert not running(child_pid)
+
+
+@pytest.mark.starts_process
+def test_a_reaper_whose_trainer_died_before_it_armed_its_signal_ends_the_engine_at_once():
+    """PR_SET_PDEATHSIG set after the trainer died never fires: the reaper sees a parent other than the
+    trainer it was given and ends the group then, rather than waiting beside an orphaned engine."""
+    from grpo.rollout.reaper import reaper_argv
+
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(120)"
+    engine = subprocess.Popen([sys.executable, "-c", stubborn], start_new_session=True, stdout=subprocess.PIPE)
+    engine.stdout.readline()
+    gone_trainer = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone_trainer.wait()  # a pid that is not the reaper's parent: its trainer, already dead
+    try:
+        subprocess.run(reaper_argv(engine.pid, 0.5, gone_trainer.pid), cwd=ROOT, timeout=60, check=True)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(engine.pid, signal.SIGKILL)
+    engine.wait(30)
+    assert engine.returncode == -signal.SIGKILL
 
 
 def test_each_nodes_ranks_must_be_consecutive():

@@ -110,7 +110,20 @@ def test_a_served_reward_model_that_refuses_or_redirects_stops_the_run(serve, st
         assert rm.scores(["1+1=2", "2+2=4", "3+3=6", "4+4=8"]) == [0.5, 0.5, None, None]
 
 
-def test_a_health_wait_that_is_refused_fails_at_once():
+def test_a_served_reward_models_scores_are_matched_to_its_inputs_by_index():
+    """vLLM's /classify answer carries each input's `index`: scores are read in that order, not the order
+    the rows arrive in (a score on the wrong completion is a silently wrong reward)."""
+    from grpo.rewards.served_rm import classify
+
+    class Shuffled(Server):
+        def request(self, path, body=None, timeout=None, text=False, send_token=True):
+            return {"data": [{"index": 2, "probs": [0.3]}, {"index": 0, "probs": [0.1]}, {"index": 1, "probs": [0.2]}]}
+
+    assert classify(Shuffled("http://127.0.0.1:1", None, 5.0), [[1], [2], [3]]) == [0.1, 0.2, 0.3]
+
+
+@pytest.mark.parametrize("status, says", [(401, "GRPO_JUDGE_TOKEN"), (403, "the server refuses this client")])
+def test_a_health_wait_that_is_refused_fails_at_once(status, says):
     """A server that answers 401 (403) to the health wait's request refuses this client's token: waiting
     cannot change that, so the wait fails at once saying why, not after its whole timeout (here 30 s,
     a start's default is minutes) with "did not become healthy"."""
@@ -118,9 +131,9 @@ def test_a_health_wait_that_is_refused_fails_at_once():
 
     def refused():
         calls.append(1)
-        raise ServerError("http://127.0.0.1:1/v1/models answered 401: no", 401)
+        raise ServerError(f"http://127.0.0.1:1/v1/models answered {status}: no", status)
 
-    with pytest.raises(ServerError, match=r"judge server is up but refused the request: .*answered 401.*GRPO_JUDGE_TOKEN"):
+    with pytest.raises(ServerError, match=rf"judge server is up but refused the request: .*answered {status}.*{says}"):
         wait_until(refused, timeout_s=30, poll_s=0.1, what="judge server", log=None)
     assert len(calls) == 1  # no second try: waiting cannot change a refusal
 

@@ -136,6 +136,30 @@ def test_a_member_that_cannot_prove_the_secret_is_refused_on_both_sides():
     assert "member 1 " in errors[0] and "member 0 " in errors[1], errors
 
 
+def test_a_peer_that_replays_another_members_proof_is_refused():
+    """The proofs go round in rank order, so a peer in rank 1's place has seen rank 0's before it must
+    send its own: each proof names its rank, so sending rank 0's back proves nothing."""
+    port_store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                               timeout=datetime.timedelta(seconds=10))
+    errors = {}
+
+    def replaying_peer():
+        store = dist.TCPStore("127.0.0.1", port_store.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        group = rendezvous.gloo_group(store, 1, 2, "127.0.0.1", 10)
+        seen = torch.zeros(32, dtype=torch.uint8)
+        for root, tensor in ((0, seen), (1, seen)):  # receive member 0's proof, then send it as its own
+            options = dist.BroadcastOptions()
+            options.rootRank = root
+            group.broadcast([tensor], options).wait()
+
+    peer = threading.Thread(target=replaying_peer, daemon=True)
+    peer.start()
+    group = rendezvous.gloo_group(port_store, 0, 2, "127.0.0.1", 10)
+    with pytest.raises(rendezvous.JoinRefused, match="member 1 of the weight-transfer group at test does not hold"):
+        rendezvous.prove(group, 0, 2, rendezvous.new_secret(), "test")
+    peer.join(30)
+
+
 def test_signed_names_and_values():
     secret = rendezvous.new_secret()
     name = rendezvous.signed_name(secret, "0/1")

@@ -123,6 +123,28 @@ def test_a_token_on_the_command_line_is_refused_without_repeating_it(exec_state,
     assert f"{argv[0].split('=')[0].replace('_', '-')}: a token on the command line is visible to every user" in err
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.1", "node7"])
+def test_a_server_reachable_from_other_machines_is_refused_without_a_token(exec_state, host, capsys):
+    """Anything but loopback needs a token (docs/security.md: "serve token, required for any address but
+    loopback"): refused before the model resolves or a port is bound, naming the host."""
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--model", "m", "--host", host, "--port", "0"])
+    assert e.value.code == 2
+    assert f"--host {host} is reachable from other machines: set {TOKEN_ENV} or give --token-file" in capsys.readouterr().err
+
+
+def test_the_token_file_is_the_one_the_middleware_checks_even_with_the_variable_set(exec_state, model_dir, tmp_path):
+    """--token-file wins over $GRPO_SERVE_TOKEN (grpo/auth.py load_token), and the exec'd server's
+    middleware reads the variable: it must then hold the file's token, not the one the file replaced."""
+    path = tmp_path / "token"
+    path.write_text("from-the-file\n")
+    path.chmod(0o600)
+    os.environ[TOKEN_ENV] = "from-the-environment"
+    with pytest.raises(Exec):
+        serve.main(["--model", model_dir, "--max-model-len", "64", "--port", "0", "--token-file", str(path)])
+    assert os.environ[TOKEN_ENV] == "from-the-file"
+
+
 def test_a_missing_token_file_is_named_by_its_flag_not_its_value(exec_state, capsys):
     """The path may be a token pasted in its place: the error names the flag."""
     with pytest.raises(SystemExit):
@@ -198,6 +220,21 @@ def test_the_token_middleware_guards_http_routes_and_a_non_ascii_header_is_a_pla
     assert reached == ["/update_weights"]
 
 
+def test_only_the_three_probes_are_open_and_every_other_path_and_method_needs_the_token(guarded):
+    """The allow-list is /health, /version and /metrics (and what lies below them), nothing else: not a
+    path that merely begins like one (/healthz), not a read-only GET such as /v1/models or /weight_info.
+    A guarded path is refused (401) before routing; an open one reaches the app (here 404 where the
+    test app mounts nothing). Literal paths, not serve.is_open: the real-server walk in test_remote
+    asks is_open which paths may answer."""
+    port, reached = guarded
+    for path in ("/health", "/version", "/metrics", "/metrics/x"):
+        assert post(port, path, None, "GET") != 401, path
+    for path in ("/healthz", "/health-admin", "/versions", "/metricsx", "/v1/models", "/weight_info", "/", "/get_world_size"):
+        assert post(port, path, None, "GET") == 401, path
+        assert post(port, path, b"Bearer wrong", "GET") == 401, path
+    assert post(port, "/v1/models", b"Bearer right-token", "GET") == 404  # through to the app: it mounts none
+
+
 def test_a_websocket_without_the_token_is_closed_before_it_is_accepted(guarded):
     """vLLM mounts /v1/realtime (a websocket) for realtime models; a coroutine middleware
     (app.middleware("http")) never sees websockets, and one was accepted without a token."""
@@ -212,6 +249,27 @@ def test_a_websocket_without_the_token_is_closed_before_it_is_accepted(guarded):
     assert reached == ["/v1/realtime"]
 
 
+def test_a_reward_model_server_mounts_no_weight_routes(exec_state, model_dir, tmp_path):
+    """The RL routes (/update_weights, /init_weight_transfer_engine, /collective_rpc, ...) come with
+    VLLM_SERVER_DEV_MODE=1, which a policy server gets and a reward model's, whose weights never change,
+    does not (grpo/serve.py docstring: "none of the generation flags above ... the RL routes")."""
+    import json
+    import shutil
+
+    rm = tmp_path / "rm"
+    shutil.copytree(model_dir, rm)
+    config = json.loads((rm / "config.json").read_text())
+    config.update(architectures=["Qwen2ForSequenceClassification"], id2label={"0": "LABEL_0"}, num_labels=1)
+    (rm / "config.json").write_text(json.dumps(config))
+    os.environ[TOKEN_ENV] = "a-token"
+    for folder, flags, dev_mode in ((rm, ["--reward-model"], None), (model_dir, [], "1")):
+        os.environ.pop("VLLM_SERVER_DEV_MODE", None)
+        with pytest.raises(Exec) as e:
+            serve.main(["--model", str(folder), "--max-model-len", "64", "--port", "0", *flags])
+        assert os.environ.get("VLLM_SERVER_DEV_MODE") == dev_mode
+        assert ("--weight-transfer-config" in e.value.args[2]) is (dev_mode is not None)
+
+
 def test_a_listen_failure_says_what_to_change_by_its_cause():
     """Every bind failure read "another process holds the port", also for an address not this machine's
     or a name that does not resolve; and an IPv6 host's URL file lacked the brackets a URL needs."""
@@ -224,6 +282,23 @@ def test_a_listen_failure_says_what_to_change_by_its_cause():
     with pytest.raises(OSError) as e:
         serve.listen_socket("192.0.2.1", 0)  # TEST-NET-1: never this machine's
     assert e.value.errno == errno.EADDRNOTAVAIL
+
+
+def test_a_rival_with_so_reuseport_cannot_share_the_servers_port():
+    """Two sockets that both set SO_REUSEPORT (same user) may bind and listen on one port, the kernel then
+    sharing connections between them: the server's socket must not set it, so a rival that does is
+    refused as any other."""
+    sock = serve.listen_socket("127.0.0.1", 0)
+    rival = socket.socket()
+    try:
+        rival.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        rival.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        with pytest.raises(OSError) as e:
+            rival.bind(("127.0.0.1", sock.getsockname()[1]))
+        assert e.value.errno == errno.EADDRINUSE
+    finally:
+        rival.close()
+        sock.close()
 
 
 def test_an_ipv6_servers_url_file_holds_a_url(tmp_path):

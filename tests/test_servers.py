@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import json
 import os
 import signal
 import socket
@@ -94,6 +95,79 @@ def test_a_restarted_server_is_an_error_naming_it_not_its_base_weights_under_the
         pool.complete(server, [[1, 2]], 1, greedy, None)
     assert server.generated == generated
     pool.close()
+
+
+class PushedMidBatch(Restartable):
+    """A server whose weights another trainer pushes while our batch generates: /weight_info says
+    `version` before the completion and `version + 1` after it."""
+
+    def request(self, path, body=None, timeout=None, text=False):
+        answer = super().request(path, body, timeout, text)
+        if path == "/v1/completions":
+            self.version = str(int(self.version) + 1)
+        return answer
+
+
+def test_weights_that_change_during_a_batch_or_differ_between_servers_are_an_error():
+    """ServerPool.generate reads each server's version before and after its share: a change in between
+    means the completions mix two policies; servers at different versions mean a push reached only some.
+    Either is an error, never a batch labelled with one version."""
+    greedy = Sampling(max_new_tokens=1, temperature=0.0)
+    mid = PushedMidBatch("http://127.0.0.1:3")
+    mid.version = "1"
+    pool = pool_of(mid)
+    with pytest.raises(ServerError, match=r"http://127\.0\.0\.1:3 changed weights from version 1 to 2 during a generation"):
+        pool.generate([[1, 2]], 1, greedy, version=1)
+    pool.close()
+    a, b = Restartable("http://127.0.0.1:4"), Restartable("http://127.0.0.1:5")
+    a.version, b.version = "1", "2"
+    pool = pool_of(a, b)
+    with pytest.raises(ServerError, match=r"the servers hold different weight versions \[1, 2\]; a push reached only some"):
+        pool.generate([[1, 2], [3, 4]], 1, greedy, version=2)
+    b.version = "1"
+    assert pool.generate([[1, 2], [3, 4]], 1, greedy, version=1).weight_version == 1
+    pool.close()
+
+
+class FakeVllm(http.server.BaseHTTPRequestHandler):
+    """What a pool asks a vLLM 0.32 server of one engine rank as it starts, answered at once."""
+
+    answers = {"/v1/models": {"data": [{"id": "m"}]}, "/version": {"version": "0.32.0"}, "/get_world_size": {"world_size": 1}}
+
+    def do_GET(self):
+        body = json.dumps(self.answers.get(self.path, {})).encode()
+        if self.command == "POST":
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_transfer_group_joins_on_the_route_to_the_server_or_the_host_given(monkeypatch):
+    """The weight-transfer rendezvous and its gloo pairs listen where make_sender is told: the trainer's
+    route to the server (here loopback), or rollout.remote.transfer_host; never a wildcard, which would
+    open them on every interface of the trainer's node (docs/security.md, Listeners)."""
+    from grpo.rollout import servers
+
+    hosts = []
+    sender = SimpleNamespace(init_info=lambda: {}, connect=lambda: None, abort=lambda: None, close=lambda: None)
+    monkeypatch.setattr(servers, "make_sender", lambda transfer, host, *_: hosts.append(host) or sender)
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeVllm)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        for transfer_host in (None, "10.1.2.3"):
+            ServerPool([f"http://127.0.0.1:{httpd.server_port}"], None, 10, 10, transfer_host, log=None).close()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert hosts == ["127.0.0.1", "10.1.2.3"]
 
 
 def test_every_ranks_pool_knows_the_push_another_rank_made():
@@ -197,6 +271,43 @@ def test_a_server_that_does_not_answer_in_time_is_said_to_be_slow_not_unreachabl
             Server(url, None, 0.3).request("/start_weight_update", {})
     assert str(e.value) == (f"{url}/start_weight_update did not answer within 0.3 s: the server (or the network to it) "
                             "is busy or stuck; its log says which")
+
+
+class AnswersByPath(http.server.BaseHTTPRequestHandler):
+    """POST /<status>: answers that status at once (vLLM whose engine died answers a request 500)."""
+
+    def do_POST(self):
+        self.send_response(int(self.path.strip("/")))
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_request_that_fails_asks_at_once_whether_the_server_died():
+    """After a failed request the watch is asked at once, however recently it was last asked, and a 5xx
+    from a dead server is a ServerGone naming why; a 4xx is the server's own answer: it is alive, and the
+    request's error is raised as it is."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), AnswersByPath)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        server = Server(f"http://127.0.0.1:{httpd.server_port}", None, 5.0)
+        why, asked = [None], []
+        server.watch = lambda: asked.append(1) or why[0]
+        assert server.why_dead() is None and asked == [1]  # alive, asked just now
+        why[0] = "its process exited (-9)"
+        with pytest.raises(ServerError) as e:
+            server.request("/400", {})
+        assert not isinstance(e.value, ServerGone) and e.value.status == 400 and asked == [1]
+        with pytest.raises(ServerGone, match=r"/500 failed \(.*answered 500.*\): its process exited \(-9\)"):
+            server.request("/500", {})
+        assert asked == [1, 1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 class EngineDead(http.server.BaseHTTPRequestHandler):

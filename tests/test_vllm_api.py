@@ -84,13 +84,22 @@ def test_the_init_fields_each_release_declares():
     assert set(vllm_api("0.33.0").nccl_init_fields) == INIT_033
 
 
-@pytest.mark.parametrize("version", ["0.25.1", "0.34.0", "1.0.0", "dev", ""])
+@pytest.mark.parametrize("version", ["0.25.1", "0.34.0", "1.0.0", "1.30.0", "dev", "", "None"])
 def test_a_release_outside_the_range_is_refused_naming_the_range(version):
     with pytest.raises(ConfigError) as e:
         vllm_api(version, "the server at http://h:8000")
     message = str(e.value)
     assert message.startswith(f"the server at http://h:8000 runs vLLM {version};")
     assert "grpo supports vLLM 0.26.0 to 0.33.x" in message and "make setup" in message, message
+
+
+def test_a_server_that_reports_no_version_is_refused_not_taken_for_the_trainers():
+    """A /version without "version" (a proxy's page, not a vLLM) says nothing of the server's API: refused,
+    never read as this environment's vLLM."""
+    from grpo.rollout.vllm_api import of_server
+
+    with pytest.raises(ConfigError, match=r"the server at http://h:8000 runs vLLM None; grpo supports vLLM 0\.26\.0"):
+        of_server(None, "http://h:8000")
 
 
 def test_patch_local_and_dev_builds_count_as_their_minor():
