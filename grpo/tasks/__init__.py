@@ -95,9 +95,9 @@ def check_source(cfg, preset: dict) -> None:
     if cfg.name not in HUB_DATA or not cfg.get("path"):
         return
     schema = OmegaConf.get_type(cfg)
-    defaults = {f.name: f.default for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else {}
+    chosen = {**({f.name: f.default for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else {}), **preset}
     for key in HUB_SOURCE:
-        if key in {**defaults, **preset} and cfg.get(key) != {**defaults, **preset}[key]:
+        if key in chosen and cfg.get(key) != chosen[key]:
             raise ConfigError(f"task.{key}={cfg.get(key)!r} is not read: task.path={cfg.path!r} is set, so the rows "
                               f"come from that file (the eval prompts from task.eval_path, or task.eval_size rows of "
                               f"it held out). Drop task.{key}, or drop task.path to load the hub data set.")

@@ -88,13 +88,14 @@ def score_tokens(model, batch: Batch, temperature: float, max_tokens: int, strat
     device = next(model.parameters()).device
     _, runs = work(strategy, model, batch, layout, max_tokens)
     out_BT = torch.zeros_like(batch.sampler_logprobs_BT)
+    split = split_of(strategy)
     for mb, mine, padding in runs:  # lockstep padding is no work (docs/mfu.md): its one row enters no loss
         done = routing.Replayed()
         with forwarding(strategy, model, mb.to(device), temperature, max_tokens=max_tokens, replayed=done,
                         tally=None if padding else tally, part=part) as (logp_BT, _, _):
             if mine:
                 out_BT[mb.index] = logp_BT.cpu()
-        if replayed is not None and counts_routing(split_of(strategy), mine, padding):
+        if replayed is not None and counts_routing(split, mine, padding):
             replayed.flips, replayed.given = replayed.flips + done.flips, replayed.given + done.given
     model.train(was_training)
     return out_BT
