@@ -158,6 +158,22 @@ def test_no_client_follows_a_redirect_with_the_token(redirect_to_recorder, statu
     assert seen and seen[0][1].get("Authorization") == f"Bearer {TOKEN}"
 
 
+def test_a_url_written_with_a_trailing_slash_asks_the_routes_themselves():
+    """`http://host:port/` (as a browser writes it) asks /v1/models, not //v1/models (which a route for
+    /v1/models does not match: 404). The request line as sent is checked: http.server folds a leading //
+    in `path` itself."""
+    lines = []
+    httpd = serve(type("Handler", (Recorder,), {"seen": [], "log_request": lambda self, *a: lines.append(self.requestline)}))
+    try:
+        url = f"http://127.0.0.1:{httpd.server_port}/"
+        Server(url, TOKEN, 5.0).request("/v1/models")
+        Server(url, TOKEN, 5.0).request("/health", send_token=False)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert lines == ["GET /v1/models HTTP/1.1", "GET /health HTTP/1.1"]
+
+
 def test_a_redirecting_server_fails_the_health_wait_at_once_and_stops_the_judge(redirect_to_recorder):
     """Waiting cannot change a redirect: the health wait ends at the first 3xx, not after its timeout,
     and a judge whose server starts redirecting stops the run (no retries to the same answer)."""

@@ -306,6 +306,15 @@ def test_an_ipv6_servers_url_file_holds_a_url(tmp_path):
     assert Path(serve.write_url(str(tmp_path), "10.0.0.7", 8000)).read_text() == "http://10.0.0.7:8000\n"
 
 
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "::"])
+def test_a_server_on_every_interface_names_its_node_in_its_url(tmp_path, monkeypatch, wildcard):
+    """A server bound to a wildcard is reached by its node's name (SLURM's, which the cluster resolves):
+    `http://0.0.0.0:8000` in the URL file pointed a trainer on another node at itself."""
+    monkeypatch.setenv("SLURMD_NODENAME", "node7")
+    path = serve.write_url(str(tmp_path), wildcard, 8000)
+    assert Path(path).name == "node7-8000.url" and Path(path).read_text() == "http://node7:8000\n"
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--port", "99999"], "argument --port: 99999: give a whole number from 0 to 65535"),  # was an OverflowError
     (["--port", "-1"], "argument --port: -1: give a whole number from 0 to 65535"),
