@@ -359,19 +359,27 @@ def test_a_run_in_a_folder_another_live_run_holds_is_refused_before_it_touches_i
 
 
 @pytest.mark.starts_process
-def test_two_ranks_publish_a_checkpoint_only_once_both_wrote(tmp_path):
+@pytest.mark.parametrize("mode", ["slow_rank1", "leftover"])
+def test_two_ranks_publish_a_checkpoint_only_once_both_wrote(tmp_path, mode):
     """Two ranks (torchrun, gloo), tests/checkpoint_race.py: rank 1 writes its state late. Rank 0 must
     publish (COMPLETE, `latest`) only after it did: published early, the checkpoint lacks state_rank1.pt
-    and rank 1's write fails into the renamed folder."""
+    and rank 1's write fails into the renamed folder. `leftover`: a killed save left the temporary folder
+    (with a stale rank 1 state), which rank 0 is slow to remove: rank 1 waits for the new one."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    if mode == "leftover":
+        from grpo.checkpoint import checkpoint_name
+
+        (run_dir / "checkpoints" / f".tmp-{checkpoint_name(1)}").mkdir(parents=True)
+        (run_dir / "checkpoints" / f".tmp-{checkpoint_name(1)}" / "state_rank1.pt").write_bytes(b"killed")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "tests/checkpoint_race.py", str(run_dir)], cwd=ROOT, capture_output=True, text=True,
+                          "tests/checkpoint_race.py", str(run_dir), mode], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     latest = latest_checkpoint(str(run_dir))
     assert latest is not None, out.stdout[-3000:] + out.stderr[-3000:]
     held = sorted(f for f in os.listdir(latest) if f.startswith("state_rank"))
     assert held == ["state_rank0.pt", "state_rank1.pt"], f"the published checkpoint holds {held}"
+    assert [torch.load(os.path.join(latest, f), weights_only=False)["data"] for f in held] == [0, 1]
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     returned = [json.loads((run_dir / f"returned_rank{rank}.json").read_text()) for rank in (0, 1)]
     assert returned == [latest, latest]
