@@ -2,7 +2,7 @@
 that reaches no package index (../shared/GPU_VLLM.md step 0; docs/gpu.md, "The lent GPU machine").
 
 The lent machine has Python 3.12, torch 2.11.0+cu130 and transformers 5.17, and takes at most 64 MiB of
-files per call (the checkout's own about 2 MB included). vLLM 0.26.0 is the newest release that pins
+files per call (the checkout's own, about 3 MiB, included). vLLM 0.26.0 is the newest release that pins
 exactly that torch and is a CUDA 13 build; trimmed for Hopper it packs with the small wheels it lacks
 there into about 100-110 MiB of `.tar.xz`: two calls. On this machine, with an index:
 
@@ -17,8 +17,9 @@ there into about 100-110 MiB of `.tar.xz`: two calls. On this machine, with an i
                  then `missing`: every requirement is in site/, on the image (IMAGE) or in LEFT_OUT
     4. pack      site/ (and each --add folder, under its own name) as one payload.tar.xz
     5. split     the payload into parts of at most PART_BYTES, one carry folder per call
-                 (call1/, call2/, ...), each at most CARRY_BYTES, with SHA256SUMS and manifest.json in
-                 the last; `bundle_calls` prints the calls to make
+                 (call1/, call2/, ...), each within CALL_BYTES with the checkout's files (measured,
+                 `carry_budget`), with SHA256SUMS and manifest.json in the last; `bundle_calls` prints
+                 the calls to make (`calls` checks them against the checkout again)
 
 On the GPU machine (scripts/gpu_bundle_go.sh): each call but the last copies its parts to /tmp/gpu_stage,
 the last checks every checksum, unpacks into /tmp/gpu_site and runs the command it is given with
@@ -45,8 +46,10 @@ from pathlib import Path
 from grpo.wheelhouse import platform_tags
 
 MiB = 2**20
-CARRY_BYTES = 62 * MiB  # per call: 64 MiB with the checkout, which is about 2 MB
-PART_BYTES = 60 * MiB  # a part, leaving the carry folder room for SHA256SUMS and manifest.json
+CALL_BYTES = 64 * MiB  # what one `run` call takes: the checkout's files and the carried folders together
+SPARE_BYTES = MiB  # for the checkout's growth between the build and the calls (checked again by `calls`)
+PART_BYTES = 60 * MiB  # a part at most, leaving the carry folder room for SHA256SUMS and manifest.json
+ROOT = Path(__file__).resolve().parent.parent
 PYTHON_VERSION = "3.12"  # the lent machine's
 # The image's glibc is unrecorded (Python 3.12.3 suggests Ubuntu 24.04, glibc 2.39; gpu_bundle_go.sh logs
 # `ldd --version`); vLLM 0.26.0 itself is manylinux_2_28, but llguidance 1.7.6 has no wheel below 2_31
@@ -209,7 +212,30 @@ def pack(folders: dict[str, Path], payload: Path) -> None:
             t.add(folder, arcname=name)
 
 
-def split(payload: Path, out: Path, part_bytes: int = PART_BYTES, carry_bytes: int = CARRY_BYTES) -> dict:
+def checkout_bytes(root: Path = ROOT) -> int:
+    """What a `run` call copies besides its carried folders: the checkout's tracked files and the untracked
+    ones git does not ignore (the device README's "working tree"). 3.1 MiB at 2026-11-30, not the 2 MB
+    the carry was first sized for."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                                capture_output=True, check=True).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"the bundle is sized for the checkout a call copies beside it, and `git ls-files` in {root} "
+                         f"failed ({e}): build it from a git clone of the project.") from None
+    return sum((root / name).stat().st_size for name in set(listed) if name and (root / name).is_file())
+
+
+def carry_budget(checkout: int) -> tuple[int, int]:
+    """(part_bytes, carry_bytes) for a checkout of `checkout` bytes: a call folder gets what CALL_BYTES
+    leaves after the checkout and SPARE_BYTES, a part 1 MiB less (for the checksums and the manifest)."""
+    carry = CALL_BYTES - checkout - SPARE_BYTES
+    if carry < 8 * MiB:
+        raise SystemExit(f"the checkout holds {checkout / MiB:.1f} MiB of files a call copies: too little of the "
+                         f"{CALL_BYTES // MiB} MiB is left for the bundle; remove large untracked files (or ignore them in .gitignore).")
+    return min(PART_BYTES, carry - MiB), carry
+
+
+def split(payload: Path, out: Path, part_bytes: int, carry_bytes: int) -> dict:
     """`payload` cut into parts of at most `part_bytes`, one carry folder per call (out/call1, call2, ...),
     each at most `carry_bytes` with the last one's SHA256SUMS and manifest.json. Returns the manifest:
     the payload's size and checksum, and per call its folder and parts (name, bytes, sha256)."""
@@ -236,6 +262,17 @@ def split(payload: Path, out: Path, part_bytes: int = PART_BYTES, carry_bytes: i
         if used > carry_bytes:
             raise ValueError(f"{c['folder']} holds {used} bytes, over the {carry_bytes} one call carries")
     return manifest
+
+
+def check_fits(out: Path, manifest: dict, checkout: int) -> None:
+    """Before the calls: each call folder with the checkout as it is now (it may have grown since the
+    build) within CALL_BYTES; a call over it is refused on the device after its start, device time lost."""
+    for c in manifest["calls"]:
+        used = sum(p.stat().st_size for p in (out / c["folder"]).iterdir())
+        if used + checkout > CALL_BYTES:
+            raise SystemExit(f"{out / c['folder']} ({used / MiB:.2f} MiB) with the checkout's {checkout / MiB:.2f} MiB is over "
+                             f"the {CALL_BYTES // MiB} MiB a call takes: rebuild the bundle (`make gpu-bundle`), which sizes "
+                             "the parts for the checkout as it is, or remove large untracked files.")
 
 
 def bundle_calls(manifest: dict, root: str, command: str = "bash scripts/gpu_vllm_run.sh") -> list[dict]:
@@ -273,7 +310,8 @@ def build(out: Path, adds: list[Path], keep_moe: bool, python_version: str, plat
     pack(folders, payload)
     for old in out.glob("call*"):
         shutil.rmtree(old)
-    manifest = split(payload, out)
+    part_bytes, carry_bytes = carry_budget(checkout_bytes())
+    manifest = split(payload, out, part_bytes, carry_bytes)
     shutil.rmtree(work)
     return manifest
 
@@ -322,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         if not found:
             parser.error(f"{args.out} holds no call*/manifest.json: run `python -m grpo.gpu_bundle build {args.out}` first")
         manifest = json.loads(found[-1].read_text())
+        check_fits(args.out, manifest, checkout_bytes())
     print(f"payload {manifest['bytes'] / MiB:.1f} MiB in {len(manifest['calls'])} call(s); make them back to back "
           f"(the machine goes back after 30 s idle):")
     for i, call in enumerate(bundle_calls(manifest, str(args.out)), 1):

@@ -23,7 +23,7 @@ import grpo.verify
 from grpo.rollout.render import ChatRender
 from grpo.guards import Parity
 from grpo.verify import Check, Gap, gap, grad_gap, metric_gap, render_check, resume_check, sync_verdict, verify
-from tests.conftest import FAST
+from tests.conftest import FAST, ROOT
 from tests.test_parallel import TORCHRUN
 from tests.test_render import CHATML, chat_tokenizer
 
@@ -452,3 +452,99 @@ def test_an_override_hydra_cannot_apply_ends_verify_with_one_line(override, tmp_
     assert e.value.code.startswith("error: ") and "\n" not in e.value.code, e.value.code
     assert override.split("=")[0] in e.value.code
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_parity_rows_judge_the_statistic_of_their_dtype_and_the_bounded_rows_the_largest():
+    """By value: a bf16 sampler row passes on a mean of 7e-3 whatever its largest (0.38: single tokens
+    round apart) and fails on a mean of 0.5; an fp32 one fails on a largest of 2e-3 over a mean of 1e-4.
+    The ratio and reference rows (`bounded`) go by the largest: 0.5 fails a tol of 0.4 though the mean,
+    0.35, is within it."""
+    fp32, bf16 = Parity("max", 1e-3), Parity("mean", 0.1)
+    assert Gap(largest=0.38, mean=7e-3, tokens=2044).judged("sampler", bf16, "bfloat16").status == "PASS"
+    assert Gap(largest=0.38, mean=0.5, tokens=2044).judged("sampler", bf16, "bfloat16").status == "FAIL"
+    assert Gap(largest=2e-3, mean=1e-4, tokens=2044).judged("sampler", fp32, "float32").status == "FAIL"
+    assert Gap(largest=5e-4, mean=1e-4, tokens=2044).judged("sampler", fp32, "float32").status == "PASS"
+    two = gap(torch.tensor([[0.0, 1.0]]), torch.tensor([[0.5, 0.8]]), torch.ones(1, 2))  # 0.5 and 0.2 apart
+    assert two.largest == pytest.approx(0.5) and two.mean == pytest.approx(0.35)
+    assert grpo.verify.bounded("ratio", two, 0.4, "max |ratio - 1|").status == "FAIL"
+    assert grpo.verify.bounded("ratio", two, 0.5, "max |ratio - 1|").status == "PASS"
+
+
+def test_the_tolerances_are_the_ones_docs_verify_md_gives():
+    """docs/verify.md's table and its bf16 measurement name the bounds: logprobs 1e-4 and gradients 1e-4
+    of their size in fp32, 0.1 and 5e-2 in bf16."""
+    doc = (ROOT / "docs" / "verify.md").read_text()
+    rows = {}
+    for ln in doc.splitlines():  # the first table's: the tolerances (the second names the planted defects)
+        if ln.startswith("| `"):
+            rows.setdefault(ln.split("|")[1].strip(), ln)
+    assert "| 1e-4 (fp32) |" in rows["`ratio`"] and "| 1e-6 |" in rows["`reference`"]
+    assert "1e-4 of the gradient's size (fp32), 5e-2 (bf16)" in rows["`layout/packed`, `layout/shared`"]
+    assert "(bounds 0.1 and 5e-2)" in doc
+    assert grpo.verify.TOLERANCES["float32"] == (1e-4, 1e-4) and grpo.verify.TOLERANCES["bfloat16"] == (0.1, 5e-2)
+
+
+def test_each_layout_row_fails_on_its_logprobs_or_its_gradients_and_micro_batches_on_theirs(monkeypatch):
+    """The verdicts of layout_checks, by value, on measurements given per setting (`gradients` is what
+    computes them on a model; here each setting's are stated): 2 groups of 2, rows of 4 tokens at most.
+    Against padded, packed's logprobs 1e-3 off (its gradients equal) fails layout/packed; shared's
+    gradients 2e-4 of their size off (its logprobs equal) fails layout/shared; one micro-batch per row
+    (4 tokens) 5e-4 off one micro-batch fails micro-batches; an all-zero gradient of one parameter (an
+    expert no token reached) is no reason to skip. Within tolerance (5e-5) every row passes."""
+    from grpo.batch import Batch
+    from grpo.update.layouts import layout_of
+    from grpo.verify import Gradients, layout_checks
+
+    B, L, T = 4, 5, 3
+    attention = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 1, 0], [1, 1, 1, 1, 0], [0, 0, 1, 1, 1]])
+    batch = Batch(torch.ones(B, L, dtype=torch.long), attention, torch.zeros(B, L, dtype=torch.long),
+                  torch.ones(B, T, dtype=torch.long), torch.ones(B, T), torch.zeros(B, T),
+                  torch.tensor([1.0, -1.0, 0.5, -0.5]), 2)
+    algo = OmegaConf.create({"packing": True, "shared_prompt": True, "micro_batch_tokens": 1 << 20, "beta": 0.0,
+                             "router_aux_loss_coef": 0.0})
+    r = SimpleNamespace(G=2, cfg=SimpleNamespace(algo=algo))
+
+    def grads(w0=2.0):  # the largest |gradient| is 2: a gap of x is x / 2 of the size
+        return {"w": torch.tensor([w0, -1.0]), "b": torch.tensor([0.5]), "unused_expert": torch.zeros(3)}
+
+    def measured(off):
+        def gradients(r, batch, algo):
+            layout = layout_of(algo, cuda=False)
+            key = layout if algo.micro_batch_tokens == 1 << 20 else f"{layout} per {algo.micro_batch_tokens}"
+            logp_off, w0 = off.get(key, (0.0, 2.0))
+            return Gradients(grads(w0), torch.full((batch.size, T), -1.0 + logp_off), layout)
+        return gradients
+
+    def rows(off):
+        monkeypatch.setattr(grpo.verify, "gradients", measured(off))
+        return {c.name: c for c in layout_checks(r, batch, 1e-4, 1e-4)}
+
+    healthy = rows({"packed": (5e-5, 2.0), "shared": (0.0, 2.0 + 1e-4), "shared per 4": (0.0, 2.0 + 1.5e-4)})
+    assert {k: c.status for k, c in healthy.items()} == {
+        "layout/packed": "PASS", "layout/shared": "PASS", "micro-batches": "PASS"}, healthy
+    assert "one per 4 tokens" in healthy["micro-batches"].detail and "the model ran packed" in healthy["layout/packed"].detail
+    broken = rows({"packed": (1e-3, 2.0), "shared": (0.0, 2.0 + 4e-4), "shared per 4": (0.0, 2.0 + 4e-4 + 1e-3)})
+    assert {k: c.status for k, c in broken.items()} == {
+        "layout/packed": "FAIL", "layout/shared": "FAIL", "micro-batches": "FAIL"}, broken
+    assert "logprobs 1.00e-03 over 12 tokens" in broken["layout/packed"].detail, broken["layout/packed"]
+    assert "gradients 2.00e-04 of their size" in broken["layout/shared"].detail, broken["layout/shared"]
+    assert "gradients 5.00e-04 of their size" in broken["micro-batches"].detail, broken["micro-batches"]
+
+
+def test_verify_on_the_cpu_fails_a_sampler_5e_3_off_by_the_cpus_fp32_bound(cache_dir, capsys, monkeypatch):
+    """The sampler's logprobs 5e-3 off every sampled token: outside the CPU's fp32 parity (1e-3), inside
+    CUDA's (2e-2). On this CPU the sampler row fails with its bound named (judged by CUDA's, it passed)."""
+    real_score = grpo.train.Run.score
+
+    def off(self, batch):
+        scored = real_score(self, batch)
+        return replace(scored, rollouts=replace(scored.rollouts, logprobs=[[lp - 5e-3 for lp in row]
+                                                                           for row in scored.rollouts.logprobs]))
+
+    monkeypatch.setattr(grpo.train.Run, "score", off)
+    monkeypatch.setattr(grpo.verify, "layout_checks", lambda *a: [])  # not under test
+    skip_resume(monkeypatch)
+    assert verify([*FAST, f"model.cache_dir={cache_dir}"]) == 1
+    status, out = lines(capsys)
+    sampler = next(ln for ln in out.splitlines() if ln.split()[1:2] == ["sampler"])
+    assert status["sampler"] == "FAIL" and "(tol 0.001)" in sampler, out
