@@ -161,9 +161,10 @@ def squeue_state(job_id: str) -> subprocess.CompletedProcess | None:
 
 
 def job_listed(job_id: str) -> bool:
-    """Whether SLURM still lists the job. A squeue that did not answer: listed (nothing is known to have ended)."""
-    out = squeue_state(job_id)
-    return out is None or (out.returncode == 0 and bool(out.stdout.strip()))
+    """Whether SLURM may still hold the job: not `job_gone`. A squeue that fails (the controller busy:
+    "Socket timed out") or does not answer says nothing has ended: listed. (It read a failing squeue as
+    gone, and `wait=true` returned at once, reporting a running job as ended without its summary.)"""
+    return not job_gone(job_id)
 
 
 def job_gone(job_id: str) -> bool:

@@ -195,7 +195,9 @@ def test_a_slurm_sweep_is_validated_for_the_processes_each_job_will_have(tmp_pat
     from grpo.config import compose_config
     from grpo.slurm import SlurmCheck
 
-    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", {"sinfo": 'print("n1|debug*|8|16000|(null)|idle")'}))
+    # sbatch too: slurm_nodes asks for both on PATH (without it, the test failed on a machine with no SLURM)
+    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", {"sinfo": 'print("n1|debug*|8|16000|(null)|idle")',
+                                                             "sbatch": "sys.exit('sbatch: not expected here')"}))
     launcher = ["hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2", "steps=3", "algo.warmup_steps=0"]
     with pytest.raises(SystemExit) as e:
         SlurmCheck().on_multirun_start(compose_config([*launcher, "parallel=single"], hydra_config=True))
