@@ -121,8 +121,9 @@ def check(algo, rollout, world: int) -> None:
     if a.group_size < 2:
         raise ConfigError(f"algo.group_size={a.group_size}: GRPO needs at least 2 completions per prompt to compare.")
     if a.batch_size < a.group_size or a.batch_size % a.group_size:
+        what = "is below" if a.batch_size < a.group_size else "is not a multiple of"  # 0 is a multiple: "below" then
         raise ConfigError(
-            f"algo.batch_size={a.batch_size} is not a multiple of algo.group_size={a.group_size}: every prompt "
+            f"algo.batch_size={a.batch_size} {what} algo.group_size={a.group_size}: every prompt "
             f"needs a full group. Use e.g. algo.batch_size={max(1, a.batch_size // a.group_size) * a.group_size}."
         )
     prompts = a.batch_size // a.group_size

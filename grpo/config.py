@@ -332,11 +332,14 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     if not 0 <= cfg.seed < 2**31:
         raise ConfigError(f"seed={cfg.seed}: give a seed from 0 to 2147483647 (2**31 - 1); the engines' sampling "
                           "seeds are built from it and must stay below 2**63.")
-    if r.max_new_tokens < 1 or r.temperature <= 0 or not 0 < r.top_p <= 1 or r.top_k < 0:
-        raise ConfigError(
-            "rollout.max_new_tokens must be >= 1, rollout.temperature > 0 (greedy rollouts make every group "
-            "flat; evaluation is greedy anyway), 0 < rollout.top_p <= 1 and rollout.top_k >= 0."
-        )
+    sampling = {"rollout.max_new_tokens": (r.max_new_tokens, r.max_new_tokens >= 1, "must be >= 1"),
+                "rollout.temperature": (r.temperature, r.temperature > 0, "must be > 0 (greedy rollouts make every group "
+                                        "flat; evaluation is greedy anyway)"),
+                "rollout.top_p": (r.top_p, 0 < r.top_p <= 1, "must be in (0, 1]"),
+                "rollout.top_k": (r.top_k, r.top_k >= 0, "must be >= 0 (0: off)")}
+    for key, (value, ok, rule) in sampling.items():
+        if not ok:
+            raise ConfigError(f"{key}={value} {rule}.")
     world = world_size or dist_info().world_size
     algo_config.check(a, r, world)  # batch shape, loss, clip, importance weights, trust region, staleness
     algo_config.check_inert(a, AlgoConfig(), cfg.steps)  # a setting of a feature that is off; a warm-up past the run
@@ -364,7 +367,7 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
     counts = {"steps": (cfg.steps, 0), "task.eval_size": (cfg.task.eval_size, 1), "eval_samples": (cfg.eval_samples, 1),
               "logger.log_every": (cfg.logger.log_every, 1), "keep_checkpoints": (cfg.keep_checkpoints, 1),
               "eval_every": (cfg.eval_every, 0), "checkpoint_every": (cfg.checkpoint_every, 0),
-              "logger.sample_every": (cfg.logger.sample_every, 0)}
+              "logger.sample_every": (cfg.logger.sample_every, 0), "logger.num_samples": (cfg.logger.num_samples, 1)}
     for key, (value, low) in counts.items():
         if value < low:
             never = " (0: never, or only at the start and end)" if key.endswith("_every") and low == 0 else ""

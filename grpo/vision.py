@@ -152,8 +152,14 @@ def is_vlm_setting(path: str, model_config: dict) -> bool:
 def check_config(cfg, model_config: dict) -> None:
     """What a vision-language model (model=tiny_vlm, or a folder/hub id whose config.json has a
     vision_config) runs with: one-turn tasks, no sequence split (docs/vlm.md); called by grpo.config.validate."""
+    images = cfg.rollout.get("vllm", {}).get("images_per_prompt", 1)
     if not is_vlm_setting(cfg.model.path, model_config):
+        if images != 1:  # read for a vision-language model only (vLLM's limit_mm_per_prompt)
+            raise ConfigError(f"rollout.vllm.images_per_prompt={images} is read for a vision-language model only; "
+                              f"model.path={cfg.model.path} has no vision_config. Drop the setting.")
         return
+    if images < 1:
+        raise ConfigError(f"rollout.vllm.images_per_prompt={images} must be >= 1 (the images a prompt may carry).")
     why = None
     if cfg.env.name != "none":
         why = f"env={cfg.env.name}: multi-turn episodes do not carry images"

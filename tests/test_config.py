@@ -252,7 +252,7 @@ def test_unknown_option_is_an_error():
         ("reward.funcs=[{name: nosuch.module.fn}]", "could not be imported"),
         ("reward.funcs=[]", "reward.funcs is empty"),
         ("rollout=colocated|rollout.vllm.memory_fraction=1.5", "rollout.vllm.memory_fraction=1.5 must be between 0 and 1"),
-        ("rollout.temperature=0", "rollout.temperature > 0"),
+        ("rollout.temperature=0", "rollout.temperature=0.0 must be > 0 (greedy rollouts make every group flat"),
         ("algo.is_level=token|rollout.top_p=0.9", "algo.is_level needs rollout.top_p=1"),
         ("algo.max_staleness=-1", "algo.max_staleness=-1 must be >= 0"),
         ("algo.max_staleness=2|rollout=dedicated|algo.trust_region=proximal",
@@ -343,6 +343,48 @@ def test_unknown_option_is_an_error():
         ("task=guess|env=guess|reward=env|algo.turn_rewards=per_turn|algo.ratio_level=sequence",
          "algo.turn_rewards=per_turn credits each turn with its environment step's reward, one advantage per token: it "
          "needs algo.ratio_level=token (GSPO's sequence ratio takes one per sequence) and algo.dynamic_sampling=false"),
+        # each bound at its edge (session 29's mutation test: a check loosened by one passed every row above)
+        ("rollout.max_new_tokens=0", "rollout.max_new_tokens=0 must be >= 1."),
+        ("rollout.top_p=0", "rollout.top_p=0.0 must be in (0, 1]."),
+        ("rollout.top_k=-1", "rollout.top_k=-1 must be >= 0 (0: off)."),
+        ("parallel.peer_timeout_s=0", "parallel.peer_timeout_s=0.0 must be > 0 seconds."),
+        ("threads=0", "threads=0: use auto or a positive number of threads per process."),
+        ("task.eval_size=0", "task.eval_size=0 must be >= 1."),
+        # a choice with no row of its own: each was refused only by its `_choices` line
+        ("algo.is_level=token|algo.is_mode=clip", "algo.is_mode='clip' is not one of ['mask', 'reject', 'truncate']"),
+        ("task.correct=fuzzy", "task.correct='fuzzy' is not one of ['exact', 'math_verify']"),
+        ("rollout.schedule=eager", "rollout.schedule='eager' is not one of ['auto', 'trajectories', 'turns']"),
+        # a check loosened in one place (a bound, an `or`, a case) that no row above told apart
+        ("algo.batch_size=0", "algo.batch_size=0 is below algo.group_size=16: every prompt needs a full group"),  # 0 % 16 == 0
+        ("parallel=ddp|parallel.allreduce_bucket_mb=0", "parallel.allreduce_bucket_mb=0 must be > 0 (MB of gradients"),
+        ("logger.num_samples=0", "logger.num_samples=0 must be >= 1."),
+        ("rollout=colocated|rollout.vllm.images_per_prompt=4", "rollout.vllm.images_per_prompt=4 is read for a "
+                                                                "vision-language model only"),
+        ("model=tiny_vlm|rollout=colocated|rollout.vllm.images_per_prompt=0", "rollout.vllm.images_per_prompt=0 must be >= 1"),
+        ("algo.num_minibatches=0", "algo.num_minibatches=0 must be >= 1 and divide each process's 32 prompts"),
+        ("algo.clip_eps=0", "algo.lr=0.001, algo.clip_eps=0.0, algo.clip_eps_high=None (algo.pg_loss=ppo): algo.lr and "
+                            "algo.clip_eps must be > 0"),
+        ("algo=cispo|algo.clip_eps_high=0", "= [0, 1]: an on-policy token (weight 1) would be capped below 1"),
+        ("algo.adv_estimator=reinforce_pp", "algo.adv_estimator=reinforce_pp sets its own scale (rloo: none; reinforce_pp: "
+                                            "the batch std of the centred rewards), so algo.adv_scale=group would be ignored"),
+        ("algo.is_level=token|rollout.top_k=5", "algo.is_level needs rollout.top_p=1 and rollout.top_k=0"),
+        ("algo.behaviour_clip_eps=1.0", "algo.behaviour_clip_eps=1.0 must be in (0, 1), or null"),
+        ("algo.max_staleness=1|rollout=dedicated|algo.trust_region=proximal",
+         "algo.max_staleness=1 with algo.trust_region=proximal trains on batches sampled by weights up to 1 version(s) old"),
+        ("task=guess|env=guess|env.max_observation_tokens=0",
+         "env.max_turns and env.max_observation_tokens must be >= 1 and env.step_timeout_s > 0."),
+        ("task=guess|env=guess|env.max_total_tokens=-5", "env.max_total_tokens=-5 leaves no room for one turn"),
+        ("parallel.allreduce_bucket_mb=50", "parallel.allreduce_bucket_mb=50.0 is read by parallel=ddp only; "
+                                            "parallel=single ignores it."),
+        ("parallel=zero2|parallel.deepspeed_config=/tmp", "parallel.deepspeed_config='/tmp' is not a file."),  # a folder
+        ("rollout=dedicated|rollout.vllm.weight_transfer=gloo",
+         "rollout.vllm.weight_transfer='gloo': choose one of auto, grpo_gloo, nccl."),
+        ("rollout=colocated|rollout.vllm.memory_fraction=1.0", "rollout.vllm.memory_fraction=1.0 must be between 0 and 1"),
+        ("rollout=dedicated|rollout.vllm.tensor_parallel_size=2", "rollout.vllm.tensor_parallel_size=2 has no effect under "
+                                                                  "rollout=dedicated (it is read by rollout=colocated)"),
+        ("rollout=colocated|rollout.vllm.kv_cache_gb=0", "rollout.vllm.kv_cache_gb=0: use auto, fraction or a positive size"),
+        ("rollout=remote", "rollout=remote needs rollout.remote.urls=[http://host:port,...]: start them with "
+                           "`python -m grpo.serve`."),
     ],
 )
 def test_bad_values_say_what_to_change(override, message):
@@ -361,6 +403,12 @@ def test_settings_of_a_feature_that_is_on_validate_and_a_warm_up_past_the_run_wa
     # warm-up counts optimizer steps: 5 steps x 2 iterations = 10 of 20, the last at 10 / 21 of algo.lr
     validate(compose_cfg("steps=5", "algo.warmup_steps=20", "algo.num_iterations=2"))
     assert any("the run's 10 optimizer steps" in str(w.message) and "only reaches 0.48 x" in str(w.message) for w in recwarn)
+    # as long as the run (5 of 5): the last step's lr is 5 / 6 of algo.lr; one step shorter is no warning
+    recwarn.clear()
+    validate(compose_cfg("steps=4", "algo.warmup_steps=5", "algo.num_minibatches=2"))
+    assert not [w for w in recwarn if "warmup_steps" in str(w.message)]
+    validate(compose_cfg("steps=5", "algo.warmup_steps=5"))
+    assert any("the run's 5 optimizer steps" in str(w.message) and "only reaches 0.83 x" in str(w.message) for w in recwarn)
 
 
 @pytest.mark.parametrize(
@@ -415,6 +463,15 @@ def test_prompts_are_shared_evenly_by_the_processes():
     assert str(e.value) == ("algo.batch_size / algo.group_size = 32 prompts per step cannot be shared evenly by 3 "
                             "processes; make it a multiple of 3.")
     validate(cfg, world_size=4)
+
+
+def test_colocated_engines_split_the_processes_evenly():
+    cfg = compose_cfg("rollout=colocated", "rollout.vllm.tensor_parallel_size=2", "parallel=ddp", "algo.batch_size=96")
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=3)  # 6 prompts, 2 each; 2 ranks per engine leave the third alone
+    assert str(e.value) == ("rollout.vllm.tensor_parallel_size=2 must divide the 3 training processes: each group of "
+                            "that many consecutive ranks shares one engine.")
+    validate(cfg, world_size=2)
 
 
 def test_lora_refuses_asynchronous_rollouts():
@@ -513,6 +570,8 @@ def test_collective_timeout_outlasts_what_a_dedicated_node_waits_for():
     rollout.dedicated.start_timeout_s, rollout.dedicated.request_timeout_s = 600, 900
     with pytest.raises(ConfigError, match="set parallel.collective_timeout_s above 900"):
         check_collective_timeout(600, rollout, world=2)
+    with pytest.raises(ConfigError, match="set parallel.collective_timeout_s above 900"):
+        check_collective_timeout(900, rollout, world=2)  # as long as the wait: not above it
     check_collective_timeout(1800, rollout, world=2)
     check_collective_timeout(600, rollout, world=1)  # one rank waits for no one
     assert compose_cfg().parallel.collective_timeout_s == 1800

@@ -80,6 +80,11 @@ def test_lora_settings_are_checked():
     cfg = compose_cfg("model.lora.rank=8", "model.lora.target_modules=[]")
     with pytest.raises(ConfigError, match="target_modules"):
         validate(cfg)
+    for bad in ("model.lora.alpha=0", "model.lora.dropout=1.0"):  # each bound at its edge
+        with pytest.raises(ConfigError) as e:
+            validate(compose_cfg("model.lora.rank=8", bad))
+        assert str(e.value) == ("model.lora needs alpha > 0, 0 <= dropout < 1 and at least one entry in target_modules "
+                                "(e.g. [q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]).")
     cfg = compose_cfg("model.lora.rank=8", "rollout=colocated", "rollout.vllm.tensor_parallel_size=2", "parallel=ddp")
     with pytest.raises(ConfigError, match="tensor_parallel_size > 1 has not been tested"):
         validate(cfg, world_size=2)

@@ -50,6 +50,8 @@ def test_what_a_split_cannot_take_is_refused_with_what_to_change():
         sequence.check_heads(2, 9, 3)  # SmolLM2-135M: 9 heads, 3 key/value heads
     with pytest.raises(ConfigError, match="3 key/value heads"):
         sequence.check_heads(2, 6, 3)
+    with pytest.raises(ConfigError, match="the model has 2 attention heads, which 4 does not divide"):
+        sequence.check_heads(4, 2, 2)  # 4 a multiple of the heads: half a head per rank
 
 
 def test_validate_checks_the_tiny_models_heads_and_the_world():
@@ -62,6 +64,9 @@ def test_validate_checks_the_tiny_models_heads_and_the_world():
     with pytest.raises(ConfigError, match="multiple of 2"):
         validate(cfg, world_size=3)
     validate(cfg, world_size=4)
+    cfg.model.tiny.num_heads = 3  # the smallest split (2) is checked too
+    with pytest.raises(ConfigError, match="the model has 3 attention heads, which 2 does not divide"):
+        validate(cfg, world_size=4)
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed", "shared"])

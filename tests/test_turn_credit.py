@@ -180,6 +180,8 @@ def test_per_turn_groups_are_flat_only_where_every_token_advantage_is_zero():
     (["algo.turn_rewards=per_step"], "algo.turn_rewards='per_step' is not one of"),
     (["env=guess", "task=guess", "algo.turn_rewards=process"], "which reward.funcs lacks"),
     (["env=guess", "task=guess", "reward=env", "algo.turn_rewards=per_turn", "algo=rloo"], "algo.adv_estimator=grpo"),
+    (["env=guess", "task=guess", "reward=env", "algo.turn_rewards=per_turn", "algo.adv_scale=batch"],
+     "normalises within each group: it needs algo.adv_estimator=grpo with algo.adv_scale=group or none (got grpo / batch)"),
     (["env=guess", "task=guess", "reward=env", "algo.turn_discount=0.9"], "algo.turn_rewards=none gives one reward"),
     (["env=guess", "task=guess", "reward=env", "algo.turn_rewards=per_turn", "algo.turn_discount=0"], "in (0, 1]"),
 ])
