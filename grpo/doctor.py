@@ -421,8 +421,10 @@ def main(argv: list[str] | None = None) -> int:
     results = None
     try:
         results = run_checks(only, work, args.judge)
-    finally:  # a failed check's fix points into its folder (a server's log, a run's output): kept then
-        keep = args.keep or results is None or not all(r.ok for r in results)
+    finally:  # a failed check's fix points into its folder (a server's log, a run's output): kept then, if
+        # there is anything in it to read (a judge nothing answers at writes nothing)
+        failed = results is None or not all(r.ok for r in results)
+        keep = args.keep or (failed and any(os.scandir(work)))
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
     print(table(results))

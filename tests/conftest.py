@@ -3,6 +3,7 @@ tiers' marks: which tests start a process, an engine, a server or a training run
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing.process
 import os
@@ -333,12 +334,32 @@ def answers(url: str) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def server_scratch():
+    """The environment entries giving a server a TMPDIR of its own directly in /tmp (its scratch folder,
+    grpo/scratch.py, is made there: under pytest-xdist's deeper tmp_path a socket's path would not fit,
+    and it fell back to /tmp itself), with the tests' warm compile cache; the folder is removed after the
+    block. A server stopped by SIGKILL cannot remove its scratch folder (vLLM's sockets, its FileStore
+    file): test_judge's and test_servers' left one in /tmp at every run."""
+    import shutil
+    import tempfile
+
+    from grpo.scratch import inductor_cache_dir
+
+    tmp = tempfile.mkdtemp(prefix="grpo-test-", dir="/tmp")
+    try:
+        yield {"TMPDIR": tmp, "TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir()}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def serve_tiny(model_dir: str, log_path, token: str, *extra_args: str, max_model_len: int = 128,
-               start_timeout_s: float = 240):
+               start_timeout_s: float = 240, env: dict[str, str] | None = None):
     """A real `python -m grpo.serve` of `model_dir` on a port it finds free and listens on before it names
     it (`--port 0 --url-dir`, read back by server_watch.wait_for_url, as the trainer's own servers are),
     its routes guarded by `token` (given in the environment, never on a command line), `extra_args` after
-    the common ones (`--lora-rank 8`, `--reward-model`); returns (process, url) once /health answers. Stop
+    the common ones (`--lora-rank 8`, `--reward-model`), `env` added to the server's environment
+    (`server_scratch`); returns (process, url) once /health answers. Stop
     it with `stop_served`. The one start-and-wait of the tests' servers: remote, judge, per-trajectory,
     LoRA and reward-model tests."""
     import sys
@@ -354,7 +375,7 @@ def serve_tiny(model_dir: str, log_path, token: str, *extra_args: str, max_model
             [sys.executable, "-m", "grpo.serve", "--model", model_dir, "--port", "0", "--url-dir", url_dir,
              "--max-model-len", str(max_model_len), "--memory-fraction", "0.1", *extra_args],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, TOKEN_ENV: token},
+            env={**os.environ, **(env or {}), TOKEN_ENV: token},
         )
     deadline = time.monotonic() + start_timeout_s  # one budget for the URL and /health
     try:

@@ -136,26 +136,30 @@ def test_a_backend_row_passes_within_its_devices_parity(tmp_path, monkeypatch, d
     assert vacuous.skipped and "step 1 trained nothing under seeds 0, 1, 2, 3" in vacuous.detail, vacuous
 
 
-@pytest.mark.parametrize("ok", [True, False])
-def test_a_failed_checks_folder_is_kept_for_the_log_its_fix_names(ok, monkeypatch, capsys):
+@pytest.mark.parametrize("ok, wrote", [(True, True), (False, True), (False, False)])
+def test_a_failed_checks_folder_is_kept_for_the_log_its_fix_names(ok, wrote, monkeypatch, capsys):
     """The first GPU run's remote row said "see /tmp/grpo-doctor-.../server.log", and the doctor had
-    deleted that folder on exit. A failed check keeps it (and says where); a clean run leaves nothing."""
+    deleted that folder on exit. A failed check keeps it (and says where); a clean run leaves nothing,
+    and so does a failed check that wrote nothing there (a judge nothing answers at: an empty folder
+    was left in /tmp by every `--judge` run that failed)."""
     import os
 
     seen = {}
 
     def run_checks(only, work, judge=None):
         seen["work"] = work
-        with open(os.path.join(work, "server.log"), "w") as f:
-            f.write("the engine's error\n")
+        if wrote:
+            with open(os.path.join(work, "server.log"), "w") as f:
+                f.write("the engine's error\n")
         return [doctor.Result("remote", ok, "server did not start", "see " + os.path.join(work, "server.log"))]
 
     monkeypatch.setattr(doctor, "run_checks", run_checks)
     assert doctor.main(["--only", "remote"]) == (0 if ok else 1)
     out = capsys.readouterr().out
-    assert os.path.exists(os.path.join(seen["work"], "server.log")) is (not ok)
-    assert (f"run folders in {seen['work']}" in out) is (not ok), out
-    if not ok:
+    kept = not ok and wrote
+    assert os.path.exists(seen["work"]) is kept
+    assert (f"run folders in {seen['work']}" in out) is kept, out
+    if kept:
         import shutil
 
         shutil.rmtree(seen["work"])

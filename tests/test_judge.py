@@ -30,7 +30,7 @@ from grpo.auth import JUDGE_TOKEN_ENV
 from grpo.rollout.servers import free_port
 from grpo.tasks import Sample
 from grpo.listeners import expect_served
-from tests.conftest import FAST, ROOT, compose_cfg, serve_tiny, stop_served
+from tests.conftest import FAST, ROOT, compose_cfg, serve_tiny, server_scratch, stop_served
 from tests.listener_watch import ListenerWatch
 
 TOKEN = "judge-secret-token"
@@ -224,10 +224,11 @@ def server(model_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("judge-model")
     shutil.copytree(model_dir, path, dirs_exist_ok=True)
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    proc, url = serve_tiny(str(path), tmp_path_factory.mktemp("judge") / "server.log", TOKEN)
-    expect_served(proc.pid, url, "judge's grpo.serve")
-    yield {"url": url, "proc": proc, "path": str(path)}
-    stop_served(proc)
+    with server_scratch() as env:  # the module's last test SIGKILLs it, which leaves its scratch folder
+        proc, url = serve_tiny(str(path), tmp_path_factory.mktemp("judge") / "server.log", TOKEN, env=env)
+        expect_served(proc.pid, url, "judge's grpo.serve")
+        yield {"url": url, "proc": proc, "path": str(path)}
+        stop_served(proc)
 
 
 def judge_cfg(urls, *overrides):

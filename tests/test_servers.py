@@ -33,7 +33,7 @@ from grpo.rollout.push import push_from_one_rank
 from grpo.rollout.server_watch import engine_dead, wait_for_url
 from grpo.rollout.servers import DaemonWorker, ServerPool, ServerRestarted
 from grpo.rollout.vllm_api import vllm_api
-from tests.conftest import ROOT
+from tests.conftest import ROOT, server_scratch
 
 BUCKET = [("w", torch.zeros(2))]
 
@@ -392,16 +392,16 @@ def test_a_real_servers_url_names_the_port_its_own_process_listens_on(tmp_path):
     """A real `grpo.serve --port 0 --url-dir` (seconds of imports before it writes): the URL read is the
     port that very process listens on, from before its model loads."""
     log = tmp_path / "serve.log"
-    with open(log, "w") as out:
+    with server_scratch() as env, open(log, "w") as out:  # the SIGKILL below leaves its scratch folder
         proc = subprocess.Popen(serve_cmd(tmp_path / "url"), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        url = wait_for_url(str(tmp_path / "url"), 300, lambda: engine_exit(proc, str(log)))
-        listening = [c.laddr for c in psutil.Process(proc.pid).net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
-        assert url in [f"http://{a.ip}:{a.port}" for a in listening], (url, listening)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+                                start_new_session=True, env={**os.environ, **env})
+        try:
+            url = wait_for_url(str(tmp_path / "url"), 300, lambda: engine_exit(proc, str(log)))
+            listening = [c.laddr for c in psutil.Process(proc.pid).net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+            assert url in [f"http://{a.ip}:{a.port}" for a in listening], (url, listening)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.mark.starts_process
