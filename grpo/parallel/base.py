@@ -83,9 +83,6 @@ class Strategy(ABC):
         if cfg.check_ranks_every < 0:
             raise ConfigError(f"parallel.check_ranks_every={cfg.check_ranks_every} must be >= 0 (steps between the ranks' "
                               f"weight comparisons; 0: never).")
-        if "allreduce_bucket_mb" in cls.reads and not cfg.allreduce_bucket_mb > 0:  # 0: one bucket per parameter, silently slow
-            raise ConfigError(f"parallel.allreduce_bucket_mb={cfg.allreduce_bucket_mb:g} must be > 0 (MB of gradients "
-                              f"all-reduced at once; the default is 25).")
         if not cfg.sync_bucket_mb > 0:
             raise ConfigError(f"parallel.sync_bucket_mb={cfg.sync_bucket_mb:g} must be > 0 (MB of weights sent to the engines "
                               f"per bucket; the default is 64).")

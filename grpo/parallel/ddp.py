@@ -38,6 +38,14 @@ def gradient_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> lis
 
 class DDPStrategy(SingleStrategy):
     reads = ("allreduce_bucket_mb",)
+
+    @classmethod
+    def check(cls, cfg, world: int) -> None:
+        super().check(cfg, world)
+        if not cfg.allreduce_bucket_mb > 0:  # 0: one bucket per parameter, silently slow
+            raise ConfigError(f"parallel.allreduce_bucket_mb={cfg.allreduce_bucket_mb:g} must be > 0 (MB of gradients "
+                              f"all-reduced at once; the default is 25).")
+
     def __init__(self, cfg, model: torch.nn.Module, algo, total_steps: int):
         if not tdist.is_initialized():
             raise ConfigError(
