@@ -73,6 +73,8 @@ from grpo.update.layouts import layout_of
 
 # (logprob, relative gradient) tolerances by the model's dtype
 TOLERANCES = {"float32": (1e-4, 1e-4), "bfloat16": (0.1, 5e-2), "float16": (0.02, 1e-2)}
+REFERENCE_TOL = 1e-6  # the reference is the policy before any step: the same weights and forward, KL 0
+RESUME_TOL = 1e-5  # of max(1, |value|): a resumed run's steps 3 and 4 against an unbroken run's
 SCRATCH = ["eval_every=0", "checkpoint_every=0", "export_model=false", "logger.sample_every=0", "logger.log_every=1"]
 # the in-process run's one optimizer step at algo.lr: at the default warmup's 1/21 of it, a bf16 engine
 # that missed the push scored 0.006-0.018 (mean) from the trainer, as one that got it did (the tiny model)
@@ -368,9 +370,17 @@ def routing_check(r, batch) -> Check:
         total += int(valid.sum())
         wrong += int(((used.sort(-1).values != given.sort(-1).values).any(-1) & valid).sum())
     del model
-    return check("routing", total > 0 and wrong == 0,
-                 f"{plan.layout}: {wrong} of {total} token-layers routed otherwise than told; the trainer's own routing "
-                 f"differs from the sampler's on {flips:.2%} of them")
+    return routing_verdict(plan.layout, wrong, total, flips)
+
+
+def routing_verdict(layout: str, wrong: int, total: int, flips: float) -> Check:
+    """PASS where every routed token-layer of the update used the experts it was told, and there was one:
+    a batch with no routed token replays nothing, which is no pass."""
+    if total == 0:
+        return Check("routing", "FAIL", f"{layout}: no token-layer of the batch was routed (every route -1): nothing "
+                                        f"was replayed to compare")
+    return check("routing", wrong == 0, f"{layout}: {wrong} of {total} token-layers routed otherwise than told; the "
+                                        f"trainer's own routing differs from the sampler's on {flips:.2%} of them")
 
 
 def split_check(r, batch, tol: float) -> Check:
@@ -456,7 +466,7 @@ def resume_check(overrides: list[str], world_size: int) -> Check:
     same = resume_settings(torch.get_num_threads())
     base = tempfile.mkdtemp(prefix="grpo-verify-resume-")
     try:
-        rows = {}
+        rows, started = {}, {}
         for name, parts in (("unbroken", ["steps=4"]), ("resumed", ["steps=2", "steps=4"])):
             folder = os.path.join(base, name)
             for steps in parts:
@@ -466,23 +476,34 @@ def resume_check(overrides: list[str], world_size: int) -> Check:
                 if out.returncode:
                     return Check("resume", "FAIL", f"{' '.join(cmd[2:])} exited {out.returncode}: {out.stderr.strip()[-400:]}")
             rows[name] = read_metrics(os.path.join(folder, "metrics.jsonl"))  # null: NaN, as the run computed it
-            # a run that found no checkpoint starts over at step 1 and, seeded alike, logs the unbroken
-            # run's numbers: the comparison alone would pass a resume that loaded nothing
-            started = json.load(open(os.path.join(folder, "summary.json")))["resumed_from"]
-            if started != (2 if name == "resumed" else 0):
-                return Check("resume", "FAIL", f"the {name} run started after step {started}, not {2 if name == 'resumed' else 0} "
-                                               f"(summary.json's resumed_from): the checkpoint of step 2 was not found or not loaded")
-        gaps = {}
-        for step in (3, 4):
-            at = {k: next(x for x in v if x.get("step") == step and "loss" in x) for k, v in rows.items()}
-            gaps |= {(step, k): metric_gap(at["unbroken"][k], at["resumed"].get(k, math.nan))
-                     for k in COMPARED if k in at["unbroken"]}
-        worst = max(gaps, key=gaps.get)
-        return check("resume", gaps[worst] <= 1e-5, f"steps 3 and 4 of an unbroken run against one stopped after step 2 "
-                                                    f"and resumed: {len(gaps)} metrics, largest gap {gaps[worst]:.2e} "
-                                                    f"of max(1, |value|) ({worst[1]} at step {worst[0]})")
+            started[name] = json.load(open(os.path.join(folder, "summary.json")))["resumed_from"]
+        return resume_verdict(rows, started)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def resume_verdict(rows: dict[str, list[dict]], started: dict[str, int]) -> Check:
+    """The resume check's verdict from its runs' metrics.jsonl rows and summary.json's `resumed_from`
+    ("unbroken" and "resumed"): the resumed run must have started after step 2 (one that found no
+    checkpoint starts over at step 1 and, seeded alike, logs the unbroken run's numbers: the comparison
+    alone would pass a resume that loaded nothing), and steps 3 and 4's COMPARED metrics must agree
+    within RESUME_TOL of max(1, |value|); a metric or a step the resumed run did not log is a gap."""
+    for name, expected in (("unbroken", 0), ("resumed", 2)):
+        if started[name] != expected:
+            return Check("resume", "FAIL", f"the {name} run started after step {started[name]}, not {expected} "
+                                           f"(summary.json's resumed_from): the checkpoint of step 2 was not found or not loaded")
+    gaps = {}
+    for step in (3, 4):
+        at = {k: next((x for x in v if x.get("step") == step and "loss" in x), None) for k, v in rows.items()}
+        missing = [k for k, row in at.items() if row is None]
+        if missing:
+            return Check("resume", "FAIL", f"the {' and the '.join(missing)} run logged no step {step} (metrics.jsonl)")
+        gaps |= {(step, k): metric_gap(at["unbroken"][k], at["resumed"].get(k, math.nan))
+                 for k in COMPARED if k in at["unbroken"]}
+    worst = max(gaps, key=gaps.get)
+    return check("resume", gaps[worst] <= RESUME_TOL, f"steps 3 and 4 of an unbroken run against one stopped after step 2 "
+                                                      f"and resumed: {len(gaps)} metrics, largest gap {gaps[worst]:.2e} "
+                                                      f"of max(1, |value|) ({worst[1]} at step {worst[0]})")
 
 
 def run_checks(cfg, overrides: list[str]) -> list[Check]:
@@ -497,7 +518,7 @@ def run_checks(cfg, overrides: list[str]) -> list[Check]:
         par = parity(cfg.model.dtype, "cuda" if torch.cuda.is_available() else "cpu")
         results.append(sampler_check(r, batch, par))
         results.append(ratio_check(r, batch, tol_logp))
-        results.append(reference_check(r, batch, 1e-6))
+        results.append(reference_check(r, batch, REFERENCE_TOL))
         results.append(split_check(r, batch, tol_logp))
         if info.is_main:
             results += layout_checks(r, batch, tol_logp, tol_grad)

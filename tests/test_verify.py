@@ -480,8 +480,50 @@ def test_the_tolerances_are_the_ones_docs_verify_md_gives():
             rows.setdefault(ln.split("|")[1].strip(), ln)
     assert "| 1e-4 (fp32) |" in rows["`ratio`"] and "| 1e-6 |" in rows["`reference`"]
     assert "1e-4 of the gradient's size (fp32), 5e-2 (bf16)" in rows["`layout/packed`, `layout/shared`"]
+    assert "| 1e-5 of max(1, \\|value\\|) |" in rows["`resume`"]
     assert "(bounds 0.1 and 5e-2)" in doc
     assert grpo.verify.TOLERANCES["float32"] == (1e-4, 1e-4) and grpo.verify.TOLERANCES["bfloat16"] == (0.1, 5e-2)
+    assert grpo.verify.REFERENCE_TOL == 1e-6 and grpo.verify.RESUME_TOL == 1e-5
+
+
+def resume_rows(**resumed_at_4):
+    """The two runs' metrics.jsonl rows for steps 1-4 (an eval row at step 4 with no loss, as the runs log
+    one), the resumed run's step 4 changed by `resumed_at_4`."""
+    def row(at, **changed):
+        return {"step": at, "loss": 0.5 + at, "reward/mean": 0.25, "grad_norm": 2.0, "entropy": math.nan, **changed}
+
+    unbroken = [row(s) for s in (1, 2, 3, 4)] + [{"step": 4, "eval/accuracy": 0.5}]
+    resumed = [row(s) for s in (1, 2, 3)] + [{"step": 4, "eval/accuracy": 0.5}] + [row(4, **resumed_at_4)]
+    return {"unbroken": unbroken, "resumed": resumed}
+
+
+@pytest.mark.parametrize("resumed_at_4, started, status, said", [
+    ({}, 2, "PASS", "8 metrics, largest gap 0.00e+00"),  # a step's loss, reward/mean, grad_norm, entropy (NaN in both: 0)
+    ({"loss": 4.5 + 4.4e-5}, 2, "PASS", "largest gap 9.78e-06 of max(1, |value|) (loss at step 4)"),  # of 4.5
+    ({"loss": 4.5 + 4.6e-5}, 2, "FAIL", "largest gap 1.02e-05 of max(1, |value|) (loss at step 4)"),
+    ({"reward/mean": 0.25 + 2e-5}, 2, "FAIL", "largest gap 2.00e-05 of max(1, |value|) (reward/mean at step 4)"),  # of 1, not of 0.25
+    ({"grad_norm": None}, 2, "FAIL", "largest gap inf"),  # a metric the resumed run did not log
+    ({"entropy": 0.1}, 2, "FAIL", "(entropy at step 4)"),  # finite where the unbroken run's was NaN
+    ({}, 0, "FAIL", "the resumed run started after step 0, not 2 (summary.json's resumed_from)"),
+    ({"step": 5}, 2, "FAIL", "the resumed run logged no step 4 (metrics.jsonl)"),
+])
+def test_the_resume_verdict_by_value(resumed_at_4, started, status, said):
+    """The resume check's verdict (resume_verdict), on the two runs' rows as read: every metric of steps 3
+    and 4 within 1e-5 of max(1, |value|), the eval row beside step 4 not taken for it, a resumed run that
+    did not start after step 2 failed whatever its numbers."""
+    rows = resume_rows(**resumed_at_4)
+    rows["resumed"] = [{k: v for k, v in r.items() if v is not None} for r in rows["resumed"]]
+    verdict = grpo.verify.resume_verdict(rows, {"unbroken": 0, "resumed": started})
+    assert (verdict.status, verdict.name) == (status, "resume") and said in verdict.detail, verdict
+
+
+def test_a_routing_row_over_no_routed_token_fails():
+    """The routing row passes only where token-layers were routed and every one as told: a batch whose
+    routes are all -1 replays nothing (it passed as "0 of 0")."""
+    assert grpo.verify.routing_verdict("padded", 0, 20464, 0.0).status == "PASS"
+    assert grpo.verify.routing_verdict("padded", 1, 20464, 0.0).status == "FAIL"
+    empty = grpo.verify.routing_verdict("packed", 0, 0, 0.0)
+    assert empty.status == "FAIL" and "packed: no token-layer of the batch was routed" in empty.detail, empty
 
 
 def test_each_layout_row_fails_on_its_logprobs_or_its_gradients_and_micro_batches_on_theirs(monkeypatch):
