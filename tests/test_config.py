@@ -358,6 +358,12 @@ def test_unknown_option_is_an_error():
         ("algo.batch_size=0", "algo.batch_size=0 is below algo.group_size=16: every prompt needs a full group"),  # 0 % 16 == 0
         ("parallel=ddp|parallel.allreduce_bucket_mb=0", "parallel.allreduce_bucket_mb=0 must be > 0 (MB of gradients"),
         ("logger.num_samples=0", "logger.num_samples=0 must be >= 1."),
+        # the generated tasks' sizes, known before a job is submitted (refused only when the task was built)
+        ("task.digits=0", "task.digits=0 must be between 1 and 4."),
+        ("task=arithmetic|task.digits=5", "task.digits=5 must be between 1 and 4."),
+        ("task.digits=1", "task.eval_size=256 leaves no training rows out of the 100 prompts task=addition task.digits=1 makes"),
+        ("task=arithmetic|task.digits=1|task.eval_size=100", "task.eval_size=100 leaves no training rows out of the 100 prompts "),
+        ("task=arithmetic|task.digits=2|task.eval_size=8100", "out of the 8100 prompts task=arithmetic task.digits=2 makes"),
         ("rollout=colocated|rollout.vllm.images_per_prompt=4", "rollout.vllm.images_per_prompt=4 is read for a "
                                                                 "vision-language model only"),
         ("model=tiny_vlm|rollout=colocated|rollout.vllm.images_per_prompt=0", "rollout.vllm.images_per_prompt=0 must be >= 1"),

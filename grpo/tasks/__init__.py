@@ -8,6 +8,7 @@ import os
 from omegaconf import OmegaConf
 
 from grpo.errors import ConfigError
+from grpo.tasks import addition, arithmetic
 from grpo.tasks.addition import build_addition
 from grpo.tasks.arithmetic import build_arithmetic
 from grpo.tasks.base import Sample, Task, TrainSampler
@@ -47,6 +48,8 @@ READS = {
 # values a task takes as they are: guess evaluates each of its secrets once (conf/task/guess.yaml)
 FIXED = {"guess": {"eval_size": GUESS_SECRETS}}
 DATA_FIELDS = ("path", "eval_path", "hub_id", "hub_config")  # the ones a file of rows would be given by
+# the generated tasks' operands by task.digits: their prompts are every pair, counted before a job is submitted
+OPERANDS = {"addition": addition.operands, "arithmetic": arithmetic.operands}
 
 
 def unread_settings(cfg) -> list[str]:
@@ -81,6 +84,11 @@ def check_task(cfg, preset: dict | None = None) -> None:
         if cfg.get(key) != value:
             raise ConfigError(f"task.{key}={cfg.get(key)!r}: task={cfg.name} evaluates each of its {value} secrets "
                               f"once, so it takes task.{key}={value} only; drop the setting.")
+    if cfg.name in OPERANDS:
+        prompts = len(OPERANDS[cfg.name](cfg.digits)) ** 2
+        if cfg.eval_size >= prompts:
+            raise ConfigError(f"task.eval_size={cfg.eval_size} leaves no training rows out of the {prompts} prompts "
+                              f"task={cfg.name} task.digits={cfg.digits} makes; lower task.eval_size or raise task.digits.")
     check_overlap(cfg)
     check_source(cfg, preset or {})
 

@@ -8,21 +8,23 @@ from __future__ import annotations
 
 from grpo.errors import ConfigError
 from grpo.rewards.math_answer import is_equivalent
-from grpo.tasks.base import Sample, Task, hold_out
+from grpo.tasks.base import Sample, Task, check_digits, hold_out
 
 ANSWER_FORMAT = "Answer with just the number."
 
 
+def operands(d: int) -> range:
+    """Each operand of the d-digit sums, no leading zeros (10 to 99); the prompts are every pair."""
+    check_digits(d)
+    return range(0 if d == 1 else 10 ** (d - 1), 10**d)
+
+
 def build_arithmetic(cfg) -> Task:
-    d = cfg.digits
-    if not 1 <= d <= 4:
-        raise ConfigError(f"task.digits={d} must be between 1 and 4.")
     instruction = ANSWER_FORMAT if cfg.answer_format is None else cfg.answer_format
-    low = 0 if d == 1 else 10 ** (d - 1)  # d-digit operands, no leading zeros
     samples = [
         Sample(prompt=f"What is {a} + {b}? {instruction}".strip(), answer=str(a + b))
-        for a in range(low, 10**d)
-        for b in range(low, 10**d)
+        for a in operands(cfg.digits)
+        for b in operands(cfg.digits)
     ]
     train, held_out = hold_out(samples, cfg.eval_size, cfg.seed, ConfigError)
     return Task("arithmetic", train=train, eval=held_out,

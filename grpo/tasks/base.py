@@ -7,7 +7,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from grpo.errors import DatasetError
+from grpo.errors import ConfigError, DatasetError
 
 
 @dataclass
@@ -15,6 +15,12 @@ class Sample:
     prompt: str  # the text the model continues
     answer: str  # ground truth for the rewards
     meta: dict = field(default_factory=dict)  # anything else a reward needs
+
+
+def check_digits(digits: int) -> None:
+    """task.digits, the operand width of the generated tasks (addition, arithmetic)."""
+    if not 1 <= digits <= 4:
+        raise ConfigError(f"task.digits={digits} must be between 1 and 4.")
 
 
 def hold_out(samples: list, eval_size: int, seed: int, error: type[Exception], where: str = "") -> tuple[list, list]:
