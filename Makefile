@@ -112,7 +112,7 @@ test-slow: $(STAMP)
 
 # Against a real SLURM: start the local two-node one first (slurm/dev-cluster.sh install && slurm/dev-cluster.sh up --nodes 2).
 test-slurm: $(STAMP)
-	$(PY) -m pytest -q -m slurm $(ARGS)
+	$(PY) -m pytest -q -m slurm --durations=0 $(ARGS)
 
 # On a machine with a CUDA GPU (skipped without one): grpo.doctor, then a short run per backend and strategy (tests/test_gpu.py).
 test-gpu: $(STAMP)

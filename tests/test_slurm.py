@@ -405,31 +405,24 @@ def shm_files() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("psm_*")}
 
 
-def test_train_remote_sbatch_starts_a_server_and_trains_against_it(tmp_path, slurm_env, model_cache):
-    run_dir = tmp_path / "run"
-    shm_before = shm_files()
-    log = sbatch("train_remote.sbatch", run_dir, slurm_env, extra_env={"GRPO_CACHE": model_cache})
-    assert (run_dir / "summary.json").exists(), log[-4000:]
-    urls = [p.read_text().strip() for p in (run_dir / "servers").glob("*.url")]
-    assert len(urls) == 1 and urls[0].startswith("http://")
-    config = (run_dir / "config.yaml").read_text()
-    assert "backend: remote" in config and urls[0] in config  # the trainer used the URL the server wrote
-    assert "POST /update_weights" in log and steps_logged(run_dir) == [0, 1, 2, 3, 3]
-    assert shm_files() - shm_before == set(), "the server was killed, not shut down: its shared memory leaked"
-
-
-def test_train_remote_sbatch_starts_a_judge_beside_the_server(tmp_path, slurm_env, model_cache):
-    """JUDGES=1 JUDGE_MODEL=tiny: on one node the judge shares it with the server and the trainer; the
-    trainer is scored by the judge every step, through the job's token, and both servers shut down."""
+def test_train_remote_sbatch_starts_a_server_and_a_judge_and_trains_against_them(tmp_path, slurm_env, model_cache):
+    """JUDGES=1 JUDGE_MODEL=tiny: on one node the rollout server and the judge share it with the trainer,
+    which uses the URL the server wrote (weights pushed to it every step) and is scored by the judge
+    every step, through the job's token; both servers shut down (no shared memory left). The layouts
+    without a judge, and with several servers and nodes, are test_launch.py's (the sbatch under a
+    fake srun): one real job covers the server's start and the judge's beside it."""
     run_dir = tmp_path / "run"
     shm_before = shm_files()
     log = sbatch("train_remote.sbatch", run_dir, slurm_env, "reward=judge", "reward.judge.api=completions",
                  "reward.judge.rating=[0,9]", "reward.judge.template='{prompt}{completion}?'",
                  extra_env={"GRPO_CACHE": model_cache, "JUDGES": "1", "JUDGE_MODEL": "tiny"})
     assert (run_dir / "summary.json").exists(), log[-4000:]
+    urls = [p.read_text().strip() for p in (run_dir / "servers").glob("*.url")]
     judges = [p.read_text().strip() for p in (run_dir / "judges").glob("*.url")]
     config = (run_dir / "config.yaml").read_text()
-    assert len(judges) == 1 and judges[0] in config and "backend: remote" in config
+    assert len(urls) == 1 and urls[0].startswith("http://") and urls[0] in config and "backend: remote" in config
+    assert len(judges) == 1 and judges[0] in config and judges[0] != urls[0]
+    assert "POST /update_weights" in log and steps_logged(run_dir) == [0, 1, 2, 3, 3]
     steps = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if '"reward/judge"' in line]
     assert [r["step"] for r in steps] == [1, 2, 3] and all(r["judge/failed"] == 0 for r in steps)
     assert shm_files() - shm_before == set(), "a server was killed, not shut down: its shared memory leaked"
