@@ -170,8 +170,22 @@ def job_listed(job_id: str) -> bool:
 def job_gone(job_id: str) -> bool:
     """Whether SLURM says the job has ended: squeue lists it no more, or no longer knows its id (after the
     cluster's MinJobAge). A squeue that fails otherwise, or does not answer, says nothing: False."""
-    out = squeue_state(job_id)
+    return squeue_says_gone(squeue_state(job_id))
+
+
+def squeue_says_gone(out: subprocess.CompletedProcess | None) -> bool:
+    """`job_gone` on one squeue_state answer."""
     return out is not None and ((out.returncode == 0 and not out.stdout.strip()) or "Invalid job id" in out.stderr)
+
+
+def squeue_failure(out: subprocess.CompletedProcess | None) -> str | None:
+    """Why a squeue_state answer says nothing of the job (no answer, or an error other than an unknown id);
+    None where SLURM answered."""
+    if out is None:
+        return f"no answer within {SLURM_CALL_S} s"
+    if out.returncode != 0 and "Invalid job id" not in out.stderr:
+        return (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
+    return None
 
 
 def wait_for_urls(folder: str, count: int, timeout_s: float, what: str, run_dir: str, job: str | None = None) -> list[str]:

@@ -61,8 +61,9 @@ from dataclasses import dataclass, field
 from omegaconf import OmegaConf
 
 from grpo.cli import exit_on_user_error
-from grpo.companions import (Companion, agree_on_companions, cancel_jobs, executor_for, executor_settings, job_listed,
-                             judges_dir, servers_dir, slurm_folder, token_path, wait_for_urls, write_companion_jobs)
+from grpo.companions import (Companion, agree_on_companions, cancel_jobs, executor_for, executor_settings, judges_dir,
+                             servers_dir, slurm_folder, squeue_failure, squeue_says_gone, squeue_state, token_path,
+                             wait_for_urls, write_companion_jobs)
 from grpo.config import GROUPS, Config, compose_config, known_model_config, validate
 from grpo.dist import node_name
 from grpo.errors import ConfigError, did_you_mean
@@ -287,9 +288,22 @@ def check_server_sizes(cfg, own: dict) -> None:
                               "Each judge is tensor parallel over all of its node's judge_gpus: set judge_gpus to one of those.")
 
 
-def wait_for_job(job_id: str, poll_s: float = 5) -> None:
-    """Until SLURM no longer lists the job (through requeues)."""
-    while job_listed(job_id):
+def wait_for_job(job_id: str, poll_s: float = 5, say_every_s: float = 300) -> None:
+    """Until SLURM no longer lists the job (through requeues). Only SLURM's word ends the wait; a squeue
+    that keeps failing (the controller down) is said every `say_every_s`, so that a wait SLURM cannot end
+    is seen for what it is (it waited in silence)."""
+    failing_since = None
+    while not squeue_says_gone(out := squeue_state(job_id)):
+        why = squeue_failure(out)
+        if why is None:
+            failing_since = None
+        else:
+            failing_since = failing_since or time.monotonic()
+            if time.monotonic() - failing_since >= say_every_s:
+                print(f"squeue has not answered on job {job_id} for {time.monotonic() - failing_since:.0f} s ({why}); still "
+                      f"waiting, the job may be running. Ctrl-C ends this wait, not the job (squeue -j {job_id}; "
+                      f"sacct -j {job_id}).", flush=True)
+                failing_since = time.monotonic()
         time.sleep(poll_s)
 
 

@@ -184,6 +184,35 @@ def test_a_squeue_that_does_not_answer_leaves_the_job_listed(tmp_path, monkeypat
     assert (job_listed("11"), job_gone("11")) == (listed, gone)
 
 
+def test_wait_true_says_a_squeue_that_keeps_failing_and_ends_only_on_slurms_word(tmp_path, monkeypatch, capsys):
+    """wait=true (grpo.launch.wait_for_job) through a squeue that fails twice (the controller down), answers
+    RUNNING, fails once more, then no longer lists the job: each failure past `say_every_s` is said (here
+    0 s: every one) with squeue's own line, the RUNNING answer ends the failing stretch, and only the
+    empty answer ends the wait. Before, a squeue failing for good made the wait silent forever."""
+    import grpo.companions
+    from grpo.launch import wait_for_job
+
+    calls = tmp_path / "calls"
+    answers = ["fail", "fail", "running", "fail", "gone"]
+    monkeypatch.setattr(grpo.companions, "SLURM_CALL_S", 5)
+    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", {"squeue": (
+        f"n = len(open({str(calls)!r}).read()) if os.path.exists({str(calls)!r}) else 0\n"
+        f"open({str(calls)!r}, 'a').write('x')\n"
+        f"answer = {answers!r}[n]\n"
+        "if answer == 'fail': sys.exit('squeue: error: slurm_load_jobs error: Unable to contact slurm controller')\n"
+        "if answer == 'running': print('RUNNING')")}))
+    wait_for_job("42", poll_s=0, say_every_s=0)
+    said = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("squeue has not answered")]
+    assert len(calls.read_text()) == 5 and len(said) == 3, said
+    assert said[0].startswith("squeue has not answered on job 42 for 0 s (squeue: error: slurm_load_jobs error: Unable "
+                              "to contact slurm controller); still waiting, the job may be running. Ctrl-C ends this "
+                              "wait, not the job (squeue -j 42; sacct -j 42)."), said[0]
+    capsys.readouterr()
+    calls.unlink()
+    wait_for_job("42", poll_s=0, say_every_s=3600)  # within the default's stretch: nothing said
+    assert "squeue has not answered" not in capsys.readouterr().out
+
+
 def test_the_trainer_takes_as_many_urls_as_servers_it_waits_for(tmp_path):
     """Three servers answering in the folder, the trainer waiting for two: the first two URLs in sorted order,
     not all three (rollout.remote.urls of exactly the job's servers)."""
