@@ -74,6 +74,38 @@ def test_torch_outside_setup_cfgs_range_is_named():
     assert wh.torch_problem("2.15.0", spec).endswith("(<2.15 fails)")
 
 
+@pytest.mark.parametrize("wheels, code, said", [
+    (["torch-2.11.0+cu130-cp312-cp312-manylinux_2_28_x86_64.whl"], 0, "torch: none here; it comes from "),
+    (["torch-2.11.0+wheelhouse-py3-none-any.whl"], 1, "has no torch and"),  # the stand-in is no torch
+    ([], 1, "has no torch and"),
+])
+def test_the_targets_check_stops_a_venv_with_no_torch_from_a_folder_with_none(tmp_path, monkeypatch, capsys, wheels, code, said):
+    """check_torch on the target, this Python made to have no torch (`import torch` fails): a folder with a
+    real torch wheel is fine; one with only the stand-in (built without WITH_TORCH=1), or none, stops the
+    install with the ways out."""
+    for name in wheels:
+        (tmp_path / name).write_bytes(b"")
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)  # import torch: ImportError
+    assert wh.check_torch(tmp_path) == code
+    out = capsys.readouterr()
+    assert said in (out.out + out.err)
+    if code:
+        assert "rebuild the wheelhouse with\n  WITH_TORCH=1" in out.err, out.err
+
+
+def test_the_targets_check_keeps_the_torch_it_finds_and_names_one_outside_the_range(tmp_path, monkeypatch, capsys):
+    """A torch already in the venv is kept (the checkout goes on top with --no-deps); outside setup.cfg's
+    range it is a warning naming the bound, not a stop."""
+    import torch
+
+    assert wh.check_torch(tmp_path) == 0
+    out = capsys.readouterr().out
+    assert f"torch {torch.__version__} already here" in out and "kept, not replaced" in out and "warning" not in out, out
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    assert wh.check_torch(tmp_path) == 0
+    assert "warning: torch 2.11.0+cu130 is outside torch>=" in capsys.readouterr().out
+
+
 def test_the_stand_in_torch_is_a_wheel_with_no_dependencies(tmp_path):
     path = wh._stub_torch(tmp_path, "2.11.0")
     assert path.name == "torch-2.11.0+wheelhouse-py3-none-any.whl"
