@@ -23,3 +23,16 @@ def fake_slurm(bin_dir: Path, bodies: dict[str, str]) -> str:
         script.write_text(f"#!{sys.executable}\nimport json, os, sys\n{body}\n")
         script.chmod(0o755)
     return f"{bin_dir}:{os.environ['PATH']}"
+
+
+def fake_scontrol(tmp_path, monkeypatch, rc: int) -> Path:
+    """A stand-in `scontrol` on PATH that appends its arguments ("scontrol requeue 41") to the returned file
+    and exits `rc`, in a job 41 (no array): what grpo.preempt's requeue calls."""
+    calls = tmp_path / "calls"
+    (tmp_path / "scontrol").write_text(f'#!/bin/sh\necho "scontrol $*" >> {calls}\nexit {rc}\n')
+    (tmp_path / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    for key in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(key, raising=False)
+    return calls

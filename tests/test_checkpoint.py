@@ -58,21 +58,25 @@ def test_kill_during_save_leaves_last_good_checkpoint(tmp_path, tiny_lm, monkeyp
     assert left == ["latest", "step_00000003"]
 
 
-def test_kill_while_replacing_the_same_step_falls_back_to_a_complete_one(tmp_path, tiny_lm, monkeypatch):
-    strategy = strategy_for(tiny_lm[0])
-    save_checkpoint(str(tmp_path), 1, strategy, {}, keep=5)
-    save_checkpoint(str(tmp_path), 2, strategy, {}, keep=5)
+def killed_while_replacing_step_2(run_dir, strategy, monkeypatch) -> None:
+    """Steps 1 and 2 saved, then step 2 saved again and killed once the old step 2 is moved aside."""
+    for step in (1, 2):
+        save_checkpoint(str(run_dir), step, strategy, {}, keep=5)
     real_rename = os.rename
 
-    def dies_after_moving_aside(src, dst):  # step 2 is being saved again; die mid-replacement
+    def dies_after_moving_aside(src, dst):
         real_rename(src, dst)
         if os.path.basename(dst).startswith(".old-"):
             raise KeyboardInterrupt("killed")
 
     monkeypatch.setattr(os, "rename", dies_after_moving_aside)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(str(tmp_path), 2, strategy, {}, keep=5)
+        save_checkpoint(str(run_dir), 2, strategy, {}, keep=5)
     monkeypatch.undo()
+
+
+def test_kill_while_replacing_the_same_step_falls_back_to_a_complete_one(tmp_path, tiny_lm, monkeypatch):
+    killed_while_replacing_step_2(tmp_path, strategy_for(tiny_lm[0]), monkeypatch)
     # `latest` names step 2, which is not in place: the newest complete checkpoint is used instead
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000002"
     assert latest_checkpoint(str(tmp_path)).endswith("step_00000001")

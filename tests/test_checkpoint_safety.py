@@ -15,7 +15,8 @@ import torch
 
 from grpo.checkpoint import DONE, latest_checkpoint, load_checkpoint, save_checkpoint, set_aside_checkpoints
 from tests.conftest import ROOT
-from tests.test_checkpoint import strategy_for
+from tests.fake_slurm import fake_scontrol
+from tests.test_checkpoint import killed_while_replacing_step_2, strategy_for
 
 
 def test_a_step_saved_again_after_a_kill_during_its_own_save_replaces_the_partial_folder(tmp_path, tiny_lm, monkeypatch):
@@ -73,19 +74,7 @@ def test_the_next_save_removes_what_a_kill_while_replacing_a_step_left(tmp_path,
     """Killed between moving the old step 2 aside (.old-step_2-<pid>) and renaming the new one into place:
     the next save removes both leftovers (a real model's: gigabytes each)."""
     strategy = strategy_for(tiny_lm[0])
-    for step in (1, 2):
-        save_checkpoint(str(tmp_path), step, strategy, {}, keep=5)
-    real_rename = os.rename
-
-    def dies_after_moving_aside(src, dst):
-        real_rename(src, dst)
-        if os.path.basename(dst).startswith(".old-"):
-            raise KeyboardInterrupt("killed")
-
-    monkeypatch.setattr(os, "rename", dies_after_moving_aside)
-    with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(str(tmp_path), 2, strategy, {}, keep=5)
-    monkeypatch.undo()
+    killed_while_replacing_step_2(tmp_path, strategy, monkeypatch)
     root = tmp_path / "checkpoints"
     assert sorted(d[:5] for d in os.listdir(root)) == [".old-", ".tmp-", "lates", "step_"]
     save_checkpoint(str(tmp_path), 2, strategy, {}, keep=5)
@@ -167,16 +156,6 @@ def test_submitits_time_limit_warning_sigusr2_is_caught_and_given_back():
     finally:
         signal.signal(signal.SIGUSR2, previous)
 
-
-def fake_scontrol(tmp_path, monkeypatch, rc: int):
-    calls = tmp_path / "calls"
-    (tmp_path / "scontrol").write_text(f'#!/bin/sh\necho "scontrol $*" >> {calls}\nexit {rc}\n')
-    (tmp_path / "scontrol").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    monkeypatch.setenv("SLURM_JOB_ID", "41")
-    for key in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
-        monkeypatch.delenv(key, raising=False)
-    return calls
 
 
 def test_a_sigterm_under_slurm_exits_without_requeueing(monkeypatch, tmp_path):

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests.fake_slurm import fake_scontrol
 from tests.test_checkpoint import run_train
 
 
@@ -201,13 +202,7 @@ def test_before_requeue_runs_on_rank_0_before_scontrol_and_a_failure_there_still
     fails, so `stop` returns (SystemExit 1) instead of waiting for SLURM to end the allocation."""
     from grpo.preempt import stop
 
-    calls = tmp_path / "calls"
-    (tmp_path / "scontrol").write_text(f'#!/bin/sh\necho "scontrol $*" >> {calls}\nexit 1\n')
-    (tmp_path / "scontrol").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    monkeypatch.setenv("SLURM_JOB_ID", "41")
-    for key in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
-        monkeypatch.delenv(key, raising=False)
+    calls = fake_scontrol(tmp_path, monkeypatch, rc=1)
 
     def cancel():
         with open(calls, "a") as f:

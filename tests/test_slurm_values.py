@@ -216,34 +216,18 @@ def test_wait_true_says_a_squeue_that_keeps_failing_and_ends_only_on_slurms_word
 def test_the_trainer_takes_as_many_urls_as_servers_it_waits_for(tmp_path):
     """Three servers answering in the folder, the trainer waiting for two: the first two URLs in sorted order,
     not all three (rollout.remote.urls of exactly the job's servers)."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import contextlib
 
     from grpo.companions import wait_for_urls
+    from tests.test_launch import healthy_server
 
-    class Health(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    servers = [ThreadingHTTPServer(("127.0.0.1", 0), Health) for _ in range(3)]
-    for s in servers:
-        threading.Thread(target=s.serve_forever, daemon=True).start()
-    try:
-        urls = sorted(f"http://127.0.0.1:{s.server_port}" for s in servers)
+    with contextlib.ExitStack() as stack:
+        urls = sorted(stack.enter_context(healthy_server()) for _ in range(3))
         folder = tmp_path / "servers"
         folder.mkdir()
         for i, url in enumerate(urls):
             (folder / f"n{i}.url").write_text(url + "\n")
         assert wait_for_urls(str(folder), 2, 30, "rollout server", str(tmp_path)) == urls[:2]
-    finally:
-        for s in servers:
-            s.shutdown()
-            s.server_close()
 
 
 def test_the_sbatch_script_asks_for_the_launchs_gpus_signal_and_requeue(tmp_path, monkeypatch):
