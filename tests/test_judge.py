@@ -56,6 +56,26 @@ def test_expected_score_by_hand():
     assert expected_score(top, {"yes": 1.0, "no": 0.0}, JudgeConfig.min_choice_mass) == pytest.approx(0.7 / 0.9)
 
 
+def test_choices_written_in_another_case_match_the_judges_tokens_and_the_mass_bound_is_inclusive():
+    """Choices given as {Yes: 1, No: 0} match the judge's "yes"/" NO" tokens as the docstring says (case
+    ignored on both sides): p(yes) = 0.5, p(NO) = 0.25 -> (0.5 * 1 + 0.25 * 0) / 0.75 = 2/3; compared
+    as written, no token matched and every answer was garbage. The choices holding exactly
+    min_choice_mass (0.5) is enough: only less is garbage."""
+    top = {"yes": math.log(0.5), " NO": math.log(0.25), "The": math.log(0.25)}
+    assert expected_score(top, {"Yes": 1.0, "No": 0.0}) == pytest.approx(2 / 3)
+    assert math.exp(math.log(0.5)) == 0.5  # the bound below is met exactly, not by rounding
+    assert expected_score({"yes": math.log(0.5), "The": math.log(0.5)}, {"yes": 1.0, "no": 0.0}, 0.5) == 1.0
+    assert expected_score({"yes": math.log(0.25), "The": math.log(0.75)}, {"yes": 1.0, "no": 0.0}, 0.5) is None
+
+
+def test_a_cut_answer_is_no_score_when_its_last_match_reaches_the_cut_whatever_came_before():
+    """Cut at max_tokens, "Score: 1. Final score: 1" may end in a "1" of "10": no score, although its
+    first match ("1" then ". Final ...") is whole; the same text not cut agrees on 1."""
+    number = re.compile(JudgeConfig.pattern)
+    assert pattern_score("Score: 1. Final score: 1", number, {}, cut=True) is None
+    assert pattern_score("Score: 1. Final score: 1", number, {}) == 1.0
+
+
 def test_pattern_score_and_the_prompt():
     number = re.compile(JudgeConfig.pattern)  # the default
     assert pattern_score("Score: 7.5", number, {}) == 7.5 and pattern_score("7.5, so 7.5.", number, {}) == 7.5
@@ -125,6 +145,33 @@ def test_logprobs_read_the_first_answer_token_not_the_last():
                {"token": "no", "logprob": 0.0, "top_logprobs": [{"token": "no", "logprob": 0.0}]}]
     said = {"choices": [{"message": {"content": "yes no"}, "logprobs": {"content": content}, "finish_reason": "length"}]}
     assert judge.read(said) == (1.0, "yes no")
+    # the completions API's shape (top_logprobs: one {token: logprob} per answer token): its first too
+    cfg = compose_cfg("reward=judge", "reward.judge.urls=[http://127.0.0.1:1]", "reward.judge.api=completions",
+                      "reward.judge.score=logprobs", "reward.judge.max_tokens=2")
+    text = {"choices": [{"text": "yes no", "logprobs": {"top_logprobs": [{"yes": 0.0}, {"no": 0.0}]}, "finish_reason": "length"}]}
+    assert Judge(cfg.reward.judge, None).read(text) == (1.0, "yes no")
+
+
+def test_each_api_asks_for_top_logprobs_of_the_first_answer_token():
+    """score=logprobs asks for `top_logprobs` alternatives under both APIs (completions: "logprobs": k),
+    not the sampled token alone: with k=1 the expected value collapses to the greedy choice's value."""
+    for api, path in (("chat", "/v1/chat/completions"), ("completions", "/v1/completions")):
+        cfg = compose_cfg("reward=judge", "reward.judge.urls=[http://127.0.0.1:1]", f"reward.judge.api={api}",
+                          "reward.judge.top_logprobs=7")
+        where, body = Judge(cfg.reward.judge, None).body("Rate it.")
+        assert where == path and body["max_tokens"] == 1 and body["temperature"] == 0.0
+        assert body.get("top_logprobs", body.get("logprobs")) == 7, body
+
+
+def test_a_request_that_failed_is_counted_as_failed_not_as_garbage():
+    """A judge no server answers (a closed port, no retry): its completion is None, counted once under
+    `failed`; `garbage` counts only answers that came back without a score."""
+    cfg = compose_cfg("reward=judge", f"reward.judge.urls=[http://127.0.0.1:{free_port('127.0.0.1')}]",
+                      "reward.judge.retries=0", "reward.judge.min_scored=0", "reward.judge.model=m")
+    judge = Judge(cfg.reward.judge, None)
+    with pytest.warns(UserWarning, match="1 of 1 requests failed"):
+        assert judge(["a", "a"], [Sample("p", "x")] * 2) == [None, None]
+    assert judge.stats == {"requests": 1, "retries": 0, "failed": 1, "garbage": 0}
 
 
 def test_agreement_by_hand():
@@ -150,6 +197,8 @@ def test_agreement_by_hand():
                                           "every answer would score its value. Give two or more; they replace"),
     (["reward.judge.rating=[3,3]"], "reward.judge.rating=[3, 3] is one value: under score=logprobs every answer would "
                                     "score 3. Give a range"),
+    (["reward.judge.min_choice_mass=1.5"], "reward.judge.min_choice_mass=1.5 is a probability: 0 to 1"),
+    (["reward.judge.min_choice_mass=-0.1"], "reward.judge.min_choice_mass=-0.1 is a probability: 0 to 1"),
 ])
 def test_validate_says_what_to_change(override, message):
     urls = [] if not override else ["reward.judge.urls=[http://127.0.0.1:1]"]
@@ -558,7 +607,6 @@ def test_a_run_on_the_judge_logs_it_and_stops_when_the_judge_dies(server, tmp_pa
     # (a request or two of the step may have been answered before the kill: 0 or a few scored)
     assert re.search(r"error: reward `judge` scored \d+ of \d+ completions, below reward.judge.min_scored=0.5: .*unreachable", out), \
         out[-3000:]
-
 
 
 def test_a_slow_batch_ends_at_the_judges_own_bound_and_leaves_nothing_running(garbage):

@@ -49,7 +49,7 @@ def test_countdown_checks_numbers_and_target():
 
 def test_safe_evaluation_refuses_everything_but_arithmetic():
     assert evaluate("(1 + 2) * -3 / 4") == (-2.25, [1, 2, 3, 4])
-    for bad in ("2 ** 10", "abs(-3)", "x + 1", "[1][0]", "1 if 1 else 2", "'a' * 3"):
+    for bad in ("2 ** 10", "abs(-3)", "x + 1", "[1][0]", "1 if 1 else 2", "'a' * 3", "True * 5"):  # True: no number 1
         with pytest.raises(NotAnEquation):
             evaluate(bad)
 
@@ -293,6 +293,7 @@ def test_an_environments_rewards_no_reward_reads_are_named():
         ("\\boxed{9 - 1}", "8", 0.0),
         ("\\boxed{3 \\cdot 6}", "18", 0.0),
         ("\\boxed{2^{10}}", "1024", 0.0),  # a whole power
+        ("\\boxed{3^2}", "9", 0.0),  # a square too
         ("In May she sold 48/2 = 24 clips. Altogether she sold 48 + 24", "72", 0.0),
         ("In May she sold 48/2", "24", 0.0),  # a division that comes out whole
         ("\\boxed{48/2}", "24", 0.0),  # ... in LaTeX too, which math-verify hands back evaluated (24): read from its text
@@ -305,6 +306,8 @@ def test_an_environments_rewards_no_reward_reads_are_named():
         ("Therefore the total is $\\boxed{48 + 24 = 72}$", "72", 1.0),
         ("So the area is $\\frac{1}{2} \\cdot 6 \\cdot 4 = 12$.", "12", 1.0),
         ("Thus $x = 2 + 3 = 5$.", "5", 1.0),
+        ("She sold $48/2 = 24$ clips.", "24", 1.0),  # a whole division in the working, not after the last =
+        ("$\\frac{48}{2} = 24$", "24", 1.0),
         ("\\boxed{x = 7+1}", "8", 0.0),  # ... and what follows the last = must be written
         ("In May she sold 48 - 24", "24", 0.0),  # a subtraction of written numbers
         ("\\boxed{9 - 1}", "8", 0.0),
@@ -329,6 +332,10 @@ def test_an_environments_rewards_no_reward_reads_are_named():
         ("#### 72 (over 2 months)", "72", 1.0),
         ("Altogether she sold 70 clips.\n#### 70\nWith the bonus it would be 72.", "72", 0.0),
         ("#### -1,234.", "-1234", 1.0),
+        ("#### -5 (a loss, over 2 months)", "-5", 1.0),  # a negative final answer, not the 2 after it
+        ("#### 1 000 000", "1000000", 1.0),  # a number in groups is read whole, not as its first group 1
+        ("First try:\n#### 70\nNo, recount: 48 + 24 = 72.\n#### 72", "72", 1.0),  # the last `####` decides
+        ("First try:\n#### 70\nNo, recount: 48 + 24 = 72.\n#### 72", "70", 0.0),
         # ... but not a markdown heading, a number written otherwise after it, or beside a \boxed{} (which wins)
         ("#### 1. Set up\n#### 2. Solve\nx=42.\n\nThe answer is \\boxed{42}.", "42", 1.0),
         ("#### 3. Compute the total\nSo she has 7 apples.", "3", 0.0),
@@ -719,6 +726,15 @@ def test_a_weight_of_0_beside_a_positive_one_is_refused():
     with pytest.raises(ConfigError, match="a weight of 0 changes nothing"):
         check_rewards(compose_cfg("reward.funcs=[{name:exact_match,weight:1},{name:format,weight:0}]"))
     check_rewards(compose_cfg("reward.funcs=[{name:exact_match,weight:1},{name:format,weight:0.1}]"))  # accepted
+
+
+@pytest.mark.parametrize("weight", ["inf", "nan", "-inf"])
+def test_a_weight_that_is_not_finite_is_refused(weight):
+    """weight: inf passed (max > 0), and combine_rewards gave a completion that scored 1 the reward inf
+    and one that scored 0 the reward inf * 0 = NaN (excluded): every advantage of the group NaN or 0.
+    weight: nan passed too (NaN > 0 and NaN == 0 are both false) and excluded every completion."""
+    with pytest.raises(ConfigError, match=f"reward.funcs weights .*'exact_match': {weight}.* finite number"):
+        check_rewards(compose_cfg(f"reward.funcs=[{{name:exact_match,weight:{weight}}},{{name:format,weight:0.1}}]"))
 
 
 def test_a_run_that_scored_nothing_does_not_stop_at_its_end():

@@ -95,6 +95,9 @@ def test_jsonl_answers_may_be_numbers_and_eval_may_compare_by_value(tmp_path):
         (['{"prompt": "a", "answer": "1"}', "{not json"], "d.jsonl:2: not valid JSON"),
         (['{"prompt": "a", "answer": "1"}', '{"prompt": "b"}'], "d.jsonl:2: field 'answer' is missing"),
         (['{"prompt": "", "answer": "1"}'], "d.jsonl:1: field 'prompt' is missing or not a non-empty string"),
+        # an answer of spaces: exact_match strips both sides, so an empty completion scored 1
+        (['{"prompt": "a", "answer": "  "}'], "d.jsonl:1: field 'answer' is missing or not a non-empty string"),
+        (['{"prompt": " \\n", "answer": "1"}'], "d.jsonl:1: field 'prompt' is missing or not a non-empty string"),
         (['["a", "1"]'], "d.jsonl:1: expected a JSON object"),
         (['{"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"}'],
          "d.jsonl:1: field 'prompt' is a list (chat messages); give the user's text as a string"),

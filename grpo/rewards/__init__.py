@@ -133,6 +133,9 @@ def check_rewards(cfg) -> None:
                           f"it is retried one completion at a time; 0 or less would drop every slow call), e.g. "
                           f"reward.timeout_s=30.")
     weights = {f.name: f.weight for f in cfg.reward.funcs}
+    if not all(math.isfinite(w) for w in weights.values()):  # inf * 0 is NaN; NaN passes both checks below
+        raise ConfigError(f"reward.funcs weights {weights}: each weight must be a finite number (inf or nan would make "
+                          f"the rewards inf or NaN, every completion's advantage NaN or 0).")
     if any(w == 0 for w in weights.values()) or max(weights.values()) <= 0:
         raise ConfigError(f"reward.funcs weights {weights}: a weight of 0 changes nothing (drop that function), and "
                           f"at least one must be > 0; with none the run learns to lower every reward (a function that "

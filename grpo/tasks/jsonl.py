@@ -36,7 +36,7 @@ def read_jsonl(path: str, key: str = "task.path") -> list[Sample]:
                                "the chat template is applied to it (task.chat_template), and task.system_prompt sets "
                                "a system message.")
         for key in ("prompt", "answer"):
-            if not isinstance(row.get(key), str) or not row[key]:
+            if not isinstance(row.get(key), str) or not row[key].strip():  # "  ": an empty completion would match it
                 raise DatasetError(f"{where}: field {key!r} is missing or not a non-empty string"
                                    f"{' or a number' if key == 'answer' else ''}.")
         meta = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
