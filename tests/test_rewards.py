@@ -145,15 +145,41 @@ def trl_style(prompts, completions, **_):
     return [1.0] * len(completions)
 
 
+def texts_then_completions(texts, completions, **_):
+    return [1.0] * len(completions)
+
+
 def test_a_reward_taking_prompts_first_is_refused_at_validate():
     """TRL's reward signature, (prompts, completions, **kwargs), got the completions as `prompts` and the
-    samples as `completions`, and scored them silently (1.0 each here)."""
+    samples as `completions`, and scored them silently (1.0 each here); so would any first name with
+    `completions` second."""
     with pytest.raises(ConfigError, match=r"reward 'tests.test_rewards.trl_style' takes \(prompts, completions, \.\.\.\), "
                                           r"but a reward is called as fn\(completions, samples, \*\*info\).*Reorder"):
         check_rewards(compose_cfg("reward.funcs=[{name: tests.test_rewards.trl_style, weight: 1.0}]"))
+    with pytest.raises(ConfigError, match=r"takes \(texts, completions, \.\.\.\)"):
+        check_rewards(compose_cfg("reward.funcs=[{name: tests.test_rewards.texts_then_completions, weight: 1.0}]"))
     check_rewards(compose_cfg("reward.funcs=[{name: tests.test_rewards.abstains, weight: 1.0}]"))  # (completions, samples)
     # a C or pybind11 function has no signature to read: nothing to check, not inspect's ValueError
     check_rewards(compose_cfg("reward.funcs=[{name: math.hypot, weight: 1.0}]"))
+
+
+def test_a_reward_returning_a_value_short_is_scored_one_completion_at_a_time_with_its_own_info():
+    """A rule reward that returns 2 values for 3 completions (here: it drops the last) is a failed batch,
+    not 2 scores zipped onto 3 completions; the retry one completion at a time hands it that completion's
+    own slice of every per-completion list (completion_ids), and other info (max_new_tokens) as it is."""
+    seen = []
+
+    def drops_the_last(completions, samples, completion_ids=None, max_new_tokens=None, **_):
+        seen.append((list(completions), completion_ids, max_new_tokens))
+        values = [float(len(ids)) for ids in completion_ids]
+        return values[:-1] if len(completions) > 1 else values
+
+    with pytest.warns(UserWarning, match=r"'short' failed on the batch \(returned 2 values for 3 completions\); scoring "
+                                         r"its completions one at a time"):
+        rewards, stats = score([("short", drops_the_last, 1.0)], ["a", "b", "c"], [None] * 3, timeout_s=5,
+                               completion_ids=[[1], [1, 2], [1, 2, 3]], max_new_tokens=8)
+    assert rewards == [[1.0, 2.0, 3.0]] and stats["short/completions_failed"] == 0
+    assert seen[1:] == [(["a"], [[1]], 8), (["b"], [[1, 2]], 8), (["c"], [[1, 2, 3]], 8)]
 
 
 def test_a_completion_one_function_failed_on_is_not_scored_by_the_others():
