@@ -12,6 +12,7 @@ from grpo.config import TaskConfig
 from grpo.models import encode_prompts, format_prompt
 from grpo.tiny.text import build_char_tokenizer
 from grpo.tasks import build_task
+from grpo.tasks.gsm8k import final_answer
 from grpo.tasks.math_problems import last_boxed
 from grpo.tasks.rows import DatasetError
 
@@ -48,6 +49,8 @@ def test_gsm8k_from_local_files_extracts_the_number_after_hashes(tmp_path):
     assert s.prompt.startswith("Tom has") and s.prompt.endswith('output the final answer after "####".')
     assert task.is_correct(f"So {s.answer[0]},{s.answer[1:]} apples. #### {s.answer}", s)
     assert not task.is_correct("#### 7", s)
+    capped = build_task(task_cfg(name="gsm8k", path=train, eval_path=test, eval_size=1))
+    assert len(capped.eval) == 1 and capped.eval[0].answer in ("1004", "1005")  # the eval file cut to eval_size
 
 
 @pytest.mark.parametrize("name, rows, eval_file", [("gsm8k", GSM8K * 3, False), ("gsm8k", GSM8K, True),
@@ -91,6 +94,11 @@ def test_answer_format_and_system_prompt_are_configurable(tmp_path):
         ([{"question": "q"}], "d.jsonl:1: missing column(s) ['answer']; the row has ['question']"),
         ([GSM8K[0], '{"question": "q",'], "d.jsonl:2: not valid JSON"),
         ([{"question": " ", "answer": "#### 3"}], "d.jsonl:1: column 'question' is empty"),
+        # "." alone after ####: the trailing full stop goes, and nothing is left
+        ([GSM8K[0], {"question": "q", "answer": "#### ."}], "d.jsonl:2: column 'answer' has nothing after '####'"),
+        # a null (a parquet row without the column reads as one) is a missing column, not a wrong type
+        ([GSM8K[0], {"question": "q", "answer": None}], "d.jsonl:2: missing column(s) ['answer']; the row has ['answer', 'question']"),
+        ([""], "d.jsonl: the file has no rows"),
     ],
 )
 def test_malformed_gsm8k_row_names_file_and_line(tmp_path, rows, message):
@@ -106,7 +114,9 @@ def test_malformed_parquet_row_names_file_and_row(tmp_path):
         build_task(task_cfg(name="gsm8k", path=path, eval_size=1))
 
 
-def test_unknown_file_type_and_missing_file(tmp_path):
+def test_local_file_types_and_missing_file(tmp_path):
+    task = build_task(task_cfg(name="gsm8k", path=write_jsonl(tmp_path / "d.json", GSM8K), eval_size=2))
+    assert len(task.train) == 4 and len(task.eval) == 2  # a .json file is read as JSON lines, like a .jsonl
     (tmp_path / "d.csv").write_text("question,answer\n")
     with pytest.raises(DatasetError, match="unknown file type"):
         build_task(task_cfg(name="gsm8k", path=str(tmp_path / "d.csv"), eval_size=1))
@@ -141,13 +151,27 @@ def test_last_boxed(text, boxed):
     assert last_boxed(text) == boxed
 
 
+@pytest.mark.parametrize(
+    "solution, answer",
+    [
+        ("2 + 3 = 5\n#### 5", "5"),
+        ("Say '#### 4' at the end: 3 + 4 = 7\n#### 7", "7"),  # the last ####
+        ("1000 + 234 = 1234\n#### 1,234.", "1234"),  # comma and trailing full stop go
+    ],
+)
+def test_gsm8k_final_answer(solution, answer):
+    assert final_answer(solution) == answer
+
+
 def test_math_task_answer_from_boxed_or_answer_column(tmp_path):
     rows = [{"problem": "Half of 1?", "solution": "It is $\\boxed{\\frac{1}{2}}$.", "level": "Level 1", "type": "Algebra"},
-            {"problem": "2+2?", "solution": "four", "answer": "4"}]  # MATH-500 has an answer column
+            {"problem": "2+2?", "solution": "four", "answer": "4"},  # MATH-500 has an answer column
+            {"problem": "1+2?", "solution": "\\boxed{3}", "answer": ""}, {"problem": "1+4?", "solution": "\\boxed{5}", "answer": " "}]
     task = build_task(task_cfg(name="math", path=write_jsonl(tmp_path / "m.jsonl", rows), eval_size=1))
     by_problem = {s.prompt.split(" Let's")[0]: s for s in task.train + task.eval}
     assert by_problem["Half of 1?"].answer == "\\frac{1}{2}" and by_problem["Half of 1?"].meta == {"level": "Level 1", "type": "Algebra"}
     assert by_problem["2+2?"].answer == "4"
+    assert by_problem["1+2?"].answer == "3" and by_problem["1+4?"].answer == "5"  # a blank answer column: the boxed one
     assert task.is_correct("... so the answer is \\boxed{0.5}", by_problem["Half of 1?"])  # equal by value
     assert not task.is_correct("\\boxed{2}", by_problem["Half of 1?"])
 
@@ -204,8 +228,9 @@ def test_countdown_task_holds_out_rows_and_checks_equations(tmp_path):
     assert not task.is_correct("<answer>13</answer>", s)  # does not use the numbers
 
 
-def test_countdown_bad_row(tmp_path):
-    path = write_jsonl(tmp_path / "c.jsonl", [{"nums": [1, 2], "target": 3}, {"nums": "1 2", "target": 3}])
+@pytest.mark.parametrize("nums", ["1 2", [True, 2], []])
+def test_countdown_bad_row(tmp_path, nums):
+    path = write_jsonl(tmp_path / "c.jsonl", [{"nums": [1, 2], "target": 3}, {"nums": nums, "target": 3}])
     with pytest.raises(DatasetError, match=r"c\.jsonl:2: column 'nums' must be a non-empty list of integers"):
         build_task(task_cfg(name="countdown", path=path, eval_size=1))
 
