@@ -168,3 +168,16 @@ def test_a_one_rank_group_made_by_a_library_is_not_used_for_collectives(tmp_path
         assert broadcast_object("x") == "x"
     finally:
         tdist.destroy_process_group()
+
+
+def test_usable_cpus_is_the_smallest_of_the_mask_slurm_and_a_quota_floored(monkeypatch):
+    """A quota of 1.5 CPUs gives 1 thread (a second would wait on the quota), 0.5 still 1; SLURM_CPUS_PER_TASK
+    above the affinity mask does not raise it."""
+    import grpo.cpus
+
+    mask = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(grpo.cpus, "cgroup_cpu_limit", lambda: None)
+    assert usable_cpus({"SLURM_CPUS_PER_TASK": "10000"}) == usable_cpus({}) == mask
+    for quota, cpus in [(1.5, 1), (0.5, 1), (mask + 0.9, mask)]:
+        monkeypatch.setattr(grpo.cpus, "cgroup_cpu_limit", lambda quota=quota: quota)
+        assert usable_cpus({}) == cpus, quota

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from grpo.metrics import resolve
-from grpo.envs import CalcEnv, GuessEnv, RetryEnv, Step, calculator
+from grpo.envs import CalcEnv, GuessEnv, RetryEnv, Step, TextEnv, calculator
 from grpo.errors import ConfigError
 from grpo.envs.guess import binary_search_turns
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling
@@ -863,3 +863,113 @@ def test_a_tool_episode_calls_the_calculator_then_answers(tiny_lm):
     assert out.texts(tok) == ["579", "0"] and out.turns() == [2, 2]
     share = out.slice(1, 2)
     assert share.texts(tok) == ["0"] and share.reward_info()["turns"] == [2] and share.metrics()["episode/tool_calls"] == 1.0
+
+
+def test_guess_shaping_counts_the_secrets_still_possible_and_every_miss():
+    """Secret 12, miss_reward -0.1, narrow_reward 1: 8 leaves 9..15 (rules out 8 of 15), 10 leaves 11..15
+    (2 of the 7 left), 14 leaves 11..13 (2 of 5); "x" and "10000" (5 digits) are invalid guesses, misses
+    that rule out nothing; 100 is a guess above the interval ("<", none ruled out)."""
+    env = GuessEnv(miss_reward=-0.1, narrow_reward=1.0)
+    env.reset(Sample("Guess 1-15:", "12"), 0)
+    steps = [env.step(a) for a in ["8", "10", "14", "x", "100", "10000", "12"]]
+    assert [s.observation for s in steps] == [">", ">", "<", "?", "<", "?", None]
+    assert [s.reward for s in steps] == pytest.approx([-0.1 + 8 / 15, -0.1 + 2 / 7, -0.1 + 2 / 5, -0.1, -0.1, -0.1, 1.0])
+    assert [s.done for s in steps] == [False] * 6 + [True]
+
+
+@pytest.mark.parametrize("setting", ["env.max_turns=0", "env.max_observation_tokens=0", "env.step_timeout_s=0"])
+def test_env_budgets_that_leave_no_turn_are_refused(setting):
+    from grpo import envs
+
+    refusal = r"env.max_turns and env.max_observation_tokens must be >= 1 and env.step_timeout_s > 0"
+    with pytest.raises(ConfigError, match=refusal):
+        envs.check(compose_cfg("task=guess", "env=guess", setting))
+    envs.check(compose_cfg("task=guess", "env=guess", setting.replace("=0", "=1")))
+
+
+class AlwaysHigher(TextEnv):
+    """Answers every turn with an observation only: Step's `done` left at its default."""
+
+    def step(self, action):
+        return Step(">")
+
+
+def test_a_step_that_does_not_say_done_lets_the_episode_go_on(tiny_lm):
+    """Step(observation) without `done` goes on to the next turn: the episode plays all 4 turns and ends "turns"."""
+    _, tok = tiny_lm
+    out = runner(tok, make_env=AlwaysHigher).run(Scripted(tok, lambda p: "8"), prompts_of(tok, GUESS[:1]), GUESS[:1], 1,
+                                                 Sampling(3, seed=1))
+    assert (out.episodes[0].turns, out.episodes[0].finish, out.episodes[0].transcript) == (4, "turns", "8>8>8>8")
+
+
+class ScriptedBackend(RolloutBackend):
+    """An in-process backend whose turns are `Scripted`'s (the policy written in the test)."""
+
+    def __init__(self, generate, episodes):
+        self.scripted, self.episodes = generate, episodes
+
+    def generate(self, prompt_ids, n, sampling):
+        return self.scripted(prompt_ids, n, sampling)
+
+    def update_weights(self, buckets, version):
+        pass
+
+
+class RaisesOnHit(GuessEnv):
+    def step(self, action):
+        if action.strip() == str(self.secret):
+            raise RuntimeError("sandbox down")
+        return super().step(action)
+
+
+def test_an_evaluation_counts_the_turns_of_solved_episodes_and_judges_failed_ones_wrong(tiny_lm):
+    """Binary search within 3 turns hits 7 of the 15 secrets (8 in turn 1, 4 and 12 in 2, 2 6 10 14 in 3):
+    accuracy 7/15, 17 turns over the 7 solves (the 8 unsolved episodes' 3 turns each count nowhere). An
+    environment that fails at each hit fails all 15 episodes: their final turn says the secret, but a failed
+    episode is judged as "" (accuracy 0) and counted."""
+    from grpo.dist import DistInfo
+    from grpo.eval import evaluate
+    from grpo.tasks.base import Task
+
+    _, tok = tiny_lm
+    cfg = compose_cfg("task=guess", "env=guess", "eval_samples=1", "rollout.max_new_tokens=3")
+    task = Task("guess", GUESS, GUESS, chat_template="never")
+    backend = ScriptedBackend(Scripted(tok, binary_search_policy(tok)), runner(tok, max_turns=3))
+    assert evaluate(backend, tok, task, cfg, DistInfo()) == pytest.approx(
+        {"eval/accuracy": 7 / 15, "eval/turns_per_solve": 17 / 7, "eval/episode_errors": 0})
+    backend = ScriptedBackend(Scripted(tok, binary_search_policy(tok)), runner(tok, make_env=RaisesOnHit))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # each failed step's warning
+        metrics = evaluate(backend, tok, task, cfg, DistInfo())
+    assert metrics == pytest.approx({"eval/accuracy": 0.0, "eval/turns_per_solve": math.nan, "eval/episode_errors": 15},
+                                    nan_ok=True)
+
+
+def test_a_guess_secret_above_env_kwargs_high_stops_the_run():
+    """env.kwargs.high=9 on task=guess (secrets 1..15): secret 12 lies outside the interval the shaping counts,
+    and a miss's share ruled out came out 10/9, then -1 (10, 13, 11 against 12), without a word. Reset refuses it."""
+    env = GuessEnv(narrow_reward=1.0, high=9)
+    with pytest.raises(ConfigError, match=r"env.kwargs.high=9: the task's secret 12 is outside 1..9"):
+        env.reset(Sample("Guess 1-15:", "12"), 0)
+    env.reset(Sample("Guess 1-15:", "9"), 0)
+    assert env.step("5").reward == pytest.approx(5 / 9)  # 1..5 ruled out of 1..9
+
+
+def test_calculator_refuses_products_past_10_to_the_30_and_booleans():
+    """10^16 x 10^14 = 10^30 is the largest product taken; x10 more is refused (a chain of products would
+    grow without bound); True is no integer literal."""
+    assert calculator("10000000000000000*100000000000000") == str(10**30)
+    for bad in ["10000000000000000*100000000000000*10", "True+1"]:
+        with pytest.raises(ValueError):
+            calculator(bad)
+
+
+def test_a_tool_call_may_span_lines_and_a_wrong_retry_scores_zero():
+    """`calc:` followed by an expression over two lines is one call (the argument runs to the end of the
+    turn); RetryEnv answers a wrong answer with its message and reward 0 (not None: the episode is scored)."""
+    env = CalcEnv()
+    env.reset(Sample("(1+2)*3=", "9"), 0)
+    assert env.step("calc: (1+\n2)*3") == Step(" = 9", None, False, {"tool_call": True, "tool_error": None})
+    retry = RetryEnv(lambda text, sample: text.strip() == sample.answer, " no: ")
+    retry.reset(Sample("1+1=", "2"), 0)
+    assert [retry.step(a) for a in ["3", " 2"]] == [Step(" no: ", 0.0, False), Step(None, 1.0, True)]

@@ -7,9 +7,12 @@ import sys
 
 import pytest
 
-from grpo.eval import pass_at_k
+from grpo.dist import DistInfo
+from grpo.eval import evaluate, pass_at_k
+from grpo.rollout.base import RolloutBackend, Rollouts
+from grpo.tasks.base import Sample, Task
 from grpo.train import train
-from tests.conftest import ROOT
+from tests.conftest import ROOT, compose_cfg
 
 
 def test_pass_at_k_by_hand():
@@ -19,6 +22,59 @@ def test_pass_at_k_by_hand():
     # n=4, c=2, k=2: 1 - C(2,2)/C(4,2) = 1 - 1/6
     assert pass_at_k(4, 2, 2) == pytest.approx(5 / 6)
     assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 1, 4) == 1.0
+
+
+class Scripted(RolloutBackend):
+    """An in-process backend whose completions are written in the test, keyed by the prompt's text: the
+    greedy turn (temperature 0) says `greedy[prompt]`, the n sampled ones `sampled[prompt][:n]` in order.
+    Records each request (prompts, n, temperature)."""
+
+    def __init__(self, tok, greedy=None, sampled=None, policy=None, episodes=None):
+        self.tok, self.greedy, self.sampled, self.policy, self.episodes = tok, greedy, sampled, policy, episodes
+        self.requests = []
+
+    def generate(self, prompt_ids, n, sampling):
+        keys = [self.tok.decode(p, skip_special_tokens=True) for p in prompt_ids]
+        self.requests.append((keys, n, sampling.temperature))
+        if self.policy is not None:  # a turn of an episode: what the policy says after the prompt so far
+            texts = [self.policy(p) for p in prompt_ids for _ in range(n)]
+        else:
+            texts = [t for k in keys for t in ([self.greedy[k]] * n if sampling.temperature == 0 else self.sampled[k][:n])]
+        ids = [self.tok(t, add_special_tokens=False).input_ids + [self.tok.eos_token_id] for t in texts]
+        return Rollouts(ids, [[-0.5] * len(i) for i in ids], ["stop"] * len(ids), 0)
+
+    def update_weights(self, buckets, version):
+        pass
+
+
+SUMS = [Sample("1+1=", "2"), Sample("2+2=", "4"), Sample("3+3=", "6")]
+
+
+def test_evaluate_scores_greedy_accuracy_and_pass_at_k_by_hand(tiny_lm):
+    """Greedy says 2 (right), 5 (wrong), 6 (right): accuracy 2/3, from a temperature-0 request. The 4
+    samples per prompt hold c = 1, 2, 0 right ones, each prompt's samples in a row: pass@1 = (1/4 + 2/4 + 0)/3
+    = 1/4; pass@2 = ((1 - C(3,2)/C(4,2)) + (1 - C(2,2)/C(4,2)) + 0)/3 = (1/2 + 5/6)/3 = 4/9; pass@4 = 2/3.
+    Every sample's first answer is wrong, so a greedy pass that sampled scores 0."""
+    _, tok = tiny_lm
+    backend = Scripted(tok, greedy={"1+1=": "2", "2+2=": "5", "3+3=": "6"},
+                       sampled={"1+1=": ["3", "2", "3", "3"], "2+2=": ["0", "4", "4", "0"], "3+3=": ["0", "0", "0", "0"]})
+    cfg = compose_cfg("eval_samples=4", "rollout.temperature=0.7")
+    metrics = evaluate(backend, tok, Task("sums", SUMS, SUMS, chat_template="never"), cfg, DistInfo())
+    assert metrics == pytest.approx({"eval/accuracy": 2 / 3, "eval/pass@1": 1 / 4, "eval/pass@2": 4 / 9, "eval/pass@4": 2 / 3})
+    assert backend.requests == [(["1+1=", "2+2=", "3+3="], 1, 0.0), (["1+1=", "2+2=", "3+3="], 4, 0.7)]
+
+
+def test_each_rank_evaluates_its_own_share_of_the_prompts(tiny_lm):
+    """Rank 1 of 2 plays prompts 1, 3, ... of the held-out split (here the second of three), rank 0 the others:
+    a rank that played from its index on would count prompt 3 twice across the ranks."""
+    _, tok = tiny_lm
+    backend = Scripted(tok, greedy={"1+1=": "2", "2+2=": "4", "3+3=": "0"})
+    cfg = compose_cfg("eval_samples=1")
+    task = Task("sums", SUMS, SUMS, chat_template="never")
+    assert evaluate(backend, tok, task, cfg, DistInfo(rank=1, world_size=2)) == {"eval/accuracy": 1.0}
+    assert evaluate(backend, tok, task, cfg, DistInfo(rank=0, world_size=2)) == {"eval/accuracy": 0.5}
+    assert [keys for keys, _, _ in backend.requests] == [["2+2="], ["1+1=", "3+3="]]
+
 
 
 @pytest.mark.starts_process

@@ -29,3 +29,41 @@ def test_the_export_keeps_the_folders_generation_config(tmp_path):
     assert json.load(open(f"{out}/generation_config.json"))["eos_token_id"] == [tok.eos_token_id, 7]
     exported, exported_tok = load_model(out)
     assert stop_token_ids(exported_tok.eos_token_id, base_model(exported).generation_config) == [tok.eos_token_id, 7]
+
+
+class Drops(SingleStrategy):
+    """A strategy whose export buckets leave out the final norm's weight and add a name the model lacks."""
+
+    def __init__(self, *args, drop: bool, extra: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.drop, self.extra = drop, extra
+
+    def export_buckets(self, bucket_bytes):
+        for bucket in super().export_buckets(bucket_bytes):
+            bucket = [(name, t) for name, t in bucket if not (self.drop and name == "model.norm.weight")]
+            yield bucket + ([("model.extra.weight", bucket[0][1])] if self.extra and bucket else [])
+
+
+def test_an_export_whose_weights_do_not_fit_the_model_is_refused_and_leaves_no_folder(tmp_path):
+    """A weight missing from the buckets would be saved as from_config's random init, a name the model
+    lacks would be dropped: both raise, naming the weight, and write no model folder."""
+    import pytest
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyModelConfig(), len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    for drop, extra, message in [(True, False, r"missing \['model.norm.weight'\], unexpected \[\]"),
+                                 (False, True, r"missing \[\], unexpected \['model.extra.weight'\]")]:
+        strategy = Drops(OmegaConf.structured(ParallelConfig()), model, OmegaConf.structured(AlgoConfig()), total_steps=1,
+                         drop=drop, extra=extra)
+        with pytest.raises(RuntimeError, match=message):
+            export_hf(strategy, tok, str(tmp_path / "model"))
+        assert not (tmp_path / "model").exists()
+
+
+def test_exported_step_is_none_where_the_record_is_missing_torn_or_without_a_step(tmp_path):
+    from grpo.export import EXPORTED, exported_step
+
+    assert exported_step(str(tmp_path)) is None  # no record (an export from before it existed)
+    for text, step in [('{"step": 3}', 3), ("{}", None), ('{"step": ', None)]:
+        (tmp_path / EXPORTED).write_text(text)
+        assert exported_step(str(tmp_path)) == step, text

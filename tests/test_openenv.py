@@ -193,3 +193,61 @@ def test_a_guess_training_run_through_the_openenv_server_equals_env_guess(server
     assert all(r["reward/mean"] > 0 and r["episode/finish_stop"] > 0 for r in served)  # hits: reward 1 each
     assert len(server.errors) == errors_before  # 128 sessions opened and closed cleanly
     assert served == run("in_process", "env=guess")
+
+
+def serve_schema(schema: dict) -> tuple:
+    """A plain HTTP server on a free port answering GET /schema with `schema` (no OpenEnv needed):
+    what `server_fields` reads before any session."""
+    import http.server
+
+    body = json.dumps(schema).encode()
+
+    class Schema(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/schema" else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Schema)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+def test_the_schema_check_names_the_text_field_or_refuses_an_ambiguous_or_unservable_one():
+    """Two text fields and no env.kwargs.observation_field: refused (taking the first would show the policy
+    a field no one chose); an Action requiring a second field: refused (only action_field is sent); a named
+    observation field the Observation lacks: refused; the one text field beside done/reward/metadata: taken."""
+    from grpo.envs.openenv import server_fields
+
+    action = {"properties": {"message": {"type": "string"}}, "required": ["message"]}
+    base = {"done": {"type": "boolean"}, "reward": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+            "metadata": {"type": "object"}}
+    two = {"action": action, "observation": {"properties": {**base, "board": {"type": "string"},
+                                                            "hint": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}}
+    one = {"action": action, "observation": {"properties": {**base, "board": {"type": "string"}}}}
+    needs_two = {"action": {"properties": {"message": {"type": "string"}, "game": {"type": "string"}},
+                            "required": ["message", "game"]}, "observation": one["observation"]}
+    servers = [serve_schema(s) for s in (two, one, needs_two)]
+    try:
+        (_, ambiguous), (_, single), (_, demanding) = servers
+        with pytest.raises(ConfigError, match=r"has 2 text fields \(\['board', 'hint'\]\); set env.kwargs.observation_field"):
+            server_fields(ambiguous, "message", None, 5.0)
+        assert server_fields(ambiguous, "message", "hint", 5.0) == "hint"
+        assert server_fields(single, "message", None, 5.0) == "board"
+        with pytest.raises(ConfigError, match=r"observation_field='text' is not a field of the Observation"):
+            server_fields(single, "message", "text", 5.0)
+        with pytest.raises(ConfigError, match=r"also requires \['game'\]"):
+            server_fields(demanding, "message", None, 5.0)
+    finally:
+        for httpd, _ in servers:
+            httpd.shutdown()
+
+
+def test_websocket_urls_read_the_schema_over_the_matching_http_scheme():
+    from grpo.envs.openenv import http_url
+
+    assert [http_url(u) for u in ("wss://env.example:443/", "ws://127.0.0.1:8000", "localhost:8000", "https://h")] == [
+        "https://env.example:443", "http://127.0.0.1:8000", "http://localhost:8000", "https://h"]

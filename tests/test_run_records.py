@@ -403,3 +403,39 @@ def test_the_summarys_revision_says_when_the_tree_differs_from_its_commit(tmp_pa
     (tmp_path / "code.py").write_text("x = 2\n")
     assert git_revision(str(tmp_path)) == f"{commit}-dirty"
     assert not (tmp_path / ".git" / "index.lock").exists()
+
+
+def test_the_console_prints_every_log_every_steps_and_the_last_one(tmp_path, capsys):
+    """log_every=2 over 5 steps prints steps 2, 4 and 5 (the last, whatever log_every), a metric without a
+    value (NaN) left out of the line; a tuple's NaN is written null as a list's is."""
+    import math
+
+    cfg = OmegaConf.structured(LoggerConfig(backend="console", log_every=2))
+    log = RunLogger(cfg, str(tmp_path), 5, {})
+    for step in range(1, 6):
+        log.log(step, {"loss": 0.5, "kl": math.nan, "pair": (1.0, math.nan)})
+    log.close()
+    assert capsys.readouterr().out.splitlines() == [f"step    {s}/5 | loss +0.5000" for s in (2, 4, 5)]  # NaN: not shown
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["pair"] == [1.0, None]
+
+
+def test_a_fresh_start_gets_a_new_wandb_run_and_a_resume_rewinds_the_recorded_one(tmp_path):
+    """A folder's wandb_id is an earlier run's: a fresh start (resume_step None) records a new id, never
+    logging into that run; a resume at step 4 rewinds the id recorded."""
+    from grpo.log import wandb_resume
+
+    (tmp_path / "wandb_id").write_text("0123456789abcdef\n")
+    fresh = wandb_resume(str(tmp_path), None)
+    assert set(fresh) == {"id"} and fresh["id"] != "0123456789abcdef" and len(fresh["id"]) == 16
+    assert (tmp_path / "wandb_id").read_text() == fresh["id"] + "\n"
+    assert wandb_resume(str(tmp_path), 4) == {"resume_from": f"{fresh['id']}?_step=4"}
+
+
+def test_a_fresh_start_empties_the_folders_metrics(tmp_path):
+    """resume_step None (a fresh start in a folder of an earlier run) keeps none of its rows."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n')
+    cfg = OmegaConf.structured(LoggerConfig(backend="console", log_every=1000))
+    log = RunLogger(cfg, str(tmp_path), 2, {}, resume_step=None)
+    log.log(1, {"loss": 0.25})
+    log.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 0.25}\n'

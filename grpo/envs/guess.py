@@ -16,6 +16,7 @@ gives each turn its own step's reward; the default sums them into the episode's.
 from __future__ import annotations
 
 from grpo.envs.base import Step, TextEnv
+from grpo.errors import ConfigError
 
 LOWER, HIGHER = "<", ">"  # one character each: the tiny model's tokenizer is character-level
 
@@ -33,6 +34,9 @@ class GuessEnv(TextEnv):
     def reset(self, sample, seed: int):
         super().reset(sample, seed)
         self.secret = int(sample.answer)
+        if not 1 <= self.secret <= self.high:  # shaping's count of the secrets left would go past 1, or below 0
+            raise ConfigError(f"env.kwargs.high={self.high}: the task's secret {self.secret} is outside 1..{self.high}; "
+                              f"set env.kwargs.high to the task's largest secret (task=guess: 15) or more.")
         self.low_s, self.high_s = 1, self.high  # the secrets consistent with the answers so far
         return None
 
