@@ -74,6 +74,9 @@ def test_a_cut_answer_is_no_score_when_its_last_match_reaches_the_cut_whatever_c
     number = re.compile(JudgeConfig.pattern)
     assert pattern_score("Score: 1. Final score: 1", number, {}, cut=True) is None
     assert pattern_score("Score: 1. Final score: 1", number, {}) == 1.0
+    # cut after the separator: "1." of "1.5", "1," of "1,000" (whole, the same text reads 1)
+    assert pattern_score("Score: 1.", number, {}, cut=True) is None and pattern_score("Score: 1,", number, {}, cut=True) is None
+    assert pattern_score("Score: 1.", number, {}) == 1.0 and pattern_score("Score: 1. So", number, {}, cut=True) == 1.0
 
 
 def test_pattern_score_and_the_prompt():

@@ -97,9 +97,10 @@ def match_value(found: str, choices: dict[str, float], rating=None) -> float | N
 def pattern_score(text: str, pattern: re.Pattern, choices: dict[str, float], rating=None, cut: bool = False) -> float | None:
     """The one value every match of `pattern` (its first group if any) reads (`match_value`; those that
     read none left out); None when none does, or when they disagree. `cut`: the answer stopped at
-    max_tokens, so a match that reaches its end may be cut short ("1" of "10") and is no score."""
+    max_tokens, so a match that reaches its end, or only a separator before it, may be cut short ("1"
+    of "10", "1." of "1.5") and is no score."""
     matches = list(pattern.finditer(text))
-    if not matches or (cut and matches[-1].end() == len(text)):
+    if not matches or (cut and text[matches[-1].end():] in ("", ".", ",")):
         return None
     values = {match_value(m.group(1) if m.groups() else m.group(0), choices, rating) for m in matches} - {None}
     return values.pop() if len(values) == 1 else None
