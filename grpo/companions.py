@@ -173,9 +173,12 @@ def job_gone(job_id: str) -> bool:
     return squeue_says_gone(squeue_state(job_id))
 
 
+UNKNOWN_JOB = "Invalid job id"  # squeue's word for an id past the cluster's MinJobAge: the job has ended
+
+
 def squeue_says_gone(out: subprocess.CompletedProcess | None) -> bool:
     """`job_gone` on one squeue_state answer."""
-    return out is not None and ((out.returncode == 0 and not out.stdout.strip()) or "Invalid job id" in out.stderr)
+    return out is not None and ((out.returncode == 0 and not out.stdout.strip()) or UNKNOWN_JOB in out.stderr)
 
 
 def squeue_failure(out: subprocess.CompletedProcess | None) -> str | None:
@@ -183,7 +186,7 @@ def squeue_failure(out: subprocess.CompletedProcess | None) -> str | None:
     None where SLURM answered."""
     if out is None:
         return f"no answer within {SLURM_CALL_S} s"
-    if out.returncode != 0 and "Invalid job id" not in out.stderr:
+    if out.returncode != 0 and UNKNOWN_JOB not in out.stderr:
         return (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
     return None
 

@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:  # a failed check's fix points into its folder (a server's log, a run's output): kept then, if
         # there is anything in it to read (a judge nothing answers at writes nothing)
         failed = results is None or not all(r.ok for r in results)
-        keep = args.keep or (failed and any(os.scandir(work)))
+        keep = args.keep or (failed and bool(os.listdir(work)))
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
     print(table(results))

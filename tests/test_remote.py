@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -28,8 +27,7 @@ from grpo.rollout import Sampling
 from grpo.endpoints import split_by_load
 from grpo.rollout.servers import ServerPool, free_port
 from grpo.rollout.vllm_api import installed, vllm_api
-from grpo.scratch import inductor_cache_dir
-from tests.conftest import ROOT, measured, serve_tiny, stop_served
+from tests.conftest import ROOT, measured, serve_tiny, server_scratch, stop_served
 from grpo.listeners import expect_served
 from tests.listener_watch import ListenerWatch
 from tests.parity import assert_round_trip, sync_round_trip
@@ -48,27 +46,24 @@ def process_group_alive(pgid: int) -> bool:
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    # the server's TMPDIR, where vLLM left 7 ZMQ sockets and a FileStore file at every stop; short, so that its
-    # own folder is made there (under pytest-xdist's deeper tmp_path a socket would not fit: grpo/scratch.py)
-    tmp = Path(tempfile.mkdtemp(prefix="grpo-test-", dir="/tmp"))
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("TMPDIR", str(tmp))
-        env.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())  # the tests' warm cache, not a cold one in tmp
-        proc, url = serve_tiny(model_dir, log, TOKEN)
-    try:  # a check failing here skips the teardown below: the server is stopped first (it was left running)
-        expect_served(proc.pid, url)
-        assert [p.name[:11] for p in tmp.iterdir()] == ["grpo-serve-"]  # the server's own folder, and nothing beside it
-    except BaseException:
-        stop_served(proc)
-        raise
-    yield {"url": url, "path": model_dir, "proc": proc, "log": log}
-    stop_served(proc)  # Ctrl-C: the server and its engine processes must all exit
-    deadline = time.time() + 30
-    while process_group_alive(proc.pid) and time.time() < deadline:
-        time.sleep(0.5)
-    assert not process_group_alive(proc.pid), "orphan processes left after Ctrl-C"
-    assert list(tmp.iterdir()) == [], "the server's files left in its TMPDIR"
-    tmp.rmdir()
+    # the server's TMPDIR, where vLLM left 7 ZMQ sockets and a FileStore file at every stop: its own folder
+    # must be made there and removed at a Ctrl-C
+    with server_scratch() as env:
+        tmp = Path(env["TMPDIR"])
+        proc, url = serve_tiny(model_dir, log, TOKEN, env=env)
+        try:  # a check failing here skips the teardown below: the server is stopped first (it was left running)
+            expect_served(proc.pid, url)
+            assert [p.name[:11] for p in tmp.iterdir()] == ["grpo-serve-"]  # the server's own folder, and nothing beside it
+        except BaseException:
+            stop_served(proc)
+            raise
+        yield {"url": url, "path": model_dir, "proc": proc, "log": log}
+        stop_served(proc)  # Ctrl-C: the server and its engine processes must all exit
+        deadline = time.time() + 30
+        while process_group_alive(proc.pid) and time.time() < deadline:
+            time.sleep(0.5)
+        assert not process_group_alive(proc.pid), "orphan processes left after Ctrl-C"
+        assert list(tmp.iterdir()) == [], "the server's files left in its TMPDIR"
 
 
 @pytest.fixture
