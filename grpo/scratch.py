@@ -11,6 +11,8 @@ import tempfile
 
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sockaddr_un.sun_path, less its NUL)
 SOCKET_NAME = 36  # vLLM names its ZMQ sockets by a uuid4, in TMPDIR
+RPC_PATH = "VLLM_RPC_BASE_PATH"  # where vLLM binds its ZMQ sockets (default: the temporary directory)
+_rpc_folder: str | None = None  # this process's, once chosen (open_rpc_folder)
 
 
 def scratch_folder(prefix: str) -> str:
@@ -34,8 +36,13 @@ def inductor_cache_dir() -> str:
 
 
 def scratch_env(folder: str) -> dict[str, str]:
-    """The environment entries that send a child's temporary files to `folder`, keeping the compile cache."""
-    return {"TMPDIR": folder, "TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir()}
+    """The environment entries that send a child's temporary files to `folder`, keeping the compile cache. Its
+    vLLM's sockets go there too (TMPDIR), and there rather than in this process's own engine's folder
+    (`open_rpc_folder`) where that is set: it would be inherited, and removed under the child."""
+    env = {"TMPDIR": folder, "TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir()}
+    if _rpc_folder is not None and os.environ.get(RPC_PATH) == _rpc_folder:
+        env[RPC_PATH] = folder
+    return env
 
 
 @contextlib.contextmanager
@@ -44,8 +51,9 @@ def own_tmpdir(prefix: str):
     block runs, removed after it: TMPDIR and tempfile's cached directory point there, the compile cache
     stays (`scratch_env`). A SIGKILL leaves the folder (a dedicated engine's reaper removes the engine's)."""
     folder = scratch_folder(prefix)
-    saved = tempfile.tempdir, {key: os.environ.get(key) for key in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")}
-    os.environ.update(scratch_env(folder))
+    env = scratch_env(folder)
+    saved = tempfile.tempdir, {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
     tempfile.tempdir = folder
     try:
         yield folder
@@ -57,3 +65,31 @@ def own_tmpdir(prefix: str):
             else:
                 os.environ[key] = value
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def open_rpc_folder() -> str | None:
+    """A folder of this process's own for an in-process vLLM engine's ZMQ sockets, made here and named in
+    VLLM_RPC_BASE_PATH until `close_rpc_folder`. A tensor-parallel colocated engine's broadcast queue binds
+    two (vllm/distributed/device_communicators/shm_broadcast.py) and vLLM never removes them: without this
+    every such run left 2 in /tmp. The path is the same for every engine of the process, made again at each
+    start: once an engine has started vLLM caches its environment (`envs.enable_envs_cache`), so a later
+    engine of the process binds under the first one's path whatever the variable says then. None (nothing
+    touched) where VLLM_RPC_BASE_PATH was set by someone else: theirs."""
+    global _rpc_folder
+    if os.environ.get(RPC_PATH) not in (None, _rpc_folder):
+        return None
+    if _rpc_folder is None:
+        _rpc_folder = scratch_folder("grpo-rpc-")
+    os.makedirs(_rpc_folder, mode=0o700, exist_ok=True)
+    os.environ[RPC_PATH] = _rpc_folder
+    return _rpc_folder
+
+
+def close_rpc_folder(folder: str | None) -> None:
+    """After the engine is gone: its sockets' folder removed, VLLM_RPC_BASE_PATH unset (a server this process
+    starts later makes its sockets in its own TMPDIR, not in a folder that is gone)."""
+    if folder is None:
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    if os.environ.get(RPC_PATH) == folder:
+        del os.environ[RPC_PATH]

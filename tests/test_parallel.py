@@ -1,20 +1,22 @@
 """Data parallel with 2 real processes (torchrun, gloo): loss-scale invariance and a training run."""
 
+import glob
 import json
 import os
+import stat
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, measured
+from tests.conftest import FAST, ROOT, measured, server_scratch
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
-def run(cmd, **kw):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def run(cmd, env: dict[str, str] | None = None, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, **kw)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
@@ -171,7 +173,12 @@ def test_two_processes_share_one_tensor_parallel_colocated_engine(tmp_path, cach
            "experiment=guess_tiny", "env.name=tests.test_episodes.RankTurns", "eval_every=0", "checkpoint_every=0",
            "rollout.max_new_tokens=2", f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}",
            "algo.zero_std_groups=keep"]  # RankTurns' groups are all flat: kept, their tokens are scored after each sync
-    run(cmd)
+    with server_scratch() as scratch:  # the run's TMPDIR: what it leaves there is seen, and removed after
+        run(cmd, env=scratch)
+        # the engine's broadcast queue bound 2 ZMQ sockets; in a folder of its own, removed at close (2 left before)
+        left = glob.glob(os.path.join(scratch["TMPDIR"], "**"), recursive=True)
+        assert [f for f in left if stat.S_ISSOCK(os.stat(f).st_mode)] == []
+        assert glob.glob(os.path.join(scratch["TMPDIR"], "grpo-rpc-*")) == []
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     trained = [r for r in rows if "loss" in r]
     assert [r["weight_version"] for r in trained] == [0, 1, 2]
