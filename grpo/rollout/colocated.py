@@ -40,7 +40,7 @@ from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, sampling_field
 from grpo.weights import WeightBuckets, unsent_parameters
 from grpo.errors import ConfigError, EngineStartError
 from grpo.rollout_config import VLLM_READERS
-from grpo.scratch import close_rpc_folder, open_rpc_folder
+from grpo.scratch import remove_rpc_folder, rpc_folder, rpc_path
 from grpo.rollout.engine_memory import (check_memory_fraction, chunked_prefill, check_vllm, engine_context, kv_cache_bytes,
                                         model_config_of, start_failure_message)
 from grpo.rollout.vllm_api import installed, reset_prefix_cache
@@ -338,12 +338,12 @@ class ColocatedBackend(RolloutBackend):
         rank = lora.adapter_rank(model) if self.lora_model is not None else 0
         empty_device_cache()  # the trainer's cached blocks, so vLLM's memory profile sees them free
         self.engine_stream = EngineStream()  # every engine call below runs inside it
-        self.rpc_folder = open_rpc_folder()  # vLLM's sockets (2 a tensor-parallel engine) there, removed at close
+        self.rpc_folder = rpc_folder()  # vLLM's sockets (2 a tensor-parallel engine) there, removed at close
         try:
-            with self.engine_stream:  # CUDA graph capture makes vLLM's own stream current here
+            with self.engine_stream, rpc_path(self.rpc_folder):  # capturing CUDA graphs makes vLLM's stream current
                 self.llm = build_llm(model_path, cfg, dtype, seed + dist.rank() // self.tp, world, lora_rank=rank)
         except BaseException:
-            close_rpc_folder(self.rpc_folder)
+            remove_rpc_folder(self.rpc_folder)
             raise
         self.sleep_state = SleepState()
         self.sleep_enabled = cfg.vllm.sleep
@@ -436,5 +436,5 @@ class ColocatedBackend(RolloutBackend):
             with self.engine_stream:
                 del llm
                 release_engine_state(keep_process_group=not self.owns_process_group)
-        close_rpc_folder(getattr(self, "rpc_folder", None))
+        remove_rpc_folder(getattr(self, "rpc_folder", None))
         self.rpc_folder = None
