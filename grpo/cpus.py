@@ -134,18 +134,23 @@ def local_processes(env: dict | None = None) -> int:
     return 1
 
 
-def _cpu_times(cpus: list[int]) -> tuple[int, int]:
-    """(idle, total) jiffies summed over `cpus`, from /proc/stat."""
+def cpu_times(stat: str, cpus: list[int]) -> tuple[int, int]:
+    """(idle, total) jiffies summed over `cpus`, from /proc/stat's text: idle and iowait are idle; the total
+    is the first 8 fields (user .. steal; guest time is already inside user and nice)."""
     idle = total = 0
     wanted = {f"cpu{i}" for i in cpus}
-    with open("/proc/stat") as f:
-        for line in f:
-            name, *fields = line.split()
-            if name in wanted:
-                values = [int(v) for v in fields[:8]]
-                idle += values[3] + values[4]  # idle + iowait
-                total += sum(values)
+    for line in stat.splitlines():
+        name, *fields = line.split() or [""]
+        if name in wanted:
+            values = [int(v) for v in fields[:8]]
+            idle += values[3] + values[4]  # idle + iowait
+            total += sum(values)
     return idle, total
+
+
+def _cpu_times(cpus: list[int]) -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        return cpu_times(f.read(), cpus)
 
 
 def idle_cpus(cpus: list[int] | None = None, sample_s: float = 0.25) -> float | None:

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from grpo.cpus import (cgroup_cpu_limit, choose_threads, configure_threads, idle_cpus, local_processes, set_num_threads,
+from grpo.cpus import (cgroup_cpu_limit, choose_threads, configure_threads, cpu_times, idle_cpus, local_processes, set_num_threads,
                        usable_cpus)
 
 
@@ -181,3 +181,16 @@ def test_usable_cpus_is_the_smallest_of_the_mask_slurm_and_a_quota_floored(monke
     for quota, cpus in [(1.5, 1), (0.5, 1), (mask + 0.9, mask)]:
         monkeypatch.setattr(grpo.cpus, "cgroup_cpu_limit", lambda quota=quota: quota)
         assert usable_cpus({}) == cpus, quota
+
+
+def test_cpu_times_count_idle_and_iowait_as_idle_over_the_eight_fields_of_the_cpus_asked():
+    """/proc/stat: user nice system idle iowait irq softirq steal guest guest_nice. cpu1: idle 100 + iowait 20,
+    total 10+0+5+100+20+0+3+2 = 140 (guest 7 is inside user already); cpu0 and the "cpu" sum line not asked."""
+    stat = ("cpu  50 0 50 500 50 0 0 0 0 0\n"
+            "cpu0 40 0 45 400 30 0 0 0 0 0\n"
+            "cpu1 10 0 5 100 20 0 3 2 7 0\n"
+            "\n"
+            "intr 12345 0 0\n")
+    assert cpu_times(stat, [1]) == (120, 140)
+    assert cpu_times(stat, [0, 1]) == (120 + 430, 140 + 515)
+    assert cpu_times(stat, [2]) == (0, 0)

@@ -23,10 +23,11 @@ from grpo.tasks.base import Sample
 from tests.conftest import FAST, ROOT, compose_cfg
 
 
-def guess_app(max_sessions: int):
+def guess_app(max_sessions: int, miss_reward: float | None = 0.0):
     """OpenEnv's server for grpo/envs/guess.py's game: the action's `message` is the guess, the
     observation's `message` is "<", ">" or "?" (empty on reset and on the hit, which gives reward 1).
-    The secret is reset's `answer` (the task's sample, sent by env.kwargs.reset_fields=[answer])."""
+    The secret is reset's `answer` (the task's sample, sent by env.kwargs.reset_fields=[answer]).
+    A miss's reward is `miss_reward` (the game's 0.0; None: the Observation's reward left unset)."""
     from openenv.core.env_server import Action, Environment, Observation, State, create_app
 
     class GuessAction(Action):
@@ -50,7 +51,8 @@ def guess_app(max_sessions: int):
         def step(self, action, timeout_s=None, **kwargs):
             step = self.game.step(action.message)
             self.steps += 1
-            return GuessObservation(message=step.observation or "", reward=step.reward, done=step.done)
+            reward = step.reward if step.done else miss_reward
+            return GuessObservation(message=step.observation or "", reward=reward, done=step.done)
 
         @property
         def state(self):
@@ -111,6 +113,22 @@ def test_the_adapter_plays_guess_on_an_openenv_server_by_value(server):
     again.close()
     time.sleep(0.2)
     assert server.errors == []  # sessions end cleanly: no traceback on the server per trajectory
+
+
+def test_a_server_step_without_a_reward_is_no_reward_not_a_zero():
+    """An Observation's reward is optional (null in its schema): a step without one is Step.reward None
+    ("none given": the episode's reward is its other steps'), never 0.0, which a run would average in."""
+    pytest.importorskip("openenv.core", reason="the extra grpo[openenv] (part of dev)")
+    from grpo.envs.openenv import OpenEnvAdapter
+
+    loopback = Loopback(guess_app(max_sessions=4, miss_reward=None))
+    try:
+        env = OpenEnvAdapter(loopback.url, reset_fields=["answer"])
+        env.reset(Sample("Guess 1-15:", "7"), seed=0)
+        assert [env.step(guess).reward for guess in ("8", "4", "7")] == [None, None, 1.0]
+        env.close()
+    finally:
+        loopback.stop()
 
 
 def test_setup_mistakes_are_config_errors_that_say_what_to_change(server, monkeypatch):
