@@ -771,3 +771,16 @@ def test_a_run_that_scored_nothing_does_not_stop_at_its_end():
     from grpo.rewards.failure_streak import FailureStreak
 
     FailureStreak(["mine"], reduce=other_rank(0, 0)).finish()  # nothing observed: no stop
+
+
+def test_a_reward_value_is_a_number_only_where_it_is_real():
+    """grpo/rewards as_number: ints, floats, bools, numpy scalars and 0-d tensors (of any real dtype) are
+    scores; a complex 0-d tensor or array (its .item() a complex: float() of it raises), a tensor of
+    several values, a string are not (None: the batch check then names the value)."""
+    from grpo.rewards import as_number
+
+    real = [1, 0.5, True, np.float32(0.25), np.int64(2), torch.tensor(0.75), torch.tensor(3), np.array(1.5),
+            torch.tensor(1.0, dtype=torch.bfloat16)]
+    assert [as_number(v) for v in real] == [1.0, 0.5, 1.0, 0.25, 2.0, 0.75, 3.0, 1.5, 1.0]
+    not_real = [torch.tensor(1 + 2j), np.array(1 + 2j), 1 + 2j, torch.tensor([1.0, 2.0]), "1", None]
+    assert [as_number(v) for v in not_real] == [None] * len(not_real)
