@@ -64,6 +64,24 @@ def test_equal_non_dyadic_rewards_give_exactly_zero_advantages():
         assert torch.equal(group_advantages(r, scale), torch.zeros(2, 7)), scale
 
 
+def test_a_group_equal_within_float_noise_is_flat_and_gets_exactly_zero():
+    # [1, 1 + 2^-23]: one float32 ulp apart, within zero_std_groups' 1e-6, so the group is flat (no learning
+    # signal; algo.zero_std_groups=drop skips it) and every scale gives it exactly 0. Centred, it would be
+    # +-2^-24 = +-5.96e-8 over its std 8.43e-8 (+ eps 1e-4): +-5.96e-4, a push from float noise alone.
+    r = torch.tensor([[1.0, 1.0 + 2.0**-23], [1.0, 0.0]])
+    assert zero_std_groups(r).tolist() == [True, False]
+    for scale in ("group", "batch", "none"):
+        assert torch.equal(group_advantages(r, scale)[0], torch.zeros(2)), scale
+    assert torch.equal(rloo_advantages(r)[0], torch.zeros(2))
+
+
+def test_a_failed_completion_does_not_hide_a_flat_group():
+    # NaN (a reward function failed) is left out of the spread: [1, NaN, 1] is flat (1 - 1 = 0), [0, NaN, 1]
+    # is not, [2, NaN, NaN] has one scored reward and [NaN, NaN, NaN] none (no signal either way)
+    r = torch.tensor([[1.0, NAN, 1.0], [0.0, NAN, 1.0], [2.0, NAN, NAN], [NAN, NAN, NAN]])
+    assert zero_std_groups(r).tolist() == [True, False, True, True]
+
+
 def test_batch_std_from_moments_matches_the_direct_std():
     # rewards [1, 0, 1, 1]: n 4, sum 3, squares 3 -> var (3 - 9/4) / 3 = 0.25, std 0.5
     r = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
