@@ -328,6 +328,8 @@ def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool
                           "to 0; use model.dtype=bfloat16 (GPUs from Ampere on) or float32.")
     _choices("model.dtype", cfg.model.dtype, {"float32", "bfloat16"})
     _choices("env.render", cfg.env.render, RENDERERS)
+    if cfg.env.render == "chat":  # a role the template renders whatever its name: a typo, or the policy's own turn
+        _choices("env.role", cfg.env.role, {"user", "tool"})
 
     if not 0 <= cfg.seed < 2**31:
         raise ConfigError(f"seed={cfg.seed}: give a seed from 0 to 2147483647 (2**31 - 1); the engines' sampling "

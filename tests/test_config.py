@@ -354,6 +354,9 @@ def test_unknown_option_is_an_error():
         ("algo.is_level=token|algo.is_mode=clip", "algo.is_mode='clip' is not one of ['mask', 'reject', 'truncate']"),
         ("task.correct=fuzzy", "task.correct='fuzzy' is not one of ['exact', 'math_verify']"),
         ("rollout.schedule=eager", "rollout.schedule='eager' is not one of ['auto', 'trajectories', 'turns']"),
+        # an observation rendered as an `assistant` message (or a misspelt role the template writes verbatim) was accepted
+        ("experiment=guess_tiny|env.render=chat|env.role=assistant", "env.role='assistant' is not one of ['tool', 'user']"),
+        ("experiment=guess_tiny|env.render=chat|env.role=usr", "env.role='usr' is not one of ['tool', 'user']"),
         # a check loosened in one place (a bound, an `or`, a case) that no row above told apart
         ("algo.batch_size=0", "algo.batch_size=0 is below algo.group_size=16: every prompt needs a full group"),  # 0 % 16 == 0
         ("parallel=ddp|parallel.allreduce_bucket_mb=0", "parallel.allreduce_bucket_mb=0 must be > 0 (MB of gradients"),

@@ -245,3 +245,21 @@ def test_rollout_dedicated_launches_its_engines_with_the_models_context(tiny_lm,
     with pytest.warns(UserWarning, match=r"rollout.vllm.max_model_len=1024 .*256 tokens"), pytest.raises(Stop):
         dedicated.DedicatedBackend(cfg, model, tok, model_dir, run_dir=str(tmp_path))
     assert launched == [256]
+
+
+def test_kv_bytes_per_token_read_head_dim_kv_heads_and_a_vlms_text_config():
+    """K and V x layers x kv heads x head_dim x dtype bytes. Qwen3-0.6B's config gives head_dim 128 where
+    hidden_size / heads is 64; a config without num_key_value_heads or head_dim has heads and
+    hidden_size / heads; a VLM's text model is under text_config."""
+    from grpo.rollout.engine_memory import MAX_NUM_SEQS, kv_bytes_per_token, kv_cache_bytes
+
+    qwen3 = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "hidden_size": 1024,
+             "head_dim": 128}
+    assert kv_bytes_per_token(qwen3, "bfloat16") == 2 * 28 * 8 * 128 * 2 == 114688
+    assert kv_bytes_per_token({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 128}, "float32") == 2048
+    assert kv_bytes_per_token({"text_config": qwen3, "hidden_size": 3, "model_type": "vlm"}, "bfloat16") == 114688
+    # dtype auto: the model's own, as config.json says it (`dtype` since transformers 5, before `torch_dtype`)
+    tiny = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 128}
+    assert kv_cache_bytes("auto", {**tiny, "dtype": "bfloat16"}, "auto", 128, on_gpu=False) == MAX_NUM_SEQS * 128 * 1024
+    assert kv_cache_bytes("auto", {**tiny, "torch_dtype": "bfloat16"}, "auto", 128, on_gpu=False) == MAX_NUM_SEQS * 128 * 1024
+    assert kv_cache_bytes("auto", tiny, "auto", 128, on_gpu=False) == MAX_NUM_SEQS * 128 * 2048  # unsaid: fp32

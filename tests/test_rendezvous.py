@@ -173,3 +173,12 @@ def test_signed_names_and_values():
     store.set(name, store.get(name)[:-1] + b"X")  # the value changed by someone without the secret
     with pytest.raises(rendezvous.JoinRefused, match="forged value for '0/1'"):
         signed.get("0/1")
+
+
+@pytest.mark.parametrize("count,shown", [(5, "k0, k1, k2, k3, k4)"), (6, "k0, k1, k2, k3, k4 and 1 more)"),
+                                         (8, "k0, k1, k2, k3, k4 and 3 more)")])
+def test_the_intrusion_warning_names_five_keys_and_counts_the_rest(caplog, count, shown):
+    with caplog.at_level(logging.WARNING, logger="grpo"):
+        rendezvous.report_intruders([f"k{i}" for i in range(count)], "127.0.0.1:9")
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert f"{count} key(s) not written by a member ({shown}:" in message, message

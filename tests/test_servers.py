@@ -436,3 +436,43 @@ def test_a_batch_queued_behind_another_counts_its_wait_apart_from_its_generation
     assert first.result(60).queued_s <= first_began_by - before_first  # it began at once
     assert second.result(60).queued_s >= released - handed_by  # it waited at least until the first ended
     worker.shutdown(wait=True)
+
+
+class LoadsAdapters(Restartable):
+    """Records the adapters it is asked to load and unload."""
+
+    def __init__(self, url: str):
+        super().__init__(url)
+        self.asked: list[tuple[str, dict]] = []
+
+    def request(self, path, body=None, timeout=None, text=False):
+        if "lora_adapter" in path:
+            self.asked.append((path, body))
+        return super().request(path, body, timeout, text)
+
+
+def test_an_adapter_push_writes_the_new_version_and_every_ranks_pool_asks_for_it(tmp_path):
+    """LoRA: the rank with the pool writes `v2`, has its server load it and drops `v1` (only the
+    version folders: `notes` stays); a rank without the pool names the new adapter in its own pool."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    from grpo.rollout.push import push_adapter_from_one_rank
+    from grpo.rollout.servers import adapter_name
+
+    folder = tmp_path / "adapters"
+    (folder / "v1").mkdir(parents=True)
+    (folder / "notes").mkdir()
+    model = SimpleNamespace(peft_config={"default": LoraConfig(r=2, target_modules=["q_proj"])})
+    weight = torch.tensor([[1.0, 2.0]])
+    server, other = LoadsAdapters("http://127.0.0.1:2"), LoadsAdapters("http://127.0.0.1:3")
+    pool, own = pool_of(server), pool_of(other)  # rank 0's, and another rank's over the same servers
+    push_adapter_from_one_rank(pool, model, [[("base_model.model.q_proj.lora_A.weight", weight)]], 2, str(folder))
+    assert sorted(os.listdir(folder)) == ["notes", "v2"]
+    assert load_file(str(folder / "v2" / "adapter_model.safetensors"))["base_model.model.q_proj.lora_A.weight"].tolist() == [[1.0, 2.0]]
+    assert server.asked == [("/v1/load_lora_adapter", {"lora_name": adapter_name(2), "lora_path": str(folder / "v2"),
+                                                         "load_inplace": True})]
+    push_adapter_from_one_rank(None, model, [[("base_model.model.q_proj.lora_A.weight", weight)]], 2, str(folder), own=own)
+    assert other.adapter == adapter_name(2) and other.asked == []
+    pool.close()
+    own.close()

@@ -470,3 +470,55 @@ def test_a_rank_without_the_pool_resumes_its_turns_with_the_new_adapter(remote, 
     push_adapter_from_one_rank(None, None, [], 1, str(tmp_path), own=backend.pool)
     waiting.join(60)
     assert seen == [adapter_name(1)]
+
+
+class RecordingPool(HeldPool):
+    """HeldPool's one fake server answering at once: each turn guesses 7 (ended by `finish`), and its
+    (n, seed) is recorded; `short` answers one completion fewer than asked; with `push`, the servers
+    hold weight version 1 from the first request's answer on (a push between turns: partial rollouts)."""
+
+    def __init__(self, tok, finish: str = "stop", short: bool = False, push: bool = False):
+        super().__init__(tok)
+        self.finish, self.short, self.push, self.sent = finish, short, push, []
+
+    def complete(self, server, prompts, n, sampling, seed, timeout):
+        self.sent.append((n, seed))
+        if self.push:
+            self.gate.version = 1
+        ids = self.tok("7", add_special_tokens=False).input_ids + ([] if self.finish == "length" else [self.tok.eos_token_id])
+        choice = {"token_ids": ids, "logprobs": {"token_logprobs": [-1.0] * len(ids)}, "finish_reason": self.finish}
+        return [choice] * (len(prompts) * n - self.short)
+
+
+def test_each_turn_is_sent_with_its_trajectorys_seed_and_the_batch_takes_its_oldest_version(tiny_lm):
+    """Two prompts, n = 2, two turns of the guess game (7 is wrong: each plays both turns). Turn 1: one
+    request per prompt, seed 100 + p * n; turn 2: one per trajectory i, turn_seed(100, 2) + i. With a
+    push after turn 1, its two tokens ("7", the end token) were sampled by version 0, the observation's
+    is -1 (not sampled) and turn 2's by version 1: the batch's weight_version is the oldest, 0."""
+    from grpo.rollout.episodes import turn_seed
+
+    _, tok = tiny_lm
+    runner = EpisodeRunner(GuessEnv, tok, RawRender(tok), Budget(2, 4, 64, 4), 10.0, [tok.eos_token_id], "guess", 4)
+    sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=100)
+    pool = RecordingPool(tok)
+    prompts = [tok("12+34=").input_ids, tok("7+1=").input_ids]
+    out = episode_driver("trajectories", runner, pool, 9)(prompts, [Sample("12+34=", "3"), Sample("7+1=", "3")], 2, sampling)
+    later = turn_seed(100, 2)
+    assert sorted(pool.sent) == sorted([(2, 100), (2, 102)] + [(1, later + i) for i in range(4)])
+    assert out.finish_reasons == ["turns"] * 4
+    assert out.token_versions == [[0, 0, -1, 0, 0]] * 4 and out.weight_version == 0
+    out = episode_driver("trajectories", runner, RecordingPool(tok, push=True), 9)(prompts[:1], [Sample("12+34=", "3")], 2,
+                                                                                  sampling)
+    assert out.token_versions == [[0, 0, -1, 1, 1]] * 2 and out.weight_version == 0
+
+
+def test_a_turn_cut_at_max_new_tokens_ends_its_trajectory_as_length_and_a_short_answer_fails_the_batch(tiny_lm):
+    _, tok = tiny_lm
+    runner = EpisodeRunner(GuessEnv, tok, RawRender(tok), Budget(2, 4, 64, 4), 10.0, [tok.eos_token_id], "guess", 4)
+    sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=100)
+    out = episode_driver("trajectories", runner, RecordingPool(tok, finish="length"), 0)(
+        [tok("7+1=").input_ids], [Sample("7+1=", "3")], 2, sampling)
+    assert out.finish_reasons == ["length"] * 2
+    with pytest.raises(ServerError, match="asked fake for 2 completions, it returned 1"):
+        episode_driver("trajectories", runner, RecordingPool(tok, short=True), 0)(
+            [tok("7+1=").input_ids], [Sample("7+1=", "3")], 2, sampling)

@@ -106,6 +106,7 @@ def test_patch_local_and_dev_builds_count_as_their_minor():
     assert release("0.33.1.dev4+g1a2b3c") == (0, 33) and release("0.32.0+cpu") == (0, 32) and release("0.26") == (0, 26)
     assert vllm_api("0.33.2") == dataclasses.replace(vllm_api("0.33.0"), version="0.33.2")
     assert vllm_api("0.26.1rc1").weight_version is False
+    assert release(" 0.30.1\n") == (0, 30)  # a version read with its line end (a /version body, a file)
 
 
 def test_the_nccl_init_and_update_info_each_release_takes():
