@@ -166,19 +166,26 @@ def test_kl_needs_reference():
 LOSS_BT = torch.tensor([[-1.0, 0.0, 0.0], [2.0, 2.0, 2.0]])
 MASK_BT = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
 NORM2 = LossNorm(num_seqs=2, num_tokens=4, max_len=4, gen_tokens_per_step=10)
+# the same two sequences as one micro-batch of an optimizer batch of 5 sequences and 16 loss tokens: the
+# normalisers are the optimizer batch's counts, never the micro-batch's own (2 sequences, 4 tokens)
+NORM_OF_5 = LossNorm(num_seqs=5, num_tokens=16, max_len=4, gen_tokens_per_step=20)
 
 
 @pytest.mark.parametrize(
-    "loss_type, expected",
+    "loss_type, norm, expected",
     [
-        ("grpo", 0.5),  # sequence means -1 and 2, averaged over 2 sequences
-        ("bnpo", 1.25),  # 5 / 4 tokens
-        ("dr_grpo", 0.625),  # 5 / (2 sequences x max_len 4)
-        ("dapo", 0.5),  # 5 / 10 tokens per optimizer step in the generated batch
+        ("grpo", NORM2, 0.5),  # sequence means -1 and 2, averaged over 2 sequences
+        ("bnpo", NORM2, 1.25),  # 5 / 4 tokens
+        ("dr_grpo", NORM2, 0.625),  # 5 / (2 sequences x max_len 4)
+        ("dapo", NORM2, 0.5),  # 5 / 10 tokens per optimizer step in the generated batch
+        ("grpo", NORM_OF_5, 0.2),  # (-1 + 2) / 5 sequences (not / the 2 here: 0.5)
+        ("bnpo", NORM_OF_5, 0.3125),  # 5 / 16 tokens (not / the 4 here: 1.25)
+        ("dr_grpo", NORM_OF_5, 0.25),  # 5 / (5 sequences x max_len 4)
+        ("dapo", NORM_OF_5, 0.25),  # 5 / 20 tokens per optimizer step
     ],
 )
-def test_aggregation_per_loss_type(loss_type, expected):
-    assert aggregate(LOSS_BT, MASK_BT, loss_type, NORM2).item() == pytest.approx(expected)
+def test_aggregation_per_loss_type(loss_type, norm, expected):
+    assert aggregate(LOSS_BT, MASK_BT, loss_type, norm).item() == pytest.approx(expected)
 
 
 def test_policy_loss_uses_the_aggregation():
@@ -452,6 +459,29 @@ def test_a_head_of_its_own_takes_the_models_logits(tiny_lm):
                    position_ids=batch.position_ids_BL).logits[:, batch.prompt_width - 1 : -1] * 3.0
     ref = torch.log_softmax(logits, -1).gather(-1, batch.completion_ids_BT.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(logp, ref, rtol=0, atol=1e-5)
+
+
+def test_a_head_of_its_own_gives_the_tempered_logprobs_and_entropy(tiny_lm):
+    """At temperature 0.7 a head of its own (the model's logits x 3) gives log_softmax(3 logits / 0.7)
+    and that distribution's entropy, as the plain head's pieces do."""
+    from grpo.rollout.base import Rollouts
+    from grpo.batch import collate
+    from grpo.update.forward import batch_logprobs
+
+    model, tok = tiny_lm
+    scaled = ScaledHead(model)
+    batch = collate([[tok.bos_token_id, 5, 6]] * 2, Rollouts([[10, 11], [12]], [[0.0] * 2, [0.0]], ["length"] * 2, 0),
+                    torch.zeros(2), tok.pad_token_id, False)
+    with torch.no_grad():
+        logp, ent = batch_logprobs(scaled, batch, 0.7, with_entropy=True)
+        logits = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
+                       position_ids=batch.position_ids_BL).logits[:, batch.prompt_width - 1 : -1].float() * 3.0 / 0.7
+    ref_logp = torch.log_softmax(logits, -1).gather(-1, batch.completion_ids_BT.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-5)
+    _, plain_ent = batch_logprobs(model, batch, 0.7 / 3.0, with_entropy=True)  # the same distribution
+    torch.testing.assert_close(ent, plain_ent, rtol=0, atol=1e-5)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_lm):

@@ -73,6 +73,23 @@ def test_first_fit_rows_by_value():
     assert first_fit_rows([], 4) == []
 
 
+def test_padded_micro_batches_take_as_many_rows_as_the_cap_holds(tiny_lm):
+    """Five sequences of 3 + 2 = 5 positions: a cap of 10 takes 2 rows a forward (2, 2, 1), never a
+    third (15 positions); a cap below one row still takes one; rows rounded up to 8 take 2 of 16."""
+    from grpo.update.layouts import micro_batch_plan
+
+    _, tok = tiny_lm
+    b = tok.bos_token_id
+    batch = collate([[b, 5, 6]] * 5, Rollouts([[10, 11]] * 5, [[0.0] * 2] * 5, ["stop"] * 5, 0), torch.zeros(5),
+                    tok.pad_token_id, False)
+    assert batch.input_ids_BL.shape == (5, 5)
+    assert micro_batch_plan(batch, 10, "padded") == [(slice(0, 2), None), (slice(2, 4), None), (slice(4, 6), None)]
+    assert micro_batch_plan(batch, 14, "padded") == [(slice(0, 2), None), (slice(2, 4), None), (slice(4, 6), None)]
+    assert micro_batch_plan(batch, 4, "padded") == [(slice(i, i + 1), None) for i in range(5)]
+    assert micro_batch_plan(batch, 16, "padded", multiple=8) == micro_batch_plan(batch, 10, "padded")
+    assert [mb.batch.size for mb in micro_batches(batch, 10)] == [2, 2, 1]
+
+
 def test_pack_lays_sequences_end_to_end_by_value(tiny_lm):
     _, tok = tiny_lm
     b = tok.bos_token_id
@@ -349,6 +366,20 @@ def test_layout_of_the_settings():
     assert layout_of(compose_cfg().algo, cuda=False) == "shared" and layout_of(compose_cfg().algo, cuda=True) == "packed"
 
 
+def test_an_unknown_layout_is_refused_not_run_shared(tiny_lm):
+    """`plan` and `runnable_layout` take the layout names of `layout_of`; another (a typo) is refused,
+    where it used to fall through to the shared-prompt layout."""
+    from grpo.update.support import runnable_layout
+
+    model, tok = tiny_lm
+    batch = spread_batch(tok)
+    for layout in ("packd", "Shared", None):
+        with pytest.raises(ValueError, match="unknown layout"):
+            runnable_layout(model, layout)
+        with pytest.raises(ValueError, match="unknown layout"):
+            plan(model, batch, layout, 10_000)
+
+
 def test_shared_width_weighs_positions_against_attention():
     from grpo.update.layouts import CPU_KEYS_PER_POSITION, shared_width
 
@@ -361,6 +392,10 @@ def test_shared_width_weighs_positions_against_attention():
     # 800 (800 x (K + 800)); a 10-token prompt, two of 390: 2 x 400 x (K + 400) against 800 x (K + 800)
     assert shared_width([400, 300, 300], [100] * 3, ["a"] * 3, 400, 8192) == (800, [[[0, 1, 2]]])
     assert shared_width([400, 400], [10] * 2, ["a"] * 2, 400, 8192) == (400, [[[0]], [[1]]])
+    # a cap of exactly twice the longest still tries the doubled width: the first case's 800 is within it
+    assert shared_width([400, 300, 300], [100] * 3, ["a"] * 3, 400, 800) == (800, [[[0, 1, 2]]])
+    # a cap below it keeps the longest: 3 rows of 400
+    assert shared_width([400, 300, 300], [100] * 3, ["a"] * 3, 400, 799) == (400, [[[0]], [[1]], [[2]]])
 
 
 def windowed_qwen2(tok, window):
@@ -379,6 +414,20 @@ def test_a_sliding_window_shares_while_every_sequence_fits_it(tiny_lm, ran):
     batch = spread_batch(tok)
     real = completion_tokens(batch)
     assert int(batch.attention_mask_BL.sum(1).max()) < 64
+    shared = score_tokens(windowed, batch, 1.0, 10_000, layout="shared")
+    torch.testing.assert_close(shared[real], score_tokens(windowed, batch, 1.0, 10_000)[real], rtol=0, atol=1e-5)
+    assert_ran(ran, "shared")
+
+
+def test_a_sequence_as_long_as_the_window_still_shares(tiny_lm, ran):
+    """A window of exactly the longest sequence's length: its last position still sees the whole
+    sequence, so the window does not bind and the prompts are shared (no warning), with the padded
+    logprobs (which the window would change if it bound)."""
+    _, tok = tiny_lm
+    batch = spread_batch(tok)
+    longest = int(batch.attention_mask_BL.sum(1).max())
+    windowed = windowed_qwen2(tok, longest)
+    real = completion_tokens(batch)
     shared = score_tokens(windowed, batch, 1.0, 10_000, layout="shared")
     torch.testing.assert_close(shared[real], score_tokens(windowed, batch, 1.0, 10_000)[real], rtol=0, atol=1e-5)
     assert_ran(ran, "shared")

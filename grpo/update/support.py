@@ -170,6 +170,8 @@ def runnable_layout(model, layout: str, longest: int = 0) -> tuple[str, str | No
     model and reason: the same numbers, more positions); packed only where the model keeps packed
     sequences apart (else ConfigError). Called before the micro-batches are planned, so a fallback is
     planned within the token cap."""
+    if layout not in ("padded", "packed", "shared"):  # grpo/update/layouts.py LAYOUTS (which imports this module)
+        raise ValueError(f"unknown layout {layout!r}; one of padded, packed, shared")
     if layout == "padded":
         return layout, None
     support = support_of(model)
