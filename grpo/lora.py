@@ -86,9 +86,10 @@ VISION_MODULES = r"(.*\.)?visual(\..*)?"  # peft's exclude_modules: a regex over
 
 
 def tied_embeddings(model: torch.nn.Module) -> bool:
-    config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return bool(getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+    """Whether lm_head is embed_tokens, one tensor, as transformers tied them, whichever config it read:
+    Gemma3 with tie_word_embeddings False at the top and True in its text_config is not tied."""
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    return out is not None and inp is not None and out.weight is inp.weight
 
 
 def wrap(model: torch.nn.Module, cfg) -> torch.nn.Module:

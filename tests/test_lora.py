@@ -382,9 +382,18 @@ def test_lora_leaves_a_vlms_vision_tower_alone():
     """Qwen2.5-VL names its vision MLP gate_proj/up_proj/down_proj, the default targets: the adapter
     reached into the "frozen" tower, trained there, and vLLM engines (no tower LoRA) ignored it. The
     tower gets no adapter; the language model's MLP and attention do."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
     from grpo import vision, weights
+
+    model = tiny_qwen2_5_vl()
+    vision.freeze_vision(model)
+    wrapped = lora.wrap(model, OmegaConf.structured(LoraConfig(rank=4)))
+    trainable = [n for n, p in wrapped.named_parameters() if p.requires_grad]
+    assert not [n for n in trainable if weights.is_vision_parameter(n)], trainable
+    assert any("mlp.gate_proj.lora_A" in n for n in trainable) and any("q_proj.lora_A" in n for n in trainable)
+
+
+def tiny_qwen2_5_vl():
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     cfg = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
@@ -393,12 +402,7 @@ def test_lora_leaves_a_vlms_vision_tower_alone():
         vision_config=dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0], window_size=56),
         image_token_id=297, video_token_id=298, vision_start_token_id=296, vision_end_token_id=299)
-    model = Qwen2_5_VLForConditionalGeneration(cfg)
-    vision.freeze_vision(model)
-    wrapped = lora.wrap(model, OmegaConf.structured(LoraConfig(rank=4)))
-    trainable = [n for n, p in wrapped.named_parameters() if p.requires_grad]
-    assert not [n for n in trainable if weights.is_vision_parameter(n)], trainable
-    assert any("mlp.gate_proj.lora_A" in n for n in trainable) and any("q_proj.lora_A" in n for n in trainable)
+    return Qwen2_5_VLForConditionalGeneration(cfg)
 
 
 def test_lora_targets_that_name_no_module_are_refused_listing_the_models_linear_layers(tiny_lm):
@@ -413,3 +417,75 @@ def test_lora_targets_that_name_no_module_are_refused_listing_the_models_linear_
     # a whole dotted name, or its last parts, is peft's match too
     wrapped = lora.wrap(copy.deepcopy(model), OmegaConf.structured(LoraConfig(rank=4, target_modules=["self_attn.q_proj"])))
     assert sum(name.endswith("q_proj.lora_A.default.weight") for name, _ in wrapped.named_parameters()) == 2  # 2 layers
+
+
+def test_a_target_matches_a_whole_dotted_name_or_its_last_parts_in_the_language_model_only(tiny_lm):
+    """As peft matches target_modules (the whole module name, or its last dotted parts): "proj" and
+    "attn.q_proj" are only the ends of a part ("q_proj", "self_attn"), so they name no module; a VLM's
+    vision tower gets no adapter, so "qkv", its attention's name alone, names none either."""
+    model, _ = tiny_lm
+    assert lora.unmatched_targets(model, ["q_proj", "proj", "self_attn.q_proj", "attn.q_proj"]) == ["proj", "attn.q_proj"]
+    vlm = tiny_qwen2_5_vl()
+    assert any(name.endswith(".visual.blocks.0.attn.qkv") for name, _ in vlm.named_modules())
+    assert lora.unmatched_targets(vlm, ["q_proj", "qkv"]) == ["qkv"]
+
+
+def test_the_adapter_layout_does_not_depend_on_the_order_of_target_modules():
+    """A checkpoint's layout (grpo/checkpoint.py check_layout): [v_proj, q_proj] wraps the same modules
+    as [q_proj, v_proj], so a resume that lists them the other way round reads the checkpoint."""
+    layout = lora.adapter_layout(OmegaConf.structured(LoraConfig(rank=8, target_modules=["v_proj", "q_proj"])))
+    assert layout == {"rank": 8, "target_modules": ["q_proj", "v_proj"]}
+    assert lora.adapter_layout(OmegaConf.structured(LoraConfig(rank=0))) is None
+
+
+def test_an_adapter_written_again_into_its_folder_replaces_the_one_there(peft_lm, tmp_path):
+    """Every push writes the adapter into the same folder: the second write replaces the first (B of
+    1.0, then of 2.0), leaving no temporary folder beside it."""
+    from safetensors.torch import load_file
+
+    model, _ = peft_lm
+    folder = str(tmp_path / "adapter")
+    for value in (1.0, 2.0):
+        with torch.no_grad():
+            for name, p in lora.adapter_parameters(model):
+                p.fill_(value)
+        assert lora.write_adapter(model, lora.adapter_parameters(model), folder) == folder
+        saved = load_file(os.path.join(folder, "adapter_model.safetensors"))
+        assert len(saved) == 2 * 7 * 2 and all(bool((t == value).all()) for t in saved.values())
+    assert sorted(os.listdir(tmp_path)) == ["adapter"]
+
+
+def test_the_merge_visits_a_module_whose_name_starts_with_a_lora_layers_name():
+    """merged_tensors skips the children of a LoRA layer (`proj.base_layer`, `proj.lora_A`), not a
+    sibling whose name merely begins with it (`proj_out`): with B = 0 the merge is the base, so
+    every base tensor comes back, each equal to the model's own."""
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential()
+    base.add_module("proj", torch.nn.Linear(4, 4))
+    base.add_module("proj_out", torch.nn.Linear(4, 2))
+    expected = {n: p.detach().clone() for n, p in base.named_parameters()}
+    merged = dict(lora.merged_tensors(get_peft_model(base, PeftLoraConfig(r=2, target_modules=["proj"]))))
+    assert sorted(merged) == ["proj.bias", "proj.weight", "proj_out.bias", "proj_out.weight"]
+    for name, value in expected.items():
+        assert torch.equal(merged[name], value), name
+
+
+def test_tied_embeddings_are_the_models_own_tensors_not_a_config_it_does_not_read():
+    """Gemma3 with tie_word_embeddings False at the top and True in its text_config: transformers
+    5 ties by the top-level one, so lm_head is a tensor of its own and an adapter on it merges into
+    the export as trained; the tiny model's lm_head is its embed_tokens (tied: refused in `wrap`)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    cfg = Gemma3Config(text_config=dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True),
+                       vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                          image_size=28, patch_size=14),
+                       mm_tokens_per_image=1, image_token_index=299, boi_token_index=297, eoi_token_index=298,
+                       tie_word_embeddings=False)
+    gemma = Gemma3ForConditionalGeneration(cfg)
+    assert gemma.get_output_embeddings().weight is not gemma.get_input_embeddings().weight
+    assert not lora.tied_embeddings(gemma)
+    wrapped = lora.wrap(gemma, OmegaConf.structured(LoraConfig(rank=4, target_modules=["q_proj", "lm_head"])))
+    assert any("lm_head.lora_A" in n for n, _ in wrapped.named_parameters())

@@ -522,3 +522,99 @@ def test_a_turn_cut_at_max_new_tokens_ends_its_trajectory_as_length_and_a_short_
     with pytest.raises(ServerError, match="asked fake for 2 completions, it returned 1"):
         episode_driver("trajectories", runner, RecordingPool(tok, short=True), 0)(
             [tok("7+1=").input_ids], [Sample("7+1=", "3")], 2, sampling)
+
+
+class VersionedPool(RecordingPool):
+    """RecordingPool without partial rollouts (no gate: the batch reads the servers' versions before
+    and after it), with one server per entry of `versions`; server k reports versions[k][0] before the
+    batch and versions[k][1] after it. A request whose prompt's second token (after BOS) is in `gone` or `fails` raises
+    ServerGone (its engine exited) or a plain ServerError (this request failed)."""
+
+    def __init__(self, tok, versions, gone=(), fails=()):
+        super().__init__(tok)
+        self.gate, self.asked = None, {}
+        self.servers = [SimpleNamespace(url=f"fake{k}", speed=1.0, timeout_s=60.0, batches=0) for k in range(len(versions))]
+        self.versions, self.gone, self.fails = versions, set(gone), set(fails)
+
+    def served_version(self, server, fallback):
+        k = int(server.url[4:])
+        self.asked[k] = self.asked.get(k, -1) + 1
+        return self.versions[k][min(self.asked[k], 1)]
+
+    def complete(self, server, prompts, n, sampling, seed, timeout):
+        from grpo.endpoints import ServerGone
+
+        if prompts[0][1] in self.gone:
+            raise ServerGone(f"{server.url}'s engine exited")
+        if prompts[0][1] in self.fails:
+            raise ServerError(f"{server.url} answered 500")
+        return super().complete(server, prompts, n, sampling, seed, timeout)
+
+
+def guess_runner(tok, budget=None):
+    return EpisodeRunner(GuessEnv, tok, RawRender(tok), budget or Budget(2, 4, 64, 4), 10.0, [tok.eos_token_id], "guess", 4)
+
+
+def test_a_version_that_changed_or_differs_between_servers_fails_an_episode_batch(tiny_lm):
+    """Without partial rollouts weights change only between batches: a server at version 3 before the
+    batch and 4 after it, or two servers at 3 and 4 (a push reached one), fail the batch by value; two
+    servers at 3 throughout do not, and the batch takes their version, 3."""
+    _, tok = tiny_lm
+    prompts = [tok("12+34=").input_ids, tok("7+1=").input_ids]
+    samples, sampling = [Sample("12+34=", "3"), Sample("7+1=", "3")], Sampling(max_new_tokens=4, seed=100)
+    with pytest.raises(ServerError, match=r"went from \{0: 3\} to \{0: 4\} during an episode batch"):
+        episode_driver("trajectories", guess_runner(tok), VersionedPool(tok, [(3, 4)]), 0)(prompts[:1], samples[:1], 2, sampling)
+    with pytest.raises(ServerError, match=r"the servers hold different weight versions \[3, 4\]"):
+        episode_driver("trajectories", guess_runner(tok), VersionedPool(tok, [(3, 3), (4, 4)]), 0)(prompts, samples, 2, sampling)
+    out = episode_driver("trajectories", guess_runner(tok), VersionedPool(tok, [(3, 3), (3, 3)]), 0)(prompts, samples, 2, sampling)
+    assert out.weight_version == 3 and out.finish_reasons == ["turns"] * 4
+
+
+def test_a_servers_speed_moves_by_0_3_of_a_batchs_rate_after_its_first_batch(tiny_lm):
+    """After its first batch a server's speed (how split_by_load shares prompts) is 0.7 x its speed + 0.3
+    x the batch's tokens per second. One prompt, n = 2, two turns of 2 tokens ("7", the end token):
+    8 tokens in at least 1e-6 s, so the rate is at most 8e6/s; from a speed of 1e12 the speed is
+    between 7e11 and 7e11 + 0.3 x 8e6, and its batches count 2."""
+    _, tok = tiny_lm
+    pool = RecordingPool(tok)
+    pool.servers[0].speed, pool.servers[0].batches = 1e12, 1
+    episode_driver("trajectories", guess_runner(tok), pool, 0)([tok("7+1=").input_ids], [Sample("7+1=", "3")], 2,
+                                                               Sampling(max_new_tokens=4, seed=100))
+    assert len(pool.sent) == 3  # turn 1 for both, then turn 2 for each: 2 + 2 + 2 + 2 = 8 tokens
+    assert 7e11 <= pool.servers[0].speed <= 7e11 + 0.3 * 8e6 and pool.servers[0].batches == 2
+
+
+def test_a_prompt_that_leaves_no_room_for_a_turn_sends_no_request_and_ends_as_error(tiny_lm):
+    """max_context 8 and max_new_tokens 4: a prompt of more than 4 tokens leaves no room for turn 1, so
+    its trajectories end as "error" (no episode of the policy's) and no request is sent for them."""
+    _, tok = tiny_lm
+    prompt = tok("12+34=").input_ids
+    assert len(prompt) > 4
+    pool = RecordingPool(tok)
+    with pytest.warns(UserWarning):
+        out = episode_driver("trajectories", guess_runner(tok, Budget(2, 4, 64, 4, max_context=8)), pool, 0)(
+            [prompt], [Sample("12+34=", "3")], 2, Sampling(max_new_tokens=4, seed=100))
+    assert pool.sent == [] and out.finish_reasons == ["error"] * 2
+
+
+def test_a_dead_server_stops_the_batch_and_a_failed_request_ends_only_its_trajectories(tiny_lm):
+    """ServerGone (the engine exited: no later turn can be answered) fails the batch; a plain request
+    failure ends only that request's trajectories as "error", with a warning, unless every trajectory
+    failed so: then the batch fails (nothing to train on)."""
+    from grpo.endpoints import ServerGone
+
+    _, tok = tiny_lm
+    prompts = [tok("12+34=").input_ids, tok("7+1=").input_ids]
+    assert prompts[0][1] != prompts[1][1]
+    samples, sampling = [Sample("12+34=", "3"), Sample("7+1=", "3")], Sampling(max_new_tokens=4, seed=100)
+    with pytest.raises(ServerGone, match="fake0's engine exited"):
+        episode_driver("trajectories", guess_runner(tok), VersionedPool(tok, [(0, 0)], gone=[prompts[0][1]]), 0)(
+            prompts, samples, 2, sampling)
+    with pytest.warns(UserWarning, match="2 of 4 trajectories ended as 'error'"):
+        out = episode_driver("trajectories", guess_runner(tok), VersionedPool(tok, [(0, 0)], fails=[prompts[0][1]]), 0)(
+            prompts, samples, 2, sampling)
+    assert out.finish_reasons == ["error", "error", "turns", "turns"]
+    with pytest.raises(ServerError, match=r"every trajectory of the episode batch \(2\) failed on its server's request; "
+                                          r"the first: fake0 answered 500"):
+        episode_driver("trajectories", guess_runner(tok), VersionedPool(tok, [(0, 0)], fails=[prompts[1][1]]), 0)(
+            prompts[1:], samples[1:], 2, sampling)

@@ -82,7 +82,10 @@ def model_context(model_config: dict) -> int | None:
     if not positions:
         return None
     rope = c.get("rope_scaling") or c.get("rope_parameters")
-    if isinstance(rope, dict) and rope.get("factor") and (rope.get("rope_type") or rope.get("type")) not in _PRESCALED_ROPE:
+    # gemma3's max_position_embeddings already counts its factor (vLLM skips it by the text model's type)
+    prescaled = "gemma3" in str(c.get("model_type") or model_config.get("model_type") or "")
+    if (isinstance(rope, dict) and rope.get("factor") and not prescaled
+            and (rope.get("rope_type") or rope.get("type")) not in _PRESCALED_ROPE):
         positions = int(positions * rope["factor"])
     override = c.get("model_max_length") or model_config.get("model_max_length")
     return max(positions, override) if isinstance(override, int) else positions
