@@ -41,23 +41,34 @@ def scratch_env(folder: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
+def environ_kept(*keys: str):
+    """These entries of os.environ as they are now come back after the block, whatever it set (an entry
+    unset now is unset again), after a raise too."""
+    saved = {key: os.environ.get(key) for key in keys}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
 def own_tmpdir(prefix: str):
     """This process's temporary files, and its children's, in a new folder (`scratch_folder`) while the
     block runs, removed after it: TMPDIR and tempfile's cached directory point there, the compile cache
     stays (`scratch_env`). A SIGKILL leaves the folder (a dedicated engine's reaper removes the engine's)."""
     folder = scratch_folder(prefix)
-    saved = tempfile.tempdir, {key: os.environ.get(key) for key in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")}
-    os.environ.update(scratch_env(folder))
-    tempfile.tempdir = folder
+    saved_tempdir = tempfile.tempdir
     try:
-        yield folder
+        with environ_kept("TMPDIR", "TORCHINDUCTOR_CACHE_DIR"):  # kept before torch's import may set the cache's
+            os.environ.update(scratch_env(folder))
+            tempfile.tempdir = folder
+            yield folder
     finally:
-        tempfile.tempdir = saved[0]
-        for key, value in saved[1].items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        tempfile.tempdir = saved_tempdir
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -85,11 +96,9 @@ def rpc_path(folder: str | None):
     if folder is None:
         yield
         return
-    os.environ[RPC_PATH] = folder
-    try:
+    with environ_kept(RPC_PATH):
+        os.environ[RPC_PATH] = folder
         yield
-    finally:
-        os.environ.pop(RPC_PATH, None)
 
 
 def remove_rpc_folder(folder: str | None) -> None:

@@ -57,3 +57,17 @@ def test_a_scratch_folder_falls_back_to_tmp_where_vllms_sockets_would_not_fit(sh
         folder = scratch_folder("grpo-engine-")
         os.rmdir(folder)
         assert os.path.dirname(folder) == parent
+
+
+
+def test_environ_kept_puts_back_what_was_there_even_when_the_block_raises(monkeypatch):
+    """grpo/scratch.py `environ_kept` (own_tmpdir's TMPDIR and compile cache, an engine's VLLM_RPC_BASE_PATH):
+    a key that was set gets its value back, one that was unset is unset again, after a raise too."""
+    from grpo.scratch import environ_kept
+
+    monkeypatch.setenv("GRPO_TEST_SET", "before")
+    monkeypatch.delenv("GRPO_TEST_UNSET", raising=False)
+    with pytest.raises(RuntimeError), environ_kept("GRPO_TEST_SET", "GRPO_TEST_UNSET"):
+        os.environ.update(GRPO_TEST_SET="inside", GRPO_TEST_UNSET="inside")
+        raise RuntimeError
+    assert os.environ["GRPO_TEST_SET"] == "before" and "GRPO_TEST_UNSET" not in os.environ

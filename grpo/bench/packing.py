@@ -33,8 +33,9 @@ from grpo.parallel.single import SingleStrategy
 from grpo.rollout.base import Rollouts
 from grpo.update import policy_update
 from grpo.update.layouts import micro_batches, pack, pack_shared
+from grpo.update.support import LAYOUTS
 
-MODES = ("padded", "packed", "shared")
+MODES = LAYOUTS
 
 
 def spread_workload(prompts: int, group: int, vocab: int, seed: int = 0):

@@ -83,7 +83,7 @@ def model_context(model_config: dict) -> int | None:
         return None
     rope = c.get("rope_scaling") or c.get("rope_parameters")
     # gemma3's max_position_embeddings already counts its factor (vLLM skips it by the text model's type)
-    prescaled = "gemma3" in str(c.get("model_type") or model_config.get("model_type") or "")
+    prescaled = "gemma3" in (c.get("model_type") or model_config.get("model_type") or "")
     if (isinstance(rope, dict) and rope.get("factor") and not prescaled
             and (rope.get("rope_type") or rope.get("type")) not in _PRESCALED_ROPE):
         positions = int(positions * rope["factor"])

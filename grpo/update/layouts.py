@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from grpo import vision
 from grpo.batch import Batch
 from grpo.modeling import model_config
-from grpo.update.support import has_plain_head, mask_form, runnable_layout, support_of
+from grpo.update.support import LAYOUTS, has_plain_head, mask_form, runnable_layout, support_of
 
 CUDA_WIDTH_MULTIPLE = 128
 
@@ -291,8 +291,6 @@ def packed_mask(position_ids_RW: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------
 # Micro-batches: which rows each forward takes, in which layout.
-
-LAYOUTS = ("padded", "packed", "shared")
 
 
 SHARED_PROMPT_SETTINGS = (True, False, "auto")

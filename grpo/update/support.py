@@ -163,6 +163,10 @@ def has_plain_head(model) -> bool:
     return support.plain_head
 
 
+# The micro-batch layouts (grpo/update/layouts.py plans them; the config's `algo.layout` names one).
+LAYOUTS = ("padded", "packed", "shared")
+
+
 def runnable_layout(model, layout: str, longest: int = 0) -> tuple[str, str | None]:
     """(the layout `model` runs, why it is not `layout` or None) when the settings ask for `layout`
     (grpo/update/layouts.py `layout_of`) on a batch whose longest sequence is `longest` tokens: shared
@@ -170,8 +174,8 @@ def runnable_layout(model, layout: str, longest: int = 0) -> tuple[str, str | No
     model and reason: the same numbers, more positions); packed only where the model keeps packed
     sequences apart (else ConfigError). Called before the micro-batches are planned, so a fallback is
     planned within the token cap."""
-    if layout not in ("padded", "packed", "shared"):  # grpo/update/layouts.py LAYOUTS (which imports this module)
-        raise ValueError(f"unknown layout {layout!r}; one of padded, packed, shared")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; one of {', '.join(LAYOUTS)}")
     if layout == "padded":
         return layout, None
     support = support_of(model)
