@@ -108,11 +108,12 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) --durations=30 $(ARGS)
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow $(ARGS)
+	$(PY) -m pytest -q -m "slow and not slurm" $(ARGS)
 
 # Against a real SLURM: start the local two-node one first (slurm/dev-cluster.sh install && slurm/dev-cluster.sh up --nodes 2).
+# Its two `slow` cases (a run another case already covers) too: make test-slurm ARGS="-m slurm".
 test-slurm: $(STAMP)
-	$(PY) -m pytest -q -m slurm --durations=0 $(ARGS)
+	$(PY) -m pytest -q -m "slurm and not slow" --durations=0 $(ARGS)
 
 # On a machine with a CUDA GPU (skipped without one): grpo.doctor, then a short run per backend and strategy (tests/test_gpu.py).
 test-gpu: $(STAMP)

@@ -201,7 +201,7 @@ def check_run(run_dir, steps):
     assert wait_gone(run_dir) == [], "engine processes outlived the run"
 
 
-@pytest.mark.starts_process
+@pytest.mark.slow  # the episode driver on a server pool: test_remote's guess run; dedicated's own runs: the ddp e2e run
 def test_guess_episodes_through_dedicated(make_cfg):
     """3 steps of experiment=guess_tiny: the node main builds the environments and drives the episodes
     against its engine; several turns, the trainer scoring the engine's tokens across turns."""
@@ -220,7 +220,8 @@ def test_guess_episodes_through_dedicated(make_cfg):
 
 @pytest.mark.starts_process
 # make test: rollout=dedicated, parallel=ddp (e2e_smoke)
-@pytest.mark.parametrize("parallel", [pytest.param("ddp", marks=pytest.mark.e2e_smoke), "zero3"])
+# slow: zero3 (ZeRO-3's gathered push to a server: test_remote's zero3 run, e2e_smoke)
+@pytest.mark.parametrize("parallel", [pytest.param("ddp", marks=pytest.mark.e2e_smoke), pytest.param("zero3", marks=pytest.mark.slow)])
 def test_two_process_run_with_one_engine_per_node(tmp_path, cache_dir, hub_like_policy, parallel):
     """The engine's folder carries a hub model's generation_config.json (conftest): sampling stays pinned."""
     out = run_ok([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, f"parallel={parallel}",

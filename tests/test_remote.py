@@ -330,7 +330,8 @@ def test_short_training_run_through_remote(server, make_cfg, tmp_path, capfd, mo
 
 
 # make test: rollout=remote, parallel=zero3 (e2e_smoke)
-@pytest.mark.parametrize("parallel", ["ddp", pytest.param("zero3", marks=pytest.mark.e2e_smoke)])
+# slow: ddp (a 2-process ddp run through a server: test_dedicated's ddp run, e2e_smoke)
+@pytest.mark.parametrize("parallel", [pytest.param("ddp", marks=pytest.mark.slow), pytest.param("zero3", marks=pytest.mark.e2e_smoke)])
 def test_two_process_training_run_through_remote(server, tmp_path, cache_dir, parallel, token_env):
     """2 trainer ranks, one server: the whole batch goes to it, rank 0 pushes the weights (under
     ZeRO-3 gathered bucket by bucket with rank 1 joining each gather)."""

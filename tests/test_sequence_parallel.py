@@ -164,7 +164,9 @@ def test_split_rows_replay_each_ranks_own_routes(tmp_path):
 
 
 @pytest.mark.starts_process
-@pytest.mark.parametrize("strategy,extra", [("zero3", []), ("zero2", ["model.gradient_checkpointing=true"]), ("ddp", [])])
+# slow: zero2 and ddp runs (their split updates equal one process's: test_split_rows_update_equals_one_process)
+@pytest.mark.parametrize("strategy,extra", [("zero3", []), pytest.param("zero2", ["model.gradient_checkpointing=true"], marks=pytest.mark.slow),
+                                            pytest.param("ddp", [], marks=pytest.mark.slow)])
 def test_two_process_training_run_with_split_rows(tmp_path, cache_dir, strategy, extra):
     """`torchrun --nproc_per_node 2 -m grpo.train parallel=zero3 parallel.sequence_parallel=2` on the
     default task (and zero2, with checkpointed layers recomputed in the backward, still split; and

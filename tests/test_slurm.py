@@ -116,8 +116,9 @@ def metric_rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
 
 
-@pytest.mark.parametrize("parallel", [["parallel=ddp"], ["parallel=zero3"], ["parallel=zero3", "parallel.sequence_parallel=2"]],
-                         ids=["ddp", "zero3", "zero3-sequence2"])
+# slow (make test-slurm ARGS="-m slurm" runs it): zero3 alone, which zero3-sequence2 runs across the nodes too
+@pytest.mark.parametrize("parallel", [["parallel=ddp"], pytest.param(["parallel=zero3"], marks=pytest.mark.slow),
+                                      ["parallel=zero3", "parallel.sequence_parallel=2"]], ids=["ddp", "zero3", "zero3-sequence2"])
 def test_two_node_job_learns_as_its_one_node_twin(tmp_path, slurm_env, model_cache, cluster, parallel):
     """2 ranks on 2 nodes (one run folder, one summary.json, MASTER_ADDR the first node's name) and
     2 ranks on 1 node, the same seed, side by side: the same losses, rewards and accuracy. With
@@ -226,7 +227,9 @@ def test_scancel_checkpoints_on_every_rank_and_stays_cancelled(tmp_path, slurm_e
     assert subprocess.run(["squeue", "-h", "-j", job], env=slurm_env, capture_output=True, text=True).stdout.strip() == ""
 
 
-@pytest.mark.parametrize("how", ["train.sbatch", "grpo.launch"])
+# slow (make test-slurm ARGS="-m slurm" runs it): grpo.launch's SIGUSR2, which the requeued trainer's time-limit case
+# sends under grpo.launch too (requeue, resume, finish, REQUEUED then COMPLETED); a 2-node resume: the preempted job
+@pytest.mark.parametrize("how", ["train.sbatch", pytest.param("grpo.launch", marks=pytest.mark.slow)])
 def test_time_limit_warning_checkpoints_requeues_and_finishes(tmp_path, slurm_env, model_cache, how):
     """The signal SLURM sends before the time limit: SIGUSR1 (train.sbatch's --signal=USR1@120) or
     SIGUSR2 (submitit's, under grpo.launch), sent here by hand. The run checkpoints after its step,

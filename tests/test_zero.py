@@ -191,7 +191,8 @@ def test_zero3_loads_partitioned_and_scores_a_sharded_reference(tmp_path, learni
 
 @pytest.mark.starts_process
 # make test: parallel=zero2 (e2e_smoke)
-@pytest.mark.parametrize("parallel", [pytest.param("zero2", marks=pytest.mark.e2e_smoke), "zero3_offload"])
+# slow: zero3_offload (an option of ZeRO-3: its optimizer state on the CPU, which the CPU machine holds anyway)
+@pytest.mark.parametrize("parallel", [pytest.param("zero2", marks=pytest.mark.e2e_smoke), pytest.param("zero3_offload", marks=pytest.mark.slow)])
 def test_two_process_runs_of_the_other_zero_strategies(tmp_path, cache_dir, parallel):
     run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "grpo.train", *FAST, f"parallel={parallel}",
          f"hydra.run.dir={tmp_path}", f"model.cache_dir={cache_dir}"])
