@@ -12,7 +12,8 @@ import torch
 
 from grpo.metrics import resolve
 from grpo.config import ConfigError, validate
-from grpo.dynamic_sampling import Scored, refill
+from grpo.dynamic_sampling import Scored, refill, take
+from grpo.flops import Work
 from grpo.rollout.base import Rollouts
 from grpo.train import train
 from tests.conftest import FAST, compose_cfg
@@ -34,7 +35,8 @@ def scored(tag: str, rewards_PG: list[list[float]], wait: float = 1.0) -> Scored
                               engine_wait_s=wait, loss_masks=[[1, 0, 1] if i % 2 else [1] for i in range(P * G)])
     rewards = torch.tensor(rewards_PG, dtype=torch.float32)
     return Scored([f"{tag}{p}" for p in range(P)], [[p] for p in range(P)], rollouts, names, rewards,
-                  {"f": rewards.flatten().tolist()}, generate_s=1.0, wait_s=0.25, score_s=0.5, generated_tokens=P * G)
+                  {"f": rewards.flatten().tolist()}, generate_s=1.0, wait_s=0.25, score_s=0.5, generated_tokens=P * G,
+                  batch_generate_s=0.75, generation=Work(tokens=P * G, computed=2 * P * G))
 
 
 def never(_):
@@ -57,12 +59,24 @@ def test_refill_takes_the_first_p_informative_groups_in_draw_order():
     assert out.rollouts.weight_version == 3 and out.rollouts.engine_wait_s == 2.0
     assert (out.generate_s, out.score_s, out.generated_tokens) == (2.0, 1.0, 12)
     assert out.wait_s == 0.5  # time/wait_for_data_s: every draw's wait, not the first batch's alone
+    # the engines' seconds and work (generation FLOPs, MFU) over every draw, not the first batch's alone
+    assert out.batch_generate_s == 1.5 and out.generation == Work(tokens=12, computed=24)
     # 3 informative of the 6 groups drawn; the reward over all 12 completions drawn: 3 + 4 ones / 12
     m = resolve(m)  # the parts a rank logs (grpo/metrics.py), as one process's run reads them
     assert m == {"dynamic/draws": 2.0, "dynamic/informative_frac": 0.5, "dynamic/trained_informative": 3.0,
                  "dynamic/reward_mean_drawn": pytest.approx(7 / 12)}
     # reward/f over the trained groups, as reward/mean: a1, b0, b2 hold 3 ones in 6 (not the drawn 7 / 12)
     assert resolve(out.reward_means) == {"reward/f": pytest.approx(3 / 6)}
+
+
+
+def test_a_per_completion_field_a_draw_lacks_is_none_for_the_step():
+    """`take` over draws of which one has no `loss_masks` (None): the step's is None, not a list filled
+    from the draws that have it and failing on the one that does not."""
+    first, second = scored("a", [[0, 1], [1, 1]]), scored("b", [[1, 0], [0, 0]])
+    second.rollouts.loss_masks = None
+    out = take([first, second], [(0, 0), (1, 0)], 2)
+    assert out.rollouts.loss_masks is None and out.completions == ["a0.0", "a0.1", "b0.0", "b0.1"]
 
 
 def test_every_draws_reward_counts_add_up_even_those_the_first_lacks():

@@ -416,6 +416,18 @@ def test_std_from_moments_of_equal_values_is_zero_not_complex():
     assert math.isnan(resolve({"r": Ratio(0.0, 0.0)})["r"])
 
 
+def test_a_spread_is_resolved_and_its_moments_are_summed_in_float64():
+    # one process's reward/std: [1, 2, 3] -> n 3, sum 6, squares 14 -> (14 - 12) / 2 = 1
+    from grpo.metrics import Spread, resolve
+
+    assert resolve({"reward/std": Spread(3.0, 6.0, 14.0)}) == {"reward/std": 1.0}
+    # a reward model's scale, 1000 and 1000.5 x 500 in float32: the squares summed in float32 lose the
+    # spread (std 0.0 there); in float64 it is torch's std of the values, 0.25
+    values = torch.tensor([1000.0, 1000.5] * 500)
+    spread = Spread.of(values)
+    assert Spread.value(*spread.parts()) == pytest.approx(values.double().std().item(), rel=1e-9)
+
+
 def test_a_turn_that_exactly_fits_the_budget_is_taken():
     # max_new_tokens 4, max_total_tokens 10: a span of 6 leaves exactly room for a turn; 7 does not
     # (ends as length, out of budget). The engine's context alike: prompt 2 + span 6 + 4 = 12 fits 12.
@@ -496,3 +508,20 @@ def test_two_ranks_metrics_are_averaged_summed_maxed_and_divided_by_value(monkey
                         lambda v: v if (o := next(maxima)) is None else [max(a, b) for a, b in zip(v, o, strict=True)])
     out = reduce_metrics(mine, DistInfo(rank=0, world_size=2))
     assert out == {"plain": 2.0, "loss": 5.0, "steps_max": 7.0, "r": 1.0, "n": 7.0, "layout": "padded"}
+
+
+def test_weight_buckets_names_and_sizes_by_value():
+    """grpo/weights.py, what a sync sends (a mutation test's gaps): buckets of at most `bucket_bytes`,
+    each counted from 0 (not from the bucket before); a ZeRO-3 placeholder's size is its full one
+    (`ds_numel`, its local tensor is empty); the vision tower's parameters by name, at the root too."""
+    from grpo.weights import full_nbytes, group_by_size, is_vision_parameter
+
+    items = [(name, torch.zeros(1)) for name in "abcde"]  # 4 bytes each
+    assert [[n for n, _ in b] for b in group_by_size(items, 8)] == [["a", "b"], ["c", "d"], ["e"]]
+    placeholder = torch.empty(0)
+    placeholder.ds_numel = 10
+    assert full_nbytes(placeholder) == 40 and full_nbytes(torch.zeros(3, dtype=torch.bfloat16)) == 6
+    assert is_vision_parameter("visual.blocks.0.attn.qkv.weight")  # a checkpoint's names from the root
+    assert is_vision_parameter("model.visual.patch_embed.proj.weight")
+    assert not is_vision_parameter("model.layers.0.mlp.nonvisual.weight")
+    assert not is_vision_parameter("model.language_model.layers.0.self_attn.q_proj.weight")
