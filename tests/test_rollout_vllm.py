@@ -5,6 +5,7 @@ Parity tolerance: the engine's sampler logprobs must match the trainer's for the
 """
 
 import copy
+import os
 
 import pytest
 import torch
@@ -276,13 +277,18 @@ def test_every_colocated_engine_call_runs_inside_the_stream_guard(tiny_lm, monke
     monkeypatch.setattr(colocated, "build_llm", build_llm)
     model, tok = tiny_lm
     backend = ColocatedBackend(colocated_cfg(), model, tok, "unused")
-    assert cuda.current.name == "default"
-    backend.generate([[1, 2]], 2, colocated.Sampling(max_new_tokens=2))
-    assert cuda.current.name == "default"
-    backend.update_weights([], 1)
-    assert cuda.current.name == "default"
-    assert inside == [("start", "vllm"), ("generate", "vllm"), ("reload_weights", "vllm"), ("apply_model", "vllm"),
-                      ("reset_prefix_cache", "vllm")]
+    folder = backend.rpc_folder
+    try:
+        assert cuda.current.name == "default"
+        backend.generate([[1, 2]], 2, colocated.Sampling(max_new_tokens=2))
+        assert cuda.current.name == "default"
+        backend.update_weights([], 1)
+        assert cuda.current.name == "default"
+        assert inside == [("start", "vllm"), ("generate", "vllm"), ("reload_weights", "vllm"), ("apply_model", "vllm"),
+                          ("reset_prefix_cache", "vllm")]
+    finally:
+        backend.close()
+    assert folder is None or not os.path.exists(folder)  # its sockets' folder (grpo-rpc-*): left in /tmp before
 
 
 def fake_hub_entry(cache, repo: str, config) -> None:
@@ -349,8 +355,6 @@ def test_an_in_process_engines_sockets_go_to_one_folder_of_the_process_removed_a
     (default /tmp) as it starts, and vLLM never removes them. The folder is the same path at every start
     (vLLM caches its environment once an engine has started), named only while the engine starts (a
     process started later never inherits it), removed after; a user's own VLLM_RPC_BASE_PATH is theirs."""
-    import os
-
     from grpo import scratch
 
     monkeypatch.setattr(scratch, "_rpc_folder", None)
