@@ -59,7 +59,6 @@ def test_a_scratch_folder_falls_back_to_tmp_where_vllms_sockets_would_not_fit(sh
         assert os.path.dirname(folder) == parent
 
 
-
 def test_environ_kept_puts_back_what_was_there_even_when_the_block_raises(monkeypatch):
     """grpo/scratch.py `environ_kept` (own_tmpdir's TMPDIR and compile cache, an engine's VLLM_RPC_BASE_PATH):
     a key that was set gets its value back, one that was unset is unset again, after a raise too."""

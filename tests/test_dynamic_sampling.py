@@ -69,7 +69,6 @@ def test_refill_takes_the_first_p_informative_groups_in_draw_order():
     assert resolve(out.reward_means) == {"reward/f": pytest.approx(3 / 6)}
 
 
-
 def test_a_per_completion_field_a_draw_lacks_is_none_for_the_step():
     """`take` over draws of which one has no `loss_masks` (None): the step's is None, not a list filled
     from the draws that have it and failing on the one that does not."""

@@ -35,8 +35,6 @@ from grpo.update import policy_update
 from grpo.update.layouts import micro_batches, pack, pack_shared
 from grpo.update.support import LAYOUTS
 
-MODES = LAYOUTS
-
 
 def spread_workload(prompts: int, group: int, vocab: int, seed: int = 0):
     """(prompt ids per completion, Rollouts, advantages_B): the length-spread batch."""
@@ -98,7 +96,7 @@ def update_worker(mode: str, out: str, layers: int, prompts: int, group: int) ->
 def bench_update_packing(layers: int, prompts: int, group: int, repeats: int) -> list[dict]:
     rows = []
     for r in range(repeats):  # modes alternate, so a change in the machine's load falls on both
-        for mode in MODES:
+        for mode in LAYOUTS:
             print(f"bench: update-packing {mode} (repeat {r + 1} of {repeats})", flush=True)
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 subprocess.run([sys.executable, "-m", "grpo.bench.packing", mode, f.name, str(layers), str(prompts),
@@ -127,7 +125,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m grpo.bench.packing",
                                      description="One update in a fresh process; `python -m grpo.bench update-packing` "
                                                  "runs one per mode.")
-    parser.add_argument("mode", choices=MODES)
+    parser.add_argument("mode", choices=LAYOUTS)
     parser.add_argument("out", help="the JSON file the row is written to")
     parser.add_argument("layers", type=int)
     parser.add_argument("prompts", type=int)
