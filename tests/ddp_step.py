@@ -10,7 +10,9 @@ micro-batches); with `shared`, algo.shared_prompt=true; with `grouped` (implied 
 columns); with `long`, completions of up to 16 tokens (2 ranks' packed rows then hold several sequences); with `lora`, a rank-4 LoRA adapter trains (OUT/<loss_type>_init.pt: its weights before the step); with `moe`, the
 policy is the tiny Qwen3-MoE (random init; OUT/init.pt) and the batch carries sampler routes drawn at random, which every
 forward replays (rollout.routing_replay), the load-balancing loss off; with `clip`, one more step, the grpo loss with
-algo.max_grad_norm=0.05 (the gradient's norm is about 5, so it clips), written as loss type `grpo_clipped`. Writes
+algo.max_grad_norm=0.05 (the gradient's norm is about 5, so it clips), written as loss type `grpo_clipped`; with `pieces`,
+the LM head runs on pieces of 3 tokens (a small grpo.update.forward.LOGIT_CHUNK_BYTES), and OUT/pieces_rank<r>.json lists
+the pieces of each head call of a ZeRO-3 model on rank r (each piece gathers the head's weight: the ranks' lists must agree). Writes
 OUT/<loss_type>.pt with the full updated weights (rank 0; with `lora`, the adapter's), for every loss type,
 OUT/<loss_type>_loss.json with the loss the run logs (grpo.metrics.reduce_metrics over the ranks), OUT/<loss_type>_metrics.json
 with every number the update logs (the same reduction), and OUT/micro_batches.json with each rank's count of micro-batches.
@@ -27,6 +29,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import grpo.update.forward  # noqa: E402
 import grpo.update.layouts  # noqa: E402
 import grpo.parallel.sequence  # noqa: E402
 import grpo.parallel.single  # noqa: E402
@@ -40,6 +43,7 @@ from grpo.parallel import strategy_class  # noqa: E402
 from grpo.update.layouts import micro_batches  # noqa: E402
 from grpo.update import policy_update  # noqa: E402
 from grpo.metrics import Count, Ratio, Spread, reduce_metrics  # noqa: E402
+from grpo.modeling import unwrapped  # noqa: E402
 from tests.test_gradient_invariance import make_batch  # noqa: E402
 
 
@@ -52,7 +56,7 @@ def sgd(model, algo, total_steps):
 
 def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = "packed", grouped: bool = False,
          split: int = 1, adapter: bool = False, long: bool = False, moe: bool = False, empty: bool = False,
-         clip: bool = False) -> None:
+         clip: bool = False, pieces: bool = False) -> None:
     grpo.parallel.single.build_optimizer = grpo.parallel.zero.build_optimizer = sgd
     info = dist_info()
     init_distributed(info)
@@ -79,6 +83,16 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
     for fn, name_ in (("pack", "packed"), ("pack_shared", "shared")):
         real = getattr(grpo.update.layouts, fn)
         setattr(grpo.update.layouts, fn, lambda *a, _real=real, _name=name_, **k: (ran.update([_name]), _real(*a, **k))[1])
+    head_calls = []  # the pieces of each head call on this rank, in order
+    if pieces:
+        grpo.update.forward.LOGIT_CHUNK_BYTES = 4 * len(tok) * 3  # 3 tokens of fp32 logits a piece
+        real_pieces = grpo.update.forward.head_pieces
+        def counted(model, max_tokens, tokens):  # a ZeRO-3 model's calls (the reference here is a plain copy)
+            n = real_pieces(model, max_tokens, tokens)
+            if hasattr(unwrapped(model).get_output_embeddings().weight, "ds_id"):
+                head_calls.append(n)
+            return n
+        grpo.update.forward.head_pieces = counted
     real_routed = grpo.parallel.sequence.routed  # attention calls that went into the split ("attention_split")
     grpo.parallel.sequence.routed = lambda: (lambda s: (ran.update(["attention_split"] if s else []), s)[1])(real_routed())
     runs = [(lt, 1e9, lt) for lt in ("grpo", "bnpo", "dr_grpo", "dapo")] + ([("grpo", 0.05, "grpo_clipped")] if clip else [])
@@ -110,6 +124,7 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
             json.dump(losses, open(os.path.join(out, f"{tag}_loss.json"), "w"))
             json.dump(logged, open(os.path.join(out, f"{tag}_metrics.json"), "w"))
     json.dump(ran, open(os.path.join(out, f"layouts_rank{info.rank}.json"), "w"))
+    json.dump(head_calls, open(os.path.join(out, f"pieces_rank{info.rank}.json"), "w"))
     # reduce_metrics itself: a `*_max` is the largest rank's, any other number their mean; a Ratio, Spread
     # or Count from its parts summed over ranks. Rank 0 scored rewards [0, 0], rank 1 [1, 1, 1, 0] of 4 each
     # (a function abstained on 2 of rank 0's), rank 1's judge failed 3 requests, rank 0's none
@@ -142,5 +157,5 @@ if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3], "uneven" in flags,
          next((f for f in ("padded", "shared") if f in flags), "packed"), "grouped" in flags,
          next((int(f[2:]) for f in flags if f.startswith("sp")), 1), "lora" in flags, "long" in flags, "moe" in flags,
-         "empty" in flags, "clip" in flags)
+         "empty" in flags, "clip" in flags, "pieces" in flags)
     exit_process(0)

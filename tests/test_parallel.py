@@ -102,11 +102,15 @@ def test_zero3_ranks_with_different_micro_batch_counts(tmp_path, layout):
     gathers and reductions line up, and the update still equals one process's over all rows. The
     ranks' micro-batches are packed (algo.packing; shared: each prompt once per tree of its group's
     completions, algo.shared_prompt), the one process's padded: they equal padded under ZeRO-3's
-    lockstep too."""
+    lockstep too. The ranks' LM head runs on pieces of 3 tokens (`pieces`): under ZeRO-3 each piece
+    gathers the head's weight, so every rank makes as many calls as the micro-batch cap asks, not as
+    its own tokens would (rank 1's padding micro-batches have none)."""
     one = updated_weights(tmp_path / "one", 1, 4, "single", "padded", "grouped")
-    two = updated_weights(tmp_path / "two", 2, 2, "zero3", "uneven", layout, "grouped")
+    two = updated_weights(tmp_path / "two", 2, 2, "zero3", "uneven", layout, "grouped", "pieces")
     counts = json.load(open(tmp_path / "two" / "micro_batches.json"))
     assert counts[0] > counts[1], counts  # rank 1 padded its count in lockstep
+    pieces = [json.load(open(tmp_path / "two" / f"pieces_rank{rank}.json")) for rank in (0, 1)]
+    assert pieces[0] == pieces[1] and max(pieces[0]) > 1, pieces  # the same gathers, in more than one piece
     for rank in (0, 1):  # the layout really ran on both ranks (a shared fallback would pack: the same numbers)
         ran = json.load(open(tmp_path / "two" / f"layouts_rank{rank}.json"))
         assert ran.get(layout, 0) > 0 and (layout == "packed" or "packed" not in ran), (rank, ran)
