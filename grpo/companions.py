@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from grpo.endpoints import Server
 from grpo.errors import ServerError
-from grpo.preempt import own_job_id
+from grpo.preempt import own_job_id, restarts
 from grpo.progress import WaitProgress
 
 SLURM_CALL_S = 30  # squeue, scancel: a busy slurmctld answers late, never this late (TimeoutExpired then)
@@ -235,8 +235,8 @@ def cancel_jobs(jobs: list[str], grace_s: float = 60) -> None:
 def trainer_start(env) -> tuple[str, bool]:
     """(this start of the training job, the same on every rank: `<job id>.<restarts>`; whether SLURM
     requeued it). SLURM sets SLURM_RESTART_COUNT from the first requeue on (preemption, `scontrol requeue`)."""
-    restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
-    return f"{own_job_id(env) or 'local'}.{restarts}", restarts > 0
+    n = restarts(env)
+    return f"{own_job_id(env) or 'local'}.{n}", n > 0
 
 
 def companions_to_start(jobs: dict[str, str | None], requeued: bool, ended: set[str]) -> list[str]:

@@ -18,9 +18,10 @@ What each event sends, and what the run does:
     `<array job>_<task>` id, never the whole array). Just before that it runs the caller's
     `before_requeue` (`grpo.launch` cancels its server and judge jobs there: the requeued trainer
     starts new ones, and the old ones would otherwise hold their nodes until it does). SLURM then ends
-    this allocation, and the requeued job runs the same command in the same run folder, where
-    `resume=true` (the default) picks up the checkpoint. Nothing trained is lost and no step is logged
-    twice.
+    this allocation, and the requeued job runs the same command in the same run folder, where it
+    picks up the checkpoint, `resume=false` or not (SLURM_RESTART_COUNT > 0: grpo/train.py's setup;
+    `resume=false` sets an earlier run aside on a job's first start only). Nothing trained is lost and
+    no step is logged twice.
 
 The handlers only record the signal; the training loop asks `requested()` once per step. All ranks
 agree through one tiny all-reduce, so ranks signalled at slightly different moments stop after the
@@ -97,6 +98,15 @@ class StopSignal:
         return exits + requeues > 0
 
 
+def restarts(env=None) -> int:
+    """How many times SLURM requeued this job: SLURM_RESTART_COUNT, set from the first requeue on
+    (preemption, the time-limit warning's `scontrol requeue`, a node failure under `--requeue`); 0
+    outside SLURM and on a job's first start. A requeued job runs the same command (the same
+    overrides, `resume=false` among them) to continue the run its first start began."""
+    env = os.environ if env is None else env
+    return int(env.get("SLURM_RESTART_COUNT") or 0)
+
+
 def own_job_id(env=None) -> str | None:
     """This job's id for `scontrol`: `<array job>_<task>` for an array task (its SLURM_JOB_ID may
     equal the array's id, and `scontrol requeue <array id>` requeues every task of the array, failing
@@ -107,18 +117,22 @@ def own_job_id(env=None) -> str | None:
     return env.get("SLURM_JOB_ID")
 
 
-def stop(step: int, log=print, requeue: bool = False, before_requeue: Callable[[], None] | None = None) -> None:
+def stop(step: int, log=print, requeue: bool = False, before_requeue: Callable[[], None] | None = None,
+         resume: bool = True) -> None:
     """After the checkpoint of `step` is written on every rank: exit, or with `requeue` (the
     time-limit warning) requeue the SLURM job and wait for SLURM to end this allocation. Rank 0 runs
-    `before_requeue` first (a failure there is logged; the requeue goes on). Never returns."""
+    `before_requeue` first (a failure there is logged; the requeue goes on). `resume`: the run's
+    setting, for the advice (a new start with resume=false sets the checkpoint aside; a requeue of
+    this job resumes either way). Never returns."""
     job = own_job_id()
+    resume_hint = "" if resume else " and resume=true"
     if not job:
-        log(f"stopped after step {step} on a signal; checkpoint written. Run again with the same run folder to resume.")
+        log(f"stopped after step {step} on a signal; checkpoint written. Run again with the same run folder{resume_hint} to resume.")
         raise SystemExit(143)
     if not requeue:
         log(f"stopped after step {step} on SIGTERM (scancel or preemption); checkpoint written. Not requeued here: "
             f"a preempted job {job} is requeued by SLURM and resumes from step {step}; a cancelled one stays "
-            "cancelled (submit again with the same run folder to resume).")
+            f"cancelled (submit again with the same run folder{resume_hint} to resume).")
         raise SystemExit(143)
     if dist.rank() == 0:
         # Said before the requeue: SLURM cancels this step as it requeues the job, and srun can drop

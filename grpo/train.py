@@ -84,7 +84,7 @@ from grpo import lora, mfu
 from grpo.models import DTYPES, build_policy, build_reference, encode_prompts, policy_device
 from grpo.parallel import build_strategy, strategy_class
 from grpo.parallel.base import resume_schedule
-from grpo.preempt import StopSignal, stop
+from grpo.preempt import StopSignal, restarts, stop
 from grpo.provenance import git_revision
 from grpo.run_lock import hold_run_folder
 from grpo.rewards import MODEL_REWARDS, build_rewards, score
@@ -276,19 +276,21 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
         raise ConfigError(f"run_dir={run_dir}: cannot make that folder ({e.strerror or e}); give a folder this user can "
                           f"write (run_dir=..., or hydra.run.dir=...).") from None
     cleanup.enter_context(hold_run_folder(run_dir, info.is_main))  # one live run per folder (grpo/run_lock.py)
-    if not cfg.resume and info.is_main and (aside := set_aside_checkpoints(run_dir)):
+    if (resume := cfg.resume or restarts() > 0) != cfg.resume and info.is_main:  # the same overrides, run again by SLURM
+        print(f"resume=false, but SLURM requeued this job ({restarts()} time(s)): it resumes the run its first start began")
+    if not resume and info.is_main and (aside := set_aside_checkpoints(run_dir)):
         print(f"resume=false: the folder's earlier run (checkpoints, metrics, config) was moved to {aside}")
     barrier()  # rank 0 has moved checkpoints/ aside: the others probe what stays
     check_writable(run_dir)  # before any step trains: every rank writes into each checkpoint
     done = False  # the folder's run finished these steps already: `finished` returns its summary, trains nothing
-    if cfg.resume:  # before config.yaml is touched: a refused resume leaves the folder as it was
+    if resume:  # before config.yaml is touched: a refused resume leaves the folder as it was
         check_not_past(run_dir, cfg.steps)
         if latest := latest_checkpoint(run_dir):
             # the strategy and processes that read it, and the adapter it holds
             check_layout(latest, cfg.parallel.strategy, info.world_size, lora.adapter_layout(cfg.model.lora))
             done = checkpoint_step(latest) >= cfg.steps and finished_steps(run_dir) == checkpoint_step(latest)
     if info.is_main:  # after the set-aside: an earlier run's config.yaml is kept with its records
-        changed = record_config(run_dir, resolved_config(cfg, run_dir), cfg.resume, finished=done)
+        changed = record_config(run_dir, resolved_config(cfg, run_dir), resume, finished=done)
         if changed and done:
             warnings.warn(f"{run_dir} already finished with a config that differs from this one in {len(changed)} key(s): "
                           f"{', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}. Nothing is trained with them, and "
@@ -316,7 +318,7 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
     r = Run(cfg, info, run_dir, task, tokenizer, model_path, reward_fns, strategy, rollout, ref_model,
             TrainSampler(task.train, seed=cfg.seed), sampling_from(cfg.rollout), P=algo.batch_size // G // info.world_size, G=G)
 
-    r.checkpoint_path = broadcast_object(latest_checkpoint(run_dir) if cfg.resume else None)
+    r.checkpoint_path = broadcast_object(latest_checkpoint(run_dir) if resume else None)
     barrier()
     if r.checkpoint_path:
         state = load_checkpoint(r.checkpoint_path, strategy)
@@ -413,7 +415,7 @@ def stop_after(r: Run, step: int, stop_signal: StopSignal, before_requeue: Calla
     """A stop signal, once `step`'s checkpoint is written: close, then exit or requeue (grpo/preempt.py)."""
     r.logger.close()
     r.rollout.close()  # before stop(), which may wait for SLURM to end the allocation
-    stop(step, r.logger.info, requeue=stop_signal.requeue, before_requeue=before_requeue)  # raises SystemExit; the ExitStack does the rest
+    stop(step, r.logger.info, stop_signal.requeue, before_requeue, r.cfg.resume)  # raises SystemExit; the ExitStack does the rest
 
 
 def resolved_config(cfg: DictConfig, run_dir: str) -> dict:

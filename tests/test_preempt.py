@@ -65,6 +65,24 @@ def test_a_stop_during_the_last_step_keeps_it_and_the_resumed_run_only_evaluates
     assert steps_logged(run_dir) == [0, 1, 2, 3, 3]  # the final evaluation's row, once
 
 
+@pytest.mark.starts_process
+def test_a_requeued_job_started_with_resume_false_resumes(make_cfg, monkeypatch):
+    """A job SLURM requeues runs the same overrides again: with `resume=false` among them, each
+    requeue set the run's checkpoints aside and trained from step 1 (a run longer than one allocation
+    never finished). `resume=false` acts on a job's first start only: the requeue resumes."""
+    from grpo.train import train
+
+    first = make_cfg("steps=2", "resume=false")
+    train(first)  # the job's first start (its checkpoint of step 2 is what a stop signal would leave)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # SLURM requeued it: the same overrides
+    summary = train(make_cfg("steps=3", "resume=false"))
+    assert summary["resumed_from"] == 2
+    assert not [d for d in os.listdir(first.run_dir) if d.startswith("replaced-")]
+    monkeypatch.delenv("SLURM_RESTART_COUNT")  # a new job (or a run outside SLURM): resume=false starts over
+    assert train(make_cfg("steps=2", "resume=false"))["resumed_from"] == 0
+    assert [d for d in os.listdir(first.run_dir) if d.startswith("replaced-")]
+
+
 def test_sigterm_exits_and_the_time_limit_warning_requeues():
     """What each signal asks for, decided on (here: one) rank: SIGTERM (scancel, preemption) exits,
     SIGUSR1/SIGUSR2 (the time-limit warning of the sbatch templates / submitit) requeue, and a
