@@ -210,6 +210,28 @@ def test_validate_says_what_to_change(override, message):
         validate(cfg)
 
 
+@pytest.mark.parametrize("setting, unread_under, read_under, message", [
+    ("+reward.judge.choices={excellent: 9.0, bad: 0.0}", "reward.judge.rating=[0,9]", "reward.judge.rating=null",
+     "reward.judge.choices={'excellent': 9.0, 'bad': 0.0} (read only with reward.judge.rating=null"),
+    ("reward.judge.pattern='Score: ([0-9]+)'", "reward.judge.score=logprobs", "reward.judge.score=pattern",
+     "reward.judge.pattern='Score: ([0-9]+)' (read only with reward.judge.score=pattern)"),
+    ("reward.judge.min_choice_mass=0.9", "reward.judge.score=pattern", "reward.judge.score=logprobs",
+     "reward.judge.min_choice_mass=0.9 (read only with reward.judge.score=logprobs)"),
+    ("reward.judge.top_logprobs=5", "reward.judge.score=pattern", "reward.judge.score=logprobs",
+     "reward.judge.top_logprobs=5 (read only with reward.judge.score=logprobs)"),
+], ids=["choices", "pattern", "min_choice_mass", "top_logprobs"])
+def test_a_judge_setting_its_score_never_reads_is_refused(setting, unread_under, read_under, message):
+    """Accepted without a word: choices beside a rating (the rating's digits were the choices, so a
+    remapped 1..5 scored raw), a pattern under score=logprobs (scored from the first token, the anchor
+    never applied), min_choice_mass or top_logprobs under score=pattern (no logprobs asked for). Left at
+    its default the setting is no choice made: accepted; so is the setting where the score reads it."""
+    urls = "reward.judge.urls=[http://127.0.0.1:1]"
+    with pytest.raises(ConfigError, match=re.escape(message) + ".*Set what reads it, or remove the setting"):
+        validate(compose_cfg("reward=judge", urls, unread_under, setting))
+    validate(compose_cfg("reward=judge", urls, unread_under))
+    validate(compose_cfg("reward=judge", urls, read_under, setting))
+
+
 def test_choices_given_on_the_command_line_replace_yes_and_no():
     """Hydra merges a dict given on the command line into the one in the config: with {yes: 1, no: 0}
     there, `+reward.judge.choices={correct: 1.0, wrong: 0.0}` judged over four choices, yes and no among

@@ -47,6 +47,21 @@ def test_countdown_checks_numbers_and_target():
     assert countdown(completions, [s] * len(completions)) == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
 
 
+def test_an_answer_longer_than_its_numbers_allow_scores_0_with_no_retry():
+    """3 numbers, each used once, take 2 operators, and a minus sign on each of the 5 terms (3 numbers, 2
+    operations): 7 at most. 1000 chained terms (or 1000 signs) are wrong, but the recursive walk raised
+    RecursionError: score() retried the batch one completion at a time and the answer FAILED (NaN,
+    excluded, advantage 0) where a wrong answer scores 0."""
+    s = cd([3, 5, 7], 8)
+    # the bound itself: 2 operators, 5 signs: -3 * -5 = 15, negated -15; -15 - -7 = -8, negated 8
+    assert countdown(["<answer>-(-(-3 * -5) - -7)</answer>"], [s]) == [1.0]
+    chained, signs = "+".join(["1"] * 1000), "-" * 1000 + "3"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no retry warning
+        rewards_FB, stats = score([("countdown", countdown, 1.0)], [chained, signs, "3 * 5 - 7"], [s] * 3, timeout_s=30)
+    assert rewards_FB == [[0.0, 0.0, 1.0]] and stats["countdown/completions_failed"] == 0
+
+
 def test_safe_evaluation_refuses_everything_but_arithmetic():
     assert evaluate("(1 + 2) * -3 / 4") == (-2.25, [1, 2, 3, 4])
     for bad in ("2 ** 10", "abs(-3)", "x + 1", "[1][0]", "1 if 1 else 2", "'a' * 3", "True * 5"):  # True: no number 1
@@ -368,6 +383,25 @@ def test_an_environments_rewards_no_reward_reads_are_named():
         ("#### 72\nWait, the total is 80.\nFinal answer: \\boxed{80}", "72", 0.0),
         ("The answer is 1/2.\n#### 1/2", "1/2", 1.0),
         ("#### 10^6", "1000000", 1.0),
+        # a worked equation after `####` is judged by what follows its last `=`, as without `####`; its first
+        # number was read (48), so the right result scored 0 and a question's operand copied scored 1
+        ("#### 48 + 24 = 72", "72", 1.0),
+        ("#### 48 + 24 = 72", "48", 0.0),
+        ("#### 20-5=15", "15", 1.0),
+        ("#### 20-5=15", "20", 0.0),
+        ("#### 3 * (4 + 5) = 27", "27", 1.0),
+        ("#### 5 x 4 = 20", "20", 1.0),
+        ("#### $48 + $24 = $72", "72", 1.0),
+        ("#### 48 + 24 = 72\nThat took her 2 months.", "72", 1.0),  # the line's `=`, not the 2 after it
+        ("#### 48 + 24 = 72 (over 2 months)", "72", 1.0),
+        ("First try:\n#### 70\nNo, recount:\n#### 48 + 24 = 72", "72", 1.0),  # still the last `####`
+        ("#### 48 + 24", "48", 0.0),  # arithmetic with no `=` is written arithmetic: no answer
+        ("#### 48 + 24", "72", 0.0),
+        ("#### 48/2", "24", 0.0),  # a whole division, as in \boxed{48/2}
+        ("#### -5", "-5", 1.0),  # a sign is no operator
+        ("#### 1,234", "1234", 1.0),
+        ("#### 72 - that is the total", "72", 1.0),  # a dash before words is no subtraction
+        ("#### 72** (over 2 months)", "72", 1.0),  # markdown bold closed after it is no multiplication
         # forms math-verify misreads, put in the forms it reads (math_answer.normalize)
         ("The balance went from 20 to \u221215.", "-15", 1.0),  # a Unicode minus was skipped: 20 scored
         ("The balance went from 20 to \u221215.", "20", 0.0),

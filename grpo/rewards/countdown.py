@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import ast
 import operator
+import re
 from collections import Counter
 
 from grpo.rewards.format import extract_answer
 
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+OPERATOR = re.compile(r"[-+*/]")
 
 
 class NotAnEquation(ValueError):
@@ -54,8 +56,19 @@ def countdown(completions: list[str], samples: list, **_) -> list[float]:
 def solves(expr: str, numbers: list, target) -> bool:
     """Whether one side of the answer (`3 * 5 + 7 = 22` and `22 = 3 * 5 + 7` alike: either side may be
     the equation) uses exactly `numbers` and equals `target`."""
+    if len(OPERATOR.findall(expr)) > most_operators(len(numbers)):
+        return False
     try:
         value, used = evaluate(expr)
     except (NotAnEquation, ZeroDivisionError, OverflowError):
         return False
     return Counter(used) == Counter(numbers) and abs(value - target) < 1e-6
+
+
+def most_operators(n: int) -> int:
+    """The operators an answer that uses each of n numbers once needs at most: n - 1 operations, and a minus
+    sign on each of the 2n - 1 terms they make (the numbers and each operation's result; a second sign on
+    one only undoes the first). An answer with more scores 0 unread: `evaluate`'s walk recurses once per
+    operator, and 1000 chained terms raised RecursionError, which failed the batch (its completions
+    retried one at a time, that one excluded) where a wrong answer scores 0."""
+    return (n - 1) + (2 * n - 1)

@@ -51,7 +51,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from grpo.auth import JUDGE_TOKEN_ENV, client_token
 from grpo.errors import ConfigError, RewardStop, ServerError
 from grpo.endpoints import NotJson, Server, check_urls, is_redirect, parallel_map
-from grpo.reward_config import DEFAULT_CHOICES
+from grpo.reward_config import DEFAULT_CHOICES, JudgeConfig
 
 SCORES = ("logprobs", "pattern")
 APIS = ("chat", "completions")
@@ -401,6 +401,10 @@ def check(cfg) -> None:
         re.compile(jc.pattern)
     except re.error as e:
         raise ConfigError(f"reward.judge.pattern={jc.pattern!r} is not a regular expression ({e}).") from e
+    if unread := unread_settings(jc, JudgeConfig()):
+        it, setting = ("it", "the setting") if len(unread) == 1 else ("them", "these settings")
+        raise ConfigError(f"{'; '.join(unread)}: the judge's score never reads {setting}, so nothing changes. Set what "
+                          f"reads {it}, or remove {setting}.")
     if "{completion}" not in jc.template:
         raise ConfigError("reward.judge.template has no {completion}: the judge would not see what it scores.")
     if misspelled := misspelled_fields(jc.template):
@@ -417,6 +421,22 @@ def check(cfg) -> None:
     if jc.request_timeout_s <= 0 or jc.batch_timeout_s <= 0:
         raise ConfigError("reward.judge.request_timeout_s and batch_timeout_s must be > 0.")
     judge_token(jc)
+
+
+def unread_settings(jc, defaults) -> list[str]:
+    """The reward.judge.* settings given (other than `defaults`', the schema's) that the chosen score never
+    reads, each with what would read it: they would change nothing, without a word (choices remapping a
+    rating's 1..5, whose own numbers are its values; a pattern anchored to `Score: (\\d+)` under
+    score=logprobs, scored from the first token instead)."""
+    unread = {
+        "choices": (bool(jc.rating), "reward.judge.rating=null: a rating's numbers are its choices, each its own value"),
+        "pattern": (jc.score == "logprobs", "reward.judge.score=pattern"),
+        "min_choice_mass": (jc.score == "pattern", "reward.judge.score=logprobs"),
+        "top_logprobs": (jc.score == "pattern", "reward.judge.score=logprobs"),
+    }
+    given = {"choices": dict(jc.choices), **{key: getattr(jc, key) for key in ("pattern", "min_choice_mass", "top_logprobs")}}
+    return [f"reward.judge.{key}={given[key]!r} (read only with {needs})"
+            for key, (is_unread, needs) in unread.items() if is_unread and given[key] != getattr(defaults, key)]
 
 
 def judge_token(jc) -> str | None:

@@ -19,7 +19,9 @@ truth or a `\\boxed{}`) joined (read as 10 x 0), a mixed number (`5 1/2`) as the
 read as (5+1)/2), and a `\\boxed{50\\%}` as `\\boxed{50}\\%` (not read at all). A completion with
 GSM8K's `#### <number>` (the task's prompt asks for it) and no `\\boxed{}` is judged by the number after
 the last such `####`, not by the last number it wrote (`#### 72 (over 2 months)` is 72, not 2); a
-markdown heading (`#### 1. Setup`) is no answer.
+worked equation there by what follows its last `=` on that line (`#### 48 + 24 = 72` is 72, not its first
+number 48), and arithmetic with no `=` (`#### 48 + 24`) as written arithmetic; a markdown heading
+(`#### 1. Setup`) is no answer.
 
 math-verify's own timeouts use SIGALRM, which works only in the main thread. Rewards run in a
 worker thread (grpo.rewards cuts them off with `reward.timeout_s`), so there its timeouts are off;
@@ -49,9 +51,15 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_NoTimeoutNotice())
 
 
-# GSM8K's final answer (verl's pattern), not a markdown heading (`#### 1. Setup`, `#### 2) Solve`) nor the
-# start of a number written otherwise (`#### 1/2`, `#### 10^6`, `#### 1 000 000`): those are read whole
-HASHES = re.compile(r"####[ \t]*\\?\$?[ \t]*(-?[0-9][0-9,]*(?:\.[0-9]+)?)(?![0-9,.]*(?:\.[ \t]+[A-Za-z]|\)[ \t]+[A-Za-z]|[/^]| [0-9]))")
+# an operation after a number: `=`, or an operator with a number after it (`72 - that is`, `72** (over 2
+# months)` are no arithmetic: a dash before words, markdown bold)
+_OPERATION = r"[ \t]*(?:=|(?:[-+*/x×÷]|\\times|\\cdot)[ \t]*\(?[ \t]*\\?\$?[0-9])"
+# GSM8K's final answer (verl's pattern): group 1 a number, not a markdown heading (`#### 1. Setup`, `#### 2) Solve`)
+# nor the start of a number written otherwise (`#### 10^6`, `#### 1 000 000`: read whole); group 2 a line
+# of arithmetic (`#### 48 + 24 = 72`, `#### 1/2`), whose first number is no answer
+HASHES = re.compile(r"####[ \t]*(?:\\?\$?[ \t]*(-?[0-9][0-9,]*(?:\.[0-9]+)?)"
+                    rf"(?![0-9,.]*(?:\.[ \t]+[A-Za-z]|\)[ \t]+[A-Za-z]|[/^]| [0-9]|{_OPERATION}))"
+                    rf"|(\\?\$?[ \t]*-?[0-9][0-9,.]*{_OPERATION}[^\n]*))")
 _SEP = r"(?:\\,|\\!|\\ |~|\{,\}|[\u00a0\u2009\u202f])"  # LaTeX and Unicode thin spaces between digit groups
 THIN_GROUPS = re.compile(rf"(?<![\d.])\d{{1,3}}(?:{_SEP}\d{{3}})+(?![\d])")
 SPACED_GROUPS = re.compile(rf"(?<![\d.])\d{{1,3}}(?:(?:{_SEP}| )\d{{3}})+(?![\d])")
@@ -72,12 +80,27 @@ def _mixed(match: re.Match) -> str:
     return f"{whole * den + num}/{den}" if 0 < num < den else match.group(0)
 
 
+def hashes_answer(text: str) -> str | None:
+    """What math-verify reads of the last `####` that holds an answer (None: none does): its number; of a
+    line of arithmetic, the number after the line's last `=` (`#### 48 + 24 = 72 (over 2 months)`: 72), or
+    the line as written where no number follows one (`#### 48 + 24`: written arithmetic, so no answer)."""
+    found = HASHES.findall(text)
+    if not found:
+        return None
+    number, worked = found[-1]
+    if number:
+        return number.replace(",", "")
+    if "=" in worked and (result := hashes_answer("#### " + worked.rsplit("=", 1)[1])) is not None:
+        return result
+    return worked
+
+
 def normalize(text: str, ground_truth: bool = False) -> str:
     """The forms math-verify reads (the module's docstring). A plain space joins digit groups only in a
     ground truth and inside a `\\boxed{}`: in a completion's prose "3 100-dollar bills" is two numbers."""
     text = text.replace("\u2212", "-")
-    if not ground_truth and "\\boxed" not in text and (hashes := HASHES.findall(text)):  # a \boxed{} wins
-        return hashes[-1].replace(",", "")
+    if not ground_truth and "\\boxed" not in text and (answer := hashes_answer(text)) is not None:  # a \boxed{} wins
+        return answer
     groups = SPACED_GROUPS if ground_truth else THIN_GROUPS
     text = groups.sub(_join_groups, text)
     if not ground_truth:
