@@ -96,7 +96,7 @@ def wrap(model: torch.nn.Module, cfg) -> torch.nn.Module:
     """The policy with a fresh LoRA adapter on `cfg.target_modules` (B = 0: it starts as the base)."""
     # peft: heavy, only with model.lora.rank > 0; grpo.config imports this module
     from peft import LoraConfig, get_peft_model
-    from peft.tuners.lora import ParamWrapper
+    from peft.tuners.lora import Embedding, ParamWrapper
 
     tied = [m for m in cfg.target_modules if m in TIED_NAMES]
     if tied and tied_embeddings(model):
@@ -125,6 +125,14 @@ def wrap(model: torch.nn.Module, cfg) -> torch.nn.Module:
                           f"{f' and {len(fused) - 1} more' if len(fused) > 1 else ''}), which LoRA here does not support "
                           f"(neither the export's merge nor the engines' adapter names handle them): target the "
                           f"attention only, e.g. model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj].")
+    # the token embedding (an untied model's embed_tokens): peft keeps its adapter in lora_embedding_A/B,
+    # which the merge for the export skipped (it exported the base embedding) and vLLM refuses by name
+    embeddings = sorted(name for name, m in wrapped.named_modules() if isinstance(m, Embedding))
+    if embeddings:
+        raise ConfigError(f"model.lora.target_modules={list(cfg.target_modules)} reach the token embedding "
+                          f"({embeddings[0].rsplit('.', 1)[-1]}), which LoRA here does not support (neither the export's "
+                          f"merge nor the engines' adapter names handle an embedding's adapter): drop it from "
+                          f"model.lora.target_modules, or train the whole model (model.lora.rank=0).")
     if refusal:  # peft wrapped the others and dropped these without a word (a MoE's are refused above, by name)
         raise refusal
     return wrapped

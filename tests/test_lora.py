@@ -381,6 +381,19 @@ def test_lora_on_a_tied_lm_head_is_refused_when_it_wraps(tiny_lm):
         lora.wrap(copy.deepcopy(model), OmegaConf.structured(LoraConfig(rank=4, target_modules=["q_proj", "lm_head"])))
 
 
+def test_lora_on_an_untied_token_embedding_is_refused_when_it_wraps(tiny_lm):
+    """An untied model (Qwen2.5-7B, Llama-3-8B) took embed_tokens among the targets: the run trained,
+    then its merged export held the base embedding (peft keeps an embedding's adapter in
+    lora_embedding_A/B, which the merge did not read) and the vLLM backends refused the adapter's names."""
+    model, _ = tiny_lm
+    untied = copy.deepcopy(model)
+    untied.config.tie_word_embeddings = False
+    untied.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    assert not lora.tied_embeddings(untied)
+    with pytest.raises(ConfigError, match=r"reach the token embedding \(embed_tokens\).*drop it from model.lora.target_modules"):
+        lora.wrap(untied, OmegaConf.structured(LoraConfig(rank=4, target_modules=["q_proj", "embed_tokens"])))
+
+
 def test_lora_leaves_a_vlms_vision_tower_alone():
     """Qwen2.5-VL names its vision MLP gate_proj/up_proj/down_proj, the default targets: the adapter
     reached into the "frozen" tower, trained there, and vLLM engines (no tower LoRA) ignored it. The
