@@ -13,7 +13,7 @@ import transformers as T
 from omegaconf import OmegaConf
 
 from grpo.batch import collate
-from grpo.config import AlgoConfig, validate
+from grpo.config import AlgoConfig, RolloutConfig, validate
 from grpo.errors import ConfigError
 from grpo.moe import routing, vllm_capture
 from grpo.parallel.single import SingleStrategy
@@ -224,6 +224,12 @@ def test_routing_replay_is_refused_where_it_cannot_work(tiny_lm, tiny_moe):
     model, tok = tiny_lm
     with pytest.raises(ConfigError, match="needs a Mixture-of-Experts policy"):
         HFBackend(REPLAY, model, tok)
+    # remote: refused before the servers are waited for (it waited out the health timeout, 300 s by
+    # default, joined each server's transfer group and left it open, then refused)
+    remote = OmegaConf.structured(RolloutConfig(backend="remote", routing_replay=True))
+    remote.remote.urls, remote.remote.health_timeout_s = ["http://127.0.0.1:9"], 0.5  # nothing listens: a ServerError
+    with pytest.raises(ConfigError, match="needs a Mixture-of-Experts policy"):
+        backend_class("remote")(remote, model, tok)
     class NoRoutes(backend_class("hf")):
         returns_routes = False
 
@@ -280,8 +286,10 @@ def test_the_update_logs_the_token_layers_left_without_a_route(tiny_moe):
 def test_flip_fraction_counts_every_trained_row_before_the_update(tiny_moe, minibatches):
     """routing/flip_fraction is over every trained row, whatever the minibatches: a step whose first
     minibatch held a flat group alone (dropped) logged none, though two groups trained. Group 1's
-    routes moved (every given token-layer flips), group 2's the sampler's own (none does)."""
+    routes moved (every given token-layer flips), group 2's the sampler's own (none does, but for a near
+    tie: the sampler routed unpadded rows one token at a time, the proximal forward padded ones)."""
     model, tok = tiny_moe
+    torch.manual_seed(0)  # the same completions whatever ran before in this process
     prompts, out = sample(model, tok, 2)  # 3 groups of 2
     batch = collate(prompts, out, torch.tensor([0.0, 0.0, 1.0, -1.0, -1.0, 1.0]), tok.pad_token_id, False)
     moved = routing_moved(batch).routes_BLMK
@@ -291,4 +299,6 @@ def test_flip_fraction_counts_every_trained_row_before_the_update(tiny_moe, mini
                                            shared_prompt=False, packing=False))
     stats = policy_update(SingleStrategy(None, copy.deepcopy(model), algo, total_steps=1), batch, algo,
                           batch.mask_BT.shape[1], 1.0, skip_P=torch.tensor([True, False, False]))
-    assert stats["routing/flip_fraction"] == pytest.approx(given[0] / sum(given))
+    # a near tie may flip a token-layer or two more or less (0.592 against 0.600 seen on one machine, after other
+    # tests had drawn from the RNG); the defect this guards logged over one group: 0 or 1
+    assert stats["routing/flip_fraction"] == pytest.approx(given[0] / sum(given), abs=2.5 / sum(given))

@@ -68,7 +68,7 @@ class NoBytes:
 
 def pool_of(*servers: Server) -> ServerPool:
     pool = ServerPool.__new__(ServerPool)  # no health checks, no rendezvous
-    pool.servers, pool.clients, pool.idle_since, pool.gate, pool.sent_images = list(servers), 1, None, None, False
+    pool.servers, pool.clients, pool.idle_since, pool.gate, pool.images = list(servers), 1, None, None, False
     pool.generator, pool.stopped, pool.senders = DaemonWorker("test-generate"), threading.Event(), [NoBytes()] * len(servers)
     return pool
 
@@ -239,6 +239,32 @@ def test_control_routes_answer_within_their_own_timeout_not_the_generation_timeo
                                "/v1/completions": 600.1,
                                "/update_weights": 600.0}  # blocks while the bytes travel: the transfer's bound
     pool.close()
+
+
+class Calls(Restartable):
+    """A Restartable that lists the routes it was sent."""
+
+    def __init__(self, url: str):
+        super().__init__(url)
+        self.paths = []
+
+    def request(self, path, body=None, timeout=None, text=False):
+        self.paths.append(path)
+        return super().request(path, body, timeout, text)
+
+
+def test_a_vlms_push_resets_the_servers_encoder_cache_whatever_this_pool_sent():
+    """rollout=remote: each rank sends its own requests, rank 0's pool alone pushes. The encoder cache
+    (the vision tower's outputs under the old weights) was reset only when the pushing pool itself had
+    sent an image, so a rank 0 whose prompts had none left the other ranks' stale outputs served. The
+    backend sets `images` from the model (a VLM); a text model's pushes send no such reset."""
+    for images in (True, False):
+        server = Calls("http://127.0.0.1:5")
+        pool = pool_of(server)
+        pool.images = images  # what RemoteBackend and DedicatedBackend set: vision.is_vision_model(model)
+        pool.push([BUCKET], version=1)  # no image request went out through this pool
+        assert ("/reset_encoder_cache" in server.paths) == images, server.paths
+        pool.close()
 
 
 @contextlib.contextmanager

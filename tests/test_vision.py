@@ -417,9 +417,9 @@ def test_a_short_run_through_a_dedicated_vllm_server(make_cfg, tmp_path, monkeyp
     """Image prompts through a vLLM server (rollout=dedicated; remote sends the same requests): one
     token-in-token-out request per prompt, its images as PNG content parts, the ids the server expanded
     checked against the trainer's on every request; sampler and trainer agree after every push, and
-    evaluation after the pushes runs. Every push after the first image requests resets the server's
-    encoder cache (`ServerPool.reset_caches`, seen on the real requests: the encoder's outputs under the
-    old weights are stale), as the colocated plan does (`update_plan`)."""
+    evaluation after the pushes runs. Every push resets the server's encoder cache (`ServerPool.reset_caches`,
+    seen on the real requests: the encoder's outputs under the old weights are stale), as the colocated
+    plan does (`update_plan`): decided from the model, before any image request too."""
     from grpo.endpoints import Server
     from grpo.train import train
 
@@ -428,8 +428,8 @@ def test_a_short_run_through_a_dedicated_vllm_server(make_cfg, tmp_path, monkeyp
     cfg = short_run_cfg(make_cfg, "rollout=dedicated", "rollout.vllm.memory_fraction=0.1", "steps=3")
     train(cfg)
     pushes = [i for i, path in enumerate(sent) if path == "/finish_weight_update"]
-    after_images = [i for i in pushes if "/inference/v1/generate" in sent[:i]]
-    assert after_images and all("/reset_encoder_cache" in sent[i:i + 3] for i in after_images), sent
+    assert any("/inference/v1/generate" in sent[:i] for i in pushes), sent  # pushes after image requests
+    assert pushes and all("/reset_encoder_cache" in sent[i:i + 3] for i in pushes), sent
     diffs = sampler_diffs(tmp_path / "run")
     records = list(map(json.loads, open(tmp_path / "run" / "metrics.jsonl")))
     assert len(diffs) == cfg.steps and worst(diffs) < 1e-3, diffs

@@ -202,7 +202,7 @@ def pool_for(version: str) -> tuple[ServerPool, Recording, NcclSender]:
     server = Recording("http://127.0.0.1:1")
     pool = ServerPool.__new__(ServerPool)  # no health checks, no rendezvous: the routes alone
     server.vllm = vllm_api(version)
-    pool.servers, pool.gate, pool.sent_images = [server], None, False
+    pool.servers, pool.gate, pool.images = [server], None, False
     pool.generator, pool.stopped = DaemonWorker("test-generate"), threading.Event()
     sender = NcclSender("127.0.0.1", 29500, 2, 10, server.vllm)
     sender.prepare = lambda bucket: None  # no GPU here: nothing to move, nothing to broadcast

@@ -39,7 +39,7 @@ from grpo.errors import ConfigError, DeviceError
 from grpo.rollout_config import VLLM_READERS
 from grpo.rollout.engine_memory import check_memory_fraction, check_vllm, engine_context, model_config_of, read_model_config
 
-from grpo import dist, listeners, lora
+from grpo import dist, listeners, lora, vision
 from grpo.moe import routing, served_routes
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, finished_at, queued
 from grpo.weights import WeightBuckets
@@ -410,6 +410,7 @@ class DedicatedBackend(RolloutBackend):
                 self.pool = ServerPool(urls, token, max(0.0, deadline - time.time()), cfg.dedicated.request_timeout_s,
                                        "127.0.0.1", transfer=transfer, logs=logs, exited=exited)
                 self.pool.routes = routed
+                self.pool.images = vision.is_vision_model(getattr(model, "config", None))
             except BaseException:  # an engine that never got healthy: stop the ones already started
                 self.close()
                 raise

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 
 import torch
 
-from grpo import dist, lora
+from grpo import dist, lora, vision
 from grpo.endpoints import check_urls
 from grpo.errors import ConfigError, ServerError
 from grpo.progress import say
@@ -96,6 +96,7 @@ class RemoteBackend(RolloutBackend):
         self.schedule = cfg.schedule
         if not rc.urls:
             raise ServerError("rollout=remote needs rollout.remote.urls=[http://host:port,...] (see `python -m grpo.serve`).")
+        routing.check_policy(model, cfg)  # before the servers are waited for and joined: a config error at once
         # each server's transfer group is sized by the server's own world (/get_world_size), not by
         # rc.tensor_parallel_size (grpo.launch's placement of the servers it starts)
         self.pool = ServerPool(list(rc.urls), servers_token(rc), rc.health_timeout_s, rc.request_timeout_s,
@@ -103,7 +104,7 @@ class RemoteBackend(RolloutBackend):
                                transfer=transfer_backend(cfg.vllm.weight_transfer, torch.cuda.is_available()),
                                log=say if dist.rank() == 0 else None,  # every rank waits; rank 0 says so
                                clients=dist.world_size())  # every rank sends its own batch to the same servers
-        routing.check_policy(model, cfg)
+        self.pool.images = vision.is_vision_model(getattr(model, "config", None))
         self.pool.routes = routing.wants_routes(cfg)  # each choice's routed experts (grpo/moe/served_routes.py)
         self.weight_version = 0
         self.lora_model = model if lora.is_lora(model) else None

