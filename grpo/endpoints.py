@@ -27,7 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 
 from grpo.errors import ConfigError, ServerError
@@ -187,9 +187,23 @@ class Occupancy:
             return self.busy + (time.perf_counter() - self.since if self.in_flight else 0.0)
 
 
+def connect_url(url: str) -> str:
+    """Where a request to `url` goes: `localhost` in a plain http:// URL as 127.0.0.1, which is what
+    `grpo.serve --host localhost` holds. The name resolves to ::1 first on Debian, RHEL and systemd
+    hosts, and [::1]:port, which nothing of ours holds, can be bound by any user of the machine: it got
+    every request, Authorization header included, while urllib fell back to 127.0.0.1 silently where
+    nobody had bound it. (https keeps the name: its certificate is checked against it.)"""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or (parts.hostname or "").lower() != "localhost":
+        return url
+    port = f":{parts.port}" if parts.port is not None else ""
+    return urlunsplit(parts._replace(netloc=f"127.0.0.1{port}"))
+
+
 class Server:
     def __init__(self, url: str, token: str | None, timeout_s: float):
         self.url, self.token, self.timeout_s = url.rstrip("/"), token, timeout_s
+        self.address = connect_url(self.url)  # where the requests go; errors name `url`, as given
         self.adapter = None  # with LoRA: the adapter's name, asked for as the model
         self.speed = 1.0  # completion tokens per second, an EMA over batches (equal until measured)
         self.batches = 0
@@ -251,7 +265,7 @@ class Server:
         cut off (http.client's IncompleteRead: a server stopped mid-answer, a proxy's idle timeout), a body
         that is not JSON (`NotJson`) are ServerErrors naming the URL and the path."""
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method="GET" if body is None else "POST")
+        req = urllib.request.Request(self.address + path, data=data, method="GET" if body is None else "POST")
         req.add_header("Content-Type", "application/json")
         if self.token and send_token:
             req.add_header("Authorization", f"Bearer {self.token}")

@@ -158,6 +158,52 @@ def test_no_client_follows_a_redirect_with_the_token(redirect_to_recorder, statu
     assert seen and seen[0][1].get("Authorization") == f"Bearer {TOKEN}"
 
 
+def test_localhost_goes_to_127_0_0_1_not_to_whoever_holds_ipv6_loopback(monkeypatch):
+    """`localhost` resolves to ::1 first on Debian, RHEL and systemd hosts; `grpo.serve --host
+    localhost` holds 127.0.0.1 only, so any user of the machine could bind [::1]:port and receive
+    every request with its Authorization header (urllib tried ::1 first). The resolver is made to answer
+    as such a host's does; another user holds [::1]:port, the real server 127.0.0.1:port."""
+    import socket
+
+    seen = []
+    real = serve(type("Handler", (Recorder,), {"seen": seen}))
+    port = real.server_address[1]
+    squatter = socket.socket(socket.AF_INET6)
+    try:
+        squatter.bind(("::1", port))
+    except OSError as e:  # no IPv6 loopback here: nobody can squat it; the address chosen is still checked
+        squatter.close()
+        squatter = None
+        print(f"no [::1] on this machine ({e})")
+    if squatter is not None:
+        squatter.listen(1)
+        squatter.settimeout(0.5)
+    resolve = socket.getaddrinfo
+
+    def ipv6_first(host, *args, **kwargs):
+        if str(host).lower() == "localhost":
+            return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
+                    (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+        return resolve(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", ipv6_first)
+    try:
+        server = Server(f"http://localhost:{port}", TOKEN, 5.0)
+        assert server.request("/v1/models") == {"data": [{"id": "m"}]}
+        assert seen and seen[0][1]["Authorization"] == f"Bearer {TOKEN}"  # the real server got it
+        if squatter is not None:
+            with pytest.raises(socket.timeout):
+                squatter.accept()[0].close()  # and nobody else
+    finally:
+        real.shutdown()
+        real.server_close()
+        if squatter is not None:
+            squatter.close()
+    assert endpoints.connect_url("http://LocalHost:8000/v1") == "http://127.0.0.1:8000/v1"
+    assert endpoints.connect_url("https://localhost:8000") == "https://localhost:8000"  # TLS checks the name
+    assert endpoints.connect_url("http://node7:8000") == "http://node7:8000"
+
+
 def test_a_url_written_with_a_trailing_slash_asks_the_routes_themselves():
     """`http://host:port/` (as a browser writes it) asks /v1/models, not //v1/models (which a route for
     /v1/models does not match: 404). The request line as sent is checked: http.server folds a leading //
