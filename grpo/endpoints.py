@@ -203,7 +203,6 @@ def connect_url(url: str) -> str:
 class Server:
     def __init__(self, url: str, token: str | None, timeout_s: float):
         self.url, self.token, self.timeout_s = url.rstrip("/"), token, timeout_s
-        self.address = connect_url(self.url)  # where the requests go; errors name `url`, as given
         self.adapter = None  # with LoRA: the adapter's name, asked for as the model
         self.speed = 1.0  # completion tokens per second, an EMA over batches (equal until measured)
         self.batches = 0
@@ -217,6 +216,11 @@ class Server:
         self.watch = None
         self.dead = None  # what `watch` said once it said something: it stays dead
         self.watch_lock, self.watched_at = threading.Lock(), 0.0
+
+    @property
+    def address(self) -> str:
+        """Where the requests go (`connect_url`); errors name `url`, as given."""
+        return connect_url(self.url)
 
     def request(self, path: str, body: dict | None = None, timeout: float | None = None, text: bool = False,
                 send_token: bool = True):
