@@ -4,17 +4,18 @@
   training steps with one stops the run with what to try;
 - at step 1 and every `check_ranks_every` steps the ranks compare a fingerprint of their full weights;
   a mismatch stops the run naming the ranks (a gradient that was not all-reduced, a rank that skipped
-  a step the others took);
+  a step the others took, a rank whose weights went non-finite); under single/ddp only, where each rank
+  steps its own copy (under ZeRO the weights are one by construction: `ranks_can_differ`);
 - a |trainer - sampler| logprob above its dtype's bound (`healthy`: the largest in fp32, the mean in
   bf16) for several on-policy steps in a row warns, with the likely causes (the sampler does not run the
   weights the trainer scores).
 
 Where the skip happens: `single` and `ddp` (grpo/parallel/single.py) read the gradient norm after the
 cross-rank reduction, so every rank sees the same norm and skips together: gradients dropped, no
-optimizer step, the learning-rate schedule still advanced (the step is spent, as a step on an empty
-batch is). DeepSpeed 0.19.8's ZeRO-2/3 optimizers do the same by themselves in fp32 and bf16 (an
-invalid global norm is an "overflow": gradients dropped, no step, the schedule held,
-`engine.was_step_applied()` False); grpo/parallel/zero.py reports such a step's norm as inf.
+optimizer step, the learning-rate schedule held. DeepSpeed 0.19.8's ZeRO-2/3 optimizers do the same by
+themselves in fp32 and bf16 (an invalid global norm is an "overflow": gradients dropped, no step, the
+schedule held, `engine.was_step_applied()` False); grpo/parallel/zero.py reports such a step's norm as
+inf. So a skipped step leaves the same LR path under every strategy.
 """
 
 from __future__ import annotations
@@ -106,16 +107,30 @@ def weight_fingerprint(buckets, chunk: int = FINGERPRINT_CHUNK) -> float:
 
 def ranks_fingerprints(mine: float) -> tuple[list[float], list[int]]:
     """Every rank's fingerprint (one all-reduce) -> (them in rank order, the ranks that differ from rank 0
-    beyond float64 summation noise)."""
-    every = dist.all_reduce_sum([mine * (i == dist.rank()) for i in range(dist.world_size())])
-    differ = [i for i, f in enumerate(every) if abs(f - every[0]) > 1e-9 * max(abs(every[0]), 1.0)]
+    beyond float64 summation noise; a non-finite fingerprint differs from every other, its own rank's
+    included). A rank puts 0.0, not `mine * 0`, in the others' slots: a NaN or inf times 0 is NaN, which
+    made every slot NaN, and `NaN > tol` is False: the check passed exactly when a rank's weights went
+    non-finite."""
+    every = dist.all_reduce_sum([mine if i == dist.rank() else 0.0 for i in range(dist.world_size())])
+    differ = [i for i, f in enumerate(every) if not abs(f - every[0]) <= 1e-9 * max(abs(every[0]), 1.0)]
     return every, differ
+
+
+def ranks_can_differ(strategy) -> bool:
+    """Whether the ranks' weights can differ after a step: where each rank steps a full copy of its own
+    (`replicated`: single's replica, under ddp). Under ZeRO every weight has one owner per shard and every
+    rank's full weights are the owners' (ZeRO-3 gathers each from its owner when asked, ZeRO-2 all-gathers
+    them after each step): identical by construction, so a comparison could only agree (under ZeRO-3 at
+    the cost of a full gather). `replicated` is declared by the strategy class (grpo/parallel/single.py);
+    one that does not declare it holds no copy of its own."""
+    return getattr(strategy, "replicated", False)
 
 
 class RankCheck:
     """At step 1 and every `every` steps (0: never), with more than one rank: the ranks' weight
-    fingerprints after the optimizer step must agree. The cost is one pass over the weights (under
-    ZeRO-3 one gather, as a weight sync does) and one small all-reduce, on those steps only."""
+    fingerprints after the optimizer step must agree. The cost is one pass over the weights and one small
+    all-reduce, on those steps only. The run's guards take it only where the ranks' weights can differ
+    (`ranks_can_differ`)."""
 
     def __init__(self, every: int, world: int):
         self.every = every if world > 1 else 0
@@ -126,10 +141,13 @@ class RankCheck:
     def check(self, step: int, buckets) -> None:
         every, differ = ranks_fingerprints(weight_fingerprint(buckets))
         if differ:
+            lost = [i for i, f in enumerate(every) if not finite(f)]
+            what = "hold non-finite weights" if lost else "hold weights that differ from rank 0's"
             raise RanksDiverged(
-                f"after step {step} ranks {differ} hold weights that differ from rank 0's (fingerprints "
+                f"after step {step} ranks {lost or differ} {what} (fingerprints "
                 f"{', '.join(f'{f:.12g}' for f in every)}): data-parallel ranks must hold the same weights. A gradient "
-                f"that was not reduced across ranks, or a step taken on some ranks only, does this; "
+                f"that was not reduced across ranks, or a step taken on some ranks only (one with a non-finite "
+                f"gradient: non-finite weights), does this; "
                 f"python -m grpo.verify with the same overrides and processes checks it on one step.")
 
 
@@ -231,7 +249,8 @@ class RunGuards:
 
     def __init__(self, strategy, bucket_bytes: int, watch: Parity, check_ranks_every: int, world: int):
         self.strategy, self.bucket_bytes = strategy, bucket_bytes
-        self.steps, self.ranks, self.sampler = StepGuard(), RankCheck(check_ranks_every, world), SamplerWatch(watch)
+        every = check_ranks_every if ranks_can_differ(strategy) else 0  # ZeRO: one owner per shard, nothing to compare
+        self.steps, self.ranks, self.sampler = StepGuard(), RankCheck(every, world), SamplerWatch(watch)
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps: `guard/skipped_steps` is a running total, and a run of non-finite

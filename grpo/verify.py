@@ -15,13 +15,13 @@ and checks every equivalence the loss relies on, one PASS / FAIL / SKIP line eac
   micro-batches    one micro-batch and several give the same gradients
   routing          with rollout.routing_replay (a MoE policy): the update's forward routes every token to
                    the experts it is given; and how often the trainer's own routing differs from the sampler's
-  ranks            ranks hold equal weights after an optimizer step (gathered, fingerprinted)
+  ranks            ranks hold equal weights after an optimizer step (fingerprinted; ZeRO: SKIP, one by construction)
   split            with parallel.sequence_parallel > 1: rows split across a group of ranks give the
                    logprobs the same rows give unsplit (grpo/parallel/sequence.py)
   sync             after that step and a weight push, the sampler matches the trainer again; and the
                    step is one a missed push would show (else SKIP: the row could not tell)
-  resume           a run stopped after step 2 and resumed gives steps 3 and 4's metrics of an unbroken
-                   run (its runs in scratch folders of their own, whatever run_dir= says)
+  resume           a run stopped after step 2 and resumed gives steps 3 and 4's metrics (algo.max_staleness > 0:
+                   prompts) of an unbroken run (runs in scratch folders of their own, whatever run_dir= says)
   render           with an environment and chat rendering: observations render as the template does
 
     python -m grpo.verify                                      # the default run
@@ -46,6 +46,7 @@ import copy
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -60,7 +61,7 @@ from grpo.batch import batch_advantages, collate
 from grpo.cli import exit_on_user_error
 from grpo.config import compose_config, validate
 from grpo.cpus import configure_threads
-from grpo.guards import Parity, parity, ranks_fingerprints, weight_fingerprint
+from grpo.guards import Parity, parity, ranks_can_differ, ranks_fingerprints, weight_fingerprint
 from grpo.library_logs import quiet_library_logs
 from grpo.log import read_metrics
 from grpo.models import build_reference, load_model
@@ -400,6 +401,8 @@ def split_check(r, batch, tol: float) -> Check:
 
 
 def ranks_check(r) -> Check:
+    if not ranks_can_differ(r.strategy):  # the run's guards skip it alike
+        return Check("ranks", "SKIP", f"parallel={r.cfg.parallel.strategy}: weights one by construction (one owner per shard)")
     every, differ = ranks_fingerprints(weight_fingerprint(r.strategy.weight_buckets(r.bucket_bytes)))
     if len(every) == 1:
         return Check("ranks", "SKIP", "one process: nothing to compare")
@@ -419,6 +422,8 @@ def render_check(r) -> Check:
 
 
 COMPARED = ("reward/mean", "loss", "grad_norm", "clip_frac", "entropy", "completion_len", "sampler_diff", "kl")
+# grpo.train's `  sample @ <step>: <repr of the prompt> -> ...` (grpo/log.py); repr takes " for a prompt with '
+PRINTED_PROMPT = re.compile(r"^  sample @ (\d+): ('(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\")", re.MULTILINE)
 
 
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -451,47 +456,73 @@ def resume_settings(threads: int) -> list[str]:
     return [*SCRATCH, "algo.lr_schedule=constant", "checkpoint_every=1", "resume=true", f"threads={threads}"]
 
 
-def resume_check(overrides: list[str], world_size: int) -> Check:
+def resume_check(overrides: list[str], world_size: int, max_staleness: int) -> Check:
     """Two 4-step runs of `grpo.train` in subprocesses, each in its own scratch folder: one unbroken,
     one stopped after step 2 and resumed: steps 3 and 4's metrics must agree (the same prompts, seeds
     and weights; from step 4 on, the optimizer's and the schedule's state too: a step's metrics come
-    before its optimizer step, and step 1 may train nothing). `world_size` is the launch's (the
-    process group is gone by now): each rank's subprocess would inherit torchrun's rank variables
-    and join another's rendezvous."""
+    before its optimizer step, and step 1 may train nothing); asynchronous, their prompts (`resume_kept`).
+    `world_size` is the launch's (the process group is gone by now): each rank's subprocess would
+    inherit torchrun's rank variables and join another's rendezvous."""
     if world_size > 1:
         return Check("resume", "SKIP", "run grpo.verify on one process for the resume check")
     # The stop is a 2-step run: a linear schedule's decay would then differ from the unbroken run's
     # (it ends at `steps`), and the resumed run's step 3 would take the 2-step run's last LR. Warmup,
     # then constant, is the same in both, and still needs the schedule's position restored.
     same = resume_settings(torch.get_num_threads())
+    if max_staleness:  # every prompt of every step printed: what an asynchronous resume keeps
+        same += ["logger.sample_every=1", "logger.num_samples=1000000"]
     base = tempfile.mkdtemp(prefix="grpo-verify-resume-")
     try:
-        rows, started = {}, {}
+        rows, started, printed = {}, {}, {}
         for name, parts in (("unbroken", ["steps=4"]), ("resumed", ["steps=2", "steps=4"])):
-            folder = os.path.join(base, name)
+            folder, printed[name] = os.path.join(base, name), {}
             for steps in parts:
                 cmd = [sys.executable, "-m", "grpo.train", *child_overrides(overrides), *same, steps,
                        f"run_dir={folder}", f"hydra.run.dir={folder}"]
                 out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(os.environ))
                 if out.returncode:
                     return Check("resume", "FAIL", f"{' '.join(cmd[2:])} exited {out.returncode}: {out.stderr.strip()[-400:]}")
+                for step, prompt in PRINTED_PROMPT.findall(out.stdout):  # a step printed twice: its prompts twice
+                    printed[name].setdefault(int(step), []).append(prompt)
             rows[name] = read_metrics(os.path.join(folder, "metrics.jsonl"))  # null: NaN, as the run computed it
             started[name] = json.load(open(os.path.join(folder, "summary.json")))["resumed_from"]
-        return resume_verdict(rows, started)
+        return (resume_started(started) or resume_kept(rows, printed)) if max_staleness else resume_verdict(rows, started)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def resume_verdict(rows: dict[str, list[dict]], started: dict[str, int]) -> Check:
-    """The resume check's verdict from its runs' metrics.jsonl rows and summary.json's `resumed_from`
-    ("unbroken" and "resumed"): the resumed run must have started after step 2 (one that found no
-    checkpoint starts over at step 1 and, seeded alike, logs the unbroken run's numbers: the comparison
-    alone would pass a resume that loaded nothing), and steps 3 and 4's COMPARED metrics must agree
-    within RESUME_TOL of max(1, |value|); a metric or a step the resumed run did not log is a gap."""
+def resume_started(started: dict[str, int]) -> Check | None:
+    """A FAIL unless the resumed run started after step 2: one that found no checkpoint logs the unbroken run's."""
     for name, expected in (("unbroken", 0), ("resumed", 2)):
         if started[name] != expected:
             return Check("resume", "FAIL", f"the {name} run started after step {started[name]}, not {expected} "
                                            f"(summary.json's resumed_from): the checkpoint of step 2 was not found or not loaded")
+
+
+def resume_kept(rows: dict[str, list[dict]], printed: dict[str, dict[int, list[str]]]) -> Check:
+    """Under algo.max_staleness > 0 the metrics differ by design: the 2-step run's last checkpoint has no batch
+    in flight (`batches_to_submit`), so the resumed run samples batch 3 from the step-2 weights, the unbroken one
+    from older ones (sampler_diff 1.0 apart at step 3, k = 1). What the design keeps is compared: steps 1-4
+    logged once, steps 3 and 4's prompts (`printed`). A batch in flight at a stop: tests/test_async.py."""
+    logged = [row["step"] for row in rows["resumed"] if "loss" in row]
+    if logged != [1, 2, 3, 4]:
+        return Check("resume", "FAIL", f"the resumed run logged steps {logged}, not 1 to 4 once each (metrics.jsonl)")
+    for step in (3, 4):
+        want, got = printed["unbroken"].get(step, []), printed["resumed"].get(step, [])
+        if not want or got != want:
+            return Check("resume", "FAIL", f"step {step}: the resumed run trained {len(got)} prompts, the first {got[:1]}, "
+                                           f"where the unbroken run trained {len(want)}, the first {want[:1]}")
+    return Check("resume", "PASS", f"algo.max_staleness > 0: steps 3 and 4 trained the unbroken run's prompts ({len(want)} "
+                                   f"each), steps 1-4 logged once; metrics not compared (newer weights sample batch 3)")
+
+
+def resume_verdict(rows: dict[str, list[dict]], started: dict[str, int]) -> Check:
+    """The resume check's verdict from its runs' metrics.jsonl rows and summary.json's `resumed_from`
+    ("unbroken" and "resumed"): the resumed run must have started after step 2 (`resume_started`), and
+    steps 3 and 4's COMPARED metrics must agree within RESUME_TOL of max(1, |value|); a metric or a step
+    the resumed run did not log is a gap."""
+    if failed := resume_started(started):
+        return failed
     gaps = {}
     for step in (3, 4):
         at = {k: next((x for x in v if x.get("step") == step and "loss" in x), None) for k, v in rows.items()}
@@ -528,7 +559,7 @@ def run_checks(cfg, overrides: list[str]) -> list[Check]:
         results.append(ranks_check(r))
         results.append(sync_check(r, batch, par))
         results.append(render_check(r))
-    results.append(resume_check(overrides, info.world_size))
+    results.append(resume_check(overrides, info.world_size, cfg.algo.max_staleness))
     return results
 
 

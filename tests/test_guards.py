@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import threading
 import warnings
 from dataclasses import replace
 
@@ -17,9 +18,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo.train
 import grpo.update.step
+from grpo import guards
 from grpo.config import AlgoConfig
-from grpo.guards import NonFiniteSteps, RankCheck, RunGuards, SamplerWatch, StepGuard, healthy, weight_fingerprint
+from grpo.guards import (NonFiniteSteps, RankCheck, RanksDiverged, RunGuards, SamplerWatch, StepGuard, healthy,
+                         ranks_fingerprints, weight_fingerprint)
 from grpo.log import read_metrics
+from grpo.parallel import STRATEGIES, strategy_class
 from grpo.parallel.single import SingleStrategy
 from grpo.update import policy_update
 from tests.test_packing import spread_batch
@@ -34,18 +38,23 @@ def planted_step(strategy, model, ids, nan: bool) -> float:
     return strategy.step()
 
 
-def test_a_non_finite_gradient_skips_the_optimizer_step(tiny_lm):
+def test_a_non_finite_gradient_skips_the_optimizer_step_and_holds_the_schedule(tiny_lm):
+    """The skipped step takes nothing, the schedule included, as DeepSpeed's ZeRO holds it on an overflow
+    (grpo/parallel/zero.py): one rule under every strategy. Linear decay over 4 steps, no warmup: the
+    factor at optimizer step s is (4 - s) / 4, so lr 1e-2 at step 0 and 7.5e-3 once one step is counted;
+    a schedule that counted the skipped step reads 7.5e-3 before any step was taken."""
     base, _ = tiny_lm
     model = copy.deepcopy(base).train()
-    algo = OmegaConf.structured(AlgoConfig(lr=1e-2, warmup_steps=0))
+    algo = OmegaConf.structured(AlgoConfig(lr=1e-2, warmup_steps=0, lr_schedule="linear"))
     strategy = SingleStrategy(None, model, algo, total_steps=4)
     ids = torch.tensor([[1, 5, 6, 7]])
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     assert not math.isfinite(planted_step(strategy, model, ids, nan=True))
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # nothing applied, no NaN
     assert all(p.grad is None for p in model.parameters())  # and nothing carried into the next step
-    assert strategy.scheduler.last_epoch == 1  # the schedule counts the spent step
+    assert (strategy.scheduler.last_epoch, strategy.lr) == (0, pytest.approx(1e-2))  # the schedule held
     assert math.isfinite(planted_step(strategy, model, ids, nan=False))
+    assert (strategy.scheduler.last_epoch, strategy.lr) == (1, pytest.approx(7.5e-3))  # the applied step counts
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -105,6 +114,25 @@ def test_the_rank_check_runs_at_step_1_and_every_n_and_never_alone():
     assert not any(RankCheck(every=0, world=8).due(s) for s in range(1, 201))
 
 
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_the_rank_check_gathers_only_where_ranks_hold_their_own_copy(monkeypatch, name):
+    """Each registered strategy as the run hands it to its guards, on 2 ranks at step 1 (the check is due).
+    single's replica, stepped by each ddp rank itself, can drift apart: its weights are fingerprinted.
+    Under ZeRO every weight has one owner per shard and every rank's full weights are the owners'
+    (ZeRO-3 gathers each from its owner, ZeRO-2 all-gathers them after each step): they cannot differ,
+    so the check could only pass, and under ZeRO-3 it cost a full gather of the weights."""
+    gathers = {"single": True, "ddp": True, "zero2": False, "zero3": False}[name]  # a new strategy: say which
+    strategy = object.__new__(strategy_class(name))  # the class's own declaration, no engine built
+    asked = []
+    strategy.weight_buckets = lambda bucket_bytes: asked.append(bucket_bytes) or [[("w", torch.arange(6.0))]]
+    monkeypatch.setattr(guards.dist, "world_size", lambda: 2)
+    monkeypatch.setattr(guards.dist, "rank", lambda: 0)
+    monkeypatch.setattr(guards.dist, "all_reduce_sum", lambda v: [v[0], v[0]])  # rank 1's weights are rank 0's
+    run_guards = RunGuards(strategy, 64, healthy("float32", "cpu", {}), check_ranks_every=50, world=2)
+    run_guards.after_update(1, {"loss": 0.1, "grad_norm": 1.0, "trained_completions": 0}, 0)
+    assert asked == ([64] if gathers else []), asked
+
+
 def test_the_weight_fingerprint_sees_a_swap_and_a_shift():
     a, b = torch.arange(6.0), torch.arange(6.0) + 10
     base = weight_fingerprint([[("a", a), ("b", b)]])
@@ -120,9 +148,6 @@ def test_a_fingerprint_that_differs_beyond_summation_noise_names_the_rank(monkey
     beyond float64 summation order, so the weights differ: rank 1 is named, and the check stops the
     run; 1e-12 apart is summation order, not reported. A tolerance of 1e-3 would let ranks whose
     weights differ by a small update run on unnoticed."""
-    from grpo import guards
-    from grpo.guards import RanksDiverged, ranks_fingerprints
-
     mine = 1234.5678
     monkeypatch.setattr(guards.dist, "world_size", lambda: 2)
     monkeypatch.setattr(guards.dist, "rank", lambda: 0)
@@ -133,6 +158,50 @@ def test_a_fingerprint_that_differs_beyond_summation_noise_names_the_rank(monkey
     monkeypatch.setattr(guards, "weight_fingerprint", lambda buckets: mine)
     with pytest.raises(RanksDiverged, match=r"after step 3 ranks \[1\] hold weights that differ from rank 0's"):
         RankCheck(every=1, world=2).check(3, [])
+
+
+def on_two_ranks(monkeypatch, work) -> list[str]:
+    """`work(rank)` on two threads standing for ranks 0 and 1, grpo.guards' dist made theirs: all_reduce_sum
+    sums what both ranks put in, as the real one does (a rank's own fingerprint sits in its own slot
+    only). What each rank said: "agree", or its RanksDiverged message."""
+    local, meet, put, said = threading.local(), threading.Barrier(2, timeout=30), [None, None], [None, None]
+
+    def all_reduce_sum(values):
+        put[local.rank] = list(values)
+        meet.wait()
+        summed = [a + b for a, b in zip(*put)]
+        meet.wait()  # both have read before either puts in again
+        return summed
+
+    def rank(r):
+        local.rank = r
+        try:
+            work(r)
+            said[r] = "agree"
+        except RanksDiverged as e:
+            said[r] = str(e)
+
+    monkeypatch.setattr(guards.dist, "rank", lambda: local.rank)
+    monkeypatch.setattr(guards.dist, "world_size", lambda: 2)
+    monkeypatch.setattr(guards.dist, "all_reduce_sum", all_reduce_sum)
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return said
+
+
+def test_a_rank_whose_weights_went_non_finite_is_named(monkeypatch):
+    """Rank 1's weights hold a NaN (a step it alone applied with a non-finite gradient). Each rank put
+    `mine * (i == rank)` into the all-reduce: NaN x 0 is NaN, so every slot summed to NaN, and NaN > tol
+    is False: the check passed on both ranks exactly when a rank's weights were lost. Both ranks must
+    name rank 1; equal finite weights (26 on each: 0..5 weighted by 1, 1.2, ..., 2) agree."""
+    weights = {0: torch.arange(6.0), 1: torch.arange(6.0)}
+    assert on_two_ranks(monkeypatch, lambda r: RankCheck(1, 2).check(1, [[("w", weights[r])]])) == ["agree", "agree"]
+    weights[1] = torch.tensor([0.0, 1.0, float("nan"), 3.0, 4.0, 5.0])
+    said = on_two_ranks(monkeypatch, lambda r: RankCheck(1, 2).check(1, [[("w", weights[r])]]))
+    assert all(s.startswith("after step 1 ranks [1] hold non-finite weights (fingerprints 26, nan)") for s in said), said
 
 
 def test_the_sampler_watch_warns_once_after_three_on_policy_steps_above_the_bound():

@@ -22,7 +22,10 @@ import grpo.update.step
 import grpo.verify
 from grpo.rollout.render import ChatRender
 from grpo.guards import Parity
-from grpo.verify import Check, Gap, gap, grad_gap, metric_gap, render_check, resume_check, sync_verdict, verify
+from grpo.log import RunLogger
+from grpo.parallel import strategy_class
+from grpo.verify import (Check, Gap, gap, grad_gap, metric_gap, ranks_check, render_check, resume_check, sync_verdict,
+                         verify)
 from tests.conftest import FAST, ROOT
 from tests.test_parallel import TORCHRUN
 from tests.test_render import CHATML, chat_tokenizer
@@ -349,11 +352,31 @@ def test_the_render_row_fails_when_observations_join_unlike_the_template(monkeyp
     assert row.status == "FAIL" and "part at character" in row.detail, row
 
 
+@pytest.mark.parametrize("name, status", [("ddp", "PASS"), ("zero2", "SKIP"), ("zero3", "SKIP")])
+def test_the_ranks_row_skips_where_the_weights_are_one_by_construction(monkeypatch, name, status):
+    """2 ranks after the step, rank 1's weights rank 0's. Under ddp each rank steps its own copy: compared,
+    PASS. Under ZeRO every rank's full weights come from one owner per shard: they cannot differ, so a
+    PASS would claim a check that cannot fail; the row says SKIP and why, and gathers nothing."""
+    strategy = object.__new__(strategy_class(name))  # the class's own declaration, no engine built
+    asked = []
+    strategy.weight_buckets = lambda bucket_bytes: asked.append(bucket_bytes) or [[("w", torch.arange(6.0))]]
+    monkeypatch.setattr(grpo.verify.dist, "world_size", lambda: 2)
+    monkeypatch.setattr(grpo.verify.dist, "rank", lambda: 0)
+    monkeypatch.setattr(grpo.verify.dist, "all_reduce_sum", lambda v: [v[0], v[0]])
+    r = SimpleNamespace(strategy=strategy, bucket_bytes=64, cfg=SimpleNamespace(parallel=SimpleNamespace(strategy=name)))
+    row = ranks_check(r)
+    assert (row.name, row.status, asked) == ("ranks", status, [64] if status == "PASS" else []), (row, asked)
+    if status == "SKIP":
+        assert f"parallel={name}" in row.detail and "one owner per shard" in row.detail, row
+    else:  # 26 on each rank: 0..5 weighted by 1, 1.2, ..., 2
+        assert "rank by rank: 26, 26" in row.detail, row
+
+
 def test_the_resume_check_skips_under_several_processes_after_the_group_is_gone():
     """grpo.verify runs its resume check after the process group is closed, when dist.world_size() says
     1 again: it must go by the launch's world size, or each torchrun rank would start a grpo.train that
     inherits the rank variables and waits in another's rendezvous (a hang seen under parallel=ddp)."""
-    check = resume_check(["steps=1"], world_size=2)
+    check = resume_check(["steps=1"], world_size=2, max_staleness=0)
     assert check.status == "SKIP" and "one process" in check.detail, check
 
 
@@ -408,18 +431,43 @@ grpo.checkpoint.latest_checkpoint = lambda run_dir: None
 """
 
 
+# the same: the resume restores the weights but not the prompt sampler, so step 3 draws step 1's prompts
+FORGETS_THE_SAMPLER = """
+from grpo.tasks import TrainSampler
+
+TrainSampler.load_state_dict = lambda self, state: None
+"""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("plant, said", [(LOSES_OPTIMIZER_STATE, "at step 4"),
-                                         (FINDS_NO_CHECKPOINT, "the resumed run started after step 0, not 2")])
+@pytest.mark.parametrize("plant, max_staleness, said", [
+    (LOSES_OPTIMIZER_STATE, 0, "at step 4"),
+    (FINDS_NO_CHECKPOINT, 0, "the resumed run started after step 0, not 2"),
+    (FORGETS_THE_SAMPLER, 1, "step 3: the resumed run trained 8 prompts"),  # asynchronous: prompts compared
+    (FINDS_NO_CHECKPOINT, 1, "the resumed run started after step 0, not 2"),
+], ids=["optimizer", "afresh", "async-sampler", "async-afresh"])
 def test_the_resume_check_names_a_resume_that_loses_the_optimizer_state_or_starts_afresh(tmp_path, cache_dir, monkeypatch,
-                                                                                        plant, said):
+                                                                                        plant, max_staleness, said):
     """A resume that restores the weights but not AdamW's moments: step 3's metrics come before its
     optimizer step and still agree, step 4's cannot (step 1 trains nothing in this run). One that
-    finds no checkpoint: summary.json's resumed_from says so."""
+    finds no checkpoint: summary.json's resumed_from says so. Asynchronous (the metrics not compared),
+    one that loses the prompt sampler trains other prompts at step 3."""
     (tmp_path / "sitecustomize.py").write_text(plant)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    row = resume_check([*FAST, f"model.cache_dir={cache_dir}"], world_size=1)
+    row = resume_check([*FAST, f"model.cache_dir={cache_dir}", f"algo.max_staleness={max_staleness}"], world_size=1,
+                       max_staleness=max_staleness)
     assert row.status == "FAIL" and said in row.detail, row
+
+
+@pytest.mark.starts_process
+def test_the_resume_check_passes_an_asynchronous_resume_on_its_prompts(cache_dir):
+    """algo.max_staleness=1: the 2-step run's last checkpoint has no batch in flight, so the resumed run
+    samples batch 3 from the step-2 weights where the unbroken run sampled it from step 1's (by design,
+    grpo/train.py): comparing their metrics FAILed a correct resume (sampler_diff 1.0 apart at step 3).
+    The row compares what the design keeps: each step logged once, and steps 3 and 4's prompts, all 8 of
+    each (32 completions in groups of 4), printed by both runs."""
+    row = resume_check([*FAST, f"model.cache_dir={cache_dir}", "algo.max_staleness=1"], world_size=1, max_staleness=1)
+    assert row.status == "PASS" and "trained the unbroken run's prompts (8 each)" in row.detail, row
 
 
 def test_verify_names_a_routing_replay_that_does_not_reach_the_update(cache_dir, capsys, monkeypatch):
@@ -515,6 +563,38 @@ def test_the_resume_verdict_by_value(resumed_at_4, started, status, said):
     rows["resumed"] = [{k: v for k, v in r.items() if v is not None} for r in rows["resumed"]]
     verdict = grpo.verify.resume_verdict(rows, {"unbroken": 0, "resumed": started})
     assert (verdict.status, verdict.name) == (status, "resume") and said in verdict.detail, verdict
+
+
+PRINTED = {1: ["'a'"], 2: ["'b'"], 3: ["'c'", "'d'"], 4: ["'e'", "'f'"]}
+
+
+@pytest.mark.parametrize("resumed_logged, resumed_printed, status, said", [
+    ((1, 2, 3, 4), PRINTED, "PASS", "steps 3 and 4 trained the unbroken run's prompts (2 each), steps 1-4 logged once"),
+    ((1, 2, 3, 4), {**PRINTED, 3: ["'a'", "'b'"]}, "FAIL", "step 3: the resumed run trained 2 prompts, the first [\"'a'\"]"),
+    ((1, 2, 3, 4), {**PRINTED, 4: PRINTED[4] * 2}, "FAIL", "step 4: the resumed run trained 4 prompts"),  # printed twice
+    ((1, 2, 3, 4), {1: PRINTED[1], 2: PRINTED[2]}, "FAIL", "step 3: the resumed run trained 0 prompts"),
+    ((1, 2, 3, 3, 4), PRINTED, "FAIL", "the resumed run logged steps [1, 2, 3, 3, 4], not 1 to 4 once each"),
+    ((1, 2, 4), PRINTED, "FAIL", "the resumed run logged steps [1, 2, 4]"),
+])
+def test_the_asynchronous_resume_verdict_by_value(resumed_logged, resumed_printed, status, said):
+    """Under algo.max_staleness > 0 (resume_kept): the resumed run's training rows are steps 1-4 once each
+    (the eval row at step 4 has no loss), and its steps 3 and 4 printed the unbroken run's prompts, in
+    order; metrics are not compared (a loss of 9 against 4.5 passes)."""
+    unbroken = [{"step": s, "loss": 0.5 + s} for s in (1, 2, 3, 4)] + [{"step": 4, "eval/accuracy": 0.5}]
+    resumed = [{"step": s, "loss": 9.0} for s in resumed_logged] + [{"step": 4, "eval/accuracy": 0.5}]
+    verdict = grpo.verify.resume_kept({"unbroken": unbroken, "resumed": resumed},
+                                      {"unbroken": PRINTED, "resumed": resumed_printed})
+    assert (verdict.status, verdict.name) == (status, "resume") and said in verdict.detail, verdict
+
+
+def test_the_resume_check_reads_each_prompt_as_grpo_train_prints_it(capsys):
+    """The prompts as RunLogger.samples prints them (repr: a prompt holding ' is quoted with "; one may hold
+    ' -> ' or a newline, escaped), each whole."""
+    logger = object.__new__(RunLogger)
+    logger.enabled = True
+    logger.samples(3, [("What's 2+2?", "4", 1.0), ("a -> b\nc", "x", 0.0)])
+    found = grpo.verify.PRINTED_PROMPT.findall(capsys.readouterr().out)
+    assert found == [("3", '"What\'s 2+2?"'), ("3", "'a -> b\\nc'")], found
 
 
 def test_a_routing_row_over_no_routed_token_fails():

@@ -30,6 +30,10 @@ class Autocast(torch.nn.Module):
 
 
 class SingleStrategy(Strategy):
+    # each rank (ddp's) steps a full copy of its own: copies can drift apart, which grpo/guards.py's rank
+    # check compares (ZeRO declares none: every rank's full weights are gathered from one owner per shard)
+    replicated = True
+
     @classmethod
     def check(cls, cfg, world: int) -> None:
         super().check(cfg, world)
@@ -86,9 +90,11 @@ class SingleStrategy(Strategy):
     def step(self) -> float:
         self.reduce_gradients()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        if torch.isfinite(norm):  # the norm after the cross-rank reduction: every rank skips alike (grpo/guards.py)
+        # the norm after the cross-rank reduction: every rank skips alike (grpo/guards.py). A skipped step
+        # holds the schedule too, as DeepSpeed's ZeRO does on an overflow: one LR path under every strategy
+        if torch.isfinite(norm):
             self.optimizer.step()
-        self.scheduler.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
