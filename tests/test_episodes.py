@@ -464,6 +464,33 @@ def test_reset_seeds_fit_every_seeding_api(tiny_lm):
     assert reset_seed(sampling_seed(1, 3, 0, 1, 8, 4), 5) == reset_seed(sampling_seed(1, 3, 0, 1, 8, 4), 5)
 
 
+class SeededSecret(GuessEnv):
+    """The guess game whose secret comes from the reset's seed, not the sample (as an OpenEnv server
+    that picks its puzzle from the seed, with no `reset_fields`); records the seed it got."""
+
+    def reset(self, sample, seed):
+        super().reset(sample, seed)
+        self.seed, self.secret = seed, 1 + seed % 15
+        return None
+
+
+def test_a_groups_trajectories_reset_with_one_seed_and_groups_with_different_ones(tiny_lm):
+    """2 prompts x n = 3: each group plays one task instance, so its mean (GRPO's baseline) compares
+    attempts at the same secret. Seeded per trajectory, the 3 members of a group played 3 different
+    secrets under one prompt and the advantage mixed in how hard each one's secret was."""
+    _, tok = tiny_lm
+    built = []
+
+    def make():
+        built.append(SeededSecret())
+        return built[-1]
+
+    runner(tok, make_env=make).run(Scripted(tok, lambda p: "8"), prompts_of(tok, GUESS[:2]), GUESS[:2], 3, Sampling(3, seed=5))
+    seeds = [env.seed for env in built]  # built in the trajectories' order: completion k of prompt i is i * 3 + k
+    assert seeds == [reset_seed(5, 0)] * 3 + [reset_seed(5, 1)] * 3
+    assert reset_seed(5, 0) != reset_seed(5, 1)
+
+
 def test_observation_logits_leave_loss_and_gradients_exactly_equal(tiny_lm):
     """Noise added to the hidden states that predict observation tokens (logits there change) leaves the
     loss and every gradient bit-for-bit equal; the token normaliser counts sampled tokens only."""
@@ -609,7 +636,8 @@ def test_tool_env_calls_the_tool_and_ends_on_an_answer():
 
 
 class Opens(GuessEnv):
-    """An opening observation whose length depends on the reset's seed (0-4 characters)."""
+    """An opening observation whose length depends on the reset's seed (0-4 characters): the same for
+    a group's trajectories, which share their seed (`reset_seed`)."""
 
     def reset(self, sample, seed):
         super().reset(sample, seed)
@@ -620,14 +648,16 @@ def test_a_trajectory_with_no_room_for_its_first_turn_is_an_error_not_an_empty_a
     """The prompt (12 tokens) and its opening observation leave no room for a 3-token turn within a
     context of 17 for the trajectories whose observation is 3 or 4 long: they never sampled a token.
     Ended as "length", their empty final answer was scored beside the group's real ones; now they end
-    as "error" (withheld from the rewards) with a warning, and the others play."""
+    as "error" (withheld from the rewards) with a warning, and the others play. 5 prompts (the same
+    text) x n = 2: the lengths vary by group, each group's two trajectories alike."""
     _, tok = tiny_lm
-    prompts = prompts_of(tok, GUESS[:1])
+    prompts = prompts_of(tok, GUESS[:5])
     with pytest.warns(UserWarning, match="budget failed .*leave no room for a turn of rollout.max_new_tokens=3"):
         out = runner(tok, make_env=Opens, context=17).run(Scripted(tok, lambda p: "8", max_context=17), prompts,
-                                                          GUESS[:1], 8, Sampling(3, seed=5))
-    opening = [reset_seed(5, i) % 5 for i in range(8)]  # each trajectory's observation length
-    assert len(prompts[0]) == 12 and {3, 4} & set(opening) and set(opening) - {3, 4}, opening
+                                                          GUESS[:5], 2, Sampling(3, seed=5))
+    opening = [reset_seed(5, i) % 5 for i in range(5) for _ in range(2)]  # each trajectory's observation length
+    assert len(prompts[0]) == 12 and {3, 4} <= set(opening) and set(opening) - {3, 4}, opening  # [3, 3, 2, ..., 4, 4]
+    assert len(out.episodes) == 10
     for e, obs, ids in zip(out.episodes, opening, out.completion_ids):
         if len(prompts[0]) + obs + 3 > 17:
             assert (e.finish, e.turns, e.env_reward) == ("error", 0, None) and "no room" in e.error, e
@@ -728,19 +758,24 @@ def test_an_env_that_raises_in_training_ends_only_its_episodes(make_cfg):
 
 class Misconfigured(GuessEnv):
     """Trajectory 3's reset raises a ConfigError; those after it take 0.3 s (still running when it
-    raises, with env.max_concurrency > 1). Counts resets, closes, and closes during a reset."""
+    raises, with env.max_concurrency > 1). Counts builds, resets, closes, and closes during a reset."""
 
-    resets = closed = closed_early = 0
+    built = resets = closed = closed_early = 0
     lock = threading.Lock()  # resets and closes run concurrently (env.max_concurrency)
 
+    def __init__(self):
+        super().__init__()
+        # which trajectory: the runner builds every environment, in the trajectories' order, before any
+        # reset (the reset's seed is its group's, shared by the group's trajectories: no way to tell them)
+        self.index, Misconfigured.built = Misconfigured.built, Misconfigured.built + 1
+
     def reset(self, sample, seed):
-        index = [reset_seed(None, i) for i in range(8)].index(seed)  # seeds are mixed: which trajectory
         with Misconfigured.lock:
             Misconfigured.resets += 1
-        if index == 3:
+        if self.index == 3:
             raise ConfigError("env.kwargs.url is wrong; set it to the server's")
         self.resetting = True
-        time.sleep(0.3 if index > 3 else 0.0)
+        time.sleep(0.3 if self.index > 3 else 0.0)
         self.resetting = False
         return super().reset(sample, seed)
 
@@ -757,7 +792,7 @@ def test_a_config_error_from_an_env_stops_the_run_and_every_env_is_closed(tiny_l
     at a time, the resets after trajectory 3's never start; called at once, the run waits for the
     calls still running before it closes their environments, then shuts its pool down."""
     _, tok = tiny_lm
-    Misconfigured.resets = Misconfigured.closed = Misconfigured.closed_early = 0
+    Misconfigured.built = Misconfigured.resets = Misconfigured.closed = Misconfigured.closed_early = 0
     with pytest.raises(ConfigError, match="env.kwargs.url"):
         runner(tok, make_env=Misconfigured, max_concurrency=concurrency).run(
             Scripted(tok, lambda p: "8"), prompts_of(tok, GUESS[:4]), GUESS[:4], 2, Sampling(3))

@@ -512,6 +512,27 @@ def test_each_turn_is_sent_with_its_trajectorys_seed_and_the_batch_takes_its_old
     assert out.token_versions == [[0, 0, -1, 1, 1]] * 2 and out.weight_version == 0
 
 
+def test_per_trajectory_a_groups_environments_reset_with_one_seed(tiny_lm):
+    """The per-trajectory schedule resets each group on its own thread, through the runner's `env_reset`:
+    2 prompts x n = 3 still get one seed per group (one task instance for the group's baseline)."""
+    from grpo.rollout.episodes import reset_seed
+    from tests.test_episodes import SeededSecret
+
+    _, tok = tiny_lm
+    built = []
+
+    def make():
+        built.append(SeededSecret())
+        return built[-1]
+
+    runner = EpisodeRunner(make, tok, RawRender(tok), Budget(1, 4, 64, 4), 10.0, [tok.eos_token_id], "seeded", 4)
+    prompts = [tok("12+34=").input_ids, tok("7+1=").input_ids]
+    episode_driver("trajectories", runner, RecordingPool(tok), 0)(
+        prompts, [Sample("12+34=", "3"), Sample("7+1=", "3")], 3, Sampling(max_new_tokens=4, seed=100))
+    assert [env.seed for env in built] == [reset_seed(100, 0)] * 3 + [reset_seed(100, 1)] * 3  # built in the trajectories' order
+    assert reset_seed(100, 0) != reset_seed(100, 1)
+
+
 def test_a_turn_cut_at_max_new_tokens_ends_its_trajectory_as_length_and_a_short_answer_fails_the_batch(tiny_lm):
     _, tok = tiny_lm
     runner = EpisodeRunner(GuessEnv, tok, RawRender(tok), Budget(2, 4, 64, 4), 10.0, [tok.eos_token_id], "guess", 4)

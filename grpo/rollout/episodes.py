@@ -100,12 +100,18 @@ def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
     return high | ((low + turn * 0x9E3779B9) & 0xFFFFFFFF)
 
 
-def reset_seed(seed: Optional[int], index: int) -> int:
+def reset_seed(seed: Optional[int], group: int) -> int:
     """The seed an environment's `reset` gets, in [0, 2**31): the step's sampling seed (a new one every
     step and rank, the same again when a resumed run redoes the step; grpo.train.sampling_seed, which is
-    2**32 or more for any run seed >= 1) plus the trajectory's index, mixed (splitmix64) and folded
-    into 31 bits, which every seeding API takes (numpy's legacy seeding refuses 2**32 and more)."""
-    x = ((seed or 0) + index * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    2**32 or more for any run seed >= 1) plus the group's index (the prompt's), mixed (splitmix64) and
+    folded into 31 bits, which every seeding API takes (numpy's legacy seeding refuses 2**32 and more).
+
+    The group's, not the trajectory's: the n trajectories of a prompt reset with one seed, so an
+    environment that draws its instance from the seed (an OpenEnv server picking a puzzle, with no
+    `reset_fields`) plays one task instance per group, as GRPO's baseline needs (the group mean must
+    compare attempts at the same task, not mix in how hard each member's instance was). One that wants
+    per-trajectory randomness inside an episode draws it from its own RNG, seeded by this and its own state."""
+    x = ((seed or 0) + group * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (x ^ (x >> 31)) % 2**31
@@ -121,8 +127,9 @@ def cut_middle(ids: list[int], limit: int, marker: list[int]) -> list[int]:
 
 
 class Trajectory:
-    def __init__(self, prompt_ids: list[int], sample, env, index: int):
+    def __init__(self, prompt_ids: list[int], sample, env, index: int, group: int = 0):
         self.prompt_ids, self.sample, self.env, self.index = prompt_ids, sample, env, index
+        self.group = group  # the prompt's index, shared by its n trajectories: what seeds the reset (`reset_seed`)
         self.span: list[int] = []
         self.mask: list[int] = []
         self.logprobs: list[float] = []
@@ -249,11 +256,11 @@ class EpisodeRunner:
             calls, trajectories, generate, prompt_ids, n, sampling, lockstep, version))
 
     def drive(self, prompt_ids: list[list[int]], samples: list, n: int, sampling: Sampling, episodes: Callable) -> Rollouts:
-        """The batch's trajectories (completion k of prompt i is trajectory i * n + k), each with its own
-        environment, through `episodes(calls, trajectories, sampling)` (turn by turn here, per trajectory in
+        """The batch's trajectories (completion k of prompt i is trajectory i * n + k, of group i), each with
+        its own environment, through `episodes(calls, trajectories, sampling)` (turn by turn here, per trajectory in
         grpo/rollout/trajectories.py); every environment built is closed after it, on an error too."""
         sampling = replace(sampling, max_new_tokens=self.budget.max_new_tokens)
-        trajectories = [Trajectory(p, s, None, i * n + k) for i, (p, s) in enumerate(zip(prompt_ids, samples)) for k in range(n)]
+        trajectories = [Trajectory(p, s, None, i * n + k, i) for i, (p, s) in enumerate(zip(prompt_ids, samples)) for k in range(n)]
         with EnvCalls(self.max_concurrency, len(trajectories)) as calls:
             try:
                 for t in trajectories:
@@ -315,8 +322,9 @@ class EpisodeRunner:
         return self.rollouts(trajectories, held if version is None else version, wait_s)
 
     def env_reset(self, t: Trajectory, seed: Optional[int]) -> tuple[Optional[str], Optional[str]]:
-        """(the opening text, None) or (None, what went wrong): on an `EnvCalls` thread."""
-        text, error = call_with_timeout(lambda: t.env.reset(t.sample, reset_seed(seed, t.index)), self.step_timeout_s,
+        """(the opening text, None) or (None, what went wrong): on an `EnvCalls` thread. The reset's seed is
+        the group's: one task instance per group (`reset_seed`); the sampling seeds stay per trajectory."""
+        text, error = call_with_timeout(lambda: t.env.reset(t.sample, reset_seed(seed, t.group)), self.step_timeout_s,
                                         "env.step_timeout_s", reraise=(ConfigError,), stop_if_hung=False)
         if error is None and not isinstance(text, (str, type(None))):
             return None, f"reset returned {describe(text)}; it must return the opening text, a str or None"
