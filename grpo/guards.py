@@ -121,8 +121,8 @@ def ranks_can_differ(strategy) -> bool:
     (`replicated`: single's replica, under ddp). Under ZeRO every weight has one owner per shard and every
     rank's full weights are the owners' (ZeRO-3 gathers each from its owner when asked, ZeRO-2 all-gathers
     them after each step): identical by construction, so a comparison could only agree (under ZeRO-3 at
-    the cost of a full gather). `replicated` is declared by the strategy class (grpo/parallel/single.py);
-    one that does not declare it holds no copy of its own."""
+    the cost of a full gather). `replicated`: the strategy class's (grpo/parallel/base.py declares it
+    False, single.py True); a run's guards built without a strategy compare nothing."""
     return getattr(strategy, "replicated", False)
 
 

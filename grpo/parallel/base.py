@@ -66,6 +66,7 @@ OWN_SETTINGS = {
 class Strategy(ABC):
     model: torch.nn.Module  # the unwrapped module: forward passes and rollout backends use it
     lockstep = False  # True: every rank must make the same forward/backward calls (sharded parameters)
+    replicated = False  # True: each rank steps a full copy of its own, which can drift apart (grpo/guards.py's rank check)
     sequence = None  # parallel.sequence_parallel > 1: this rank's group sharing rows (grpo/parallel/sequence.py)
     scheduler: torch.optim.lr_scheduler.LambdaLR  # build_optimizer's schedule (ZeRO: the engine's)
 
