@@ -1,4 +1,5 @@
-"""The README and docs/ point only at what exists: every relative link and every experiment named."""
+"""The README and docs/ point only at what exists: every relative link and every experiment named; no
+control character (a backspace from a Python string) stands in a page."""
 
 import re
 
@@ -25,3 +26,11 @@ def test_every_relative_link_and_experiment_in_the_docs_exists():
                 missing.append(f"{page.relative_to(ROOT)}: experiment={name}")
     assert links > 20, links
     assert not missing, missing
+
+
+def test_no_page_holds_a_control_character():
+    """A `\\b` written from a Python string lands as a backspace: docs/rewards.md showed `oxed{}` for
+    `\\boxed{}` in five places until this test."""
+    found = [f"{page.relative_to(ROOT)}:{n}: {line!r}" for page in PAGES if page.exists()
+             for n, line in enumerate(page.read_text().splitlines(), 1) if re.search(r"[\x00-\x08\x0b-\x1f\x7f]", line)]
+    assert not found, found

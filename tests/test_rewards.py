@@ -416,6 +416,22 @@ def test_an_environments_rewards_no_reward_reads_are_named():
         ("\\boxed{5.5}", "5 1/2", 1.0),  # a mixed number read as (5 + 1)/2 ...
         ("\\boxed{3}", "5 1/2", 0.0),  # ... so 3 scored
         ("It takes 5 1/2 cups", "5.5", 1.0),
+        # digits of another script read as nothing (0 for a right answer): as ASCII digits now
+        ("The answer is \uff17\uff12.", "72", 1.0),  # full-width
+        ("#### \uff17\uff12", "72", 1.0),
+        ("\\boxed{\u0667\u0662}", "72", 1.0),  # Arabic-Indic
+        ("\\boxed{\u0967\u0968}", "12", 1.0),  # Devanagari
+        ("\\boxed{\u0667\u066b\u0665}", "7.5", 1.0),  # the Arabic decimal separator
+        ("\\boxed{\uff17\uff0e\uff15}", "7.5", 1.0),  # full-width point
+        ("\\boxed{\uff17\uff12}", "71", 0.0),
+        ("\\boxed{72}", "\uff17\uff12", 1.0),  # in a ground truth too
+        ("\\boxed{x^2}", "x\u00b2", 1.0),  # a superscript is a power (read as the text x²), not a digit
+        ("\\boxed{x2}", "x\u00b2", 0.0),
+        ("The answer is 10\u2076.", "1000000", 1.0),  # 10⁶
+        ("\\boxed{3 \\times 10\u2075}", "300000", 1.0),  # scientific notation: a value as written
+        ("\\boxed{2\u207b\u00b9}", "0.5", 1.0),  # 2⁻¹
+        ("The answer is 10\u207b\u00b3.", "0.001", 1.0),  # 10⁻³ in prose
+        ("The answer is 10\u00b9\u00b2.", "1000000000000", 1.0),
     ],
 )
 def test_math_verify(completion, answer, value):

@@ -14,7 +14,9 @@ compares it. math-verify hands LaTeX divisions back evaluated (\\frac{48}{2}, \\
 
 Before math-verify reads them, the completion and the ground truth are put in the forms it reads
 (`normalize`): a Unicode minus (U+2212) as "-" (math-verify skipped it and took the number
-before), digit groups split by a thin space (`10\\,000`, U+202F, U+00A0; and a plain space in a ground
+before), digits of another script (full-width `７２`, Arabic-Indic `٧٢`; read as nothing) and the
+full-width forms of ASCII (`＋`, `．`, `＝`) as ASCII, superscript digits as a power (`10⁶`, `x²`: read as
+the text `x²`, equal to nothing), digit groups split by a thin space (`10\\,000`, U+202F, U+00A0; and a plain space in a ground
 truth or a `\\boxed{}`) joined (read as 10 x 0), a mixed number (`5 1/2`) as the fraction it is (11/2;
 read as (5+1)/2), and a `\\boxed{50\\%}` as `\\boxed{50}\\%` (not read at all). A completion with
 GSM8K's `#### <number>` (the task's prompt asks for it) and no `\\boxed{}` is judged by the number after
@@ -34,6 +36,7 @@ import functools
 import logging
 import re
 import threading
+import unicodedata
 
 TIMEOUT_S = 5  # math-verify's own limit, main thread only
 # a `$` that opens LaTeX math; `\$` is a dollar sign (MATH's `\$18.90`), not a delimiter
@@ -68,7 +71,36 @@ BOXED_PERCENT = re.compile(r"\\boxed\{([^{}]*?)\s*\\%\s*\}")
 BOXED_FLAT = re.compile(r"\\boxed\{([^{}]*)\}")  # a \boxed{} without nested braces
 # a division of two whole numbers as math-verify's LaTeX reading matched it (\dfrac, \tfrac: \frac by then), which
 # it hands back evaluated (48/2 as 24): numerator, denominator
+SUPERSCRIPT_DIGITS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻", "0123456789-")
+SUPERSCRIPT = re.compile("⁻?[⁰¹²³⁴⁵⁶⁷⁸⁹]+")
+ARABIC_SEPARATORS = {"\u066b": ".", "\u066c": ","}  # ٫ ٬
 WHOLE_DIVISION = re.compile(r"\\frac\{\s*(\d+)\s*\}\{\s*(\d+)\s*\}|(?<![\d.])(\d+)\s*(?:/|\\div)\s*(\d+)(?![\d.])")
+
+
+def _power(exponent: str, latex: bool) -> str:
+    """A superscript's exponent as math-verify reads it: `^12` in text and LaTeX alike; a negative one
+    braced in LaTeX (`\\boxed{10^-3}` reads as nothing) and bare in text (`10^{-3}` in prose reads as 10)."""
+    if exponent.startswith("-") and latex:
+        return "^{" + exponent + "}"
+    return "^" + exponent
+
+
+def _ascii_forms(text: str) -> str:
+    """Digits of any script (Unicode's decimal digits: full-width, Arabic-Indic, Devanagari...) as ASCII
+    digits, full-width ASCII (U+FF01-U+FF5E) as ASCII, the Arabic decimal and thousands separators as
+    `.` and `,`; a run of superscript digits as a power (`x²` as `x^2`), not as digits (`x²` is not `x2`)."""
+    if text.isascii():
+        return text
+    latex = "\\boxed" in text or MATH_DELIMITER.search(text) is not None
+    text = SUPERSCRIPT.sub(lambda m: _power(m.group(0).translate(SUPERSCRIPT_DIGITS), latex), text)
+    out = []
+    for ch in text:
+        if "\uff01" <= ch <= "\uff5e":
+            ch = chr(ord(ch) - 0xFEE0)
+        elif not ch.isascii() and unicodedata.category(ch) == "Nd":
+            ch = str(unicodedata.decimal(ch))
+        out.append(ARABIC_SEPARATORS.get(ch, ch))
+    return "".join(out)
 
 
 def _join_groups(match: re.Match) -> str:
@@ -98,7 +130,7 @@ def hashes_answer(text: str) -> str | None:
 def normalize(text: str, ground_truth: bool = False) -> str:
     """The forms math-verify reads (the module's docstring). A plain space joins digit groups only in a
     ground truth and inside a `\\boxed{}`: in a completion's prose "3 100-dollar bills" is two numbers."""
-    text = text.replace("\u2212", "-")
+    text = _ascii_forms(text.replace("\u2212", "-"))
     if not ground_truth and "\\boxed" not in text and (answer := hashes_answer(text)) is not None:  # a \boxed{} wins
         return answer
     groups = SPACED_GROUPS if ground_truth else THIN_GROUPS
