@@ -114,6 +114,31 @@ def test_a_worker_without_the_secret_never_joins():
     assert "received" not in out
 
 
+def test_an_abort_before_the_group_forms_ends_the_join_and_the_listener_at_once():
+    """The server refused its init (a 400, a 401), so no worker will come: the sender's abort ends its
+    join and the rendezvous stops listening then, not when the store's timeout (here 10 min) runs out,
+    as ServerPool's failed init used to leave it."""
+    sender = GlooSender("127.0.0.1", 2, 600)
+    port, out = sender.port, {}
+
+    def connect():
+        try:
+            sender.connect()
+        except Exception as e:  # noqa: BLE001 - read by the test (its message only: a traceback holds the store)
+            out["error"] = f"{type(e).__name__}: {e}"
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(1)
+    assert thread.is_alive() and port in listening_ports()  # waiting for the worker that will not come
+    sender.abort()
+    thread.join(60)
+    assert not thread.is_alive(), "the join still waits after abort"
+    assert out["error"].startswith("JoinRefused") and "abandoned" in out["error"], out
+    sender.close()
+    assert port not in listening_ports()
+
+
 def test_a_member_that_cannot_prove_the_secret_is_refused_on_both_sides():
     """The group formed (here over a plain store, as if a peer had raced a member to its gloo pair),
     but one member does not hold the secret: each side names the other, before any weight moves."""

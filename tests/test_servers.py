@@ -170,6 +170,57 @@ def test_the_transfer_group_joins_on_the_route_to_the_server_or_the_host_given(m
     assert hosts == ["127.0.0.1", "10.1.2.3"]
 
 
+class RefusesInit(FakeVllm):
+    """A vLLM 0.32 server that records what it was asked; `refuse`: its init route answers 400."""
+
+    refuse, paths = False, None
+
+    def do_POST(self):
+        self.paths.append(self.path)
+        if self.refuse and self.path == "/init_weight_transfer_engine":
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_error(400, "weight transfer backend grpo_gloo is not registered")
+            return
+        super().do_POST()
+
+
+def test_a_server_that_refuses_its_init_releases_the_groups_the_servers_before_it_formed(monkeypatch):
+    """The second of two servers refuses its /init_weight_transfer_engine: the pool is never made, so
+    the first server's group (joined) and the generator thread are released there and then, not left
+    open to the end of the process; the second's sender is closed."""
+    from grpo.rollout import servers
+
+    senders = []
+
+    def make_sender(*_):
+        sender = SimpleNamespace(init_info=lambda: {}, connect=lambda: None, calls=[])
+        sender.abort, sender.close = (lambda: sender.calls.append("abort")), (lambda: sender.calls.append("close"))
+        return senders.append(sender) or sender
+
+    monkeypatch.setattr(servers, "make_sender", make_sender)
+    handlers = [type("Joins", (RefusesInit,), {"paths": []}), type("Refuses", (RefusesInit,), {"paths": [], "refuse": True})]
+    httpds = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), h) for h in handlers]
+    for httpd in httpds:
+        httpd.daemon_threads = True
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    generators = sum(t.name == "grpo-generate" for t in threading.enumerate())
+    try:
+        with pytest.raises(ServerError, match=r"answered 400(?s:.*)not registered"):
+            ServerPool([f"http://127.0.0.1:{h.server_port}" for h in httpds], None, 10, 10, log=None)
+    finally:
+        for httpd in httpds:
+            httpd.shutdown()
+            httpd.server_close()
+    assert [s.calls for s in senders] == [["close"], ["close"]]  # (its transfer had joined: nothing to abort)
+    assert handlers[0].paths == ["/init_weight_transfer_engine", "/shutdown_weight_transfer_engine"]
+    assert handlers[1].paths == ["/init_weight_transfer_engine"]
+    for _ in range(100):  # the generator's thread ends once it reads the shutdown
+        if sum(t.name == "grpo-generate" for t in threading.enumerate()) == generators:
+            break
+        time.sleep(0.05)
+    assert sum(t.name == "grpo-generate" for t in threading.enumerate()) == generators
+
+
 def test_every_ranks_pool_knows_the_push_another_rank_made():
     """rollout=remote: rank 0 pushes; the other ranks' pools learn the version through
     push_from_one_rank, so their batches detect a restarted server too."""

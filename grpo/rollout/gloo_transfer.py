@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -94,6 +95,7 @@ class GlooSender:
         self.port = self.store.port
         self.where = f"{host}:{self.port}"
         self.join = self.group = None
+        self.aborted = threading.Event()  # ends a join still waiting for the server's workers (`abort`)
         listeners.expect(host, self.port, "weight-transfer rendezvous (open until the group forms)")
         listeners.expect_process(os.getpid(), host, "gloo pairs of a weight-transfer group")
 
@@ -105,7 +107,8 @@ class GlooSender:
         """Blocks until every worker joined and proved the secret; call while the server's init
         request is in flight. Keys another process wrote are reported once, then the store closes."""
         try:
-            self.join = rendezvous.Join(self.store, self.secret, 0, self.world_size, self.host, self.timeout_s, self.where)
+            self.join = rendezvous.Join(self.store, self.secret, 0, self.world_size, self.host, self.timeout_s, self.where,
+                                        self.aborted)
         except Exception as e:
             if self.store is not None and (keys := rendezvous.foreign_keys(self.store, self.secret)):
                 raise rendezvous.JoinRefused(
@@ -133,11 +136,14 @@ class GlooSender:
         _broadcast(self.group, flat)
 
     def abort(self) -> None:
-        """The server refused its half: end a broadcast that waits for it (the group is unusable after)."""
+        """The server refused its half: end a join or a broadcast that waits for it (the group is
+        unusable after); the rendezvous stops listening once the join has ended."""
+        self.aborted.set()
         if self.group is not None:
             self.group.abort()
 
     def close(self) -> None:
+        self.aborted.set()  # a join still waiting ends, and with it the store's listener
         self.group = self.store = self.join = None
 
 

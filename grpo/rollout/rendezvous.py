@@ -32,6 +32,8 @@ import hmac
 import logging
 import secrets
 import socket
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -42,6 +44,7 @@ log = logging.getLogger("grpo")
 
 SECRET_HEX = 64  # 32 bytes
 NAME_MAC_HEX = 32  # 16 bytes of HMAC in each key's name
+POLL_S = 0.05  # a join's waits poll the store (a timed-out wait of torch's logs a warning each time)
 
 
 class JoinRefused(RuntimeError):
@@ -98,9 +101,11 @@ class SignedStore(dist.Store):
     name, a forged value refused with the store's address (`where`). What gloo's rendezvous calls
     (set, get, wait, check; add for counters, whose values stay plain)."""
 
-    def __init__(self, store: dist.Store, secret: str, where: str):
+    def __init__(self, store: dist.Store, secret: str, where: str, aborted: threading.Event | None = None):
+        """`aborted`: set by another thread to end a wait for a member that will never come (`wait`)."""
         super().__init__()
         self.store, self.secret, self.where = store, secret, where
+        self.aborted = aborted or threading.Event()
 
     def _store(self) -> dist.Store:
         if self.store is None:
@@ -113,6 +118,7 @@ class SignedStore(dist.Store):
         self._store().set(name, _mac(self.secret, b"value", name.encode(), value) + value)
 
     def get(self, key) -> bytes:
+        self.wait([key])  # abortable, where the store's own get waits its whole timeout
         name = signed_name(self.secret, key)
         raw = bytes(self._store().get(name))
         tag, value = raw[:32], raw[32:]
@@ -122,11 +128,18 @@ class SignedStore(dist.Store):
         return value
 
     def wait(self, keys, timeout=None) -> None:
+        """Until every key is set, polled (`check`) so that `aborted` ends the wait at once: a trainer
+        whose server refused its init stops listening then, not after the store's timeout (10 min).
+        Past the timeout, the store's own wait raises its own error."""
         names = [signed_name(self.secret, k) for k in keys]
-        if timeout is None:
-            self._store().wait(names)
-        else:
-            self._store().wait(names, timeout)
+        store = self._store()
+        deadline = time.monotonic() + (timeout or store.timeout).total_seconds()
+        while not store.check(names):
+            if self.aborted.wait(POLL_S):
+                raise JoinRefused(f"the weight-transfer join at {self.where} was abandoned: its server refused its "
+                                  "half, or the run is ending")
+            if time.monotonic() > deadline:
+                store.wait(names, datetime.timedelta(milliseconds=1))
 
     def check(self, keys) -> bool:
         return self._store().check([signed_name(self.secret, k) for k in keys])
@@ -167,8 +180,8 @@ class Join:
     listener once the group has formed."""
 
     def __init__(self, store: dist.Store, secret: str, rank: int, world_size: int, host: str, timeout_s: float,
-                 where: str):
-        self.store = SignedStore(store, secret, where)
+                 where: str, aborted: threading.Event | None = None):
+        self.store = SignedStore(store, secret, where, aborted)
         self.secret, self.rank, self.world_size, self.where = secret, rank, world_size, where
         self.group = gloo_group(self.store, rank, world_size, host, timeout_s)
         prove(self.group, rank, world_size, secret, where)

@@ -70,12 +70,10 @@ def make_sender(transfer: str, host: str, world_size: int, timeout_s: float, api
 
 
 class DaemonWorker:
-    """`threads` daemon threads running submitted calls in the order submitted (one: the pool's
-    generator; more: a trajectory batch's workers, an episode batch's environment calls).
-    ThreadPoolExecutor threads are joined at interpreter exit, whichever thread made the pool, so a
-    remote request or an environment step in flight held the exit of a stopped or interrupted run for
-    up to request_timeout_s (600 s), or until every in-flight episode had played out; a daemon thread
-    is not waited for."""
+    """`threads` daemon threads running submitted calls in order (one: the pool's generator; more: a
+    trajectory batch's workers, an episode batch's environment calls). ThreadPoolExecutor's threads are
+    joined at interpreter exit, so a request or an environment step in flight held a stopped run's exit
+    up to request_timeout_s (600 s), or until every episode had played out; a daemon's is not waited for."""
 
     def __init__(self, name: str, threads: int = 1):
         self.queue: queue.Queue = queue.Queue()
@@ -326,10 +324,9 @@ class ServerPool:
         self.generator = DaemonWorker("grpo-generate")  # one batch at a time, in order
         self.idle_since: float | None = None  # when the last batch finished (engine wait time)
         self.senders = []
-        if can_push:
-            for server in self.servers:
-                url = urlparse(server.url)
-                host = transfer_host or dist.route_address(url.hostname)
+        try:  # a server that refuses its init: the groups formed with the servers before it are released too
+            for server in self.servers if can_push else ():
+                host = transfer_host or dist.route_address(urlparse(server.url).hostname)
                 sender = make_sender(transfer, host, 1 + server.world_size(), request_timeout_s, server.vllm)
                 try:
                     self._alongside(server, "/init_weight_transfer_engine", {"init_info": sender.init_info()},
@@ -338,6 +335,9 @@ class ServerPool:
                     sender.close()
                     raise
                 self.senders.append(sender)
+        except BaseException:
+            self.close()
+            raise
 
     @staticmethod
     def _alongside(server: Server, path: str, body: dict, fn, abort=None, grace_s: float = 2.0) -> None:
