@@ -12,7 +12,10 @@ policy is the tiny Qwen3-MoE (random init; OUT/init.pt) and the batch carries sa
 forward replays (rollout.routing_replay), the load-balancing loss off; with `clip`, one more step, the grpo loss with
 algo.max_grad_norm=0.05 (the gradient's norm is about 5, so it clips), written as loss type `grpo_clipped`; with `pieces`,
 the LM head runs on pieces of 3 tokens (a small grpo.update.forward.LOGIT_CHUNK_BYTES), and OUT/pieces_rank<r>.json lists
-the pieces of each head call of a ZeRO-3 model on rank r (each piece gathers the head's weight: the ranks' lists must agree). Writes
+the pieces of each head call of a ZeRO-3 model on rank r (each piece gathers the head's weight: the ranks' lists must agree)
+and OUT/recomputed_rank<r>.json how many of those pieces were recomputed in backward; with `untied`, the policy's head
+is its own weight, not the input embedding's (OUT/init.pt); with `partitioned`, ZeRO-3 keeps no parameter whole
+(stage3_param_persistence_threshold 0: the tiny model's, under DeepSpeed's default 1e5 elements, would stay gathered). Writes
 OUT/<loss_type>.pt with the full updated weights (rank 0; with `lora`, the adapter's), for every loss type,
 OUT/<loss_type>_loss.json with the loss the run logs (grpo.metrics.reduce_metrics over the ranks), OUT/<loss_type>_metrics.json
 with every number the update logs (the same reduction), and OUT/micro_batches.json with each rank's count of micro-batches.
@@ -56,7 +59,7 @@ def sgd(model, algo, total_steps):
 
 def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = "packed", grouped: bool = False,
          split: int = 1, adapter: bool = False, long: bool = False, moe: bool = False, empty: bool = False,
-         clip: bool = False, pieces: bool = False) -> None:
+         clip: bool = False, pieces: bool = False, untied: bool = False, partitioned: bool = False) -> None:
     grpo.parallel.single.build_optimizer = grpo.parallel.zero.build_optimizer = sgd
     info = dist_info()
     init_distributed(info)
@@ -64,8 +67,18 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
     torch.manual_seed(0)
     build = build_tiny_moe if moe else build_tiny_model
     base = build(TinyModelConfig(), len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    if untied:  # the same shape, with a head of its own
+        base.config.tie_word_embeddings = False
+        torch.manual_seed(0)
+        base = type(base)(base.config)
     T = 16 if long else 6
     batch = make_batch(tok, B=8, group=2 if grouped or layout == "shared" else 1, T=T)
+    if untied and info.rank == 0:
+        torch.save(base.state_dict(), os.path.join(out, "init.pt"))
+    ds_json = None
+    if partitioned:
+        ds_json = os.path.join(out, f"deepspeed_rank{info.rank}.json")
+        json.dump({"zero_optimization": {"stage3_param_persistence_threshold": 0}}, open(ds_json, "w"))
     if moe:  # K distinct experts of E per token and MoE layer, the same draw on every rank
         B, L = batch.input_ids_BL.shape
         cfg = base.config
@@ -84,6 +97,7 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
         real = getattr(grpo.update.layouts, fn)
         setattr(grpo.update.layouts, fn, lambda *a, _real=real, _name=name_, **k: (ran.update([_name]), _real(*a, **k))[1])
     head_calls = []  # the pieces of each head call on this rank, in order
+    recomputed = [0]  # the pieces of a ZeRO-3 head recomputed in backward
     if pieces:
         grpo.update.forward.LOGIT_CHUNK_BYTES = 4 * len(tok) * 3  # 3 tokens of fp32 logits a piece
         real_pieces = grpo.update.forward.head_pieces
@@ -93,6 +107,11 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
                 head_calls.append(n)
             return n
         grpo.update.forward.head_pieces = counted
+        real_checkpoint = grpo.update.forward.checkpoint
+        def counted_checkpoint(fn, head, *a, **k):
+            recomputed[0] += hasattr(head.weight, "ds_id")
+            return real_checkpoint(fn, head, *a, **k)
+        grpo.update.forward.checkpoint = counted_checkpoint
     real_routed = grpo.parallel.sequence.routed  # attention calls that went into the split ("attention_split")
     grpo.parallel.sequence.routed = lambda: (lambda s: (ran.update(["attention_split"] if s else []), s)[1])(real_routed())
     runs = [(lt, 1e9, lt) for lt in ("grpo", "bnpo", "dr_grpo", "dapo")] + ([("grpo", 0.05, "grpo_clipped")] if clip else [])
@@ -109,7 +128,7 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
             if info.rank == 0:
                 torch.save({n: p.detach().clone() for n, p in lora.adapter_parameters(model)},
                            os.path.join(out, f"{tag}_init.pt"))
-        strategy = strategy_class(name)(OmegaConf.structured(ParallelConfig(strategy=name, allreduce_bucket_mb=0.01,
+        strategy = strategy_class(name)(OmegaConf.structured(ParallelConfig(strategy=name, allreduce_bucket_mb=0.01, deepspeed_config=ds_json,
                                                                                      sequence_parallel=split)), model, algo, total_steps=10)
         ref = copy.deepcopy(base).eval()
         stats = policy_update(strategy, local, algo, max_len=T, temperature=1.0, ref_model=ref)
@@ -125,6 +144,7 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
             json.dump(logged, open(os.path.join(out, f"{tag}_metrics.json"), "w"))
     json.dump(ran, open(os.path.join(out, f"layouts_rank{info.rank}.json"), "w"))
     json.dump(head_calls, open(os.path.join(out, f"pieces_rank{info.rank}.json"), "w"))
+    json.dump(recomputed[0], open(os.path.join(out, f"recomputed_rank{info.rank}.json"), "w"))
     # reduce_metrics itself: a `*_max` is the largest rank's, any other number their mean; a Ratio, Spread
     # or Count from its parts summed over ranks. Rank 0 scored rewards [0, 0], rank 1 [1, 1, 1, 0] of 4 each
     # (a function abstained on 2 of rank 0's), rank 1's judge failed 3 requests, rank 0's none
@@ -157,5 +177,5 @@ if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3], "uneven" in flags,
          next((f for f in ("padded", "shared") if f in flags), "packed"), "grouped" in flags,
          next((int(f[2:]) for f in flags if f.startswith("sp")), 1), "lora" in flags, "long" in flags, "moe" in flags,
-         "empty" in flags, "clip" in flags, "pieces" in flags)
+         "empty" in flags, "clip" in flags, "pieces" in flags, "untied" in flags, "partitioned" in flags)
     exit_process(0)

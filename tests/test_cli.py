@@ -19,6 +19,7 @@ ENTRY_POINTS = [  # every module with `if __name__ == "__main__"`: one added and
     "grpo.bench.sync",
     "grpo.bench.warm_start",
     "grpo.bench.zero3",
+    "grpo.bench.zero3_head",
     "grpo.doctor",
     "grpo.eval",
     "grpo.gpu_bundle",

@@ -104,19 +104,37 @@ def test_zero3_ranks_with_different_micro_batch_counts(tmp_path, layout):
     completions, algo.shared_prompt), the one process's padded: they equal padded under ZeRO-3's
     lockstep too. The ranks' LM head runs on pieces of 3 tokens (`pieces`): under ZeRO-3 each piece
     gathers the head's weight, so every rank makes as many calls as the micro-batch cap asks, not as
-    its own tokens would (rank 1's padding micro-batches have none)."""
+    its own tokens would (rank 1's padding micro-batches have none), and each piece is recomputed in
+    backward, the weight gathered again (`partitioned`: the tiny head is not kept whole)."""
     one = updated_weights(tmp_path / "one", 1, 4, "single", "padded", "grouped")
-    two = updated_weights(tmp_path / "two", 2, 2, "zero3", "uneven", layout, "grouped", "pieces")
+    two = updated_weights(tmp_path / "two", 2, 2, "zero3", "uneven", layout, "grouped", "pieces", "partitioned")
     counts = json.load(open(tmp_path / "two" / "micro_batches.json"))
     assert counts[0] > counts[1], counts  # rank 1 padded its count in lockstep
     pieces = [json.load(open(tmp_path / "two" / f"pieces_rank{rank}.json")) for rank in (0, 1)]
     assert pieces[0] == pieces[1] and max(pieces[0]) > 1, pieces  # the same gathers, in more than one piece
+    recomputed = [json.load(open(tmp_path / "two" / f"recomputed_rank{rank}.json")) for rank in (0, 1)]
+    assert recomputed[0] == recomputed[1] > 0, recomputed  # the pieces were recomputed, alike on both ranks
     for rank in (0, 1):  # the layout really ran on both ranks (a shared fallback would pack: the same numbers)
         ran = json.load(open(tmp_path / "two" / f"layouts_rank{rank}.json"))
         assert ran.get(layout, 0) > 0 and (layout == "packed" or "packed" not in ran), (rank, ran)
     assert_same_update(one, two, initial_weights(), f"zero3 uneven {layout} 2x vs single padded")
     # the logged ratios are the batch's: rank 0's 3 groups and rank 1's one, summed before dividing
     assert_same_metrics(logged_metrics(tmp_path / "one"), logged_metrics(tmp_path / "two"))
+
+
+@pytest.mark.starts_process
+@pytest.mark.parametrize("head", [pytest.param("untied", marks=pytest.mark.slow), "lora"])  # tied: the test above
+def test_zero3_head_pieces_with_a_head_of_its_own_or_frozen(tmp_path, head):
+    """The LM head on pieces of 3 tokens under ZeRO-3, its weight partitioned: an untied head (its own
+    weight, trained) is recomputed in backward, a frozen one (LoRA: only the adapter trains) is not
+    (checkpoint would read its released placeholder: grpo/update/forward.py); both updates equal one
+    process's."""
+    one = updated_weights(tmp_path / "one", 1, 4, "single", head)
+    two = updated_weights(tmp_path / "two", 2, 2, "zero3", head, "pieces", "partitioned")
+    recomputed = [json.load(open(tmp_path / "two" / f"recomputed_rank{rank}.json")) for rank in (0, 1)]
+    assert recomputed == [0, 0] if head == "lora" else recomputed[0] == recomputed[1] > 0, recomputed
+    init = torch.load(tmp_path / "one" / ("grpo_init.pt" if head == "lora" else "init.pt"), weights_only=True)
+    assert_same_update(one, two, init, f"zero3 {head} head in pieces vs single")
 
 
 @pytest.mark.starts_process

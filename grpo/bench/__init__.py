@@ -4,7 +4,7 @@ bench_results/COMMAND.json; the default `run`'s is bench_results/bench.json). Wi
 `run`. `python -m grpo.bench COMMAND --help` lists a command's options.
 
 Each command's code is its own module of this package: steps.py (run, with sync.py), asynchronous.py,
-lora.py, shared_cores.py, warm_start.py, memory.py (update-memory, hf-scores), zero3.py (zero3-memory),
+lora.py, shared_cores.py, warm_start.py, memory.py (update-memory, hf-scores), zero3.py (zero3-memory), zero3_head.py (zero3-head),
 packing.py (update-packing), vs_trl.py (vs-trl), env_calls.py (env-calls), episodes.py (episodes), sequence.py
 (sequence-memory), mfu.py (mfu); runs.py holds what their
 trainings share and report.py their tables and JSON. This file is the dispatcher and imports no benchmark.
@@ -20,7 +20,7 @@ from pathlib import Path
 from grpo.cli import exit_on_user_error
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the config groups' options, read without grpo.config (torch)
-COMMANDS = ("run", "async", "lora", "shared-cores", "warm-start", "update-memory", "hf-scores", "zero3-memory", "update-packing",
+COMMANDS = ("run", "async", "lora", "shared-cores", "warm-start", "update-memory", "hf-scores", "zero3-memory", "zero3-head", "update-packing",
             "vs-trl", "env-calls", "episodes", "sequence-memory", "mfu")
 # the flags that chose a benchmark before the commands, and the command each is now
 OLD_FLAGS = {"--async": "async", "--lora": "lora", "--shared-cores": "shared-cores", "--warm-start": "warm-start",
@@ -101,6 +101,12 @@ def run_zero3_memory(args):
     from grpo.bench.zero3 import report_zero3_memory  # lazy: a command imports its own deps
 
     return report_zero3_memory(args.rows, args.tokens)
+
+
+def run_zero3_head(args):
+    from grpo.bench.zero3_head import report_zero3_head  # lazy: as above
+
+    return report_zero3_head(args.tokens, args.chunk_mb)
 
 
 def run_update_packing(args):
@@ -212,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
                 "whole-then-partitioned against zero.Init, with and without a reference")
     c.add_argument("--rows", type=int, default=4, help="rows of the update's batch per rank")
     c.add_argument("--tokens", type=int, default=32, help="prompt and completion tokens per row")
+
+    c = command("zero3-head", run_zero3_head, "the LM head's pieces under ZeRO-3: logits kept for the backward "
+                "against each piece recomputed in it, peak memory and seconds, tied and untied heads")
+    c.add_argument("--tokens", type=int, default=4096, help="positions per rank (default: %(default)s)")
+    c.add_argument("--chunk-mb", type=float, default=32.0, help="fp32 logits a piece (default: %(default)s)")
 
     c = command("update-packing", run_update_packing, "the update phase padded against packed (algo.packing) on "
                 "SmolLM2-135M with completions of 4-400 tokens: seconds, tokens per second, peak memory")

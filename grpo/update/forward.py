@@ -18,10 +18,19 @@ update's matmul time, the head's matmuls at 53 rows running at a third of the ma
 
 Under ZeRO-3 every call of the head gathers its weight, a collective: the number of pieces comes
 from the micro-batch cap (`algo.micro_batch_tokens`), the same on every rank, never from this
-rank's own token count (elsewhere it comes from the micro-batch's own count). A piece is not
-recomputed there: DeepSpeed does not gather the weight again for checkpointing's recompute (it came
-back as its empty placeholder, shape [0], and torch refused it), so under ZeRO-3 each piece's logits
-are kept for backward, as the whole batch's were before.
+rank's own token count (elsewhere it comes from the micro-batch's own count). A piece is recomputed
+there too while the head's weight trains: DeepSpeed's forward hook gathers the weight again for the
+recompute and releases it right after, but torch's checkpoint kept a detached alias of what it saved
+(`x.detach() if x.requires_grad`, torch/utils/checkpoint.py `_recomputation_hook`), so the backward
+reads the gathered weight (the same update bit for bit, tied and untied heads, 2 ranks; the alias is
+one more copy of the head's weight while a piece's backward runs, against the logits of every piece
+but one kept to the end of the backward: 187 and 440 MB less at the peak in two CPU measurements,
+docs/results/memory.md, each about the kept logits less one head copy; a 152k x 3584 bf16 head is
+1.1 GB, four 441-token pieces' fp32 logits 1.0 GB, so a micro-batch of five pieces or fewer, 2,205
+tokens, may peak higher there; not measured on a GPU). A frozen head
+(LoRA) is not recomputed under ZeRO-3: there checkpoint keeps the parameter itself, which the release
+has turned into its empty placeholder, shape [0], and torch refuses it ("Recomputed values ... have
+different metadata"), so each piece's logits are kept for backward, as the whole batch's were before.
 
 Heads that are not `lm_head(hidden)` (Gemma's logit soft-capping, Cohere's logit scale, ...) are
 found once per model (grpo/update/support.py); those models take their own logits, from the first
@@ -147,7 +156,8 @@ def head_logprobs(model, hidden_BTH: torch.Tensor, tokens_BT: torch.Tensor, temp
     head = unwrapped(model).get_output_embeddings()
     B, T, H = hidden_BTH.shape
     grad = torch.is_grad_enabled() and hidden_BTH.requires_grad
-    recompute = grad and pieces > 1 and not hasattr(head.weight, "ds_id")  # not a ZeRO-3 parameter (see the top)
+    # not a frozen ZeRO-3 weight (see the top)
+    recompute = grad and pieces > 1 and (head.weight.requires_grad or not hasattr(head.weight, "ds_id"))
     logps, ents = [], []
     with precision(model):
         for h_NH, t_N in zip(hidden_BTH.reshape(B * T, H).tensor_split(pieces), tokens_BT.reshape(-1).tensor_split(pieces)):
