@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
 import tempfile
 
 from grpo.cpus import machine_info
@@ -57,3 +60,14 @@ def publish(out: str, report: dict, sections: list) -> None:
             print(f"\n{title}\n{table(rows, cols)}")
     write_report(out, report)
     print(f"wrote {out}")
+
+
+def ranks_json(module: str, ranks: int, args: list[str], out: str, what: str, env: dict | None = None):
+    """`python -m module *args` on `ranks` processes (torchrun, standalone; one thread each unless `env`
+    says otherwise), and the JSON its rank 0 wrote to `out`; a failure raises with `what` and the stderr's end."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), "-m", module, *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    if res.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"{what} failed:\n{res.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)

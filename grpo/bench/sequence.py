@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -31,6 +29,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from grpo import dist
 from grpo.batch import collate
 from grpo.bench.memory import ALLOCATOR, PeakRSS
+from grpo.bench.report import ranks_json
 from grpo.config import AlgoConfig, ParallelConfig
 from grpo.parallel.ddp import DDPStrategy
 from grpo.rollout.base import Rollouts
@@ -82,15 +81,10 @@ def bench_sequence_memory(sizes: list[int], layers: int, tokens: int) -> list[di
     for size in sizes:
         out = os.path.join(folder, f"S{size}.json")
         print(f"bench: one update on a {tokens}-token sequence, rows split across {size} rank(s)", flush=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(size), "-m",
-               "grpo.bench.sequence", "--worker", str(size), out, "--layers", str(layers), "--tokens", str(tokens)]
         threads = max(1, (os.cpu_count() or 1) // size)
-        res = subprocess.run(cmd, capture_output=True, text=True,
-                             env={**os.environ, **ALLOCATOR, "OMP_NUM_THREADS": str(threads)})
-        if res.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"sequence-parallel memory bench (S={size}) failed:\n{res.stderr[-3000:]}")
-        with open(out) as f:
-            rows += json.load(f)
+        rows += ranks_json("grpo.bench.sequence", size, ["--worker", str(size), out, "--layers", str(layers), "--tokens",
+                                                         str(tokens)], out, f"sequence-parallel memory bench (S={size})",
+                           {**ALLOCATOR, "OMP_NUM_THREADS": str(threads)})
     return rows
 
 

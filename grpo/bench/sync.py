@@ -10,8 +10,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -21,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpo import dist
 from grpo.bench.memory import PeakRSS
+from grpo.bench.report import ranks_json
 from grpo.bench.runs import backend_overrides, compose, tiny_model_path
 from grpo.config import AlgoConfig, ParallelConfig
 from grpo.models import load_model
@@ -95,14 +94,8 @@ def zero3_sync_worker(bucket_mbs: list[float], out: str) -> None:
 
 def bench_zero3_sync(bucket_mbs: list[float]) -> list[dict]:
     out = os.path.join(tempfile.mkdtemp(prefix="bench-zero3-sync-"), "sync.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "grpo.bench.sync",
-           out, ",".join(map(str, bucket_mbs))]
     print(f"bench: ZeRO-3 gather on 2 processes, buckets {bucket_mbs} MB", flush=True)
-    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if res.returncode != 0 or not os.path.exists(out):
-        raise RuntimeError(f"ZeRO-3 sync bench failed:\n{res.stderr[-3000:]}")
-    with open(out) as f:
-        return json.load(f)
+    return ranks_json("grpo.bench.sync", 2, [out, ",".join(map(str, bucket_mbs))], out, "ZeRO-3 sync bench")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import torch
@@ -29,6 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from grpo import dist
 from grpo.batch import collate
 from grpo.bench.memory import PeakRSS
+from grpo.bench.report import ranks_json
 from grpo.config import compose_config
 from grpo.models import build_policy, build_reference, load_model
 from grpo.parallel.zero import Zero3Strategy, init_deepspeed_comm
@@ -106,13 +105,8 @@ def bench_zero3_memory(rows: int = 4, tokens: int = 32) -> tuple[list[dict], flo
     for mode, beta in CASES:
         out = os.path.join(folder, f"{mode}-{beta}.json")
         print(f"bench: ZeRO-3 memory, {mode}, beta {beta}, on 2 processes", flush=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-               "grpo.bench.zero3", "--worker", folder, mode, str(beta), out, "--rows", str(rows), "--tokens", str(tokens)]
-        res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if res.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"ZeRO-3 memory bench ({mode}, beta={beta}) failed:\n{res.stderr[-3000:]}")
-        with open(out) as f:
-            results += json.load(f)
+        results += ranks_json("grpo.bench.zero3", 2, ["--worker", folder, mode, str(beta), out, "--rows", str(rows),
+                                                      "--tokens", str(tokens)], out, f"ZeRO-3 memory bench ({mode}, beta={beta})")
     return results, model_mb
 
 

@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
 from grpo.bench.memory import PeakRSS
+from grpo.bench.report import ranks_json
 
 CASES = [(head, mode) for head in ("tied", "untied") for mode in ("kept", "recomputed")]
 
@@ -81,13 +80,8 @@ def report_zero3_head(tokens: int = 4096, chunk_mb: float = 32.0) -> tuple[dict,
     for head, mode in CASES:
         out = os.path.join(folder, f"{head}-{mode}.json")
         print(f"bench: ZeRO-3 head pieces, {head} head, logits {mode}, on 2 processes", flush=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-               "grpo.bench.zero3_head", "--worker", out, head, mode, "--tokens", str(tokens), "--chunk-mb", str(chunk_mb)]
-        res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if res.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"ZeRO-3 head bench ({head}, {mode}) failed:\n{res.stderr[-3000:]}")
-        with open(out) as f:
-            results += json.load(f)
+        results += ranks_json("grpo.bench.zero3_head", 2, ["--worker", out, head, mode, "--tokens", str(tokens),
+                                                           "--chunk-mb", str(chunk_mb)], out, f"ZeRO-3 head bench ({head}, {mode})")
     return {"zero3_head": results, "tokens": tokens, "chunk_mb": chunk_mb}, [
         (f"ZeRO-3 on 2 CPU ranks (gloo), a 2-layer Qwen2 (hidden 512, vocabulary 32768), {tokens} positions per rank, "
          f"the head on pieces of {chunk_mb:g} MB of fp32 logits; peak MB above each rank's rest", results,
