@@ -425,6 +425,50 @@ def test_head_in_pieces_gives_the_same_logprobs_and_gradients(tiny_lm, monkeypat
         torch.testing.assert_close(g5[n], g1[n], rtol=0, atol=1e-5, msg=lambda m: f"{n}: {m}")  # summation order
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_frozen_head_gives_autograds_logprobs_and_gradients(tiny_lm, monkeypatch, dtype):
+    """A frozen head (LoRA's) takes its gradient to the hidden states in the forward
+    (grpo/update/frozen_head.py), on pieces of 2 tokens: the same logprobs, entropies and gradients as
+    autograd through the model's own logits, in fp32 (to rounding) and bf16 (to bf16's rounding)."""
+    import copy
+
+    from grpo.batch import collate
+    from grpo.rollout.base import Rollouts
+    from grpo.update import forward, frozen_head
+
+    base, tok = tiny_lm
+    batch = collate([[tok.bos_token_id, 5, 6, 7]] * 3, Rollouts([[10, 11, 12], [12], [13, 14]], [[0.0] * 3, [0.0], [0.0] * 2],
+                                                             ["length"] * 3, 0), torch.zeros(3), tok.pad_token_id, False)
+    monkeypatch.setattr(forward, "LOGIT_CHUNK_BYTES", 2 * 4 * len(tok))  # 5 pieces for 9 tokens
+    calls = []
+    monkeypatch.setattr(frozen_head, "piece", lambda *a, _real=frozen_head.piece: (calls.append(1), _real(*a))[1])
+    weights_BT = torch.tensor([[1.0, -2.0, 3.0], [0.5, 0.0, 0.0], [-1.0, 2.0, 0.0]])
+    results = []
+    for mine in (True, False):
+        model = copy.deepcopy(base).to(dtype).train()
+        model.get_output_embeddings().requires_grad_(False)  # tied: the input embedding is frozen with it
+        if mine:
+            logp, ent = forward.batch_logprobs(model, batch, 0.7, with_entropy=True)
+        else:  # autograd through the whole completion's logits, the head run by the model
+            logits = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
+                           position_ids=batch.position_ids_BL).logits[:, batch.prompt_width - 1 : -1].float() / 0.7
+            logp = torch.log_softmax(logits, -1).gather(-1, batch.completion_ids_BT.unsqueeze(-1)).squeeze(-1)
+            ent = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1).detach()
+        (logp * batch.mask_BT * weights_BT).sum().backward()
+        results.append((logp.detach() * batch.mask_BT, ent * batch.mask_BT,
+                        {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}))
+    assert len(calls) == 5  # every piece took the frozen head's path
+    (logp_a, ent_a, g_a), (logp_b, ent_b, g_b) = results
+    atol = 1e-6 if dtype == torch.float32 else 0.0
+    torch.testing.assert_close(logp_a, logp_b, rtol=0, atol=max(atol, 1e-5))  # bf16: the same logits, fp32 after
+    torch.testing.assert_close(ent_a, ent_b, rtol=0, atol=1e-5)
+    assert g_a.keys() == g_b.keys() and len(g_a) > 10 and not any("embed" in n for n in g_a)
+    for n in g_a:
+        scale = g_b[n].abs().max().item()
+        tol = 1e-5 * max(scale, 1.0) if dtype == torch.float32 else 2e-2 * scale  # bf16: 0.9% measured
+        torch.testing.assert_close(g_a[n], g_b[n], rtol=0, atol=tol, msg=lambda m: f"{n}: {m}")
+
+
 class ScaledHead(torch.nn.Module):
     """A model whose logits are not its head's output (as Gemma's soft-capping or Cohere's scale)."""
 

@@ -127,12 +127,14 @@ def test_zero3_ranks_with_different_micro_batch_counts(tmp_path, layout):
 def test_zero3_head_pieces_with_a_head_of_its_own_or_frozen(tmp_path, head):
     """The LM head on pieces of 3 tokens under ZeRO-3, its weight partitioned: an untied head (its own
     weight, trained) is recomputed in backward, a frozen one (LoRA: only the adapter trains) is not
-    (checkpoint would read its released placeholder: grpo/update/forward.py); both updates equal one
-    process's."""
+    (checkpoint would read its released placeholder): its pieces gather the weight once and take their
+    gradient in the forward (grpo/update/frozen_head.py); both updates equal one process's."""
     one = updated_weights(tmp_path / "one", 1, 4, "single", head)
     two = updated_weights(tmp_path / "two", 2, 2, "zero3", head, "pieces", "partitioned")
-    recomputed = [json.load(open(tmp_path / "two" / f"recomputed_rank{rank}.json")) for rank in (0, 1)]
-    assert recomputed == [0, 0] if head == "lora" else recomputed[0] == recomputed[1] > 0, recomputed
+    recomputed, frozen = ([json.load(open(tmp_path / "two" / f"{what}_rank{rank}.json")) for rank in (0, 1)]
+                          for what in ("recomputed", "frozen"))
+    pieces, other = (frozen, recomputed) if head == "lora" else (recomputed, frozen)
+    assert pieces[0] == pieces[1] > 0 and other == [0, 0], (recomputed, frozen)
     init = torch.load(tmp_path / "one" / ("grpo_init.pt" if head == "lora" else "init.pt"), weights_only=True)
     assert_same_update(one, two, init, f"zero3 {head} head in pieces vs single")
 

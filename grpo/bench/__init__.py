@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tokens", type=int, default=32, help="prompt and completion tokens per row")
 
     c = command("zero3-head", run_zero3_head, "the LM head's pieces under ZeRO-3: logits kept for the backward "
-                "against each piece recomputed in it, peak memory and seconds, tied and untied heads")
+                "against each piece recomputed in it (a frozen head: its gradient taken in the forward), peak memory and "
+                "seconds, tied, untied and frozen heads")
     c.add_argument("--tokens", type=int, default=4096, help="positions per rank (default: %(default)s)")
     c.add_argument("--chunk-mb", type=float, default=32.0, help="fp32 logits a piece (default: %(default)s)")
 

@@ -10,6 +10,9 @@ layers: the logit side does not depend on depth, and the `body` row measures the
   (16 x (64 prompt + 512 completion)). `logits`: the completion's logits whole, logit - logsumexp
   (grpo.update before the head ran in pieces); `pieces`: grpo.update.forward.batch_logprobs now; `body`:
   the body alone (its last hidden states summed), to subtract: the logit side is the peak above it.
+  `frozen-body`, `frozen-recomputed` and `frozen`: the same with the head (and the tied input
+  embedding) frozen, as under LoRA: its pieces recomputed in backward (the path before
+  grpo/update/frozen_head.py) against their gradient taken in the forward (now).
 - hf: `generate` of 32 x 128 new tokens through the hf backend's processors. `output_scores`: every
   step's scores kept, stacked and log-softmaxed (the hf backend before); `recorder`: the backend now.
 """
@@ -31,6 +34,7 @@ from grpo.batch import collate
 from grpo.rollout import Sampling
 from grpo.rollout.base import Rollouts
 from grpo.rollout.hf import SampledLogprobs, folder_defaults_off, generation_config, logits_processors
+from grpo.update import frozen_head
 from grpo.update.forward import batch_logprobs, token_logprobs
 
 VOCAB = 151_936
@@ -97,10 +101,14 @@ def whole_logits_logprobs(model, batch):
 
 def update_worker(mode: str, out: str, layers: int, rows: int = 16, prompt: int = 64, completion: int = 512) -> None:
     model = smollm2_body(layers).train()
+    if mode.startswith("frozen"):  # as under LoRA
+        model.get_output_embeddings().requires_grad_(False)
+    if mode == "frozen-recomputed":
+        frozen_head.applies = lambda head: False
     batch = random_batch(rows, prompt, completion, VOCAB)
     with PeakRSS() as mem:
         t0 = time.perf_counter()
-        if mode == "body":
+        if mode.endswith("body"):
             hidden = model.model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
                                  position_ids=batch.position_ids_BL).last_hidden_state
             hidden.sum().backward()
@@ -113,10 +121,12 @@ def update_worker(mode: str, out: str, layers: int, rows: int = 16, prompt: int 
             (-logp.mean()).backward()
         seconds = time.perf_counter() - t0
     grad = model.get_output_embeddings().weight.grad
+    body_grad = model.model.layers[-1].mlp.down_proj.weight.grad
     with open(out, "w") as f:
         json.dump({"mode": mode, "peak_above_rest_mb": mem.peak_above_mb, "seconds": seconds, "vocab": VOCAB,
                    "completion_tokens": rows * completion, "logp_sum": float(logp.detach().double().sum()),
-                   "head_grad_sum": float(grad.double().abs().sum()) if grad is not None else 0.0}, f)
+                   "head_grad_sum": float(grad.double().abs().sum()) if grad is not None else 0.0,
+                   "body_grad_sum": float(body_grad.double().abs().sum())}, f)
 
 
 def hf_worker(mode: str, out: str, layers: int, rows: int = 32, prompt: int = 16, new_tokens: int = 128) -> None:
@@ -157,13 +167,14 @@ def run_workers(worker: str, modes: list[str], layers: int) -> list[dict]:
 
 
 def bench_update_memory(layers: int) -> list[dict]:
-    rows = run_workers("update", ["body", "logits", "pieces"], layers)
-    body, before = rows[0], rows[1]
-    for row in rows[1:]:
-        row["logit_side_mb"] = row["peak_above_rest_mb"] - body["peak_above_rest_mb"]
-        row["vs_logits"] = row["logit_side_mb"] / before["logit_side_mb"]
-        row["logp_diff"] = abs(row["logp_sum"] - before["logp_sum"])
-        row["head_grad_rel_diff"] = abs(row["head_grad_sum"] - before["head_grad_sum"]) / before["head_grad_sum"]
+    rows = run_workers("update", ["body", "logits", "pieces", "frozen-body", "frozen-recomputed", "frozen"], layers)
+    for body, before, *after in (rows[:3], rows[3:]):  # each against its own body and the path before
+        for row in (before, *after):
+            row["logit_side_mb"] = row["peak_above_rest_mb"] - body["peak_above_rest_mb"]
+            row["vs_before"] = row["logit_side_mb"] / before["logit_side_mb"]
+            row["logp_diff"] = abs(row["logp_sum"] - before["logp_sum"])
+            grad = "head_grad_sum" if before["head_grad_sum"] else "body_grad_sum"
+            row["grad_rel_diff"] = abs(row[grad] - before[grad]) / before[grad]
     return rows
 
 
@@ -179,7 +190,7 @@ def report_update_memory(layers: int) -> tuple[dict, list]:
     return {"update_memory": rows}, [
         (f"forward + backward of the policy loss, SmolLM2-135M's body ({layers} layers) with a 152k vocabulary, "
          "one micro-batch of 8192 completion tokens: 16 x (64 prompt + 512 completion)", rows,
-         ["mode", "peak_above_rest_mb", "logit_side_mb", "vs_logits", "seconds", "logp_diff", "head_grad_rel_diff"])]
+         ["mode", "peak_above_rest_mb", "logit_side_mb", "vs_before", "seconds", "logp_diff", "grad_rel_diff"])]
 
 
 def report_hf_scores(layers: int) -> tuple[dict, list]:
@@ -196,7 +207,8 @@ if __name__ == "__main__":
                                      description="One measurement in a fresh process; `python -m grpo.bench "
                                                  "update-memory` and `hf-scores` run one per mode.")
     parser.add_argument("worker", choices=["update", "hf"])
-    parser.add_argument("mode", help="update: logits, pieces or body; hf: output_scores or recorder")
+    parser.add_argument("mode", help="update: logits, pieces, body, frozen-body, frozen-recomputed or frozen; "
+                                     "hf: output_scores or recorder")
     parser.add_argument("out", help="the JSON file the row is written to")
     parser.add_argument("layers", type=int, help="decoder layers of SmolLM2-135M's body (of 30)")
     args = parser.parse_args()

@@ -1,11 +1,12 @@
 """`python -m grpo.bench zero3-head`: the LM head's pieces under ZeRO-3, their logits kept for the
-backward against each piece recomputed in it (grpo/update/forward.py), peak memory and seconds.
+backward against each piece recomputed in it (grpo/update/forward.py), or for a frozen head (LoRA's)
+against its gradient taken in the forward (grpo/update/frozen_head.py), peak memory and seconds.
 
 Each case is a fresh `torchrun --nproc_per_node 2` of this module (gloo on CPU): a 2-layer Qwen2
-(hidden 512, vocabulary 32768, tied or untied head) built under `deepspeed.zero.Init`, one forward of
+(hidden 512, vocabulary 32768, tied, untied or frozen tied head) built under `deepspeed.zero.Init`, one forward of
 `tokens` positions per rank, the head on pieces of `chunk_mb` of fp32 logits (`head_logprobs`), the
-backward and an SGD step. `kept` runs each piece without checkpointing (what ZeRO-3 did before), as a
-frozen head still does. The second of two iterations is measured (the first traces DeepSpeed's
+backward and an SGD step. `kept` runs each piece without checkpointing and keeps its logits (what
+ZeRO-3 did before, for trained and frozen heads alike). The second of two iterations is measured (the first traces DeepSpeed's
 prefetch); loss and gradient norm must agree between the modes.
 """
 
@@ -22,7 +23,7 @@ import torch
 from grpo.bench.memory import PeakRSS
 from grpo.bench.report import ranks_json
 
-CASES = [(head, mode) for head in ("tied", "untied") for mode in ("kept", "recomputed")]
+CASES = [(head, mode) for head in ("tied", "untied") for mode in ("kept", "recomputed")] + [("frozen", "kept"), ("frozen", "in-forward")]
 
 
 def worker(out: str, head: str, mode: str, tokens: int, chunk_mb: float) -> None:
@@ -42,21 +43,33 @@ def worker(out: str, head: str, mode: str, tokens: int, chunk_mb: float) -> None
         return real_checkpoint(fn, *args, **kwargs)
 
     forward.checkpoint = counted
+    in_forward, real_piece = [0], forward.frozen_head.piece
+
+    def counted_piece(*args):
+        in_forward[0] += 1
+        return real_piece(*args)
+
+    forward.frozen_head.piece = counted_piece
+    if mode == "kept":  # a frozen head's pieces too
+        forward.frozen_head.applies = lambda head: False
     deepspeed.init_distributed("gloo")
     rank = torch.distributed.get_rank()
     window = 512
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=32768, hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
-                      intermediate_size=1024, max_position_embeddings=window, tie_word_embeddings=head == "tied")
+                      intermediate_size=1024, max_position_embeddings=window, tie_word_embeddings=head != "untied")
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3},
           "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 2**31 - 1}
     with deepspeed.zero.Init(config_dict_or_path=ds):
         model = Qwen2ForCausalLM(cfg)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3), config=ds)
+    if head == "frozen":  # as under LoRA (the input embedding, tied, with it)
+        model.lm_head.requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(trained, lr=1e-3), config=ds)
     ids = torch.randint(0, cfg.vocab_size, (tokens // window, window), generator=torch.Generator().manual_seed(rank))
     pieces = forward.pieces_for(tokens, cfg.vocab_size)
     for _ in range(2):
-        recomputed[0] = 0
+        recomputed[0] = in_forward[0] = 0
         with PeakRSS() as peak:
             start = time.perf_counter()
             hidden = engine.module(input_ids=ids, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
@@ -66,7 +79,7 @@ def worker(out: str, head: str, mode: str, tokens: int, chunk_mb: float) -> None
             seconds = time.perf_counter() - start
         engine.step()
         grad_norm = float(engine.get_global_grad_norm())  # this step's, computed in `step`
-    row = {"head": head, "mode": mode, "rank": rank, "pieces": pieces, "recomputed": recomputed[0],
+    row = {"head": head, "mode": mode, "rank": rank, "pieces": pieces, "recomputed": recomputed[0], "in_forward": in_forward[0],
            "peak_rss_mb": round(peak.rss_mb), "seconds": round(seconds, 1), "loss": loss.item(), "grad_norm": grad_norm}
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, row)
@@ -85,7 +98,7 @@ def report_zero3_head(tokens: int = 4096, chunk_mb: float = 32.0) -> tuple[dict,
     return {"zero3_head": results, "tokens": tokens, "chunk_mb": chunk_mb}, [
         (f"ZeRO-3 on 2 CPU ranks (gloo), a 2-layer Qwen2 (hidden 512, vocabulary 32768), {tokens} positions per rank, "
          f"the head on pieces of {chunk_mb:g} MB of fp32 logits; peak MB above each rank's rest", results,
-         ["head", "mode", "rank", "pieces", "recomputed", "peak_rss_mb", "seconds", "loss", "grad_norm"])]
+         ["head", "mode", "rank", "pieces", "recomputed", "in_forward", "peak_rss_mb", "seconds", "loss", "grad_norm"])]
 
 
 if __name__ == "__main__":

@@ -28,9 +28,11 @@ but one kept to the end of the backward: 187 and 440 MB less at the peak in two 
 docs/results/memory.md, each about the kept logits less one head copy; a 152k x 3584 bf16 head is
 1.1 GB, four 441-token pieces' fp32 logits 1.0 GB, so a micro-batch of five pieces or fewer, 2,205
 tokens, may peak higher there; not measured on a GPU). A frozen head
-(LoRA) is not recomputed under ZeRO-3: there checkpoint keeps the parameter itself, which the release
-has turned into its empty placeholder, shape [0], and torch refuses it ("Recomputed values ... have
-different metadata"), so each piece's logits are kept for backward, as the whole batch's were before.
+could not be recomputed under ZeRO-3 (checkpoint keeps the parameter itself, which the release has
+turned into its empty placeholder, and torch refuses it: "Recomputed values ... have different
+metadata"); a plain frozen linear head (LoRA's) takes its gradient to the hidden states in the forward
+instead, under every strategy (grpo/update/frozen_head.py: no logits kept, no recompute, one gather a
+piece); any other frozen ZeRO-3 head (a LoRA layer on the head) keeps its pieces' logits.
 
 Heads that are not `lm_head(hidden)` (Gemma's logit soft-capping, Cohere's logit scale, ...) are
 found once per model (grpo/update/support.py); those models take their own logits, from the first
@@ -71,7 +73,7 @@ from torch.utils.checkpoint import checkpoint
 
 from grpo import moe_model, vision
 from grpo.modeling import precision, unwrapped
-from grpo.update import layouts
+from grpo.update import frozen_head, layouts
 
 LOGIT_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one piece (152k vocabulary: 441 tokens)
 CUDNN_MASKED_NAN_SINCE = (2, 11)  # the first torch with the cuDNN SDPA backward NaN (no fixed release known)
@@ -156,12 +158,15 @@ def head_logprobs(model, hidden_BTH: torch.Tensor, tokens_BT: torch.Tensor, temp
     head = unwrapped(model).get_output_embeddings()
     B, T, H = hidden_BTH.shape
     grad = torch.is_grad_enabled() and hidden_BTH.requires_grad
-    # not a frozen ZeRO-3 weight (see the top)
+    frozen = grad and frozen_head.applies(head)  # its gradient to the hidden states taken in the forward
+    # not a frozen ZeRO-3 weight of any other kind of head (see the top)
     recompute = grad and pieces > 1 and (head.weight.requires_grad or not hasattr(head.weight, "ds_id"))
     logps, ents = [], []
     with precision(model):
         for h_NH, t_N in zip(hidden_BTH.reshape(B * T, H).tensor_split(pieces), tokens_BT.reshape(-1).tensor_split(pieces)):
-            if recompute:
+            if frozen:
+                logp_N, ent_N = frozen_head.piece(head, h_NH, t_N, temperature, with_entropy)
+            elif recompute:
                 logp_N, ent_N = checkpoint(_piece, head, h_NH, t_N, temperature, with_entropy, use_reentrant=False)
             else:
                 logp_N, ent_N = _piece(head, h_NH, t_N, temperature, with_entropy)
