@@ -70,3 +70,15 @@ def test_environ_kept_puts_back_what_was_there_even_when_the_block_raises(monkey
         os.environ.update(GRPO_TEST_SET="inside", GRPO_TEST_UNSET="inside")
         raise RuntimeError
     assert os.environ["GRPO_TEST_SET"] == "before" and "GRPO_TEST_UNSET" not in os.environ
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_zero3_memory_refuses_rows_that_are_not_whole_groups(rows):
+    """`grpo.bench zero3-memory --rows 1` ran a rank's one completion as a group of 4 and reported a
+    nan KL and loss; rows that are not whole groups are refused, naming a number that is, before any
+    process starts."""
+    from grpo.bench.zero3 import bench_zero3_memory
+    from grpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--rows \d: .* whole groups of 4 .* e\.g\. --rows 4"):
+        bench_zero3_memory(rows)

@@ -29,6 +29,7 @@ from grpo.batch import collate
 from grpo.bench.memory import PeakRSS
 from grpo.bench.report import ranks_json
 from grpo.config import compose_config
+from grpo.errors import ConfigError
 from grpo.models import build_policy, build_reference, load_model
 from grpo.parallel.zero import Zero3Strategy, init_deepspeed_comm
 from grpo.rollout.base import Rollouts
@@ -50,8 +51,11 @@ def save_model(folder: str) -> float:
     return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
 
 
+GROUP = 4  # completions per prompt
+
+
 def synthetic_batch(rows: int, prompt: int, completion: int, seed: int):
-    """`rows` completions in groups of 4 with random tokens and rewards, collated as the loop does."""
+    """`rows` completions in groups of `GROUP` with random tokens and rewards, collated as the loop does."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(100, 40000, (prompt,), generator=g).tolist() for _ in range(rows)]
     done = [torch.randint(100, 40000, (completion,), generator=g).tolist() for _ in range(rows)]
@@ -65,7 +69,7 @@ def worker(folder: str, mode: str, beta: float, out: str, rows: int, tokens: int
     info = dist.dist_info()
     cfg = compose_config(["parallel=zero3", f"model.path={folder}", "run_dir=unused", f"algo.beta={beta}",
                           f"algo.zero_std_groups={'keep' if beta > 0 else 'drop'}",
-                          f"algo.batch_size={rows * info.world_size}", "algo.group_size=4", "algo.warmup_steps=0",
+                          f"algo.batch_size={rows * info.world_size}", f"algo.group_size={GROUP}", "algo.warmup_steps=0",
                           f"algo.micro_batch_tokens={rows * 2 * tokens}"])
     dist.init_distributed(info)  # torchrun's world; DeepSpeed's comm joins it
     init_deepspeed_comm(cfg.parallel.cpu_shm_allreduce)
@@ -99,6 +103,9 @@ def worker(folder: str, mode: str, beta: float, out: str, rows: int, tokens: int
 
 def bench_zero3_memory(rows: int = 4, tokens: int = 32) -> tuple[list[dict], float]:
     """Every case in a fresh 2-rank torchrun; (one row per case and rank, the model's size in MB)."""
+    if rows < GROUP or rows % GROUP:  # an incomplete group's baseline: the KL and loss came out nan
+        raise ConfigError(f"--rows {rows}: the rows of a rank are whole groups of {GROUP} completions; "
+                         f"use a multiple of {GROUP}, e.g. --rows {max(1, rows // GROUP) * GROUP}")
     folder = tempfile.mkdtemp(prefix="bench-zero3-model-")
     model_mb = save_model(folder)
     results = []
