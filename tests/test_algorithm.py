@@ -396,9 +396,25 @@ def test_completion_logits_only_give_the_same_logprobs(tiny_lm):
     torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-5)
 
 
-def test_head_in_pieces_gives_the_same_logprobs_and_gradients(tiny_lm, monkeypatch):
+def assert_gradients_close(got: dict, want: dict, bf16: bool) -> None:
+    """fp32: each element within 1e-5 (summation order). bf16: each tensor's difference within 0.6% of
+    its norm (rounding measured at 0.24-0.4% on the tiny model; a recompute whose logits are 1% off
+    gives 1.1%)."""
+    assert got.keys() == want.keys() and len(want) > 10
+    for n in want:
+        if bf16:
+            rel = ((got[n] - want[n]).norm() / want[n].norm()).item()
+            assert rel < 6e-3, (n, rel)
+        else:
+            torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-5 * max(want[n].abs().max().item(), 1.0),
+                                       msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_head_in_pieces_gives_the_same_logprobs_and_gradients(tiny_lm, monkeypatch, dtype):
     """The LM head run on pieces of 2 tokens, each recomputed in backward, against the whole
-    completion's logits at once: the same logprobs, entropies and gradients."""
+    completion's logits at once: the same logprobs, entropies and gradients, in fp32 (to rounding) and
+    bf16 (the recompute's logits are the forward's, bit for bit; the pieces' matmuls round apart)."""
     import copy
 
     from grpo.update import forward as logprobs
@@ -413,23 +429,25 @@ def test_head_in_pieces_gives_the_same_logprobs_and_gradients(tiny_lm, monkeypat
     for piece_bytes in (2**30, 2 * 4 * len(tok)):  # one piece; pieces of 2 tokens (5 pieces for 9)
         monkeypatch.setattr(logprobs, "LOGIT_CHUNK_BYTES", piece_bytes)
         assert logprobs.pieces_for(9, len(tok)) == (1 if piece_bytes == 2**30 else 5)
-        model = copy.deepcopy(base).train()
+        model = copy.deepcopy(base).to(dtype).train()
         logp, ent = batch_logprobs(model, batch, 0.7, with_entropy=True)
         (logp * batch.mask_BT * torch.arange(1.0, 4.0)).sum().backward()
-        results.append((logp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        results.append((logp.detach(), ent, {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}))
     (logp1, ent1, g1), (logp5, ent5, g5) = results
-    torch.testing.assert_close(logp5, logp1, rtol=0, atol=1e-6)
-    torch.testing.assert_close(ent5, ent1, rtol=0, atol=1e-5)
-    assert g1.keys() == g5.keys() and len(g1) > 10
-    for n in g1:
-        torch.testing.assert_close(g5[n], g1[n], rtol=0, atol=1e-5, msg=lambda m: f"{n}: {m}")  # summation order
+    bf16 = dtype == torch.bfloat16
+    torch.testing.assert_close(logp5, logp1, rtol=0, atol=2e-2 if bf16 else 1e-6)  # bf16: equal here, within a logit's rounding
+    torch.testing.assert_close(ent5, ent1, rtol=0, atol=2e-2 if bf16 else 1e-5)
+    assert_gradients_close(g5, g1, bf16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_frozen_head_gives_autograds_logprobs_and_gradients(tiny_lm, monkeypatch, dtype):
     """A frozen head (LoRA's) takes its gradient to the hidden states in the forward
     (grpo/update/frozen_head.py), on pieces of 2 tokens: the same logprobs, entropies and gradients as
-    autograd through the model's own logits, in fp32 (to rounding) and bf16 (to bf16's rounding)."""
+    autograd through the model's own logits, in fp32 to rounding. In bf16 both are about 0.75% (a
+    tensor's median) from the fp32 gradient of the same bf16 weights, and 0.8% from each other: the
+    frozen path must be as close to fp32 as autograd's bf16 is (measured 0.78% against 0.75%, the
+    worst tensor 1.8% against 1.4%)."""
     import copy
 
     from grpo.batch import collate
@@ -443,9 +461,9 @@ def test_a_frozen_head_gives_autograds_logprobs_and_gradients(tiny_lm, monkeypat
     calls = []
     monkeypatch.setattr(frozen_head, "piece", lambda *a, _real=frozen_head.piece: (calls.append(1), _real(*a))[1])
     weights_BT = torch.tensor([[1.0, -2.0, 3.0], [0.5, 0.0, 0.0], [-1.0, 2.0, 0.0]])
-    results = []
-    for mine in (True, False):
-        model = copy.deepcopy(base).to(dtype).train()
+
+    def run(mine: bool, dtype: torch.dtype):
+        model = copy.deepcopy(base).to(torch.bfloat16).to(dtype).train()  # bf16's weights either way
         model.get_output_embeddings().requires_grad_(False)  # tied: the input embedding is frozen with it
         if mine:
             logp, ent = forward.batch_logprobs(model, batch, 0.7, with_entropy=True)
@@ -455,18 +473,22 @@ def test_a_frozen_head_gives_autograds_logprobs_and_gradients(tiny_lm, monkeypat
             logp = torch.log_softmax(logits, -1).gather(-1, batch.completion_ids_BT.unsqueeze(-1)).squeeze(-1)
             ent = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1).detach()
         (logp * batch.mask_BT * weights_BT).sum().backward()
-        results.append((logp.detach() * batch.mask_BT, ent * batch.mask_BT,
-                        {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}))
+        return (logp.detach() * batch.mask_BT, ent * batch.mask_BT,
+                {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    (logp_a, ent_a, g_a), (logp_b, ent_b, g_b) = run(True, dtype), run(False, dtype)
     assert len(calls) == 5  # every piece took the frozen head's path
-    (logp_a, ent_a, g_a), (logp_b, ent_b, g_b) = results
-    atol = 1e-6 if dtype == torch.float32 else 0.0
-    torch.testing.assert_close(logp_a, logp_b, rtol=0, atol=max(atol, 1e-5))  # bf16: the same logits, fp32 after
-    torch.testing.assert_close(ent_a, ent_b, rtol=0, atol=1e-5)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: equal here; a logit's rounding where matmuls differ
+    torch.testing.assert_close(logp_a, logp_b, rtol=0, atol=atol)
+    torch.testing.assert_close(ent_a, ent_b, rtol=0, atol=atol)
     assert g_a.keys() == g_b.keys() and len(g_a) > 10 and not any("embed" in n for n in g_a)
-    for n in g_a:
-        scale = g_b[n].abs().max().item()
-        tol = 1e-5 * max(scale, 1.0) if dtype == torch.float32 else 2e-2 * scale  # bf16: 0.9% measured
-        torch.testing.assert_close(g_a[n], g_b[n], rtol=0, atol=tol, msg=lambda m: f"{n}: {m}")
+    if dtype == torch.float32:
+        assert_gradients_close(g_a, g_b, bf16=False)
+        return
+    truth = run(False, torch.float32)[2]
+    errors = [sorted(((g[n] - truth[n]).norm() / truth[n].norm()).item() for n in truth) for g in (g_a, g_b)]
+    (median_a, worst_a), (median_b, worst_b) = ((e[len(e) // 2], e[-1]) for e in errors)
+    assert median_a < 1.25 * median_b and worst_a < 2 * worst_b, (errors[0], errors[1])
 
 
 class ScaledHead(torch.nn.Module):
