@@ -14,7 +14,8 @@ algo.max_grad_norm=0.05 (the gradient's norm is about 5, so it clips), written a
 the LM head runs on pieces of 3 tokens (a small grpo.update.forward.LOGIT_CHUNK_BYTES), and OUT/pieces_rank<r>.json lists
 the pieces of each head call of a ZeRO-3 model on rank r (each piece gathers the head's weight: the ranks' lists must agree)
 and OUT/recomputed_rank<r>.json how many of those pieces were recomputed in backward (frozen_rank<r>.json: taken by a
-frozen head's own path, grpo/update/frozen_head.py); with `untied`, the policy's head
+frozen head's own path, grpo/update/frozen_head.py; released_rank<r>.json: how many found the head whole and left
+it partitioned); with `autograd_head`, a frozen head runs through autograd, not its own path; with `untied`, the policy's head
 is its own weight, not the input embedding's (OUT/init.pt); with `partitioned`, ZeRO-3 keeps no parameter whole
 (stage3_param_persistence_threshold 0: the tiny model's, under DeepSpeed's default 1e5 elements, would stay gathered). Writes
 OUT/<loss_type>.pt with the full updated weights (rank 0; with `lora`, the adapter's), for every loss type,
@@ -100,6 +101,7 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
     head_calls = []  # the pieces of each head call on this rank, in order
     recomputed = [0]  # the pieces of a ZeRO-3 head recomputed in backward
     frozen = [0]  # the pieces of a frozen ZeRO-3 head, gradient taken in the forward
+    released = [0]  # those that found the head whole (DeepSpeed keeping it) and left it partitioned
     if pieces:
         grpo.update.forward.LOGIT_CHUNK_BYTES = 4 * len(tok) * 3  # 3 tokens of fp32 logits a piece
         real_pieces = grpo.update.forward.head_pieces
@@ -117,7 +119,10 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
         real_frozen = grpo.update.frozen_head.piece
         def counted_frozen(head, *a):
             frozen[0] += hasattr(head.weight, "ds_id")
-            return real_frozen(head, *a)
+            whole = getattr(head.weight, "ds_status", None) is not None and head.weight.ds_status.name == "AVAILABLE"
+            out = real_frozen(head, *a)
+            released[0] += whole and head.weight.ds_status.name != "AVAILABLE"  # found whole, must stay whole
+            return out
         grpo.update.frozen_head.piece = counted_frozen
     real_routed = grpo.parallel.sequence.routed  # attention calls that went into the split ("attention_split")
     grpo.parallel.sequence.routed = lambda: (lambda s: (ran.update(["attention_split"] if s else []), s)[1])(real_routed())
@@ -153,6 +158,7 @@ def main(out: str, n_micro: int, name: str, uneven: bool = False, layout: str = 
     json.dump(head_calls, open(os.path.join(out, f"pieces_rank{info.rank}.json"), "w"))
     json.dump(recomputed[0], open(os.path.join(out, f"recomputed_rank{info.rank}.json"), "w"))
     json.dump(frozen[0], open(os.path.join(out, f"frozen_rank{info.rank}.json"), "w"))
+    json.dump(released[0], open(os.path.join(out, f"released_rank{info.rank}.json"), "w"))
     # reduce_metrics itself: a `*_max` is the largest rank's, any other number their mean; a Ratio, Spread
     # or Count from its parts summed over ranks. Rank 0 scored rewards [0, 0], rank 1 [1, 1, 1, 0] of 4 each
     # (a function abstained on 2 of rank 0's), rank 1's judge failed 3 requests, rank 0's none
@@ -182,6 +188,8 @@ def exit_process(code: int = 0) -> None:
 
 if __name__ == "__main__":
     flags = sys.argv[4:]
+    if "autograd_head" in flags:  # a frozen head through autograd (checkpointed pieces), not grpo/update/frozen_head.py
+        grpo.update.frozen_head.applies = lambda head: False
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3], "uneven" in flags,
          next((f for f in ("padded", "shared") if f in flags), "packed"), "grouped" in flags,
          next((int(f[2:]) for f in flags if f.startswith("sp")), 1), "lora" in flags, "long" in flags, "moe" in flags,

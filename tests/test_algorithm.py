@@ -491,6 +491,32 @@ def test_a_frozen_head_gives_autograds_logprobs_and_gradients(tiny_lm, monkeypat
     assert median_a < 1.25 * median_b and worst_a < 2 * worst_b, (errors[0], errors[1])
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_a_frozen_head_with_a_bias_gives_autograds_gradient(temperature):
+    """frozen_head.piece on a frozen linear head with a bias (the tiny model's has none), at
+    temperature 1 (no division) and 0.7: autograd's logprobs, entropies and gradient to the hidden
+    states, and no gradient to the head."""
+    from grpo.update import frozen_head
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50).requires_grad_(False)
+    with torch.no_grad():
+        head.bias.mul_(20.0)  # large enough that dropping it moves every number
+    hidden = torch.randn(6, 8, requires_grad=True)
+    tokens = torch.tensor([0, 7, 49, 3, 3, 21])
+    upstream = torch.tensor([1.0, -2.0, 0.5, 3.0, 0.0, -1.0])
+    assert frozen_head.applies(head)
+    logp, ent = frozen_head.piece(head, hidden, tokens, temperature, True)
+    (grad,) = torch.autograd.grad((logp * upstream).sum(), hidden)
+    logp_all = torch.log_softmax(head(hidden) / temperature, -1)
+    want = logp_all.gather(-1, tokens[:, None])[:, 0]
+    (want_grad,) = torch.autograd.grad((want * upstream).sum(), hidden)
+    torch.testing.assert_close(logp, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent, -(logp_all.exp() * logp_all).sum(-1).detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-6)
+    assert head.weight.grad is None and head.bias.grad is None
+
+
 class ScaledHead(torch.nn.Module):
     """A model whose logits are not its head's output (as Gemma's soft-capping or Cohere's scale)."""
 

@@ -128,8 +128,11 @@ def test_zero3_head_pieces_with_a_head_of_its_own_or_frozen(tmp_path, head):
     """The LM head on pieces of 3 tokens under ZeRO-3, its weight partitioned: an untied head (its own
     weight, trained) is recomputed in backward, a frozen one (LoRA: only the adapter trains) is not
     (checkpoint would read its released placeholder): its pieces gather the weight once and take their
-    gradient in the forward (grpo/update/frozen_head.py); both updates equal one process's."""
-    one = updated_weights(tmp_path / "one", 1, 4, "single", head)
+    gradient in the forward (grpo/update/frozen_head.py); both updates equal one process's, whose
+    frozen head runs through autograd. The frozen head once more under DeepSpeed's default persistence
+    threshold, which keeps the tiny head whole: no piece that found it whole leaves it partitioned
+    (GatheredParameters re-partitions whatever it is given, and every later piece gathered it again)."""
+    one = updated_weights(tmp_path / "one", 1, 4, "single", head, "autograd_head")
     two = updated_weights(tmp_path / "two", 2, 2, "zero3", head, "pieces", "partitioned")
     recomputed, frozen = ([json.load(open(tmp_path / "two" / f"{what}_rank{rank}.json")) for rank in (0, 1)]
                           for what in ("recomputed", "frozen"))
@@ -137,6 +140,11 @@ def test_zero3_head_pieces_with_a_head_of_its_own_or_frozen(tmp_path, head):
     assert pieces[0] == pieces[1] > 0 and other == [0, 0], (recomputed, frozen)
     init = torch.load(tmp_path / "one" / ("grpo_init.pt" if head == "lora" else "init.pt"), weights_only=True)
     assert_same_update(one, two, init, f"zero3 {head} head in pieces vs single")
+    if head == "lora":
+        whole = updated_weights(tmp_path / "whole", 2, 2, "zero3", head, "pieces")
+        counts = [json.load(open(tmp_path / "whole" / f"{what}_rank0.json")) for what in ("frozen", "released")]
+        assert counts[0] > 0 and counts[1] == 0, counts
+        assert_same_update(one, whole, init, "zero3 lora head kept whole vs single")
 
 
 @pytest.mark.starts_process

@@ -37,12 +37,14 @@ class HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_NH, tokens_N, weight_VH, bias_V, temperature: float, with_entropy: bool):
         t = max(temperature, 1e-6)
-        logp_NV = torch.log_softmax(torch.nn.functional.linear(hidden_NH, weight_VH, bias_V).float() / t, dim=-1)
+        z_NV = torch.nn.functional.linear(hidden_NH, weight_VH, bias_V).float()  # a new tensor: in place below
+        logp_NV = torch.log_softmax(z_NV.div_(t) if t != 1.0 else z_NV, dim=-1)
+        del z_NV  # one tokens x vocabulary fp32 tensor at a time, beside the entropy's
         logp_N = logp_NV.gather(-1, tokens_N[:, None])[:, 0]
         ent_N = -(logp_NV.exp() * logp_NV).sum(-1) if with_entropy else logp_N.new_empty(0)
         grad_NV = logp_NV.exp_().neg_()  # d logp_n / d z_n = (onehot(t_n) - p_n) / T, in place
-        grad_NV[torch.arange(len(tokens_N)), tokens_N] += 1.0
-        J_NH = (grad_NV / t).to(weight_VH.dtype) @ weight_VH
+        grad_NV[torch.arange(len(tokens_N), device=tokens_N.device), tokens_N] += 1.0
+        J_NH = grad_NV.div_(t).to(weight_VH.dtype) @ weight_VH
         ctx.save_for_backward(J_NH)
         ctx.hidden_dtype = hidden_NH.dtype
         ctx.mark_non_differentiable(ent_N)
@@ -55,12 +57,23 @@ class HeadLogprobs(torch.autograd.Function):
 
 
 def gathered(head: torch.nn.Module):
-    """Under ZeRO-3 the head's whole weight for the piece (a collective); elsewhere nothing."""
+    """Under ZeRO-3 the head's whole weight for the piece (a collective) where it is partitioned now;
+    elsewhere, and where DeepSpeed holds it whole (a persistent parameter, under
+    `stage3_param_persistence_threshold`, or one kept for reuse), nothing: `GatheredParameters`
+    partitions on exit whatever it was given, which un-persisted a persistent head (every later piece
+    gathered it again) and released what DeepSpeed's coordinator counts as held."""
     if not hasattr(head.weight, "ds_id"):
         return contextlib.nullcontext()
     import deepspeed  # deepspeed: only where its ZeRO-3 partitioned the head
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # likewise
 
-    return deepspeed.zero.GatheredParameters(list(head.parameters()))
+    params = list(head.parameters())
+    inflight = [p.ds_id for p in params if p.ds_status == ZeroParamStatus.INFLIGHT]
+    if inflight:  # GatheredParameters would skip it and read an unfinished buffer; no prefetch reaches it now
+        raise RuntimeError(f"the LM head's parameters {inflight} are being gathered by DeepSpeed's prefetch "
+                           "while the frozen head's piece needs them whole: a grpo bug, please report it")
+    partitioned = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    return deepspeed.zero.GatheredParameters(partitioned) if partitioned else contextlib.nullcontext()
 
 
 def piece(head: torch.nn.Module, hidden_NH, tokens_N, temperature: float, with_entropy: bool):
