@@ -11,10 +11,10 @@ in the backward pass (non-reentrant `torch.utils.checkpoint`), so no tokens x vo
 kept for backward: at 8,192 tokens and a 152k vocabulary the whole batch's fp32 logits are 5 GB, and
 the logit - logsumexp that replaced log_softmax kept them (and their gradient) all the same. The
 price is the head's forward run twice in training (measured in `python -m grpo.bench update-memory`).
-A micro-batch whose logits fit in one piece keeps them and runs the head once: on SmolLM2 (2 CPU
-cores, 160 completion tokens) three pieces of 53 tokens with their recompute took a fifth of the
-update's matmul time, the head's matmuls at 53 rows running at a third of the machine's rate
-(docs/results/mfu.md).
+A micro-batch whose logits fit in one piece keeps them (a frozen head keeps none, below) and runs
+the head once: on SmolLM2 (2 CPU cores, 160 completion tokens) three pieces of 53 tokens with their
+recompute took a fifth of the update's matmul time, the head's matmuls at 53 rows running at a third
+of the machine's rate (docs/results/mfu.md).
 
 Under ZeRO-3 every call of the head gathers its weight, a collective: the number of pieces comes
 from the micro-batch cap (`algo.micro_batch_tokens`), the same on every rank, never from this
