@@ -193,8 +193,15 @@ def test_a_server_that_refuses_its_init_releases_the_groups_the_servers_before_i
     senders = []
 
     def make_sender(*_):
-        sender = SimpleNamespace(init_info=lambda: {}, connect=lambda: None, calls=[])
-        sender.abort, sender.close = (lambda: sender.calls.append("abort")), (lambda: sender.calls.append("close"))
+        # the first server's peer joins at once; the second's never comes (its server refused the init), so
+        # its join waits until aborted, as a real rendezvous does (a join that returned at once raced the
+        # server's 400: abort was called or not by which thread answered first)
+        aborted = threading.Event()
+        joins = not senders
+        sender = SimpleNamespace(init_info=lambda: {}, calls=[],
+                                 connect=lambda: None if joins or aborted.wait(30) else pytest.fail("never aborted"))
+        sender.abort = lambda: sender.calls.append("abort") or aborted.set()
+        sender.close = lambda: sender.calls.append("close")
         return senders.append(sender) or sender
 
     monkeypatch.setattr(servers, "make_sender", make_sender)
@@ -211,7 +218,8 @@ def test_a_server_that_refuses_its_init_releases_the_groups_the_servers_before_i
         for httpd in httpds:
             httpd.shutdown()
             httpd.server_close()
-    assert [s.calls for s in senders] == [["close"], ["close"]]  # (its transfer had joined: nothing to abort)
+    # the first's transfer had joined: nothing to abort; the second's join is released, then closed
+    assert [s.calls for s in senders] == [["close"], ["abort", "close"]]
     assert handlers[0].paths == ["/init_weight_transfer_engine", "/shutdown_weight_transfer_engine"]
     assert handlers[1].paths == ["/init_weight_transfer_engine"]
     for _ in range(100):  # the generator's thread ends once it reads the shutdown
