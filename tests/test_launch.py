@@ -679,14 +679,15 @@ def test_train_remote_sbatch_refuses_a_job_of_too_few_nodes_for_its_servers(tmp_
 FAKE_SERVER = """
 import os, signal, sys, time
 devices = os.environ["CUDA_VISIBLE_DEVICES"]
-with open(os.path.join(sys.argv[1], devices), "w") as f:
-    f.write(" ".join(sys.argv[2:]) + "\\n")
-if devices == os.environ.get("FAIL_ON"):
-    time.sleep(1)  # the other server's handlers are set by then
-    sys.exit(3)
 stopped = []
 signal.signal(signal.SIGINT, lambda *_: stopped.append("INT"))
 signal.signal(signal.SIGTERM, lambda *_: stopped.append("TERM"))
+with open(os.path.join(sys.argv[1], devices), "w") as f:  # written once its handlers are set: it is ready
+    f.write(" ".join(sys.argv[2:]) + "\\n")
+if devices == os.environ.get("FAIL_ON"):
+    while len(os.listdir(sys.argv[1])) < int(os.environ["SERVERS"]):  # the node's other servers are ready
+        time.sleep(0.05)
+    sys.exit(3)
 while not stopped:
     time.sleep(0.05)
 with open(os.path.join(sys.argv[1], devices), "a") as f:
@@ -712,7 +713,8 @@ def test_a_nodes_servers_run_on_their_own_gpus_and_stop_together(tmp_path, monke
         code = (f"import sys; from grpo.slurm import serve_node; "
                 f"sys.exit(serve_node({groups!r}, ['--model', 'm'], command={command!r}, grace_s=10))")
         started.append(subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                                        env={**os.environ, "CUDA_VISIBLE_DEVICES": "4,5,6,7", "FAIL_ON": fail_on},
+                                        env={**os.environ, "CUDA_VISIBLE_DEVICES": "4,5,6,7", "FAIL_ON": fail_on,
+                                             "SERVERS": str(len(groups))},
                                         start_new_session=True))  # its own group: cleaned up below whatever happens
         return started[-1]
 
@@ -739,8 +741,7 @@ def test_a_nodes_servers_run_on_their_own_gpus_and_stop_together(tmp_path, monke
 
 def check_node(start, wait_for, seen):
     node = start(["0,1", "2,3"])
-    wait_for(["4,5", "6,7"])
-    time.sleep(0.5)  # the servers' handlers are set
+    wait_for(["4,5", "6,7"])  # each writes its file once its handlers are set
     node.send_signal(signal.SIGINT)
     assert node.wait(30) == 0, node.stderr.read()
     for name in ("4,5", "6,7"):

@@ -722,7 +722,10 @@ def test_an_abort_mid_bucket_destroys_the_group_only_after_the_enqueue_loop_stop
     assert inside.wait(10)
     aborting = threading.Thread(target=sender.abort, daemon=True)
     aborting.start()
-    aborting.join(0.5)
+    deadline = time.time() + 10
+    while not sender.aborted and time.time() < deadline:  # the abort's flag is up; its destroy waits for the loop
+        time.sleep(0.01)
+    assert sender.aborted and aborting.is_alive()
     assert log == [("broadcast", 3)]  # not destroyed under the loop
     release.set()
     sending.join(10)

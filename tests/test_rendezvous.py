@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 import psutil
 import pytest
@@ -108,6 +109,9 @@ def test_a_worker_without_the_secret_never_joins():
     sender reads, so the join fails at the timeout with what was found, and nothing is sent."""
     sender = GlooSender("127.0.0.1", 2, 3)
     thread, out = worker(sender.init_info(), secret=rendezvous.new_secret())
+    deadline = time.monotonic() + 30  # its keys are in the store before the sender's 3 s wait starts
+    while not rendezvous.foreign_keys(sender.store, sender.secret) and time.monotonic() < deadline:
+        time.sleep(0.01)
     with pytest.raises(rendezvous.JoinRefused, match="written by a process without it"):
         sender.connect()
     thread.join(30)

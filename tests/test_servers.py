@@ -210,7 +210,9 @@ def test_a_server_that_refuses_its_init_releases_the_groups_the_servers_before_i
     for httpd in httpds:
         httpd.daemon_threads = True
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    generators = sum(t.name == "grpo-generate" for t in threading.enumerate())
+    # by identity: a generator of an earlier test's closed pool may still be on its way out
+    before = {t for t in threading.enumerate() if t.name == "grpo-generate"}
+    ours = lambda: [t for t in threading.enumerate() if t.name == "grpo-generate" and t not in before]  # noqa: E731
     try:
         with pytest.raises(ServerError, match=r"answered 400(?s:.*)not registered"):
             ServerPool([f"http://127.0.0.1:{h.server_port}" for h in httpds], None, 10, 10, log=None)
@@ -222,11 +224,9 @@ def test_a_server_that_refuses_its_init_releases_the_groups_the_servers_before_i
     assert [s.calls for s in senders] == [["close"], ["abort", "close"]]
     assert handlers[0].paths == ["/init_weight_transfer_engine", "/shutdown_weight_transfer_engine"]
     assert handlers[1].paths == ["/init_weight_transfer_engine"]
-    for _ in range(100):  # the generator's thread ends once it reads the shutdown
-        if sum(t.name == "grpo-generate" for t in threading.enumerate()) == generators:
-            break
-        time.sleep(0.05)
-    assert sum(t.name == "grpo-generate" for t in threading.enumerate()) == generators
+    for t in ours():  # the generator's thread ends once it reads the shutdown
+        t.join(30)
+    assert ours() == []
 
 
 def test_every_ranks_pool_knows_the_push_another_rank_made():
@@ -333,16 +333,17 @@ def silent_listener(accept_once: bool = False):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()
-    held = []
+    held, taken = [], threading.Event()
 
     def take():
         held.append(sock.accept()[0])
         if accept_once:
             sock.close()
+        taken.set()
 
     threading.Thread(target=take, daemon=True).start()
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", taken
     finally:
         for s in held + [sock]:
             s.close()
@@ -351,7 +352,7 @@ def silent_listener(accept_once: bool = False):
 def test_a_server_that_does_not_answer_in_time_is_said_to_be_slow_not_unreachable():
     """Before: "http://...:P/start_weight_update is unreachable (timed out); is `python -m grpo.serve` running
     there?", of a server that was running and had accepted the request."""
-    with silent_listener() as url:
+    with silent_listener() as (url, _):
         with pytest.raises(ServerError) as e:
             Server(url, None, 0.3).request("/start_weight_update", {})
     assert str(e.value) == (f"{url}/start_weight_update did not answer within 0.3 s: the server (or the network to it) "
@@ -422,14 +423,15 @@ def test_a_request_to_a_server_whose_engine_died_fails_in_seconds_saying_so(monk
         httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), EngineDead)
         httpd.daemon_threads = True
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
-        place = contextlib.nullcontext(f"http://127.0.0.1:{httpd.server_address[1]}")
+        place = contextlib.nullcontext((f"http://127.0.0.1:{httpd.server_address[1]}", None))
         said = r"it answers /health with 503: its vLLM engine died \(EngineDeadError\); its log says why"
     else:
         place = silent_listener(accept_once=True)
         said = r"it no longer accepts connections \(vLLM stops listening once its engine died\); its log says why"
-    with place as url:
+    with place as (url, taken):
         server = Server(url, None, 600.0)
-        server.watch = lambda: engine_dead(server)
+        # the listener takes one connection, the request's: a /health probe sent before it would be the one taken
+        server.watch = lambda: engine_dead(server) if taken is None or taken.is_set() else None
         start = time.monotonic()
         with pytest.raises(ServerGone, match=rf"^{url}/start_weight_update will never be answered: {said}$"):
             server.request("/start_weight_update", {}, timeout=CONTROL_TIMEOUT_S)

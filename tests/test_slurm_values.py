@@ -179,7 +179,8 @@ def test_a_squeue_that_does_not_answer_leaves_the_job_listed(tmp_path, monkeypat
     import grpo.companions
     from grpo.companions import job_gone, job_listed
 
-    monkeypatch.setattr(grpo.companions, "SLURM_CALL_S", 1)
+    # the bound cut short only the squeue that never answers: one that answers is a Python start, which a loaded machine can hold past 1 s
+    monkeypatch.setattr(grpo.companions, "SLURM_CALL_S", 1 if "sleep" in body else 60)
     monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", {"squeue": body}))
     assert (job_listed("11"), job_gone("11")) == (listed, gone)
 
