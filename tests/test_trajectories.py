@@ -453,6 +453,39 @@ def test_a_closed_pool_sends_no_further_turn_and_fails_the_batch(remote):
     assert [e for e in EVENTS if e[2] > closed_at] == []
 
 
+def test_a_step_waiting_for_an_environment_slot_when_the_pool_closes_never_starts(tiny_lm):
+    """One environment call at a time (max_concurrency 1): prompt A's step holds the slot, prompt B's turn
+    has been answered and waits for it. The pool closes, then A's step returns: B's step never starts
+    (before, the stop was checked before the wait for a slot, so B stepped after the close)."""
+    _, tok = tiny_lm
+    first, stepped = threading.Event(), []
+
+    class HeldStep(GuessEnv):
+        def step(self, action):
+            stepped.append(time.perf_counter())
+            if len(stepped) == 1:
+                assert first.wait(30)
+            return super().step(action)
+
+    runner = EpisodeRunner(HeldStep, tok, RawRender(tok), Budget(1, 4, 64, 4), 10.0, [tok.eos_token_id], "held", 1)
+    taken, take_turn = [], runner.take_turn
+    runner.take_turn = lambda *a: taken.append(1) or take_turn(*a)
+    pool = RecordingPool(tok)
+    prompts = [tok("12+34=").input_ids, tok("7+1=").input_ids]
+    future = in_thread(episode_driver("trajectories", runner, pool, 0), prompts,
+                       [Sample("12+34=", "3"), Sample("7+1=", "3")], 1, Sampling(max_new_tokens=4, seed=1))
+    deadline = time.time() + 30
+    while (len(taken) < 2 or not stepped) and time.time() < deadline:  # A steps, B's turn is in
+        time.sleep(0.01)
+    assert len(taken) == 2 and len(stepped) == 1, (taken, stepped)
+    time.sleep(0.2)  # B reaches its wait for the slot (if it were later, the old code would pass too: never a false failure)
+    pool.stopped.set()
+    closed_at = time.perf_counter()
+    first.set()
+    assert isinstance(future.exception(timeout=30), PoolClosed), future.exception()
+    assert len(stepped) == 1 and stepped[0] < closed_at, stepped
+
+
 def test_a_rank_without_the_pool_resumes_its_turns_with_the_new_adapter(remote, tmp_path):
     """LoRA with partial rollouts on rank >= 1 (no pool to push with): a turn waiting out the push
     wakes asking for the adapter the push loaded, never the one rank 0 has just unloaded."""

@@ -224,8 +224,8 @@ class TrajectoryDriver:
             text = r.take_turn(t, ids, lps, reason)
         if text is None:
             return
-        self.check_stop()
         with self.envs:
+            self.check_stop()  # here, not before the wait: a close during the wait for a slot starts no step
             step, error, seconds = r.env_step((t, text))
         with self.lock:
             r.take_step(t, step, error, seconds)
