@@ -486,6 +486,34 @@ def test_a_step_waiting_for_an_environment_slot_when_the_pool_closes_never_start
     assert len(stepped) == 1 and stepped[0] < closed_at, stepped
 
 
+def test_a_request_waiting_for_a_server_slot_when_the_pool_closes_is_never_sent(tiny_lm, monkeypatch):
+    """One request in flight per server, no turn gate: prompt A's request holds the slot, prompt B's waits
+    for it. The pool closes, then A's answer comes: B's request is never sent (before, the stop was
+    checked before the wait for a slot)."""
+    from grpo.rollout import trajectories
+
+    _, tok = tiny_lm
+    monkeypatch.setattr(trajectories, "MAX_REQUESTS_IN_FLIGHT", 1)
+    prompt_a, prompt_b = tok("12+34=").input_ids, tok("7+1=").input_ids
+    release = {tuple(prompt_a[:4]): threading.Event(), tuple(prompt_b[:4]): threading.Event()}
+    pool = HeldPool(tok, release)
+    pool.gate, pool.served_version = None, lambda server, fallback: fallback  # turn-synchronous pushes
+    runner = EpisodeRunner(GuessEnv, tok, RawRender(tok), Budget(1, 4, 64, 4), 10.0, [tok.eos_token_id], "guess", 4)
+    future = in_thread(episode_driver("trajectories", runner, pool, 0), [prompt_a, prompt_b],
+                       [Sample("12+34=", "3"), Sample("7+1=", "3")], 1, Sampling(max_new_tokens=4, seed=1))
+    deadline = time.time() + 30
+    while not pool.entered and time.time() < deadline:
+        time.sleep(0.01)
+    assert len(pool.entered) == 1, pool.entered
+    first = next(iter(pool.entered))
+    time.sleep(0.2)  # the other request reaches its wait for the slot (later, the old code passed too)
+    pool.stopped.set()
+    for event in release.values():
+        event.set()
+    assert isinstance(future.exception(timeout=30), PoolClosed), future.exception()
+    assert pool.entered == {first}
+
+
 def test_a_rank_without_the_pool_resumes_its_turns_with_the_new_adapter(remote, tmp_path):
     """LoRA with partial rollouts on rank >= 1 (no pool to push with): a turn waiting out the push
     wakes asking for the adapter the push loaded, never the one rank 0 has just unloaded."""

@@ -234,9 +234,9 @@ class TrajectoryDriver:
                 owners: list[Trajectory]) -> Optional[list[tuple]]:
         """One /v1/completions request to server i: (ids, logprobs, finish reason, weight version) per
         completion, or None where it failed (its trajectories end as "error")."""
-        self.check_stop()
         server, gate = self.pool.servers[i], self.pool.gate
         with self.slots[i]:
+            self.check_stop()  # once it holds a slot: a close during the wait for one sends no request
             try:
                 if gate is None:
                     choices, version = self.pool.complete(server, prompts, n, sampling, seed, self.timeout[i]), self.version
