@@ -148,7 +148,18 @@ def test_an_engine_whose_core_died_fails_the_weight_push_in_seconds_naming_its_l
     try:
         core = next(p for p in psutil.Process(backend.procs[0].pid).children() if p.name() == "VLLM::EngineCore")
         core.suspend()  # the push's first request reaches the core's queue and waits
-        threading.Timer(1.0, core.kill).start()
+        server = backend.pool.servers[0]
+        send = server.send
+
+        def send_then_kill(path, *args, **kwargs):
+            # The kill counts from the request's send, and gives the API 5 s to queue it to the core on a
+            # loaded machine: a core killed before that is known dead, and the request is refused at once
+            # (500), not held.
+            if path == "/start_weight_update":
+                threading.Timer(5.0, core.kill).start()
+            return send(path, *args, **kwargs)
+
+        server.send = send_then_kill
         start = time.monotonic()
         with pytest.raises(ServerGone) as e:
             backend.update_weights(group_by_size(model.named_parameters(), 1 << 20), version=1)

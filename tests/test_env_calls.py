@@ -71,7 +71,10 @@ def test_resets_steps_and_closes_overlap_up_to_max_concurrency(tiny_lm, concurre
 
 class Faulty(GuessEnv):
     """The guess game, each step after a delay that differs by secret (calls finish out of order);
-    secret 3 raises at its step, secret 2 hangs past the step timeout, secret 5 raises at reset."""
+    secret 3 raises at its step, secret 2 hangs past the step timeout (until `release`, 10 s at most),
+    secret 5 raises at reset."""
+
+    release = threading.Event()
 
     def reset(self, sample, seed):
         if sample.answer == "5":
@@ -81,7 +84,7 @@ class Faulty(GuessEnv):
     def step(self, action):
         time.sleep((self.secret * 7 % 5) * 0.01)
         if self.secret == 2:
-            time.sleep(1.5)
+            self.release.wait(10)
         if self.secret == 3:
             raise RuntimeError("tool crashed")
         return super().step(action)
@@ -89,10 +92,16 @@ class Faulty(GuessEnv):
 
 def play(tok, concurrency: int):
     gen = Scripted(tok, binary_search_policy(tok))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = runner(tok, make_env=Faulty, timeout=0.4, max_concurrency=concurrency).run(
-            gen, prompts_of(tok, GUESS), GUESS, 2, Sampling(3, seed=11))
+    Faulty.release.clear()
+    # A timeout far above the steps' 0.04 s: on a loaded machine a step's thread can wait a second for a
+    # core, and a step that missed its timeout would be one more "error" in one run and not the other.
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = runner(tok, make_env=Faulty, timeout=3.0, max_concurrency=concurrency).run(
+                gen, prompts_of(tok, GUESS), GUESS, 2, Sampling(3, seed=11))
+    finally:
+        Faulty.release.set()  # the hung steps, abandoned by now, end
     return out, gen.requests, [str(w.message) for w in caught]
 
 
@@ -105,7 +114,7 @@ def test_concurrent_episodes_equal_the_serial_ones_faults_included(tiny_lm):
     pooled, pooled_requests, pooled_warnings = play(tok, 16)
     finish = serial.finish_reasons
     assert [finish[2 * (s - 1)] for s in (2, 3, 5)] == ["error"] * 3 and finish.count("stop") == 24
-    assert "0.4s" in serial.episodes[2].error and "tool crashed" in serial.episodes[4].error
+    assert "3s" in serial.episodes[2].error and "tool crashed" in serial.episodes[4].error
     assert pooled.completion_ids == serial.completion_ids and pooled.loss_masks == serial.loss_masks
     assert pooled.logprobs == serial.logprobs and pooled.finish_reasons == finish
     assert pooled.reward_info() == serial.reward_info()  # env rewards, turns, transcripts, last turns

@@ -4,7 +4,9 @@ others stop within a bounded time, naming it, instead of waiting forever."""
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +15,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from grpo.rollout.servers import free_port
 from tests import faults
 from tests.conftest import FAST, ROOT
 
@@ -91,11 +92,26 @@ def test_a_rank_that_finished_is_never_reported_silent(monkeypatch):
         rank1.close(done=True)
 
 
+def port_below_the_ephemeral_range() -> int:
+    """A port free now, below the kernel's ephemeral range (ip_local_port_range): seconds pass before rank
+    0 binds it, and in them no other process's port 0 bind or outgoing connection (another xdist
+    worker's servers and requests) can be given it, as they could one `free_port` picked."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for port in random.sample(range(low // 2, low), 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {low // 2}-{low - 1}")
+
+
 @pytest.mark.starts_process
 def test_a_killed_rank_is_named_and_the_other_stops(tmp_path, cache_dir):
     """Two ranks launched as srun would (rank variables, no torchrun agent to clean up after them);
     rank 1 is SIGKILLed mid-run. Rank 0 must exit on its own, naming rank 1, not hang."""
-    port = free_port()
+    port = port_below_the_ephemeral_range()
     procs, logs = [], []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
