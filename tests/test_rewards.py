@@ -444,6 +444,23 @@ def test_math_verify_refuses_a_ground_truth_it_cannot_read():
         is_equivalent("\\boxed{3}", "\\text{}")
 
 
+def test_a_ground_truth_past_math_verifys_timeout_is_tried_twice_and_said_to_have_timed_out(monkeypatch, caplog):
+    """A ground truth whose parse runs out of math-verify's time (here 1 s; an 800-term sum takes about 14 s)
+    is parsed once more, then refused saying it timed out, not that it cannot be read (a loaded machine
+    held a plain `(-1,2)` past the 5 s: "could not parse" sent its user to the dataset)."""
+    import logging
+
+    from grpo.rewards import math_answer
+
+    monkeypatch.setattr(math_answer, "TIMEOUT_S", 1)
+    long = "+".join(f"x_{{{i}}}^{{{i}}}" for i in range(800))
+    with caplog.at_level(logging.WARNING, logger="math_verify"):
+        with pytest.raises(ValueError, match=r"ran out of its 1 s twice parsing the ground truth 'x_\{0\}"):
+            math_answer.parse_gold(long)
+    assert sum("Timeout during parsing" in r.getMessage() for r in caplog.records) == 2
+    assert math_answer.parse_gold("(-1,2)")[1] == "(-1,2)"  # in time: read as before
+
+
 @pytest.mark.parametrize("override, message", [
     ("reward.rm.path=tiny_rm", "reward.rm.path='tiny_rm': reward.funcs has no rm, so nothing reads the setting"),
     ("reward.rm.tiny.steps=5", "reward.rm.tiny.steps=5: reward.funcs has no rm"),

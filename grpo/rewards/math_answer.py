@@ -27,7 +27,8 @@ number 48), and arithmetic with no `=` (`#### 48 + 24`) as written arithmetic; a
 
 math-verify's own timeouts use SIGALRM, which works only in the main thread. Rewards run in a
 worker thread (grpo.rewards cuts them off with `reward.timeout_s`), so there its timeouts are off;
-evaluation (`Task.is_correct`) runs in the main thread and keeps them (5 s per parse or compare).
+evaluation (`Task.is_correct`) runs in the main thread and keeps them (5 s per parse or compare; a parse
+that runs out of time is tried once more, `_timed_parse`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import functools
 import logging
 import re
 import threading
+import time
 import unicodedata
 
 TIMEOUT_S = 5  # math-verify's own limit, main thread only
@@ -145,18 +147,35 @@ def _timeout() -> int | None:
     return TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
-def _parse(text: str):
+def _timed_parse(text: str) -> tuple[list, bool]:
+    """math-verify's reading of `text`, and whether it ran out of time. A parse past its timeout reads
+    nothing (math-verify logs a warning), so one that did is tried once more: a process's first parse
+    warms sympy and the LaTeX grammar up, and a loaded machine can hold a plain `(-1,2)` past 5 s."""
     from math_verify import parse  # local: math_verify is heavy (sympy); grpo.config imports the reward registry
 
-    return parse(text, parsing_timeout=_timeout())
+    timeout = _timeout()
+    for _ in range(2):
+        start = time.monotonic()
+        parsed = parse(text, parsing_timeout=timeout)
+        timed_out = not parsed and timeout is not None and time.monotonic() - start >= timeout
+        if not timed_out:
+            break
+    return parsed, timed_out
+
+
+def _parse(text: str):
+    return _timed_parse(text)[0]
 
 
 @functools.lru_cache(maxsize=65536)  # each ground truth is compared with G completions per step
 def _parse_gold(answer: str) -> tuple:
     answer = normalize(answer, ground_truth=True)
     delimited = MATH_DELIMITER.search(answer) or "\\boxed" in answer
-    gold = _parse(answer if delimited else f"${answer}$")
-    if not gold:  # raised, so not cached: a parse that ran out of time is tried again
+    gold, timed_out = _timed_parse(answer if delimited else f"${answer}$")
+    if timed_out:  # raised, so not cached: a later call tries again
+        raise ValueError(f"math-verify ran out of its {TIMEOUT_S} s twice parsing the ground truth {answer!r} (a machine "
+                         "too loaded, or an answer too long to read): nothing was read from it")
+    if not gold:
         raise ValueError(f"math-verify could not parse the ground truth {answer!r}")
     return tuple(gold)
 
