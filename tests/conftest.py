@@ -8,6 +8,7 @@ import json
 import multiprocessing.process
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -161,6 +162,24 @@ def python_ctrl_c(request):
     if left is not signal.default_int_handler:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         warnings.warn(f"{request.node.nodeid} left SIGINT handled by {left!r}; put Python's default back")
+
+
+@pytest.fixture
+def refused_url():
+    """A maker of URLs on which nothing listens, each port held (bound, never listening) until the test
+    ends: a connection there is refused at once, and no other process (another xdist worker's server,
+    an outgoing connection) can be given the port meanwhile, as it could one `free_port` picked."""
+    held = []
+
+    def make() -> str:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        held.append(s)
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+    yield make
+    for s in held:
+        s.close()
 
 
 @pytest.fixture(scope="session")

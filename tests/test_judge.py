@@ -27,7 +27,6 @@ from grpo.eval import agreement
 from grpo.tiny.text import build_char_tokenizer
 from grpo.rewards.judge import Judge, answer_choices, check_choice_tokens, expected_score, judge_prompt, pattern_score
 from grpo.auth import JUDGE_TOKEN_ENV
-from grpo.rollout.servers import free_port
 from grpo.tasks import Sample
 from grpo.listeners import expect_served
 from tests.conftest import FAST, ROOT, compose_cfg, serve_tiny, server_scratch, stop_served
@@ -166,10 +165,10 @@ def test_each_api_asks_for_top_logprobs_of_the_first_answer_token():
         assert body.get("top_logprobs", body.get("logprobs")) == 7, body
 
 
-def test_a_request_that_failed_is_counted_as_failed_not_as_garbage():
+def test_a_request_that_failed_is_counted_as_failed_not_as_garbage(refused_url):
     """A judge no server answers (a closed port, no retry): its completion is None, counted once under
     `failed`; `garbage` counts only answers that came back without a score."""
-    cfg = compose_cfg("reward=judge", f"reward.judge.urls=[http://127.0.0.1:{free_port('127.0.0.1')}]",
+    cfg = compose_cfg("reward=judge", f"reward.judge.urls=[{refused_url()}]",
                       "reward.judge.retries=0", "reward.judge.min_scored=0", "reward.judge.model=m")
     judge = Judge(cfg.reward.judge, None)
     with pytest.warns(UserWarning, match="1 of 1 requests failed"):
@@ -422,12 +421,12 @@ def test_identical_pairs_are_asked_once(server):
     assert judge.stats["requests"] == 3 and values == values[:3] * 3
 
 
-def test_a_dead_servers_share_goes_to_the_live_one(server):
+def test_a_dead_servers_share_goes_to_the_live_one(server, refused_url):
     """One URL answers, one does not (nothing listens there): every completion is still scored, the
     failed requests retried on the live server."""
     completions, samples = batch()
     judge = make_judge([server["url"]], "reward.judge.rating=[0,9]", "reward.judge.min_scored=0")
-    judge.servers.append(type(judge.servers[0])(f"http://127.0.0.1:{free_port()}", TOKEN, 5))
+    judge.servers.append(type(judge.servers[0])(refused_url(), TOKEN, 5))
     judge.in_flight.append(0)
     judge.latency.append(0.0)
     alone = make_judge([server["url"]], "reward.judge.rating=[0,9]")(completions, samples)
@@ -435,9 +434,9 @@ def test_a_dead_servers_share_goes_to_the_live_one(server):
     assert values == pytest.approx(alone) and judge.stats["retries"] >= 1 and judge.stats["failed"] == 0, judge.stats
 
 
-def test_a_dead_judge_excludes_with_a_warning_then_stops_the_run(server):
+def test_a_dead_judge_excludes_with_a_warning_then_stops_the_run(server, refused_url):
     completions, samples = batch()
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = refused_url()
     judge = make_judge([dead], "reward.judge.min_scored=0", "reward.judge.model=m", healthy=False)
     with pytest.warns(UserWarning, match=r"6 of 6 requests failed after 1 retries.*unreachable"):
         assert judge(completions, samples) == [None] * 6
@@ -587,7 +586,7 @@ def test_a_wrong_token_stops_at_once(server):
     assert time.monotonic() - t0 < 10  # no retries
 
 
-def test_doctor_checks_a_configured_judge(server, monkeypatch):
+def test_doctor_checks_a_configured_judge(server, monkeypatch, refused_url):
     """`grpo.doctor --judge ...`: the live judge scores a right and a wrong answer (PASS, both scores in
     the row); a judge nothing answers at is a FAIL row naming it."""
     from grpo.doctor import check_judge, main
@@ -597,7 +596,7 @@ def test_doctor_checks_a_configured_judge(server, monkeypatch):
               "reward.judge.min_choice_mass=0"]  # the random judge's mass on the digits is small
     result = check_judge([f"reward.judge.urls=[{server['url']}]", *common])
     assert result.ok and re.search(r"13\+54=067 scored \d\.\d{3}, 13\+54=068 scored \d\.\d{3}", result.detail), result.detail
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = refused_url()
     assert main(["--only", "judge", "--judge", f"reward.judge.urls=[{dead}]", "reward.judge.health_timeout_s=2", *common]) == 1
 
 

@@ -25,7 +25,7 @@ from grpo.errors import ServerError
 from grpo.rollout.remote import RemoteBackend
 from grpo.rollout import Sampling
 from grpo.endpoints import split_by_load
-from grpo.rollout.servers import ServerPool, free_port
+from grpo.rollout.servers import ServerPool
 from grpo.rollout.vllm_api import installed, vllm_api
 from tests.conftest import ROOT, measured, serve_tiny, server_scratch, stop_served
 from grpo.listeners import expect_served
@@ -99,8 +99,8 @@ def test_split_by_load_keeps_groups_and_follows_speed():
     # prompts are split, never completions: with n samples per prompt each range carries whole groups
 
 
-def test_unreachable_server_is_a_clear_error():
-    cfg = backend_cfg(f"http://127.0.0.1:{free_port()}", health_timeout_s=2)
+def test_unreachable_server_is_a_clear_error(refused_url):
+    cfg = backend_cfg(refused_url(), health_timeout_s=2)
     with pytest.raises(ServerError, match="did not become healthy in time.*unreachable"):
         RemoteBackend(cfg, None, None)
 

@@ -21,7 +21,6 @@ from grpo.rewards.rm import build, check
 from grpo.rewards.served_rm import ServedRewardModel
 from grpo.auth import RM_TOKEN_ENV
 from grpo.endpoints import Server
-from grpo.rollout.servers import free_port
 from grpo.tasks import Sample
 from tests.conftest import compose_cfg, serve_tiny, stop_served
 from grpo.listeners import expect_served
@@ -91,7 +90,7 @@ def test_the_server_refuses_a_request_without_the_token(rm_server, rm_dir, monke
         build(rm_cfg(rm_dir, f"reward.rm.urls=[{rm_server}]"))
 
 
-def test_a_dead_server_scores_its_share_none_with_a_warning(rm_server, rm_dir, monkeypatch):
+def test_a_dead_server_scores_its_share_none_with_a_warning(rm_server, rm_dir, monkeypatch, refused_url):
     """Two servers, the second gone after the build: its half of the batch scores None with a warning
     naming it; the first half keeps its scores; the reward wrapper fails those completions (a model
     reward never abstains: NaN, excluded whatever the other functions say), no retry."""
@@ -99,7 +98,7 @@ def test_a_dead_server_scores_its_share_none_with_a_warning(rm_server, rm_dir, m
 
     monkeypatch.setenv(RM_TOKEN_ENV, TOKEN)
     served = build(rm_cfg(rm_dir, f"reward.rm.urls=[{rm_server}]"))
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = refused_url()
     alone = served.scores([p + c for p, c in PAIRS])
     served.servers.append(Server(dead, TOKEN, 5.0))
     samples = [Sample(prompt=p, answer="") for p, _ in PAIRS]
@@ -123,8 +122,8 @@ def test_a_text_longer_than_the_servers_context_scores_none_counted(rm_server, r
     assert [values[0], values[2]] == pytest.approx(served.scores([texts[0], texts[2]]), abs=TOLERANCE)
 
 
-def test_a_server_that_never_answers_is_an_error_at_build(rm_dir):
-    dead = f"http://127.0.0.1:{free_port()}"
+def test_a_server_that_never_answers_is_an_error_at_build(rm_dir, refused_url):
+    dead = refused_url()
     with pytest.raises(ServerError, match=rf"reward model server {dead} did not become healthy in time"):
         build(rm_cfg(rm_dir, f"reward.rm.urls=[{dead}]", "reward.rm.health_timeout_s=2"))
 

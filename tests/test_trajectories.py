@@ -340,19 +340,19 @@ def test_a_guess_run_with_partial_rollouts_through_remote(server, make_cfg, monk
     assert all(r["async/staleness_max"] <= 1 for r in trained)
 
 
-def test_a_failed_request_ends_only_its_trajectories(server, remote):
+def test_a_failed_request_ends_only_its_trajectories(server, remote, refused_url):
     """Two pool entries, the second pointed at a closed port after the health checks, its watch saying
     nothing of a death (a transient failure): the prompts routed there end as 'error' (reward None, one
     warning for the batch), the others' episodes are whole. With every request failing the batch fails,
     naming the first error. (A server known dead stops the batch at once: the test below.)"""
     from grpo.auth import load_token
-    from grpo.rollout.servers import ServerPool, free_port
+    from grpo.rollout.servers import ServerPool
     from grpo.rollout.trajectories import TrajectoryDriver
 
     _, _, tok = remote
     pool = ServerPool([server["url"], server["url"]], load_token(None), 60, 60, can_push=False, log=None)
     try:
-        pool.servers[1].url = f"http://127.0.0.1:{free_port()}"
+        pool.servers[1].url = refused_url()
         for s in pool.servers:  # a failure that does not say the server died (a refused connection is ServerGone)
             s.watch = lambda: None
         prompts, samples = batch(tok)
@@ -369,19 +369,19 @@ def test_a_failed_request_ends_only_its_trajectories(server, remote):
         pool.close()
 
 
-def test_a_dead_server_stops_the_episode_batch(server, remote):
+def test_a_dead_server_stops_the_episode_batch(server, remote, refused_url):
     """A server whose engine is known dead (its `watch` says so, as a dedicated engine's exit does)
     fails the batch with ServerGone, naming why: its trajectories do not end as 'error' one by one while
     the run goes on with half a batch, every later batch failing the same way."""
     from grpo.auth import load_token
     from grpo.endpoints import ServerGone
-    from grpo.rollout.servers import ServerPool, free_port
+    from grpo.rollout.servers import ServerPool
     from grpo.rollout.trajectories import TrajectoryDriver
 
     _, _, tok = remote
     pool = ServerPool([server["url"], server["url"]], load_token(None), 60, 60, can_push=False, log=None)
     try:
-        pool.servers[1].url = f"http://127.0.0.1:{free_port()}"
+        pool.servers[1].url = refused_url()
         said = iter([None])  # the version check before the batch finds it silent; then its death is known
         pool.servers[1].watch = lambda: next(said, "its process exited (exit code 1)")
         prompts, samples = batch(tok)
