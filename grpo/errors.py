@@ -30,6 +30,11 @@ class ClusterError(ConfigError):
     """The SLURM cluster cannot run this request; the message says what it has and what to change."""
 
 
+class Unjudged(RuntimeError):
+    """A task's answer check that could not decide (math-verify out of its time twice reading or comparing a
+    completion, main thread only): evaluation counts the completion wrong and says how many (`eval/unjudged`)."""
+
+
 class ServerError(RuntimeError):
     """A rollout server that cannot be reached or answers with an error (`status`: its HTTP code)."""
 

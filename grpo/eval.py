@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from math import comb
 
 import hydra
@@ -22,7 +23,7 @@ from omegaconf import DictConfig
 from grpo.cli import compose_first, exit_on_user_error
 from grpo.config import register_configs, validate
 from grpo.dist import DistInfo, all_gather, all_reduce_sum, dist_info, init_distributed, shutdown
-from grpo.errors import RewardStop
+from grpo.errors import RewardStop, Unjudged
 from grpo.log import dumps, write_json
 from grpo.models import build_policy, encode_prompts
 from grpo.rewards import MODEL_REWARDS, is_scored, score
@@ -63,7 +64,8 @@ def evaluate(rollout, tokenizer, task, cfg, info: DistInfo, reward_fns=()) -> di
     With an environment each prompt is played as an episode, through the same driver as training
     (the backend's `submit`), and its final turn is judged (an episode that failed as ""). Each model reward
     among `reward_fns` (a reward model, a judge) scores the greedy completions too, its running
-    statistics left as they are, and its agreement with the task's rule is logged (`agreement`)."""
+    statistics left as they are, and its agreement with the task's rule is logged (`agreement`). A completion
+    the task's check could not judge (`Unjudged`) is counted wrong and counted (`eval/unjudged`, a warning)."""
     samples = task.eval[info.rank :: info.world_size]
     prompt_ids = encode_prompts(tokenizer, samples, task.chat_template, task.system_prompt)
 
@@ -74,22 +76,39 @@ def evaluate(rollout, tokenizer, task, cfg, info: DistInfo, reward_fns=()) -> di
         texts = [t if reason != "error" else "" for t, reason in zip(out.texts(tokenizer), out.finish_reasons)]
         return texts, out.turns(), sum(reason == "error" for reason in out.finish_reasons)
 
+    unjudged: list[str] = []
+
+    def judge(text: str, sample) -> bool:
+        """The task's check; one that could not decide (`Unjudged`) is counted wrong, and counted."""
+        try:
+            return task.is_correct(text, sample)
+        except Unjudged as e:
+            unjudged.append(str(e))
+            return False
+
     texts, turns, errors = play(1, sampling_from(cfg.rollout, greedy=True))
     greedy = texts
-    solved = [task.is_correct(t, s) for t, s in zip(texts, samples)]
+    solved = [judge(t, s) for t, s in zip(texts, samples)]
     sums = [sum(solved), len(samples), sum(k for k, ok in zip(turns, solved) if ok), errors]
     n = cfg.eval_samples
     ks = [k for k in (2**i for i in range(10)) if k <= n] if n > 1 else []
+    passes = []
     if ks:
         texts, _, _ = play(n, sampling_from(cfg.rollout))
-        correct = [sum(task.is_correct(texts[p * n + j], s) for j in range(n)) for p, s in enumerate(samples)]
-        sums += [sum(pass_at_k(n, c, k) for c in correct) for k in ks]
-    total = all_reduce_sum(sums)
+        correct = [sum(judge(texts[p * n + j], s) for j in range(n)) for p, s in enumerate(samples)]
+        passes = [sum(pass_at_k(n, c, k) for c in correct) for k in ks]
+    total = all_reduce_sum(sums + [len(unjudged)] + passes)
     metrics = {"eval/accuracy": total[0] / total[1]}
     if rollout.episodes is not None:  # turns per solved episode (guess: binary search takes 3.27)
         metrics["eval/turns_per_solve"] = total[2] / total[0] if total[0] else float("nan")
         metrics["eval/episode_errors"] = total[3]  # counted wrong above: an environment that fails lowers accuracy
-    metrics.update({f"eval/pass@{k}": v / total[1] for k, v in zip(ks, total[4:])})
+    if total[4]:  # every rank has the same total, so the same keys
+        metrics["eval/unjudged"] = total[4]
+        if info.is_main:
+            warnings.warn(f"{int(total[4])} eval completions could not be judged and were counted wrong, so eval/accuracy "
+                          f"(and pass@k) is a lower bound; {unjudged[0] if unjudged else 'on another rank'} (a loaded "
+                          "machine: evaluate with fewer processes beside it)", stacklevel=2)
+    metrics.update({f"eval/pass@{k}": v / total[1] for k, v in zip(ks, total[5:])})
     for name, fn, _ in reward_fns:
         if name in MODEL_REWARDS:
             # a reward model's running normalisation learns from training batches only

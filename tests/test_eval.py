@@ -64,6 +64,26 @@ def test_evaluate_scores_greedy_accuracy_and_pass_at_k_by_hand(tiny_lm):
     assert backend.requests == [(["1+1=", "2+2=", "3+3="], 1, 0.0), (["1+1=", "2+2=", "3+3="], 4, 0.7)]
 
 
+def test_a_completion_math_verify_cannot_judge_in_time_counts_wrong_and_is_counted(tiny_lm, monkeypatch):
+    """A completion whose answer math-verify cannot read within its time (here 1 s; this 800-term sum takes
+    about 14 s) twice is counted wrong and counted, with a warning: it was read as no answer, wrong with
+    nothing said. Greedy: 2 (right), the sum, 6 (right): accuracy 2/3. The 2 samples a prompt hold c = 1, 1
+    (its sum uncounted), 0 right ones: pass@1 = (1/2 + 1/2 + 0)/3 = 1/3, pass@2 = 2/3; 2 unjudged."""
+    from grpo.rewards import math_answer
+
+    monkeypatch.setattr(math_answer, "TIMEOUT_S", 1)
+    _, tok = tiny_lm
+    long = "\\boxed{" + "+".join(f"x_{{{i}}}^{{{i}}}" for i in range(800)) + "}"
+    backend = Scripted(tok, greedy={"1+1=": "2", "2+2=": long, "3+3=": "6"},
+                       sampled={"1+1=": ["2", "3"], "2+2=": ["4", long], "3+3=": ["0", "0"]})
+    task = Task("sums", SUMS, SUMS, chat_template="never",
+                is_correct=lambda completion, s: math_answer.is_equivalent(completion, s.answer))
+    with pytest.warns(UserWarning, match=r"2 eval completions could not be judged and were counted wrong, so "
+                      r"eval/accuracy \(and pass@k\) is a lower bound; math-verify ran out of its 1 s twice reading"):
+        metrics = evaluate(backend, tok, task, compose_cfg("eval_samples=2", "rollout.temperature=0.7"), DistInfo())
+    assert metrics == pytest.approx({"eval/accuracy": 2 / 3, "eval/unjudged": 2, "eval/pass@1": 1 / 3, "eval/pass@2": 2 / 3})
+
+
 def test_each_rank_evaluates_its_own_share_of_the_prompts(tiny_lm):
     """Rank 1 of 2 plays prompts 1, 3, ... of the held-out split (here the second of three), rank 0 the others:
     a rank that played from its index on would count prompt 3 twice across the ranks."""

@@ -135,11 +135,11 @@ def sums_task() -> Task:
 def test_accuracy_and_pass_at_k_divide_every_ranks_sums_by_every_ranks_prompts(tiny_lm, monkeypatch):
     """Rank 0's 3 prompts (tests/test_eval.py's: greedy 2 of 3; pass@1, @2, @4 sums 1/4 + 2/4 + 0 = 3/4,
     1/2 + 5/6 + 0 = 4/3, 1 + 1 + 0 = 2) and another rank's one prompt, solved greedily and by all 4
-    samples ([1 solved, 1 prompt, 1 turn, 0 errors, 1, 1, 1]): accuracy (2 + 1) / 4 = 3/4, pass@1
+    samples ([1 solved, 1 prompt, 1 turn, 0 errors, 0 unjudged, 1, 1, 1]): accuracy (2 + 1) / 4 = 3/4, pass@1
     (3/4 + 1) / 4 = 7/16, pass@2 (4/3 + 1) / 4 = 7/12, pass@4 (2 + 1) / 4 = 3/4. Dividing by this
     rank's own count (3 prompts), or reading this rank's sums, gave each rank its own figures."""
     _, tok = tiny_lm
-    other = [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+    other = [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
     monkeypatch.setattr(grpo_eval, "all_reduce_sum", lambda v: [a + b for a, b in zip(v, other, strict=True)])
     cfg = compose_cfg("eval_samples=4", "rollout.temperature=0.7")
     metrics = evaluate(Scripted(tok, greedy=GREEDY, sampled=SAMPLED), tok, sums_task(), cfg, DistInfo())

@@ -461,6 +461,24 @@ def test_a_ground_truth_past_math_verifys_timeout_is_tried_twice_and_said_to_hav
     assert math_answer.parse_gold("(-1,2)")[1] == "(-1,2)"  # in time: read as before
 
 
+def test_a_comparison_past_math_verifys_timeout_is_tried_twice_then_unjudged(monkeypatch, caplog):
+    """A completion's answer math-verify reads but cannot compare with the ground truth within its time (here
+    1 s; two 2000-factor products take about 36 s, 2 s once sympy has cached them) is compared once more,
+    then `Unjudged`: math-verify answers a comparison past its time False, a right answer read as wrong
+    with nothing said (evaluation counts it, test_eval)."""
+    import logging
+
+    from grpo.errors import Unjudged
+    from grpo.rewards import math_answer
+
+    monkeypatch.setattr(math_answer, "TIMEOUT_S", 1)
+    with caplog.at_level(logging.WARNING, logger="math_verify"):
+        with pytest.raises(Unjudged, match=r"ran out of its 1 s twice comparing the completion's answer with '\\\\prod"):
+            math_answer.is_equivalent("\\boxed{\\prod_{k=1}^{2000} (x+k+1)}", "\\prod_{k=1}^{2000} (x+k)")
+    assert sum("Timeout during comparison" in r.getMessage() for r in caplog.records) == 2
+    assert math_answer.is_equivalent("\\boxed{\\frac{1}{2}}", "0.5")  # in time: judged as before
+
+
 @pytest.mark.parametrize("override, message", [
     ("reward.rm.path=tiny_rm", "reward.rm.path='tiny_rm': reward.funcs has no rm, so nothing reads the setting"),
     ("reward.rm.tiny.steps=5", "reward.rm.tiny.steps=5: reward.funcs has no rm"),

@@ -27,8 +27,10 @@ number 48), and arithmetic with no `=` (`#### 48 + 24`) as written arithmetic; a
 
 math-verify's own timeouts use SIGALRM, which works only in the main thread. Rewards run in a
 worker thread (grpo.rewards cuts them off with `reward.timeout_s`), so there its timeouts are off;
-evaluation (`Task.is_correct`) runs in the main thread and keeps them (5 s per parse or compare; a parse
-that runs out of time is tried once more, `_timed_parse`).
+evaluation (`Task.is_correct`) runs in the main thread and keeps them (5 s per parse or compare). A parse or a
+comparison that runs out of time reads as nothing or as unequal there, so it is tried once more (`_timed`);
+out of time twice, a ground truth is refused and a completion is `Unjudged` (evaluation counts it wrong and
+says how many), never silently wrong.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import re
 import threading
 import time
 import unicodedata
+
+from grpo.errors import Unjudged
 
 TIMEOUT_S = 5  # math-verify's own limit, main thread only
 # a `$` that opens LaTeX math; `\$` is a dollar sign (MATH's `\$18.90`), not a delimiter
@@ -147,24 +151,25 @@ def _timeout() -> int | None:
     return TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
-def _timed_parse(text: str) -> tuple[list, bool]:
-    """math-verify's reading of `text`, and whether it ran out of time. A parse past its timeout reads
-    nothing (math-verify logs a warning), so one that did is tried once more: a process's first parse
-    warms sympy and the LaTeX grammar up, and a loaded machine can hold a plain `(-1,2)` past 5 s."""
-    from math_verify import parse  # local: math_verify is heavy (sympy); grpo.config imports the reward registry
-
+def _timed(call):
+    """`call(timeout)`'s answer, and whether it ran out of math-verify's time twice. Past its timeout a parse
+    reads nothing and a comparison answers False (math-verify logs a warning), so a falsy answer that took the
+    whole timeout is tried once more: a process's first parse warms sympy and the LaTeX grammar up, and a
+    loaded machine can hold a plain `(-1,2)` past 5 s."""
     timeout = _timeout()
     for _ in range(2):
         start = time.monotonic()
-        parsed = parse(text, parsing_timeout=timeout)
-        timed_out = not parsed and timeout is not None and time.monotonic() - start >= timeout
+        answer = call(timeout)
+        timed_out = not answer and timeout is not None and time.monotonic() - start >= timeout
         if not timed_out:
             break
-    return parsed, timed_out
+    return answer, timed_out
 
 
-def _parse(text: str):
-    return _timed_parse(text)[0]
+def _timed_parse(text: str) -> tuple[list, bool]:
+    from math_verify import parse  # local: math_verify is heavy (sympy); grpo.config imports the reward registry
+
+    return _timed(lambda timeout: parse(text, parsing_timeout=timeout))
 
 
 @functools.lru_cache(maxsize=65536)  # each ground truth is compared with G completions per step
@@ -256,14 +261,20 @@ def written_arithmetic(parsed: list) -> bool:
 
 def is_equivalent(completion: str, answer: str) -> bool:
     """True when math-verify finds the completion's final answer equal to `answer` (plain or LaTeX),
-    written as a value (not `7 + 1` for 8, unless `answer` is written so)."""
-    from math_verify import verify  # local: as in _parse
+    written as a value (not `7 + 1` for 8, unless `answer` is written so); `Unjudged` when it ran out of
+    its time twice (main thread only)."""
+    from math_verify import verify  # local: as in _timed_parse
 
     gold = parse_gold(answer)
-    pred = _parse(normalize(completion))
+    pred, timed_out = _timed_parse(normalize(completion))
+    if timed_out:
+        raise Unjudged(f"math-verify ran out of its {TIMEOUT_S} s twice reading the completion's answer")
     if not pred or (written_arithmetic(pred) and not written_arithmetic(gold)):
         return False
-    return verify(gold, pred, timeout_seconds=_timeout())
+    equal, timed_out = _timed(lambda timeout: verify(gold, pred, timeout_seconds=timeout))
+    if timed_out:
+        raise Unjudged(f"math-verify ran out of its {TIMEOUT_S} s twice comparing the completion's answer with {answer!r}")
+    return equal
 
 
 def math_verify(completions: list[str], samples: list, **_) -> list[float]:
