@@ -76,7 +76,8 @@ class JudgeConfig:
     score: str = "logprobs"  # logprobs: expected value over `choices` at the first token | pattern: a match in the text
     choices: dict[str, float] = field(default_factory=dict)  # answer token -> score; empty: {yes: 1, no: 0}
     rating: Optional[list[int]] = None  # [low, high]: the numbers low..high as the choices, each its own value (not `choices`)
-    pattern: str = r"(-?(?:\d+(?:\.\d+)?|\.\d+))"  # score=pattern: its first group, a choice's name or a number; every match must agree
+    # score=pattern: its first group that took part, a choice's name or a number; every match must agree
+    pattern: str = r"(-?(?:\d+(?:\.\d+)?|\.\d+))"
     max_tokens: Optional[int] = None  # the judge's answer length; null: 1 under logprobs, 16 under pattern
     top_logprobs: int = 20  # score=logprobs: tokens read at the first position (vLLM's default cap is 20)
     min_choice_mass: float = 0.5  # score=logprobs: less probability than this on the choices is a garbage answer

@@ -124,6 +124,19 @@ def test_local_file_types_and_missing_file(tmp_path):
         build_task(task_cfg(name="gsm8k", path=str(tmp_path / "nope.parquet"), eval_size=1))
 
 
+def test_a_jsonl_file_with_a_byte_order_mark_is_read(tmp_path):
+    """A UTF-8 file saved with a BOM (Windows Notepad, PowerShell's Out-File): its first row is valid JSON, not
+    "not valid JSON (Unexpected UTF-8 BOM); fix or remove that line"."""
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in GSM8K).encode())
+    task = build_task(task_cfg(name="gsm8k", path=str(path), eval_size=2))
+    assert len(task.train) + len(task.eval) == len(GSM8K)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "2+2=", "answer": "4"}\n{"prompt": "3+3=", "answer": 6}\n')
+    task = build_task(task_cfg(name="jsonl", path=str(rows), eval_size=1))
+    assert sorted(s.answer for s in task.train + task.eval) == ["4", "6"]
+
+
 def test_hub_failure_says_how_to_use_local_files(monkeypatch):
     import datasets.config
     import huggingface_hub.constants
@@ -215,6 +228,16 @@ def test_a_held_out_ground_truth_math_verify_cannot_read_names_its_row(tmp_path)
     held = write_jsonl(tmp_path / "g.jsonl", [GSM8K[0], {"question": "q", "answer": "#### \\text{}"}])
     with pytest.raises(DatasetError, match=r"g\.jsonl:2: math-verify could not parse the ground truth"):
         build_task(task_cfg(name="gsm8k", path=write_jsonl(tmp_path / "d.jsonl", GSM8K), eval_path=held, eval_size=2))
+
+
+def test_a_jsonl_held_out_answer_math_verify_cannot_read_is_refused_at_build(tmp_path):
+    """task=jsonl task.correct=math_verify: a held-out answer math-verify reads nothing of stopped the run at
+    the first evaluation (ValueError, no file named), where gsm8k and math refuse it when the task is built."""
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(4)])
+    held = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "7+1=", "answer": "8"}, {"prompt": "q", "answer": "\\text{}"}])
+    with pytest.raises(DatasetError, match=r"e\.jsonl: the held-out row with prompt 'q': math-verify could not parse"):
+        build_task(task_cfg(name="jsonl", path=train, eval_path=held, eval_size=2, correct="math_verify"))
+    assert len(build_task(task_cfg(name="jsonl", path=train, eval_path=held, eval_size=2)).eval) == 2  # exact: as written
 
 
 def test_countdown_task_holds_out_rows_and_checks_equations(tmp_path):

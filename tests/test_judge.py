@@ -98,6 +98,31 @@ def test_pattern_score_and_the_prompt():
     assert judge_prompt("Q {prompt} A {completion} R {answer}", "1+1=", "{answer}", "2") == "Q 1+1= A {answer} R 2"
 
 
+def test_a_pattern_whose_first_group_did_not_take_part_reads_the_group_that_did():
+    """`(yes|no)|Score: (\\d)`: a judge answering "Score: 1" matched the second alternative, whose group 1 is
+    None; reading it raised AttributeError in the judge's thread, which failed the whole batch."""
+    verdict_or_score = re.compile(r"(?i)\b(yes|no)\b|Score:\s*(\d)")
+    choices = {"yes": 1.0, "no": 0.0}
+    assert pattern_score("Score: 1", verdict_or_score, choices) == 1.0
+    assert pattern_score("No.", verdict_or_score, choices) == 0.0
+    assert pattern_score("Yes. Score: 0", verdict_or_score, choices) is None  # they disagree
+    assert pattern_score("Score: n/a", re.compile(r"Score:\s*(\d+)?"), {}) is None  # no group took part: garbage
+    cfg = compose_cfg("reward=judge", "reward.judge.urls=[http://127.0.0.1:1]", "reward.judge.score=pattern",
+                      "reward.judge.model=m", "reward.judge.pattern='" + verdict_or_score.pattern + "'")
+    judge = Judge(cfg.reward.judge, None)
+    said = {"a": "Yes.", "b": "No.", "c": "Score: 1", "d": "yes"}
+
+    class Stub:  # a judge server that answers each completion's verdict
+        url = "stub"
+
+        def request(self, path, body):
+            completion = body["messages"][0]["content"].split("Proposed answer: ")[1][0]
+            return {"choices": [{"message": {"content": said[completion]}, "finish_reason": "stop"}]}
+
+    judge.servers = [Stub()]
+    assert judge(list("abcd"), [Sample("q", "x")] * 4) == [1.0, 0.0, 1.0, 1.0]
+
+
 def test_a_choice_the_judges_tokenizer_splits_is_refused():
     """The review's example: under rating [1, 10] a digit-splitting tokenizer (the tiny model's, like
     Qwen2's) cannot answer "10" in one token, so a judge sure of 10 puts its mass on the token "1":

@@ -241,6 +241,25 @@ def test_a_folder_without_a_one_label_score_head_is_refused_at_load(random_rm, t
         load_reward_model(str(tmp_path / "policy"), "float32")
 
 
+def test_a_folder_whose_config_names_another_pad_id_than_its_tokenizer_scores_each_text_as_alone(random_rm, tmp_path):
+    """A reward model whose config.pad_token_id (here <unk>) is not its tokenizer's pad token (<pad>): the
+    rows are padded with the tokenizer's, so the model must look for that one, else a short row's score is
+    read at a pad token and depends on its batch."""
+    model, tok = random_rm
+    config = copy.deepcopy(model.config)
+    config.pad_token_id = tok.unk_token_id
+    torch.manual_seed(0)
+    from transformers import Qwen2ForSequenceClassification
+
+    Qwen2ForSequenceClassification(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded, loaded_tok = load_reward_model(str(tmp_path), "float32")
+    texts = ["1+1=2", "a much longer text than the others"]
+    with torch.no_grad():
+        alone = [loaded(**loaded_tok(t, return_tensors="pt")).logits[0, 0].item() for t in texts]
+    assert RewardModel(loaded, loaded_tok, max_tokens=10_000).scores(texts) == pytest.approx(alone, abs=1e-5)
+
+
 def test_an_attention_call_from_another_thread_is_not_routed_into_an_active_split(random_rm):
     """While the trainer's thread runs a split micro-batch, a forward from any other thread (an
     abandoned reward model's) takes the model's own attention: the split's all-to-alls are the group's

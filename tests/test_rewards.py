@@ -439,6 +439,15 @@ def test_math_verify(completion, answer, value):
     assert is_equivalent(completion, answer) == bool(value)  # the tasks' eval check: the same rule
 
 
+def test_a_ground_truth_in_e_notation_is_the_number_not_eulers_e():
+    """str() of a float answer column (1e-05) and a JSON number written 1e5 (kept as written): math-verify
+    read the lowercase e as Euler's number (5e, e - 5), which no right answer equals."""
+    for answer, written in (("1e5", "100000"), ("1e-05", "0.00001"), ("2.5e3", "2500"), ("-1e-05", "-0.00001"),
+                            ("1.5e+16", "15000000000000000"), ("1E5", "100000")):
+        assert is_equivalent(f"\\boxed{{{written}}}", answer), answer
+        assert not is_equivalent("\\boxed{e}", answer), answer
+
+
 def test_math_verify_refuses_a_ground_truth_it_cannot_read():
     with pytest.raises(ValueError, match=r"could not parse the ground truth '\\\\text\{\}'"):
         is_equivalent("\\boxed{3}", "\\text{}")

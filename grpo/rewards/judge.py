@@ -102,7 +102,10 @@ def pattern_score(text: str, pattern: re.Pattern, choices: dict[str, float], rat
     matches = list(pattern.finditer(text))
     if not matches or (cut and text[matches[-1].end():] in ("", ".", ",")):
         return None
-    values = {match_value(m.group(1) if m.groups() else m.group(0), choices, rating) for m in matches} - {None}
+    # its first group that took part in the match: in `(yes|no)|Score: (\d)` group 1 is None for "Score: 7",
+    # and in `Score: (\d+)?` for "Score: n/a" (no group took part: it reads nothing)
+    found = [m.group(0) if not m.groups() else next((g for g in m.groups() if g is not None), None) for m in matches]
+    values = {match_value(f, choices, rating) for f in found if f is not None} - {None}
     return values.pop() if len(values) == 1 else None
 
 

@@ -41,6 +41,7 @@ import re
 import threading
 import time
 import unicodedata
+from decimal import Decimal
 
 from grpo.errors import Unjudged
 
@@ -80,6 +81,9 @@ BOXED_FLAT = re.compile(r"\\boxed\{([^{}]*)\}")  # a \boxed{} without nested bra
 SUPERSCRIPT_DIGITS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻", "0123456789-")
 SUPERSCRIPT = re.compile("⁻?[⁰¹²³⁴⁵⁶⁷⁸⁹]+")
 ARABIC_SEPARATORS = {"\u066b": ".", "\u066c": ","}  # ٫ ٬
+# a number in E notation, as Python and JSON write one (str(1e-05), a JSON 1e5): math-verify reads a lowercase
+# `e` as Euler's number (1e5 as 5e, 1e-05 as e - 5)
+E_NOTATION = re.compile(r"\s*[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+\s*")
 WHOLE_DIVISION = re.compile(r"\\frac\{\s*(\d+)\s*\}\{\s*(\d+)\s*\}|(?<![\d.])(\d+)\s*(?:/|\\div)\s*(\d+)(?![\d.])")
 
 
@@ -137,6 +141,8 @@ def normalize(text: str, ground_truth: bool = False) -> str:
     """The forms math-verify reads (the module's docstring). A plain space joins digit groups only in a
     ground truth and inside a `\\boxed{}`: in a completion's prose "3 100-dollar bills" is two numbers."""
     text = _ascii_forms(text.replace("\u2212", "-"))
+    if ground_truth and E_NOTATION.fullmatch(text):  # a ground truth that is one number: written out (1e5 as 100000)
+        return format(Decimal(text.strip()), "f")
     if not ground_truth and "\\boxed" not in text and (answer := hashes_answer(text)) is not None:  # a \boxed{} wins
         return answer
     groups = SPACED_GROUPS if ground_truth else THIN_GROUPS

@@ -11,6 +11,8 @@ import random
 from grpo.errors import DatasetError
 from grpo.rewards.math_answer import is_equivalent
 from grpo.tasks.base import Sample, Task, exact_answer, hold_out, without_held_out
+from grpo.tasks.dataset_task import RowError
+from grpo.tasks.math_problems import check_ground_truth
 from grpo.tasks.rows import WrittenFloat, read_jsonl_rows
 
 __all__ = ["DatasetError", "build_jsonl", "read_jsonl"]
@@ -56,6 +58,13 @@ def build_jsonl(cfg) -> Task:
         held_out = held_out[: cfg.eval_size]
     else:
         train, held_out = hold_out(samples, cfg.eval_size, cfg.seed, DatasetError, f"{cfg.path}: ")
+    if cfg.get("correct", "exact") == "math_verify":  # as gsm8k's and math's: now, not at the first evaluation
+        for sample in held_out:
+            try:
+                check_ground_truth(sample)
+            except RowError as e:
+                raise DatasetError(f"{cfg.eval_path or cfg.path}: the held-out row with prompt {sample.prompt[:60]!r}: "
+                                   f"{e}") from e
     train = without_held_out(train, held_out, f"{cfg.path}: ")
     correct = {"exact": exact_answer, "math_verify": lambda completion, s: is_equivalent(completion, s.answer)}
     return Task("jsonl", train=train, eval=held_out, is_correct=correct[cfg.get("correct", "exact")],

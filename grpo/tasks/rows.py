@@ -30,9 +30,10 @@ class WrittenFloat(float):
 
 
 def read_jsonl_rows(path: str) -> list[Row]:
-    """One JSON object per line; blank lines are allowed, anything else that is not an object is an error."""
+    """One JSON object per line (UTF-8, with or without a byte-order mark); blank lines are allowed, anything
+    else that is not an object is an error."""
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Notepad, PowerShell) is no part of line 1
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
