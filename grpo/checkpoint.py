@@ -14,6 +14,7 @@ import random
 import shutil
 import socket
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -151,6 +152,17 @@ def remove_leftovers(folder: str) -> None:
             shutil.rmtree(os.path.join(parent, d), ignore_errors=True)
 
 
+def replace_folder(tmp: str, folder: str) -> None:
+    """`tmp` (written whole) renamed to `folder`; an earlier `folder` is first renamed aside, as a leftover
+    `remove_leftovers` removes, and removed only once the new one is in place: a kill at any moment leaves
+    `folder` whole, the earlier one or the new one, never half of one (an rmtree in place left half)."""
+    old = f"{folder}.tmp-old-{os.getpid()}"
+    if os.path.exists(folder):
+        os.rename(folder, old)
+    os.rename(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def latest_checkpoint(run_dir: str) -> str | None:
     """The checkpoint `latest` names; if a kill left it naming a missing folder, the newest
     complete `step_*` folder instead."""
@@ -232,13 +244,28 @@ def record_config(run_dir: str, resolved: dict, resuming: bool, finished: bool =
         changed = config_changes(OmegaConf.to_container(OmegaConf.load(path), resolve=False), resolved)
         if finished:
             return changed
-        if changed:
-            os.replace(path, os.path.join(run_dir, f"config-{time.strftime('%Y%m%d-%H%M%S')}.yaml"))
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with open(tmp, "w") as f:  # written whole before the earlier file is touched: a failed write keeps it as it was
         f.write(OmegaConf.to_yaml(resolved))
+    if changed:  # a copy, not a move: config.yaml is never missing, whenever a kill comes
+        shutil.copy2(path, os.path.join(run_dir, f"config-{time.strftime('%Y%m%d-%H%M%S')}.yaml"))
     os.replace(tmp, path)
     return changed
+
+
+def record_run_config(run_dir: str, resolved: dict, resuming: bool, finished: bool) -> None:
+    """`record_config`, warning of the keys that changed since the folder's earlier run."""
+    changed = record_config(run_dir, resolved, resuming, finished)
+    listed = f"{', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}"
+    if changed and finished:
+        warnings.warn(f"{run_dir} already finished with a config that differs from this one in {len(changed)} key(s): "
+                      f"{listed}. Nothing is trained with them, and config.yaml still holds the settings the run was "
+                      f"trained with; raise steps to train further with the new ones, or resume=false to start afresh.",
+                      stacklevel=3)
+    elif changed:
+        warnings.warn(f"resuming in {run_dir} with a config that differs from its earlier run's in {len(changed)} key(s): "
+                      f"{listed}. The run goes on, but it does not train as the unbroken one would have; the earlier "
+                      f"config is kept beside config.yaml (config-<time>.yaml). resume=false starts afresh.", stacklevel=3)
 
 
 def reward_states(reward_fns) -> dict:

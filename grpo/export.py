@@ -12,12 +12,11 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 
 import torch
 
 from grpo import dist, lora
-from grpo.checkpoint import remove_leftovers
+from grpo.checkpoint import remove_leftovers, replace_folder
 
 
 EXPORTED = "grpo_export.json"  # in an exported folder: the training step its weights are
@@ -78,8 +77,6 @@ def export_hf(strategy, tokenizer, folder: str, bucket_bytes: int = 256 * 2**20,
     if step is not None:
         with open(os.path.join(tmp, EXPORTED), "w") as f:
             json.dump({"step": step}, f)
-    if os.path.exists(folder):
-        shutil.rmtree(folder)
-    os.rename(tmp, folder)
+    replace_folder(tmp, folder)
     dist.barrier()
     return folder

@@ -16,14 +16,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 from typing import Iterable, Iterator
 
 import torch
 from omegaconf import ListConfig, OmegaConf
 from safetensors.torch import save_file
 
-from grpo.checkpoint import remove_leftovers
+from grpo.checkpoint import remove_leftovers, replace_folder
 from grpo.errors import ConfigError
 
 ADAPTER = "default"  # peft's name for the one adapter
@@ -186,9 +185,7 @@ def write_adapter(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Ten
     os.makedirs(tmp)
     save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors}, os.path.join(tmp, "adapter_model.safetensors"))
     model.peft_config[ADAPTER].save_pretrained(tmp)
-    if os.path.exists(folder):
-        shutil.rmtree(folder)
-    os.rename(tmp, folder)
+    replace_folder(tmp, folder)
     return folder
 
 

@@ -63,8 +63,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from grpo.algorithm import batches_to_submit, combine_rewards, staleness, token_staleness
-from grpo.checkpoint import (check_layout, checkpoint_step, latest_checkpoint, load_checkpoint, load_reward_states, record_config,
-                             check_writable, reward_states, save_checkpoint, set_aside_checkpoints)
+from grpo.checkpoint import (check_layout, checkpoint_step, latest_checkpoint, load_checkpoint, load_reward_states,
+                             check_writable, record_run_config, reward_states, save_checkpoint,
+                             set_aside_checkpoints)
 from grpo.cli import compose_first, exit_on_user_error
 from grpo.config import check_sweep_folder, register_configs, validate
 from grpo.cpus import configure_threads, machine_info
@@ -262,7 +263,8 @@ class Run:
                   "adapter": lora.adapter_layout(self.cfg.model.lora)}
         save_checkpoint(self.run_dir, step, self.strategy, {"sampler": drawn, "eval_before": self.eval_before,
                                                             "rewards": reward_states(self.reward_fns),
-                                                            "guards": self.guards.state_dict() if self.guards else {}},
+                                                            "guards": self.guards.state_dict() if self.guards else {},
+                                                            "failure_streak": self.failure_streak.state_dict()},
                         self.cfg.keep_checkpoints, layout)
 
 
@@ -283,24 +285,12 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
     barrier()  # rank 0 has moved checkpoints/ aside: the others probe what stays
     check_writable(run_dir)  # before any step trains: every rank writes into each checkpoint
     done = False  # the folder's run finished these steps already: `finished` returns its summary, trains nothing
-    if resume:  # before config.yaml is touched: a refused resume leaves the folder as it was
+    if resume:  # before anything is built: a refused resume leaves the folder as it was
         check_not_past(run_dir, cfg.steps)
         if latest := latest_checkpoint(run_dir):
             # the strategy and processes that read it, and the adapter it holds
             check_layout(latest, cfg.parallel.strategy, info.world_size, lora.adapter_layout(cfg.model.lora))
             done = checkpoint_step(latest) >= cfg.steps and finished_steps(run_dir) == checkpoint_step(latest)
-    if info.is_main:  # after the set-aside: an earlier run's config.yaml is kept with its records
-        changed = record_config(run_dir, resolved_config(cfg, run_dir), resume, finished=done)
-        if changed and done:
-            warnings.warn(f"{run_dir} already finished with a config that differs from this one in {len(changed)} key(s): "
-                          f"{', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}. Nothing is trained with them, and "
-                          f"config.yaml still holds the settings the run was trained with; raise steps to train further "
-                          f"with the new ones, or resume=false to start afresh.", stacklevel=2)
-        elif changed:
-            warnings.warn(f"resuming in {run_dir} with a config that differs from its earlier run's in {len(changed)} "
-                          f"key(s): {', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}. The run goes on, but "
-                          f"it does not train as the unbroken one would have; the earlier config is kept beside "
-                          f"config.yaml (config-<time>.yaml). resume=false starts afresh.", stacklevel=2)
     seed_everything(cfg.seed)  # model init and anything else in setup
 
     algo, G = cfg.algo, cfg.algo.group_size
@@ -326,7 +316,10 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
         r.sampler.load_state_dict(state["sampler"])
         load_reward_states(r.reward_fns, state.get("rewards", {}))
         r.guard_state = state.get("guards", {})
+        r.failure_streak.load_state_dict(state.get("failure_streak", {}))  # an older checkpoint has none: afresh
         resume_schedule(strategy.scheduler, algo)  # this run's lr, weight decay and schedule, not the checkpoint's
+    if info.is_main:  # once the checkpoint is read: a resume refused there (another model's) leaves config.yaml
+        record_run_config(run_dir, resolved_config(cfg, run_dir), resume, done)
     r.submitted = r.start
     # The engines serve exactly the trainer's weights from the first batch (and the first evaluation)
     # on: a server started on another folder, or left with an earlier run's weights, sampled step 1

@@ -387,3 +387,20 @@ def test_two_ranks_publish_a_checkpoint_only_once_both_wrote(tmp_path, mode):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     returned = [json.loads((run_dir / f"returned_rank{rank}.json").read_text()) for rank in (0, 1)]
     assert returned == [latest, latest]
+
+
+@pytest.mark.starts_process
+def test_a_checkpoint_of_another_model_is_refused_by_name_and_leaves_config_yaml(make_cfg, tmp_path):
+    """A resume whose model differs from the checkpoint's (here one layer fewer) ended in torch's
+    "Error(s) in loading state_dict" traceback after the model was built, and config.yaml had already been
+    rewritten to the refused run's settings: the next, correct resume then warned of a change it never made."""
+    from grpo.errors import ConfigError
+    from grpo.train import train
+
+    run = tmp_path / "run"
+    train(make_cfg("steps=1", "export_model=false"))
+    config = (run / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"another model.*resume=false"):
+        train(make_cfg("steps=2", "export_model=false", "model.tiny.num_layers=1"))
+    assert (run / "config.yaml").read_text() == config
+    assert not [f for f in os.listdir(run) if f.startswith("config-")]

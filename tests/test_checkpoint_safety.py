@@ -250,3 +250,18 @@ def test_a_config_write_that_fails_half_way_leaves_the_earlier_config_yaml(tmp_p
     with pytest.raises(UnsupportedValueType):
         record_config(str(tmp_path), {"algo": {"lr": object()}}, resuming=False)
     assert (tmp_path / "config.yaml").read_text() == "algo:\n  lr: 0.001\n"
+
+
+def test_a_resumes_config_write_that_fails_keeps_the_earlier_config_yaml_for_the_next_resume(tmp_path):
+    """On a resume with a changed config the earlier config.yaml was moved aside before the new one was
+    written: a write that failed (a full disk; here a value YAML cannot hold) left no config.yaml, and the
+    next resume, compared with nothing, warned of no change however its config differed."""
+    from omegaconf.errors import UnsupportedValueType
+
+    from grpo.checkpoint import record_config
+
+    record_config(str(tmp_path), {"algo": {"lr": 1e-3}}, resuming=False)
+    with pytest.raises(UnsupportedValueType):
+        record_config(str(tmp_path), {"algo": {"lr": object()}}, resuming=True)
+    assert (tmp_path / "config.yaml").read_text() == "algo:\n  lr: 0.001\n"
+    assert record_config(str(tmp_path), {"algo": {"lr": 5e-3}}, resuming=True) == ["algo.lr"]

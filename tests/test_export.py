@@ -1,12 +1,16 @@
 """`grpo.export.export_hf`: the exported folder is the policy's, down to its generation_config.json."""
 
+import copy
 import json
+import os
+import shutil
 
+import pytest
 from omegaconf import OmegaConf
 from transformers import GenerationConfig
 
 from grpo.config import AlgoConfig, ParallelConfig, TinyModelConfig
-from grpo.export import export_hf
+from grpo.export import export_hf, exported_step
 from grpo.models import load_model
 from grpo.parallel.single import SingleStrategy
 from grpo.rollout.hf import base_model, stop_token_ids
@@ -67,3 +71,25 @@ def test_exported_step_is_none_where_the_record_is_missing_torn_or_without_a_ste
     for text, step in [('{"step": 3}', 3), ("{}", None), ('{"step": ', None)]:
         (tmp_path / EXPORTED).write_text(text)
         assert exported_step(str(tmp_path)) == step, text
+
+
+def test_a_kill_while_replacing_an_earlier_export_never_leaves_half_a_model_under_its_name(tmp_path, tiny_lm, monkeypatch):
+    """The earlier model/ was removed in place (rmtree) before the new one was renamed in: a kill during the
+    removal (a scancel while a finished run exports on its next start) left config.json and grpo_export.json
+    without model.safetensors under the final name, which transformers and vLLM cannot load."""
+    model, tok = tiny_lm
+    strategy = SingleStrategy(None, copy.deepcopy(model), OmegaConf.structured(AlgoConfig()), total_steps=10)
+    folder = tmp_path / "model"
+    export_hf(strategy, tok, str(folder), step=2)
+    real = shutil.rmtree
+
+    def killed_half_way(path, *args, **kwargs):  # whichever folder is being removed, the kill comes half way
+        files = sorted(os.listdir(path))
+        os.remove(os.path.join(path, files[len(files) // 2]))
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(shutil, "rmtree", killed_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        export_hf(strategy, tok, str(folder), step=4)
+    monkeypatch.setattr(shutil, "rmtree", real)
+    assert exported_step(str(folder)) == 4 and "model.safetensors" in os.listdir(folder)

@@ -330,3 +330,19 @@ def test_of_several_stopped_ranks_the_first_is_named():
 
     with pytest.raises(RewardStop, match=r"^rank 1 stopped the run: reward 'rm': refused$"):
         stop_together(None, 2.0, gather=lambda mine: [mine, "reward 'rm': refused", "reward 'judge': scored 0 of 8"])
+
+
+def test_a_failure_streak_goes_on_across_a_resume():
+    """The checkpoint held no streak: a run resumed from the checkpoint after a reward's first batch of
+    failures built a fresh one and trained on past the batch where the unbroken run stopped."""
+    from grpo.errors import RewardStop
+    from grpo.rewards.failure_streak import FailureStreak
+
+    failed = {"mine/completions_failed": 8.0, "mine/completions_tried": 8.0}
+    same = dict(reduce=lambda values: values, gather=lambda mine: [mine])
+    before = FailureStreak(["mine"], **same)
+    before.observe(failed, None, [math.nan] * 8, ["stop"] * 8)  # the unbroken run's first failed batch, then its checkpoint
+    resumed = FailureStreak(["mine"], **same)
+    resumed.load_state_dict(before.state_dict())
+    with pytest.raises(RewardStop, match="in 2 batch"):
+        resumed.observe(failed, None, [math.nan] * 8, ["stop"] * 8)  # where the unbroken run stops

@@ -127,10 +127,16 @@ class SingleStrategy(Strategy):
 
     def load(self, folder: str) -> None:
         state = torch.load(os.path.join(folder, "trainer.pt"), map_location="cpu", weights_only=True)
-        if lora.is_lora(self.model):
-            lora.load_trainable_state(self.model, state["model"])
-        else:
-            self.model.load_state_dict(state["model"])
+        try:
+            if lora.is_lora(self.model):
+                lora.load_trainable_state(self.model, state["model"])
+            else:
+                self.model.load_state_dict(state["model"])
+        except RuntimeError as e:  # torch's missing/unexpected keys or size mismatch: another model's weights
+            raise ConfigError(f"{folder} holds the weights of another model than this run's "
+                              f"({' '.join(str(e).split())[:300]}). Resume with the model settings the checkpoint was "
+                              f"trained with (model.*: the run folder's config.yaml names them), or start afresh with "
+                              f"resume=false (or another run_dir).") from None
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 

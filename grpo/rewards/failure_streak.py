@@ -66,6 +66,17 @@ class FailureStreak:
         self.observed = 0  # batches scored by this process
         self.unrewarded, self.errored_throughout = 0, True  # batches in a row where no completion got a reward
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the runs of failed and unrewarded batches go on across a resume, as in the
+        unbroken run (a resume from the batch after the first failed one stopped a batch later, or never).
+        `observed` stays this process's (`finish`)."""
+        return {"streak": dict(self.streak), "unrewarded": self.unrewarded, "errored_throughout": self.errored_throughout}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.streak.update({k: v for k, v in state.get("streak", {}).items() if k in self.streak})
+        self.unrewarded = state.get("unrewarded", 0)
+        self.errored_throughout = state.get("errored_throughout", True)
+
     def observe(self, stats: dict[str, float], stopped: RewardStop | None = None,
                 rewards: Sequence[float] | None = None, finish_reasons: Sequence[str] = ()) -> None:
         """`stopped`: the RewardStop this rank's scoring raised (its stats are then empty); `rewards`:
