@@ -183,9 +183,11 @@ RUN_RECORDS = ("checkpoints", "metrics.jsonl", "summary.json", "wandb_id", "conf
 
 def set_aside_checkpoints(run_dir: str) -> str | None:
     """`resume=false` in a folder an earlier run used: its checkpoints, `metrics.jsonl`, `summary.json`,
-    wandb run id, `config.yaml` and exported `model/` and `adapter/` move together into `replaced-<time>-<n>/`, kept but where a resume won't look, so
-    the new run neither resumes from them nor truncates or appends to the earlier run's metrics."""
+    wandb run id, `config.yaml` (and the `config-<time>.yaml` its resumes kept) and exported `model/` and
+    `adapter/` move together into `replaced-<time>-<n>/`, kept but where a resume won't look, so the new
+    run neither resumes from them nor truncates or appends to the earlier run's metrics."""
     present = [name for name in RUN_RECORDS if os.path.exists(os.path.join(run_dir, name))]
+    present += sorted(n for n in os.listdir(run_dir) if n.startswith("config-") and n.endswith(".yaml"))  # its resumes
     if not present:
         return None
     stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0

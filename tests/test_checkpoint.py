@@ -255,15 +255,17 @@ def test_a_run_folder_that_cannot_be_made_is_named_before_anything_is_built(make
 
 def test_a_fresh_start_sets_an_earlier_runs_export_aside(tmp_path):
     """resume=false moved the earlier run's checkpoints and metrics but left its model/: a new run that
-    stopped before its own export then stood on the earlier run's weights as its result."""
+    stopped before its own export then stood on the earlier run's weights as its result. The configs its
+    resumes kept (config-<time>.yaml) stayed beside the new run's config.yaml, read as the new run's."""
     from grpo.checkpoint import set_aside_checkpoints
 
     for name in ("checkpoints", "model", "adapter"):
         (tmp_path / name).mkdir()
     (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "config-20261203-182846.yaml").write_text("algo: {}\n")  # the config a resume of that run replaced
     aside = set_aside_checkpoints(str(tmp_path))
-    assert sorted(os.listdir(aside)) == ["adapter", "checkpoints", "model", "summary.json"]
-    assert not (tmp_path / "model").exists()
+    assert sorted(os.listdir(aside)) == ["adapter", "checkpoints", "config-20261203-182846.yaml", "model", "summary.json"]
+    assert not (tmp_path / "model").exists() and not (tmp_path / "config-20261203-182846.yaml").exists()
 
 
 @pytest.mark.starts_process
