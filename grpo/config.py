@@ -12,6 +12,7 @@ strategy, LoRA, the rewards, the environment, the model folder), beside the code
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import warnings
 from pathlib import Path
@@ -299,12 +300,39 @@ def check_declared(node, path: str = "") -> None:
             check_declared(node[key], f"{prefix}{key}")
 
 
+USER_KWARGS = ("env.kwargs", "logger.kwargs")  # passed as they are to user code, whose meaning of inf is its own
+
+
+def check_finite(node, path: str = "") -> None:
+    """Refuse a NaN or infinite number anywhere in the config. The range checks compare (`lr <= 0`,
+    `beta < 0`, `timeout_s <= 0`), and every comparison with NaN is false: algo.lr=nan passed validate and
+    ended in torch's `ValueError: Invalid learning rate: nan` traceback once the model was built,
+    algo.beta=nan loaded the reference model and then skipped the KL term (`beta > 0` is false),
+    parallel.peer_timeout_s=nan never named a dead peer. The kwargs handed to user code are theirs."""
+    if isinstance(node, ListConfig):
+        items = [(i, f"{path}[{i}]") for i in range(len(node))]
+    elif isinstance(node, DictConfig):
+        items = [(key, f"{path}.{key}" if path else str(key)) for key in node.keys()
+                 if not (key == "hydra" and not path)]
+    else:
+        return
+    for key, where in items:
+        if where in USER_KWARGS or OmegaConf.is_missing(node, key) or OmegaConf.is_interpolation(node, key):
+            continue
+        value = node[key]
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}={value} is not a finite number: set {where} to a real value "
+                              f"(every range check compares, and nothing compares true with nan).")
+        check_finite(value, where)
+
+
 def validate(cfg: DictConfig | Config, world_size: int | None = None, cuda: bool | None = None) -> None:
     """Cross-field rules, checked before any heavy work: each group's choices, then each part's `check`.
     Raises ConfigError saying what to change. `world_size`: the processes the run will have (grpo.launch
     checks a job before submitting it); by default the ones this process was launched with. `cuda`:
     whether the run will have GPUs (grpo.launch: it asked for some); by default whether this process sees one."""
     check_declared(cfg)  # a key added with `+` that no schema declares
+    check_finite(cfg)  # a nan or inf, which every `value < low` check lets through
     a, r = cfg.algo, cfg.rollout
     _choices("task.name", cfg.task.name, TASKS)
     _choices("rollout.backend", r.backend, BACKENDS)

@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reward-model", action="store_true", help="serve a sequence-classification reward model "
                    "(reward.rm.urls) through vLLM's pooling runner and its /classify route, instead of a policy to "
                    "generate from: no weight transfer, LoRA or generation flags")
-    p.add_argument("--images-per-prompt", type=int, default=1, help="a vision-language model's folder: the most "
+    p.add_argument("--images-per-prompt", type=whole_number(1), default=1, help="a vision-language model's folder: the most "
                    "images a prompt may carry (vLLM's --limit-mm-per-prompt; the trainer's rollout.vllm.images_per_prompt)")
     p.add_argument("--routed-experts", action="store_true", help="a Mixture-of-Experts policy: each completion "
                    "carries the experts every token was routed to (vLLM's --enable-return-routed-experts; a GPU), for "
@@ -489,6 +489,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--reward-model {args.model}: {problem}")
 
     args.vision = bool(model_config_of(args.model).get("vision_config"))
+    if args.images_per_prompt != 1 and (args.reward_model or not args.vision):  # vllm_argv passes it for a VLM policy only
+        p.error(f"--images-per-prompt {args.images_per_prompt}: {args.model} is no vision-language model served to "
+                f"generate (no vision_config{', or --reward-model' if args.vision else ''}), so nothing reads it; drop it.")
     for key, value in device_defaults(torch.cuda.is_available(), read_model_config(args.model)).items():
         if getattr(args, key) is None:
             setattr(args, key, value)

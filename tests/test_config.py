@@ -1,5 +1,7 @@
 """Every config file composes and validates; bad values fail early with a message saying what to change."""
 
+import re
+
 import pytest
 from hydra.errors import ConfigCompositionException
 
@@ -612,3 +614,18 @@ def test_settings_of_a_logger_or_model_that_is_not_chosen_are_refused():
     validate(compose_cfg("model.tiny.hidden_size=64"))  # the tiny model reads it
     validate(compose_cfg("model=tiny_moe", "model.tiny.moe.experts=4"))
     validate(compose_cfg("logger=wandb", "logger.entity=me", "logger.project=p"))
+
+
+@pytest.mark.parametrize("override, key", [
+    ("algo.lr=nan", "algo.lr"), ("algo.lr=inf", "algo.lr"), ("algo.beta=nan", "algo.beta"),
+    ("algo.clip_eps=nan", "algo.clip_eps"), ("algo.weight_decay=nan", "algo.weight_decay"),
+    ("rollout.temperature=inf", "rollout.temperature"), ("parallel.peer_timeout_s=nan", "parallel.peer_timeout_s"),
+    ("parallel.collective_timeout_s=inf", "parallel.collective_timeout_s"),
+    ("model.tiny.warm_start_accuracy=nan", "model.tiny.warm_start_accuracy"),
+])
+def test_a_nan_or_infinite_number_is_refused_by_name(override, key):
+    """Every range check compares, and NaN compares false: algo.lr=nan passed validate and ended in torch's
+    `ValueError: Invalid learning rate: nan` traceback after the model was built; algo.beta=nan loaded the
+    reference model and skipped the KL term."""
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}=(nan|inf) is not a finite number: set {re.escape(key)} to"):
+        validate(compose_cfg(override))

@@ -611,6 +611,36 @@ def test_chat_rendering_equals_the_template_of_the_whole_conversation(smollm2_to
         assert seq == whole, messages
 
 
+def test_a_long_chat_observation_is_cut_in_its_text_never_in_the_template(smollm2_tokenizer):
+    """An observation over env.max_observation_tokens loses the middle of its text; the message's header,
+    its end token and the generation prompt stay, so the next turn is still sampled after
+    `<|im_end|>\n<|im_start|>assistant\n` (cutting the rendered ids' middle dropped the `<|im_end|>`), and a
+    limit too small for the template's own tokens plus some text is refused at setup."""
+    from grpo.rollout.episodes import build_episodes
+
+    tok = smollm2_tokenizer
+    message = " = 12345678901234567890"
+    prompt = list(tok(tok.apply_chat_template([{"role": "user", "content": "q"}], tokenize=False,
+                                              add_generation_prompt=True), add_special_tokens=False).input_ids)
+    run = runner(tok, make_env=lambda: RetryEnv(lambda a, s: False, message), max_turns=2, max_new=10, obs=12,
+                 render=ChatRender(tok))
+    out = run.run(Scripted(tok, lambda p: "no"), [prompt], [Sample("q", "a")], 1, Sampling(10))
+    observation = [i for i, m in zip(out.completion_ids[0], out.loss_masks[0]) if m == 0]
+    assert len(observation) == 12 and out.episodes[0].observations_cut == 1
+    text = tok.decode(observation)
+    assert text.startswith("\n<|im_start|>user\n = ") and text.endswith("<|im_end|>\n<|im_start|>assistant\n"), text
+    env = SimpleNamespace(name="retry", kwargs={}, render="chat", role="user", max_turns=2, max_total_tokens=0,
+                          max_observation_tokens=12, step_timeout_s=5.0, max_concurrency=1)
+    with pytest.raises(ConfigError, match="env.max_observation_tokens=12 leaves no room"):
+        build_episodes(env, 10, SimpleNamespace(is_correct=lambda a, s: False), tok, None)
+    assert build_episodes(replace_ns(env, max_observation_tokens=16), 10, SimpleNamespace(is_correct=lambda a, s: False),
+                          tok, None) is not None
+
+
+def replace_ns(ns, **changes):
+    return SimpleNamespace(**{**vars(ns), **changes})
+
+
 def test_chat_rendering_without_a_template_is_an_error(tiny_lm):
     from grpo.errors import ConfigError
 
@@ -634,6 +664,24 @@ def test_tool_env_calls_the_tool_and_ends_on_an_answer():
     assert step.observation.startswith(" error: ") and step.info["tool_error"]
     step = env.step("579")
     assert step.done and not step.info["tool_call"]
+
+
+def test_a_tool_spec_the_env_can_never_call_is_refused_and_a_dotted_path_is_resolved():
+    """A tool name the `name: argument` syntax cannot match made every call of it a final answer, and a
+    tool given by the config (a string) failed every call with "'str' object is not callable"."""
+    from grpo.envs import ToolEnv, env_factory
+    from omegaconf import OmegaConf
+
+    for name in ["web-search", "python3.11", "2fa"]:
+        with pytest.raises(ConfigError, match="rename it"):
+            ToolEnv({name: calculator})
+    with pytest.raises(ConfigError, match="not a function"):
+        ToolEnv({"calc": 42})
+    cfg = OmegaConf.create({"name": "grpo.envs.tools.ToolEnv", "kwargs": {"tools": {"calc": "grpo.envs.tools.calculator"}}})
+    env = env_factory(cfg, task=None)()
+    env.reset(Sample("1+2=", "3"), 0)
+    step = env.step("calc: 1+2")
+    assert (step.observation, step.info["tool_error"]) == (" = 3", None)
 
 
 class Opens(GuessEnv):

@@ -269,3 +269,21 @@ def test_websocket_urls_read_the_schema_over_the_matching_http_scheme():
 
     assert [http_url(u) for u in ("wss://env.example:443/", "ws://127.0.0.1:8000", "localhost:8000", "https://h")] == [
         "https://env.example:443", "http://127.0.0.1:8000", "http://localhost:8000", "https://h"]
+
+
+def test_one_reset_field_given_without_brackets_is_that_field(monkeypatch):
+    """env.kwargs.reset_fields=answer (a str, not [answer]) sends the sample's answer, not its letters."""
+    import grpo.envs.openenv as openenv
+
+    class Client:
+        def __init__(self, **_):
+            pass
+
+        async def reset(self, **data):
+            return type("Result", (), {"observation": {"message": str(data)}})()
+
+    monkeypatch.setattr(openenv, "server_fields", lambda *_: "message")  # the server's /schema, not needed here
+    monkeypatch.setattr(openenv, "client_class", lambda: Client)
+    env = openenv.OpenEnvAdapter("http://localhost:8000", reset_fields="answer")
+    assert env.reset_fields == ["answer"]
+    assert env.reset(Sample("Guess 1-15:", "7"), 3) == str({"seed": 3, "answer": "7"})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import http.client
 import os
+import re
 import signal
 import socket
 import threading
@@ -377,3 +378,18 @@ def test_cpus_outside_the_parents_own_pinning_are_taken():
         assert serve.cpu_list(f"{os.cpu_count() - 1}") == [os.cpu_count() - 1]
     finally:
         os.sched_setaffinity(0, before)
+
+
+@pytest.mark.parametrize("images, message", [
+    ("0", "argument --images-per-prompt: 0: give a whole number from 1 up"),
+    ("-3", "argument --images-per-prompt: -3: give a whole number from 1 up"),
+    ("4", "--images-per-prompt 4: .* is no vision-language model served to generate .*nothing reads it; drop it"),
+])
+def test_images_per_prompt_below_1_or_for_a_text_model_is_refused(exec_state, model_dir, capsys, images, message):
+    """`--images-per-prompt` was a plain int: 0 or -3 went to vLLM's --limit-mm-per-prompt (the trainer's
+    rollout.vllm.images_per_prompt refuses < 1), and for a text model any value was dropped without a word."""
+    with pytest.raises(SystemExit):
+        serve.main(["--model", model_dir, "--max-model-len", "64", "--port", "0", "--images-per-prompt", images])
+    assert re.search(message, capsys.readouterr().err)
+    with pytest.raises(Exec):  # 1, what rollout=dedicated passes its engines for a text model, is accepted
+        serve.main(["--model", model_dir, "--max-model-len", "64", "--port", "0", "--images-per-prompt", "1"])

@@ -711,3 +711,17 @@ def test_a_dead_server_stops_the_batch_and_a_failed_request_ends_only_its_trajec
                                           r"the first: fake0 answered 500"):
         episode_driver("trajectories", guess_runner(tok), VersionedPool(tok, [(0, 0)], fails=[prompts[1][1]]), 0)(
             prompts[1:], samples[1:], 2, sampling)
+
+
+@pytest.mark.parametrize("overrides", [
+    ("rollout=hf", "rollout.schedule=turns"),
+    ("rollout=remote", "rollout.remote.urls=[http://x:1]", "rollout.schedule=trajectories"),
+    ("rollout=remote", "rollout.remote.urls=[http://x:1]", "rollout.schedule=turns"),
+])
+def test_a_schedule_with_env_none_is_refused_as_inert(overrides):
+    """rollout.schedule is read only by the multi-turn episode drivers: with env=none it changed nothing,
+    without a word, while env.max_turns and the other env.* settings are refused there by name."""
+    with pytest.raises(ConfigError, match=r"rollout.schedule=\w+ with env=none: .* has no effect"):
+        validate(compose_cfg(*overrides))
+    validate(compose_cfg(*overrides[:-1]))  # auto: accepted
+    validate(compose_cfg("experiment=guess_tiny", *overrides))  # with an environment: read

@@ -163,7 +163,9 @@ class OpenEnvAdapter:
         if not base_url:
             raise ConfigError("env=openenv needs env.kwargs.base_url, the OpenEnv server's URL (http://host:port).")
         client = client_class()
-        self.base_url, self.action_field, self.reset_fields = base_url, action_field, list(reset_fields or [])
+        # env.kwargs.reset_fields=answer (one name, not [answer]) is a str: list() made it ['a', 'n', 's', ...]
+        fields = [reset_fields] if isinstance(reset_fields, str) else list(reset_fields or [])
+        self.base_url, self.action_field, self.reset_fields = base_url, action_field, fields
         self.observation_field = server_fields(base_url, action_field, observation_field, connect_timeout_s)
         self.timeout_s = connect_timeout_s + message_timeout_s  # the client bounds each; this bounds both
         self.client = client(base_url=base_url, connect_timeout_s=connect_timeout_s, message_timeout_s=message_timeout_s)

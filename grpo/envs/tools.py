@@ -13,10 +13,13 @@ import operator
 import re
 from typing import Callable
 
+from grpo.dotted import import_dotted
 from grpo.envs.base import Step, TextEnv
+from grpo.errors import ConfigError
 from grpo.timeouts import call_with_timeout
 
 CALL = re.compile(r"^\s*([A-Za-z_][\w]*)\s*:\s*(.*?)\s*$", re.DOTALL)
+TOOL_NAME = re.compile(r"[A-Za-z_]\w*")  # the names CALL can match
 
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
        ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -45,8 +48,22 @@ def calculator(expression: str) -> str:
 
 class ToolEnv(TextEnv):
     def __init__(self, tools: dict[str, Callable] | None = None, tool_timeout_s: float = 5.0):
-        self.tools = tools or {}
+        self.tools = {name: self.resolve(name, tool) for name, tool in dict(tools or {}).items()}
         self.tool_timeout_s = tool_timeout_s
+
+    def resolve(self, name, tool) -> Callable:
+        """A tool as given (a callable, or from the config its dotted path `module.function`), checked now:
+        a name the call syntax cannot match made every call of it a final answer, and a tool that is not
+        callable failed every call (both without a word to the user)."""
+        if type(self).parse_call is ToolEnv.parse_call and not (isinstance(name, str) and TOOL_NAME.fullmatch(name)):
+            raise ConfigError(f"tool name {name!r}: a call is `name: argument` with a name of letters, digits and _ "
+                              f"(not starting with a digit), so no turn could ever call it; rename it.")
+        if isinstance(tool, str) and "." in tool:
+            tool = import_dotted(tool, f"tool {name!r}={tool!r}")
+        if not callable(tool):
+            raise ConfigError(f"tool {name!r} is {type(tool).__name__} {str(tool)[:40]!r}, not a function: pass a "
+                              f"callable, or its dotted path (module.function).")
+        return tool
 
     def parse_call(self, action: str) -> tuple[str, str] | None:
         """(tool name, argument) when the turn is a call of a known tool, else None (a final answer)."""

@@ -258,6 +258,10 @@ class RolloutBackend(ABC):
             raise ConfigError(f"rollout.schedule=trajectories with rollout={cfg.backend}: its generate is one call for the "
                               f"whole batch (a collective under ZeRO-3 or tensor parallelism), so turns stay synchronous; "
                               f"use rollout=dedicated or rollout=remote, or rollout.schedule=turns (or auto).")
+        if env == "none" and cfg.schedule != "auto":  # read only by the episode drivers (trajectories.episode_driver)
+            raise ConfigError(f"rollout.schedule={cfg.schedule} with env=none: it schedules the turns of multi-turn "
+                              f"episodes, and single completions have none, so the setting has no effect. Pick an "
+                              f"environment (env=guess, or env.name=<module.Class>), or remove the setting.")
         if not algo.partial_rollouts:
             return
         if env == "none":

@@ -415,8 +415,10 @@ class EpisodeRunner:
     def observe(self, t: Trajectory, text: str, after_eos: bool = False, ids: Optional[list[int]] = None) -> None:
         ids = self.render(text, after_eos) if ids is None else ids
         limit = self.budget.max_observation_tokens
-        if len(ids) > limit:
-            ids = cut_middle(ids, limit, self.render.marker)
+        if len(ids) > limit:  # the text's middle goes; the template's tokens around it (chat) stay whole
+            head, tail = self.render.fixed(after_eos)
+            body = cut_middle(ids[head:len(ids) - tail], max(0, limit - head - tail), self.render.marker)
+            ids = ids[:head] + body + ids[len(ids) - tail:]
             t.episode.observations_cut += 1
         t.add(ids, None)
         t.episode.observation_tokens += len(ids)
@@ -471,6 +473,11 @@ def build_episodes(e, max_new: int, task, tokenizer, max_context: int | None) ->
     if e.name == "none":
         return None
     render = ChatRender(tokenizer, e.role) if e.render == "chat" else RawRender(tokenizer)
+    head, tail = render.fixed(after_eos=True)
+    if (head or tail) and e.max_observation_tokens < head + tail + len(render.marker) + 2:  # text either side of the cut
+        raise ConfigError(f"env.max_observation_tokens={e.max_observation_tokens} leaves no room for an observation's text: "
+                          f"env.render={e.render} wraps each in {head + tail} tokens of the chat template; raise it to "
+                          f"at least {head + tail + len(render.marker) + 2}.")
     budget = Budget(e.max_turns, max_new, episode_span(e, max_new), e.max_observation_tokens, max_context)
     return EpisodeRunner(env_factory(e, task), tokenizer, render, budget, e.step_timeout_s, [tokenizer.eos_token_id], e.name,
                          e.max_concurrency)

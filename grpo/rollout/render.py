@@ -41,6 +41,11 @@ class RawRender:
         """An observation `reset` returned, shown after the prompt before turn 1."""
         return self.encode(text)
 
+    def fixed(self, after_eos: bool) -> tuple[int, int]:
+        """(head, tail): how many leading and trailing ids of a rendered observation are the template's
+        own (kept whole when an over-long observation is cut in the middle); none for raw text."""
+        return 0, 0
+
 
 class ChatRender(RawRender):
     BASE = [{"role": "user", "content": "question"}, {"role": "assistant", "content": "answer"}]
@@ -61,6 +66,7 @@ class ChatRender(RawRender):
             raise ConfigError(f"env.render=chat: the chat template renders the earlier turns differently once a "
                               f"{self.role} message follows (it rewrites earlier turns), so observations cannot be "
                               f"appended as tokens; use env.render=raw or a chat template that only appends.")
+        self.wrapping: tuple[int, int] | None = None  # `fixed`'s, found on first use
 
     def template(self, messages: list[dict], generation_prompt: bool, strftime_now) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
@@ -101,6 +107,16 @@ class ChatRender(RawRender):
                           f"({text[:40]!r}...), but the prompt already ends with the chat template's generation prompt, "
                           f"so it cannot follow as a {self.role} message. Put the opening in the task's prompt (reset "
                           f"returning None), or use env.render=raw.")
+
+    def fixed(self, after_eos: bool) -> tuple[int, int]:
+        if self.wrapping is None:  # the message's header, and its end + the generation prompt: what two texts share
+            one, two = self(PROBE, after_eos=False), self("a different text", after_eos=False)
+            shortest = min(len(one), len(two))
+            head = next((i for i, (a, b) in enumerate(zip(one, two)) if a != b), shortest)
+            tail = next((i for i, (a, b) in enumerate(zip(one[::-1], two[::-1])) if a != b), shortest)
+            self.wrapping = (head, min(tail, shortest - head))
+        head, tail = self.wrapping
+        return head + (len(self.separator) if after_eos else 0), tail
 
     def __call__(self, text: str, after_eos: bool) -> list[int]:
         base, full = self.render(text)
