@@ -16,8 +16,12 @@ import time
 
 import torch
 
-# dense (no sparsity) datasheet peaks, FLOP/s, by a name torch.cuda.get_device_name contains
+# dense (no sparsity) datasheet peaks, FLOP/s, by a name torch.cuda.get_device_name contains; the
+# first key the name contains wins, so a variant with a lower peak (PCIe, NVL) comes before its family
 NOMINAL = {
+    "H100 PCIe": {torch.bfloat16: 756e12, torch.float16: 756e12, "tf32": 378e12, torch.float32: 51e12},
+    "H100 NVL": {torch.bfloat16: 835e12, torch.float16: 835e12, "tf32": 417.5e12, torch.float32: 60e12},
+    "H200 NVL": {torch.bfloat16: 835e12, torch.float16: 835e12, "tf32": 417.5e12, torch.float32: 60e12},
     "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, "tf32": 494.5e12, torch.float32: 67e12},
     "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, "tf32": 494.5e12, torch.float32: 67e12},
     "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, "tf32": 156e12, torch.float32: 19.5e12},

@@ -196,6 +196,10 @@ class Run:
     in_flight: deque = field(default_factory=deque)  # batches the engines work on, oldest first
     submitted: int = 0  # the last step whose batch was handed over
     engine_busy_s: float = 0.0  # the servers' busy seconds so far (RolloutBackend.engine_busy_s)
+    # this rank's sampled tokens and its engines' seconds on their batches, every step of the run so far
+    # (a resumed run's from its checkpoint): summary.json's gen_tokens_per_s
+    gen_tokens: int = 0
+    gen_seconds: float = 0.0
     guards: object = None  # grpo.guards.RunGuards: their counts go into each checkpoint
     guard_state: dict = field(default_factory=dict)  # the counts resumed from
     failure_streak: FailureStreak = field(init=False)  # stops a run whose rule reward fails throughout
@@ -264,7 +268,8 @@ class Run:
         save_checkpoint(self.run_dir, step, self.strategy, {"sampler": drawn, "eval_before": self.eval_before,
                                                             "rewards": reward_states(self.reward_fns),
                                                             "guards": self.guards.state_dict() if self.guards else {},
-                                                            "failure_streak": self.failure_streak.state_dict()},
+                                                            "failure_streak": self.failure_streak.state_dict(),
+                                                            "generation": [self.gen_tokens, self.gen_seconds]},
                         self.cfg.keep_checkpoints, layout)
 
 
@@ -317,6 +322,7 @@ def setup(cfg: DictConfig, info: DistInfo, cleanup: contextlib.ExitStack) -> Run
         load_reward_states(r.reward_fns, state.get("rewards", {}))
         r.guard_state = state.get("guards", {})
         r.failure_streak.load_state_dict(state.get("failure_streak", {}))  # an older checkpoint has none: afresh
+        r.gen_tokens, r.gen_seconds = state.get("generation", (0, 0.0))  # the steps before it (an older one: none)
         resume_schedule(strategy.scheduler, algo)  # this run's lr, weight decay and schedule, not the checkpoint's
     if info.is_main:  # once the checkpoint is read: a resume refused there (another model's) leaves config.yaml
         record_run_config(run_dir, resolved_config(cfg, run_dir), resume, done)
@@ -441,7 +447,6 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         logger.log(0, before, console=True)
     r.engine_busy_s = r.rollout.engine_busy_s() or 0.0  # from here: the evaluation's busy seconds are no step's
 
-    gen_tokens_total, gen_time_total = 0, 0.0
     meter = mfu.meter(r.strategy.forward_model, DTYPES[cfg.model.dtype], cfg.rollout.backend,
                       cfg.model.gradient_checkpointing)  # the device's peak, measured now
     watch = healthy(cfg.model.dtype, policy_device(info.local_rank).type)  # the engines' environment is this one's
@@ -501,8 +506,8 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         t_end = time.perf_counter()
 
         # 8. metrics, samples, evaluation, checkpoint
-        gen_tokens_total += scored.generated_tokens  # every draw's sampled tokens (an episode's observations aside)
-        gen_time_total += scored.batch_generate_s
+        r.gen_tokens += scored.generated_tokens  # every draw's sampled tokens (an episode's observations aside)
+        r.gen_seconds += scored.batch_generate_s
         times = {"time/wait_for_data_s": wait_s, "time/generate_s": generate_s,
                  "time/batch_generate_s": scored.batch_generate_s, "time/score_s": scored.score_s,
                  "time/sleep_s": t_policy - t_sleep, "time/update_s": update_s, "time/sync_s": t_end - t_update,
@@ -537,8 +542,9 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
     after = evaluate(r.rollout, r.tokenizer, r.task, cfg, info, r.reward_fns)
     eval_after = after["eval/accuracy"]
     logger.log(cfg.steps, after, console=True)
-    # each rank's sampled tokens over its engines' seconds, summed over ranks as the step metric is
-    gen_rate = all_reduce_sum([gen_tokens_total / gen_time_total if gen_time_total else 0.0])[0]
+    # each rank's sampled tokens over its engines' seconds, every step of the run (a resumed run's too),
+    # summed over ranks as the step metric is
+    gen_rate = all_reduce_sum([r.gen_tokens / r.gen_seconds if r.gen_seconds else 0.0])[0]
     summary = {
         "eval_before": r.eval_before,
         "eval_after": eval_after,
@@ -552,7 +558,7 @@ def run(cfg: DictConfig, info: DistInfo, threads: int, cleanup: contextlib.ExitS
         "machine": machine_info(),  # CPU model, torch's kernel set (cpu_capability), threads
         # this process's: a resumed run's cover steps resumed_from + 1 to steps
         "wall_s": time.perf_counter() - t_start,
-        "gen_tokens_per_s": gen_rate if gen_time_total else None,
+        "gen_tokens_per_s": gen_rate if r.gen_seconds else None,
         "peak_memory_gb": all_reduce_max([peak_memory_gb()])[0],  # the ranks' largest
         **meter.summary(r.strategy.forward_model),  # the device's matmul peak the mfu/ metrics are measured against
         "model_path": r.model_path,

@@ -406,3 +406,20 @@ def test_a_checkpoint_of_another_model_is_refused_by_name_and_leaves_config_yaml
         train(make_cfg("steps=2", "export_model=false", "model.tiny.num_layers=1"))
     assert (run / "config.yaml").read_text() == config
     assert not [f for f in os.listdir(run) if f.startswith("config-")]
+
+
+@pytest.mark.starts_process
+def test_a_resumed_runs_summary_gen_tokens_per_s_covers_every_step(make_cfg, tmp_path):
+    """summary.json's gen_tokens_per_s is every step's sampled tokens over the engines' seconds
+    (docs/logging.md), also for a run stopped after step 2 and resumed to 3: it was step 3's alone."""
+    from grpo.train import train
+
+    run = tmp_path / "run"
+    train(make_cfg("steps=2", "checkpoint_every=1"))
+    summary = train(make_cfg("steps=3", "checkpoint_every=1"))
+    assert summary["resumed_from"] == 2
+    steps = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    seconds = [r["time/batch_generate_s"] for r in steps]
+    tokens = [r["gen_tokens_per_s"] * s for r, s in zip(steps, seconds)]  # one process: its own tokens
+    assert summary["gen_tokens_per_s"] == pytest.approx(sum(tokens) / sum(seconds), rel=1e-9)

@@ -641,6 +641,28 @@ def replace_ns(ns, **changes):
     return SimpleNamespace(**{**vars(ns), **changes})
 
 
+def test_a_turn_ends_on_every_id_the_engines_stop_on(tiny_lm, tmp_path):
+    """A model folder whose generation_config.json lists a second EOS (Qwen2.5-Instruct: <|im_end|> and
+    <|endoftext|>): the engines stop on both, and the episode runner took only the tokenizer's as a turn's
+    end, so a turn that ended on the other got no separator before its observation under env.render=chat."""
+    from transformers import GenerationConfig
+
+    from grpo.rollout import build_rollout
+    from grpo.rollout.hf import folder_stop_ids
+    from grpo.tasks import build_task
+
+    model, tok = tiny_lm
+    assert folder_stop_ids(tok.eos_token_id, str(tmp_path)) == [tok.eos_token_id]  # no generation_config.json
+    GenerationConfig(eos_token_id=[tok.eos_token_id, 7]).save_pretrained(tmp_path)
+    assert folder_stop_ids(tok.eos_token_id, str(tmp_path)) == [tok.eos_token_id, 7]
+    cfg = compose_cfg("task=guess", "env=guess")
+    backend = build_rollout(cfg.rollout, model, tok, str(tmp_path), env=cfg.env, task=build_task(cfg.task))
+    try:
+        assert backend.episodes.stop_ids == {tok.eos_token_id, 7}
+    finally:
+        backend.close()
+
+
 def test_chat_rendering_without_a_template_is_an_error(tiny_lm):
     from grpo.errors import ConfigError
 

@@ -195,6 +195,18 @@ def test_the_datasheet_peak_by_device_name_and_tf32(monkeypatch):
     assert peak.nominal_peak(cuda, torch.bfloat16) is None
 
 
+def test_the_datasheet_peak_of_a_pcie_or_nvl_variant_is_its_own(monkeypatch):
+    """An H100 PCIe (756 TFLOP/s dense bf16) or an H100/H200 NVL (835) is not the SXM part (989): a name
+    that contains "H100" or "H200" is matched by its variant first."""
+    from grpo import peak
+
+    cuda = torch.device("cuda", 0)
+    for name, bf16 in (("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200 NVL", 835e12),
+                       ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        assert peak.nominal_peak(cuda, torch.bfloat16) == bf16, name
+
+
 def test_the_measured_peak_is_kept_per_dtype_and_measured_again_when_asked():
     from grpo import peak
 

@@ -7,6 +7,7 @@ import importlib
 
 from grpo.rollout.base import RolloutBackend, Rollouts, Sampling, finished_at  # noqa: F401 - train.py imports it from here
 from grpo.rollout.episodes import build_episodes
+from grpo.rollout.hf import folder_stop_ids
 
 BACKENDS = {
     "hf": "grpo.rollout.hf:HFBackend",
@@ -31,7 +32,10 @@ def build_rollout(cfg, model, tokenizer, model_path: str, dtype: str = "float32"
                                          lockstep=lockstep, partial_rollouts=partial_rollouts)
     if env is not None:  # the engine's context bounds an episode's budget: known once the engines run
         try:
-            backend.episodes = build_episodes(env, cfg.max_new_tokens, task, tokenizer, backend.max_context)
+            # a turn ends on any of the ids the engines stop on (Qwen2.5-Instruct's <|endoftext|> too): the chat
+            # renderer writes the template's separator after it
+            backend.episodes = build_episodes(env, cfg.max_new_tokens, task, tokenizer, backend.max_context,
+                                              folder_stop_ids(tokenizer.eos_token_id, model_path))
         except BaseException:  # an environment that cannot start leaves no engine running
             backend.close()
             raise

@@ -467,9 +467,11 @@ def episode_span(env, max_new_tokens: int) -> int:
     return env.max_total_tokens or env.max_turns * (max_new_tokens + env.max_observation_tokens)
 
 
-def build_episodes(e, max_new: int, task, tokenizer, max_context: int | None) -> Optional[EpisodeRunner]:
+def build_episodes(e, max_new: int, task, tokenizer, max_context: int | None,
+                   stop_ids: list[int] | None = None) -> Optional[EpisodeRunner]:
     """The episode runner of a run with an environment (`e`: the env config; `max_new`: each turn's
-    rollout.max_new_tokens; `max_context`: the engine's), None for env=none."""
+    rollout.max_new_tokens; `max_context`: the engine's; `stop_ids`: the ids a turn ends on, by default the
+    tokenizer's EOS), None for env=none."""
     if e.name == "none":
         return None
     render = ChatRender(tokenizer, e.role) if e.render == "chat" else RawRender(tokenizer)
@@ -479,7 +481,7 @@ def build_episodes(e, max_new: int, task, tokenizer, max_context: int | None) ->
                           f"env.render={e.render} wraps each in {head + tail} tokens of the chat template; raise it to "
                           f"at least {head + tail + len(render.marker) + 2}.")
     budget = Budget(e.max_turns, max_new, episode_span(e, max_new), e.max_observation_tokens, max_context)
-    return EpisodeRunner(env_factory(e, task), tokenizer, render, budget, e.step_timeout_s, [tokenizer.eos_token_id], e.name,
-                         e.max_concurrency)
+    return EpisodeRunner(env_factory(e, task), tokenizer, render, budget, e.step_timeout_s,
+                         stop_ids or [tokenizer.eos_token_id], e.name, e.max_concurrency)
 
 

@@ -30,6 +30,16 @@ def stop_token_ids(eos_id: int, folder_config) -> list[int]:
     return [eos_id] + [t for t in extra if t != eos_id]
 
 
+def folder_stop_ids(eos_id: int, model_path: str) -> list[int]:
+    """`stop_token_ids` of the model folder the engines load (its generation_config.json, as vLLM reads it;
+    a folder without one: the tokenizer's EOS alone)."""
+    try:
+        config = GenerationConfig.from_pretrained(model_path)
+    except OSError:  # no generation_config.json
+        config = None
+    return stop_token_ids(eos_id, config)
+
+
 def generation_config(sampling: Sampling, pad_id: int, stop_ids: list[int]) -> GenerationConfig:
     """Sampling or greedy with no processing of its own: temperature, top-k and top-p come from
     `logits_processors`, last in the chain the recorder of the sampled tokens' logprobs; every
