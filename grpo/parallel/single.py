@@ -127,19 +127,30 @@ class SingleStrategy(Strategy):
 
     def load(self, folder: str) -> None:
         state = torch.load(os.path.join(folder, "trainer.pt"), map_location="cpu", weights_only=True)
-        try:
-            if lora.is_lora(self.model):
-                lora.load_trainable_state(self.model, state["model"])
-            else:
-                self.model.load_state_dict(state["model"])
-        except RuntimeError as e:  # torch's missing/unexpected keys or size mismatch: another model's weights
-            raise ConfigError(f"{folder} holds the weights of another model than this run's "
-                              f"({' '.join(str(e).split())[:300]}). Resume with the model settings the checkpoint was "
-                              f"trained with (model.*: the run folder's config.yaml names them), or start afresh with "
-                              f"resume=false (or another run_dir).") from None
+        adapter = lora.is_lora(self.model)  # its checkpoint holds the trained tensors alone
+        here = {n: p.shape for n, p in self.model.named_parameters() if p.requires_grad} if adapter else \
+            {n: t.shape for n, t in self.model.state_dict().items()}
+        if differs := state_differences(here, state["model"]):
+            raise ConfigError(f"{folder} holds the weights of another model than this run's: {differs}. Resume with the "
+                              f"model settings the checkpoint was trained with (model.*: the run folder's config.yaml "
+                              f"names them), or start afresh with resume=false (or another run_dir).")
+        if adapter:
+            lora.load_trainable_state(self.model, state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
     @property
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
+
+
+def state_differences(here: dict[str, torch.Size], saved: dict[str, torch.Tensor]) -> str:
+    """How a checkpoint's tensors differ from this model's (names and shapes; "" where they agree), counted
+    with an example of each kind: torch's own message lists every key, hundreds for a layer more or less."""
+    missing = [n for n in here if n not in saved]
+    foreign = [n for n in saved if n not in here]
+    reshaped = [f"{n} {list(saved[n].shape)} (here {list(here[n])})" for n in here if n in saved and saved[n].shape != here[n]]
+    kinds = [(missing, "missing from it"), (foreign, "not in this model"), (reshaped, "of another shape")]
+    return "; ".join(f"{len(names)} tensors {what} (the first: {names[0]})" for names, what in kinds if names)

@@ -195,7 +195,5 @@ def load_reward_model(path: str, dtype: str, device="cpu"):
     # the pad id the tokenizer pads with, wherever the config had another (or none): the model takes each
     # row's score at its last token that is not its config's pad id, so a config naming another id than the
     # tokenizer's pad scores a short row at a pad token, a score that depends on the batch it lands in
-    text_config = model.config.get_text_config()
-    if text_config.pad_token_id != tokenizer.pad_token_id:
-        text_config.pad_token_id = tokenizer.pad_token_id
+    model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
     return model.to(device).eval().requires_grad_(False), tokenizer
