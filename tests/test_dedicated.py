@@ -42,6 +42,15 @@ def test_a_device_that_is_not_there_names_the_visible_ones(monkeypatch):
         pick_devices("auto", training_per_node=4)
 
 
+def test_an_empty_or_repeated_device_list_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
+    with pytest.raises(DeviceError, match=r"names cuda:2 more than once \(4 and cuda:4 are one device\)"):
+        pick_devices(["cuda:2", 2], training_per_node=2)  # was one engine on CUDA_VISIBLE_DEVICES=2,2
+    with pytest.raises(DeviceError, match=r"rollout.dedicated.devices=\[\] reserves no device"):
+        pick_devices([], training_per_node=2)  # was plan_engines' "max() arg is an empty sequence"
+    assert pick_devices(["cuda:2", 3], training_per_node=2) == ["cuda:2", "cuda:3"]
+
+
 def test_engine_devices_map_through_the_parents_visible_list():
     from grpo.rollout.dedicated import child_visible_devices
 

@@ -70,6 +70,13 @@ def pick_devices(spec, training_per_node: int) -> list[str]:
         return free
     devices = [spec] if isinstance(spec, str) else list(spec)
     devices = [f"cuda:{d}" if isinstance(d, int) or str(d).isdigit() else str(d) for d in devices]
+    if not devices:  # else plan_engines' max() over no tensor-parallel sizes: "max() arg is an empty sequence"
+        raise DeviceError("rollout.dedicated.devices=[] reserves no device for vLLM; list them (e.g. [cuda:4, cuda:5]) "
+                          "or set rollout.dedicated.devices=auto.")
+    repeated = sorted({d for d in devices if devices.count(d) > 1})
+    if repeated:  # else one engine spans the same GPU twice (CUDA_VISIBLE_DEVICES=2,2), which vLLM fails on far from here
+        raise DeviceError(f"rollout.dedicated.devices={devices} names {', '.join(repeated)} more than once (4 and cuda:4 "
+                          "are one device); list each device once.")
     for d in devices:
         if d == "cpu" and not visible:
             continue
