@@ -311,6 +311,23 @@ class Server:
         return int(self.request("/get_world_size", timeout=CONTROL_TIMEOUT_S)["world_size"])
 
 
+def same_server(url: str) -> tuple:
+    """What names one server in a URL (after `check_urls`): the scheme, the host as urllib lowers it, the port
+    (the scheme's default where none is given) and the path without its trailing slash."""
+    parts = urlsplit(str(url))
+    scheme = parts.scheme.lower()
+    return scheme, parts.hostname, parts.port or {"http": 80, "https": 443}[scheme], parts.path.rstrip("/")
+
+
+def check_distinct(urls, key: str, why: str) -> None:
+    """ConfigError if two of `urls` (checked by `check_urls`) name one server; `why`: what that breaks."""
+    seen: dict[tuple, str] = {}
+    for url in map(str, urls):
+        if same_server(url) in seen:
+            raise ConfigError(f"{key}: {seen[same_server(url)]!r} and {url!r} are one server ({why}); list each server once.")
+        seen[same_server(url)] = url
+
+
 def check_urls(urls, key: str, hint: str = "") -> None:
     """validate's part for a list of server URLs (`key`: rollout.remote.urls, reward.judge.urls,
     reward.rm.urls; nothing is contacted): each is http(s)://host[:port][/path]. `localhost:8000` (no

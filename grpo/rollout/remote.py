@@ -29,7 +29,7 @@ from concurrent.futures import Future
 import torch
 
 from grpo import dist, lora, vision
-from grpo.endpoints import check_urls
+from grpo.endpoints import check_distinct, check_urls
 from grpo.errors import ConfigError, ServerError
 from grpo.progress import say
 from grpo.auth import TOKEN_ENV, client_token
@@ -86,6 +86,8 @@ class RemoteBackend(RolloutBackend):
         if not cfg.remote.urls:
             raise ConfigError("rollout=remote needs rollout.remote.urls=[http://host:port,...]: start them with `python -m grpo.serve`.")
         check_urls(cfg.remote.urls, "rollout.remote.urls")
+        # twice in the pool, one server would be asked to join the weight transfer twice (a second group over its first)
+        check_distinct(cfg.remote.urls, "rollout.remote.urls", "each server joins the trainer's weight transfer once")
         check_positive(cfg.remote)
         servers_token(cfg.remote)
         check_transfer_host(cfg.remote.transfer_host)
