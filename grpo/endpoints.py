@@ -323,9 +323,10 @@ def check_distinct(urls, key: str, why: str) -> None:
     """ConfigError if two of `urls` (checked by `check_urls`) name one server; `why`: what that breaks."""
     seen: dict[tuple, str] = {}
     for url in map(str, urls):
-        if same_server(url) in seen:
-            raise ConfigError(f"{key}: {seen[same_server(url)]!r} and {url!r} are one server ({why}); list each server once.")
-        seen[same_server(url)] = url
+        server = same_server(url)
+        if server in seen:
+            raise ConfigError(f"{key}: {seen[server]!r} and {url!r} are one server ({why}); list each server once.")
+        seen[server] = url
 
 
 def check_urls(urls, key: str, hint: str = "") -> None:
