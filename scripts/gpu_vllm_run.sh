@@ -52,7 +52,7 @@ step doctor_remote 150 python3 -m grpo.doctor --only remote,weight-sync
 step card_graphs 120 python3 -m grpo.train $CARD rollout.vllm.enforce_eager=false steps=20 run_dir="$WORK/runs/card_graphs"
 step verify_bf16 150 python3 -m grpo.verify $CARD model.dtype=bfloat16
 # not the doctor's test: its rows ran above and below; the short runs get the time
-step gpu_tier 420 python3 -m pytest -q -x -p no:cacheprovider -m gpu -k "not doctor" tests/test_gpu.py  # what fits the budget left
+step gpu_tier 420 python3 -m pytest -q -rfE --durations=0 -p no:cacheprovider -m gpu -k "not doctor" tests/test_gpu.py  # what fits the budget left
 step sleep 90 python3 -m grpo.train $CARD rollout.vllm.sleep=true steps=10 run_dir="$WORK/runs/sleep"
 step smoke 180 env OUT="$WORK/smoke" python3 scripts/gpu_vllm_smoke.py
 step doctor 150 python3 -m grpo.doctor --only versions,device,peak,all-reduce,hf,colocated,dedicated
