@@ -56,6 +56,21 @@ class NotJson(ServerError):
     Waiting for it cannot change that (`wait_until` fails at once)."""
 
 
+class NoModelList(NotJson):
+    """A server answered /v1/models with JSON, but no list of served models as OpenAI's API (and vLLM) has
+    it: not the server the URL should name."""
+
+
+def model_card(url: str, answer) -> dict:
+    """The first served model of a /v1/models `answer` (vLLM: {"data": [{"id": ..., "max_model_len": ...}]})."""
+    cards = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(cards, list) or not cards or not isinstance(cards[0], dict) or "id" not in cards[0]:
+        raise NoModelList(f"{url}/v1/models answered {json.dumps(answer)[:200]}, not a list of served models "
+                          f'({{"data": [{{"id": ...}}]}}): is {url} an OpenAI-compatible server (`python -m grpo.serve`, '
+                          f'`vllm serve`)?')
+    return cards[0]
+
+
 def is_redirect(status: int | None) -> bool:
     return status is not None and 300 <= status < 400
 
@@ -300,7 +315,7 @@ class Server:
     def wait_healthy(self, deadline: float, log=say, note: str = "", exited=None, kind: str = "rollout server") -> None:
         def ready():
             self.request("/health", timeout=5, send_token=False)  # open to all (grpo/serve.py OPEN_ROUTES)
-            card = self.request("/v1/models", timeout=CONTROL_TIMEOUT_S)["data"][0]
+            card = model_card(self.url, self.request("/v1/models", timeout=CONTROL_TIMEOUT_S))
             self.model, self.max_model_len = card["id"], card.get("max_model_len")
 
         wait_until(ready, deadline - time.time(), what=f"{kind} {self.url}", log=log, note=note, exited=exited)

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from grpo.endpoints import NotJson, Server, parallel_map, wait_until
+from grpo.endpoints import NotJson, NoModelList, Server, parallel_map, wait_until
 from grpo.errors import RewardStop, ServerError
 from grpo.rewards.served_rm import ServedRewardModel
 from grpo.tiny.text import build_char_tokenizer
@@ -79,6 +79,18 @@ def test_an_answer_cut_off_or_not_json_is_a_server_error_naming_the_url_and_path
     # a health wait: a server that answers, but not JSON, will not answer JSON later: at once, not after the timeout
     with pytest.raises(NotJson, match="answered with no JSON"):
         wait_until(lambda: Server(html, None, 5).request("/v1/models"), timeout_s=60, poll_s=30, log=None)
+
+
+@pytest.mark.parametrize("models", [b'{"object": "list"}', b'{"data": []}', b'{"data": ["m"]}', b"[]"])
+def test_a_health_wait_on_a_server_that_lists_no_model_fails_at_once_naming_what_it_answered(serve, models):
+    """Before, a JSON /v1/models without vLLM's `data` list ended the wait in a bare KeyError or IndexError."""
+    url = serve(models)
+    with pytest.raises(NoModelList, match=re.escape(f"{url}/v1/models answered {json.dumps(json.loads(models))}") + ".*OpenAI-compatible server"):
+        Server(url, None, 5).wait_healthy(time.time() + 60, log=None)
+    card = serve(b'{"data": [{"id": "m", "max_model_len": 256}]}')
+    server = Server(card, None, 5)
+    server.wait_healthy(time.time() + 60, log=None)
+    assert (server.model, server.max_model_len) == ("m", 256)
 
 
 def test_a_served_reward_model_share_cut_off_or_not_json_scores_none_the_others_kept(serve):

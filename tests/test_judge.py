@@ -590,7 +590,8 @@ def test_a_url_that_is_no_openai_server_is_refused_at_start(garbage):
     with pytest.raises(ConfigError, match=re.escape(f"{url}/v1/models answered with no JSON") + ".*OpenAI-compatible"):
         make_judge([url], "reward.judge.health_timeout_s=5")
     answers["/v1/models"] = json.dumps({"data": []}).encode()
-    with pytest.raises(ConfigError, match="lists no model.*reward.judge.model"):
+    with pytest.raises(ConfigError, match=re.escape(f'reward.judge.urls: {url}/v1/models answered {{"data": []}}, not a '
+                                                    'list of served models') + ".*OpenAI-compatible server"):
         make_judge([url], "reward.judge.health_timeout_s=5")
 
 

@@ -50,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 from grpo.auth import JUDGE_TOKEN_ENV, client_token
 from grpo.errors import ConfigError, RewardStop, ServerError
-from grpo.endpoints import NotJson, Server, check_urls, is_redirect, parallel_map
+from grpo.endpoints import NoModelList, NotJson, Server, check_urls, is_redirect, parallel_map
 from grpo.reward_config import DEFAULT_CHOICES, JudgeConfig
 
 SCORES = ("logprobs", "pattern")
@@ -218,12 +218,11 @@ class Judge:
         for s in self.servers:
             try:
                 s.wait_healthy(deadline, note="(reward.judge.urls)", kind="judge server")
+            except NoModelList as e:  # JSON, but no served model (its message asks the question)
+                raise ConfigError(f"reward.judge.urls: {e}") from e
             except NotJson as e:  # an HTML page, a proxy's answer
                 raise ConfigError(f"reward.judge.urls: {e}: is it an OpenAI-compatible server (`python -m grpo.serve`, "
                                   f"`vllm serve`)?") from e
-            except (KeyError, IndexError, TypeError) as e:
-                raise ConfigError(f"reward.judge.urls: {s.url}/v1/models lists no model ({type(e).__name__}: {e}): is "
-                                  f"the URL an OpenAI-compatible server? Set reward.judge.model to the model's name.") from e
             if self.model is None:
                 self.model = s.model
         tokens = self.choice_tokens()
