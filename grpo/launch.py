@@ -67,6 +67,7 @@ from grpo.companions import (Companion, agree_on_companions, cancel_jobs, execut
 from grpo.config import GROUPS, Config, compose_config, known_model_config, validate
 from grpo.dist import node_name
 from grpo.errors import ConfigError, did_you_mean
+from grpo.preempt import sigterm_exits
 from grpo.rollout.dedicated import child_visible_devices, config_heads
 from grpo.serve import main as serve, resolve_model
 from grpo.slurm import SIZE_MINIMUMS, check_request, check_size, check_tensor_parallel, request_from
@@ -168,12 +169,14 @@ class TrainJob:
     def __call__(self) -> dict:
         overrides = [*self.overrides, f"run_dir={self.run_dir}"]
         try:
-            if self.companions:
-                agree_on_companions(self.run_dir, self.companions, os.environ, self.server_wait_s)
-            for companion in self.companions:
-                urls = wait_for_urls(companion.folder, companion.count, self.server_wait_s, companion.what, self.run_dir,
-                                     companion.job_id)
-                overrides.append(f"{companion.urls_key}=[{','.join(urls)}]")
+            # a SIGTERM while waiting (up to server_wait_s) exits through the finally; submitit's handler would only log it
+            with sigterm_exits(", ".join(f"{c.count} {c.what}(s)" for c in self.companions)):
+                if self.companions:
+                    agree_on_companions(self.run_dir, self.companions, os.environ, self.server_wait_s)
+                for companion in self.companions:
+                    urls = wait_for_urls(companion.folder, companion.count, self.server_wait_s, companion.what, self.run_dir,
+                                         companion.job_id)
+                    overrides.append(f"{companion.urls_key}=[{','.join(urls)}]")
             return train(compose_config(overrides), before_requeue=self.release_servers)
         finally:  # every way out: an error, scancel or preemption (SystemExit), the watchdog (KeyboardInterrupt)
             self.cancel_servers()

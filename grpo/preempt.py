@@ -38,6 +38,7 @@ resumes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -96,6 +97,37 @@ class StopSignal:
         ])
         self.requeue = exits == 0 and requeues > 0
         return exits + requeues > 0
+
+
+@contextlib.contextmanager
+def sigterm_exits(what: str):
+    """While open, a SIGTERM (scancel, preemption) ends the process with exit 143 (SystemExit), through
+    the caller's cleanup, as `StopSignal` does during setup. For waits before `train` owns the signals
+    (`grpo.launch` waiting for its server jobs, up to server_wait_s): submitit's own handler only logs a
+    SIGTERM ("Bypassing signal SIGTERM"), so the wait went on until SLURM's SIGKILL, which skips the
+    cleanup (the server jobs kept their nodes). `what`: what is being waited for, for the message. The
+    previous handler is back on the way out; after a SIGTERM further ones are ignored instead, so a
+    second (srun forwards one too) cannot cut the cleanup short. Off the main thread nothing changes
+    (signals reach the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired = []
+
+    def handle(signum, frame):
+        fired.append(signum)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # os.write: a print could land inside the main thread's own write to stderr (a reentrant call)
+        os.write(2, f"stopped on SIGTERM while waiting for {what}: nothing trained in this process. Run again "
+                    f"with the same run folder to start (or resume) there.\n".encode())
+        raise SystemExit(143)
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        if not fired:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def restarts(env=None) -> int:

@@ -481,6 +481,38 @@ def test_the_server_job_is_cancelled_on_every_way_out(tmp_path, monkeypatch, way
     assert "scancel --signal=INT 4242" in calls.read_text()
 
 
+@pytest.mark.starts_process
+def test_a_sigterm_while_waiting_for_the_server_job_cancels_it(tmp_path, monkeypatch, capfd):
+    """scancel or preemption while the trainer waits for its servers' URLs (up to server_wait_s): under
+    submitit, whose SIGTERM handler only logs it, the wait went on until SLURM's SIGKILL, which skips the
+    `finally` that cancels the server job. Now it exits (143) and cancels it. No server ever answers here;
+    `scancel` and `squeue` are stand-ins on PATH that record their arguments."""
+    from grpo.launch import TrainJob
+
+    calls = tmp_path / "calls"
+    listed = recording(calls) + f'\nprint("" if "scancel" in open({str(calls)!r}).read() else "RUNNING")'
+    monkeypatch.setenv("PATH", fake_slurm(tmp_path / "bin", {"scancel": recording(calls), "squeue": listed}))
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    job = TrainJob(["rollout=remote"], str(tmp_path / "run"), [companion("rollout server", tmp_path / "run", "4242")],
+                   server_wait_s=20)
+    os.makedirs(job.companions[0].folder)
+
+    def sigterm_once_waiting():  # the wait asks squeue whether the server job is still there
+        while not (calls.exists() and "squeue" in calls.read_text()):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    original = signal.signal(signal.SIGTERM, lambda *_: print("Bypassing signal SIGTERM"))  # submitit's handler does only this
+    try:
+        threading.Thread(target=sigterm_once_waiting, daemon=True).start()
+        with pytest.raises(SystemExit) as e:
+            job()
+    finally:
+        signal.signal(signal.SIGTERM, original)
+    assert e.value.code == 143 and "scancel --signal=INT 4242" in calls.read_text()
+    assert "stopped on SIGTERM while waiting for 1 rollout server(s)" in capfd.readouterr().err
+
+
 # (attention heads, KV heads) of the models' own config.json files
 QWEN25_7B, QWEN25_05B, LLAMA3_8B = (28, 4), (14, 2), (32, 8)
 

@@ -73,6 +73,29 @@ def test_user_json_is_merged_and_conflicts_are_reported(tmp_path):
         deepspeed_config(ds_cfg(deepspeed_config=str(broken)), algo, 3, torch.float32)
 
 
+def test_user_json_batch_keys(tmp_path):
+    """HF Trainer's "auto" batch keys are dropped (DeepSpeed would compare the string "auto" with numbers: a
+    TypeError); a number for them is refused, naming the algo keys that set the batch (else DeepSpeed's
+    assertion `train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size`)."""
+    algo = OmegaConf.structured(AlgoConfig())
+    auto = tmp_path / "auto.json"
+    auto.write_text(json.dumps({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                                "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}))
+    merged = deepspeed_config(ds_cfg(deepspeed_config=str(auto)), algo, 3, torch.float32)
+    assert "train_batch_size" not in merged  # DeepSpeed computes it: 1 x 1 x world size
+    assert merged["train_micro_batch_size_per_gpu"] == 1 and merged["gradient_accumulation_steps"] == 1
+    assert merged["gradient_clipping"] == algo.max_grad_norm
+    for key, value in (("train_batch_size", 64), ("gradient_accumulation_steps", 4)):
+        path = tmp_path / f"{key}.json"
+        path.write_text(json.dumps({key: value}))
+        with pytest.raises(ConfigError) as e:
+            deepspeed_config(ds_cfg(deepspeed_config=str(path)), algo, 3, torch.float32)
+        assert str(path) in str(e.value) and f"'{key}': {value}" in str(e.value) and "algo.* (batch_size, group_size" in str(e.value)
+    same = tmp_path / "same.json"  # the values grpo sets itself are no conflict
+    same.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}))
+    assert deepspeed_config(ds_cfg(deepspeed_config=str(same)), algo, 3, torch.float32)["gradient_accumulation_steps"] == 1
+
+
 def test_deepspeed_options_need_a_zero_strategy(tmp_path):
     """A parallel.* setting only other strategies read changes nothing: refused, naming who reads it."""
     from grpo.config import ParallelConfig

@@ -41,6 +41,9 @@ from grpo.weights import engine_parameters, group_by_size
 from grpo.parallel.base import Strategy, build_optimizer
 
 
+# DeepSpeed's batch keys; DeepSpeed computes train_batch_size from the other two (1 and 1) and the world size
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
 
 def deepspeed_config(cfg, algo, stage: int, dtype: torch.dtype) -> dict:
     """The group's DeepSpeed config, merged with the user's JSON; conflicts raise ConfigError."""
@@ -75,6 +78,14 @@ def deepspeed_config(cfg, algo, stage: int, dtype: torch.dtype) -> dict:
             raise ConfigError(
                 f"{path} sets '{key}', but the optimizer and LR schedule come from algo.* (lr, warmup_steps, "
                 f"lr_schedule, weight_decay) under every strategy; remove '{key}' from the JSON."
+            )
+    for key in BATCH_KEYS:  # DeepSpeed's batch accounting is unused: the loop cuts and accumulates its own batches
+        if user.get(key) == "auto":  # HF Trainer's placeholder: DeepSpeed would compare the string with numbers
+            del user[key]
+        elif key in user and user[key] != ours.get(key):
+            raise ConfigError(
+                f"{path} sets '{key}': {user[key]!r}, but the batch comes from algo.* (batch_size, group_size, "
+                f"num_minibatches, micro_batch_tokens); remove '{key}' from the JSON (or set it to \"auto\")."
             )
     conflicts = []
     merged = _merge(user, ours, "", conflicts)
