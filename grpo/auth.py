@@ -53,8 +53,14 @@ def read_token_file(path: str) -> str:
         raise TokenError(f"token file {path} cannot be read ({e.strerror}).") from e
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise TokenError(f"token file {path} is readable by other users (mode {stat.S_IMODE(mode):o}); chmod 600 {path}.")
-    with open(path) as f:
-        token = f.read().strip()
+    try:  # a folder, or a file that went away since the stat: a TokenError, which every caller catches
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise TokenError(f"token file {path} cannot be read ({e.strerror}).") from e
+    # bytes that are not UTF-8 (a binary file) decoded replaced, so check_token refuses them by name, not a
+    # UnicodeDecodeError that no caller's `except TokenError` sees
+    token = raw.decode("utf-8", errors="replace").strip()
     if not token:
         raise TokenError(f"token file {path} is empty.")
     return check_token(token, f"token file {path}")

@@ -61,6 +61,11 @@ class NoModelList(NotJson):
     it: not the server the URL should name."""
 
 
+class NotRoot(ServerError):
+    """A server answered, but its URL was given as the OpenAI base (http://host:8000/v1), so /health is
+    asked at /v1/health, which it never has. Waiting cannot change that (`wait_until` fails at once)."""
+
+
 def model_card(url: str, answer) -> dict:
     """The first served model of a /v1/models `answer` (vLLM: {"data": [{"id": ..., "max_model_len": ...}]})."""
     cards = answer.get("data") if isinstance(answer, dict) else None
@@ -94,9 +99,9 @@ OPENER = build_opener()
 def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it", log=say, note: str = "", exited=None):
     """Call `check()` until it returns without raising, or raise the last error after `timeout_s`;
     every 15 s, `log` says what it is waiting for and for how long (grpo/progress.py; None: silent).
-    A server that answers but refuses us (401, 403) or redirects us (3xx) fails at once: waiting
-    cannot change that; so does one whose process is gone (`exited()`: None while it runs, else what
-    it left in its log)."""
+    A server that answers but refuses us (401, 403), redirects us (3xx), answers no JSON (`NotJson`) or
+    was given as its /v1 base (`NotRoot`) fails at once: waiting cannot change that; so does one whose
+    process is gone (`exited()`: None while it runs, else what it left in its log)."""
     deadline, last = time.time() + timeout_s, None
     progress = WaitProgress(f"{what} to answer /health", timeout_s, log, note=note)
     while True:
@@ -107,7 +112,7 @@ def wait_until(check, timeout_s: float, poll_s: float = 1.0, what: str = "it", l
         except ServerError as e:
             if e.status in REFUSED:
                 raise ServerError(f"{what} is up but refused the request: {e} ({REFUSED[e.status]}).", e.status) from e
-            if is_redirect(e.status) or isinstance(e, NotJson):
+            if is_redirect(e.status) or isinstance(e, (NotJson, NotRoot)):
                 raise
             last = e
         except OSError as e:
@@ -314,7 +319,17 @@ class Server:
 
     def wait_healthy(self, deadline: float, log=say, note: str = "", exited=None, kind: str = "rollout server") -> None:
         def ready():
-            self.request("/health", timeout=5, send_token=False)  # open to all (grpo/serve.py OPEN_ROUTES)
+            try:
+                self.request("/health", timeout=5, send_token=False)  # open to all (grpo/serve.py OPEN_ROUTES)
+            except ServerError as e:
+                # .../v1/health: vLLM answers 404, grpo.serve 401 (not an open route). Only under a /v1 URL: a 404
+                # at the root is waited out, as a proxy (Ray Serve's) answers 404 until the server behind it is up
+                path = urlsplit(self.url).path.split("/")
+                if e.status in (401, 404) and "v1" in path:
+                    root = urlunsplit(urlsplit(self.url)._replace(path="/".join(path[:path.index("v1")])))
+                    raise NotRoot(f"{e}: give the server's root URL ({root}), without /v1 (the client adds /v1 "
+                                  f"itself where a route has it; /health has not).") from e
+                raise
             card = model_card(self.url, self.request("/v1/models", timeout=CONTROL_TIMEOUT_S))
             self.model, self.max_model_len = card["id"], card.get("max_model_len")
 
@@ -359,3 +374,8 @@ def check_urls(urls, key: str, hint: str = "") -> None:
         if not ok:
             fix = f"write http://{url} (https:// for TLS)" if "://" not in url else "give http(s)://, a host and a port from 0 to 65535"
             raise ConfigError(f"{key}: {url!r} is not an http(s)://host:port URL; {fix}.{' ' + hint if hint else ''}")
+        if "@" in parts.netloc:  # user:password@: no client sends basic auth, and each error would print the password
+            shown = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+            raise ConfigError(f"{key}: {shown!r} is written with a user (and password) before its host, which no client "
+                              f"sends (they send a Bearer token): give the URL without it, and the server's token in "
+                              f"{key.removesuffix('.urls')}.token_file (chmod 600).")

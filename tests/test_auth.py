@@ -307,6 +307,24 @@ def test_a_token_file_others_of_its_group_or_the_machine_can_use_is_refused(tmp_
     assert read_token_file(str(path)) == "a-token"
 
 
+def test_a_token_file_that_is_binary_or_a_folder_is_a_token_error(tmp_path):
+    """Bytes that are not UTF-8 raised a bare UnicodeDecodeError, a folder an IsADirectoryError: neither a
+    TokenError, so both escaped every caller's `except TokenError` (grpo.serve's, client_token's naming
+    of the config key). Never the file's bytes in the message."""
+    binary = tmp_path / "token"
+    binary.write_bytes(b"\xff\xfe\x00")
+    binary.chmod(0o600)
+    with pytest.raises(TokenError, match=re.escape(f"the token in token file {binary} has characters")):
+        read_token_file(str(binary))
+    with pytest.raises(TokenError, match=re.escape("reward.judge.token_file: the token in token file")):
+        client_token(str(binary), JUDGE_TOKEN_ENV, ["http://127.0.0.1:8100"], False, "reward.judge")
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    folder.chmod(0o700)
+    with pytest.raises(TokenError, match=re.escape(f"token file {folder} cannot be read (")):
+        read_token_file(str(folder))
+
+
 def test_health_is_asked_without_the_token():
     """/health is open on every server (grpo/serve.py OPEN_ROUTES): the health wait, the first request
     to a URL, sends no token; /v1/models, which the token guards, does."""

@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from grpo.endpoints import NotJson, NoModelList, Server, parallel_map, wait_until
-from grpo.errors import RewardStop, ServerError
+from grpo.endpoints import NoModelList, NotJson, Server, check_urls, parallel_map, wait_until
+from grpo.errors import ConfigError, RewardStop, ServerError
 from grpo.rewards.served_rm import ServedRewardModel
 from grpo.tiny.text import build_char_tokenizer
 
@@ -150,6 +150,20 @@ def test_a_health_wait_that_is_refused_fails_at_once(status, says):
     assert len(calls) == 1  # no second try: waiting cannot change a refusal
 
 
+@pytest.mark.parametrize("key", ["rollout.remote.urls", "reward.judge.urls", "reward.rm.urls"])
+def test_a_url_with_a_user_and_password_is_refused_without_showing_the_password(key):
+    """http://user:pass@host passed validation, never worked (the clients send a Bearer token, no basic
+    auth) and printed the password in every later health-check error."""
+    for url in ("http://user:s3cret-pw@node7:8000", "https://s3cret-pw@node7:8000/vllm"):
+        with pytest.raises(ConfigError) as e:
+            check_urls(["http://node6:8000", url], key)
+        group = key.removesuffix(".urls")
+        assert str(e.value).startswith(f"{key}: '{url.split('//')[0]}//node7:8000")
+        assert f"{group}.token_file" in str(e.value)
+        assert "s3cret-pw" not in str(e.value)
+    check_urls(["http://node7:8000/vllm", "https://[::1]:8443"], key)  # no userinfo: as before
+
+
 def test_parallel_map_starts_no_item_after_an_error_with_several_workers():
     """Two workers over ["fail", 0.3, 0.3, 0.3, 0.3]: the first item fails once item 1 has started, and
     is raised; the other worker, busy with item 1 for 0.3 s, must then stop rather than take items 2, 3,
@@ -170,3 +184,15 @@ def test_parallel_map_starts_no_item_after_an_error_with_several_workers():
         parallel_map(item, ["fail", 0.3, 0.3, 0.3, 0.3], workers=2)
     time.sleep(0.8)  # long enough for the busy worker to finish item 1 and (wrongly) start two more
     assert sorted(map(str, started)) == ["0.3", "fail"]
+
+
+@pytest.mark.parametrize("status", [404, 401])
+def test_a_health_wait_on_a_url_given_with_v1_fails_at_once_saying_to_give_the_root(serve, status):
+    """http://host:8000/v1 (the OpenAI base URL) asks /v1/health: vLLM answers 404, grpo.serve with a token
+    401 (not an open route), and either was polled for the whole health timeout (minutes), the 401 then
+    blamed on the token. A 404 at the root is still waited out: a proxy (Ray Serve's) answers 404 until
+    the application behind it is deployed."""
+    root = serve(b'{"detail": "Not Found"}', status=status)
+    with pytest.raises(ServerError, match=re.escape(f"{root}/v1/health answered {status}") + ".*give the server's root "
+                                          + re.escape(f"URL ({root}), without /v1")):
+        Server(root + "/v1", None, 5).wait_healthy(time.time() + 10, log=None, kind="judge server")
