@@ -342,11 +342,13 @@ class Server:
 
 
 def same_server(url: str) -> tuple:
-    """What names one server in a URL (after `check_urls`): the scheme, the host as urllib lowers it, the port
-    (the scheme's default where none is given) and the path without its trailing slash."""
+    """What names one server in a URL (after `check_urls`): the scheme, the host as urllib lowers it (localhost
+    as 127.0.0.1, which it names wherever a server runs), the port (the scheme's default where none is given)
+    and the path without its trailing slash."""
     parts = urlsplit(str(url))
     scheme = parts.scheme.lower()
-    return scheme, parts.hostname, parts.port or {"http": 80, "https": 443}[scheme], parts.path.rstrip("/")
+    host = "127.0.0.1" if parts.hostname == "localhost" else parts.hostname
+    return scheme, host, parts.port or {"http": 80, "https": 443}[scheme], parts.path.rstrip("/")
 
 
 def check_distinct(urls, key: str, why: str) -> None:

@@ -389,6 +389,8 @@ def test_a_wildcard_transfer_host_is_refused_at_validate(host):
     # one server twice: it was asked to join the weight transfer twice, a second group over its first
     ("rollout.remote.urls=['http://Node7:80/vllm/','http://node7/vllm']", "rollout.remote.urls: 'http://Node7:80/vllm/' and "
                                                                         "'http://node7/vllm' are one server"),
+    ("rollout.remote.urls=['http://localhost:8000','http://127.0.0.1:8000/']", "rollout.remote.urls: "
+                                                                             "'http://localhost:8000' and 'http://127.0.0.1:8000/' are one server"),
     # 0: a ZeroDivisionError in grpo.launch's servers_per_node
     ("rollout.remote.tensor_parallel_size=0", "rollout.remote.tensor_parallel_size=0 must be >= 1 (GPUs per server)."),
     ("rollout.remote.health_timeout_s=0", "rollout.remote.health_timeout_s=0.0 must be > 0 seconds."),
