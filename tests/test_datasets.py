@@ -124,6 +124,22 @@ def test_local_file_types_and_missing_file(tmp_path):
         build_task(task_cfg(name="gsm8k", path=str(tmp_path / "nope.parquet"), eval_size=1))
 
 
+@pytest.mark.parametrize("indent", [2, None])
+def test_a_json_array_file_is_refused_as_an_array(tmp_path, indent):
+    """A .json file of one array of rows (json.dump(rows, f), datasets' to_json(lines=False)) is read as JSON
+    lines: it was refused with "d.json:1: not valid JSON (Expecting value); fix or remove that line" (line 1 is
+    its "["), a valid file reported as a broken line."""
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(GSM8K, indent=indent))
+    with pytest.raises(DatasetError, match=r"d\.json:1: the file is one JSON array of rows; task.path \(and "
+                                           r"task.eval_path\) read JSON lines, one object per line: convert it"):
+        build_task(task_cfg(name="gsm8k", path=str(path), eval_size=1))
+    rows = tmp_path / "r.json"
+    rows.write_text(json.dumps([{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(3)], indent=indent))
+    with pytest.raises(DatasetError, match=r"r\.json:1: the file is one JSON array of rows"):
+        build_task(task_cfg(name="jsonl", path=str(rows), eval_size=1))
+
+
 def test_a_jsonl_file_with_a_byte_order_mark_is_read(tmp_path):
     """A UTF-8 file saved with a BOM (Windows Notepad, PowerShell's Out-File): its first row is valid JSON, not
     "not valid JSON (Unexpected UTF-8 BOM); fix or remove that line"."""
@@ -197,6 +213,17 @@ def test_math_task_reads_a_set_with_answers_and_no_solutions(tmp_path):
     with pytest.raises(DatasetError, match=r"pa\.jsonl:1: missing column\(s\) \['problem'\]"):
         build_task(task_cfg(name="math", path=write_jsonl(tmp_path / "pa.jsonl", [{"question": "q", "answer": "1"}]),
                             eval_size=1))
+
+
+def test_math_numeric_answer_zero_is_a_ground_truth(tmp_path):
+    """A numeric answer column (a .jsonl or .parquet set with int answers) whose value is 0: it was taken for no
+    answer, and the row refused with "no 'answer' column", which it has."""
+    rows = [{"problem": "3 - 3?", "answer": 0}, {"problem": "1 + 1?", "answer": 2}, {"problem": "0.5 - 0.5?", "answer": 0.0}]
+    for path in (write_jsonl(tmp_path / "z.jsonl", rows[:2]), write_parquet(tmp_path / "z.parquet", rows[:2])):
+        task = build_task(task_cfg(name="math", path=path, eval_size=1))
+        assert sorted(s.answer for s in task.train + task.eval) == ["0", "2"]
+    task = build_task(task_cfg(name="math", path=write_jsonl(tmp_path / "f.jsonl", rows[1:]), eval_size=1))
+    assert sorted(s.answer for s in task.train + task.eval) == ["0.0", "2"]
 
 
 def test_math_row_without_ground_truth_is_an_error(tmp_path):

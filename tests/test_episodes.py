@@ -983,6 +983,20 @@ def test_guess_shaping_counts_the_secrets_still_possible_and_every_miss():
     assert [s.done for s in steps] == [False] * 6 + [True]
 
 
+def test_a_tool_timeout_not_below_the_step_timeout_is_refused():
+    """env=calc's tool_timeout_s (default 5 s) at or past env.step_timeout_s: a slow tool call ended the whole
+    episode as "error" (the step's timeout came first), never the tool error the policy reads; refused."""
+    from grpo import envs
+
+    with pytest.raises(ConfigError, match=r"env.kwargs.tool_timeout_s=5 is not below env.step_timeout_s=3"):
+        envs.check(compose_cfg("task=arithmetic", "env=guess", "env.name=calc", "env.step_timeout_s=3"))
+    with pytest.raises(ConfigError, match=r"env.kwargs.tool_timeout_s=20 is not below env.step_timeout_s=10"):
+        envs.check(compose_cfg("task=arithmetic", "env=guess", "env.name=calc", "+env.kwargs.tool_timeout_s=20"))
+    envs.check(compose_cfg("task=arithmetic", "env=guess", "env.name=calc"))
+    envs.check(compose_cfg("task=arithmetic", "env=guess", "env.name=calc", "env.step_timeout_s=3",
+                           "+env.kwargs.tool_timeout_s=2"))
+
+
 @pytest.mark.parametrize("setting", ["env.max_turns=0", "env.max_observation_tokens=0", "env.step_timeout_s=0"])
 def test_env_budgets_that_leave_no_turn_are_refused(setting):
     from grpo import envs

@@ -339,6 +339,9 @@ def test_an_environments_rewards_no_reward_reads_are_named():
         ("In May she sold 48/2", "24", 0.0),  # a division that comes out whole
         ("\\boxed{48/2}", "24", 0.0),  # ... in LaTeX too, which math-verify hands back evaluated (24): read from its text
         ("\\boxed{\\dfrac{48}{2}}", "24", 0.0),
+        ("\\boxed{-48/2}", "-24", 0.0),  # ... with a sign too, which math-verify's text moves inside: \frac{-48}{2}
+        ("\\boxed{\\frac{48}{-2}}", "-24", 0.0),
+        ("\\boxed{-\\frac{7}{2}}", "-3.5", 1.0),  # a negative fraction that does not come out whole is a value
         ("The answer is \\(48 \\div 2\\)", "24", 0.0),
         ("\\boxed{\\frac{48}{2}}", "\\frac{48}{2}", 1.0),  # written as the ground truth writes it
         ("\\boxed{\\frac{7}{2}}", "3.5", 1.0),  # a fraction that does not come out whole is a value
@@ -398,8 +401,15 @@ def test_an_environments_rewards_no_reward_reads_are_named():
         ("#### 48 + 24", "48", 0.0),  # arithmetic with no `=` is written arithmetic: no answer
         ("#### 48 + 24", "72", 0.0),
         ("#### 48/2", "24", 0.0),  # a whole division, as in \boxed{48/2}
+        # scientific notation after `####` is a value as written; read as plain text it was its last term, 10^6
+        ("#### 1.5 \\times 10^6", "1500000", 1.0),
+        ("#### 1.5 \\times 10^6", "1000000", 0.0),
+        ("#### 1.5 x 10^6", "1500000", 1.0),
         ("#### -5", "-5", 1.0),  # a sign is no operator
         ("#### 1,234", "1234", 1.0),
+        ("#### 1e6", "1000000", 1.0),  # E notation: read as its first number, 1
+        ("#### 1e6", "1", 0.0),
+        ("#### 2.5e-3", "0.0025", 1.0),
         ("#### 72 - that is the total", "72", 1.0),  # a dash before words is no subtraction
         ("#### 72** (over 2 months)", "72", 1.0),  # markdown bold closed after it is no multiplication
         # forms math-verify misreads, put in the forms it reads (math_answer.normalize)

@@ -3,6 +3,7 @@
 import json
 import pickle
 import re
+import warnings
 
 import pytest
 from omegaconf import OmegaConf
@@ -148,6 +149,26 @@ def test_sampler_resumes_exactly_across_epochs():
     # every epoch is a permutation: each sample once
     one_epoch = TrainSampler(task.train, seed=3).next(90)
     assert sorted(s.prompt for s in one_epoch) == sorted(s.prompt for s in task.train)
+
+
+def test_a_sampler_resumed_on_a_changed_train_split_says_so():
+    """The checkpoint kept (epoch, pos) only: resumed on a data file with rows added or removed (the config the
+    same, so no changed key was warned of), the rest of the pass repeated some prompts and skipped others, and
+    a position past the new end started the next pass, with nothing said."""
+    task = build_task(task_cfg(name="addition", digits=1, eval_size=10))  # 90 training samples
+    first = TrainSampler(task.train, seed=3)
+    first.next(64)
+    same = TrainSampler(list(task.train), seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(first.state_dict())  # the same rows: resumed without a word
+        TrainSampler(task.train, seed=3).load_state_dict({"epoch": 0, "pos": 64})  # an older checkpoint's
+    for changed in (task.train[:60], task.train[:89] + [Sample("9+9=", "17")]):
+        resumed = TrainSampler(changed, seed=3)
+        with pytest.warns(UserWarning, match=rf"resuming on another train split than the checkpoint's: {len(changed)} "
+                                             r"training prompts, where it drew from 90 .* resume=false starts afresh"):
+            resumed.load_state_dict(first.state_dict())
+    assert (resumed.epoch, resumed.pos) == (0, 64)
 
 
 def test_a_file_given_as_both_train_and_eval_is_refused(tmp_path):

@@ -62,6 +62,7 @@ def check(cfg) -> None:
                               f"no effect. Pick an environment (env=guess, or env.name=<module.Class>), or remove the setting.")
         return
     check_kwargs(e.name, resolve_env(e.name), dict(e.kwargs or {}))
+    check_tool_timeout(e, resolve_env(e.name))
     if e.name in ENV_TASKS and cfg.task.name != ENV_TASKS[e.name]:
         raise ConfigError(f"env={e.name} plays only task={ENV_TASKS[e.name]}'s samples, not task={cfg.task.name}'s "
                           f"(see grpo/envs/{e.name}.py): use task={ENV_TASKS[e.name]}, or an env that takes any task "
@@ -82,6 +83,22 @@ def inert_settings(env_cfg, defaults) -> list[str]:
     them (env.max_turns=8 would change nothing, without a word); name and kwargs are `check`'s own."""
     keys = [f.name for f in dataclasses.fields(defaults) if f.name not in ("name", "kwargs")]
     return [f"env.{key}={getattr(env_cfg, key)!r}" for key in keys if getattr(env_cfg, key) != getattr(defaults, key)]
+
+
+def check_tool_timeout(e, factory) -> None:
+    """A ToolEnv's `tool_timeout_s` below `env.step_timeout_s`: the step runs the tool, so a tool past the step's
+    timeout ended the whole episode as "error" (excluded from the rewards) instead of the tool error the policy
+    reads and retries after, and tool_timeout_s did nothing."""
+    if not (isinstance(factory, type) and issubclass(factory, ToolEnv)):
+        return
+    signature = signature_of(factory)
+    parameter = signature.parameters.get("tool_timeout_s") if signature is not None else None
+    tool_timeout_s = dict(e.kwargs or {}).get("tool_timeout_s", None if parameter is None else parameter.default)
+    if isinstance(tool_timeout_s, (int, float)) and tool_timeout_s >= e.step_timeout_s:
+        raise ConfigError(f"env.kwargs.tool_timeout_s={tool_timeout_s:g} is not below env.step_timeout_s="
+                          f"{e.step_timeout_s:g}: a tool call that runs past the step's timeout ends its episode as "
+                          f"'error' (excluded from the rewards) instead of a tool error the policy reads. Lower "
+                          f"env.kwargs.tool_timeout_s or raise env.step_timeout_s.")
 
 
 def check_kwargs(name: str, factory, kwargs: dict) -> None:

@@ -64,10 +64,11 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 # an operation after a number: `=`, or an operator with a number after it (`72 - that is`, `72** (over 2
 # months)` are no arithmetic: a dash before words, markdown bold)
 _OPERATION = r"[ \t]*(?:=|(?:[-+*/x×÷]|\\times|\\cdot)[ \t]*\(?[ \t]*\\?\$?[0-9])"
+TIMES = re.compile(r"(?<=[0-9)])[ \t]*[x×][ \t]*(?=[0-9(])")  # a times sign between numbers: 5 x 4, 5×4
 # GSM8K's final answer (verl's pattern): group 1 a number, not a markdown heading (`#### 1. Setup`, `#### 2) Solve`)
 # nor the start of a number written otherwise (`#### 10^6`, `#### 1 000 000`: read whole); group 2 a line
 # of arithmetic (`#### 48 + 24 = 72`, `#### 1/2`), whose first number is no answer
-HASHES = re.compile(r"####[ \t]*(?:\\?\$?[ \t]*(-?[0-9][0-9,]*(?:\.[0-9]+)?)"
+HASHES = re.compile(r"####[ \t]*(?:\\?\$?[ \t]*(-?[0-9][0-9,]*(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)"
                     rf"(?![0-9,.]*(?:\.[ \t]+[A-Za-z]|\)[ \t]+[A-Za-z]|[/^]| [0-9]|{_OPERATION}))"
                     rf"|(\\?\$?[ \t]*-?[0-9][0-9,.]*{_OPERATION}[^\n]*))")
 _SEP = r"(?:\\,|\\!|\\ |~|\{,\}|[\u00a0\u2009\u202f])"  # LaTeX and Unicode thin spaces between digit groups
@@ -84,7 +85,8 @@ ARABIC_SEPARATORS = {"\u066b": ".", "\u066c": ","}  # ٫ ٬
 # a number in E notation, as Python and JSON write one (str(1e-05), a JSON 1e5): math-verify reads a lowercase
 # `e` as Euler's number (1e5 as 5e, 1e-05 as e - 5)
 E_NOTATION = re.compile(r"\s*[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+\s*")
-WHOLE_DIVISION = re.compile(r"\\frac\{\s*(\d+)\s*\}\{\s*(\d+)\s*\}|(?<![\d.])(\d+)\s*(?:/|\\div)\s*(\d+)(?![\d.])")
+# a sign inside either part is still a whole division: math-verify hands \boxed{-48/2} back as \frac{-48}{2}
+WHOLE_DIVISION = re.compile(r"\\frac\{\s*-?\s*(\d+)\s*\}\{\s*-?\s*(\d+)\s*\}|(?<![\d.])(\d+)\s*(?:/|\\div)\s*-?\s*(\d+)(?![\d.])")
 
 
 def _power(exponent: str, latex: bool) -> str:
@@ -125,16 +127,21 @@ def _mixed(match: re.Match) -> str:
 def hashes_answer(text: str) -> str | None:
     """What math-verify reads of the last `####` that holds an answer (None: none does): its number; of a
     line of arithmetic, the number after the line's last `=` (`#### 48 + 24 = 72 (over 2 months)`: 72), or
-    the line as written where no number follows one (`#### 48 + 24`: written arithmetic, so no answer)."""
+    the line as LaTeX math where no number follows one (`#### 48 + 24`: written arithmetic, so no answer)."""
     found = HASHES.findall(text)
     if not found:
         return None
     number, worked = found[-1]
-    if number:
-        return number.replace(",", "")
+    if number:  # E notation written out: math-verify reads `#### 1e6` as its first number, 1
+        number = number.replace(",", "")
+        return format(Decimal(number), "f") if E_NOTATION.fullmatch(number) else number
     if "=" in worked and (result := hashes_answer("#### " + worked.rsplit("=", 1)[1])) is not None:
         return result
-    return worked
+    if "$" in worked:
+        return worked
+    # as LaTeX math: math-verify reads plain text from its last number-like term, so `1.5 \times 10^6` read as
+    # 10^6 (1000000 scored, 1500000 not); an `x` or `×` between numbers is a times sign, not the variable x
+    return "$" + TIMES.sub(r" \\times ", worked.replace("÷", "\\div ")) + "$"
 
 
 def normalize(text: str, ground_truth: bool = False) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 import warnings
 from dataclasses import dataclass, field
@@ -83,12 +84,17 @@ class Task:
 
 class TrainSampler:
     """Shuffled passes over the train split. Its state is (epoch, position): a resumed run draws
-    exactly the prompts an uninterrupted run would have."""
+    exactly the prompts an uninterrupted run would have, on the same train split (its digest is kept
+    with them, so a data file or hub set changed under a resumed run is said)."""
 
     def __init__(self, samples: list[Sample], seed: int):
         self.samples, self.seed = samples, seed
         self.epoch, self.pos = 0, 0
         self._order = self._permutation()
+        rows = hashlib.sha256()
+        for s in samples:  # once: state_dict is taken every step
+            rows.update(f"{s.prompt}\0{s.answer}\0".encode())
+        self.digest = rows.hexdigest()[:16]
 
     def _permutation(self) -> list[int]:
         order = list(range(len(self.samples)))
@@ -107,8 +113,18 @@ class TrainSampler:
         return out
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos}
+        return {"epoch": self.epoch, "pos": self.pos, "samples": len(self.samples), "digest": self.digest}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.pos = state["epoch"], state["pos"]
+        # (epoch, pos) index a permutation of the split they were taken on: on another split (rows added,
+        # removed or edited in the file, a new revision of the hub set) the rest of the pass repeats some
+        # prompts and skips others, and a position past its end starts the next pass. An older
+        # checkpoint has no digest: nothing to compare.
+        if state.get("digest", self.digest) != self.digest:
+            warnings.warn(f"resuming on another train split than the checkpoint's: {len(self.samples)} training "
+                          f"prompts, where it drew from {state.get('samples', '?')} (digest {self.digest}, was "
+                          f"{state['digest']}); the task's data changed since. The run goes on from its data position, "
+                          "but does not draw the prompts the unbroken run would have; resume=false starts afresh.",
+                          stacklevel=2)
+        self.epoch, self.pos = state["epoch"], min(state["pos"], len(self.samples))
         self._order = self._permutation()

@@ -44,7 +44,7 @@ def build_math(cfg) -> Task:
         answer = row.get("answer")
         if answer is None or not str(answer).strip():
             answer = last_boxed(solution) if isinstance(solution, str) else None
-        if not answer:
+        if answer is None or not str(answer).strip():  # not `not answer`: a numeric answer column's 0 is one
             raise RowError("no ground truth: no 'answer' column, and no 'solution' column with a complete \\boxed{...}.")
         meta = {k: row[k] for k in ("level", "type", "subject") if k in row}
         return Sample(prompt=f"{problem.strip()} {instruction}".strip(), answer=str(answer).strip(), meta=meta)

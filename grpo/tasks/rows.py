@@ -40,11 +40,20 @@ def read_jsonl_rows(path: str) -> list[Row]:
             try:
                 row = json.loads(line, parse_float=WrittenFloat)
             except json.JSONDecodeError as e:
+                if not rows and line.strip() == "[":  # an indented JSON array: its line 1 is no row to fix
+                    raise DatasetError(array_message(path, lineno)) from e
                 raise DatasetError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove that line.") from e
+            if not rows and isinstance(row, list) and row and all(isinstance(r, dict) for r in row):
+                raise DatasetError(array_message(path, lineno))  # the rows as one array on one line
             if not isinstance(row, dict):
                 raise DatasetError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}.")
             rows.append((f"{path}:{lineno}", row))
     return rows
+
+
+def array_message(path: str, lineno: int) -> str:
+    return (f"{path}:{lineno}: the file is one JSON array of rows; task.path (and task.eval_path) read JSON lines, one "
+            "object per line: convert it (jq -c '.[]' in.json > out.jsonl, or datasets' to_json(..., lines=True)).")
 
 
 def read_parquet_rows(path: str) -> list[Row]:
