@@ -47,6 +47,20 @@ def test_countdown_checks_numbers_and_target():
     assert countdown(completions, [s] * len(completions)) == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
 
 
+def test_a_countdown_answer_whose_sides_of_equals_differ_scores_0():
+    """Each side of `=` was checked alone, so a false equation (`3 * 5 + 7 = 21`) scored 1, and so did
+    guesses joined by `=`: one answer could list every arrangement of the numbers and score 1."""
+    s = cd([3, 5, 7], 22)
+    completions = [
+        "<answer>3 * 5 + 7 = 21</answer>",  # 22 = 21 -> 0
+        "<answer>21 = 3 * 5 + 7</answer>",
+        "<answer>(3 + 5) * 7 = 3 * 5 + 7 = 3 * 7 + 5</answer>",  # 56 = 22 = 26: guesses -> 0
+        "<answer>3 * 5 + 7 = 15 + 7 = 22</answer>",  # worked and true -> 1
+        "<answer>15 + 7 = 22</answer>",  # true, but no side uses the numbers -> 0
+    ]
+    assert countdown(completions, [s] * len(completions)) == [0.0, 0.0, 0.0, 1.0, 0.0]
+
+
 def test_an_answer_longer_than_its_numbers_allow_scores_0_with_no_retry():
     """3 numbers, each used once, take 2 operators, and a minus sign on each of the 5 terms (3 numbers, 2
     operations): 7 at most. 1000 chained terms (or 1000 signs) are wrong, but the recursive walk raised
@@ -386,6 +400,12 @@ def test_an_environments_rewards_no_reward_reads_are_named():
         ("#### 72\nWait, the total is 80.\nFinal answer: \\boxed{80}", "72", 0.0),
         ("The answer is 1/2.\n#### 1/2", "1/2", 1.0),
         ("#### 10^6", "1000000", 1.0),
+        ("#### 10^{6}", "1000000", 1.0),  # a braced power: read as plain text, 10 scored and 1000000 did not
+        ("#### 10^{6}", "10", 0.0),
+        ("#### 10^{-3}", "0.001", 1.0),
+        ("#### 10^-3", "0.001", 1.0),
+        ("#### 10^6\nThat took 2 months.", "1000000", 1.0),  # the `####`, not the last number after it
+        ("#### 2^{10}", "1024", 0.0),  # a whole power, as in \boxed{2^{10}}
         # a worked equation after `####` is judged by what follows its last `=`, as without `####`; its first
         # number was read (48), so the right result scored 0 and a question's operand copied scored 1
         ("#### 48 + 24 = 72", "72", 1.0),
@@ -406,6 +426,9 @@ def test_an_environments_rewards_no_reward_reads_are_named():
         ("#### 1.5 \\times 10^6", "1000000", 0.0),
         ("#### 1.5 x 10^6", "1500000", 1.0),
         ("#### -5", "-5", 1.0),  # a sign is no operator
+        ("#### -$5", "-5", 1.0),  # a sign before the dollar sign, as after it: nothing was read (0)
+        ("#### - \\$5", "-5", 1.0),
+        ("#### -$5", "5", 0.0),
         ("#### 1,234", "1234", 1.0),
         ("#### 1e6", "1000000", 1.0),  # E notation: read as its first number, 1
         ("#### 1e6", "1", 0.0),

@@ -44,25 +44,31 @@ def evaluate(expr: str) -> tuple[float, list[float]]:
 
 def countdown(completions: list[str], samples: list, **_) -> list[float]:
     """1.0 when the answer (inside <answer> tags, else the whole completion) uses exactly the
-    sample's `numbers` and equals its `target`; 0.0 otherwise (division by zero included)."""
+    sample's `numbers` and equals its `target`; 0.0 otherwise (division by zero included).
+
+    Either side of an `=` may be the equation (`3 * 5 + 7 = 22` and `22 = 3 * 5 + 7` alike), and every side
+    must equal the target: a false one (`3 * 5 + 7 = 21`) scored 1, and so did guesses joined by `=`
+    (`(3 + 5) * 7 = 3 * 5 + 7 = 3 * 7 + 5`), which one answer can list by the dozen."""
     out = []
     for completion, sample in zip(completions, samples):
         expr = extract_answer(completion)
         expr = completion if expr is None else expr
-        out.append(float(any(solves(side, sample.meta["numbers"], sample.meta["target"]) for side in expr.split("="))))
+        numbers, target = sample.meta["numbers"], sample.meta["target"]
+        sides = [read(side, len(numbers)) for side in expr.split("=")]
+        out.append(float(all(side is not None and abs(side[0] - target) < 1e-6 for side in sides)
+                         and any(Counter(side[1]) == Counter(numbers) for side in sides)))
     return out
 
 
-def solves(expr: str, numbers: list, target) -> bool:
-    """Whether one side of the answer (`3 * 5 + 7 = 22` and `22 = 3 * 5 + 7` alike: either side may be
-    the equation) uses exactly `numbers` and equals `target`."""
-    if len(OPERATOR.findall(expr)) > most_operators(len(numbers)):
-        return False
+def read(expr: str, n: int) -> tuple[float, list[float]] | None:
+    """`evaluate(expr)`, or None for anything but arithmetic, a division by zero, or more operators than an
+    answer with n numbers takes (`most_operators`)."""
+    if len(OPERATOR.findall(expr)) > most_operators(n):
+        return None
     try:
-        value, used = evaluate(expr)
+        return evaluate(expr)
     except (NotAnEquation, ZeroDivisionError, OverflowError):
-        return False
-    return Counter(used) == Counter(numbers) and abs(value - target) < 1e-6
+        return None
 
 
 def most_operators(n: int) -> int:

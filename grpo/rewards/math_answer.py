@@ -61,16 +61,19 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_NoTimeoutNotice())
 
 
-# an operation after a number: `=`, or an operator with a number after it (`72 - that is`, `72** (over 2
-# months)` are no arithmetic: a dash before words, markdown bold)
-_OPERATION = r"[ \t]*(?:=|(?:[-+*/x×÷]|\\times|\\cdot)[ \t]*\(?[ \t]*\\?\$?[0-9])"
+# an operation after a number: `=`, an operator with a number after it (`72 - that is`, `72** (over 2
+# months)` are no arithmetic: a dash before words, markdown bold), or a power (`10^{6}`, which plain text reads as
+# 10; not a bare `10^-3`, which LaTeX reads as 10 and plain text rightly)
+_OPERATION = r"[ \t]*(?:=|(?:[-+*/x×÷]|\\times|\\cdot)[ \t]*\(?[ \t]*\\?\$?[0-9]|\^[ \t]*(?:\{[ \t]*-?)?[0-9])"
 TIMES = re.compile(r"(?<=[0-9)])[ \t]*[x×][ \t]*(?=[0-9(])")  # a times sign between numbers: 5 x 4, 5×4
 # GSM8K's final answer (verl's pattern): group 1 a number, not a markdown heading (`#### 1. Setup`, `#### 2) Solve`)
-# nor the start of a number written otherwise (`#### 10^6`, `#### 1 000 000`: read whole); group 2 a line
-# of arithmetic (`#### 48 + 24 = 72`, `#### 1/2`), whose first number is no answer
+# nor the start of a number written otherwise (`#### 1 000 000`, `#### 10^-3`: read whole); group 2 a line
+# of arithmetic (`#### 48 + 24 = 72`, `#### 1/2`, `#### 10^{6}`), whose first number is no answer
 HASHES = re.compile(r"####[ \t]*(?:\\?\$?[ \t]*(-?[0-9][0-9,]*(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)"
                     rf"(?![0-9,.]*(?:\.[ \t]+[A-Za-z]|\)[ \t]+[A-Za-z]|[/^]| [0-9]|{_OPERATION}))"
                     rf"|(\\?\$?[ \t]*-?[0-9][0-9,.]*{_OPERATION}[^\n]*))")
+# a sign before a dollar sign (`#### -$5`), moved after it, where HASHES reads one (`#### $-5`): nothing was read, so -5 scored 0
+SIGN_BEFORE_DOLLAR = re.compile(r"(####[ \t]*)-[ \t]*(\\?\$)")
 _SEP = r"(?:\\,|\\!|\\ |~|\{,\}|[\u00a0\u2009\u202f])"  # LaTeX and Unicode thin spaces between digit groups
 THIN_GROUPS = re.compile(rf"(?<![\d.])\d{{1,3}}(?:{_SEP}\d{{3}})+(?![\d])")
 SPACED_GROUPS = re.compile(rf"(?<![\d.])\d{{1,3}}(?:(?:{_SEP}| )\d{{3}})+(?![\d])")
@@ -128,7 +131,7 @@ def hashes_answer(text: str) -> str | None:
     """What math-verify reads of the last `####` that holds an answer (None: none does): its number; of a
     line of arithmetic, the number after the line's last `=` (`#### 48 + 24 = 72 (over 2 months)`: 72), or
     the line as LaTeX math where no number follows one (`#### 48 + 24`: written arithmetic, so no answer)."""
-    found = HASHES.findall(text)
+    found = HASHES.findall(SIGN_BEFORE_DOLLAR.sub(r"\1\2-", text))
     if not found:
         return None
     number, worked = found[-1]
