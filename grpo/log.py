@@ -163,12 +163,20 @@ class RunLogger:
         self.sink = None
         if not enabled:
             return
-        _truncate_after(self.path, resume_step, resume_step == total_steps)  # steps past the checkpoint are redone on resume
+        final = resume_step == total_steps  # resumed at the last step: only the final evaluation is left
+        truncate_after(self.path, resume_step, final)  # steps past the checkpoint are redone on resume
         self.file = open(self.path, "a", encoding="utf-8")
         factory = resolve_sink(cfg.backend)
+        # wandb drops a row whose step is not above the one it rewinds to: rewound to the last step, the
+        # final evaluation (logged at that step) never reached it. It rewinds one step further and is sent
+        # that step's kept rows again, which the evaluation's row then joins.
+        replay = final and factory is WandbSink
         try:
             if factory is not None:
-                self.sink = factory(run_dir, run_config, resume_step, **sink_kwargs(cfg))
+                self.sink = factory(run_dir, run_config, resume_step - 1 if replay else resume_step, **sink_kwargs(cfg))
+            for row in read_metrics(self.path) if replay else ():
+                if row.pop("step") == resume_step:
+                    self.sink.log(row, resume_step)
         except BaseException:
             self.file.close()
             raise
@@ -213,7 +221,7 @@ def _step_of(line: str) -> int | None:
         return None
 
 
-def _truncate_after(path: str, step: int | None, final: bool = False) -> None:
+def truncate_after(path: str, step: int | None, final: bool = False) -> None:
     """Keep rows up to `step` (the checkpoint resumed from); None keeps nothing (a fresh start). `final`
     (`step` is the run's last): of `step` its first row only, the training row. The resumed run only
     evaluates, and a final evaluation's row logged before a kill (its summary not yet written) would

@@ -80,7 +80,7 @@ from grpo.flops import generation_work
 from grpo.guards import RunGuards, healthy
 from grpo.library_logs import quiet_library_logs
 from grpo.listeners import log_listeners
-from grpo.log import RunLogger, write_json
+from grpo.log import RunLogger, truncate_after, write_json
 from grpo import lora, mfu
 from grpo.models import DTYPES, build_policy, build_reference, encode_prompts, policy_device
 from grpo.parallel import build_strategy, strategy_class
@@ -362,6 +362,8 @@ def finished(r: Run) -> dict:
     that, and return the summary."""
     if r.info.is_main:
         print(f"{r.run_dir} already finished {r.start} steps; raise `steps` to train further.")
+        # the rows of a continuation to more steps killed before its first checkpoint: not this run's
+        truncate_after(os.path.join(r.run_dir, "metrics.jsonl"), r.start)
     if r.cfg.export_model and exported_step(os.path.join(r.run_dir, "model")) != r.start:  # stopped before it
         export_hf(r.strategy, r.tokenizer, os.path.join(r.run_dir, "model"), r.bucket_bytes, step=r.start)
     with open(os.path.join(r.run_dir, "summary.json")) as f:

@@ -439,3 +439,30 @@ def test_a_fresh_start_empties_the_folders_metrics(tmp_path):
     log.log(1, {"loss": 0.25})
     log.close()
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 0.25}\n'
+
+
+@pytest.mark.starts_process
+def test_a_resume_at_the_last_step_sends_the_final_evaluation_to_wandb(tmp_path):
+    """Killed in the final evaluation (step 4's checkpoint written), resumed: the run only evaluates, and
+    logs it at step 4. wandb, rewound to step 4, dropped that row (its step not above 4): the wandb run
+    had no final eval/accuracy while metrics.jsonl had it."""
+    cfg = OmegaConf.structured(LoggerConfig(backend="wandb", mode="offline", project="grpo-test", log_every=1000))
+    first = RunLogger(cfg, str(tmp_path), 4, {})
+    for step in range(1, 5):
+        first.log(step, {"x": float(step)})
+    first.close()  # killed during the final evaluation
+    time.sleep(1.1)  # a resume in the same second would replace the first attempt's offline folder
+    resumed = RunLogger(cfg, str(tmp_path), 4, {}, resume_step=4)
+    resumed.log(4, {"eval/accuracy": 0.5})
+    resumed.close()
+    assert jsonl_steps(tmp_path) == [1, 2, 3, 4, 4]
+    expected = {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}
+    assert settled_history(tmp_path, expected) == expected  # step 4's training row kept
+    deadline = time.monotonic() + 60
+    while not wandb_values(tmp_path, "eval/accuracy") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert wandb_values(tmp_path, "eval/accuracy") == ["0.5"]
+
+
+def jsonl_steps(run_dir) -> list[int]:
+    return [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]

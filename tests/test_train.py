@@ -214,3 +214,20 @@ def test_the_command_line_refuses_a_sweep_into_one_folder(tmp_path):
                          timeout=300)
     assert out.returncode != 0 and "is one folder for every job of this sweep" in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "one").exists()  # refused before anything was written
+
+
+def test_a_finished_run_drops_the_rows_of_a_continuation_killed_before_its_first_checkpoint(tmp_path):
+    """A finished 4-step run continued with steps=8, killed at step 6 before any checkpoint past 4, then
+    run again with steps=4: 'already finished', its summary returned, but metrics.jsonl kept steps 5 and
+    6, which the folder's model never trained (grpo.plot drew them as the run's)."""
+    from types import SimpleNamespace
+
+    from grpo.train import finished
+
+    rows = [{"step": s, "x": s} for s in (0, 1, 2, 3, 4)] + [{"step": 4, "eval/accuracy": 0.5}, {"step": 5}, {"step": 6}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 4}))
+    r = SimpleNamespace(info=SimpleNamespace(is_main=True), run_dir=str(tmp_path), start=4,
+                        cfg=SimpleNamespace(export_model=False))
+    assert finished(r) == {"steps": 4}
+    assert [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] == rows[:6]
