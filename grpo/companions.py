@@ -21,6 +21,7 @@ import glob
 import json
 import os
 import secrets
+import stat
 import subprocess
 import time
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from typing import Callable
 from omegaconf import OmegaConf
 
 from grpo.endpoints import Server
-from grpo.errors import ServerError
+from grpo.errors import ServerError, TokenError
 from grpo.preempt import own_job_id, restarts
 from grpo.progress import WaitProgress
 
@@ -57,12 +58,29 @@ def token_path(folder: str) -> str:
     return os.path.join(folder, "token")
 
 
+def private_folder(folder: str) -> str:
+    """`folder` (made if missing, mode 700), once no other user can put a file into it: the trainer sends
+    its token and its weights to every URL it finds there, so a URL file another user planted (a folder
+    made or left writable by them: a run_dir another user created first, a umask of 002) would hand both
+    to their server. The folder and the run folder above it (which could swap the folder for another)
+    must be this user's and writable by no one else."""
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    for path in (folder, os.path.dirname(os.path.abspath(folder))):
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise TokenError(f"{path} is {'a symlink' if stat.S_ISLNK(st.st_mode) else f'mode {stat.S_IMODE(st.st_mode):o}'}, "
+                             f"owned by uid {st.st_uid}: another user could put a URL file into {folder} and receive the "
+                             f"servers' token and the trainer's weights. Give a run_dir of your own that only you can "
+                             f"write to (chmod go-w {path}).")
+    return folder
+
+
 def write_token_file(folder: str) -> str:
     """A fresh random token in <folder>/token (the servers' or the judges' folder of the run), readable by
     its owner only (chmod 600): the run folder is on a file system every node sees, and the token never
     enters a command line, a config or the job's environment. Fresh per submission, never the user's own
     $GRPO_SERVE_TOKEN (which may guard their other servers); removed by `TrainJob.cancel_servers`."""
-    os.makedirs(folder, exist_ok=True)
+    private_folder(folder)
     path = token_path(folder)
     fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -197,6 +215,7 @@ def wait_for_urls(folder: str, count: int, timeout_s: float, what: str, run_dir:
     over, never handed to the trainer. `job`: the companion job's id; once SLURM has ended it, the wait
     is an error at once, saying what to do: the job this start of the trainer submitted or found
     running ended before its servers answered (it failed to start, or reached its time limit)."""
+    private_folder(folder)  # every URL in it gets the token: none planted by another user
     deadline = time.time() + timeout_s
     progress = WaitProgress(f"{count} {what}(s) to write their URL into {folder} and answer /health", timeout_s,
                             note=f"server job log under {run_dir}/slurm/")

@@ -326,6 +326,31 @@ def test_the_trainer_takes_only_urls_of_servers_that_answer_and_stops_when_the_s
     assert time.time() - t0 < 10
 
 
+@pytest.mark.parametrize("writable", ["folder", "run_dir"])
+def test_a_url_folder_other_users_can_write_into_is_refused_before_its_urls_get_the_token(tmp_path, monkeypatch, writable):
+    """The trainer sends its token (and pushes its weights) to every URL in <run_dir>/servers/. A folder
+    another user can write into (a run_dir they made first, a umask of 002), or a run folder above it in
+    which they could swap it, lets them plant a URL file of their own server: its URL was taken. Now
+    refused, naming the folder, before a URL is read or a token written."""
+    import grpo.companions
+    from grpo.companions import servers_dir, wait_for_urls, write_token_file
+    from grpo.errors import TokenError
+
+    run_dir = tmp_path / "run"
+    folder = Path(servers_dir(str(run_dir)))
+    folder.mkdir(parents=True)
+    monkeypatch.setattr(grpo.companions, "job_gone", lambda job: False)
+    with healthy_server() as theirs:
+        (folder / "aaa-1.url").write_text(theirs + "\n")  # planted: another user's server, answering /health
+        os.chmod(folder if writable == "folder" else run_dir, 0o777)
+        with pytest.raises(TokenError, match=rf"{re.escape(str(folder if writable == 'folder' else run_dir))} is mode 777.*"
+                                             r"another user could put a URL file into"):
+            wait_for_urls(str(folder), 1, 5, "rollout server", str(run_dir), job="77")
+        with pytest.raises(TokenError, match="another user could put a URL file into"):
+            write_token_file(str(folder))
+    assert not (folder / "token").exists()
+
+
 @pytest.mark.parametrize("code, out, err, gone", [
     (0, "RUNNING\n", "", False), (0, "", "", True),  # listed; no longer listed
     (1, "", "slurm_load_jobs error: Invalid job id specified", True),  # forgotten (MinJobAge)
