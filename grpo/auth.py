@@ -77,13 +77,15 @@ def load_token(token_file: str | None = None, env_var: str = TOKEN_ENV, env: dic
 
 
 def is_loopback(host: str) -> bool:
-    """localhost, 127.0.0.0/8 or ::1: traffic that never leaves the machine."""
+    """localhost, 127.0.0.0/8 or ::1 (IPv4's also as a dual-stack socket reports it, ::ffff:127.0.0.1):
+    traffic that never leaves the machine."""
     if host.lower() == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
 
 
 def sends_in_clear(url: str) -> bool:

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import ipaddress
 import json
 import os
 import signal
@@ -80,15 +79,8 @@ def is_open(path: str) -> bool:
 
 
 def local_peer(client) -> bool:
-    """Whether an ASGI scope's `client` is on this machine: a loopback address (also as a dual-stack
-    socket reports IPv4, ::ffff:127.0.0.1) or none at all (a unix socket)."""
-    if client is None:
-        return True
-    try:
-        address = ipaddress.ip_address(client[0])
-    except ValueError:
-        return False
-    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+    """Whether an ASGI scope's `client` is on this machine: a loopback address or none at all (a unix socket)."""
+    return client is None or is_loopback(client[0])
 
 
 class RequireToken:

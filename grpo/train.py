@@ -362,8 +362,7 @@ def finished(r: Run) -> dict:
     that, and return the summary."""
     if r.info.is_main:
         print(f"{r.run_dir} already finished {r.start} steps; raise `steps` to train further.")
-        # the rows of a continuation to more steps killed before its first checkpoint: not this run's
-        truncate_after(os.path.join(r.run_dir, "metrics.jsonl"), r.start)
+        truncate_after(os.path.join(r.run_dir, "metrics.jsonl"), r.start)  # a killed continuation's rows: not this run's
     if r.cfg.export_model and exported_step(os.path.join(r.run_dir, "model")) != r.start:  # stopped before it
         export_hf(r.strategy, r.tokenizer, os.path.join(r.run_dir, "model"), r.bucket_bytes, step=r.start)
     with open(os.path.join(r.run_dir, "summary.json")) as f:
